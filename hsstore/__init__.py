@@ -1,0 +1,20 @@
+"""hsstore: an offline hidden-state store and streaming loader for training speculative-decoding drafters.
+
+Public API::
+
+    store = hsstore.open(url, **storage_options)      # len(store), store.manifest, store.read(i, layers)
+    with hsstore.StoreWriter(url, manifest) as w:      # w.add(sample_id, input_ids, loss_mask, hidden_states)
+"""
+
+from .errors import CorruptionError, ManifestError, SampleError, StoreError
+from .manifest import FORMAT_VERSION, Manifest, TargetIdentity, TokenizerIdentity
+from .reader import Store, open_store
+from .version import __version__
+from .writer import StoreWriter
+
+open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset conventions)
+
+__all__ = [
+    "FORMAT_VERSION", "CorruptionError", "Manifest", "ManifestError", "SampleError", "Store", "StoreError",
+    "StoreWriter", "TargetIdentity", "TokenizerIdentity", "__version__", "open", "open_store",
+]

@@ -1,0 +1,130 @@
+"""The ``hsstore`` command line.
+
+Store commands (info, verify, bench) live here; extraction commands (check, show, extract, demo) and
+training commands (train, eval) are registered by ``extract.cli`` and ``train.cli``, which import
+transformers only when their command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+from . import storage
+from .errors import StoreError
+from .version import __version__
+
+log = logging.getLogger("hsstore")
+PLUGINS = ("extract.cli", "train.cli")
+
+
+def add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", "-S", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec/s3fs option, repeatable (e.g. anon=true, endpoint_url=http://..., "
+                        "client_kwargs.region_name=us-east-1); AWS env vars and profiles apply as usual")
+
+
+def cmd_info(args) -> int:
+    from .info import format_text, summarize
+    from .reader import open_store
+
+    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    s = summarize(store)
+    print(json.dumps(s, indent=2) if args.json else format_text(s))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from tqdm import tqdm
+
+    from .reader import open_store
+    from .verify import verify
+
+    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    total = sum(f["size"] for c in store.commits for f in c.files.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
+        report = verify(store, progress=bar.update)
+    for p in report.problems:
+        print(f"FAIL {p}")
+    if report.uncommitted:
+        print(f"note: {len(report.uncommitted)} uncommitted shard(s) present (ignored by readers): "
+              + ", ".join(report.uncommitted[:5]))
+    status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
+    print(f"verify {args.url}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
+    return 0 if report.ok else 1
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_store_bench
+
+    result = run_store_bench(args.url, storage.parse_storage_options(args.storage_option), size_mb=args.size_mb,
+                             hidden=args.hidden, layers=args.layers, codec=args.codec, what=args.what)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for name, r in result.items():
+            print(f"{name:>14}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
+                  f"({r['bytes'] / 1e9:.2f} GB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
+    p.add_argument("--version", action="version", version=f"hsstore {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    q = sub.add_parser("info", help="what a store holds (from commit records; fast)")
+    q.add_argument("url")
+    q.add_argument("--json", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("verify", help="re-read every byte, check checksums, shapes and offsets")
+    q.add_argument("url")
+    q.add_argument("--quiet", "-q", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_verify)
+
+    q = sub.add_parser("bench", help="store write/read throughput against raw reads/writes of the same bytes")
+    q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
+    q.add_argument("--size-mb", type=int, default=512)
+    q.add_argument("--hidden", type=int, default=5120)
+    q.add_argument("--layers", type=int, default=5)
+    q.add_argument("--codec", default="none")
+    q.add_argument("--what", choices=["store", "all"], default="store")
+    q.add_argument("--json", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_bench)
+
+    for mod in PLUGINS:
+        try:
+            plugin = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name not in (mod, mod.split(".")[0]):
+                raise
+            continue
+        plugin.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (StoreError, ValueError, FileNotFoundError, PermissionError) as e:
+        log.debug("error", exc_info=True)
+        print(f"hsstore {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""Exceptions raised by hsstore. Every message names the store, shard, file or sample at fault."""
+
+
+class StoreError(Exception):
+    """Base class: a store cannot be opened, read or written as asked."""
+
+
+class ManifestError(StoreError):
+    """The manifest is missing, malformed, of a newer format, or incompatible with what is written."""
+
+
+class SampleError(StoreError, ValueError):
+    """A sample handed to the writer has the wrong shape, dtype, layers or values."""
+
+
+class CorruptionError(StoreError):
+    """Stored bytes do not match their commit record (checksum, size or shape)."""

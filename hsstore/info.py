@@ -1,0 +1,101 @@
+"""``hsstore info``: what a store holds, from commit records only (never feature data)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+from . import stats
+from .reader import Store
+
+STUB_WARN_MAX_VALUE = 32
+STUB_WARN_SHARE = 0.2
+
+
+def summarize(store: Store) -> dict[str, Any]:
+    m = store.manifest
+    loss_sums = [x for c in store.commits for x in c.samples["loss_tokens"]]
+    lengths = [x for c in store.commits for x in c.samples["length"]]
+    thinking = sum(x for c in store.commits for x in c.samples["thinking_tokens"])
+    flags: Counter[str] = Counter(f for c in store.commits for fl in c.samples["flags"] for f in fl)
+    skipped: Counter[str] = Counter()
+    for c in store.commits:
+        skipped.update(c.stats.get("skipped", {}))
+    layers = {}
+    for l in m.layers:
+        stored = sum(c.layers[str(l)]["stored_bytes"] for c in store.commits)
+        raw = sum(c.layers[str(l)]["raw_bytes"] for c in store.commits)
+        layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
+    stored_total = sum(f["size"] for c in store.commits for f in c.files.values())
+    raw_total = sum(v["raw_bytes"] for v in layers.values())
+    out = stats.loss_sum_summary(loss_sums, lengths)
+    out.update({
+        "url": store.url,
+        "format_version": m.format_version,
+        "shards": len(store.commits),
+        "writers": len({c.writer for c in store.commits}),
+        "thinking_tokens": thinking,
+        "flags": dict(flags),
+        "skipped": dict(skipped),
+        "layers": list(m.layers),
+        "hidden_size": m.hidden_size,
+        "dtype": m.dtype,
+        "encoding": m.encoding,
+        "codec": m.codec,
+        "layout": m.layout,
+        "bytes_per_layer": layers,
+        "stored_bytes": stored_total,
+        "raw_feature_bytes": raw_total,
+        "compression_ratio": raw_total / sum(v["stored_bytes"] for v in layers.values()) if raw_total else None,
+        "target": dataclasses.asdict(m.target),
+        "tokenizer": dataclasses.asdict(m.tokenizer),
+        "created_by": m.created_by,
+        "stub_warning": stats.dominated(out["top_loss_sum"], STUB_WARN_MAX_VALUE, STUB_WARN_SHARE),
+    })
+    return out
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n}"
+
+
+def format_text(s: dict[str, Any]) -> str:
+    lines = [f"store      {s['url']}  (format v{s['format_version']}, {s['layout']}, {s['dtype']}, "
+             f"encoding {s['encoding']}, codec {s['codec']})"]
+    t, k = s["target"], s["tokenizer"]
+    lines.append(f"target     {t['name']}  type={t['model_type']} layers={t['num_layers']} hidden={t['hidden_size']} "
+                 f"revision={t['revision']} config={t['config_hash'][:12]}")
+    lines.append(f"tokenizer  {k['name']}  vocab={k['vocab_hash'][:12]} template={(k['chat_template_hash'] or '-')[:12]}")
+    lines.append(f"taps       layers {s['layers']} (layer l = output of decoder layer l = HF hidden_states[l+1])")
+    lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer(s)")
+    if not s["samples"]:
+        lines.append("           (empty store: no committed shards)")
+        return "\n".join(lines)
+    lines.append(f"tokens     {s['tokens']:,}; loss tokens {s['loss_tokens']:,} "
+                 f"(response fraction {100 * s['response_fraction']:.1f}%); thinking tokens {s['thinking_tokens']:,}")
+    lp = s["length_percentiles"]
+    lines.append("length     " + "  ".join(f"{k}={v:,.0f}" for k, v in lp.items()))
+    top = s["top_loss_sum"]
+    lines.append(f"loss sum   mean {s['loss_sum_mean']:.1f}  " +
+                 "  ".join(f"{k}={v:,.0f}" for k, v in s["loss_sum_percentiles"].items()))
+    lines.append(f"           most common value {top['value']} held by {100 * top['share']:.1f}% of samples")
+    if s["stub_warning"]:
+        lines.append(f"!!! WARNING: {100 * top['share']:.1f}% of samples have a loss-mask sum of exactly {top['value']} "
+                     "tokens: stub answers? Read some with `hsstore show`.")
+    lines.append("loss-mask-sum histogram (samples):")
+    lines += stats.histogram_lines(s["loss_sum_histogram"], s["samples"], mark=top["value"])
+    if s["flags"]:
+        lines.append("flags      " + ", ".join(f"{k}={v}" for k, v in sorted(s["flags"].items())))
+    if s["skipped"]:
+        lines.append("skipped    " + ", ".join(f"{k}={v}" for k, v in sorted(s["skipped"].items())))
+    lines.append(f"bytes      {human_bytes(s['stored_bytes'])} stored, {human_bytes(s['raw_feature_bytes'])} raw features "
+                 f"(ratio {s['compression_ratio']:.2f}x)")
+    for l, b in s["bytes_per_layer"].items():
+        lines.append(f"  layer {int(l):>3}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
+                     f"({b['ratio']:.2f}x)")
+    return "\n".join(lines)

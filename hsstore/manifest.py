@@ -1,0 +1,181 @@
+"""The store manifest: what a store holds, and whether two writers or stores may be mixed.
+
+A store is only useful to a team that did not make it if it says which target computed the
+features (config hash, layers, hidden size), which tokenizer produced the ids, and which layers
+were tapped. Anything that changes the meaning of the numbers is part of the compatibility key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+
+FORMAT_NAME = "hsstore"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+DTYPES = ("bfloat16", "float16", "float32")
+ENCODINGS = ("raw",)
+LAYOUTS = ("zarr",)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json_hash(obj: Any) -> str:
+    """Hash of a JSON-able object that does not depend on key order or whitespace."""
+    return sha256_hex(json.dumps(obj, sort_keys=True, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """The model whose hidden states are stored. ``config_hash`` covers the architecture;
+    ``weights_hash`` (optional) tells two random inits of the same config apart."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    config_hash: str
+    revision: str | None = None
+    model_type: str | None = None
+    weights_hash: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """The tokenizer that produced ``input_ids``: a vocab+special-token hash and a chat-template hash."""
+
+    name: str
+    vocab_hash: str
+    chat_template_hash: str | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    target: TargetIdentity
+    tokenizer: TokenizerIdentity
+    layers: tuple[int, ...]
+    dtype: str = "bfloat16"
+    encoding: str = "raw"
+    layout: str = "zarr"
+    codec: str = "none"
+    chunk_tokens: int | None = None  # None: the writer picks ~16 MiB per layer chunk
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    created_by: str = ""
+    created_at: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    def compat_key(self) -> dict[str, Any]:
+        """What must be equal for two writers to share a store or a loader to mix stores."""
+        t, k = self.target, self.tokenizer
+        return {
+            "target": {"config_hash": t.config_hash, "num_layers": t.num_layers, "hidden_size": t.hidden_size,
+                       "weights_hash": t.weights_hash},
+            "tokenizer": {"vocab_hash": k.vocab_hash, "chat_template_hash": k.chat_template_hash},
+            "layers": list(self.layers),
+            "dtype": self.dtype,
+            "encoding": self.encoding,
+        }
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "manifest") -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest") -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected a JSON object")
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an hsstore manifest (format={d.get('format')!r})")
+        version = d.get("format_version")
+        if not isinstance(version, int):
+            raise ManifestError(f"{where}: format_version missing or not an integer")
+        if version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: store has format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
+                "upgrade hsstore")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ManifestError(f"{where}: unknown fields {sorted(unknown)}")
+        try:
+            target = TargetIdentity(**d["target"])
+            tokenizer = TokenizerIdentity(**d["tokenizer"])
+            rest = {k: v for k, v in d.items() if k not in ("target", "tokenizer", "layers")}
+            return cls(target=target, tokenizer=tokenizer, layers=tuple(d["layers"]), **rest)
+        except ManifestError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where}: missing or malformed field ({e})") from None
+
+
+def validate_fields(m: Manifest) -> None:
+    """Schema checks: types and ranges, so a hand-edited manifest fails loudly, not later."""
+    t = m.target
+    if not isinstance(t.num_layers, int) or t.num_layers <= 0:
+        raise ManifestError(f"target.num_layers must be a positive integer, got {t.num_layers!r}")
+    if not isinstance(t.hidden_size, int) or t.hidden_size <= 0:
+        raise ManifestError(f"target.hidden_size must be a positive integer, got {t.hidden_size!r}")
+    if not m.layers or not all(isinstance(x, int) for x in m.layers):
+        raise ManifestError(f"layers must be a non-empty list of integers, got {list(m.layers)!r}")
+    if len(set(m.layers)) != len(m.layers) or list(m.layers) != sorted(m.layers):
+        raise ManifestError(f"layers must be strictly increasing, got {list(m.layers)}")
+    bad = [x for x in m.layers if not 0 <= x < t.num_layers]
+    if bad:
+        raise ManifestError(f"layer ids {bad} out of range for a target with {t.num_layers} decoder layers "
+                            f"(valid: 0..{t.num_layers - 1})")
+    if m.dtype not in DTYPES:
+        raise ManifestError(f"dtype {m.dtype!r} not supported (one of {DTYPES})")
+    if m.encoding not in ENCODINGS:
+        raise ManifestError(f"encoding {m.encoding!r} not supported (one of {ENCODINGS})")
+    if m.layout not in LAYOUTS:
+        raise ManifestError(f"layout {m.layout!r} not supported (one of {LAYOUTS})")
+    if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
+        raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
+
+
+def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None:
+    """Raise naming every field that differs between two manifests' compatibility keys."""
+    ka, kb = a.compat_key(), b.compat_key()
+    diffs = []
+    for key in ka:
+        if ka[key] != kb[key]:
+            if isinstance(ka[key], dict):
+                for sub in ka[key]:
+                    va, vb = ka[key][sub], kb[key][sub]
+                    if va != vb and not (sub == "weights_hash" and (va is None or vb is None)):
+                        diffs.append(f"{key}.{sub}: {va!r} vs {vb!r}")
+            else:
+                diffs.append(f"{key}: {ka[key]!r} vs {kb[key]!r}")
+    if diffs:
+        raise ManifestError(f"{what_a} and {what_b} are incompatible (refusing to mix): " + "; ".join(diffs))
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

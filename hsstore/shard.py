@@ -1,0 +1,212 @@
+"""One shard: a Zarr v3 group of flat token-major arrays, plus the commit record that publishes it.
+
+Layout under the store prefix (see docs/FORMAT.md)::
+
+    shards/<name>/                 Zarr v3 group (attributes: shard name, per-sample columns)
+        layer_<LLL>/               [tokens, hidden] features of tapped layer LLL, chunked along tokens
+        input_ids/  loss_mask/     [tokens] int32 / uint8, same chunk grid as the layers
+        offsets/                   [samples + 1] int64: sample i is tokens offsets[i]:offsets[i+1]
+    commits/<name>.json            written last; readers see only shards that have one
+
+A commit record lists every file of its shard with size and CRC32C, so ``verify`` can name the file
+(and so the samples) at fault without trusting anything else in the shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.abc.store import Store as ZarrStore
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
+
+from . import codec, storage
+from .errors import CorruptionError
+from .manifest import FORMAT_VERSION, Manifest, now_iso
+
+SHARDS_DIR = "shards"
+COMMITS_DIR = "commits"
+SAMPLE_COLUMNS = ("sample_id", "source", "length", "loss_tokens", "thinking_tokens", "flags")
+
+
+def layer_array(layer: int) -> str:
+    return f"layer_{layer:03d}"
+
+
+def shard_path(name: str) -> str:
+    return f"{SHARDS_DIR}/{name}"
+
+
+def commit_path(name: str) -> str:
+    return f"{COMMITS_DIR}/{name}.json"
+
+
+@dataclass
+class CommitRecord:
+    """Everything ``info`` needs and everything ``verify`` checks, for one shard."""
+
+    shard: str
+    writer: str
+    n_samples: int
+    n_tokens: int
+    samples: dict[str, list]
+    layers: dict[str, dict[str, int]]
+    files: dict[str, dict[str, int]]
+    chunk_tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> "CommitRecord":
+        try:
+            d = json.loads(data)
+            rec = cls(**d)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise CorruptionError(f"{where}: malformed commit record ({e})") from None
+        cols = rec.samples
+        if set(cols) != set(SAMPLE_COLUMNS) or any(len(cols[c]) != rec.n_samples for c in SAMPLE_COLUMNS):
+            raise CorruptionError(f"{where}: commit record sample columns do not match n_samples={rec.n_samples}")
+        if sum(cols["length"]) != rec.n_tokens:
+            raise CorruptionError(f"{where}: commit record lengths sum to {sum(cols['length'])}, "
+                                  f"n_tokens says {rec.n_tokens}")
+        return rec
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(np.asarray(self.samples["length"], dtype=np.int64))])
+
+
+class RecordingStore(WrapperStore):
+    """A Zarr store wrapper that remembers size and CRC32C of every object written through it."""
+
+    def __init__(self, store: ZarrStore) -> None:
+        super().__init__(store)
+        self.written: dict[str, dict[str, int]] = {}
+
+    async def set(self, key: str, value) -> None:  # type: ignore[override]
+        raw = value.as_numpy_array()
+        self.written[key] = {"size": int(raw.nbytes), "crc32c": codec.crc32c(raw)}
+        await self._store.set(key, value)
+
+
+def zarr_store(fs, root: str, url: str, storage_options: dict | None, read_only: bool) -> ZarrStore:
+    """The Zarr store object for a store prefix (LocalStore on disk, FsspecStore elsewhere)."""
+    if storage.is_local(fs):
+        return LocalStore(root, read_only=read_only)
+    return FsspecStore.from_url(url, storage_options=storage_options, read_only=read_only)
+
+
+def chunk_key(array_path: str, k: int, ndim: int) -> str:
+    """Zarr v3 default chunk key of chunk ``k`` along tokens (other dimensions are one chunk)."""
+    return f"{array_path}/c/{k}" + "/0" * (ndim - 1)
+
+
+def encode_array(array_path: str, data: np.ndarray, chunk: int, chunk_codec: codec.ChunkCodec,
+                 ) -> dict[str, codec.EncodedChunk]:
+    """Chunk objects of a token-major array, keyed by store-relative path. Edge chunks are padded with
+    the fill value to the full chunk shape, as Zarr v3 stores them."""
+    out = {}
+    n = data.shape[0]
+    for k in range(-(-n // chunk)):
+        part = data[k * chunk:(k + 1) * chunk]
+        if part.shape[0] < chunk:
+            padded = np.zeros((chunk,) + data.shape[1:], dtype=data.dtype)
+            padded[: part.shape[0]] = part
+            part = padded
+        out[chunk_key(array_path, k, data.ndim)] = chunk_codec.encode(part)
+    return out
+
+
+def write_shard(
+    fs,
+    root: str,
+    zstore: ZarrStore,
+    name: str,
+    writer: str,
+    manifest: Manifest,
+    features: dict[int, np.ndarray],
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    samples: dict[str, list],
+    stats: dict[str, Any] | None = None,
+) -> CommitRecord:
+    """Write one shard (Zarr metadata through zarr, whole chunks directly) and return its commit record.
+
+    The record is not yet published: see :func:`publish`.
+    """
+    rec_store = RecordingStore(zstore)
+    n_tokens = int(input_ids.shape[0])
+    lengths = np.asarray(samples["length"], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if offsets[-1] != n_tokens:
+        raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
+    base = shard_path(name)
+    ct, hidden = manifest.chunk_tokens, manifest.hidden_size
+    group = zarr.create_group(store=rec_store, path=base, zarr_format=3,
+                              attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
+                                          "samples": samples})
+    feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
+    arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
+        (layer_array(l), features[l], ct, feature_codec, {"hsstore_dtype": manifest.dtype, "layer": l})
+        for l in manifest.layers]
+    arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
+               ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
+               ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
+    files: dict[str, dict[str, int]] = {}
+    for arr_name, data, chunk, chunk_codec, attrs in arrays:
+        group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
+                           compressors=codec.compressors(chunk_codec.spec), fill_value=0, attributes=attrs,
+                           dimension_names=["token", "hidden"][: data.ndim])
+        objects = encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec)
+        storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
+        files.update({k: {"size": len(v), "crc32c": v.crc32c} for k, v in objects.items()})
+        del objects
+    # Only the shard's own metadata: parent groups (store root, shards/) are shared by all writers.
+    files.update({k: v for k, v in rec_store.written.items() if k.startswith(base + "/")})
+    layers = {}
+    for l in manifest.layers:
+        prefix = f"{base}/{layer_array(l)}/"
+        layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefix)),
+                          "raw_bytes": int(features[l].nbytes)}
+    return CommitRecord(
+        shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
+        files=dict(sorted(files.items())), chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
+
+
+def publish(fs, root: str, record: CommitRecord) -> None:
+    """Make a written shard visible to readers: the commit record is the last object written."""
+    storage.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
+
+
+def list_committed(fs, root: str) -> list[str]:
+    """Names of committed shards, sorted (the store's sample order follows this order)."""
+    try:
+        entries = fs.ls(storage.join(root, COMMITS_DIR), detail=False)
+    except FileNotFoundError:
+        return []
+    names = []
+    for e in entries:
+        base = e.rstrip("/").rsplit("/", 1)[-1]
+        if base.endswith(".json") and not base.startswith("."):
+            names.append(base[: -len(".json")])
+    return sorted(names)
+
+
+def load_commits(fs, root: str, names: list[str]) -> list[CommitRecord]:
+    paths = [storage.join(root, commit_path(n)) for n in names]
+    blobs = storage.cat_many(fs, paths)
+    out = []
+    for n, p in zip(names, paths):
+        data = blobs.get(p)
+        if data is None:
+            data = fs.cat_file(p)
+        out.append(CommitRecord.from_json(data, where=f"commit record of shard {n!r}"))
+    return out

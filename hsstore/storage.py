@@ -1,0 +1,121 @@
+"""Where a store lives: fsspec URLs (local paths, ``s3://bucket/prefix``, anything fsspec knows).
+
+One job: turn a URL plus storage options into a filesystem and a root path, and do the few
+filesystem operations the format needs (atomic small-object writes, listing, concurrent reads).
+Credentials given as storage options never appear in messages: only the URL is ever shown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from .errors import StoreError
+
+log = logging.getLogger(__name__)
+
+SECRET_OPTION_WORDS = ("secret", "token", "password", "key", "credential", "session")
+
+
+def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    """Parse repeated ``key=value`` CLI options; values may be JSON (true, 3, {"a": 1}) or plain strings.
+
+    Dotted keys nest: ``client_kwargs.region_name=us-east-1`` -> {"client_kwargs": {"region_name": ...}}.
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise StoreError(f"--storage-option {pair.split('=')[0]!r}: expected key=value")
+        key, raw = pair.split("=", 1)
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        target = options
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            target = target.setdefault(p, {})
+        target[leaf] = value
+    return options
+
+
+def redact(options: dict[str, Any]) -> dict[str, Any]:
+    """Options with secret-looking values replaced, for logs."""
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out[k] = redact(v)
+        elif any(w in k.lower() for w in SECRET_OPTION_WORDS):
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root path without trailing slash) for a store URL."""
+    try:
+        fs, root = url_to_fs(url, **(storage_options or {}))
+    except Exception as e:  # bad protocol, bad options: name the URL, never the options
+        raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
+    return fs, root.rstrip("/")
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p != "")
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write a small object so that readers see all of it or none of it.
+
+    Object stores give this for free (a PUT is atomic); on local disk write a temporary file
+    beside it and rename.
+    """
+    if is_local(fs):
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
+    """Write many objects, each ``bytes`` or something with ``parts()`` (written without joining on
+    local disk). Concurrent on async filesystems; parent folders are made on local disk."""
+    if not objects:
+        return
+    if is_local(fs):
+        for path, data in objects.items():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                for part in (data.parts() if hasattr(data, "parts") else (data,)):
+                    f.write(part)
+    else:
+        fs.pipe({p: d.tobytes() if hasattr(d, "tobytes") and not isinstance(d, bytes) else d
+                 for p, d in objects.items()})
+
+
+def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes]:
+    """Read many small objects (concurrently on async filesystems such as s3fs)."""
+    if not paths:
+        return {}
+    out = fs.cat(paths, on_error="raise")
+    if isinstance(out, bytes):  # fsspec returns bare bytes for a single path
+        return {paths[0]: out}
+    return {k.rstrip("/"): v for k, v in out.items()} if any(k not in paths for k in out) else out

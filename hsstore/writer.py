@@ -1,0 +1,288 @@
+"""StoreWriter: takes samples one at a time, fills a shard buffer, writes shards in the background.
+
+Why this shape: the extraction GPU must never wait on storage. ``add`` only copies a sample into a
+preallocated per-layer shard buffer; full shards are encoded and uploaded by background threads while
+the next forward runs. Memory is bounded: at most ``max_pending`` shards are in flight, after which
+``add`` blocks (back-pressure) instead of growing without limit.
+
+Nothing is visible to readers until a shard's commit record is written, so a crash (or an exception
+inside ``with StoreWriter(...)``) leaves only invisible debris, never a half-shard. Shard names carry a
+random part, so any number of writers (ranks, machines, teams) can add to one store concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import threading
+import uuid
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from . import codec, shard, storage
+from .errors import ManifestError, SampleError, StoreError
+from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
+from .version import __version__
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 1 << 30
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def default_chunk_tokens(hidden: int, itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk so one layer's chunk is about ``chunk_bytes``: large objects, few requests."""
+    return max(64, (chunk_bytes // (hidden * itemsize)) // 64 * 64)
+
+
+def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
+    """Create the store's manifest, or check that the existing one is compatible. Returns the one in force.
+
+    The first writer's manifest wins (chunking, codec); later writers must agree on the compat key.
+    """
+    path = storage.join(root, MANIFEST_FILE)
+    try:
+        exists = fs.exists(path)
+    except Exception as e:
+        raise StoreError(f"cannot reach store {url!r}: {type(e).__name__}: {e}") from None
+    if not exists:
+        try:
+            storage.put_atomic(fs, path, manifest.to_json().encode())
+        except Exception as e:
+            raise StoreError(f"cannot write to store {url!r}: {type(e).__name__}: {e}") from None
+    existing = Manifest.from_json(fs.cat_file(path), where=f"{url}/{MANIFEST_FILE}")
+    check_compatible(existing, manifest, f"store {url!r}", "the data being written")
+    return existing
+
+
+def _safe_tag(tag: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", tag)[:64] or "w"
+
+
+class StoreWriter:
+    """Write samples into a store (local path or any fsspec URL).
+
+    >>> with StoreWriter(url, manifest) as w:
+    ...     w.add("s0", input_ids, loss_mask, hidden_states)   # hidden_states [T, n_layers, H]
+    """
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        *,
+        writer_tag: str | None = None,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        max_pending: int = 2,
+        num_threads: int = 2,
+        check_finite: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = url
+        self.storage_options = storage_options or {}
+        self.fs, self.root = storage.resolve(url, self.storage_options)
+        itemsize = codec.STORAGE_DTYPE[manifest.dtype].itemsize
+        manifest = dataclasses.replace(
+            manifest,
+            chunk_tokens=manifest.chunk_tokens or default_chunk_tokens(manifest.hidden_size, itemsize),
+            created_by=manifest.created_by or f"hsstore {__version__}",
+            created_at=manifest.created_at or now_iso())
+        self.manifest = ensure_manifest(self.fs, self.root, url, manifest)
+        self.layers = list(self.manifest.layers)
+        self.hidden = self.manifest.hidden_size
+        self.storage_dtype = codec.STORAGE_DTYPE[self.manifest.dtype]
+        self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
+        self.session = uuid.uuid4().hex[:8]
+        self.check_finite = check_finite
+        token_bytes = len(self.layers) * self.hidden * self.storage_dtype.itemsize
+        self.capacity = max(1, shard_bytes // token_bytes)
+        self.zstore = shard.zarr_store(self.fs, self.root, url, self.storage_options, read_only=False)
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._futures: list[Future] = []
+        self._seq = 0
+        self._closed = False
+        self._free: list[np.ndarray] = []
+        self._free_lock = threading.Lock()
+        self.committed: list[shard.CommitRecord] = []
+        self.bytes_written = 0
+        self._new_buffer(self.capacity)
+
+    # -- filling ---------------------------------------------------------------------------------
+    def _new_buffer(self, capacity: int) -> None:
+        # Recycle a written shard's buffer when one is free: fresh pages cost as much as the copy into them.
+        buf = None
+        with self._free_lock:
+            if capacity == self.capacity and self._free:
+                buf = self._free.pop()
+        self._buf = buf if buf is not None else np.empty((len(self.layers), capacity, self.hidden),
+                                                         dtype=self.storage_dtype)
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._cols: dict[str, list] = {c: [] for c in shard.SAMPLE_COLUMNS}
+        self._fill = 0
+
+    def add(
+        self,
+        sample_id: str,
+        input_ids,
+        loss_mask,
+        hidden_states: torch.Tensor | np.ndarray | Mapping[int, torch.Tensor | np.ndarray],
+        *,
+        source: str = "",
+        thinking_tokens: int = 0,
+        flags: list[str] | None = None,
+    ) -> None:
+        """Queue one sample. ``hidden_states`` is ``[T, n_layers, H]`` in manifest layer order, or a
+        mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16)."""
+        if self._closed:
+            raise StoreError("writer is closed")
+        self._raise_background_error()
+        ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
+        mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
+        T = ids.shape[0]
+        where = f"sample {sample_id!r}"
+        if T == 0:
+            raise SampleError(f"{where}: empty sample (0 tokens)")
+        if mask.shape[0] != T:
+            raise SampleError(f"{where}: loss_mask has {mask.shape[0]} tokens, input_ids has {T}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise SampleError(f"{where}: input_ids must be integers, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+            raise SampleError(f"{where}: input_ids out of int32 range")
+        if not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_) or mask.min() < 0 or mask.max() > 1:
+            raise SampleError(f"{where}: loss_mask must hold 0/1 values")
+        layers = self._layer_views(where, hidden_states, T)
+        if T > self._buf.shape[1] - self._fill:
+            if self._fill:
+                self._submit()
+            if T > self._buf.shape[1]:  # one sample larger than a shard: give it a shard of its own size
+                self._new_buffer(T)
+        for j, x in enumerate(layers):
+            self._buf[j, self._fill:self._fill + T] = x
+        self._ids.append(ids.astype(np.int32))
+        self._mask.append(mask.astype(np.uint8))
+        c = self._cols
+        c["sample_id"].append(str(sample_id))
+        c["source"].append(str(source))
+        c["length"].append(int(T))
+        c["loss_tokens"].append(int(mask.sum()))
+        c["thinking_tokens"].append(int(thinking_tokens))
+        c["flags"].append(list(flags or []))
+        self._fill += T
+        if self._fill >= self.capacity:
+            self._submit()
+
+    def _layer_views(self, where: str, hs, T: int) -> list[np.ndarray]:
+        if isinstance(hs, Mapping):
+            missing = [l for l in self.layers if l not in hs]
+            extra = [l for l in hs if l not in self.layers]
+            if missing or extra:
+                raise SampleError(f"{where}: layers {sorted(hs)} do not match the store's layers {self.layers}")
+            parts = [hs[l] for l in self.layers]
+        else:
+            if hs.ndim != 3 or hs.shape[1] != len(self.layers):
+                raise SampleError(f"{where}: hidden_states shape {tuple(hs.shape)}, expected "
+                                  f"[{T}, {len(self.layers)}, {self.hidden}] (tokens, layers {self.layers}, hidden)")
+            parts = [hs[:, j] for j in range(len(self.layers))]
+        out = []
+        for layer, x in zip(self.layers, parts):
+            if tuple(x.shape) != (T, self.hidden):
+                raise SampleError(f"{where}: layer {layer} has shape {tuple(x.shape)}, expected [{T}, {self.hidden}]")
+            name = codec.dtype_name(x)
+            if name != self.manifest.dtype:
+                raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
+                                  "(features are stored bit-exact; convert explicitly if you mean to)")
+            a = codec.to_storage(x)
+            if self.check_finite:
+                bad = codec.first_nonfinite_row(a, name)
+                if bad is not None:
+                    raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
+            out.append(a)
+        return out
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _submit(self) -> None:
+        if not self._fill:
+            return
+        n = self._fill
+        buf, ids, mask, cols = self._buf, self._ids, self._mask, self._cols
+        name = f"{self.tag}-{self.session}-{self._seq:05d}"
+        self._seq += 1
+        self._slots.acquire()  # back-pressure: at most max_pending shards in memory
+        fut = self._pool.submit(self._write, name, buf, n, np.concatenate(ids), np.concatenate(mask), cols)
+        self._futures.append(fut)
+        self._new_buffer(self.capacity)
+
+    def _write(self, name, buf, n, ids, mask, cols) -> shard.CommitRecord:
+        try:
+            features = {layer: buf[j, :n] for j, layer in enumerate(self.layers)}
+            record = shard.write_shard(self.fs, self.root, self.zstore, name, self.tag, self.manifest, features, ids, mask, cols,
+                                       stats=self._stats(cols))
+            shard.publish(self.fs, self.root, record)
+            self.committed.append(record)
+            self.bytes_written += sum(f["size"] for f in record.files.values())
+            log.debug("committed shard %s: %d samples, %d tokens", name, record.n_samples, record.n_tokens)
+            return record
+        except Exception as e:
+            raise StoreError(f"writing shard {name!r} of store {self.url!r} failed: {type(e).__name__}: {e}") from e
+        finally:
+            if buf.shape[1] == self.capacity:
+                with self._free_lock:
+                    self._free.append(buf)
+            self._slots.release()
+
+    @staticmethod
+    def _stats(cols: dict[str, list]) -> dict[str, Any]:
+        flags = Counter(f for fl in cols["flags"] for f in fl)
+        return {"loss_tokens": int(sum(cols["loss_tokens"])), "thinking_tokens": int(sum(cols["thinking_tokens"])),
+                "flags": dict(flags)}
+
+    def _raise_background_error(self) -> None:
+        for f in self._futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        self._futures = [f for f in self._futures if not f.done()]
+
+    def flush(self) -> None:
+        """Write the partially filled shard and wait for every pending shard to be committed."""
+        self._submit()
+        futures, self._futures = self._futures, []
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except Exception as e:  # keep waiting for the others: what can be committed is
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def close(self, commit: bool = True) -> None:
+        """Commit what is buffered (``commit=True``) or drop it, then stop the threads."""
+        if self._closed:
+            return
+        try:
+            if commit:
+                self.flush()
+            else:
+                self._new_buffer(1)
+                for f in self._futures:
+                    f.exception()
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an exception the half-filled shard is not committed: it would hide the failure and a
+        # resumed run re-extracts those samples anyway. Shards already submitted do complete.
+        self.close(commit=exc_type is None)

@@ -1,0 +1,110 @@
+"""Shared fixtures: a real S3 endpoint on loopback (moto's server, as s3fs's own tests do) and
+small synthetic stores."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import pytest
+import torch
+
+from hsstore import Manifest, TargetIdentity, TokenizerIdentity
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """URL of a moto S3 server on 127.0.0.1, with dummy credentials in the environment."""
+    from moto.server import ThreadedMotoServer
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        mp.setenv(k, v)
+    mp.delenv("AWS_PROFILE", raising=False)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+    mp.undo()
+
+
+@pytest.fixture
+def s3_store(s3_endpoint):
+    """(url, storage_options) of an empty prefix in a fresh bucket on the loopback S3 endpoint."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"hs-{uuid.uuid4().hex[:10]}"
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}/stores/a", {"endpoint_url": s3_endpoint}
+
+
+@pytest.fixture
+def manifest() -> Manifest:
+    return make_manifest()
+
+
+def make_manifest(layers=(1, 3, 5), hidden=48, dtype="bfloat16", codec="none", chunk_tokens=64,
+                  config_hash="cfg-a", vocab_hash="vocab-a") -> Manifest:
+    return Manifest(
+        target=TargetIdentity(name="tiny-target", num_layers=8, hidden_size=hidden, config_hash=config_hash,
+                              model_type="qwen3_5_text"),
+        tokenizer=TokenizerIdentity(name="tiny-tok", vocab_hash=vocab_hash, chat_template_hash="tmpl"),
+        layers=tuple(layers), dtype=dtype, codec=codec, chunk_tokens=chunk_tokens)
+
+
+def make_samples(n: int, n_layers: int = 3, hidden: int = 48, seed: int = 0, dtype=torch.bfloat16,
+                 min_len: int = 3, max_len: int = 200, prefix: str = "s"):
+    """Deterministic random samples: list of dicts with sample_id, input_ids, loss_mask, hidden_states."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(min_len, max_len, (1,), generator=g))
+        out.append({
+            "sample_id": f"{prefix}{i}",
+            "input_ids": torch.randint(0, 5000, (T,), generator=g),
+            "loss_mask": torch.rand(T, generator=g) > 0.4,
+            "hidden_states": (torch.randn(T, n_layers, hidden, generator=g) * 3).to(dtype),
+        })
+    return out
+
+
+@pytest.fixture
+def samples():
+    return make_samples(25)
+
+
+@pytest.fixture
+def new_samples():
+    """Factory: ``new_samples(n, **kw)`` -> deterministic random samples (see make_samples)."""
+    return make_samples
+
+
+@pytest.fixture
+def new_manifest():
+    """Factory: ``new_manifest(**kw)`` -> a small Manifest (see make_manifest)."""
+    return make_manifest
+
+
+def write_samples(url, manifest, samples, **kw):
+    from hsstore import StoreWriter
+
+    with StoreWriter(url, manifest, **kw) as w:
+        for s in samples:
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
+    return w
+
+
+@pytest.fixture
+def write():
+    """``write(url, manifest, samples, **writer_kwargs)`` -> the closed StoreWriter."""
+    return write_samples

@@ -1,0 +1,97 @@
+"""`hsstore info` (from commit records only), the CLI surface, and the bench's report shape."""
+
+import json
+
+import pytest
+import torch
+
+import hsstore
+from hsstore.cli import main
+from hsstore.storage import parse_storage_options
+
+
+def test_info_empty_store(tmp_path, new_manifest, capsys):
+    hsstore.StoreWriter(str(tmp_path), new_manifest()).close()
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["samples"] == 0 and d["shards"] == 0 and d["top_loss_sum"] is None
+    assert main(["info", str(tmp_path)]) == 0
+    assert "empty store" in capsys.readouterr().out
+
+
+def test_info_makes_stub_signature_loud(tmp_path, new_manifest, new_samples, write, capsys):
+    """87% of samples with a loss-mask sum of exactly 6: the brief's failure must jump out."""
+    samples = new_samples(100, min_len=20, max_len=60)
+    for i, s in enumerate(samples):
+        m = torch.zeros_like(s["loss_mask"])
+        if i < 87:
+            m[-6:] = True
+        else:
+            m[5:] = True
+        s["loss_mask"] = m
+    write(str(tmp_path), new_manifest(), samples)
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["top_loss_sum"]["value"] == 6 and d["top_loss_sum"]["share"] == pytest.approx(0.87)
+    assert d["stub_warning"] is True
+    assert d["samples"] == 100 and d["tokens"] == sum(s["input_ids"].numel() for s in samples)
+    assert d["loss_tokens"] == sum(int(s["loss_mask"].sum()) for s in samples)
+    assert d["layers"] == [1, 3, 5] and d["hidden_size"] == 48
+    assert d["bytes_per_layer"]["3"]["raw_bytes"] == d["tokens"] * 48 * 2
+    assert 0.9 < d["compression_ratio"] <= 1.0  # codec none: only chunk padding, CRCs and metadata
+    assert main(["info", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "WARNING: 87.0% of samples have a loss-mask sum of exactly 6" in text
+    assert "<-- top value" in text
+
+
+def test_info_clean_store_no_warning(tmp_path, new_manifest, new_samples, write, capsys):
+    write(str(tmp_path), new_manifest(), new_samples(30, min_len=50, max_len=400))
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stub_warning"] is False
+    assert set(d["length_percentiles"]) == {"p0", "p10", "p50", "p90", "p99", "p100"}
+
+
+def test_info_reads_no_feature_data(tmp_path, new_manifest, new_samples, write, monkeypatch):
+    write(str(tmp_path), new_manifest(), new_samples(10))
+    import builtins
+
+    real_open = builtins.open
+    opened = []
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
+    from hsstore.info import summarize
+
+    summarize(hsstore.open(str(tmp_path)))
+    assert not [p for p in opened if "/shards/" in p]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hsstore info: error:") and "no manifest.json" in err and "\n" not in err
+
+
+def test_info_on_s3_with_storage_option(s3_store, new_manifest, new_samples, write, capsys):
+    url, opts = s3_store
+    write(url, new_manifest(), new_samples(5), storage_options=opts)
+    assert main(["info", url, "--json", "--storage-option", f"endpoint_url={opts['endpoint_url']}"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 5
+    assert main(["verify", url, "-q", "-S", f"endpoint_url={opts['endpoint_url']}"]) == 0
+
+
+def test_parse_storage_options():
+    assert parse_storage_options(["anon=true", "endpoint_url=http://x:1", "client_kwargs.region_name=eu",
+                                  "max_concurrency=4"]) == {
+        "anon": True, "endpoint_url": "http://x:1", "client_kwargs": {"region_name": "eu"}, "max_concurrency": 4}
+    with pytest.raises(hsstore.StoreError, match="expected key=value"):
+        parse_storage_options(["anon"])
+
+
+def test_bench_reports_ratios(tmp_path, capsys):
+    assert main(["bench", str(tmp_path), "--size-mb", "4", "--hidden", "256", "--layers", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for k in ("store_write", "store_read"):
+        assert {"gbps", "raw_gbps", "ratio"} <= set(d[k]) and d[k]["gbps"] > 0 and d[k]["raw_gbps"] > 0
+        assert d[k]["ratio"] == pytest.approx(d[k]["gbps"] / d[k]["raw_gbps"])
+    assert list(tmp_path.iterdir()) == []  # scratch removed

@@ -1,0 +1,179 @@
+"""Round trips through the store: bit-exact features, ids and masks, on local disk and real S3."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import hsstore
+
+
+def assert_same(store, samples, layers=None):
+    by_id = {s["sample_id"]: s for s in samples}
+    seen = []
+    for i in range(len(store)):
+        got = store.read(i, layers=layers)
+        want = by_id[got["sample_id"]]
+        hs = want["hidden_states"]
+        if layers is not None:
+            hs = hs[:, [store.layers.index(l) for l in layers]]
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["loss_mask"], want["loss_mask"])
+        assert got["hidden_states"].dtype == hs.dtype
+        assert got["hidden_states"].shape == hs.shape
+        # bit-exact: compare the raw bits, not values (NaN-safe, -0.0-safe)
+        assert torch.equal(got["hidden_states"].contiguous().view(torch.int16 if hs.element_size() == 2 else torch.int32),
+                           hs.contiguous().view(torch.int16 if hs.element_size() == 2 else torch.int32))
+        seen.append(got["sample_id"])
+    assert sorted(seen) == sorted(by_id)
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd", "blosc-zstd"])
+def test_local_roundtrip_bit_exact(tmp_path, new_manifest, samples, write, codec):
+    m = new_manifest(codec=codec, chunk_tokens=50)  # samples span chunk boundaries
+    # shards of ~5 samples: several shards, several chunks each
+    write(str(tmp_path), m, samples, shard_bytes=3 * 48 * 2 * 500)
+    store = hsstore.open(str(tmp_path))
+    assert len(store) == len(samples)
+    assert len(store.commits) > 1
+    assert_same(store, samples)
+    # sequential iteration yields the same samples in store order
+    assert [s["sample_id"] for s in store] == [store.ref(i).sample_id for i in range(len(store))]
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.float32, "float32")])
+def test_other_dtypes_kept(tmp_path, new_manifest, new_samples, write, dtype, name):
+    samples = new_samples(6, dtype=dtype)
+    write(str(tmp_path), new_manifest(dtype=name), samples)
+    store = hsstore.open(str(tmp_path))
+    assert store.read(0)["hidden_states"].dtype == dtype
+    assert_same(store, samples)
+
+
+def test_layer_subset_reads_only_that_layer(tmp_path, new_manifest, samples, write):
+    write(str(tmp_path), new_manifest(), samples)
+    store = hsstore.open(str(tmp_path))
+    assert_same(store, samples, layers=[3])
+    assert_same(store, samples, layers=[1, 5])
+    # only layer_003 chunk files are opened for a layer-3 read
+    opened = []
+    real_open = open
+
+    def spy(path, *a, **k):
+        opened.append(str(path))
+        return real_open(path, *a, **k)
+
+    import builtins
+    builtins.open = spy
+    try:
+        store.read(0, layers=[3])
+    finally:
+        builtins.open = real_open
+    feature_files = [p for p in opened if "/layer_" in p]
+    assert feature_files and all("/layer_003/" in p for p in feature_files)
+    with pytest.raises(hsstore.StoreError, match=r"layers \[7\] are not in store"):
+        store.read(0, layers=[7])
+
+
+def test_zarr_python_reads_the_shards(tmp_path, new_manifest, samples, write):
+    """The shards are plain Zarr v3: zarr-python reads features, ids and offsets without hsstore."""
+    write(str(tmp_path), new_manifest(codec="zstd", chunk_tokens=40), samples)
+    store = hsstore.open(str(tmp_path))
+    rec = store.commits[0]
+    g = zarr.open_group(str(tmp_path / "shards" / rec.shard), mode="r")
+    np.testing.assert_array_equal(g["offsets"][:], rec.offsets)
+    first = store.read(0)
+    T = first["input_ids"].shape[0]
+    np.testing.assert_array_equal(g["input_ids"][:T], first["input_ids"].numpy())
+    bits = g["layer_005"][:T]
+    assert g["layer_005"].attrs["hsstore_dtype"] == "bfloat16"
+    np.testing.assert_array_equal(bits, first["hidden_states"][:, 2].contiguous().view(torch.uint16).numpy())
+
+
+def test_s3_roundtrip_bit_exact(s3_store, new_manifest, samples, write):
+    url, opts = s3_store
+    write(url, new_manifest(chunk_tokens=50), samples, storage_options=opts, shard_bytes=3 * 48 * 2 * 700)
+    store = hsstore.open(url, **opts)
+    assert len(store) == len(samples)
+    assert_same(store, samples)
+
+
+def test_s3_endpoint_from_aws_env(s3_store, new_manifest, new_samples, write, monkeypatch):
+    """No storage options at all: botocore's AWS_ENDPOINT_URL is honoured."""
+    url, opts = s3_store
+    monkeypatch.setenv("AWS_ENDPOINT_URL", opts["endpoint_url"])
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    samples = new_samples(4)
+    write(url, new_manifest(), samples)
+    assert_same(hsstore.open(url), samples)
+
+
+def test_two_writers_one_store(tmp_path, new_manifest, new_samples, write):
+    """Two concurrent writers add to one store: nothing overwritten, every sample there once."""
+    a = new_samples(15, prefix="a", seed=1)
+    b = new_samples(15, prefix="b", seed=2)
+    m = new_manifest()
+    threads = [threading.Thread(target=write, args=(str(tmp_path), m, s), kwargs={"shard_bytes": 3 * 48 * 2 * 400})
+               for s in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store = hsstore.open(str(tmp_path))
+    assert sorted(store.sample_ids()) == sorted(s["sample_id"] for s in a + b)
+    assert len({c.shard for c in store.commits}) == len(store.commits)
+    assert len({c.writer for c in store.commits}) >= 1
+    assert_same(store, a + b)
+
+
+def test_two_writers_on_s3(s3_store, new_manifest, new_samples, write):
+    url, opts = s3_store
+    a, b = new_samples(6, prefix="a", seed=3), new_samples(6, prefix="b", seed=4)
+    m = new_manifest()
+    write(url, m, a, storage_options=opts, writer_tag="rank0")
+    write(url, m, b, storage_options=opts, writer_tag="rank0")  # same tag, new session: no overwrite
+    store = hsstore.open(url, **opts)
+    assert sorted(store.sample_ids()) == sorted(s["sample_id"] for s in a + b)
+
+
+def test_reader_never_sees_uncommitted_shard(tmp_path, new_manifest, new_samples, write):
+    m = new_manifest()
+    write(str(tmp_path), m, new_samples(5, prefix="done"))
+    # a writer that dies mid-way: its buffered shard is not committed
+    with pytest.raises(RuntimeError):
+        with hsstore.StoreWriter(str(tmp_path), m) as w:
+            for s in new_samples(5, prefix="lost", seed=9):
+                w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
+            raise RuntimeError("crash")
+    # a shard whose data is fully written but whose commit record is not (crash between the two)
+    w = hsstore.StoreWriter(str(tmp_path), m)
+    for s in new_samples(3, prefix="orphan", seed=7):
+        w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
+    from hsstore import shard as shard_mod
+
+    real_publish = shard_mod.publish
+    shard_mod.publish = lambda *a, **k: None
+    try:
+        w.close()
+    finally:
+        shard_mod.publish = real_publish
+    assert list((tmp_path / "shards").iterdir())  # data is on disk
+    store = hsstore.open(str(tmp_path))
+    assert sorted(store.sample_ids()) == [f"done{i}" for i in range(5)]
+    from hsstore.verify import verify
+
+    report = verify(store)
+    assert report.ok and len(report.uncommitted) == 1
+
+
+def test_writer_bounded_memory_and_big_sample(tmp_path, new_manifest, new_samples, write):
+    """A sample larger than a shard gets a shard of its own; everything else still round-trips."""
+    samples = new_samples(4, min_len=10, max_len=20) + new_samples(1, min_len=900, max_len=901, prefix="big")
+    w = write(str(tmp_path), new_manifest(), samples, shard_bytes=3 * 48 * 2 * 100, max_pending=1)
+    assert len(w.committed) >= 2
+    assert_same(hsstore.open(str(tmp_path)), samples)
