@@ -19,9 +19,11 @@ def summarize(store: Store) -> dict[str, Any]:
     lengths = [x for c in store.commits for x in c.samples["length"]]
     thinking = sum(x for c in store.commits for x in c.samples["thinking_tokens"])
     flags: Counter[str] = Counter(f for c in store.commits for fl in c.samples["flags"] for f in fl)
-    skipped: Counter[str] = Counter()
-    for c in store.commits:
-        skipped.update(c.stats.get("skipped", {}))
+    skipped_ids: dict[str, set[str]] = {}
+    for c in store.commits:  # ids, not counts: a resumed run notes the same skips again
+        for reason, ids in c.stats.get("skipped", {}).items():
+            skipped_ids.setdefault(reason, set()).update(ids)
+    skipped = {reason: len(ids) for reason, ids in skipped_ids.items()}
     layers = {}
     for l in m.layers:
         stored = sum(c.layers[str(l)]["stored_bytes"] for c in store.commits)

@@ -37,9 +37,14 @@ DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_CHUNK_BYTES = 16 << 20
 
 
+MAX_CHUNK_TOKENS = 8192
+
+
 def default_chunk_tokens(hidden: int, itemsize: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Tokens per chunk so one layer's chunk is about ``chunk_bytes``: large objects, few requests."""
-    return max(64, (chunk_bytes // (hidden * itemsize)) // 64 * 64)
+    """Tokens per chunk so one layer's chunk is about ``chunk_bytes`` (large objects, few requests), at
+    most ``MAX_CHUNK_TOKENS``: a shard's last chunk is padded to full size, so small models with huge
+    chunks would store mostly padding."""
+    return max(64, min(MAX_CHUNK_TOKENS, (chunk_bytes // (hidden * itemsize)) // 64 * 64))
 
 
 def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
@@ -111,6 +116,7 @@ class StoreWriter:
         self._closed = False
         self._free: list[np.ndarray] = []
         self._free_lock = threading.Lock()
+        self._skipped: dict[str, list[str]] = {}
         self.committed: list[shard.CommitRecord] = []
         self.bytes_written = 0
         self._new_buffer(self.capacity)
@@ -209,15 +215,17 @@ class StoreWriter:
         return out
 
     # -- writing ---------------------------------------------------------------------------------
-    def _submit(self) -> None:
-        if not self._fill:
+    def _submit(self, force: bool = False) -> None:
+        """Hand the filled buffer to a writer thread (``force``: even when empty, to carry skip notes)."""
+        if not self._fill and not force:
             return
         n = self._fill
         buf, ids, mask, cols = self._buf, self._ids, self._mask, self._cols
         name = f"{self.tag}-{self.session}-{self._seq:05d}"
         self._seq += 1
         self._slots.acquire()  # back-pressure: at most max_pending shards in memory
-        fut = self._pool.submit(self._write, name, buf, n, np.concatenate(ids), np.concatenate(mask), cols)
+        fut = self._pool.submit(self._write, name, buf, n, np.concatenate(ids) if ids else np.zeros(0, np.int32),
+                                np.concatenate(mask) if mask else np.zeros(0, np.uint8), cols)
         self._futures.append(fut)
         self._new_buffer(self.capacity)
 
@@ -239,11 +247,21 @@ class StoreWriter:
                     self._free.append(buf)
             self._slots.release()
 
-    @staticmethod
-    def _stats(cols: dict[str, list]) -> dict[str, Any]:
+    def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
+        """Record samples the producer left out (over-length, no loss, ...). The ids travel in the next
+        committed shard's stats, so ``info`` can count them once even when a resumed run skips them again."""
+        with self._free_lock:
+            self._skipped.setdefault(reason, []).extend(str(s) for s in sample_ids)
+
+    def _stats(self, cols: dict[str, list]) -> dict[str, Any]:
         flags = Counter(f for fl in cols["flags"] for f in fl)
-        return {"loss_tokens": int(sum(cols["loss_tokens"])), "thinking_tokens": int(sum(cols["thinking_tokens"])),
-                "flags": dict(flags)}
+        with self._free_lock:
+            skipped, self._skipped = self._skipped, {}
+        out = {"loss_tokens": int(sum(cols["loss_tokens"])), "thinking_tokens": int(sum(cols["thinking_tokens"])),
+               "flags": dict(flags)}
+        if skipped:
+            out["skipped"] = skipped
+        return out
 
     def _raise_background_error(self) -> None:
         for f in self._futures:
@@ -253,7 +271,7 @@ class StoreWriter:
 
     def flush(self) -> None:
         """Write the partially filled shard and wait for every pending shard to be committed."""
-        self._submit()
+        self._submit(force=bool(self._skipped))
         futures, self._futures = self._futures, []
         errors = []
         for f in futures:

@@ -3,6 +3,7 @@ small synthetic stores."""
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 
@@ -108,3 +109,48 @@ def write_samples(url, manifest, samples, **kw):
 def write():
     """``write(url, manifest, samples, **writer_kwargs)`` -> the closed StoreWriter."""
     return write_samples
+
+
+# --------------------------------------------------------------------------- the tiny offline target
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """The tiny Qwen3.5-architecture target (built once, cached)."""
+    from extract.tiny import tiny_target_dir
+
+    return tiny_target_dir()
+
+
+@pytest.fixture(scope="session")
+def tok(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def stub_like_rows(n_rows=100, stub_share=0.87):
+    """The brief's failure in miniature: most rows are empty thinking + 'OK.', the rest real answers."""
+    n_stub = round(n_rows * stub_share)
+    rows = []
+    for i in range(n_rows):
+        question = {"role": "user", "content": f"Please handle request number {i} carefully."}
+        if i < n_stub:
+            answer = {"role": "assistant", "content": "OK.", "reasoning_content": ""}
+        else:
+            answer = {
+                "role": "assistant",
+                "content": f"Request {i} is handled: the steps were checked one by one and the result is correct.",
+                "reasoning_content": f"Request {i} needs care. First read it, then check every step, then answer.",
+            }
+        rows.append({"id": f"r{i}", "source": "legacy", "messages": [question, answer]})
+    return rows
+
+
+@pytest.fixture
+def stub_file(tmp_path):
+    path = tmp_path / "legacy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in stub_like_rows()))
+    return path
+
+

@@ -1,0 +1,270 @@
+"""``hsstore check`` and ``hsstore show``: the quality gate and the sample reader, on input files.
+
+transformers is imported only inside the handlers: the ``hsstore`` CLI imports this module at startup
+and must stay fast for commands that never touch a tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from extract.gate import GateThresholds
+from hsstore.cli import add_storage_option
+from hsstore.storage import parse_storage_options
+
+logger = logging.getLogger(__name__)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_threshold_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`GateThresholds` field, defaulting to the dataclass default."""
+    group = parser.add_argument_group("gate thresholds")
+    for f in fields(GateThresholds):
+        group.add_argument(
+            _flag(f.name),
+            dest=f.name,
+            type=type(f.default),
+            default=f.default,
+            metavar="N" if isinstance(f.default, int) else "X",
+            help=f"{f.metadata.get('help', '')} (default {f.default})",
+        )
+
+
+def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
+    return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
+
+
+def register(subparsers) -> None:
+    """Add the ``check`` and ``show`` subcommands; each sets ``func=handler(args) -> int``."""
+    p = subparsers.add_parser(
+        "check",
+        help="quality gate on training data, before any GPU work",
+        description="Tokenize the input with the target's chat template and check per-sample loss-mask "
+        "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
+    )
+    p.add_argument("--model", required=True, help="target model directory (its tokenizer and chat template)")
+    p.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--max-length", type=int, default=None, help="flag samples longer than this many tokens")
+    p.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    add_threshold_flags(p)
+    p.set_defaults(func=run_check)
+
+    s = subparsers.add_parser(
+        "show",
+        help="print one decoded sample with its loss mask marked",
+        description="Decode sample N (0-based position, or a sample id) of an input with loss-masked "
+        "tokens highlighted (color on a terminal, ⟦ ⟧ otherwise).",
+    )
+    s.add_argument("input", help="a store URL, or a JSONL/Parquet/Arrow file or directory")
+    s.add_argument("n", help="sample position (0-based, after multi-turn expansion) or sample id")
+    s.add_argument("--model", default=None,
+                   help="target model directory (its tokenizer and chat template); for a store, its own "
+                   "tokenizer is used unless this is given")
+    s.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    s.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    s.add_argument("--max-chars", type=int, default=None, help="show only the last N characters")
+    add_storage_option(s)
+    s.set_defaults(func=run_show)
+
+    e = subparsers.add_parser(
+        "extract",
+        help="run the target over the input and write the tapped hidden states to a store",
+        description="Tokenize with the target's chat template, run the quality gate (refusing bad data before "
+        "the model is loaded), then extract. Under torchrun each rank writes its own shards; re-running "
+        "the same command resumes (committed samples are skipped).",
+    )
+    e.add_argument("--model", required=True, help="target model directory")
+    e.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
+    e.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
+    e.add_argument("--layers", default=None, help="tapped layer ids, e.g. 1,16,31,46,61 (default: DFlash spacing)")
+    e.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:LOCAL_RANK if available)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--max-length", type=int, default=None, help="skip (and count) longer samples")
+    e.add_argument("--truncate", action="store_true", help="cut over-length samples instead of skipping them")
+    e.add_argument("--token-budget", type=int, default=None, help="padded tokens per forward batch")
+    e.add_argument("--layout", default="zarr", choices=["zarr"])
+    e.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
+    e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
+    e.add_argument("--no-progress", action="store_true")
+    add_threshold_flags(e)
+    add_storage_option(e)
+    e.set_defaults(func=run_extract_cmd)
+
+    d = subparsers.add_parser(
+        "demo",
+        help="the main job on an embedded default: tiny Qwen3.5 target, bundled conversations, check, "
+        "extract, info, verify",
+    )
+    d.add_argument("--out", default="hsstore-demo", help="working folder (target, store); replaced each run")
+    d.set_defaults(func=run_demo_cmd)
+
+
+def _use_color(choice: str) -> bool:
+    return choice == "always" or (choice == "auto" and sys.stdout.isatty())
+
+
+def _fail(command: str, err: Exception) -> int:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    print(f"hsstore {command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def load_tokenizer(model: str):
+    """The target's tokenizer from a local directory (nothing is downloaded)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
+        raise FileNotFoundError(f"model directory not found: {model}")
+    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from extract.gate import check
+    from extract.tokenize import TokenizeStats, load_samples
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        stats = TokenizeStats()
+        samples = load_samples(
+            args.input,
+            tokenizer,
+            max_length=args.max_length,
+            keep_over_length=True,
+            expand=not args.no_expand,
+            stats=stats,
+        )
+        report = check(samples, thresholds_from_args(args), stats=stats)
+    except (ValueError, OSError) as e:
+        return _fail("check", e)
+    if args.json:
+        print(report.to_json())
+    else:
+        print(report.format_text(tokenizer, n_examples=args.examples, color=_use_color(args.color)), end="")
+    return 0 if report.ok else 1
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from extract.show import format_sample
+    from extract.tokenize import load_samples
+
+    if is_store(args.input, parse_storage_options(args.storage_option)):
+        return show_store_sample(args)
+    if not args.model:
+        return _fail("show", ValueError("--model is required to tokenize input files"))
+    try:
+        tokenizer = load_tokenizer(args.model)
+        index = int(args.n) if args.n.isdigit() else None
+        found, count = None, 0
+        for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand):
+            if count == index or sample.sample_id == args.n:
+                found = sample
+                break
+            count += 1
+        if found is None:
+            raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples)")
+    except (ValueError, OSError) as e:
+        return _fail("show", e)
+    s = found
+    flags = ", ".join(s.flags) or "-"
+    print(
+        f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, "
+        f"thinking {s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}"
+    )
+    print(format_sample(tokenizer, s.input_ids, s.loss_mask, color=_use_color(args.color), max_chars=args.max_chars))
+    return 0
+
+
+def is_store(url: str, storage_options: dict) -> bool:
+    from hsstore import storage
+
+    try:
+        fs, root = storage.resolve(url, storage_options)
+        return fs.exists(storage.join(root, "manifest.json"))
+    except Exception:
+        return False
+
+
+def show_store_sample(args: argparse.Namespace) -> int:
+    """A stored sample decoded with the store's own tokenizer (exported by extract), loss mask marked."""
+    import tempfile
+
+    import hsstore
+    from extract.show import format_sample
+    from hsstore import assets
+
+    try:
+        store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
+        ids = store.sample_ids()
+        index = int(args.n) if args.n.isdigit() else (ids.index(args.n) if args.n in ids else None)
+        if index is None or not 0 <= index < len(store):
+            raise ValueError(f"{args.input}: no sample {args.n!r} (it has {len(store)} samples)")
+        ref = store.ref(index)
+        item = store.read(index, layers=store.layers[:1])
+        if args.model:
+            tokenizer = load_tokenizer(args.model)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=args.input)
+                tokenizer = load_tokenizer(tmp)
+    except (ValueError, OSError, hsstore.StoreError) as e:
+        return _fail("show", e)
+    rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
+    flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
+    print(f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "
+          f"loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
+          f"shard {ref.shard}, flags: {flags}")
+    print(format_sample(tokenizer, item["input_ids"].numpy(), item["loss_mask"].numpy(),
+                        color=_use_color(args.color), max_chars=args.max_chars))
+    return 0
+
+
+def run_extract_cmd(args: argparse.Namespace) -> int:
+    from extract.job import ExtractConfig, GateRefused, run_extract
+
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    cfg = ExtractConfig(
+        model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
+        max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
+        expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
+        storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress)
+    try:
+        result = run_extract(cfg)
+    except GateRefused as e:
+        print(e.text, end="")
+        print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)
+        return 1
+    print(f"rank {result.rank}/{result.world_size}: wrote {result.samples} samples, {result.tokens:,} tokens in "
+          f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
+          f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped")
+    return 0
+
+
+def run_demo_cmd(args: argparse.Namespace) -> int:
+    from extract.demo import run_demo
+
+    return run_demo(args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m extract.cli``); ``hsstore`` mounts the same subcommands."""
+    parser = argparse.ArgumentParser(prog="hsstore")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

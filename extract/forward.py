@@ -1,0 +1,144 @@
+"""The extraction pipeline: token-budget batches -> target forward -> pinned host copy -> store writer.
+
+The GPU must never wait on storage: taps are stacked and packed (padding dropped) on the GPU, copied
+with ``non_blocking=True`` into one of two pinned host buffers, and handed to a thread that waits on
+the copy's CUDA event and feeds the :class:`hsstore.StoreWriter` (which encodes and uploads in its own
+threads), while the next batch's forward runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .capture import run_tapped
+from .tokenize import TokenizedSample
+
+log = logging.getLogger(__name__)
+
+
+def token_budget_batches(samples: Sequence[TokenizedSample], max_tokens: int, max_batch: int = 256,
+                         ) -> list[list[TokenizedSample]]:
+    """Batches of length-sorted samples whose padded size (batch x longest) stays within ``max_tokens``.
+
+    Longest first, so an out-of-memory shows up in the first batch rather than hours in. A sample longer
+    than the budget gets a batch of its own.
+    """
+    order = sorted(samples, key=lambda s: (-s.num_tokens, s.sample_id))
+    batches: list[list[TokenizedSample]] = []
+    current: list[TokenizedSample] = []
+    for s in order:
+        longest = current[0].num_tokens if current else s.num_tokens
+        if current and ((len(current) + 1) * longest > max_tokens or len(current) >= max_batch):
+            batches.append(current)
+            current = []
+        current.append(s)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pad_right(batch: Sequence[TokenizedSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` with right padding only: recurrent (Gated DeltaNet) layers
+    would change real tokens' states under left padding; under right padding they cannot."""
+    T = max(s.num_tokens for s in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for i, s in enumerate(batch):
+        ids[i, : s.num_tokens] = torch.from_numpy(s.input_ids.astype("int64"))
+        mask[i, : s.num_tokens] = 1
+    return ids, mask
+
+
+@dataclass
+class _Staged:
+    batch: list[TokenizedSample]
+    host: torch.Tensor  # [n_tokens, L, H] packed features on the host
+    event: torch.cuda.Event | None
+    slot: int
+
+
+def extract_batches(
+    model: torch.nn.Module,
+    layers: list[int],
+    batches: Iterable[list[TokenizedSample]],
+    sink: Callable[[TokenizedSample, torch.Tensor], None],
+    pad_id: int,
+    device: torch.device,
+    on_batch: Callable[[list[TokenizedSample]], None] | None = None,
+    staging_tokens: int = 0,
+) -> None:
+    """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
+    background thread, overlapped with the next forward. ``features`` is only valid during the call.
+    ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget)."""
+    cuda = device.type == "cuda"
+    slots: list[torch.Tensor | None] = [None, None]
+    free: queue.Queue[int] = queue.Queue()
+    for i in range(len(slots)):
+        free.put(i)
+    staged: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        while True:
+            item = staged.get()
+            if item is None:
+                return
+            try:
+                if item.event is not None:
+                    item.event.synchronize()
+                off = 0
+                for s in item.batch:
+                    sink(s, item.host[off:off + s.num_tokens])
+                    off += s.num_tokens
+                if on_batch:
+                    on_batch(item.batch)
+            except BaseException as e:  # surfaced in the producer at the next batch
+                errors.append(e)
+            finally:
+                free.put(item.slot)
+
+    worker = threading.Thread(target=consume, name="hsstore-extract-sink", daemon=True)
+    worker.start()
+    copy_stream = torch.cuda.Stream(device) if cuda else None
+    try:
+        for batch in batches:
+            if errors:
+                raise errors[0]
+            ids, attn = pad_right(batch, pad_id)
+            if cuda:
+                ids, attn = ids.pin_memory().to(device, non_blocking=True), attn.pin_memory().to(device, non_blocking=True)
+            feats = run_tapped(model, layers, ids, attn)  # [B, T, L, H] on device
+            # GPU-side pack: drop padding before anything crosses PCIe
+            packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
+            slot = free.get()
+            if errors:
+                raise errors[0]
+            if cuda:
+                host = slots[slot]
+                if host is None or host.numel() < packed.numel():
+                    # sized for the largest batch the budget allows, once: pinning is slow and synchronising
+                    size = max(packed.numel(), staging_tokens * packed[0].numel())
+                    host = torch.empty(size, dtype=packed.dtype, pin_memory=True)
+                    slots[slot] = host
+                view = host[: packed.numel()].view(packed.shape)
+                event = torch.cuda.Event()
+                copy_stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(copy_stream):
+                    view.copy_(packed, non_blocking=True)
+                    packed.record_stream(copy_stream)
+                    event.record(copy_stream)
+                staged.put(_Staged(batch, view, event, slot))
+            else:
+                staged.put(_Staged(batch, packed, None, slot))
+            del feats, packed
+    finally:
+        staged.put(None)
+        worker.join()
+    if errors:
+        raise errors[0]

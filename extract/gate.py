@@ -1,0 +1,339 @@
+"""Quality gate: look at per-sample loss-mask distributions before any GPU time is spent.
+
+The failure this exists for: 87% of a data set's samples had a loss-mask sum of exactly 6
+(``<think>\\n\\n</think>\\n\\nOK.<|im_end|>``) while the aggregate counts looked fine. Means hide it; the
+most common per-sample value and its share do not. The gate refuses such a set and shows decoded
+examples so a person sees what the drafter would learn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from extract.show import format_sample
+from extract.tokenize import TokenizedSample, TokenizeStats
+
+PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
+FLAG_ORDER = ("stub_answer", "empty_thinking", "truncated", "over_length", "duplicate", "no_loss")
+
+
+@dataclass
+class GateThresholds:
+    """Limits of the gate; each field is also a ``hsstore check`` flag (``--small-loss-sum`` ...)."""
+
+    small_loss_sum: int = field(
+        default=32, metadata={"help": "a most-common loss-mask sum at or below this many tokens is suspicious"}
+    )
+    max_top_share: float = field(
+        default=0.20, metadata={"help": "fail when such a small value holds at least this share of samples"}
+    )
+    stub_answer_tokens: int = field(
+        default=4, metadata={"help": "a final answer with fewer tokens than this is a stub"}
+    )
+    max_stub_share: float = field(default=0.20, metadata={"help": "fail when stub answers exceed this share"})
+    max_empty_thinking_share: float = field(
+        default=0.50, metadata={"help": "fail when empty thinking blocks exceed this share"}
+    )
+    max_truncated_share: float = field(
+        default=0.10, metadata={"help": "fail when responses cut off (no end of turn) exceed this share"}
+    )
+    max_over_length_share: float = field(
+        default=0.10, metadata={"help": "fail when samples over --max-length exceed this share"}
+    )
+    max_duplicate_share: float = field(
+        default=0.10, metadata={"help": "fail when repeated token sequences exceed this share"}
+    )
+    min_response_fraction: float = field(
+        default=0.0, metadata={"help": "fail when loss tokens / all tokens is below this"}
+    )
+
+
+@dataclass(slots=True)
+class SampleStats:
+    """What the gate records for one sample."""
+
+    sample_id: str
+    source: str
+    tokens: int
+    loss_tokens: int
+    thinking_tokens: int
+    answer_tokens: int | None
+    flags: tuple[str, ...]
+
+
+@dataclass
+class GateReport:
+    """Result of :func:`check`: data-set distributions, per-sample records, verdict and reasons."""
+
+    thresholds: GateThresholds
+    samples: list[SampleStats]
+    total_tokens: int = 0
+    loss_tokens: int = 0
+    response_fraction: float = 0.0
+    loss_sum_mean: float = 0.0
+    loss_sum_percentiles: dict[str, int] = field(default_factory=dict)
+    loss_sum_histogram: list[dict] = field(default_factory=list)  # power-of-two bins {lo, hi, count, share}
+    top_values: list[dict] = field(default_factory=list)  # most common exact sums {value, count, share}
+    top_loss_sum: dict = field(default_factory=dict)  # {value, count, share}
+    flag_counts: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)
+    input_stats: dict | None = None
+    failures: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    dominant: bool = False
+    _examples: dict[str, list] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples)
+
+    def share(self, flag: str) -> float:
+        return self.flag_counts.get(flag, 0) / self.n_samples if self.samples else 0.0
+
+    @property
+    def stub_share(self) -> float:
+        return self.share("stub_answer")
+
+    def to_dict(self, per_sample: bool = False, max_listed: int = 20) -> dict:
+        """JSON-ready summary. Flagged sample ids are listed (first ``max_listed`` per flag)."""
+        listed: dict[str, list[str]] = {}
+        for s in self.samples:
+            for f in s.flags:
+                ids = listed.setdefault(f, [])
+                if len(ids) < max_listed:
+                    ids.append(s.sample_id)
+        out = {
+            "ok": self.ok,
+            "failures": self.failures,
+            "warnings": self.warnings,
+            "samples": self.n_samples,
+            "total_tokens": self.total_tokens,
+            "loss_tokens": self.loss_tokens,
+            "response_fraction": self.response_fraction,
+            "loss_sum": {
+                "mean": self.loss_sum_mean,
+                "percentiles": self.loss_sum_percentiles,
+                "histogram": self.loss_sum_histogram,
+                "top_values": self.top_values,
+            },
+            "top_loss_sum": self.top_loss_sum,
+            "stub_share": self.stub_share,
+            "shares": {f: self.share(f) for f in FLAG_ORDER},
+            "flag_counts": self.flag_counts,
+            "flagged_ids": listed,
+            "sources": self.sources,
+            "input": self.input_stats,
+            "thresholds": asdict(self.thresholds),
+        }
+        if per_sample:
+            out["per_sample"] = [
+                {f.name: (list(v) if isinstance(v := getattr(s, f.name), tuple) else v) for f in fields(s)}
+                for s in self.samples
+            ]
+        return out
+
+    def to_json(self, per_sample: bool = False, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(per_sample=per_sample), indent=indent, ensure_ascii=False)
+
+    def format_text(self, tokenizer=None, n_examples: int = 3, color: bool = False, max_chars: int = 1500) -> str:
+        """Readable report; a dominating small loss-sum value is announced first. Decodes ``n_examples``
+        flagged samples (needs ``tokenizer``) with the loss mask marked."""
+        return _format_report(self, tokenizer, n_examples, color, max_chars)
+
+
+def _sample_hash(ids: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype="<i4").tobytes(), digest_size=16).digest()
+
+
+def _histogram(sums: np.ndarray) -> list[dict]:
+    """Counts in bins 0, 1, 2-3, 4-7, ... up to the largest sum; empty bins inside the range are kept."""
+    n = sums.size
+    if n == 0:
+        return []
+    bins = [(0, 0)]
+    lo = 1
+    while lo <= int(sums.max()):
+        bins.append((lo, 2 * lo - 1))
+        lo *= 2
+    return [{"lo": a, "hi": b, "count": (c := int(((sums >= a) & (sums <= b)).sum())), "share": c / n} for a, b in bins]
+
+
+def check(
+    samples: Iterable[TokenizedSample],
+    thresholds: GateThresholds | None = None,
+    *,
+    stats: TokenizeStats | None = None,
+    keep_examples: int = 5,
+) -> GateReport:
+    """Run the gate over ``samples`` (streamed once). Adds ``stub_answer`` and ``duplicate`` flags to the
+    per-sample records (samples themselves are not modified)."""
+    t = thresholds or GateThresholds()
+    records: list[SampleStats] = []
+    seen: set[bytes] = set()
+    examples: dict[str, list] = {}
+    for s in samples:
+        flags = list(s.flags)
+        if s.answer_tokens is not None and s.loss_tokens > 0 and s.answer_tokens < t.stub_answer_tokens:
+            flags.append("stub_answer")
+        digest = _sample_hash(s.input_ids)
+        if digest in seen:
+            flags.append("duplicate")
+        seen.add(digest)
+        rec = SampleStats(
+            s.sample_id, s.source, s.num_tokens, s.loss_tokens, s.thinking_tokens, s.answer_tokens, tuple(flags)
+        )
+        records.append(rec)
+        keys = list(flags)
+        if rec.loss_tokens <= t.small_loss_sum:
+            keys.append(f"loss_sum={rec.loss_tokens}")
+        for key in keys:
+            bucket = examples.setdefault(key, [])
+            if len(bucket) < keep_examples:
+                bucket.append((rec, np.asarray(s.input_ids), np.asarray(s.loss_mask)))
+
+    report = GateReport(thresholds=t, samples=records, _examples=examples)
+    if stats is not None:
+        report.input_stats = asdict(stats)
+    n = len(records)
+    if n == 0:
+        report.failures.append("no samples to check")
+        return report
+
+    sums = np.fromiter((r.loss_tokens for r in records), dtype=np.int64, count=n)
+    report.total_tokens = int(sum(r.tokens for r in records))
+    report.loss_tokens = int(sums.sum())
+    report.response_fraction = report.loss_tokens / report.total_tokens if report.total_tokens else 0.0
+    report.loss_sum_mean = float(sums.mean())
+    report.loss_sum_percentiles = {
+        f"p{q}": int(v) for q, v in zip(PERCENTILES, np.percentile(sums, PERCENTILES, method="nearest"), strict=True)
+    }
+    report.loss_sum_histogram = _histogram(sums)
+    counts = Counter(sums.tolist())
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    report.top_values = [{"value": v, "count": c, "share": c / n} for v, c in ranked[:10]]
+    report.top_loss_sum = dict(report.top_values[0])
+    report.flag_counts = {f: c for f, c in Counter(f for r in records for f in r.flags).items()}
+    report.sources = dict(Counter(r.source for r in records).most_common())
+    _verdict(report)
+    return report
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _verdict(report: GateReport) -> None:
+    t = report.thresholds
+    top = report.top_loss_sum
+    if top["value"] <= t.small_loss_sum and top["share"] >= t.max_top_share:
+        report.dominant = True
+        report.failures.append(
+            f"{_pct(top['share'])} of samples have a loss-mask sum of exactly {top['value']} tokens "
+            f"(a value <= {t.small_loss_sum} holding >= {_pct(t.max_top_share)}): "
+            "the set is dominated by stub responses"
+        )
+    limits = [
+        ("stub_answer", t.max_stub_share, f"stub answers (final answer < {t.stub_answer_tokens} tokens)"),
+        ("empty_thinking", t.max_empty_thinking_share, "empty thinking blocks"),
+        ("truncated", t.max_truncated_share, "truncated responses (no end of turn)"),
+        ("over_length", t.max_over_length_share, "samples over the maximum length"),
+        ("duplicate", t.max_duplicate_share, "duplicate token sequences"),
+    ]
+    for flag, limit, what in limits:
+        share = report.share(flag)
+        count = report.flag_counts.get(flag, 0)
+        if share > limit:
+            report.failures.append(f"{what}: {count} samples ({_pct(share)}), limit {_pct(limit)}")
+        elif count:
+            report.warnings.append(f"{what}: {count} samples ({_pct(share)}), under the limit {_pct(limit)}")
+    if report.flag_counts.get("no_loss"):
+        report.warnings.append(f"{report.flag_counts['no_loss']} samples have an empty loss mask (nothing to learn)")
+    if report.response_fraction < t.min_response_fraction:
+        report.failures.append(
+            f"response fraction {_pct(report.response_fraction)} is below {_pct(t.min_response_fraction)}"
+        )
+
+
+def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, max_chars: int) -> str:
+    n = report.n_samples
+    verdict = "PASS" if report.ok else "FAIL"
+    lines = [f"hsstore quality gate: {verdict}"]
+    if n == 0:
+        lines += [f"  FAIL  {f}" for f in report.failures]
+        return "\n".join(lines) + "\n"
+    top = report.top_loss_sum
+    if report.dominant:
+        banner = f"!! {_pct(top['share'])} OF SAMPLES HAVE A LOSS-MASK SUM OF EXACTLY {top['value']} TOKENS !!"
+        lines += ["", "!" * len(banner), banner, "!" * len(banner)]
+    p = report.loss_sum_percentiles
+    inp = report.input_stats or {}
+    rows = f" (from {inp['rows']:,} rows, {inp['expanded']:,} added by multi-turn expansion)" if inp else ""
+    lines += [
+        "",
+        f"  samples          {n:,}{rows}",
+        "  sources          "
+        + ", ".join(f"{k} {v:,}" for k, v in list(report.sources.items())[:6])
+        + (" ..." if len(report.sources) > 6 else ""),
+        f"  tokens           {report.total_tokens:,} total, {report.loss_tokens:,} in loss masks "
+        f"(response fraction {_pct(report.response_fraction)})",
+        f"  loss-mask sum    mean {report.loss_sum_mean:.1f}   "
+        + "  ".join(f"{k} {p[k]:,}" for k in ("p0", "p10", "p50", "p90", "p100")),
+        f"  most common sum  {top['value']:,} tokens in {top['count']:,} samples ({_pct(top['share'])})"
+        + ("   <== DOMINATES" if report.dominant else ""),
+        "",
+        "  loss-mask sum per sample (histogram)",
+    ]
+    width = 40
+    peak = max(b["count"] for b in report.loss_sum_histogram) or 1
+    for b in report.loss_sum_histogram:
+        label = f"{b['lo']}" if b["lo"] == b["hi"] else f"{b['lo']}-{b['hi']}"
+        bar = "#" * round(width * b["count"] / peak)
+        mark = ""
+        if report.dominant and b["lo"] <= top["value"] <= b["hi"]:
+            mark = f"   <== {top['value']} tokens: {_pct(top['share'])}"
+        lines.append(f"    {label:>13} | {bar:<{width}} {b['count']:>9,} {_pct(b['share']):>6}{mark}")
+    lines += ["", "  flags"]
+    for flag in FLAG_ORDER:
+        c = report.flag_counts.get(flag, 0)
+        lines.append(f"    {flag:<16} {c:>9,}  {_pct(c / n):>6}")
+    lines += ["", "  verdict"]
+    lines += [f"    FAIL  {f}" for f in report.failures]
+    lines += [f"    warn  {w}" for w in report.warnings]
+    if report.ok and not report.warnings:
+        lines.append("    ok    no problems found")
+    if tokenizer is not None and n_examples > 0:
+        picked = _pick_examples(report, n_examples)
+        if picked:
+            marking = "bold green" if color else f"inside {'⟦ ⟧'}"
+            lines += ["", f"  examples (loss-masked tokens {marking})"]
+            for rec, ids, mask in picked:
+                flags = ", ".join(rec.flags) or "-"
+                lines.append(
+                    f"--- {rec.sample_id} [{rec.source}] {rec.tokens} tokens, loss {rec.loss_tokens}, "
+                    f"thinking {rec.thinking_tokens}, answer {rec.answer_tokens}, flags: {flags}"
+                )
+                lines.append(format_sample(tokenizer, ids, mask, color=color, max_chars=max_chars))
+    return "\n".join(lines) + "\n"
+
+
+def _pick_examples(report: GateReport, n: int) -> list:
+    """Samples with the dominating value first, then flagged ones by severity; each sample once."""
+    keys = [f"loss_sum={report.top_loss_sum['value']}"] if report.dominant else []
+    keys += list(FLAG_ORDER)
+    picked, seen = [], set()
+    for key in keys:
+        for item in report._examples.get(key, []):
+            if item[0].sample_id not in seen and len(picked) < n:
+                picked.append(item)
+                seen.add(item[0].sample_id)
+    return picked

@@ -1,0 +1,207 @@
+"""``hsstore extract``: input -> quality gate -> target forward -> store, resumable and rank-parallel.
+
+Order of work is chosen so that the expensive thing happens last: tokenize and gate every sample
+(refuse bad data before the model is even loaded), take this rank's slice, skip what the store already
+holds (resume), and only then load the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hsstore import StoreWriter, assets, storage
+from hsstore.errors import ManifestError
+from hsstore.reader import Store
+
+from .capture import check_taps, default_taps, text_config
+from .forward import extract_batches, token_budget_batches
+from .gate import GateReport, GateThresholds, check
+from .identity import build_manifest
+from .tokenize import TokenizedSample, TokenizeStats, load_samples
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class GateRefused(RuntimeError):
+    """The quality gate failed and the caller did not force extraction."""
+
+    def __init__(self, report: GateReport, text: str):
+        super().__init__("quality gate failed: " + "; ".join(report.failures))
+        self.report, self.text = report, text
+
+
+@dataclass
+class ExtractConfig:
+    model: str
+    inputs: list[str]
+    out: str
+    layers: list[int] | None = None
+    device: str | None = None
+    dtype: str = "bfloat16"
+    max_length: int | None = None
+    truncate: bool = False
+    token_budget: int | None = None
+    codec: str = "none"
+    expand: bool = True
+    force: bool = False
+    thresholds: GateThresholds = field(default_factory=GateThresholds)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    shard_bytes: int = 1 << 30
+    rank: int | None = None
+    world_size: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class ExtractResult:
+    rank: int
+    world_size: int
+    samples: int = 0
+    tokens: int = 0
+    skipped_done: int = 0
+    skipped_over_length: int = 0
+    seconds: float = 0.0
+    bytes_written: int = 0
+    gate: GateReport | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them (RANK, WORLD_SIZE, LOCAL_RANK)."""
+    r = rank if rank is not None else int(os.environ.get("RANK", 0))
+    w = world if world is not None else int(os.environ.get("WORLD_SIZE", 1))
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} out of range for world size {w}")
+    return r, w, int(os.environ.get("LOCAL_RANK", r if w <= max(torch.cuda.device_count(), 1) else 0))
+
+
+def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[TokenizedSample]:
+    """This rank's deterministic, disjoint share: round-robin over samples sorted by (length, id), so every
+    rank gets about the same number of tokens and the split depends only on the data and world size."""
+    order = sorted(samples, key=lambda s: (s.num_tokens, s.sample_id))
+    return order[rank::world]
+
+
+def committed_ids(url: str, storage_options: dict[str, Any]) -> set[str]:
+    """Sample ids already committed to the store (empty when the store does not exist yet)."""
+    try:
+        return set(Store(url, storage_options).sample_ids())
+    except ManifestError as e:
+        if "no manifest.json" in str(e):
+            return set()
+        raise
+
+
+def load_target(model_path: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def export_assets(fs, root: str, model, tokenizer) -> None:
+    """The embedding, lm_head, config and tokenizer files the trainer uses instead of the target."""
+    files = {
+        assets.EMBED: assets.tensors_bytes({"weight": model.get_input_embeddings().weight}),
+        assets.LM_HEAD: assets.tensors_bytes({"weight": model.get_output_embeddings().weight}),
+        assets.CONFIG: model.config.to_json_string().encode(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                files[f"{assets.TOKENIZER_DIR}/{name}"] = f.read()
+    assets.write_assets(fs, root, files)
+
+
+def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult:
+    """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
+    when the quality gate fails and ``cfg.force`` is false."""
+    from .cli import load_tokenizer
+
+    rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
+    result = ExtractResult(rank, world)
+    tokenizer = tokenizer or load_tokenizer(cfg.model)
+
+    stats = TokenizeStats()
+    samples = list(load_samples(cfg.inputs, tokenizer, max_length=cfg.max_length, truncate=cfg.truncate,
+                                keep_over_length=True, expand=cfg.expand, stats=stats))
+    report = check(samples, cfg.thresholds, stats=stats)
+    result.gate = report
+    if not report.ok and not cfg.force:
+        raise GateRefused(report, report.format_text(tokenizer, n_examples=3))
+    ids = [s.sample_id for s in samples]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"sample id {dup!r} occurs more than once in the input: ids must be unique for resume")
+    over = [s.sample_id for s in samples if "over_length" in s.flags]
+    samples = [s for s in samples if "over_length" not in s.flags]
+    result.skipped_over_length = len(over)
+
+    mine = rank_slice(samples, rank, world)
+    done = committed_ids(cfg.out, cfg.storage_options)
+    todo = [s for s in mine if s.sample_id not in done]
+    result.skipped_done = len(mine) - len(todo)
+    if result.skipped_done:
+        log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done, len(mine))
+
+    device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = DTYPES[cfg.dtype]
+    model = model if model is not None else load_target(cfg.model, dtype, device)
+    n_layers = int(text_config(model.config).num_hidden_layers)
+    layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
+    manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
+                              codec=cfg.codec, dtype=cfg.dtype)
+    writer = StoreWriter(cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
+                         shard_bytes=cfg.shard_bytes)
+    if rank == 0 and not assets.has_assets(writer.fs, writer.root):
+        export_assets(writer.fs, writer.root, model, tokenizer)
+    if over and rank == 0:
+        writer.note_skipped("over_length", over)
+
+    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
+    batches = token_budget_batches(todo, budget)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total_tokens = sum(s.num_tokens for s in todo)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank}",
+               disable=not cfg.progress, smoothing=0.1)
+    t0 = time.perf_counter()
+
+    def sink(s: TokenizedSample, feats: torch.Tensor) -> None:
+        writer.add(s.sample_id, s.input_ids, s.loss_mask, feats, source=s.source,
+                   thinking_tokens=s.thinking_tokens, flags=s.flags)
+        result.samples += 1
+        result.tokens += s.num_tokens
+
+    def on_batch(batch: list[TokenizedSample]) -> None:
+        bar.update(sum(s.num_tokens for s in batch))
+        bar.set_postfix(samples=f"{result.samples}/{len(todo)}", written=f"{writer.bytes_written / 1e9:.2f}GB",
+                        refresh=False)
+
+    try:
+        extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch, staging_tokens=budget)
+        writer.close()
+    except BaseException:
+        writer.close(commit=False)
+        raise
+    finally:
+        bar.close()
+    result.seconds = time.perf_counter() - t0
+    result.bytes_written = writer.bytes_written
+    return result

@@ -1,0 +1,225 @@
+"""Extraction: taps, capture, batching independence, prefill == generation, resume, ranks, refusals."""
+
+import inspect
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hsstore
+from extract.capture import default_taps, run_tapped
+from extract.cli import main as extract_cli
+from extract.forward import pad_right, token_budget_batches
+from extract.job import ExtractConfig, GateRefused, run_extract
+from extract.tiny import build_tiny_target, demo_conversations_path
+from extract.tokenize import load_samples
+from hsstore import assets
+from hsstore.cli import main as hsstore_cli
+from hsstore.verify import verify
+
+
+@pytest.fixture(scope="module")
+def model32(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def demo_samples(tok):
+    return list(load_samples(demo_conversations_path(), tok))
+
+
+@pytest.fixture
+def small_input(tmp_path):
+    """Eight bundled conversations (quick to extract on a CPU)."""
+    lines = demo_conversations_path().read_text().splitlines()[:8]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_default_taps_follow_dflash():
+    assert default_taps(64) == [1, 16, 31, 46, 61]
+    assert default_taps(36) == [1, 9, 17, 25, 33]
+
+
+def test_taps_equal_hf_hidden_states_and_stop_early(model32, demo_samples):
+    s = demo_samples[0]
+    ids, attn = pad_right([s], 0)
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+             for k, layer in enumerate(model32.model.layers)]
+    try:
+        feats = run_tapped(model32, [1, 3, 4], ids, attn)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert ran == [0, 1, 2, 3, 4]  # layers after the last tap never run
+    with torch.no_grad():
+        hs = model32(ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    for j, l in enumerate([1, 3, 4]):
+        assert torch.equal(feats[0, :, j], hs[l + 1][0]), f"layer {l} != HF hidden_states[{l + 1}]"
+
+
+def test_features_do_not_depend_on_batch(model32, demo_samples):
+    """Right padding only: a sample's features batched with longer ones equal those computed alone."""
+    batch = sorted(demo_samples[:6], key=lambda s: -s.num_tokens)
+    ids, attn = pad_right(batch, 0)
+    together = run_tapped(model32, [1, 3, 5], ids, attn)
+    for i, s in enumerate(batch):
+        a_ids, a_attn = pad_right([s], 0)
+        alone = run_tapped(model32, [1, 3, 5], a_ids, a_attn)[0]
+        torch.testing.assert_close(together[i, : s.num_tokens], alone, rtol=1e-5, atol=1e-5)
+
+
+def _cache_kw(model):
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def test_prefill_equals_token_by_token_generation(model32, demo_samples):
+    """The brief's question, answered for the hybrid Gated DeltaNet model: hidden states from one prefill
+    over prompt+response equal those of autoregressive decoding with the model's cache."""
+    s = max(demo_samples[:5], key=lambda x: x.num_tokens)
+    ids = torch.from_numpy(s.input_ids.astype("int64"))[None]
+    T = ids.shape[1]
+    prompt = int(s.loss_mask.argmax())  # generation starts where the response starts
+    layers = [1, 2, 3, 4, 5]
+    full = run_tapped(model32, layers, ids, torch.ones_like(ids))[0]  # [T, L, H]
+    key = _cache_kw(model32)
+    with torch.no_grad():
+        out = model32(ids[:, :prompt], use_cache=True, output_hidden_states=True)
+        cache = out[key] if key in out else out["past_key_values"]
+        steps = [torch.stack([out.hidden_states[l + 1][0] for l in layers], dim=1)]
+        for t in range(prompt, T):
+            out = model32(ids[:, t:t + 1], use_cache=True, output_hidden_states=True, **{key: cache})
+            cache = out[key] if key in out else out["past_key_values"]
+            steps.append(torch.stack([out.hidden_states[l + 1][0] for l in layers], dim=1))
+    generated = torch.cat(steps, dim=0)
+    assert generated.shape == full.shape
+    scale = full.abs().max()
+    err = (generated - full).abs().max() / scale
+    assert err < 2e-3, f"prefill vs generation relative error {err}"  # far below bf16's 2**-8
+
+
+def test_token_budget_batches():
+    from extract.tokenize import TokenizedSample
+    import numpy as np
+
+    samples = [TokenizedSample(f"s{i}", np.zeros(n, np.int32), np.ones(n, np.uint8)) for i, n in
+               enumerate([10, 50, 20, 200, 30, 40])]
+    batches = token_budget_batches(samples, 100)
+    assert [s.sample_id for b in batches for s in b] == ["s3", "s1", "s5", "s4", "s2", "s0"]
+    for b in batches:
+        assert len(b) == 1 or len(b) * b[0].num_tokens <= 100
+    assert sorted(s.sample_id for b in batches for s in b) == sorted(s.sample_id for s in samples)
+
+
+def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32):
+    out = str(tmp_path / "store")
+    cfg = ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",
+                        layers=[1, 4], progress=False, token_budget=700)
+    r = run_extract(cfg)
+    samples = {s.sample_id: s for s in load_samples(small_input, tok)}
+    store = hsstore.open(out)
+    assert r.samples == len(samples) == len(store)
+    assert store.manifest.layers == (1, 4) and store.manifest.dtype == "float32"
+    assert store.manifest.target.num_layers == 8 and store.manifest.target.model_type == "qwen3_5_text"
+    for i in range(len(store)):
+        item = store.read(i)
+        s = samples[item["sample_id"]]
+        assert item["input_ids"].tolist() == s.input_ids.tolist()
+        assert item["loss_mask"].tolist() == s.loss_mask.astype(bool).tolist()
+        ids, attn = pad_right([s], 0)
+        alone = run_tapped(model32, [1, 4], ids, attn)[0]
+        torch.testing.assert_close(item["hidden_states"], alone, rtol=1e-5, atol=1e-5)
+    # what the trainer needs instead of the target
+    emb = assets.load_tensors(store.fs, store.root, assets.EMBED)["weight"]
+    head = assets.load_tensors(store.fs, store.root, assets.LM_HEAD)["weight"]
+    assert torch.equal(emb, model32.get_input_embeddings().weight)
+    assert torch.equal(head, model32.get_output_embeddings().weight)
+    tokdir = assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, str(tmp_path / "tok"))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tokdir).get_vocab() == tok.get_vocab()
+    assert verify(store).ok
+
+
+def test_resume_after_crash_exactly_once(tiny_dir, small_input, tmp_path, monkeypatch):
+    out = str(tmp_path / "store")
+    base = dict(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", progress=False,
+                token_budget=400, shard_bytes=64 * 5 * 2 * 300)
+    import extract.forward as fwd
+
+    real = fwd.run_tapped
+    calls = {"n": 0}
+
+    def crashing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    monkeypatch.setattr(fwd, "run_tapped", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_extract(ExtractConfig(**base))
+    partial = hsstore.open(out)
+    assert 0 < len(partial) < 10
+    monkeypatch.setattr(fwd, "run_tapped", real)
+    r = run_extract(ExtractConfig(**base))
+    assert r.skipped_done == len(partial)
+    store = hsstore.open(out)
+    ids = store.sample_ids()
+    assert len(ids) == len(set(ids)) == r.skipped_done + r.samples
+    assert verify(store).ok
+    again = run_extract(ExtractConfig(**base))
+    assert again.samples == 0 and len(hsstore.open(out)) == len(ids)
+
+
+def test_two_ranks_write_disjoint_shards(tiny_dir, small_input, tmp_path, tok):
+    out = str(tmp_path / "store")
+    results = [run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                                         progress=False, rank=r, world_size=2)) for r in (0, 1)]
+    store = hsstore.open(out)
+    assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
+    ids = store.sample_ids()
+    assert sorted(ids) == sorted(s.sample_id for s in load_samples(small_input, tok))
+    assert len(ids) == len(set(ids)) == sum(r.samples for r in results)
+    assert abs(results[0].samples - results[1].samples) <= 1
+
+
+def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkeypatch, capsys):
+    import extract.job as job
+
+    monkeypatch.setattr(job, "load_target", lambda *a, **k: pytest.fail("model loaded despite the gate"))
+    out = tmp_path / "store"
+    with pytest.raises(GateRefused):
+        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(stub_file)], out=str(out), device="cpu",
+                                  progress=False))
+    assert not out.exists()
+    rc = extract_cli(["extract", "--model", str(tiny_dir), "--input", str(stub_file), "--out", str(out)])
+    assert rc == 1 and not out.exists()
+    assert "refused" in capsys.readouterr().err
+
+
+def test_store_of_another_model_refused(tiny_dir, small_input, tmp_path):
+    out = str(tmp_path / "store")
+    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", progress=False))
+    other = build_tiny_target(tmp_path / "other", seed=1)  # same config, other weights
+    with pytest.raises(hsstore.ManifestError, match="weights_hash"):
+        run_extract(ExtractConfig(model=str(other), inputs=[str(small_input)], out=out, device="cpu",
+                                  progress=False))
+
+
+def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, capsys):
+    out = str(tmp_path / "store")
+    with pytest.raises(ValueError, match=r"layer ids \[8\] out of range.*8 decoder layers"):
+        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                                  layers=[1, 8], progress=False))
+    rc = extract_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
+                      "--max-length", "200", "--device", "cpu", "--no-progress", "--max-over-length-share", "1"])
+    assert rc == 0
+    assert "over --max-length skipped" in capsys.readouterr().out
+    assert hsstore_cli(["info", out, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["skipped"]["over_length"] > 0
+    assert info["length_percentiles"]["p100"] <= 200

@@ -1,0 +1,361 @@
+"""DFlash drafter: a small Qwen3-style decoder that drafts a whole block of tokens in one pass.
+
+How it works, in one picture (block_size S = 4, anchor p = 5):
+
+    target features  f0 f1 f2 f3 f4 | f5 f6 ...     (hidden states of the tapped target layers)
+                     '-- context --'                 positions j < p only (strictly: never f5)
+    block tokens     x5  M  M  M                     anchor token + S-1 mask tokens
+    positions        5   6  7  8                     absolute RoPE positions p .. p+S-1
+    outputs          -   x6 x7 x8                    output k predicts the token at p+k (same position)
+
+* The tapped features [T, L*H] are projected by ``fc`` (L*H -> H) and RMS-normalized: this is the
+  *context*. Every draft layer turns the context into extra keys/values with its own k_proj/v_proj and
+  puts them in front of the block tokens' own keys/values.
+* Block queries attend to all tokens of their own block (non-causally) and to context positions
+  j < p (and p - j <= window with a sliding window: the last `window` positions). Never to another
+  block, never to a feature at position >= p: at inference the anchor x_p is the token the target
+  just emitted, the target has not run on it yet, so features at >= p do not exist. Training with
+  them is the classic "98% train accuracy, 10% acceptance" leak.
+* Training processes many anchors per sequence at once: all blocks of a sequence are concatenated
+  into one query sequence [A*S] and a single attention mask enforces the rules above.
+* ``embed_tokens`` and ``lm_head`` are the target's own weights, frozen. They are stored as
+  non-persistent buffers: not parameters (so never in the optimizer, never get a gradient) and not in
+  ``state_dict()`` (checkpoints hold only the trainable drafter weights).
+
+``forward`` returns logits [B, A, S, V]. With a real vocabulary (248K) that tensor is huge, so the
+training objective (train/objective.py) calls ``draft_hidden`` instead and computes the cross
+entropy chunk by chunk, only at the positions that carry weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # H, equal to the target's hidden size
+    intermediate_size: int  # SwiGLU width
+    vocab_size: int  # V, the target's vocabulary
+    target_layers: list[int]  # tapped target layer ids (layer l = HF hidden_states[l + 1]); L = len
+    mask_token_id: int  # token id used for the S-1 mask positions of a block
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int = 1
+    block_size: int = 16  # S: anchor + S-1 mask tokens
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # per draft layer: None = full attention over the context, int w = only context positions j with
+    # p - j <= w (the last w positions before the anchor). None for the whole list = all layers full.
+    sliding_window: list[int | None] | None = None
+    max_position: int = 40960  # largest absolute position (context length + block) the drafter accepts
+    attn_impl: str = "sdpa"  # "sdpa" (boolean mask; reference, any device) or "flex" (BlockMask)
+
+    def __post_init__(self):
+        self.target_layers = [int(x) for x in self.target_layers]
+        if not self.target_layers:
+            raise ValueError("target_layers must not be empty")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.block_size < 2:
+            raise ValueError("block_size must be >= 2 (anchor + at least one mask token)")
+        if self.sliding_window is not None:
+            self.sliding_window = list(self.sliding_window)
+            if len(self.sliding_window) != self.num_layers:
+                raise ValueError(
+                    f"sliding_window has {len(self.sliding_window)} entries for {self.num_layers} layers"
+                )
+        if self.attn_impl not in ("sdpa", "flex"):
+            raise ValueError(f"attn_impl must be 'sdpa' or 'flex', not {self.attn_impl!r}")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layers)
+
+    def window(self, layer: int) -> int | None:
+        return None if self.sliding_window is None else self.sliding_window[layer]
+
+    @classmethod
+    def from_target_config(cls, target_config, *, mask_token_id: int, target_layers=None,
+                           num_layers: int = 1, **overrides) -> "DrafterConfig":
+        """Sizes copied from a transformers config of the target (only the config, never the model).
+
+        Works for multimodal configs too (uses ``get_text_config()``). ``overrides`` win.
+        """
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        rope = getattr(tc, "rope_parameters", None) or {}
+        n_target = tc.num_hidden_layers
+        kw = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            vocab_size=tc.vocab_size,
+            target_layers=list(target_layers) if target_layers is not None else default_target_layers(n_target),
+            mask_token_id=mask_token_id,
+            num_heads=tc.num_attention_heads,
+            num_kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            num_layers=num_layers,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0)),
+            max_position=getattr(tc, "max_position_embeddings", 40960),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def default_target_layers(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """Evenly spaced layer ids from 1 to n-3: [1,16,31,46,61] for 64 layers, [1,9,17,25,33] for 36."""
+    lo, hi = 1, num_target_layers - 3
+    if num_taps == 1:
+        return [lo]
+    return [round(lo + i * (hi - lo) / (num_taps - 1)) for i in range(num_taps)]
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    """cos/sin [..., head_dim] for integer positions [...] (Qwen3 / rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [..., head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, N, heads, hd]; cos/sin [B, N, hd]."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Qwen3 attention (per-head RMSNorm on q and k before RoPE, GQA), with the context's K/V in front."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, mask):
+        """x [B, N, H] block tokens (N = A*S); ctx [B, T, H] context; mask: see ``attend``."""
+        B, N, _ = x.shape
+        T = ctx.shape[1]
+        nh, nkv, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(B, N, nh, hd))
+        k_blk = self.k_norm(self.k_proj(x).view(B, N, nkv, hd))
+        k_ctx = self.k_norm(self.k_proj(ctx).view(B, T, nkv, hd))
+        v_blk = self.v_proj(x).view(B, N, nkv, hd)
+        v_ctx = self.v_proj(ctx).view(B, T, nkv, hd)
+        q = apply_rope(q, *rope_blk)
+        k = torch.cat([apply_rope(k_ctx, *rope_ctx), apply_rope(k_blk, *rope_blk)], dim=1)  # [B, T+N, nkv, hd]
+        v = torch.cat([v_ctx, v_blk], dim=1)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)  # [B, nh, N, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(B, N, nh * hd))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, rope_blk, rope_ctx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention mask
+
+
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                         window: int | None = None) -> torch.Tensor:
+    """Boolean mask [B, A*S, T + A*S] (True = may attend) for SDPA; keys are [context T | blocks A*S].
+
+    anchors [B, A] (positions, -1 = padding); valid [B, T] bool (False on right padding).
+    Query row a*S + i (token i of block a, anchor p) may see
+      * context key j   iff  j < p  and valid[j]  (and p - j <= window)   -- strictly <, never <=
+      * block key b*S + i'  iff  b == a                                   -- non-causal, own block only
+    Padding anchors see their own block only (no row is ever fully masked, so no NaN).
+    """
+    B, A = anchors.shape
+    T = valid.shape[1]
+    S = block_size
+    p = anchors.clamp(min=0)[:, :, None]  # [B, A, 1]
+    j = torch.arange(T, device=anchors.device)
+    ctx = (j < p) & valid[:, None, :] & (anchors[:, :, None] >= 0)  # [B, A, T]
+    if window is not None:
+        ctx = ctx & (p - j <= window)
+    ctx = ctx.repeat_interleave(S, dim=1)  # [B, A*S, T]
+    blk = torch.arange(A * S, device=anchors.device) // S
+    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, A*S, A*S]
+    return torch.cat([ctx, own], dim=-1)
+
+
+def _flex_block_mask(anchors, valid, block_size, window):
+    """Same rule as ``block_attention_mask`` as a flex_attention BlockMask (skips empty tiles)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, A = anchors.shape
+    T = valid.shape[1]
+    S = block_size
+    p = anchors.clamp(min=0)
+    real = anchors >= 0
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        a = q_idx // S
+        pa = p[b, a]
+        in_ctx = (kv_idx < T) & (kv_idx < pa) & real[b, a] & valid[b, kv_idx.clamp(max=T - 1)]
+        if window is not None:
+            in_ctx = in_ctx & (pa - kv_idx <= window)
+        in_blk = (kv_idx >= T) & ((kv_idx - T) // S == a)
+        return in_ctx | in_blk
+
+    return create_block_mask(mask_mod, B, None, A * S, T + A * S, device=anchors.device,
+                             _compile=anchors.is_cuda)
+
+
+_compiled_flex = None
+
+
+def attend(q, k, v, mask):
+    """q [B, nh, N, hd], k/v [B, nkv, T+N, hd]; mask is a bool tensor [B, N, T+N] or a BlockMask."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # eager: slow, for tests only
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig, embed_tokens: torch.Tensor, lm_head: torch.Tensor):
+        """embed_tokens [V, H] and lm_head [V, H] are the target's weights; they stay frozen."""
+        super().__init__()
+        c = config
+        for name, w in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(w.shape) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"{name} has shape {tuple(w.shape)}, expected ({c.vocab_size}, {c.hidden_size})")
+        self.config = c
+        self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.apply(self._init_weights)
+        # frozen, not parameters, not saved in state_dict()
+        self.register_buffer("embed_tokens", embed_tokens.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def context(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, T, L, H] (or already flat [B, T, L*H]) tapped features -> context [B, T, H]."""
+        B, T = hidden_states.shape[:2]
+        x = hidden_states.reshape(B, T, -1).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def draft_hidden(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:
+        """Final-normed drafter states [B, A, S, H]; logits = this @ lm_head.T.
+
+        hidden_states [B, T, L, H]; input_ids [B, T] long; anchors [B, A] long (-1 = padding);
+        attention_mask [B, T] bool, False on (right) padding; None = all valid.
+        """
+        c = self.config
+        S = c.block_size
+        B, T = input_ids.shape
+        A = anchors.shape[1]
+        if hidden_states.shape[:2] != (B, T):
+            raise ValueError(f"hidden_states {tuple(hidden_states.shape)} does not match input_ids {(B, T)}")
+        if T + S > c.max_position:
+            raise ValueError(f"sequence length {T} + block {S} exceeds max_position {c.max_position}")
+        dev = input_ids.device
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+        anchors = anchors.to(dev)
+        p = anchors.clamp(min=0)  # padding anchors run as harmless dummies at position 0
+
+        # padding features are never attended, but 0 * NaN = NaN (forward and backward): zero them
+        feats = hidden_states.reshape(B, T, -1).to(self.fc.weight.dtype)
+        if feats.shape[-1] != c.num_taps * c.hidden_size:
+            raise ValueError(f"hidden_states {tuple(hidden_states.shape)}: expected L*H = "
+                             f"{c.num_taps} x {c.hidden_size} features per position")
+        feats = torch.where(valid[..., None], feats, feats.new_zeros(()))
+        ctx = self.context(feats)  # [B, T, H]
+
+        # block tokens: [x_p, MASK, ..., MASK] at positions p .. p+S-1
+        ids = torch.full((B, A, S), c.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, :, 0] = torch.gather(input_ids, 1, p)
+        pos_blk = (p[:, :, None] + torch.arange(S, device=dev)).reshape(B, A * S)
+        pos_ctx = torch.arange(T, device=dev).expand(B, T)
+        x = F.embedding(ids.reshape(B, A * S), self.embed_tokens).to(ctx.dtype)
+
+        rope_blk = rope_cos_sin(pos_blk, c.head_dim, c.rope_theta, ctx.dtype)
+        rope_ctx = rope_cos_sin(pos_ctx, c.head_dim, c.rope_theta, ctx.dtype)
+
+        masks = {}  # one mask per distinct window
+        for i, layer in enumerate(self.layers):
+            w = c.window(i)
+            if w not in masks:
+                if c.attn_impl == "flex":
+                    masks[w] = _flex_block_mask(anchors, valid, S, w)
+                else:
+                    masks[w] = block_attention_mask(anchors, valid, S, w)
+            x = layer(x, ctx, rope_blk, rope_ctx, masks[w])
+        return self.norm(x).view(B, A, S, -1)
+
+    def forward(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:
+        """Logits [B, A, S, V]. Output k of block a predicts input_ids[anchors[a] + k]; k = 0 is unused."""
+        h = self.draft_hidden(hidden_states, input_ids, anchors, attention_mask)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -1,0 +1,162 @@
+"""DFlash training objective: anchors, same-position labels, decayed weights, weighted cross entropy.
+
+For an anchor p the drafter gets the block [x_p, MASK, ..., MASK] (S tokens) and its output k
+(k = 1 .. S-1) must predict x_{p+k}: the token AT position p+k, no shift (the block's position k
+already stands for position p+k). Output 0 is the anchor itself and is never trained.
+
+    weight(p, k) = loss_mask[p+k] * exp(-(k-1) / gamma)      (0 for k = 0 and for p+k >= seq_len)
+    loss         = sum(weight * CE) / sum(weight)            over all anchors of the batch
+
+Early positions get more weight because a draft is only accepted up to its first miss.
+
+Batch format (a dict; extra keys are ignored):
+    input_ids      [B, T] long
+    loss_mask      [B, T] (bool or 0/1)            1 on tokens to learn (the responses)
+    hidden_states  [B, T, L, H] (any float dtype)  tapped target features, L = len(target_layers)
+    attention_mask [B, T] bool, optional            False on right padding
+    anchors        [B, A] long, optional            precomputed anchors (-1 = padding), e.g. in collate
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+
+_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay constant of the position weights: 7 for block 16, 5 for 10, 4 for 8 (DFlash recipe)."""
+    if block_size not in _GAMMA:
+        raise ValueError(f"no default gamma for block_size {block_size} (known: {sorted(_GAMMA)}); pass gamma")
+    return _GAMMA[block_size]
+
+
+def sample_anchors(loss_mask: torch.Tensor, n_max: int = 512, generator: torch.Generator | None = None):
+    """Anchor positions for one sequence: a uniform sample without replacement, returned sorted.
+
+    Candidates are positions p with loss_mask[p] and loss_mask[p+1] (so p+1 < T): the anchor is a
+    response token and at least its first draft position has a label. Returns at most n_max of them
+    (fewer if there are fewer candidates, possibly none). Runs on CPU.
+    """
+    m = loss_mask.detach().bool().cpu()
+    cand = torch.nonzero(m[:-1] & m[1:]).flatten()
+    if cand.numel() > n_max:
+        pick = torch.randperm(cand.numel(), generator=generator)[:n_max]
+        cand = cand[pick].sort().values
+    return cand
+
+
+def batch_anchors(loss_mask: torch.Tensor, n_max: int = 512, generator=None) -> torch.Tensor:
+    """sample_anchors for every row of loss_mask [B, T], padded with -1 into [B, A] (A = largest count)."""
+    per_row = [sample_anchors(row, n_max, generator) for row in loss_mask]
+    A = max((a.numel() for a in per_row), default=0)
+    out = torch.full((len(per_row), A), -1, dtype=torch.long)
+    for i, a in enumerate(per_row):
+        out[i, : a.numel()] = a
+    return out
+
+
+def block_targets(input_ids, loss_mask, anchors, block_size: int, gamma: float):
+    """Labels and weights [B, A, S] for the drafter's outputs.
+
+    labels[b, a, k]  = input_ids[b, p+k]   (p = anchors[b, a]; IGNORE where p+k >= T, k = 0 or padding)
+    weights[b, a, k] = loss_mask[b, p+k] * exp(-(k-1)/gamma) on the labelled positions, else 0.
+    Right padding must already be zero in loss_mask.
+    """
+    B, T = input_ids.shape
+    dev = input_ids.device
+    anchors = anchors.to(dev)
+    k = torch.arange(block_size, device=dev)
+    pos = anchors[:, :, None] + k  # [B, A, S]
+    ok = (anchors[:, :, None] >= 0) & (k >= 1) & (pos < T)
+    pos_c = pos.clamp(0, T - 1).flatten(1)
+    labels = torch.gather(input_ids, 1, pos_c).view_as(pos).masked_fill(~ok, IGNORE)
+    lm = torch.gather(loss_mask.to(dev).float(), 1, pos_c).view_as(pos)
+    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+    weights = lm * decay * ok
+    return labels, weights
+
+
+def _ce_and_argmax(h, w, y):
+    logits = F.linear(h.to(w.dtype), w)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
+    return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
+
+
+def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 1024):
+    """CE [N] and top-1 predictions [N] for rows h [N, H] without materializing all N x V logits.
+
+    Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is
+    about chunk x V floats instead of N x V.
+    """
+    ces, preds = [], []
+    use_ckpt = torch.is_grad_enabled() and h.requires_grad
+    for s in range(0, h.shape[0], chunk):
+        args = (h[s : s + chunk], lm_head, labels[s : s + chunk])
+        ce, pred = checkpoint(_ce_and_argmax, *args, use_reentrant=False) if use_ckpt else _ce_and_argmax(*args)
+        ces.append(ce)
+        preds.append(pred)
+    if not ces:
+        return h.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
+    return torch.cat(ces), torch.cat(preds)
+
+
+def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch.Generator | None = None,
+                gamma: float | None = None, ce_chunk: int = 1024):
+    """Weighted block cross entropy of ``model`` (a DFlashDrafter) on ``batch``.
+
+    Anchors come from batch["anchors"] if present, else are sampled here (sample_anchors per row).
+    Returns (loss, metrics); loss is a scalar with grad (0 with grad if the batch has no anchors).
+    metrics (detached tensors, call .item() when logging):
+        acc          top-1 accuracy over all weighted positions (unweighted mean)
+        acc_k        [S-1] accuracy of draft position k = 1 .. S-1 (nan where no labels)
+        tau          mean over anchors of 1 + length of the correct prefix of the block (a teacher-forced
+                     estimate of acceptance length; a label outside loss_mask ends the prefix)
+        num_anchors, num_tokens (positions with weight > 0), weight_sum
+    """
+    cfg = model.config
+    S = cfg.block_size
+    gamma = default_gamma(S) if gamma is None else gamma
+    dev = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(dev)
+    B, T = input_ids.shape
+    attn = batch.get("attention_mask")
+    attn = torch.ones(B, T, dtype=torch.bool, device=dev) if attn is None else attn.to(dev).bool()
+    loss_mask = batch["loss_mask"].to(dev).bool() & attn
+
+    anchors = batch.get("anchors")
+    if anchors is None:
+        anchors = batch_anchors(loss_mask, anchors_per_seq, generator)
+    anchors = anchors.to(dev)
+
+    labels, weights = block_targets(input_ids, loss_mask, anchors, S, gamma)  # [B, A, S]
+    sel = weights > 0
+    if not sel.any():
+        zero = sum(p.sum() for p in model.parameters()) * 0.0
+        nan = torch.tensor(float("nan"))
+        return zero, dict(acc=nan, acc_k=torch.full((S - 1,), float("nan")), tau=nan,
+                          num_anchors=torch.tensor(0), num_tokens=torch.tensor(0), weight_sum=torch.tensor(0.0))
+
+    h = model.draft_hidden(batch["hidden_states"].to(dev), input_ids, anchors, attn)  # [B, A, S, H]
+    ce, pred = chunked_cross_entropy(h[sel], model.lm_head, labels[sel], ce_chunk)
+    w = weights[sel]
+    loss = (w * ce).sum() / w.sum()
+
+    with torch.no_grad():
+        correct = torch.zeros_like(sel)
+        correct[sel] = pred == labels[sel]
+        hits = correct[:, :, 1:].sum((0, 1)).float()
+        counts = sel[:, :, 1:].sum((0, 1)).float()
+        acc_k = torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(counts, float("nan")))
+        real = anchors >= 0
+        prefix = correct[:, :, 1:].long().cumprod(-1).sum(-1)  # [B, A]
+        tau = (1 + prefix[real]).float().mean()
+        metrics = dict(
+            acc=hits.sum() / counts.sum(), acc_k=acc_k, tau=tau,
+            num_anchors=real.sum(), num_tokens=sel.sum(), weight_sum=w.sum(),
+        )
+    return loss, metrics
