@@ -42,18 +42,6 @@ def dtype_name(x: torch.Tensor | np.ndarray) -> str:
     raise StoreError(f"unsupported feature dtype {x.dtype} (numpy has no bfloat16: pass a torch tensor)")
 
 
-def to_storage(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A numpy view (no copy when possible) of features in their storage dtype (bf16 -> uint16 bits)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        if x.dtype == torch.bfloat16:
-            return x.view(torch.uint16).numpy()
-        return x.numpy()
-    return x
-
-
 def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch tensor in the manifest dtype viewing stored bits (bit-exact)."""
     t = torch.from_numpy(a)
@@ -62,18 +50,29 @@ def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     return t
 
 
-_EXPONENT = {"bfloat16": (np.uint16, 0x7F80), "float16": (np.uint16, 0x7C00), "float32": (np.uint32, 0x7F800000)}
+# Signed integer views of each dtype's bits (torch's bitwise ops cover signed types), and the exponent
+# mask: a value is NaN/Inf exactly when all its exponent bits are set.
+BITS_TORCH = {"bfloat16": torch.int16, "float16": torch.int16, "float32": torch.int32}
+BITS_NUMPY = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32}
+EXPONENT_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000}
+
+
+def bits_view(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A CPU torch view of features' raw bits as a signed integer tensor (no copy when already on CPU)."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    return x.view(torch.int32 if x.element_size() == 4 else torch.int16)
 
 
 def first_nonfinite_row(a: np.ndarray, dtype: str) -> int | None:
-    """Row of the first NaN/Inf in storage-dtype features, or None. Works on the bits (an all-ones
-    exponent), which is several times faster than a float isfinite on bf16."""
-    kind, exp = _EXPONENT[dtype]
-    bits = a.view(kind)
-    mag = np.bitwise_and(bits, kind(0x7FFF if kind is np.uint16 else 0x7FFFFFFF))  # drop the sign bit
-    if int(mag.max(initial=0)) < exp:
-        return None
-    return int(np.nonzero((mag >= exp).reshape(mag.shape[0], -1).any(axis=1))[0][0])
+    """Row of the first NaN/Inf (an all-ones exponent) in storage-dtype features, or None."""
+    exp = EXPONENT_MASK[dtype]
+    hit = np.bitwise_and(a.view(BITS_NUMPY[dtype]), exp) == exp
+    rows = np.nonzero(hit.reshape(hit.shape[0], -1).any(axis=1))[0]
+    return int(rows[0]) if rows.size else None
 
 
 def crc32c(data) -> int:

@@ -106,6 +106,10 @@ def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
             with open(path, "wb") as f:
                 for part in (data.parts() if hasattr(data, "parts") else (data,)):
                     f.write(part)
+                # durable before the commit record that points at it: a power loss must not leave a
+                # committed shard whose chunks never reached the disk
+                f.flush()
+                os.fsync(f.fileno())
     else:
         fs.pipe({p: d.tobytes() if hasattr(d, "tobytes") and not isinstance(d, bytes) else d
                  for p, d in objects.items()})

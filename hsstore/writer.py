@@ -117,6 +117,7 @@ class StoreWriter:
         self._free: list[np.ndarray] = []
         self._free_lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
+        self._scratch = torch.empty(0, dtype=codec.BITS_TORCH[self.manifest.dtype])
         self.committed: list[shard.CommitRecord] = []
         self.bytes_written = 0
         self._new_buffer(self.capacity)
@@ -130,6 +131,7 @@ class StoreWriter:
                 buf = self._free.pop()
         self._buf = buf if buf is not None else np.empty((len(self.layers), capacity, self.hidden),
                                                          dtype=self.storage_dtype)
+        self._buf_bits = torch.from_numpy(self._buf.view(codec.BITS_NUMPY[self.manifest.dtype]))
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._cols: dict[str, list] = {c: [] for c in shard.SAMPLE_COLUMNS}
@@ -171,8 +173,14 @@ class StoreWriter:
                 self._submit()
             if T > self._buf.shape[1]:  # one sample larger than a shard: give it a shard of its own size
                 self._new_buffer(T)
+        region = self._buf_bits[:, self._fill:self._fill + T]
         for j, x in enumerate(layers):
-            self._buf[j, self._fill:self._fill + T] = x
+            region[j].copy_(x)  # torch copies use all cores; numpy's assignment uses one
+        if self.check_finite and self._has_nonfinite(region):
+            for j, layer in enumerate(self.layers):
+                bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
+                if bad is not None:  # the region is simply overwritten by the next sample
+                    raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
         self._ids.append(ids.astype(np.int32))
         self._mask.append(mask.astype(np.uint8))
         c = self._cols
@@ -186,7 +194,18 @@ class StoreWriter:
         if self._fill >= self.capacity:
             self._submit()
 
-    def _layer_views(self, where: str, hs, T: int) -> list[np.ndarray]:
+    def _has_nonfinite(self, region: torch.Tensor) -> bool:
+        """Any all-ones exponent in the bits (NaN/Inf), using a reused scratch buffer: no page faults,
+        all cores, no float conversion."""
+        mask = codec.EXPONENT_MASK[self.manifest.dtype]
+        n = region.numel()
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=region.dtype)
+        scratch = self._scratch[:n].view(region.shape)
+        torch.bitwise_and(region, mask, out=scratch)
+        return int(scratch.max()) == mask
+
+    def _layer_views(self, where: str, hs, T: int) -> list[torch.Tensor]:
         if isinstance(hs, Mapping):
             missing = [l for l in self.layers if l not in hs]
             extra = [l for l in hs if l not in self.layers]
@@ -206,12 +225,7 @@ class StoreWriter:
             if name != self.manifest.dtype:
                 raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
                                   "(features are stored bit-exact; convert explicitly if you mean to)")
-            a = codec.to_storage(x)
-            if self.check_finite:
-                bad = codec.first_nonfinite_row(a, name)
-                if bad is not None:
-                    raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
-            out.append(a)
+            out.append(codec.bits_view(x))
         return out
 
     # -- writing ---------------------------------------------------------------------------------
