@@ -1,0 +1,201 @@
+"""The trainer: fed by the store it equals training fed by a live target, resumes exactly, never needs the
+target, saves without pickle. Tiny Qwen3.5 target, CPU, a float32 (lossless) store."""
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hsstore
+from extract.job import ExtractConfig, run_extract
+from extract.tiny import build_tiny_target
+from extract.tokenize import load_samples
+from train import checkpoint as ckpt
+from train.trainer import TrainConfig, drafter_config, load_frozen, pick_mask_token, train
+from train_helpers import FAST, REPO, small_input, store32  # noqa: F401  (fixtures)
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "drafter" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------- store == online
+
+
+class OnlineBatches:
+    """The same batches as a store-fed run (its logged sample order), with features from a live target forward
+    (plain transformers ``output_hidden_states``, not extraction's hooks; layer l = hidden_states[l + 1])."""
+
+    def __init__(self, model, taps, samples, steps):
+        self.model, self.taps, self.samples, self.steps = model, taps, samples, steps
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return None
+
+    def __iter__(self):
+        for row in self.steps:
+            if row["epoch"] != self.epoch:
+                continue
+            items = []
+            for sid in row["samples"]:
+                s = self.samples[sid]
+                ids = torch.from_numpy(s.input_ids.astype("int64"))
+                with torch.no_grad():
+                    hs = self.model(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    output_hidden_states=True, use_cache=False).hidden_states
+                feats = torch.stack([hs[l + 1][0] for l in self.taps], dim=1)
+                mask = torch.from_numpy(s.loss_mask.astype(bool))
+                items.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "hidden_states": feats})
+            yield hsstore.collate_padded(items)
+
+
+def test_store_fed_training_equals_online_training(store32, tiny_dir, small_input, tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    steps = 5
+    train(TrainConfig(stores=[store32], out=str(tmp_path / "store"), steps=steps, log_samples=True, **FAST))
+    order = [json.loads(line) for line in (tmp_path / "store" / "samples.rank00000.jsonl").read_text().splitlines()]
+    assert len(order) == steps and {r["epoch"] for r in order} == {0, 1}  # crosses an epoch boundary
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    samples = {s.sample_id: s for s in load_samples(small_input, tok)}
+    taps = hsstore.open(store32).layers
+    online = OnlineBatches(model, taps, samples, order)
+    train(TrainConfig(stores=[store32], out=str(tmp_path / "online"), steps=steps, **FAST), source=online)
+
+    assert losses(tmp_path / "store") == losses(tmp_path / "online")  # identical, not close
+    a, b = weights(tmp_path / "store"), weights(tmp_path / "online")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def test_resume_reproduces_uninterrupted_run(store32, tmp_path):
+    cfg = dict(stores=[store32], steps=7, save_every=2, keep=0, **FAST)
+    full = tmp_path / "full"
+    train(TrainConfig(out=str(full), **cfg))
+    assert [p.name for p in ckpt.list_checkpoints(full)] == [f"step_{s:08d}" for s in (2, 4, 6, 7)]
+
+    # an interrupted run: only the mid-epoch checkpoint of step 2 survived, metrics went further
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for p in ckpt.list_checkpoints(cut)[1:]:
+        shutil.rmtree(p)
+    shutil.rmtree(cut / "drafter")
+    assert json.loads((ckpt.latest_checkpoint(cut) / "trainer.json").read_text())["epoch"] == 0
+    train(TrainConfig(out=str(cut), **cfg))
+
+    assert losses(cut) == losses(full) and len(losses(full)) == 7
+    a, b = weights(full), weights(cut)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_other_settings(store32, tmp_path):
+    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    with pytest.raises(ValueError, match="other settings"):
+        train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **{**FAST, "anchors": 16}))
+
+
+def test_checkpoints_are_pickle_free_and_optimizer_roundtrips(store32, tmp_path):
+    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **FAST))
+    last = ckpt.latest_checkpoint(tmp_path)
+    names = {p.name for p in last.iterdir()}
+    assert names == {"config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
+                     "rank00000.safetensors", "loader.rank00000.json"}
+    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.bin"))
+
+    p = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(p.parameters(), lr=1e-3)
+    p(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tensors, meta = ckpt.optimizer_to_safetensors(opt)
+    back = ckpt.optimizer_from_safetensors(tensors, json.loads(json.dumps(meta)))
+    opt2 = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
+    opt2.load_state_dict(back)
+    for k, st in opt.state_dict()["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, opt2.state_dict()["state"][k][name])
+
+
+# ---------------------------------------------------------------------------------------------- store only
+
+
+def test_training_needs_only_the_store(small_input, tmp_path):
+    """Extract, delete the target directory, train in a fresh process that never imports extract or transformers."""
+    target = build_tiny_target(tmp_path / "target")
+    store = tmp_path / "store"
+    run_extract(ExtractConfig(model=str(target), inputs=[str(small_input)], out=str(store), device="cpu",
+                              progress=False))
+    shutil.rmtree(target)
+    code = textwrap.dedent(f"""
+        import sys
+        from train.trainer import TrainConfig, train
+        r = train(TrainConfig(stores=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
+        assert r.steps == 2 and r.drafter_dir is not None
+        bad = sorted(m for m in sys.modules if m.split('.')[0] in ('extract', 'transformers'))
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_train_package_never_imports_extract():
+    for path in (REPO / "train").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "extract" for n in names), f"{path.name} imports extract"
+
+
+# ---------------------------------------------------------------------------------------------- config from the store
+
+
+def test_drafter_config_from_store_assets(store32):
+    store = hsstore.open(store32)
+    target_cfg, embed, head = load_frozen(store)
+    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], TrainConfig(stores=[store32], out="x",
+                         draft_layers=3), torch.device("cpu"))
+    assert cfg.target_layers == store.layers and cfg.hidden_size == store.manifest.hidden_size
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 32, embed.shape[0])
+    assert cfg.sliding_window == [2048, 2048, None] and cfg.attn_impl == "sdpa"
+    # the tiny tokenizer fills the embedding: the mask token is the pad token
+    assert cfg.mask_token_id == target_cfg["pad_token_id"]
+
+
+def test_mask_token_rule(manifest):
+    cfg = {"pad_token_id": 7}
+    m = manifest  # tokenizer.vocab_size None
+    assert pick_mask_token(cfg, m, 100) == 7
+    from dataclasses import replace
+
+    padded = replace(m, tokenizer=replace(m.tokenizer, vocab_size=90))
+    assert pick_mask_token(cfg, padded, 100) == 90  # first unused embedding row
+    assert pick_mask_token(cfg, padded, 100, requested=3) == 3
+    with pytest.raises(ValueError):
+        pick_mask_token({}, m, 100)
+
+
+def test_resume_exact_with_loader_workers(store32, tmp_path):
+    """With worker processes (torchdata's StatefulDataLoader, spawned) the saved state is the loader's own."""
+    cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, workers=1, **FAST)
+    train(TrainConfig(out=str(tmp_path / "full"), **cfg))
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path / "cut", 4))
+    train(TrainConfig(out=str(tmp_path / "cut"), **cfg))
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")

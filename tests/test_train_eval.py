@@ -1,0 +1,105 @@
+"""hsstore eval: greedy speculative decoding is lossless (its output equals target-only greedy decoding,
+whatever the drafter proposes) and tau counts accepted drafts + 1."""
+
+import pytest
+import torch
+
+import hsstore
+from hsstore.cli import main as hsstore_cli
+from train.checkpoint import load_drafter
+from train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
+from train.trainer import TrainConfig, load_frozen, train
+from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
+
+S, NEW = 8, 24
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok, small_input):  # noqa: F811
+    return [p for _, p in load_prompts([str(small_input)], tok, limit=2)]
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return {tok.eos_token_id}
+
+
+def oracle(prompt, reference, right: int | None = None, wrong_token: int = 0):
+    """Proposes the reference continuation; only its first ``right`` tokens when given (then garbage)."""
+    def propose(ctx, seq):
+        done = len(seq) - len(prompt)
+        block = list(reference[done:done + S - 1])
+        block += [wrong_token] * (S - 1 - len(block))
+        if right is not None:
+            block = block[:right] + [(t + 1) % 1000 for t in block[right:]]
+        return block
+    return propose
+
+
+@pytest.mark.parametrize("right", [None, 0, 2])
+def test_speculative_equals_greedy_for_any_proposer(target, prompts, eos, right):
+    taps = [1, 2, 3, 4, 5]
+    for prompt in prompts:
+        base = greedy_generate(target, prompt, NEW, eos)
+        spec = speculative_generate(target, oracle(prompt, base.tokens, right), prompt, taps, S, NEW, eos)
+        assert spec.tokens == base.tokens
+        assert all(1 <= a <= S for a in spec.accepted) and 1 <= spec.tau <= S
+        if right is None:  # everything accepted: S tokens per target forward
+            assert spec.accepted[0] == S and spec.forwards < base.forwards / 2
+        else:
+            assert set(spec.accepted) == {right + 1}
+
+
+def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_path):  # noqa: F811
+    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=3, **FAST))
+    store = hsstore.open(store32)
+    _, embed, head = load_frozen(store)
+    drafter = load_drafter(tmp_path, embed, head).eval()
+    propose = drafter_proposer(drafter)
+    for prompt in prompts:
+        base = greedy_generate(target, prompt, NEW, eos)
+        spec = speculative_generate(target, propose, prompt, store.layers, drafter.config.block_size, NEW, eos)
+        assert spec.tokens == base.tokens
+        assert 1 <= spec.tau <= drafter.config.block_size
+
+
+def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
+    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **FAST))
+    rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path), "--model", str(tiny_dir),
+                      "--input", str(small_input), "--num-samples", "2", "--max-new-tokens", "12", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "speculative output == target greedy output: 2/2" in out and "tau" in out
+
+
+def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F811
+    from extract.tiny import build_tiny_target
+
+    other = build_tiny_target(tmp_path / "other", seed=1)
+    train(TrainConfig(stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
+    rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path / "run"), "--model", str(other),
+                      "--input", str(small_input), "--num-samples", "1", "--device", "cpu"])
+    assert rc == 2
+
+
+def test_bench_train_smoke(tmp_path):
+    """tools/bench_train.py runs end to end at tiny sizes on a CPU (the real run is on a GPU)."""
+    import json
+    import subprocess
+    import sys
+
+    from train_helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_train", "--dir", str(tmp_path), "--tiny", "--rounds", "1",
+                           "--json", "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["ratio"] > 0 and result["loader_tokens_per_s"] > 0
+    assert not list(tmp_path.iterdir())  # the scratch store is removed

@@ -1,0 +1,194 @@
+"""Is the loader ever the bottleneck of DFlash training? Step time fed by the loader vs already in memory.
+
+Writes a synthetic store (random bf16 features, every sample ``--seq`` tokens so every batch costs the
+same), builds a random-weight drafter of the requested size, and times the trainer's own step
+(``train.trainer.train_step``) two ways, alternating for ``--rounds`` rounds:
+
+  loader     batches read from the store by the trainer's pipeline (HiddenStateDataset -> token-budget
+             batches -> anchors -> read-ahead thread -> pinned copy to the device on a side stream);
+  resident   the same kind of batches, read once beforehand and kept in device memory.
+
+ratio = resident step time / loader step time (1.0: the loader costs nothing; the target is >= 0.97).
+The store is written just before, so it is in the page cache unless ``--cold`` drops it (local files).
+
+    python -m tools.bench_train --dir /scratch/bench --device cuda              # 27B-sized drafter layer
+    python -m tools.bench_train --dir /tmp/b --tiny                              # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from train.data import StoreBatches, add_anchors, read_ahead
+from train.model import DFlashDrafter, DrafterConfig
+from train.objective import default_gamma
+from train.optim import build_optimizer, build_scheduler
+from train.trainer import DraftLoss, train_step
+
+TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=256, samples=24,
+            max_tokens=1024, anchors=32, steps=4, warmup=1, rounds=2)
+
+
+def write_store(path: Path, args, device) -> None:
+    """``--samples`` samples of ``--seq`` tokens, random N(0, 1) bf16 features (made on ``device``: fast)."""
+    manifest = Manifest(
+        target=TargetIdentity(name="bench", num_layers=args.taps + 3, hidden_size=args.hidden, config_hash="bench"),
+        tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"), layers=tuple(range(args.taps)))
+    g = torch.Generator(device=device).manual_seed(0)
+    with StoreWriter(str(path), manifest) as w:
+        for i in range(args.samples):
+            hs = torch.randn(args.seq, args.taps, args.hidden, generator=g, device=device).to(torch.bfloat16).cpu()
+            ids = torch.randint(0, args.vocab - 1, (args.seq,), generator=g, device=device).cpu()
+            w.add(f"bench-{i}", ids, torch.ones(args.seq, dtype=torch.bool), hs)
+
+
+def drop_page_cache(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def build(args, device):
+    cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=args.ffn, vocab_size=args.vocab,
+                        target_layers=list(range(args.taps)), mask_token_id=args.vocab - 1, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_layers=args.draft_layers,
+                        block_size=args.block, attn_impl=args.attn or ("flex" if device.type == "cuda" else "sdpa"))
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = (torch.randn(args.vocab, args.hidden, device=device) * 0.02).to(dtype)
+    head = (torch.randn(args.vocab, args.hidden, device=device) * 0.02).to(dtype)
+    drafter = DFlashDrafter(cfg, embed, head).to(device)
+    opt = build_optimizer(drafter)
+    sched = build_scheduler(opt, 10**6)
+    return DraftLoss(drafter, default_gamma(args.block), 1024), drafter, opt, sched
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", required=True, help="scratch directory for the store (reused if its settings match)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--ffn", type=int, default=17408)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--taps", type=int, default=5)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=48, help="store size: samples x seq tokens")
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per round and mode")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--attn", choices=["sdpa", "flex"], default=None)
+    ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
+    ap.add_argument("--keep-store", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    per_step = args.steps + args.warmup
+    batch_samples = max(1, args.max_tokens // args.seq)
+    if args.samples < per_step * batch_samples:
+        args.samples = per_step * batch_samples  # one epoch must cover a round
+
+    key = f"h{args.hidden}-L{args.taps}-v{args.vocab}-T{args.seq}-n{args.samples}"
+    store = Path(args.dir) / f"bench-train-{key}"
+    if not (store / "manifest.json").exists():
+        shutil.rmtree(store, ignore_errors=True)
+        t = time.perf_counter()
+        write_store(store, args, device)
+        print(f"wrote {store} in {time.perf_counter() - t:.1f}s", flush=True)
+
+    model, drafter, opt, sched = build(args, device)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    gamma = default_gamma(args.block)
+    source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0, rank=0,
+                          world_size=1, workers=args.workers, pin_memory=device.type == "cuda")
+
+    def stream(epoch):
+        source.set_epoch(epoch)
+        return read_ahead(source, lambda b: add_anchors(b, 0, epoch, args.anchors, args.block, gamma), device,
+                          args.prefetch)
+
+    def timed(batches) -> float:
+        it = iter(batches)
+        for _ in range(args.warmup):
+            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+        sync(device)
+        return (time.perf_counter() - t) / args.steps
+
+    resident_src = stream(10**6)  # an epoch of its own, read once, kept on the device
+    resident = [next(resident_src) for _ in range(per_step)]
+    resident_src.close()
+    tokens = sum(int(b["attention_mask"].sum()) for b, _ in resident[args.warmup:]) / args.steps
+
+    loader_t, resident_t = [], []
+    for r in range(args.rounds):
+        if args.cold:
+            drop_page_cache(store)
+        s = stream(r)
+        loader_t.append(timed(s))
+        s.close()
+        resident_t.append(timed(resident))
+    lo, re_ = statistics.median(loader_t), statistics.median(resident_t)
+    result = {
+        "device": str(device), "hidden": args.hidden, "taps": args.taps, "vocab": args.vocab,
+        "draft_layers": args.draft_layers, "block": args.block, "anchors": args.anchors, "seq": args.seq,
+        "max_tokens": args.max_tokens, "tokens_per_step": tokens, "workers": args.workers, "cold": args.cold,
+        "bytes_per_step": tokens * args.taps * args.hidden * 2,
+        "loader_ms": lo * 1e3, "resident_ms": re_ * 1e3, "ratio": re_ / lo,
+        "loader_tokens_per_s": tokens / lo, "resident_tokens_per_s": tokens / re_,
+        "loader_gbps": tokens * args.taps * args.hidden * 2 / lo / 1e9,
+        "rounds_loader_ms": [x * 1e3 for x in loader_t], "rounds_resident_ms": [x * 1e3 for x in resident_t],
+    }
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"drafter H={args.hidden} taps={args.taps} V={args.vocab} layers={args.draft_layers} block={args.block} "
+              f"anchors={args.anchors}; {tokens:.0f} tokens/step ({result['bytes_per_step'] / 1e6:.0f} MB of features)")
+        print(f"  loader-fed : {lo * 1e3:8.1f} ms/step  {tokens / lo:10,.0f} tokens/s  "
+              f"({result['loader_gbps']:.2f} GB/s of features)")
+        print(f"  resident   : {re_ * 1e3:8.1f} ms/step  {tokens / re_:10,.0f} tokens/s")
+        print(f"  ratio (resident / loader-fed step time): {re_ / lo:.3f}  (>= 0.97: the loader is not the bottleneck)")
+    if not args.keep_store:
+        shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""``hsstore train`` and ``hsstore eval``.
+
+torch and transformers are imported inside the handlers: the ``hsstore`` CLI imports this module at
+startup and must stay fast for commands that never train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+
+from hsstore.cli import add_storage_option
+from hsstore.storage import parse_storage_options
+
+
+
+def register(subparsers) -> None:
+    t = subparsers.add_parser(
+        "train",
+        help="train a DFlash drafter from one or more stores (no target needed)",
+        description="Train a DFlash drafter from hidden-state stores alone: features, tokens and loss masks, and "
+        "the target's embedding, lm_head and config (store assets). Writes OUT/metrics.jsonl, checkpoints under "
+        "OUT/checkpoints/ and the drafter in OUT/drafter/. Re-running the same command resumes from the latest "
+        "checkpoint. Multi-GPU: torchrun --nproc_per_node N -m hsstore train ...",
+    )
+    t.add_argument("--store", required=True, action="append", metavar="URL", help="store URL (repeatable)")
+    t.add_argument("--out", required=True, help="run directory (metrics, checkpoints, drafter)")
+    n = t.add_mutually_exclusive_group()
+    n.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
+    t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
+    t.add_argument("--max-tokens", type=int, default=16384, help="token budget per batch and rank (padded)")
+    t.add_argument("--anchors", type=int, default=512, help="anchors per sequence, at most")
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--draft-layers", type=int, default=5)
+    t.add_argument("--sliding-window", type=int, default=2048,
+                   help="context window of every draft layer but the last (0: full attention everywhere)")
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="default: first unused embedding row, else the target's pad token")
+    t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default by block)")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
+    t.add_argument("--min-lr-ratio", type=float, default=0.0)
+    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--attn", choices=["auto", "sdpa", "flex"], default="auto", help="auto: flex on CUDA, else sdpa")
+    t.add_argument("--weight", type=float, action="append", default=None, metavar="W",
+                   help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
+    t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")
+    t.add_argument("--prefetch", type=int, default=2, help="batches read (and copied to the GPU) ahead")
+    t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--save-every", type=int, default=1000)
+    t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
+    t.add_argument("--no-resume", action="store_true", help="start over even if OUT has checkpoints")
+    t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
+    t.add_argument("--no-progress", action="store_true")
+    add_storage_option(t)
+    t.set_defaults(func=run_train)
+
+    e = subparsers.add_parser(
+        "eval",
+        help="speculative decoding with the target and a drafter: acceptance length and tokens/s",
+        description="Greedy speculative decoding: the drafter proposes a block from the target's features, the "
+        "target verifies it. Reports the mean acceptance length tau and target-only vs speculative tokens/s, "
+        "and checks that the output equals target-only greedy decoding. The target is re-run over the whole "
+        "sequence each step (no KV cache), in both modes.",
+    )
+    e.add_argument("--store", required=True, help="the store the drafter was trained on (frozen head, taps)")
+    e.add_argument("--drafter", required=True, help="drafter dir, or a training OUT dir (its drafter/ or latest "
+                   "checkpoint)")
+    e.add_argument("--model", required=True, help="target model directory")
+    e.add_argument("--input", required=True, nargs="+", help="JSONL with 'messages' (prompt = before the last "
+                   "assistant turn) or 'prompt'")
+    e.add_argument("--num-samples", type=int, default=8)
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    e.add_argument("--json", action="store_true")
+    add_storage_option(e)
+    e.set_defaults(func=run_eval)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .trainer import TrainConfig, train
+
+    cfg = TrainConfig(
+        stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
+        max_tokens=args.max_tokens, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
+        sliding_window=args.sliding_window or None, mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
+        warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
+        log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
+        prefetch=args.prefetch, resume=not args.no_resume, progress=not args.no_progress,
+        log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir,
+        storage_options=parse_storage_options(args.storage_option))
+    result = train(cfg)
+    if result.drafter_dir is not None:  # rank 0
+        if result.resumed_from is not None:
+            print(f"resumed from {result.resumed_from}")
+        last = result.last
+        fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
+        print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
+              f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
+              f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
+        print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hsstore
+
+    from .checkpoint import load_drafter, read_drafter_config
+    from .speculative import evaluate, load_prompts
+    from .trainer import load_frozen
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    store = hsstore.open(args.store, **parse_storage_options(args.storage_option))
+    dcfg, meta = read_drafter_config(args.drafter)
+    if list(dcfg.target_layers) != list(store.manifest.layers):
+        raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
+    _, embed, head = load_frozen(store)  # in the dtype extraction ran in
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True).to(device).eval()
+    mine = model.get_input_embeddings().weight.detach()
+    if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
+        raise ValueError(f"{args.model} is not the target the store {args.store} was extracted from "
+                         "(its input embedding differs from the store's)")
+    embed, head = embed.to(device, dtype), head.to(device, dtype)
+    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=dtype).eval()
+
+    prompts = load_prompts(args.input, tokenizer, limit=args.num_samples)
+    if not prompts:
+        raise ValueError(f"no prompts in {args.input}")
+    eos = {int(x) for x in ([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    report = evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, args.max_new_tokens, eos)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m train.cli``); ``hsstore`` mounts the same subcommands."""
+    parser = argparse.ArgumentParser(prog="hsstore")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

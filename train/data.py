@@ -1,0 +1,252 @@
+"""Feeding the trainer from the store: token-budget batches, per-sample anchors, read-ahead, DDP lockstep.
+
+Why each piece is the way it is:
+
+* **Anchors per sample, from a seed of (seed, epoch, sample_id).** The same sample gets the same
+  anchors whatever the batching, the rank count, a restart, or whether its features came from the
+  store or from a live target forward. Runs stay comparable, and resume needs no RNG state for them.
+* **Every batch comes with the loader state after it.** A background thread reads ahead (and copies
+  to the GPU), so the loader itself is always a few batches past the step being trained; saving the
+  state that travelled with batch N makes a resume start exactly at batch N + 1.
+* **Lockstep under DDP.** All ranks must run the same number of steps, but token-budget batches give
+  ranks different batch counts. A rank whose share of the epoch is used up runs empty steps (zero
+  gradient, still joining the all-reduce) until every rank is done, so every sample is trained
+  exactly once per epoch and nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from hsstore import HiddenStateDataset, TokenBatches, merge_states, token_batches
+
+from .objective import block_targets, sample_anchors
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- anchors
+
+
+def sample_seed(seed: int, epoch: int, sample_id: str) -> int:
+    """A 63-bit seed that depends only on (seed, epoch, sample_id) (stable across processes and runs)."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def add_anchors(batch: dict[str, Any], seed: int, epoch: int, n_max: int, block_size: int,
+                gamma: float) -> dict[str, Any]:
+    """Set ``batch["anchors"]`` [B, A] (-1 padded), and for logging ``batch["label_counts"]`` (labelled
+    positions per draft position k = 1..S-1, for exact per-position accuracy across ranks) and
+    ``batch["tokens"]`` (real tokens). CPU work, done on the read-ahead thread; the counts are plain
+    Python numbers so logging never waits for the GPU."""
+    mask = batch["loss_mask"].bool()
+    if "attention_mask" in batch:
+        mask = mask & batch["attention_mask"].bool()
+    rows = [sample_anchors(m, n_max, torch.Generator().manual_seed(sample_seed(seed, epoch, sid)))
+            for m, sid in zip(mask, batch["sample_id"])]
+    A = max((a.numel() for a in rows), default=0)
+    anchors = torch.full((len(rows), A), -1, dtype=torch.long)
+    for i, a in enumerate(rows):
+        anchors[i, : a.numel()] = a
+    _, w = block_targets(batch["input_ids"], mask, anchors, block_size, gamma)
+    return {**batch, "anchors": anchors, "label_counts": (w[:, :, 1:] > 0).sum((0, 1)).tolist(),
+            "tokens": int(batch["attention_mask"].sum()) if "attention_mask" in batch else mask.numel()}
+
+
+def empty_batch(num_taps: int, hidden: int, dtype: torch.dtype, device) -> dict[str, Any]:
+    """A batch without anchors: the objective returns a zero loss that still touches every parameter."""
+    return {"sample_id": [], "input_ids": torch.zeros(1, 2, dtype=torch.long, device=device),
+            "loss_mask": torch.zeros(1, 2, dtype=torch.bool, device=device),
+            "attention_mask": torch.ones(1, 2, dtype=torch.bool, device=device),
+            "hidden_states": torch.zeros(1, 2, num_taps, hidden, dtype=dtype, device=device),
+            "anchors": torch.zeros(1, 0, dtype=torch.long, device=device),
+            "label_counts": None, "tokens": 0}
+
+
+# ---------------------------------------------------------------------------------------------- the store source
+
+
+class StoreBatches:
+    """Token-budget batches of one or more stores for one rank: ``set_epoch``, iteration, and a JSON-able
+    resume state. ``workers > 0`` reads through ``torchdata``'s ``StatefulDataLoader`` worker processes
+    (spawned: forked workers can deadlock fsspec's event loops); ``0`` reads in this process, on the
+    loader's own threads, which is usually enough. ``pin_memory`` applies to worker batches (the
+    DataLoader pins them on its own thread); in-process batches are pinned by ``read_ahead``."""
+
+    def __init__(self, urls: Sequence[str], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
+                 world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
+                 storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False):
+        self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
+                                          world_size=world_size, weights=weights, storage_options=storage_options,
+                                          cache_dir=cache_dir)  # items are copied into batches: pin those
+        self.batches = TokenBatches(self.dataset, max_tokens=max_tokens)
+        self.max_tokens, self.workers = int(max_tokens), int(workers)
+        self.loader = None
+        if workers > 0:
+            try:
+                from torchdata.stateful_dataloader import StatefulDataLoader
+            except ImportError as e:
+                raise ValueError("--workers > 0 needs torchdata (pip install torchdata); use --workers 0") from e
+            self.loader = StatefulDataLoader(self.batches, batch_size=None, num_workers=workers,
+                                             multiprocessing_context="spawn", pin_memory=pin_memory)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.set_epoch(epoch)
+
+    def _inner(self):
+        return self.loader if self.loader is not None else self.batches
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._inner())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._inner().load_state_dict(state)
+
+    def load_merged(self, states: list[dict[str, Any]]) -> None:
+        """Resume from the states of another world size / worker count: exactly once, new cut."""
+        self.batches.load_state_dict(merge_states(states))
+
+    def planned_steps(self, epochs: int) -> int:
+        """Optimizer steps for ``epochs`` epochs, from metadata only: per epoch, the batch count of the rank
+        with the most batches (the others run empty steps, see the module doc)."""
+        from hsstore.loader import epoch_order  # the plan is a pure function of metadata
+
+        t0 = time.perf_counter()
+        ds = self.dataset
+        lengths = ds.catalog.stop - ds.catalog.start
+        W = max(1, self.workers)
+        total = 0
+        for e in range(epochs):
+            eo = epoch_order(ds.catalog, ds.weights, ds.seed, e, ds.shuffle)
+            per_rank = []
+            for r in range(ds.world_size):
+                n = 0
+                for w in range(W):
+                    plan = ds.slot_plan(e, None, 0, ds.world_size, W, r * W + w)
+                    n += count_batches(lengths[eo.entry_cat[plan.entries]], self.max_tokens)
+                per_rank.append(n)
+            total += max(per_rank)
+        log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
+        return total
+
+
+def count_batches(lengths: np.ndarray, max_tokens: int) -> int:
+    """How many batches ``token_batches`` makes of samples with these lengths, in this order."""
+    items = ({"input_ids": SimpleNamespace(shape=(int(n),))} for n in lengths)
+    return sum(1 for _ in token_batches(items, max_tokens))
+
+
+# ---------------------------------------------------------------------------------------------- read-ahead
+
+
+def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = False) -> dict[str, Any]:
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            if non_blocking and not v.is_pinned():
+                v = v.pin_memory()
+            v = v.to(device, non_blocking=non_blocking)
+        out[k] = v
+    return out
+
+
+_DONE = object()
+
+
+def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2,
+               ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Yield ``(batch on device, source state after it)`` while a thread reads, prepares (anchors) and,
+    on CUDA, copies the next ``depth`` batches on a side stream. Stops the thread when closed early."""
+    cuda = device.type == "cuda"
+    q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            stream = torch.cuda.Stream(device) if cuda else None
+            for batch in source:
+                state = source.state_dict()
+                batch = prepare(batch)
+                event = None
+                if cuda:
+                    with torch.cuda.stream(stream):
+                        batch = to_device(batch, device, non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                if not put((batch, state, event)):
+                    return
+        except BaseException as e:  # re-raised in the consumer
+            put(e)
+        finally:
+            put(_DONE)
+
+    thread = threading.Thread(target=produce, name="hsstore-train-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            batch, state, event = item
+            if event is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(event)
+                for v in batch.values():
+                    if isinstance(v, torch.Tensor) and v.is_cuda:
+                        v.record_stream(current)
+            yield batch, state
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None,
+             ) -> Iterator[tuple[dict | None, dict | None]]:
+    """Under DDP, yield until *every* rank is out of batches; a rank that is out yields ``(None, last state)``.
+    One tiny all-reduce per step (on ``group``: a CPU/gloo group, so it never waits for the GPU)."""
+    it = iter(stream)
+    state = None
+    try:
+        while True:
+            item = next(it, None)
+            if world_size > 1:
+                import torch.distributed as dist
+
+                flag = torch.tensor([0 if item is None else 1], dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                if int(flag) == 0:
+                    return
+            elif item is None:
+                return
+            if item is None:
+                yield None, state
+            else:
+                batch, state = item
+                yield batch, state
+    finally:
+        if hasattr(it, "close"):
+            it.close()  # stops the read-ahead thread now, not at garbage collection

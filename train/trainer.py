@@ -1,0 +1,428 @@
+"""``hsstore train``: the DFlash drafter trained from hidden-state stores alone.
+
+Everything the trainer needs is in the store: the features, the tokens and loss masks, and (as
+assets) the target's config, embedding and lm_head. It never opens the target's weights, so a team can
+train on a machine that has only the store.
+
+The loop, in order: build the drafter from the store -> resume if OUT has a checkpoint -> for each
+epoch, for each token-budget batch: loss -> backward -> clip -> AdamW -> cosine schedule -> log ->
+checkpoint. The pieces it uses live next to it: ``data.py`` (batches, anchors, read-ahead, DDP
+lockstep), ``objective.py`` (the loss), ``optim.py`` (AdamW + schedule), ``checkpoint.py``.
+
+Choices worth knowing:
+* **Mask token**: ``mask_token_id`` if given; else the first embedding row past the tokenizer's
+  vocabulary (Qwen checkpoints pad their embedding: e.g. 248320 rows), an id no text can produce;
+  else the target's ``pad_token_id`` (``<|endoftext|>`` for Qwen, never inside a chat sample).
+* **Draft layers**: the 27B recipe by default: 5 Qwen3-style layers, all but the last with a sliding
+  window of 2048 context positions; sizes equal to the target's.
+* **Precision**: fp32 master weights and optimizer; on CUDA the step runs under bf16 autocast and the
+  frozen head stays in its stored dtype; on CPU everything is fp32 (so tests can compare exactly).
+* **DDP** (``torchrun``): gloo on CPU, nccl on GPU; each rank reads its own share of the store (the
+  loader's rank split); ranks run in lockstep (``data.lockstep``) so every sample is seen once per epoch.
+* **metrics.jsonl**: one line per logged step: step, epoch, loss (weighted CE over all ranks), acc,
+  acc_k (draft positions 1..S-1), tau (teacher-forced acceptance estimate), lr, grad_norm,
+  tokens, tokens_per_s, samples, wait_frac (share of the time spent waiting for data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hsstore
+from hsstore import assets
+
+from . import checkpoint as ckpt
+from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .model import DFlashDrafter, DrafterConfig
+from .objective import default_gamma, dflash_loss
+from .optim import build_optimizer, build_scheduler, clip_grad
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EPOCHS = 6
+# settings that must not change when resuming (the weights or the data order would not match)
+RESUME_KEYS = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
+               "sliding_window", "mask_token_id", "gamma", "workers")
+
+
+@dataclass
+class TrainConfig:
+    stores: list[str]
+    out: str
+    steps: int | None = None  # optimizer steps; or
+    epochs: int | None = None  # passes over the data (default DEFAULT_EPOCHS when steps is None too)
+    device: str | None = None  # default: cuda:LOCAL_RANK when available, else cpu
+    max_tokens: int = 16384  # token budget per batch and rank (batch x longest sample)
+    anchors: int = 512  # anchors per sequence (at most)
+    block_size: int = 16
+    draft_layers: int = 5
+    sliding_window: int | None = 2048  # for all draft layers but the last; None or 0: full attention
+    mask_token_id: int | None = None
+    gamma: float | None = None  # loss decay; default from the block size (7 for 16)
+    lr: float = 6e-4
+    warmup: float = 0.04
+    min_lr_ratio: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    attn: str = "auto"  # sdpa | flex | auto (flex on CUDA)
+    log_every: int = 10
+    save_every: int = 1000
+    keep: int = 2  # checkpoints kept
+    workers: int = 0  # loader worker processes per rank (0: read in-process, on threads)
+    prefetch: int = 2  # batches read (and copied to the GPU) ahead
+    resume: bool = True  # continue from OUT's latest checkpoint when there is one
+    progress: bool = True
+    log_samples: bool = False  # write OUT/samples.rankNNNNN.jsonl: the sample ids of every step
+    weights: list[float] | None = None  # per store (see HiddenStateDataset)
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    cache_dir: str | None = None
+    ce_chunk: int = 1024
+
+    def __post_init__(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if self.steps is None and self.epochs is None:
+            self.epochs = DEFAULT_EPOCHS
+        if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
+            raise ValueError("steps / epochs must be >= 1")
+        if not self.stores:
+            raise ValueError("at least one --store is needed")
+        self.stores = [str(s) for s in self.stores]
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    epochs_done: int
+    seconds: float
+    drafter_dir: Path | None
+    last: dict[str, Any]
+    resumed_from: Path | None = None
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def load_frozen(store: hsstore.Store, device="cpu", dtype: torch.dtype | None = None):
+    """(target config dict, embedding [V, H], lm_head [V, H]) from the store's assets."""
+    cfg = json.loads(assets.read_asset(store.fs, store.root, assets.CONFIG, store.url))
+    embed = assets.load_tensors(store.fs, store.root, assets.EMBED, store.url)["weight"]
+    head = assets.load_tensors(store.fs, store.root, assets.LM_HEAD, store.url)["weight"]
+    if dtype is not None:
+        embed, head = embed.to(dtype), head.to(dtype)
+    return cfg, embed.to(device), head.to(device)
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's part of a (possibly multimodal, e.g. ``qwen3_5``) config dict."""
+    return cfg.get("text_config") or cfg
+
+
+def pick_mask_token(target_cfg: dict[str, Any], manifest: hsstore.Manifest, vocab_rows: int,
+                    requested: int | None = None) -> int:
+    """See the module doc: requested > first unused embedding row > pad token."""
+    if requested is not None:
+        if not 0 <= requested < vocab_rows:
+            raise ValueError(f"mask token id {requested} outside the embedding (0..{vocab_rows - 1})")
+        return int(requested)
+    used = manifest.tokenizer.vocab_size
+    if used is not None and used < vocab_rows:
+        return int(used)
+    pad = text_config(target_cfg).get("pad_token_id", target_cfg.get("pad_token_id"))
+    if pad is not None:
+        return int(pad)
+    raise ValueError("cannot choose a mask token: the embedding has no unused row and the target config no "
+                     "pad_token_id; pass --mask-token-id")
+
+
+def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab_rows: int, cfg: TrainConfig,
+                   device: torch.device) -> DrafterConfig:
+    tc = text_config(target_cfg)
+    if tc.get("hidden_size") != manifest.hidden_size:
+        raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
+                         f"{manifest.hidden_size}")
+    window = cfg.sliding_window or None
+    windows = [window] * (cfg.draft_layers - 1) + [None] if window else None
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    return DrafterConfig.from_target_config(
+        SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
+        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, cfg.mask_token_id),
+        target_layers=list(manifest.layers), num_layers=cfg.draft_layers, block_size=cfg.block_size,
+        sliding_window=windows, attn_impl=attn)
+
+
+class DraftLoss(torch.nn.Module):
+    """The drafter plus its objective as one module: DDP must wrap the call that produces the loss
+    (the drafter's own forward would build [B, A, S, V] logits)."""
+
+    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int):
+        super().__init__()
+        self.drafter, self.gamma, self.ce_chunk = drafter, gamma, ce_chunk
+
+    def forward(self, batch):
+        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk)
+
+
+def init_distributed(device: str | None):
+    """(rank, world, device, CPU group for small all-reduces); starts the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    group = None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda":
+            group = dist.new_group(backend="gloo")
+    return rank, world, dev, group
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+class Meter:
+    """Sums over a logging interval; ``summary`` all-reduces them so the line covers every rank."""
+
+    def __init__(self, S: int):
+        self.S = S
+        self.reset()
+
+    def reset(self):
+        self.v = torch.zeros(7 + 2 * (self.S - 1), dtype=torch.float64)
+        self.t0, self.wait = time.perf_counter(), 0.0
+
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int, loss: float):
+        if label_counts is None or int(metrics["num_tokens"]) == 0:
+            self.v[4] += 1  # steps (an empty step still counts)
+            return
+        w = float(metrics["weight_sum"])
+        anchors = int(metrics["num_anchors"])
+        counts = torch.tensor(label_counts, dtype=torch.float64)
+        hits = torch.nan_to_num(metrics["acc_k"].double().cpu()) * counts
+        S1 = self.S - 1
+        self.v[:7] += torch.tensor([loss * w, w, float(metrics["tau"]) * anchors, anchors, 1, tokens, samples],
+                                   dtype=torch.float64)
+        self.v[7:7 + S1] += hits.round()
+        self.v[7 + S1:] += counts
+
+    def summary(self, world: int, group) -> dict[str, Any]:
+        v = self.v.clone()
+        if world > 1:
+            dist.all_reduce(v, group=group)
+        S1 = self.S - 1
+        dt = time.perf_counter() - self.t0
+        hits, counts = v[7:7 + S1], v[7 + S1:]
+        nan = float("nan")
+        acc_k = [float(h / c) if c > 0 else nan for h, c in zip(hits, counts)]
+        return {"loss": float(v[0] / v[1]) if v[1] > 0 else nan,
+                "acc": float(hits.sum() / counts.sum()) if counts.sum() > 0 else nan,
+                "acc_k": acc_k, "tau": float(v[2] / v[3]) if v[3] > 0 else nan,
+                "tokens": int(v[5]), "samples": int(v[6]), "tokens_per_s": float(v[5]) / dt if dt > 0 else nan,
+                "wait_frac": self.wait / dt if dt > 0 else 0.0}
+
+
+def truncate_jsonl(path: Path, after_step: int) -> None:
+    """Drop lines logged after ``after_step`` (a resumed run logs them again)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= after_step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig, source=None) -> TrainResult:
+    """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features)."""
+    t_start = time.perf_counter()
+    rank, world, device, group = init_distributed(cfg.device)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # -- the drafter, from the store alone
+    stores = [hsstore.open(u, **cfg.storage_options) for u in cfg.stores]
+    manifest = stores[0].manifest
+    head_dtype = None if device.type == "cuda" else torch.float32
+    target_cfg, embed, head = load_frozen(stores[0], device, head_dtype)
+    dcfg = drafter_config(manifest, target_cfg, embed.shape[0], cfg, device)
+    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(dcfg.block_size)
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dcfg, embed, head).to(device)
+    loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk)
+    opt = build_optimizer(drafter, lr=cfg.lr)
+    S = dcfg.block_size
+
+    # -- the data: this rank's share of the stores, in token-budget batches
+    if source is None:
+        source = StoreBatches(cfg.stores, layers=dcfg.target_layers, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                              rank=rank, world_size=world, workers=cfg.workers, weights=cfg.weights,
+                              storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
+                              pin_memory=device.type == "cuda")
+    total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
+    sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
+    config_json = {**dataclasses.asdict(cfg), "storage_options": None}  # may hold secrets: not saved
+    extra = {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
+             "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
+
+    # -- resume
+    step, epoch = 0, 0
+    latest = ckpt.latest_checkpoint(out) if cfg.resume else None
+    if latest is not None:
+        step, epoch = resume(latest, cfg, drafter, opt, sched, source, device, rank, world)
+        log.info("rank %d: resumed from %s (step %d, epoch %d)", rank, latest, step, epoch)
+    metrics_path = out / "metrics.jsonl"
+    samples_path = out / f"samples.rank{rank:05d}.jsonl"
+    if rank == 0:
+        truncate_jsonl(metrics_path, step)
+    if cfg.log_samples:
+        truncate_jsonl(samples_path, step)
+    if rank == 0:
+        (out / "train_config.json").write_text(json.dumps(config_json, indent=2))
+
+    model = loss_fn
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # the frozen head is identical on every rank (it comes from the store): never broadcast it
+        DDP._set_params_and_buffers_to_ignore_for_model(loss_fn, ["drafter.embed_tokens", "drafter.lm_head"])
+        model = DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0 or not cfg.progress,
+               dynamic_ncols=True)
+    meter = Meter(S)
+    last: dict[str, Any] = {}
+    epochs_limit = cfg.epochs if cfg.steps is None else math.inf
+    loader_state = None
+    while step < total and epoch < epochs_limit:
+        source.set_epoch(epoch)
+
+        def prepare(batch, e=epoch):
+            return add_anchors(batch, cfg.seed, e, cfg.anchors, S, gamma)
+
+        stream = lockstep(read_ahead(source, prepare, device, cfg.prefetch), world, group)
+        t_wait = time.perf_counter()
+        finished_epoch = True
+        for batch, state in stream:
+            meter.wait += time.perf_counter() - t_wait
+            loader_state = state if state is not None else loader_state
+            if batch is None:  # this rank's share of the epoch is done; others are not
+                batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, feat_dtype, device)
+
+            lr = sched.get_last_lr()[0]  # the rate this step uses
+            loss, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
+            step += 1
+
+            # -- bookkeeping
+            meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), float(loss))
+            if cfg.log_samples:
+                with samples_path.open("a") as f:
+                    f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
+            if step % cfg.log_every == 0 or step == total:
+                row = {"step": step, "epoch": epoch, **meter.summary(world, group), "lr": lr,
+                       "grad_norm": float(grad_norm)}
+                meter.reset()
+                last = row
+                if rank == 0:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
+                                    tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            bar.update(1)
+            if step % cfg.save_every == 0 or step == total:
+                save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
+                     world)
+            if cfg.steps is not None and step >= total:
+                finished_epoch = False
+                break
+            t_wait = time.perf_counter()
+        stream.close()
+        if finished_epoch:
+            epoch += 1
+    bar.close()
+    if step % cfg.save_every and step != total:  # the epochs ended before the planned step count
+        save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank, world)
+    drafter_dir = None
+    if rank == 0:
+        drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, extra)
+    if world > 1:
+        dist.barrier()
+    return TrainResult(step, epoch, time.perf_counter() - t_start, drafter_dir, last, latest)
+
+
+def train_step(model, drafter, opt, sched, batch, clip: float, amp):
+    """One optimizer step: loss (under autocast on CUDA) -> backward -> clip -> AdamW -> schedule."""
+    with amp:
+        loss, metrics = model(batch)
+    loss.backward()
+    grad_norm = clip_grad(drafter, clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach(), metrics, grad_norm
+
+
+def save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank, world):
+    """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it."""
+    tmp, final = ckpt.staging_dir(out, step), ckpt.checkpoint_dir(out, step)
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        dist.barrier()
+    ckpt.write_rank_files(tmp, rank, loader_state, device)
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        ckpt.write_main_files(tmp, drafter, opt, sched, step=step, epoch=epoch, config=config_json,
+                              world=[world, cfg.workers], extra=extra)
+        ckpt.publish(tmp, final, cfg.keep)
+    if world > 1:
+        dist.barrier()
+
+
+def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
+    """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
+    saved = ckpt.read_trainer_state(path)
+    now = dataclasses.asdict(cfg)
+    diffs = [f"{k}: {saved['config'].get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved["config"].get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
+                         "or --no-resume to start over")
+    state = ckpt.restore(path, drafter, opt, sched, device, rank)
+    states = ckpt.loader_states(path)
+    if saved["world"] == [world, cfg.workers] and rank in states:
+        if states[rank] is not None:
+            source.load_state_dict(states[rank])
+    elif any(s is not None for s in states.values()):
+        log.info("resuming a run of %s rank(s) x workers on %d x %d: re-cutting the rest of the epoch",
+                 saved["world"], world, cfg.workers)
+        source.load_merged([s for s in states.values() if s is not None])
+    return int(state["step"]), int(state["epoch"])
