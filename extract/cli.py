@@ -103,7 +103,7 @@ def register(subparsers) -> None:
     d = subparsers.add_parser(
         "demo",
         help="the main job on an embedded default: tiny Qwen3.5 target, bundled conversations, check, "
-        "extract, info, verify",
+        "extract, info, verify, train a drafter, eval",
     )
     d.add_argument("--out", default="hsstore-demo", help="working folder (target, store); replaced each run")
     d.set_defaults(func=run_demo_cmd)

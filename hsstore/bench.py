@@ -1,4 +1,4 @@
-"""Store throughput against raw reads/writes of the same bytes on the same filesystem.
+"""Store and loader throughput against raw reads/writes of the same bytes on the same filesystem.
 
 Machines here are noisy, so speed is reported as a ratio measured in one run: store write vs
 ``fs.pipe`` of byte-identical objects, store read (decoded, all layers, as tensors) vs ``fs.cat`` of
@@ -7,7 +7,9 @@ the store's own files. Rounds alternate (raw, store, raw, store) and the best of
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -104,3 +106,144 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
         r["ratio"] = r["gbps"] / r["raw_gbps"]
         r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url})
     return result
+
+
+def _drop_page_cache(paths: list[str]) -> None:
+    """Ask the kernel to forget cached pages of local files (no root needed), for cold-read rounds."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
+    """The peers' layout: one ``torch.save`` file per sample (SpecForge / ModelOpt style)."""
+    local = storage.is_local(fs)
+    paths = []
+    if local:
+        os.makedirs(peer_root, exist_ok=True)
+    for i, (sid, ids, mask, hs) in enumerate(samples):
+        path = storage.join(peer_root, f"{i:06d}.pt")
+        d = {"input_ids": ids, "loss_mask": mask, "hidden_states": hs}
+        if local:
+            torch.save(d, path)
+        else:
+            buf = io.BytesIO()
+            torch.save(d, buf)
+            fs.pipe_file(path, buf.getvalue())
+        paths.append(path)
+    return paths
+
+
+def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
+                     layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
+                     workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
+                     ) -> dict[str, dict]:
+    """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
+    optionally through DataLoader workers) against ``fs.cat`` of the chunk files holding those bytes, and
+    the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
+    ``fs.cat`` + ``torch.load``), all in one run with alternating rounds, best of each.
+
+    ``raw_gbps`` is ``fs.cat`` (as the store bench); locally ``raw_direct_gbps`` is also reported:
+    unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here.
+    Locally the files are in the page cache unless ``cold`` (then each round first drops them with
+    ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
+    """
+    from torch.utils.data import DataLoader
+
+    from .loader import HiddenStateDataset
+
+    fs, root = storage.resolve(url, storage_options)
+    local = storage.is_local(fs)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    store_url = f"{url.rstrip('/')}/{run}/store"
+    manifest = bench_manifest(layers, hidden, codec)
+    sel = list(read_layers) if read_layers else list(manifest.layers)
+    try:
+        samples = synthetic_samples(size_mb << 20, layers, hidden)
+        with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
+            for sid, ids, mask, hs in samples:
+                w.add(sid, ids, mask, hs)
+        peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if peers else []
+        del samples
+        store = Store(store_url, storage_options)
+        wanted = [f"/{shard.layer_array(l)}/c/" for l in sel] + ["/input_ids/c/", "/loss_mask/c/"]
+        files = [storage.join(store.root, k) for c in store.commits for k in c.files if any(x in k for x in wanted)]
+        nbytes = store.num_tokens * len(sel) * hidden * 2
+        sel_idx = [manifest.layers.index(l) for l in sel]
+
+        def raw():
+            batch, size = [], 0
+            for f in files + [None]:
+                if f is not None:
+                    batch.append(f)
+                    size += 16 << 20
+                if batch and (f is None or size >= 512 << 20):
+                    fs.cat(batch)
+                    batch, size = [], 0
+
+        def raw_direct():  # local only: each file read unbuffered into fresh numpy memory (a ceiling)
+            held, size = [], 0
+            for f in files:
+                n = os.path.getsize(f)
+                buf = np.empty(n, np.uint8)
+                with open(f, "rb", buffering=0) as fh:
+                    fh.readinto(memoryview(buf))
+                held.append(buf)
+                size += n
+                if size >= 512 << 20:
+                    held, size = [], 0
+
+        def through_loader(r):
+            ds = HiddenStateDataset(store, layers=sel, seed=r, pin_memory=pin)
+            it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin)
+            got = 0
+            for item in it:
+                got += item["hidden_states"].numel() * 2
+            assert got == nbytes, (got, nbytes)
+
+        def peer(r):
+            order = np.random.default_rng(r).permutation(len(peer_paths))
+            for i in order:
+                p = peer_paths[i]
+                if local:
+                    d = torch.load(p, mmap=True, weights_only=True)
+                else:
+                    d = torch.load(io.BytesIO(fs.cat_file(p)), weights_only=True)
+                hs = d["hidden_states"]
+                hs = hs[:, sel_idx] if len(sel_idx) < hs.shape[1] else hs.clone()  # bytes into memory
+                d["input_ids"].clone(), d["loss_mask"].clone()
+
+        best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "peer": np.inf}
+        for r in range(rounds):
+            for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: through_loader(r)),
+                             ("peer", lambda: peer(r))):
+                if (name == "peer" and not peers) or (name == "raw_direct" and not local):
+                    continue
+                if cold and local:
+                    _drop_page_cache(files + peer_paths)
+                best[name] = min(best[name], _time(fn))
+                log.info("loader bench round %d: %s %.3f GB/s", r, name, nbytes / 1e9 / best[name])
+    finally:
+        try:
+            fs.rm(storage.join(root, run), recursive=True)
+        except FileNotFoundError:
+            pass
+    gb = nbytes / 1e9
+    out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": nbytes, "workers": workers,
+           "pin_memory": pin,
+           "layers": layers, "read_layers": sel, "hidden": hidden, "codec": codec, "cold": cold, "url": url}
+    out["ratio"] = out["gbps"] / out["raw_gbps"]
+    if local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
+        out["raw_direct_gbps"] = gb / best["raw_direct"]
+        out["ratio_direct"] = out["gbps"] / out["raw_direct_gbps"]
+    if peers:
+        out["peer_gbps"] = gb / best["peer"]
+        out["peer_ratio"] = out["peer_gbps"] / out["raw_gbps"]
+        out["vs_peer"] = out["gbps"] / out["peer_gbps"]
+    return {"loader": out}

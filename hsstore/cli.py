@@ -58,16 +58,30 @@ def cmd_verify(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_store_bench
+    from .bench import run_loader_bench, run_store_bench
 
-    result = run_store_bench(args.url, storage.parse_storage_options(args.storage_option), size_mb=args.size_mb,
-                             hidden=args.hidden, layers=args.layers, codec=args.codec, what=args.what)
+    options = storage.parse_storage_options(args.storage_option)
+    result: dict = {}
+    if args.what in ("store", "all"):
+        result.update(run_store_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
+                                      layers=args.layers, codec=args.codec, what=args.what))
+    if args.what in ("loader", "all"):
+        read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
+        result.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
+                                       layers=args.layers, codec=args.codec, rounds=args.rounds,
+                                       read_layers=read_layers, workers=args.workers, cold=args.cold,
+                                       peers=not args.no_peers, pin=args.pin_memory))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for name, r in result.items():
             print(f"{name:>14}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
                   f"({r['bytes'] / 1e9:.2f} GB)")
+            if "raw_direct_gbps" in r:
+                print(f"{'':>14}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio {r['ratio_direct']:.2f}")
+            if "peer_gbps" in r:
+                print(f"{'peer layout':>14}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
+                      f"{r['peer_ratio']:.2f}; loader is {r['vs_peer']:.2f}x the peers' layout")
     return 0
 
 
@@ -89,13 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
 
-    q = sub.add_parser("bench", help="store write/read throughput against raw reads/writes of the same bytes")
+    q = sub.add_parser("bench", help="store write/read and loader throughput against raw reads/writes of the "
+                                     "same bytes")
     q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
     q.add_argument("--size-mb", type=int, default=512)
     q.add_argument("--hidden", type=int, default=5120)
     q.add_argument("--layers", type=int, default=5)
     q.add_argument("--codec", default="none")
-    q.add_argument("--what", choices=["store", "all"], default="store")
+    q.add_argument("--what", choices=["store", "loader", "all"], default="store",
+                   help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout")
+    q.add_argument("--rounds", type=int, default=3, help="loader rounds (alternating; best of each)")
+    q.add_argument("--read-layers", default=None, metavar="L,L",
+                   help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
+    q.add_argument("--workers", type=int, default=0, help="loader: DataLoader worker processes (0: in-process)")
+    q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
+    q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
+    q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")
     q.add_argument("--json", action="store_true")
     add_storage_option(q)
     q.set_defaults(func=cmd_bench)

@@ -50,9 +50,8 @@ def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     return t
 
 
-# Signed integer views of each dtype's bits (torch's bitwise ops cover signed types), and the exponent
+# Signed integer views of each dtype's bits, and the exponent
 # mask: a value is NaN/Inf exactly when all its exponent bits are set.
-BITS_TORCH = {"bfloat16": torch.int16, "float16": torch.int16, "float32": torch.int32}
 BITS_NUMPY = {"bfloat16": np.int16, "float16": np.int16, "float32": np.int32}
 EXPONENT_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000}
 

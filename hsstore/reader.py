@@ -8,17 +8,55 @@ the sample, all layers concurrently.
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import fsspec.spec
 import numpy as np
 import torch
 import zarr
 
 from . import codec, shard, storage
 from .errors import CorruptionError, ManifestError, StoreError
-from .manifest import MANIFEST_FILE, Manifest
+from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
+
+
+_INHERITED: list = []  # filesystems a forked child inherited: alive for good, never used
+_HELD: list = []  # the parent's cached filesystems, referenced across a fork
+
+
+def _hold_filesystems_across_fork() -> None:
+    """Keep the parent's cached fsspec filesystems referenced in a forked child.
+
+    fsspec empties its instance cache in the child; the dropped s3fs instances are then finalised there:
+    their aiohttp sessions belong to the parent's event loop, and closing them logs "Unclosed client
+    session" from a child, whose stderr lock may have been held by a parent thread at fork time. That
+    deadlocked DataLoader workers. Holding the instances means no finaliser runs in the child; freezing
+    the garbage collector's view does the same for the parent's not-yet-collected garbage (Python's own
+    advice for fork without exec: ``gc.freeze()`` before forking).
+    """
+    for cls in list(getattr(fsspec.spec, "_registered_classes", ())):
+        _HELD.extend(getattr(cls, "_cache", {}).values())
+    gc.freeze()
+
+
+def _release_in_parent() -> None:
+    del _HELD[:]
+    gc.unfreeze()
+
+
+def _keep_in_child() -> None:
+    _INHERITED.extend(_HELD)
+    del _HELD[:]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_hold_filesystems_across_fork, after_in_parent=_release_in_parent,
+                        after_in_child=_keep_in_child)
 
 
 @dataclass(frozen=True)
@@ -62,6 +100,7 @@ class Store:
         self._pid = os.getpid()
         self._codec = codec.ChunkCodec(self.manifest.codec)
         self._plain = codec.ChunkCodec("none")
+        self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
 
     # -- index -----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -91,11 +130,25 @@ class Store:
 
     # -- data ------------------------------------------------------------------------------------
     def _fs(self):
-        """The filesystem, re-created after a fork: a child must not reuse the parent's event loop."""
+        """The filesystem, re-created after a fork: a child must not reuse the parent's event loop.
+        The inherited one is kept, never finalised here (see ``_hold_filesystems_across_fork``)."""
         if self._pid != os.getpid():
+            _INHERITED.append(self.fs)
             self.fs, _ = storage.resolve(self.url, self.storage_options)
             self._pid = os.getpid()
         return self.fs
+
+    def cache_namespace(self) -> str:
+        """Key of this store in a shared chunk cache: URL plus endpoint (secrets excluded)."""
+        opts = storage.redact(self.storage_options)
+        return canonical_json_hash({"url": self.url, "options": opts})[:20]
+
+    def __getstate__(self) -> dict:
+        # For spawned DataLoader workers: the filesystem is re-resolved there on first use (see _fs);
+        # a cache is per process.
+        state = dict(self.__dict__)
+        state["_pid"], state["chunk_cache"] = None, None
+        return state
 
     def _group(self, name: str) -> zarr.Group:
         """The shard as a Zarr group (metadata checks in ``verify``; data reads do not need it)."""
@@ -112,14 +165,18 @@ class Store:
         return layers
 
     def read_range(self, shard_name: str, start: int, stop: int, layers: Sequence[int] | None = None,
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, H]``
         layer-major in the storage dtype).
 
         Only chunks of the requested layers that overlap the range are fetched (all at once, concurrently,
         on object stores) and each chunk's CRC32C is checked. On local disk, uncompressed chunks that lie
-        wholly inside the range are read straight into the output (no intermediate copy); that is why the
-        output is layer-major: each layer's rows are contiguous, as in the chunk files.
+        wholly inside the range are read straight into the output (no intermediate copy; partial ones go
+        through a reused buffer); that is why the output is layer-major: each layer's rows are contiguous,
+        as in the chunk files.
+
+        ``out`` (optional) is the features destination, ``[n_layers, T, H]`` C-contiguous in the storage
+        dtype: the loader passes pinned or shared memory so items need no further copy.
         """
         layers = self.check_layers(layers)
         m, ct = self.manifest, self.manifest.chunk_tokens
@@ -127,7 +184,13 @@ class Store:
         base = shard.shard_path(shard_name)
         ids = np.empty(T, np.int32)
         mask = np.empty(T, np.uint8)
-        feats = np.empty((len(layers), T, H), codec.STORAGE_DTYPE[m.dtype])
+        shape, dtype = (len(layers), T, H), codec.STORAGE_DTYPE[m.dtype]
+        if out is None:
+            feats = np.empty(shape, dtype)
+        elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}, got {out.dtype} {out.shape}")
+        else:
+            feats = out
         if T <= 0:
             return ids, mask, feats
         k0, k1 = start // ct, (stop - 1) // ct
@@ -135,29 +198,37 @@ class Store:
         targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
         fs = self._fs()
         direct = storage.is_local(fs) and self._codec.spec == "none"
-        jobs = []  # (key, destination rows, rows of the chunk to take, codec, width, whole-chunk-in-place)
+        # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
+        jobs = []
         for array_path, out, chunk_codec, width in targets:
             for k in range(k0, k1 + 1):
                 lo, hi = max(start, k * ct), min(stop, (k + 1) * ct)
                 key = shard.chunk_key(array_path, k, 1 if width == 1 else 2)
-                in_place = direct and lo == k * ct and hi == (k + 1) * ct
                 jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
-                             in_place))
+                             direct))
         fetch = [storage.join(self.root, j[0]) for j in jobs if not j[5]]
         blobs: dict = {}
         if fetch:
             try:
-                blobs = fs.cat(fetch, on_error="return")
+                if self.chunk_cache is not None and not storage.is_local(fs):
+                    blobs = self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace())
+                else:
+                    blobs = fs.cat(fetch, on_error="return")
             except Exception as e:
                 raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
             if isinstance(blobs, bytes):
                 blobs = {fetch[0]: blobs}
-        for key, dest, rows, chunk_codec, width, in_place in jobs:
+        for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
             path = storage.join(self.root, key)
-            if in_place:
+            if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
                 read_chunk_into(path, dest, where)
+                continue
+            if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
+                vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
+                read_chunk_into(path, vals, where)
+                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
                 continue
             blob = blobs.get(path)
             if blob is None or isinstance(blob, Exception):
@@ -215,17 +286,37 @@ class Store:
                 f"dtype={self.manifest.dtype})")
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread byte buffer, reused: fresh pages for every partial chunk would cost more than the read."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
+
+
 def read_chunk_into(path: str, dest: np.ndarray, where: str) -> None:
-    """Read an uncompressed local chunk file straight into ``dest`` (contiguous) and check its CRC32C."""
-    view = memoryview(dest.reshape(-1).view(np.uint8))
+    """Copy an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C.
+
+    The file is mapped rather than read: copying out of the page cache through a mapping measured
+    1.1-1.25x faster than ``readinto`` on the development machine (no difference beyond noise on the
+    GPU machine). Committed chunks are never rewritten, so the mapping cannot change under the copy."""
+    flat = dest.reshape(-1).view(np.uint8)
+    n = flat.nbytes
     try:
         with open(path, "rb", buffering=0) as f:
-            got = f.readinto(view)
-            tail = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+            if size != n + 4:
+                raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                src = np.frombuffer(m, np.uint8, count=n)
+                np.copyto(flat, src)
+                tail = m[n:n + 4]
+                del src  # release the buffer before the mapping closes
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
-    if got != len(view) or len(tail) != 4:
-        raise CorruptionError(f"{where}: chunk is {got + len(tail)} bytes, expected {len(view) + 4} (truncated?)")
     if codec.crc32c(dest) != int.from_bytes(tail, "little"):
         raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
 

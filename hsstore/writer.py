@@ -117,7 +117,7 @@ class StoreWriter:
         self._free: list[np.ndarray] = []
         self._free_lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
-        self._scratch = torch.empty(0, dtype=codec.BITS_TORCH[self.manifest.dtype])
+        self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
         self.committed: list[shard.CommitRecord] = []
         self.bytes_written = 0
         self._new_buffer(self.capacity)
@@ -131,7 +131,7 @@ class StoreWriter:
                 buf = self._free.pop()
         self._buf = buf if buf is not None else np.empty((len(self.layers), capacity, self.hidden),
                                                          dtype=self.storage_dtype)
-        self._buf_bits = torch.from_numpy(self._buf.view(codec.BITS_NUMPY[self.manifest.dtype]))
+        self._buf_bits = self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._cols: dict[str, list] = {c: [] for c in shard.SAMPLE_COLUMNS}
@@ -175,7 +175,9 @@ class StoreWriter:
                 self._new_buffer(T)
         region = self._buf_bits[:, self._fill:self._fill + T]
         for j, x in enumerate(layers):
-            region[j].copy_(x)  # torch copies use all cores; numpy's assignment uses one
+            # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starved the
+            # extraction thread that launches the GPU's kernels (measured: 0.79x vs 0.91x of forward speed).
+            region[j] = x
         if self.check_finite and self._has_nonfinite(region):
             for j, layer in enumerate(self.layers):
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
@@ -194,18 +196,18 @@ class StoreWriter:
         if self._fill >= self.capacity:
             self._submit()
 
-    def _has_nonfinite(self, region: torch.Tensor) -> bool:
+    def _has_nonfinite(self, region: np.ndarray) -> bool:
         """Any all-ones exponent in the bits (NaN/Inf), using a reused scratch buffer: no page faults,
         all cores, no float conversion."""
         mask = codec.EXPONENT_MASK[self.manifest.dtype]
-        n = region.numel()
-        if self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=region.dtype)
-        scratch = self._scratch[:n].view(region.shape)
-        torch.bitwise_and(region, mask, out=scratch)
+        n = region.size
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=region.dtype)
+        scratch = self._scratch[:n].reshape(region.shape)
+        np.bitwise_and(region, mask, out=scratch)
         return int(scratch.max()) == mask
 
-    def _layer_views(self, where: str, hs, T: int) -> list[torch.Tensor]:
+    def _layer_views(self, where: str, hs, T: int) -> list[np.ndarray]:
         if isinstance(hs, Mapping):
             missing = [l for l in self.layers if l not in hs]
             extra = [l for l in hs if l not in self.layers]
@@ -225,7 +227,7 @@ class StoreWriter:
             if name != self.manifest.dtype:
                 raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
                                   "(features are stored bit-exact; convert explicitly if you mean to)")
-            out.append(codec.bits_view(x))
+            out.append(codec.bits_view(x).numpy())
         return out
 
     # -- writing ---------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ def main() -> None:
             setattr(args, k, v)
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     per_step = args.steps + args.warmup
     batch_samples = max(1, args.max_tokens // args.seq)

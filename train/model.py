@@ -301,7 +301,9 @@ class DFlashDrafter(nn.Module):
     def context(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, T, L, H] (or already flat [B, T, L*H]) tapped features -> context [B, T, H]."""
         B, T = hidden_states.shape[:2]
-        x = hidden_states.reshape(B, T, -1).to(self.fc.weight.dtype)
+        x = hidden_states.reshape(B, T, -1)
+        if not torch.is_autocast_enabled(x.device.type):  # under autocast fc casts itself: no fp32 copy
+            x = x.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x))
 
     def draft_hidden(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:

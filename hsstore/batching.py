@@ -1,0 +1,134 @@
+"""Batching for training: token-budget batches, padded (with attention masks) or packed (cu_seqlens).
+
+Samples vary from a few hundred to several thousand tokens, so a fixed batch *count* either wastes the
+GPU on short batches or overflows it on long ones; a token budget keeps the step cost roughly constant.
+
+    loader = StatefulDataLoader(TokenBatches(dataset, max_tokens=16384), batch_size=None, num_workers=2)
+
+``TokenBatches`` keeps the dataset's resume state exact: items it holds for the next batch are reported
+as not consumed, so a resumed run rebuilds the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+MODES = ("pad", "pack")
+
+
+def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = "pad",
+                  max_items: int | None = None) -> Iterator[list[dict[str, Any]]]:
+    """Group items greedily, in arrival order, into lists within a token budget.
+
+    ``pad``: batch size x longest sample <= max_tokens (padding counts); ``pack``: sum of lengths <=
+    max_tokens. A sample longer than the budget forms a batch of its own (it is never dropped).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    batch: list[dict[str, Any]] = []
+    longest = total = 0
+    for item in items:
+        T = int(item["input_ids"].shape[0])
+        cost = (len(batch) + 1) * max(longest, T) if mode == "pad" else total + T
+        if batch and (cost > max_tokens or (max_items is not None and len(batch) >= max_items)):
+            yield batch
+            batch, longest, total = [], 0, 0
+        batch.append(item)
+        longest, total = max(longest, T), total + T
+    if batch:
+        yield batch
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Batch memory: shared memory in a DataLoader worker (handing it over then copies nothing)."""
+    if get_worker_info() is not None:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+        return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype).view(tuple(shape))
+    return torch.empty(tuple(shape), dtype=dtype)
+
+
+def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
+    """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` ``[B, T]``, ``hidden_states``
+    ``[B, T, L, H]`` (padding zeroed), ``lengths`` ``[B]``, ``sample_id`` list. Right padding: left
+    padding would change nothing here, but the drafter's masks assume real tokens come first."""
+    B = len(items)
+    lengths = torch.tensor([int(x["input_ids"].shape[0]) for x in items], dtype=torch.int64)
+    T = int(lengths.max())
+    hs0 = items[0]["hidden_states"]
+    ids = torch.full((B, T), pad_id, dtype=torch.int64)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    hidden = _empty((B, T) + tuple(hs0.shape[1:]), hs0.dtype)
+    for b, x in enumerate(items):
+        n = int(lengths[b])
+        ids[b, :n] = x["input_ids"]
+        mask[b, :n] = x["loss_mask"]
+        hidden[b, :n].copy_(x["hidden_states"])
+        if n < T:
+            hidden[b, n:].zero_()
+    attention = torch.arange(T)[None, :] < lengths[:, None]
+    return {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
+            "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
+
+
+def collate_packed(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Packed batch for varlen attention: ``input_ids``/``loss_mask``/``position_ids`` ``[N]``,
+    ``hidden_states`` ``[N, L, H]``, ``cu_seqlens`` int32 ``[B + 1]`` (sample b is
+    ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list."""
+    lengths = [int(x["input_ids"].shape[0]) for x in items]
+    cu = torch.zeros(len(items) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    N = int(cu[-1])
+    hs0 = items[0]["hidden_states"]
+    hidden = _empty((N,) + tuple(hs0.shape[1:]), hs0.dtype)
+    for b, x in enumerate(items):
+        hidden[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_states"])
+    return {"sample_id": [x["sample_id"] for x in items],
+            "input_ids": torch.cat([x["input_ids"] for x in items]),
+            "loss_mask": torch.cat([x["loss_mask"] for x in items]),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+            "hidden_states": hidden, "cu_seqlens": cu, "max_seqlen": max(lengths)}
+
+
+class TokenBatches(IterableDataset):
+    """A ``HiddenStateDataset`` batched by token budget (use ``DataLoader(..., batch_size=None)``).
+
+    Resumable: ``state_dict`` is the dataset's, minus the items held for the next batch."""
+
+    def __init__(self, dataset, max_tokens: int, mode: str = "pad", max_items: int | None = None,
+                 pad_id: int = 0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.dataset, self.max_tokens, self.mode = dataset, int(max_tokens), mode
+        self.max_items, self.pad_id = max_items, pad_id
+        self._held = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict(pending=self._held)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+
+    def _counted(self, it: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for item in it:
+            self._held += 1
+            yield item
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if get_worker_info() is not None:
+            self.dataset.share_memory = False  # items are copied into the (shared) batch anyway
+        self._held = 0
+        for batch in token_batches(self._counted(self.dataset), self.max_tokens, self.mode, self.max_items):
+            self._held -= len(batch)  # what is still held: the item that did not fit, if any
+            yield collate_packed(batch) if self.mode == "pack" else collate_padded(batch, self.pad_id)
+
+    def __repr__(self) -> str:
+        return f"TokenBatches({self.dataset!r}, max_tokens={self.max_tokens}, mode={self.mode!r})"

@@ -1,0 +1,470 @@
+"""HiddenStateDataset: exactly once over ranks x workers, seeded order, resume (also with another world
+size), layer selection, filters, several stores, bad input. Local stores; S3 in test_loader_s3.py."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import hsstore
+from hsstore import HiddenStateDataset, merge_states
+from hsstore.errors import CorruptionError, ManifestError, StoreError
+from hsstore.loader import LoaderStateError
+
+from conftest import make_manifest, make_samples
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+TOKEN_BYTES = 3 * 48 * 2  # the test manifest: layers (1, 3, 5), hidden 48, bf16
+SOURCES = ("chat", "code", "math")
+
+
+def StatefulDataLoader(*args, **kwargs):
+    """torchdata's loader (the resume convention); its tests skip where torchdata is not installed."""
+    return pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader(*args, **kwargs)
+
+
+def write_store(url, samples, manifest=None, shard_tokens=1500, sources=True, storage_options=None):
+    """Several shards of ~shard_tokens tokens; chunk grid of 64 tokens; sources cycle through SOURCES."""
+    manifest = manifest or make_manifest(chunk_tokens=64)
+    with hsstore.StoreWriter(url, manifest, shard_bytes=TOKEN_BYTES * shard_tokens,
+                             storage_options=storage_options) as w:
+        for i, s in enumerate(samples):
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"],
+                  source=SOURCES[i % 3] if sources else "")
+    return url
+
+
+def dataset(url, **kw):
+    """Small units (2 chunks) and a small shuffle pool, so the tiny stores have many units."""
+    kw.setdefault("unit_bytes", TOKEN_BYTES * 128)
+    kw.setdefault("shuffle_bytes", TOKEN_BYTES * 500)
+    return HiddenStateDataset(url, **kw)
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_samples(70)
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory, samples):
+    return write_store(str(tmp_path_factory.mktemp("store")), samples)
+
+
+def ids_of(items):
+    return [x["sample_id"] for x in items]
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def test_items_bit_exact_every_sample_once(store_url, samples):
+    ds = dataset(store_url)
+    assert len(hsstore.open(store_url).commits) > 3 and ds.catalog.n_units > 20
+    by_id = {s["sample_id"]: s for s in samples}
+    got = list(ds)
+    assert sorted(ids_of(got)) == sorted(by_id) and len(ds) == len(samples)
+    for x in got:
+        want = by_id[x["sample_id"]]
+        assert x["hidden_states"].shape == want["hidden_states"].shape
+        assert x["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(bits(x["hidden_states"]), bits(want["hidden_states"]))
+        assert torch.equal(x["input_ids"], want["input_ids"]) and x["input_ids"].dtype == torch.int64
+        assert torch.equal(x["loss_mask"], want["loss_mask"]) and x["loss_mask"].dtype == torch.bool
+    # a layer subset, in the order asked
+    x = next(iter(dataset(store_url, layers=[5, 1])))
+    want = by_id[x["sample_id"]]["hidden_states"]
+    assert torch.equal(bits(x["hidden_states"]), bits(want[:, [2, 0]]))
+
+
+def test_order_seeded_new_each_epoch_and_unshuffled(store_url, samples):
+    a, b = dataset(store_url, seed=1), dataset(store_url, seed=1)
+    e0 = ids_of(a)
+    assert e0 == ids_of(b)  # reproducible
+    a.set_epoch(1)
+    e1 = ids_of(a)
+    assert sorted(e1) == sorted(e0) and e1 != e0  # new order per epoch
+    assert ids_of(dataset(store_url, seed=2)) != e0
+    assert ids_of(dataset(store_url, shuffle=False)) == hsstore.open(store_url).sample_ids()
+
+
+def collect(url, world, workers, ctx="fork", **kw):
+    """Sample ids per rank through a real DataLoader."""
+    out = []
+    for r in range(world):
+        ds = dataset(url, rank=r, world_size=world, **kw)
+        loader = DataLoader(ds, batch_size=None, num_workers=workers,
+                            multiprocessing_context=ctx if workers else None)
+        got = ids_of(loader)
+        assert len(got) == len(ds)
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_exactly_once_ranks_x_workers_fork(store_url, samples, world):
+    per_rank = collect(store_url, world, workers=2)
+    flat = [i for r in per_rank for i in r]
+    assert sorted(flat) == sorted(s["sample_id"] for s in samples)
+    n = len(samples)
+    assert [len(r) for r in per_rank] == [(r + 1) * n // world - r * n // world for r in range(world)]
+
+
+def test_exactly_once_spawn_workers(store_url, samples):
+    per_rank = collect(store_url, world=2, workers=2, ctx="spawn")
+    assert sorted(i for r in per_rank for i in r) == sorted(s["sample_id"] for s in samples)
+
+
+def test_pin_memory_without_accelerator_falls_back(store_url, caplog):
+    if torch.accelerator.is_available():
+        x = next(iter(dataset(store_url, pin_memory=True)))
+        assert x["hidden_states"].is_pinned() and x["input_ids"].is_pinned()
+    else:
+        x = next(iter(dataset(store_url, pin_memory=True)))
+        assert x["hidden_states"].dtype == torch.bfloat16
+
+
+def test_even_drop_and_repeat(store_url, samples):
+    n = len(samples)  # 70 over 4 ranks: 17 each (2 left out) or 18 each (2 seen twice)
+    drop = collect(store_url, 4, workers=0, even=True)
+    assert [len(r) for r in drop] == [n // 4] * 4
+    flat = [i for r in drop for i in r]
+    assert len(set(flat)) == len(flat) == 4 * (n // 4)
+    rep = collect(store_url, 4, workers=0, even="repeat")
+    assert [len(r) for r in rep] == [-(-n // 4)] * 4
+    counts = collections.Counter(i for r in rep for i in r)
+    assert set(counts) == {s["sample_id"] for s in samples} and sorted(counts.values())[-3:] == [1, 2, 2]
+    # a different handful is left out in another epoch
+    ds = [dataset(store_url, rank=r, world_size=4, even=True) for r in range(4)]
+    for d in ds:
+        d.set_epoch(1)
+    assert set(flat) != {i for d in ds for i in ids_of(d)}
+
+
+def test_resume_in_process_equals_uninterrupted(store_url):
+    full = ids_of(dataset(store_url, seed=3))
+    for k in (0, 1, 23, len(full) - 1, len(full)):
+        ds = dataset(store_url, seed=3)
+        it = iter(ds)
+        head = [next(it)["sample_id"] for _ in range(k)]
+        state = ds.state_dict()
+        fresh = dataset(store_url, seed=3)
+        fresh.load_state_dict(state)
+        assert head + ids_of(fresh) == full, k
+
+
+def test_resume_stateful_dataloader_workers(store_url):
+    def loader(ds):
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+
+    ds = dataset(store_url, seed=4)
+    ds.set_epoch(2)
+    full = ids_of(loader(ds))
+    ds = dataset(store_url, seed=4)
+    ds.set_epoch(2)
+    dl = loader(ds)
+    it = iter(dl)
+    head = [next(it)["sample_id"] for _ in range(25)]
+    state = dl.state_dict()
+    del it
+    ds2 = dataset(store_url, seed=4)
+    ds2.set_epoch(2)
+    dl2 = loader(ds2)
+    dl2.load_state_dict(state)
+    assert head + ids_of(dl2) == full
+    # the next epoch is a whole new epoch again
+    ds2.set_epoch(3)
+    assert sorted(ids_of(loader(ds2))) == sorted(full)
+
+
+def test_resume_with_another_world_size(store_url, samples):
+    """2 ranks x 2 workers stop mid-epoch; the merged state resumes on 3 ranks x 1 worker (and on 1 x 2):
+    every sample exactly once over both runs. The same world resumes in the same order."""
+    def run_ranks(world, workers, steps):
+        consumed, states = [], []
+        for r in range(world):
+            dl = StatefulDataLoader(dataset(store_url, rank=r, world_size=world), batch_size=None,
+                                    num_workers=workers, multiprocessing_context="fork" if workers else None)
+            it = iter(dl)
+            consumed += [next(it)["sample_id"] for _ in range(steps[r])]
+            states.append(dl.state_dict())
+            del it
+        return consumed, states
+
+    before, states = run_ranks(2, 2, steps=[9, 14])
+    merged = merge_states(states)  # e.g. the all_gather_object of every rank's loader state
+    everything = sorted(s["sample_id"] for s in samples)
+    for world, workers in [(3, 0), (1, 2)]:
+        after = []
+        for r in range(world):
+            ds = dataset(store_url, rank=r, world_size=world)
+            ds.load_state_dict(merged)
+            after += ids_of(DataLoader(ds, batch_size=None, num_workers=workers,
+                                       multiprocessing_context="fork" if workers else None))
+        assert sorted(before + after) == everything, (world, workers)
+    # a second interruption in the new world, then back to 2 ranks: still exactly once
+    ds3 = [dataset(store_url, rank=r, world_size=3) for r in range(3)]
+    mid, states3 = [], []
+    for d in ds3:
+        d.load_state_dict(merged)
+        it = iter(d)
+        mid += [next(it)["sample_id"] for _ in range(4)]
+        states3.append(d.state_dict())
+    merged3 = merge_states(states3)
+    rest = []
+    for r in range(2):
+        d = dataset(store_url, rank=r, world_size=2)
+        d.load_state_dict(merged3)
+        rest += ids_of(d)
+    assert sorted(before + mid + rest) == everything
+    # same world through the merged state: every worker continues its own stream where it stopped
+    for r in range(2):
+        ref = dataset(store_url, rank=r, world_size=2)
+        streams = [slot_ids(ref, 2, 2, r * 2 + w) for w in range(2)]
+        pos = merged["counts"]
+        ds = dataset(store_url, rank=r, world_size=2)
+        ds.load_state_dict(merged)
+        tail = ids_of(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        assert tail == round_robin([streams[w][pos[r * 2 + w]:] for w in range(2)])
+        assert sum(pos[r * 2 + w] for w in range(2)) == [9, 14][r]
+
+
+def slot_ids(ds, world, workers, slot):
+    plan = ds.slot_plan(ds.epoch, None, 0, world, workers, slot)
+    cat, store = ds.catalog, ds.stores[0]
+    rows = ds._epoch(ds.epoch).entry_cat[plan.entries]
+    return [store.commits[cat.shard[i]].samples["sample_id"][cat.local[i]] for i in rows]
+
+
+def round_robin(streams):
+    """DataLoader's in-order merge of worker streams, starting at worker 0."""
+    out, its = [], [iter(s) for s in streams]
+    while its:
+        for it in list(its):
+            try:
+                out.append(next(it))
+            except StopIteration:
+                its.remove(it)
+    return out
+
+
+def test_state_errors(store_url):
+    ds = dataset(store_url)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    with pytest.raises(LoaderStateError, match="seed: 0 vs 1"):
+        dataset(store_url, seed=1).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="catalog"):
+        dataset(store_url, min_length=10).load_state_dict(state)
+    # one rank's state alone cannot be re-cut for another world size
+    r0 = dataset(store_url, rank=0, world_size=2)
+    it = iter(r0)
+    next(it)
+    other = dataset(store_url, rank=0, world_size=3)
+    other.load_state_dict(r0.state_dict())
+    with pytest.raises(LoaderStateError, match="slots \\[1\\] are missing.*merge_states"):
+        next(iter(other))
+    with pytest.raises(LoaderStateError, match="not an hsstore loader state"):
+        ds.load_state_dict({"foo": 1})
+
+
+def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
+    import threading
+
+    import hsstore.reader as reader
+
+    url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
+    opened = collections.Counter()
+    lock = threading.Lock()
+    real_open = open
+
+    def spy(path, *a, **k):  # every chunk read opens its file once; count the file's bytes
+        if "/shards/" in str(path):
+            with lock:
+                opened[str(path).split("/shards/")[1].split("/")[1]] += os.path.getsize(path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(reader, "open", spy, raising=False)
+    n = sum(1 for _ in dataset(url, layers=[3]))
+    assert n == 70
+    assert set(opened) == {"layer_003", "input_ids", "loss_mask"}
+    store = hsstore.open(url)
+    layer_bytes = sum(v["size"] for c in store.commits for k, v in c.files.items() if "/layer_003/c/" in k)
+    # every chunk of the layer at least once; boundary chunks of units are read by both neighbours
+    assert layer_bytes <= opened["layer_003"] <= 2 * layer_bytes
+
+
+def test_filters(store_url, samples):
+    store = hsstore.open(store_url)
+    cols = {k: [v for c in store.commits for v in c.samples[k]] for k in ("sample_id", "source", "length",
+                                                                              "loss_tokens")}
+    rows = list(zip(*cols.values()))
+
+    def expect(pred):
+        return sorted(r[0] for r in rows if pred(*r))
+
+    assert sorted(ids_of(dataset(store_url, sources=["code"]))) == expect(lambda i, s, n, l: s == "code")
+    assert sorted(ids_of(dataset(store_url, min_loss_tokens=60, min_length=20, max_length=150))) == expect(
+        lambda i, s, n, l: l >= 60 and 20 <= n <= 150)
+    assert sorted(ids_of(dataset(store_url, where=lambda r: r["sample_id"].endswith("7")))) == expect(
+        lambda i, s, n, l: i.endswith("7"))
+    with pytest.raises(StoreError, match="no samples left after filters"):
+        dataset(store_url, sources=["poetry"])
+
+
+def test_several_stores_weights(tmp_path, store_url, samples):
+    other = make_samples(20, seed=5, prefix="b")
+    url_b = write_store(str(tmp_path / "b"), other)
+    ds = dataset([store_url, url_b], weights=[1.0, 2.0])
+    got = collections.Counter(ids_of(ds))
+    assert len(ds) == 70 + 40
+    assert all(got[s["sample_id"]] == 1 for s in samples) and all(got[s["sample_id"]] == 2 for s in other)
+    half = dataset({store_url: 0.5, url_b: 1.0})
+    e0 = ids_of(half)
+    assert sum(i.startswith("s") for i in e0) == 35 and sum(i.startswith("b") for i in e0) == 20
+    half.set_epoch(1)
+    assert {i for i in ids_of(half) if i.startswith("s")} != {i for i in e0 if i.startswith("s")}
+    # exactly once holds per entry across ranks with weights too
+    per_rank = [ids_of(dataset([store_url, url_b], weights=[1.0, 2.0], rank=r, world_size=3)) for r in range(3)]
+    assert collections.Counter(i for r in per_rank for i in r) == got
+
+
+def test_refuses_incompatible_stores_and_bad_input(tmp_path, store_url):
+    url_c = str(tmp_path / "c")
+    write_store(url_c, make_samples(3), manifest=make_manifest(chunk_tokens=64, vocab_hash="vocab-b"))
+    with pytest.raises(ManifestError, match="incompatible.*tokenizer.vocab_hash"):
+        dataset([store_url, url_c])
+    url_d = str(tmp_path / "d")
+    write_store(url_d, make_samples(3, n_layers=2), manifest=make_manifest(layers=(1, 3), chunk_tokens=64))
+    with pytest.raises(ManifestError, match="incompatible.*layers"):
+        dataset([store_url, url_d])
+    with pytest.raises(StoreError, match=r"layers \[2\] are not in store"):
+        dataset(store_url, layers=[1, 2])
+    with pytest.raises(ManifestError, match="no manifest.json"):
+        dataset(str(tmp_path / "nothing"))
+    hsstore.StoreWriter(str(tmp_path / "empty"), make_manifest(chunk_tokens=64)).close()
+    with pytest.raises(StoreError, match="has no committed samples"):
+        dataset(str(tmp_path / "empty"))
+
+
+def _flip(path, offset=100):
+    data = bytearray(open(path, "rb").read())
+    data[offset] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_corrupt_chunk_raises_or_skips(tmp_path, samples):
+    url = write_store(str(tmp_path / "s"), samples)
+    store = hsstore.open(url)
+    rec = store.commits[1]
+    key = f"shards/{rec.shard}/layer_005/c/1/0"  # tokens 64..127 of the second shard
+    _flip(os.path.join(url, key))
+    off = rec.offsets
+    hit = [rec.samples["sample_id"][i] for i in range(rec.n_samples) if off[i] < 128 and off[i + 1] > 64]
+    assert hit
+    with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}', sample '({'|'.join(hit)})'.*checksum"):
+        list(dataset(url))
+    ds = dataset(url, skip_corrupt=True)
+    got = ids_of(ds)
+    assert sorted(got) == sorted(set(s["sample_id"] for s in samples) - set(hit))
+    assert sum(ds.state_dict()["skipped"].values()) == len(hit)
+    # reading only other layers does not touch the damaged file
+    assert len(ids_of(dataset(url, layers=[1, 3]))) == len(samples)
+
+
+def test_store_disappearing_mid_epoch(tmp_path, samples):
+    url = write_store(str(tmp_path / "s"), samples)
+    ds = dataset(url, prefetch=1, shuffle_bytes=1)
+    it = iter(ds)
+    next(it)
+    shutil.rmtree(url)
+    with pytest.raises(StoreError, match="disappeared mid-epoch.*manifest is gone"):
+        for _ in it:
+            pass
+
+
+def test_len_and_rank_defaults(store_url, monkeypatch):
+    ds = dataset(store_url, rank=1, world_size=4)
+    assert ds.rank_counts() == [17, 18, 17, 18] and len(ds) == 18
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+    ds = dataset(store_url)
+    assert (ds.rank, ds.world_size) == (2, 3)
+    with pytest.raises(ValueError, match="rank 3 out of range"):
+        dataset(store_url, rank=3, world_size=3)
+
+
+def test_plan_is_metadata_only_and_units_are_contiguous(store_url):
+    """The shuffle keeps reads large: every slot's emission draws from a few loaded units at a time."""
+    ds = dataset(store_url)
+    plan = ds.slot_plan(0, None, 0, 1, 1, 0)
+    eo = ds._epoch(0)
+    assert sorted(eo.entry_cat[plan.entries].tolist()) == list(range(70))
+    # at any point, the items handed out so far come from few open groups (pool of ~500 tokens)
+    open_groups, last = set(), {g: i for i, g in enumerate(plan.groups.tolist())}
+    widest = 0
+    for i, g in enumerate(plan.groups.tolist()):
+        open_groups.add(g)
+        widest = max(widest, len(open_groups))
+        if last[g] == i:
+            open_groups.discard(g)
+    assert widest <= 8
+
+
+def test_set_epoch_reaches_persistent_workers(store_url):
+    ds = dataset(store_url)
+    dl = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context="fork")
+    e0 = ids_of(dl)
+    ds.set_epoch(1)
+    e1 = ids_of(dl)
+    ref = dataset(store_url)
+    ref.set_epoch(1)
+    assert e1 != e0 and e1 == ids_of(DataLoader(ref, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    import pickle
+    assert pickle.loads(pickle.dumps(ds)).epoch == 1  # plain pickling keeps a snapshot
+
+
+def test_loader_bench_reports_ratios(tmp_path, capsys):
+    import json
+
+    from hsstore.cli import main
+
+    assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--layers", "3",
+                 "--read-layers", "0,2", "--rounds", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["loader"]
+    assert {"gbps", "raw_gbps", "ratio", "peer_gbps", "peer_ratio", "vs_peer", "raw_direct_gbps"} <= set(d)
+    assert d["ratio"] == pytest.approx(d["gbps"] / d["raw_gbps"]) and d["read_layers"] == [0, 2]
+    assert d["bytes"] > 0 and list(tmp_path.iterdir()) == []  # scratch removed
+
+
+def test_buffer_pool_reuses_only_unviewed_buffers():
+    from hsstore.loader import BufferPool
+
+    def addr(x):
+        return x.__array_interface__["data"][0]
+
+    pool = BufferPool(1 << 30)
+    a = pool.take(20 << 20)
+    first = addr(a)
+    item = torch.from_numpy(a)[5:10]  # what an item holds: a torch view of a numpy view of the buffer
+    del a
+    held = [pool.take(20 << 20)]
+    sub = item[1:]
+    del item
+    held.append(pool.take(20 << 20))
+    as_numpy = sub.numpy()
+    del sub
+    held.append(pool.take(20 << 20))
+    assert first not in {addr(h) for h in held} and pool.reused == 0  # viewed all along
+    del as_numpy
+    again = pool.take(20 << 20)
+    assert addr(again) == first and pool.reused == 1

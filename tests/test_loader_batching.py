@@ -1,0 +1,92 @@
+"""Token-budget batching: budgets kept, padded and packed layouts right, resume rebuilds the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsstore import TokenBatches, collate_packed, collate_padded, token_batches
+
+from test_loader import StatefulDataLoader, bits, dataset, samples, store_url  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def fake(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(1, 90, (1,), generator=g))
+        out.append({"sample_id": f"x{i}", "input_ids": torch.randint(1, 100, (T,), generator=g),
+                    "loss_mask": torch.rand(T, generator=g) > 0.5,
+                    "hidden_states": torch.randn(T, 2, 4, generator=g).to(torch.bfloat16)})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_budget_kept_nothing_lost(mode):
+    items = fake(200)
+    batches = list(token_batches(items, max_tokens=256, mode=mode))
+    assert [x["sample_id"] for b in batches for x in b] == [x["sample_id"] for x in items]
+    for b in batches:
+        lens = [x["input_ids"].shape[0] for x in b]
+        cost = len(b) * max(lens) if mode == "pad" else sum(lens)
+        assert cost <= 256 or len(b) == 1
+    assert [len(b) for b in token_batches(items[:10], 10_000, max_items=4)] == [4, 4, 2]
+    # a sample longer than the budget is a batch of its own, never dropped
+    assert [len(b) for b in token_batches(items[:3], max_tokens=1, mode=mode)] == [1, 1, 1]
+
+
+def test_collate_padded_and_packed():
+    items = fake(5)
+    b = collate_padded(items, pad_id=7)
+    T = max(x["input_ids"].shape[0] for x in items)
+    assert b["input_ids"].shape == (5, T) and b["hidden_states"].shape == (5, T, 2, 4)
+    for i, x in enumerate(items):
+        n = x["input_ids"].shape[0]
+        assert b["lengths"][i] == n and b["attention_mask"][i].sum() == n and b["attention_mask"][i, :n].all()
+        assert torch.equal(b["input_ids"][i, :n], x["input_ids"]) and (b["input_ids"][i, n:] == 7).all()
+        assert torch.equal(b["loss_mask"][i, :n], x["loss_mask"]) and not b["loss_mask"][i, n:].any()
+        assert torch.equal(bits(b["hidden_states"][i, :n]), bits(x["hidden_states"]))
+        assert (b["hidden_states"][i, n:] == 0).all()
+    p = collate_packed(items)
+    lens = [x["input_ids"].shape[0] for x in items]
+    assert p["cu_seqlens"].tolist() == [0] + torch.tensor(lens).cumsum(0).tolist()
+    assert p["cu_seqlens"].dtype == torch.int32 and p["max_seqlen"] == max(lens)
+    for i, x in enumerate(items):
+        a, e = p["cu_seqlens"][i], p["cu_seqlens"][i + 1]
+        assert torch.equal(p["input_ids"][a:e], x["input_ids"]) and torch.equal(p["loss_mask"][a:e], x["loss_mask"])
+        assert torch.equal(bits(p["hidden_states"][a:e]), bits(x["hidden_states"]))
+        assert p["position_ids"][a:e].tolist() == list(range(lens[i]))
+
+
+def ids(batches):
+    return [b["sample_id"] for b in batches]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_batches_resume(store_url, workers):  # noqa: F811
+    def loader():
+        tb = TokenBatches(dataset(store_url, seed=5), max_tokens=400, mode="pad")
+        return StatefulDataLoader(tb, batch_size=None, num_workers=workers,
+                                  multiprocessing_context="fork" if workers else None)
+
+    full = ids(loader())
+    assert sorted(i for b in full for i in b) == sorted(f"s{i}" for i in range(70))
+    dl = loader()
+    it = iter(dl)
+    head = [next(it)["sample_id"] for _ in range(5)]
+    state = dl.state_dict()
+    del it
+    dl2 = loader()
+    dl2.load_state_dict(state)
+    assert head + ids(dl2) == full
+
+
+def test_padded_batch_fits_the_trainer_format(store_url):  # noqa: F811
+    b = next(iter(TokenBatches(dataset(store_url), max_tokens=512)))
+    B, T = b["input_ids"].shape
+    assert b["hidden_states"].shape[:2] == (B, T) and b["hidden_states"].shape[2:] == (3, 48)
+    assert b["attention_mask"].dtype == torch.bool and b["loss_mask"].shape == (B, T)
+    assert B * T <= 512 or B == 1
+
