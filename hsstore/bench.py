@@ -1,7 +1,7 @@
 """Store and loader throughput against raw reads/writes of the same bytes on the same filesystem.
 
 Machines here are noisy, so speed is reported as a ratio measured in one run: store write vs
-``fs.pipe`` of byte-identical objects, store read (decoded, all layers, as tensors) vs ``fs.cat`` of
+``fs.pipe`` of byte-identical objects, store read (decoded, all layers, as tensors) vs ``fs.cat_ranges`` of
 the store's own files. Rounds alternate (raw, store, raw, store) and the best of each is kept.
 """
 
@@ -77,13 +77,13 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
             best["write"] = min(best["write"], _time(write_store))
             store = Store(store_url, storage_options)
             files = [storage.join(store.root, k) for c in store.commits for k in c.files]
-            blobs = fs.cat(files)  # byte-identical payloads for the raw write
+            blobs = storage.cat_many(fs, files)  # byte-identical payloads for the raw write
             raw_objects = {storage.join(raw_root, f"{i:06d}"): blobs[p] for i, p in enumerate(files)}
             del blobs
             fs.makedirs(raw_root, exist_ok=True)
             best["raw_write"] = min(best["raw_write"], _time(lambda: fs.pipe(raw_objects)))
             del raw_objects
-            best["raw_read"] = min(best["raw_read"], _time(lambda: fs.cat(files)))
+            best["raw_read"] = min(best["raw_read"], _time(lambda: storage.cat_many(fs, files)))
 
             def read_store():  # sequential decode of every sample, all layers, as tensors
                 for _ in store:
@@ -145,11 +145,11 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                      workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
                      ) -> dict[str, dict]:
     """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
-    optionally through DataLoader workers) against ``fs.cat`` of the chunk files holding those bytes, and
+    optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
     the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
     ``fs.cat`` + ``torch.load``), all in one run with alternating rounds, best of each.
 
-    ``raw_gbps`` is ``fs.cat`` (as the store bench); locally ``raw_direct_gbps`` is also reported:
+    ``raw_gbps`` is ``fs.cat_ranges`` of whole objects (as the store bench); locally ``raw_direct_gbps`` is also reported:
     unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here.
     Locally the files are in the page cache unless ``cold`` (then each round first drops them with
     ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
@@ -184,7 +184,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                     batch.append(f)
                     size += 16 << 20
                 if batch and (f is None or size >= 512 << 20):
-                    fs.cat(batch)
+                    storage.cat_many(fs, batch)
                     batch, size = [], 0
 
         def raw_direct():  # local only: each file read unbuffered into fresh numpy memory (a ceiling)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codec
+from . import codec, storage
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,7 @@ class ChunkCache:
         self.hits += len(out)
         self.misses += len(missing)
         if missing:
-            fetched = fs.cat(missing, on_error="return")
-            if isinstance(fetched, bytes):
-                fetched = {missing[0]: fetched}
+            fetched = storage.cat_many(fs, missing)
             for p in missing:
                 blob = fetched.get(p)
                 out[p] = blob

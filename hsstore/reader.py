@@ -213,12 +213,10 @@ class Store:
                 if self.chunk_cache is not None and not storage.is_local(fs):
                     blobs = self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace())
                 else:
-                    blobs = fs.cat(fetch, on_error="return")
+                    blobs = storage.cat_many(fs, fetch)
             except Exception as e:
                 raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
-            if isinstance(blobs, bytes):
-                blobs = {fetch[0]: blobs}
         for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
             path = storage.join(self.root, key)

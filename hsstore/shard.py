@@ -205,8 +205,8 @@ def load_commits(fs, root: str, names: list[str]) -> list[CommitRecord]:
     blobs = storage.cat_many(fs, paths)
     out = []
     for n, p in zip(names, paths):
-        data = blobs.get(p)
-        if data is None:
-            data = fs.cat_file(p)
+        data = blobs[p]
+        if isinstance(data, Exception):
+            raise CorruptionError(f"commit record of shard {n!r} unreadable: {type(data).__name__}: {data}")
         out.append(CommitRecord.from_json(data, where=f"commit record of shard {n!r}"))
     return out

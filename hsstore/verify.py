@@ -103,11 +103,9 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
         if size >= BATCH_BYTES or i == len(keys) - 1:
             paths = [storage.join(root, k) for k in batch]
             try:
-                blobs = fs.cat(paths, on_error="return")
+                blobs = storage.cat_many(fs, paths)
             except Exception as e:
                 raise StoreError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
-            if isinstance(blobs, bytes):
-                blobs = {paths[0]: blobs}
             for k, p in zip(batch, paths):
                 data = blobs.get(p)
                 want = rec.files[k]
