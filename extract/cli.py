@@ -255,16 +255,3 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
     from extract.demo import run_demo
 
     return run_demo(args.out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m extract.cli``); ``hsstore`` mounts the same subcommands."""
-    parser = argparse.ArgumentParser(prog="hsstore")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hsstore import StoreWriter, assets, storage
+from hsstore import StoreWriter, assets
 from hsstore.errors import ManifestError
 from hsstore.reader import Store
 

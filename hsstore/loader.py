@@ -196,9 +196,9 @@ def epoch_order(cat: Catalog, weights: Sequence[float], seed: int, epoch: int, s
         a, b = cat.store_rows[si]
         rows = np.arange(a, b, dtype=np.int64)
         whole, frac = int(w), w - int(w)
-        for copy in range(whole):
+        for repeat in range(whole):
             parts_cat.append(rows)
-            parts_key.append(cat.unit[rows] + copy * nu)
+            parts_key.append(cat.unit[rows] + repeat * nu)
         m = int(round(frac * len(rows)))
         if m:
             pick = np.sort(_rng(seed, epoch, 1, si).choice(len(rows), m, replace=False))

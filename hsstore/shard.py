@@ -149,7 +149,7 @@ def write_shard(
     if offsets[-1] != n_tokens:
         raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
     base = shard_path(name)
-    ct, hidden = manifest.chunk_tokens, manifest.hidden_size
+    ct = manifest.chunk_tokens
     group = zarr.create_group(store=rec_store, path=base, zarr_format=3,
                               attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
                                           "samples": samples})

@@ -69,7 +69,7 @@ def samples_in_file(rec: shard.CommitRecord, key: str) -> list[str]:
 
 def verify(store: Store, progress: Callable[[int], None] | None = None) -> VerifyReport:
     report = VerifyReport(shards=len(store.commits))
-    fs, root, m = store.fs, store.root, store.manifest
+    fs, root = store.fs, store.root
     for rec in store.commits:
         _check_record(store, rec, report)
         _check_files(fs, root, rec, report, progress)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import codec, shard, storage
-from .errors import ManifestError, SampleError, StoreError
+from .errors import SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
 

@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM
 
 import hsstore
 from extract.capture import default_taps, run_tapped
-from extract.cli import main as extract_cli
 from extract.forward import pad_right, token_budget_batches
 from extract.job import ExtractConfig, GateRefused, run_extract
 from extract.tiny import build_tiny_target, demo_conversations_path
@@ -196,7 +195,7 @@ def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkey
         run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(stub_file)], out=str(out), device="cpu",
                                   progress=False))
     assert not out.exists()
-    rc = extract_cli(["extract", "--model", str(tiny_dir), "--input", str(stub_file), "--out", str(out)])
+    rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(stub_file), "--out", str(out)])
     assert rc == 1 and not out.exists()
     assert "refused" in capsys.readouterr().err
 
@@ -215,7 +214,7 @@ def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, cap
     with pytest.raises(ValueError, match=r"layer ids \[8\] out of range.*8 decoder layers"):
         run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
                                   layers=[1, 8], progress=False))
-    rc = extract_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
+    rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
                       "--max-length", "200", "--device", "cpu", "--no-progress", "--max-over-length-share", "1"])
     assert rc == 0
     assert "over --max-length skipped" in capsys.readouterr().out

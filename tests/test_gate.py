@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from extract import cli
+from hsstore.cli import main as hsstore_main
 from extract.gate import GateThresholds, check
 from extract.show import format_sample
 from extract.tiny import demo_conversations_path, tiny_target_dir
@@ -150,7 +151,7 @@ def test_format_sample_marks_masked_spans(tok):
 
 
 def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
+    code = hsstore_main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 

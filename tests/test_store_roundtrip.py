@@ -1,6 +1,5 @@
 """Round trips through the store: bit-exact features, ids and masks, on local disk and real S3."""
 
-import dataclasses
 import threading
 
 import numpy as np

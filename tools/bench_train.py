@@ -82,11 +82,8 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", required=True, help="scratch directory for the store (reused if its settings match)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
+def add_drafter_size_args(ap: argparse.ArgumentParser) -> None:
+    """Drafter dimensions; the defaults are a Qwen3.6-27B target's (hidden 5120, 5 taps, vocab 248320)."""
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=17408)
     ap.add_argument("--heads", type=int, default=24)
@@ -94,6 +91,14 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--taps", type=int, default=5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", required=True, help="scratch directory for the store (reused if its settings match)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
+    add_drafter_size_args(ap)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=512)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
-import sys
 
 from hsstore.cli import add_storage_option
 from hsstore.storage import parse_storage_options
@@ -150,16 +148,3 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         print(report.format_text())
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``python -m train.cli``); ``hsstore`` mounts the same subcommands."""
-    parser = argparse.ArgumentParser(prog="hsstore")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Speed / memory of one DFlash training step with random weights (no target, no data needed).
 
-    python -m train.bench --impl sdpa flex --seq 4096 --anchors 512       # 27B-sized drafter layer
-    python -m train.bench --check                                         # flex == sdpa on this device
+    python -m tools.bench_attention --impl sdpa flex --seq 4096 --anchors 512       # 27B-sized drafter layer
+    python -m tools.bench_attention --check                                         # flex == sdpa on this device
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from tools.bench_train import add_drafter_size_args
 from train.model import DFlashDrafter, DrafterConfig
 from train.objective import dflash_loss
 
@@ -89,13 +90,7 @@ def main():
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--window", type=int, default=0)
-    ap.add_argument("--hidden", type=int, default=5120)
-    ap.add_argument("--ffn", type=int, default=17408)
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--taps", type=int, default=5)
+    add_drafter_size_args(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="compare flex with sdpa instead of timing")
