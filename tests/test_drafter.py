@@ -404,20 +404,3 @@ def test_default_target_layers_and_config_from_target():
     assert cfg.rope_theta == tc.rope_parameters["rope_theta"]
     with pytest.raises(ValueError):
         DrafterConfig(**{**cfg.__dict__, "sliding_window": [None]})
-
-
-def test_load_frozen_head(tmp_path):
-    from safetensors.torch import save_file
-
-    from train.weights import load_frozen_head
-
-    e, h = torch.randn(V, H), torch.randn(V, H)
-    save_file({"model.embed_tokens.weight": e, "lm_head.weight": h, "model.norm.weight": torch.ones(H)},
-              str(tmp_path / "model.safetensors"))
-    e2, h2 = load_frozen_head(tmp_path)
-    assert torch.equal(e, e2) and torch.equal(h, h2)
-    tied = tmp_path / "tied"
-    tied.mkdir()
-    save_file({"model.language_model.embed_tokens.weight": e}, str(tied / "model.safetensors"))
-    e3, h3 = load_frozen_head(tied, dtype=torch.bfloat16)
-    assert h3.dtype == torch.bfloat16 and torch.equal(e3, h3)
