@@ -64,7 +64,7 @@ def cmd_bench(args) -> int:
     result: dict = {}
     if args.what in ("store", "all"):
         result.update(run_store_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                      layers=args.layers, codec=args.codec, what=args.what))
+                                      layers=args.layers, codec=args.codec, rounds=args.rounds, what=args.what))
     if args.what in ("loader", "all"):
         read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
         result.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
@@ -77,6 +77,8 @@ def cmd_bench(args) -> int:
         for name, r in result.items():
             print(f"{name:>14}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
                   f"({r['bytes'] / 1e9:.2f} GB)")
+            if "raw_durable_gbps" in r:
+                print(f"{'':>14}  vs raw write + fsync {r['raw_durable_gbps']:.3f} GB/s -> ratio {r['ratio_durable']:.2f}")
             if "raw_direct_gbps" in r:
                 print(f"{'':>14}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio {r['ratio_direct']:.2f}")
             if "peer_gbps" in r:
@@ -112,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--codec", default="none")
     q.add_argument("--what", choices=["store", "loader", "all"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout")
-    q.add_argument("--rounds", type=int, default=3, help="loader rounds (alternating; best of each)")
+    q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")
     q.add_argument("--read-layers", default=None, metavar="L,L",
                    help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
     q.add_argument("--workers", type=int, default=0, help="loader: DataLoader worker processes (0: in-process)")

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -101,18 +102,34 @@ def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
     if not objects:
         return
     if is_local(fs):
-        for path, data in objects.items():
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                for part in (data.parts() if hasattr(data, "parts") else (data,)):
-                    f.write(part)
-                # durable before the commit record that points at it: a power loss must not leave a
-                # committed shard whose chunks never reached the disk
-                f.flush()
-                os.fsync(f.fileno())
+        for path in {os.path.dirname(p) for p in objects}:
+            os.makedirs(path, exist_ok=True)
+        # several files in flight: a disk (NVMe above all) needs queue depth, and each fsync waits
+        list(_local_pool().map(lambda item: _write_local(*item), objects.items()))
     else:
         fs.pipe({p: d.tobytes() if hasattr(d, "tobytes") and not isinstance(d, bytes) else d
                  for p, d in objects.items()})
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID = -1
+
+
+def _local_pool() -> ThreadPoolExecutor:
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL_PID != os.getpid():  # a forked child must not use the parent's threads
+        _POOL, _POOL_PID = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsstore-io"), os.getpid()
+    return _POOL
+
+
+def _write_local(path: str, data: Any) -> None:
+    with open(path, "wb") as f:
+        for part in (data.parts() if hasattr(data, "parts") else (data,)):
+            f.write(part)
+        # durable before the commit record that points at it: a power loss must not leave a committed
+        # shard whose chunks never reached the disk
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes | Exception]:
