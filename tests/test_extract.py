@@ -222,3 +222,28 @@ def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, cap
     info = json.loads(capsys.readouterr().out)
     assert info["skipped"]["over_length"] > 0
     assert info["length_percentiles"]["p100"] <= 200
+
+
+def test_torchrun_two_ranks_extract_and_resume(tiny_dir, small_input, tmp_path, tok):
+    """`torchrun --nproc_per_node 2 -m hsstore extract` (CPU): two ranks write disjoint shards of one store;
+    the same command run again finds everything committed and writes nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = str(tmp_path / "store")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
+           "extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out, "--device", "cpu",
+           "--no-progress"]
+    repo = Path(__file__).resolve().parents[1]
+    first = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    store = hsstore.open(out)
+    ids = store.sample_ids()
+    assert sorted(ids) == sorted(s.sample_id for s in load_samples(small_input, tok)) and len(set(ids)) == len(ids)
+    assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
+    again = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "wrote 0 samples" in again.stdout and again.stdout.count("already in the store") == 2
+    assert hsstore.open(out).sample_ids() == ids
+    assert verify(hsstore.open(out)).ok
