@@ -155,8 +155,6 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     result.skipped_done = len(mine) - len(todo)
     if result.skipped_done:
         log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done, len(mine))
-    if not todo and done:  # this rank's share is all committed: don't load a large model for nothing
-        return result
 
     device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
