@@ -115,7 +115,7 @@ class StoreWriter:
         self._seq = 0
         self._closed = False
         self._free: list[np.ndarray] = []
-        self._free_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
         self.committed: list[shard.CommitRecord] = []
@@ -126,7 +126,7 @@ class StoreWriter:
     def _new_buffer(self, capacity: int) -> None:
         # Recycle a written shard's buffer when one is free: fresh pages cost as much as the copy into them.
         buf = None
-        with self._free_lock:
+        with self._lock:
             if capacity == self.capacity and self._free:
                 buf = self._free.pop()
         self._buf = buf if buf is not None else np.empty((len(self.layers), capacity, self.hidden),
@@ -251,27 +251,28 @@ class StoreWriter:
             record = shard.write_shard(self.fs, self.root, self.zstore, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols))
             shard.publish(self.fs, self.root, record)
-            self.committed.append(record)
-            self.bytes_written += sum(f["size"] for f in record.files.values())
+            with self._lock:  # writer threads finish concurrently
+                self.committed.append(record)
+                self.bytes_written += sum(f["size"] for f in record.files.values())
             log.debug("committed shard %s: %d samples, %d tokens", name, record.n_samples, record.n_tokens)
             return record
         except Exception as e:
             raise StoreError(f"writing shard {name!r} of store {self.url!r} failed: {type(e).__name__}: {e}") from e
         finally:
             if buf.shape[1] == self.capacity:
-                with self._free_lock:
+                with self._lock:
                     self._free.append(buf)
             self._slots.release()
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
         """Record samples the producer left out (over-length, no loss, ...). The ids travel in the next
         committed shard's stats, so ``info`` can count them once even when a resumed run skips them again."""
-        with self._free_lock:
+        with self._lock:
             self._skipped.setdefault(reason, []).extend(str(s) for s in sample_ids)
 
     def _stats(self, cols: dict[str, list]) -> dict[str, Any]:
         flags = Counter(f for fl in cols["flags"] for f in fl)
-        with self._free_lock:
+        with self._lock:
             skipped, self._skipped = self._skipped, {}
         out = {"loss_tokens": int(sum(cols["loss_tokens"])), "thinking_tokens": int(sum(cols["thinking_tokens"])),
                "flags": dict(flags)}
