@@ -12,6 +12,8 @@ import gc
 import mmap
 import os
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -256,28 +258,59 @@ class Store:
             "hidden_states": codec.from_storage(feats, self.manifest.dtype).permute(1, 0, 2),
         }
 
-    def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
-                   window_bytes: int = 256 << 20) -> Iterator[dict[str, Any]]:
-        """The samples of one shard in order, read in large windows (whole runs of samples at once) so
-        each chunk is fetched about once: the sequential path for loaders and scans."""
-        layers = self.check_layers(layers)
+    def windows(self, shard_index: int, layers: Sequence[int], window_bytes: int = 512 << 20,
+                ) -> list[tuple[int, int, int]]:
+        """``(shard_index, first, stop)`` runs of whole samples of about ``window_bytes`` (at least one chunk):
+        the large reads a sequential scan makes, each chunk fetched about once."""
         rec, off = self.commits[shard_index], self._offsets[shard_index]
         token_bytes = max(1, len(layers)) * self.manifest.hidden_size * codec.STORAGE_DTYPE[self.manifest.dtype].itemsize
         window = max(self.manifest.chunk_tokens, window_bytes // token_bytes)
-        i = 0
+        out, i = [], 0
         while i < rec.n_samples:
             j = i + 1
             while j < rec.n_samples and off[j + 1] - off[i] <= window:
                 j += 1
-            ids, mask, feats = self.read_range(rec.shard, int(off[i]), int(off[j]), layers)
-            for s in range(i, j):
-                a, b = int(off[s] - off[i]), int(off[s + 1] - off[i])
-                yield self.sample_dict(rec.samples["sample_id"][s], ids[a:b], mask[a:b], feats[:, a:b])
+            out.append((shard_index, i, j))
             i = j
+        return out
+
+    def iter_windows(self, windows: Sequence[tuple[int, int, int]], layers: Sequence[int] | None = None,
+                     prefetch: int = 1) -> Iterator[dict[str, Any]]:
+        """Samples of the given windows in order; the next ``prefetch`` windows are read in a background
+        thread while this one is consumed (on object stores, I/O overlaps decoding)."""
+        layers = self.check_layers(layers)
+
+        def load(w):
+            s, i, j = w
+            rec, off = self.commits[s], self._offsets[s]
+            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers)
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-read") as pool:
+            pending: deque = deque()
+            todo = iter(windows)
+            for w in todo:
+                pending.append(pool.submit(load, w))
+                if len(pending) > prefetch:
+                    break
+            while pending:
+                (s, i, j), (ids, mask, feats) = pending.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(pool.submit(load, nxt))
+                rec, off = self.commits[s], self._offsets[s]
+                for k in range(i, j):
+                    a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
+                    yield self.sample_dict(rec.samples["sample_id"][k], ids[a:b], mask[a:b], feats[:, a:b])
+
+    def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
+                   window_bytes: int = 512 << 20) -> Iterator[dict[str, Any]]:
+        """The samples of one shard in order, read in large windows (the sequential path for scans)."""
+        layers = self.check_layers(layers)
+        return self.iter_windows(self.windows(shard_index, layers, window_bytes), layers)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for s in range(len(self.commits)):
-            yield from self.iter_shard(s)
+        """Every sample in store order, with read-ahead across shard boundaries."""
+        return self.iter_windows([w for s in range(len(self.commits)) for w in self.windows(s, self.layers)])
 
     def __repr__(self) -> str:
         return (f"Store({self.url!r}, samples={len(self)}, shards={len(self.commits)}, layers={self.layers}, "

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.abc.store import Store as ZarrStore
-from zarr.storage import FsspecStore, LocalStore, WrapperStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 from . import codec, storage
 from .errors import CorruptionError
@@ -84,17 +84,19 @@ class CommitRecord:
         return np.concatenate([[0], np.cumsum(np.asarray(self.samples["length"], dtype=np.int64))])
 
 
-class RecordingStore(WrapperStore):
-    """A Zarr store wrapper that remembers size and CRC32C of every object written through it."""
+def zarr_metadata(build) -> dict[str, bytes]:
+    """Zarr metadata objects made by ``build(memory_store)``, as ``{key: bytes}``: zarr-python writes the
+    metadata (so it cannot drift from the spec) without any round trip to the real store."""
+    mem = MemoryStore()
+    build(mem)
+    return {k: v.to_bytes() for k, v in mem._store_dict.items()}
 
-    def __init__(self, store: ZarrStore) -> None:
-        super().__init__(store)
-        self.written: dict[str, dict[str, int]] = {}
 
-    async def set(self, key: str, value) -> None:  # type: ignore[override]
-        raw = value.as_numpy_array()
-        self.written[key] = {"size": int(raw.nbytes), "crc32c": codec.crc32c(raw)}
-        await self._store.set(key, value)
+def parent_groups() -> dict[str, bytes]:
+    """``zarr.json`` of the store root and of ``shards/``, so zarr-python can walk the hierarchy."""
+    def build(mem):
+        zarr.create_group(store=mem, path=SHARDS_DIR, zarr_format=3)
+    return zarr_metadata(build)
 
 
 def zarr_store(fs, root: str, url: str, storage_options: dict | None, read_only: bool) -> ZarrStore:
@@ -128,7 +130,6 @@ def encode_array(array_path: str, data: np.ndarray, chunk: int, chunk_codec: cod
 def write_shard(
     fs,
     root: str,
-    zstore: ZarrStore,
     name: str,
     writer: str,
     manifest: Manifest,
@@ -138,11 +139,8 @@ def write_shard(
     samples: dict[str, list],
     stats: dict[str, Any] | None = None,
 ) -> CommitRecord:
-    """Write one shard (Zarr metadata through zarr, whole chunks directly) and return its commit record.
-
-    The record is not yet published: see :func:`publish`.
-    """
-    rec_store = RecordingStore(zstore)
+    """Write one shard -- Zarr metadata and whole chunks, in one concurrent batch -- and return its commit
+    record. The record is not yet published: see :func:`publish`."""
     n_tokens = int(input_ids.shape[0])
     lengths = np.asarray(samples["length"], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -150,9 +148,6 @@ def write_shard(
         raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
     base = shard_path(name)
     ct = manifest.chunk_tokens
-    group = zarr.create_group(store=rec_store, path=base, zarr_format=3,
-                              attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
-                                          "samples": samples})
     feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
     arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
         (layer_array(l), features[l], ct, feature_codec, {"hsstore_dtype": manifest.dtype, "layer": l})
@@ -160,17 +155,23 @@ def write_shard(
     arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
                ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
                ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
-    files: dict[str, dict[str, int]] = {}
-    for arr_name, data, chunk, chunk_codec, attrs in arrays:
-        group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
-                           compressors=codec.compressors(chunk_codec.spec), fill_value=0, attributes=attrs,
-                           dimension_names=["token", "hidden"][: data.ndim])
-        objects = encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec)
-        storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
-        files.update({k: {"size": len(v), "crc32c": v.crc32c} for k, v in objects.items()})
-        del objects
-    # Only the shard's own metadata: parent groups (store root, shards/) are shared by all writers.
-    files.update({k: v for k, v in rec_store.written.items() if k.startswith(base + "/")})
+
+    def build(mem):
+        group = zarr.create_group(store=mem, path=base, zarr_format=3,
+                                  attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
+                                              "samples": samples})
+        for arr_name, data, chunk, chunk_codec, attrs in arrays:
+            group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
+                               compressors=codec.compressors(chunk_codec.spec), fill_value=0, attributes=attrs,
+                               dimension_names=["token", "hidden"][: data.ndim])
+
+    # only the shard's own metadata: parent groups are written once, when the store is created
+    objects: dict[str, Any] = {k: v for k, v in zarr_metadata(build).items() if k.startswith(base + "/")}
+    for arr_name, data, chunk, chunk_codec, _ in arrays:
+        objects.update(encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec))
+    storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
+    files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
+             for k, v in sorted(objects.items())}
     layers = {}
     for l in manifest.layers:
         prefix = f"{base}/{layer_array(l)}/"
@@ -178,7 +179,7 @@ def write_shard(
                           "raw_bytes": int(features[l].nbytes)}
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
-        files=dict(sorted(files.items())), chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
+        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
 
 
 def publish(fs, root: str, record: CommitRecord) -> None:

@@ -59,6 +59,7 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         raise StoreError(f"cannot reach store {url!r}: {type(e).__name__}: {e}") from None
     if not exists:
         try:
+            storage.put_many(fs, {storage.join(root, k): v for k, v in shard.parent_groups().items()})
             storage.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
             raise StoreError(f"cannot write to store {url!r}: {type(e).__name__}: {e}") from None
@@ -108,7 +109,6 @@ class StoreWriter:
         self.check_finite = check_finite
         token_bytes = len(self.layers) * self.hidden * self.storage_dtype.itemsize
         self.capacity = max(1, shard_bytes // token_bytes)
-        self.zstore = shard.zarr_store(self.fs, self.root, url, self.storage_options, read_only=False)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._futures: list[Future] = []
@@ -248,7 +248,7 @@ class StoreWriter:
     def _write(self, name, buf, n, ids, mask, cols) -> shard.CommitRecord:
         try:
             features = {layer: buf[j, :n] for j, layer in enumerate(self.layers)}
-            record = shard.write_shard(self.fs, self.root, self.zstore, name, self.tag, self.manifest, features, ids, mask, cols,
+            record = shard.write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols))
             shard.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently
