@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from extract.show import format_sample
+from hsstore.stats import log2_histogram, top_values
 from extract.tokenize import TokenizedSample, TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
@@ -155,19 +156,6 @@ def _sample_hash(ids: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(ids, dtype="<i4").tobytes(), digest_size=16).digest()
 
 
-def _histogram(sums: np.ndarray) -> list[dict]:
-    """Counts in bins 0, 1, 2-3, 4-7, ... up to the largest sum; empty bins inside the range are kept."""
-    n = sums.size
-    if n == 0:
-        return []
-    bins = [(0, 0)]
-    lo = 1
-    while lo <= int(sums.max()):
-        bins.append((lo, 2 * lo - 1))
-        lo *= 2
-    return [{"lo": a, "hi": b, "count": (c := int(((sums >= a) & (sums <= b)).sum())), "share": c / n} for a, b in bins]
-
-
 def check(
     samples: Iterable[TokenizedSample],
     thresholds: GateThresholds | None = None,
@@ -217,10 +205,8 @@ def check(
     report.loss_sum_percentiles = {
         f"p{q}": int(v) for q, v in zip(PERCENTILES, np.percentile(sums, PERCENTILES, method="nearest"), strict=True)
     }
-    report.loss_sum_histogram = _histogram(sums)
-    counts = Counter(sums.tolist())
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    report.top_values = [{"value": v, "count": c, "share": c / n} for v, c in ranked[:10]]
+    report.loss_sum_histogram = log2_histogram(sums)
+    report.top_values = top_values(sums, 10)
     report.top_loss_sum = dict(report.top_values[0])
     report.flag_counts = {f: c for f, c in Counter(f for r in records for f in r.flags).items()}
     report.sources = dict(Counter(r.source for r in records).most_common())

@@ -22,24 +22,33 @@ def percentiles(values: Iterable[int]) -> dict[str, float]:
     return {f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES}
 
 
-def log2_histogram(values: Iterable[int]) -> list[dict[str, int]]:
-    """Counts in buckets [0], [1], [2,3], [4,7], [8,15], ... (empty buckets left out)."""
-    counts: Counter[tuple[int, int]] = Counter()
-    for x in values:
-        x = int(x)
-        lo = 0 if x <= 0 else 1 << (x.bit_length() - 1)
-        hi = 0 if x <= 0 else (lo << 1) - 1
-        counts[(lo, hi)] += 1
-    return [{"lo": lo, "hi": hi, "count": n} for (lo, hi), n in sorted(counts.items())]
+def log2_histogram(values: Iterable[int]) -> list[dict]:
+    """Counts and shares in bins 0, 1, 2-3, 4-7, ... up to the largest value (empty bins inside the range
+    kept, so the shape of the distribution reads off directly)."""
+    v = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=np.int64)
+    if v.size == 0:
+        return []
+    bins, lo = [(0, 0)], 1
+    while lo <= int(v.max()):
+        bins.append((lo, 2 * lo - 1))
+        lo *= 2
+    return [{"lo": a, "hi": b, "count": (c := int(((v >= a) & (v <= b)).sum())), "share": c / v.size}
+            for a, b in bins]
 
 
-def top_value(values: Iterable[int]) -> dict[str, float] | None:
-    """The most common exact value and its share of samples (``{"value", "share", "count"}``)."""
+def top_values(values: Iterable[int], k: int = 10) -> list[dict]:
+    """The ``k`` most common exact values with count and share; ties go to the smaller value (a stub
+    answer's sum wins a tie against a real one's, so the warning errs on the loud side)."""
     c = Counter(int(x) for x in values)
-    if not c:
-        return None
-    value, count = c.most_common(1)[0]
-    return {"value": value, "count": count, "share": count / sum(c.values())}
+    n = sum(c.values())
+    ranked = sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+    return [{"value": v, "count": m, "share": m / n} for v, m in ranked]
+
+
+def top_value(values: Iterable[int]) -> dict | None:
+    """The most common exact value and its share of samples (``{"value", "count", "share"}``)."""
+    top = top_values(values, 1)
+    return top[0] if top else None
 
 
 def loss_sum_summary(loss_sums: list[int], lengths: list[int]) -> dict:
@@ -70,7 +79,7 @@ def histogram_lines(hist: list[dict[str, int]], total: int, width: int = 40, mar
     peak = max((h["count"] for h in hist), default=1)
     for h in hist:
         label = f"{h['lo']}" if h["lo"] == h["hi"] else f"{h['lo']}-{h['hi']}"
-        bar = "#" * max(1, round(width * h["count"] / peak))
+        bar = "#" * round(width * h["count"] / peak) or ("#" if h["count"] else "")
         flag = "  <-- top value" if mark is not None and h["lo"] <= mark <= h["hi"] else ""
         lines.append(f"  {label:>13} | {bar:<{width}} {h['count']:>9} ({100 * h['count'] / max(total, 1):5.1f}%){flag}")
     return lines
