@@ -167,7 +167,8 @@ class Store:
         return layers
 
     def read_range(self, shard_name: str, start: int, stop: int, layers: Sequence[int] | None = None,
-                   out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   out: np.ndarray | None = None, carry: dict | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, H]``
         layer-major in the storage dtype).
 
@@ -179,6 +180,9 @@ class Store:
 
         ``out`` (optional) is the features destination, ``[n_layers, T, H]`` C-contiguous in the storage
         dtype: the loader passes pinned or shared memory so items need no further copy.
+        ``carry`` (optional, remote stores): fetched objects shared by consecutive reads of a scan. It is
+        consulted before fetching and left holding this read's last chunks, so the chunk that straddles
+        two windows crosses the network once.
         """
         layers = self.check_layers(layers)
         m, ct = self.manifest, self.manifest.chunk_tokens
@@ -208,14 +212,15 @@ class Store:
                 key = shard.chunk_key(array_path, k, 1 if width == 1 else 2)
                 jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
                              direct))
-        fetch = [storage.join(self.root, j[0]) for j in jobs if not j[5]]
-        blobs: dict = {}
+        carried = carry or {}
+        fetch = [p for p in (storage.join(self.root, j[0]) for j in jobs if not j[5]) if p not in carried]
+        blobs: dict = dict(carried)
         if fetch:
             try:
                 if self.chunk_cache is not None and not storage.is_local(fs):
-                    blobs = self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace())
+                    blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace()))
                 else:
-                    blobs = storage.cat_many(fs, fetch)
+                    blobs.update(storage.cat_many(fs, fetch))
             except Exception as e:
                 raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
@@ -236,6 +241,10 @@ class Store:
                 raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
             vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where)
             dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+        if carry is not None:
+            last = [storage.join(self.root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
+            carry.clear()
+            carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
         return ids, mask, feats
 
     def read(self, i: int, layers: Sequence[int] | None = None) -> dict[str, Any]:
@@ -279,11 +288,12 @@ class Store:
         """Samples of the given windows in order; the next ``prefetch`` windows are read in a background
         thread while this one is consumed (on object stores, I/O overlaps decoding)."""
         layers = self.check_layers(layers)
+        carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
         def load(w):
             s, i, j = w
             rec, off = self.commits[s], self._offsets[s]
-            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers)
+            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers, carry=carry)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-read") as pool:
             pending: deque = deque()
