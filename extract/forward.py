@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from hsstore.errors import SampleError
+
 from .capture import run_tapped
 from .tokenize import TokenizedSample
 
@@ -59,6 +61,7 @@ def pad_right(batch: Sequence[TokenizedSample], pad_id: int) -> tuple[torch.Tens
 class _Staged:
     batch: list[TokenizedSample]
     host: torch.Tensor  # [n_tokens, L, H] packed features on the host
+    finite: torch.Tensor  # [n_tokens] bool on the host: every feature of the token is finite
     event: torch.cuda.Event | None
     slot: int
 
@@ -74,7 +77,8 @@ def extract_batches(
     staging_tokens: int = 0,
 ) -> None:
     """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
-    background thread, overlapped with the next forward. ``features`` is only valid during the call.
+    background thread, overlapped with the next forward. ``features`` is only valid during the call and
+    is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
     ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget)."""
     cuda = device.type == "cuda"
     slots: list[torch.Tensor | None] = [None, None]
@@ -94,6 +98,11 @@ def extract_batches(
                     item.event.synchronize()
                 off = 0
                 for s in item.batch:
+                    ok = item.finite[off:off + s.num_tokens]
+                    if not bool(ok.all()):
+                        bad = int((~ok).nonzero()[0, 0])
+                        raise SampleError(f"sample {s.sample_id!r}: the target produced NaN/Inf features "
+                                          f"(first at token {bad})")
                     sink(s, item.host[off:off + s.num_tokens])
                     off += s.num_tokens
                 if on_batch:
@@ -116,6 +125,8 @@ def extract_batches(
             feats = run_tapped(model, layers, ids, attn)  # [B, T, L, H] on device
             # GPU-side pack: drop padding before anything crosses PCIe
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
+            # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
+            finite = torch.isfinite(packed).flatten(1).all(dim=1)
             slot = free.get()
             if errors:
                 raise errors[0]
@@ -131,12 +142,14 @@ def extract_batches(
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(copy_stream):
                     view.copy_(packed, non_blocking=True)
+                    finite_host = finite.to("cpu", non_blocking=True)
                     packed.record_stream(copy_stream)
+                    finite.record_stream(copy_stream)
                     event.record(copy_stream)
-                staged.put(_Staged(batch, view, event, slot))
+                staged.put(_Staged(batch, view, finite_host, event, slot))
             else:
-                staged.put(_Staged(batch, packed, None, slot))
-            del feats, packed
+                staged.put(_Staged(batch, packed, finite, None, slot))
+            del feats, packed, finite
     finally:
         staged.put(None)
         worker.join()

@@ -165,8 +165,9 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype)
+    # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = StoreWriter(cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
-                         shard_bytes=cfg.shard_bytes)
+                         shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
     if over and rank == 0:

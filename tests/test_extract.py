@@ -247,3 +247,23 @@ def test_torchrun_two_ranks_extract_and_resume(tiny_dir, small_input, tmp_path, 
     assert "wrote 0 samples" in again.stdout and again.stdout.count("already in the store") == 2
     assert hsstore.open(out).sample_ids() == ids
     assert verify(hsstore.open(out)).ok
+
+
+def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_path, monkeypatch):
+    """NaN/Inf from the model: a clear error naming the sample; nothing of that batch is committed."""
+    import extract.forward as fwd
+
+    real = fwd.run_tapped
+
+    def poisoned(model, layers, ids, attn):
+        feats = real(model, layers, ids, attn).clone()
+        feats[0, 3, 1, 5] = float("nan")
+        return feats
+
+    monkeypatch.setattr(fwd, "run_tapped", poisoned)
+    out = str(tmp_path / "store")
+    with pytest.raises(hsstore.SampleError, match=r"sample '.+': the target produced NaN/Inf features "
+                                                  r"\(first at token 3\)"):
+        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                                  progress=False))
+    assert len(hsstore.open(out)) == 0
