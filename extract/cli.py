@@ -94,6 +94,7 @@ def register(subparsers) -> None:
     e.add_argument("--layout", default="zarr", choices=["zarr"])
     e.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
     e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--no-progress", action="store_true")
     add_threshold_flags(e)
@@ -238,7 +239,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
-        storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress)
+        storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
+        shard_bytes=max(1, int(args.shard_mb * (1 << 20))))
     try:
         result = run_extract(cfg)
     except GateRefused as e:
