@@ -114,12 +114,6 @@ def _use_color(choice: str) -> bool:
     return choice == "always" or (choice == "auto" and sys.stdout.isatty())
 
 
-def _fail(command: str, err: Exception) -> int:
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    print(f"hsstore {command}: error: {msg}", file=sys.stderr)
-    return 2
-
-
 def load_tokenizer(model: str):
     """The target's tokenizer from a local directory (nothing is downloaded)."""
     from pathlib import Path
@@ -135,20 +129,11 @@ def run_check(args: argparse.Namespace) -> int:
     from extract.gate import check
     from extract.tokenize import TokenizeStats, load_samples
 
-    try:
-        tokenizer = load_tokenizer(args.model)
-        stats = TokenizeStats()
-        samples = load_samples(
-            args.input,
-            tokenizer,
-            max_length=args.max_length,
-            keep_over_length=True,
-            expand=not args.no_expand,
-            stats=stats,
-        )
-        report = check(samples, thresholds_from_args(args), stats=stats)
-    except (ValueError, OSError) as e:
-        return _fail("check", e)
+    tokenizer = load_tokenizer(args.model)
+    stats = TokenizeStats()
+    samples = load_samples(args.input, tokenizer, max_length=args.max_length, keep_over_length=True,
+                           expand=not args.no_expand, stats=stats)
+    report = check(samples, thresholds_from_args(args), stats=stats)
     if args.json:
         print(report.to_json())
     else:
@@ -163,20 +148,17 @@ def run_show(args: argparse.Namespace) -> int:
     if is_store(args.input, parse_storage_options(args.storage_option)):
         return show_store_sample(args)
     if not args.model:
-        return _fail("show", ValueError("--model is required to tokenize input files"))
-    try:
-        tokenizer = load_tokenizer(args.model)
-        index = int(args.n) if args.n.isdigit() else None
-        found, count = None, 0
-        for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand):
-            if count == index or sample.sample_id == args.n:
-                found = sample
-                break
-            count += 1
-        if found is None:
-            raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples)")
-    except (ValueError, OSError) as e:
-        return _fail("show", e)
+        raise ValueError("--model is required to tokenize input files")
+    tokenizer = load_tokenizer(args.model)
+    index = int(args.n) if args.n.isdigit() else None
+    found, count = None, 0
+    for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand):
+        if count == index or sample.sample_id == args.n:
+            found = sample
+            break
+        count += 1
+    if found is None:
+        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples)")
     s = found
     flags = ", ".join(s.flags) or "-"
     print(
@@ -189,10 +171,11 @@ def run_show(args: argparse.Namespace) -> int:
 
 def is_store(url: str, storage_options: dict) -> bool:
     from hsstore import storage
+    from hsstore.manifest import MANIFEST_FILE
 
     try:
         fs, root = storage.resolve(url, storage_options)
-        return fs.exists(storage.join(root, "manifest.json"))
+        return fs.exists(storage.join(root, MANIFEST_FILE))
     except Exception:
         return False
 
@@ -205,22 +188,19 @@ def show_store_sample(args: argparse.Namespace) -> int:
     from extract.show import format_sample
     from hsstore import assets
 
-    try:
-        store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
-        ids = store.sample_ids()
-        index = int(args.n) if args.n.isdigit() else (ids.index(args.n) if args.n in ids else None)
-        if index is None or not 0 <= index < len(store):
-            raise ValueError(f"{args.input}: no sample {args.n!r} (it has {len(store)} samples)")
-        ref = store.ref(index)
-        item = store.read(index, layers=store.layers[:1])
-        if args.model:
-            tokenizer = load_tokenizer(args.model)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=args.input)
-                tokenizer = load_tokenizer(tmp)
-    except (ValueError, OSError, hsstore.StoreError) as e:
-        return _fail("show", e)
+    store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
+    ids = store.sample_ids()
+    index = int(args.n) if args.n.isdigit() else (ids.index(args.n) if args.n in ids else None)
+    if index is None or not 0 <= index < len(store):
+        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {len(store)} samples)")
+    ref = store.ref(index)
+    item = store.read(index, layers=store.layers[:1])
+    if args.model:
+        tokenizer = load_tokenizer(args.model)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=args.input)
+            tokenizer = load_tokenizer(tmp)
     rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
     flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
     print(f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "

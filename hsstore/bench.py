@@ -85,7 +85,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
             best["raw_write"] = min(best["raw_write"], _time(lambda: fs.pipe(raw_objects)))
             if local:  # the store fsyncs every chunk before its commit record; so does this baseline
                 best["raw_durable"] = min(best["raw_durable"], _time(lambda: _pipe_fsync(raw_objects)))
-            del raw_objects
+            raw_objects = None  # free the copies before the read rounds
             best["raw_read"] = min(best["raw_read"], _time(lambda: storage.cat_many(fs, files)))
 
             def read_store():  # sequential decode of every sample, all layers, as tensors
@@ -96,10 +96,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
             fs.rm(storage.join(root, run, f"raw{r}"), recursive=True)
             fs.rm(storage.join(root, run, f"store{r}"), recursive=True)
     finally:
-        try:
-            fs.rm(storage.join(root, run), recursive=True)
-        except FileNotFoundError:
-            pass
+        _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9
     result = {
         "store_write": {"gbps": gb / best["write"], "raw_gbps": gb / best["raw_write"], "bytes": nbytes},
@@ -113,6 +110,14 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
         r["ratio"] = r["gbps"] / r["raw_gbps"]
         r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url})
     return result
+
+
+def _remove(fs, path: str) -> None:
+    """Delete a bench's scratch folder, whatever of it exists."""
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 def _pipe_fsync(objects: dict[str, bytes]) -> None:
@@ -246,10 +251,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                 best[name] = min(best[name], _time(fn))
                 log.info("loader bench round %d: %s %.3f GB/s", r, name, nbytes / 1e9 / best[name])
     finally:
-        try:
-            fs.rm(storage.join(root, run), recursive=True)
-        except FileNotFoundError:
-            pass
+        _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9
     out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": nbytes, "workers": workers,
            "pin_memory": pin,

@@ -143,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (StoreError, ValueError, FileNotFoundError, PermissionError) as e:
+    except (StoreError, ValueError, OSError) as e:  # bad input: one line, exit 2 (-vv shows the traceback)
         log.debug("error", exc_info=True)
-        print(f"hsstore {args.command}: error: {e}", file=sys.stderr)
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"hsstore {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -10,6 +10,7 @@ but decode 3-5x slower than a raw read on a few cores, and the trainer must neve
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -83,6 +84,26 @@ def crc32c(data) -> int:
     return int(google_crc32c.value(view))
 
 
+def _parse(spec: str) -> tuple[str, int]:
+    """``name[:level]`` -> (name, level); level 1 by default."""
+    name, _, level = spec.partition(":")
+    if name not in CODECS:
+        raise StoreError(f"unknown codec {spec!r} (one of {', '.join(CODECS)}, with optional :level)")
+    return name, int(level) if level else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _numcodec(spec: str):
+    """The numcodecs compressor Zarr uses for the spec (None for ``none``), built once per spec."""
+    name, level = _parse(spec)
+    if name == "none":
+        return None
+    if name == "zstd":
+        return numcodecs.Zstd(level=level)
+    return numcodecs.Blosc(cname="zstd" if name == "blosc-zstd" else "lz4", clevel=level,
+                           shuffle=numcodecs.Blosc.SHUFFLE, typesize=2)
+
+
 @dataclass(frozen=True)
 class EncodedChunk:
     """A chunk object as parts (payload view + 4-byte CRC32C), so local writes need no joining copy.
@@ -113,16 +134,19 @@ class ChunkCodec:
     spec: str = "none"
 
     def _numcodec(self):
-        name, _, level = self.spec.partition(":")
-        lvl = int(level) if level else 1
+        return _numcodec(self.spec)
+
+    def zarr_compressors(self) -> list:
+        """The same chain as Zarr metadata: ``[<compressor>?, crc32c]`` (after the ``bytes`` serializer)."""
+        name, level = _parse(self.spec)
         if name == "none":
-            return None
-        if name == "zstd":
-            return numcodecs.Zstd(level=lvl)
-        if name in ("blosc-zstd", "lz4"):
-            return numcodecs.Blosc(cname="zstd" if name == "blosc-zstd" else "lz4", clevel=lvl,
-                                   shuffle=numcodecs.Blosc.SHUFFLE, typesize=2)
-        raise StoreError(f"unknown codec {self.spec!r} (one of {', '.join(CODECS)}, with optional :level)")
+            codecs: list = []
+        elif name == "zstd":
+            codecs = [ZstdCodec(level=level)]
+        else:  # byte shuffle groups the exponent bytes together: helps bf16 most
+            codecs = [BloscCodec(cname="zstd" if name == "blosc-zstd" else "lz4", clevel=level, shuffle="shuffle",
+                                 typesize=2)]
+        return codecs + [Crc32cCodec()]
 
     def encode(self, chunk: np.ndarray) -> "EncodedChunk":
         c = self._numcodec()
@@ -144,20 +168,3 @@ class ChunkCodec:
         if raw.nbytes != count * dtype.itemsize:
             raise CorruptionError(f"{where}: chunk holds {raw.nbytes} bytes, expected {count * dtype.itemsize}")
         return raw.view(dtype)
-
-
-def compressors(spec: str) -> list:
-    """Zarr bytes-to-bytes codecs for a codec spec: ``none``, ``zstd[:level]``, ``blosc-zstd[:level]``, ``lz4``."""
-    name, _, level = spec.partition(":")
-    lvl = int(level) if level else None
-    if name == "none":
-        codecs: list = []
-    elif name == "zstd":
-        codecs = [ZstdCodec(level=lvl if lvl is not None else 1)]
-    elif name == "blosc-zstd":  # byte shuffle groups exponent bytes together: helps bf16 most
-        codecs = [BloscCodec(cname="zstd", clevel=lvl if lvl is not None else 1, shuffle="shuffle", typesize=2)]
-    elif name == "lz4":
-        codecs = [BloscCodec(cname="lz4", clevel=lvl if lvl is not None else 1, shuffle="shuffle", typesize=2)]
-    else:
-        raise StoreError(f"unknown codec {spec!r} (one of {', '.join(CODECS)}, with optional :level)")
-    return codecs + [Crc32cCodec()]

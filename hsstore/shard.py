@@ -162,7 +162,7 @@ def write_shard(
                                               "samples": samples})
         for arr_name, data, chunk, chunk_codec, attrs in arrays:
             group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
-                               compressors=codec.compressors(chunk_codec.spec), fill_value=0, attributes=attrs,
+                               compressors=chunk_codec.zarr_compressors(), fill_value=0, attributes=attrs,
                                dimension_names=["token", "hidden"][: data.ndim])
 
     # only the shard's own metadata: parent groups are written once, when the store is created
