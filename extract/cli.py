@@ -94,6 +94,9 @@ def register(subparsers) -> None:
     e.add_argument("--layout", default="zarr", choices=["zarr"])
     e.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
     e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
+                   help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
+                        "or threads of this process")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--no-progress", action="store_true")
@@ -220,7 +223,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
-        shard_bytes=max(1, int(args.shard_mb * (1 << 20))))
+        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer)
     try:
         result = run_extract(cfg)
     except GateRefused as e:
@@ -229,7 +232,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         return 1
     print(f"rank {result.rank}/{result.world_size}: wrote {result.samples} samples, {result.tokens:,} tokens in "
           f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
-          f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped")
+          f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped; "
+          f"the forward waited {result.gpu_wait_s:.1f}s on the writer")
     return 0
 
 

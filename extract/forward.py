@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -58,6 +59,33 @@ def pad_right(batch: Sequence[TokenizedSample], pad_id: int) -> tuple[torch.Tens
 
 
 @dataclass
+class ExtractStats:
+    batches: int = 0
+    tokens: int = 0
+    slot_wait_s: float = 0.0  # the forward waited this long for the sink to free a host buffer (slow writer)
+
+
+def host_buffer(numel: int, dtype: torch.dtype, alloc: Callable[[int], torch.Tensor] | None, pin: bool
+                ) -> torch.Tensor:
+    """A flat host buffer for ``numel`` values: pinned by torch, or ``alloc(nbytes)`` (e.g. a
+    :meth:`hsstore.ProcessWriter.staging` buffer in shared memory) pinned in place for the GPU."""
+    if alloc is None:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    raw = alloc(numel * dtype.itemsize)
+    if pin:
+        err = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {raw.numel()}-byte staging buffer failed: {err}")
+    return raw.view(dtype)
+
+
+def unpin(buffers: Sequence[torch.Tensor | None]) -> None:
+    for b in buffers:
+        if b is not None:
+            torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+
+
+@dataclass
 class _Staged:
     batch: list[TokenizedSample]
     host: torch.Tensor  # [n_tokens, L, H] packed features on the host
@@ -75,12 +103,16 @@ def extract_batches(
     device: torch.device,
     on_batch: Callable[[list[TokenizedSample]], None] | None = None,
     staging_tokens: int = 0,
-) -> None:
+    host_alloc: Callable[[int], torch.Tensor] | None = None,
+) -> ExtractStats:
     """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
     is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
-    ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget)."""
+    ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget).
+    ``host_alloc(nbytes)``: where those buffers live (default: torch's pinned memory); with it, features
+    go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffer is reused."""
     cuda = device.type == "cuda"
+    stats = ExtractStats()
     slots: list[torch.Tensor | None] = [None, None]
     free: queue.Queue[int] = queue.Queue()
     for i in range(len(slots)):
@@ -127,17 +159,26 @@ def extract_batches(
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
             # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
             finite = torch.isfinite(packed).flatten(1).all(dim=1)
+            t = time.perf_counter()
             slot = free.get()
+            stats.slot_wait_s += time.perf_counter() - t
+            stats.batches += 1
+            stats.tokens += packed.shape[0]
             if errors:
                 raise errors[0]
-            if cuda:
+            if cuda or host_alloc is not None:
                 host = slots[slot]
                 if host is None or host.numel() < packed.numel():
                     # sized for the largest batch the budget allows, once: pinning is slow and synchronising
+                    if host is not None and cuda and host_alloc is not None:
+                        unpin([host])
                     size = max(packed.numel(), staging_tokens * packed[0].numel())
-                    host = torch.empty(size, dtype=packed.dtype, pin_memory=True)
-                    slots[slot] = host
+                    host = slots[slot] = host_buffer(size, packed.dtype, host_alloc, pin=cuda)
                 view = host[: packed.numel()].view(packed.shape)
+            if not cuda and host_alloc is not None:
+                view.copy_(packed)
+                staged.put(_Staged(batch, view, finite, None, slot))
+            elif cuda:
                 event = torch.cuda.Event()
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(copy_stream):
@@ -153,5 +194,8 @@ def extract_batches(
     finally:
         staged.put(None)
         worker.join()
+        if cuda and host_alloc is not None:
+            unpin(slots)
     if errors:
         raise errors[0]
+    return stats

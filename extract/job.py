@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hsstore import StoreWriter, assets
+from hsstore import ProcessWriter, StoreWriter, assets
 from hsstore.errors import ManifestError
 from hsstore.reader import Store
 
@@ -58,6 +58,7 @@ class ExtractConfig:
     rank: int | None = None
     world_size: int | None = None
     progress: bool = True
+    writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ExtractResult:
     skipped_over_length: int = 0
     seconds: float = 0.0
     bytes_written: int = 0
+    gpu_wait_s: float = 0.0  # the forward waited this long for the writer (storage slower than the GPU)
     gate: GateReport | None = None
 
     @property
@@ -166,8 +168,10 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype)
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
-    writer = StoreWriter(cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
-                         shard_bytes=cfg.shard_bytes, check_finite=False)
+    use_process = cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
+    writer = (ProcessWriter if use_process else StoreWriter)(
+        cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
+        shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
     if over and rank == 0:
@@ -191,13 +195,17 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
         result.tokens += s.num_tokens
 
     def on_batch(batch: list[TokenizedSample]) -> None:
+        if use_process:
+            writer.sync()  # the child has taken the batch: its staging buffer may be reused
         bar.update(sum(s.num_tokens for s in batch))
         bar.set_postfix(samples=f"{result.samples}/{len(todo)}", written=f"{writer.bytes_written / 1e9:.2f}GB",
                         refresh=False)
 
     try:
-        extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch, staging_tokens=budget)
+        stats = extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch,
+                                staging_tokens=budget, host_alloc=writer.staging if use_process else None)
         writer.close()
+        result.gpu_wait_s = stats.slot_wait_s
     except BaseException:
         writer.close(commit=False)
         raise

@@ -11,6 +11,7 @@ from .batching import TokenBatches, collate_packed, collate_padded, token_batche
 from .errors import CorruptionError, ManifestError, SampleError, StoreError
 from .loader import HiddenStateDataset, LoaderStateError, merge_states
 from .manifest import FORMAT_VERSION, Manifest, TargetIdentity, TokenizerIdentity
+from .process_writer import ProcessWriter
 from .reader import Store, open_store
 from .version import __version__
 from .writer import StoreWriter
@@ -19,6 +20,6 @@ open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset co
 
 __all__ = [
     "FORMAT_VERSION", "CorruptionError", "HiddenStateDataset", "LoaderStateError", "Manifest", "ManifestError",
-    "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
+    "ProcessWriter", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
     "__version__", "collate_packed", "collate_padded", "merge_states", "open", "open_store", "token_batches",
 ]

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,6 +122,7 @@ class StoreWriter:
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
         self.committed: list[shard.CommitRecord] = []
         self.bytes_written = 0
+        self.wait_s = 0.0  # time add() spent blocked on storage (back-pressure): storage too slow if large
         self._new_buffer(self.capacity)
 
     # -- filling ---------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class StoreWriter:
         mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16)."""
         if self._closed:
             raise StoreError("writer is closed")
-        self._raise_background_error()
+        self.raise_background_error()
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
         T = ids.shape[0]
@@ -240,7 +242,9 @@ class StoreWriter:
         buf, ids, mask, cols = self._buf, self._ids, self._mask, self._cols
         name = f"{self.tag}-{self.session}-{self._seq:05d}"
         self._seq += 1
+        t = time.perf_counter()
         self._slots.acquire()  # back-pressure: at most max_pending shards in memory
+        self.wait_s += time.perf_counter() - t
         fut = self._pool.submit(self._write, name, buf, n, np.concatenate(ids) if ids else np.zeros(0, np.int32),
                                 np.concatenate(mask) if mask else np.zeros(0, np.uint8), cols)
         self._futures.append(fut)
@@ -281,7 +285,8 @@ class StoreWriter:
             out["skipped"] = skipped
         return out
 
-    def _raise_background_error(self) -> None:
+    def raise_background_error(self) -> None:
+        """Raise the first error of a shard write that has finished (without waiting for the others)."""
         for f in self._futures:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]

@@ -113,10 +113,11 @@ def test_token_budget_batches():
     assert sorted(s.sample_id for b in batches for s in b) == sorted(s.sample_id for s in samples)
 
 
-def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32, writer):
     out = str(tmp_path / "store")
     cfg = ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",
-                        layers=[1, 4], progress=False, token_budget=700)
+                        layers=[1, 4], progress=False, token_budget=700, writer=writer, shard_bytes=50_000)
     r = run_extract(cfg)
     samples = {s.sample_id: s for s in load_samples(small_input, tok)}
     store = hsstore.open(out)

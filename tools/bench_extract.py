@@ -4,16 +4,27 @@ Builds a random-weight Qwen3.5-architecture target (default: 27B scale, 64 layer
 synthetic sequences, and times, on the same batches, alternating:
   forward_full   the whole decoder, no lm_head, no capture (the brief's "forward only");
   forward_taps   the decoder up to the last tapped layer, no capture, no copy;
-  extract        the real pipeline: hooks, GPU pack, pinned copy, StoreWriter to a local store.
-Prints JSON with tokens/s, ratios and MFU.
+  extract        the real pipeline: hooks, GPU pack, pinned copy, StoreWriter threads, local store;
+  extract_process  the same with the writer in a child process fed through shared memory (ProcessWriter);
+  extract_memory   the thread writer into ``memory://`` (no disk: separates storage from CPU contention);
+  capture_only   hooks, GPU pack and pinned copy, no writer.
+Prints JSON with tokens/s, ratios, MFU, and how long the forward waited on the writer (``slot_wait_s``)
+and the writer on storage (``storage_wait_s``).
+
+Under ``torchrun --nproc_per_node N`` every rank takes its share of the samples (``extract.job.rank_slice``,
+so ``--samples`` is the total) and all ranks run each mode at the same time, sharing disk and CPUs;
+rank 0 prints per-rank and summed figures. ``--keep URL`` finally extracts once more into URL, with the
+target's embedding, lm_head and config as store assets, so ``hsstore train`` can run on it.
 
     python -m tools.bench_extract --out /tmp/bench-store [--layers-total 64 --hidden 5120 ...]
+    torchrun --nproc_per_node 2 -m tools.bench_extract --samples 96 --modes forward_full,extract_process
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 
@@ -22,8 +33,11 @@ import torch
 
 from extract.capture import base_model, decoder_layers, default_taps, run_tapped
 from extract.forward import extract_batches, pad_right, token_budget_batches
+from extract.job import rank_slice
 from extract.tokenize import TokenizedSample
-from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
+
+MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")
 
 
 def build_model(args):
@@ -99,78 +113,152 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--keep", default=None, metavar="URL", help="finally extract into URL (with assets) and keep it")
+    p.add_argument("--seed", type=int, default=0, help="model init seed (same on every rank)")
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}")
 
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    dist = None
+    if world > 1:
+        import torch.distributed as dist
+
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     model = build_model(args)
     build_s = time.perf_counter() - t0
     layers = default_taps(args.layers_total)
-    samples = synthetic(args.samples, args.min_len, args.max_len, args.vocab)
+    samples = rank_slice(synthetic(args.samples, args.min_len, args.max_len, args.vocab), rank, world)
     batches = token_budget_batches(samples, args.token_budget)
     tokens = sum(s.num_tokens for s in samples)
     manifest = Manifest(
         target=TargetIdentity(name="random-qwen3.5", num_layers=args.layers_total, hidden_size=args.hidden,
-                              config_hash="bench"),
+                              config_hash=f"bench-seed{args.seed}"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"), layers=tuple(layers))
+    out = f"{args.out}-rank{rank}"
+    waits: dict[str, dict[str, list[float]]] = {}
+    close_s: dict[str, list[float]] = {}
 
-    close_s = []
+    def open_writer(mode: str):
+        url = f"memory://bench-extract-rank{rank}" if mode == "extract_memory" else args.keep if mode == "keep" else out
+        if mode != "keep":
+            _clear(url)
+        cls = ProcessWriter if mode == "extract_process" or (mode == "keep" and device.type == "cuda") else StoreWriter
+        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False)  # checked on the device
 
-    def extract_once():
+    def extract_into(w, mode: str) -> None:
         """Until every sample is handed to the writer (steady-state pipeline); the final flush of the
-        last shards is timed separately (in a long run it is paid once)."""
-        shutil.rmtree(args.out, ignore_errors=True)
-        w = StoreWriter(args.out, manifest, writer_tag="bench", check_finite=False)  # checked on the device
-        extract_batches(model, layers, batches,
-                        lambda s, f: w.add(s.sample_id, s.input_ids, s.loss_mask, f), 0, torch.device(args.device),
-                        staging_tokens=args.token_budget)
+        last shards is timed separately (in a long run it is paid once), as is starting the writer."""
+        proc = isinstance(w, ProcessWriter)
+
+        def sink(s, f):
+            w.add(s.sample_id, s.input_ids, s.loss_mask, f)
+
+        stats = extract_batches(model, layers, batches, sink, 0, device, staging_tokens=args.token_budget,
+                                on_batch=(lambda b: w.sync()) if proc else None,
+                                host_alloc=w.staging if proc else None)
+        wt = waits.setdefault(mode, {"slot_wait_s": [], "storage_wait_s": []})
+        wt["slot_wait_s"].append(stats.slot_wait_s)
+        wt["storage_wait_s"].append(w.wait_s)
+
+    def close_writer(w, mode: str) -> None:
         t = time.perf_counter()
         w.close()
-        close_s.append(time.perf_counter() - t)
+        close_s.setdefault(mode, []).append(time.perf_counter() - t)
+        if mode != "keep":
+            _clear(w.url)
 
-    def capture_only():
-        """Capture + GPU pack + pinned copy, no writer: splits overhead between capture and storage."""
-        extract_batches(model, layers, batches, lambda s, f: None, 0, torch.device(args.device),
-                        staging_tokens=args.token_budget)
+    def run_mode(mode: str, w) -> None:
+        if mode == "forward_full":
+            forward_pass(model, batches, layers, full=True)
+        elif mode == "forward_taps":
+            forward_pass(model, batches, layers, full=False)
+        elif mode == "capture_only":
+            extract_batches(model, layers, batches, lambda s, f: None, 0, device, staging_tokens=args.token_budget)
+        else:
+            extract_into(w, mode)
+
+    def barrier():
+        if dist is not None:
+            dist.barrier()
 
     forward_pass(model, batches[:1], layers, full=True)  # warm-up: kernels, autotuning
     forward_pass(model, batches[:1], layers, full=False)
-    best = {"forward_full": np.inf, "forward_taps": np.inf, "capture_only": np.inf, "extract": np.inf}
+    best = {m: np.inf for m in modes}
     for _ in range(args.rounds):
-        best["forward_full"] = min(best["forward_full"], timed(lambda: forward_pass(model, batches, layers, True)))
-        best["extract"] = min(best["extract"], timed(extract_once))
-        best["forward_taps"] = min(best["forward_taps"], timed(lambda: forward_pass(model, batches, layers, False)))
-        best["capture_only"] = min(best["capture_only"], timed(capture_only))
+        for mode in modes:
+            w = open_writer(mode) if mode.startswith("extract") else None
+            barrier()  # every rank runs the same mode at the same time: they share disk and CPUs
+            best[mode] = min(best[mode], timed(lambda: run_mode(mode, w)))
+            if w is not None:
+                close_writer(w, mode)
     stack = decoder_layers(model)
     params_full = sum(p.numel() for p in stack.parameters())
     params_taps = sum(p.numel() for l in stack[: max(layers) + 1] for p in l.parameters())
     n_full_attn = sum(1 for i in range(args.layers_total) if (i + 1) % 4 == 0)
-    mean_T = tokens / len(samples)
-    attn_flops_per_token = 2 * 2 * (mean_T / 2) * args.heads * args.head_dim * n_full_attn  # QK^T and PV, causal
+    mean_T = tokens / max(1, len(samples))
+    attn_full = 2 * 2 * (mean_T / 2) * args.heads * args.head_dim * n_full_attn  # QK^T and PV, causal
+    attn_taps = attn_full * (max(layers) + 1) / args.layers_total
 
-    def mfu(seconds, params, attn):
-        flops = tokens * (2 * params + attn)
-        return flops / seconds / 1e12
+    def tflops(mode):
+        full = mode == "forward_full"
+        return tokens * (2 * (params_full if full else params_taps) + (attn_full if full else attn_taps)) / best[mode] / 1e12
 
     res = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "tokens": tokens, "samples": len(samples), "batches": len(batches),
+        "rank": rank, "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
+        "tokens": tokens, "samples": len(samples), "batches": len(batches),
         "layers_total": args.layers_total, "hidden": args.hidden, "taps": layers, "build_model_s": build_s,
         "fla": _fla_available(),
-        "tokens_per_s": {k: tokens / v for k, v in best.items()},
-        "ratio_extract_vs_forward_full": best["forward_full"] / best["extract"],
-        "ratio_extract_vs_forward_taps": best["forward_taps"] / best["extract"],
-        "ratio_capture_only_vs_forward_taps": best["forward_taps"] / best["capture_only"],
-        "final_flush_s": min(close_s),
-        "ratio_extract_end_to_end_vs_forward_full": best["forward_full"] / (best["extract"] + min(close_s)),
-        "tflops": {"forward_full": mfu(best["forward_full"], params_full, attn_flops_per_token),
-                   "forward_taps": mfu(best["forward_taps"], params_taps,
-                                       attn_flops_per_token * (max(layers) + 1) / args.layers_total),
-                   "extract": mfu(best["extract"], params_taps,
-                                  attn_flops_per_token * (max(layers) + 1) / args.layers_total)},
+        "tokens_per_s": {m: tokens / best[m] for m in modes},
+        "tflops": {m: tflops(m) for m in modes},
+        "final_flush_s": {m: min(v) for m, v in close_s.items()},
+        "waits_s": {m: {k: min(v) for k, v in w.items()} for m, w in waits.items()},
         "store_bytes_per_pass": tokens * len(layers) * args.hidden * 2,
     }
-    res["mfu_vs_989"] = {k: v / 989 for k, v in res["tflops"].items()}
-    print(json.dumps(res, indent=2))
-    shutil.rmtree(args.out, ignore_errors=True)
+    res["mfu_vs_989"] = {m: v / 989 for m, v in res["tflops"].items()}
+    for base in ("forward_full", "forward_taps"):
+        for m in modes:
+            if base in best and m.startswith(("extract", "capture")):
+                res[f"ratio_{m}_vs_{base}"] = best[base] / best[m]
+    if args.keep:
+        w = open_writer("keep")
+        barrier()
+        t = time.perf_counter()
+        extract_into(w, "keep")
+        close_writer(w, "keep")
+        res["keep_tokens_per_s"] = tokens / (time.perf_counter() - t)
+        if rank == 0:
+            fs, root = storage.resolve(args.keep, {})
+            assets.write_assets(fs, root, {
+                assets.EMBED: assets.tensors_bytes({"weight": model.get_input_embeddings().weight}),
+                assets.LM_HEAD: assets.tensors_bytes({"weight": model.get_output_embeddings().weight}),
+                assets.CONFIG: model.config.to_json_string().encode()})
+        res["kept"] = args.keep
+    if dist is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        if rank == 0:
+            total = {m: sum(r["tokens"] for r in gathered) / max(r["tokens"] / r["tokens_per_s"][m] for r in gathered)
+                     for m in modes}
+            print(json.dumps({"world_size": world, "per_rank": gathered, "tokens_per_s_all_ranks": total,
+                              "tokens_per_s_per_gpu": {m: v / world for m, v in total.items()}}, indent=2))
+        dist.destroy_process_group()
+    else:
+        print(json.dumps(res, indent=2))
+
+
+def _clear(url: str) -> None:
+    fs, root = storage.resolve(url, {})
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
 
 
 def _fla_available() -> bool:
