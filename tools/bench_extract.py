@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -197,7 +198,10 @@ def main() -> None:
         for mode in modes:
             w = open_writer(mode) if mode.startswith("extract") else None
             barrier()  # every rank runs the same mode at the same time: they share disk and CPUs
-            best[mode] = min(best[mode], timed(lambda: run_mode(mode, w)))
+            sec = timed(lambda: run_mode(mode, w))
+            best[mode] = min(best[mode], sec)
+            print(json.dumps({"rank": rank, "mode": mode, "seconds": sec, "tokens_per_s": tokens / sec}),
+                  file=sys.stderr, flush=True)  # progress that survives a timeout
             if w is not None:
                 close_writer(w, mode)
     stack = decoder_layers(model)

@@ -52,6 +52,24 @@ def write_store(path: Path, args, device) -> None:
             w.add(f"bench-{i}", ids, torch.ones(args.seq, dtype=torch.bool), hs)
 
 
+def write_target_assets(path: Path, args) -> None:
+    """Random embedding/lm_head and a Qwen3.5 text config of the drafter's sizes, so that ``hsstore train``
+    (which replaces the target by these assets) can run on the synthetic store, e.g. under torchrun."""
+    from transformers import Qwen3_5TextConfig
+
+    from hsstore import assets, storage
+
+    cfg = Qwen3_5TextConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                            num_hidden_layers=args.taps + 3, num_attention_heads=args.heads,
+                            num_key_value_heads=args.kv_heads, head_dim=args.head_dim)
+    g = torch.Generator().manual_seed(1)
+    weight = lambda: (torch.randn(args.vocab, args.hidden, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    fs, root = storage.resolve(str(path), {})
+    assets.write_assets(fs, root, {assets.EMBED: assets.tensors_bytes({"weight": weight()}),
+                                   assets.LM_HEAD: assets.tensors_bytes({"weight": weight()}),
+                                   assets.CONFIG: cfg.to_json_string().encode()})
+
+
 def drop_page_cache(root: Path) -> None:
     for f in root.rglob("*"):
         if f.is_file():
@@ -114,6 +132,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--store-only", action="store_true",
+                    help="only write the store, with random target assets, for `hsstore train` (kept; path printed)")
     args = ap.parse_args()
     if args.tiny:
         for k, v in TINY.items():
@@ -134,6 +154,10 @@ def main() -> None:
         t = time.perf_counter()
         write_store(store, args, device)
         print(f"wrote {store} in {time.perf_counter() - t:.1f}s", flush=True)
+    if args.store_only:
+        write_target_assets(store, args)
+        print(store)
+        return
 
     model, drafter, opt, sched = build(args, device)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()

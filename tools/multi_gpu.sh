@@ -16,21 +16,25 @@ rm -rf "$STORE" /tmp/hs-train1 /tmp/hs-train2
 step() { echo "== $(date +%T) $*" | tee -a "$RESULTS/log.txt"; }
 
 step "1 GPU: extraction modes vs forward ($S samples)"
-timeout 260 python3 -m tools.bench_extract --samples "$S" --rounds 2 \
-  --modes forward_full,extract,extract_process,extract_memory,capture_only "${BENCH_ARGS[@]}" > "$RESULTS/extract_1gpu.json" \
+timeout 180 python3 -m tools.bench_extract --samples "$S" --rounds 2 \
+  --modes ${MODES_1GPU:-forward_full,forward_taps,extract,extract_process} "${BENCH_ARGS[@]}" > "$RESULTS/extract_1gpu.json" \
   2>> "$RESULTS/stderr.txt"
 step "2 GPUs: torchrun extraction ($((2 * S)) samples), kept as the training store"
-timeout 200 torchrun --standalone --nproc_per_node 2 -m tools.bench_extract --samples $((2 * S)) --rounds 2 \
-  --modes forward_full,extract,extract_process --keep "$STORE" "${BENCH_ARGS[@]}" > "$RESULTS/extract_2gpu.json" 2>> "$RESULTS/stderr.txt"
+timeout 150 torchrun --standalone --nproc_per_node 2 -m tools.bench_extract --samples $((2 * S)) --rounds 2 \
+  --modes ${MODES_2GPU:-forward_full,extract_process} --keep "$STORE" "${BENCH_ARGS[@]}" > "$RESULTS/extract_2gpu.json" 2>> "$RESULTS/stderr.txt"
 step "verify"
-timeout 120 python3 -m hsstore verify "$STORE" > "$RESULTS/verify.txt" 2>&1
+timeout 60 python3 -m hsstore verify "$STORE" > "$RESULTS/verify.txt" 2> /dev/null
 python3 -m hsstore info "$STORE" > "$RESULTS/info.txt" 2>&1
-TRAIN=(-m hsstore train --store "$STORE" --epochs "$TRAIN_EPOCHS" --mask-token-id 0 --log-samples --log-every 2
-       --no-progress --save-every 100000 "${TRAIN_ARGS[@]}")
+TRAIN=(-m hsstore train --store "$STORE" --epochs "$TRAIN_EPOCHS" --mask-token-id 0 --log-samples --log-every 1
+       --save-every 100000 --draft-layers "${DRAFT_LAYERS:-2}" "${TRAIN_ARGS[@]}")
+keep_logs() { mkdir -p "$RESULTS/train$1"; cp /tmp/hs-train$1/*.jsonl "$RESULTS/train$1/" 2>/dev/null; }
 step "train on 1 GPU"
-timeout 150 python3 "${TRAIN[@]}" --out /tmp/hs-train1 > "$RESULTS/train_1gpu.txt" 2>&1
+timeout "${TRAIN_TIMEOUT:-100}" python3 "${TRAIN[@]}" --out /tmp/hs-train1 > "$RESULTS/train_1gpu.txt" 2>&1
+keep_logs 1
 step "train with DDP on 2 GPUs"
-timeout 150 torchrun --standalone --nproc_per_node 2 "${TRAIN[@]}" --out /tmp/hs-train2 > "$RESULTS/train_2gpu.txt" 2>&1
+timeout "${TRAIN_TIMEOUT:-100}" torchrun --standalone --nproc_per_node 2 "${TRAIN[@]}" --out /tmp/hs-train2 \
+  > "$RESULTS/train_2gpu.txt" 2>&1
+keep_logs 2
 step "summary"
 python3 - "$STORE" "$RESULTS" <<'PY' > "$RESULTS/summary.json"
 import json, statistics, sys
@@ -43,7 +47,7 @@ out = {"store_samples": len(ids)}
 for n in (1, 2):
     run = Path(f"/tmp/hs-train{n}")
     m = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
-    tps = [r["tokens_per_s"] for r in m[1:]]  # the first interval holds compilation
+    tps = [r["tokens_per_s"] for r in m[2:]]  # the first steps hold compilation
     logs = [json.loads(l) for r in range(n) for l in (run / f"samples.rank{r:05d}.jsonl").read_text().splitlines()
             if (run / f"samples.rank{r:05d}.jsonl").exists()]
     epochs = {}

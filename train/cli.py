@@ -49,6 +49,8 @@ def register(subparsers) -> None:
                    help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
     t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")
     t.add_argument("--prefetch", type=int, default=2, help="batches read (and copied to the GPU) ahead")
+    t.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--save-every", type=int, default=1000)
@@ -93,7 +95,7 @@ def run_train(args: argparse.Namespace) -> int:
         warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.no_progress,
-        log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir,
+        log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
         storage_options=parse_storage_options(args.storage_option))
     result = train(cfg)
     if result.drafter_dir is not None:  # rank 0

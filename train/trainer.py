@@ -80,6 +80,7 @@ class TrainConfig:
     attn: str = "auto"  # sdpa | flex | auto (flex on CUDA)
     log_every: int = 10
     save_every: int = 1000
+    cpu_threads: int | None = None  # torch CPU threads per rank (default: see share_cpu_threads)
     keep: int = 2  # checkpoints kept
     workers: int = 0  # loader worker processes per rank (0: read in-process, on threads)
     prefetch: int = 2  # batches read (and copied to the GPU) ahead
@@ -194,6 +195,20 @@ def init_distributed(device: str | None):
     return rank, world, dev, group
 
 
+def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
+    """Threads for torch's CPU ops (the batch collate: a layer-major -> token-major copy of ~1 GB per step).
+    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise, which put that copy on one core and made
+    the GPUs wait for data (measured on 2 H200s: 42K tokens/s with DDP vs 50K on one GPU, wait 55%).
+    Default under torchrun on GPUs: each local rank gets its share of this machine's cores."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    n = requested
+    if n is None and local_world > 1 and dev.type == "cuda":
+        n = max(1, len(os.sched_getaffinity(0)) // local_world)
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 # ---------------------------------------------------------------------------------------------- metrics
 
 
@@ -261,6 +276,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features)."""
     t_start = time.perf_counter()
     rank, world, device, group = init_distributed(cfg.device)
+    share_cpu_threads(cfg.cpu_threads, device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
