@@ -114,7 +114,7 @@ def load_ckpt(path: Path) -> dict:
 
 def specforge_sample(path: Path, sample_id: str, source: str, n_layers: int, hidden: int) -> PeerSample:
     d, where = load_ckpt(path), str(path)
-    missing = [k for k in ("input_ids", "loss_mask") if k not in d]
+    missing = [repr(k) for k in ("input_ids", "loss_mask") if k not in d]
     present = [k for k in FEATURE_KEYS if k in d]
     if not present:
         only_target = [k for k in TARGET_KEYS if k in d]
