@@ -135,9 +135,13 @@ def two_stores(tmp_path, new_manifest, new_samples, write):
 
 
 def test_merge_by_copy(tmp_path, two_stores, capsys):
+    from hsstore import assets, storage
+
     a, b, samples = two_stores
+    assets.write_assets(*storage.resolve(a), {assets.CONFIG: b'{"hidden_size": 48}'})  # what a trainer needs
     dst = str(tmp_path / "merged")
     assert main(["merge", dst, a, b, "-q"]) == 0
+    assert assets.read_asset(*storage.resolve(dst), assets.CONFIG) == b'{"hidden_size": 48}'
     assert "shards" in capsys.readouterr().out
     assert_same_samples(dst, samples)
     assert main(["verify", dst, "-q"]) == 0
