@@ -26,6 +26,7 @@ import io
 import logging
 import pickle
 import re
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,10 +97,11 @@ def load_ckpt(path: Path) -> dict:
     where = str(path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
-        if data[:2] == b"\x1f\x8b":
-            data = gzip.decompress(data)
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            gzipped = f.read(2) == b"\x1f\x8b"
+        if gzipped:
+            obj = torch.load(io.BytesIO(gzip.decompress(path.read_bytes())), map_location="cpu", weights_only=True)
+        else:  # mapped: the tensors are copied once, into the writer's shard buffer
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SampleError(f"{where}: refused by torch.load(weights_only=True): it holds objects other than "
