@@ -120,6 +120,11 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
     storage.refuse_anonymous_write(dst_url, dst_options)
     srcs = [Store(u, src_options) for u in src_urls]
     fs, root = storage.resolve(dst_url, dst_options)
+    if by == "reference":
+        far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
+        if far:
+            raise ValueError(f"{far[0]!r} is on local disk: a reference to it from {dst_url!r} would not resolve "
+                             "for other readers (merge --by copy instead)")
     dst = Store(dst_url, dst_options) if fs.exists(storage.join(root, MANIFEST_FILE)) else None
     todo = plan(dst, srcs)
     result = MergeResult(already=sum(len(s.commits) for s in srcs) - len(todo))

@@ -180,6 +180,24 @@ def test_merge_by_reference_on_s3(s3_store, new_manifest, new_samples):
     r = merge(f"{base}/c", [f"{base}/a", f"{base}/b"], by="reference", dst_options=opts, progress=False)
     assert r.shards == 2 and r.samples == 9
     assert_same_samples(f"{base}/c", a + b, opts)
+    assert json.loads(s3fs_cat(f"{base}/c/commits", opts))["location"] in ("../a", "../b")
+
+
+def test_merge_by_reference_from_local_into_s3_is_refused(s3_store, tmp_path, new_manifest, new_samples, write):
+    from hsstore.merge import merge
+
+    url, opts = s3_store
+    write(str(tmp_path / "a"), new_manifest(), new_samples(2))
+    with pytest.raises(ValueError, match="would not resolve"):
+        merge(url, [str(tmp_path / "a")], by="reference", dst_options=opts, src_options={}, progress=False)
+
+
+def s3fs_cat(prefix: str, opts) -> bytes:
+    """The first object under an S3 prefix."""
+    from hsstore import storage
+
+    fs, root = storage.resolve(prefix, opts)
+    return fs.cat_file(fs.find(root)[0])
 
 
 @pytest.mark.parametrize("case, message", [
