@@ -104,6 +104,42 @@ def register(subparsers) -> None:
     add_storage_option(e)
     e.set_defaults(func=run_extract_cmd)
 
+    m = subparsers.add_parser(
+        "import",
+        help="convert the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors) into a store",
+        description="Read a SpecForge folder of torch.save files (torch.load with weights_only=True only) or a "
+        "speculators Arrow dataset with hidden_states/hs_{i}.safetensors, and write a store. The peers' files do "
+        "not say which model, tokenizer and layers made them: give --layers and either --model DIR (a local "
+        "model folder, hashed like extract does; no weights are loaded) or the identity flags. Re-running "
+        "resumes (committed sample ids are skipped).",
+    )
+    m.add_argument("format", choices=["specforge", "speculators"])
+    m.add_argument("path", help="SpecForge: the folder of .ckpt files; speculators: the Arrow dataset folder")
+    m.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
+    m.add_argument("--layers", required=True, help="tapped layer ids of the files' features, in their order, e.g. "
+                   "1,16,31 (hsstore ids: output of decoder layer l, 0-based)")
+    m.add_argument("--model", default=None, help="local target model folder: identity from its config and tokenizer")
+    m.add_argument("--model-name", default=None)
+    m.add_argument("--num-layers", type=int, default=None, help="decoder layers of the target")
+    m.add_argument("--hidden-size", type=int, default=None)
+    m.add_argument("--config-hash", default=None, help="target identity when --model is not given")
+    m.add_argument("--tokenizer-hash", default=None, help="vocab hash of the tokenizer when --model is not given")
+    m.add_argument("--tokenizer-name", default=None)
+    m.add_argument("--chat-template-hash", default=None)
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the files' feature dtype (stored bit-exact; other dtypes are refused)")
+    m.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
+    m.add_argument("--id-prefix", default="", help="prepended to sample ids (data_17, hs_17) to keep several "
+                   "imports into one store apart")
+    m.add_argument("--source", default=None, help="source column of every sample (default: the row's source or "
+                   "the folder name)")
+    m.add_argument("--hidden-states-dir", default=None, help="speculators: folder of hs_{i}.safetensors "
+                   "(default PATH/hidden_states)")
+    m.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
+    m.add_argument("--no-progress", action="store_true")
+    add_storage_option(m)
+    m.set_defaults(func=run_import_cmd)
+
     d = subparsers.add_parser(
         "demo",
         help="the main job on an embedded default: tiny Qwen3.5 target, bundled conversations, check, "
@@ -234,6 +270,48 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
           f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
           f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped; "
           f"the forward waited {result.gpu_wait_s:.1f}s on the writer")
+    return 0
+
+
+def import_manifest(args: argparse.Namespace):
+    """The manifest of an import: identity from ``--model DIR`` or from the identity flags."""
+    from hsstore import Manifest, TargetIdentity, TokenizerIdentity
+
+    layers = tuple(int(x) for x in args.layers.split(","))
+    if args.model:
+        from extract.peers import identity_from_model_dir
+
+        target, tokenizer = identity_from_model_dir(args.model)
+        if args.hidden_size is not None and args.hidden_size != target.hidden_size:
+            raise ValueError(f"--hidden-size {args.hidden_size} contradicts {args.model} (hidden size "
+                             f"{target.hidden_size})")
+    else:
+        need = {"--model-name": args.model_name, "--num-layers": args.num_layers, "--hidden-size": args.hidden_size,
+                "--config-hash": args.config_hash, "--tokenizer-hash": args.tokenizer_hash}
+        absent = [k for k, v in need.items() if v is None]
+        if absent:
+            raise ValueError(f"give --model DIR, or the identity flags ({', '.join(absent)} missing)")
+        target = TargetIdentity(name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                                config_hash=args.config_hash)
+        tokenizer = TokenizerIdentity(name=args.tokenizer_name or args.model_name, vocab_hash=args.tokenizer_hash,
+                                      chat_template_hash=args.chat_template_hash)
+    return Manifest(target=target, tokenizer=tokenizer, layers=layers, dtype=args.dtype, codec=args.codec,
+                    extra={"imported_from": args.format})
+
+
+def run_import_cmd(args: argparse.Namespace) -> int:
+    from extract.peers import import_files, peer_files
+
+    manifest = import_manifest(args)
+    missing: list[str] = []
+    files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
+                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing)
+    r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
+                     shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
+                     progress=not args.no_progress)
+    print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
+          f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
+          + (f"; {r.missing} rows without a hidden-state file skipped" if r.missing else ""))
     return 0
 
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from hsstore import ProcessWriter, StoreWriter, assets
-from hsstore.errors import ManifestError
-from hsstore.reader import Store
+from hsstore.reader import committed_ids
 
 from .capture import check_taps, default_taps, text_config
 from .forward import extract_batches, token_budget_batches
@@ -93,16 +92,6 @@ def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[To
     rank gets about the same number of tokens and the split depends only on the data and world size."""
     order = sorted(samples, key=lambda s: (s.num_tokens, s.sample_id))
     return order[rank::world]
-
-
-def committed_ids(url: str, storage_options: dict[str, Any]) -> set[str]:
-    """Sample ids already committed to the store (empty when the store does not exist yet)."""
-    try:
-        return set(Store(url, storage_options).sample_ids())
-    except ManifestError as e:
-        if "no manifest.json" in str(e):
-            return set()
-        raise
 
 
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device):

@@ -72,3 +72,9 @@ def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
             with open(os.path.join(dest, name[len(prefix) + 1:]), "wb") as f:
                 f.write(read_asset(fs, root, name, url))
     return dest
+
+
+def copy_assets(src_fs, src_root: str, dst_fs, dst_root: str, url: str = "") -> None:
+    """Copy every asset of one store into another (each checked against its CRC32C on the way)."""
+    names = list(_index(src_fs, src_root)["files"])
+    write_assets(dst_fs, dst_root, {n: read_asset(src_fs, src_root, n, url) for n in names})

@@ -1,6 +1,6 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, bench) live here; extraction commands (check, show, extract, demo) and
+Store commands (info, verify, bench, subset, merge) live here; extraction commands (check, show, extract, demo) and
 training commands (train, eval) are registered by ``extract.cli`` and ``train.cli``, which import
 transformers only when their command runs.
 """
@@ -87,6 +87,28 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_subset(args) -> int:
+    from .subset import Selection, subset
+
+    options = storage.parse_storage_options(args.storage_option)
+    sel = Selection(sources=tuple(args.source), min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                    min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag))
+    r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet)
+    print(f"subset {args.src} -> {args.dst}: {r.selected} samples selected, {r.written} written "
+          f"({r.tokens:,} tokens), {r.already} already there")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .merge import merge
+
+    options = storage.parse_storage_options(args.storage_option)
+    r = merge(args.dst, args.src, by=args.by, dst_options=options, progress=not args.quiet)
+    print(f"merge into {args.dst} (by {args.by}): {r.shards} shards, {r.samples} samples added"
+          + (f", {r.bytes_copied:,} bytes copied" if args.by == "copy" else "") + f"; {r.already} already there")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
     p.add_argument("--version", action="version", version=f"hsstore {__version__}")
@@ -124,6 +146,30 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     add_storage_option(q)
     q.set_defaults(func=cmd_bench)
+
+    q = sub.add_parser("subset", help="copy the samples that pass per-sample filters into another store")
+    q.add_argument("src")
+    q.add_argument("dst", help="created with the source's manifest, or an existing compatible store (resumed)")
+    q.add_argument("--source", action="append", default=[], metavar="S", help="keep this source (repeatable)")
+    q.add_argument("--min-tokens", type=int, default=None, metavar="N")
+    q.add_argument("--max-tokens", type=int, default=None, metavar="N")
+    q.add_argument("--min-loss-tokens", type=int, default=None, metavar="N", help="drop samples whose loss-mask "
+                   "sum is below N (stub answers)")
+    q.add_argument("--exclude-flag", action="append", default=[], metavar="F",
+                   help="drop samples with this quality flag (stub_answer, empty_thinking, truncated, ...)")
+    q.add_argument("--quiet", "-q", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_subset)
+
+    q = sub.add_parser("merge", help="add the committed shards of compatible stores to DST, by copy or by reference")
+    q.add_argument("dst", help="created from the first source's manifest when it does not exist")
+    q.add_argument("src", nargs="+")
+    q.add_argument("--by", choices=["copy", "reference"], default="copy",
+                   help="copy: shard files are copied (CRC-checked); reference: DST's commit records point at "
+                        "the source stores, nothing else is copied")
+    q.add_argument("--quiet", "-q", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_merge)
 
     for mod in PLUGINS:
         try:

@@ -100,6 +100,9 @@ class Store:
         self._first = np.concatenate([[0], np.cumsum(counts)]) if len(counts) else np.zeros(1, np.int64)
         self._offsets = [c.offsets for c in self.commits]
         self._pid = os.getpid()
+        # shards merged by reference live in another store: shard name -> that store's URL
+        self.locations = {c.shard: shard.resolve_location(url, c.location) for c in self.commits if c.location}
+        self._located: dict[str, tuple] = {}
         self._codec = codec.ChunkCodec(self.manifest.codec)
         self._plain = codec.ChunkCodec("none")
         self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
@@ -140,6 +143,20 @@ class Store:
             self._pid = os.getpid()
         return self.fs
 
+    def shard_location(self, name: str) -> tuple[Any, str, str]:
+        """(filesystem, root, URL) of the store that holds shard ``name``'s files: this one, or for a shard
+        merged by reference the store its commit record's ``location`` names (same storage options)."""
+        url = self.locations.get(name)
+        if url is None:
+            return self._fs(), self.root, self.url
+        got = self._located.get(url)
+        if got is None or got[0] != os.getpid():
+            if got is not None:  # inherited across a fork: kept alive, never used (see _fs)
+                _INHERITED.append(got[1])
+            fs, root = storage.resolve(url, self.storage_options)
+            got = self._located[url] = (os.getpid(), fs, root)
+        return got[1], got[2], url
+
     def cache_namespace(self) -> str:
         """Key of this store in a shared chunk cache: URL plus endpoint (secrets excluded)."""
         opts = storage.redact(self.storage_options)
@@ -149,12 +166,13 @@ class Store:
         # For spawned DataLoader workers: the filesystem is re-resolved there on first use (see _fs);
         # a cache is per process.
         state = dict(self.__dict__)
-        state["_pid"], state["chunk_cache"] = None, None
+        state["_pid"], state["chunk_cache"], state["_located"] = None, None, {}
         return state
 
     def _group(self, name: str) -> zarr.Group:
         """The shard as a Zarr group (metadata checks in ``verify``; data reads do not need it)."""
-        zstore = shard.zarr_store(self._fs(), self.root, self.url, self.storage_options, read_only=True)
+        fs, root, url = self.shard_location(name)
+        zstore = shard.zarr_store(fs, root, url, self.storage_options, read_only=True)
         return zarr.open_group(zstore, path=shard.shard_path(name), mode="r")
 
     def check_layers(self, layers: Sequence[int] | None) -> list[int]:
@@ -202,7 +220,7 @@ class Store:
         k0, k1 = start // ct, (stop - 1) // ct
         targets = [(f"{base}/input_ids", ids, self._plain, 1), (f"{base}/loss_mask", mask, self._plain, 1)]
         targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
-        fs = self._fs()
+        fs, root, _ = self.shard_location(shard_name)
         direct = storage.is_local(fs) and self._codec.spec == "none"
         # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
         jobs = []
@@ -213,7 +231,7 @@ class Store:
                 jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
                              direct))
         carried = carry or {}
-        fetch = [p for p in (storage.join(self.root, j[0]) for j in jobs if not j[5]) if p not in carried]
+        fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
         blobs: dict = dict(carried)
         if fetch:
             try:
@@ -226,7 +244,7 @@ class Store:
                                  f"{type(e).__name__}: {e}") from None
         for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
-            path = storage.join(self.root, key)
+            path = storage.join(root, key)
             if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
                 read_chunk_into(path, dest, where)
                 continue
@@ -242,7 +260,7 @@ class Store:
             vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where)
             dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
         if carry is not None:
-            last = [storage.join(self.root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
+            last = [storage.join(root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
             carry.clear()
             carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
         return ids, mask, feats
@@ -360,6 +378,17 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str) -> None:
         raise CorruptionError(f"{where}: chunk missing") from None
     if codec.crc32c(dest) != int.from_bytes(tail, "little"):
         raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
+
+
+def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:
+    """Sample ids already committed to a store (empty when the store does not exist yet): what a resumed
+    job skips."""
+    try:
+        return set(Store(url, storage_options).sample_ids())
+    except ManifestError as e:
+        if f"no {MANIFEST_FILE}" in str(e):
+            return set()
+        raise
 
 
 def open_store(url: str, **storage_options: Any) -> Store:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,9 +62,13 @@ class CommitRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     format_version: int = FORMAT_VERSION
+    location: str | None = None  # another store holding this shard's files (a merge by reference); None: here
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+        d = dataclasses.asdict(self)
+        if d["location"] is None:  # records without a reference stay byte-identical to format 1's
+            del d["location"]
+        return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "CommitRecord":
@@ -185,6 +191,30 @@ def write_shard(
 def publish(fs, root: str, record: CommitRecord) -> None:
     """Make a written shard visible to readers: the commit record is the last object written."""
     storage.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
+
+
+def resolve_location(store_url: str, location: str) -> str:
+    """The URL of a commit record's ``location``: absolute (``s3://...``, ``/path``) as is, otherwise relative
+    to the store's own URL (``../other`` is a sibling store), so stores moved together keep working."""
+    if "://" in location or location.startswith("/"):
+        return location
+    scheme, sep, path = store_url.rpartition("://")
+    joined = posixpath.normpath(posixpath.join(path, location))
+    if sep and joined.startswith(".."):
+        raise CorruptionError(f"location {location!r} climbs above the bucket of {store_url!r}")
+    return f"{scheme}{sep}{joined}" if sep else joined
+
+
+def relative_location(store_url: str, target_url: str) -> str:
+    """How a store at ``store_url`` names another store in a commit record's ``location``: relative when both
+    are on one local disk or in one bucket (the pair can be moved or mirrored together), else absolute."""
+    s_scheme, s_sep, s_path = store_url.rpartition("://")
+    t_scheme, t_sep, t_path = target_url.rpartition("://")
+    if not s_sep and not t_sep:  # local paths
+        return os.path.relpath(os.path.abspath(t_path), os.path.abspath(s_path))
+    if s_sep and t_sep and s_scheme == t_scheme and s_path.split("/", 1)[0] == t_path.split("/", 1)[0]:
+        return posixpath.relpath("/" + t_path.strip("/"), "/" + s_path.strip("/"))
+    return target_url if t_sep else os.path.abspath(t_path)
 
 
 def list_committed(fs, root: str) -> list[str]:

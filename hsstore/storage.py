@@ -68,6 +68,14 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     return fs, root.rstrip("/")
 
 
+def refuse_anonymous_write(url: str, options: dict[str, Any] | None) -> None:
+    """Anonymous (unsigned) access is for reading shared stores; a write attempted with it would either fail
+    half-way on a real bucket or, worse, succeed on a misconfigured one. Refuse before anything is written."""
+    if str((options or {}).get("anon", "")).lower() in ("true", "1"):
+        raise StoreError(f"store {url!r}: anon=true opens a store read-only; to write, drop the anon "
+                         "storage option and give credentials")
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p != "")
 

@@ -72,7 +72,13 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     fs, root = store.fs, store.root
     for rec in store.commits:
         _check_record(store, rec, report)
-        _check_files(fs, root, rec, report, progress)
+        try:  # a shard merged by reference: its files are checked where its record says they are
+            shard_fs, shard_root, _ = store.shard_location(rec.shard)
+        except Exception as e:
+            report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
+                                                      f"{type(e).__name__}: {e}"))
+            continue
+        _check_files(shard_fs, shard_root, rec, report, progress)
         _check_arrays(store, rec, report)
     try:
         on_disk = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, shard.SHARDS_DIR), detail=False)}
@@ -110,7 +116,9 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
                 data = blobs.get(p)
                 want = rec.files[k]
                 if data is None or isinstance(data, Exception):
-                    report.problems.append(Problem(rec.shard, "file missing", k, samples_in_file(rec, k)))
+                    report.problems.append(Problem(rec.shard, "file missing" + (f" (referenced store {rec.location!r})"
+                                                                                if rec.location else ""),
+                                                   k, samples_in_file(rec, k)))
                     continue
                 report.files += 1
                 report.bytes += len(data)

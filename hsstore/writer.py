@@ -94,6 +94,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
+        storage.refuse_anonymous_write(url, self.storage_options)
         self.fs, self.root = storage.resolve(url, self.storage_options)
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.STORAGE_DTYPE[manifest.dtype].itemsize

@@ -1,0 +1,260 @@
+"""`hsstore import`: the peers' per-sample files (SpecForge .ckpt, speculators safetensors + Arrow) into a store,
+bit-exact, resumable; bad files refused by name with nothing committed; nothing ever unpickled."""
+
+import gzip
+import io
+import json
+import pathlib
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hsstore
+from hsstore.cli import main
+from hsstore.errors import SampleError
+from hsstore.manifest import check_compatible
+from hsstore.reader import committed_ids
+
+LAYERS, HIDDEN = (1, 3, 5), 48
+IDENTITY = ["--layers", "1,3,5", "--model-name", "peer-target", "--num-layers", "8", "--hidden-size", str(HIDDEN),
+            "--config-hash", "cfg-peer", "--tokenizer-hash", "vocab-peer", "--no-progress"]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def write_specforge(folder: pathlib.Path, samples, variant: str = "hidden_states") -> None:
+    """SpecForge's layout: rows_A-B/data_{i}.ckpt, one torch.save dict per sample."""
+    for i, s in enumerate(samples):
+        sub = folder / f"rows_{i // 4 * 4}-{i // 4 * 4 + 4}"
+        sub.mkdir(parents=True, exist_ok=True)
+        hs = s["hidden_states"]
+        d = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"].to(torch.int64)}
+        if variant == "hidden_states":
+            d["hidden_states"] = hs
+        else:  # EAGLE-3 style: taps concatenated along hidden, batch dim, plus the final layer as target
+            d["aux_hidden_state"] = hs.reshape(1, hs.shape[0], -1).clone()
+            d["hidden_state"] = torch.zeros(1, hs.shape[0], HIDDEN, dtype=hs.dtype)
+        path = sub / f"data_{i}.ckpt"
+        if variant == "gzip":
+            buf = io.BytesIO()
+            torch.save(d, buf)
+            path.write_bytes(gzip.compress(buf.getvalue()))
+        else:
+            torch.save(d, path)
+
+
+def write_speculators(folder: pathlib.Path, samples, skip: tuple[int, ...] = ()) -> None:
+    """speculators' layout: an Arrow dataset as datasets.save_to_disk writes it (stream format, state.json) with
+    input_ids / loss_mask / seq_len, and hidden_states/hs_{i}.safetensors with hidden_states + token_ids."""
+    folder.mkdir(parents=True)
+    table = pa.table({"input_ids": [s["input_ids"].tolist() for s in samples],
+                      "loss_mask": [s["loss_mask"].long().tolist() for s in samples],
+                      "seq_len": [len(s["input_ids"]) for s in samples]})
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (folder / "hidden_states").mkdir()
+    for i, s in enumerate(samples):
+        if i not in skip:
+            save_file({"hidden_states": s["hidden_states"].contiguous(), "token_ids": s["input_ids"]},
+                      str(folder / "hidden_states" / f"hs_{i}.safetensors"))
+
+
+def assert_store_holds(url: str, samples, ids) -> None:
+    store = hsstore.open(url)
+    assert len(store) == len(samples)
+    by_id = {sid: i for i, sid in enumerate(store.sample_ids())}
+    for sid, s in zip(ids, samples):
+        got = store.read(by_id[sid])
+        assert torch.equal(got["input_ids"], s["input_ids"])
+        assert torch.equal(got["loss_mask"], s["loss_mask"].bool())
+        assert torch.equal(bits(got["hidden_states"]), bits(s["hidden_states"]))  # bit-exact
+
+
+@pytest.mark.parametrize("variant", ["hidden_states", "aux_concat", "gzip"])
+def test_specforge_import_bit_exact_and_resumable(tmp_path, new_samples, variant, capsys):
+    samples = new_samples(10)
+    write_specforge(tmp_path / "sf", samples, variant)
+    out = str(tmp_path / "store")
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--shard-mb", "0.02", *IDENTITY]) == 0
+    assert "10 samples" in capsys.readouterr().out
+    assert_store_holds(out, samples, [f"data_{i}" for i in range(10)])
+    store = hsstore.open(out)
+    assert len(store.commits) > 1  # several shards: the resume below skips committed ones
+    m = store.manifest
+    assert m.layers == LAYERS and m.target.config_hash == "cfg-peer" and m.tokenizer.vocab_hash == "vocab-peer"
+    assert m.extra["imported_from"] == "specforge"
+    assert set(c.samples["source"][0] for c in store.commits) == {"sf"}
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--shard-mb", "0.02", *IDENTITY]) == 0
+    assert "0 samples" in capsys.readouterr().out and len(hsstore.open(out)) == 10  # resumed: nothing twice
+
+
+def test_speculators_import_bit_exact(tmp_path, new_samples, capsys):
+    samples = new_samples(8)
+    write_speculators(tmp_path / "spec", samples, skip=(5,))
+    out = str(tmp_path / "store")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--id-prefix", "teamB-",
+                 *IDENTITY]) == 0
+    assert "1 rows without a hidden-state file skipped" in capsys.readouterr().out
+    kept = [i for i in range(8) if i != 5]
+    assert_store_holds(out, [samples[i] for i in kept], [f"teamB-hs_{i}" for i in kept])
+    assert main(["info", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == {"no_hidden_states": 1}
+
+
+class Marker:
+    """Unpickling this would create a file: proof of whether anything was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def test_ckpt_needing_unpickling_is_refused_and_nothing_committed(tmp_path, new_samples, capsys):
+    samples = new_samples(3)
+    write_specforge(tmp_path / "sf", samples)
+    marker = tmp_path / "was-unpickled"
+    bad = tmp_path / "sf" / "rows_0-4" / "data_1.ckpt"
+    torch.save({**torch.load(bad, weights_only=True), "meta": Marker(marker)}, bad)
+    out = str(tmp_path / "store")
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, *IDENTITY]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(bad) in err and "weights_only=True" in err
+    assert not marker.exists()  # never unpickled
+    assert committed_ids(out) == set()  # data_0 was good, but its shard was not committed
+
+
+def test_import_stops_before_writing_when_first_file_is_bad(tmp_path, new_samples, capsys):
+    samples = new_samples(2)
+    write_specforge(tmp_path / "sf", samples)
+    first = tmp_path / "sf" / "rows_0-4" / "data_0.ckpt"
+    first.write_bytes(first.read_bytes()[:100])  # truncated (SpecForge counts such a file as done)
+    out = tmp_path / "store"
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", str(out), *IDENTITY]) == 2
+    assert str(first) in capsys.readouterr().err
+    assert not out.exists()  # the store is created at the first good sample only
+
+
+def _ckpt(path, **d):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(d, path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_loss_mask", "missing 'loss_mask'"),
+    ("target_only", "final layer's output"),
+    ("wrong_hidden", "expected [20, 3, 48] or [20, 144]"),
+    ("two_layers", "expected [20, 3, 48]"),
+    ("short_features", "holds 19 tokens, input_ids has 20"),
+    ("short_mask", "loss_mask has 19 tokens, input_ids has 20"),
+    ("both_keys", "ambiguous"),
+    ("nan", "NaN/Inf"),
+    ("float32", "dtype float32"),
+])
+def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
+    from extract.peers import import_files, peer_files
+
+    g = torch.Generator().manual_seed(1)
+    T = 20
+    ids, mask = torch.randint(0, 100, (T,), generator=g), torch.ones(T, dtype=torch.int64)
+    hs = torch.randn(T, 3, HIDDEN, generator=g).to(torch.bfloat16)
+    good = {"input_ids": ids, "loss_mask": mask, "hidden_states": hs}
+    bad = dict(good)
+    if case == "no_loss_mask":
+        del bad["loss_mask"]
+    elif case == "target_only":
+        del bad["hidden_states"]
+        bad["hidden_state"] = hs[:, 0]
+    elif case == "wrong_hidden":
+        bad["hidden_states"] = hs.reshape(T, -1)[:, :-1]
+    elif case == "two_layers":
+        bad["hidden_states"] = hs[:, :2]
+    elif case == "short_features":
+        bad["hidden_states"] = hs[:-1]
+    elif case == "short_mask":
+        bad["loss_mask"] = mask[:-1]
+    elif case == "both_keys":
+        bad["aux_hidden_state"] = hs.reshape(T, -1)
+    elif case == "nan":
+        bad["hidden_states"] = hs.clone()
+        bad["hidden_states"][7, 1, 3] = float("nan")
+    elif case == "float32":
+        bad["hidden_states"] = hs.float()
+    _ckpt(tmp_path / "sf" / "data_0.ckpt", **good)
+    _ckpt(tmp_path / "sf" / "data_1.ckpt", **bad)
+    m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
+                         tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
+    files = peer_files("specforge", str(tmp_path / "sf"), n_layers=3, hidden=HIDDEN)
+    out = str(tmp_path / "store")
+    with pytest.raises(SampleError, match="data_1") as e:
+        import_files(files, out, m, progress=False)
+    assert message in str(e.value)
+    assert committed_ids(out) == set()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("token_ids", "token_ids differ from input_ids"),
+    ("fp8", "fp8-encoded"),
+    ("corrupt", "not a readable safetensors file"),
+])
+def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, message):
+    from extract.peers import import_files, peer_files
+
+    samples = new_samples(3)
+    write_speculators(tmp_path / "spec", samples)
+    path = tmp_path / "spec" / "hidden_states" / "hs_2.safetensors"
+    hs = samples[2]["hidden_states"]
+    if case == "token_ids":
+        save_file({"hidden_states": hs.contiguous(), "token_ids": samples[1]["input_ids"]}, str(path))
+    elif case == "fp8":
+        save_file({"hidden_states": hs.contiguous(), "hidden_states_scales": torch.ones(hs.shape[0], 1, 1)},
+                  str(path))
+    else:
+        path.write_bytes(path.read_bytes()[:50])
+    m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
+                         tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
+    files = peer_files("speculators", str(tmp_path / "spec"), n_layers=3, hidden=HIDDEN)
+    with pytest.raises(SampleError, match="hs_2.safetensors") as e:
+        import_files(files, str(tmp_path / "store"), m, progress=False)
+    assert message in str(e.value)
+    assert committed_ids(str(tmp_path / "store")) == set()
+
+
+def test_identity_from_model_dir_matches_extract(tmp_path, tiny_dir, tok, new_samples, capsys):
+    """--model DIR hashes config and tokenizer as extract does (without loading weights), so an imported store
+    and an extracted one of the same target are compatible: they can be merged or mixed by a loader."""
+    from transformers import AutoModelForCausalLM
+
+    from extract.identity import build_manifest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    extracted = build_manifest(model, tok, name="tiny", layers=[0, 1])
+    H = extracted.hidden_size
+    samples = new_samples(2, n_layers=2, hidden=H)
+    write_specforge(tmp_path / "sf", samples)
+    out = str(tmp_path / "store")
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--model", str(tiny_dir),
+                 "--layers", "0,1", "--no-progress"]) == 0
+    imported = hsstore.open(out).manifest
+    check_compatible(imported, extracted, "imported", "extracted")
+    assert imported.target.config_hash == extracted.target.config_hash
+    assert imported.tokenizer.vocab_hash == extracted.tokenizer.vocab_hash
+    assert imported.target.weights_hash is None
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", str(tmp_path / "s2"), "--model",
+                 str(tiny_dir), "--layers", "0,1", "--hidden-size", str(H + 1)]) == 2
+    assert "contradicts" in capsys.readouterr().err
+
+
+def test_import_without_identity_is_refused(tmp_path, new_samples, capsys):
+    write_specforge(tmp_path / "sf", new_samples(1))
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", str(tmp_path / "s"), "--layers", "1,3,5",
+                 "--hidden-size", "48"]) == 2
+    err = capsys.readouterr().err
+    assert "--config-hash" in err and "--tokenizer-hash" in err and not (tmp_path / "s").exists()
