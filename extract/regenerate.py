@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from extract.readers import ChatRecord, read_records
@@ -347,7 +347,7 @@ def run_regenerate(cfg: RegenConfig) -> RegenResult:
     failure: BaseException | None = None
     try:
         if cfg.model is None and todo:
-            cfg.model = client.served_model()
+            client.cfg = cfg = replace(cfg, model=client.served_model())
         writer = RowWriter(out)
         bar = tqdm(total=len(ids), initial=len(set(ids) & done), unit="prompt", desc="regenerate",
                    disable=not cfg.progress, dynamic_ncols=True)

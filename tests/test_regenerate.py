@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from extract.readers import read_records
 from extract.regenerate import (
@@ -31,12 +32,6 @@ from hsstore.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir, port: int) -> subprocess.Popen:
     """``transformers serve`` on 127.0.0.1:port, the tiny target preloaded, nothing downloaded. One torch
     thread: on a busy 2-core machine more threads make each token ~10x slower."""
@@ -45,7 +40,10 @@ def start_server(model_dir, port: int) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", "--host", "127.0.0.1", "--port",
            str(port), "--device", "cpu", "--dtype", "float32", str(model_dir)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe buffer would stall the server
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
 
 
 def wait_ready(proc: subprocess.Popen, url: str, limit_s: float = 180) -> None:
@@ -54,7 +52,8 @@ def wait_ready(proc: subprocess.Popen, url: str, limit_s: float = 180) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"transformers serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            proc.log.seek(0)
+            pytest.fail(f"transformers serve exited with {proc.returncode}: {proc.log.read()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -71,11 +70,12 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    proc.log.close()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    port = _free_port()
+    port = free_port()
     proc = start_server(tiny_dir, port)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -215,7 +215,7 @@ def test_server_refusal_names_the_prompt(server, tmp_path):
 def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     """The client starts before the server: connection errors are retried with backoff until the server
     answers, then every prompt is done."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(3))
     out = tmp_path / "out.jsonl"
@@ -249,7 +249,7 @@ def test_retries_exhausted_name_the_prompt(tmp_path, capsys):
     """Nothing listening and no retries left: one line naming the prompt, exit 2, no row written."""
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
     out = tmp_path / "out.jsonl"
-    rc = main(["regenerate", "--server", f"http://127.0.0.1:{_free_port()}", "--model", "m", "--input", str(inp),
+    rc = main(["regenerate", "--server", f"http://127.0.0.1:{free_port()}", "--model", "m", "--input", str(inp),
                "--out", str(out), "--retries", "0", "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err
