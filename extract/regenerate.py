@@ -33,7 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from extract.readers import ChatRecord, read_records
+from extract.readers import ChatRecord, input_files, read_records
 from extract.tokenize import REASONING_KEYS, parse_message_list, role_and_content, split_inline_think
 
 logger = logging.getLogger(__name__)
@@ -336,6 +336,8 @@ def run_regenerate(cfg: RegenConfig) -> RegenResult:
     if cfg.concurrency < 1 or cfg.retries < 0 or cfg.max_tokens < 1:
         raise ValueError("concurrency and max_tokens must be >= 1, retries >= 0")
     out = Path(cfg.out)
+    if out.exists() and any(out.resolve() == f.resolve() for path in cfg.inputs for f in input_files(path)):
+        raise ValueError(f"{out}: the output is also an input (a re-run would read its own answers as prompts)")
     ids = scan_prompts(cfg.inputs, cfg.turns)
     done = resume_output(out)
     todo = len(set(ids) - done)

@@ -315,3 +315,7 @@ def test_build_prompt_modes_and_refusals(tmp_path):
         run_regenerate(RegenConfig(inputs=[str(tokens)], out=str(tmp_path / "o.jsonl"), server="http://127.0.0.1:9",
                                    progress=False))
     assert not (tmp_path / "o.jsonl").exists()
+    (tmp_path / "o.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"o\.jsonl: the output is also an input"):
+        run_regenerate(RegenConfig(inputs=[str(tmp_path)], out=str(tmp_path / "o.jsonl"), server="http://127.0.0.1:9",
+                                   progress=False))
