@@ -18,6 +18,13 @@ assistant turn(s) with ``reasoning_content`` (from the server's reasoning parser
 ``<think>...</think>``) and ``finish_reason``; a turn cut by ``max_tokens`` has ``finish_reason: "length"``,
 which the gate counts as truncated. Rows are appended and fsynced as they complete, so a crash loses only
 in-flight prompts; re-running skips ids already in the output (a torn last line is dropped and redone).
+
+Requests carry only ``model``, ``messages``, ``max_tokens``, ``temperature``, ``chat_template_kwargs:
+{"enable_thinking": true}`` (and ``tools`` when the row has them), because some servers refuse unknown fields
+(``transformers serve`` answers 422). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
+``{"skip_special_tokens": false}`` for vLLM/SGLang without a reasoning parser when the model's think markers are
+special tokens (Qwen's are not), or the recommended sampling (``top_p``, ``top_k``). Rows with tools need
+vLLM's ``--enable-auto-tool-choice --tool-call-parser ...``.
 """
 
 from __future__ import annotations
