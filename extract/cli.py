@@ -140,6 +140,32 @@ def register(subparsers) -> None:
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
 
+    r = subparsers.add_parser(
+        "regenerate",
+        help="have the target answer the prompts (thinking on) through an OpenAI-compatible server",
+        description="Send each conversation's prompt to /v1/chat/completions (vLLM, SGLang, transformers serve) "
+        "with thinking enabled and write JSONL rows with reasoning_content, ready for check/extract. Rows are "
+        "written as they complete; re-running the same command resumes (ids already written are skipped).",
+    )
+    r.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
+    r.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
+    r.add_argument("--out", required=True, help="output JSONL file (appended to; resumed)")
+    r.add_argument("--model", default=None, help="model name to request (default: the server's only model)")
+    r.add_argument("--turns", choices=("last", "all"), default="last",
+                   help="last: answer the last user message (later turns dropped); all: regenerate every "
+                   "exchange in order (default last)")
+    r.add_argument("--max-tokens", type=int, default=4096, help="per response, reasoning included (default 4096)")
+    r.add_argument("--temperature", type=float, default=0.6)
+    r.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    r.add_argument("--retries", type=int, default=8, help="per request, on connection errors, 429 and 5xx")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    r.add_argument("--extra-body", default=None,
+                   help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
+    r.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the API key, if the server needs one")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=run_regenerate_cmd)
+
     d = subparsers.add_parser(
         "demo",
         help="the main job on an embedded default: tiny Qwen3.5 target, bundled conversations, check, "
@@ -312,6 +338,27 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped" if r.missing else ""))
+    return 0
+
+
+def run_regenerate_cmd(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from extract.regenerate import RegenConfig, run_regenerate
+
+    extra = json.loads(args.extra_body) if args.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    cfg = RegenConfig(
+        inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
+        temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
+        timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
+        progress=not args.no_progress)
+    res = run_regenerate(cfg)
+    print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {args.out}) in "
+          f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "
+          f"{res.truncated} cut by --max-tokens")
     return 0
 
 

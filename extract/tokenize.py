@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
-_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+#: Assistant-message fields that hold the reasoning (vLLM once said `reasoning_content`, now `reasoning`).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 # Control-token-like strings a template may emit; each must be one token of the tokenizer.
 _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")
 
@@ -122,13 +123,9 @@ def _text(content, where: str, i: int) -> str:
     raise ValueError(f"{where}: message {i} content must be a string, got {type(content).__name__}")
 
 
-def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
-    """Validate and normalise messages to ``{role, content, reasoning_content?, tool_calls?, name?}``.
-
-    Inline ``<think>`` blocks in assistant content become ``reasoning_content``. Returns the messages
-    and the indices of assistant turns known to be cut off (unclosed think, ``finish_reason: length``).
-    """
-    if isinstance(raw, str):  # Parquet/CSV exports often store the message list as a JSON string
+def parse_message_list(raw, where: str) -> list:
+    """The raw message list of a row (a JSON string is decoded: Parquet/CSV exports often store it so)."""
+    if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError:
@@ -137,23 +134,38 @@ def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
         raise ValueError(f"{where}: messages must be a list of objects, got {type(raw).__name__}")
     if not raw:
         raise ValueError(f"{where}: empty conversation")
+    return raw
+
+
+def role_and_content(m, where: str, i: int) -> tuple[str, str]:
+    """Role (OpenAI or ShareGPT naming) and text content of message ``i``, validated."""
+    if not isinstance(m, dict):
+        raise ValueError(f"{where}: message {i} is not an object")
+    if "role" in m:
+        role = m["role"]
+    elif "from" in m:
+        role = _SHAREGPT_ROLES.get(m["from"], m["from"])
+    else:
+        raise ValueError(f"{where}: message {i} has no role")
+    if role not in ROLES:
+        raise ValueError(f"{where}: message {i} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    return role, _text(m.get("content", m.get("value")), where, i)
+
+
+def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
+    """Validate and normalise messages to ``{role, content, reasoning_content?, tool_calls?, name?}``.
+
+    Inline ``<think>`` blocks in assistant content become ``reasoning_content``. Returns the messages
+    and the indices of assistant turns known to be cut off (unclosed think, ``finish_reason: length``).
+    """
+    raw = parse_message_list(raw, where)
     out: list[dict] = []
     cut: set[int] = set()
     for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}: message {i} is not an object")
-        if "role" in m:
-            role = m["role"]
-        elif "from" in m:
-            role = _SHAREGPT_ROLES.get(m["from"], m["from"])
-        else:
-            raise ValueError(f"{where}: message {i} has no role")
-        if role not in ROLES:
-            raise ValueError(f"{where}: message {i} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        content = _text(m.get("content", m.get("value")), where, i)
+        role, content = role_and_content(m, where, i)
         msg: dict = {"role": role, "content": content}
         if role == "assistant":
-            reasoning = next((m[k] for k in _REASONING_KEYS if isinstance(m.get(k), str)), None)
+            reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str)), None)
             inline, answer, closed = split_inline_think(content)
             if inline is not None:
                 if reasoning and reasoning.strip():

@@ -13,7 +13,7 @@ import torch
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -29,7 +29,7 @@ def s3_endpoint():
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():
         mp.setenv(k, v)
     mp.delenv("AWS_PROFILE", raising=False)
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     yield f"http://127.0.0.1:{port}"
