@@ -17,6 +17,7 @@ one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracte
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 import json
@@ -207,6 +208,7 @@ def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[
     off = rec.offsets
     H, fdescr = m.hidden_size, np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
     jobs: list[_Job] = []
+    feature_starts: list[int] = []  # data offsets of every feature member of these samples, asked for or not
     first = int(np.searchsorted(off, start, side="right") - 1)
     for i in range(first, rec.n_samples):
         a, b = int(off[i]), int(off[i + 1])
@@ -219,12 +221,13 @@ def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[
         for part, dest, descr, shape in parts:
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
+        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.layers]
     path = storage.join(store.root, tar_path(rec.shard))
     fs = store._fs()
     if storage.is_local(fs):
         _read_local(path, jobs, rec.shard)
     else:
-        _read_remote(fs, path, jobs, rec, store.url)
+        _read_remote(fs, path, _spans(jobs, sorted(feature_starts)), rec, store.url)
 
 
 def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shard: str) -> None:
@@ -276,17 +279,17 @@ def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
         os.close(fd)
 
 
-def _spans(jobs: list[_Job], rec: CommitRecord) -> list[tuple[int, int, list[_Job]]]:
+def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, list[_Job]]]:
     """Byte ranges to fetch: each job's tar header + member, neighbours merged unless a feature member
-    that was not asked for lies between them (small json members are read through)."""
+    (``feature_starts``: sorted data offsets) that was not asked for lies between them (small json
+    members are read through)."""
     jobs = sorted(jobs, key=lambda j: j.offset)
-    feature_starts = np.sort(np.fromiter((v[0] for k, v in (rec.members or {}).items() if ".layer_" in k), np.int64))
     spans: list[tuple[int, int, list[_Job]]] = []
     for j in jobs:
         lo, hi = j.offset - BLOCK, j.offset + j.size
         if spans:
             s_lo, s_hi, group = spans[-1]
-            k = np.searchsorted(feature_starts, s_hi)
+            k = bisect.bisect_left(feature_starts, s_hi)
             if k == len(feature_starts) or feature_starts[k] >= lo:  # nothing unwanted in between
                 spans[-1] = (s_lo, hi, group + [j])
                 continue
@@ -294,8 +297,7 @@ def _spans(jobs: list[_Job], rec: CommitRecord) -> list[tuple[int, int, list[_Jo
     return spans
 
 
-def _read_remote(fs, path: str, jobs: list[_Job], rec: CommitRecord, url: str) -> None:
-    spans = _spans(jobs, rec)
+def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
     try:
         blobs = fs.cat_ranges([path] * len(spans), [s[0] for s in spans], [s[1] for s in spans], on_error="return")
     except Exception as e:

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tarfile
 
 import numpy as np
@@ -67,6 +68,23 @@ def test_local_roundtrip_bit_exact(tmp_path, dtype, name):
     assert np.array_equal(feats[0], bits_any(flat).numpy().view(feats.dtype))
     assert verify(store).ok
     assert [s["sample_id"] for s in store] == [s["sample_id"] for s in samples]
+    assert main(["info", str(tmp_path), "--json"]) == 0
+
+
+def test_uncommitted_tar_invisible_and_listed(tmp_path, capsys):
+    samples = make_samples(8)
+    write_samples(str(tmp_path), wds_manifest(), samples, shard_bytes=SMALL_SHARD)
+    store = hsstore.open(str(tmp_path))
+    rec = store.commits[0]
+    os.remove(os.path.join(str(tmp_path), shard.commit_path(rec.shard)))  # as if the writer died before it
+    store = hsstore.open(str(tmp_path))
+    assert rec.shard not in [c.shard for c in store.commits] and len(store) == len(samples) - rec.n_samples
+    report = verify(store)
+    assert report.ok and report.uncommitted == [rec.shard]
+    capsys.readouterr()
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"] == "wds" and info["samples"] == len(store)
 
 
 def test_s3_roundtrip_bit_exact_and_verify(s3_store):
@@ -279,6 +297,8 @@ def craft(store, shard_index, member, how):
         info.name = "../evil.npy"
     elif how == "absolute":
         info.name = "/tmp/evil.npy"
+    elif how == "renamed":
+        info.name = "000000.layer_009.npy"
     else:
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
     data[hdr:hdr + 512] = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
@@ -290,7 +310,9 @@ def craft(store, shard_index, member, how):
 
 @pytest.mark.parametrize("how,expect", [("dotdot", r"member '\.\./evil\.npy': path outside the shard"),
                                         ("absolute", r"member '/tmp/evil\.npy': path outside the shard"),
-                                        ("symlink", r"member '000000\.layer_003\.npy': symlink member refused")])
+                                        ("symlink", r"member '000000\.layer_003\.npy': symlink member refused"),
+                                        ("renamed", r"member '000000\.layer_009\.npy' \(\d+ bytes\) found where "
+                                                    r"the commit record puts member '000000\.layer_003\.npy'")])
 def test_unsafe_tar_member_refused_nothing_half_written(tmp_path, how, expect, capsys):
     src = str(tmp_path / "src")
     samples = make_samples(12)
@@ -301,13 +323,14 @@ def test_unsafe_tar_member_refused_nothing_half_written(tmp_path, how, expect, c
         store.read(store.commits[0].n_samples)
     assert len(ids_of(dataset(src, layers=[1]))) == len(samples)  # other members still read
     report = verify(store)
-    assert not report.ok and any(rec.shard == p.shard and "refused" in p.message for p in report.problems)
+    assert not report.ok and any(rec.shard == p.shard and ("refused" in p.message or "not in the commit record"
+                                                           in p.message) for p in report.problems)
     # convert stops at the bad shard: earlier shards committed, nothing of the bad one written
     dst = str(tmp_path / "dst")
     capsys.readouterr()
     assert main(["convert", src, dst, "--layout", "zarr", "-q"]) == 2
     err = capsys.readouterr().err
-    assert rec.shard in err and "refused" in err and len(err.strip().splitlines()) == 1
+    assert re.search(rf"shard '{rec.shard}', {expect}", err) and len(err.strip().splitlines()) == 1
     committed = shard.list_committed(*hsstore.storage.resolve(dst))
     assert committed == [store.commits[0].shard]
     assert not os.path.exists(os.path.join(dst, "shards", rec.shard))
