@@ -21,7 +21,7 @@ import bisect
 import functools
 import io
 import json
-import os
+import mmap
 import posixpath
 import tarfile
 from dataclasses import dataclass
@@ -244,39 +244,46 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
         job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
 
 
-def _pread_into(fd: int, offset: int, buf: np.ndarray) -> None:
-    """Fill ``buf`` from the file at ``offset`` (one syscall per ~2 GiB); a short file is corruption."""
-    view = memoryview(buf.reshape(-1).view(np.uint8))
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise EOFError(f"file ends {len(view) - done} bytes early")
-        done += n
+def _read_at(src: mmap.mmap, path: str, offset: int, buf: np.ndarray) -> None:
+    """Copy ``buf.nbytes`` bytes of the mapped tar at ``path`` from ``offset`` into ``buf``; a short file is
+    corruption. Mapped, not read: the copy out of the page cache is the only one (as for zarr chunks)."""
+    n = buf.nbytes
+    if offset + n > len(src):
+        raise EOFError(f"file ends {offset + n - len(src)} bytes early")
+    view = np.frombuffer(src, np.uint8, count=n, offset=offset)
+    np.copyto(buf.reshape(-1).view(np.uint8), view)
+    del view  # release the mapping's buffer before it closes
 
 
 def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        f = open(path, "rb", buffering=0)
     except FileNotFoundError:
         raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
-    try:
-        for job in jobs:
-            where = f"shard {shard!r}, member {job.name!r}"
-            head = np.empty(BLOCK + len(job.header), np.uint8)
-            try:
-                _pread_into(fd, job.offset - BLOCK, head)
-                check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
-                n_data = job.size - len(job.header)
-                whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
-                data = job.dest if whole else np.empty(n_data, np.uint8)
-                _pread_into(fd, job.offset + len(job.header), data)
-            except EOFError as e:
-                raise CorruptionError(f"{where}: truncated tar ({e})") from None
-            crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
-            _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
-    finally:
-        os.close(fd)
+    with f:
+        try:
+            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # committed tars never change
+        except ValueError:  # an empty file cannot be mapped
+            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)") from None
+        with src:
+            _read_jobs(src, path, jobs, shard)
+
+
+def _read_jobs(src: mmap.mmap, path: str, jobs: list[_Job], shard: str) -> None:
+    for job in jobs:
+        where = f"shard {shard!r}, member {job.name!r}"
+        head = np.empty(BLOCK + len(job.header), np.uint8)
+        try:
+            _read_at(src, path, job.offset - BLOCK, head)
+            check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
+            n_data = job.size - len(job.header)
+            whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
+            data = job.dest if whole else np.empty(n_data, np.uint8)
+            _read_at(src, path, job.offset + len(job.header), data)
+        except EOFError as e:
+            raise CorruptionError(f"{where}: truncated tar ({e})") from None
+        crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
+        _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
 
 
 def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, list[_Job]]]:

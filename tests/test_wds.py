@@ -216,13 +216,13 @@ def test_only_requested_layers_bytes_read_local(tmp_path, loader_samples, monkey
     url = write_store(str(tmp_path / "s"), loader_samples, manifest=wds_manifest(), shard_tokens=600)
     store = hsstore.open(url)
     read = []
-    real = wds._pread_into
+    real = wds._read_at
 
-    def spy(fd, offset, buf):
-        read.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, offset + buf.nbytes))
-        return real(fd, offset, buf)
+    def spy(src, path, offset, buf):
+        read.append((os.path.basename(path), offset, offset + buf.nbytes))
+        return real(src, path, offset, buf)
 
-    monkeypatch.setattr(wds, "_pread_into", spy)
+    monkeypatch.setattr(wds, "_read_at", spy)
     assert len(ids_of(dataset(url, layers=[3]))) == len(loader_samples)
     others = member_spans(store, lambda k: ".layer_001." in k or ".layer_005." in k)
     assert read and not overlaps(read, others)
@@ -373,3 +373,18 @@ def test_extract_layout_wds_tiny_target(tiny_dir, tok, tmp_path):
     write_samples(other, make_manifest(), make_samples(2))
     with pytest.raises(ManifestError, match="incompatible"):
         convert(other, out, "wds")
+
+
+def test_truncated_or_missing_tar_named(tmp_path):
+    write_samples(str(tmp_path), wds_manifest(), make_samples(8), shard_bytes=SMALL_SHARD)
+    store = hsstore.open(str(tmp_path))
+    rec = store.commits[0]
+    path = os.path.join(str(tmp_path), wds.tar_path(rec.shard))
+    os.truncate(path, rec.members[f"{wds.sample_key(rec.n_samples - 1)}.layer_005.npy"][0] + 10)
+    with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}', member '.*layer_005\.npy': truncated tar"):
+        store.read(rec.n_samples - 1)
+    assert store.read(0)["sample_id"] == "s0"  # samples before the cut still read
+    assert any("truncated" in p.message or "unreadable" in p.message for p in verify(store).problems)
+    os.remove(path)
+    with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}', file shards/{rec.shard}\.tar: missing"):
+        store.read(0)
