@@ -124,7 +124,8 @@ def _raw_pieces(store: Store, layers: list[int]) -> list[tuple[str, int, int]]:
             path = storage.join(store.root, wds.tar_path(c.shard))
             out += [(path, o, o + n) for k, (o, n, _) in c.members.items() if any(k.endswith(x) for x in member_parts)]
         else:
-            out += [(storage.join(store.root, k), 0, v["size"]) for k, v in c.files.items() if any(x in k for x in wanted)]
+            out += [(storage.join(store.root, k), 0, v["size"]) for k, v in c.files.items()
+                    if any(x in k for x in wanted)]
     return out
 
 

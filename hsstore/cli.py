@@ -107,9 +107,11 @@ def cmd_bench(args) -> int:
             print(f"{name:>20}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
                   f"({r['bytes'] / 1e9:.2f} GB)")
             if "raw_durable_gbps" in r:
-                print(f"{'':>20}  vs raw write + fsync {r['raw_durable_gbps']:.3f} GB/s -> ratio {r['ratio_durable']:.2f}")
+                print(f"{'':>20}  vs raw write + fsync {r['raw_durable_gbps']:.3f} GB/s -> ratio "
+                      f"{r['ratio_durable']:.2f}")
             if "raw_direct_gbps" in r:
-                print(f"{'':>20}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio {r['ratio_direct']:.2f}")
+                print(f"{'':>20}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio "
+                      f"{r['ratio_direct']:.2f}")
             if "peer_gbps" in r:
                 print(f"{'peer layout':>20}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
                       f"{r['peer_ratio']:.2f}; loader is {r['vs_peer']:.2f}x the peers' layout")

@@ -31,7 +31,8 @@ def get(name: str) -> Layout:
     from . import reader, shard, verify, wds  # here: reader and verify use this module
 
     if name == "zarr":
-        return Layout("zarr", shard.write_shard, reader.read_zarr_into, verify.check_zarr_shard, shard.parent_groups,
+        return Layout("zarr", shard.write_shard, reader.Store._read_zarr_into, verify.check_zarr_shard,
+                      shard.parent_groups,
                       lambda entry: None if entry == "zarr.json" else entry)
     if name == "wds":
         return Layout("wds", wds.write_shard, wds.read_into, verify.check_tar_shard, dict,

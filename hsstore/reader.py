@@ -186,10 +186,10 @@ class Store:
 
         Only the requested layers' bytes are fetched, through the store's layout (zarr: the chunks that
         overlap the range, all at once, concurrently, on object stores; wds: the samples' ``.npy`` members
-        by byte range), and every chunk's or member's CRC32C is checked. Zarr, on local disk, uncompressed chunks that lie
-        wholly inside the range are read straight into the output (no intermediate copy; partial ones go
-        through a reused buffer); that is why the output is layer-major: each layer's rows are contiguous,
-        as in the chunk files.
+        by byte range), and every chunk's or member's CRC32C is checked. Zarr, on local disk, uncompressed
+        chunks that lie wholly inside the range are read straight into the output (no intermediate copy;
+        partial ones go through a reused buffer), as are wds members; that is why the output is layer-major:
+        each layer's rows are contiguous, as in the chunk files and members.
 
         ``out`` (optional) is the features destination, ``[n_layers, T, H]`` C-contiguous in the storage
         dtype: the loader passes pinned or shared memory so items need no further copy.
@@ -213,6 +213,59 @@ class Store:
             return ids, mask, feats
         self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry)
         return ids, mask, feats
+
+    def _read_zarr_into(self, rec: shard.CommitRecord, start: int, stop: int, layers: Sequence[int],
+                        ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
+        """The zarr layout's part of :meth:`read_range`: the chunks of ``layers`` overlapping the range."""
+        shard_name = rec.shard
+        ct, H = self.manifest.chunk_tokens, self.manifest.hidden_size
+        base = shard.shard_path(shard_name)
+        k0, k1 = start // ct, (stop - 1) // ct
+        targets = [(f"{base}/input_ids", ids, self._plain, 1), (f"{base}/loss_mask", mask, self._plain, 1)]
+        targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
+        fs = self._fs()
+        direct = storage.is_local(fs) and self._codec.spec == "none"
+        # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
+        jobs = []
+        for array_path, out, chunk_codec, width in targets:
+            for k in range(k0, k1 + 1):
+                lo, hi = max(start, k * ct), min(stop, (k + 1) * ct)
+                key = shard.chunk_key(array_path, k, 1 if width == 1 else 2)
+                jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
+                             direct))
+        carried = carry or {}
+        fetch = [p for p in (storage.join(self.root, j[0]) for j in jobs if not j[5]) if p not in carried]
+        blobs: dict = dict(carried)
+        if fetch:
+            try:
+                if self.chunk_cache is not None and not storage.is_local(fs):
+                    blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace()))
+                else:
+                    blobs.update(storage.cat_many(fs, fetch))
+            except Exception as e:
+                raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
+                                 f"{type(e).__name__}: {e}") from None
+        for key, dest, rows, chunk_codec, width, local in jobs:
+            where = f"shard {shard_name!r}, file {key}"
+            path = storage.join(self.root, key)
+            if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
+                read_chunk_into(path, dest, where)
+                continue
+            if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
+                vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
+                read_chunk_into(path, vals, where)
+                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+                continue
+            blob = blobs.get(path)
+            if blob is None or isinstance(blob, Exception):
+                detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
+                raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
+            vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where)
+            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+        if carry is not None:
+            last = [storage.join(self.root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
+            carry.clear()
+            carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
     def read(self, i: int, layers: Sequence[int] | None = None) -> dict[str, Any]:
         """Sample ``i``: ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool),
@@ -292,60 +345,6 @@ class Store:
     def __repr__(self) -> str:
         return (f"Store({self.url!r}, samples={len(self)}, shards={len(self.commits)}, layers={self.layers}, "
                 f"dtype={self.manifest.dtype})")
-
-
-def read_zarr_into(store: Store, rec: shard.CommitRecord, start: int, stop: int, layers: Sequence[int],
-                   ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
-    """The zarr layout's part of :meth:`Store.read_range`: the chunks of ``layers`` overlapping the range."""
-    shard_name = rec.shard
-    ct, H = store.manifest.chunk_tokens, store.manifest.hidden_size
-    base = shard.shard_path(shard_name)
-    k0, k1 = start // ct, (stop - 1) // ct
-    targets = [(f"{base}/input_ids", ids, store._plain, 1), (f"{base}/loss_mask", mask, store._plain, 1)]
-    targets += [(f"{base}/{shard.layer_array(l)}", feats[j], store._codec, H) for j, l in enumerate(layers)]
-    fs = store._fs()
-    direct = storage.is_local(fs) and store._codec.spec == "none"
-    # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
-    jobs = []
-    for array_path, out, chunk_codec, width in targets:
-        for k in range(k0, k1 + 1):
-            lo, hi = max(start, k * ct), min(stop, (k + 1) * ct)
-            key = shard.chunk_key(array_path, k, 1 if width == 1 else 2)
-            jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
-                         direct))
-    carried = carry or {}
-    fetch = [p for p in (storage.join(store.root, j[0]) for j in jobs if not j[5]) if p not in carried]
-    blobs: dict = dict(carried)
-    if fetch:
-        try:
-            if store.chunk_cache is not None and not storage.is_local(fs):
-                blobs.update(store.chunk_cache.cat(fs, fetch, namespace=store.cache_namespace()))
-            else:
-                blobs.update(storage.cat_many(fs, fetch))
-        except Exception as e:
-            raise StoreError(f"shard {shard_name!r} of store {store.url!r}: read failed: "
-                             f"{type(e).__name__}: {e}") from None
-    for key, dest, rows, chunk_codec, width, local in jobs:
-        where = f"shard {shard_name!r}, file {key}"
-        path = storage.join(store.root, key)
-        if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
-            read_chunk_into(path, dest, where)
-            continue
-        if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-            vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
-            read_chunk_into(path, vals, where)
-            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
-            continue
-        blob = blobs.get(path)
-        if blob is None or isinstance(blob, Exception):
-            detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
-            raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
-        vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where)
-        dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
-    if carry is not None:
-        last = [storage.join(store.root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
-        carry.clear()
-        carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
 
 _SCRATCH = threading.local()

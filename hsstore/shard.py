@@ -60,7 +60,7 @@ class CommitRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     format_version: int = FORMAT_VERSION
-    # wds layout only: tar member name -> [offset of its data in the tar, size, CRC32C of its data]
+    # wds layout only: tar member name -> [offset of its data in the tar, its size, CRC32C of its bytes]
     members: dict[str, list[int]] | None = None
 
     def to_json(self) -> bytes:

@@ -167,7 +167,8 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
     storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
-        layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)} for l in manifest.layers},
+        layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
+                for l in manifest.layers},
         files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
         stats=stats or {}, created_at=now_iso(), members=tar.members)
 
@@ -216,7 +217,8 @@ def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[
             break
         lo, hi = max(start, a), min(stop, b)
         rows, dst = slice(lo - a, hi - a), slice(lo - start, hi - start)
-        parts = [("input_ids.npy", ids[dst], IDS_DTYPE.str, (b - a,)), ("loss_mask.npy", mask[dst], MASK_DTYPE.str, (b - a,))]
+        parts = [("input_ids.npy", ids[dst], IDS_DTYPE.str, (b - a,)),
+                 ("loss_mask.npy", mask[dst], MASK_DTYPE.str, (b - a,))]
         parts += [(layer_part(l), feats[j, dst], fdescr, (b - a, H)) for j, l in enumerate(layers)]
         for part, dest, descr, shape in parts:
             name = member_name(i, part)
