@@ -49,6 +49,7 @@ class ExtractConfig:
     truncate: bool = False
     token_budget: int | None = None
     codec: str = "none"
+    layout: str = "zarr"
     expand: bool = True
     force: bool = False
     thresholds: GateThresholds = field(default_factory=GateThresholds)
@@ -155,7 +156,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
-                              codec=cfg.codec, dtype=cfg.dtype)
+                              codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout)
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     use_process = cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
     writer = (ProcessWriter if use_process else StoreWriter)(

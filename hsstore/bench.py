@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import shard, storage
+from . import shard, storage, wds
 from .manifest import Manifest, TargetIdentity, TokenizerIdentity
 from .reader import Store
 from .writer import StoreWriter, default_chunk_tokens
@@ -43,11 +43,11 @@ def synthetic_samples(total_bytes: int, layers: int, hidden: int, seed: int = 0,
     return out
 
 
-def bench_manifest(layers: int, hidden: int, codec: str) -> Manifest:
+def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr") -> Manifest:
     return Manifest(
         target=TargetIdentity(name="bench", num_layers=max(64, layers), hidden_size=hidden, config_hash="bench"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"),
-        layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2))
+        layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2), layout=layout)
 
 
 def _time(fn) -> float:
@@ -57,12 +57,13 @@ def _time(fn) -> float:
 
 
 def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
-                    layers: int = 5, codec: str = "none", rounds: int = 2, what: str = "store") -> dict[str, dict]:
+                    layers: int = 5, codec: str = "none", rounds: int = 2, what: str = "store", layout: str = "zarr",
+                    ) -> dict[str, dict]:
     fs, root = storage.resolve(url, storage_options)
     samples = synthetic_samples(size_mb << 20, layers, hidden)
     nbytes = sum(s[3].numel() * 2 for s in samples)
     run = f"bench-{uuid.uuid4().hex[:8]}"
-    manifest = bench_manifest(layers, hidden, codec)
+    manifest = bench_manifest(layers, hidden, codec, layout)
     best = {"write": np.inf, "raw_write": np.inf, "raw_durable": np.inf, "read": np.inf, "raw_read": np.inf}
     local = storage.is_local(fs)
     try:
@@ -108,8 +109,24 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
         w["ratio_durable"] = w["gbps"] / w["raw_durable_gbps"]
     for r in result.values():
         r["ratio"] = r["gbps"] / r["raw_gbps"]
-        r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url})
+        r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url, "layout": layout})
     return result
+
+
+def _raw_pieces(store: Store, layers: list[int]) -> list[tuple[str, int, int]]:
+    """``(path, start, end)`` of the objects (zarr: chunk files; wds: tar members) that hold the ids, masks
+    and ``layers``' features of a store: what a plain reader of those bytes would fetch."""
+    wanted = [f"/{shard.layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
+    member_parts = [f".{wds.layer_part(l)}" for l in layers] + [".input_ids.npy", ".loss_mask.npy"]
+    out = []
+    for c in store.commits:
+        if c.members is not None:
+            path = storage.join(store.root, wds.tar_path(c.shard))
+            out += [(path, o, o + n) for k, (o, n, _) in c.members.items() if any(k.endswith(x) for x in member_parts)]
+        else:
+            out += [(storage.join(store.root, k), 0, v["size"]) for k, v in c.files.items()
+                    if any(x in k for x in wanted)]
+    return out
 
 
 def _remove(fs, path: str) -> None:
@@ -164,7 +181,7 @@ def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
 def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
                      workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
-                     ) -> dict[str, dict]:
+                     layout: str = "zarr") -> dict[str, dict]:
     """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
     optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
     the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
@@ -183,7 +200,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     local = storage.is_local(fs)
     run = f"bench-{uuid.uuid4().hex[:8]}"
     store_url = f"{url.rstrip('/')}/{run}/store"
-    manifest = bench_manifest(layers, hidden, codec)
+    manifest = bench_manifest(layers, hidden, codec, layout)
     sel = list(read_layers) if read_layers else list(manifest.layers)
     try:
         samples = synthetic_samples(size_mb << 20, layers, hidden)
@@ -193,30 +210,30 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if peers else []
         del samples
         store = Store(store_url, storage_options)
-        wanted = [f"/{shard.layer_array(l)}/c/" for l in sel] + ["/input_ids/c/", "/loss_mask/c/"]
-        files = [storage.join(store.root, k) for c in store.commits for k in c.files if any(x in k for x in wanted)]
+        pieces = _raw_pieces(store, sel)
+        files = sorted({p for p, _, _ in pieces})
         nbytes = store.num_tokens * len(sel) * hidden * 2
         sel_idx = [manifest.layers.index(l) for l in sel]
 
         def raw():
             batch, size = [], 0
-            for f in files + [None]:
-                if f is not None:
-                    batch.append(f)
-                    size += 16 << 20
-                if batch and (f is None or size >= 512 << 20):
-                    storage.cat_many(fs, batch)
+            for piece in pieces + [None]:
+                if piece is not None:
+                    batch.append(piece)
+                    size += piece[2] - piece[1]
+                if batch and (piece is None or size >= 512 << 20):
+                    fs.cat_ranges(*map(list, zip(*batch)))
                     batch, size = [], 0
 
-        def raw_direct():  # local only: each file read unbuffered into fresh numpy memory (a ceiling)
+        def raw_direct():  # local only: each piece read unbuffered into fresh numpy memory (a ceiling)
             held, size = [], 0
-            for f in files:
-                n = os.path.getsize(f)
-                buf = np.empty(n, np.uint8)
+            for f, start, end in pieces:
+                buf = np.empty(end - start, np.uint8)
                 with open(f, "rb", buffering=0) as fh:
+                    fh.seek(start)
                     fh.readinto(memoryview(buf))
                 held.append(buf)
-                size += n
+                size += end - start
                 if size >= 512 << 20:
                     held, size = [], 0
 
@@ -254,7 +271,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9
     out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": nbytes, "workers": workers,
-           "pin_memory": pin,
+           "pin_memory": pin, "layout": layout,
            "layers": layers, "read_layers": sel, "hidden": hidden, "codec": codec, "cold": cold, "url": url}
     out["ratio"] = out["gbps"] / out["raw_gbps"]
     if local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too

@@ -1,8 +1,8 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, bench, subset, merge) live here; extraction commands (check, show, extract, demo) and
-training commands (train, eval) are registered by ``extract.cli`` and ``train.cli``, which import
-transformers only when their command runs.
+Store commands (info, verify, convert, bench, subset, merge) live here; extraction commands (check, show,
+extract, import, regenerate, demo) and training commands (train, eval) are registered by ``extract.cli``
+and ``train.cli``, which import transformers only when their command runs.
 """
 
 from __future__ import annotations
@@ -57,33 +57,66 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_convert(args) -> int:
+    from tqdm import tqdm
+
+    from .convert import convert
+    from .reader import open_store
+
+    src_options = storage.parse_storage_options(args.storage_option)
+    dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
+    src = open_store(args.src, **src_options)
+    total = sum(v["raw_bytes"] for c in src.commits for v in c.layers.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=args.quiet) as bar:
+        r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
+                    progress=bar.update)
+    print(f"convert {args.src} -> {args.dst} ({args.layout}): {r.shards} shards, {r.samples} samples written; "
+          f"{r.skipped} shards already there")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import run_loader_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
+    layouts = args.layout.split(",")
     result: dict = {}
-    if args.what in ("store", "all"):
-        result.update(run_store_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                      layers=args.layers, codec=args.codec, rounds=args.rounds, what=args.what))
-    if args.what in ("loader", "all"):
-        read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
-        result.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                       layers=args.layers, codec=args.codec, rounds=args.rounds,
-                                       read_layers=read_layers, workers=args.workers, cold=args.cold,
-                                       peers=not args.no_peers, pin=args.pin_memory))
+    for lay in layouts:  # several layouts: one after the other in this run, each against its own raw baseline
+        part: dict = {}
+        if args.what in ("store", "all"):
+            part.update(run_store_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
+                                        layers=args.layers, codec=args.codec, rounds=args.rounds, what=args.what,
+                                        layout=lay))
+        if args.what in ("loader", "all"):
+            read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
+            part.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
+                                         layers=args.layers, codec=args.codec, rounds=args.rounds,
+                                         read_layers=read_layers, workers=args.workers, cold=args.cold,
+                                         peers=not args.no_peers, pin=args.pin_memory, layout=lay))
+        result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
+    if len(layouts) > 1:
+        base, other = layouts[0], layouts[1:]
+        for name in [k[:-len(f"[{base}]")] for k in result if k.endswith(f"[{base}]")]:
+            for lay in other:
+                a, b = result[f"{name}[{base}]"], result[f"{name}[{lay}]"]
+                a.setdefault("vs_layout", {})[lay] = b["gbps"] / a["gbps"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for name, r in result.items():
-            print(f"{name:>14}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
+            print(f"{name:>20}: {r['gbps']:.3f} GB/s vs raw {r['raw_gbps']:.3f} GB/s -> ratio {r['ratio']:.2f} "
                   f"({r['bytes'] / 1e9:.2f} GB)")
             if "raw_durable_gbps" in r:
-                print(f"{'':>14}  vs raw write + fsync {r['raw_durable_gbps']:.3f} GB/s -> ratio {r['ratio_durable']:.2f}")
+                print(f"{'':>20}  vs raw write + fsync {r['raw_durable_gbps']:.3f} GB/s -> ratio "
+                      f"{r['ratio_durable']:.2f}")
             if "raw_direct_gbps" in r:
-                print(f"{'':>14}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio {r['ratio_direct']:.2f}")
+                print(f"{'':>20}  vs unbuffered readinto {r['raw_direct_gbps']:.3f} GB/s -> ratio "
+                      f"{r['ratio_direct']:.2f}")
             if "peer_gbps" in r:
-                print(f"{'peer layout':>14}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
+                print(f"{'peer layout':>20}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
                       f"{r['peer_ratio']:.2f}; loader is {r['vs_peer']:.2f}x the peers' layout")
+            for lay, x in r.get("vs_layout", {}).items():
+                print(f"{'':>20}  {lay} layout: {x:.2f}x this throughput")
     return 0
 
 
@@ -127,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
 
+    q = sub.add_parser("convert", help="copy a store into a new store of another layout (zarr <-> wds), bit-exact")
+    q.add_argument("src")
+    q.add_argument("dst", help="destination store (created, or resumed when it already holds some shards)")
+    q.add_argument("--layout", required=True, choices=["zarr", "wds"])
+    q.add_argument("--codec", default=None, help="zarr destination: chunk codec (default: the source's)")
+    q.add_argument("--dst-storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="storage options of the destination only (default: those of -S)")
+    q.add_argument("--quiet", "-q", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_convert)
+
     q = sub.add_parser("bench", help="store write/read and loader throughput against raw reads/writes of the "
                                      "same bytes")
     q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
@@ -134,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--hidden", type=int, default=5120)
     q.add_argument("--layers", type=int, default=5)
     q.add_argument("--codec", default="none")
+    q.add_argument("--layout", default="zarr", help="zarr, wds, or both (zarr,wds: one after the other, compared)")
     q.add_argument("--what", choices=["store", "loader", "all"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout")
     q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")

@@ -75,13 +75,15 @@ def first_nonfinite_row(a: np.ndarray, dtype: str) -> int | None:
     return int(rows[0]) if rows.size else None
 
 
-def crc32c(data) -> int:
-    """CRC32C of bytes or a contiguous numpy buffer (hardware accelerated, ~10 GB/s)."""
+def crc32c(data, crc: int | None = None) -> int:
+    """CRC32C of bytes or a contiguous numpy buffer (hardware accelerated, ~10 GB/s); with ``crc``, the
+    checksum of the bytes that ``crc`` covers followed by ``data`` (objects checked in parts)."""
     if isinstance(data, (bytes, bytearray)):
-        return int(google_crc32c.value(bytes(data)))
-    view = data.reshape(-1).view(np.uint8).view() if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
-    view.flags.writeable = False  # google_crc32c takes read-only buffers only
-    return int(google_crc32c.value(view))
+        view = bytes(data)
+    else:
+        view = data.reshape(-1).view(np.uint8).view() if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        view.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return int(google_crc32c.value(view) if crc is None else google_crc32c.extend(crc, view))
 
 
 def _parse(spec: str) -> tuple[str, int]:

@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODINGS = ("raw",)
-LAYOUTS = ("zarr",)
+LAYOUTS = ("zarr", "wds")
 
 
 def sha256_hex(data: bytes | str) -> str:
@@ -156,6 +156,8 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"encoding {m.encoding!r} not supported (one of {ENCODINGS})")
     if m.layout not in LAYOUTS:
         raise ManifestError(f"layout {m.layout!r} not supported (one of {LAYOUTS})")
+    if m.layout == "wds" and m.codec != "none":  # members are plain .npy files, readable with numpy alone
+        raise ManifestError(f"layout 'wds' stores plain .npy members: codec must be 'none', got {m.codec!r}")
     if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
         raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
 

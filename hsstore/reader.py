@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import zarr
 
-from . import codec, shard, storage
+from . import codec, layout, shard, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
@@ -99,6 +99,7 @@ class Store:
         counts = np.array([c.n_samples for c in self.commits], dtype=np.int64)
         self._first = np.concatenate([[0], np.cumsum(counts)]) if len(counts) else np.zeros(1, np.int64)
         self._offsets = [c.offsets for c in self.commits]
+        self._by_name = {c.shard: c for c in self.commits}
         self._pid = os.getpid()
         # shards merged by reference live in another store: shard name -> that store's URL
         self.locations = {c.shard: shard.resolve_location(url, c.location) for c in self.commits if c.location}
@@ -129,6 +130,17 @@ class Store:
         off = self._offsets[s]
         c = self.commits[s]
         return SampleRef(i, c.shard, local, int(off[local]), int(off[local + 1]), c.samples["sample_id"][local])
+
+    @property
+    def _layout(self) -> layout.Layout:
+        return layout.get(self.manifest.layout)
+
+    def record(self, shard_name: str) -> shard.CommitRecord:
+        """The commit record of a committed shard."""
+        try:
+            return self._by_name[shard_name]
+        except KeyError:
+            raise StoreError(f"no committed shard {shard_name!r} in store {self.url!r}") from None
 
     def sample_ids(self) -> list[str]:
         return [sid for c in self.commits for sid in c.samples["sample_id"]]
@@ -190,11 +202,12 @@ class Store:
         """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, H]``
         layer-major in the storage dtype).
 
-        Only chunks of the requested layers that overlap the range are fetched (all at once, concurrently,
-        on object stores) and each chunk's CRC32C is checked. On local disk, uncompressed chunks that lie
-        wholly inside the range are read straight into the output (no intermediate copy; partial ones go
-        through a reused buffer); that is why the output is layer-major: each layer's rows are contiguous,
-        as in the chunk files.
+        Only the requested layers' bytes are fetched, through the store's layout (zarr: the chunks that
+        overlap the range, all at once, concurrently, on object stores; wds: the samples' ``.npy`` members
+        by byte range), and every chunk's or member's CRC32C is checked. Zarr, on local disk, uncompressed
+        chunks that lie wholly inside the range are read straight into the output (no intermediate copy;
+        partial ones go through a reused buffer), as are wds members; that is why the output is layer-major:
+        each layer's rows are contiguous, as in the chunk files and members.
 
         ``out`` (optional) is the features destination, ``[n_layers, T, H]`` C-contiguous in the storage
         dtype: the loader passes pinned or shared memory so items need no further copy.
@@ -203,9 +216,8 @@ class Store:
         two windows crosses the network once.
         """
         layers = self.check_layers(layers)
-        m, ct = self.manifest, self.manifest.chunk_tokens
+        m = self.manifest
         T, H = stop - start, m.hidden_size
-        base = shard.shard_path(shard_name)
         ids = np.empty(T, np.int32)
         mask = np.empty(T, np.uint8)
         shape, dtype = (len(layers), T, H), codec.STORAGE_DTYPE[m.dtype]
@@ -217,6 +229,15 @@ class Store:
             feats = out
         if T <= 0:
             return ids, mask, feats
+        self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry)
+        return ids, mask, feats
+
+    def _read_zarr_into(self, rec: shard.CommitRecord, start: int, stop: int, layers: Sequence[int],
+                        ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
+        """The zarr layout's part of :meth:`read_range`: the chunks of ``layers`` overlapping the range."""
+        shard_name = rec.shard
+        ct, H = self.manifest.chunk_tokens, self.manifest.hidden_size
+        base = shard.shard_path(shard_name)
         k0, k1 = start // ct, (stop - 1) // ct
         targets = [(f"{base}/input_ids", ids, self._plain, 1), (f"{base}/loss_mask", mask, self._plain, 1)]
         targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
@@ -263,7 +284,6 @@ class Store:
             last = [storage.join(root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
             carry.clear()
             carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
-        return ids, mask, feats
 
     def read(self, i: int, layers: Sequence[int] | None = None) -> dict[str, Any]:
         """Sample ``i``: ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool),

@@ -63,11 +63,14 @@ class CommitRecord:
     created_at: str = ""
     format_version: int = FORMAT_VERSION
     location: str | None = None  # another store holding this shard's files (a merge by reference); None: here
+    # wds layout only: tar member name -> [offset of its data in the tar, its size, CRC32C of its bytes]
+    members: dict[str, list[int]] | None = None
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)
-        if d["location"] is None:  # records without a reference stay byte-identical to format 1's
-            del d["location"]
+        for optional in ("location", "members"):  # absent when unused: records stay as hsstore 0.1 wrote them
+            if d[optional] is None:
+                del d[optional]
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -133,6 +136,14 @@ def encode_array(array_path: str, data: np.ndarray, chunk: int, chunk_codec: cod
     return out
 
 
+def sample_offsets(name: str, samples: dict[str, list], n_tokens: int) -> np.ndarray:
+    """``[samples + 1]`` token offsets from the sample lengths, which must cover the shard's tokens."""
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(samples["length"], dtype=np.int64))]).astype(np.int64)
+    if offsets[-1] != n_tokens:
+        raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
+    return offsets
+
+
 def write_shard(
     fs,
     root: str,
@@ -148,10 +159,8 @@ def write_shard(
     """Write one shard -- Zarr metadata and whole chunks, in one concurrent batch -- and return its commit
     record. The record is not yet published: see :func:`publish`."""
     n_tokens = int(input_ids.shape[0])
-    lengths = np.asarray(samples["length"], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    if offsets[-1] != n_tokens:
-        raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
+    offsets = sample_offsets(name, samples, n_tokens)
+    lengths = np.diff(offsets)
     base = shard_path(name)
     ct = manifest.chunk_tokens
     feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")

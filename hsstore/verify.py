@@ -8,14 +8,17 @@ the samples whose tokens the file holds.
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import tarfile
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import zarr
 
-from . import codec, shard, storage
+from . import codec, layout, shard, storage, wds
 from .errors import StoreError
 from .reader import Store
 
@@ -70,6 +73,7 @@ def samples_in_file(rec: shard.CommitRecord, key: str) -> list[str]:
 def verify(store: Store, progress: Callable[[int], None] | None = None) -> VerifyReport:
     report = VerifyReport(shards=len(store.commits))
     fs, root = store.fs, store.root
+    lay = layout.get(store.manifest.layout)
     for rec in store.commits:
         _check_record(store, rec, report)
         try:  # a shard merged by reference: its files are checked where its record says they are
@@ -78,15 +82,20 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
             report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
                                                       f"{type(e).__name__}: {e}"))
             continue
-        _check_files(shard_fs, shard_root, rec, report, progress)
-        _check_arrays(store, rec, report)
+        lay.check_shard(store, shard_fs, shard_root, rec, report, progress)
     try:
-        on_disk = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, shard.SHARDS_DIR), detail=False)}
+        entries = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, shard.SHARDS_DIR), detail=False)]
     except FileNotFoundError:
-        on_disk = set()
+        entries = []
+    on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
-    report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith(".") and n != "zarr.json")
+    report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
     return report
+
+
+def check_zarr_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress) -> None:
+    _check_files(fs, root, rec, report, progress)
+    _check_arrays(store, rec, report)
 
 
 def _check_record(store: Store, rec: shard.CommitRecord, report: VerifyReport) -> None:
@@ -179,3 +188,106 @@ def _check_chunks_listed(rec: shard.CommitRecord, key: str, a: zarr.Array, repor
     missing = [k for k in range(n_chunks) if f"{key}/c/{k}/0" not in rec.files]
     if missing:
         report.problems.append(Problem(rec.shard, f"chunks {missing[:5]} of {n_chunks} not in the commit record", key))
+
+
+class _CrcReader:
+    """A file wrapper that checksums and counts what is read through it (one pass over a tar)."""
+
+    def __init__(self, f, progress) -> None:
+        self.f, self.progress, self.crc, self.size = f, progress, None, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if data:
+            self.crc = codec.crc32c(data, self.crc)
+            self.size += len(data)
+            if self.progress:
+                self.progress(len(data))
+        return data
+
+    def drain(self) -> None:
+        while self.read(16 << 20):
+            pass
+
+
+def check_tar_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress) -> None:
+    """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
+    the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
+    the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted."""
+    m, name = store.manifest, rec.shard
+    key = wds.tar_path(name)
+    want = rec.files.get(key)
+    members = rec.members or {}
+    if want is None or set(members) != set(wds.expected_members(rec, m.layers)):
+        report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
+                                             f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
+        return
+    ids = rec.samples["sample_id"]
+    dtype = codec.STORAGE_DTYPE[m.dtype]
+    seen: set[str] = set()
+    try:
+        with fs.open(storage.join(root, key), "rb") as f:
+            reader = _CrcReader(f, progress)
+            with tarfile.open(fileobj=reader, mode="r|") as tf:
+                for info in tf:
+                    try:
+                        wds.check_member(info, name)
+                    except StoreError as e:
+                        report.problems.append(Problem(name, str(e), key))
+                        continue
+                    entry = members.get(info.name)
+                    if entry is None:
+                        report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
+                        continue
+                    i = int(info.name.split(".", 1)[0])
+                    who = [ids[i]]
+                    data = tf.extractfile(info).read()
+                    seen.add(info.name)
+                    if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
+                        report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
+                                                             "the commit record (corrupted bytes)", key, who))
+                        continue
+                    _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
+            reader.drain()
+    except FileNotFoundError:
+        report.problems.append(Problem(name, "file missing", key, list(ids)))
+        return
+    except (tarfile.TarError, OSError, EOFError) as e:
+        report.problems.append(Problem(name, f"tar unreadable: {type(e).__name__}: {e}", key, list(ids)))
+        return
+    report.files += 1
+    report.bytes += reader.size
+    if reader.size != want["size"]:
+        report.problems.append(Problem(name, f"size {reader.size} != committed {want['size']} (truncated or rewritten)",
+                                       key, list(ids)))
+    elif reader.crc != want["crc32c"]:
+        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+    missing = sorted(set(members) - seen)
+    if missing:
+        report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,
+                                       sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
+
+
+def _check_member_content(rec, member: str, data: bytes, i: int, dtype, hidden: int, key: str,
+                          report: VerifyReport) -> None:
+    sid, T = rec.samples["sample_id"][i], rec.samples["length"][i]
+    if member.endswith(".json"):
+        try:
+            ok = json.loads(data).get("sample_id") == sid
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            report.problems.append(Problem(rec.shard, f"member {member!r} does not name sample {sid!r}", key, [sid]))
+        return
+    want = {"input_ids.npy": (np.dtype("<i4"), (T,)), "loss_mask.npy": (np.dtype("|u1"), (T,))}.get(
+        member.split(".", 1)[1], (dtype, (T, hidden)))
+    try:
+        a = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        report.problems.append(Problem(rec.shard, f"member {member!r} is not a .npy array ({e})", key, [sid]))
+        return
+    if (a.dtype, a.shape) != want:
+        report.problems.append(Problem(rec.shard, f"member {member!r}: {a.dtype} {list(a.shape)}, expected "
+                                                  f"{want[0]} {list(want[1])}", key, [sid]))
+    elif member.endswith(".loss_mask.npy") and int(a.sum()) != rec.samples["loss_tokens"][i]:
+        report.problems.append(Problem(rec.shard, "loss_mask sum disagrees with the commit record", key, [sid]))

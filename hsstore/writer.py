@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, shard, storage
+from . import codec, layout, shard, storage
 from .errors import SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
@@ -60,7 +60,8 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         raise StoreError(f"cannot reach store {url!r}: {type(e).__name__}: {e}") from None
     if not exists:
         try:
-            storage.put_many(fs, {storage.join(root, k): v for k, v in shard.parent_groups().items()})
+            objects = layout.get(manifest.layout).store_objects()
+            storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
             storage.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
             raise StoreError(f"cannot write to store {url!r}: {type(e).__name__}: {e}") from None
@@ -105,6 +106,7 @@ class StoreWriter:
             created_at=manifest.created_at or now_iso())
         self.manifest = ensure_manifest(self.fs, self.root, url, manifest)
         self.layers = list(self.manifest.layers)
+        self._write_shard = layout.get(self.manifest.layout).write_shard
         self.hidden = self.manifest.hidden_size
         self.storage_dtype = codec.STORAGE_DTYPE[self.manifest.dtype]
         self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
@@ -254,7 +256,7 @@ class StoreWriter:
     def _write(self, name, buf, n, ids, mask, cols) -> shard.CommitRecord:
         try:
             features = {layer: buf[j, :n] for j, layer in enumerate(self.layers)}
-            record = shard.write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
+            record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols))
             shard.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently

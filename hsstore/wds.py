@@ -1,0 +1,333 @@
+"""The WebDataset layout: one shard is one tar object of per-sample ``.npy`` members.
+
+Layout under the store prefix (see docs/FORMAT.md)::
+
+    shards/<name>.tar              members, per sample i (key = i as 6+ digits, no dots):
+        <key>.json                 the sample's columns (sample_id, source, ...), shard, dtype, layers
+        <key>.input_ids.npy        [T] int32
+        <key>.loss_mask.npy        [T] uint8
+        <key>.layer_<LLL>.npy      [T, hidden] per tapped layer; bf16 as its uint16 bits
+    commits/<name>.json            written last; ``members`` indexes every member (offset, size, CRC32C)
+
+Why: the plain ``webdataset`` library (or ``tarfile`` + ``np.load``) reads a shard with no hsstore code.
+hsstore itself never scans a tar: the commit record's member index gives each member's byte range, so
+a read fetches only the requested layers' members (range reads, neighbours coalesced) and checks each
+one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracted to disk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import io
+import json
+import mmap
+import posixpath
+import tarfile
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import codec, storage
+from .errors import CorruptionError, StoreError
+from .manifest import Manifest, now_iso
+from .shard import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
+
+BLOCK = tarfile.BLOCKSIZE  # 512: every member is one ustar header block, then its data padded to blocks
+IDS_DTYPE, MASK_DTYPE = np.dtype("<i4"), np.dtype("|u1")
+
+
+def tar_path(name: str) -> str:
+    return f"{SHARDS_DIR}/{name}.tar"
+
+
+def sample_key(i: int) -> str:
+    """WebDataset groups members by the name before the first dot: a key holds no dots."""
+    return f"{i:06d}"
+
+
+def member_name(i: int, part: str) -> str:
+    return f"{sample_key(i)}.{part}"
+
+
+def layer_part(layer: int) -> str:
+    return f"{layer_array(layer)}.npy"
+
+
+@functools.lru_cache(maxsize=256)
+def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header numpy writes for a C-ordered array (data then starts 64-byte aligned)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def check_member(info: tarfile.TarInfo, shard: str) -> None:
+    """Refuse what a tar may carry that a shard never does: names outside the shard, links, devices."""
+    name = info.name
+    parts = name.replace("\\", "/").split("/")
+    if posixpath.isabs(name) or name.startswith("\\") or ".." in parts or (len(name) > 1 and name[1] == ":"):
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: path outside the shard (refused)")
+    if not info.isreg():
+        kind = ("symlink" if info.issym() else "hard link" if info.islnk() else "device" if info.isdev()
+                else "directory" if info.isdir() else "fifo" if info.isfifo() else f"type {info.type!r}")
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: {kind} member refused (a shard holds regular "
+                              "files only)")
+
+
+def check_header(block: bytes, name: str, size: int, shard: str) -> None:
+    """The tar header in front of a member read by range must be the one the commit record names."""
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.TarError as e:
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: no valid tar header at its recorded offset "
+                              f"({e})") from None
+    check_member(info, shard)
+    if info.name != name or info.size != size:
+        raise CorruptionError(f"shard {shard!r}, member {info.name!r} ({info.size} bytes) found where the commit "
+                              f"record puts member {name!r} ({size} bytes)")
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+@dataclass
+class TarObject:
+    """A tar as parts (headers, views of the shard buffers, padding): written locally without joining."""
+
+    chunks: list
+    crc32c: int
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def parts(self) -> list:
+        return [memoryview(c).cast("B") if isinstance(c, np.ndarray) else c for c in self.chunks]
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts())
+
+
+class TarBuilder:
+    """Members appended in order; records each member's data offset, size and CRC32C."""
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.pos = 0
+        self.members: dict[str, list[int]] = {}
+
+    def add(self, name: str, pieces: Sequence[Any]) -> int:
+        pieces = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) if isinstance(p, np.ndarray) else p
+                  for p in pieces]
+        size = sum(len(p) for p in pieces)
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o644, 0  # mtime 0: a shard's bytes depend on its data only
+        self.chunks.append(info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"))
+        crc = None
+        for p in pieces:
+            crc = codec.crc32c(p, crc)
+        self.chunks.extend(pieces)
+        self.chunks.append(b"\0" * (-size % BLOCK))
+        self.members[name] = [self.pos + BLOCK, size, int(crc if crc is not None else 0)]
+        self.pos += BLOCK + size + (-size % BLOCK)
+        return size
+
+    def add_npy(self, name: str, a: np.ndarray) -> int:
+        return self.add(name, [npy_header(np.lib.format.dtype_to_descr(a.dtype), a.shape), a])
+
+    def finish(self) -> TarObject:
+        end = 2 * BLOCK
+        end += -(self.pos + end) % tarfile.RECORDSIZE  # as tarfile pads an archive
+        self.chunks.append(b"\0" * end)
+        crc = None
+        for c in self.chunks:
+            crc = codec.crc32c(c, crc)
+        return TarObject(self.chunks, int(crc), self.pos + end)
+
+
+def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, features: dict[int, np.ndarray],
+                input_ids: np.ndarray, loss_mask: np.ndarray, samples: dict[str, list],
+                stats: dict[str, Any] | None = None) -> CommitRecord:
+    """Write one shard as a tar (one object, fsynced locally) and return its unpublished commit record."""
+    offsets = sample_offsets(name, samples, int(input_ids.shape[0]))
+    tar = TarBuilder()
+    layer_bytes = {l: 0 for l in manifest.layers}
+    ids, mask = input_ids.astype(IDS_DTYPE, copy=False), loss_mask.astype(MASK_DTYPE, copy=False)
+    for i in range(len(offsets) - 1):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        meta = {c: samples[c][i] for c in SAMPLE_COLUMNS}
+        meta.update(shard=name, dtype=manifest.dtype, layers=list(manifest.layers))
+        tar.add(member_name(i, "json"), [json.dumps(meta, separators=(",", ":")).encode()])
+        tar.add_npy(member_name(i, "input_ids.npy"), ids[a:b])
+        tar.add_npy(member_name(i, "loss_mask.npy"), mask[a:b])
+        for l in manifest.layers:
+            layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
+    obj = tar.finish()
+    storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
+    return CommitRecord(
+        shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
+        layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
+                for l in manifest.layers},
+        files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
+        stats=stats or {}, created_at=now_iso(), members=tar.members)
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    name: str
+    dest: np.ndarray  # destination rows (contiguous)
+    rows: slice  # rows of the member's array to take
+    descr: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+    crc: int
+
+    @property
+    def header(self) -> bytes:
+        return npy_header(self.descr, self.shape)
+
+
+def _member(rec: CommitRecord, name: str) -> list[int]:
+    entry = (rec.members or {}).get(name)
+    if entry is None:
+        raise CorruptionError(f"shard {rec.shard!r}: the commit record lists no member {name!r}")
+    return entry
+
+
+def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+              mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
+    """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
+    members of the requested layers of the overlapping samples are read; each is checked (tar header,
+    ``.npy`` header, CRC32C). ``carry`` is unused: samples never straddle members."""
+    if carry is not None:
+        carry.clear()
+    m = store.manifest
+    off = rec.offsets
+    H, fdescr = m.hidden_size, np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
+    jobs: list[_Job] = []
+    feature_starts: list[int] = []  # data offsets of every feature member of these samples, asked for or not
+    first = int(np.searchsorted(off, start, side="right") - 1)
+    for i in range(first, rec.n_samples):
+        a, b = int(off[i]), int(off[i + 1])
+        if a >= stop:
+            break
+        lo, hi = max(start, a), min(stop, b)
+        rows, dst = slice(lo - a, hi - a), slice(lo - start, hi - start)
+        parts = [("input_ids.npy", ids[dst], IDS_DTYPE.str, (b - a,)),
+                 ("loss_mask.npy", mask[dst], MASK_DTYPE.str, (b - a,))]
+        parts += [(layer_part(l), feats[j, dst], fdescr, (b - a, H)) for j, l in enumerate(layers)]
+        for part, dest, descr, shape in parts:
+            name = member_name(i, part)
+            jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
+        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.layers]
+    fs, root, url = store.shard_location(rec.shard)  # another store's, for a shard merged by reference
+    path = storage.join(root, tar_path(rec.shard))
+    if storage.is_local(fs):
+        _read_local(path, jobs, rec.shard)
+    else:
+        _read_remote(fs, path, _spans(jobs, sorted(feature_starts)), rec, url)
+
+
+def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shard: str) -> None:
+    """Check a member read (``npy``: its first bytes, ``data``: its array bytes) and copy the rows."""
+    if crc != job.crc:
+        raise CorruptionError(f"shard {shard!r}, member {job.name!r}: checksum mismatch (corrupted bytes)")
+    head = job.header
+    if bytes(npy[:len(head)]) != head:
+        raise CorruptionError(f"shard {shard!r}, member {job.name!r}: .npy header is not the expected "
+                              f"{job.descr} {list(job.shape)} array")
+    if data is not None:
+        width = job.shape[1] if len(job.shape) > 1 else 1
+        vals = data.view(job.dest.dtype)
+        job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
+
+
+def _read_at(src: mmap.mmap, path: str, offset: int, buf: np.ndarray) -> None:
+    """Copy ``buf.nbytes`` bytes of the mapped tar at ``path`` from ``offset`` into ``buf``; a short file is
+    corruption. Mapped, not read: the copy out of the page cache is the only one (as for zarr chunks)."""
+    n = buf.nbytes
+    if offset + n > len(src):
+        raise EOFError(f"file ends {offset + n - len(src)} bytes early")
+    view = np.frombuffer(src, np.uint8, count=n, offset=offset)
+    np.copyto(buf.reshape(-1).view(np.uint8), view)
+    del view  # release the mapping's buffer before it closes
+
+
+def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
+    with f:
+        try:
+            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # committed tars never change
+        except ValueError:  # an empty file cannot be mapped
+            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)") from None
+        with src:
+            _read_jobs(src, path, jobs, shard)
+
+
+def _read_jobs(src: mmap.mmap, path: str, jobs: list[_Job], shard: str) -> None:
+    for job in jobs:
+        where = f"shard {shard!r}, member {job.name!r}"
+        head = np.empty(BLOCK + len(job.header), np.uint8)
+        try:
+            _read_at(src, path, job.offset - BLOCK, head)
+            check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
+            n_data = job.size - len(job.header)
+            whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
+            data = job.dest if whole else np.empty(n_data, np.uint8)
+            _read_at(src, path, job.offset + len(job.header), data)
+        except EOFError as e:
+            raise CorruptionError(f"{where}: truncated tar ({e})") from None
+        crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
+        _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
+
+
+def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, list[_Job]]]:
+    """Byte ranges to fetch: each job's tar header + member, neighbours merged unless a feature member
+    (``feature_starts``: sorted data offsets) that was not asked for lies between them (small json
+    members are read through)."""
+    jobs = sorted(jobs, key=lambda j: j.offset)
+    spans: list[tuple[int, int, list[_Job]]] = []
+    for j in jobs:
+        lo, hi = j.offset - BLOCK, j.offset + j.size
+        if spans:
+            s_lo, s_hi, group = spans[-1]
+            k = bisect.bisect_left(feature_starts, s_hi)
+            if k == len(feature_starts) or feature_starts[k] >= lo:  # nothing unwanted in between
+                spans[-1] = (s_lo, hi, group + [j])
+                continue
+        spans.append((lo, hi, [j]))
+    return spans
+
+
+def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
+    try:
+        blobs = fs.cat_ranges([path] * len(spans), [s[0] for s in spans], [s[1] for s in spans], on_error="return")
+    except Exception as e:
+        raise StoreError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
+    for (lo, hi, group), blob in zip(spans, blobs):
+        if isinstance(blob, FileNotFoundError):
+            raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: missing")
+        if isinstance(blob, Exception):
+            raise StoreError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(blob).__name__}: {blob}")
+        if len(blob) != hi - lo:
+            raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: truncated tar "
+                                  f"({len(blob)} of {hi - lo} bytes at offset {lo})")
+        buf = np.frombuffer(blob, np.uint8)
+        for job in group:
+            a = job.offset - lo
+            check_header(bytes(buf[a - BLOCK:a]), job.name, job.size, rec.shard)
+            npy = buf[a:a + job.size]
+            _finish(job, npy, npy[len(job.header):], codec.crc32c(npy), rec.shard)
+
+
+def expected_members(rec: CommitRecord, layers: Sequence[int]) -> list[str]:
+    """Every member a shard's tar holds, in order."""
+    parts = ["json", "input_ids.npy", "loss_mask.npy"] + [layer_part(l) for l in layers]
+    return [member_name(i, p) for i in range(rec.n_samples) for p in parts]
