@@ -252,3 +252,23 @@ def test_merge_requires_sources(tmp_path):
     with pytest.raises(ManifestError, match="not an hsstore store"):
         merge(str(tmp_path / "d"), [str(tmp_path / "nothing")], progress=False)
     assert not (tmp_path / "d").exists()
+
+
+def test_merge_wds_stores_by_reference_and_copy(tmp_path, new_manifest, new_samples, capsys):
+    """Both layouts go through the same reference resolution: tar shards read from where they live."""
+    import dataclasses
+
+    m = dataclasses.replace(new_manifest(), layout="wds")
+    a, b = new_samples(5, prefix="a"), new_samples(4, prefix="b", seed=2)
+    write_tagged(str(tmp_path / "a"), m, a)
+    write_tagged(str(tmp_path / "b"), m, b)
+    for by in ("reference", "copy"):
+        dst = str(tmp_path / by)
+        assert main(["merge", dst, str(tmp_path / "a"), str(tmp_path / "b"), "--by", by, "-q"]) == 0
+        assert hsstore.open(dst).manifest.layout == "wds"
+        assert_same_samples(dst, a + b)
+        assert main(["verify", dst, "-q"]) == 0
+    (tmp_path / "zarr").mkdir()
+    write_tagged(str(tmp_path / "zarr" / "z"), new_manifest(), new_samples(2, prefix="z"))
+    assert main(["merge", str(tmp_path / "zarr" / "z"), str(tmp_path / "a"), "-q"]) == 2
+    assert "layout" in capsys.readouterr().err
