@@ -197,9 +197,10 @@ def init_distributed(device: str | None):
 
 def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
     """Threads for torch's CPU ops (the batch collate: a layer-major -> token-major copy of ~1 GB per step).
-    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise, which put that copy on one core and made
-    the GPUs wait for data (measured on 2 H200s: 42K tokens/s with DDP vs 50K on one GPU, wait 55%).
-    Default under torchrun on GPUs: each local rank gets its share of this machine's cores."""
+    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise, which puts that copy on one core. On 2 H200s
+    DDP ran at 42K tokens/s against 50K on one GPU, the ranks waiting 55% of the time for data; one core
+    per rank is a suspect, not an established cause. Default under torchrun on GPUs: each local rank
+    gets its share of this machine's cores (``--cpu-threads`` overrides)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     n = requested
     if n is None and local_world > 1 and dev.type == "cuda":
