@@ -59,6 +59,6 @@ def tokenizer_identity(tokenizer, name: str) -> TokenizerIdentity:
 
 
 def build_manifest(model, tokenizer, name: str, layers: list[int], revision: str | None = None,
-                   codec: str = "none", dtype: str = "bfloat16") -> Manifest:
+                   codec: str = "none", dtype: str = "bfloat16", encoding: str = "raw") -> Manifest:
     return Manifest(target=target_identity(model, name, revision), tokenizer=tokenizer_identity(tokenizer, name),
-                    layers=tuple(layers), dtype=dtype, codec=codec)
+                    layers=tuple(layers), dtype=dtype, codec=codec, encoding=encoding)

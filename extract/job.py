@@ -50,6 +50,7 @@ class ExtractConfig:
     truncate: bool = False
     token_budget: int | None = None
     codec: str = "none"
+    encoding: str = "raw"  # or "fp8": quantised on the device (hsstore/fp8.py)
     expand: bool = True
     force: bool = False
     thresholds: GateThresholds = field(default_factory=GateThresholds)
@@ -164,7 +165,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
-                              codec=cfg.codec, dtype=cfg.dtype)
+                              codec=cfg.codec, dtype=cfg.dtype, encoding=cfg.encoding)
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = StoreWriter(cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
                          shard_bytes=cfg.shard_bytes, check_finite=False)
@@ -196,7 +197,8 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
                         refresh=False)
 
     try:
-        extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch, staging_tokens=budget)
+        extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch, staging_tokens=budget,
+                        quantise=writer.fp8)
         writer.close()
     except BaseException:
         writer.close(commit=False)

@@ -20,7 +20,7 @@ FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("bfloat16", "float16", "float32")
-ENCODINGS = ("raw",)
+ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/fp8.py)
 LAYOUTS = ("zarr",)
 
 
