@@ -188,8 +188,9 @@ def write_shard(
     layers = {}
     for l in manifest.layers:  # a layer's bytes: its values, and its scales in an fp8 store
         prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
+        raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
         layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
-                          "raw_bytes": int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)}
+                          "raw_bytes": raw}
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
         files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
@@ -199,8 +200,8 @@ def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
     """Zarr attributes of a layer array: ``hsstore_dtype`` names what the stored bits are (the manifest dtype,
     or ``float8_e4m3fn`` in an fp8 store, whose ``hsstore_scales`` array holds the per-row scales)."""
     if manifest.encoding == fp8.ENCODING:
-        return {"hsstore_dtype": "float8_e4m3fn", "hsstore_encoding": fp8.ENCODING, "hsstore_scales": scale_array(layer),
-                "layer": layer}
+        return {"hsstore_dtype": "float8_e4m3fn", "hsstore_encoding": fp8.ENCODING,
+                "hsstore_scales": scale_array(layer), "layer": layer}
     return {"hsstore_dtype": manifest.dtype, "layer": layer}
 
 
