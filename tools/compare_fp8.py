@@ -93,16 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--anchors", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--eval-samples", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--reuse", action="store_true", help="keep OUT: extraction and training resume (finished ones "
+                   "are skipped), so an interrupted comparison continues")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
     out = Path(args.out)
-    if out.exists():
+    if out.exists() and not args.reuse:
         shutil.rmtree(out)
-    out.mkdir(parents=True)
-    model = args.model or str(build_tiny_target(out / "target"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model or (str(out / "target") if (out / "target").exists() and args.reuse
+                           else str(build_tiny_target(out / "target")))
     inputs = args.input or [str(demo_conversations_path())]
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     result: dict = {"model": model, "inputs": inputs, "steps": args.steps, "seed": args.seed, "stores": {}}
@@ -120,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     for enc, url in urls.items():
         run = out / f"run-{enc}"
         t0 = time.perf_counter()
-        r = train(TrainConfig(stores=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
-                              draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
-                              max_tokens=args.max_tokens, lr=args.lr, log_every=max(1, args.steps // 20),
-                              save_every=args.steps, progress=False))
+        train(TrainConfig(stores=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
+                          draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
+                          max_tokens=args.max_tokens, lr=args.lr, log_every=max(1, args.steps // 20),
+                          save_every=args.steps, progress=False))
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        tail = rows[-max(1, len(rows) // 5):]  # the last fifth of the logged steps: less noise than one row
+        last, tail = rows[-1], rows[-max(1, len(rows) // 5):]  # the last fifth of the logged steps: less noise
         st = result["stores"][enc]
-        st.update({"train_s": time.perf_counter() - t0, "final_loss": r.last["loss"], "final_acc": r.last["acc"],
+        st.update({"train_s": time.perf_counter() - t0, "final_loss": last["loss"], "final_acc": last["acc"],
                    "tail_loss": float(np.mean([x["loss"] for x in tail])),
                    "tail_acc": float(np.mean([x["acc"] for x in tail])),
-                   "teacher_forced_tau": r.last.get("tau")})
+                   "teacher_forced_tau": last.get("tau")})
         st.update(eval_tau(url, str(run), model, inputs, args.eval_samples, args.max_new_tokens, args.device))
     if args.json:
         print(json.dumps(result, indent=2))
