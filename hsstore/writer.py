@@ -225,8 +225,9 @@ class StoreWriter:
         """Per layer: the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
         if isinstance(hs, fp8.Quantised):
             if hs.values.ndim != 3 or hs.values.shape[1] != len(self.layers) or hs.scales.ndim != 2:
+                n = len(self.layers)
                 raise SampleError(f"{where}: fp8 values/scales shapes {tuple(hs.values.shape)}/"
-                                  f"{tuple(hs.scales.shape)}, expected [{T}, {len(self.layers)}, {self.hidden}]/[{T}, {len(self.layers)}]")
+                                  f"{tuple(hs.scales.shape)}, expected [{T}, {n}, {self.hidden}]/[{T}, {n}]")
             parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(len(self.layers))]
         elif isinstance(hs, Mapping):
             missing = [l for l in self.layers if l not in hs]

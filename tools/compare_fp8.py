@@ -47,6 +47,7 @@ def relative_errors(bf16_url: str, fp8_url: str, per_sample: int = 1 << 16, seed
     index = {sid: i for i, sid in enumerate(a.sample_ids())}
     rng = np.random.default_rng(seed)
     elems, rows = [], []
+    flushed = nonzero = 0
     for i, sid in enumerate(b.sample_ids()):
         x = a.read(index[sid])["hidden_states"].float()  # [T, L, H]
         raw = b.read(i, dequantise=False)
@@ -57,11 +58,14 @@ def relative_errors(bf16_url: str, fp8_url: str, per_sample: int = 1 << 16, seed
         rows.append((diff.norm(dim=-1)[ok] / norms[ok]).numpy())
         nz = x != 0
         rel = (diff.abs()[nz] / x.abs()[nz]).numpy()
+        nonzero += rel.size
+        flushed += int((q[nz] == 0).sum())  # below half e4m3's smallest subnormal of the row: error 1
         if rel.size > per_sample:
             rel = rng.choice(rel, per_sample, replace=False)
         elems.append(rel)
     e, r = np.concatenate(elems), np.concatenate(rows)
     return {"element": {f"p{p:g}": float(np.percentile(e, p)) for p in ELEMENT_PCTS} | {"n": int(e.size)},
+            "flushed_to_zero": flushed / max(1, nonzero),
             "token_layer": {f"p{p:g}": float(np.percentile(r, p)) for p in ROW_PCTS} | {"n": int(r.size)}}
 
 
@@ -154,7 +158,8 @@ def format_text(r: dict) -> str:
         lines.append(f"{k:24}{a[k]:>12.4f}{b[k]:>12.4f}   (fp8 - bf16 {b[k] - a[k]:+.4f})")
     lines.append(f"{'eval output == target':24}{a['identical']:>9}/{a['samples']}{b['identical']:>9}/{b['samples']}")
     lines.append("fp8 vs bf16, per element |q-x|/|x| (sampled, x != 0): "
-                 + "  ".join(f"{k}={v:.4f}" for k, v in e.items() if k != "n") + f"  (n={e['n']:,})")
+                 + "  ".join(f"{k}={v:.4f}" for k, v in e.items() if k != "n") + f"  (n={e['n']:,}); non-zero "
+                 f"elements stored as 0: {100 * r['relative_error']['flushed_to_zero']:.3f}%")
     lines.append("fp8 vs bf16, per token+layer ||q-x||/||x||:          "
                  + "  ".join(f"{k}={v:.4f}" for k, v in t.items() if k != "n") + f"  (n={t['n']:,})")
     return "\n".join(lines)
