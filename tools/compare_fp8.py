@@ -155,11 +155,11 @@ def format_text(r: dict) -> str:
              f"{'bytes/token':24}{a['bytes_per_token']:>12,.1f}{b['bytes_per_token']:>12,.1f}"
              f"   ({a['bytes_per_token'] / b['bytes_per_token']:.2f}x)"]
     for k in ("final_loss", "tail_loss", "final_acc", "tail_acc", "teacher_forced_tau", "tau"):
-        lines.append(f"{k:24}{a[k]:>12.4f}{b[k]:>12.4f}   (fp8 - bf16 {b[k] - a[k]:+.4f})")
+        lines.append(f"{k:24}{a[k]:>12.4f}{b[k]:>12.4f}   (fp8 - bf16 {b[k] - a[k]:+.2e})")
     lines.append(f"{'eval output == target':24}{a['identical']:>9}/{a['samples']}{b['identical']:>9}/{b['samples']}")
     lines.append("fp8 vs bf16, per element |q-x|/|x| (sampled, x != 0): "
                  + "  ".join(f"{k}={v:.4f}" for k, v in e.items() if k != "n") + f"  (n={e['n']:,}); non-zero "
-                 f"elements stored as 0: {100 * r['relative_error']['flushed_to_zero']:.3f}%")
+                 f"elements stored as 0: {100 * r['relative_error']['flushed_to_zero']:.2g}%")
     lines.append("fp8 vs bf16, per token+layer ||q-x||/||x||:          "
                  + "  ".join(f"{k}={v:.4f}" for k, v in t.items() if k != "n") + f"  (n={t['n']:,})")
     return "\n".join(lines)
