@@ -94,6 +94,9 @@ def register(subparsers) -> None:
     e.add_argument("--layout", default="zarr", choices=["zarr", "wds"],
                    help="shard layout: zarr (chunked arrays, codecs) or wds (WebDataset tars of .npy members)")
     e.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
+    e.add_argument("--encoding", default="raw", choices=["raw", "fp8"],
+                   help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, quantised "
+                        "on the device (half the bytes)")
     e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
     e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
@@ -284,7 +287,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     cfg = ExtractConfig(
         model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
-        layout=args.layout,
+        layout=args.layout, encoding=args.encoding,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer)

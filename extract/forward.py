@@ -3,7 +3,8 @@
 The GPU must never wait on storage: taps are stacked and packed (padding dropped) on the GPU, copied
 with ``non_blocking=True`` into one of two pinned host buffers, and handed to a thread that waits on
 the copy's CUDA event and feeds the :class:`hsstore.StoreWriter` (which encodes and uploads in its own
-threads), while the next batch's forward runs.
+threads), while the next batch's forward runs. For fp8 stores the packed features are quantised on
+the GPU before the copy, so PCIe and host memory carry half the bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from hsstore import fp8
 from hsstore.errors import SampleError
 
 from .capture import run_tapped
@@ -79,16 +81,15 @@ def host_buffer(numel: int, dtype: torch.dtype, alloc: Callable[[int], torch.Ten
     return raw.view(dtype)
 
 
-def unpin(buffers: Sequence[torch.Tensor | None]) -> None:
+def unpin(buffers: Sequence[torch.Tensor]) -> None:
     for b in buffers:
-        if b is not None:
-            torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
 
 
 @dataclass
 class _Staged:
     batch: list[TokenizedSample]
-    host: torch.Tensor  # [n_tokens, L, H] packed features on the host
+    host: list[torch.Tensor]  # on the host: [n_tokens, L, H] packed features, or fp8 values and [n_tokens, L] scales
     finite: torch.Tensor  # [n_tokens] bool on the host: every feature of the token is finite
     event: torch.cuda.Event | None
     slot: int
@@ -103,17 +104,20 @@ def extract_batches(
     device: torch.device,
     on_batch: Callable[[list[TokenizedSample]], None] | None = None,
     staging_tokens: int = 0,
+    quantise: bool = False,
     host_alloc: Callable[[int], torch.Tensor] | None = None,
 ) -> ExtractStats:
     """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
     is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
     ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget).
-    ``host_alloc(nbytes)``: where those buffers live (default: torch's pinned memory); with it, features
-    go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffer is reused."""
+    ``quantise``: features are :class:`hsstore.fp8.Quantised` (e4m3fn values, per-token-per-layer scales),
+    quantised on the device after the finiteness check.
+    ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
+    go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused."""
     cuda = device.type == "cuda"
     stats = ExtractStats()
-    slots: list[torch.Tensor | None] = [None, None]
+    slots: list[list[torch.Tensor]] = [[], []]
     free: queue.Queue[int] = queue.Queue()
     for i in range(len(slots)):
         free.put(i)
@@ -135,7 +139,8 @@ def extract_batches(
                         bad = int((~ok).nonzero()[0, 0])
                         raise SampleError(f"sample {s.sample_id!r}: the target produced NaN/Inf features "
                                           f"(first at token {bad})")
-                    sink(s, item.host[off:off + s.num_tokens])
+                    parts = [h[off:off + s.num_tokens] for h in item.host]
+                    sink(s, fp8.Quantised(*parts) if quantise else parts[0])
                     off += s.num_tokens
                 if on_batch:
                     on_batch(item.batch)
@@ -159,6 +164,8 @@ def extract_batches(
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
             # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
             finite = torch.isfinite(packed).flatten(1).all(dim=1)
+            # fp8: quantise on the device (NaN/Inf rows are refused by the check above, on the consumer side)
+            parts = list(fp8.quantise(packed)) if quantise else [packed]
             t = time.perf_counter()
             slot = free.get()
             stats.slot_wait_s += time.perf_counter() - t
@@ -167,35 +174,39 @@ def extract_batches(
             if errors:
                 raise errors[0]
             if cuda or host_alloc is not None:
-                host = slots[slot]
-                if host is None or host.numel() < packed.numel():
-                    # sized for the largest batch the budget allows, once: pinning is slow and synchronising
-                    if host is not None and cuda and host_alloc is not None:
-                        unpin([host])
-                    size = max(packed.numel(), staging_tokens * packed[0].numel())
-                    host = slots[slot] = host_buffer(size, packed.dtype, host_alloc, pin=cuda)
-                view = host[: packed.numel()].view(packed.shape)
+                hosts = slots[slot]
+                views = []
+                for j, part in enumerate(parts):
+                    if len(hosts) <= j or hosts[j].numel() < part.numel():
+                        # sized for the largest batch the budget allows, once: pinning is slow and synchronising
+                        if len(hosts) > j and cuda and host_alloc is not None:
+                            unpin(hosts[j:j + 1])
+                        size = max(part.numel(), staging_tokens * part[0].numel())
+                        hosts[j:j + 1] = [host_buffer(size, part.dtype, host_alloc, pin=cuda)]
+                    views.append(hosts[j][: part.numel()].view(part.shape))
             if not cuda and host_alloc is not None:
-                view.copy_(packed)
-                staged.put(_Staged(batch, view, finite, None, slot))
+                for view, part in zip(views, parts):
+                    view.copy_(part)
+                staged.put(_Staged(batch, views, finite, None, slot))
             elif cuda:
                 event = torch.cuda.Event()
                 copy_stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(copy_stream):
-                    view.copy_(packed, non_blocking=True)
+                    for view, part in zip(views, parts):
+                        view.copy_(part, non_blocking=True)
+                        part.record_stream(copy_stream)
                     finite_host = finite.to("cpu", non_blocking=True)
-                    packed.record_stream(copy_stream)
                     finite.record_stream(copy_stream)
                     event.record(copy_stream)
-                staged.put(_Staged(batch, view, finite_host, event, slot))
+                staged.put(_Staged(batch, views, finite_host, event, slot))
             else:
-                staged.put(_Staged(batch, packed, finite, None, slot))
-            del feats, packed, finite
+                staged.put(_Staged(batch, parts, finite, None, slot))
+            del feats, packed, finite, parts
     finally:
         staged.put(None)
         worker.join()
         if cuda and host_alloc is not None:
-            unpin(slots)
+            unpin([h for hosts in slots for h in hosts])
     if errors:
         raise errors[0]
     return stats

@@ -55,8 +55,9 @@ def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
     """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` ``[B, T]``, ``hidden_states``
-    ``[B, T, L, H]`` (padding zeroed), ``lengths`` ``[B]``, ``sample_id`` list. Right padding: left
-    padding would change nothing here, but the drafter's masks assume real tokens come first."""
+    ``[B, T, L, H]`` (padding zeroed), ``lengths`` ``[B]``, ``sample_id`` list; items of fp8 stores add
+    ``hidden_scales`` ``[B, T, L]`` (padding 1). Right padding: left padding would change nothing here,
+    but the drafter's masks assume real tokens come first."""
     B = len(items)
     lengths = torch.tensor([int(x["input_ids"].shape[0]) for x in items], dtype=torch.int64)
     T = int(lengths.max())
@@ -64,6 +65,7 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str
     ids = torch.full((B, T), pad_id, dtype=torch.int64)
     mask = torch.zeros((B, T), dtype=torch.bool)
     hidden = _empty((B, T) + tuple(hs0.shape[1:]), hs0.dtype)
+    scales = _empty((B, T, hs0.shape[1]), torch.float32) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = x["input_ids"]
@@ -71,28 +73,40 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str
         hidden[b, :n].copy_(x["hidden_states"])
         if n < T:
             hidden[b, n:].zero_()
+        if scales is not None:
+            scales[b, :n].copy_(x["hidden_scales"])
+            scales[b, n:].fill_(1.0)
     attention = torch.arange(T)[None, :] < lengths[:, None]
-    return {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
-            "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
+    out = {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
+           "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
+    if scales is not None:
+        out["hidden_scales"] = scales
+    return out
 
 
 def collate_packed(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Packed batch for varlen attention: ``input_ids``/``loss_mask``/``position_ids`` ``[N]``,
-    ``hidden_states`` ``[N, L, H]``, ``cu_seqlens`` int32 ``[B + 1]`` (sample b is
-    ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list."""
+    ``hidden_states`` ``[N, L, H]`` (fp8 stores: and ``hidden_scales`` ``[N, L]``), ``cu_seqlens`` int32
+    ``[B + 1]`` (sample b is ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list."""
     lengths = [int(x["input_ids"].shape[0]) for x in items]
     cu = torch.zeros(len(items) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     N = int(cu[-1])
     hs0 = items[0]["hidden_states"]
     hidden = _empty((N,) + tuple(hs0.shape[1:]), hs0.dtype)
+    scales = _empty((N, hs0.shape[1]), torch.float32) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         hidden[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_states"])
-    return {"sample_id": [x["sample_id"] for x in items],
-            "input_ids": torch.cat([x["input_ids"] for x in items]),
-            "loss_mask": torch.cat([x["loss_mask"] for x in items]),
-            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
-            "hidden_states": hidden, "cu_seqlens": cu, "max_seqlen": max(lengths)}
+        if scales is not None:
+            scales[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_scales"])
+    out = {"sample_id": [x["sample_id"] for x in items],
+           "input_ids": torch.cat([x["input_ids"] for x in items]),
+           "loss_mask": torch.cat([x["loss_mask"] for x in items]),
+           "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+           "hidden_states": hidden, "cu_seqlens": cu, "max_seqlen": max(lengths)}
+    if scales is not None:
+        out["hidden_scales"] = scales
+    return out
 
 
 class TokenBatches(IterableDataset):

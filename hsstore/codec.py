@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
+from . import fp8
 from .errors import CorruptionError, StoreError
 
 assert sys.byteorder == "little", "hsstore writes little-endian chunks by direct encoding"
@@ -28,6 +29,19 @@ STORAGE_DTYPE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DTYPE_NAME = {v: k for k, v in TORCH_DTYPE.items()}
 CODECS = ("none", "zstd", "blosc-zstd", "lz4")
+
+
+def storage_dtype(dtype: str, encoding: str = "raw") -> np.dtype:
+    """The numpy dtype of a layer array's elements: the dtype's bits for ``raw``, uint8 bits for ``fp8``."""
+    return fp8.VALUE_DTYPE if encoding == fp8.ENCODING else STORAGE_DTYPE[dtype]
+
+
+def token_bytes(dtype: str, encoding: str, n_layers: int, hidden: int) -> int:
+    """Stored bytes of one token of ``n_layers`` layers (fp8: values plus one float32 scale per layer)."""
+    per_row = hidden * storage_dtype(dtype, encoding).itemsize
+    if encoding == fp8.ENCODING:
+        per_row += fp8.SCALE_DTYPE.itemsize
+    return n_layers * per_row
 
 
 def dtype_name(x: torch.Tensor | np.ndarray) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from . import stats
+from . import codec, stats
 from .reader import Store
 
 STUB_WARN_MAX_VALUE = 32
@@ -31,6 +31,8 @@ def summarize(store: Store) -> dict[str, Any]:
         layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
     stored_total = sum(f["size"] for c in store.commits for f in c.files.values())
     raw_total = sum(v["raw_bytes"] for v in layers.values())
+    n_tokens = sum(c.n_tokens for c in store.commits)
+    feature_stored = sum(v["stored_bytes"] for v in layers.values())
     out = stats.loss_sum_summary(loss_sums, lengths)
     out.update({
         "url": store.url,
@@ -49,7 +51,10 @@ def summarize(store: Store) -> dict[str, Any]:
         "bytes_per_layer": layers,
         "stored_bytes": stored_total,
         "raw_feature_bytes": raw_total,
-        "compression_ratio": raw_total / sum(v["stored_bytes"] for v in layers.values()) if raw_total else None,
+        "compression_ratio": raw_total / feature_stored if raw_total else None,
+        # stored feature bytes (all taps; fp8: values + scales) per token, and the same in the target's dtype
+        "bytes_per_token": feature_stored / n_tokens if n_tokens else None,
+        "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.layers), m.hidden_size),
         "target": dataclasses.asdict(m.target),
         "tokenizer": dataclasses.asdict(m.tokenizer),
         "created_by": m.created_by,
@@ -97,6 +102,8 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append("skipped    " + ", ".join(f"{k}={v}" for k, v in sorted(s["skipped"].items())))
     lines.append(f"bytes      {human_bytes(s['stored_bytes'])} stored, {human_bytes(s['raw_feature_bytes'])} raw features "
                  f"(ratio {s['compression_ratio']:.2f}x)")
+    lines.append(f"per token  {s['bytes_per_token']:,.1f} B stored ({s['encoding']}), {s['dtype_bytes_per_token']:,} B "
+                 f"as {s['dtype']} ({s['dtype_bytes_per_token'] / s['bytes_per_token']:.2f}x)")
     for l, b in s["bytes_per_layer"].items():
         lines.append(f"  layer {int(l):>3}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
                      f"({b['ratio']:.2f}x)")

@@ -17,7 +17,8 @@ class Layout:
     name: str
     # (fs, root, name, writer, manifest, features, input_ids, loss_mask, samples, stats) -> unpublished CommitRecord
     write_shard: Callable
-    # (store, record, start, stop, layers, ids, mask, feats, carry): fill the destinations, check every byte read
+    # (store, record, start, stop, layers, ids, mask, feats, carry, scales): fill the destinations (scales: the
+    # fp8 per-row scales, or None), check every byte read
     read_into: Callable
     # (store, fs, root, record, report, progress): verify's checks of one committed shard, whose files are
     # in (fs, root) (another store's for a shard merged by reference)

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import codec, storage
+from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
 from .manifest import MANIFEST_FILE, check_compatible
@@ -382,6 +382,10 @@ class HiddenStateDataset(IterableDataset):
       cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
       skip_corrupt    skip samples whose chunks fail their checksum (counted in ``state_dict()``
                       and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
+      dequantise      fp8 stores: items carry e4m3fn ``hidden_states`` plus float32 ``hidden_scales``
+                      ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
+                      ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
+                      manifest dtype. No effect on raw stores.
     """
 
     def __init__(
@@ -407,6 +411,7 @@ class HiddenStateDataset(IterableDataset):
         cache_dir: str | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         skip_corrupt: bool = False,
+        dequantise: bool = False,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
@@ -421,7 +426,8 @@ class HiddenStateDataset(IterableDataset):
         for st in self.stores[1:]:
             st.check_layers(self.layers)
         m = first.manifest
-        self.token_bytes = len(self.layers) * m.hidden_size * codec.STORAGE_DTYPE[m.dtype].itemsize
+        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self.layers), m.hidden_size)
+        self.fp8, self.dequantise = m.encoding == fp8.ENCODING, bool(dequantise)
         ct = m.chunk_tokens
         self.unit_tokens = max(1, -(-max(1, unit_bytes // self.token_bytes) // ct)) * ct
         if even is True:
@@ -614,11 +620,11 @@ class HiddenStateDataset(IterableDataset):
             if (cache is None or cache.pid != os.getpid()) and not storage.is_local(st._fs()):
                 st.chunk_cache = ChunkCache(self.cache_dir, self.cache_bytes)
 
-    def _alloc(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a run's features: shared memory in DataLoader workers (the hand-over to the main
         process then moves nothing), pinned memory when asked in the main process, else numpy's
         allocator (it asks for huge pages: fresh memory faults in several times faster than torch's)."""
-        nbytes = int(np.prod(shape)) * codec.TORCH_DTYPE[dtype].itemsize
+        nbytes = int(np.prod(shape)) * dtype.itemsize
         in_worker = get_worker_info() is not None
         if self.share_memory if self.share_memory is not None else in_worker:
             t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
@@ -626,7 +632,7 @@ class HiddenStateDataset(IterableDataset):
             t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
             t = torch.from_numpy(self._pool().take(nbytes))
-        return t.view(codec.TORCH_DTYPE[dtype]).view(shape)
+        return t.view(dtype).view(shape)
 
     def _pool(self) -> "BufferPool":
         pool = self.__dict__.get("_buffers")
@@ -675,18 +681,32 @@ class HiddenStateDataset(IterableDataset):
         cat = self.catalog
         a, b = int(cat.start[run[0]]), int(cat.stop[run[-1]])
         m = st.manifest
-        feats = self._alloc((len(self.layers), b - a, m.hidden_size), m.dtype)
-        bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
-            codec.STORAGE_DTYPE[m.dtype])
-        ids, mask, _ = st.read_range(rec.shard, a, b, self.layers, out=bits)
+        shape = (len(self.layers), b - a, m.hidden_size)
+        scales = None
+        if self.fp8:  # e4m3fn bits, and the rows' scales
+            feats = self._alloc(shape, torch.uint8)
+            bits = feats.numpy()
+            scales = self._alloc(shape[:2], torch.float32)
+            feats = feats.view(fp8.FP8_DTYPE)
+        else:
+            feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
+            bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
+                codec.STORAGE_DTYPE[m.dtype])
+        ids, mask, _ = st.read_range(rec.shard, a, b, self.layers, out=bits,
+                                     scales_out=None if scales is None else scales.numpy())
         for row in run:
             s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
-            out[int(row)] = (rec.samples["sample_id"][int(cat.local[row])], ids[s:e], mask[s:e], feats[:, s:e])
+            out[int(row)] = (rec.samples["sample_id"][int(cat.local[row])], ids[s:e], mask[s:e], feats[:, s:e],
+                             None if scales is None else scales[:, s:e])
 
     def _item(self, rec: tuple) -> dict[str, Any]:
-        sid, ids, mask, feats = rec
+        sid, ids, mask, feats, scales = rec
         item = {"sample_id": sid, "input_ids": torch.from_numpy(ids.astype(np.int64)),
                 "loss_mask": torch.from_numpy(mask.astype(bool)), "hidden_states": feats.permute(1, 0, 2)}
+        if scales is not None:
+            item["hidden_scales"] = scales.permute(1, 0)
+            if self.dequantise:
+                item = fp8.dequantise_batch(item, codec.TORCH_DTYPE[self.stores[0].manifest.dtype])
         if self.pin_memory and feats.is_pinned():  # pinned only in the main process (see _alloc)
             item["input_ids"] = item["input_ids"].pin_memory()
             item["loss_mask"] = item["loss_mask"].pin_memory()

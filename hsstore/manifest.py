@@ -20,7 +20,7 @@ FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("bfloat16", "float16", "float32")
-ENCODINGS = ("raw",)
+ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/fp8.py)
 LAYOUTS = ("zarr", "wds")
 
 
@@ -158,6 +158,8 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"layout {m.layout!r} not supported (one of {LAYOUTS})")
     if m.layout == "wds" and m.codec != "none":  # members are plain .npy files, readable with numpy alone
         raise ManifestError(f"layout 'wds' stores plain .npy members: codec must be 'none', got {m.codec!r}")
+    if m.layout == "wds" and m.encoding != "raw":  # readers of plain .npy members expect the values themselves
+        raise ManifestError(f"layout 'wds' holds raw features only: encoding {m.encoding!r} needs layout 'zarr'")
     if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
         raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec, storage
+from . import fp8, storage
 from .errors import CorruptionError, ManifestError, SampleError, StoreError
 from .manifest import Manifest
 from .writer import StoreWriter
@@ -65,6 +65,7 @@ class ProcessWriter:
         reply = self._recv()  # the child has opened the store (manifest checked) or failed doing so
         self.manifest = Manifest.from_json(reply[1], url)
         self.layers = list(self.manifest.layers)
+        self.fp8 = self.manifest.encoding == fp8.ENCODING
 
     # -- staging -------------------------------------------------------------------------------
     def staging(self, nbytes: int) -> torch.Tensor:
@@ -94,17 +95,19 @@ class ProcessWriter:
         raise SampleError(f"{where}: features are not in a staging buffer of this ProcessWriter")
 
     # -- the StoreWriter surface ----------------------------------------------------------------
-    def add(self, sample_id: str, input_ids, loss_mask, hidden_states: torch.Tensor, *, source: str = "",
-            thinking_tokens: int = 0, flags: list[str] | None = None) -> None:
-        """Queue one sample whose ``hidden_states`` ``[T, n_layers, H]`` lie in a staging buffer."""
+    def add(self, sample_id: str, input_ids, loss_mask, hidden_states: torch.Tensor | fp8.Quantised, *,
+            source: str = "", thinking_tokens: int = 0, flags: list[str] | None = None) -> None:
+        """Queue one sample whose ``hidden_states`` ``[T, n_layers, H]`` (or fp8 values and scales) lie in
+        staging buffers."""
         self._check_open()
         where = f"sample {sample_id!r}"
         self._raise_reported()
-        k, off = self._locate(hidden_states, where)
+        tensors = list(hidden_states) if isinstance(hidden_states, fp8.Quantised) else [hidden_states]
+        parts = [(*self._locate(t, where), tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
-        self._send(("add", k, off, tuple(hidden_states.shape), codec.dtype_name(hidden_states), str(sample_id),
-                         ids, mask, {"source": source, "thinking_tokens": thinking_tokens, "flags": flags}))
+        self._send(("add", parts, str(sample_id), ids, mask,
+                    {"source": source, "thinking_tokens": thinking_tokens, "flags": flags}))
         self._sent += 1
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
@@ -194,9 +197,10 @@ def _serve(conn, url: str, manifest_json: bytes, storage_options: dict, writer_k
             msg = conn.recv()
             op = msg[0]
             if op == "add":
-                _, k, off, shape, dtype, sample_id, ids, mask, meta = msg
-                arr = np.frombuffer(views[k], dtype=codec.STORAGE_DTYPE[dtype], count=int(np.prod(shape)), offset=off)
-                writer.add(sample_id, ids, mask, codec.from_storage(arr.reshape(shape), dtype), **meta)
+                _, parts, sample_id, ids, mask, meta = msg
+                tensors = [torch.frombuffer(views[k], dtype=getattr(torch, dtype), count=int(np.prod(shape)),
+                                            offset=off).view(shape) for k, off, shape, dtype in parts]
+                writer.add(sample_id, ids, mask, fp8.Quantised(*tensors) if len(tensors) == 2 else tensors[0], **meta)
             elif op == "map":
                 _, path, nbytes = msg
                 views.append(np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,)))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import zarr
 
-from . import codec, layout, shard, storage
+from . import codec, fp8, layout, shard, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
@@ -197,7 +197,7 @@ class Store:
         return layers
 
     def read_range(self, shard_name: str, start: int, stop: int, layers: Sequence[int] | None = None,
-                   out: np.ndarray | None = None, carry: dict | None = None,
+                   out: np.ndarray | None = None, carry: dict | None = None, scales_out: np.ndarray | None = None,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, H]``
         layer-major in the storage dtype).
@@ -214,13 +214,21 @@ class Store:
         ``carry`` (optional, remote stores): fetched objects shared by consecutive reads of a scan. It is
         consulted before fetching and left holding this read's last chunks, so the chunk that straddles
         two windows crosses the network once.
+        ``scales_out`` (required for fp8 stores, whose features are then e4m3fn bits as uint8): the
+        destination of the per-row scales, ``[n_layers, T]`` C-contiguous float32.
         """
         layers = self.check_layers(layers)
         m = self.manifest
         T, H = stop - start, m.hidden_size
         ids = np.empty(T, np.int32)
         mask = np.empty(T, np.uint8)
-        shape, dtype = (len(layers), T, H), codec.STORAGE_DTYPE[m.dtype]
+        shape, dtype = (len(layers), T, H), codec.storage_dtype(m.dtype, m.encoding)
+        is_fp8 = m.encoding == fp8.ENCODING
+        if is_fp8 and (scales_out is None or scales_out.shape != shape[:2] or scales_out.dtype != fp8.SCALE_DTYPE
+                       or not scales_out.flags.c_contiguous):
+            got = "none" if scales_out is None else f"{scales_out.dtype} {scales_out.shape}"
+            raise ValueError(f"store {self.url!r} is fp8-encoded: scales_out must be a C-contiguous float32 array of "
+                             f"shape {shape[:2]}, got {got}")
         if out is None:
             feats = np.empty(shape, dtype)
         elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
@@ -229,18 +237,23 @@ class Store:
             feats = out
         if T <= 0:
             return ids, mask, feats
-        self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry)
+        self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry,
+                               scales_out if is_fp8 else None)
         return ids, mask, feats
 
     def _read_zarr_into(self, rec: shard.CommitRecord, start: int, stop: int, layers: Sequence[int],
-                        ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
-        """The zarr layout's part of :meth:`read_range`: the chunks of ``layers`` overlapping the range."""
+                        ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None,
+                        scales: np.ndarray | None = None) -> None:
+        """The zarr layout's part of :meth:`read_range`: the chunks of ``layers`` overlapping the range
+        (and, fp8, of their scale arrays)."""
         shard_name = rec.shard
         ct, H = self.manifest.chunk_tokens, self.manifest.hidden_size
         base = shard.shard_path(shard_name)
         k0, k1 = start // ct, (stop - 1) // ct
         targets = [(f"{base}/input_ids", ids, self._plain, 1), (f"{base}/loss_mask", mask, self._plain, 1)]
         targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
+        if scales is not None:  # fp8: each layer's per-row scales
+            targets += [(f"{base}/{shard.scale_array(l)}", scales[j], self._plain, 1) for j, l in enumerate(layers)]
         fs, root, _ = self.shard_location(shard_name)
         direct = storage.is_local(fs) and self._codec.spec == "none"
         # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
@@ -285,32 +298,47 @@ class Store:
             carry.clear()
             carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
-    def read(self, i: int, layers: Sequence[int] | None = None) -> dict[str, Any]:
+    def new_scales(self, n_layers: int, T: int) -> np.ndarray | None:
+        """A destination for ``read_range``'s ``scales_out`` in an fp8 store (None otherwise)."""
+        return np.empty((n_layers, T), fp8.SCALE_DTYPE) if self.manifest.encoding == fp8.ENCODING else None
+
+    def read(self, i: int, layers: Sequence[int] | None = None, dequantise: bool = True) -> dict[str, Any]:
         """Sample ``i``: ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool),
-        ``hidden_states`` ``[T, n_layers, H]`` in the stored dtype (bit-exact)."""
+        ``hidden_states`` ``[T, n_layers, H]`` in the stored dtype (bit-exact). fp8 stores: dequantised into
+        the manifest dtype, or with ``dequantise=False`` e4m3fn values plus ``hidden_scales`` ``[T, n_layers]``."""
         r = self.ref(i)
+        layers = self.check_layers(layers)
+        scales = self.new_scales(len(layers), r.stop - r.start)
         try:
-            ids, mask, feats = self.read_range(r.shard, r.start, r.stop, layers)
+            ids, mask, feats = self.read_range(r.shard, r.start, r.stop, layers, scales_out=scales)
         except CorruptionError as e:
             raise CorruptionError(f"sample {r.sample_id!r} (index {r.index}): {e}") from None
-        return self.sample_dict(r.sample_id, ids, mask, feats)
+        return self.sample_dict(r.sample_id, ids, mask, feats, scales, dequantise)
 
-    def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray) -> dict[str, Any]:
+    def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray,
+                    scales: np.ndarray | None = None, dequantise: bool = True) -> dict[str, Any]:
         """The item format: ``feats`` is layer-major ``[n_layers, T, H]``; ``hidden_states`` is its
-        ``[T, n_layers, H]`` view (no copy; ``reshape(T, -1)`` gives the drafter's concatenation)."""
-        return {
+        ``[T, n_layers, H]`` view (no copy; ``reshape(T, -1)`` gives the drafter's concatenation).
+        ``scales`` ``[n_layers, T]`` (fp8 stores): see :meth:`read` for ``dequantise``."""
+        item = {
             "sample_id": sample_id,
             "input_ids": torch.from_numpy(ids.astype(np.int64)),
             "loss_mask": torch.from_numpy(mask.astype(bool)),
-            "hidden_states": codec.from_storage(feats, self.manifest.dtype).permute(1, 0, 2),
         }
+        if scales is None:
+            item["hidden_states"] = codec.from_storage(feats, self.manifest.dtype).permute(1, 0, 2)
+            return item
+        item["hidden_states"] = torch.from_numpy(feats).view(fp8.FP8_DTYPE).permute(1, 0, 2)
+        item["hidden_scales"] = torch.from_numpy(scales).permute(1, 0)
+        return fp8.dequantise_batch(item, codec.TORCH_DTYPE[self.manifest.dtype]) if dequantise else item
 
     def windows(self, shard_index: int, layers: Sequence[int], window_bytes: int = 512 << 20,
                 ) -> list[tuple[int, int, int]]:
         """``(shard_index, first, stop)`` runs of whole samples of about ``window_bytes`` (at least one chunk):
         the large reads a sequential scan makes, each chunk fetched about once."""
         rec, off = self.commits[shard_index], self._offsets[shard_index]
-        token_bytes = max(1, len(layers)) * self.manifest.hidden_size * codec.STORAGE_DTYPE[self.manifest.dtype].itemsize
+        m = self.manifest
+        token_bytes = codec.token_bytes(m.dtype, m.encoding, max(1, len(layers)), m.hidden_size)
         window = max(self.manifest.chunk_tokens, window_bytes // token_bytes)
         out, i = [], 0
         while i < rec.n_samples:
@@ -322,16 +350,19 @@ class Store:
         return out
 
     def iter_windows(self, windows: Sequence[tuple[int, int, int]], layers: Sequence[int] | None = None,
-                     prefetch: int = 1) -> Iterator[dict[str, Any]]:
+                     prefetch: int = 1, dequantise: bool = True) -> Iterator[dict[str, Any]]:
         """Samples of the given windows in order; the next ``prefetch`` windows are read in a background
-        thread while this one is consumed (on object stores, I/O overlaps decoding)."""
+        thread while this one is consumed (on object stores, I/O overlaps decoding). ``dequantise``: see
+        :meth:`read`."""
         layers = self.check_layers(layers)
         carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
         def load(w):
             s, i, j = w
             rec, off = self.commits[s], self._offsets[s]
-            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers, carry=carry)
+            scales = self.new_scales(len(layers), int(off[j] - off[i]))
+            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers, carry=carry,
+                                      scales_out=scales) + (scales,)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-read") as pool:
             pending: deque = deque()
@@ -341,14 +372,15 @@ class Store:
                 if len(pending) > prefetch:
                     break
             while pending:
-                (s, i, j), (ids, mask, feats) = pending.popleft().result()
+                (s, i, j), (ids, mask, feats, scales) = pending.popleft().result()
                 nxt = next(todo, None)
                 if nxt is not None:
                     pending.append(pool.submit(load, nxt))
                 rec, off = self.commits[s], self._offsets[s]
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
-                    yield self.sample_dict(rec.samples["sample_id"][k], ids[a:b], mask[a:b], feats[:, a:b])
+                    yield self.sample_dict(rec.samples["sample_id"][k], ids[a:b], mask[a:b], feats[:, a:b],
+                                           None if scales is None else scales[:, a:b], dequantise)
 
     def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
                    window_bytes: int = 512 << 20) -> Iterator[dict[str, Any]]:
@@ -362,7 +394,7 @@ class Store:
 
     def __repr__(self) -> str:
         return (f"Store({self.url!r}, samples={len(self)}, shards={len(self.commits)}, layers={self.layers}, "
-                f"dtype={self.manifest.dtype})")
+                f"dtype={self.manifest.dtype}, encoding={self.manifest.encoding})")
 
 
 _SCRATCH = threading.local()

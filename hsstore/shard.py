@@ -6,6 +6,7 @@ Layout under the store prefix (see docs/FORMAT.md)::
         layer_<LLL>/               [tokens, hidden] features of tapped layer LLL, chunked along tokens
         input_ids/  loss_mask/     [tokens] int32 / uint8, same chunk grid as the layers
         offsets/                   [samples + 1] int64: sample i is tokens offsets[i]:offsets[i+1]
+        scale_<LLL>/               (fp8 stores only) [tokens] float32 scales of layer LLL's rows
     commits/<name>.json            written last; readers see only shards that have one
 
 A commit record lists every file of its shard with size and CRC32C, so ``verify`` can name the file
@@ -26,7 +27,7 @@ import zarr
 from zarr.abc.store import Store as ZarrStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
-from . import codec, storage
+from . import codec, fp8, storage
 from .errors import CorruptionError
 from .manifest import FORMAT_VERSION, Manifest, now_iso
 
@@ -37,6 +38,11 @@ SAMPLE_COLUMNS = ("sample_id", "source", "length", "loss_tokens", "thinking_toke
 
 def layer_array(layer: int) -> str:
     return f"layer_{layer:03d}"
+
+
+def scale_array(layer: int) -> str:
+    """The per-row scales of an fp8-encoded layer array."""
+    return f"scale_{layer:03d}"
 
 
 def shard_path(name: str) -> str:
@@ -155,18 +161,25 @@ def write_shard(
     loss_mask: np.ndarray,
     samples: dict[str, list],
     stats: dict[str, Any] | None = None,
+    scales: dict[int, np.ndarray] | None = None,
 ) -> CommitRecord:
     """Write one shard -- Zarr metadata and whole chunks, in one concurrent batch -- and return its commit
-    record. The record is not yet published: see :func:`publish`."""
+    record. The record is not yet published: see :func:`publish`. ``scales`` (fp8 stores): per layer,
+    the float32 scale of every row of ``features`` (which then hold e4m3fn bits)."""
     n_tokens = int(input_ids.shape[0])
     offsets = sample_offsets(name, samples, n_tokens)
     lengths = np.diff(offsets)
     base = shard_path(name)
     ct = manifest.chunk_tokens
     feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
+    is_fp8 = manifest.encoding == fp8.ENCODING
+    if is_fp8 and scales is None:
+        raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
     arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, {"hsstore_dtype": manifest.dtype, "layer": l})
-        for l in manifest.layers]
+        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.layers]
+    if is_fp8:
+        arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
+                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.layers]
     arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
                ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
                ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
@@ -188,13 +201,23 @@ def write_shard(
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}
-    for l in manifest.layers:
-        prefix = f"{base}/{layer_array(l)}/"
-        layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefix)),
-                          "raw_bytes": int(features[l].nbytes)}
+    for l in manifest.layers:  # a layer's bytes: its values, and its scales in an fp8 store
+        prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
+        raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
+        layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
+                          "raw_bytes": raw}
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
         files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
+
+
+def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
+    """Zarr attributes of a layer array: ``hsstore_dtype`` names what the stored bits are (the manifest dtype,
+    or ``float8_e4m3fn`` in an fp8 store, whose ``hsstore_scales`` array holds the per-row scales)."""
+    if manifest.encoding == fp8.ENCODING:
+        return {"hsstore_dtype": "float8_e4m3fn", "hsstore_encoding": fp8.ENCODING,
+                "hsstore_scales": scale_array(layer), "layer": layer}
+    return {"hsstore_dtype": manifest.dtype, "layer": layer}
 
 
 def publish(fs, root: str, record: CommitRecord) -> None:

@@ -2,8 +2,9 @@
 
 Checks, per committed shard: every listed file exists with its size and CRC32C; every chunk the
 arrays' shapes imply is listed; array shapes and dtypes agree with the manifest and the offsets;
-``input_ids``/``loss_mask`` agree with the per-sample columns. Problems name the shard, the file and
-the samples whose tokens the file holds.
+``input_ids``/``loss_mask`` agree with the per-sample columns; in fp8 stores every layer has its scale
+array, whose scales are finite and positive. Problems name the shard, the file and the samples whose
+tokens the file holds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 import numpy as np
 import zarr
 
-from . import codec, layout, shard, storage, wds
+from . import codec, fp8, layout, shard, storage, wds
 from .errors import StoreError
 from .reader import Store
 
@@ -160,10 +161,13 @@ def _check_arrays(store: Store, rec: shard.CommitRecord, report: VerifyReport) -
         if a.shape != (rec.n_tokens, m.hidden_size):
             report.problems.append(Problem(name, f"layer {l} shape {a.shape} != (tokens {rec.n_tokens}, hidden "
                                                  f"{m.hidden_size}) implied by offsets", key))
-        if a.dtype != codec.STORAGE_DTYPE[m.dtype] or a.attrs.get("hsstore_dtype") != m.dtype:
+        want = shard.layer_attributes(m, l)["hsstore_dtype"]
+        if a.dtype != codec.storage_dtype(m.dtype, m.encoding) or a.attrs.get("hsstore_dtype") != want:
             report.problems.append(Problem(name, f"layer {l} dtype {a.dtype}/{a.attrs.get('hsstore_dtype')} "
-                                                 f"!= manifest {m.dtype}", key))
+                                                 f"!= {want} (manifest dtype {m.dtype}, encoding {m.encoding})", key))
         _check_chunks_listed(rec, key, a, report)
+        if m.encoding == fp8.ENCODING:
+            _check_scales(g, rec, l, report)
     try:
         ids, mask, offsets = (g[n][:] for n in ("input_ids", "loss_mask", "offsets"))
     except Exception as e:
@@ -183,9 +187,37 @@ def _check_arrays(store: Store, rec: shard.CommitRecord, report: VerifyReport) -
         report.problems.append(Problem(name, "loss_mask sums disagree with the commit record", f"{base}/loss_mask", bad))
 
 
+def _check_scales(g: zarr.Group, rec: shard.CommitRecord, layer: int, report: VerifyReport) -> None:
+    """An fp8 layer's scale array: present, ``[tokens]`` float32, every chunk committed, every scale finite
+    and positive (a bad scale silently scales a whole row)."""
+    name = shard.scale_array(layer)
+    key = f"{shard.shard_path(rec.shard)}/{name}"
+    try:
+        a = g[name]
+    except Exception:
+        report.problems.append(Problem(rec.shard, f"scale array of layer {layer} missing", key))
+        return
+    if a.shape != (rec.n_tokens,) or a.dtype != fp8.SCALE_DTYPE:
+        report.problems.append(Problem(rec.shard, f"layer {layer} scales {a.dtype} {a.shape} != float32 "
+                                                  f"(tokens {rec.n_tokens},)", key))
+        return
+    _check_chunks_listed(rec, key, a, report)
+    try:
+        scales = a[:]
+    except Exception as e:
+        report.problems.append(Problem(rec.shard, f"layer {layer} scales unreadable: {type(e).__name__}: {e}", key))
+        return
+    bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
+    if bad.size:
+        tokens = np.searchsorted(rec.offsets, bad, side="right") - 1
+        who = [rec.samples["sample_id"][i] for i in np.unique(tokens)]
+        report.problems.append(Problem(rec.shard, f"layer {layer}: {bad.size} scales not finite and positive", key,
+                                       who))
+
+
 def _check_chunks_listed(rec: shard.CommitRecord, key: str, a: zarr.Array, report: VerifyReport) -> None:
     n_chunks = -(-a.shape[0] // a.chunks[0]) if a.shape[0] else 0
-    missing = [k for k in range(n_chunks) if f"{key}/c/{k}/0" not in rec.files]
+    missing = [k for k in range(n_chunks) if shard.chunk_key(key, k, a.ndim) not in rec.files]
     if missing:
         report.problems.append(Problem(rec.shard, f"chunks {missing[:5]} of {n_chunks} not in the commit record", key))
 

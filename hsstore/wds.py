@@ -148,8 +148,10 @@ class TarBuilder:
 
 def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, features: dict[int, np.ndarray],
                 input_ids: np.ndarray, loss_mask: np.ndarray, samples: dict[str, list],
-                stats: dict[str, Any] | None = None) -> CommitRecord:
+                stats: dict[str, Any] | None = None, scales: dict | None = None) -> CommitRecord:
     """Write one shard as a tar (one object, fsynced locally) and return its unpublished commit record."""
+    if scales is not None:  # the manifest check refuses wds + fp8 first; this guards direct callers
+        raise ValueError(f"shard {name!r}: the wds layout holds raw features only (no fp8 scales)")
     offsets = sample_offsets(name, samples, int(input_ids.shape[0]))
     tar = TarBuilder()
     layer_bytes = {l: 0 for l in manifest.layers}
@@ -199,10 +201,12 @@ def _member(rec: CommitRecord, name: str) -> list[int]:
 
 
 def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
-              mask: np.ndarray, feats: np.ndarray, carry: dict | None = None) -> None:
+              mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
+              ) -> None:
     """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
     members of the requested layers of the overlapping samples are read; each is checked (tar header,
-    ``.npy`` header, CRC32C). ``carry`` is unused: samples never straddle members."""
+    ``.npy`` header, CRC32C). ``carry`` is unused: samples never straddle members. ``scales``: always
+    None (wds stores hold raw features; the manifest check refuses fp8)."""
     if carry is not None:
         carry.clear()
     m = store.manifest

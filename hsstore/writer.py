@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, layout, shard, storage
+from . import codec, fp8, layout, shard, storage
 from .errors import SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
@@ -98,7 +98,7 @@ class StoreWriter:
         storage.refuse_anonymous_write(url, self.storage_options)
         self.fs, self.root = storage.resolve(url, self.storage_options)
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
-        itemsize = codec.STORAGE_DTYPE[manifest.dtype].itemsize
+        itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(
             manifest,
             chunk_tokens=manifest.chunk_tokens or default_chunk_tokens(manifest.hidden_size, itemsize),
@@ -108,18 +108,19 @@ class StoreWriter:
         self.layers = list(self.manifest.layers)
         self._write_shard = layout.get(self.manifest.layout).write_shard
         self.hidden = self.manifest.hidden_size
-        self.storage_dtype = codec.STORAGE_DTYPE[self.manifest.dtype]
+        self.fp8 = self.manifest.encoding == fp8.ENCODING
+        self.storage_dtype = codec.storage_dtype(self.manifest.dtype, self.manifest.encoding)
         self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
         self.session = uuid.uuid4().hex[:8]
         self.check_finite = check_finite
-        token_bytes = len(self.layers) * self.hidden * self.storage_dtype.itemsize
+        token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.layers), self.hidden)
         self.capacity = max(1, shard_bytes // token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._futures: list[Future] = []
         self._seq = 0
         self._closed = False
-        self._free: list[np.ndarray] = []
+        self._free: list[tuple[np.ndarray, np.ndarray | None]] = []  # (features, fp8 scales or None)
         self._lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
@@ -131,13 +132,15 @@ class StoreWriter:
     # -- filling ---------------------------------------------------------------------------------
     def _new_buffer(self, capacity: int) -> None:
         # Recycle a written shard's buffer when one is free: fresh pages cost as much as the copy into them.
-        buf = None
+        bufs = None
         with self._lock:
             if capacity == self.capacity and self._free:
-                buf = self._free.pop()
-        self._buf = buf if buf is not None else np.empty((len(self.layers), capacity, self.hidden),
-                                                         dtype=self.storage_dtype)
-        self._buf_bits = self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
+                bufs = self._free.pop()
+        if bufs is None:
+            bufs = (np.empty((len(self.layers), capacity, self.hidden), dtype=self.storage_dtype),
+                    np.empty((len(self.layers), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
+        self._buf, self._scales = bufs
+        self._buf_bits = self._buf if self.fp8 else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._cols: dict[str, list] = {c: [] for c in shard.SAMPLE_COLUMNS}
@@ -155,7 +158,10 @@ class StoreWriter:
         flags: list[str] | None = None,
     ) -> None:
         """Queue one sample. ``hidden_states`` is ``[T, n_layers, H]`` in manifest layer order, or a
-        mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16)."""
+        mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16). An fp8 store
+        also takes :class:`hsstore.fp8.Quantised` (values ``[T, n_layers, H]``, scales ``[T, n_layers]``, or
+        one per layer in the mapping) as extraction makes it on the GPU; features in the manifest dtype are
+        quantised here, on the host."""
         if self._closed:
             raise StoreError("writer is closed")
         self.raise_background_error()
@@ -173,7 +179,7 @@ class StoreWriter:
             raise SampleError(f"{where}: input_ids out of int32 range")
         if not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_) or mask.min() < 0 or mask.max() > 1:
             raise SampleError(f"{where}: loss_mask must hold 0/1 values")
-        layers = self._layer_views(where, hidden_states, T)
+        layers, scales = self._layer_views(where, hidden_states, T)
         if T > self._buf.shape[1] - self._fill:
             if self._fill:
                 self._submit()
@@ -184,7 +190,14 @@ class StoreWriter:
             # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starved the
             # extraction thread that launches the GPU's kernels (measured: 0.79x vs 0.91x of forward speed).
             region[j] = x
-        if self.check_finite and self._has_nonfinite(region):
+        if scales is not None:
+            self._scales[:, self._fill:self._fill + T] = np.stack(scales)
+            if self.check_finite:
+                for j, layer in enumerate(self.layers):
+                    bad = fp8.first_bad_row(region[j], self._scales[j, self._fill:self._fill + T])
+                    if bad is not None:
+                        raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
+        elif self.check_finite and self._has_nonfinite(region):
             for j, layer in enumerate(self.layers):
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
                 if bad is not None:  # the region is simply overwritten by the next sample
@@ -213,8 +226,15 @@ class StoreWriter:
         np.bitwise_and(region, mask, out=scratch)
         return int(scratch.max()) == mask
 
-    def _layer_views(self, where: str, hs, T: int) -> list[np.ndarray]:
-        if isinstance(hs, Mapping):
+    def _layer_views(self, where: str, hs, T: int) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Per layer: the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
+        if isinstance(hs, fp8.Quantised):
+            if hs.values.ndim != 3 or hs.values.shape[1] != len(self.layers) or hs.scales.ndim != 2:
+                n = len(self.layers)
+                raise SampleError(f"{where}: fp8 values/scales shapes {tuple(hs.values.shape)}/"
+                                  f"{tuple(hs.scales.shape)}, expected [{T}, {n}, {self.hidden}]/[{T}, {n}]")
+            parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(len(self.layers))]
+        elif isinstance(hs, Mapping):
             missing = [l for l in self.layers if l not in hs]
             extra = [l for l in hs if l not in self.layers]
             if missing or extra:
@@ -225,16 +245,30 @@ class StoreWriter:
                 raise SampleError(f"{where}: hidden_states shape {tuple(hs.shape)}, expected "
                                   f"[{T}, {len(self.layers)}, {self.hidden}] (tokens, layers {self.layers}, hidden)")
             parts = [hs[:, j] for j in range(len(self.layers))]
-        out = []
+        out, scales = [], []
         for layer, x in zip(self.layers, parts):
+            q = x if isinstance(x, fp8.Quantised) else None
+            if q is not None and not self.fp8:
+                raise SampleError(f"{where}: fp8 features given, the store's encoding is {self.manifest.encoding!r}")
+            if q is not None:
+                x = q.values
             if tuple(x.shape) != (T, self.hidden):
                 raise SampleError(f"{where}: layer {layer} has shape {tuple(x.shape)}, expected [{T}, {self.hidden}]")
-            name = codec.dtype_name(x)
-            if name != self.manifest.dtype:
-                raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
-                                  "(features are stored bit-exact; convert explicitly if you mean to)")
-            out.append(codec.bits_view(x).numpy())
-        return out
+            if q is None:
+                name = codec.dtype_name(x)
+                if name != self.manifest.dtype:
+                    raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
+                                      "(features are stored bit-exact; convert explicitly if you mean to)")
+                if not self.fp8:
+                    out.append(codec.bits_view(x).numpy())
+                    continue
+                q = fp8.quantise(torch.as_tensor(x))
+            if q.values.dtype != fp8.FP8_DTYPE or tuple(q.scales.shape) != (T,):
+                raise SampleError(f"{where}: layer {layer}: fp8 values must be {fp8.FP8_DTYPE} with scales [{T}], "
+                                  f"got {q.values.dtype} with scales {tuple(q.scales.shape)}")
+            out.append(fp8.as_bits(q.values))
+            scales.append(np.asarray(q.scales.detach().cpu(), dtype=fp8.SCALE_DTYPE))
+        return out, (scales if self.fp8 else None)
 
     # -- writing ---------------------------------------------------------------------------------
     def _submit(self, force: bool = False) -> None:
@@ -242,22 +276,24 @@ class StoreWriter:
         if not self._fill and not force:
             return
         n = self._fill
-        buf, ids, mask, cols = self._buf, self._ids, self._mask, self._cols
+        bufs, ids, mask, cols = (self._buf, self._scales), self._ids, self._mask, self._cols
         name = f"{self.tag}-{self.session}-{self._seq:05d}"
         self._seq += 1
         t = time.perf_counter()
         self._slots.acquire()  # back-pressure: at most max_pending shards in memory
         self.wait_s += time.perf_counter() - t
-        fut = self._pool.submit(self._write, name, buf, n, np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        fut = self._pool.submit(self._write, name, bufs, n, np.concatenate(ids) if ids else np.zeros(0, np.int32),
                                 np.concatenate(mask) if mask else np.zeros(0, np.uint8), cols)
         self._futures.append(fut)
         self._new_buffer(self.capacity)
 
-    def _write(self, name, buf, n, ids, mask, cols) -> shard.CommitRecord:
+    def _write(self, name, bufs, n, ids, mask, cols) -> shard.CommitRecord:
+        buf, sbuf = bufs
         try:
             features = {layer: buf[j, :n] for j, layer in enumerate(self.layers)}
+            scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.layers)} if sbuf is not None else None
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
-                                       stats=self._stats(cols))
+                                       stats=self._stats(cols), scales=scales)
             shard.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently
                 self.committed.append(record)
@@ -269,7 +305,7 @@ class StoreWriter:
         finally:
             if buf.shape[1] == self.capacity:
                 with self._lock:
-                    self._free.append(buf)
+                    self._free.append(bufs)
             self._slots.release()
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import hsstore
-from hsstore import assets
+from hsstore import assets, codec, fp8
 
 from . import checkpoint as ckpt
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
@@ -330,6 +330,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         model = DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    stored_dtype = codec.TORCH_DTYPE[manifest.dtype]  # what fp8 features dequantise into, as Store.read does
 
     from tqdm import tqdm
 
@@ -353,6 +354,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
             loader_state = state if state is not None else loader_state
             if batch is None:  # this rank's share of the epoch is done; others are not
                 batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, feat_dtype, device)
+            # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
+            batch = fp8.dequantise_batch(batch, stored_dtype)
 
             lr = sched.get_last_lr()[0]  # the rate this step uses
             loss, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
