@@ -233,7 +233,8 @@ def test_loader_items_and_batches(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_stores(tiny_dir, tmp_path_factory):
-    """The same eight conversations extracted into a bf16 store (API) and an fp8 store (CLI), same batching."""
+    """The same eight conversations extracted into a bf16 store (API, writer threads) and an fp8 store (CLI,
+    writer process), same batching."""
     root = tmp_path_factory.mktemp("fp8")
     path = root / "in.jsonl"
     path.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:8]) + "\n")
@@ -241,7 +242,8 @@ def two_stores(tiny_dir, tmp_path_factory):
     run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
                               token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
-                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "--no-progress"])
+                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "--no-progress",
+                      "--writer", "process"])  # fp8 values and scales through the shared-memory staging too
     assert rc == 0
     return bf16, f8
 
@@ -269,3 +271,11 @@ def test_trainer_on_fp8_store(two_stores, tmp_path):
     # same data, same seed: fp8 features move the loss a little, not a lot
     assert runs["fp8"] != runs["bf16"]
     assert all(abs(f - b) < 0.05 * abs(b) for f, b in zip(runs["fp8"], runs["bf16"]))
+
+
+def test_wds_layout_refuses_fp8(tmp_path, new_manifest):
+    """wds members are plain .npy files read by numpy alone: values, not e4m3 bits needing scales."""
+    m = dataclasses.replace(new_manifest(), layout="wds", encoding="fp8")
+    with pytest.raises(hsstore.ManifestError, match="layout 'wds' holds raw features only"):
+        hsstore.StoreWriter(str(tmp_path / "s"), m)
+    assert not (tmp_path / "s" / "manifest.json").exists()
