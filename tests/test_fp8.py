@@ -275,7 +275,9 @@ def test_trainer_on_fp8_store(two_stores, tmp_path):
 
 def test_wds_layout_refuses_fp8(tmp_path, new_manifest):
     """wds members are plain .npy files read by numpy alone: values, not e4m3 bits needing scales."""
-    m = dataclasses.replace(new_manifest(), layout="wds", encoding="fp8")
     with pytest.raises(hsstore.ManifestError, match="layout 'wds' holds raw features only"):
-        hsstore.StoreWriter(str(tmp_path / "s"), m)
-    assert not (tmp_path / "s" / "manifest.json").exists()
+        dataclasses.replace(new_manifest(), layout="wds", encoding="fp8")
+    raw = (tmp_path / "m.json")
+    raw.write_text(json.dumps({**json.loads(new_manifest().to_json()), "layout": "wds", "encoding": "fp8"}))
+    with pytest.raises(hsstore.ManifestError, match="layout 'wds' holds raw features only"):
+        hsstore.Manifest.from_json(raw.read_text(), "m.json")  # a hand-edited manifest too
