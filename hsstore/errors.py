@@ -15,3 +15,8 @@ class SampleError(StoreError, ValueError):
 
 class CorruptionError(StoreError):
     """Stored bytes do not match their commit record (checksum, size or shape)."""
+
+
+class FetchError(StoreError):
+    """Objects could not be read after the client's retries (network, throttling, service errors): a fault
+    of the path to the store, not of the stored bytes, so it is never skipped as corruption."""

@@ -23,7 +23,7 @@ import torch
 import zarr
 
 from . import codec, shard, storage
-from .errors import CorruptionError, ManifestError, StoreError
+from .errors import CorruptionError, FetchError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
 
@@ -220,10 +220,15 @@ class Store:
                 if self.chunk_cache is not None and not storage.is_local(fs):
                     blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace()))
                 else:
-                    blobs.update(storage.cat_many(fs, fetch))
+                    blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b)))
             except Exception as e:
-                raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
+                raise FetchError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
+            for p in fetch:
+                failure = storage.fetch_failure(p, blobs.get(p))
+                if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
+                    raise FetchError(f"shard {shard_name!r} of store {self.url!r}, file "
+                                     f"{p[len(self.root) + 1:]}: read failed after retries ({failure})")
         for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
             path = storage.join(self.root, key)

@@ -16,7 +16,7 @@ import numpy as np
 import zarr
 
 from . import codec, shard, storage
-from .errors import StoreError
+from .errors import FetchError
 from .reader import Store
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,18 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
         size += rec.files[key]["size"]
         if size >= BATCH_BYTES or i == len(keys) - 1:
             paths = [storage.join(root, k) for k in batch]
+            want_of = {p: rec.files[k] for k, p in zip(batch, paths)}
             try:
-                blobs = storage.cat_many(fs, paths)
+                blobs = storage.cat_verified(fs, paths, lambda p, b: len(b) == want_of[p]["size"]
+                                             and codec.crc32c(b) == want_of[p]["crc32c"])
             except Exception as e:
-                raise StoreError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
+                raise FetchError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
             for k, p in zip(batch, paths):
                 data = blobs.get(p)
                 want = rec.files[k]
+                failure = storage.fetch_failure(p, data)
+                if failure:  # unreachable is not "missing": verify cannot tell, so it stops
+                    raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
                 if data is None or isinstance(data, Exception):
                     report.problems.append(Problem(rec.shard, "file missing", k, samples_in_file(rec, k)))
                     continue
