@@ -415,6 +415,7 @@ class HiddenStateDataset(IterableDataset):
         for st in self.stores[1:]:
             check_compatible(first.manifest, st.manifest, f"store {first.url!r}", f"store {st.url!r}")
         for st in self.stores:
+            st.check_manifest()
             if len(st) == 0:
                 raise StoreError(f"store {st.url!r} has no committed samples (nothing to load)")
         self.layers = first.check_layers(layers)

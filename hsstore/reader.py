@@ -96,6 +96,9 @@ class Store:
             raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised this store)")
         names = shard.list_committed(self.fs, self.root)
         self.commits: list[shard.CommitRecord] = shard.load_commits(self.fs, self.root, names)
+        key = self.manifest.shard_key()
+        # shards written under another manifest: the manifest was edited afterwards (verify names them)
+        self.manifest_mismatch = [c.shard for c in self.commits if c.manifest_key and c.manifest_key != key]
         counts = np.array([c.n_samples for c in self.commits], dtype=np.int64)
         self._first = np.concatenate([[0], np.cumsum(counts)]) if len(counts) else np.zeros(1, np.int64)
         self._offsets = [c.offsets for c in self.commits]
@@ -156,6 +159,14 @@ class Store:
         """The shard as a Zarr group (metadata checks in ``verify``; data reads do not need it)."""
         zstore = shard.zarr_store(self._fs(), self.root, self.url, self.storage_options, read_only=True)
         return zarr.open_group(zstore, path=shard.shard_path(name), mode="r")
+
+    def check_manifest(self) -> None:
+        """Raise unless every shard was written under this manifest (a hand-edited manifest would make
+        readers decode the bytes as something they are not)."""
+        if self.manifest_mismatch:
+            raise ManifestError(f"{self.url}/{MANIFEST_FILE} differs from the manifest that shards "
+                                f"{self.manifest_mismatch[:3]} ({len(self.manifest_mismatch)} in all) were written "
+                                "under (edited after writing?); run hsstore verify")
 
     def check_layers(self, layers: Sequence[int] | None) -> list[int]:
         if layers is None:

@@ -60,6 +60,7 @@ class CommitRecord:
     stats: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     format_version: int = FORMAT_VERSION
+    manifest_key: str = ""  # Manifest.shard_key() of the manifest it was written under ("" in older stores)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
@@ -179,7 +180,7 @@ def write_shard(
                           "raw_bytes": int(features[l].nbytes)}
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
-        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
+        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso(), manifest_key=manifest.shard_key())
 
 
 def publish(fs, root: str, record: CommitRecord) -> None:

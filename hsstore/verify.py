@@ -85,6 +85,10 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
 
 def _check_record(store: Store, rec: shard.CommitRecord, report: VerifyReport) -> None:
     m = store.manifest
+    if rec.shard in store.manifest_mismatch:
+        report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
+                                                  "after this shard was committed (layers, dtype, hashes, codec "
+                                                  "or chunk grid)", "manifest.json"))
     if sorted(rec.layers, key=int) != [str(l) for l in m.layers]:
         report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=int)} "
                                                   f"differ from the manifest's {list(m.layers)}"))
