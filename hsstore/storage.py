@@ -2,7 +2,7 @@
 
 One job: turn a URL plus storage options into a filesystem and a root path, and do the few
 filesystem operations the format needs (atomic small-object writes, listing, concurrent reads).
-Credentials given as storage options never appear in messages: only the URL is ever shown.
+Credentials given as storage options never appear in messages (see ``redaction``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
+from .redaction import redact, register  # noqa: F401  (redact: storage.redact is the public name)
 
 log = logging.getLogger(__name__)
 
-SECRET_OPTION_WORDS = ("secret", "token", "password", "key", "credential", "session")
 
 # Retry policy on object stores (see docs/ARCHITECTURE.md, "Faults and retries"). botocore retries every
 # request (connection errors, 500/502/503/504, SlowDown and other throttling) with capped exponential
@@ -58,21 +58,9 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def redact(options: dict[str, Any]) -> dict[str, Any]:
-    """Options with secret-looking values replaced, for logs."""
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if isinstance(v, dict):
-            out[k] = redact(v)
-        elif any(w in k.lower() for w in SECRET_OPTION_WORDS):
-            out[k] = "***"
-        else:
-            out[k] = v
-    return out
-
-
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root path without trailing slash) for a store URL."""
+    register({**(storage_options or {}), "url": url})  # its secrets are masked in every message from now on
     try:
         fs, root = url_to_fs(url, **with_retry_defaults(url, storage_options or {}))
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
