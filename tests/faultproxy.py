@@ -14,7 +14,8 @@ every request is forwarded unchanged, except those the schedule picks, which get
   latency    forwarded after ``delay`` seconds
 
 Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when ``i % every == every - 1``,
-kinds taken in turn from ``faults`` (seeded rotation), until ``limit`` faults are injected. Persistent
+kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
+request that has one), until ``limit`` faults are injected: ``limit / len(faults)`` of each kind. Persistent
 mode (``persistent=True``): every matching request gets a fault. ``injected`` counts faults by kind, so
 a test can assert that faults really happened.
 """
@@ -54,6 +55,8 @@ class FaultProxy:
         self.events: list[tuple[str, str, str]] = []  # (method, path, fault)
         self.requests = 0
         self._seen = 0
+        self._next = 0  # index of the next fault kind: kinds are injected strictly in turn
+        self._pending = False
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -84,15 +87,15 @@ class FaultProxy:
                 return None
             i = self._seen
             self._seen += 1
-            if not self.persistent and (self.total >= self.limit or i % self.every != self.every - 1):
+            due = self._pending or i % self.every == self.every - 1
+            if not self.persistent and (self.total >= self.limit or not due):
                 return None
-            n = self.total
-            for k in range(len(self.faults)):  # kinds in turn; body faults only where there is a body
-                kind = self.faults[(n + k) % len(self.faults)]
-                if (has_body or kind not in BODY_FAULTS) and (kind != "short" or self.short_on(path)):
-                    break
-            else:
+            kind = self.faults[self._next % len(self.faults)]
+            if (kind in BODY_FAULTS and not has_body) or (kind == "short" and not self.short_on(path)):
+                self._pending = True  # this request cannot take it: the next one that can does
                 return None
+            self._pending = False
+            self._next += 1
             self.injected[kind] += 1
             self.events.append((method, path, kind))
             return kind

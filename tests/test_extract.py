@@ -269,12 +269,12 @@ def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_pat
     assert len(hsstore.open(out)) == 0
 
 
-def _kill_cmd(tiny_dir, out: str, token_budget: int = 600) -> list[str]:
+def _kill_cmd(tiny_dir, out: str, token_budget: int = 600, data=None, shard_mb: float = 0.2) -> list[str]:
     import sys
 
     return [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input",
-            str(demo_conversations_path()), "--out", out, "--device", "cpu", "--no-progress", "--shard-mb", "0.2",
-            "--token-budget", str(token_budget)]
+            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "--no-progress",
+            "--shard-mb", str(shard_mb), "--token-budget", str(token_budget)]
 
 
 def _committed(out, writer: str = "") -> set:
@@ -349,13 +349,14 @@ def test_kill_9_at_random_points_loses_nothing(tiny_dir, tmp_path):
 @pytest.mark.parametrize("seed", [7])
 def test_kill_9_two_concurrent_writers(tiny_dir, tmp_path, seed):
     """Two extraction processes (ranks 0 and 1 of 2, as torchrun starts them) write into one store at once;
-    each is SIGKILLed at a seeded-random point (after one of its commits, inside one of its uploads, or
-    after a random number of its commits), twice, and the same two commands are re-run until they finish:
+    each is SIGKILLed at a seeded-random point (inside one of its shard uploads, or after one or two of its
+    commits), twice, and the same two commands are re-run until they finish:
     every sample once, bit-equal to an uninterrupted single-writer run, verify passes.
 
     One sample per forward (--token-budget 1): which samples share a batch depends on the rank split and on
     what a resumed run has left, and in bf16 on a CPU the batch composition can move the last bit of a
     feature; alone, a sample's features are the same bits however the work is split."""
+    import functools
     import os
     import random
     import signal
@@ -365,15 +366,17 @@ def test_kill_9_two_concurrent_writers(tiny_dir, tmp_path, seed):
 
     repo = Path(__file__).resolve().parents[1]
     reference = str(tmp_path / "reference")
-    cmd = _kill_cmd(tiny_dir, reference, token_budget=1)
-    assert subprocess.run(cmd, cwd=repo, capture_output=True, timeout=300).returncode == 0
+    data = tmp_path / "in.jsonl"  # 12 conversations, about one sample per shard: several shards per rank
+    data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:12]) + "\n")
+    cmd = functools.partial(_kill_cmd, tiny_dir, token_budget=1, data=data, shard_mb=0.05)
+    assert subprocess.run(cmd(reference), cwd=repo, capture_output=True, timeout=300).returncode == 0
     ref = hsstore.open(reference)
     out = tmp_path / "killed"
     rng = random.Random(seed)
 
     def start(rank: int) -> subprocess.Popen:
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-        return subprocess.Popen(_kill_cmd(tiny_dir, str(out), token_budget=1), cwd=repo, env=env,
+        return subprocess.Popen(cmd(str(out)), cwd=repo, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def trigger(writer: str):
