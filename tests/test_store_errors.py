@@ -224,3 +224,20 @@ def test_schema_invalid_manifest_one_line_error(tmp_path, new_manifest, samples,
         assert main(cmd) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "manifest.json" in err[0] and "Traceback" not in err[0], err
+
+
+def test_loader_on_commit_without_data_raises_or_skips_and_counts(tmp_path, new_manifest, samples, write):
+    """A committed shard whose data is gone: the loader raises CorruptionError naming it by default; with
+    skip_corrupt it delivers every other sample once and counts the skipped ones."""
+    import shutil
+
+    write(str(tmp_path), new_manifest(), samples, shard_bytes=3 * 48 * 2 * 900)
+    store = hsstore.open(str(tmp_path))
+    gone = store.commits[1]
+    shutil.rmtree(tmp_path / "shards" / gone.shard)
+    with pytest.raises(hsstore.CorruptionError, match=rf"shard '{gone.shard}'.*missing"):
+        list(hsstore.HiddenStateDataset(str(tmp_path)))
+    ds = hsstore.HiddenStateDataset(str(tmp_path), skip_corrupt=True)
+    got = [item["sample_id"] for item in ds]
+    assert sorted(got) == sorted(set(store.sample_ids()) - set(gone.samples["sample_id"]))
+    assert sum(ds.state_dict()["skipped"].values()) == gone.n_samples > 0
