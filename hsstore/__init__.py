@@ -18,7 +18,7 @@ from .writer import StoreWriter
 open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset conventions)
 
 __all__ = [
-    "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest", "ManifestError",
-    "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
+    "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",
+    "ManifestError", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
     "__version__", "collate_packed", "collate_padded", "merge_states", "open", "open_store", "token_batches",
 ]

@@ -15,9 +15,9 @@ import hsstore
 from hsstore import storage
 from hsstore.verify import verify
 
-from conftest import make_samples
 from faultproxy import ALL_FAULTS, FaultProxy
 from test_loader import bits, dataset, write_store
+from test_loader_s3 import s3_samples, s3_url  # noqa: F401  (fixtures: one store for the read tests)
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -29,22 +29,18 @@ def is_chunk(path: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fault_samples():
-    return make_samples(24, max_len=120)
+def fault_samples(s3_samples):
+    return s3_samples
 
 
 @pytest.fixture(scope="module")
-def written(s3_endpoint, fault_samples):
+def written(s3_url):
     """A store written straight to the endpoint (no faults), for the read tests."""
-    s3fs.S3FileSystem.clear_instance_cache()
-    bucket = f"hs-faults-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir(bucket)
-    url = f"s3://{bucket}/stores/a"
-    write_store(url, fault_samples, shard_tokens=600, storage_options={"endpoint_url": s3_endpoint})
-    return url
+    return s3_url[0]
 
 
 def fresh_bucket(endpoint: str) -> str:
+    """A new, empty prefix for a writer test."""
     bucket = f"hs-faults-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(bucket)
     return f"s3://{bucket}/stores/w"
@@ -134,9 +130,11 @@ def test_persistent_fault_writer_raises_commits_nothing(s3_endpoint, fault_sampl
     """Chunk uploads that always fail: the writer raises naming the shard; no commit record is written."""
     s3fs.S3FileSystem.clear_instance_cache()
     url = fresh_bucket(s3_endpoint)
-    with FaultProxy(s3_endpoint, faults=[kind], persistent=True, match=lambda m, p: m == "PUT" and is_chunk(p)) as proxy:
+    chunk_puts = lambda m, p: m == "PUT" and is_chunk(p)  # noqa: E731
+    with FaultProxy(s3_endpoint, faults=[kind], persistent=True, match=chunk_puts) as proxy:
+        opts = {"endpoint_url": proxy.url, **FAST_FAIL}
         with pytest.raises(hsstore.StoreError, match=rf"writing shard '.+' of store '{url}' failed"):
-            write_store(url, fault_samples, shard_tokens=600, storage_options={"endpoint_url": proxy.url, **FAST_FAIL})
+            write_store(url, fault_samples, shard_tokens=600, storage_options=opts)
     report(f"writer persistent {kind}", proxy)
     assert proxy.injected[kind] > 0
     s3fs.S3FileSystem.clear_instance_cache()
