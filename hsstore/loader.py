@@ -380,8 +380,10 @@ class HiddenStateDataset(IterableDataset):
       shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
       prefetch        units read ahead, concurrently, per slot.
       cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
-      skip_corrupt    skip samples whose chunks fail their checksum (counted in ``state_dict()``
+      skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
                       and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
+                      A read that fails after retries (``FetchError``: the network, not the bytes) is
+                      always raised, so an epoch is never silently short.
     """
 
     def __init__(
