@@ -19,6 +19,6 @@ open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset co
 
 __all__ = [
     "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",
-    "ManifestError", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
-    "__version__", "collate_packed", "collate_padded", "merge_states", "open", "open_store", "token_batches",
+    "ManifestError", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches",
+    "TokenizerIdentity", "__version__", "collate_packed", "collate_padded", "merge_states", "open", "open_store", "token_batches",
 ]

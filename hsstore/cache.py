@@ -20,7 +20,6 @@ import time
 import uuid
 from typing import Any
 
-
 from . import codec, storage
 
 log = logging.getLogger(__name__)
