@@ -10,6 +10,7 @@ import uuid
 import pytest
 import s3fs
 import torch
+from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore import storage
@@ -79,7 +80,7 @@ def test_writer_survives_bounded_faults(s3_endpoint, fault_samples):
     assert_bit_exact([store.read(i) for i in range(len(store))], fault_samples)
 
 
-@pytest.mark.parametrize("reader", ["loader", "verify"])
+@pytest.mark.parametrize("reader", ["loader", "loader_workers", "verify"])
 def test_readers_survive_bounded_faults(s3_endpoint, written, fault_samples, reader):
     """Every kind of fault on the reads of the loader (commit records, chunks) or of verify, including bodies
     cut short of their Content-Length and silently short chunk bodies that only the CRC32C catches: the epoch
@@ -87,9 +88,11 @@ def test_readers_survive_bounded_faults(s3_endpoint, written, fault_samples, rea
     s3fs.S3FileSystem.clear_instance_cache()
     with FaultProxy(s3_endpoint, every=3, limit=2 * len(ALL_FAULTS), seed=2, short_on=is_chunk) as proxy:
         opts = {"endpoint_url": proxy.url}
-        if reader == "loader":
-            assert_bit_exact(list(dataset(written, storage_options=opts, prefetch=2, shuffle_bytes=1 << 16)),
-                             fault_samples)
+        if reader.startswith("loader"):
+            ds = dataset(written, storage_options=opts, prefetch=2, shuffle_bytes=1 << 16)
+            if reader == "loader_workers":  # forked DataLoader workers, each with its own s3fs client
+                ds = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+            assert_bit_exact(list(ds), fault_samples)
         else:
             rep = verify(hsstore.open(written, **opts))
             assert rep.ok, [str(p) for p in rep.problems]
