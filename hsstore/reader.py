@@ -236,7 +236,7 @@ class Store:
                 raise FetchError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
             for p in fetch:
-                failure = storage.fetch_failure(p, blobs.get(p))
+                failure = storage.fetch_failure(blobs.get(p))
                 if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
                     raise FetchError(f"shard {shard_name!r} of store {self.url!r}, file "
                                      f"{p[len(self.root) + 1:]}: read failed after retries ({failure})")

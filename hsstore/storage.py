@@ -175,7 +175,7 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
     return out
 
 
-def fetch_failure(path: str, blob: Any) -> str | None:
+def fetch_failure(blob: Any) -> str | None:
     """None when ``blob`` is bytes or a missing object; else a one-line reason the read failed."""
     if isinstance(blob, Exception) and not isinstance(blob, FileNotFoundError):
         return f"{type(blob).__name__}: {blob}"

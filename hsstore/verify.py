@@ -115,7 +115,7 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
             for k, p in zip(batch, paths):
                 data = blobs.get(p)
                 want = rec.files[k]
-                failure = storage.fetch_failure(p, data)
+                failure = storage.fetch_failure(data)
                 if failure:  # unreachable is not "missing": verify cannot tell, so it stops
                     raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
                 if data is None or isinstance(data, Exception):
