@@ -191,7 +191,10 @@ def load_tokenizer(model: str):
 
     if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise FileNotFoundError(f"model directory not found: {model}")
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
+        raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -217,7 +220,8 @@ def run_show(args: argparse.Namespace) -> int:
     if is_store(args.input, parse_storage_options(args.storage_option)):
         return show_store_sample(args)
     if not args.model:
-        raise ValueError("--model is required to tokenize input files")
+        raise ValueError(f"{args.input}: not a store (no manifest.json there); to show a sample of an input "
+                         "file, give --model")
     tokenizer = load_tokenizer(args.model)
     index = int(args.n) if args.n.isdigit() else None
     found, count = None, 0
@@ -240,13 +244,16 @@ def run_show(args: argparse.Namespace) -> int:
 
 def is_store(url: str, storage_options: dict) -> bool:
     from hsstore import storage
+    from hsstore.errors import StoreError
     from hsstore.manifest import MANIFEST_FILE
 
+    fs, root = storage.resolve(url, storage_options)  # bad URL or options: their own error
     try:
-        fs, root = storage.resolve(url, storage_options)
         return fs.exists(storage.join(root, MANIFEST_FILE))
-    except Exception:
-        return False
+    except Exception as e:
+        if storage.is_local(fs):
+            return False
+        raise StoreError(f"cannot reach {url!r}: {type(e).__name__}: {e}") from None
 
 
 def show_store_sample(args: argparse.Namespace) -> int:

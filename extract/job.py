@@ -96,9 +96,12 @@ def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[To
     return order[rank::world]
 
 
-def load_target(model_path: str, dtype: torch.dtype, device: torch.device):
+def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if not progress:
+        hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     return model.to(device).eval()
 
@@ -153,7 +156,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = DTYPES[cfg.dtype]
-    model = model if model is not None else load_target(cfg.model, dtype, device)
+    model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,

@@ -238,6 +238,8 @@ def read_records(path: str | Path, source: str | None = None) -> Iterator[Record
     for f in input_files(p):
         default = source or (p.name if p.is_dir() else f.stem)
         if f.suffix == ".jsonl":
+            if f.stat().st_size == 0:  # an empty input is a mistake (a failed export), not zero samples
+                raise ValueError(f"{f}: empty file (no samples)")
             yield from read_jsonl(f, default)
         elif f.suffix == ".parquet":
             yield from read_parquet(f, default)

@@ -8,7 +8,7 @@ Public API::
 """
 
 from .batching import TokenBatches, collate_packed, collate_padded, token_batches
-from .errors import CorruptionError, ManifestError, SampleError, StoreError
+from .errors import CorruptionError, FetchError, ManifestError, SampleError, StoreError
 from .loader import HiddenStateDataset, LoaderStateError, merge_states
 from .manifest import FORMAT_VERSION, Manifest, TargetIdentity, TokenizerIdentity
 from .process_writer import ProcessWriter
@@ -19,7 +19,8 @@ from .writer import StoreWriter
 open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset conventions)
 
 __all__ = [
-    "FORMAT_VERSION", "CorruptionError", "HiddenStateDataset", "LoaderStateError", "Manifest", "ManifestError",
-    "ProcessWriter", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity", "TokenBatches", "TokenizerIdentity",
-    "__version__", "collate_packed", "collate_padded", "merge_states", "open", "open_store", "token_batches",
+    "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",
+    "ManifestError", "ProcessWriter", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity",
+    "TokenBatches", "TokenizerIdentity", "__version__", "collate_packed", "collate_padded", "merge_states", "open",
+    "open_store", "token_batches",
 ]

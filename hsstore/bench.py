@@ -135,6 +135,8 @@ def _remove(fs, path: str) -> None:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
         pass
+    except Exception as e:  # cleanup after a failure must not replace that failure's error
+        log.warning("bench: could not remove scratch %s (%s: %s)", path, type(e).__name__, e)
 
 
 def _pipe_fsync(objects: dict[str, bytes]) -> None:

@@ -20,21 +20,11 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
-
 from . import codec, storage
 
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so eviction (a directory scan) is not per write
-
-
-def blob_ok(blob: bytes) -> bool:
-    """Whether a chunk object's trailing CRC32C matches its payload."""
-    if len(blob) < 4:
-        return False
-    payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
-    return codec.crc32c(payload) == int.from_bytes(blob[-4:], "little")
 
 
 class ChunkCache:
@@ -68,7 +58,7 @@ class ChunkCache:
                 blob = f.read()
         except (FileNotFoundError, IsADirectoryError):
             return None
-        if not blob_ok(blob):
+        if not codec.chunk_ok(blob):
             log.warning("chunk cache: dropping damaged copy %s", local)
             self._remove(local)
             return None
@@ -93,11 +83,11 @@ class ChunkCache:
         self.hits += len(out)
         self.misses += len(missing)
         if missing:
-            fetched = storage.cat_many(fs, missing)
+            fetched = storage.cat_verified(fs, missing, lambda _p, b: codec.chunk_ok(b))
             for p in missing:
                 blob = fetched.get(p)
                 out[p] = blob
-                if isinstance(blob, (bytes, bytearray)) and blob_ok(blob):
+                if isinstance(blob, (bytes, bytearray)) and codec.chunk_ok(blob):
                     self.put(namespace, p, bytes(blob))
         return out
 

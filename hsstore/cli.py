@@ -15,6 +15,7 @@ import sys
 
 from . import storage
 from .errors import StoreError
+from .redaction import RedactingFilter, scrub
 from .version import __version__
 
 log = logging.getLogger("hsstore")
@@ -232,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # third-party debug logs quote endpoints and signed headers
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
     try:
         return int(args.func(args) or 0)
     except (StoreError, ValueError, OSError) as e:  # bad input: one line, exit 2 (-vv shows the traceback)
         log.debug("error", exc_info=True)
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        msg = scrub((str(e).strip().splitlines() or [type(e).__name__])[0])
         print(f"hsstore {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

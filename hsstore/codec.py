@@ -100,6 +100,14 @@ def crc32c(data, crc: int | None = None) -> int:
     return int(google_crc32c.value(view) if crc is None else google_crc32c.extend(crc, view))
 
 
+def chunk_ok(blob: bytes) -> bool:
+    """Whether a chunk object's trailing CRC32C matches its payload."""
+    if len(blob) < 4:
+        return False
+    payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
+    return crc32c(payload) == int.from_bytes(blob[-4:], "little")
+
+
 def _parse(spec: str) -> tuple[str, int]:
     """``name[:level]`` -> (name, level); level 1 by default."""
     name, _, level = spec.partition(":")

@@ -1,8 +1,15 @@
 """Exceptions raised by hsstore. Every message names the store, shard, file or sample at fault."""
 
 
+from .redaction import scrub
+
+
 class StoreError(Exception):
-    """Base class: a store cannot be opened, read or written as asked."""
+    """Base class: a store cannot be opened, read or written as asked. The message is scrubbed of secrets
+    (a botocore error quotes the endpoint URL, which may carry a password)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*(scrub(a) if isinstance(a, str) else a for a in args))
 
 
 class ManifestError(StoreError):
@@ -15,3 +22,8 @@ class SampleError(StoreError, ValueError):
 
 class CorruptionError(StoreError):
     """Stored bytes do not match their commit record (checksum, size or shape)."""
+
+
+class FetchError(StoreError):
+    """Objects could not be read after the client's retries (network, throttling, service errors): a fault
+    of the path to the store, not of the stored bytes, so it is never skipped as corruption."""

@@ -380,8 +380,10 @@ class HiddenStateDataset(IterableDataset):
       shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
       prefetch        units read ahead, concurrently, per slot.
       cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
-      skip_corrupt    skip samples whose chunks fail their checksum (counted in ``state_dict()``
+      skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
                       and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
+                      A read that fails after retries (``FetchError``: the network, not the bytes) is
+                      always raised, so an epoch is never silently short.
       dequantise      fp8 stores: items carry e4m3fn ``hidden_states`` plus float32 ``hidden_scales``
                       ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
                       ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
@@ -420,6 +422,7 @@ class HiddenStateDataset(IterableDataset):
         for st in self.stores[1:]:
             check_compatible(first.manifest, st.manifest, f"store {first.url!r}", f"store {st.url!r}")
         for st in self.stores:
+            st.check_manifest()
             if len(st) == 0:
                 raise StoreError(f"store {st.url!r} has no committed samples (nothing to load)")
         self.layers = first.check_layers(layers)

@@ -94,6 +94,11 @@ class Manifest:
             "encoding": self.encoding,
         }
 
+    def shard_key(self) -> str:
+        """Hash of what the bytes of a shard depend on (compatibility key, codec, chunk grid). Every commit
+        record carries the key it was written under, so a manifest edited afterwards is detected."""
+        return canonical_json_hash({**self.compat_key(), "codec": self.codec, "chunk_tokens": self.chunk_tokens})
+
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["layers"] = list(self.layers)

@@ -23,7 +23,7 @@ import torch
 import zarr
 
 from . import codec, fp8, layout, shard, storage
-from .errors import CorruptionError, ManifestError, StoreError
+from .errors import CorruptionError, FetchError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
 
@@ -96,6 +96,9 @@ class Store:
             raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised this store)")
         names = shard.list_committed(self.fs, self.root)
         self.commits: list[shard.CommitRecord] = shard.load_commits(self.fs, self.root, names)
+        key = self.manifest.shard_key()
+        # shards written under another manifest: the manifest was edited afterwards (verify names them)
+        self.manifest_mismatch = [c.shard for c in self.commits if c.manifest_key and c.manifest_key != key]
         counts = np.array([c.n_samples for c in self.commits], dtype=np.int64)
         self._first = np.concatenate([[0], np.cumsum(counts)]) if len(counts) else np.zeros(1, np.int64)
         self._offsets = [c.offsets for c in self.commits]
@@ -187,6 +190,14 @@ class Store:
         zstore = shard.zarr_store(fs, root, url, self.storage_options, read_only=True)
         return zarr.open_group(zstore, path=shard.shard_path(name), mode="r")
 
+    def check_manifest(self) -> None:
+        """Raise unless every shard was written under this manifest (a hand-edited manifest would make
+        readers decode the bytes as something they are not)."""
+        if self.manifest_mismatch:
+            raise ManifestError(f"{self.url}/{MANIFEST_FILE} differs from the manifest that shards "
+                                f"{self.manifest_mismatch[:3]} ({len(self.manifest_mismatch)} in all) were written "
+                                "under (edited after writing?); run hsstore verify")
+
     def check_layers(self, layers: Sequence[int] | None) -> list[int]:
         if layers is None:
             return self.layers
@@ -272,10 +283,15 @@ class Store:
                 if self.chunk_cache is not None and not storage.is_local(fs):
                     blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace()))
                 else:
-                    blobs.update(storage.cat_many(fs, fetch))
+                    blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b)))
             except Exception as e:
-                raise StoreError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
+                raise FetchError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
                                  f"{type(e).__name__}: {e}") from None
+            for p in fetch:
+                failure = storage.fetch_failure(blobs.get(p))
+                if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
+                    raise FetchError(f"shard {shard_name!r} of store {self.url!r}, file "
+                                     f"{p[len(root) + 1:]}: read failed after retries ({failure})")
         for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
             path = storage.join(root, key)

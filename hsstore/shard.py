@@ -71,6 +71,7 @@ class CommitRecord:
     location: str | None = None  # another store holding this shard's files (a merge by reference); None: here
     # wds layout only: tar member name -> [offset of its data in the tar, its size, CRC32C of its bytes]
     members: dict[str, list[int]] | None = None
+    manifest_key: str = ""  # Manifest.shard_key() of the manifest it was written under ("" in older stores)
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -208,7 +209,7 @@ def write_shard(
                           "raw_bytes": raw}
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
-        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso())
+        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso(), manifest_key=manifest.shard_key())
 
 
 def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:

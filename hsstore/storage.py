@@ -2,26 +2,38 @@
 
 One job: turn a URL plus storage options into a filesystem and a root path, and do the few
 filesystem operations the format needs (atomic small-object writes, listing, concurrent reads).
-Credentials given as storage options never appear in messages: only the URL is ever shown.
+Credentials given as storage options never appear in messages (see ``redaction``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
+from .redaction import redact, register  # noqa: F401  (redact: storage.redact is the public name)
 
 log = logging.getLogger(__name__)
 
-SECRET_OPTION_WORDS = ("secret", "token", "password", "key", "credential", "session")
+
+# Retry policy on object stores (see docs/ARCHITECTURE.md, "Faults and retries"). botocore retries every
+# request (connection errors, 500/502/503/504, SlowDown and other throttling) with capped exponential
+# backoff and full jitter; s3fs wraps each call in its own retries (connection/payload errors, SlowDown).
+# Options the user gives (``config_kwargs.retries``) win.
+S3_RETRIES = {"mode": "standard", "max_attempts": 6}
+# What no HTTP layer sees -- a body that arrived whole by its Content-Length but fails its checksum -- is
+# fetched again by hsstore this many times in all, with exponential backoff, before it is called corrupt.
+FETCH_ATTEMPTS = 3
+FETCH_BACKOFF_S = 0.2
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -46,23 +58,11 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def redact(options: dict[str, Any]) -> dict[str, Any]:
-    """Options with secret-looking values replaced, for logs."""
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if isinstance(v, dict):
-            out[k] = redact(v)
-        elif any(w in k.lower() for w in SECRET_OPTION_WORDS):
-            out[k] = "***"
-        else:
-            out[k] = v
-    return out
-
-
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root path without trailing slash) for a store URL."""
+    register({**(storage_options or {}), "url": url})  # its secrets are masked in every message from now on
     try:
-        fs, root = url_to_fs(url, **(storage_options or {}))
+        fs, root = url_to_fs(url, **with_retry_defaults(url, storage_options or {}))
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
         raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
     return fs, root.rstrip("/")
@@ -74,6 +74,17 @@ def refuse_anonymous_write(url: str, options: dict[str, Any] | None) -> None:
     if str((options or {}).get("anon", "")).lower() in ("true", "1"):
         raise StoreError(f"store {url!r}: anon=true opens a store read-only; to write, drop the anon "
                          "storage option and give credentials")
+
+
+def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus hsstore's botocore retry policy for ``s3://`` URLs, unless the user set one."""
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    out = copy.deepcopy(options)
+    config = out.setdefault("config_kwargs", {})
+    if isinstance(config, dict):
+        config.setdefault("retries", dict(S3_RETRIES))
+    return out
 
 
 def join(*parts: str) -> str:
@@ -150,3 +161,30 @@ def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes
         return {}
     out = fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
     return dict(zip(paths, out))
+
+
+def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[str, bytes], bool],
+                 attempts: int = FETCH_ATTEMPTS) -> dict[str, bytes | Exception]:
+    """``cat_many``, then on object stores fetch again, with backoff, the objects that arrived but fail
+    ``ok(path, blob)`` (a checksum or size check): bytes cut or damaged in transit look complete to the
+    HTTP client. What still fails after ``attempts`` is returned as it came (the caller names it corrupt).
+    Exceptions are returned as they are: the client has already retried them."""
+    out = cat_many(fs, paths)
+    if is_local(fs):
+        return out
+    for attempt in range(1, attempts):
+        bad = [p for p, b in out.items() if isinstance(b, (bytes, bytearray)) and not ok(p, b)]
+        if not bad:
+            break
+        log.warning("%d object(s) failed their checksum, fetching again (attempt %d of %d): %s",
+                    len(bad), attempt + 1, attempts, bad[0])
+        time.sleep(FETCH_BACKOFF_S * 2 ** (attempt - 1))
+        out.update(cat_many(fs, bad))
+    return out
+
+
+def fetch_failure(blob: Any) -> str | None:
+    """None when ``blob`` is bytes or a missing object; else a one-line reason the read failed."""
+    if isinstance(blob, Exception) and not isinstance(blob, FileNotFoundError):
+        return f"{type(blob).__name__}: {blob}"
+    return None

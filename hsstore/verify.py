@@ -20,7 +20,7 @@ import numpy as np
 import zarr
 
 from . import codec, fp8, layout, shard, storage, wds
-from .errors import StoreError
+from .errors import FetchError, StoreError
 from .reader import Store
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,10 @@ def check_zarr_shard(store: Store, fs, root: str, rec: shard.CommitRecord, repor
 
 def _check_record(store: Store, rec: shard.CommitRecord, report: VerifyReport) -> None:
     m = store.manifest
+    if rec.shard in store.manifest_mismatch:
+        report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
+                                                  "after this shard was committed (layers, dtype, hashes, codec "
+                                                  "or chunk grid)", "manifest.json"))
     if sorted(rec.layers, key=int) != [str(l) for l in m.layers]:
         report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=int)} "
                                                   f"differ from the manifest's {list(m.layers)}"))
@@ -118,13 +122,18 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
         size += rec.files[key]["size"]
         if size >= BATCH_BYTES or i == len(keys) - 1:
             paths = [storage.join(root, k) for k in batch]
+            want_of = {p: rec.files[k] for k, p in zip(batch, paths)}
             try:
-                blobs = storage.cat_many(fs, paths)
+                blobs = storage.cat_verified(fs, paths, lambda p, b: len(b) == want_of[p]["size"]
+                                             and codec.crc32c(b) == want_of[p]["crc32c"])
             except Exception as e:
-                raise StoreError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
+                raise FetchError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
             for k, p in zip(batch, paths):
                 data = blobs.get(p)
                 want = rec.files[k]
+                failure = storage.fetch_failure(data)
+                if failure:  # unreachable is not "missing": verify cannot tell, so it stops
+                    raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
                 if data is None or isinstance(data, Exception):
                     report.problems.append(Problem(rec.shard, "file missing" + (f" (referenced store {rec.location!r})"
                                                                                 if rec.location else ""),

@@ -172,7 +172,8 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
                 for l in manifest.layers},
         files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
-        stats=stats or {}, created_at=now_iso(), members=tar.members)
+        stats=stats or {}, created_at=now_iso(), members=tar.members,
+        manifest_key=manifest.shard_key())
 
 
 # -- reading -----------------------------------------------------------------------------------------

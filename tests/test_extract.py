@@ -270,63 +270,33 @@ def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_pat
     assert len(hsstore.open(out)) == 0
 
 
-def test_kill_9_at_random_points_loses_nothing(tiny_dir, tmp_path):
-    """SIGKILL the extraction right after a shard commit, inside a shard's upload (data being written, no
-    commit record yet) and after a commit again, re-running the same command each time: every sample ends
-    up in the store exactly once, with features equal to an uninterrupted run's, and verify passes."""
-    import signal
-    import subprocess
+def _kill_cmd(tiny_dir, out: str, token_budget: int = 600, data=None, shard_mb: float = 0.2) -> list[str]:
     import sys
-    import time
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    data = str(demo_conversations_path())
+    return [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input",
+            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "--no-progress",
+            "--shard-mb", str(shard_mb), "--token-budget", str(token_budget)]
 
-    def cmd(out):
-        return [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input", data, "--out", out,
-                "--device", "cpu", "--no-progress", "--shard-mb", "0.2", "--token-budget", "600"]
 
-    reference = str(tmp_path / "reference")
-    assert subprocess.run(cmd(reference), cwd=repo, capture_output=True, timeout=300).returncode == 0
-    ref = hsstore.open(reference)
-    assert len(ref.commits) >= 5  # several shards, so kills land between and inside them
+def _committed(out, writer: str = "") -> set:
+    """Shards of ``writer`` (a name prefix) with a commit record; a record being written does not count."""
+    files = (out / "commits").glob(f"{writer}*.json") if (out / "commits").exists() else []
+    return {p.stem for p in files if not p.name.startswith(".")}
 
-    out = tmp_path / "killed"
 
-    def committed() -> set:
-        files = (out / "commits").glob("*.json") if (out / "commits").exists() else []
-        return {p.stem for p in files if not p.name.startswith(".")}  # not a record being written
+def _uploading(out, writer: str = "") -> bool:
+    """Whether a shard folder of ``writer`` exists whose commit record is not written yet."""
+    shards = out / "shards"
+    names = {p.name for p in shards.glob(f"{writer}*") if p.is_dir()} if shards.exists() else set()
+    return bool(names - _committed(out, writer))
 
-    def uploading() -> bool:  # a shard folder whose commit record is not written yet
-        names = {p.name for p in (out / "shards").iterdir() if p.is_dir()} if (out / "shards").exists() else set()
-        return bool(names - committed())
 
-    before = len(committed())
-    after_a_commit = lambda: len(committed()) > before  # noqa: E731  (`before` moves on each round)
-    landed = []
-    for trigger in (after_a_commit, uploading, after_a_commit):
-        start = len(committed())
-        proc = subprocess.Popen(cmd(str(out)), cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline and not trigger():
-            time.sleep(0.002)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            landed.append(len(committed()) - start)
-        proc.wait(timeout=60)
-        before = len(committed())
-    assert len(landed) == 3, "a run finished before its kill"
-    partial = hsstore.open(str(out))
-    assert 0 < len(partial) < len(ref)  # the kills left a half-done store, and nothing half-visible in it
-    assert verify(partial).ok
-    assert subprocess.run(cmd(str(out)), cwd=repo, capture_output=True, timeout=300).returncode == 0
-    store = hsstore.open(str(out))
+def _assert_same_as(store, ref) -> None:
+    """Every sample of ``ref`` once in ``store``, bit-equal; verify passes."""
     ids = store.sample_ids()
     assert sorted(ids) == sorted(ref.sample_ids()) and len(ids) == len(set(ids))
     report = verify(store)
     assert report.ok, [str(p) for p in report.problems]
-    assert report.uncommitted  # the debris of the shard killed mid-upload: present, ignored by readers
     by_id = {ref.ref(i).sample_id: i for i in range(len(ref))}
     for i in range(len(store)):
         got = store.read(i)
@@ -334,3 +304,112 @@ def test_kill_9_at_random_points_loses_nothing(tiny_dir, tmp_path):
         assert torch.equal(got["input_ids"], want["input_ids"])
         assert torch.equal(got["hidden_states"].contiguous().view(torch.int16),
                            want["hidden_states"].contiguous().view(torch.int16))
+
+
+def test_kill_9_at_random_points_loses_nothing(tiny_dir, tmp_path):
+    """SIGKILL the extraction right after a shard commit, inside a shard's upload (data being written, no
+    commit record yet) and after a commit again, re-running the same command each time: every sample ends
+    up in the store exactly once, with features equal to an uninterrupted run's, and verify passes."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    reference = str(tmp_path / "reference")
+    assert subprocess.run(_kill_cmd(tiny_dir, reference), cwd=repo, capture_output=True, timeout=300).returncode == 0
+    ref = hsstore.open(reference)
+    assert len(ref.commits) >= 5  # several shards, so kills land between and inside them
+
+    out = tmp_path / "killed"
+    before = len(_committed(out))
+    after_a_commit = lambda: len(_committed(out)) > before  # noqa: E731  (`before` moves on each round)
+    landed = []
+    for trigger in (after_a_commit, lambda: _uploading(out), after_a_commit):
+        start = len(_committed(out))
+        proc = subprocess.Popen(_kill_cmd(tiny_dir, str(out)), cwd=repo, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and not trigger():
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            landed.append(len(_committed(out)) - start)
+        proc.wait(timeout=60)
+        before = len(_committed(out))
+    assert len(landed) == 3, "a run finished before its kill"
+    partial = hsstore.open(str(out))
+    assert 0 < len(partial) < len(ref)  # the kills left a half-done store, and nothing half-visible in it
+    assert verify(partial).ok
+    assert subprocess.run(_kill_cmd(tiny_dir, str(out)), cwd=repo, capture_output=True, timeout=300).returncode == 0
+    store = hsstore.open(str(out))
+    assert verify(store).uncommitted  # the debris of the shard killed mid-upload: present, ignored by readers
+    _assert_same_as(store, ref)
+
+
+@pytest.mark.parametrize("seed", [7])
+def test_kill_9_two_concurrent_writers(tiny_dir, tmp_path, seed):
+    """Two extraction processes (ranks 0 and 1 of 2, as torchrun starts them) write into one store at once;
+    each is SIGKILLed at a seeded-random point (inside one of its shard uploads, or after one or two of its
+    commits), twice, and the same two commands are re-run until they finish:
+    every sample once, bit-equal to an uninterrupted single-writer run, verify passes.
+
+    One sample per forward (--token-budget 1): which samples share a batch depends on the rank split and on
+    what a resumed run has left, and in bf16 on a CPU the batch composition can move the last bit of a
+    feature; alone, a sample's features are the same bits however the work is split."""
+    import functools
+    import os
+    import random
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    reference = str(tmp_path / "reference")
+    data = tmp_path / "in.jsonl"  # 12 conversations, about one sample per shard: several shards per rank
+    data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:12]) + "\n")
+    cmd = functools.partial(_kill_cmd, tiny_dir, token_budget=1, data=data, shard_mb=0.05)
+    assert subprocess.run(cmd(reference), cwd=repo, capture_output=True, timeout=300).returncode == 0
+    ref = hsstore.open(reference)
+    out = tmp_path / "killed"
+    rng = random.Random(seed)
+
+    def start(rank: int) -> subprocess.Popen:
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+        return subprocess.Popen(cmd(str(out)), cwd=repo, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def trigger(writer: str):
+        base = len(_committed(out, writer))
+        kind = rng.choice(["commits", "uploading"])
+        if kind == "uploading":
+            return kind, lambda: _uploading(out, writer)
+        n = rng.randint(1, 2)
+        return f"after {n} commit(s)", lambda: len(_committed(out, writer)) >= base + n
+
+    kills = []
+    for _ in range(2):
+        procs = {r: start(r) for r in (0, 1)}
+        triggers = {r: trigger(f"rank{r:05d}") for r in (0, 1)}
+        deadline = time.monotonic() + 180
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            for r, p in procs.items():
+                if p.poll() is None and triggers[r][1]():
+                    p.send_signal(signal.SIGKILL)
+                    p.wait(timeout=60)
+                    kills.append((r, triggers[r][0]))
+            time.sleep(0.002)
+        for p in procs.values():
+            p.wait(timeout=120)
+    print(f"\nKILLS two writers: {kills}")
+    assert len(kills) >= 3, kills  # most kills must land while the writers are still working
+    partial = hsstore.open(str(out))
+    assert 0 < len(partial) < len(ref) and verify(partial).ok
+    for _ in range(3):  # re-run the same two commands until both finish
+        procs = {r: start(r) for r in (0, 1)}
+        if [p.wait(timeout=300) for p in procs.values()] == [0, 0]:
+            break
+    store = hsstore.open(str(out))
+    assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
+    _assert_same_as(store, ref)

@@ -154,3 +154,90 @@ def test_malformed_commit_record(tmp_path, new_manifest, samples, write):
     name.write_text('{"shard": "x"}')
     with pytest.raises(hsstore.CorruptionError, match=rf"commit record of shard '{name.stem}'.*malformed"):
         hsstore.open(str(tmp_path))
+
+
+def test_missing_commit_record_hides_the_shard_and_verify_names_it(tmp_path, new_manifest, samples, write, capsys):
+    """Data present, commit record gone: the shard does not exist for readers (its samples are not read,
+    nothing half-visible), and verify names it as uncommitted debris."""
+    write(str(tmp_path), new_manifest(), samples, shard_bytes=3 * 48 * 2 * 900)
+    store = hsstore.open(str(tmp_path))
+    assert len(store.commits) >= 2
+    gone = store.commits[0]
+    os.remove(tmp_path / "commits" / f"{gone.shard}.json")
+    after = hsstore.open(str(tmp_path))
+    assert after.sample_ids() == store.sample_ids()[gone.n_samples:]
+    report = verify(after)
+    assert report.ok and report.uncommitted == [gone.shard]
+    assert main(["verify", str(tmp_path), "-q"]) == 0
+    assert f"1 uncommitted shard(s) present (ignored by readers): {gone.shard}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"layers": [1, 3, 6]}, "array for layer 6 missing"),
+    ({"dtype": "float16"}, "dtype uint16/bfloat16 != manifest float16"),
+    ({"target.config_hash": "cfg-edited"}, "written under another manifest"),
+    ({"tokenizer.vocab_hash": "v-edited"}, "written under another manifest"),
+    ({"codec": "zstd"}, "written under another manifest"),
+])
+def test_hand_edited_manifest_named_by_verify_and_refused_by_loader(tmp_path, new_manifest, samples, write,
+                                                                      edit, message, capsys):
+    """A manifest edited by hand after shards were written (valid JSON, valid schema): every shard is named
+    by verify (exit 1), and the loader refuses the store instead of misreading its bytes."""
+    write(str(tmp_path), new_manifest(), samples)
+    path = tmp_path / "manifest.json"
+    d = json.loads(path.read_text())
+    for k, v in edit.items():
+        *parent, leaf = k.split(".")
+        (d[parent[0]] if parent else d)[leaf] = v
+    path.write_text(json.dumps(d))
+    store = hsstore.open(str(tmp_path))  # opening (and info) still works: it is how one finds out
+    report = verify(store)
+    assert not report.ok
+    assert {p.shard for p in report.problems} == {c.shard for c in store.commits}
+    assert any(message in str(p) for p in report.problems), [str(p) for p in report.problems]
+    assert any("written under another manifest" in str(p) for p in report.problems)
+    assert main(["verify", str(tmp_path), "-q"]) == 1
+    assert "FAIL shard" in capsys.readouterr().out
+    with pytest.raises(hsstore.ManifestError, match="differs from the manifest that shards.*run hsstore verify"):
+        hsstore.HiddenStateDataset(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"surprise": 1}, r"unknown fields \['surprise'\]"),
+    ({"layers": "1,3,5"}, "layers must be"),
+    ({"target": {"name": "x"}}, "missing or malformed field"),
+    ({"target.hidden_size": "48"}, "hidden_size must be a positive integer"),
+    ({"chunk_tokens": -1}, "chunk_tokens must be a positive integer"),
+    ({"format": "other"}, "not an hsstore manifest"),
+])
+def test_schema_invalid_manifest_one_line_error(tmp_path, new_manifest, samples, write, edit, message, capsys):
+    write(str(tmp_path), new_manifest(), samples[:3])
+    path = tmp_path / "manifest.json"
+    d = json.loads(path.read_text())
+    for k, v in edit.items():
+        *parent, leaf = k.split(".")
+        (d[parent[0]] if parent else d)[leaf] = v
+    path.write_text(json.dumps(d))
+    with pytest.raises(hsstore.ManifestError, match=message):
+        hsstore.open(str(tmp_path))
+    for cmd in (["verify", str(tmp_path), "-q"], ["info", str(tmp_path)]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "manifest.json" in err[0] and "Traceback" not in err[0], err
+
+
+def test_loader_on_commit_without_data_raises_or_skips_and_counts(tmp_path, new_manifest, samples, write):
+    """A committed shard whose data is gone: the loader raises CorruptionError naming it by default; with
+    skip_corrupt it delivers every other sample once and counts the skipped ones."""
+    import shutil
+
+    write(str(tmp_path), new_manifest(), samples, shard_bytes=3 * 48 * 2 * 900)
+    store = hsstore.open(str(tmp_path))
+    gone = store.commits[1]
+    shutil.rmtree(tmp_path / "shards" / gone.shard)
+    with pytest.raises(hsstore.CorruptionError, match=rf"shard '{gone.shard}'.*missing"):
+        list(hsstore.HiddenStateDataset(str(tmp_path)))
+    ds = hsstore.HiddenStateDataset(str(tmp_path), skip_corrupt=True)
+    got = [item["sample_id"] for item in ds]
+    assert sorted(got) == sorted(set(store.sample_ids()) - set(gone.samples["sample_id"]))
+    assert sum(ds.state_dict()["skipped"].values()) == gone.n_samples > 0

@@ -1,0 +1,194 @@
+"""A fault-injecting HTTP reverse proxy on loopback, for tests (stdlib only).
+
+Put it between s3fs/botocore (``endpoint_url`` = ``proxy.url``) and a real S3 endpoint (moto's server):
+every request is forwarded unchanged, except those the schedule picks, which get one fault:
+
+  reset      the connection is closed (RST) before any response
+  reset_after  forwarded (the upstream acts on it: a PUT is stored), then an RST instead of the response
+  reset_mid  the upstream answers; the client gets the headers and half the body, then an RST
+  500        ``500 InternalError`` with an S3 XML error body (nothing forwarded)
+  503        ``503 SlowDown`` with an S3 XML error body (nothing forwarded)
+  truncate   the upstream answers; the full Content-Length is sent, the body is cut, the socket closed
+  short      the upstream answers; a cut body is sent *with a matching Content-Length* (what no HTTP
+             layer can notice: only the chunk's CRC32C can)
+  latency    forwarded after ``delay`` seconds
+
+Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when ``i % every == every - 1``,
+kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
+request that has one), until ``limit`` faults are injected: ``limit / len(faults)`` of each kind. Persistent
+mode (``persistent=True``): every matching request gets a fault. ``injected`` counts faults by kind, so
+a test can assert that faults really happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import random
+import socket
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import urlsplit
+
+BODY_FAULTS = ("reset_mid", "truncate", "short")  # need a response body to cut
+ALL_FAULTS = ("reset", "reset_after", "reset_mid", "500", "503", "truncate", "short", "latency")
+
+_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}</Message>'
+        '<RequestId>faultproxy</RequestId></Error>')
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, faults=ALL_FAULTS, every: int = 3, limit: int = 10, seed: int = 0,
+                 persistent: bool = False, match: Callable[[str, str], bool] | None = None,
+                 delay: float = 0.05, short_on: Callable[[str], bool] | None = None) -> None:
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.faults = list(faults)
+        random.Random(seed).shuffle(self.faults)
+        self.every, self.limit, self.persistent, self.delay = max(1, every), limit, persistent, delay
+        self.match = match or (lambda method, path: True)
+        self.short_on = short_on or (lambda path: True)  # where a silently short body may be served
+        self.injected: collections.Counter = collections.Counter()
+        self.events: list[tuple[str, str, str]] = []  # (method, path, fault)
+        self.requests = 0
+        self._seen = 0
+        self._next = 0  # index of the next fault kind: kinds are injected strictly in turn
+        self._pending = False
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._server.handle_error = lambda request, address: None  # a client gone mid-fault is expected
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    @property
+    def total(self) -> int:
+        return sum(self.injected.values())
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _pick(self, method: str, path: str, has_body: bool) -> str | None:
+        """The fault for this request, or None (forward unchanged)."""
+        with self._lock:
+            self.requests += 1
+            if not self.match(method, path):
+                return None
+            i = self._seen
+            self._seen += 1
+            due = self._pending or i % self.every == self.every - 1
+            if not self.persistent and (self.total >= self.limit or not due):
+                return None
+            kind = self.faults[self._next % len(self.faults)]
+            if (kind in BODY_FAULTS and not has_body) or (kind == "short" and not self.short_on(path)):
+                self._pending = True  # this request cannot take it: the next one that can does
+                return None
+            self._pending = False
+            self._next += 1
+            self.injected[kind] += 1
+            self.events.append((method, path, kind))
+            return kind
+
+    def _handler(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                    parts = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            while self.rfile.readline().strip():
+                                pass
+                            return b"".join(parts)
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _rst(self) -> None:
+                """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to a client."""
+                try:
+                    self.wfile.flush()
+                except OSError:
+                    pass
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+
+            def _forward(self, body: bytes):
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                if body or self.command in ("PUT", "POST"):
+                    headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                return resp.status, resp.reason, resp.getheaders(), data
+
+            def _send(self, status, reason, headers, data: bytes, length: int | None = None) -> None:
+                self.send_response_only(status, reason)
+                for k, v in headers:
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def _error(self, status: int, code: str, msg: str) -> None:
+                data = _XML.format(code=code, msg=msg).encode()
+                self._send(status, "Error", [("Content-Type", "application/xml")], data)
+
+            def _serve(self) -> None:
+                body = self._body()
+                has_body = self.command == "GET"
+                kind = proxy._pick(self.command, self.path, has_body)
+                if kind == "reset":
+                    return self._rst()
+                if kind == "500":
+                    return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
+                if kind == "503":
+                    return self._error(503, "SlowDown", "Please reduce your request rate.")
+                if kind == "latency":
+                    time.sleep(proxy.delay)
+                status, reason, headers, data = self._forward(body)
+                if kind == "reset_after":
+                    return self._rst()
+                if kind in BODY_FAULTS and len(data) < 2:  # nothing to cut: drop the connection instead
+                    kind = "reset_mid"
+                    data = b""
+                if kind == "reset_mid":
+                    self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
+                    return self._rst()
+                if kind == "truncate":
+                    self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
+                    self.close_connection = True
+                    return
+                if kind == "short":
+                    cut = data[: len(data) // 2]
+                    headers = [(k, v) for k, v in headers if not k.lower().startswith(("etag", "x-amz-checksum"))]
+                    return self._send(status, reason, headers, cut)
+                self._send(status, reason, headers, data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
+
+        return Handler
