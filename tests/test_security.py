@@ -19,18 +19,23 @@ from conftest import make_manifest, make_samples, write_samples
 
 REPO = Path(__file__).resolve().parents[1]
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+PICKLE_LOADERS = {"load", "loads", "Unpickler", "read_pickle"}
 KEY, SECRET, PASSWORD = "AKIDSECRETKEY42", "s3cr3t-value-xyz", "pa55word-xyz"
 
 
 def unsafe_loads(source: str, name: str = "<src>") -> list[str]:
-    """Places in ``source`` that may unpickle: torch.load without weights_only=True, pickle-family
-    imports, numpy.load(allow_pickle=True), pandas.read_pickle."""
+    """Places in ``source`` that may unpickle: torch.load without weights_only=True, imports of the
+    pickle family other than the plain ``pickle`` module (whose exception classes are harmless), pickle's
+    loaders (``pickle.load[s]``, ``Unpickler``, imported or called), numpy.load(allow_pickle=True),
+    pandas.read_pickle."""
     found = []
     for node in ast.walk(ast.parse(source, name)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if any(m.split(".")[0] in PICKLE_MODULES for m in mods):
-                found.append(f"{name}:{node.lineno}: imports {mods}")
+            names = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
+            if any(m.split(".")[0] in PICKLE_MODULES - {"pickle"} for m in mods) or (
+                    any(m.split(".")[0] == "pickle" for m in mods) and names & PICKLE_LOADERS):
+                found.append(f"{name}:{node.lineno}: imports {mods} {sorted(names)}")
         if not isinstance(node, ast.Call):
             continue
         func = ast.unparse(node.func)
@@ -43,15 +48,17 @@ def unsafe_loads(source: str, name: str = "<src>") -> list[str]:
             a = kw.get("allow_pickle")
             if a is not None and not (isinstance(a, ast.Constant) and a.value is False):
                 found.append(f"{name}:{node.lineno}: numpy.load with allow_pickle")
-        if func.split(".")[-1] in ("read_pickle", "loads") and func.split(".")[0] in PICKLE_MODULES | {"pd", "pandas"}:
+        if func.split(".")[-1] in PICKLE_LOADERS and func.split(".")[0] in PICKLE_MODULES | {"pd", "pandas"}:
             found.append(f"{name}:{node.lineno}: {func}")
     return found
 
 
 def test_scanner_finds_what_it_looks_for():
-    bad = ("import pickle\nimport torch\nx = torch.load(f)\ny = torch.load(f, weights_only=False)\n"
-           "import numpy as np\nz = np.load(f, allow_pickle=True)\nfrom dill import loads\n")
-    assert len(unsafe_loads(bad)) == 5
+    bad = ("import pickle\npickle.loads(b)\nimport torch\nx = torch.load(f)\ny = torch.load(f, weights_only=False)\n"
+           "import numpy as np\nz = np.load(f, allow_pickle=True)\nfrom dill import loads\nfrom pickle import Unpickler\n")
+    assert len(unsafe_loads(bad)) == 6
+    # catching the error torch.load(weights_only=True) raises is not loading a pickle
+    assert unsafe_loads("import pickle\ntry:\n    pass\nexcept pickle.UnpicklingError:\n    pass\n") == []
     assert unsafe_loads("import torch\nx = torch.load(f, mmap=True, weights_only=True)\n") == []
 
 
