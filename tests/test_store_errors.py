@@ -174,7 +174,7 @@ def test_missing_commit_record_hides_the_shard_and_verify_names_it(tmp_path, new
 
 @pytest.mark.parametrize("edit, message", [
     ({"layers": [1, 3, 6]}, "array for layer 6 missing"),
-    ({"dtype": "float16"}, "dtype uint16/bfloat16 != manifest float16"),
+    ({"dtype": "float16"}, "dtype uint16/bfloat16 != float16 (manifest dtype float16"),
     ({"target.config_hash": "cfg-edited"}, "written under another manifest"),
     ({"tokenizer.vocab_hash": "v-edited"}, "written under another manifest"),
     ({"codec": "zstd"}, "written under another manifest"),
