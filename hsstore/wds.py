@@ -21,18 +21,22 @@ import bisect
 import functools
 import io
 import json
+import logging
 import mmap
 import posixpath
 import tarfile
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 from . import codec, storage
-from .errors import CorruptionError, StoreError
+from .errors import CorruptionError, FetchError
 from .manifest import Manifest, now_iso
 from .shard import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
+
+log = logging.getLogger(__name__)
 
 BLOCK = tarfile.BLOCKSIZE  # 512: every member is one ustar header block, then its data padded to blocks
 IDS_DTYPE, MASK_DTYPE = np.dtype("<i4"), np.dtype("|u1")
@@ -312,24 +316,56 @@ def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, 
 
 
 def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
+    """Fetch the spans by byte range and finish their members. A span whose bytes fail a check (length, tar
+    header, CRC32C) is fetched again, with backoff, up to ``storage.FETCH_ATTEMPTS`` times in all before it
+    is called corrupt: a body cut or damaged in transit looks complete to the HTTP client. A request that
+    fails after the client's retries is a ``FetchError`` (never skipped as corrupt by the loader)."""
+    todo = list(spans)
+    for attempt in range(1, storage.FETCH_ATTEMPTS + 1):
+        blobs = _fetch(fs, path, todo, rec, url)
+        failed = []
+        for span, blob in zip(todo, blobs):
+            try:
+                _finish_span(span, blob, rec)
+            except CorruptionError as e:
+                if attempt == storage.FETCH_ATTEMPTS or isinstance(blob, FileNotFoundError):
+                    raise
+                failed.append(span)
+                first = e
+        if not failed:
+            return
+        log.warning("%d range(s) of %s failed their checks, fetching again (attempt %d of %d): %s",
+                    len(failed), tar_path(rec.shard), attempt + 1, storage.FETCH_ATTEMPTS, first)
+        time.sleep(storage.FETCH_BACKOFF_S * 2 ** (attempt - 1))
+        todo = failed
+
+
+def _fetch(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> list:
     try:
         blobs = fs.cat_ranges([path] * len(spans), [s[0] for s in spans], [s[1] for s in spans], on_error="return")
     except Exception as e:
-        raise StoreError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
-    for (lo, hi, group), blob in zip(spans, blobs):
-        if isinstance(blob, FileNotFoundError):
-            raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: missing")
-        if isinstance(blob, Exception):
-            raise StoreError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(blob).__name__}: {blob}")
-        if len(blob) != hi - lo:
-            raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: truncated tar "
-                                  f"({len(blob)} of {hi - lo} bytes at offset {lo})")
-        buf = np.frombuffer(blob, np.uint8)
-        for job in group:
-            a = job.offset - lo
-            check_header(bytes(buf[a - BLOCK:a]), job.name, job.size, rec.shard)
-            npy = buf[a:a + job.size]
-            _finish(job, npy, npy[len(job.header):], codec.crc32c(npy), rec.shard)
+        raise FetchError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
+    for blob in blobs:
+        failure = storage.fetch_failure(blob)
+        if failure:
+            raise FetchError(f"shard {rec.shard!r} of store {url!r}, file {tar_path(rec.shard)}: read failed after "
+                             f"retries ({failure})")
+    return blobs
+
+
+def _finish_span(span: tuple[int, int, list[_Job]], blob, rec: CommitRecord) -> None:
+    lo, hi, group = span
+    if isinstance(blob, FileNotFoundError):
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: missing")
+    if len(blob) != hi - lo:
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: truncated tar "
+                              f"({len(blob)} of {hi - lo} bytes at offset {lo})")
+    buf = np.frombuffer(blob, np.uint8)
+    for job in group:
+        a = job.offset - lo
+        check_header(bytes(buf[a - BLOCK:a]), job.name, job.size, rec.shard)
+        npy = buf[a:a + job.size]
+        _finish(job, npy, npy[len(job.header):], codec.crc32c(npy), rec.shard)
 
 
 def expected_members(rec: CommitRecord, layers: Sequence[int]) -> list[str]:

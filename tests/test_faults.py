@@ -142,3 +142,49 @@ def test_persistent_fault_writer_raises_commits_nothing(s3_endpoint, fault_sampl
     assert proxy.injected[kind] > 0
     s3fs.S3FileSystem.clear_instance_cache()
     assert len(hsstore.open(url, endpoint_url=s3_endpoint)) == 0
+
+
+@pytest.mark.parametrize("reader", ["loader", "read"])
+def test_wds_readers_survive_bounded_faults(s3_endpoint, fault_samples, reader):
+    """The same faults on a wds store's byte-range reads of its tars: a range cut short (by the body or with
+    a matching Content-Length) is fetched again; every sample arrives once, bit-exact. (``read``: plain
+    ``Store.read``, which has no per-sample re-read to fall back on, unlike the loader.)"""
+    import dataclasses
+
+    from conftest import make_manifest
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = fresh_bucket(s3_endpoint)
+    write_store(url, fault_samples, manifest=dataclasses.replace(make_manifest(chunk_tokens=64), layout="wds"),
+                shard_tokens=600, storage_options={"endpoint_url": s3_endpoint})
+    s3fs.S3FileSystem.clear_instance_cache()
+    with FaultProxy(s3_endpoint, every=2, limit=2 * len(ALL_FAULTS), seed=3,  # wds: few, merged range reads
+                    short_on=lambda p: p.endswith(".tar")) as proxy:
+        opts = {"endpoint_url": proxy.url}
+        if reader == "loader":
+            items = list(dataset(url, storage_options=opts, prefetch=2, shuffle_bytes=1 << 16))
+        else:
+            store = hsstore.open(url, **opts)
+            items = [store.read(i) for i in range(len(store))]
+        assert_bit_exact(items, fault_samples)
+    report(f"wds {reader}", proxy)
+    assert proxy.injected == {k: 2 for k in ALL_FAULTS}
+
+
+def test_wds_persistent_fault_raises_never_skips(s3_endpoint, fault_samples):
+    """Tar range reads that always fail: FetchError naming store, shard and file, even with skip_corrupt."""
+    import dataclasses
+
+    from conftest import make_manifest
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = fresh_bucket(s3_endpoint)
+    write_store(url, fault_samples[:6], manifest=dataclasses.replace(make_manifest(chunk_tokens=64), layout="wds"),
+                storage_options={"endpoint_url": s3_endpoint})
+    s3fs.S3FileSystem.clear_instance_cache()
+    with FaultProxy(s3_endpoint, faults=["503"], persistent=True, match=lambda m, p: p.endswith(".tar")) as proxy:
+        ds = dataset(url, storage_options={"endpoint_url": proxy.url, **FAST_FAIL}, skip_corrupt=True)
+        with pytest.raises(hsstore.FetchError, match=rf"shard '.+' of store '{url}'.*read failed"):
+            list(ds)
+    report("wds loader persistent 503", proxy)
+    assert proxy.injected["503"] > 0
