@@ -90,3 +90,20 @@ def test_a_store_of_another_identity_is_refused_at_start(tmp_path, new_manifest,
     write(url, new_manifest(), new_samples(2))
     with pytest.raises(hsstore.ManifestError):
         ProcessWriter(url, new_manifest(config_hash="other"))
+
+
+def test_process_writer_on_s3(s3_store, new_manifest, new_samples):
+    """The child reaches the object store with the parent's storage options (and environment)."""
+    url, opts = s3_store
+    samples = new_samples(6)
+    with ProcessWriter(url, new_manifest(), storage_options=opts, shard_bytes=20_000) as w:
+        views = _stage(w, samples, 1 << 20)
+        for s, v in zip(samples, views):
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], v)
+    store = hsstore.open(url, **opts)
+    assert sorted(store.sample_ids()) == sorted(s["sample_id"] for s in samples) and len(store.commits) > 1
+    for i in range(len(store)):
+        got = store.read(i)
+        want = next(s for s in samples if s["sample_id"] == got["sample_id"])
+        assert torch.equal(got["hidden_states"].view(torch.int16), want["hidden_states"].view(torch.int16))
+    assert verify(store).ok
