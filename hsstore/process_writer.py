@@ -51,9 +51,8 @@ class ProcessWriter:
         self.bytes_written = 0
         self.committed_shards = 0
         self.wait_s = 0.0  # the child writer's back-pressure time (see StoreWriter.wait_s)
-        self._buffers: list[tuple[int, int, str]] = []  # (data_ptr, nbytes, path)
+        self._buffers: list[tuple[int, int]] = []  # staging buffers: (data_ptr, nbytes)
         self._tensors: list[torch.Tensor] = []
-        self._sent = 0
         self._closed = False
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -81,7 +80,7 @@ class ProcessWriter:
             self._recv()
         finally:
             os.unlink(path)  # both processes hold a mapping; nothing is left behind if either dies
-        self._buffers.append((t.data_ptr(), nbytes, path))
+        self._buffers.append((t.data_ptr(), nbytes))
         self._tensors.append(t)
         return t
 
@@ -89,7 +88,7 @@ class ProcessWriter:
         if not x.is_contiguous():
             raise SampleError(f"{where}: features must be contiguous in a staging buffer")
         start, n = x.data_ptr(), x.numel() * x.element_size()
-        for k, (ptr, size, _) in enumerate(self._buffers):
+        for k, (ptr, size) in enumerate(self._buffers):
             if ptr <= start and start + n <= ptr + size:
                 return k, start - ptr
         raise SampleError(f"{where}: features are not in a staging buffer of this ProcessWriter")
@@ -108,7 +107,6 @@ class ProcessWriter:
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
         self._send(("add", parts, str(sample_id), ids, mask,
                     {"source": source, "thinking_tokens": thinking_tokens, "flags": flags}))
-        self._sent += 1
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
         self._check_open()
