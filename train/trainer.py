@@ -204,7 +204,8 @@ def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     n = requested
     if n is None and local_world > 1 and dev.type == "cuda":
-        n = max(1, len(os.sched_getaffinity(0)) // local_world)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = max(1, cores // local_world)
     if n:
         torch.set_num_threads(n)
     return torch.get_num_threads()
