@@ -77,6 +77,10 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.Co
     return todo
 
 
+def _matches(data: bytes, want: dict) -> bool:
+    return len(data) == want["size"] and codec.crc32c(data) == want["crc32c"]
+
+
 def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
     """Copy one shard's files (each checked against its commit record), then publish its record. Returns bytes."""
     src_fs, src_root, _ = src.shard_location(rec.shard)
@@ -87,14 +91,16 @@ def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
         size += entry["size"]
         if size < BATCH_BYTES and n < len(items) - 1:
             continue
-        blobs = storage.cat_many(src_fs, [storage.join(src_root, k) for k in keys])
+        paths = {storage.join(src_root, k): k for k in keys}
+        # objects cut or damaged in transit are fetched again before they are called corrupt
+        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: _matches(b, rec.files[paths[p]]))
         out = {}
         for k in keys:
             data, want = blobs[storage.join(src_root, k)], rec.files[k]
             where = f"store {src.url!r}, shard {rec.shard}, file {k}"
             if isinstance(data, Exception):
                 raise CorruptionError(f"{where}: unreadable ({type(data).__name__}: {data})")
-            if len(data) != want["size"] or codec.crc32c(data) != want["crc32c"]:
+            if not _matches(data, want):
                 raise CorruptionError(f"{where}: does not match its commit record (size/CRC32C); run "
                                       f"`hsstore verify {src.url}`")
             out[storage.join(root, k)] = data
