@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .loader import _can_pin
+
 MODES = ("pad", "pack")
 
 
@@ -42,30 +44,33 @@ def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = 
         yield batch
 
 
-def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Batch memory: shared memory in a DataLoader worker (handing it over then copies nothing)."""
+def _empty(shape: Sequence[int], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """Batch memory: shared memory in a DataLoader worker (handing it over then copies nothing); pinned
+    memory when asked in the main process. Pinned blocks come from torch's caching host allocator, so
+    a batch reuses the memory of one whose copy to the device is done: no page faults, no second copy."""
     if get_worker_info() is not None:
         numel = 1
         for s in shape:
             numel *= int(s)
         storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
         return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype).view(tuple(shape))
-    return torch.empty(tuple(shape), dtype=dtype)
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory)
 
 
-def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
+def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory: bool = False) -> dict[str, Any]:
     """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` ``[B, T]``, ``hidden_states``
     ``[B, T, L, H]`` (padding zeroed), ``lengths`` ``[B]``, ``sample_id`` list; items of fp8 stores add
     ``hidden_scales`` ``[B, T, L]`` (padding 1). Right padding: left padding would change nothing here,
-    but the drafter's masks assume real tokens come first."""
+    but the drafter's masks assume real tokens come first. ``pin_memory``: features go straight into
+    pinned memory (outside DataLoader workers), ready for an asynchronous copy to the GPU."""
     B = len(items)
     lengths = torch.tensor([int(x["input_ids"].shape[0]) for x in items], dtype=torch.int64)
     T = int(lengths.max())
     hs0 = items[0]["hidden_states"]
     ids = torch.full((B, T), pad_id, dtype=torch.int64)
     mask = torch.zeros((B, T), dtype=torch.bool)
-    hidden = _empty((B, T) + tuple(hs0.shape[1:]), hs0.dtype)
-    scales = _empty((B, T, hs0.shape[1]), torch.float32) if "hidden_scales" in items[0] else None
+    hidden = _empty((B, T) + tuple(hs0.shape[1:]), hs0.dtype, pin_memory)
+    scales = _empty((B, T, hs0.shape[1]), torch.float32, pin_memory) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = x["input_ids"]
@@ -84,17 +89,18 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str
     return out
 
 
-def collate_packed(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def collate_packed(items: Sequence[dict[str, Any]], pin_memory: bool = False) -> dict[str, Any]:
     """Packed batch for varlen attention: ``input_ids``/``loss_mask``/``position_ids`` ``[N]``,
     ``hidden_states`` ``[N, L, H]`` (fp8 stores: and ``hidden_scales`` ``[N, L]``), ``cu_seqlens`` int32
-    ``[B + 1]`` (sample b is ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list."""
+    ``[B + 1]`` (sample b is ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list.
+    ``pin_memory`` as in ``collate_padded``."""
     lengths = [int(x["input_ids"].shape[0]) for x in items]
     cu = torch.zeros(len(items) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     N = int(cu[-1])
     hs0 = items[0]["hidden_states"]
-    hidden = _empty((N,) + tuple(hs0.shape[1:]), hs0.dtype)
-    scales = _empty((N, hs0.shape[1]), torch.float32) if "hidden_scales" in items[0] else None
+    hidden = _empty((N,) + tuple(hs0.shape[1:]), hs0.dtype, pin_memory)
+    scales = _empty((N, hs0.shape[1]), torch.float32, pin_memory) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         hidden[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_states"])
         if scales is not None:
@@ -112,14 +118,16 @@ def collate_packed(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class TokenBatches(IterableDataset):
     """A ``HiddenStateDataset`` batched by token budget (use ``DataLoader(..., batch_size=None)``).
 
-    Resumable: ``state_dict`` is the dataset's, minus the items held for the next batch."""
+    Resumable: ``state_dict`` is the dataset's, minus the items held for the next batch.
+    ``pin_memory``: in-process iteration collates features straight into pinned memory (the batch copy
+    is then the only host copy before the GPU); DataLoader workers ignore it (use the DataLoader's)."""
 
     def __init__(self, dataset, max_tokens: int, mode: str = "pad", max_items: int | None = None,
-                 pad_id: int = 0) -> None:
+                 pad_id: int = 0, pin_memory: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.dataset, self.max_tokens, self.mode = dataset, int(max_tokens), mode
-        self.max_items, self.pad_id = max_items, pad_id
+        self.max_items, self.pad_id, self.pin_memory = max_items, pad_id, bool(pin_memory)
         self._held = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -137,12 +145,15 @@ class TokenBatches(IterableDataset):
             yield item
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        pin = False
         if get_worker_info() is not None:
             self.dataset.share_memory = False  # items are copied into the (shared) batch anyway
+        elif self.pin_memory:
+            pin = _can_pin()
         self._held = 0
         for batch in token_batches(self._counted(self.dataset), self.max_tokens, self.mode, self.max_items):
             self._held -= len(batch)  # what is still held: the item that did not fit, if any
-            yield collate_packed(batch) if self.mode == "pack" else collate_padded(batch, self.pad_id)
+            yield collate_packed(batch, pin) if self.mode == "pack" else collate_padded(batch, self.pad_id, pin)
 
     def __repr__(self) -> str:
         return f"TokenBatches({self.dataset!r}, max_tokens={self.max_tokens}, mode={self.mode!r})"

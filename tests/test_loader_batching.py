@@ -90,3 +90,16 @@ def test_padded_batch_fits_the_trainer_format(store_url):  # noqa: F811
     assert b["attention_mask"].dtype == torch.bool and b["loss_mask"].shape == (B, T)
     assert B * T <= 512 or B == 1
 
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_pin_memory_gives_the_same_batches(store_url, mode):  # noqa: F811
+    """Pinned collation (the trainer's in-process path) changes where batches live, never what they hold;
+    without an accelerator it falls back to plain memory."""
+    plain = list(TokenBatches(dataset(store_url, seed=3), max_tokens=400, mode=mode))
+    pinned = list(TokenBatches(dataset(store_url, seed=3), max_tokens=400, mode=mode, pin_memory=True))
+    assert ids(pinned) == ids(plain)
+    for a, b in zip(plain, pinned):
+        assert torch.equal(bits(a["hidden_states"]), bits(b["hidden_states"]))
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert b["hidden_states"].is_pinned() == torch.cuda.is_available()

@@ -13,6 +13,15 @@ The store is written just before, so it is in the page cache unless ``--cold`` d
 
     python -m tools.bench_train --dir /scratch/bench --device cuda              # 27B-sized drafter layer
     python -m tools.bench_train --dir /tmp/b --tiny                              # CPU smoke test
+
+``--loader-only`` times the data path alone (no drafter): batches per second from the store to the
+device, the way the trainer reads them, for the settings the trainer can change, alternated in one run:
+``pinned`` (features collated straight into pinned memory, the default) vs ``copy`` (collated into
+plain memory, then pinned by a second copy, as before), each with this rank's share of the cores and
+with one thread (torchrun's ``OMP_NUM_THREADS=1``). Under ``torchrun`` every rank reads its own share at
+the same time, so the figure per rank is what DDP training gets from the loader:
+
+    torchrun --standalone --nproc_per_node 2 -m tools.bench_train --dir /tmp/b --loader-only --json
 """
 
 from __future__ import annotations
@@ -132,6 +141,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--loader-only", action="store_true",
+                    help="time the data path alone (torchrun: all ranks at once); see the module doc")
     ap.add_argument("--store-only", action="store_true",
                     help="only write the store, with random target assets, for `hsstore train` (kept; path printed)")
     args = ap.parse_args()
@@ -140,15 +151,18 @@ def main() -> None:
             setattr(args, k, v)
     device = torch.device(args.device)
     if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
+        device = torch.device("cuda", device.index or int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     per_step = args.steps + args.warmup
     batch_samples = max(1, args.max_tokens // args.seq)
-    if args.samples < per_step * batch_samples:
-        args.samples = per_step * batch_samples  # one epoch must cover a round
+    ranks = int(os.environ.get("WORLD_SIZE", 1)) if args.loader_only else 1
+    if args.samples < per_step * batch_samples * ranks:
+        args.samples = per_step * batch_samples * ranks  # one epoch must cover a round (of every rank)
 
     key = f"h{args.hidden}-L{args.taps}-v{args.vocab}-T{args.seq}-n{args.samples}"
     store = Path(args.dir) / f"bench-train-{key}"
+    if args.loader_only:
+        return loader_only(args, store, device)
     if not (store / "manifest.json").exists():
         shutil.rmtree(store, ignore_errors=True)
         t = time.perf_counter()
@@ -218,6 +232,70 @@ def main() -> None:
         print(f"  ratio (resident / loader-fed step time): {re_ / lo:.3f}  (>= 0.97: the loader is not the bottleneck)")
     if not args.keep_store:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def loader_only(args, store: Path, device: torch.device) -> None:
+    """Per rank: tokens/s and GB/s of batches landing on the device, for each data-path setting."""
+    import torch.distributed as dist
+
+    from train.trainer import share_cpu_threads
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    if rank == 0 and not (store / "manifest.json").exists():
+        shutil.rmtree(store, ignore_errors=True)
+        write_store(store, args, device)
+    if world > 1:
+        dist.barrier()
+    shared = share_cpu_threads(None, device)
+    gamma = default_gamma(args.block)
+    settings = [(pin, threads) for pin in ("pinned", "copy") for threads in dict.fromkeys([shared, 1])]
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    epoch = 0
+    for r in range(args.rounds):
+        for pin, threads in settings:
+            name = f"{pin}/threads={threads}"
+            torch.set_num_threads(threads)
+            source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0,
+                                  rank=rank, world_size=world, pin_memory=pin == "pinned" and device.type == "cuda")
+            source.set_epoch(epoch)
+            stream = read_ahead(source, lambda b, e=epoch: add_anchors(b, 0, e, args.anchors, args.block, gamma),
+                                device, args.prefetch)
+            epoch += 1
+            n = 0
+            for i, (batch, _) in enumerate(stream):
+                if i == args.warmup:  # the first batches fill the read-ahead: not timed
+                    if world > 1:
+                        dist.barrier()
+                    sync(device)
+                    t = time.perf_counter()
+                if i >= args.warmup:
+                    n += int(batch["attention_mask"].sum())
+                    batch["hidden_states"].float().sum()  # the step uses what arrived (and keeps the copy honest)
+                if i + 1 == args.warmup + args.steps:
+                    break
+            sync(device)
+            times.setdefault(name, []).append(time.perf_counter() - t)
+            tokens.setdefault(name, []).append(n)
+            stream.close()
+    token_bytes = args.taps * args.hidden * 2
+    res = {"rank": rank, "world": world, "device": str(device), "threads_shared": shared, "settings": {}}
+    for name in times:
+        rates = [n / t for n, t in zip(tokens[name], times[name])]
+        best = max(rates)
+        res["settings"][name] = {"tokens_per_s": round(best), "gb_per_s": round(best * token_bytes / 1e9, 2),
+                                 "rounds_tokens_per_s": [round(x) for x in rates]}
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        dist.destroy_process_group()
+    else:
+        gathered = [res]
+    if rank == 0:
+        out = {"world_size": world, "steps": args.steps, "max_tokens": args.max_tokens, "per_rank": gathered}
+        print(json.dumps(out, indent=1) if args.json else out)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ class StoreBatches:
     resume state. ``workers > 0`` reads through ``torchdata``'s ``StatefulDataLoader`` worker processes
     (spawned: forked workers can deadlock fsspec's event loops); ``0`` reads in this process, on the
     loader's own threads, which is usually enough. ``pin_memory`` applies to worker batches (the
-    DataLoader pins them on its own thread); in-process batches are pinned by ``read_ahead``."""
+    DataLoader pins them on its own thread); in-process batches are collated into pinned memory, and what is
+    not pinned yet is pinned by ``read_ahead``."""
 
     def __init__(self, urls: Sequence[str], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
                  world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
@@ -89,7 +90,9 @@ class StoreBatches:
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
                                           world_size=world_size, weights=weights, storage_options=storage_options,
                                           cache_dir=cache_dir)  # items are copied into batches: pin those
-        self.batches = TokenBatches(self.dataset, max_tokens=max_tokens)
+        # in-process batches are collated straight into pinned memory; worker batches are pinned by the
+        # DataLoader's own thread
+        self.batches = TokenBatches(self.dataset, max_tokens=max_tokens, pin_memory=pin_memory and workers == 0)
         self.max_tokens, self.workers = int(max_tokens), int(workers)
         self.loader = None
         if workers > 0:
