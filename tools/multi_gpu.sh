@@ -4,16 +4,16 @@
 # sample's use logged and checked (exactly once per epoch) on the machine itself; and the same training
 # scaling on a larger synthetic store, next to what the loader alone delivers per rank.
 #
-#   RESULTS=$OUT SAMPLES_PER_GPU=32 bash tools/multi_gpu.sh                 # everything (~12 min)
-#   RESULTS=$OUT PHASES="synth" bash tools/multi_gpu.sh                     # one part
+#   RESULTS=$OUT SAMPLES_PER_GPU=32 bash tools/multi_gpu.sh                 # everything (~20 min)
+#   RESULTS=$OUT PHASES="synth synth_train" bash tools/multi_gpu.sh         # a part
 #
 # Phases (PHASES, in this order):
 #   bench1    1 GPU: tools.bench_extract, forward vs extraction modes         -> extract_1gpu.json
 #   extract2  torchrun x2: forward + extraction, then a kept store; verify    -> extract_2gpu.json
 #   train     hsstore train on that store: 1 GPU, then DDP on 2 GPUs           -> summary.json
 #   flex      hsstore train --attn flex on the extracted store, 1 GPU, recompiles counted (FLEX_TIMEOUT)
-#   synth     a synthetic store (SYNTH_ARGS); the loader alone on 1 and 2 ranks (loader.json), then
-#             hsstore train on 1 GPU, 2 GPUs, 2 GPUs with --cpu-threads 1      -> summary.json
+#   synth     a synthetic store (SYNTH_ARGS); the loader alone on 1 and 2 ranks   -> loader.json
+#   synth_train  hsstore train on it: 1 GPU, 2 GPUs (SYNTH_TRAIN_ARGS), and THREADS_AB runs -> summary.json
 # Few result files on purpose (the device tool returns a handful): log.txt (progress, verify, info, the
 # trainers' last lines), extract_1gpu.json, extract_2gpu.json, loader.json, summary.json, stderr.txt.
 # Lessons of the first runs (session 2): fla autotunes each new batch shape once (~25 s on the first pass,
@@ -25,7 +25,7 @@ S=${SAMPLES_PER_GPU:-32}
 STORE=${STORE:-/tmp/hsstore-multi-gpu-store}
 SYNTH_DIR=${SYNTH_DIR:-/tmp/hsstore-synth}
 TRAIN_EPOCHS=${TRAIN_EPOCHS:-3}
-PHASES=${PHASES:-"bench1 extract2 train flex synth"}
+PHASES=${PHASES:-"bench1 extract2 train flex synth synth_train"}
 read -r -a BENCH_ARGS <<< "${BENCH_ARGS:-}"   # e.g. a tiny CPU model for a dry run
 read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:-}"
 # the synthetic store: 27B-sized features (hidden 5120, 5 taps), a small vocabulary so that the drafter
@@ -80,8 +80,9 @@ fi
 if has flex; then  # does flex attention compile once, or per batch shape? (the extracted store's lengths vary)
   TORCH_LOGS=recompiles LIMIT=${FLEX_TIMEOUT:-240} ATTN=flex train flex-x1 "$STORE" 1
   grep -i -A3 "recompil" /tmp/flex-x1.out | head -60 > "$RESULTS/recompiles.txt"
-  echo "recompiles logged: $(grep -c -i "recompiling" /tmp/flex-x1.out)" >> "$LOG"
+  { echo "recompiles logged: $(grep -c -i "recompiling" /tmp/flex-x1.out)"; tail -4 /tmp/flex-x1.out; } >> "$LOG"
 fi
+SYN=$(ls -d "$SYNTH_DIR"/bench-train-* 2>/dev/null | head -1)
 if has synth; then
   rm -rf "$SYNTH_DIR"
   step "synthetic store"
@@ -92,11 +93,22 @@ if has synth; then
     > "$RESULTS/loader.json" 2>> "$RESULTS/stderr.txt"
   timeout 150 torchrun --standalone --nproc_per_node 2 -m tools.bench_train --dir "$SYNTH_DIR" --loader-only \
     "${SYNTH_ARGS[@]}" "${LOADER_ARGS[@]}" 2>> "$RESULTS/stderr.txt" | quiet >> "$RESULTS/loader.json"
-  train synth-x1 "$SYN" 1
-  train synth-x2 "$SYN" 2
-  if [[ "${CPU_THREADS_AB:-1}" == 1 ]]; then
-    train synth-x2-t1 "$SYN" 2 --cpu-threads 1
+fi
+if has synth_train; then
+  if [[ -z "$SYN" ]]; then
+    step "synthetic store"
+    SYN=$(python3 -m tools.bench_train --dir "$SYNTH_DIR" --store-only "${SYNTH_ARGS[@]}" 2>> "$RESULTS/stderr.txt" | tail -1)
   fi
+  read -r -a ST_ARGS <<< "${SYNTH_TRAIN_ARGS:-}"
+  train synth-x1 "$SYN" 1 "${ST_ARGS[@]}"
+  train synth-x2 "$SYN" 2 "${ST_ARGS[@]}"
+  if [[ -n "${FLEX_SYNTH:-}" ]]; then  # flex attention on equal-length batches, FLEX_SYNTH seconds at most
+    TORCH_LOGS=recompiles LIMIT=$FLEX_SYNTH ATTN=flex train flex-synth-x1 "$SYN" 1 "${ST_ARGS[@]}"
+    { echo "recompiles logged: $(grep -c -i "recompiling" /tmp/flex-synth-x1.out)"; tail -4 /tmp/flex-synth-x1.out; } >> "$LOG"
+  fi
+  for t in ${THREADS_AB:-}; do  # e.g. THREADS_AB="1x8 2x1": --cpu-threads 8 on 1 GPU, 1 on 2 GPUs
+    train "synth-x${t%x*}-t${t#*x}" "$SYN" "${t%x*}" "${ST_ARGS[@]}" --cpu-threads "${t#*x}"
+  done
 fi
 
 if ((${#RUNS[@]})); then
