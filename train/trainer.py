@@ -77,7 +77,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     clip: float = 1.0
     seed: int = 0
-    attn: str = "auto"  # sdpa | flex | auto (flex on CUDA)
+    attn: str = "auto"  # sdpa | flex | auto (= sdpa: flex compiles for a minute or more, longer when shapes vary)
     log_every: int = 10
     save_every: int = 1000
     cpu_threads: int | None = None  # torch CPU threads per rank (default: see share_cpu_threads)
@@ -157,7 +157,7 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
                          f"{manifest.hidden_size}")
     window = cfg.sliding_window or None
     windows = [window] * (cfg.draft_layers - 1) + [None] if window else None
-    attn = cfg.attn if cfg.attn != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    attn = cfg.attn if cfg.attn != "auto" else "sdpa"  # flex: opt-in, see TrainConfig.attn
     return DrafterConfig.from_target_config(
         SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
         mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, cfg.mask_token_id),
@@ -197,10 +197,11 @@ def init_distributed(device: str | None):
 
 def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
     """Threads for torch's CPU ops (the batch collate: a layer-major -> token-major copy of ~1 GB per step).
-    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise, which puts that copy on one core. On 2 H200s
-    DDP ran at 42K tokens/s against 50K on one GPU, the ranks waiting 55% of the time for data; one core
-    per rank is a suspect, not an established cause. Default under torchrun on GPUs: each local rank
-    gets its share of this machine's cores (``--cpu-threads`` overrides)."""
+    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise. On 2 H200s (session 3, the loader alone,
+    both ranks at once) one thread capped the old collate-then-pin path at 24-34K tokens/s per rank, which
+    is what starved DDP in session 2; collating straight into pinned memory does 72-118K with one thread,
+    and training no longer depends on it (39.3K vs 39.5K tokens/s on 2 GPUs). Default under torchrun on
+    GPUs: each local rank gets its share of this machine's cores (``--cpu-threads`` overrides)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     n = requested
     if n is None and local_world > 1 and dev.type == "cuda":
