@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import google_crc32c
 import numcodecs
-
-try:  # releases the GIL on buffers of 32 KiB and more; google_crc32c holds it (see crc32c below)
-    import crc32c as _crc32c_nogil
-except ImportError:  # pragma: no cover - a platform without its wheel: same values, GIL held
-    _crc32c_nogil = None
 import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+try:  # releases the GIL on buffers of 32 KiB and more; google_crc32c holds it (see crc32c below)
+    import crc32c as _crc32c_nogil
+except ImportError:  # a platform without its wheel: the same values, with the GIL held
+    _crc32c_nogil = None
 
 from . import fp8
 from .errors import CorruptionError, StoreError

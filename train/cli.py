@@ -88,8 +88,8 @@ def register(subparsers) -> None:
 
 
 # The loader's threads take the GIL in bursts; with Python's default 5 ms switch interval the training
-# thread can wait that long to launch its next kernel. On an H200, with 2.5 GB/s
-# of features read per GPU, 0.5 ms gave 41.4K tokens/s against 38.8K and 39.1K (one run each).
+# thread can wait that long to launch its next kernel. On an H200, with 2.5 GB/s of features read per
+# GPU, 0.5 ms gave 41.4K tokens/s against 38.8K and 39.1K (one run each).
 SWITCH_INTERVAL_S = 0.0005
 
 
