@@ -36,6 +36,19 @@ def add_threshold_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_template_kwargs_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template-kwargs", default=None, metavar="JSON",
+        help="arguments for the chat template, as the engine got them, e.g. '{\"enable_thinking\": false}' or "
+             "'{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
+
+
+def template_kwargs_from_args(args: argparse.Namespace) -> dict:
+    from extract.tokenize import template_kwargs_of
+
+    return template_kwargs_of(args.chat_template_kwargs, "--chat-template-kwargs")
+
+
 def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
     return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
 
@@ -55,6 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
     p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    add_template_kwargs_flag(p)
     add_threshold_flags(p)
     p.set_defaults(func=run_check)
 
@@ -72,6 +86,7 @@ def register(subparsers) -> None:
     s.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     s.add_argument("--max-chars", type=int, default=None, help="show only the last N characters")
+    add_template_kwargs_flag(s)
     add_storage_option(s)
     s.set_defaults(func=run_show)
 
@@ -104,6 +119,7 @@ def register(subparsers) -> None:
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--no-progress", action="store_true")
+    add_template_kwargs_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
     e.set_defaults(func=run_extract_cmd)
@@ -167,6 +183,9 @@ def register(subparsers) -> None:
                    help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the API key, if the server needs one")
+    r.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="template arguments sent with every request, over {\"enable_thinking\": true} (e.g. "
+                        "'{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=run_regenerate_cmd)
 
@@ -201,37 +220,51 @@ def run_check(args: argparse.Namespace) -> int:
     from extract.gate import check
     from extract.tokenize import TokenizeStats, load_samples
 
+    kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
     stats = TokenizeStats()
     samples = load_samples(args.input, tokenizer, max_length=args.max_length, keep_over_length=True,
-                           expand=not args.no_expand, stats=stats)
+                           expand=not args.no_expand, stats=stats, chat_template_kwargs=kwargs)
     report = check(samples, thresholds_from_args(args), stats=stats)
     if args.json:
         print(report.to_json())
     else:
         print(report.format_text(tokenizer, n_examples=args.examples, color=_use_color(args.color)), end="")
-    return 0 if report.ok else 1
+    if report.ok:
+        return 0
+    more = f" (+{len(report.failures) - 1} more in the report)" if len(report.failures) > 1 else ""
+    print(f"hsstore check: gate failed: {report.failures[0]}{more}", file=sys.stderr)
+    return 1
 
 
 def run_show(args: argparse.Namespace) -> int:
     from extract.show import format_sample
-    from extract.tokenize import load_samples
+    from extract.tokenize import TokenizeStats, load_samples
 
     if is_store(args.input, parse_storage_options(args.storage_option)):
         return show_store_sample(args)
     if not args.model:
         raise ValueError(f"{args.input}: not a store (no manifest.json there); to show a sample of an input "
                          "file, give --model")
+    kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
     index = int(args.n) if args.n.isdigit() else None
     found, count = None, 0
-    for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand):
+    stats = TokenizeStats()
+    for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand,
+                               stats=stats, chat_template_kwargs=kwargs):
         if count == index or sample.sample_id == args.n:
             found = sample
             break
         count += 1
     if found is None:
-        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples)")
+        why = next((r for r, ids in stats.skipped.items() if args.n in ids), None)
+        if why:
+            raise ValueError(f"{args.input}: row {args.n!r} was skipped ({why}): it cannot be tokenized faithfully "
+                             "(the warning above says why)")
+        skipped = "".join(f"; {len(ids)} rows skipped ({r}), first: {stats.first_skipped[r][:240]}"
+                          for r, ids in stats.skipped.items())
+        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples{skipped})")
     s = found
     flags = ", ".join(s.flags) or "-"
     print(
@@ -297,7 +330,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         layout=args.layout, encoding=args.encoding,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
-        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer)
+        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
+        chat_template_kwargs=template_kwargs_from_args(args))
     try:
         result = run_extract(cfg)
     except GateRefused as e:
@@ -306,7 +340,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         return 1
     print(f"rank {result.rank}/{result.world_size}: wrote {result.samples} samples, {result.tokens:,} tokens in "
           f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
-          f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped; "
+          f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped"
+          + "".join(f", {n} rows skipped ({r})" for r, n in sorted(result.skipped_rows.items())) + "; "
           f"the forward waited {result.gpu_wait_s:.1f}s on the writer")
     return 0
 
@@ -366,7 +401,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
         inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
         timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
-        progress=not args.no_progress)
+        progress=not args.no_progress, chat_template_kwargs=template_kwargs_from_args(args))
     res = run_regenerate(cfg)
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {args.out}) in "
           f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "

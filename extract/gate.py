@@ -53,6 +53,10 @@ class GateThresholds:
     min_response_fraction: float = field(
         default=0.0, metadata={"help": "fail when loss tokens / all tokens is below this"}
     )
+    max_skipped_share: float = field(
+        default=0.02, metadata={"help": "fail when input rows that cannot be tokenized faithfully (skipped) exceed "
+                                        "this share of the rows"}
+    )
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class GateReport:
             "flagged_ids": listed,
             "sources": self.sources,
             "input": self.input_stats,
+            "skipped": (self.input_stats or {}).get("skipped", {}),
             "thresholds": asdict(self.thresholds),
         }
         if per_sample:
@@ -191,9 +196,10 @@ def check(
 
     report = GateReport(thresholds=t, samples=records, _examples=examples)
     if stats is not None:
-        report.input_stats = asdict(stats)
+        report.input_stats = stats.to_dict()
     n = len(records)
     if n == 0:
+        _skipped_verdict(report)
         report.failures.append("no samples to check")
         return report
 
@@ -218,8 +224,26 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _skipped_verdict(report: GateReport) -> None:
+    """Rows that could not be tokenized faithfully: a failure past the threshold, else a warning."""
+    inp = report.input_stats or {}
+    count, rows = inp.get("skipped_rows", 0), inp.get("rows", 0)
+    if not count:
+        return
+    share = count / rows if rows else 1.0
+    reasons = ", ".join(f"{r} {v['count']:,}" for r, v in inp["skipped"].items())
+    limit = report.thresholds.max_skipped_share
+    what = f"rows that cannot be tokenized faithfully, skipped ({reasons}): {count:,} of {rows:,} ({_pct(share)})"
+    if share > limit:
+        first = next(iter(inp["skipped"].values())).get("first", "")
+        report.failures.append(f"{what}, limit {_pct(limit)}" + (f"; first: {first[:240]}" if first else ""))
+    else:
+        report.warnings.append(f"{what}, under the limit {_pct(limit)}")
+
+
 def _verdict(report: GateReport) -> None:
     t = report.thresholds
+    _skipped_verdict(report)
     top = report.top_loss_sum
     if top["value"] <= t.small_loss_sum and top["share"] >= t.max_top_share:
         report.dominant = True
@@ -256,6 +280,7 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
     lines = [f"hsstore quality gate: {verdict}"]
     if n == 0:
         lines += [f"  FAIL  {f}" for f in report.failures]
+        lines += _skipped_lines(report)
         return "\n".join(lines) + "\n"
     top = report.top_loss_sum
     if report.dominant:
@@ -292,6 +317,7 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
     for flag in FLAG_ORDER:
         c = report.flag_counts.get(flag, 0)
         lines.append(f"    {flag:<16} {c:>9,}  {_pct(c / n):>6}")
+    lines += _skipped_lines(report)
     lines += ["", "  verdict"]
     lines += [f"    FAIL  {f}" for f in report.failures]
     lines += [f"    warn  {w}" for w in report.warnings]
@@ -310,6 +336,18 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
                 )
                 lines.append(format_sample(tokenizer, ids, mask, color=color, max_chars=max_chars))
     return "\n".join(lines) + "\n"
+
+
+def _skipped_lines(report: GateReport, shown: int = 3) -> list[str]:
+    """Skipped rows by reason, with the first ids (the log has each row's message)."""
+    skipped = (report.input_stats or {}).get("skipped") or {}
+    if not skipped:
+        return []
+    lines = ["", "  skipped rows (not tokenized faithfully; nothing of them is used)"]
+    for reason, v in skipped.items():
+        ids = ", ".join(v["ids"][:shown]) + (" ..." if v["count"] > shown else "")
+        lines.append(f"    {reason:<16} {v['count']:>9,}  {ids}")
+    return lines
 
 
 def _pick_examples(report: GateReport, n: int) -> list:

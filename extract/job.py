@@ -60,6 +60,7 @@ class ExtractConfig:
     world_size: int | None = None
     progress: bool = True
     writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ExtractResult:
     tokens: int = 0
     skipped_done: int = 0
     skipped_over_length: int = 0
+    skipped_rows: dict[str, int] = field(default_factory=dict)  # reason -> input rows not tokenized faithfully
     seconds: float = 0.0
     bytes_written: int = 0
     gpu_wait_s: float = 0.0  # the forward waited this long for the writer (storage slower than the GPU)
@@ -132,7 +134,8 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
 
     stats = TokenizeStats()
     samples = list(load_samples(cfg.inputs, tokenizer, max_length=cfg.max_length, truncate=cfg.truncate,
-                                keep_over_length=True, expand=cfg.expand, stats=stats))
+                                keep_over_length=True, expand=cfg.expand, stats=stats,
+                                chat_template_kwargs=cfg.chat_template_kwargs))
     report = check(samples, cfg.thresholds, stats=stats)
     result.gate = report
     if not report.ok and not cfg.force:
@@ -144,6 +147,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     over = [s.sample_id for s in samples if "over_length" in s.flags]
     samples = [s for s in samples if "over_length" not in s.flags]
     result.skipped_over_length = len(over)
+    result.skipped_rows = {reason: len(v) for reason, v in stats.skipped.items()}
 
     mine = rank_slice(samples, rank, world)
     done = committed_ids(cfg.out, cfg.storage_options)
@@ -168,8 +172,11 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
         shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
-    if over and rank == 0:
-        writer.note_skipped("over_length", over)
+    if rank == 0:  # recorded in the store's commit records, so `hsstore info` shows what never reached it
+        if over:
+            writer.note_skipped("over_length", over)
+        for reason, skipped_ids in stats.skipped.items():
+            writer.note_skipped(reason, skipped_ids)
 
     budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
     batches = token_budget_batches(todo, budget)

@@ -31,6 +31,8 @@ class ChatRecord:
     messages: Any
     tools: list | None = None
     where: str = ""
+    #: the row's own ``chat_template_kwargs`` (validated when tokenized; they override the command line's)
+    template_kwargs: Any = None
 
 
 @dataclass
@@ -98,7 +100,7 @@ def record_from_row(row: Any, where: str, default_source: str) -> Record:
     messages, tools = row[key], row.get("tools")
     if sample_id is None or sample_id == "":
         sample_id = derive_id({"messages": messages, "tools": tools})
-    return ChatRecord(str(sample_id), str(source), messages, tools, where)
+    return ChatRecord(str(sample_id), str(source), messages, tools, where, row.get("chat_template_kwargs"))
 
 
 def read_jsonl(path: Path, source: str) -> Iterator[Record]:

@@ -14,13 +14,15 @@ Which turns are regenerated (``turns``):
   answer the original tool calls, so conversations with tool messages are refused in this mode.
 
 Output: JSONL, one row per input id (``id`` and ``source`` kept), ``messages`` = prompt + generated
-assistant turn(s) with ``reasoning_content`` (from the server's reasoning parser, or split out of inline
-``<think>...</think>``) and ``finish_reason``; a turn cut by ``max_tokens`` has ``finish_reason: "length"``,
+assistant turn(s) with ``reasoning_content`` (from the server's reasoning parser; only when the server gives no
+reasoning field is an inline ``<think>...</think>`` split out of the content, so a literal ``</think>`` in an
+answer is kept) and ``finish_reason``, and ``chat_template_kwargs``: the template arguments the requests carried
+(what ``check``/``extract`` must render the row with); a turn cut by ``max_tokens`` has ``finish_reason: "length"``,
 which the gate counts as truncated. Rows are appended and fsynced as they complete, so a crash loses only
 in-flight prompts; re-running skips ids already in the output (a torn last line is dropped and redone).
 
-Requests carry only ``model``, ``messages``, ``max_tokens``, ``temperature``, ``chat_template_kwargs:
-{"enable_thinking": true}`` (and ``tools`` when the row has them), because some servers refuse unknown fields
+Requests carry only ``model``, ``messages``, ``max_tokens``, ``temperature``, ``chat_template_kwargs``
+(``{"enable_thinking": true}`` plus ``--chat-template-kwargs``) and ``tools`` when the row has them, because some servers refuse unknown fields
 (``transformers serve`` answers 422). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
 ``{"skip_special_tokens": false}`` for vLLM/SGLang without a reasoning parser when the model's think markers are
 special tokens (Qwen's are not), or the recommended sampling (``top_p``, ``top_k``). Rows with tools need
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from extract.readers import ChatRecord, input_files, read_records
-from extract.tokenize import REASONING_KEYS, parse_message_list, role_and_content, split_inline_think
+from extract.tokenize import parse_message_list, role_and_content, split_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class RegenConfig:
     backoff_max_s: float = 60.0
     timeout_s: float = 600.0  # one request, generation included
     extra_body: dict = field(default_factory=dict)  # merged into every request (e.g. skip_special_tokens, top_p)
+    chat_template_kwargs: dict = field(default_factory=dict)  # over {"enable_thinking": True}
     api_key: str | None = None
     progress: bool = True
 
@@ -154,20 +157,16 @@ def scan_prompts(inputs: list[str], turns: str) -> list[str]:
 def assistant_turn(message: dict, finish_reason: str | None) -> dict:
     """The server's message as an assistant turn with ``reasoning_content`` and ``finish_reason``.
 
-    Reasoning comes from the server's reasoning parser (``reasoning_content``; newer vLLM says ``reasoning``)
-    or, without one, from inline ``<think>...</think>`` in the content. A think block left open means the
-    generation stopped inside the reasoning: recorded as ``finish_reason: "length"`` whatever the server said.
+    Reasoning comes from the server's reasoning parser (``reasoning_content``; newer vLLM says ``reasoning``),
+    and the content is then kept whole; only without such a field is an inline ``<think>...</think>`` split
+    out of the content (``tokenize.split_reasoning``, the rule extraction applies too). A think block left
+    open means the generation stopped inside the reasoning: recorded as ``finish_reason: "length"`` whatever
+    the server said.
     """
-    content = message.get("content") or ""
-    reasoning = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str)), None)
-    inline, answer, closed = split_inline_think(content)
-    if inline is not None:
-        reasoning = reasoning if reasoning and reasoning.strip() else inline
-        content = answer
-        if not closed:
-            finish_reason = "length"
-    turn = {"role": "assistant", "content": content.strip(), "reasoning_content": (reasoning or "").strip(),
-            "finish_reason": finish_reason}
+    reasoning, content, closed = split_reasoning(message)
+    if not closed:
+        finish_reason = "length"
+    turn = {"role": "assistant", "content": content, "reasoning_content": reasoning, "finish_reason": finish_reason}
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
     return turn
@@ -190,6 +189,9 @@ class ChatClient:
         import httpx
 
         self.cfg, self.stop = cfg, stop
+        #: what every request's chat_template_kwargs holds (``--extra-body`` may add to it); recorded in each row
+        self.template_kwargs = {"enable_thinking": True, **cfg.chat_template_kwargs,
+                                **(cfg.extra_body.get("chat_template_kwargs") or {})}
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.Client(
             base_url=api_base(cfg.server), headers=headers,
@@ -210,10 +212,11 @@ class ChatClient:
 
     def complete(self, messages: list[dict], tools, what: str) -> dict:
         body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_tokens,
-                "temperature": self.cfg.temperature, "chat_template_kwargs": {"enable_thinking": True}}
+                "temperature": self.cfg.temperature}
         if tools:
             body["tools"] = tools
         body.update(self.cfg.extra_body)
+        body["chat_template_kwargs"] = self.template_kwargs
         return self._call("POST", "/chat/completions", body, what)
 
     def _call(self, method: str, path: str, body: dict | None, what: str) -> dict:
@@ -276,6 +279,7 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
     row = {"id": prompt.sample_id, "source": prompt.source, "messages": messages}
     if prompt.tools:
         row["tools"] = prompt.tools
+    row["chat_template_kwargs"] = client.template_kwargs
     row["generation"] = {"model": client.cfg.model, "finish_reasons": finish, "completion_tokens": tokens,
                          "max_tokens": client.cfg.max_tokens, "temperature": client.cfg.temperature}
     return row, tokens

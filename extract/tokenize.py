@@ -1,27 +1,45 @@
 """Turn conversations (or pre-tokenized rows) into training sequences with exact loss masks.
 
-Loss masks come from the tokenizer's own chat template, which needs no ``{% generation %}`` markers
-(Qwen's templates have none): for every assistant turn we render the conversation up to the turn with
-the generation prompt and up to the end of the turn, check that both renders are a prefix of the full
-render (as text and as token ids), and mask the tokens in between, up to and including the turn's
-end-of-turn token (``<|im_end|>``). The ``<|im_start|>assistant\\n`` header, the newline after the
-end-of-turn token (dropped at the end of a sample) and every system/user/tool token stay unmasked.
+Engine-faithful ids. A serving engine (vLLM, SGLang, ``transformers serve``) answers an assistant turn
+by rendering the chat template over the history with ``add_generation_prompt=True`` and the request's
+template arguments, tokenizing that prompt, and generating. So for every trained assistant turn a
+sample holds ``encode(prompt)`` followed by ``encode(generated)``, where *generated* is the part of
+the turn's render after the prompt: reasoning, ``</think>``, answer, tool calls, up to and including
+the end-of-turn token (``<|im_end|>``). The two are never tokenized as one string: with the
+generation prompt ending in ``<think>\\n`` and an empty reasoning the model generated ``\\n``,
+``</think>`` where one string would give ``\\n\\n``. The loss mask is 1 exactly on the generated
+tokens. Special-token text *inside* a generated turn (a literal ``<|im_end|>`` in an answer) is
+encoded as ordinary text, as the model must have produced it: the engine stops at the real token.
+A turn the engine cut (``finish_reason: length``, an unclosed think block) gets no end-of-turn token
+in its mask: the model never generated one.
 
-Expansion rule. Qwen-style templates drop the reasoning of assistant turns before the last user
-message (Qwen3's also drops an empty think block of a non-final turn), so in a multi-turn conversation
-earlier turns do not appear as the target generated them. A turn is therefore masked only in a sample
-that renders it exactly as it renders when it is the last message; a turn that renders differently in
-the full conversation gets a sample of its own that ends at it, with everything before it as context.
-Every assistant turn is masked exactly once, in the context it was generated in, with its reasoning,
-so every thinking block in the data reaches the store. With Qwen-style templates this means one sample
-per user message answered (tool-call turns of the same exchange share it). A template that keeps all
-reasoning yields a single sample. Ids: ``{id}#t{k}``, k the 0-based index among the conversation's
-assistant turns of the sample's last turn; a conversation that gives one sample keeps its ``id``.
-``expand=False`` keeps only the sample ending at the last turn.
+Multi-turn. Qwen-style templates drop the reasoning of assistant turns before the last user message,
+so earlier turns do not appear in later prompts as the target generated them. Turns are grouped into
+one sample while the later prompt renders the earlier turns exactly as they were generated (as text,
+and as tokens: the sample's ids before each turn equal ``encode`` of that turn's own prompt); a turn
+that breaks this starts a sample of its own with everything before it as context. Every assistant
+turn is masked exactly once, in the context it was generated in. With Qwen3/3.5 templates this means
+one sample per user message answered (tool-call turns of one exchange share it); with a template that
+keeps all reasoning (Qwen3.6 with ``preserve_thinking``) one sample per conversation. Ids:
+``{id}#t{k}``, k the 0-based index among the conversation's assistant turns of the sample's last
+turn; a conversation that gives one sample keeps its ``id``. ``expand=False`` keeps only the last.
+
+Rows as engines see them. Tool-call ``arguments`` given as a JSON string (the OpenAI wire format) are
+parsed to objects before rendering, as vLLM and SGLang do (empty -> ``{}``). Reasoning comes from the
+row's ``reasoning_content`` (or ``reasoning``/``thinking``) field when it has one, and the content is
+then kept whole (a literal ``</think>`` in an answer stays in the answer); only a row without such a
+field has an inline ``<think>...</think>`` split out of its content. Template arguments
+(``enable_thinking``, ``preserve_thinking``, ...) come from ``chat_template_kwargs``: a default for all
+rows, overridden per row by the row's own ``chat_template_kwargs`` object.
+
+Bad rows never abort a run: a row that cannot be tokenized faithfully raises :class:`RowError` with a
+reason (``SKIP_REASONS``); :func:`load_samples` skips it, logs it and counts it by reason and id in
+:class:`TokenizeStats`, and the quality gate fails only when the skipped share passes its threshold.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -44,8 +62,23 @@ REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")
 
 
-class TemplateError(ValueError):
-    """The chat template cannot give exact masks (not prefix-stable, no end-of-turn token, ...)."""
+#: Why a row was skipped (see :class:`RowError`), in the order reports list them.
+SKIP_REASONS = ("invalid_row", "tool_arguments", "template_error", "prompt_mismatch", "no_end_of_turn")
+
+
+class RowError(ValueError):
+    """One row cannot be tokenized faithfully; ``reason`` is one of ``SKIP_REASONS``.
+
+    Raised by :meth:`ChatTokenizer.tokenize`; :func:`load_samples` skips the row and counts it.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class TemplateError(RowError):
+    """The chat template cannot give this row's turns as the engine generated them."""
 
 
 @dataclass
@@ -84,6 +117,26 @@ class TokenizeStats:
     skipped_over_length: int = 0
     truncated: int = 0  # cut to max_length (truncate=True)
     skipped_no_loss: int = 0  # nothing left to learn after truncation
+    #: rows that could not be tokenized faithfully: reason -> sample ids (nothing of them is used)
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    #: reason -> the error message of the first row skipped for it (names file, line and id)
+    first_skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def skipped_rows(self) -> int:
+        return sum(len(ids) for ids in self.skipped.values())
+
+    def skip(self, reason: str, sample_id: str, message: str = "") -> None:
+        self.skipped.setdefault(reason, []).append(sample_id)
+        self.first_skipped.setdefault(reason, message)
+
+    def to_dict(self, max_listed: int = 20) -> dict:
+        """JSON-ready counts; skipped ids are listed up to ``max_listed`` per reason, with the first message."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("skipped", "first_skipped")}
+        out["skipped_rows"] = self.skipped_rows
+        out["skipped"] = {r: {"count": len(ids), "ids": ids[:max_listed], "first": self.first_skipped.get(r, "")}
+                          for r, ids in sorted(self.skipped.items())}
+        return out
 
 
 # ---------------------------------------------------------------------------------------------- messages
@@ -92,8 +145,9 @@ class TokenizeStats:
 def split_inline_think(text: str) -> tuple[str | None, str, bool]:
     """Split ``<think>r</think>a`` content into (reasoning, answer, closed).
 
-    Returns reasoning None when the content has no think markup. An opened but never closed block
-    (generation cut inside the reasoning) gives (reasoning, "", False).
+    The reasoning ends at the first ``</think>`` (what the model emitted to close it; anything later is
+    answer text). Returns reasoning None when the content has no think markup. An opened but never
+    closed block (generation cut inside the reasoning) gives (reasoning, "", False).
     """
     if THINK_END in text:
         head, _, tail = text.partition(THINK_END)
@@ -103,6 +157,55 @@ def split_inline_think(text: str) -> tuple[str | None, str, bool]:
     if stripped.startswith(THINK_START):
         return stripped[len(THINK_START) :].strip(), "", False
     return None, text, True
+
+
+def reasoning_field(message: dict) -> str | None:
+    """The message's reasoning from its own field (``reasoning_content``/``reasoning``/``thinking``), or None
+    when it has none: only then may reasoning be split out of the content."""
+    return next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str)), None)
+
+
+def split_reasoning(message: dict) -> tuple[str, str, bool]:
+    """(reasoning, content, closed) of an assistant message by the rule in the module docstring."""
+    content = message.get("content") or ""
+    reasoning = reasoning_field(message)
+    if reasoning is not None:
+        return reasoning, content, True
+    inline, answer, closed = split_inline_think(content)
+    return (inline or "", answer, closed) if inline is not None else ("", content, True)
+
+
+def parse_tool_calls(calls, where: str, i: int) -> list:
+    """Tool calls with string ``arguments`` parsed to objects, as vLLM and SGLang do before rendering
+    (templates such as Qwen3.5's iterate ``arguments|items``); empty or missing arguments -> ``{}``."""
+    if not isinstance(calls, list):
+        raise RowError("invalid_row", f"{where}: message {i} tool_calls must be a list")
+    out = []
+    for k, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise RowError("invalid_row", f"{where}: message {i} tool call {k} is not an object")
+        call = dict(call)
+        fn = call.get("function") if isinstance(call.get("function"), dict) else None
+        holder = dict(fn) if fn is not None else call
+        args = holder.get("arguments")
+        if not args:
+            holder["arguments"] = {}
+        elif isinstance(args, str):
+            try:
+                holder["arguments"] = json.loads(args)
+            except json.JSONDecodeError as e:
+                name = holder.get("name", "?")
+                raise RowError(
+                    "tool_arguments",
+                    f"{where}: message {i} tool call {k} ({name}): arguments is not valid JSON "
+                    f"({e.msg} at column {e.colno}): {args[:80]!r}",
+                ) from None
+        if fn is not None:
+            call["function"] = holder
+        else:
+            call = holder
+        out.append(call)
+    return out
 
 
 def _text(content, where: str, i: int) -> str:
@@ -118,9 +221,9 @@ def _text(content, where: str, i: int) -> str:
             elif isinstance(part, str):
                 parts.append(part)
             else:
-                raise ValueError(f"{where}: message {i} has a non-text content part ({part!r:.60})")
+                raise RowError("invalid_row", f"{where}: message {i} has a non-text content part ({part!r:.60})")
         return "".join(parts)
-    raise ValueError(f"{where}: message {i} content must be a string, got {type(content).__name__}")
+    raise RowError("invalid_row", f"{where}: message {i} content must be a string, got {type(content).__name__}")
 
 
 def parse_message_list(raw, where: str) -> list:
@@ -129,34 +232,37 @@ def parse_message_list(raw, where: str) -> list:
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError:
-            raise ValueError(f"{where}: messages is a string that is not a JSON list of messages") from None
+            raise RowError("invalid_row", f"{where}: messages is a string that is not a JSON list of messages") from None
     if not isinstance(raw, list):
-        raise ValueError(f"{where}: messages must be a list of objects, got {type(raw).__name__}")
+        raise RowError("invalid_row", f"{where}: messages must be a list of objects, got {type(raw).__name__}")
     if not raw:
-        raise ValueError(f"{where}: empty conversation")
+        raise RowError("invalid_row", f"{where}: empty conversation")
     return raw
 
 
 def role_and_content(m, where: str, i: int) -> tuple[str, str]:
     """Role (OpenAI or ShareGPT naming) and text content of message ``i``, validated."""
     if not isinstance(m, dict):
-        raise ValueError(f"{where}: message {i} is not an object")
+        raise RowError("invalid_row", f"{where}: message {i} is not an object")
     if "role" in m:
         role = m["role"]
     elif "from" in m:
         role = _SHAREGPT_ROLES.get(m["from"], m["from"])
     else:
-        raise ValueError(f"{where}: message {i} has no role")
+        raise RowError("invalid_row", f"{where}: message {i} has no role")
     if role not in ROLES:
-        raise ValueError(f"{where}: message {i} has unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        raise RowError(
+            "invalid_row", f"{where}: message {i} has unknown role {role!r} (expected one of {', '.join(ROLES)})"
+        )
     return role, _text(m.get("content", m.get("value")), where, i)
 
 
 def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
     """Validate and normalise messages to ``{role, content, reasoning_content?, tool_calls?, name?}``.
 
-    Inline ``<think>`` blocks in assistant content become ``reasoning_content``. Returns the messages
-    and the indices of assistant turns known to be cut off (unclosed think, ``finish_reason: length``).
+    Assistant turns always get a string ``reasoning_content`` (so templates never split the content
+    themselves); tool-call arguments become objects. Returns the messages and the indices of assistant
+    turns known to be cut off (unclosed think, ``finish_reason: length``).
     """
     raw = parse_message_list(raw, where)
     out: list[dict] = []
@@ -165,43 +271,74 @@ def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
         role, content = role_and_content(m, where, i)
         msg: dict = {"role": role, "content": content}
         if role == "assistant":
-            reasoning = next((m[k] for k in REASONING_KEYS if isinstance(m.get(k), str)), None)
-            inline, answer, closed = split_inline_think(content)
-            if inline is not None:
-                if reasoning and reasoning.strip():
-                    logger.debug("%s: message %d has reasoning_content and inline <think>; keeping the field", where, i)
-                else:
-                    reasoning = inline
-                msg["content"] = answer
-                if not closed:
-                    cut.add(i)
-            msg["reasoning_content"] = (reasoning or "").strip()
-            if m.get("tool_calls"):
-                msg["tool_calls"] = m["tool_calls"]
-            if m.get("finish_reason") == "length":
+            reasoning, msg["content"], closed = split_reasoning({**m, "content": content})
+            msg["reasoning_content"] = reasoning
+            if not closed or m.get("finish_reason") == "length":
                 cut.add(i)
+            if m.get("tool_calls"):
+                msg["tool_calls"] = parse_tool_calls(m["tool_calls"], where, i)
         if m.get("name") is not None:
             msg["name"] = m["name"]
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     assistants = [i for i, m in enumerate(out) if m["role"] == "assistant"]
     if not assistants:
-        raise ValueError(f"{where}: conversation has no assistant turn")
+        raise RowError("invalid_row", f"{where}: conversation has no assistant turn")
     if assistants[0] == 0:
-        raise ValueError(f"{where}: conversation starts with an assistant turn (no prompt to condition on)")
+        raise RowError("invalid_row", f"{where}: conversation starts with an assistant turn (no prompt to condition on)")
     return out, cut
+
+
+def template_kwargs_of(value, where: str) -> dict:
+    """A row's (or the command line's) ``chat_template_kwargs``: an object, or a JSON string of one."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RowError("invalid_row", f"{where}: chat_template_kwargs is not valid JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise RowError("invalid_row", f"{where}: chat_template_kwargs must be an object, got {type(value).__name__}")
+    return value
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
 
 
-class ChatTokenizer:
-    """A tokenizer plus what exact masking needs: its template, end-of-turn id and response markers."""
+@dataclass(frozen=True)
+class TurnRender:
+    """One assistant turn as the engine met it: the prompt it answered and where its output ends.
 
-    def __init__(self, tokenizer, end_of_turn: str | None = None, markers: ResponseMarkers | None = None):
+    ``text`` is the render that includes the turn; ``text[:len(prompt)]`` is the prompt and
+    ``text[len(prompt):end]`` what the model generated, up to and including the end-of-turn token.
+    """
+
+    prompt: str
+    text: str
+    end: int
+
+    @property
+    def generated(self) -> str:
+        return self.text[len(self.prompt) : self.end]
+
+
+class ChatTokenizer:
+    """A tokenizer plus what exact masking needs: its template, end-of-turn id and response markers.
+
+    ``template_kwargs`` are passed to every render (``enable_thinking``, ``preserve_thinking``, ...);
+    a row's own ``chat_template_kwargs`` override them.
+    """
+
+    def __init__(self, tokenizer, end_of_turn: str | None = None, markers: ResponseMarkers | None = None,
+                 template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {_name(tokenizer)} has no chat template")
         self.tokenizer = tokenizer
         self.markers = markers or ResponseMarkers.from_tokenizer(tokenizer, end_of_turn)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.eot_text = tokenizer.convert_ids_to_tokens(self.markers.end_of_turn)
         self._check_control_tokens()
 
     def _check_control_tokens(self) -> None:
@@ -211,7 +348,10 @@ class ChatTokenizer:
             {"role": "user", "content": "probe question"},
             {"role": "assistant", "content": "probe answer", "reasoning_content": "probe reasoning"},
         ]
-        text = self.render(probe)
+        try:
+            text = self.render(probe, kwargs=self.template_kwargs)
+        except RowError as e:
+            raise ValueError(f"tokenizer {_name(self.tokenizer)}: its chat template fails on a plain conversation: {e}")
         missing = sorted({tok for tok in _MARKUP.findall(text) if self._single(tok) is None})
         if missing:
             raise ValueError(
@@ -223,96 +363,123 @@ class ChatTokenizer:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids[0] if len(ids) == 1 else None
 
-    def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+    def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False,
+               kwargs: dict | None = None, label: str = "") -> str:
+        """The template's text; any failure inside the template is this row's ``template_error``."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+            )
+        except Exception as e:  # jinja raises TemplateError, TypeError (`|items` on a string), ...
+            where = f"{label}: " if label else ""
+            raise RowError("template_error", f"{where}chat template failed: {type(e).__name__}: {e}") from None
 
     def encode(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        """Token ids of text as the engine tokenizes a rendered prompt (special-token text -> special ids)."""
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    def _turn_renders(self, messages: list[dict], turns: list[int], tools) -> dict[int, tuple[str, str]]:
-        """Per assistant turn t: (render of messages[:t] + generation prompt, render of messages[:t+1]).
+    def encode_generated(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of generated turns: the closing end-of-turn token, and special-token text before it as
+        ordinary text (the model cannot have emitted the real token mid-turn: the engine stops there)."""
+        if not texts:
+            return []
+        eot, n = self.markers.end_of_turn, len(self.eot_text)
+        bodies = [t[:-n] if t.endswith(self.eot_text) else t for t in texts]
+        encoded = self.tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return [ids + [eot] if t.endswith(self.eot_text) else ids for ids, t in zip(encoded, texts, strict=True)]
 
-        Neither depends on where a sample ends, so each is rendered once per conversation.
+    def _turn(self, messages: list[dict], t: int, tools, kwargs: dict, label: str) -> TurnRender:
+        prompt = self.render(messages[:t], tools, add_generation_prompt=True, kwargs=kwargs, label=label)
+        text = self.render(messages[: t + 1], tools, kwargs=kwargs, label=label)
+        if not text.startswith(prompt):
+            shown = json.dumps(kwargs, sort_keys=True) if kwargs else "none"
+            raise TemplateError(
+                "prompt_mismatch",
+                f"{label}: assistant message {t} does not render as a continuation of its generation prompt "
+                f"(template arguments: {shown}); e.g. data generated with thinking on/off rendered with the other "
+                "setting: pass --chat-template-kwargs or the row's chat_template_kwargs",
+            )
+        close = text.rfind(self.eot_text, len(prompt))
+        if close < 0:
+            raise TemplateError(
+                "no_end_of_turn",
+                f"{label}: assistant message {t} renders without the end-of-turn token {self.eot_text!r}",
+            )
+        return TurnRender(prompt, text, close + len(self.eot_text))
+
+    def plan(self, messages: list[dict], tools, label: str, kwargs: dict | None = None
+             ) -> tuple[list[list[int]], dict[int, TurnRender]]:
+        """Groups of assistant turns that can share a sample, by text: a group ends at its last turn, and
+        every turn in it renders inside that turn's render exactly as when it was generated. Sorted by end.
         """
-        return {
-            t: (self.render(messages[:t], tools, add_generation_prompt=True), self.render(messages[: t + 1], tools))
-            for t in turns
-        }
-
-    def plan(
-        self, messages: list[dict], tools, label: str
-    ) -> tuple[list[tuple[int, list[int]]], dict[int, tuple[str, str]]]:
-        """Which samples to emit: [(last message index, assistant turns masked in that sample)] sorted by
-        end, plus the per-turn renders (see ``_turn_renders``) that ``mask`` reuses.
-
-        A turn is masked in a sample only if the sample renders it exactly as it renders when it is the
-        last message, i.e. as the target generated it: both of its renders are prefixes of the sample's.
-        Turns that render differently there get a sample ending at them. Every turn is masked once.
-        """
+        kwargs = self.template_kwargs if kwargs is None else kwargs
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        renders = self._turn_renders(messages, turns, tools)
-        plan, pending = [], turns
+        renders = {t: self._turn(messages, t, tools, kwargs, label) for t in turns}
+        groups, pending = [], turns
         while pending:
-            end = pending[-1]
-            full_text = renders[end][1]
-            stable = [t for t in pending if full_text.startswith(renders[t][0]) and full_text.startswith(renders[t][1])]
-            if end not in stable:
-                raise TemplateError(
-                    f"{label}: chat template is not prefix-stable: the render up to the generation prompt of "
-                    f"assistant message {end} is not a prefix of the render that includes it, so masks cannot be "
-                    "derived by diffing"
-                )
-            plan.append((end, stable))
+            full = renders[pending[-1]].text
+            stable = [t for t in pending if full.startswith(renders[t].text[: renders[t].end])]
+            groups.append(stable)
             pending = [t for t in pending if t not in stable]
-        return sorted(plan), renders
+        return sorted(groups, key=lambda g: g[-1]), renders
 
-    def mask(
-        self, renders: dict[int, tuple[str, str]], end: int, turns: list[int], label: str
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of the sample ending at assistant message ``end`` and its mask over ``turns``."""
-        texts = [renders[end][1]]
-        for t in turns:
-            texts += list(renders[t])
-        encoded = self.encode(texts)
-        full = encoded[0]
-        ids = np.asarray(full, dtype=np.int32)
-        mask = np.zeros(ids.size, dtype=np.uint8)
-        eot = self.markers.end_of_turn
-        stop = 0
-        for n, t in enumerate(turns):
-            head, upto = encoded[1 + 2 * n], encoded[2 + 2 * n]
-            if full[: len(head)] != head or full[: len(upto)] != upto:
-                raise TemplateError(
-                    f"{label}: tokens of a rendered prefix differ from the sample's at assistant message {t} "
-                    "(a token merges across the turn boundary)"
-                )
-            start, end_t = len(head), len(upto)
-            closes = np.flatnonzero(ids[start:end_t] == eot)
-            if not closes.size:
-                raise TemplateError(
-                    f"{label}: assistant message {t} renders without the end-of-turn token "
-                    f"{self.tokenizer.convert_ids_to_tokens(eot)!r}"
-                )
-            stop = start + int(closes[-1]) + 1
-            mask[start:stop] = 1
-        # The sample ends with the last turn's end-of-turn token: what the template adds after it (a newline)
-        # belongs to no turn of this sample.
-        return ids[:stop].copy(), mask[:stop].copy()
+    def build(self, group: list[int], renders: dict[int, TurnRender], cut: set[int]
+              ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+        """Samples of one text group: [(masked turns, ids, loss_mask)].
+
+        Ids are ``encode(prompt of the first turn)``, then per turn ``encode(generated)`` and the encoded
+        text up to the next turn's prompt. Before each later turn the ids so far must equal ``encode`` of
+        that turn's own prompt (what the engine saw); where they do not (tokens merging across a turn
+        boundary), that turn starts a new sample from its own prompt.
+        """
+        text = renders[group[-1]].text
+        prompts = self.encode([renders[t].prompt for t in group])
+        gens = self.encode_generated([renders[t].generated for t in group])
+        out = []
+        ids: list[int] = []
+        mask: list[int] = []
+        turns: list[int] = []
+        pos = 0
+        for k, t in enumerate(group):
+            r = renders[t]
+            if turns:
+                between = self.encode([text[pos : len(r.prompt)]])[0]
+                if ids + between != prompts[k]:
+                    out.append((turns, ids, mask))
+                    ids, mask, turns = [], [], []
+            if not turns:
+                between = prompts[k]
+            gen = gens[k]
+            n_mask = len(gen) - (1 if t in cut and gen and gen[-1] == self.markers.end_of_turn else 0)
+            ids += between + gen
+            mask += [0] * len(between) + [1] * n_mask + [0] * (len(gen) - n_mask)
+            turns.append(t)
+            pos = r.end
+        out.append((turns, ids, mask))
+        samples = []
+        for turns, ids, mask in out:
+            last = turns[-1]
+            if last in cut and ids and ids[-1] == self.markers.end_of_turn and not mask[-1]:
+                ids, mask = ids[:-1], mask[:-1]  # the engine cut the turn: it never generated the end of turn
+            samples.append((turns, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
+        return samples
 
     def tokenize(self, record: ChatRecord, expand: bool = True) -> list[TokenizedSample]:
-        """Samples of one conversation (see the module docstring); ``expand=False`` keeps only the last one."""
+        """Samples of one conversation (see the module docstring); ``expand=False`` keeps only the last one.
+
+        Raises :class:`RowError` (with its reason) when the row cannot be tokenized faithfully.
+        """
         label = f"{record.where} (id={record.sample_id})" if record.where else f"id={record.sample_id}"
         messages, cut = normalize_messages(record.messages, label)
+        kwargs = {**self.template_kwargs, **template_kwargs_of(record.template_kwargs, label)}
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         messages = messages[: last + 1]  # trailing user/tool messages have no response to learn from
-        plan, renders = self.plan(messages, record.tools, label)
+        groups, renders = self.plan(messages, record.tools, label, kwargs)
+        built = [s for g in groups for s in self.build(g, renders, cut)]
         ordinal = {j: k for k, j in enumerate(i for i, m in enumerate(messages) if m["role"] == "assistant")}
         samples = []
-        for end, turns in plan if expand else plan[-1:]:
-            ids, mask = self.mask(renders, end, turns, label)
-            sample_id = record.sample_id if len(plan) == 1 else f"{record.sample_id}#t{ordinal[end]}"
+        for turns, ids, mask in built if expand else built[-1:]:
+            sample_id = record.sample_id if len(built) == 1 else f"{record.sample_id}#t{ordinal[turns[-1]]}"
             sample = TokenizedSample(sample_id, ids, mask, record.source)
             annotate(sample, self.markers)
             if cut.intersection(turns):
@@ -388,13 +555,15 @@ def load_samples(
     keep_over_length: bool = False,
     expand: bool = True,
     stats: TokenizeStats | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Iterator[TokenizedSample]:
     """Stream samples from input files/directories.
 
-    Conversations need ``tokenizer`` (its chat template); pre-tokenized rows only use it for the
-    thinking/answer counts. Samples longer than ``max_length`` are skipped and counted in ``stats``
-    (``keep_over_length=True`` yields them flagged ``over_length``, as the quality gate wants), or cut
-    to ``max_length`` with ``truncate=True``.
+    Conversations need ``tokenizer`` (its chat template, rendered with ``chat_template_kwargs`` unless a
+    row has its own); pre-tokenized rows only use it for the thinking/answer counts. A row that cannot be
+    tokenized faithfully is skipped, logged and counted in ``stats.skipped`` by reason. Samples longer
+    than ``max_length`` are skipped and counted in ``stats`` (``keep_over_length=True`` yields them
+    flagged ``over_length``, as the quality gate wants), or cut to ``max_length`` with ``truncate=True``.
     """
     stats = stats if stats is not None else TokenizeStats()
     paths = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
@@ -410,10 +579,19 @@ def load_samples(
                     raise ValueError(f"{record.where}: conversations need a tokenizer (the target model's)")
                 if chat is None:
                     try:
-                        chat = ChatTokenizer(tokenizer, markers=markers)
+                        chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs)
                     except ValueError as e:
                         raise ValueError(f"{record.where} (id={record.sample_id}): {e}") from e
-                samples = chat.tokenize(record, expand=expand)
+                try:
+                    samples = chat.tokenize(record, expand=expand)
+                except RowError as e:
+                    stats.skip(e.reason, record.sample_id, str(e))
+                    n = len(stats.skipped[e.reason])
+                    if n <= _LOGGED_PER_REASON:
+                        logger.warning("skipped row (%s): %s", e.reason, e)
+                    elif n == _LOGGED_PER_REASON + 1:
+                        logger.warning("more rows skipped for %s; the count is in the report", e.reason)
+                    continue
                 stats.expanded += len(samples) - 1
             for sample in samples:
                 sample, action = apply_max_length(sample, max_length, truncate, markers)
@@ -430,9 +608,15 @@ def load_samples(
                 yield sample
 
 
+_LOGGED_PER_REASON = 5
+
+
 def tokenize_conversation(
-    tokenizer, messages: list[dict], sample_id: str | None = None, source: str = "", tools=None, expand: bool = True
+    tokenizer, messages: list[dict], sample_id: str | None = None, source: str = "", tools=None, expand: bool = True,
+    chat_template_kwargs: dict | None = None,
 ) -> list[TokenizedSample]:
-    """Convenience wrapper for one conversation (builds a ``ChatTokenizer`` each call; use one for bulk work)."""
+    """Convenience wrapper for one conversation (builds a ``ChatTokenizer`` each call; use one for bulk work).
+    Raises :class:`RowError` when the conversation cannot be tokenized faithfully."""
     sid = sample_id or derive_id({"messages": messages, "tools": tools})
-    return ChatTokenizer(tokenizer).tokenize(ChatRecord(sid, source, messages, tools), expand=expand)
+    chat = ChatTokenizer(tokenizer, template_kwargs=chat_template_kwargs)
+    return chat.tokenize(ChatRecord(sid, source, messages, tools), expand=expand)

@@ -413,3 +413,26 @@ def test_kill_9_two_concurrent_writers(tiny_dir, tmp_path, seed):
     store = hsstore.open(str(out))
     assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
     _assert_same_as(store, ref)
+
+
+def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_input, tmp_path, capsys):
+    """A bad row never aborts extraction: nothing of it is written, and the store's records say why."""
+    rows = small_input.read_text().splitlines()
+    bad = json.loads(rows[0])
+    bad["id"] = "bad-args"
+    bad["messages"][-1]["tool_calls"] = [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]
+    small_input.write_text("\n".join(rows + [json.dumps(bad)]) + "\n")
+    out = str(tmp_path / "store")
+    rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
+                      "--device", "cpu", "--no-progress", "--max-skipped-share", "0.5"])
+    assert rc == 0
+    assert "1 rows skipped (tool_arguments)" in capsys.readouterr().out
+    store = hsstore.open(out)
+    assert len(store) == 8 and "bad-args" not in set(store.sample_ids())
+    assert hsstore_cli(["info", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == {"tool_arguments": 1}
+    # Past the threshold (1 of 9 rows > 2%) the gate refuses before any forward.
+    rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", str(tmp_path / "s2"),
+                      "--device", "cpu", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "rows that cannot be tokenized faithfully" in captured.out + captured.err

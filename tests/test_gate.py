@@ -209,3 +209,25 @@ def test_cli_module_does_not_import_transformers():
     """The `hsstore` CLI mounts extract's commands at startup; transformers must load only when they run."""
     code = "import sys, hsstore.cli, extract.cli; hsstore.cli.build_parser(); sys.exit(int('transformers' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_cli_check_counts_skipped_rows_and_takes_template_kwargs(capsys, tiny_dir, tmp_path):
+    rows = [json.loads(line) for line in demo_conversations_path().read_text().splitlines()]
+    broken = {"id": "broken", "messages": [{"role": "user", "content": "no answer"}]}
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [broken]))
+    base = ["check", "--model", str(tiny_dir), "--input", str(path), "--json"]
+    code, out, _ = run_cli(capsys, *base, "--max-skipped-share", "0.1")
+    report = json.loads(out)
+    assert code == 0 and report["skipped"]["invalid_row"]["ids"] == ["broken"]
+    assert report["skipped"]["invalid_row"]["first"].endswith("in.jsonl:28 (id=broken): conversation has no assistant turn")
+    assert any("cannot be tokenized faithfully" in w for w in report["warnings"])
+    code, out, _ = run_cli(capsys, *base)  # 1 of 28 rows > 2%: the gate fails, the JSON is still printed
+    assert code == 1 and any("cannot be tokenized faithfully" in f for f in json.loads(out)["failures"])
+    # Template arguments reach the template: the tiny template's thinking-off prompt does not continue
+    # into the rows' reasoning, so every row is skipped as a prompt mismatch.
+    code, out, _ = run_cli(capsys, *base, "--chat-template-kwargs", '{"enable_thinking": false}')
+    report = json.loads(out)
+    assert code == 1 and report["skipped"]["prompt_mismatch"]["count"] >= 20
+    code, out, err = run_cli(capsys, *base, "--chat-template-kwargs", "{nope")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--chat-template-kwargs" in err

@@ -120,7 +120,8 @@ def test_every_prompt_answered_once_and_check_reads_it(server, tiny_dir, tmp_pat
     ]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(regenerate_cmd(server, inp, out, "--max-tokens", "8", "--concurrency", "3")[3:]) == 0
+    assert main(regenerate_cmd(server, inp, out, "--max-tokens", "8", "--concurrency", "3",
+                               "--chat-template-kwargs", '{"preserve_thinking": true}')[3:]) == 0
     stdout = capsys.readouterr().out
     records = {r.sample_id: r for r in read_records(inp)}
     got = read_out(out)
@@ -136,6 +137,7 @@ def test_every_prompt_answered_once_and_check_reads_it(server, tiny_dir, tmp_pat
         assert turn["finish_reason"] in ("stop", "length")
         assert row["generation"]["finish_reasons"] == [turn["finish_reason"]]
         assert row["source"] == record.source
+        assert row["chat_template_kwargs"] == {"enable_thinking": True, "preserve_thinking": True}  # as sent
     assert [m["content"] for m in next(r for r in got if r["id"] == "multi")["messages"][:3]] == [
         "First question?", "First answer.", "Second question?"]  # earlier turns kept, the old last one dropped
     n_cut = sum(r["messages"][-1]["finish_reason"] == "length" for r in got)
@@ -280,6 +282,10 @@ def test_resume_output_drops_only_a_torn_last_line(tmp_path):
     ({"content": "<think>\n2+2 is"}, "stop", ("2+2 is", "", "length")),  # stopped inside the reasoning
     ({"content": None, "reasoning_content": "2+2 is"}, "length", ("2+2 is", "", "length")),
     ({"content": "4"}, "stop", ("", "4", "stop")),
+    # a reasoning parser gave the reasoning: a literal </think> in the answer is the answer's
+    ({"content": "Strip </think> with re.sub.", "reasoning_content": "r"}, "stop",
+     ("r", "Strip </think> with re.sub.", "stop")),
+    ({"content": "Strip </think> tags.", "reasoning_content": ""}, "stop", ("", "Strip </think> tags.", "stop")),
 ])
 def test_assistant_turn_normalises_reasoning(message, finish, want):
     turn = assistant_turn(message, finish)

@@ -1,6 +1,7 @@
 """Tokenization: exact loss masks from the chat template, multi-turn expansion, readers, errors."""
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from extract.tiny import CHAT_TEMPLATE, demo_conversations_path, tiny_target_dir
 from extract.tokenize import (
     ChatRecord,
     ChatTokenizer,
+    RowError,
     TemplateError,
     TokenizeStats,
     load_samples,
@@ -309,8 +311,8 @@ def test_chat_rows_from_parquet(tmp_path, tok):
     )
     assert [s.sample_id for s in load_samples(tmp_path / "x.parquet", tok)] == ids
     pq.write_table(pa.Table.from_pylist([{"id": "q", "messages": "hello"}]), tmp_path / "z.parquet")
-    with pytest.raises(ValueError, match=r"z\.parquet row 0 \(id=q\): messages is a string"):
-        list(load_samples(tmp_path / "z.parquet", tok))
+    with pytest.raises(RowError, match=r"z\.parquet row 0 \(id=q\): messages is a string"):
+        ChatTokenizer(tok).tokenize(next(read_records(tmp_path / "z.parquet")))
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
@@ -332,7 +334,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
         ([{"role": "user", "content": 42}, {"role": "assistant", "content": "y"}], "content must be a string"),
     ],
 )
-def test_bad_conversations_name_line_and_id(tmp_path, tok, messages, error):
+def test_bad_conversations_are_skipped_and_counted_by_line_and_id(tmp_path, tok, messages, error, caplog):
     path = write_jsonl(
         tmp_path / "in.jsonl",
         [
@@ -340,8 +342,13 @@ def test_bad_conversations_name_line_and_id(tmp_path, tok, messages, error):
             {"id": "broken", "messages": messages},
         ],
     )
-    with pytest.raises(ValueError, match=rf"in\.jsonl:2 \(id=broken\): .*{error}"):
-        list(load_samples(path, tok))
+    stats = TokenizeStats()
+    assert [s.sample_id for s in load_samples(path, tok, stats=stats)] == ["ok"]
+    assert stats.skipped == {"invalid_row": ["broken"]} and stats.rows == 2
+    assert any(re.search(rf"in\.jsonl:2 \(id=broken\): .*{error}", r.getMessage()) for r in caplog.records)
+    with pytest.raises(RowError, match=rf"in\.jsonl:2 \(id=broken\): .*{error}") as e:
+        ChatTokenizer(tok).tokenize(list(read_records(path))[1])
+    assert e.value.reason == "invalid_row"
 
 
 def test_row_without_messages_or_tokens(tmp_path, tok):
@@ -374,7 +381,7 @@ def test_template_that_is_not_prefix_stable_is_refused(tok):
     unstable = AutoTokenizer.from_pretrained(tiny_target_dir())
     # A header that depends on the conversation length changes every earlier render.
     unstable.chat_template = "{{ messages | length }}\n" + CHAT_TEMPLATE
-    with pytest.raises(TemplateError, match=r"id=z: chat template is not prefix-stable"):
+    with pytest.raises(TemplateError, match=r"id=z: assistant message 1 does not render as a continuation"):
         ChatTokenizer(unstable).tokenize(
             ChatRecord("z", "s", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
         )
