@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from extract.show import format_sample
-from hsstore.stats import log2_histogram, top_values
+from hsstore.stats import SAMPLE_FLAGS, log2_histogram, top_values
 from extract.tokenize import TokenizedSample, TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
-FLAG_ORDER = ("stub_answer", "empty_thinking", "truncated", "over_length", "duplicate", "no_loss")
+FLAG_ORDER = SAMPLE_FLAGS
 
 
 @dataclass

@@ -140,6 +140,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     result.gate = report
     if not report.ok and not cfg.force:
         raise GateRefused(report, report.format_text(tokenizer, n_examples=3))
+    gate_flags = {r.sample_id: list(r.flags) for r in report.samples}  # + stub_answer, duplicate: kept in the store
     ids = [s.sample_id for s in samples]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
@@ -191,7 +192,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
 
     def sink(s: TokenizedSample, feats: torch.Tensor) -> None:
         writer.add(s.sample_id, s.input_ids, s.loss_mask, feats, source=s.source,
-                   thinking_tokens=s.thinking_tokens, flags=s.flags)
+                   thinking_tokens=s.thinking_tokens, flags=gate_flags.get(s.sample_id, s.flags))
         result.samples += 1
         result.tokens += s.num_tokens
 

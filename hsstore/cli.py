@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 
 from . import storage
@@ -237,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that went away (`info | head`) is not an error
+        return rc
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to write, no noise at exit
+        return 141  # 128 + SIGPIPE, as a shell reports a tool killed by it
     except (StoreError, ValueError, OSError) as e:  # bad input: one line, exit 2 (-vv shows the traceback)
         log.debug("error", exc_info=True)
         msg = scrub((str(e).strip().splitlines() or [type(e).__name__])[0])

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from . import codec, layout, shard, storage
 from .errors import ManifestError, StoreError
 from .reader import Store
+from .subset import copy_assets_if_missing
 from .writer import ensure_manifest
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
     if dst_manifest.chunk_tokens != src.manifest.chunk_tokens:
         raise ManifestError(f"convert: store {dst_url!r} has chunk_tokens {dst_manifest.chunk_tokens}, the source "
                             f"{src.manifest.chunk_tokens}")
+    copy_assets_if_missing(src, fs, root)  # what train and show need instead of the target
     done = set(shard.list_committed(fs, root))
     write_shard = layout.get(to_layout).write_shard
     result = ConvertResult()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import assets, codec, storage
+from .stats import SAMPLE_FLAGS
 from .manifest import MANIFEST_FILE, Manifest, check_compatible
 from .reader import Store, committed_ids, read_manifest
 from .writer import DEFAULT_SHARD_BYTES, StoreWriter
@@ -74,6 +75,15 @@ def copy_assets_if_missing(src: Store, dst_fs, dst_root: str) -> None:
         assets.copy_assets(src.fs, src.root, dst_fs, dst_root, url=src.url)
 
 
+def check_flags(store: Store, flags: tuple[str, ...]) -> None:
+    """Refuse a flag name that no writer records and the store does not hold: a typo (``stub_answers``)
+    would otherwise exclude nothing, silently."""
+    known = set(SAMPLE_FLAGS) | {f for rec in store.commits for fl in rec.samples["flags"] for f in fl}
+    unknown = [f for f in flags if f not in known]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {', '.join(map(repr, unknown))}: flags are {', '.join(sorted(known))}")
+
+
 @dataclass
 class SubsetResult:
     selected: int = 0
@@ -91,6 +101,7 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
     dst_options = dst_options or {}
     storage.refuse_anonymous_write(dst_url, dst_options)
     src = Store(src_url, src_options)
+    check_flags(src, sel.exclude_flags)
     manifest = destination_manifest(src.manifest, dst_url, dst_options, {"subset_of": src_url})
     done = committed_ids(dst_url, dst_options)
     all_kept = select(src, sel)

@@ -436,3 +436,32 @@ def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_
                       "--device", "cpu", "--no-progress"])
     captured = capsys.readouterr()
     assert rc == 1 and "rows that cannot be tokenized faithfully" in captured.out + captured.err
+
+
+def test_gate_flags_reach_the_store_and_subset_convert_use_them(tiny_dir, tmp_path, capsys):
+    """check's stub_answer flag is recorded by extract, so `subset --exclude-flag stub_answer` drops the stubs;
+    a misspelt flag is refused instead of excluding nothing; convert brings the assets train and show need."""
+    def row(i, reasoning, answer):
+        return {"id": f"r{i}", "messages": [{"role": "user", "content": f"Question number {i}?"},
+                                            {"role": "assistant", "content": answer, "reasoning_content": reasoning}]}
+    rows = [row(i, "Think about it step by step, then answer.", f"The answer is {i} because it is.") for i in range(3)]
+    rows.append(row(3, "", "OK."))
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, sub, wds = (str(tmp_path / n) for n in ("store", "sub", "wds"))
+    assert hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(data), "--out", out, "--device", "cpu",
+                        "--no-progress", "--force"]) == 0
+    capsys.readouterr()
+    assert hsstore_cli(["info", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["flags"]["stub_answer"] == 1
+    assert hsstore_cli(["subset", out, str(tmp_path / "typo"), "--exclude-flag", "stub_answers", "-q"]) == 2
+    assert "unknown flag(s) 'stub_answers'" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists()
+    assert hsstore_cli(["subset", out, sub, "--exclude-flag", "stub_answer", "-q"]) == 0
+    assert sorted(hsstore.open(sub).sample_ids()) == ["r0", "r1", "r2"]
+    assert hsstore_cli(["convert", out, wds, "--layout", "wds"]) == 0
+    converted = hsstore.open(wds)
+    assert assets.has_assets(converted.fs, converted.root)
+    capsys.readouterr()
+    assert hsstore_cli(["show", wds, "r3", "--color", "never"]) == 0
+    assert "OK." in capsys.readouterr().out

@@ -95,3 +95,19 @@ def test_bench_reports_ratios(tmp_path, capsys):
         assert {"gbps", "raw_gbps", "ratio"} <= set(d[k]) and d[k]["gbps"] > 0 and d[k]["raw_gbps"] > 0
         assert d[k]["ratio"] == pytest.approx(d[k]["gbps"] / d[k]["raw_gbps"])
     assert list(tmp_path.iterdir()) == []  # scratch removed
+
+
+def test_info_into_a_closed_pipe_is_quiet(tmp_path):
+    """`hsstore info URL | head` must not end with a Broken pipe error: the reader left, nothing failed."""
+    import subprocess
+    import sys
+
+    from conftest import make_manifest, make_samples, write_samples
+
+    store = tmp_path / "s"
+    write_samples(str(store), make_manifest(), make_samples(2))
+    err = tmp_path / "err.txt"
+    # `true` exits at once, long before the interpreter prints: every write hits a closed pipe
+    script = f"{sys.executable} -m hsstore info {store} 2>{err} | true; echo ${{PIPESTATUS[0]}}"
+    rc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120).stdout.strip()
+    assert err.read_text() == "" and rc == "141"
