@@ -7,16 +7,31 @@ Public API::
     ds = hsstore.HiddenStateDataset(url, layers=...)   # torch IterableDataset: exactly once, resumable
 """
 
-from .batching import TokenBatches, collate_packed, collate_padded, token_batches
-from .errors import CorruptionError, FetchError, ManifestError, SampleError, StoreError
-from .loader import HiddenStateDataset, LoaderStateError, merge_states
-from .manifest import FORMAT_VERSION, Manifest, TargetIdentity, TokenizerIdentity
-from .process_writer import ProcessWriter
-from .reader import Store, open_store
-from .version import __version__
-from .writer import StoreWriter
+from importlib import import_module
 
-open = open_store  # noqa: A001  (hsstore.open mirrors zarr.open / webdataset conventions)
+from .errors import CorruptionError, FetchError, ManifestError, SampleError, StoreError
+from .version import __version__
+
+# The rest loads on first use (PEP 562): `hsstore --help` and commands that never read a store must not
+# pay for torch and zarr.
+_LAZY = {
+    "TokenBatches": "batching", "collate_packed": "batching", "collate_padded": "batching",
+    "token_batches": "batching", "HiddenStateDataset": "loader", "LoaderStateError": "loader",
+    "merge_states": "loader", "FORMAT_VERSION": "manifest", "Manifest": "manifest", "TargetIdentity": "manifest",
+    "TokenizerIdentity": "manifest", "ProcessWriter": "process_writer", "Store": "reader", "open_store": "reader",
+    "open": "reader", "StoreWriter": "writer",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hsstore' has no attribute {name!r}")
+    # hsstore.open mirrors zarr.open / webdataset conventions
+    value = getattr(import_module(f".{module}", __name__), "open_store" if name == "open" else name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",

@@ -111,3 +111,18 @@ def test_info_into_a_closed_pipe_is_quiet(tmp_path):
     script = f"{sys.executable} -m hsstore info {store} 2>{err} | true; echo ${{PIPESTATUS[0]}}"
     rc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120).stdout.strip()
     assert err.read_text() == "" and rc == "141"
+
+
+def test_help_loads_neither_torch_nor_zarr():
+    """`hsstore --help` (and every command that never reads a store) starts without the heavy imports."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hsstore.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'zarr', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+    import hsstore
+
+    assert hsstore.open is hsstore.open_store and hsstore.StoreWriter.__name__ == "StoreWriter"
+    assert all(hasattr(hsstore, name) for name in hsstore.__all__)
