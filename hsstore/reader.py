@@ -77,10 +77,12 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
     path = storage.join(root, MANIFEST_FILE)
     try:
         data = fs.cat_file(path)
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if storage.missing_bucket(fs, root):
+            raise StoreError(storage.explain(e, url, "read", fs, root)) from None
         raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
     except Exception as e:
-        raise StoreError(f"cannot read store {url!r}: {type(e).__name__}: {e}") from None
+        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
     return Manifest.from_json(data, where=f"{url}/{MANIFEST_FILE}")
 
 

@@ -96,6 +96,30 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return protocol in ("file", "local")
 
 
+def missing_bucket(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
+    """The bucket of an object-store ``root`` when it does not exist (else None, also when unsure)."""
+    if is_local(fs):
+        return None
+    bucket = root.strip("/").split("/", 1)[0]
+    try:
+        return None if fs.exists(bucket) else bucket
+    except Exception:  # denied or unreachable: say nothing rather than guess
+        return None
+
+
+def explain(e: BaseException, url: str, action: str, fs: fsspec.AbstractFileSystem | None = None,
+            root: str = "") -> str:
+    """One line for a failed ``action`` ("read" or "write") of store ``url`` that says what to do about it."""
+    what = f"{type(e).__name__}: {e}"
+    if isinstance(e, PermissionError):
+        return (f"cannot {action} store {url!r}: access denied ({what}); check the credentials (AWS_PROFILE, "
+                f"AWS_ACCESS_KEY_ID, -S profile=...) and that the bucket policy allows {action}s under this prefix")
+    bucket = missing_bucket(fs, root) if fs is not None and isinstance(e, FileNotFoundError) else None
+    if bucket:
+        return f"cannot {action} store {url!r}: bucket {bucket!r} does not exist (check the URL and the endpoint)"
+    return f"cannot {action} store {url!r}: {what}"
+
+
 def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write a small object so that readers see all of it or none of it.
 

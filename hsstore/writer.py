@@ -57,14 +57,14 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     try:
         exists = fs.exists(path)
     except Exception as e:
-        raise StoreError(f"cannot reach store {url!r}: {type(e).__name__}: {e}") from None
+        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
     if not exists:
         try:
             objects = layout.get(manifest.layout).store_objects()
             storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
             storage.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
-            raise StoreError(f"cannot write to store {url!r}: {type(e).__name__}: {e}") from None
+            raise StoreError(storage.explain(e, url, "write", fs, root)) from None
     existing = Manifest.from_json(fs.cat_file(path), where=f"{url}/{MANIFEST_FILE}")
     check_compatible(existing, manifest, f"store {url!r}", "the data being written")
     return existing

@@ -12,6 +12,8 @@ every request is forwarded unchanged, except those the schedule picks, which get
   short      the upstream answers; a cut body is sent *with a matching Content-Length* (what no HTTP
              layer can notice: only the chunk's CRC32C can)
   latency    forwarded after ``delay`` seconds
+  403        ``403 AccessDenied`` with an S3 XML error body (nothing forwarded; not in ``ALL_FAULTS``: no retry
+             can cure it, it is for the tests of what a user is told)
 
 Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when ``i % every == every - 1``,
 kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
@@ -166,6 +168,8 @@ class FaultProxy:
                     return self._rst()
                 if kind == "500":
                     return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
+                if kind == "403":
+                    return self._error(403, "AccessDenied", "Access Denied")
                 if kind == "503":
                     return self._error(503, "SlowDown", "Please reduce your request rate.")
                 if kind == "latency":

@@ -214,3 +214,26 @@ def test_bench_unknown_codec(tmp_path, capsys):
     rc = main(["bench", str(tmp_path / "b"), "--size-mb", "1", "--hidden", "64", "--layers", "2", "--codec", "gzip9"])
     one_line_error(capsys, rc, r"codec 'gzip9'")
     assert not list(tmp_path.glob("b/**/commits/*.json"))
+
+
+@pytest.mark.parametrize("command", ["info", "extract"])
+def test_access_denied_says_what_to_check(tiny_dir, tmp_path, capsys, s3_store, command):
+    """A 403 from the endpoint names the store, whether it was a read or a write, and what to check."""
+    from faultproxy import FaultProxy
+
+    url, options = s3_store
+    if command == "info":
+        write_samples(url, make_manifest(), make_samples(2), storage_options=options)
+    with FaultProxy(options["endpoint_url"], faults=["403"], persistent=True) as proxy:
+        argv = {"info": ["info", url],
+                "extract": ["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()),
+                            "--out", url, "--device", "cpu", "--no-progress"]}[command]
+        line = one_line_error(capsys, main(argv + ["-S", f"endpoint_url={proxy.url}"]), r"access denied")
+    assert proxy.injected["403"] > 0
+    assert f"cannot read store {url!r}" in line and "credentials" in line and "bucket policy" in line
+
+
+def test_missing_bucket_is_named(tmp_path, capsys, s3_endpoint):
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:6]}"
+    one_line_error(capsys, main(["info", f"s3://{bucket}/store", "-S", f"endpoint_url={s3_endpoint}"]),
+                   rf"bucket '{bucket}' does not exist")
