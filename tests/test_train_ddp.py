@@ -5,6 +5,10 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
 
 import hsstore
 from train.data import StoreBatches
@@ -41,3 +45,119 @@ def test_torchrun_two_ranks_see_every_sample_once_per_epoch(store32, tmp_path): 
     assert sum(m["samples"] for m in metrics) == 2 * len(everything)  # the log line covers both ranks
     assert (out / "drafter" / "model.safetensors").exists()
     assert "trained" in proc.stdout and "2 epoch(s)" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- global loss
+
+
+GRAD_S, GRAD_GAMMA, GRAD_ANCHORS = 8, 4.0, 6
+# rank 0: one short sample, a short response; rank 1: three samples, long responses: their loss weights differ
+GRAD_SHARDS = [[("a", 24, 16)], [("b", 40, 8), ("c", 55, 10), ("d", 31, 4)]]  # (sample id, length, prompt length)
+
+
+def grad_items(shard):
+    from hsstore.batching import collate_padded
+
+    items = []
+    for sid, n, prompt in shard:
+        g = torch.Generator().manual_seed(sum(map(ord, sid)))
+        mask = torch.arange(n) >= prompt
+        items.append({"sample_id": sid, "input_ids": torch.randint(0, 99, (n,), generator=g), "loss_mask": mask,
+                      "hidden_states": torch.randn(n, 3, 32, generator=g)})
+    return collate_padded(items)
+
+
+def grad_setup(world: int):
+    """The trainer's loss module (DraftLoss) around a small drafter, identical in every process."""
+    from train.model import DFlashDrafter, DrafterConfig
+    from train.trainer import DraftLoss
+
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, vocab_size=100, target_layers=[1, 2, 3],
+                        mask_token_id=99, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
+                        block_size=GRAD_S, sliding_window=[12, None], max_position=256)
+    g = torch.Generator().manual_seed(7)
+    embed, head = torch.randn(100, 32, generator=g), torch.randn(100, 32, generator=g)
+    torch.manual_seed(0)
+    return DraftLoss(DFlashDrafter(cfg, embed, head), GRAD_GAMMA, 16, world)
+
+
+def grad_step(model, batch, world, per_rank: bool = False):
+    """What the trainer does with one batch, up to the gradients: lockstep (the global weight sum), the
+    loss and backward, and the logged metrics (all-reduced). ``per_rank``: the old rule, each rank's loss
+    divided by its own weight sum."""
+    from train.data import add_anchors, lockstep
+    from train.trainer import Meter
+
+    batch = add_anchors(batch, 0, 0, GRAD_ANCHORS, GRAD_S, GRAD_GAMMA)
+    [(batch, _)] = list(lockstep([(batch, None)], world))
+    if per_rank:
+        batch.pop("global_weight_sum")
+    loss, m = model(batch)
+    loss.backward()
+    meter = Meter(GRAD_S)
+    meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
+    return batch, meter.summary(world, None)
+
+
+def grads_of(loss_fn):
+    return {n: p.grad.detach().clone() for n, p in loss_fn.drafter.named_parameters()}
+
+
+def ddp_grad_worker(rank: int, world: int, init: str, out: str):
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        results = {}
+        for rule in ("global", "per-rank"):
+            loss_fn = grad_setup(world)
+            DDP._set_params_and_buffers_to_ignore_for_model(loss_fn, ["drafter.embed_tokens", "drafter.lm_head"])
+            model = DDP(loss_fn)
+            batch = grad_items(GRAD_SHARDS[rank])
+            if rule == "per-rank":  # the old rule: each rank divides by its own weight sum
+                loss_fn.world = 1
+            _, summary = grad_step(model, batch, world, per_rank=rule == "per-rank")
+            results[rule] = (grads_of(loss_fn), summary)
+        if rank == 0:
+            save_file({f"{rule}/{n}": g for rule, (gr, _) in results.items() for n, g in gr.items()}, out + ".st")
+            Path(out + ".json").write_text(json.dumps({rule: s for rule, (_, s) in results.items()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_take_the_step_of_one_process_on_the_union(tmp_path):
+    """Gloo, 2 processes, batches of different loss weight: the gradients equal one process's on the union
+    of the batches (the per-rank normalisation, also run here, does not), and the logged loss/acc are the
+    union's."""
+    import torch.multiprocessing as mp
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "ranks")
+    mp.spawn(ddp_grad_worker, args=(2, f"file://{tmp_path / 'pg'}", out), nprocs=2, join=True)
+    got, logged = load_file(out + ".st"), json.loads(Path(out + ".json").read_text())
+
+    torch.set_num_threads(1)
+    union = grad_setup(1)
+    batch, summary = grad_step(union, grad_items(GRAD_SHARDS[0] + GRAD_SHARDS[1]), 1)
+    ref = grads_of(union)
+    w = [grad_weight(s) for s in GRAD_SHARDS]
+    assert abs(w[0] - w[1]) > 0.5 * max(w)  # the ranks' weight sums really differ
+
+    scale = max(g.abs().max().item() for g in ref.values())
+    diff = {rule: max((got[f"{rule}/{n}"] - g).abs().max().item() for n, g in ref.items()) / scale
+            for rule in ("global", "per-rank")}
+    print(f"max |grad(2 ranks) - grad(union)| / max |grad|: {diff}")
+    assert diff["global"] < 1e-5, diff
+    assert diff["per-rank"] > 1e-2, diff  # the test can tell the two rules apart
+    for key in ("loss", "acc", "tau"):
+        assert logged["global"][key] == pytest.approx(summary[key], rel=1e-5), key
+    assert logged["global"]["acc_k"] == pytest.approx(summary["acc_k"], rel=1e-6, nan_ok=True)
+
+
+def grad_weight(shard) -> float:
+    from train.data import add_anchors
+
+    return add_anchors(grad_items(shard), 0, 0, GRAD_ANCHORS, GRAD_S, GRAD_GAMMA)["weight_sum"]

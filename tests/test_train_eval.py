@@ -103,3 +103,13 @@ def test_bench_train_smoke(tmp_path):
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert result["ratio"] > 0 and result["loader_tokens_per_s"] > 0
     assert not list(tmp_path.iterdir())  # the scratch store is removed
+
+
+def test_prompts_thinking_setting(tok, small_input):  # noqa: F811
+    """Thinking on by default (DFlash's benchmark setting for thinking targets); --no-thinking renders the
+    chat template's empty thinking block, as DFlash's non-thinking Qwen3 numbers do."""
+    on = load_prompts([str(small_input)], tok, limit=2)
+    off = load_prompts([str(small_input)], tok, limit=2, enable_thinking=False)
+    for (_, a), (_, b) in zip(on, off):
+        assert not tok.decode(a).endswith("</think>\n\n") and tok.decode(b).endswith("<think>\n\n</think>\n\n")
+        assert b[:len(a)] == a

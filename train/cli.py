@@ -60,28 +60,51 @@ def register(subparsers) -> None:
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has checkpoints")
     t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--val-store", action="append", default=None, metavar="URL",
+                   help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
+                        "valid anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
+    t.add_argument("--val-every", type=int, default=None, metavar="N",
+                   help="steps between evaluations on --val-store (default: --save-every); always at the end too")
     add_storage_option(t)
     t.set_defaults(func=run_train)
 
     e = subparsers.add_parser(
         "eval",
-        help="speculative decoding with the target and a drafter: acceptance length and tokens/s",
-        description="Greedy speculative decoding: the drafter proposes a block from the target's features, the "
-        "target verifies it. Reports the mean acceptance length tau and target-only vs speculative tokens/s, "
-        "and checks that the output equals target-only greedy decoding. The target is re-run over the whole "
-        "sequence each step (no KV cache), in both modes.",
+        help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",
+        description="Without --model: teacher-forced evaluation from the store alone, no target needed. Every "
+        "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
+        "deterministic) gets the drafter's block of S-1 argmax drafts, compared with the stored tokens. Prints "
+        "the training loss, acceptance per draft position k (share of anchors whose drafts 1..k are all right) "
+        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S). "
+        "With --model and --input: greedy (temperature 0) speculative decoding, the drafter proposing from the "
+        "target's features and the target verifying; reports tau and target-only vs speculative tokens/s and "
+        "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
+        "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
+        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau is the mean over "
+        "prompts of each prompt's mean per step, as there. The target is re-run over the whole sequence each "
+        "step (no KV cache), for the target-only baseline and the speculative run alike: slow for long generations.",
     )
-    e.add_argument("--store", required=True, help="the store the drafter was trained on (frozen head, taps)")
+    e.add_argument("--store", required=True, help="without --model: the store to evaluate on; with it: the store "
+                   "the drafter was trained on (frozen head, taps)")
     e.add_argument("--drafter", required=True, help="drafter dir, or a training OUT dir (its drafter/ or latest "
                    "checkpoint)")
-    e.add_argument("--model", required=True, help="target model directory")
-    e.add_argument("--input", required=True, nargs="+", help="JSONL with 'messages' (prompt = before the last "
-                   "assistant turn) or 'prompt'")
-    e.add_argument("--num-samples", type=int, default=8)
-    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--model", default=None, help="target model directory: speculative decoding instead of the "
+                   "teacher-forced evaluation")
+    e.add_argument("--input", nargs="+", default=None, help="with --model: JSONL with 'messages' (prompt = before "
+                   "the last assistant turn) or 'prompt'")
+    e.add_argument("--num-samples", type=int, default=8, help="with --model: prompts to decode")
+    e.add_argument("--max-new-tokens", type=int, default=2048, help="with --model (DFlash's benchmark: 2048)")
+    e.add_argument("--no-thinking", dest="thinking", action="store_false",
+                   help="with --model: render prompts with enable_thinking=False (default: thinking on)")
+    e.add_argument("--max-tokens", type=int, default=16384,
+                   help="without --model: token budget per batch (padded), as in training")
+    e.add_argument("--anchor-chunk", type=int, default=512,
+                   help="without --model: anchors per sequence per forward (memory; the training default)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+                   help="with --model: default bfloat16 on CUDA, float32 on CPU")
+    e.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
+    e.add_argument("--no-progress", action="store_true")
     e.add_argument("--json", action="store_true")
     add_storage_option(e)
     e.set_defaults(func=run_eval)
@@ -107,7 +130,7 @@ def run_train(args: argparse.Namespace) -> int:
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.no_progress,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
-        storage_options=parse_storage_options(args.storage_option))
+        val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option))
     result = train(cfg)
     if result.drafter_dir is not None:  # rank 0
         if result.resumed_from is not None:
@@ -117,11 +140,20 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
               f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
               f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
+        if "val_tau" in last:
+            print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
+                  f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
         print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.model is None:
+        if args.input:
+            raise ValueError("--input needs --model (without it the evaluation reads the store's own samples)")
+        return run_store_eval(args)
+    if not args.input:
+        raise ValueError("--model needs --input (the prompts to decode)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,7 +180,7 @@ def run_eval(args: argparse.Namespace) -> int:
     embed, head = embed.to(device, dtype), head.to(device, dtype)
     drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=dtype).eval()
 
-    prompts = load_prompts(args.input, tokenizer, limit=args.num_samples)
+    prompts = load_prompts(args.input, tokenizer, limit=args.num_samples, enable_thinking=args.thinking)
     if not prompts:
         raise ValueError(f"no prompts in {args.input}")
     eos = {int(x) for x in ([model.generation_config.eos_token_id] if isinstance(
@@ -160,4 +192,28 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(report.format_text())
+    return 0
+
+
+def run_store_eval(args: argparse.Namespace) -> int:
+    """``hsstore eval`` without a target: teacher-forced, over every valid anchor of the store."""
+    import torch
+
+    import hsstore
+
+    from .checkpoint import load_drafter
+    from .evaluate import eval_source, evaluate
+    from .trainer import load_frozen
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = parse_storage_options(args.storage_option)
+    store = hsstore.open(args.store, **options)
+    # as in training: fp32 drafter (bf16 autocast on CUDA); the frozen head in its stored dtype on CUDA
+    _, embed, head = load_frozen(store, device, None if device.type == "cuda" else torch.float32)
+    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=torch.float32)
+    drafter.eval()
+    source = eval_source(args.store, drafter.config.target_layers, args.max_tokens, storage_options=options,
+                         cache_dir=args.cache_dir, pin_memory=device.type == "cuda")
+    report = evaluate(drafter, source, device, anchor_chunk=args.anchor_chunk, progress=not args.no_progress)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0

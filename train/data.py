@@ -11,7 +11,8 @@ Why each piece is the way it is:
 * **Lockstep under DDP.** All ranks must run the same number of steps, but token-budget batches give
   ranks different batch counts. A rank whose share of the epoch is used up runs empty steps (zero
   gradient, still joining the all-reduce) until every rank is done, so every sample is trained
-  exactly once per epoch and nothing deadlocks.
+  exactly once per epoch and nothing deadlocks. The same tiny all-reduce sums the ranks' loss weights,
+  so the loss is normalised over the global batch (``objective`` module doc) without another round trip.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def sample_seed(seed: int, epoch: int, sample_id: str) -> int:
 
 def add_anchors(batch: dict[str, Any], seed: int, epoch: int, n_max: int, block_size: int,
                 gamma: float) -> dict[str, Any]:
-    """Set ``batch["anchors"]`` [B, A] (-1 padded), and for logging ``batch["label_counts"]`` (labelled
-    positions per draft position k = 1..S-1, for exact per-position accuracy across ranks) and
-    ``batch["tokens"]`` (real tokens). CPU work, done on the read-ahead thread; the counts are plain
-    Python numbers so logging never waits for the GPU."""
+    """Set ``batch["anchors"]`` [B, A] (-1 padded), ``batch["weight_sum"]`` (the sum of the loss weights of
+    these anchors, for the global normalisation under DDP: see ``lockstep``), and for logging
+    ``batch["label_counts"]`` (labelled positions per draft position k = 1..S-1, for exact per-position
+    accuracy across ranks) and ``batch["tokens"]`` (real tokens). CPU work, done on the read-ahead thread;
+    the sums are plain Python numbers so neither the loss nor logging waits for the GPU."""
     mask = batch["loss_mask"].bool()
     if "attention_mask" in batch:
         mask = mask & batch["attention_mask"].bool()
@@ -59,7 +61,8 @@ def add_anchors(batch: dict[str, Any], seed: int, epoch: int, n_max: int, block_
     for i, a in enumerate(rows):
         anchors[i, : a.numel()] = a
     _, w = block_targets(batch["input_ids"], mask, anchors, block_size, gamma)
-    return {**batch, "anchors": anchors, "label_counts": (w[:, :, 1:] > 0).sum((0, 1)).tolist(),
+    return {**batch, "anchors": anchors, "weight_sum": float(w.double().sum()),
+            "label_counts": (w[:, :, 1:] > 0).sum((0, 1)).tolist(),
             "tokens": int(batch["attention_mask"].sum()) if "attention_mask" in batch else mask.numel()}
 
 
@@ -230,26 +233,29 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
 def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None,
              ) -> Iterator[tuple[dict | None, dict | None]]:
     """Under DDP, yield until *every* rank is out of batches; a rank that is out yields ``(None, last state)``.
-    One tiny all-reduce per step (on ``group``: a CPU/gloo group, so it never waits for the GPU)."""
+    One tiny all-reduce per step (on ``group``: a CPU/gloo group, so it never waits for the GPU); it also sums
+    the batches' ``weight_sum`` (``add_anchors``) over the ranks into ``batch["global_weight_sum"]``."""
     it = iter(stream)
     state = None
     try:
         while True:
             item = next(it, None)
+            total = 0.0 if item is None else float(item[0].get("weight_sum", 0.0))  # 0 for an empty step
             if world_size > 1:
                 import torch.distributed as dist
 
-                flag = torch.tensor([0 if item is None else 1], dtype=torch.int32)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-                if int(flag) == 0:
+                t = torch.tensor([0.0 if item is None else 1.0, total], dtype=torch.float64)
+                dist.all_reduce(t, group=group)  # [ranks with a batch, their weight sum]
+                if t[0] == 0:
                     return
+                total = float(t[1])
             elif item is None:
                 return
             if item is None:
                 yield None, state
             else:
                 batch, state = item
-                yield batch, state
+                yield ({**batch, "global_weight_sum": total} if "weight_sum" in batch else batch), state
     finally:
         if hasattr(it, "close"):
             it.close()  # stops the read-ahead thread now, not at garbage collection

@@ -5,7 +5,11 @@ For an anchor p the drafter gets the block [x_p, MASK, ..., MASK] (S tokens) and
 already stands for position p+k). Output 0 is the anchor itself and is never trained.
 
     weight(p, k) = loss_mask[p+k] * exp(-(k-1) / gamma)      (0 for k = 0 and for p+k >= seq_len)
-    loss         = sum(weight * CE) / sum(weight)            over all anchors of the batch
+    loss         = sum(weight * CE) / sum(weight)            over all anchors of the (global) batch
+
+Under DDP "the batch" is the union of the ranks' batches: the trainer passes the all-reduced weight sum
+(``weight_total``, see ``train.trainer.DraftLoss``), so ranks whose batches weigh differently still take
+the step one process would take on all of them.
 
 Early positions get more weight because a draft is only accepted up to its first miss.
 
@@ -106,10 +110,11 @@ def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.
 
 
 def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch.Generator | None = None,
-                gamma: float | None = None, ce_chunk: int = 1024):
+                gamma: float | None = None, ce_chunk: int = 1024, weight_total: float | torch.Tensor | None = None):
     """Weighted block cross entropy of ``model`` (a DFlashDrafter) on ``batch``.
 
     Anchors come from batch["anchors"] if present, else are sampled here (sample_anchors per row).
+    ``weight_total`` replaces this batch's weight sum as the loss's denominator (DDP: see the module doc).
     Returns (loss, metrics); loss is a scalar with grad (0 with grad if the batch has no anchors).
     metrics (detached tensors, call .item() when logging):
         acc          top-1 accuracy over all weighted positions (unweighted mean)
@@ -117,6 +122,9 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
         tau          mean over anchors of 1 + length of the correct prefix of the block (a teacher-forced
                      estimate of acceptance length; a label outside loss_mask ends the prefix)
         num_anchors, num_tokens (positions with weight > 0), weight_sum
+        ce_sum       sum(weight * CE): with weight_sum, the weighted mean over any set of batches or ranks
+        hits_k, labels_k   [S-1] correct and labelled positions per draft position (acc_k = hits / labels)
+        accept_k     [S-1] anchors whose drafts 1..k are all correct (the prefix tau counts), k = 1 .. S-1
     """
     cfg = model.config
     S = cfg.block_size
@@ -138,25 +146,30 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
     if not sel.any():
         zero = sum(p.sum() for p in model.parameters()) * 0.0
         nan = torch.tensor(float("nan"))
+        none = torch.zeros(S - 1, dtype=torch.long)
         return zero, dict(acc=nan, acc_k=torch.full((S - 1,), float("nan")), tau=nan,
-                          num_anchors=torch.tensor(0), num_tokens=torch.tensor(0), weight_sum=torch.tensor(0.0))
+                          num_anchors=torch.tensor(0), num_tokens=torch.tensor(0), weight_sum=torch.tensor(0.0),
+                          ce_sum=torch.tensor(0.0), hits_k=none, labels_k=none, accept_k=none)
 
     h = model.draft_hidden(batch["hidden_states"].to(dev), input_ids, anchors, attn)  # [B, A, S, H]
     ce, pred = chunked_cross_entropy(h[sel], model.lm_head, labels[sel], ce_chunk)
     w = weights[sel]
-    loss = (w * ce).sum() / w.sum()
+    ce_sum = (w * ce).sum()
+    loss = ce_sum / (w.sum() if weight_total is None else weight_total)
 
     with torch.no_grad():
         correct = torch.zeros_like(sel)
         correct[sel] = pred == labels[sel]
-        hits = correct[:, :, 1:].sum((0, 1)).float()
-        counts = sel[:, :, 1:].sum((0, 1)).float()
-        acc_k = torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(counts, float("nan")))
+        hits = correct[:, :, 1:].sum((0, 1))
+        counts = sel[:, :, 1:].sum((0, 1))
+        acc_k = torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(counts, float("nan"),
+                                                                                      dtype=torch.float32))
         real = anchors >= 0
-        prefix = correct[:, :, 1:].long().cumprod(-1).sum(-1)  # [B, A]
-        tau = (1 + prefix[real]).float().mean()
+        accepted = correct[:, :, 1:].long().cumprod(-1)[real]  # [anchors, S-1]: drafts 1..k all correct
+        tau = (1 + accepted.sum(-1)).float().mean()
         metrics = dict(
             acc=hits.sum() / counts.sum(), acc_k=acc_k, tau=tau,
-            num_anchors=real.sum(), num_tokens=sel.sum(), weight_sum=w.sum(),
+            num_anchors=real.sum(), num_tokens=sel.sum(), weight_sum=w.sum(), ce_sum=ce_sum.detach(),
+            hits_k=hits, labels_k=counts, accept_k=accepted.sum(0),
         )
     return loss, metrics

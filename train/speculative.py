@@ -17,6 +17,13 @@ DeltaNet layers a cache would have to be rolled back to the accepted prefix, whi
 cannot do without snapshots. It is correct and fine for small models and short generations; the
 target-only baseline runs the same way, so the speedup measures what tau buys, not a serving stack.
 The output must equal target-only greedy decoding token for token: that is the test of this code.
+
+Settings comparable with published acceptance lengths (DFlash's benchmark, z-lab ``dflash/benchmark.py``):
+greedy (temperature 0; the only mode here), up to 2048 new tokens (``hsstore eval`` default), prompts
+rendered with the chat template's generation prompt and ``enable_thinking`` (on by default, as DFlash runs its
+Qwen3.5/3.6 thinking targets; its Qwen3-8B numbers are non-thinking: ``--no-thinking``), and tau averaged as
+there: per prompt the mean acceptance length over its speculative steps (the prefill's first token is no
+step), then the mean over prompts. The teacher-forced estimate that needs no target is ``evaluate.py``.
 """
 
 from __future__ import annotations
@@ -136,9 +143,11 @@ def drafter_proposer(drafter) -> Proposer:
 # ---------------------------------------------------------------------------------------------- prompts
 
 
-def load_prompts(paths: Sequence[str], tokenizer, limit: int | None = None) -> list[tuple[str, list[int]]]:
+def load_prompts(paths: Sequence[str], tokenizer, limit: int | None = None,
+                 enable_thinking: bool = True) -> list[tuple[str, list[int]]]:
     """(id, prompt token ids) from JSONL rows: ``messages`` (everything before the last assistant turn,
-    rendered with the chat template and its generation prompt) or a plain ``prompt`` string."""
+    rendered with the chat template and its generation prompt) or a plain ``prompt`` string.
+    ``enable_thinking`` goes to the chat template (Qwen3/3.5/3.6 read it; other templates ignore it)."""
     files: list[Path] = []
     for p in map(Path, paths):
         files.extend(sorted(p.glob("*.jsonl")) if p.is_dir() else [p])
@@ -155,10 +164,11 @@ def load_prompts(paths: Sequence[str], tokenizer, limit: int | None = None) -> l
                 if not msgs:
                     continue
                 ids = tokenizer.apply_chat_template(msgs, tools=row.get("tools"), add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
+                                                    tokenize=True, return_dict=False, enable_thinking=enable_thinking)
             elif "prompt" in row:
                 ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                    enable_thinking=enable_thinking)
             else:
                 raise ValueError(f"{f}:{i + 1}: expected a 'messages' or 'prompt' field")
             if isinstance(ids, dict) or hasattr(ids, "keys"):

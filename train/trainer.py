@@ -19,9 +19,14 @@ Choices worth knowing:
   frozen head stays in its stored dtype; on CPU everything is fp32 (so tests can compare exactly).
 * **DDP** (``torchrun``): gloo on CPU, nccl on GPU; each rank reads its own share of the store (the
   loader's rank split); ranks run in lockstep (``data.lockstep``) so every sample is seen once per epoch.
+  The loss is normalised over all ranks' batches (``DraftLoss``), so the step is the one a single process
+  would take on their union.
 * **metrics.jsonl**: one line per logged step: step, epoch, loss (weighted CE over all ranks), acc,
-  acc_k (draft positions 1..S-1), tau (teacher-forced acceptance estimate), lr, grad_norm,
-  tokens, tokens_per_s, samples, wait_frac (share of the time spent waiting for data).
+  acc_k (draft positions 1..S-1), tau (teacher-forced acceptance estimate on the training anchors), lr,
+  grad_norm, tokens, tokens_per_s, samples, wait_frac (share of the time spent waiting for data).
+  With ``val_stores``, every ``val_every`` steps and at the end the line also has val_loss, val_acc,
+  val_tau, val_acceptance (per draft position), val_anchors, val_seconds: ``evaluate.py`` over every
+  valid anchor of the validation stores, each rank its share.
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ import torch.distributed as dist
 
 import hsstore
 from hsstore import assets, codec, fp8
+from hsstore.manifest import check_compatible
 
 from . import checkpoint as ckpt
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .evaluate import eval_source, evaluate
 from .model import DFlashDrafter, DrafterConfig
 from .objective import default_gamma, dflash_loss
 from .optim import build_optimizer, build_scheduler, clip_grad
@@ -91,6 +98,8 @@ class TrainConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     ce_chunk: int = 1024
+    val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
+    val_every: int | None = None  # steps between evaluations (default: save_every)
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
@@ -102,6 +111,9 @@ class TrainConfig:
         if not self.stores:
             raise ValueError("at least one --store is needed")
         self.stores = [str(s) for s in self.stores]
+        self.val_stores = [str(s) for s in self.val_stores] if self.val_stores else None
+        if self.val_every is not None and self.val_every < 1:
+            raise ValueError("val_every must be >= 1")
 
 
 @dataclass
@@ -167,14 +179,21 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
 
 class DraftLoss(torch.nn.Module):
     """The drafter plus its objective as one module: DDP must wrap the call that produces the loss
-    (the drafter's own forward would build [B, A, S, V] logits)."""
+    (the drafter's own forward would build [B, A, S, V] logits).
 
-    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int):
+    Global normalisation: with ``batch["global_weight_sum"]`` (``data.lockstep``: the loss weights summed
+    over all ranks' batches, W) each rank's loss is ``world * sum(w * CE) / W``. DDP averages gradients
+    over the ``world`` ranks, so the step follows the gradient of ``sum over ranks (w * CE) / W``: exactly
+    one process's step on the union of the batches, whatever each rank's share of the weights."""
+
+    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int, world: int = 1):
         super().__init__()
-        self.drafter, self.gamma, self.ce_chunk = drafter, gamma, ce_chunk
+        self.drafter, self.gamma, self.ce_chunk, self.world = drafter, gamma, ce_chunk, world
 
     def forward(self, batch):
-        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk)
+        total = batch.get("global_weight_sum")
+        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk,
+                           weight_total=None if not total else total / self.world)
 
 
 def init_distributed(device: str | None):
@@ -226,7 +245,7 @@ class Meter:
         self.v = torch.zeros(7 + 2 * (self.S - 1), dtype=torch.float64)
         self.t0, self.wait = time.perf_counter(), 0.0
 
-    def add(self, metrics: dict, label_counts, tokens: int, samples: int, loss: float):
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int):
         if label_counts is None or int(metrics["num_tokens"]) == 0:
             self.v[4] += 1  # steps (an empty step still counts)
             return
@@ -235,8 +254,9 @@ class Meter:
         counts = torch.tensor(label_counts, dtype=torch.float64)
         hits = torch.nan_to_num(metrics["acc_k"].double().cpu()) * counts
         S1 = self.S - 1
-        self.v[:7] += torch.tensor([loss * w, w, float(metrics["tau"]) * anchors, anchors, 1, tokens, samples],
-                                   dtype=torch.float64)
+        # the weighted CE sum, not the loss: under DDP the loss is scaled for the gradient (DraftLoss)
+        self.v[:7] += torch.tensor([float(metrics["ce_sum"]), w, float(metrics["tau"]) * anchors, anchors, 1,
+                                    tokens, samples], dtype=torch.float64)
         self.v[7:7 + S1] += hits.round()
         self.v[7 + S1:] += counts
 
@@ -254,6 +274,21 @@ class Meter:
                 "acc_k": acc_k, "tau": float(v[2] / v[3]) if v[3] > 0 else nan,
                 "tokens": int(v[5]), "samples": int(v[6]), "tokens_per_s": float(v[5]) / dt if dt > 0 else nan,
                 "wait_frac": self.wait / dt if dt > 0 else 0.0}
+
+
+def val_metrics(ev) -> dict[str, Any]:
+    """The metrics.jsonl fields of a teacher-forced evaluation (``evaluate.StoreEval``)."""
+    return {"val_loss": ev.loss, "val_acc": ev.acc, "val_tau": ev.tau, "val_acceptance": ev.acceptance,
+            "val_anchors": ev.anchors, "val_seconds": ev.seconds}
+
+
+def check_val_stores(train: hsstore.Manifest, urls: list[str], storage_options: dict) -> None:
+    """A validation store must come from the same target and tokenizer (the drafter's frozen head and its
+    tokens); its taps, dtype and encoding may differ (the loader reads the drafter's taps from it)."""
+    for url in urls:
+        m = hsstore.open(url, **storage_options).manifest
+        same_layout = dataclasses.replace(m, layers=train.layers, dtype=train.dtype, encoding=train.encoding)
+        check_compatible(train, same_layout, "the training store", f"validation store {url!r}")
 
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
@@ -292,7 +327,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(dcfg.block_size)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, embed, head).to(device)
-    loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk)
+    loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
 
@@ -316,6 +351,23 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         log.info("rank %d: resumed from %s (step %d, epoch %d)", rank, latest, step, epoch)
     metrics_path = out / "metrics.jsonl"
     samples_path = out / f"samples.rank{rank:05d}.jsonl"
+    val_source, val_every, val_step = None, cfg.val_every or cfg.save_every, step
+    if cfg.val_stores:
+        check_val_stores(manifest, cfg.val_stores, cfg.storage_options)
+        val_source = eval_source(cfg.val_stores, dcfg.target_layers, cfg.max_tokens, rank, world,
+                                 cfg.storage_options, cfg.cache_dir, pin_memory=device.type == "cuda")
+
+    def validate() -> dict[str, Any]:
+        ev = evaluate(drafter, val_source, device, gamma=gamma, anchor_chunk=cfg.anchors, ce_chunk=cfg.ce_chunk,
+                      world=world, group=group, prefetch=cfg.prefetch)
+        log.info("step %d: val loss %.4f, val tau %.3f (%d anchors, %.1fs)", step, ev.loss, ev.tau, ev.anchors,
+                 ev.seconds)
+        return val_metrics(ev)
+
+    def write_row(row: dict[str, Any]) -> None:
+        if rank == 0:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
     if rank == 0:
         truncate_jsonl(metrics_path, step)
     if cfg.log_samples:
@@ -360,24 +412,26 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
             batch = fp8.dequantise_batch(batch, stored_dtype)
 
             lr = sched.get_last_lr()[0]  # the rate this step uses
-            loss, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
+            _, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
             step += 1
 
             # -- bookkeeping
-            meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), float(loss))
+            meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
             if cfg.log_samples:
                 with samples_path.open("a") as f:
                     f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
-            if step % cfg.log_every == 0 or step == total:
+            val_due = val_source is not None and (step % val_every == 0 or step == total)
+            if step % cfg.log_every == 0 or step == total or val_due:
                 row = {"step": step, "epoch": epoch, **meter.summary(world, group), "lr": lr,
                        "grad_norm": float(grad_norm)}
-                meter.reset()
+                if val_due:
+                    row.update(validate())
+                    val_step = step
+                meter.reset()  # after the evaluation: its time is not the next interval's
                 last = row
-                if rank == 0:
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
-                                    tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                write_row(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
+                                tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
             bar.update(1)
             if step % cfg.save_every == 0 or step == total:
                 save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
@@ -390,6 +444,9 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         if finished_epoch:
             epoch += 1
     bar.close()
+    if val_source is not None and val_step != step:  # the epochs ended before the planned step count
+        last = {"step": step, "epoch": epoch, **meter.summary(world, group), **validate()}
+        write_row(last)
     if step % cfg.save_every and step != total:  # the epochs ended before the planned step count
         save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank, world)
     drafter_dir = None
