@@ -113,7 +113,8 @@ class DrafterConfig:
         heads = tc.num_attention_heads
         num_heads, num_kv_heads, head_dim = reference_attention_shape(
             heads, getattr(tc, "num_key_value_heads", None) or heads,
-            getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+            getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            **{k: overrides.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim") if k in overrides})
         kw = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=tc.intermediate_size,
@@ -133,24 +134,27 @@ class DrafterConfig:
         return cls(**kw)
 
 
-# The published DFlash drafters (SpecForge configs/*-dflash.json, z-lab's releases) use Qwen3-8B's
-# attention shape, 32 heads x 128 with 8 KV heads, whatever the target's own: Qwen3.6-27B (24 x 256,
-# 4 KV) -> 32 x 128, 8 KV; Qwen3.5-4B (16 x 256, 4 KV) -> 32 x 128, 8 KV; Qwen3.5-35B-A3B (16 x 256,
-# 2 KV) -> 32 x 128, 4 KV; smaller targets keep theirs (Qwen2.5-0.5B: 14 x 64, 2 KV).
+# The published DFlash drafters (SpecForge configs/*-dflash.json) use at most 32 heads of 128 and 8 KV
+# heads, whatever the target's own attention: Qwen3.6-27B (24 x 256, 4 KV) -> 32 x 128, 8 KV; Qwen3-8B
+# and Qwen3-4B (32 x 128, 8 KV) -> the same; Qwen2.5-0.5B (14 x 64, 2 KV) -> the same; the Qwen3.5
+# drafters (targets with 256-wide heads) are 32 x 128 too.
 MAX_HEAD_DIM, MAX_HEADS, MAX_KV_HEADS = 128, 32, 8
 
 
-def reference_attention_shape(heads: int, kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+def reference_attention_shape(target_heads: int, target_kv_heads: int, target_head_dim: int, *,
+                              num_heads: int | None = None, num_kv_heads: int | None = None,
+                              head_dim: int | None = None) -> tuple[int, int, int]:
     """(num_heads, num_kv_heads, head_dim) of the drafter for a target attention of that shape.
 
     head_dim = min(target's, 128); heads and KV heads keep the target's query and KV widths at that
     head_dim, capped at 32 and 8 (and KV heads divide heads). This reproduces every published config
     listed above, and leaves targets that are already within the caps (the tiny test target) unchanged.
+    A value given as a keyword is kept and the others follow it.
     """
-    hd = min(head_dim, MAX_HEAD_DIM)
-    nh = max(1, min(MAX_HEADS, heads * head_dim // hd))
-    nkv = max(1, min(MAX_KV_HEADS, kv_heads * head_dim // hd, nh))
-    return nh, math.gcd(nh, nkv), hd
+    hd = head_dim or min(target_head_dim, MAX_HEAD_DIM)
+    nh = num_heads or max(1, min(MAX_HEADS, target_heads * target_head_dim // hd))
+    nkv = num_kv_heads or math.gcd(nh, max(1, min(MAX_KV_HEADS, target_kv_heads * target_head_dim // hd, nh)))
+    return nh, nkv, hd
 
 
 def default_target_layers(num_target_layers: int, num_taps: int = 5) -> list[int]:
