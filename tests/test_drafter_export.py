@@ -315,3 +315,15 @@ def test_resume_refuses_another_drafter_shape(store32, tmp_path):  # noqa: F811
         train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, num_heads=8, num_kv_heads=2, **FAST))
     with pytest.raises(ValueError, match="sliding_causal: True -> False"):
         train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, sliding_causal=False, **FAST))
+
+
+def test_checkpoints_load_their_exact_weights(store32, tmp_path):  # noqa: F811
+    """A checkpoint loads its fp32 master weights (what was trained); OUT/drafter, for serving, its bf16 ones."""
+    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    _, embed, head = load_frozen(hsstore.open(store32), dtype=torch.float32)
+    master = load_file(str(ckpt.latest_checkpoint(tmp_path) / ckpt.MASTER))
+    exact = ckpt.load_drafter(ckpt.latest_checkpoint(tmp_path), embed, head).state_dict()
+    served = ckpt.load_drafter(tmp_path, embed, head).state_dict()
+    assert all(torch.equal(exact[k], master[k]) for k in master)
+    assert all(torch.equal(served[k], master[k].bfloat16().float()) for k in master)
+    assert any(not torch.equal(served[k], master[k]) for k in master)

@@ -218,8 +218,8 @@ def read_drafter_config(path: str | os.PathLike) -> tuple[DrafterConfig, dict[st
 def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  **config_overrides) -> DFlashDrafter:
     """The drafter saved at ``path`` (a drafter dir, a checkpoint, or a training run's OUT) with the given
-    frozen head; ``config_overrides`` e.g. ``attn_impl="sdpa"`` for a CPU. Weights keep the model's dtype
-    (float32 parameters hold bf16 files exactly)."""
+    frozen head; ``config_overrides`` e.g. ``attn_impl="sdpa"`` for a CPU. Weights as ``read_weights`` picks
+    them, in the model's dtype (float32 parameters hold bf16 files exactly)."""
     path = resolve_drafter_dir(path)
     cfg, _ = read_drafter_config(path)
     cfg = dataclasses.replace(cfg, **config_overrides)
@@ -229,8 +229,10 @@ def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: t
 
 
 def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
-    """The served weights (model.safetensors) of the drafter at ``path``, checked against ``cfg``."""
-    file = resolve_drafter_dir(path) / WEIGHTS
+    """The weights of the drafter at ``path``, checked against ``cfg``: a checkpoint's fp32 master weights (exactly
+    what was trained), else the served model.safetensors (bf16; fp32 in the legacy format)."""
+    path = resolve_drafter_dir(path)
+    file = path / MASTER if (path / MASTER).exists() else path / WEIGHTS
     tensors = load_file(str(file))
     check_tensors(cfg, tensors, str(file))
     return tensors
