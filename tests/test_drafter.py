@@ -79,8 +79,8 @@ def test_block_sees_feature_just_before_anchor_and_other_blocks_unaffected():
 
 def test_leak_detector_catches_less_equal(monkeypatch):
     """The check above fails for a mask written with `j <= p`: it would catch that bug."""
-    def leaky(anchors, valid, block_size, window=None):
-        m = block_attention_mask(anchors, valid, block_size, window)
+    def leaky(anchors, valid, block_size, window=None, causal=True):
+        m = block_attention_mask(anchors, valid, block_size, window, causal)
         T = valid.shape[1]
         p = anchors.clamp(min=0).repeat_interleave(block_size, dim=1)  # [B, A*S]
         m[:, :, :T] |= torch.arange(T) == p[:, :, None]  # also allow j == p
@@ -102,7 +102,133 @@ def test_mask_matrix_small_case():
     assert torch.equal(m[0], expect)
 
 
-def test_sliding_window_limits_context():
+def table(rows: str) -> torch.Tensor:
+    """A mask written out by hand: one line per query row of 0/1 cells ('|' separates context and blocks);
+    a comment may follow after three spaces."""
+    cells = [line.strip().split("   ")[0].replace("|", "").split() for line in rows.strip().splitlines()]
+    return torch.tensor([[c == "1" for c in row] for row in cells])
+
+
+# Hand-derived from the reference rule (SpecForge create_dflash_sdpa_mask; SGLang/vLLM windows of W-1 to
+# the left of each query): block row i at position q = p + i sees context j < p with q - j <= W - 1 and,
+# in a causal sliding layer, block rows i' <= i with i - i' <= W - 1. Columns: context 0..T-1 | blocks.
+
+
+def test_mask_table_sliding_causal_two_anchors():
+    m = block_attention_mask(torch.tensor([[4, 1]]), torch.ones(1, 6, dtype=torch.bool), block_size=3, window=3)
+    expect = table("""
+        0 0 1 1 0 0 | 1 0 0 | 0 0 0     anchor 4, row 0 (q=4): j in [2, 4)
+        0 0 0 1 0 0 | 1 1 0 | 0 0 0     row 1 (q=5): j in [3, 4); block rows 0-1
+        0 0 0 0 0 0 | 1 1 1 | 0 0 0     row 2 (q=6): no context left in the window
+        1 0 0 0 0 0 | 0 0 0 | 1 0 0     anchor 1, row 0 (q=1): j in [-1, 1)
+        1 0 0 0 0 0 | 0 0 0 | 1 1 0     row 1 (q=2): j in [0, 1)
+        0 0 0 0 0 0 | 0 0 0 | 1 1 1     row 2 (q=3): j in [1, 1): none
+    """)
+    assert torch.equal(m[0], expect)
+
+
+def test_mask_table_window_smaller_than_block():
+    """W = 2 < S = 3: the window also cuts the block itself (as the engines' flash-attention window does)."""
+    anchors, valid = torch.tensor([[3]]), torch.ones(1, 4, dtype=torch.bool)
+    causal = table("""
+        0 0 1 0 | 1 0 0
+        0 0 0 0 | 1 1 0
+        0 0 0 0 | 0 1 1
+    """)
+    noncausal = table("""
+        0 0 1 0 | 1 1 0
+        0 0 0 0 | 1 1 1
+        0 0 0 0 | 0 1 1
+    """)
+    full = table("""
+        1 1 1 0 | 1 1 1
+        1 1 1 0 | 1 1 1
+        1 1 1 0 | 1 1 1
+    """)
+    assert torch.equal(block_attention_mask(anchors, valid, 3, window=2)[0], causal)
+    assert torch.equal(block_attention_mask(anchors, valid, 3, window=2, causal=False)[0], noncausal)
+    assert torch.equal(block_attention_mask(anchors, valid, 3)[0], full)
+    assert torch.equal(block_attention_mask(anchors, valid, 3, causal=False)[0], full)  # full layers: never causal
+
+
+def test_mask_table_noncausal_sliding():
+    m = block_attention_mask(torch.tensor([[5]]), torch.ones(1, 7, dtype=torch.bool), block_size=4, window=4,
+                             causal=False)
+    expect = table("""
+        0 0 1 1 1 0 0 | 1 1 1 1     q=5: j in [2, 5); the whole block
+        0 0 0 1 1 0 0 | 1 1 1 1     q=6: j in [3, 5)
+        0 0 0 0 1 0 0 | 1 1 1 1     q=7: j in [4, 5)
+        0 0 0 0 0 0 0 | 1 1 1 1     q=8: none
+    """)
+    assert torch.equal(m[0], expect)
+
+
+def test_mask_table_padding_and_padding_anchors():
+    """Batch of two: row 1 is right-padded after 3 tokens; its second anchor is padding (-1)."""
+    valid = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    anchors = torch.tensor([[4, 2], [5, -1]])
+    full = block_attention_mask(anchors, valid, block_size=2)
+    assert torch.equal(full[0], table("""
+        1 1 1 1 0 0 | 1 1 | 0 0
+        1 1 1 1 0 0 | 1 1 | 0 0
+        1 1 0 0 0 0 | 0 0 | 1 1
+        1 1 0 0 0 0 | 0 0 | 1 1
+    """))
+    assert torch.equal(full[1], table("""
+        1 1 1 0 0 0 | 1 1 | 0 0      anchor 5: j < 5 but only the 3 valid positions
+        1 1 1 0 0 0 | 1 1 | 0 0
+        0 0 0 0 0 0 | 0 0 | 1 1      padding anchor: its own block only, no context
+        0 0 0 0 0 0 | 0 0 | 1 1
+    """))
+    sliding = block_attention_mask(anchors, valid, block_size=2, window=3)
+    assert torch.equal(sliding[0], table("""
+        0 0 1 1 0 0 | 1 0 | 0 0      anchor 4, q=4: j in [2, 4)
+        0 0 0 1 0 0 | 1 1 | 0 0      q=5: j in [3, 4)
+        1 1 0 0 0 0 | 0 0 | 1 0      anchor 2, q=2: j in [0, 2)
+        0 1 0 0 0 0 | 0 0 | 1 1      q=3: j in [1, 2)
+    """))
+    assert torch.equal(sliding[1], table("""
+        0 0 0 0 0 0 | 1 0 | 0 0      anchor 5, q=5: j in [3, 5) is all padding
+        0 0 0 0 0 0 | 1 1 | 0 0
+        0 0 0 0 0 0 | 0 0 | 1 0      padding anchor, causal: row 0 sees itself
+        0 0 0 0 0 0 | 0 0 | 1 1
+    """))
+
+
+def test_no_mask_row_is_empty():
+    """Every query row may attend somewhere, whatever the anchors and padding (a fully masked row is NaN)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        B, A, S, T = 2, 4, 4, 10
+        anchors = torch.randint(-1, T, (B, A), generator=g)
+        valid = torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1), generator=g)
+        for w in (None, 1, 2, 5):
+            for causal in (True, False):
+                assert block_attention_mask(anchors, valid, S, w, causal).any(-1).all()
+
+
+def test_flex_mask_equals_sdpa_mask():
+    """The BlockMask's rule, evaluated on every (query, key) pair, is the boolean SDPA mask."""
+    import warnings
+
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    g = torch.Generator().manual_seed(1)
+    B, A, S, T = 2, 3, 4, 9
+    b, q, kv = torch.arange(B)[:, None, None], torch.arange(A * S)[None, :, None], torch.arange(T + A * S)[None, None]
+    for _ in range(3):
+        anchors = torch.randint(-1, T, (B, A), generator=g)
+        valid = torch.arange(T)[None] < torch.tensor([[T], [6]])
+        for w in (None, 2, 3, 6):
+            for causal in (True, False):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    bm = model_mod._flex_block_mask(anchors, valid, S, w, causal)
+                dense = block_attention_mask(anchors, valid, S, w, causal)
+                assert torch.equal(bm.mask_mod(b, 0, q, kv).expand_as(dense), dense), (w, causal)
+
+
+def test_sliding_window_moves_with_the_row():
+    """Row i sees context j >= p + i - (W - 1): row 0 sees p - W + 1 (not p - W), row 1 does not."""
     w = 3
     model = make_model(num_layers=1, sliding_window=[w])
     hs, ids = make_inputs(T=24)
@@ -111,10 +237,35 @@ def test_sliding_window_limits_context():
     with torch.no_grad():
         ref = model(hs, ids, anchors)
         far, near = hs.clone(), hs.clone()
-        far[:, p - w - 1] += 5.0  # p - j = w + 1: outside
-        near[:, p - w] += 5.0  # p - j = w: inside
+        far[:, p - w] += 5.0  # q - j = W for row 0: outside every row's window
+        near[:, p - w + 1] += 5.0  # q - j = W - 1 for row 0: inside; row 1 is one further: outside
         assert not changed(model(far, ids, anchors), ref)
-        assert changed(model(near, ids, anchors), ref)
+        out = model(near, ids, anchors)
+    assert changed(out[0, 0, 0], ref[0, 0, 0])
+    assert not changed(out[0, 0, 1:], ref[0, 0, 1:])
+
+
+def test_sliding_layer_is_causal_inside_the_block_unless_asked():
+    hs, ids = make_inputs(T=24)
+    anchors = torch.tensor([[3, 9]])
+
+    def perturb(row):
+        def hook(module, args):
+            x = args[0].clone()
+            x[:, row] += 1.0
+            return (x,) + args[1:]
+        return hook
+
+    for causal in (True, False):
+        model = make_model(num_layers=1, sliding_window=[64], sliding_causal=causal)
+        with torch.no_grad():
+            ref = model(hs, ids, anchors)
+            handle = model.layers[0].register_forward_pre_hook(perturb(2))  # row 2 of block 0
+            out = model(hs, ids, anchors)
+            handle.remove()
+        assert changed(out[0, 0, 2:], ref[0, 0, 2:])  # the row itself and later rows
+        assert changed(out[0, 0, :2], ref[0, 0, :2]) is not causal  # earlier rows only when non-causal
+        assert not changed(out[0, 1], ref[0, 1])
 
 
 def test_blocks_do_not_see_each_other():
@@ -166,13 +317,15 @@ def test_right_padding_and_padding_anchors_change_nothing():
     assert torch.allclose(both[1, :2], alone[0], atol=1e-10)
 
 
-def test_flex_path_matches_sdpa():
+@pytest.mark.parametrize("sliding_causal", [True, False])
+def test_flex_path_matches_sdpa(sliding_causal):
     import warnings
 
     pytest.importorskip("torch.nn.attention.flex_attention")
 
-    sdpa = make_model(sliding_window=[None, 4], dtype=torch.float32)
-    flex = make_model(sliding_window=[None, 4], dtype=torch.float32, attn_impl="flex")
+    kw = dict(sliding_window=[None, 4], dtype=torch.float32, sliding_causal=sliding_causal)
+    sdpa = make_model(**kw)
+    flex = make_model(**kw, attn_impl="flex")
     flex.load_state_dict(sdpa.state_dict())
     flex.embed_tokens.copy_(sdpa.embed_tokens)
     flex.lm_head.copy_(sdpa.lm_head)
@@ -183,7 +336,7 @@ def test_flex_path_matches_sdpa():
         warnings.simplefilter("ignore")
         a = sdpa(hs, ids, anchors, attn)
         b = flex(hs, ids, anchors, attn)
-    assert torch.allclose(a, b, atol=1e-4)
+    assert torch.isfinite(a).all() and torch.allclose(a, b, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- anchors

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
-from train.checkpoint import load_drafter
+from train.checkpoint import latest_checkpoint, load_drafter
 from train.evaluate import eval_source, evaluate
 from train.model import DFlashDrafter, DrafterConfig
 from train.trainer import TrainConfig, load_frozen, train
@@ -216,7 +216,8 @@ def test_train_logs_validation(store32, tmp_path):  # noqa: F811
     # the last validation is the final drafter's store-only evaluation
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store, dtype=torch.float32)
-    ref = evaluate(load_drafter(tmp_path, embed, head), eval_source(store32, store.layers, FAST["max_tokens"]))
+    drafter = load_drafter(latest_checkpoint(tmp_path), embed, head)  # its fp32 master weights, as trained
+    ref = evaluate(drafter, eval_source(store32, store.layers, FAST["max_tokens"]))
     assert rows[-1]["val_tau"] == ref.tau and rows[-1]["val_anchors"] == ref.anchors
     assert rows[-1]["val_loss"] == pytest.approx(ref.loss, rel=1e-6)
     assert result.last["val_tau"] == ref.tau

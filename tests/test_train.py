@@ -27,7 +27,8 @@ def losses(run_dir) -> list[float]:
 
 
 def weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run_dir) / "drafter" / "model.safetensors"))
+    """The fp32 trainable weights of the run's last checkpoint (the served drafter/ holds them in bf16)."""
+    return load_file(str(ckpt.latest_checkpoint(run_dir) / ckpt.MASTER))
 
 
 # ---------------------------------------------------------------------------------------------- store == online
@@ -116,7 +117,8 @@ def test_checkpoints_are_pickle_free_and_optimizer_roundtrips(store32, tmp_path)
     train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **FAST))
     last = ckpt.latest_checkpoint(tmp_path)
     names = {p.name for p in last.iterdir()}
-    assert names == {"config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
+    assert names == {"config.json", "model.safetensors", "model.safetensors.index.json", "hsstore_drafter.json",
+                     "master_weights.safetensors", "optimizer.safetensors", "trainer.json",
                      "rank00000.safetensors", "loader.rank00000.json"}
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.bin"))
 

@@ -90,10 +90,13 @@ def drop_page_cache(root: Path) -> None:
 
 
 def build(args, device):
+    w = args.sliding_window or None
     cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=args.ffn, vocab_size=args.vocab,
                         target_layers=list(range(args.taps)), mask_token_id=args.vocab - 1, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_layers=args.draft_layers,
-                        block_size=args.block, attn_impl=args.attn or ("flex" if device.type == "cuda" else "sdpa"))
+                        block_size=args.block, sliding_window=[w] * (args.draft_layers - 1) + [None] if w else None,
+                        sliding_causal=not args.non_causal_sliding,
+                        attn_impl=args.attn or ("flex" if device.type == "cuda" else "sdpa"))
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = (torch.randn(args.vocab, args.hidden, device=device) * 0.02).to(dtype)
@@ -110,12 +113,13 @@ def sync(device):
 
 
 def add_drafter_size_args(ap: argparse.ArgumentParser) -> None:
-    """Drafter dimensions; the defaults are a Qwen3.6-27B target's (hidden 5120, 5 taps, vocab 248320)."""
+    """Drafter dimensions; the defaults are the published Qwen3.6-27B drafter's (hidden 5120, FFN 17408,
+    32 heads x 128, 8 KV heads, 5 taps, vocab 248320)."""
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=17408)
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--taps", type=int, default=5)
 
@@ -127,6 +131,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
     add_drafter_size_args(ap)
     ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--sliding-window", type=int, default=2048, help="of every draft layer but the last (0: none)")
+    ap.add_argument("--non-causal-sliding", action="store_true")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--seq", type=int, default=4096)
@@ -211,7 +217,8 @@ def main() -> None:
     lo, re_ = statistics.median(loader_t), statistics.median(resident_t)
     result = {
         "device": str(device), "hidden": args.hidden, "taps": args.taps, "vocab": args.vocab,
-        "draft_layers": args.draft_layers, "block": args.block, "anchors": args.anchors, "seq": args.seq,
+        "draft_layers": args.draft_layers, "heads": [args.heads, args.kv_heads, args.head_dim],
+        "sliding_window": args.sliding_window, "sliding_causal": not args.non_causal_sliding, "block": args.block, "anchors": args.anchors, "seq": args.seq,
         "max_tokens": args.max_tokens, "tokens_per_step": tokens, "workers": args.workers, "cold": args.cold,
         "bytes_per_step": tokens * args.taps * args.hidden * 2,
         "loader_ms": lo * 1e3, "resident_ms": re_ * 1e3, "ratio": re_ / lo,

@@ -1,13 +1,26 @@
 """Checkpoints and the exported drafter, without pickle: safetensors for tensors, JSON for the rest.
 
-    OUT/checkpoints/step_00001000/
-        config.json             DrafterConfig (+ the store's target identity)  } a drafter directory:
-        model.safetensors       trainable drafter weights                       } `hsstore eval --drafter` loads it
-        optimizer.safetensors   AdamW moments and step counts
-        trainer.json            step, epoch, scheduler, training config, optimizer param groups, Python RNG
-        rank00000.safetensors   this rank's torch CPU/CUDA and numpy RNG states
-        loader.rank00000.json   this rank's loader position (hsstore loader state)
-    OUT/drafter/                the final drafter directory (config.json + model.safetensors)
+A *drafter directory* is what SGLang, vLLM and z-lab's ``dflash`` load (``--speculative-draft-model-path``,
+``"method": "dflash"``), in the format of SpecForge's and z-lab's released drafters:
+
+    config.json                   Qwen3-style config: architectures ["DFlashDraftModel"], model_type qwen3,
+                                  layer_types, sliding_window + use_sliding_window, block_size,
+                                  num_target_layers, dflash_config {target_layer_ids, mask_token_id}, rope_theta
+    model.safetensors             bf16 drafter weights: fc, hidden_norm, layers.N.*, norm (no embedding, no
+                                  lm_head: the engines use the target's)
+    model.safetensors.index.json  lists model.safetensors only, so engines skip any other *.safetensors here
+    hsstore_drafter.json          this project's metadata: store/target identity, taps, tokenizer, attn_impl
+
+    OUT/checkpoints/step_00001000/   a drafter directory, plus what resuming needs:
+        master_weights.safetensors   the fp32 trainable weights (resume continues from these, bit-exact)
+        optimizer.safetensors        AdamW moments and step counts
+        trainer.json                 step, epoch, scheduler, training config, optimizer param groups, Python RNG
+        rank00000.safetensors        this rank's torch CPU/CUDA and numpy RNG states
+        loader.rank00000.json        this rank's loader position (hsstore loader state)
+    OUT/drafter/                     the final drafter directory
+
+Directories written before this format (config.json ``{"architecture": "DFlashDrafter", "drafter": {...}}``
+with fp32 model.safetensors) still load, resume and export (``hsstore export-drafter``).
 
 Pickle-free means a checkpoint from an untrusted place cannot run code when loaded. A checkpoint is
 written to a hidden temporary directory and renamed into place, so a crash mid-write leaves the
@@ -37,50 +50,222 @@ log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 DRAFTER_DIR = "drafter"
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+META = "hsstore_drafter.json"
+MASTER = "master_weights.safetensors"
+ARCHITECTURE = "DFlashDraftModel"
+LEGACY_ARCHITECTURE = "DFlashDrafter"  # this project's format before the DFlash HF one
+FULL, SLIDING = "full_attention", "sliding_attention"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
 
 
-def save_drafter(path: str | os.PathLike, model: DFlashDrafter, extra: dict[str, Any] | None = None) -> Path:
-    """config.json + model.safetensors: everything ``load_drafter`` needs besides the frozen head."""
+def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The DFlash config.json of a drafter: the fields of SpecForge's configs/qwen3.6-27b-dflash.json."""
+    windows = sorted({w for w in cfg.sliding_window or [] if w is not None})
+    if len(windows) > 1:
+        raise ValueError(f"the DFlash format has one sliding_window for all sliding layers, not {windows}")
+    window = windows[0] if windows else None
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "dtype": "bfloat16",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "layer_types": [FULL if cfg.window(i) is None else SLIDING for i in range(cfg.num_layers)],
+        # transformers' Qwen3Config drops sliding_window unless use_sliding_window is true
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": cfg.num_layers,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": list(cfg.target_layers), "mask_token_id": cfg.mask_token_id},
+    }
+    if window is not None and not cfg.sliding_causal:
+        out["is_causal"] = False  # SGLang and vLLM then run every layer non-causally (their default: sliding causal)
+    return out
+
+
+def config_from_hf(d: dict[str, Any], attn_impl: str = "sdpa", source: str = CONFIG) -> DrafterConfig:
+    """The DrafterConfig of a DFlash config.json (ours, SpecForge's or z-lab's); refuses what this drafter
+    cannot run exactly as the engines would."""
+    def refuse(why):
+        raise ValueError(f"{source}: {why}")
+
+    if ARCHITECTURE not in (d.get("architectures") or []):
+        refuse(f"not a DFlash drafter (architectures {d.get('architectures')!r}, expected [{ARCHITECTURE!r}])")
+    if d.get("attention_bias"):
+        refuse("attention_bias is true; this drafter has no attention biases")
+    if d.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {d['hidden_act']!r}; this drafter's MLP is SwiGLU (silu)")
+    rope = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", scaling.get("type", "default")) \
+            not in ("default", None):
+        refuse("RoPE scaling is not supported (rope_type must be default)")
+    if (d.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        refuse("partial rotary is not supported (the drafter rotates whole heads)")
+    dflash = d.get("dflash_config") or {}
+    for key in ("target_layer_ids", "mask_token_id"):
+        if dflash.get(key) is None:
+            refuse(f"dflash_config.{key} is missing")
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types") or [FULL] * n
+    if len(types) != n or set(types) - {FULL, SLIDING}:
+        refuse(f"layer_types {types} must hold {n} entries of {FULL!r} / {SLIDING!r}")
+    window = d.get("sliding_window")
+    if SLIDING in types and not (isinstance(window, int) and window > 0):
+        refuse(f"sliding layers need a positive sliding_window (got {window!r})")
+    causal = d.get("is_causal", dflash.get("causal"))
+    if causal is True:
+        refuse("is_causal: true (causal full-attention layers) is not supported")
+    heads = int(d["num_attention_heads"])
+    return DrafterConfig(
+        hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+        vocab_size=int(d["vocab_size"]), target_layers=list(dflash["target_layer_ids"]),
+        mask_token_id=int(dflash["mask_token_id"]), num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads), num_layers=n,
+        block_size=int(dflash.get("block_size") or d.get("block_size") or 16),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0),
+        sliding_window=[window if t == SLIDING else None for t in types], sliding_causal=causal is not False,
+        max_position=int(d.get("max_position_embeddings") or 40960), num_target_layers=d.get("num_target_layers"),
+        attn_impl=attn_impl)
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a drafter of this config (built on the meta device: no memory)."""
+    meta = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg, meta, meta)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """ValueError naming the first few missing / unexpected / misshapen tensors of ``source``."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    shapes = [f"{k} {tuple(tensors[k].shape)} != {want[k]}" for k in sorted(set(want) & set(tensors))
+              if tuple(tensors[k].shape) != want[k]]
+    problems = [f"missing {missing[:3]}" if missing else "", f"unexpected {extra[:3]}" if extra else "",
+                f"shape {shapes[:3]}" if shapes else ""]
+    if any(problems):
+        raise ValueError(f"{source} does not match its config: {'; '.join(x for x in problems if x)}")
+
+
+def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str, torch.Tensor],
+                  meta: dict[str, Any] | None = None) -> Path:
+    """A drafter directory (see the module doc) from a config, its weights and this project's metadata."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = {"architecture": "DFlashDrafter", "drafter": dataclasses.asdict(model.config), **(extra or {})}
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    meta = dict(meta or {})
+    if cfg.num_target_layers is None and (meta.get("target") or {}).get("num_layers"):
+        cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
+    check_tensors(cfg, tensors, "drafter weights")
+    bf16 = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in tensors.items()}
+    save_file(bf16, str(path / WEIGHTS), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in bf16.values())},
+             "weight_map": {k: WEIGHTS for k in sorted(bf16)}}
+    (path / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+    (path / META).write_text(json.dumps({"format": "hsstore-drafter", "attn_impl": cfg.attn_impl, **meta}, indent=2))
+    (path / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
     return path
 
 
+def save_drafter(path: str | os.PathLike, model: DFlashDrafter, extra: dict[str, Any] | None = None) -> Path:
+    """The drafter directory of a live model: everything ``load_drafter`` and the engines need."""
+    return write_drafter(path, model.config, model.state_dict(), extra)
+
+
 def read_drafter_config(path: str | os.PathLike) -> tuple[DrafterConfig, dict[str, Any]]:
-    meta = json.loads((resolve_drafter_dir(path) / "config.json").read_text())
-    return DrafterConfig(**meta["drafter"]), meta
+    """(config, this project's metadata) of a drafter directory, a checkpoint or a run's OUT; reads the DFlash
+    format (with or without hsstore_drafter.json: released drafters have none) and the legacy one."""
+    path = resolve_drafter_dir(path)
+    d = json.loads((path / CONFIG).read_text())
+    if d.get("architecture") == LEGACY_ARCHITECTURE:  # sliding layers were trained non-causally then
+        meta = {k: v for k, v in d.items() if k not in ("architecture", "drafter")}
+        cfg = DrafterConfig(**{"sliding_causal": False, **d["drafter"]})
+        if cfg.num_target_layers is None and (meta.get("target") or {}).get("num_layers"):
+            cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
+        return cfg, meta
+    meta = json.loads((path / META).read_text()) if (path / META).exists() else {}
+    meta.pop("format", None)
+    return config_from_hf(d, meta.pop("attn_impl", "sdpa"), str(path / CONFIG)), meta
 
 
 def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  **config_overrides) -> DFlashDrafter:
     """The drafter saved at ``path`` (a drafter dir, a checkpoint, or a training run's OUT) with the given
-    frozen head; ``config_overrides`` e.g. ``attn_impl="sdpa"`` for a CPU."""
+    frozen head; ``config_overrides`` e.g. ``attn_impl="sdpa"`` for a CPU. Weights as ``read_weights`` picks
+    them, in the model's dtype (float32 parameters hold bf16 files exactly)."""
     path = resolve_drafter_dir(path)
     cfg, _ = read_drafter_config(path)
     cfg = dataclasses.replace(cfg, **config_overrides)
     model = DFlashDrafter(cfg, embed_tokens, lm_head)
-    model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+    model.load_state_dict(read_weights(path, cfg), strict=True)
     return model
+
+
+def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The weights of the drafter at ``path``, checked against ``cfg``: a checkpoint's fp32 master weights (exactly
+    what was trained), else the served model.safetensors (bf16; fp32 in the legacy format)."""
+    path = resolve_drafter_dir(path)
+    file = path / MASTER if (path / MASTER).exists() else path / WEIGHTS
+    tensors = load_file(str(file))
+    check_tensors(cfg, tensors, str(file))
+    return tensors
+
+
+def export_drafter(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """``hsstore export-drafter``: any drafter directory, checkpoint or run (either format) into a new drafter
+    directory in the DFlash format. Never writes into a non-empty ``out``."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new OUT")
+    src_dir = resolve_drafter_dir(src)
+    cfg, meta = read_drafter_config(src_dir)
+    tensors = read_weights(src_dir, cfg)
+    tmp = out.parent / f".tmp-{out.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write_drafter(tmp, cfg, tensors, meta)
+    os.replace(tmp, out)  # onto nothing or an empty directory
+    log.info("exported %s -> %s", src_dir, out)
+    return out
 
 
 def resolve_drafter_dir(path: str | os.PathLike) -> Path:
     """A drafter directory itself, OUT/drafter of a finished run, or else OUT's latest checkpoint."""
     path = Path(path)
     for cand in (path, path / DRAFTER_DIR):
-        if (cand / "config.json").exists() and (cand / "model.safetensors").exists():
+        if (cand / CONFIG).exists() and (cand / WEIGHTS).exists():
             return cand
     latest = latest_checkpoint(path)
     if latest is not None:
         return latest
-    raise FileNotFoundError(f"no drafter in {path} (expected config.json + model.safetensors, "
+    raise FileNotFoundError(f"no drafter in {path} (expected {CONFIG} + {WEIGHTS}, "
                             f"{DRAFTER_DIR}/ or {CKPT_DIR}/step_*/)")
 
 
@@ -170,8 +355,11 @@ def write_rank_files(tmp: Path, rank: int, loader_state: dict[str, Any] | None, 
 
 def write_main_files(tmp: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched, *, step: int,
                      epoch: int, config: dict[str, Any], world: list[int], extra: dict[str, Any]) -> None:
-    """What rank 0 writes: drafter, optimizer, and ``trainer.json`` last (its presence marks the rest)."""
+    """What rank 0 writes: drafter, fp32 master weights, optimizer, and ``trainer.json`` last (its presence
+    marks the rest)."""
     save_drafter(tmp, model, extra)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / MASTER),
+              metadata={"format": "pt"})
     tensors, opt_meta = optimizer_to_safetensors(opt)
     save_file(tensors, str(tmp / "optimizer.safetensors"))
     state = {"step": step, "epoch": epoch, "world": world, "scheduler": sched.state_dict(), "optimizer": opt_meta,
@@ -197,7 +385,8 @@ def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched,
             rank: int) -> dict[str, Any]:
     """Load weights, optimizer, scheduler and this rank's RNG from a checkpoint; returns trainer.json."""
     state = read_trainer_state(path)
-    model.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=True)
+    master = path / MASTER if (path / MASTER).exists() else path / WEIGHTS  # legacy: fp32 model.safetensors
+    model.load_state_dict(load_file(str(master), device=str(device)), strict=True)
     opt.load_state_dict(optimizer_from_safetensors(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
     sched.load_state_dict(state["scheduler"])
     set_python_rng(state["python_rng"])

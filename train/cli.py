@@ -1,4 +1,4 @@
-"""``hsstore train`` and ``hsstore eval``.
+"""``hsstore train``, ``hsstore export-drafter`` and ``hsstore eval``.
 
 torch and transformers are imported inside the handlers: the ``hsstore`` CLI imports this module at
 startup and must stay fast for commands that never train.
@@ -35,7 +35,21 @@ def register(subparsers) -> None:
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--draft-layers", type=int, default=5)
     t.add_argument("--sliding-window", type=int, default=2048,
-                   help="context window of every draft layer but the last (0: full attention everywhere)")
+                   help="window of every draft layer but the last, in positions counting the query's own, as "
+                        "Hugging Face's sliding_window (0: full attention everywhere)")
+    t.add_argument("--non-causal-sliding", action="store_true",
+                   help="sliding layers see their whole block (exported as is_causal: false); default: causal "
+                        "inside the block, as SpecForge trains and SGLang/vLLM serve")
+    d = t.add_argument_group("drafter shape (default: the published DFlash drafters' rule, e.g. Qwen3.6-27B "
+                             "-> 32 heads x 128, 8 KV heads; FFN, RoPE base from the target)")
+    d.add_argument("--num-heads", type=int, default=None)
+    d.add_argument("--num-kv-heads", type=int, default=None)
+    d.add_argument("--head-dim", type=int, default=None)
+    d.add_argument("--intermediate-size", type=int, default=None)
+    d.add_argument("--rope-theta", type=float, default=None)
+    t.add_argument("--init", default=None, metavar="DIR",
+                   help="start from this drafter (DFlash format: ours, SpecForge's, z-lab's); refused unless its "
+                        "taps, hidden size, vocabulary and block size fit the store")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="default: first unused embedding row, else the target's pad token")
     t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default by block)")
@@ -67,6 +81,18 @@ def register(subparsers) -> None:
                    help="steps between evaluations on --val-store (default: --save-every); always at the end too")
     add_storage_option(t)
     t.set_defaults(func=run_train)
+
+    x = subparsers.add_parser(
+        "export-drafter",
+        help="write a drafter directory SGLang and vLLM load, from any checkpoint or run",
+        description="Turn a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a training run (its "
+        "drafter/ or latest checkpoint), in this or the earlier format, into a DFlash drafter directory: "
+        "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
+        "OUT must not exist or be empty.",
+    )
+    x.add_argument("ckpt", metavar="CKPT")
+    x.add_argument("out", metavar="OUT")
+    x.set_defaults(func=run_export)
 
     e = subparsers.add_parser(
         "eval",
@@ -125,7 +151,10 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
         max_tokens=args.max_tokens, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
-        sliding_window=args.sliding_window or None, mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
+        sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
+        mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
         warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.no_progress,
@@ -144,6 +173,13 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
                   f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
         print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from .checkpoint import export_drafter
+
+    print(f"drafter: {export_drafter(args.ckpt, args.out)}")
     return 0
 
 

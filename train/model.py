@@ -11,16 +11,23 @@ How it works, in one picture (block_size S = 4, anchor p = 5):
 * The tapped features [T, L*H] are projected by ``fc`` (L*H -> H) and RMS-normalized: this is the
   *context*. Every draft layer turns the context into extra keys/values with its own k_proj/v_proj and
   puts them in front of the block tokens' own keys/values.
-* Block queries attend to all tokens of their own block (non-causally) and to context positions
-  j < p (and p - j <= window with a sliding window: the last `window` positions). Never to another
-  block, never to a feature at position >= p: at inference the anchor x_p is the token the target
-  just emitted, the target has not run on it yet, so features at >= p do not exist. Training with
-  them is the classic "98% train accuracy, 10% acceptance" leak.
+* Which keys a block row sees (row i of the block at anchor p sits at position q = p + i):
+  - full-attention layer: every row of its own block (non-causal) and context j < p;
+  - sliding-window layer, window W (the engines' default, SpecForge's training mask): block rows
+    i' <= i (causal) and context j < p with q - j <= W - 1, i.e. j >= p + i - (W - 1). W counts the
+    query's own position, as Hugging Face's ``sliding_window`` does (SGLang stores W - 1 as
+    window_left; vLLM's flash-attention window is (W - 1, 0));
+  - sliding, non-causal (``sliding_causal=False``, exported as ``is_causal: false``, which SGLang
+    and vLLM read): every row of the block within |i - i'| <= W - 1 and the same context as above.
+  Never another block, never a feature at position >= p: at inference the anchor x_p is the token
+  the target just emitted, the target has not run on it yet, so features at >= p do not exist.
+  Training with them is the classic "98% train accuracy, 10% acceptance" leak.
 * Training processes many anchors per sequence at once: all blocks of a sequence are concatenated
   into one query sequence [A*S] and a single attention mask enforces the rules above.
 * ``embed_tokens`` and ``lm_head`` are the target's own weights, frozen. They are stored as
   non-persistent buffers: not parameters (so never in the optimizer, never get a gradient) and not in
-  ``state_dict()`` (checkpoints hold only the trainable drafter weights).
+  ``state_dict()`` (checkpoints hold only the trainable drafter weights, under the names the
+  reference DFlash model uses: fc, hidden_norm, layers.N.*, norm).
 
 ``forward`` returns logits [B, A, S, V]. With a real vocabulary (248K) that tensor is huge, so the
 training objective (train/objective.py) calls ``draft_hidden`` instead and computes the cross
@@ -29,6 +36,7 @@ entropy chunk by chunk, only at the positions that carry weight.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,11 +57,14 @@ class DrafterConfig:
     num_layers: int = 1
     block_size: int = 16  # S: anchor + S-1 mask tokens
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    # per draft layer: None = full attention over the context, int w = only context positions j with
-    # p - j <= w (the last w positions before the anchor). None for the whole list = all layers full.
+    rope_theta: float = 1_000_000.0  # full rotary (the drafter never rotates only part of a head)
+    # per draft layer: None = full attention, int W = sliding window of W positions counting the query's
+    # own (context j visible to block row i iff j >= p + i - (W - 1)). None for the whole list = all full.
     sliding_window: list[int | None] | None = None
+    # sliding layers causal inside the block (the engines' default); False = non-causal (is_causal: false)
+    sliding_causal: bool = True
     max_position: int = 40960  # largest absolute position (context length + block) the drafter accepts
+    num_target_layers: int | None = None  # decoder layers of the target (exported for the engines)
     attn_impl: str = "sdpa"  # "sdpa" (boolean mask; reference, any device) or "flex" (BlockMask)
 
     def __post_init__(self):
@@ -61,7 +72,9 @@ class DrafterConfig:
         if not self.target_layers:
             raise ValueError("target_layers must not be empty")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads must be a multiple of num_kv_heads")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary halves), not {self.head_dim}")
         if self.block_size < 2:
             raise ValueError("block_size must be >= 2 (anchor + at least one mask token)")
         if self.sliding_window is not None:
@@ -70,6 +83,10 @@ class DrafterConfig:
                 raise ValueError(
                     f"sliding_window has {len(self.sliding_window)} entries for {self.num_layers} layers"
                 )
+            if any(w is not None and w < 1 for w in self.sliding_window):
+                raise ValueError(f"sliding windows must be >= 1, got {self.sliding_window}")
+            if all(w is None for w in self.sliding_window):
+                self.sliding_window = None
         if self.attn_impl not in ("sdpa", "flex"):
             raise ValueError(f"attn_impl must be 'sdpa' or 'flex', not {self.attn_impl!r}")
 
@@ -83,29 +100,61 @@ class DrafterConfig:
     @classmethod
     def from_target_config(cls, target_config, *, mask_token_id: int, target_layers=None,
                            num_layers: int = 1, **overrides) -> "DrafterConfig":
-        """Sizes copied from a transformers config of the target (only the config, never the model).
+        """Sizes from a transformers config of the target (only the config, never the model).
 
-        Works for multimodal configs too (uses ``get_text_config()``). ``overrides`` win.
+        Hidden size, FFN width, vocabulary, RoPE base and context length are the target's; the attention
+        shape follows ``reference_attention_shape``; partial-rotary settings are never copied (the
+        drafter rotates whole heads). Works for multimodal configs too (``get_text_config()``).
+        ``overrides`` win.
         """
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         rope = getattr(tc, "rope_parameters", None) or {}
         n_target = tc.num_hidden_layers
+        heads = tc.num_attention_heads
+        num_heads, num_kv_heads, head_dim = reference_attention_shape(
+            heads, getattr(tc, "num_key_value_heads", None) or heads,
+            getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            **{k: overrides.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim") if k in overrides})
         kw = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=tc.intermediate_size,
             vocab_size=tc.vocab_size,
             target_layers=list(target_layers) if target_layers is not None else default_target_layers(n_target),
             mask_token_id=mask_token_id,
-            num_heads=tc.num_attention_heads,
-            num_kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             num_layers=num_layers,
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0)),
             max_position=getattr(tc, "max_position_embeddings", 40960),
+            num_target_layers=n_target,
         )
         kw.update(overrides)
         return cls(**kw)
+
+
+# The published DFlash drafters (SpecForge configs/*-dflash.json) use at most 32 heads of 128 and 8 KV
+# heads, whatever the target's own attention: Qwen3.6-27B (24 x 256, 4 KV) -> 32 x 128, 8 KV; Qwen3-8B
+# and Qwen3-4B (32 x 128, 8 KV) -> the same; Qwen2.5-0.5B (14 x 64, 2 KV) -> the same; the Qwen3.5
+# drafters (targets with 256-wide heads) are 32 x 128 too.
+MAX_HEAD_DIM, MAX_HEADS, MAX_KV_HEADS = 128, 32, 8
+
+
+def reference_attention_shape(target_heads: int, target_kv_heads: int, target_head_dim: int, *,
+                              num_heads: int | None = None, num_kv_heads: int | None = None,
+                              head_dim: int | None = None) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim) of the drafter for a target attention of that shape.
+
+    head_dim = min(target's, 128); heads and KV heads keep the target's query and KV widths at that
+    head_dim, capped at 32 and 8 (and KV heads divide heads). This reproduces every published config
+    listed above, and leaves targets that are already within the caps (the tiny test target) unchanged.
+    A value given as a keyword is kept and the others follow it.
+    """
+    hd = head_dim or min(target_head_dim, MAX_HEAD_DIM)
+    nh = num_heads or max(1, min(MAX_HEADS, target_heads * target_head_dim // hd))
+    nkv = num_kv_heads or math.gcd(nh, max(1, min(MAX_KV_HEADS, target_kv_heads * target_head_dim // hd, nh)))
+    return nh, nkv, hd
 
 
 def default_target_layers(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -208,30 +257,42 @@ class DecoderLayer(nn.Module):
 
 
 def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, causal: bool = True) -> torch.Tensor:
     """Boolean mask [B, A*S, T + A*S] (True = may attend) for SDPA; keys are [context T | blocks A*S].
 
-    anchors [B, A] (positions, -1 = padding); valid [B, T] bool (False on right padding).
-    Query row a*S + i (token i of block a, anchor p) may see
-      * context key j   iff  j < p  and valid[j]  (and p - j <= window)   -- strictly <, never <=
-      * block key b*S + i'  iff  b == a                                   -- non-causal, own block only
-    Padding anchors see their own block only (no row is ever fully masked, so no NaN).
+    anchors [B, A] (positions, -1 = padding); valid [B, T] bool (False on right padding). Query row
+    a*S + i (row i of block a, anchor p, position p + i) may see
+      * context key j        iff  j < p and valid[j]                      -- strictly <, never <=
+                                  and, in a sliding layer, j >= p + i - (window - 1)
+      * block key b*S + i'   iff  b == a                                  -- own block only
+                                  and, in a sliding layer, i' <= i and i - i' <= window - 1 (causal)
+                                  or |i - i'| <= window - 1 (``causal=False``)
+    ``causal`` matters only with a window: full-attention layers are non-causal inside the block.
+    Padding anchors see their own block only; every row sees at least itself, so none is fully masked
+    (no NaN).
     """
     B, A = anchors.shape
     T = valid.shape[1]
     S = block_size
-    p = anchors.clamp(min=0)[:, :, None]  # [B, A, 1]
-    j = torch.arange(T, device=anchors.device)
-    ctx = (j < p) & valid[:, None, :] & (anchors[:, :, None] >= 0)  # [B, A, T]
+    dev = anchors.device
+    p = anchors.clamp(min=0)[:, :, None, None]  # [B, A, 1, 1]
+    j = torch.arange(T, device=dev)
+    ctx = (j < p) & valid[:, None, None, :] & (anchors >= 0)[:, :, None, None]  # [B, A, 1, T]
+    i = torch.arange(S, device=dev)
     if window is not None:
-        ctx = ctx & (p - j <= window)
-    ctx = ctx.repeat_interleave(S, dim=1)  # [B, A*S, T]
-    blk = torch.arange(A * S, device=anchors.device) // S
-    own = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, A*S, A*S]
-    return torch.cat([ctx, own], dim=-1)
+        ctx = ctx & (j >= p + i[:, None] - (window - 1))  # [B, A, S, T]
+    ctx = ctx.expand(B, A, S, T).reshape(B, A * S, T)
+    own = torch.ones(S, S, dtype=torch.bool, device=dev)
+    if window is not None:
+        d = i[:, None] - i[None, :]  # query offset - key offset
+        own = (d >= 0) & (d <= window - 1) if causal else d.abs() <= window - 1
+    n = torch.arange(A * S, device=dev)
+    blk = (n[:, None] // S == n[None, :] // S) & own[n[:, None] % S, n[None, :] % S]  # [A*S, A*S]
+    blk = blk.expand(B, -1, -1)
+    return torch.cat([ctx, blk], dim=-1)
 
 
-def _flex_block_mask(anchors, valid, block_size, window):
+def _flex_block_mask(anchors, valid, block_size, window, causal=True):
     """Same rule as ``block_attention_mask`` as a flex_attention BlockMask (skips empty tiles)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -242,12 +303,15 @@ def _flex_block_mask(anchors, valid, block_size, window):
     real = anchors >= 0
 
     def mask_mod(b, h, q_idx, kv_idx):
-        a = q_idx // S
+        a, i = q_idx // S, q_idx % S
         pa = p[b, a]
         in_ctx = (kv_idx < T) & (kv_idx < pa) & real[b, a] & valid[b, kv_idx.clamp(max=T - 1)]
+        kb = (kv_idx - T).clamp(min=0)
+        in_blk = (kv_idx >= T) & (kb // S == a)
         if window is not None:
-            in_ctx = in_ctx & (pa - kv_idx <= window)
-        in_blk = (kv_idx >= T) & ((kv_idx - T) // S == a)
+            in_ctx = in_ctx & (kv_idx >= pa + i - (window - 1))
+            d = i - kb % S
+            in_blk = in_blk & (d <= window - 1) & ((d >= 0) if causal else (d >= 1 - window))
         return in_ctx | in_blk
 
     return create_block_mask(mask_mod, B, None, A * S, T + A * S, device=anchors.device,
@@ -348,9 +412,9 @@ class DFlashDrafter(nn.Module):
             w = c.window(i)
             if w not in masks:
                 if c.attn_impl == "flex":
-                    masks[w] = _flex_block_mask(anchors, valid, S, w)
+                    masks[w] = _flex_block_mask(anchors, valid, S, w, c.sliding_causal)
                 else:
-                    masks[w] = block_attention_mask(anchors, valid, S, w)
+                    masks[w] = block_attention_mask(anchors, valid, S, w, c.sliding_causal)
             x = layer(x, ctx, rope_blk, rope_ctx, masks[w])
         return self.norm(x).view(B, A, S, -1)
 

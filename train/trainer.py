@@ -13,8 +13,12 @@ Choices worth knowing:
 * **Mask token**: ``mask_token_id`` if given; else the first embedding row past the tokenizer's
   vocabulary (Qwen checkpoints pad their embedding: e.g. 248320 rows), an id no text can produce;
   else the target's ``pad_token_id`` (``<|endoftext|>`` for Qwen, never inside a chat sample).
-* **Draft layers**: the 27B recipe by default: 5 Qwen3-style layers, all but the last with a sliding
-  window of 2048 context positions; sizes equal to the target's.
+* **Draft layers**: the published Qwen3.6-27B drafter by default: 5 Qwen3-style layers, all but the
+  last with a sliding window of 2048 (causal inside the block, as the engines serve it); hidden size,
+  FFN width, RoPE base and context length are the target's, the attention shape the published
+  drafters' (``model.reference_attention_shape``: 32 heads x 128, 8 KV heads for Qwen3.6-27B). Flags
+  override each. ``--init DIR`` starts from a drafter in the DFlash format instead (its shape, taps,
+  mask token), after checking that it fits the store.
 * **Precision**: fp32 master weights and optimizer; on CUDA the step runs under bf16 autocast and the
   frozen head stays in its stored dtype; on CPU everything is fp32 (so tests can compare exactly).
 * **DDP** (``torchrun``): gloo on CPU, nccl on GPU; each rank reads its own share of the store (the
@@ -62,7 +66,10 @@ log = logging.getLogger(__name__)
 DEFAULT_EPOCHS = 6
 # settings that must not change when resuming (the weights or the data order would not match)
 RESUME_KEYS = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
-               "sliding_window", "mask_token_id", "gamma", "workers")
+               "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+               "rope_theta", "mask_token_id", "gamma", "workers")
+# what a run saved before a key existed did (sliding layers were non-causal; shapes followed the target)
+LEGACY_RESUME_VALUES = {"sliding_causal": False}
 
 
 @dataclass
@@ -77,6 +84,14 @@ class TrainConfig:
     block_size: int = 16
     draft_layers: int = 5
     sliding_window: int | None = 2048  # for all draft layers but the last; None or 0: full attention
+    sliding_causal: bool = True  # False: sliding layers non-causal inside the block (exported is_causal: false)
+    # drafter shape; None: the rule in DrafterConfig.from_target_config (the published drafters' shape)
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rope_theta: float | None = None
+    init: str | None = None  # a drafter directory (DFlash format) to start from instead of random weights
     mask_token_id: int | None = None
     gamma: float | None = None  # loss decay; default from the block size (7 for 16)
     lr: float = 6e-4
@@ -167,14 +182,55 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
     if tc.get("hidden_size") != manifest.hidden_size:
         raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
                          f"{manifest.hidden_size}")
+    attn = cfg.attn if cfg.attn != "auto" else "sdpa"  # flex: opt-in, see TrainConfig.attn
+    if cfg.init is not None:
+        return init_config(cfg.init, manifest, vocab_rows, cfg, attn)
     window = cfg.sliding_window or None
     windows = [window] * (cfg.draft_layers - 1) + [None] if window else None
-    attn = cfg.attn if cfg.attn != "auto" else "sdpa"  # flex: opt-in, see TrainConfig.attn
+    shape = {k: getattr(cfg, k) for k in SHAPE_KEYS if getattr(cfg, k) is not None}
     return DrafterConfig.from_target_config(
         SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
         mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, cfg.mask_token_id),
         target_layers=list(manifest.layers), num_layers=cfg.draft_layers, block_size=cfg.block_size,
-        sliding_window=windows, attn_impl=attn)
+        sliding_window=windows, sliding_causal=cfg.sliding_causal, attn_impl=attn,
+        num_target_layers=manifest.target.num_layers, **shape)
+
+
+SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
+
+
+def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, cfg: TrainConfig, attn: str) -> DrafterConfig:
+    """The config of the drafter at ``path`` (``--init``), refused in one line when it does not fit the store:
+    its taps must be among the store's layers, its hidden size, vocabulary, target depth and block size
+    those of the store and flags; explicit shape flags must agree with it."""
+    dcfg, _ = ckpt.read_drafter_config(path)
+    problems = []
+    missing = [t for t in dcfg.target_layers if t not in manifest.layers]
+    if missing:
+        problems.append(f"taps {dcfg.target_layers} need layers {missing} the store lacks (it has "
+                        f"{list(manifest.layers)})")
+    if dcfg.num_target_layers is not None and dcfg.num_target_layers != manifest.target.num_layers:
+        problems.append(f"it was made for a {dcfg.num_target_layers}-layer target, the store's has "
+                        f"{manifest.target.num_layers}")
+    if dcfg.hidden_size != manifest.hidden_size:
+        problems.append(f"hidden size {dcfg.hidden_size} != the store's {manifest.hidden_size}")
+    if dcfg.vocab_size != vocab_rows:
+        problems.append(f"vocabulary {dcfg.vocab_size} != the store's embedding rows {vocab_rows}")
+    if dcfg.block_size != cfg.block_size:
+        problems.append(f"block size {dcfg.block_size} != --block-size {cfg.block_size}")
+    if cfg.mask_token_id is not None and cfg.mask_token_id != dcfg.mask_token_id:
+        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {cfg.mask_token_id}")
+    mine = {"num_heads": dcfg.num_heads, "num_kv_heads": dcfg.num_kv_heads, "head_dim": dcfg.head_dim,
+            "intermediate_size": dcfg.intermediate_size, "rope_theta": dcfg.rope_theta}
+    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(cfg, k)}" for k in SHAPE_KEYS
+                 if getattr(cfg, k) is not None and getattr(cfg, k) != mine[k]]
+    if problems:
+        raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
+    if dcfg.num_layers != cfg.draft_layers or dcfg.sliding_window != (
+            [cfg.sliding_window] * (cfg.draft_layers - 1) + [None] if cfg.sliding_window else None):
+        log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
+                 path, dcfg.num_layers, dcfg.sliding_window)
+    return dataclasses.replace(dcfg, attn_impl=attn, num_target_layers=manifest.target.num_layers)
 
 
 class DraftLoss(torch.nn.Module):
@@ -327,6 +383,9 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(dcfg.block_size)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, embed, head).to(device)
+    if cfg.init is not None:  # a resumed run then loads its checkpoint over these
+        drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
+        log.info("rank %d: drafter initialised from %s", rank, cfg.init)
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
@@ -491,7 +550,12 @@ def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, ra
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = ckpt.read_trainer_state(path)
     now = dataclasses.asdict(cfg)
-    diffs = [f"{k}: {saved['config'].get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved["config"].get(k) != now[k]]
+    before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
+    diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
+    saved_cfg, _ = ckpt.read_drafter_config(path)
+    mine = dataclasses.replace(drafter.config, attn_impl=saved_cfg.attn_impl)
+    diffs += [f"drafter {f.name}: {getattr(saved_cfg, f.name)!r} -> {getattr(mine, f.name)!r}"
+              for f in dataclasses.fields(mine) if getattr(saved_cfg, f.name) != getattr(mine, f.name)]
     if diffs:
         raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
                          "or --no-resume to start over")
