@@ -51,15 +51,17 @@ class ChunkCache:
         return os.path.join(self.root, namespace, path.lstrip("/"))
 
     # -- reading -----------------------------------------------------------------------------------
-    def get(self, namespace: str, path: str) -> bytes | None:
+    def get(self, namespace: str, path: str, expect: int | None = None) -> bytes | None:
+        """The cached copy of ``path``, if intact and (``expect``: the payload CRC32C the commit record lists)
+        the chunk the store holds there now; otherwise it is dropped."""
         local = self.local_path(namespace, path)
         try:
             with open(local, "rb") as f:
                 blob = f.read()
         except (FileNotFoundError, IsADirectoryError):
             return None
-        if not codec.chunk_ok(blob):
-            log.warning("chunk cache: dropping damaged copy %s", local)
+        if not codec.chunk_ok(blob, expect):
+            log.warning("chunk cache: dropping damaged or stale copy %s", local)
             self._remove(local)
             return None
         try:
@@ -71,11 +73,14 @@ class ChunkCache:
                 self._index[local] = (self._clock(), len(blob))
         return blob
 
-    def cat(self, fs, paths: list[str], namespace: str) -> dict[str, Any]:
+    def cat(self, fs, paths: list[str], namespace: str, expect: dict[str, int | None] | None = None,
+            ) -> dict[str, Any]:
+        """``expect``: path -> payload CRC32C from the commit record; a cached copy must match it."""
         out: dict[str, Any] = {}
         missing = []
+        expect = expect or {}
         for p in paths:
-            blob = self.get(namespace, p)
+            blob = self.get(namespace, p, expect.get(p))
             if blob is None:
                 missing.append(p)
             else:
@@ -87,7 +92,7 @@ class ChunkCache:
             for p in missing:
                 blob = fetched.get(p)
                 out[p] = blob
-                if isinstance(blob, (bytes, bytearray)) and codec.chunk_ok(blob):
+                if isinstance(blob, (bytes, bytearray)) and codec.chunk_ok(blob, expect.get(p)):
                     self.put(namespace, p, bytes(blob))
         return out
 

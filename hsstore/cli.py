@@ -1,6 +1,6 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, convert, bench, subset, merge) live here; extraction commands (check, show,
+Store commands (info, verify, upgrade, convert, bench, subset, merge) live here; extraction commands (check, show,
 extract, import, regenerate, demo) and training commands (train, eval) are registered by ``extract.cli``
 and ``train.cli``, which import transformers only when their command runs.
 """
@@ -54,9 +54,32 @@ def cmd_verify(args) -> int:
     if report.uncommitted:
         print(f"note: {len(report.uncommitted)} uncommitted shard(s) present (ignored by readers): "
               + ", ".join(report.uncommitted[:5]))
+    if report.weak_records:
+        print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
+              "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "
+              f"another store passes); `hsstore upgrade {args.url}` re-derives them (safe to interrupt and re-run)")
     status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
     print(f"verify {args.url}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
     return 0 if report.ok else 1
+
+
+def cmd_upgrade(args) -> int:
+    from tqdm import tqdm
+
+    from .reader import open_store
+    from .upgrade import upgrade
+
+    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    total = sum(f["size"] for c in store.commits if not c.binds_chunks for f in c.files.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="upgrade", disable=args.quiet) as bar:
+        r = upgrade(store, progress=bar.update)
+    for p in r.refused:
+        print(f"FAIL {p}")
+    left = len({p.shard for p in r.refused})
+    print(f"upgrade {args.url}: {r.rewritten} commit record(s) rewritten, {r.current} already current"
+          + (f"; {left} shard(s) left as they were (problems above)" if left else "")
+          + ("; manifest now at format version 2" if r.manifest_upgraded else ""))
+    return 1 if left else 0
 
 
 def cmd_convert(args) -> int:
@@ -161,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quiet", "-q", action="store_true")
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
+
+    q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
+                                       "chunks apart (each shard verified first; safe to interrupt and re-run)")
+    q.add_argument("url")
+    q.add_argument("--quiet", "-q", action="store_true")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_upgrade)
 
     q = sub.add_parser("convert", help="copy a store into a new store of another layout (zarr <-> wds), bit-exact")
     q.add_argument("src")

@@ -113,12 +113,29 @@ def crc32c(data, crc: int | None = None) -> int:
     return int(google_crc32c.value(view) if crc is None else google_crc32c.extend(crc, view))
 
 
-def chunk_ok(blob: bytes) -> bool:
-    """Whether a chunk object's trailing CRC32C matches its payload."""
+# A chunk object that is valid but holds other data than its commit record lists for its path.
+MISPLACED = ("a valid chunk, but not the one the commit record lists for this path (swapped, copied from "
+             "another shard or store, or stale)")
+
+
+# The CRC32C of any valid chunk object (payload + the payload's CRC32C) is this one constant, CRC-32C's
+# residue: what commit records of format version 1 list for every chunk.
+CHUNK_RESIDUE = crc32c(np.uint32(crc32c(b"")).tobytes())
+
+
+def chunk_tail(blob) -> int:
+    """The CRC32C a chunk object ends with: its payload's checksum, which commit records of format version 2
+    list for the object (the whole object's CRC32C is one constant for every valid chunk)."""
+    return int.from_bytes(bytes(blob[-4:]), "little")
+
+
+def chunk_ok(blob: bytes, expect: int | None = None) -> bool:
+    """Whether a chunk object's trailing CRC32C matches its payload and, with ``expect``, is that checksum."""
     if len(blob) < 4:
         return False
     payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
-    return crc32c(payload) == int.from_bytes(blob[-4:], "little")
+    tail = chunk_tail(blob)
+    return (expect is None or tail == expect) and crc32c(payload) == tail
 
 
 def _parse(spec: str) -> tuple[str, int]:
@@ -144,7 +161,7 @@ def _numcodec(spec: str):
 @dataclass(frozen=True)
 class EncodedChunk:
     """A chunk object as parts (payload view + 4-byte CRC32C), so local writes need no joining copy.
-    ``crc32c`` is the checksum of the whole object, as the commit record lists it."""
+    ``crc32c`` is the payload's checksum (the tail), as the commit record lists it: it identifies the data."""
 
     payload: np.ndarray
     tail: bytes
@@ -190,16 +207,20 @@ class ChunkCodec:
         payload = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8) if c is None else np.frombuffer(
             c.encode(np.ascontiguousarray(chunk)), np.uint8)
         inner = crc32c(payload)
-        tail = np.uint32(inner).tobytes()
-        return EncodedChunk(payload, tail, int(google_crc32c.extend(inner, tail)))
+        return EncodedChunk(payload, np.uint32(inner).tobytes(), inner)
 
-    def decode(self, blob: bytes, dtype: np.dtype, count: int, where: str) -> np.ndarray:
-        """The chunk's values (a read-only view when uncompressed); CorruptionError naming ``where``."""
+    def decode(self, blob: bytes, dtype: np.dtype, count: int, where: str, expect: int | None = None,
+               ) -> np.ndarray:
+        """The chunk's values (a read-only view when uncompressed); CorruptionError naming ``where``.
+        ``expect``: the payload CRC32C the commit record lists (None: a record that lists none)."""
         if len(blob) < 4:
             raise CorruptionError(f"{where}: chunk of {len(blob)} bytes is truncated")
         payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
-        if crc32c(payload) != int(np.frombuffer(blob, "<u4", count=1, offset=len(blob) - 4)[0]):
+        tail = chunk_tail(blob)
+        if crc32c(payload) != tail:
             raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
+        if expect is not None and tail != expect:
+            raise CorruptionError(f"{where}: {MISPLACED}")
         c = self._numcodec()
         raw = payload if c is None else np.frombuffer(c.decode(payload), np.uint8)
         if raw.nbytes != count * dtype.itemsize:

@@ -20,8 +20,8 @@ class Layout:
     # (store, record, start, stop, layers, ids, mask, feats, carry, scales): fill the destinations (scales: the
     # fp8 per-row scales, or None), check every byte read
     read_into: Callable
-    # (store, fs, root, record, report, progress): verify's checks of one committed shard, whose files are
-    # in (fs, root) (another store's for a shard merged by reference)
+    # (store, fs, root, record, report, progress, tails=None): verify's checks of one committed shard, whose
+    # files are in (fs, root) (another store's for a shard merged by reference); tails: see upgrade
     check_shard: Callable
     # objects written once, with the manifest, when a store is created
     store_objects: Callable[[], dict[str, bytes]]

@@ -17,7 +17,7 @@ from typing import Any
 from .errors import ManifestError
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)
 MANIFEST_FILE = "manifest.json"
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/fp8.py)

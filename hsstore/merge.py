@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import codec, shard, storage
+from . import shard, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, check_compatible
 from .reader import Store
@@ -62,7 +62,7 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.Co
     for s in srcs:
         for rec in s.commits:
             if rec.shard in present:  # a re-run: this shard was merged already
-                if present[rec.shard].files != rec.files:
+                if not shard.same_files(present[rec.shard], rec):  # (one may have been upgraded since)
                     raise StoreError(f"shard {rec.shard!r} of {s.url!r} differs from the destination's shard of the "
                                      "same name (refusing to overwrite)")
                 continue
@@ -77,10 +77,6 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.Co
     return todo
 
 
-def _matches(data: bytes, want: dict) -> bool:
-    return len(data) == want["size"] and codec.crc32c(data) == want["crc32c"]
-
-
 def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
     """Copy one shard's files (each checked against its commit record), then publish its record. Returns bytes."""
     src_fs, src_root, _ = src.shard_location(rec.shard)
@@ -93,15 +89,16 @@ def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
             continue
         paths = {storage.join(src_root, k): k for k in keys}
         # objects cut or damaged in transit are fetched again before they are called corrupt
-        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: _matches(b, rec.files[paths[p]]))
+        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: shard.check_file(rec, paths[p], b) is None)
         out = {}
         for k in keys:
-            data, want = blobs[storage.join(src_root, k)], rec.files[k]
+            data = blobs[storage.join(src_root, k)]
             where = f"store {src.url!r}, shard {rec.shard}, file {k}"
             if isinstance(data, Exception):
                 raise CorruptionError(f"{where}: unreadable ({type(data).__name__}: {data})")
-            if not _matches(data, want):
-                raise CorruptionError(f"{where}: does not match its commit record (size/CRC32C); run "
+            wrong = shard.check_file(rec, k, data)
+            if wrong:
+                raise CorruptionError(f"{where}: does not match its commit record ({wrong}); run "
                                       f"`hsstore verify {src.url}`")
             out[storage.join(root, k)] = data
         storage.put_many(fs, out)

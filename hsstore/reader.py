@@ -281,9 +281,11 @@ class Store:
         fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
         blobs: dict = dict(carried)
         if fetch:
+            cached = self.chunk_cache is not None and not storage.is_local(fs)
+            listed = {storage.join(root, j[0]): rec.chunk_checksum(j[0]) for j in jobs} if cached else None
             try:
-                if self.chunk_cache is not None and not storage.is_local(fs):
-                    blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace()))
+                if cached:
+                    blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace(), expect=listed))
                 else:
                     blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b)))
             except Exception as e:
@@ -297,19 +299,20 @@ class Store:
         for key, dest, rows, chunk_codec, width, local in jobs:
             where = f"shard {shard_name!r}, file {key}"
             path = storage.join(root, key)
+            expect = rec.chunk_checksum(key)  # compared with the tail checked anyway: no extra pass
             if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
-                read_chunk_into(path, dest, where)
+                read_chunk_into(path, dest, where, expect)
                 continue
             if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
                 vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
-                read_chunk_into(path, vals, where)
+                read_chunk_into(path, vals, where, expect)
                 dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
                 continue
             blob = blobs.get(path)
             if blob is None or isinstance(blob, Exception):
                 detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
                 raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
-            vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where)
+            vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where, expect=expect)
             dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
         if carry is not None:
             last = [storage.join(root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
@@ -426,8 +429,9 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def read_chunk_into(path: str, dest: np.ndarray, where: str) -> None:
-    """Copy an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C.
+def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
+    """Copy an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C, and that it is
+    ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
 
     The file is mapped rather than read: copying out of the page cache through a mapping measured
     1.1-1.25x faster than ``readinto`` on the development machine (no difference beyond noise on the
@@ -446,8 +450,11 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str) -> None:
                 del src  # release the buffer before the mapping closes
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
-    if codec.crc32c(dest) != int.from_bytes(tail, "little"):
+    tail = int.from_bytes(tail, "little")
+    if codec.crc32c(dest) != tail:
         raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
+    if expect is not None and tail != expect:
+        raise CorruptionError(f"{where}: {codec.MISPLACED}")
 
 
 def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:

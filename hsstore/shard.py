@@ -10,7 +10,9 @@ Layout under the store prefix (see docs/FORMAT.md)::
     commits/<name>.json            written last; readers see only shards that have one
 
 A commit record lists every file of its shard with size and CRC32C, so ``verify`` can name the file
-(and so the samples) at fault without trusting anything else in the shard.
+(and so the samples) at fault without trusting anything else in the shard. For a chunk that checksum is
+its payload's (the CRC32C the chunk ends with), so the record binds each chunk's data to its path: a
+valid chunk in the wrong place is caught by the same comparison that catches a flipped byte.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ from zarr.abc.store import Store as ZarrStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 from . import codec, fp8, storage
-from .errors import CorruptionError
+from .errors import CorruptionError, StoreError
 from .manifest import FORMAT_VERSION, Manifest, now_iso
 
 SHARDS_DIR = "shards"
 COMMITS_DIR = "commits"
 SAMPLE_COLUMNS = ("sample_id", "source", "length", "loss_tokens", "thinking_tokens", "flags")
+# records of this format version on list a chunk's payload CRC32C; version 1 listed the whole object's,
+# which is the same constant for every valid chunk (CRC-32C's residue) and so identified no data
+CONTENT_CHECKSUMS = 2
 
 
 def layer_array(layer: int) -> str:
@@ -51,6 +56,13 @@ def shard_path(name: str) -> str:
 
 def commit_path(name: str) -> str:
     return f"{COMMITS_DIR}/{name}.json"
+
+
+def is_chunk_key(key: str) -> bool:
+    """Whether a store-relative key is a Zarr chunk object, ``shards/<name>/<array>/c/<k>[/0]`` (which ends
+    with its payload's CRC32C); metadata and tars are not."""
+    parts = key.split("/", 4)
+    return len(parts) == 5 and parts[0] == SHARDS_DIR and parts[3] == "c"
 
 
 @dataclass
@@ -84,9 +96,15 @@ class CommitRecord:
     def from_json(cls, data: bytes, where: str) -> "CommitRecord":
         try:
             d = json.loads(data)
+            version = d["format_version"]  # required: its rules say what the checksums mean
+            if not isinstance(version, int) or version < 1:
+                raise TypeError(f"format_version {version!r}")
             rec = cls(**d)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
-            raise CorruptionError(f"{where}: malformed commit record ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
+            raise CorruptionError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+        if version > FORMAT_VERSION:
+            raise StoreError(f"{where}: format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
+                             "upgrade hsstore")
         cols = rec.samples
         if set(cols) != set(SAMPLE_COLUMNS) or any(len(cols[c]) != rec.n_samples for c in SAMPLE_COLUMNS):
             raise CorruptionError(f"{where}: commit record sample columns do not match n_samples={rec.n_samples}")
@@ -98,6 +116,57 @@ class CommitRecord:
     @property
     def offsets(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(np.asarray(self.samples["length"], dtype=np.int64))])
+
+    @property
+    def binds_chunks(self) -> bool:
+        """Whether the record's chunk checksums identify each chunk's data (format version 2 on)."""
+        return self.format_version >= CONTENT_CHECKSUMS
+
+    @property
+    def weak_checksums(self) -> bool:
+        """A record of format version 1 that lists chunks: a valid chunk at the wrong path passes its checks
+        (``hsstore upgrade`` re-derives the checksums)."""
+        return not self.binds_chunks and any(map(is_chunk_key, self.files))
+
+    def chunk_checksum(self, key: str) -> int | None:
+        """The payload CRC32C the chunk object at ``key`` must end with (None: the record's version lists none).
+        The reader compares it with the tail it checks anyway: no second pass over the bytes."""
+        if self.format_version < CONTENT_CHECKSUMS:
+            return None
+        entry = self.files.get(key)
+        if entry is None:
+            raise CorruptionError(f"shard {self.shard!r}, file {key}: not listed in the commit record")
+        return entry["crc32c"]
+
+
+def check_file(rec: CommitRecord, key: str, data) -> str | None:
+    """Why an object read back differs from what ``rec`` lists for ``key`` (None: it matches), in one pass
+    over its bytes. A chunk: its own CRC32C, then that the record lists it (version 1: lists the residue)."""
+    want = rec.files[key]
+    if len(data) != want["size"]:
+        return f"size {len(data)} != committed {want['size']} (truncated or rewritten)"
+    corrupt = "checksum mismatch (corrupted bytes)"
+    if is_chunk_key(key):
+        if not codec.chunk_ok(data):
+            return corrupt
+        if rec.binds_chunks:
+            return None if codec.chunk_tail(data) == want["crc32c"] else codec.MISPLACED
+        return None if want["crc32c"] == codec.CHUNK_RESIDUE else corrupt
+    return None if codec.crc32c(data) == want["crc32c"] else corrupt
+
+
+def same_files(a: CommitRecord, b: CommitRecord) -> bool:
+    """Whether two records of one shard list the same objects: keys and sizes, and checksums wherever both
+    mean the same (a version-1 chunk checksum identifies no data, so it is not compared with a version-2 one)."""
+    if a.files.keys() != b.files.keys():
+        return False
+    for key, ea in a.files.items():
+        eb = b.files[key]
+        if ea["size"] != eb["size"]:
+            return False
+        if ea["crc32c"] != eb["crc32c"] and not (a.binds_chunks != b.binds_chunks and is_chunk_key(key)):
+            return False
+    return True
 
 
 def zarr_metadata(build) -> dict[str, bytes]:

@@ -1,6 +1,7 @@
 """``hsstore verify``: re-read every committed byte and check it against its commit record.
 
-Checks, per committed shard: every listed file exists with its size and CRC32C; every chunk the
+Checks, per committed shard: every listed file exists with its size and CRC32C (a chunk: its own CRC32C,
+and that it is the one the commit record lists for its path); every chunk the
 arrays' shapes imply is listed; array shapes and dtypes agree with the manifest and the offsets;
 ``input_ids``/``loss_mask`` agree with the per-sample columns; in fp8 stores every layer has its scale
 array, whose scales are finite and positive. Problems name the shard, the file and the samples whose
@@ -50,6 +51,9 @@ class VerifyReport:
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
+    # shards whose commit records (format version 1) list checksums that cannot tell one valid chunk from
+    # another: checked as far as they go, not problems; `hsstore upgrade` re-derives them
+    weak_records: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -60,7 +64,7 @@ def samples_in_file(rec: shard.CommitRecord, key: str) -> list[str]:
     """Sample ids whose tokens live in a file (a chunk of a token-major array; metadata: all samples)."""
     ids = rec.samples["sample_id"]
     parts = key.split("/")
-    if len(parts) >= 5 and parts[3] == "c":  # shards/<name>/<array>/c/<k>[/0]
+    if shard.is_chunk_key(key):  # shards/<name>/<array>/c/<k>[/0]
         if parts[2] == "offsets":
             return list(ids)
         chunk_tokens = rec.chunk_tokens
@@ -76,14 +80,9 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     fs, root = store.fs, store.root
     lay = layout.get(store.manifest.layout)
     for rec in store.commits:
-        _check_record(store, rec, report)
-        try:  # a shard merged by reference: its files are checked where its record says they are
-            shard_fs, shard_root, _ = store.shard_location(rec.shard)
-        except Exception as e:
-            report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
-                                                      f"{type(e).__name__}: {e}"))
-            continue
-        lay.check_shard(store, shard_fs, shard_root, rec, report, progress)
+        if rec.weak_checksums:
+            report.weak_records.append(rec.shard)
+        check_committed_shard(store, rec, report, progress)
     try:
         entries = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, shard.SHARDS_DIR), detail=False)]
     except FileNotFoundError:
@@ -94,8 +93,24 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     return report
 
 
-def check_zarr_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress) -> None:
-    _check_files(fs, root, rec, report, progress)
+def check_committed_shard(store: Store, rec: shard.CommitRecord, report: VerifyReport, progress=None,
+                          tails: dict[str, int] | None = None) -> None:
+    """Every check of one committed shard: its record against the manifest, then its files through the
+    layout (``tails``: see :func:`check_zarr_shard`)."""
+    _check_record(store, rec, report)
+    try:  # a shard merged by reference: its files are checked where its record says they are
+        shard_fs, shard_root, _ = store.shard_location(rec.shard)
+    except Exception as e:
+        report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
+                                                  f"{type(e).__name__}: {e}"))
+        return
+    layout.get(store.manifest.layout).check_shard(store, shard_fs, shard_root, rec, report, progress, tails)
+
+
+def check_zarr_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress,
+                     tails: dict[str, int] | None = None) -> None:
+    """``tails`` (``hsstore upgrade``): filled with the CRC32C each intact chunk ends with, read in the same pass."""
+    _check_files(fs, root, rec, report, progress, tails)
     _check_arrays(store, rec, report)
 
 
@@ -113,7 +128,8 @@ def _check_record(store: Store, rec: shard.CommitRecord, report: VerifyReport) -
                                                   f"{m.chunk_tokens}"))
 
 
-def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress) -> None:
+def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress,
+                 tails: dict[str, int] | None = None) -> None:
     keys = list(rec.files)
     batch: list[str] = []
     size = 0
@@ -122,15 +138,13 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
         size += rec.files[key]["size"]
         if size >= BATCH_BYTES or i == len(keys) - 1:
             paths = [storage.join(root, k) for k in batch]
-            want_of = {p: rec.files[k] for k, p in zip(batch, paths)}
+            key_of = dict(zip(paths, batch))
             try:
-                blobs = storage.cat_verified(fs, paths, lambda p, b: len(b) == want_of[p]["size"]
-                                             and codec.crc32c(b) == want_of[p]["crc32c"])
+                blobs = storage.cat_verified(fs, paths, lambda p, b: shard.check_file(rec, key_of[p], b) is None)
             except Exception as e:
                 raise FetchError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
             for k, p in zip(batch, paths):
                 data = blobs.get(p)
-                want = rec.files[k]
                 failure = storage.fetch_failure(data)
                 if failure:  # unreachable is not "missing": verify cannot tell, so it stops
                     raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
@@ -141,12 +155,11 @@ def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, p
                     continue
                 report.files += 1
                 report.bytes += len(data)
-                if len(data) != want["size"]:
-                    report.problems.append(Problem(rec.shard, f"size {len(data)} != committed {want['size']} "
-                                                              "(truncated or rewritten)", k, samples_in_file(rec, k)))
-                elif codec.crc32c(data) != want["crc32c"]:
-                    report.problems.append(Problem(rec.shard, "checksum mismatch (corrupted bytes)", k,
-                                                   samples_in_file(rec, k)))
+                wrong = shard.check_file(rec, k, data)
+                if wrong:
+                    report.problems.append(Problem(rec.shard, wrong, k, samples_in_file(rec, k)))
+                elif tails is not None and shard.is_chunk_key(k):
+                    tails[k] = codec.chunk_tail(data)  # checked against its payload just now
                 if progress:
                     progress(len(data))
             batch, size = [], 0
@@ -251,10 +264,12 @@ class _CrcReader:
             pass
 
 
-def check_tar_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress) -> None:
+def check_tar_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress,
+                    tails: dict[str, int] | None = None) -> None:
     """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
     the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
-    the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted."""
+    the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted.
+    Every checksum here is of the object's own bytes, so it identifies the data (``tails``: none to fill)."""
     m, name = store.manifest, rec.shard
     key = wds.tar_path(name)
     want = rec.files.get(key)

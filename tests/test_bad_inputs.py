@@ -147,19 +147,20 @@ def test_missing_model_dir(tmp_path, capsys):
     one_line_error(capsys, rc, r"model directory not found: .*nope")
 
 
-# ------------------------------------------------------------------------ stores: info, verify, show, train, eval
+# ------------------------------------------------------------------------ stores: info, verify, upgrade, show, train, eval
 
 
 def store_argv(command: str, url: str, tmp_path: Path, tiny_dir) -> list[str]:
     data = str(demo_conversations_path())
-    return {"info": ["info", url], "verify": ["verify", url, "-q"], "show": ["show", url, "0"],
+    return {"info": ["info", url], "verify": ["verify", url, "-q"], "upgrade": ["upgrade", url, "-q"],
+            "show": ["show", url, "0"],
             "train": ["train", "--store", url, "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu",
                       "--no-progress"],
             "eval": ["eval", "--store", url, "--drafter", str(tmp_path / "run"), "--model", str(tiny_dir),
                      "--input", data, "--device", "cpu"]}[command]
 
 
-STORE_COMMANDS = ["info", "verify", "show", "train", "eval"]
+STORE_COMMANDS = ["info", "verify", "upgrade", "show", "train", "eval"]
 
 
 @pytest.mark.parametrize("command", STORE_COMMANDS)
