@@ -209,8 +209,11 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
                                 host_alloc=writer.staging if use_process else None)
         writer.close()
         result.gpu_wait_s = stats.slot_wait_s
-    except BaseException:
+    except BaseException as e:
         writer.close(commit=False)
+        if isinstance(e, KeyboardInterrupt):
+            log.warning("interrupted: the shards committed so far are kept, the open one is dropped; re-run the "
+                        "same command to resume (committed samples are skipped)")
         raise
     finally:
         bar.close()

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = scrub((str(e).strip().splitlines() or [type(e).__name__])[0])
         print(f"hsstore {args.command}: error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what was kept and how to go on is logged by the command itself
+        print(f"hsstore {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -111,13 +111,14 @@ def explain(e: BaseException, url: str, action: str, fs: fsspec.AbstractFileSyst
             root: str = "") -> str:
     """One line for a failed ``action`` ("read" or "write") of store ``url`` that says what to do about it."""
     what = f"{type(e).__name__}: {e}"
+    cannot = f"cannot {'write to' if action == 'write' else action} store {url!r}"
     if isinstance(e, PermissionError):
-        return (f"cannot {action} store {url!r}: access denied ({what}); check the credentials (AWS_PROFILE, "
+        return (f"{cannot}: access denied ({what}); check the credentials (AWS_PROFILE, "
                 f"AWS_ACCESS_KEY_ID, -S profile=...) and that the bucket policy allows {action}s under this prefix")
     bucket = missing_bucket(fs, root) if fs is not None and isinstance(e, FileNotFoundError) else None
     if bucket:
-        return f"cannot {action} store {url!r}: bucket {bucket!r} does not exist (check the URL and the endpoint)"
-    return f"cannot {action} store {url!r}: {what}"
+        return f"{cannot}: bucket {bucket!r} does not exist (check the URL and the endpoint)"
+    return f"{cannot}: {what}"
 
 
 def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:

@@ -465,3 +465,27 @@ def test_gate_flags_reach_the_store_and_subset_convert_use_them(tiny_dir, tmp_pa
     capsys.readouterr()
     assert hsstore_cli(["show", wds, "r3", "--color", "never"]) == 0
     assert "OK." in capsys.readouterr().out
+
+
+def test_ctrl_c_says_so_and_keeps_what_was_committed(tiny_dir, small_input, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "store"
+    cmd = [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input", str(small_input),
+           "--out", str(out), "--device", "cpu", "--no-progress", "--shard-mb", "0.05", "--token-budget", "256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not list(out.glob("commits/*.json")):
+        time.sleep(0.05)  # until the first shard is committed
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        pytest.skip("extraction finished before the signal")
+    assert proc.returncode == 130 and err.rstrip().endswith("hsstore extract: interrupted"), err
+    assert "re-run the same command to resume" in err
+    assert verify(hsstore.open(str(out))).ok  # only committed shards are visible, each whole
+    rc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rc.returncode == 0 and "already in the store" in rc.stdout

@@ -201,3 +201,32 @@ def test_resume_exact_with_loader_workers(store32, tmp_path):
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path / "cut", 4))
     train(TrainConfig(out=str(tmp_path / "cut"), **cfg))
     assert losses(tmp_path / "cut") == losses(tmp_path / "full")
+
+
+def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(store32, tmp_path):
+    """Ctrl-C during `hsstore train`: a checkpoint of the last finished step, exit 130 with a line saying
+    so, and the same command resumes from it (nothing since the last --save-every is lost)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hsstore", "train", "--store", store32, "--out", str(out), "--steps", "400",
+           "--save-every", "1000", "--log-every", "1", "--draft-layers", "1", "--block-size", "8", "--anchors", "8",
+           "--max-tokens", "1024", "--device", "cpu", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "stopped at step" in err and "hsstore train: interrupted" in err
+    step = int(err.split("stopped at step ")[1].split(":")[0])
+    assert 3 <= step < 400 and (out / "checkpoints" / f"step_{step:08d}").is_dir()
+    assert len(metrics.read_text().splitlines()) == step  # every finished step was logged and kept
+    rc = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(step + 2)] + cmd[cmd.index("--steps") + 2:],
+                        capture_output=True, text=True, timeout=300)
+    assert rc.returncode == 0 and f"resumed from" in rc.stdout and f"step_{step:08d}" in rc.stdout

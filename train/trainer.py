@@ -40,6 +40,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -453,55 +455,70 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     last: dict[str, Any] = {}
     epochs_limit = cfg.epochs if cfg.steps is None else math.inf
     loader_state = None
-    while step < total and epoch < epochs_limit:
-        source.set_epoch(epoch)
+    interrupt = StopOnInterrupt(world == 1)
+    with interrupt:
+        while step < total and epoch < epochs_limit:
+            source.set_epoch(epoch)
 
-        def prepare(batch, e=epoch):
-            return add_anchors(batch, cfg.seed, e, cfg.anchors, S, gamma)
+            def prepare(batch, e=epoch):
+                return add_anchors(batch, cfg.seed, e, cfg.anchors, S, gamma)
 
-        stream = lockstep(read_ahead(source, prepare, device, cfg.prefetch), world, group)
-        t_wait = time.perf_counter()
-        finished_epoch = True
-        for batch, state in stream:
-            meter.wait += time.perf_counter() - t_wait
-            loader_state = state if state is not None else loader_state
-            if batch is None:  # this rank's share of the epoch is done; others are not
-                batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, feat_dtype, device)
-            # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
-            batch = fp8.dequantise_batch(batch, stored_dtype)
-
-            lr = sched.get_last_lr()[0]  # the rate this step uses
-            _, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
-            step += 1
-
-            # -- bookkeeping
-            meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
-            if cfg.log_samples:
-                with samples_path.open("a") as f:
-                    f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
-            val_due = val_source is not None and (step % val_every == 0 or step == total)
-            if step % cfg.log_every == 0 or step == total or val_due:
-                row = {"step": step, "epoch": epoch, **meter.summary(world, group), "lr": lr,
-                       "grad_norm": float(grad_norm)}
-                if val_due:
-                    row.update(validate())
-                    val_step = step
-                meter.reset()  # after the evaluation: its time is not the next interval's
-                last = row
-                write_row(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
-                                tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-            bar.update(1)
-            if step % cfg.save_every == 0 or step == total:
-                save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
-                     world)
-            if cfg.steps is not None and step >= total:
-                finished_epoch = False
-                break
+            stream = lockstep(read_ahead(source, prepare, device, cfg.prefetch), world, group)
             t_wait = time.perf_counter()
-        stream.close()
-        if finished_epoch:
-            epoch += 1
+            finished_epoch = True
+            for batch, state in stream:
+                meter.wait += time.perf_counter() - t_wait
+                loader_state = state if state is not None else loader_state
+                if batch is None:  # this rank's share of the epoch is done; others are not
+                    batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, feat_dtype, device)
+                # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
+                batch = fp8.dequantise_batch(batch, stored_dtype)
+
+                lr = sched.get_last_lr()[0]  # the rate this step uses
+                _, m, grad_norm = train_step(model, drafter, opt, sched, batch, cfg.clip, amp)
+                step += 1
+
+                # -- bookkeeping
+                meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
+                if cfg.log_samples:
+                    with samples_path.open("a") as f:
+                        f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
+                val_due = val_source is not None and (step % val_every == 0 or step == total)
+                if step % cfg.log_every == 0 or step == total or val_due:
+                    row = {"step": step, "epoch": epoch, **meter.summary(world, group), "lr": lr,
+                           "grad_norm": float(grad_norm)}
+                    if val_due:
+                        row.update(validate())
+                        val_step = step
+                    meter.reset()  # after the evaluation: its time is not the next interval's
+                    last = row
+                    write_row(row)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
+                                    tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
+                if step % cfg.save_every == 0 or step == total:
+                    save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
+                         world)
+                if cfg.steps is not None and step >= total:
+                    finished_epoch = False
+                    break
+                if interrupt.requested:  # Ctrl-C: stop here, at a step boundary, with a checkpoint
+                    finished_epoch = False
+                    break
+                t_wait = time.perf_counter()
+            stream.close()
+            if finished_epoch:
+                epoch += 1
+            if interrupt.requested:
+                break
+    if interrupt.requested:
+        bar.close()
+        if step % cfg.save_every and step != total:  # not saved at this step yet
+            save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
+                 world)
+        log.warning("stopped at step %d: checkpoint %s; re-run the same command to resume", step,
+                    ckpt.checkpoint_dir(out, step))
+        raise KeyboardInterrupt
     bar.close()
     if val_source is not None and val_step != step:  # the epochs ended before the planned step count
         last = {"step": step, "epoch": epoch, **meter.summary(world, group), **validate()}
@@ -514,6 +531,32 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if world > 1:
         dist.barrier()
     return TrainResult(step, epoch, time.perf_counter() - t_start, drafter_dir, last, latest)
+
+
+class StopOnInterrupt:
+    """Ctrl-C stops training at the next step boundary, after a checkpoint, instead of losing every step
+    since the last save; a second Ctrl-C stops at once. Only for one process in the main thread: under
+    torchrun the ranks would see the signal at different steps, and a checkpoint needs all of them."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("interrupted: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
+
+    def __enter__(self) -> "StopOnInterrupt":
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def train_step(model, drafter, opt, sched, batch, clip: float, amp):
