@@ -111,7 +111,9 @@ def explain(e: BaseException, url: str, action: str, fs: fsspec.AbstractFileSyst
             root: str = "") -> str:
     """One line for a failed ``action`` ("read" or "write") of store ``url`` that says what to do about it."""
     what = f"{type(e).__name__}: {e}"
-    cannot = f"cannot {'write to' if action == 'write' else action} store {url!r}"
+    unreachable = isinstance(e, (ConnectionError, TimeoutError)) or "Connect" in type(e).__name__
+    verb = "reach" if unreachable else "write to" if action == "write" else action
+    cannot = f"cannot {verb} store {url!r}"
     if isinstance(e, PermissionError):
         return (f"{cannot}: access denied ({what}); check the credentials (AWS_PROFILE, "
                 f"AWS_ACCESS_KEY_ID, -S profile=...) and that the bucket policy allows {action}s under this prefix")
