@@ -1,78 +1,181 @@
-"""``hsstore demo``: the main job, end to end, on an embedded default, in well under two minutes on a CPU.
+"""``hsstore demo``: the main job, end to end, on a tiny trained target, in about 80 s on 2 idle CPU cores.
 
-Builds the tiny Qwen3.5-architecture target and tokenizer offline, runs the quality gate on the
-bundled regenerated conversations (which include a few stubs the gate reports), extracts to a local
-store, prints ``info`` and verifies every byte, then trains a small DFlash drafter from the store alone
+The target is the tiny Qwen3.5-architecture model shipped with the package, trained by
+``tools/train_tiny_target.py`` on a structured synthetic corpus, so that its answers are predictable and
+a drafter that reads its features really learns (a random-weight target would give tau ~ 1 whatever the
+pipeline did). The demo's conversations are that target's own greedy answers to prompts it was not
+trained on, as ``hsstore regenerate`` would produce them. The demo runs the quality gate on them,
+extracts a store, prints ``info``, verifies every byte, trains a small DFlash drafter from the store alone
 (the target directory is moved out of reach first, to show it is not needed) and evaluates it with
-speculative decoding against the target.
+speculative decoding against the target on held-out prompts, next to the target alone. Every step prints
+the ``hsstore`` command it runs.
+
+``--out`` is never wiped blindly: the demo refuses a non-empty folder it did not create, and on a re-run
+removes only the entries its marker file lists.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shlex
 import shutil
 import time
 from pathlib import Path
 
 from hsstore.cli import main as hsstore_main
 
-from .tiny import build_tiny_target, demo_conversations_path
+from .tiny import build_trained_target, trained_files
+
+#: Written into --out; lists what the demo created there, which is all a later run may remove.
+MARKER = ".hsstore-demo"
+CREATED = ("target", "data", "store", "run", ".target-hidden")
+
+# Drafter training and eval: about 80 s for the whole demo on 2 idle CPU cores. Two draft layers: with one, whose
+# block queries are all the same mask token, draft accuracy was 0.2 after 1,000 steps on this target, with two 0.65
+# after 500. The 32-position window of the first layer (the last one sees the whole context) learns a little faster.
+TRAIN_STEPS = 500
+TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--max-tokens", "4096", "--lr", "3e-3",
+               "--log-every", "50", "--device", "cpu", "--no-progress"]
+EVAL_SAMPLES = 16
+EVAL_FLAGS = ["--max-new-tokens", "160", "--device", "cpu"]
 
 
 def step(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
-def run_demo(out: str | Path = "hsstore-demo") -> int:
+def run(argv: list[str]) -> int:
+    """Print the command, as a user would type it, then run it in this process."""
+    print("$ hsstore " + shlex.join(argv), flush=True)
+    return hsstore_main(argv)
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` ready: create it, or take an empty folder, or clear what an earlier demo created there (the
+    entries its marker lists, nothing else). Any other non-empty folder is refused: it may hold the user's files."""
+    marker = out / MARKER
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    if out.exists():
+        if marker.exists():
+            for name in json.loads(marker.read_text(encoding="utf-8")).get("created", []):
+                path = out / name
+                if name not in CREATED or not path.exists():  # only plain names this code creates
+                    continue
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        else:
+            entries = sorted(p.name for p in out.iterdir())
+            if entries:
+                shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+                raise ValueError(f"--out {out} is not empty ({shown}) and was not made by hsstore demo; "
+                                 "give a new or empty folder (nothing was changed)")
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"created": list(CREATED)}) + "\n", encoding="utf-8")
+
+
+def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,
+             eval_samples: int = EVAL_SAMPLES) -> int:
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    step("1/7 build the tiny Qwen3.5-architecture target (random weights, local tokenizer)")
-    target = build_tiny_target(out / "target")
-    print(f"target: {target}")
-    data = str(demo_conversations_path())
+    prepare_out(out)
+    shipped = trained_files()
+    meta = json.loads((shipped / "target.json").read_text(encoding="utf-8"))
+
+    step("1/7 the tiny trained Qwen3.5-architecture target and its data")
+    target = build_trained_target(out / "target")
+    data = out / "data"
+    data.mkdir()
+    convs, heldout = data / "conversations.jsonl", data / "heldout.jsonl"
+    shutil.copyfile(shipped / "conversations.jsonl", convs)
+    shutil.copyfile(shipped / "heldout.jsonl", heldout)
+    n_conv = sum(1 for line in convs.read_text().splitlines() if line.strip())
+    n_held = sum(1 for line in heldout.read_text().splitlines() if line.strip())
+    tr = meta["training"]
+    print(f"target : {target} (hybrid Gated DeltaNet + gated attention, Qwen3_5ForCausalLM, "
+          f"{meta['sizes']['num_layers']} layers, hidden {meta['sizes']['hidden_size']})")
+    print(f"         weights shipped in {shipped}, trained by `{meta['command']}` on "
+          f"{meta['examples']['train']:,} synthetic conversations ({tr['steps']} steps, loss {tr['first_loss']:.2f} "
+          f"-> {tr['final_loss']:.2f}, {tr['train_seconds']:.0f}s)")
+    print(f"data   : {convs} ({n_conv} prompts the target answered itself, greedily, thinking on)")
+    print(f"         {heldout} ({n_held} held-out prompts for eval: in neither the target's nor the drafter's "
+          "training data)")
+
     store = str(out / "store")
-    step("2/7 quality gate on the bundled conversations (hsstore check)")
-    rc = hsstore_main(["check", "--model", str(target), "--input", data])
+    step("2/7 quality gate on the conversations (hsstore check)")
+    rc = run(["check", "--model", str(target), "--input", str(convs)])
     if rc not in (0, 1):
         return rc
     step("3/7 extract hidden states (hsstore extract)")
-    rc = hsstore_main(["extract", "--model", str(target), "--input", data, "--out", store, "--device", "cpu"])
+    rc = run(["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device", "cpu",
+              "--no-progress"])
     if rc:
         return rc
     step("4/7 what the store holds (hsstore info)")
-    rc = hsstore_main(["info", store])
+    rc = run(["info", store])
     if rc:
         return rc
     step("5/7 re-read and check every byte (hsstore verify)")
-    rc = hsstore_main(["verify", store, "--quiet"])
+    rc = run(["verify", store, "--quiet"])
     if rc:
         return rc
     step("6/7 train a drafter from the store alone (hsstore train; the target directory is out of reach)")
-    run = str(out / "run")
+    run_dir = str(out / "run")
     hidden = out / ".target-hidden"
     target.rename(hidden)  # training must not need it
     try:
-        rc = hsstore_main(["train", "--store", store, "--out", run, "--steps", "40", "--draft-layers", "1",
-                           "--anchors", "64", "--max-tokens", "2048", "--log-every", "10", "--device", "cpu",
-                           "--no-progress"])
+        rc = run(["train", "--store", store, "--out", run_dir, "--steps", str(train_steps), *TRAIN_FLAGS])
     finally:
         hidden.rename(target)
     if rc:
         return rc
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     print(f"loss {rows[0]['loss']:.3f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.3f} (step {rows[-1]['step']}); "
-          f"draft-position accuracy {rows[-1]['acc']:.3f}")
-    step("7/7 speculative decoding with the target and the drafter (hsstore eval)")
-    rc = hsstore_main(["eval", "--store", store, "--drafter", run, "--model", str(target), "--input", data,
-                       "--num-samples", "4", "--max-new-tokens", "32", "--device", "cpu"])
+          f"draft-position accuracy {rows[0]['acc']:.3f} -> {rows[-1]['acc']:.3f}; teacher-forced tau "
+          f"{rows[0]['tau']:.2f} -> {rows[-1]['tau']:.2f}")
+
+    step("7/7 speculative decoding on held-out prompts: the target alone vs the target + drafter (hsstore eval)")
+    buf = io.StringIO()
+    argv = ["eval", "--store", store, "--drafter", run_dir, "--model", str(target), "--input", str(heldout),
+            "--num-samples", str(eval_samples), *EVAL_FLAGS, "--json"]
+    print("$ hsstore " + shlex.join(argv), flush=True)
+    with contextlib.redirect_stdout(buf):
+        rc = hsstore_main(argv)
     if rc:
+        print(buf.getvalue())
         return rc
-    print("(the tiny target has random weights: its frozen lm_head gives the drafter nearly flat logits, and its "
-          "greedy text\n is not what the store's responses teach, so the loss moves little and tau stays near 1 "
-          "here; the point is\n the pipeline: training from the store alone, and speculative output == target output)")
-    print(f"\ndemo done in {time.perf_counter() - t0:.1f}s; read a sample: hsstore show {store} 0; "
-          f"training curve: {run}/metrics.jsonl")
+    report = json.loads(buf.getvalue())
+    print_eval(report)
+    print_guide(out, report)
+    print(f"\ndemo done in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def print_eval(r: dict) -> None:
+    S = r["block_size"]
+    print(f"{r['samples']} held-out prompts, greedy, up to {r['max_new_tokens']} new tokens, block {S}")
+    print(f"  {'':18} {'tau':>6}  {'target forwards':>15}  {'tokens/s':>9}")
+    print(f"  {'target alone':18} {1.0:6.2f}  {r['target_forwards']:15,}  {r['target_tokens_per_s']:9.1f}")
+    print(f"  {'target + drafter':18} {r['tau']:6.2f}  {r['spec_forwards']:15,}  {r['spec_tokens_per_s']:9.1f}")
+    print(f"  per prompt: {' '.join(f'{t:.2f}' for t in r['tau_per_sample'])}")
+    print(f"  speculative output == target greedy output: {r['identical']}/{r['samples']}")
+
+
+def print_guide(out: Path, r: dict) -> None:
+    S = r["block_size"]
+    print(f"""
+What the numbers mean
+  tau    tokens the target accepts per verification forward (accepted drafts + its own next token), 1..{S}.
+         The target alone makes one token per forward: 1 by definition. A drafter that learned nothing stays
+         near 1.0; on this target a working pipeline gives about 3.4 with these settings (this run: {r['tau']:.2f}),
+         while shuffled features or labels shifted by one give 1.1-1.3 (tests/test_demo_learns.py). Published
+         DFlash drafters reach about 6.5 on Qwen3-8B (GSM8K, greedy): 5 layers, hours of GPU training.
+  speed  both rows re-run the whole sequence for every target forward (no KV cache), so the tokens/s ratio
+         shows what fewer target forwards buy on this tiny CPU model, not what a serving engine gets.
+  equal  speculative decoding is lossless: every output must equal the target's own greedy output.
+Where things are
+  target   {out / 'target'}   (a from_pretrained folder)
+  data     {out / 'data'}   (conversations.jsonl: extraction input; heldout.jsonl: eval prompts)
+  store    {out / 'store'}   (read a sample: hsstore show {out / 'store'} 0)
+  drafter  {out / 'run' / 'drafter'}   (training curve: {out / 'run' / 'metrics.jsonl'})""")

@@ -1,9 +1,12 @@
-"""A tiny, random-weight Qwen3.5-architecture target built offline.
+"""Tiny Qwen3.5-architecture targets built offline: a random-weight one and a trained one.
 
 Tests, ``hsstore demo`` and CI need a real target (hybrid Gated DeltaNet + gated full attention, a
 ChatML tokenizer with reasoning markers, a Qwen3-style chat template) without downloading anything.
-Everything here is derived from a seed and the bundled demo text, so two builds with the same seed
-give byte-identical files.
+The random one (``build_tiny_target`` / ``tiny_target_dir``) is derived from a seed and the bundled demo
+text, so two builds with the same seed give byte-identical files. Its drafters cannot learn anything
+(tau ~ 1), so ``hsstore demo`` uses the trained one (``build_trained_target`` / ``trained_target_dir``):
+same architecture and template, its weights and BPE shipped in ``data/tiny_trained/`` by
+``tools/train_tiny_target.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,11 @@ except Exception:  # pragma: no cover
     _SPLIT_PATTERN = None
 
 
+#: Where the trained tiny target's files live inside the package, and the ones its build reads.
+TRAINED_DATA = "data/tiny_trained"
+TRAINED_FILES = ("model.safetensors", "tokenizer.json", "target.json")
+
+
 def demo_conversations_path() -> Path:
     """Path of the bundled demo conversations (JSONL)."""
     return Path(str(resources.files("extract").joinpath("data/demo_conversations.jsonl")))
@@ -139,14 +148,13 @@ def _training_texts() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 1024):
-    """Train a byte-level BPE on the bundled text and wrap it as a transformers fast tokenizer.
+def train_bpe(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE (``tokenizers.Tokenizer``) trained on ``texts``, with the special and markup tokens added.
 
     Byte-level means any string tokenizes (unknown text falls back to single bytes). Training is
     deterministic for a given corpus and ``vocab_size``.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -167,9 +175,15 @@ def build_tokenizer(vocab_size: int = 1024):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(_training_texts(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return tok
+
+
+def wrap_tokenizer(tok):
+    """A transformers fast tokenizer around a ``tokenizers.Tokenizer``: Qwen's eos/pad and the chat template."""
+    from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -182,6 +196,84 @@ def build_tokenizer(vocab_size: int = 1024):
     )
     hf.chat_template = CHAT_TEMPLATE
     return hf
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    """The random target's tokenizer: a byte-level BPE trained on the bundled demo text (see ``train_bpe``)."""
+    return wrap_tokenizer(train_bpe(_training_texts(), vocab_size))
+
+
+def target_config(
+    tokenizer,
+    *,
+    num_layers: int = 8,
+    full_attention_interval: int = 4,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+):
+    """The tiny ``Qwen3_5TextConfig``: ``full_attention_interval - 1`` Gated DeltaNet layers then one gated full
+    attention layer, repeated (3 + 1 like the real 27B), partial rotary like Qwen3.5."""
+    from transformers import Qwen3_5TextConfig
+
+    layer_types = [
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)
+    ]
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        layer_types=layer_types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=32768,
+        # Partial rotary (1/4 of head_dim) with a text-only mrope split summing to rotary_dim / 2, like Qwen3.5.
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    return config
+
+
+def save_weights(path: Path, state: dict) -> Path:
+    """safetensors directly (not save_pretrained): no progress bars or volatile metadata, same bytes each time."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # save_file creates it private; the cache may be shared
+    return path
+
+
+def save_target(out: Path, state: dict | None, config, tokenizer) -> Path:
+    """Write weights (unless ``state`` is None: the caller provides them), config, generation config (greedy)
+    and tokenizer: a directory ``from_pretrained`` loads."""
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    if state is not None:
+        save_weights(out / "model.safetensors", state)
+    config.save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def build_tiny_target(
@@ -203,63 +295,41 @@ def build_tiny_target(
     byte-identical files. Weights are float32 by default so CPU tests can compare features exactly.
     """
     import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
-
-    head_dim = 32
-    layer_types = [
-        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)
-    ]
-    config = Qwen3_5TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        layer_types=layer_types,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=32768,
-        # Partial rotary (1/4 of head_dim) with a text-only mrope split summing to rotary_dim / 2, like Qwen3.5.
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        },
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    torch_dtype = getattr(torch, dtype)
+    config = target_config(tokenizer, num_layers=num_layers, full_attention_interval=full_attention_interval,
+                           hidden_size=hidden_size, intermediate_size=intermediate_size)
     config.dtype = dtype
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3_5ForCausalLM(config)
-    model.to(torch_dtype)
-
-    # safetensors directly (not save_pretrained) keeps the file free of progress bars and volatile metadata.
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # save_file creates it private; the cache may be shared
-    config.save_pretrained(out)
-    GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    model.to(getattr(torch, dtype))
+    out = save_target(Path(out_dir), model.state_dict(), config, tokenizer)
     logger.info("built tiny Qwen3.5 target in %s (%d layers, vocab %d)", out, num_layers, len(tokenizer))
+    return out
+
+
+def trained_files() -> Path:
+    """The shipped files of the trained tiny target (``tools/train_tiny_target.py`` writes them): weights,
+    ``tokenizer.json`` (its BPE), ``target.json`` (sizes, provenance), ``conversations.jsonl`` (prompts it answered
+    greedily: the demo's extraction input) and ``heldout.jsonl`` (eval prompts in neither training set)."""
+    return Path(str(resources.files("extract").joinpath(TRAINED_DATA)))
+
+
+def build_trained_target(out_dir: str | os.PathLike) -> Path:
+    """Write the trained tiny target as a ``from_pretrained`` directory: the shipped weights, the tokenizer
+    wrapped around the shipped BPE, the config rebuilt from the recorded sizes with ``target_config``."""
+    from tokenizers import Tokenizer
+
+    src = trained_files()
+    meta = json.loads((src / "target.json").read_text(encoding="utf-8"))
+    tokenizer = wrap_tokenizer(Tokenizer.from_str((src / "tokenizer.json").read_text(encoding="utf-8")))
+    config = target_config(tokenizer, **meta["sizes"])
+    config.dtype = "float32"
+    out = save_target(Path(out_dir), None, config, tokenizer)
+    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
+    (out / "model.safetensors").chmod(0o644)
     return out
 
 
@@ -277,21 +347,18 @@ def _cache_key(seed: int, kwargs: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def tiny_target_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None, **kwargs) -> Path:
-    """Build the tiny target once and reuse it (``$HSSTORE_CACHE_DIR`` or the temp dir).
-
-    The cache key covers the arguments, this file, the demo data and the transformers version, so a
-    stale build is never reused. Builds go to a private directory renamed into place, which makes
-    concurrent callers (pytest-xdist, parallel demos) safe.
-    """
+def _cached(name: str, build, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``build(dir)`` once into ``cache_dir`` (default ``$HSSTORE_CACHE_DIR`` or the temp dir) under ``name`` and
+    reuse it. Builds go to a private directory renamed into place, which makes concurrent callers
+    (pytest-xdist, parallel demos) safe."""
     root = Path(cache_dir or os.environ.get("HSSTORE_CACHE_DIR") or Path(tempfile.gettempdir()) / "hsstore-cache")
-    target = root / f"tiny-qwen3_5-{_cache_key(seed, kwargs)}"
+    target = root / name
     if (target / "model.safetensors").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        build_tiny_target(staging, seed=seed, **kwargs)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:  # another process won the race; its build is identical
@@ -301,3 +368,25 @@ def tiny_target_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None, *
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def tiny_target_dir(seed: int = 0, cache_dir: str | os.PathLike | None = None, **kwargs) -> Path:
+    """Build the tiny random-weight target once and reuse it (``$HSSTORE_CACHE_DIR`` or the temp dir).
+
+    The cache key covers the arguments, this file, the demo data and the transformers version, so a
+    stale build is never reused.
+    """
+    return _cached(f"tiny-qwen3_5-{_cache_key(seed, kwargs)}", lambda d: build_tiny_target(d, seed=seed, **kwargs),
+                   cache_dir)
+
+
+def trained_target_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The trained tiny target (``build_trained_target``) as a cached ``from_pretrained`` directory; the key covers
+    the shipped files, this file and the transformers version."""
+    import transformers
+
+    h = hashlib.sha256(json.dumps({"v": BUILD_VERSION, "tf": transformers.__version__}).encode())
+    h.update(Path(__file__).read_bytes())
+    for name in TRAINED_FILES:
+        h.update((trained_files() / name).read_bytes())
+    return _cached(f"tiny-qwen3_5-trained-{h.hexdigest()[:16]}", build_trained_target, cache_dir)

@@ -101,3 +101,70 @@ def test_chat_template_tools_and_inline_think(tok):
     assert '<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call><|im_end|>' in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
     assert text.endswith("<think>\nR\n</think>\n\nIt is sunny.<|im_end|>\n")
+
+
+# --------------------------------------------------------------------------- the trained tiny target
+
+
+def test_trained_target_loads_with_the_random_targets_architecture_and_template(tmp_path):
+    from extract.tiny import CHAT_TEMPLATE, build_trained_target, trained_files
+
+    d = build_trained_target(tmp_path / "t")
+    config = json.loads((d / "config.json").read_text())
+    meta = json.loads((trained_files() / "target.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"] and config["model_type"] == "qwen3_5_text"
+    assert config["hidden_size"] == meta["sizes"]["hidden_size"]
+    assert "linear_attention" in config["layer_types"] and "full_attention" in config["layer_types"]
+    t = AutoTokenizer.from_pretrained(d)
+    assert t.chat_template == CHAT_TEMPLATE and t.eos_token == "<|im_end|>" and t.pad_token == "<|endoftext|>"
+    for s in SPECIAL_TOKENS + MARKUP_TOKENS:
+        assert len(t(s, add_special_tokens=False)["input_ids"]) == 1, s
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # strict: every weight present
+    assert model.get_input_embeddings().weight.shape[0] == len(t) == config["vocab_size"]
+    assert (trained_files() / "model.safetensors").stat().st_size < 4 * 2**20  # ships with the package
+
+
+def test_trained_target_answers_a_held_out_prompt_as_trained(tmp_path):
+    """Greedy on a held-out prompt gives the corpus's format: reasoning in <think>, then an answer, then <|im_end|>."""
+    from extract.tiny import trained_files, trained_target_dir
+
+    d = trained_target_dir(cache_dir=tmp_path)
+    t = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    row = json.loads((trained_files() / "heldout.jsonl").read_text().splitlines()[0])
+    ids = t.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=120, do_sample=False, eos_token_id=t.eos_token_id)
+    text = t.decode(out[0, len(ids):])
+    assert text.startswith("<think>\n") and "\n</think>\n\n" in text and text.endswith("<|im_end|>"), text
+
+
+def test_held_out_prompts_are_in_no_training_set():
+    from extract.tiny import trained_files
+    from tools.tiny_corpus import examples, splits
+
+    meta = json.loads((trained_files() / "target.json").read_text())
+    n = meta["examples"]
+    target_train, demo, heldout = splits(meta["seed"], n["train"], n["demo"], n["heldout"])
+    rows = lambda name: [json.loads(x) for x in (trained_files() / name).read_text().splitlines()]  # noqa: E731
+    shipped_demo = [r["messages"][1]["content"] for r in rows("conversations.jsonl")]
+    shipped_heldout = [r["messages"][1]["content"] for r in rows("heldout.jsonl")]
+    assert shipped_demo == [e.prompt for e in demo] and shipped_heldout == [e.prompt for e in heldout]
+    train_prompts = {e.prompt for e in target_train}
+    assert len(train_prompts) == n["train"]
+    assert not train_prompts & set(shipped_heldout) and not set(shipped_demo) & set(shipped_heldout)
+    assert not train_prompts & set(shipped_demo)
+    assert [e.prompt for e in examples(meta["seed"], 50)] == [e.prompt for e in target_train[:50]]  # seeded
+
+
+def test_train_tiny_target_is_deterministic(tmp_path):
+    """The tool regenerates the same files from the same seed (a short run; the shipped one is longer)."""
+    from tools.train_tiny_target import main
+
+    argv = ["--train-examples", "60", "--demo-examples", "2", "--heldout-examples", "2", "--epochs", "1",
+            "--max-new-tokens", "8", "--no-progress"]
+    for name in ("a", "b"):
+        assert main([*argv, "--out", str(tmp_path / name)]) == 0
+    for f in ("model.safetensors", "tokenizer.json", "conversations.jsonl", "heldout.jsonl"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    meta = json.loads((tmp_path / "a" / "target.json").read_text())
+    assert meta["examples"] == {"train": 60, "demo": 2, "heldout": 2} and meta["training"]["steps"] >= 1

@@ -1,11 +1,64 @@
-"""``hsstore demo`` runs end to end: extraction, then training from the store alone, then eval."""
+"""``hsstore demo`` runs end to end (extraction, training from the store alone, eval), and never deletes a
+folder it did not create."""
 
+import json
+
+import pytest
+
+from extract.demo import MARKER, prepare_out, run_demo
 from hsstore.cli import main as hsstore_cli
 
 
 def test_demo_end_to_end(tmp_path, capsys):
-    assert hsstore_cli(["demo", "--out", str(tmp_path / "demo")]) == 0
-    out = capsys.readouterr().out
-    assert "=== 7/7" in out and "trained 40 steps" in out
-    assert "speculative output == target greedy output: 4/4" in out
-    assert (tmp_path / "demo" / "target" / "model.safetensors").exists()  # put back after training
+    out = tmp_path / "demo"
+    assert run_demo(out, train_steps=20, eval_samples=2) == 0  # short: tests/test_demo_learns.py checks learning
+    text = capsys.readouterr().out
+    assert "=== 7/7" in text and "trained 20 steps" in text
+    assert "speculative output == target greedy output: 2/2" in text
+    assert "$ hsstore extract --model" in text and "$ hsstore train --store" in text  # the commands it ran
+    assert "What the numbers mean" in text and str(out / "store") in text
+    assert (out / "target" / "model.safetensors").exists()  # put back after training
+    assert json.loads((out / MARKER).read_text())["created"]
+
+
+def test_demo_refuses_a_folder_it_did_not_create(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    assert hsstore_cli(["demo", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in out.iterdir()) == [
+        "thesis.tex"]
+
+
+def test_demo_rerun_removes_only_what_it_created(tmp_path):
+    out = tmp_path / "demo"
+    prepare_out(out)
+    for name in ("store", "run"):
+        (out / name).mkdir()
+        (out / name / "x").write_text("old")
+    (out / "notes.txt").write_text("mine")  # added by the user after the first run
+    prepare_out(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "notes.txt"])
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_demo_marker_cannot_name_other_paths(tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (tmp_path / "outside").mkdir()
+    (out / MARKER).write_text(json.dumps({"created": ["../outside", "/etc", "data"]}))
+    prepare_out(out)
+    assert (tmp_path / "outside").exists()
+
+
+def test_demo_accepts_an_empty_folder(tmp_path):
+    prepare_out(tmp_path)
+    assert (tmp_path / MARKER).exists()
+
+
+def test_demo_refuses_a_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        prepare_out(f)
