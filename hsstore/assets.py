@@ -37,6 +37,11 @@ def has_assets(fs, root: str) -> bool:
     return bool(_index(fs, root)["files"])
 
 
+def asset_names(fs, root: str) -> list[str]:
+    """The asset files the store's index lists (empty: a store without assets)."""
+    return list(_index(fs, root)["files"])
+
+
 def write_assets(fs, root: str, files: dict[str, bytes]) -> None:
     """Write asset files (store-relative names under ``assets/``), then the index that lists them."""
     for name, data in files.items():
@@ -76,5 +81,5 @@ def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
 
 def copy_assets(src_fs, src_root: str, dst_fs, dst_root: str, url: str = "") -> None:
     """Copy every asset of one store into another (each checked against its CRC32C on the way)."""
-    names = list(_index(src_fs, src_root)["files"])
+    names = asset_names(src_fs, src_root)
     write_assets(dst_fs, dst_root, {n: read_asset(src_fs, src_root, n, url) for n in names})

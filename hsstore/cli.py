@@ -58,6 +58,10 @@ def cmd_verify(args) -> int:
         print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
               "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "
               f"another store passes); `hsstore upgrade {args.url}` re-derives them (safe to interrupt and re-run)")
+    if not report.assets:
+        print("warning: the store has no assets (the target's embedding, lm_head, config and tokenizer): "
+              "`hsstore train` and `hsstore show` need them; `hsstore extract` writes them, and merge, subset and "
+              "convert copy them from a source that has them")
     status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
     print(f"verify {args.url}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
     return 0 if report.ok else 1

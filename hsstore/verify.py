@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import zarr
 
-from . import codec, fp8, layout, shard, storage, wds
+from . import assets, codec, fp8, layout, shard, storage, wds
 from .errors import FetchError, StoreError
 from .reader import Store
 
@@ -51,6 +51,7 @@ class VerifyReport:
     bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
     uncommitted: list[str] = field(default_factory=list)
+    assets: int = 0  # asset files listed and checked; 0: the store has none (train and show need them)
     # shards whose commit records (format version 1) list checksums that cannot tell one valid chunk from
     # another: checked as far as they go, not problems; `hsstore upgrade` re-derives them
     weak_records: list[str] = field(default_factory=list)
@@ -90,7 +91,25 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
+    check_assets(store, report)
     return report
+
+
+def check_assets(store: Store, report: VerifyReport) -> None:
+    """Every asset file against ``assets/index.json`` (size, CRC32C); a missing one is a problem."""
+    for name in assets.asset_names(store.fs, store.root):
+        key = f"{assets.ASSETS_DIR}/{name}"
+        try:
+            data = assets.read_asset(store.fs, store.root, name, store.url)
+        except FileNotFoundError:
+            report.problems.append(Problem("(assets)", "listed in assets/index.json but missing", key))
+            continue
+        except StoreError as e:
+            report.problems.append(Problem("(assets)", str(e), key))
+            continue
+        report.assets += 1
+        report.files += 1
+        report.bytes += len(data)
 
 
 def check_committed_shard(store: Store, rec: shard.CommitRecord, report: VerifyReport, progress=None,

@@ -126,3 +126,25 @@ def test_help_loads_neither_torch_nor_zarr():
 
     assert hsstore.open is hsstore.open_store and hsstore.StoreWriter.__name__ == "StoreWriter"
     assert all(hasattr(hsstore, name) for name in hsstore.__all__)
+
+
+def test_verify_checks_assets_and_says_when_there_are_none(tmp_path, capsys):
+    from conftest import make_manifest, make_samples, write_samples
+
+    from hsstore import assets
+    from hsstore.cli import main
+
+    store = tmp_path / "s"
+    write_samples(str(store), make_manifest(), make_samples(2))
+    assert main(["verify", str(store), "--quiet"]) == 0
+    assert "the store has no assets" in capsys.readouterr().out
+    s = hsstore.open(str(store))
+    assets.write_assets(s.fs, s.root, {"config.json": b'{"a": 1}', "tokenizer/tokenizer.json": b"{}"})
+    assert main(["verify", str(store), "--quiet"]) == 0
+    assert "no assets" not in capsys.readouterr().out
+    (store / "assets" / "config.json").write_bytes(b'{"a": 2}')  # same size, other bytes
+    (store / "assets" / "tokenizer" / "tokenizer.json").unlink()
+    assert main(["verify", str(store), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL shard (assets), file assets/config.json" in out and "does not match its checksum" in out
+    assert "FAIL shard (assets), file assets/tokenizer/tokenizer.json: listed in assets/index.json but missing" in out
