@@ -263,6 +263,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default (where it has one worth showing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

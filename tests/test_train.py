@@ -224,9 +224,21 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(store32, tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "stopped at step" in err and "hsstore train: interrupted" in err
+    assert "training on cpu x 1: drafter 1 layers (full)" in err  # the effective settings, at the start
     step = int(err.split("stopped at step ")[1].split(":")[0])
     assert 3 <= step < 400 and (out / "checkpoints" / f"step_{step:08d}").is_dir()
     assert len(metrics.read_text().splitlines()) == step  # every finished step was logged and kept
     rc = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(step + 2)] + cmd[cmd.index("--steps") + 2:],
                         capture_output=True, text=True, timeout=300)
     assert rc.returncode == 0 and f"resumed from" in rc.stdout and f"step_{step:08d}" in rc.stdout
+
+
+def test_train_help_shows_the_defaults(capsys):
+    from hsstore.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in [("--max-tokens", "16384"), ("--anchors", "512"), ("--draft-layers", "5"),
+                          ("--sliding-window", "2048"), ("--lr", "0.0006"), ("--save-every", "1000")]:
+        assert f"(default: {default})" in out.split(flag, 2)[2].split(" --", 1)[0], flag

@@ -7,17 +7,18 @@ startup and must stay fast for commands that never train.
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import math
 
-from hsstore.cli import add_storage_option
+from hsstore.cli import DefaultsHelpFormatter, add_storage_option
 from hsstore.storage import parse_storage_options
 
 
 
 def register(subparsers) -> None:
     t = subparsers.add_parser(
-        "train",
+        "train", formatter_class=DefaultsHelpFormatter,
         help="train a DFlash drafter from one or more stores (no target needed)",
         description="Train a DFlash drafter from hidden-state stores alone: features, tokens and loss masks, and "
         "the target's embedding, lm_head and config (store assets). Writes OUT/metrics.jsonl, checkpoints under "
@@ -32,8 +33,8 @@ def register(subparsers) -> None:
     t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
     t.add_argument("--max-tokens", type=int, default=16384, help="token budget per batch and rank (padded)")
     t.add_argument("--anchors", type=int, default=512, help="anchors per sequence, at most")
-    t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--draft-layers", type=int, default=5)
+    t.add_argument("--block-size", type=int, default=16, help="anchor + mask tokens drafted per block")
+    t.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers")
     t.add_argument("--sliding-window", type=int, default=2048,
                    help="window of every draft layer but the last, in positions counting the query's own, as "
                         "Hugging Face's sliding_window (0: full attention everywhere)")
@@ -42,22 +43,22 @@ def register(subparsers) -> None:
                         "inside the block, as SpecForge trains and SGLang/vLLM serve")
     d = t.add_argument_group("drafter shape (default: the published DFlash drafters' rule, e.g. Qwen3.6-27B "
                              "-> 32 heads x 128, 8 KV heads; FFN, RoPE base from the target)")
-    d.add_argument("--num-heads", type=int, default=None)
-    d.add_argument("--num-kv-heads", type=int, default=None)
-    d.add_argument("--head-dim", type=int, default=None)
-    d.add_argument("--intermediate-size", type=int, default=None)
-    d.add_argument("--rope-theta", type=float, default=None)
+    d.add_argument("--num-heads", type=int, default=None, help="attention heads")
+    d.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads")
+    d.add_argument("--head-dim", type=int, default=None, help="per head")
+    d.add_argument("--intermediate-size", type=int, default=None, help="SwiGLU width (default: the target's)")
+    d.add_argument("--rope-theta", type=float, default=None, help="RoPE base, full rotary (default: the target's)")
     t.add_argument("--init", default=None, metavar="DIR",
                    help="start from this drafter (DFlash format: ours, SpecForge's, z-lab's); refused unless its "
                         "taps, hidden size, vocabulary and block size fit the store")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="default: first unused embedding row, else the target's pad token")
     t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default by block)")
-    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine)")
     t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
-    t.add_argument("--min-lr-ratio", type=float, default=0.0)
+    t.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr / peak lr")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="data order, anchors and initial weights")
     t.add_argument("--attn", choices=["auto", "sdpa", "flex"], default="auto",
                    help="auto: sdpa. flex is 7-10%% faster per step once compiled, but compiles for about a minute "
                         "on its first step, longer when batch shapes vary")
@@ -68,12 +69,12 @@ def register(subparsers) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
-    t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--save-every", type=int, default=1000)
+    t.add_argument("--log-every", type=int, default=10, help="steps between metrics.jsonl rows")
+    t.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (Ctrl-C also saves one)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has checkpoints")
     t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--val-store", action="append", default=None, metavar="URL",
                    help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
                         "valid anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
@@ -95,7 +96,7 @@ def register(subparsers) -> None:
     x.set_defaults(func=run_export)
 
     e = subparsers.add_parser(
-        "eval",
+        "eval", formatter_class=DefaultsHelpFormatter,
         help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",
         description="Without --model: teacher-forced evaluation from the store alone, no target needed. Every "
         "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
@@ -148,6 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import TrainConfig, train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    logging.getLogger("train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
     cfg = TrainConfig(
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
         max_tokens=args.max_tokens, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,

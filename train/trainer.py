@@ -391,6 +391,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
+    if rank == 0:
+        log.info("%s", settings_line(dcfg, cfg, device, world, drafter.num_trainable_parameters()))
 
     # -- the data: this rank's share of the stores, in token-budget batches
     if source is None:
@@ -531,6 +533,18 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if world > 1:
         dist.barrier()
     return TrainResult(step, epoch, time.perf_counter() - t_start, drafter_dir, last, latest)
+
+
+def settings_line(dcfg: DrafterConfig, cfg: TrainConfig, device, world: int, params: int) -> str:
+    """What this run will do, in one line at its start: device, drafter shape, batch and schedule."""
+    windows = sorted({w for w in (dcfg.sliding_window or [None])}, key=lambda w: (w is None, w or 0))
+    kind = ", ".join("full" if w is None else f"window {w}" for w in windows)
+    steps = f"{cfg.steps} steps" if cfg.steps is not None else f"{cfg.epochs} epochs"
+    return (f"training on {device} x {world}: drafter {dcfg.num_layers} layers ({kind}), {dcfg.num_heads} heads x "
+            f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
+            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {cfg.max_tokens:,} tokens "
+            f"per batch and rank, {cfg.anchors} anchors per sequence, {steps}, lr {cfg.lr:g}, attention "
+            f"{dcfg.attn_impl}")
 
 
 class StopOnInterrupt:
