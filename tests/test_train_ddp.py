@@ -1,6 +1,7 @@
 """DDP on CPU: two gloo ranks under torchrun, each reading its own share of the store; every sample is
 trained exactly once per epoch even though the ranks' batch counts differ."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -121,10 +122,13 @@ def ddp_grad_worker(rank: int, world: int, init: str, out: str):
                 loss_fn.world = 1
             _, summary = grad_step(model, batch, world, per_rank=rule == "per-rank")
             results[rule] = (grads_of(loss_fn), summary)
+            del model  # its reducer holds the process group: gone before the group is destroyed
         if rank == 0:
             save_file({f"{rule}/{n}": g for rule, (gr, _) in results.items() for n, g in gr.items()}, out + ".st")
             Path(out + ".json").write_text(json.dumps({rule: s for rule, (_, s) in results.items()}))
+        dist.barrier()  # both ranks leave together (a rank tearing gloo down alone has aborted its peer)
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
