@@ -36,11 +36,11 @@ def add_threshold_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def add_template_kwargs_flag(parser: argparse.ArgumentParser) -> None:
+def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
     parser.add_argument(
         "--chat-template-kwargs", default=None, metavar="JSON",
-        help="arguments for the chat template, as the engine got them, e.g. '{\"enable_thinking\": false}' or "
-             "'{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
+        help=help or "arguments for the chat template, as the engine got them, e.g. '{\"enable_thinking\": false}' "
+                     "or '{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
 
 
 def template_kwargs_from_args(args: argparse.Namespace) -> dict:
@@ -183,9 +183,8 @@ def register(subparsers) -> None:
                    help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the API key, if the server needs one")
-    r.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help="template arguments sent with every request, over {\"enable_thinking\": true} (e.g. "
-                        "'{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
+    add_template_kwargs_flag(r, help="template arguments sent with every request, over {\"enable_thinking\": true} "
+                             "(e.g. '{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=run_regenerate_cmd)
 

@@ -132,7 +132,8 @@ class TokenizeStats:
 
     def to_dict(self, max_listed: int = 20) -> dict:
         """JSON-ready counts; skipped ids are listed up to ``max_listed`` per reason, with the first message."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("skipped", "first_skipped")}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("skipped", "first_skipped")}  # not asdict: it would deep-copy every skipped id
         out["skipped_rows"] = self.skipped_rows
         out["skipped"] = {r: {"count": len(ids), "ids": ids[:max_listed], "first": self.first_skipped.get(r, "")}
                           for r, ids in sorted(self.skipped.items())}
@@ -435,15 +436,15 @@ class ChatTokenizer:
         text = renders[group[-1]].text
         prompts = self.encode([renders[t].prompt for t in group])
         gens = self.encode_generated([renders[t].generated for t in group])
+        # the text from the end of each turn to the next turn's generation prompt, all in one call
+        gaps = [[]] + self.encode([text[renders[a].end : len(renders[b].prompt)] for a, b in zip(group, group[1:])])
         out = []
         ids: list[int] = []
         mask: list[int] = []
         turns: list[int] = []
-        pos = 0
         for k, t in enumerate(group):
-            r = renders[t]
             if turns:
-                between = self.encode([text[pos : len(r.prompt)]])[0]
+                between = gaps[k]
                 if ids + between != prompts[k]:
                     out.append((turns, ids, mask))
                     ids, mask, turns = [], [], []
@@ -454,7 +455,6 @@ class ChatTokenizer:
             ids += between + gen
             mask += [0] * len(between) + [1] * n_mask + [0] * (len(gen) - n_mask)
             turns.append(t)
-            pos = r.end
         out.append((turns, ids, mask))
         samples = []
         for turns, ids, mask in out:
