@@ -11,7 +11,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from extract.gate import GateThresholds
+from .gate import GateThresholds
 from hsstore.cli import add_storage_option
 from hsstore.storage import parse_storage_options
 
@@ -44,7 +44,7 @@ def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str | None =
 
 
 def template_kwargs_from_args(args: argparse.Namespace) -> dict:
-    from extract.tokenize import template_kwargs_of
+    from .tokenize import template_kwargs_of
 
     return template_kwargs_of(args.chat_template_kwargs, "--chat-template-kwargs")
 
@@ -218,8 +218,8 @@ def load_tokenizer(model: str):
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from extract.gate import check
-    from extract.tokenize import TokenizeStats, load_samples
+    from .gate import check
+    from .tokenize import TokenizeStats, load_samples
 
     kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
@@ -239,8 +239,8 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from extract.show import format_sample
-    from extract.tokenize import TokenizeStats, load_samples
+    from .show import format_sample
+    from .tokenize import TokenizeStats, load_samples
 
     if is_store(args.input, parse_storage_options(args.storage_option)):
         return show_store_sample(args)
@@ -295,7 +295,7 @@ def show_store_sample(args: argparse.Namespace) -> int:
     import tempfile
 
     import hsstore
-    from extract.show import format_sample
+    from .show import format_sample
     from hsstore import assets
 
     store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
@@ -322,7 +322,7 @@ def show_store_sample(args: argparse.Namespace) -> int:
 
 
 def run_extract_cmd(args: argparse.Namespace) -> int:
-    from extract.job import ExtractConfig, GateRefused, run_extract
+    from .job import ExtractConfig, GateRefused, run_extract
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     cfg = ExtractConfig(
@@ -353,7 +353,7 @@ def import_manifest(args: argparse.Namespace):
 
     layers = tuple(int(x) for x in args.layers.split(","))
     if args.model:
-        from extract.peers import identity_from_model_dir
+        from .peers import identity_from_model_dir
 
         target, tokenizer = identity_from_model_dir(args.model)
         if args.hidden_size is not None and args.hidden_size != target.hidden_size:
@@ -374,7 +374,7 @@ def import_manifest(args: argparse.Namespace):
 
 
 def run_import_cmd(args: argparse.Namespace) -> int:
-    from extract.peers import import_files, peer_files
+    from .peers import import_files, peer_files
 
     manifest = import_manifest(args)
     missing: list[str] = []
@@ -393,7 +393,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from extract.regenerate import RegenConfig, run_regenerate
+    from .regenerate import RegenConfig, run_regenerate
 
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
@@ -411,6 +411,6 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
 
 
 def run_demo_cmd(args: argparse.Namespace) -> int:
-    from extract.demo import run_demo
+    from .demo import run_demo
 
     return run_demo(args.out)

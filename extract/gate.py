@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from extract.show import format_sample
+from .show import format_sample
 from hsstore.stats import SAMPLE_FLAGS, log2_histogram, top_values
-from extract.tokenize import TokenizedSample, TokenizeStats
+from .tokenize import TokenizedSample, TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
 FLAG_ORDER = SAMPLE_FLAGS

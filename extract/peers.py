@@ -185,7 +185,7 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
                       missing: list[str]) -> list[PeerFile]:
     """Row ``i`` of the Arrow dataset at ``root`` with ``hs_dir/hs_{i}.safetensors``; the sample id is
     ``hs_{i}``, prefixed. Rows whose file does not exist (generation not finished) are listed in ``missing``."""
-    from extract.readers import TokenRecord, read_records
+    from .readers import TokenRecord, read_records
 
     hs_dir = hs_dir or root / HS_DIR
     if not hs_dir.is_dir():

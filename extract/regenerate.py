@@ -42,8 +42,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from extract.readers import ChatRecord, input_files, read_records
-from extract.tokenize import parse_message_list, role_and_content, split_reasoning
+from .readers import ChatRecord, input_files, read_records
+from .tokenize import parse_message_list, role_and_content, split_reasoning
 
 logger = logging.getLogger(__name__)
 

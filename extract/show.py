@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from extract.response import masked_spans
+from .response import masked_spans
 
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
 _ANSI_MASKED = "\x1b[1;32m"  # bold green: what the drafter learns

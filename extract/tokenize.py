@@ -49,8 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from extract.readers import ChatRecord, Record, TokenRecord, derive_id, read_records  # noqa: F401 (re-export)
-from extract.response import THINK_END, THINK_START, ResponseMarkers, response_stats
+from .readers import ChatRecord, Record, TokenRecord, derive_id, read_records  # noqa: F401 (re-export)
+from .response import THINK_END, THINK_START, ResponseMarkers, response_stats
 
 logger = logging.getLogger(__name__)
 

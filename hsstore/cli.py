@@ -1,18 +1,19 @@
 """The ``hsstore`` command line.
 
 Store commands (info, verify, upgrade, convert, bench, subset, merge) live here; extraction commands (check, show,
-extract, import, regenerate, demo) and training commands (train, eval) are registered by ``extract.cli``
-and ``train.cli``, which import transformers only when their command runs.
+extract, import, regenerate, demo) and training commands (train, eval) are registered by ``hsstore.extract.cli``
+and ``hsstore.train.cli`` through the ``hsstore.commands`` entry-point group (so another installed package can add
+commands the same way); they import transformers only when their command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import sys
+from importlib.metadata import entry_points
 
 from . import storage
 from .errors import StoreError
@@ -20,7 +21,7 @@ from .redaction import RedactingFilter, scrub
 from .version import __version__
 
 log = logging.getLogger("hsstore")
-PLUGINS = ("extract.cli", "train.cli")
+COMMANDS_GROUP = "hsstore.commands"  # entry points: a callable that adds sub-parsers
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
@@ -252,14 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_merge)
 
-    for mod in PLUGINS:
-        try:
-            plugin = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name not in (mod, mod.split(".")[0]):
-                raise
-            continue
-        plugin.register(sub)
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
     return p
 
 

@@ -117,7 +117,7 @@ def write():
 @pytest.fixture(scope="session")
 def tiny_dir():
     """The tiny Qwen3.5-architecture target (built once, cached)."""
-    from extract.tiny import tiny_target_dir
+    from hsstore.extract.tiny import tiny_target_dir
 
     return tiny_target_dir()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from extract.tiny import demo_conversations_path
+from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
 
 from conftest import make_manifest, make_samples, write_samples
@@ -67,7 +67,7 @@ def synthetic_store(tmp_path_factory):
 @pytest.fixture
 def edited_store(tiny_dir, tmp_path):
     """An extracted store (two conversations) whose manifest was edited by hand afterwards (dtype)."""
-    from extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractConfig, run_extract
 
     data = tmp_path / "in.jsonl"
     data.write_text(good_line(0) + "\n" + good_line(1) + "\n")
@@ -125,7 +125,7 @@ def test_unreadable_tokenizer(broken_tokenizer, synthetic_store, tmp_path, capsy
 
 def test_nan_features_from_the_model(tiny_dir, tmp_path, capsys, monkeypatch):
     """NaN/Inf from the target during `hsstore extract`: one line naming the sample; nothing committed."""
-    import extract.forward as fwd
+    import hsstore.extract.forward as fwd
 
     real = fwd.run_tapped
 

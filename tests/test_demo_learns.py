@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import hsstore
-from extract.job import ExtractConfig, run_extract
-from extract.tiny import trained_files, trained_target_dir
-from train import objective, trainer
-from train.checkpoint import load_drafter
-from train.model import DFlashDrafter
-from train.speculative import drafter_proposer, load_prompts, speculative_generate
-from train.trainer import TrainConfig, drafter_config, load_frozen, train
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import trained_files, trained_target_dir
+from hsstore.train import objective, trainer
+from hsstore.train.checkpoint import load_drafter
+from hsstore.train.model import DFlashDrafter
+from hsstore.train.speculative import drafter_proposer, load_prompts, speculative_generate
+from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, train
 
 # Between what a drafter without usable features or labels reaches on this target (it still learns the fixed
 # phrasing from the anchor token: ~1.2) and what the working pipeline reaches with the same steps (~2.1).

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train import model as model_mod
-from train.model import DFlashDrafter, DrafterConfig, block_attention_mask, default_target_layers
-from train.objective import (
+from hsstore.train import model as model_mod
+from hsstore.train.model import DFlashDrafter, DrafterConfig, block_attention_mask, default_target_layers
+from hsstore.train.objective import (
     IGNORE, batch_anchors, block_targets, chunked_cross_entropy, default_gamma, dflash_loss, sample_anchors,
 )
-from train.optim import build_optimizer, build_scheduler, clip_grad, lr_factor
+from hsstore.train.optim import build_optimizer, build_scheduler, clip_grad, lr_factor
 
 H, L, V, MASK = 32, 3, 100, 99
 

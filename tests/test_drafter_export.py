@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 import hsstore
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.cli import main as hsstore_cli
-from train import checkpoint as ckpt
-from train.model import DFlashDrafter, DrafterConfig
-from train.trainer import TrainConfig, drafter_config, load_frozen, train
+from hsstore.train import checkpoint as ckpt
+from hsstore.train.model import DFlashDrafter, DrafterConfig
+from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 # Qwen/Qwen3.6-27B's text_config (the fields the drafter reads): 64 layers, 24 heads x 256, 4 KV heads,

@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hsstore
-from extract.capture import default_taps, run_tapped
-from extract.forward import pad_right, token_budget_batches
-from extract.job import ExtractConfig, GateRefused, run_extract
-from extract.tiny import build_tiny_target, demo_conversations_path
-from extract.tokenize import load_samples
+from hsstore.extract.capture import default_taps, run_tapped
+from hsstore.extract.forward import pad_right, token_budget_batches
+from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
+from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
+from hsstore.extract.tokenize import load_samples
 from hsstore import assets
 from hsstore.cli import main as hsstore_cli
 from hsstore.verify import verify
@@ -101,7 +101,7 @@ def test_prefill_equals_token_by_token_generation(model32, demo_samples):
 
 
 def test_token_budget_batches():
-    from extract.tokenize import TokenizedSample
+    from hsstore.extract.tokenize import TokenizedSample
     import numpy as np
 
     samples = [TokenizedSample(f"s{i}", np.zeros(n, np.int32), np.ones(n, np.uint8)) for i, n in
@@ -148,7 +148,7 @@ def test_resume_after_crash_exactly_once(tiny_dir, small_input, tmp_path, monkey
     out = str(tmp_path / "store")
     base = dict(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", progress=False,
                 token_budget=400, shard_bytes=64 * 5 * 2 * 300)
-    import extract.forward as fwd
+    import hsstore.extract.forward as fwd
 
     real = fwd.run_tapped
     calls = {"n": 0}
@@ -188,7 +188,7 @@ def test_two_ranks_write_disjoint_shards(tiny_dir, small_input, tmp_path, tok):
 
 
 def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkeypatch, capsys):
-    import extract.job as job
+    import hsstore.extract.job as job
 
     monkeypatch.setattr(job, "load_target", lambda *a, **k: pytest.fail("model loaded despite the gate"))
     out = tmp_path / "store"
@@ -252,7 +252,7 @@ def test_torchrun_two_ranks_extract_and_resume(tiny_dir, small_input, tmp_path, 
 
 def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_path, monkeypatch):
     """NaN/Inf from the model: a clear error naming the sample; nothing of that batch is committed."""
-    import extract.forward as fwd
+    import hsstore.extract.forward as fwd
 
     real = fwd.run_tapped
 

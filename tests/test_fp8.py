@@ -11,14 +11,14 @@ import torch
 
 import hsstore
 from conftest import make_manifest, make_samples
-from extract.job import ExtractConfig, run_extract
-from extract.tiny import demo_conversations_path
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import demo_conversations_path
 from hsstore import fp8, shard
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError
 from hsstore.info import summarize
 from hsstore.verify import verify
-from train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST
 
 

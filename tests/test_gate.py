@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from extract import cli
+from hsstore.extract import cli
 from hsstore.cli import main as hsstore_main
-from extract.gate import GateThresholds, check
-from extract.show import format_sample
-from extract.tiny import demo_conversations_path, tiny_target_dir
-from extract.tokenize import TokenizedSample, TokenizeStats, load_samples
+from hsstore.extract.gate import GateThresholds, check
+from hsstore.extract.show import format_sample
+from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
+from hsstore.extract.tokenize import TokenizedSample, TokenizeStats, load_samples
 
 
 def demo_report(tok, thresholds=None):

@@ -159,7 +159,7 @@ def _ckpt(path, **d):
     ("float32", "dtype float32"),
 ])
 def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
-    from extract.peers import import_files, peer_files
+    from hsstore.extract.peers import import_files, peer_files
 
     g = torch.Generator().manual_seed(1)
     T = 20
@@ -205,7 +205,7 @@ def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
     ("corrupt", "not a readable safetensors file"),
 ])
 def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, message):
-    from extract.peers import import_files, peer_files
+    from hsstore.extract.peers import import_files, peer_files
 
     samples = new_samples(3)
     write_speculators(tmp_path / "spec", samples)
@@ -232,7 +232,7 @@ def test_identity_from_model_dir_matches_extract(tmp_path, tiny_dir, tok, new_sa
     and an extracted one of the same target are compatible: they can be merged or mixed by a loader."""
     from transformers import AutoModelForCausalLM
 
-    from extract.identity import build_manifest
+    from hsstore.extract.identity import build_manifest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     extracted = build_manifest(model, tok, name="tiny", layers=[0, 1])

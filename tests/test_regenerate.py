@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from extract.readers import read_records
-from extract.regenerate import (
+from hsstore.extract.readers import read_records
+from hsstore.extract.regenerate import (
     RegenConfig,
     RegenerateError,
     assistant_turn,
@@ -26,7 +26,7 @@ from extract.regenerate import (
     resume_output,
     run_regenerate,
 )
-from extract.tiny import demo_conversations_path
+from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
         except BaseException as e:  # noqa: BLE001 - reported by the assertion below
             result["err"] = e
 
-    with caplog.at_level("WARNING", logger="extract.regenerate"):
+    with caplog.at_level("WARNING", logger="hsstore.extract.regenerate"):
         t = threading.Thread(target=client)
         t.start()
         while not any("retry" in r.getMessage() for r in caplog.records) and t.is_alive():

@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from chat_templates import QWEN3_LIKE, QWEN35_LIKE, QWEN35_SMALL_LIKE, QWEN36_LIKE
-from extract.readers import ChatRecord
-from extract.tiny import tiny_target_dir
-from extract.tokenize import ChatTokenizer, RowError, TokenizeStats, load_samples, split_reasoning
+from hsstore.extract.readers import ChatRecord
+from hsstore.extract.tiny import tiny_target_dir
+from hsstore.extract.tokenize import ChatTokenizer, RowError, TokenizeStats, load_samples, split_reasoning
 
 SYS = "<|im_start|>system\nYou are terse.<|im_end|>\n"
 USER = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"

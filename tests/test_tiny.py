@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from extract.tiny import MARKUP_TOKENS, SPECIAL_TOKENS, build_tiny_target, tiny_target_dir
+from hsstore.extract.tiny import MARKUP_TOKENS, SPECIAL_TOKENS, build_tiny_target, tiny_target_dir
 
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -107,7 +107,7 @@ def test_chat_template_tools_and_inline_think(tok):
 
 
 def test_trained_target_loads_with_the_random_targets_architecture_and_template(tmp_path):
-    from extract.tiny import CHAT_TEMPLATE, build_trained_target, trained_files
+    from hsstore.extract.tiny import CHAT_TEMPLATE, build_trained_target, trained_files
 
     d = build_trained_target(tmp_path / "t")
     config = json.loads((d / "config.json").read_text())
@@ -126,7 +126,7 @@ def test_trained_target_loads_with_the_random_targets_architecture_and_template(
 
 def test_trained_target_answers_a_held_out_prompt_as_trained(tmp_path):
     """Greedy on a held-out prompt gives the corpus's format: reasoning in <think>, then an answer, then <|im_end|>."""
-    from extract.tiny import trained_files, trained_target_dir
+    from hsstore.extract.tiny import trained_files, trained_target_dir
 
     d = trained_target_dir(cache_dir=tmp_path)
     t = AutoTokenizer.from_pretrained(d)
@@ -139,7 +139,7 @@ def test_trained_target_answers_a_held_out_prompt_as_trained(tmp_path):
 
 
 def test_held_out_prompts_are_in_no_training_set():
-    from extract.tiny import trained_files
+    from hsstore.extract.tiny import trained_files
     from tools.tiny_corpus import examples, splits
 
     meta = json.loads((trained_files() / "target.json").read_text())

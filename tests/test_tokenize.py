@@ -10,10 +10,10 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from extract.readers import derive_id, read_records
-from extract.response import masked_spans
-from extract.tiny import CHAT_TEMPLATE, demo_conversations_path, tiny_target_dir
-from extract.tokenize import (
+from hsstore.extract.readers import derive_id, read_records
+from hsstore.extract.response import masked_spans
+from hsstore.extract.tiny import CHAT_TEMPLATE, demo_conversations_path, tiny_target_dir
+from hsstore.extract.tokenize import (
     ChatRecord,
     ChatTokenizer,
     RowError,

@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 import hsstore
-from extract.job import ExtractConfig, run_extract
-from extract.tiny import build_tiny_target
-from extract.tokenize import load_samples
-from train import checkpoint as ckpt
-from train.trainer import TrainConfig, drafter_config, load_frozen, pick_mask_token, train
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import build_tiny_target
+from hsstore.extract.tokenize import load_samples
+from hsstore.train import checkpoint as ckpt
+from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, pick_mask_token, train
 from train_helpers import FAST, REPO, small_input, store32  # noqa: F401  (fixtures)
 
 
@@ -147,7 +147,7 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
         import sys
-        from train.trainer import TrainConfig, train
+        from hsstore.train.trainer import TrainConfig, train
         r = train(TrainConfig(stores=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
         assert r.steps == 2 and r.drafter_dir is not None
         bad = sorted(m for m in sys.modules if m.split('.')[0] in ('extract', 'transformers'))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hsstore
-from train.data import StoreBatches
+from hsstore.train.data import StoreBatches
 
 from train_helpers import REPO, small_input, store32  # noqa: F401  (fixtures)
 
@@ -70,8 +70,8 @@ def grad_items(shard):
 
 def grad_setup(world: int):
     """The trainer's loss module (DraftLoss) around a small drafter, identical in every process."""
-    from train.model import DFlashDrafter, DrafterConfig
-    from train.trainer import DraftLoss
+    from hsstore.train.model import DFlashDrafter, DrafterConfig
+    from hsstore.train.trainer import DraftLoss
 
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, vocab_size=100, target_layers=[1, 2, 3],
                         mask_token_id=99, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
@@ -86,8 +86,8 @@ def grad_step(model, batch, world, per_rank: bool = False):
     """What the trainer does with one batch, up to the gradients: lockstep (the global weight sum), the
     loss and backward, and the logged metrics (all-reduced). ``per_rank``: the old rule, each rank's loss
     divided by its own weight sum."""
-    from train.data import add_anchors, lockstep
-    from train.trainer import Meter
+    from hsstore.train.data import add_anchors, lockstep
+    from hsstore.train.trainer import Meter
 
     batch = add_anchors(batch, 0, 0, GRAD_ANCHORS, GRAD_S, GRAD_GAMMA)
     [(batch, _)] = list(lockstep([(batch, None)], world))
@@ -162,6 +162,6 @@ def test_two_ranks_take_the_step_of_one_process_on_the_union(tmp_path):
 
 
 def grad_weight(shard) -> float:
-    from train.data import add_anchors
+    from hsstore.train.data import add_anchors
 
     return add_anchors(grad_items(shard), 0, 0, GRAD_ANCHORS, GRAD_S, GRAD_GAMMA)["weight_sum"]

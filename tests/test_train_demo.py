@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from extract.demo import MARKER, prepare_out, run_demo
+from hsstore.extract.demo import MARKER, prepare_out, run_demo
 from hsstore.cli import main as hsstore_cli
 
 

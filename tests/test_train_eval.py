@@ -6,9 +6,9 @@ import torch
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
-from train.checkpoint import load_drafter
-from train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
-from train.trainer import TrainConfig, load_frozen, train
+from hsstore.train.checkpoint import load_drafter
+from hsstore.train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
+from hsstore.train.trainer import TrainConfig, load_frozen, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 S, NEW = 8, 24
@@ -80,7 +80,7 @@ def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F8
 
 
 def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F811
-    from extract.tiny import build_tiny_target
+    from hsstore.extract.tiny import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", seed=1)
     train(TrainConfig(stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))

@@ -348,8 +348,8 @@ def test_manifest_rules_and_zarr_records_unchanged(tmp_path):
 
 
 def test_extract_layout_wds_tiny_target(tiny_dir, tok, tmp_path):
-    from extract.tiny import demo_conversations_path
-    from extract.tokenize import load_samples
+    from hsstore.extract.tiny import demo_conversations_path
+    from hsstore.extract.tokenize import load_samples
 
     lines = demo_conversations_path().read_text().splitlines()[:4]
     inp = tmp_path / "in.jsonl"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from extract.job import ExtractConfig, run_extract
-from extract.tiny import demo_conversations_path
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import demo_conversations_path
 
 REPO = Path(__file__).resolve().parents[1]
 # small and quick: 8 samples of ~270 tokens, ~3 batches per epoch

@@ -12,8 +12,8 @@ import time
 import torch
 
 from tools.bench_train import add_drafter_size_args
-from train.model import DFlashDrafter, DrafterConfig
-from train.objective import dflash_loss
+from hsstore.train.model import DFlashDrafter, DrafterConfig
+from hsstore.train.objective import dflash_loss
 
 
 def make(impl, args, device, dtype):

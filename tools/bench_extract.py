@@ -32,10 +32,10 @@ import time
 import numpy as np
 import torch
 
-from extract.capture import base_model, decoder_layers, default_taps, run_tapped
-from extract.forward import extract_batches, pad_right, token_budget_batches
-from extract.job import rank_slice
-from extract.tokenize import TokenizedSample
+from hsstore.extract.capture import base_model, decoder_layers, default_taps, run_tapped
+from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
+from hsstore.extract.job import rank_slice
+from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from extract.peers import import_files, peer_files
+from hsstore.extract.peers import import_files, peer_files
 from hsstore.bench import _pipe_fsync, bench_manifest, synthetic_samples
 from hsstore.merge import merge
 from hsstore.subset import Selection, subset

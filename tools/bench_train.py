@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
-from train.data import StoreBatches, add_anchors, read_ahead
-from train.model import DFlashDrafter, DrafterConfig
-from train.objective import default_gamma
-from train.optim import build_optimizer, build_scheduler
-from train.trainer import DraftLoss, train_step
+from hsstore.train.data import StoreBatches, add_anchors, read_ahead
+from hsstore.train.model import DFlashDrafter, DrafterConfig
+from hsstore.train.objective import default_gamma
+from hsstore.train.optim import build_optimizer, build_scheduler
+from hsstore.train.trainer import DraftLoss, train_step
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=256, samples=24,
             max_tokens=1024, anchors=32, steps=4, warmup=1, rounds=2)
@@ -245,7 +245,7 @@ def loader_only(args, store: Path, device: torch.device) -> None:
     """Per rank: tokens/s and GB/s of batches landing on the device, for each data-path setting."""
     import torch.distributed as dist
 
-    from train.trainer import share_cpu_threads
+    from hsstore.train.trainer import share_cpu_threads
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 import hsstore
-from extract.job import ExtractConfig, run_extract
-from extract.tiny import build_tiny_target, demo_conversations_path
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore import fp8
 from hsstore.cli import main as hsstore_main
 from hsstore.info import summarize
-from train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainConfig, train
 
 ELEMENT_PCTS = (50, 90, 99, 99.9, 100)
 ROW_PCTS = (50, 90, 99, 100)

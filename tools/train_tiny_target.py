@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from extract.tiny import save_weights, target_config, train_bpe, wrap_tokenizer
+from hsstore.extract.tiny import save_weights, target_config, train_bpe, wrap_tokenizer
 from tools.tiny_corpus import SYSTEM, Example, splits
 
 log = logging.getLogger("train_tiny_target")

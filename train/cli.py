@@ -149,7 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import TrainConfig, train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    logging.getLogger("train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
+    logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
     cfg = TrainConfig(
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
         max_tokens=args.max_tokens, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,

@@ -1,0 +1,74 @@
+"""What `pip install hsstore` puts on a machine: one top-level name, the commands, no tools or tests.
+
+The built wheel is installed into a fresh virtual environment (its dependencies come from this environment's
+site-packages, nothing is downloaded) and used from a directory outside the repository, where a user's own
+``train.py`` must not shadow anything.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0 and "No matching distribution found for setuptools" in proc.stderr:
+        pytest.skip("no package index here to fetch the build backend from")
+    assert proc.returncode == 0, proc.stderr
+    (whl,) = out.glob("hsstore-*.whl")
+    return whl
+
+
+def test_wheel_holds_one_top_level_name(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"hsstore"}, top
+    assert "hsstore/extract/tokenize.py" in names and "hsstore/train/trainer.py" in names
+    assert any(n.startswith("hsstore/extract/data/tiny_trained/") for n in names)  # the demo's trained target
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[hsstore.commands]" in text and "hsstore.extract.cli:register" in text
+
+
+def test_wheel_in_fresh_venv(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    # this environment's pip installs into the venv; --ignore-installed: the repository's own editable install is
+    # visible through the system site-packages and must not count as "already installed"
+    target = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
+                    "--target", target, str(wheel)], check=True)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "train.py").write_text("raise SystemExit('the user train.py was imported')\n")
+    (user / "tools.py").write_text("raise SystemExit('the user tools.py was imported')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util, hsstore, hsstore.extract.tokenize, hsstore.train.model\n"
+            "import hsstore.cli as c\n"
+            f"assert hsstore.__file__.startswith({target!r}), hsstore.__file__\n"
+            f"assert hsstore.extract.tokenize.__file__.startswith({target!r})\n"
+            "assert importlib.util.find_spec('extract') is None\n"
+            "print(sorted(a for a in c.build_parser()._subparsers._group_actions[0].choices))\n")
+    proc = subprocess.run([str(py), "-c", code], cwd=user, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "'extract'" in proc.stdout and "'train'" in proc.stdout and "'info'" in proc.stdout
+    proc = subprocess.run([str(py), "-m", "hsstore", "--help"], cwd=user, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("extract", "train", "eval", "info", "verify"):
+        assert command in proc.stdout
+    proc = subprocess.run([str(py), "-m", "hsstore", "train", "--help"], cwd=user, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and "--store" in proc.stdout, proc.stderr
