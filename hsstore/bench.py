@@ -56,9 +56,16 @@ def _time(fn) -> float:
     return time.perf_counter() - t
 
 
+def _bar(total: int, desc: str, progress: bool, unit: str = "round"):
+    """Benchmarks run for minutes: a bar that says which round and which pass is running."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress)
+
+
 def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                     layers: int = 5, codec: str = "none", rounds: int = 2, what: str = "store", layout: str = "zarr",
-                    ) -> dict[str, dict]:
+                    progress: bool = False) -> dict[str, dict]:
     fs, root = storage.resolve(url, storage_options)
     samples = synthetic_samples(size_mb << 20, layers, hidden)
     nbytes = sum(s[3].numel() * 2 for s in samples)
@@ -66,8 +73,10 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
     manifest = bench_manifest(layers, hidden, codec, layout)
     best = {"write": np.inf, "raw_write": np.inf, "raw_durable": np.inf, "read": np.inf, "raw_read": np.inf}
     local = storage.is_local(fs)
+    bar = _bar(rounds, f"bench store ({layout})", progress)
     try:
         for r in range(rounds):
+            bar.set_postfix_str(f"round {r + 1}/{rounds}: write")
             store_url = f"{url.rstrip('/')}/{run}/store{r}"
             raw_root = storage.join(root, run, f"raw{r}")
 
@@ -93,10 +102,13 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
                 for _ in store:
                     pass
 
+            bar.set_postfix_str(f"round {r + 1}/{rounds}: read")
             best["read"] = min(best["read"], _time(read_store))
+            bar.update(1)
             fs.rm(storage.join(root, run, f"raw{r}"), recursive=True)
             fs.rm(storage.join(root, run, f"store{r}"), recursive=True)
     finally:
+        bar.close()
         _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9
     result = {
@@ -183,7 +195,7 @@ def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
 def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
                      workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
-                     layout: str = "zarr") -> dict[str, dict]:
+                     layout: str = "zarr", progress: bool = False) -> dict[str, dict]:
     """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
     optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
     the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
@@ -260,15 +272,19 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                 d["input_ids"].clone(), d["loss_mask"].clone()
 
         best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "peer": np.inf}
+        bar = _bar(rounds * 4, f"bench loader ({layout})", progress, unit="pass")
         for r in range(rounds):
             for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: through_loader(r)),
                              ("peer", lambda: peer(r))):
+                bar.update(1)
                 if (name == "peer" and not peers) or (name == "raw_direct" and not local):
                     continue
+                bar.set_postfix_str(f"round {r + 1}/{rounds}: {name}")
                 if cold and local:
                     _drop_page_cache(files + peer_paths)
                 best[name] = min(best[name], _time(fn))
                 log.info("loader bench round %d: %s %.3f GB/s", r, name, nbytes / 1e9 / best[name])
+        bar.close()
     finally:
         _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9

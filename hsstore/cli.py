@@ -9,6 +9,7 @@ commands the same way); they import transformers only when their command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +29,30 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", "-S", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec/s3fs option, repeatable (e.g. anon=true, endpoint_url=http://..., "
                         "client_kwargs.region_name=us-east-1); AWS env vars and profiles apply as usual")
+
+
+class Deprecated(argparse.Action):
+    """An old spelling that keeps working (scripts and saved commands rely on it): it stores into the new
+    option's destination and says the new name. Hidden from --help."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
+        self.new = new
+        kwargs.setdefault("default", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        log.warning("%s: %s is deprecated, use %s (same meaning)", parser.prog, option_string, self.new)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+def add_quiet_option(p: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` on every command that shows progress (``--no-progress``, its old spelling, still works)."""
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", dest="quiet", nargs=0, action=Deprecated, new="--quiet")
+
+
+def add_json_option(p: argparse.ArgumentParser, what: str = "the summary") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout")
 
 
 def cmd_info(args) -> int:
@@ -50,6 +75,12 @@ def cmd_verify(args) -> int:
     total = sum(f["size"] for c in store.commits for f in c.files.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
+    if args.json:
+        print(json.dumps({"url": args.url, "ok": report.ok, "shards": report.shards, "files": report.files,
+                          "bytes": report.bytes, "problems": [str(p) for p in report.problems],
+                          "uncommitted": list(report.uncommitted), "weak_records": list(report.weak_records),
+                          "assets": report.assets}, indent=2))
+        return 0 if report.ok else 1
     for p in report.problems:
         print(f"FAIL {p}")
     if report.uncommitted:
@@ -115,14 +146,15 @@ def cmd_bench(args) -> int:
         part: dict = {}
         if args.what in ("store", "all"):
             part.update(run_store_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                        layers=args.layers, codec=args.codec, rounds=args.rounds, what=args.what,
-                                        layout=lay))
+                                        layers=args.num_taps, codec=args.codec, rounds=args.rounds, what=args.what,
+                                        layout=lay, progress=not args.quiet))
         if args.what in ("loader", "all"):
             read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
             part.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                         layers=args.layers, codec=args.codec, rounds=args.rounds,
+                                         layers=args.num_taps, codec=args.codec, rounds=args.rounds,
                                          read_layers=read_layers, workers=args.workers, cold=args.cold,
-                                         peers=not args.no_peers, pin=args.pin_memory, layout=lay))
+                                         peers=not args.no_peers, pin=args.pin_memory, layout=lay,
+                                         progress=not args.quiet))
         result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
     if len(layouts) > 1:
         base, other = layouts[0], layouts[1:]
@@ -154,9 +186,12 @@ def cmd_subset(args) -> int:
     from .subset import Selection, subset
 
     options = storage.parse_storage_options(args.storage_option)
-    sel = Selection(sources=tuple(args.source), min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+    sel = Selection(sources=tuple(args.source), min_tokens=args.min_length, max_tokens=args.max_length,
                     min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag))
     r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"src": args.src, "dst": args.dst, **dataclasses.asdict(r)}, indent=2))
+        return 0
     print(f"subset {args.src} -> {args.dst}: {r.selected} samples selected, {r.written} written "
           f"({r.tokens:,} tokens), {r.already} already there")
     return 0
@@ -167,6 +202,9 @@ def cmd_merge(args) -> int:
 
     options = storage.parse_storage_options(args.storage_option)
     r = merge(args.dst, args.src, by=args.by, dst_options=options, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"dst": args.dst, "src": args.src, "by": args.by, **dataclasses.asdict(r)}, indent=2))
+        return 0
     print(f"merge into {args.dst} (by {args.by}): {r.shards} shards, {r.samples} samples added"
           + (f", {r.bytes_copied:,} bytes copied" if args.by == "copy" else "") + f"; {r.already} already there")
     return 0
@@ -186,14 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("verify", help="re-read every byte, check checksums, shapes and offsets")
     q.add_argument("url")
-    q.add_argument("--quiet", "-q", action="store_true")
+    add_quiet_option(q)
+    add_json_option(q, "the report (exit status as without it: 1 when a problem was found)")
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
 
     q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
                                        "chunks apart (each shard verified first; safe to interrupt and re-run)")
     q.add_argument("url")
-    q.add_argument("--quiet", "-q", action="store_true")
+    add_quiet_option(q)
     add_storage_option(q)
     q.set_defaults(func=cmd_upgrade)
 
@@ -204,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--codec", default=None, help="zarr destination: chunk codec (default: the source's)")
     q.add_argument("--dst-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="storage options of the destination only (default: those of -S)")
-    q.add_argument("--quiet", "-q", action="store_true")
+    add_quiet_option(q)
     add_storage_option(q)
     q.set_defaults(func=cmd_convert)
 
@@ -213,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
     q.add_argument("--size-mb", type=int, default=512)
     q.add_argument("--hidden", type=int, default=5120)
-    q.add_argument("--layers", type=int, default=5)
+    q.add_argument("--num-taps", type=int, default=5, metavar="N", help="tapped layers of the synthetic store")
+    q.add_argument("--layers", dest="num_taps", type=int, action=Deprecated, new="--num-taps")
     q.add_argument("--codec", default="none")
     q.add_argument("--layout", default="zarr", help="zarr, wds, or both (zarr,wds: one after the other, compared)")
     q.add_argument("--what", choices=["store", "loader", "all"], default="store",
@@ -225,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
     q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")
-    q.add_argument("--json", action="store_true")
+    add_quiet_option(q)
+    add_json_option(q, "the results")
     add_storage_option(q)
     q.set_defaults(func=cmd_bench)
 
@@ -233,14 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("src")
     q.add_argument("dst", help="created with the source's manifest, or an existing compatible store (resumed)")
     q.add_argument("--source", action="append", default=[], metavar="S", help="keep this source (repeatable)")
-    q.add_argument("--min-tokens", type=int, default=None, metavar="N")
-    q.add_argument("--max-tokens", type=int, default=None, metavar="N")
+    q.add_argument("--min-length", type=int, default=None, metavar="N", help="drop samples shorter than N tokens")
+    q.add_argument("--max-length", type=int, default=None, metavar="N", help="drop samples longer than N tokens")
+    q.add_argument("--min-tokens", dest="min_length", type=int, action=Deprecated, new="--min-length")
+    q.add_argument("--max-tokens", dest="max_length", type=int, action=Deprecated, new="--max-length")
     q.add_argument("--min-loss-tokens", type=int, default=None, metavar="N", help="drop samples whose loss-mask "
                    "sum is below N (stub answers)")
     q.add_argument("--exclude-flag", action="append", default=[], metavar="F",
                    help="drop samples with this quality flag (stub_answer, empty_thinking, truncated, ...)")
-    q.add_argument("--quiet", "-q", action="store_true")
+    add_quiet_option(q)
     add_storage_option(q)
+    add_json_option(q)
     q.set_defaults(func=cmd_subset)
 
     q = sub.add_parser("merge", help="add the committed shards of compatible stores to DST, by copy or by reference")
@@ -249,8 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--by", choices=["copy", "reference"], default="copy",
                    help="copy: shard files are copied (CRC-checked); reference: DST's commit records point at "
                         "the source stores, nothing else is copied")
-    q.add_argument("--quiet", "-q", action="store_true")
+    add_quiet_option(q)
     add_storage_option(q)
+    add_json_option(q)
     q.set_defaults(func=cmd_merge)
 
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):

@@ -194,7 +194,7 @@ def test_wrong_storage_options(tiny_dir, tmp_path, capsys, s3_endpoint, command,
     url = f"s3://bucket-{uuid.uuid4().hex[:6]}/store"
     argv = {"extract": ["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()), "--out", url,
                         "--device", "cpu", "--no-progress"],
-            "bench": ["bench", url, "--size-mb", "1", "--hidden", "64", "--layers", "2", "--rounds", "1"],
+            "bench": ["bench", url, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1"],
             }.get(command) or store_argv(command, url, tmp_path, tiny_dir)
     one_line_error(capsys, main(argv + ["-S", f"endpoint_url={s3_endpoint}", "-S", option]), pattern)
 
@@ -206,13 +206,13 @@ def test_no_permission(tiny_dir, synthetic_store, tmp_path, capsys, command):
                         "--device", "cpu", "--no-progress"],
             "train": ["train", "--store", str(synthetic_store), "--out", out, "--steps", "1", "--device", "cpu",
                       "--no-progress"],
-            "bench": ["bench", out, "--size-mb", "1", "--hidden", "64", "--layers", "2", "--rounds", "1"],
+            "bench": ["bench", out, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1"],
             "demo": ["demo", "--out", out]}[command]
     one_line_error(capsys, main(argv), rf"{NO_PERMISSION}")
 
 
 def test_bench_unknown_codec(tmp_path, capsys):
-    rc = main(["bench", str(tmp_path / "b"), "--size-mb", "1", "--hidden", "64", "--layers", "2", "--codec", "gzip9"])
+    rc = main(["bench", str(tmp_path / "b"), "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--codec", "gzip9"])
     one_line_error(capsys, rc, r"codec 'gzip9'")
     assert not list(tmp_path.glob("b/**/commits/*.json"))
 

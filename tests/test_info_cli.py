@@ -89,7 +89,7 @@ def test_parse_storage_options():
 
 
 def test_bench_reports_ratios(tmp_path, capsys):
-    assert main(["bench", str(tmp_path), "--size-mb", "4", "--hidden", "256", "--layers", "2", "--json"]) == 0
+    assert main(["bench", str(tmp_path), "--size-mb", "4", "--hidden", "256", "--num-taps", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     for k in ("store_write", "store_read"):
         assert {"gbps", "raw_gbps", "ratio"} <= set(d[k]) and d[k]["gbps"] > 0 and d[k]["raw_gbps"] > 0

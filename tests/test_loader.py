@@ -438,7 +438,7 @@ def test_loader_bench_reports_ratios(tmp_path, capsys):
 
     from hsstore.cli import main
 
-    assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--layers", "3",
+    assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--num-taps", "3",
                  "--read-layers", "0,2", "--rounds", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["loader"]
     assert {"gbps", "raw_gbps", "ratio", "peer_gbps", "peer_ratio", "vs_peer", "raw_direct_gbps"} <= set(d)

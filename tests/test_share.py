@@ -95,7 +95,7 @@ def test_subset_by_columns_bit_exact_and_resumable(tmp_path, new_manifest, new_s
     samples = new_samples(30, min_len=3, max_len=120)
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_tagged(src, new_manifest(), samples, shard_bytes=20_000)  # several shards
-    argv = ["subset", src, dst, "--source", "web", "--source", "math", "--min-tokens", "20", "--max-tokens", "100",
+    argv = ["subset", src, dst, "--source", "web", "--source", "math", "--min-length", "20", "--max-length", "100",
             "--min-loss-tokens", "10", "--exclude-flag", "stub_answer", "-q"]
     want = [s for i, s in enumerate(samples)
             if SOURCES[i % 3] in ("web", "math") and 20 <= len(s["input_ids"]) <= 100

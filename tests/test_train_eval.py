@@ -74,9 +74,11 @@ def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F8
     train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **FAST))
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path), "--model", str(tiny_dir),
                       "--input", str(small_input), "--num-samples", "2", "--max-new-tokens", "12", "--device", "cpu"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert rc == 0, out
     assert "speculative output == target greedy output: 2/2" in out and "tau" in out
+    assert "eval: 100%" in captured.err and "2/2" in captured.err and "tau=" in captured.err  # the progress bar
 
 
 def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F811

@@ -225,7 +225,8 @@ def run_eval(args: argparse.Namespace) -> int:
         model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    report = evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, args.max_new_tokens, eos)
+    report = evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, args.max_new_tokens, eos,
+                      progress=not args.no_progress)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -225,7 +225,10 @@ class EvalReport:
 
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
-             eos: set[int]) -> EvalReport:
+             eos: set[int], progress: bool = False) -> EvalReport:
+    """Each prompt twice (target alone, then speculative); slow without a KV cache, so a bar shows tau so far."""
+    from tqdm import tqdm
+
     propose = drafter_proposer(drafter)
     S = drafter.config.block_size
     taus, identical = [], 0
@@ -233,7 +236,8 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
     nt = ns = ft = fs = 0
     if prompts:  # warm up both models so the first timing is not the allocator's
         speculative_generate(model, propose, prompts[0], taps, S, 2, eos)
-    for prompt in prompts:
+    bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
+    for prompt in bar:
         base = greedy_generate(model, prompt, max_new, eos)
         spec = speculative_generate(model, propose, prompt, taps, S, max_new, eos)
         identical += int(base.tokens == spec.tokens)
@@ -245,5 +249,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
             taus.append(spec.tau)
         tt, nt, ft = tt + base.seconds, nt + len(base.tokens), ft + base.forwards
         ts, ns, fs = ts + spec.seconds, ns + len(spec.tokens), fs + spec.forwards
+        bar.set_postfix(tau=f"{sum(taus) / max(len(taus), 1):.2f}", target_tok_s=f"{nt / max(tt, 1e-9):.1f}",
+                        spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
     tau = sum(taus) / len(taus) if taus else float("nan")
     return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs)

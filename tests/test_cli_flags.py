@@ -1,0 +1,86 @@
+"""One name, one meaning across commands; old spellings keep working with a deprecation line; --json summaries."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import hsstore
+from hsstore.cli import build_parser, main
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _visible_options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in p._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+
+
+def test_every_flag_has_one_meaning_across_commands():
+    commands = _commands()
+    meanings: dict[str, set] = {}
+    for name, p in commands.items():
+        for flag, action in _visible_options(p).items():
+            meanings.setdefault(flag, set()).add((action.dest, getattr(action.type, "__name__", action.type)))
+    drift = {flag: m for flag, m in meanings.items() if len(m) > 1 and flag not in ("-h", "--help")}
+    assert not drift, drift
+    # the batch budget is --token-budget wherever a command batches tokens; --max-tokens is only the generation
+    # length of regenerate (the OpenAI request field of that name); --layers is always a list of layer ids
+    for name, p in commands.items():
+        opts = _visible_options(p)
+        if "--max-tokens" in opts:
+            assert name == "regenerate", name
+        if "--layers" in opts:
+            assert opts["--layers"].type in (None, str), name
+        if any(a.dest == "quiet" or "--no-progress" in a.option_strings for a in p._actions):
+            assert "--quiet" in opts and "-q" in opts, name
+
+
+@pytest.mark.parametrize("command", ["verify", "subset", "merge", "info"])
+def test_store_commands_have_json(command):
+    assert "--json" in _visible_options(_commands()[command])
+
+
+def test_old_spellings_still_work_and_say_the_new_name(tmp_path, new_manifest, new_samples, write, capsys, caplog):
+    src, a, b = str(tmp_path / "src"), str(tmp_path / "a"), str(tmp_path / "b")
+    samples = new_samples(12, min_len=3, max_len=120)
+    write(src, new_manifest(), samples)
+    assert main(["subset", src, a, "--min-length", "20", "--max-length", "100", "-q"]) == 0
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="hsstore"):
+        assert main(["subset", src, b, "--min-tokens", "20", "--max-tokens", "100", "--no-progress"]) == 0
+    said = caplog.text
+    assert "--min-tokens is deprecated, use --min-length" in said and "--max-tokens is deprecated" in said
+    assert "--no-progress is deprecated, use --quiet" in said
+    assert hsstore.open(a).sample_ids() == hsstore.open(b).sample_ids()
+    want = sum(20 <= len(s["input_ids"]) <= 100 for s in samples)
+    assert 0 < want < len(samples) and len(hsstore.open(b)) == want
+
+
+def test_verify_subset_merge_json(tmp_path, new_manifest, new_samples, write, capsys):
+    src, sub, merged = str(tmp_path / "src"), str(tmp_path / "sub"), str(tmp_path / "merged")
+    write(src, new_manifest(), new_samples(9, min_len=3, max_len=60))
+    capsys.readouterr()
+    assert main(["verify", src, "-q", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["ok"] is True and v["shards"] >= 1 and v["problems"] == [] and v["bytes"] > 0
+    assert main(["subset", src, sub, "--min-length", "30", "-q", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["written"] == len(hsstore.open(sub)) and s["dst"] == sub
+    assert main(["merge", merged, sub, "-q", "--json"]) == 0
+    m = json.loads(capsys.readouterr().out)
+    assert m["samples"] == s["written"] and m["by"] == "copy"
+
+
+def test_bench_shows_progress_unless_quiet(tmp_path, capsys):
+    argv = ["bench", str(tmp_path), "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "bench store (zarr)" in captured.err and "1/1" in captured.err
+    assert json.loads(captured.out)["store_read"]["bytes"] > 0
+    assert main([*argv, "-q"]) == 0
+    assert "bench store" not in capsys.readouterr().err
