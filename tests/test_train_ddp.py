@@ -48,6 +48,42 @@ def test_torchrun_two_ranks_see_every_sample_once_per_epoch(store32, tmp_path): 
     assert "trained" in proc.stdout and "2 epoch(s)" in proc.stdout
 
 
+def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(store32, tmp_path):  # noqa: F811
+    """Ctrl-C in the terminal reaches torchrun and both ranks (one process group), and torchrun forwards it to
+    the ranks again: they agree on one step, write its checkpoint together, and the same command resumes."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
+           "train", "--store", store32, "--out", str(out), "--steps", "400", "--save-every", "1000",
+           "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--max-tokens", "600", "--log-every", "1",
+           "--log-samples", "--device", "cpu", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    _, err = proc.communicate(timeout=120)
+    assert err.count("stopped at step") == 2, err[-3000:]  # both ranks
+    steps = {int(part.split(":")[0]) for part in err.split("stopped at step ")[1:]}
+    assert len(steps) == 1, steps  # ... at the same step
+    (step,) = steps
+    assert 3 <= step < 400 and (out / "checkpoints" / f"step_{step:08d}").is_dir()
+    for r in range(2):  # each rank's loader state is in the checkpoint: an exact resume needs both
+        assert (out / "checkpoints" / f"step_{step:08d}" / f"loader.rank{r:05d}.json").is_file(), r
+    logs = [[json.loads(x)["step"] for x in (out / f"samples.rank{r:05d}.jsonl").read_text().splitlines()]
+            for r in range(2)]
+    assert logs[0] == logs[1] == list(range(1, step + 1))
+    resume = cmd[:cmd.index("--steps") + 1] + [str(step + 2)] + cmd[cmd.index("--steps") + 2:]
+    rc = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr[-3000:]
+    assert f"step_{step:08d}" in rc.stdout + rc.stderr
+
+
 # ---------------------------------------------------------------------------------------------- global loss
 
 

@@ -230,11 +230,12 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
         thread.join(timeout=30)
 
 
-def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None,
+def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None, interrupt=None,
              ) -> Iterator[tuple[dict | None, dict | None]]:
     """Under DDP, yield until *every* rank is out of batches; a rank that is out yields ``(None, last state)``.
     One tiny all-reduce per step (on ``group``: a CPU/gloo group, so it never waits for the GPU); it also sums
-    the batches' ``weight_sum`` (``add_anchors``) over the ranks into ``batch["global_weight_sum"]``."""
+    the batches' ``weight_sum`` (``add_anchors``) over the ranks into ``batch["global_weight_sum"]``, and sets
+    ``interrupt.agreed`` on every rank when any rank's ``interrupt.requested`` (a stop at the same step)."""
     it = iter(stream)
     state = None
     try:
@@ -244,8 +245,11 @@ def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None,
             if world_size > 1:
                 import torch.distributed as dist
 
-                t = torch.tensor([0.0 if item is None else 1.0, total], dtype=torch.float64)
-                dist.all_reduce(t, group=group)  # [ranks with a batch, their weight sum]
+                asked = float(interrupt is not None and interrupt.requested)
+                t = torch.tensor([0.0 if item is None else 1.0, total, asked], dtype=torch.float64)
+                dist.all_reduce(t, group=group)  # [ranks with a batch, their weight sum, ranks asked to stop]
+                if t[2] > 0 and interrupt is not None:
+                    interrupt.agreed = True
                 if t[0] == 0:
                     return
                 total = float(t[1])

@@ -457,7 +457,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     last: dict[str, Any] = {}
     epochs_limit = cfg.epochs if cfg.steps is None else math.inf
     loader_state = None
-    interrupt = StopOnInterrupt(world == 1)
+    interrupt = StopOnInterrupt()
     with interrupt:
         while step < total and epoch < epochs_limit:
             source.set_epoch(epoch)
@@ -465,7 +465,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
             def prepare(batch, e=epoch):
                 return add_anchors(batch, cfg.seed, e, cfg.anchors, S, gamma)
 
-            stream = lockstep(read_ahead(source, prepare, device, cfg.prefetch), world, group)
+            stream = lockstep(read_ahead(source, prepare, device, cfg.prefetch), world, group, interrupt)
             t_wait = time.perf_counter()
             finished_epoch = True
             for batch, state in stream:
@@ -504,16 +504,16 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
                 if cfg.steps is not None and step >= total:
                     finished_epoch = False
                     break
-                if interrupt.requested:  # Ctrl-C: stop here, at a step boundary, with a checkpoint
+                if interrupt.stopping(world):  # Ctrl-C: stop here, at a step boundary, with a checkpoint
                     finished_epoch = False
                     break
                 t_wait = time.perf_counter()
             stream.close()
             if finished_epoch:
                 epoch += 1
-            if interrupt.requested:
+            if interrupt.stopping(world):
                 break
-    if interrupt.requested:
+    if interrupt.stopping(world):
         bar.close()
         if step % cfg.save_every and step != total:  # not saved at this step yet
             save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
@@ -548,29 +548,47 @@ def settings_line(dcfg: DrafterConfig, cfg: TrainConfig, device, world: int, par
 
 
 class StopOnInterrupt:
-    """Ctrl-C stops training at the next step boundary, after a checkpoint, instead of losing every step
-    since the last save; a second Ctrl-C stops at once. Only for one process in the main thread: under
-    torchrun the ranks would see the signal at different steps, and a checkpoint needs all of them."""
+    """Ctrl-C (SIGINT) or SIGTERM stops training at a step boundary, after a checkpoint, instead of losing every
+    step since the last save; a second Ctrl-C, a few seconds after the first, stops at once.
 
-    def __init__(self, enabled: bool):
+    Under torchrun every rank gets the signal (from the terminal, and again from the launcher, which forwards it
+    and kills the ranks 30 s later), but not at the same step: ``requested`` is this rank's wish, and ``agreed`` is
+    set by the step's lockstep all-reduce when any rank asked, so all of them stop after the same step and write
+    the checkpoint together."""
+
+    REPEAT_S = 3.0  # a repeat within this time is the same request (torchrun forwards the terminal's signal)
+
+    def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested = False
-        self._previous = None
+        self.agreed = False
+        self._first = 0.0
+        self._previous: dict = {}
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("interrupted: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)")
+            if signum == signal.SIGINT and now - self._first > self.REPEAT_S:
+                raise KeyboardInterrupt
+            return
+        self.requested, self._first = True, now
+        log.warning("%s: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)",
+                    signal.Signals(signum).name)
 
     def __enter__(self) -> "StopOnInterrupt":
         if self.enabled:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def stopping(self, world: int) -> bool:
+        """Stop after this step? One process: when asked; DDP: when the ranks agreed at this step's all-reduce."""
+        return self.requested if world == 1 else self.agreed
 
 
 def train_step(model, drafter, opt, sched, batch, clip: float, amp):
