@@ -54,9 +54,16 @@ def compiled_parts(model: nn.Module) -> list[nn.Module]:
     return parts
 
 
-def compile_forward(model: nn.Module, mode: str | None = None) -> CompileReport:
+def compile_forward(model: nn.Module, mode: str | None = None, emulate_casts: bool = True) -> CompileReport:
     """Compile the dense parts of ``model``'s decoder layers in place (the first forward of each new shape
-    pays the compile time; :func:`warm_up` pays it up front and says how long it took)."""
+    pays the compile time; :func:`warm_up` pays it up front and says how long it took).
+
+    ``emulate_casts``: fused kernels round their intermediates to bf16 where eager kernels do (inductor's
+    ``emulate_precision_casts``), so the features stay as close to the eager forward's as bf16 allows instead of
+    being more precise in places, a difference a deep stack amplifies."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = emulate_casts
     report = CompileReport()
     parts = compiled_parts(model)
     # one code object per module class, a few shapes each: well within a larger cache, never falling back to eager
