@@ -153,14 +153,14 @@ def test_reader_never_sees_uncommitted_shard(tmp_path, new_manifest, new_samples
     w = hsstore.StoreWriter(str(tmp_path), m)
     for s in new_samples(3, prefix="orphan", seed=7):
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
-    from hsstore import shard as shard_mod
+    from hsstore import commit as commit_mod
 
-    real_publish = shard_mod.publish
-    shard_mod.publish = lambda *a, **k: None
+    real_publish = commit_mod.publish
+    commit_mod.publish = lambda *a, **k: None
     try:
         w.close()
     finally:
-        shard_mod.publish = real_publish
+        commit_mod.publish = real_publish
     assert list((tmp_path / "shards").iterdir())  # data is on disk
     store = hsstore.open(str(tmp_path))
     assert sorted(store.sample_ids()) == [f"done{i}" for i in range(5)]
@@ -207,3 +207,4 @@ def test_crc32c_backends_agree(backend, monkeypatch, tmp_path):
     with open(tmp_path / "f", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert codec.crc32c(m) == want
         assert codec.crc32c(memoryview(m)[10:5000]) == google_crc32c.value(blob[10:5000])
+
