@@ -27,6 +27,7 @@ from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
 _INHERITED: list = []  # filesystems a forked child inherited: alive for good, never used
 _HELD: list = []  # the parent's cached filesystems, referenced across a fork
+_UNFREEZE_IN_PARENT = False  # whether the parent undoes this fork's gc.freeze() (nothing was frozen before)
 
 
 def _hold_filesystems_across_fork() -> None:
@@ -38,15 +39,22 @@ def _hold_filesystems_across_fork() -> None:
     deadlocked DataLoader workers. Holding the instances means no finaliser runs in the child; freezing
     the garbage collector's view does the same for the parent's not-yet-collected garbage (Python's own
     advice for fork without exec: ``gc.freeze()`` before forking).
+
+    ``gc.unfreeze()`` thaws everything, so the parent undoes the freeze only when nothing was frozen
+    before it: an application that froze its own objects (the same advice) keeps them frozen, and the
+    objects of this fork stay frozen with them, as if the application had frozen right before forking.
     """
+    global _UNFREEZE_IN_PARENT
     for cls in list(getattr(fsspec.spec, "_registered_classes", ())):
         _HELD.extend(getattr(cls, "_cache", {}).values())
+    _UNFREEZE_IN_PARENT = gc.get_freeze_count() == 0
     gc.freeze()
 
 
 def _release_in_parent() -> None:
     del _HELD[:]
-    gc.unfreeze()
+    if _UNFREEZE_IN_PARENT:
+        gc.unfreeze()
 
 
 def _keep_in_child() -> None:

@@ -1,5 +1,7 @@
 """Round trips through the store: bit-exact features, ids and masks, on local disk and real S3."""
 
+import gc
+import os
 import threading
 
 import numpy as np
@@ -207,4 +209,38 @@ def test_crc32c_backends_agree(backend, monkeypatch, tmp_path):
     with open(tmp_path / "f", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert codec.crc32c(m) == want
         assert codec.crc32c(memoryview(m)[10:5000]) == google_crc32c.value(blob[10:5000])
+
+
+def _fork_freeze_counts() -> tuple[int, int]:
+    """gc.get_freeze_count() in a forked child and, after the fork, in the parent."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (child)
+        os.write(w, str(gc.get_freeze_count()).encode())
+        os._exit(0)
+    os.close(w)
+    child = int(os.read(r, 32))
+    os.close(r)
+    os.waitpid(pid, 0)
+    return child, gc.get_freeze_count()
+
+
+def test_fork_keeps_an_applications_gc_freeze(tmp_path, new_manifest, new_samples, write):
+    """The reader's fork hook freezes the collector across a fork (so a child never finalises the parent's
+    filesystems); an application's own ``gc.freeze()`` before forking (Python's advice for fork without
+    exec) must stay in force in the parent and the child, and without one the parent is thawed again."""
+    write(str(tmp_path), new_manifest(), new_samples(3))
+    store = hsstore.open(str(tmp_path))  # registers the hook, caches a filesystem
+    store.read(0)
+    assert gc.get_freeze_count() == 0, "another test left the collector frozen"
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        child, parent = _fork_freeze_counts()
+        assert child > 0 and parent >= frozen  # (objects the child frees leave its count)
+    finally:
+        gc.unfreeze()
+    child, parent = _fork_freeze_counts()
+    assert child > 0 and parent == 0
 
