@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import shard, storage, wds
+from . import storage, wds
+from .commit import layer_array
 from .manifest import Manifest, TargetIdentity, TokenizerIdentity
 from .reader import Store
 from .writer import StoreWriter, default_chunk_tokens
@@ -173,7 +174,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
 def _raw_pieces(store: Store, layers: list[int]) -> list[tuple[str, int, int]]:
     """``(path, start, end)`` of the objects (zarr: chunk files; wds: tar members) that hold the ids, masks
     and ``layers``' features of a store: what a plain reader of those bytes would fetch."""
-    wanted = [f"/{shard.layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
+    wanted = [f"/{layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
     member_parts = [f".{wds.layer_part(l)}" for l in layers] + [".input_ids.npy", ".loss_mask.npy"]
     out = []
     for c in store.commits:

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import codec, layout, shard, storage
+from . import codec, commit, layout, storage
 from .errors import ManifestError, StoreError
 from .reader import Store
 from .subset import copy_assets_if_missing
@@ -53,7 +53,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
         raise ManifestError(f"convert: store {dst_url!r} has chunk_tokens {dst_manifest.chunk_tokens}, the source "
                             f"{src.manifest.chunk_tokens}")
     copy_assets_if_missing(src, fs, root)  # what train and show need instead of the target
-    done = set(shard.list_committed(fs, root))
+    done = set(commit.list_committed(fs, root))
     write_shard = layout.get(to_layout).write_shard
     result = ConvertResult()
     for rec in src.commits:
@@ -65,7 +65,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
         try:
             new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
                               stats=rec.stats)
-            shard.publish(fs, root, new)
+            commit.publish(fs, root, new)
         except Exception as e:
             raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
                              f"{type(e).__name__}: {e}") from e

@@ -345,7 +345,7 @@ def test_plan_api_is_what_iteration_yields(store_url, samples):
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
     import threading
 
-    import hsstore.reader as reader
+    import hsstore.zarr_layout as zarr_layout
 
     url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
     opened = collections.Counter()
@@ -358,7 +358,7 @@ def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
                 opened[str(path).split("/shards/")[1].split("/")[1]] += os.path.getsize(path)
         return real_open(path, *a, **k)
 
-    monkeypatch.setattr(reader, "open", spy, raising=False)
+    monkeypatch.setattr(zarr_layout, "open", spy, raising=False)
     n = sum(1 for _ in dataset(url, layers=[3]))
     assert n == 70
     assert set(opened) == {"layer_003", "input_ids", "loss_mask"}
