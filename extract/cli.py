@@ -203,22 +203,9 @@ def _use_color(choice: str) -> bool:
     return choice == "always" or (choice == "auto" and sys.stdout.isatty())
 
 
-def load_tokenizer(model: str):
-    """The target's tokenizer from a local directory (nothing is downloaded)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
-        raise FileNotFoundError(f"model directory not found: {model}")
-    try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
-        raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
-
-
 def run_check(args: argparse.Namespace) -> int:
     from .gate import check
+    from .target import load_tokenizer
     from .tokenize import TokenizeStats, load_samples
 
     kwargs = template_kwargs_from_args(args)
@@ -239,85 +226,25 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from .show import format_sample
-    from .tokenize import TokenizeStats, load_samples
+    from hsstore import storage
 
-    if is_store(args.input, parse_storage_options(args.storage_option)):
-        return show_store_sample(args)
+    from .show import format_input_sample, format_store_sample, input_sample
+    from .target import load_tokenizer
+
+    options = parse_storage_options(args.storage_option)
+    fs, root = storage.resolve(args.input, options)  # bad URL or options: their own error
+    color = _use_color(args.color)
+    if storage.store_exists(fs, root, args.input):
+        print(format_store_sample(args.input, args.n, options, model=args.model, color=color,
+                                  max_chars=args.max_chars))
+        return 0
     if not args.model:
         raise ValueError(f"{args.input}: not a store (no manifest.json there); to show a sample of an input "
                          "file, give --model")
-    kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
-    index = int(args.n) if args.n.isdigit() else None
-    found, count = None, 0
-    stats = TokenizeStats()
-    for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand,
-                               stats=stats, chat_template_kwargs=kwargs):
-        if count == index or sample.sample_id == args.n:
-            found = sample
-            break
-        count += 1
-    if found is None:
-        why = next((r for r, ids in stats.skipped.items() if args.n in ids), None)
-        if why:
-            raise ValueError(f"{args.input}: row {args.n!r} was skipped ({why}): it cannot be tokenized faithfully "
-                             "(the warning above says why)")
-        skipped = "".join(f"; {len(ids)} rows skipped ({r}), first: {stats.first_skipped[r][:240]}"
-                          for r, ids in stats.skipped.items())
-        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples{skipped})")
-    s = found
-    flags = ", ".join(s.flags) or "-"
-    print(
-        f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, "
-        f"thinking {s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}"
-    )
-    print(format_sample(tokenizer, s.input_ids, s.loss_mask, color=_use_color(args.color), max_chars=args.max_chars))
-    return 0
-
-
-def is_store(url: str, storage_options: dict) -> bool:
-    from hsstore import storage
-    from hsstore.errors import StoreError
-    from hsstore.manifest import MANIFEST_FILE
-
-    fs, root = storage.resolve(url, storage_options)  # bad URL or options: their own error
-    try:
-        return fs.exists(storage.join(root, MANIFEST_FILE))
-    except Exception as e:
-        if storage.is_local(fs):
-            return False
-        raise StoreError(f"cannot reach {url!r}: {type(e).__name__}: {e}") from None
-
-
-def show_store_sample(args: argparse.Namespace) -> int:
-    """A stored sample decoded with the store's own tokenizer (exported by extract), loss mask marked."""
-    import tempfile
-
-    import hsstore
-    from .show import format_sample
-    from hsstore import assets
-
-    store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
-    ids = store.sample_ids()
-    index = int(args.n) if args.n.isdigit() else (ids.index(args.n) if args.n in ids else None)
-    if index is None or not 0 <= index < len(store):
-        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {len(store)} samples)")
-    ref = store.ref(index)
-    item = store.read(index, layers=store.layers[:1])
-    if args.model:
-        tokenizer = load_tokenizer(args.model)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=args.input)
-            tokenizer = load_tokenizer(tmp)
-    rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
-    flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
-    print(f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "
-          f"loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
-          f"shard {ref.shard}, flags: {flags}")
-    print(format_sample(tokenizer, item["input_ids"].numpy(), item["loss_mask"].numpy(),
-                        color=_use_color(args.color), max_chars=args.max_chars))
+    sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
+                          chat_template_kwargs=template_kwargs_from_args(args))
+    print(format_input_sample(sample, tokenizer, color=color, max_chars=args.max_chars))
     return 0
 
 
@@ -347,36 +274,14 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def import_manifest(args: argparse.Namespace):
-    """The manifest of an import: identity from ``--model DIR`` or from the identity flags."""
-    from hsstore import Manifest, TargetIdentity, TokenizerIdentity
-
-    layers = tuple(int(x) for x in args.layers.split(","))
-    if args.model:
-        from .peers import identity_from_model_dir
-
-        target, tokenizer = identity_from_model_dir(args.model)
-        if args.hidden_size is not None and args.hidden_size != target.hidden_size:
-            raise ValueError(f"--hidden-size {args.hidden_size} contradicts {args.model} (hidden size "
-                             f"{target.hidden_size})")
-    else:
-        need = {"--model-name": args.model_name, "--num-layers": args.num_layers, "--hidden-size": args.hidden_size,
-                "--config-hash": args.config_hash, "--tokenizer-hash": args.tokenizer_hash}
-        absent = [k for k, v in need.items() if v is None]
-        if absent:
-            raise ValueError(f"give --model DIR, or the identity flags ({', '.join(absent)} missing)")
-        target = TargetIdentity(name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                config_hash=args.config_hash)
-        tokenizer = TokenizerIdentity(name=args.tokenizer_name or args.model_name, vocab_hash=args.tokenizer_hash,
-                                      chat_template_hash=args.chat_template_hash)
-    return Manifest(target=target, tokenizer=tokenizer, layers=layers, dtype=args.dtype, codec=args.codec,
-                    extra={"imported_from": args.format})
-
-
 def run_import_cmd(args: argparse.Namespace) -> int:
-    from .peers import import_files, peer_files
+    from .peers import import_files, import_manifest, peer_files
 
-    manifest = import_manifest(args)
+    manifest = import_manifest(
+        args.format, [int(x) for x in args.layers.split(",")], dtype=args.dtype, codec=args.codec, model=args.model,
+        model_name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        config_hash=args.config_hash, tokenizer_hash=args.tokenizer_hash, tokenizer_name=args.tokenizer_name,
+        chat_template_hash=args.chat_template_hash)
     missing: list[str] = []
     files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing)

@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from hsstore import ProcessWriter, StoreWriter, assets
+from hsstore.distributed import local_rank, rank_and_world
 from hsstore.reader import committed_ids
+from hsstore.taps import check_taps, default_taps
 
-from .capture import check_taps, default_taps, text_config
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, GateThresholds, check
-from .identity import build_manifest
+from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class GateRefused(RuntimeError):
@@ -83,12 +83,9 @@ class ExtractResult:
 
 
 def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun sets them (RANK, WORLD_SIZE, LOCAL_RANK)."""
-    r = rank if rank is not None else int(os.environ.get("RANK", 0))
-    w = world if world is not None else int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= r < w:
-        raise ValueError(f"rank {r} out of range for world size {w}")
-    return r, w, int(os.environ.get("LOCAL_RANK", r if w <= max(torch.cuda.device_count(), 1) else 0))
+    """(rank, world size, local rank): the config's values, else the process group's or torchrun's."""
+    r, w = rank_and_world(rank, world)
+    return r, w, local_rank(r, w)
 
 
 def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[TokenizedSample]:
@@ -96,16 +93,6 @@ def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[To
     rank gets about the same number of tokens and the split depends only on the data and world size."""
     order = sorted(samples, key=lambda s: (s.num_tokens, s.sample_id))
     return order[rank::world]
-
-
-def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if not progress:
-        hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
 
 
 def export_assets(fs, root: str, model, tokenizer) -> None:
@@ -126,8 +113,6 @@ def export_assets(fs, root: str, model, tokenizer) -> None:
 def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult:
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
     when the quality gate fails and ``cfg.force`` is false."""
-    from .cli import load_tokenizer
-
     rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
@@ -164,7 +149,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
-    manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
+    manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding)
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     use_process = cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")

@@ -119,18 +119,12 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from tqdm import tqdm
-
     from .convert import convert
-    from .reader import open_store
 
     src_options = storage.parse_storage_options(args.storage_option)
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
-    src = open_store(args.src, **src_options)
-    total = sum(v["raw_bytes"] for c in src.commits for v in c.layers.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=args.quiet) as bar:
-        r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
-                    progress=bar.update)
+    r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
+                progress=not args.quiet)
     print(f"convert {args.src} -> {args.dst} ({args.layout}): {r.shards} shards, {r.samples} samples written; "
           f"{r.skipped} shards already there")
     return 0

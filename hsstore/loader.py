@@ -65,7 +65,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
-from .manifest import MANIFEST_FILE, check_compatible
+from .distributed import rank_and_world
+from .manifest import check_compatible
 from .memory import BufferPool, empty_host
 from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
 from .reader import Store, open_store
@@ -112,19 +113,6 @@ class _ReadSample(NamedTuple):
     scales: torch.Tensor | None  # [L, T] row scales of fp8 stores
 
 
-def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The one place the loader reads rank and world size (given ones win over torch.distributed)."""
-    if rank is None or world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank, world_size = int(rank or 0), int(world_size or 1)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-    return rank, world_size
-
-
 def _as_sources(url_or_urls, weights, storage_options) -> tuple[list[Store], list[float]]:
     if isinstance(url_or_urls, (str, os.PathLike, Store)):
         items: list = [url_or_urls]
@@ -159,7 +147,7 @@ class HiddenStateDataset(IterableDataset):
     Arguments beyond the obvious:
       layers          tapped layer ids to read (default: all); only their bytes are fetched.
       weights         per store; 2.0 = each sample twice per epoch, 0.5 = a seeded half each epoch.
-      rank, world_size  default from torch.distributed when initialised when the dataset is built.
+      rank, world_size  default: torch.distributed when initialised, else torchrun's RANK/WORLD_SIZE (at build).
       even            None (default: exactly once, rank counts may differ by one), "drop" (each rank
                       gets N // world entries; up to world - 1 entries are skipped that epoch) or
                       "repeat" (each rank gets ceil(N / world); up to world - 1 entries seen twice).
@@ -237,7 +225,7 @@ class HiddenStateDataset(IterableDataset):
                              + ", ".join(repr(s.url) for s in self.stores))
         self.filters = Filters(**{**self.filters.__dict__, "where": None})  # applied; not picklable (spawn)
         self.shuffle, self.seed = bool(shuffle), int(seed)
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
         self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
@@ -397,8 +385,7 @@ class HiddenStateDataset(IterableDataset):
 
     def _store_gone(self, store: Store) -> str | None:
         try:
-            fs = store._fs()
-            return None if fs.exists(storage.join(store.root, MANIFEST_FILE)) else "its manifest is gone"
+            return None if storage.store_exists(store._fs(), store.root, store.url) else "its manifest is gone"
         except Exception as e:  # unreachable counts as gone: nothing can be read from it
             return f"it cannot be reached ({type(e).__name__}: {e})"
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from . import commit, storage
 from .errors import CorruptionError, ManifestError, StoreError
-from .manifest import MANIFEST_FILE, check_compatible
+from .manifest import check_compatible
 from .reader import Store
 from .subset import copy_assets_if_missing
 from .writer import ensure_manifest
@@ -120,15 +120,14 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
         raise ValueError("merge needs at least one source store")
     dst_options = dst_options or {}
     src_options = dst_options if src_options is None else src_options
-    storage.refuse_anonymous_write(dst_url, dst_options)
+    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
     srcs = [Store(u, src_options) for u in src_urls]
-    fs, root = storage.resolve(dst_url, dst_options)
     if by == "reference":
         far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
         if far:
             raise ValueError(f"{far[0]!r} is on local disk: a reference to it from {dst_url!r} would not resolve "
                              "for other readers (merge --by copy instead)")
-    dst = Store(dst_url, dst_options) if fs.exists(storage.join(root, MANIFEST_FILE)) else None
+    dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
     todo = plan(dst, srcs)
     result = MergeResult(already=sum(len(s.commits) for s in srcs) - len(todo))
     if dst is None:  # the first source's manifest, as is: same identity, chunking and codec

@@ -354,12 +354,10 @@ class Store:
 def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:
     """Sample ids already committed to a store (empty when the store does not exist yet): what a resumed
     job skips."""
-    try:
-        return set(Store(url, storage_options).sample_ids())
-    except ManifestError as e:
-        if f"no {MANIFEST_FILE}" in str(e):
-            return set()
-        raise
+    fs, root = storage.resolve(url, storage_options)
+    if not storage.store_exists(fs, root, url):
+        return set()
+    return set(Store(url, storage_options).sample_ids())
 
 
 def open_store(url: str, **storage_options: Any) -> Store:

@@ -54,11 +54,7 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     The first writer's manifest wins (chunking, codec); later writers must agree on the compat key.
     """
     path = storage.join(root, MANIFEST_FILE)
-    try:
-        exists = fs.exists(path)
-    except Exception as e:
-        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
-    if not exists:
+    if not storage.store_exists(fs, root, url):
         try:
             objects = layout.get(manifest.layout).store_objects()
             storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
@@ -95,8 +91,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
-        storage.refuse_anonymous_write(url, self.storage_options)
-        self.fs, self.root = storage.resolve(url, self.storage_options)
+        self.fs, self.root = storage.open_destination(url, self.storage_options)
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hsstore
-from hsstore.extract.capture import default_taps, run_tapped
+from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
@@ -37,9 +37,6 @@ def small_input(tmp_path):
     return path
 
 
-def test_default_taps_follow_dflash():
-    assert default_taps(64) == [1, 16, 31, 46, 61]
-    assert default_taps(36) == [1, 9, 17, 25, 33]
 
 
 def test_taps_equal_hf_hidden_states_and_stop_early(model32, demo_samples):

@@ -232,7 +232,7 @@ def test_identity_from_model_dir_matches_extract(tmp_path, tiny_dir, tok, new_sa
     and an extracted one of the same target are compatible: they can be merged or mixed by a loader."""
     from transformers import AutoModelForCausalLM
 
-    from hsstore.extract.identity import build_manifest
+    from hsstore.extract.target import build_manifest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     extracted = build_manifest(model, tok, name="tiny", layers=[0, 1])

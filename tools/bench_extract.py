@@ -32,11 +32,13 @@ import time
 import numpy as np
 import torch
 
-from hsstore.extract.capture import base_model, decoder_layers, default_taps, run_tapped
+from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.job import rank_slice
 from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
+from hsstore.distributed import rank_and_world
+from hsstore.taps import default_taps
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")
 
@@ -129,7 +131,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}")
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = rank_and_world()
     dist = None
     if world > 1:
         import torch.distributed as dist

@@ -245,9 +245,10 @@ def loader_only(args, store: Path, device: torch.device) -> None:
     """Per rank: tokens/s and GB/s of batches landing on the device, for each data-path setting."""
     import torch.distributed as dist
 
+    from hsstore.distributed import rank_and_world
     from hsstore.train.trainer import share_cpu_threads
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = rank_and_world()
     if world > 1:
         dist.init_process_group("gloo")
     if rank == 0 and not (store / "manifest.json").exists():

@@ -192,67 +192,22 @@ def run_eval(args: argparse.Namespace) -> int:
         return run_store_eval(args)
     if not args.input:
         raise ValueError("--model needs --input (the prompts to decode)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .speculative import evaluate_target
 
-    import hsstore
-
-    from .checkpoint import load_drafter, read_drafter_config
-    from .speculative import evaluate, load_prompts
-    from .trainer import load_frozen
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    store = hsstore.open(args.store, **parse_storage_options(args.storage_option))
-    dcfg, meta = read_drafter_config(args.drafter)
-    if list(dcfg.target_layers) != list(store.manifest.layers):
-        raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
-    _, embed, head = load_frozen(store)  # in the dtype extraction ran in
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True).to(device).eval()
-    mine = model.get_input_embeddings().weight.detach()
-    if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
-        raise ValueError(f"{args.model} is not the target the store {args.store} was extracted from "
-                         "(its input embedding differs from the store's)")
-    embed, head = embed.to(device, dtype), head.to(device, dtype)
-    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=dtype).eval()
-
-    prompts = load_prompts(args.input, tokenizer, limit=args.num_samples, enable_thinking=args.thinking)
-    if not prompts:
-        raise ValueError(f"no prompts in {args.input}")
-    eos = {int(x) for x in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    report = evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, args.max_new_tokens, eos,
-                      progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report.format_text())
+    report = evaluate_target(args.store, args.drafter, args.model, args.input,
+                             storage_options=parse_storage_options(args.storage_option), device=args.device,
+                             dtype=args.dtype, num_samples=args.num_samples, thinking=args.thinking,
+                             max_new_tokens=args.max_new_tokens, progress=not args.no_progress)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0
 
 
 def run_store_eval(args: argparse.Namespace) -> int:
     """``hsstore eval`` without a target: teacher-forced, over every valid anchor of the store."""
-    import torch
+    from .evaluate import evaluate_store
 
-    import hsstore
-
-    from .checkpoint import load_drafter
-    from .evaluate import eval_source, evaluate
-    from .trainer import load_frozen
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = parse_storage_options(args.storage_option)
-    store = hsstore.open(args.store, **options)
-    # as in training: fp32 drafter (bf16 autocast on CUDA); the frozen head in its stored dtype on CUDA
-    _, embed, head = load_frozen(store, device, None if device.type == "cuda" else torch.float32)
-    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=torch.float32)
-    drafter.eval()
-    source = eval_source(args.store, drafter.config.target_layers, args.max_tokens, storage_options=options,
-                         cache_dir=args.cache_dir, pin_memory=device.type == "cuda")
-    report = evaluate(drafter, source, device, anchor_chunk=args.anchor_chunk, progress=not args.no_progress)
+    report = evaluate_store(args.store, args.drafter, storage_options=parse_storage_options(args.storage_option),
+                            device=args.device, max_tokens=args.max_tokens, anchor_chunk=args.anchor_chunk,
+                            cache_dir=args.cache_dir, progress=not args.no_progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hsstore.taps import default_taps
+
 
 @dataclass
 class DrafterConfig:
@@ -157,12 +159,7 @@ def reference_attention_shape(target_heads: int, target_kv_heads: int, target_he
     return nh, nkv, hd
 
 
-def default_target_layers(num_target_layers: int, num_taps: int = 5) -> list[int]:
-    """Evenly spaced layer ids from 1 to n-3: [1,16,31,46,61] for 64 layers, [1,9,17,25,33] for 36."""
-    lo, hi = 1, num_target_layers - 3
-    if num_taps == 1:
-        return [lo]
-    return [round(lo + i * (hi - lo) / (num_taps - 1)) for i in range(num_taps)]
+default_target_layers = default_taps  # the DFlash default spacing, shared with extraction (hsstore/taps.py)
 
 
 # ----------------------------------------------------------------------------------------------
