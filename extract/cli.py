@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from .gate import GateThresholds
-from hsstore.cli import add_storage_option
+from hsstore.cli import add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def register(subparsers) -> None:
                         "or threads of this process")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
-    e.add_argument("--no-progress", action="store_true")
+    add_quiet_option(e)
     add_template_kwargs_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
@@ -156,7 +156,7 @@ def register(subparsers) -> None:
     m.add_argument("--hidden-states-dir", default=None, help="speculators: folder of hs_{i}.safetensors "
                    "(default PATH/hidden_states)")
     m.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
-    m.add_argument("--no-progress", action="store_true")
+    add_quiet_option(m)
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
 
@@ -185,7 +185,7 @@ def register(subparsers) -> None:
                    help="environment variable holding the API key, if the server needs one")
     add_template_kwargs_flag(r, help="template arguments sent with every request, over {\"enable_thinking\": true} "
                              "(e.g. '{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
-    r.add_argument("--no-progress", action="store_true")
+    add_quiet_option(r)
     r.set_defaults(func=run_regenerate_cmd)
 
     d = subparsers.add_parser(
@@ -257,7 +257,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
         layout=args.layout, encoding=args.encoding,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
-        storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
+        storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
         chat_template_kwargs=template_kwargs_from_args(args))
     try:
@@ -287,7 +287,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                        id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing)
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
                      shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
-                     progress=not args.no_progress)
+                     progress=not args.quiet)
     print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped" if r.missing else ""))
@@ -307,7 +307,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
         inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
         timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
-        progress=not args.no_progress, chat_template_kwargs=template_kwargs_from_args(args))
+        progress=not args.quiet, chat_template_kwargs=template_kwargs_from_args(args))
     res = run_regenerate(cfg)
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {args.out}) in "
           f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "

@@ -213,7 +213,7 @@ def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, cap
         run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
                                   layers=[1, 8], progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
-                      "--max-length", "200", "--device", "cpu", "--no-progress", "--max-over-length-share", "1"])
+                      "--max-length", "200", "--device", "cpu", "-q", "--max-over-length-share", "1"])
     assert rc == 0
     assert "over --max-length skipped" in capsys.readouterr().out
     assert hsstore_cli(["info", out, "--json"]) == 0
@@ -232,7 +232,7 @@ def test_torchrun_two_ranks_extract_and_resume(tiny_dir, small_input, tmp_path, 
     out = str(tmp_path / "store")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
            "extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out, "--device", "cpu",
-           "--no-progress"]
+           "-q"]
     repo = Path(__file__).resolve().parents[1]
     first = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -271,7 +271,7 @@ def _kill_cmd(tiny_dir, out: str, token_budget: int = 600, data=None, shard_mb: 
     import sys
 
     return [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input",
-            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "--no-progress",
+            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "-q",
             "--shard-mb", str(shard_mb), "--token-budget", str(token_budget)]
 
 
@@ -421,7 +421,7 @@ def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_
     small_input.write_text("\n".join(rows + [json.dumps(bad)]) + "\n")
     out = str(tmp_path / "store")
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
-                      "--device", "cpu", "--no-progress", "--max-skipped-share", "0.5"])
+                      "--device", "cpu", "-q", "--max-skipped-share", "0.5"])
     assert rc == 0
     assert "1 rows skipped (tool_arguments)" in capsys.readouterr().out
     store = hsstore.open(out)
@@ -430,7 +430,7 @@ def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_
     assert json.loads(capsys.readouterr().out)["skipped"] == {"tool_arguments": 1}
     # Past the threshold (1 of 9 rows > 2%) the gate refuses before any forward.
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", str(tmp_path / "s2"),
-                      "--device", "cpu", "--no-progress"])
+                      "--device", "cpu", "-q"])
     captured = capsys.readouterr()
     assert rc == 1 and "rows that cannot be tokenized faithfully" in captured.out + captured.err
 
@@ -447,7 +447,7 @@ def test_gate_flags_reach_the_store_and_subset_convert_use_them(tiny_dir, tmp_pa
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, sub, wds = (str(tmp_path / n) for n in ("store", "sub", "wds"))
     assert hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(data), "--out", out, "--device", "cpu",
-                        "--no-progress", "--force"]) == 0
+                        "-q", "--force"]) == 0
     capsys.readouterr()
     assert hsstore_cli(["info", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["flags"]["stub_answer"] == 1
@@ -472,7 +472,7 @@ def test_ctrl_c_says_so_and_keeps_what_was_committed(tiny_dir, small_input, tmp_
 
     out = tmp_path / "store"
     cmd = [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input", str(small_input),
-           "--out", str(out), "--device", "cpu", "--no-progress", "--shard-mb", "0.05", "--token-budget", "256"]
+           "--out", str(out), "--device", "cpu", "-q", "--shard-mb", "0.05", "--token-budget", "256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline and not list(out.glob("commits/*.json")):

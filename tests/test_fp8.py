@@ -242,7 +242,7 @@ def two_stores(tiny_dir, tmp_path_factory):
     run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
                               token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
-                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "--no-progress",
+                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "-q",
                       "--writer", "process"])  # fp8 values and scales through the shared-memory staging too
     assert rc == 0
     return bf16, f8

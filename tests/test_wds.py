@@ -356,7 +356,7 @@ def test_extract_layout_wds_tiny_target(tiny_dir, tok, tmp_path):
     inp.write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "store")
     assert main(["extract", "--model", str(tiny_dir), "--input", str(inp), "--out", out, "--layout", "wds",
-                 "--device", "cpu", "--layers", "1,4", "--no-progress"]) == 0
+                 "--device", "cpu", "--layers", "1,4", "-q"]) == 0
     store = hsstore.open(out)
     assert store.manifest.layout == "wds" and store.manifest.layers == (1, 4)
     want = {s.sample_id: s for s in load_samples(inp, tok)}
