@@ -175,7 +175,7 @@ def test_drafter_config_from_store_assets(store32):
                          draft_layers=3), torch.device("cpu"))
     assert cfg.target_layers == store.layers and cfg.hidden_size == store.manifest.hidden_size
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 32, embed.shape[0])
-    assert cfg.sliding_window == [2048, 2048, None] and cfg.attn_impl == "sdpa"
+    assert cfg.sliding_window == [2048, 2048, None] and cfg.attn_impl == "blocks"  # --attn auto
     # the tiny tokenizer fills the embedding: the mask token is the pad token
     assert cfg.mask_token_id == target_cfg["pad_token_id"]
 

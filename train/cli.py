@@ -61,9 +61,10 @@ def register(subparsers) -> None:
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr / peak lr")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     t.add_argument("--seed", type=int, default=0, help="data order, anchors and initial weights")
-    t.add_argument("--attn", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="auto: sdpa. flex is 7-10%% faster per step once compiled, but compiles for about a minute "
-                        "on its first step, longer when batch shapes vary")
+    t.add_argument("--attn", choices=["auto", "blocks", "sdpa", "flex"], default="auto",
+                   help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and time "
+                        "follow the visible keys). sdpa: one dense mask [queries x (context + queries)], the "
+                        "reference. flex: compiles on its first step and again when batch shapes vary")
     t.add_argument("--weight", type=float, action="append", default=None, metavar="W",
                    help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
     t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")

@@ -103,7 +103,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     clip: float = 1.0
     seed: int = 0
-    attn: str = "auto"  # sdpa | flex | auto (= sdpa: flex compiles for a minute or more, longer when shapes vary)
+    attn: str = "auto"  # blocks | sdpa | flex | auto (= blocks; flex recompiles when batch shapes vary)
     log_every: int = 10
     save_every: int = 1000
     cpu_threads: int | None = None  # torch CPU threads per rank (default: see share_cpu_threads)
@@ -181,7 +181,7 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
     if tc.get("hidden_size") != manifest.hidden_size:
         raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
                          f"{manifest.hidden_size}")
-    attn = cfg.attn if cfg.attn != "auto" else "sdpa"  # flex: opt-in, see TrainConfig.attn
+    attn = cfg.attn if cfg.attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
     if cfg.init is not None:
         return init_config(cfg.init, manifest, vocab_rows, cfg, attn)
     window = cfg.sliding_window or None
