@@ -65,7 +65,11 @@ def register(subparsers) -> None:
     p.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--max-length", type=int, default=None, help="flag samples longer than this many tokens")
+    p.add_argument("--truncate", action="store_true", help="cut over-length samples instead (as extract --truncate)")
     p.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    p.add_argument("--report", default=None, metavar="FILE",
+                   help="also write the verdict with the input's and tokenizer's hashes and these settings to FILE "
+                        "(local path or URL), for extract --gate-report: the gate then runs once, not on every rank")
     p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     add_template_kwargs_flag(p)
@@ -118,6 +122,10 @@ def register(subparsers) -> None:
                         "or threads of this process")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
+    e.add_argument("--gate-report", default=None, metavar="FILE",
+                   help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, "
+                        "tokenizer and settings match (refused naming what differs), so each rank tokenizes only "
+                        "its own rows; without it every rank runs the gate over the whole input")
     add_quiet_option(e)
     add_template_kwargs_flag(e)
     add_threshold_flags(e)
@@ -204,16 +212,14 @@ def _use_color(choice: str) -> bool:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .gate import check
+    from .gate_report import gate_inputs
     from .target import load_tokenizer
-    from .tokenize import TokenizeStats, load_samples
 
     kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
-    stats = TokenizeStats()
-    samples = load_samples(args.input, tokenizer, max_length=args.max_length, keep_over_length=True,
-                           expand=not args.no_expand, stats=stats, chat_template_kwargs=kwargs)
-    report = check(samples, thresholds_from_args(args), stats=stats)
+    report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
+                         max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
+                         report_url=args.report)
     if args.json:
         print(report.to_json())
     else:
@@ -259,7 +265,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
-        chat_template_kwargs=template_kwargs_from_args(args))
+        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report)
     try:
         result = run_extract(cfg)
     except GateRefused as e:
