@@ -120,6 +120,10 @@ def register(subparsers) -> None:
     e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
                         "or threads of this process")
+    e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the target's norms, MLPs and attention blocks (torch.compile, per layer kind; "
+                        "features equal to the eager forward's within bf16 rounding, ~1.17x faster at 27B scale on an "
+                        "H200; the first batches pay ~40 s of compiling). Default: on CUDA")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--gate-report", default=None, metavar="FILE",
@@ -264,7 +268,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         layout=args.layout, encoding=args.encoding,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
-        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
+        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer, compile=args.compile,
         chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report)
     try:
         result = run_extract(cfg)

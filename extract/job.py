@@ -66,6 +66,7 @@ class ExtractConfig:
     writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
     gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
+    compile: bool | None = None  # regional torch.compile of the forward's dense parts (extract/speed.py); None: on CUDA
 
 
 @dataclass
@@ -170,6 +171,11 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
         torch.cuda.set_device(device)
     dtype = DTYPES[cfg.dtype]
     model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
+    if cfg.compile if cfg.compile is not None else device.type == "cuda":
+        from .speed import compile_forward
+
+        log.info("rank %d: compiling the target's norms, MLPs and attention blocks (%s); the first batch of each "
+                 "new shape pays the compile time (~40 s at 27B scale on an H200)", rank, compile_forward(model))
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
