@@ -21,6 +21,20 @@ from torch.utils.data import get_worker_info
 log = logging.getLogger(__name__)
 
 
+PARALLEL_COPY_BYTES = 4 << 20  # below this, one thread copies faster than handing out work to several
+
+
+def copy_bytes(dest: np.ndarray, src: np.ndarray) -> None:
+    """``dest[:] = src`` for flat uint8 arrays, on torch's intra-op threads when large (``np.copyto`` is one
+    thread: out of the page cache that was the loader's limit, while the peers' ``torch.load(mmap=True)`` +
+    ``clone`` copies with all of them). ``src`` is only read; torch wraps only writable arrays (map files
+    with ``ACCESS_COPY``: private, and never written, so no page is ever copied)."""
+    if dest.nbytes < PARALLEL_COPY_BYTES or torch.get_num_threads() == 1 or not src.flags.writeable:
+        np.copyto(dest, src)
+        return
+    torch.from_numpy(dest).copy_(torch.from_numpy(src))
+
+
 def empty_host(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = False, shared: bool | None = None,
                pool: "BufferPool | None" = None) -> torch.Tensor:
     """Uninitialised host memory of ``shape`` and ``dtype``.

@@ -36,6 +36,7 @@ from . import codec, storage
 from .commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from .errors import CorruptionError, FetchError, StoreError
 from .manifest import Manifest, now_iso
+from .memory import copy_bytes
 from .report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -277,7 +278,7 @@ def _read_at(src: mmap.mmap, path: str, offset: int, buf: np.ndarray) -> None:
     if offset + n > len(src):
         raise EOFError(f"file ends {offset + n - len(src)} bytes early")
     view = np.frombuffer(src, np.uint8, count=n, offset=offset)
-    np.copyto(buf.reshape(-1).view(np.uint8), view)
+    copy_bytes(buf.reshape(-1).view(np.uint8), view)
     del view  # release the mapping's buffer before it closes
 
 
@@ -288,7 +289,7 @@ def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
         raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
     with f:
         try:
-            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # committed tars never change
+            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
         except ValueError:  # an empty file cannot be mapped
             raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)") from None
         with src:

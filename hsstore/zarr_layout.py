@@ -30,6 +30,7 @@ from . import codec, fp8, storage
 from .commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from .errors import CorruptionError, FetchError
 from .manifest import Manifest, now_iso
+from .memory import copy_bytes
 from .report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -264,9 +265,9 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
             size = os.fstat(f.fileno()).st_size
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
                 src = np.frombuffer(m, np.uint8, count=n)
-                np.copyto(flat, src)
+                copy_bytes(flat, src)
                 tail = m[n:n + 4]
                 del src  # release the buffer before the mapping closes
     except FileNotFoundError:
