@@ -112,6 +112,9 @@ def register(subparsers) -> None:
     e.add_argument("--encoding", default="raw", choices=["raw", "fp8"],
                    help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, quantised "
                         "on the device (half the bytes)")
+    e.add_argument("--final-hidden", action="store_true",
+                   help="also store the final norm's output (what the lm_head reads; EAGLE-3's training target) as "
+                        "the feature final_hidden, captured in the same forward (which then runs to the norm)")
     e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
     e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
@@ -136,8 +139,23 @@ def register(subparsers) -> None:
     m.add_argument("format", choices=["specforge", "speculators"])
     m.add_argument("path", help="SpecForge: the folder of .ckpt files; speculators: the Arrow dataset folder")
     m.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
-    m.add_argument("--layers", required=True, help="tapped layer ids of the files' features, in their order, e.g. "
-                   "1,16,31 (hsstore ids: output of decoder layer l, 0-based)")
+    m.add_argument("--layers", default=None, help="tapped layer ids of the files' features, in their order, e.g. "
+                   "1,16,31, in hsstore's convention (output of decoder layer l, 0-based). A list that reads like "
+                   "the peer's own ids (speculators/vLLM: its launch ids [2, N//2, N-3, N], or N) is refused: use "
+                   "--peer-layers, or --hsstore-ids if it really is meant as hsstore ids")
+    m.add_argument("--peer-layers", default=None, help="the same, in the peer's own convention, e.g. 2,4,5,8 as "
+                   "passed to speculators' launch_vllm.py (vLLM id i = output of decoder layer i-1; hsstore id = "
+                   "i-1) or SpecForge's aux_hidden_state_layer_ids (= hsstore ids); both lists go into the "
+                   "manifest's extra.peer_layers")
+    m.add_argument("--hsstore-ids", action="store_true", help="--layers is meant in hsstore's convention even "
+                   "where it looks like the peer's")
+    m.add_argument("--pad-token-id", type=int, default=0, help="SpecForge: the id its collator right-pads rows "
+                   "with (0, whatever the tokenizer says); trailing pad tokens outside the loss mask are trimmed")
+    m.add_argument("--keep-padding", action="store_true", help="SpecForge: store rows with their batch padding")
+    m.add_argument("--num-rows", type=int, default=None, help="SpecForge: rows of the dataset the files were made "
+                   "from; data_{i} files missing below it (NaN rows, the dropped last partial batch) are named")
+    m.add_argument("--no-final-hidden", action="store_true", help="SpecForge: drop the files' hidden_state (the "
+                   "final-norm output; kept as the store's final_hidden feature by default)")
     m.add_argument("--model", default=None, help="local target model folder: identity from its config and tokenizer")
     m.add_argument("--model-name", default=None)
     m.add_argument("--num-layers", type=int, default=None, help="decoder layers of the target")
@@ -328,7 +346,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     cfg = ExtractConfig(
         model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
-        layout=args.layout, encoding=args.encoding,
+        layout=args.layout, encoding=args.encoding, final_hidden=args.final_hidden,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
@@ -351,7 +369,6 @@ def import_manifest(args: argparse.Namespace):
     """The manifest of an import: identity from ``--model DIR`` or from the identity flags."""
     from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 
-    layers = tuple(int(x) for x in args.layers.split(","))
     if args.model:
         from .peers import identity_from_model_dir
 
@@ -369,8 +386,16 @@ def import_manifest(args: argparse.Namespace):
                                 config_hash=args.config_hash)
         tokenizer = TokenizerIdentity(name=args.tokenizer_name or args.model_name, vocab_hash=args.tokenizer_hash,
                                       chat_template_hash=args.chat_template_hash)
-    return Manifest(target=target, tokenizer=tokenizer, layers=layers, dtype=args.dtype, codec=args.codec,
-                    extra={"imported_from": args.format})
+    from pathlib import Path
+
+    from .peers import first_file_has_final_hidden, import_layers
+
+    layers, extra = import_layers(args.format, args.layers, args.peer_layers, target.num_layers,
+                                  hsstore_ids=args.hsstore_ids)
+    final = (args.format == "specforge" and not args.no_final_hidden
+             and first_file_has_final_hidden(Path(args.path)))
+    return Manifest(target=target, tokenizer=tokenizer, layers=tuple(layers), dtype=args.dtype, codec=args.codec,
+                    features=("final_hidden",) if final else (), extra={"imported_from": args.format, **extra})
 
 
 def run_import_cmd(args: argparse.Namespace) -> int:
@@ -379,14 +404,25 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     manifest = import_manifest(args)
     missing: list[str] = []
     files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
-                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing)
+                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing,
+                       pad_id=None if args.keep_padding else args.pad_token_id,
+                       final_hidden=bool(manifest.features), num_rows=args.num_rows)
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
                      shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
                      progress=not args.no_progress)
     print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
-          + (f"; {r.missing} rows without a hidden-state file skipped" if r.missing else ""))
+          + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
+          + (f"; batch padding trimmed from {r.padded_rows} rows ({r.pad_tokens:,} tokens)" if r.padded_rows else "")
+          + (f"; final_hidden kept" if manifest.features else ""))
+    if r.pad_ambiguous:
+        print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
+              f"padding_ambiguous): {_some(r.pad_ambiguous)}")
     return 0
+
+
+def _some(ids: list[str], n: int = 10) -> str:
+    return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
 
 
 def run_regenerate_cmd(args: argparse.Namespace) -> int:

@@ -139,12 +139,17 @@ def _check_record(store: Store, rec: shard.CommitRecord, report: VerifyReport) -
         report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
                                                   "after this shard was committed (layers, dtype, hashes, codec "
                                                   "or chunk grid)", "manifest.json"))
-    if sorted(rec.layers, key=int) != [str(l) for l in m.layers]:
-        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=int)} "
-                                                  f"differ from the manifest's {list(m.layers)}"))
+    if sorted(rec.layers, key=_slot_order) != [str(l) for l in m.slots]:
+        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_slot_order)} "
+                                                  f"differ from the manifest's {m.slots}"))
     if rec.chunk_tokens != m.chunk_tokens:
         report.problems.append(Problem(rec.shard, f"chunk_tokens {rec.chunk_tokens} differs from the manifest's "
                                                   f"{m.chunk_tokens}"))
+
+
+def _slot_order(key: str) -> tuple:
+    """Commit-record slot keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
+    return (0, int(key), "") if key.lstrip("-").isdigit() else (1, 0, key)
 
 
 def _check_files(fs, root: str, rec: shard.CommitRecord, report: VerifyReport, progress,
@@ -192,7 +197,7 @@ def _check_arrays(store: Store, rec: shard.CommitRecord, report: VerifyReport) -
     except Exception as e:
         report.problems.append(Problem(name, f"shard group cannot be opened: {e}", f"{base}/zarr.json"))
         return
-    for l in m.layers:
+    for l in m.slots:
         key = f"{base}/{shard.layer_array(l)}"
         try:
             a = g[shard.layer_array(l)]
@@ -293,7 +298,7 @@ def check_tar_shard(store: Store, fs, root: str, rec: shard.CommitRecord, report
     key = wds.tar_path(name)
     want = rec.files.get(key)
     members = rec.members or {}
-    if want is None or set(members) != set(wds.expected_members(rec, m.layers)):
+    if want is None or set(members) != set(wds.expected_members(rec, m.slots)):
         report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
                                              f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
         return

@@ -149,7 +149,7 @@ def _ckpt(path, **d):
 
 @pytest.mark.parametrize("case, message", [
     ("no_loss_mask", "missing 'loss_mask'"),
-    ("target_only", "final layer's output"),
+    ("target_only", "final-norm output"),
     ("wrong_hidden", "expected [20, 3, 48] or [20, 144]"),
     ("two_layers", "expected [20, 3, 48]"),
     ("short_features", "holds 19 tokens, input_ids has 20"),
