@@ -258,3 +258,139 @@ def test_import_without_identity_is_refused(tmp_path, new_samples, capsys):
                  "--hidden-size", "48"]) == 2
     err = capsys.readouterr().err
     assert "--config-hash" in err and "--tokenizer-hash" in err and not (tmp_path / "s").exists()
+
+
+# -- layer-id conventions (extract/peer_layers.py; docs/FORMAT.md "Layer ids of the peers") --------------------
+SPEC_IDENTITY = [a for a in IDENTITY if a not in ("--layers", "1,3,5")]  # 8-layer target, no layer list
+
+
+def test_speculators_peer_layers_are_converted_and_recorded(tmp_path, new_samples, capsys):
+    # speculators' launch_vllm.py default for 8 layers is [2, 8//2, 8-3, 8]; vLLM id i is the residual stream
+    # entering decoder layer i (after layer i-1), so the hsstore ids are [1, 3, 4, 7]
+    samples = new_samples(3, n_layers=4)
+    write_speculators(tmp_path / "spec", samples)
+    out = str(tmp_path / "store")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--peer-layers", "2,4,5,8",
+                 *SPEC_IDENTITY]) == 0
+    m = hsstore.open(out).manifest
+    assert m.layers == (1, 3, 4, 7)
+    assert m.extra["peer_layers"]["ids"] == [2, 4, 5, 8] and m.extra["peer_layers"]["hsstore_ids"] == [1, 3, 4, 7]
+    assert "vllm" in m.extra["peer_layers"]["convention"]
+    assert not m.features  # speculators' last slot is the last layer's output before the norm: layer 7, a tap
+
+
+@pytest.mark.parametrize("layers", ["2,4,5,8", "2,4,5,7", "2,4,5"])
+def test_speculators_layers_that_look_like_vllm_ids_are_refused(tmp_path, new_samples, capsys, layers):
+    samples = new_samples(2, n_layers=len(layers.split(",")))
+    write_speculators(tmp_path / "spec", samples)
+    out = tmp_path / "store"
+    args = ["import", "speculators", str(tmp_path / "spec"), "--out", str(out), "--layers", layers, *SPEC_IDENTITY]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "--peer-layers" in err and "--hsstore-ids" in err and not out.exists()
+    if layers != "2,4,5,8":  # 8 is no hsstore id of an 8-layer target at all
+        assert main(args + ["--hsstore-ids"]) == 0
+        assert hsstore.open(str(out)).manifest.layers == tuple(int(x) for x in layers.split(","))
+
+
+def test_peer_layer_ids_out_of_range_or_doubled_are_refused(tmp_path, new_samples, capsys):
+    write_speculators(tmp_path / "spec", new_samples(1, n_layers=2))
+    base = ["import", "speculators", str(tmp_path / "spec"), "--out", str(tmp_path / "o"), *SPEC_IDENTITY]
+    assert main(base + ["--peer-layers", "0,3"]) != 0 and "embedding" in capsys.readouterr().err
+    assert main(base + ["--peer-layers", "3,4", "--layers", "2,3"]) != 0
+    assert "exactly one of" in capsys.readouterr().err
+
+
+def test_specforge_peer_layers_are_hsstore_ids():
+    from hsstore.extract.peer_layers import specforge_eagle3_ids, to_hsstore, vllm_launch_ids
+
+    # SpecForge names layer outputs (SGLang captures at id + 1, the residual entering the next layer)
+    assert to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]
+    # both peers' default EAGLE-3 taps of one target are the same layers
+    assert specforge_eagle3_ids(32) == to_hsstore("speculators", vllm_launch_ids(32, include_last=False), 32)
+    assert to_hsstore("speculators", vllm_launch_ids(64), 64) == [1, 31, 60, 63]
+
+
+# -- SpecForge files as its prepare_hidden_states.py writes them ------------------------------------------------
+def specforge_generate(folder: pathlib.Path, samples, batch_size: int, nan_rows=(), group: int = 2000,
+                       pad_features=None) -> None:
+    """What SpecForge's offline generator writes: consecutive rows in batches, right-padded with zeros to the
+    batch's longest (input_ids and loss_mask; the padded row runs through the target, so pad positions carry
+    real features), the last partial batch dropped (drop_last=True), NaN rows not saved; per row a torch.save of
+    {input_ids [T] int64, loss_mask [T] int64, aux_hidden_state [1, T, L*H], hidden_state [1, T, H]} at
+    rows_{g}-{g+group}/data_{i}.ckpt."""
+    g = torch.Generator().manual_seed(7)
+    for b0 in range(0, len(samples) - batch_size + 1, batch_size):
+        batch = samples[b0:b0 + batch_size]
+        T = max(len(s["input_ids"]) for s in batch)
+        for k, s in enumerate(batch):
+            i, n = b0 + k, len(s["input_ids"])
+            ids = torch.zeros(T, dtype=torch.int64)
+            ids[:n] = s["input_ids"]
+            mask = torch.zeros(T, dtype=torch.int64)
+            mask[:n] = s["loss_mask"].long()
+            L, H = s["hidden_states"].shape[1] - 1, s["hidden_states"].shape[2]
+            feats = (torch.randn(T, L + 1, H, generator=g) * 3).to(s["hidden_states"].dtype)
+            feats[:n] = s["hidden_states"]
+            if i in nan_rows:
+                feats[0, 0, 0] = float("nan")
+                continue  # SpecForge prints a warning and saves nothing
+            sub = folder / f"rows_{i // group * group}-{i // group * group + group}"
+            sub.mkdir(parents=True, exist_ok=True)
+            torch.save({"input_ids": ids.clone(), "loss_mask": mask.clone(),
+                        "aux_hidden_state": feats[:, :L].reshape(1, T, L * H).clone(),
+                        "hidden_state": feats[:, L].reshape(1, T, H).clone()}, sub / f"data_{i}.ckpt")
+
+
+def test_specforge_padding_trimmed_final_hidden_kept_missing_named(tmp_path, new_samples, capsys):
+    samples = new_samples(11, n_layers=4, max_len=60)  # 3 taps + the final-norm output in the 4th slot
+    for s in samples:  # real rows end in the last assistant span (loss_mask 1), as SpecForge's rows do
+        s["loss_mask"][-1] = True
+    samples[2]["input_ids"][-1] = 0  # a real last token equal to the pad id, in the loss: kept
+    samples[6]["loss_mask"][-3:] = False  # a row ending outside the loss: its padding cannot be told apart
+    samples[6]["input_ids"][-1] = 0
+    write_kw = dict(batch_size=4, nan_rows=(5,))
+    specforge_generate(tmp_path / "sf", samples, **write_kw)  # rows 8-10: the dropped last partial batch
+    out = str(tmp_path / "store")
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--num-rows", "11", *IDENTITY]) == 0
+    text = capsys.readouterr().out
+    kept = [0, 1, 2, 3, 4, 6, 7]
+    # the padding each batch gave its rows, computed from the lengths
+    lens = [len(s["input_ids"]) for s in samples]
+    pads = {i: max(lens[b:b + 4]) - lens[i] for b in (0, 4) for i in range(b, b + 4)}
+    want_pad = {i: pads[i] for i in kept}
+    want_pad[6] = pads[6] + 1  # its real trailing 0 outside the loss is indistinguishable: trimmed too
+    assert f"batch padding trimmed from {sum(1 for v in want_pad.values() if v)} rows " \
+           f"({sum(want_pad.values()):,} tokens)" in text
+    assert "4 rows without a hidden-state file skipped (data_5, data_8, data_9, data_10)" in text
+    assert "1 rows whose padding cannot be told from real tokens" in text and "data_6" in text
+    store = hsstore.open(out)
+    assert store.manifest.features == ("final_hidden",)
+    by_id = {store.read(i)["sample_id"]: store.read(i) for i in range(len(store))}
+    assert sorted(by_id) == sorted(f"data_{i}" for i in kept)
+    for i in kept:
+        got, s = by_id[f"data_{i}"], samples[i]
+        n = lens[i] - (1 if i == 6 else 0)
+        assert torch.equal(got["input_ids"], s["input_ids"][:n])
+        assert torch.equal(got["loss_mask"], s["loss_mask"][:n])
+        assert torch.equal(bits(got["hidden_states"]), bits(s["hidden_states"][:n, :3]))
+        assert torch.equal(bits(got["final_hidden"]), bits(s["hidden_states"][:n, 3]))
+    flags = {sid: fl for c in store.commits for sid, fl in zip(c.samples["sample_id"], c.samples["flags"])}
+    assert flags["data_6"] == ["padding_ambiguous"] and flags["data_2"] == []
+    assert main(["info", out, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["skipped"] == {"no_hidden_states": 4} and info["features"] == ["final_hidden"]
+
+
+def test_specforge_keep_padding_and_no_final_hidden(tmp_path, new_samples, capsys):
+    samples = new_samples(4, n_layers=4, max_len=40)
+    for s in samples:
+        s["loss_mask"][-1] = True
+    specforge_generate(tmp_path / "sf", samples, batch_size=4)
+    out = str(tmp_path / "store")
+    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--keep-padding", "--no-final-hidden",
+                 *IDENTITY]) == 0
+    store = hsstore.open(out)
+    T = max(len(s["input_ids"]) for s in samples)
+    assert not store.manifest.features and all(store.read(i)["input_ids"].shape[0] == T for i in range(4))
+    assert "final_hidden" not in store.read(0)
