@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from .gate import GateThresholds
-from hsstore.cli import add_storage_option
+from hsstore.cli import add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,22 @@ def register(subparsers) -> None:
     m.add_argument("--no-progress", action="store_true")
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
+
+    x = subparsers.add_parser(
+        "export",
+        help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + Arrow)",
+        description="The peers' current on-disk formats, so their trainers read a store: SpecForge's "
+        "rows_A-B/data_{i}.ckpt (EAGLE-3 keys aux_hidden_state + hidden_state when the store holds final_hidden, "
+        "else DFlash's hidden_states), or speculators' Arrow dataset with hidden_states/hs_{i}.safetensors (the "
+        "store must hold the last layer, which speculators' trainer takes as the verifier's last hidden state). "
+        "OUT must be new or empty. hsstore import of the result gives back the store bit-exact.",
+    )
+    x.add_argument("format", choices=["specforge", "speculators"])
+    x.add_argument("url", help="store URL")
+    x.add_argument("out", help="output folder (local; must not exist or be empty)")
+    add_quiet_option(x)
+    add_storage_option(x)
+    x.set_defaults(func=run_export_cmd)
 
     r = subparsers.add_parser(
         "regenerate",
@@ -423,6 +439,18 @@ def run_import_cmd(args: argparse.Namespace) -> int:
 
 def _some(ids: list[str], n: int = 10) -> str:
     return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
+
+
+def run_export_cmd(args: argparse.Namespace) -> int:
+    from .export import export_store
+
+    r = export_store(args.format, args.url, args.out, storage_options=parse_storage_options(args.storage_option),
+                     progress=not args.quiet)
+    print(f"export {args.format} ({r.layout}) {args.url} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens "
+          f"({r.bytes_written / 1e9:.2f} GB)")
+    for note in r.notes:
+        print(f"  {note}")
+    return 0
 
 
 def run_regenerate_cmd(args: argparse.Namespace) -> int:

@@ -198,7 +198,7 @@ def _natural(p: Path) -> list:
 
 def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidden: int, *,
                     pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False, num_rows: int | None = None,
-                    missing: list[str] | None = None) -> list[PeerFile]:
+                    missing: list[str] | None = None, ids: list[str] | None = None) -> list[PeerFile]:
     """Every ``.ckpt`` under ``root`` (SpecForge groups them in ``rows_A-B/`` folders), in index order; the
     sample id is the file name without suffix (``data_17``), prefixed.
 
@@ -213,11 +213,11 @@ def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidd
     out, seen, indices = [], {}, set()
     for p in paths:
         stem = p.name.split(".", 1)[0]
-        sid = id_prefix + stem
+        m = re.fullmatch(r"data_(\d+)", stem)
+        sid = id_prefix + (ids[int(m.group(1))] if ids is not None and m and int(m.group(1)) < len(ids) else stem)
         if sid in seen:
             raise ValueError(f"{p} and {seen[sid]} give the same sample id {sid!r}")
         seen[sid] = p
-        m = re.fullmatch(r"data_(\d+)", stem)
         if m:
             indices.add(int(m.group(1)))
         out.append(PeerFile(sid, p, lambda p=p, sid=sid: specforge_sample(p, sid, source, n_layers, hidden,
@@ -258,7 +258,7 @@ def speculators_sample(path: Path, sample_id: str, record, n_layers: int, hidden
 
 
 def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: str, n_layers: int, hidden: int,
-                      missing: list[str]) -> list[PeerFile]:
+                      missing: list[str], ids: list[str] | None = None) -> list[PeerFile]:
     """Row ``i`` of the Arrow dataset at ``root`` with ``hs_dir/hs_{i}.safetensors``; the sample id is
     ``hs_{i}``, prefixed. Rows whose file does not exist (generation not finished) are listed in ``missing``."""
     from .readers import TokenRecord, read_records
@@ -270,7 +270,8 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
     for i, rec in enumerate(read_records(root)):
         if not isinstance(rec, TokenRecord):
             raise ValueError(f"{rec.where}: not a pre-tokenized row (needs input_ids and loss_mask)")
-        sid, path = f"{id_prefix}hs_{i}", hs_dir / f"hs_{i}.safetensors"
+        sid = id_prefix + (ids[i] if ids is not None and i < len(ids) else f"hs_{i}")
+        path = hs_dir / f"hs_{i}.safetensors"
         if not path.exists():
             missing.append(sid)
             continue
@@ -384,12 +385,19 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
 def peer_files(fmt: str, path: str, *, n_layers: int, hidden: int, id_prefix: str = "", source: str | None = None,
                hs_dir: str | None = None, missing: list[str] | None = None, pad_id: int | None = PAD_TOKEN_ID,
                final_hidden: bool = False, num_rows: int | None = None) -> list[PeerFile]:
+    from .export import exported_ids
+
     root = Path(path)
     src = source or root.name
+    ids = exported_ids(root)  # files of ``hsstore export``: the store's sample ids back, and no padding to find
+    if ids is not None:
+        log.info("%s was written by hsstore export: sample ids from its %s, no padding detection", root,
+                 "hsstore_export.json")
+        pad_id = None
     if fmt == "specforge":
         return specforge_files(root, id_prefix, src, n_layers, hidden, pad_id=pad_id, final_hidden=final_hidden,
-                               num_rows=num_rows, missing=missing)
+                               num_rows=num_rows, missing=missing, ids=ids)
     if fmt == "speculators":
         return speculators_files(root, Path(hs_dir) if hs_dir else None, id_prefix, source or "", n_layers, hidden,
-                                 missing if missing is not None else [])
+                                 missing if missing is not None else [], ids=ids)
     raise ValueError(f"unknown peer format {fmt!r} (one of {FORMATS})")

@@ -394,3 +394,85 @@ def test_specforge_keep_padding_and_no_final_hidden(tmp_path, new_samples, capsy
     T = max(len(s["input_ids"]) for s in samples)
     assert not store.manifest.features and all(store.read(i)["input_ids"].shape[0] == T for i in range(4))
     assert "final_hidden" not in store.read(0)
+
+
+# -- export to the peers' formats, and back ---------------------------------------------------------------------
+def assert_same_store(a: str, b: str) -> None:
+    sa, sb = hsstore.open(a), hsstore.open(b)
+    assert len(sa) == len(sb) and sa.manifest.layers == sb.manifest.layers
+    assert sa.manifest.features == sb.manifest.features
+    ib = {sb.read(i)["sample_id"]: sb.read(i) for i in range(len(sb))}
+    for i in range(len(sa)):
+        x = sa.read(i)
+        y = ib[x["sample_id"]]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        assert torch.equal(bits(x["hidden_states"]), bits(y["hidden_states"]))
+        if "final_hidden" in x:
+            assert torch.equal(bits(x["final_hidden"]), bits(y["final_hidden"]))
+
+
+def test_specforge_export_is_what_its_writer_writes_and_imports_back_bit_exact(tmp_path, new_manifest, new_samples,
+                                                                               capsys):
+    m = hsstore.Manifest(**{**new_manifest(layers=LAYERS).__dict__, "features": ("final_hidden",)})
+    samples = new_samples(9, n_layers=4)
+    for s in samples[:3]:  # real rows ending in the pad id outside the loss: an export has no padding to trim
+        s["input_ids"][-1], s["loss_mask"][-1] = 0, False
+    src = str(tmp_path / "src")
+    with hsstore.StoreWriter(src, m, shard_bytes=30_000) as w:
+        for s in samples:
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"][:, :3],
+                  final_hidden=s["hidden_states"][:, 3])
+    out = tmp_path / "sf"
+    assert main(["export", "specforge", src, str(out), "-q"]) == 0
+    assert "(eagle3)" in capsys.readouterr().out
+    store = hsstore.open(src)
+    for i in range(len(store)):
+        item = store.read(i)
+        d = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        T = item["input_ids"].shape[0]
+        assert list(d) == ["input_ids", "loss_mask", "aux_hidden_state", "hidden_state"]
+        assert d["input_ids"].dtype == d["loss_mask"].dtype == torch.int64 and d["input_ids"].shape == (T,)
+        assert d["aux_hidden_state"].shape == (1, T, 3 * HIDDEN) and d["hidden_state"].shape == (1, T, HIDDEN)
+        assert d["aux_hidden_state"].dtype == torch.bfloat16
+        # SpecForge's OfflineEagle3Dataset.process_data: aux -> the drafter's input, hidden_state -> its target
+        assert torch.equal(bits(d["aux_hidden_state"][0].reshape(T, 3, HIDDEN)), bits(item["hidden_states"]))
+        assert torch.equal(bits(d["hidden_state"][0]), bits(item["final_hidden"]))
+    assert main(["export", "specforge", src, str(out), "-q"]) != 0  # never overwrites
+    back = str(tmp_path / "back")
+    assert main(["import", "specforge", str(out), "--out", back, *IDENTITY]) == 0
+    assert "padding" not in capsys.readouterr().out
+    assert_same_store(src, back)
+
+
+def test_speculators_export_is_what_it_reads_and_imports_back_bit_exact(tmp_path, new_manifest, new_samples,
+                                                                        capsys, write):
+    m = new_manifest(layers=(1, 3, 7))  # an 8-layer target: 7 is the last layer, speculators' verifier slot
+    samples = new_samples(7)
+    src = str(tmp_path / "src")
+    write(src, m, samples, shard_bytes=30_000)
+    out = tmp_path / "spec"
+    assert main(["export", "speculators", src, str(out), "-q"]) == 0
+    assert "aux layer ids [2, 4]" in capsys.readouterr().out
+    from hsstore.extract.readers import read_records
+    from safetensors.torch import load_file
+
+    rows = list(read_records(out))
+    store = hsstore.open(src)
+    for i in range(len(store)):
+        item = store.read(i)
+        d = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        assert sorted(d) == ["hidden_states", "token_ids"] and d["token_ids"].dtype == torch.int64
+        assert torch.equal(d["token_ids"], item["input_ids"]) and rows[i].input_ids.tolist() == d["token_ids"].tolist()
+        assert rows[i].loss_mask.tolist() == item["loss_mask"].long().tolist()
+        # speculators' ArrowDataset._get_raw_data: all slots but the last -> hidden_states, the last -> verifier
+        assert torch.equal(bits(d["hidden_states"][:, :-1]), bits(item["hidden_states"][:, :2]))
+        assert torch.equal(bits(d["hidden_states"][:, -1]), bits(item["hidden_states"][:, 2]))
+    state = json.loads((out / "state.json").read_text())
+    assert state["_format_type"] == "torch" and state["_data_files"] == [{"filename": "data-00000-of-00001.arrow"}]
+    back = str(tmp_path / "back")
+    assert main(["import", "speculators", str(out), "--out", back, "--peer-layers", "2,4,8", *SPEC_IDENTITY]) == 0
+    assert_same_store(src, back)
+    # a store without the last layer cannot feed speculators' trainer: refused, nothing written
+    write(str(tmp_path / "no-last"), new_manifest(), new_samples(2))
+    assert main(["export", "speculators", str(tmp_path / "no-last"), str(tmp_path / "x")]) != 0
+    assert "last hidden state" in capsys.readouterr().err and not (tmp_path / "x").exists()
