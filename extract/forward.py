@@ -161,7 +161,9 @@ def extract_batches(
             ids, attn = pad_right(batch, pad_id)
             if cuda:
                 ids, attn = ids.pin_memory().to(device, non_blocking=True), attn.pin_memory().to(device, non_blocking=True)
-            feats = run_tapped(model, layers, ids, attn, final_hidden)  # [B, T, L (+1), H] on device
+            # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output
+            feats = run_tapped(model, layers, ids, attn, final_hidden=True) if final_hidden else \
+                run_tapped(model, layers, ids, attn)
             # GPU-side pack: drop padding before anything crosses PCIe
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
             # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
