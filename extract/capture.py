@@ -16,26 +16,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from hsstore.taps import text_config
+
 log = logging.getLogger(__name__)
-
-
-def default_taps(num_layers: int, n_taps: int = 5) -> list[int]:
-    """DFlash's default taps: ``n_taps`` ids evenly spaced from 1 to ``num_layers - 3``.
-
-    64 layers -> [1, 16, 31, 46, 61]; 36 layers -> [1, 9, 17, 25, 33].
-    """
-    lo, hi = 1, num_layers - 3
-    if hi < lo:
-        return list(range(num_layers))[:n_taps]
-    if n_taps == 1:
-        return [hi]
-    taps = sorted({round(lo + i * (hi - lo) / (n_taps - 1)) for i in range(n_taps)})
-    return taps
-
-
-def text_config(config):
-    """The decoder's config (multimodal configs such as ``qwen3_5`` nest it as ``text_config``)."""
-    return getattr(config, "text_config", None) or config
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -48,16 +31,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not candidates:
         raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
     return candidates[0][1]
-
-
-def check_taps(layers: list[int], num_layers: int) -> list[int]:
-    bad = [l for l in layers if not 0 <= l < num_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} out of range: the target has {num_layers} decoder layers "
-                         f"(valid ids 0..{num_layers - 1}; id l = output of decoder layer l)")
-    if sorted(set(layers)) != list(layers):
-        raise ValueError(f"layer ids must be strictly increasing, got {layers}")
-    return list(layers)
 
 
 def final_norm(model: nn.Module) -> nn.Module:

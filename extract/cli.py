@@ -65,7 +65,11 @@ def register(subparsers) -> None:
     p.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--max-length", type=int, default=None, help="flag samples longer than this many tokens")
+    p.add_argument("--truncate", action="store_true", help="cut over-length samples instead (as extract --truncate)")
     p.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
+    p.add_argument("--report", default=None, metavar="FILE",
+                   help="also write the verdict with the input's and tokenizer's hashes and these settings to FILE "
+                        "(local path or URL), for extract --gate-report: the gate then runs once, not on every rank")
     p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     add_template_kwargs_flag(p)
@@ -121,7 +125,11 @@ def register(subparsers) -> None:
                         "or threads of this process")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--gate-report", default=None, metavar="FILE",
+                   help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, "
+                        "tokenizer and settings match (refused naming what differs), so each rank tokenizes only "
+                        "its own rows; without it every rank runs the gate over the whole input")
+    add_quiet_option(e)
     add_template_kwargs_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
@@ -174,7 +182,7 @@ def register(subparsers) -> None:
     m.add_argument("--hidden-states-dir", default=None, help="speculators: folder of hs_{i}.safetensors "
                    "(default PATH/hidden_states)")
     m.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
-    m.add_argument("--no-progress", action="store_true")
+    add_quiet_option(m)
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
 
@@ -219,7 +227,7 @@ def register(subparsers) -> None:
                    help="environment variable holding the API key, if the server needs one")
     add_template_kwargs_flag(r, help="template arguments sent with every request, over {\"enable_thinking\": true} "
                              "(e.g. '{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
-    r.add_argument("--no-progress", action="store_true")
+    add_quiet_option(r)
     r.set_defaults(func=run_regenerate_cmd)
 
     d = subparsers.add_parser(
@@ -237,30 +245,15 @@ def _use_color(choice: str) -> bool:
     return choice == "always" or (choice == "auto" and sys.stdout.isatty())
 
 
-def load_tokenizer(model: str):
-    """The target's tokenizer from a local directory (nothing is downloaded)."""
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
-        raise FileNotFoundError(f"model directory not found: {model}")
-    try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
-    except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
-        raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
-
-
 def run_check(args: argparse.Namespace) -> int:
-    from .gate import check
-    from .tokenize import TokenizeStats, load_samples
+    from .gate_report import gate_inputs
+    from .target import load_tokenizer
 
     kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
-    stats = TokenizeStats()
-    samples = load_samples(args.input, tokenizer, max_length=args.max_length, keep_over_length=True,
-                           expand=not args.no_expand, stats=stats, chat_template_kwargs=kwargs)
-    report = check(samples, thresholds_from_args(args), stats=stats)
+    report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
+                         max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
+                         report_url=args.report)
     if args.json:
         print(report.to_json())
     else:
@@ -273,85 +266,25 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from .show import format_sample
-    from .tokenize import TokenizeStats, load_samples
+    from hsstore import storage
 
-    if is_store(args.input, parse_storage_options(args.storage_option)):
-        return show_store_sample(args)
+    from .show import format_input_sample, format_store_sample, input_sample
+    from .target import load_tokenizer
+
+    options = parse_storage_options(args.storage_option)
+    fs, root = storage.resolve(args.input, options)  # bad URL or options: their own error
+    color = _use_color(args.color)
+    if storage.store_exists(fs, root, args.input):
+        print(format_store_sample(args.input, args.n, options, model=args.model, color=color,
+                                  max_chars=args.max_chars))
+        return 0
     if not args.model:
         raise ValueError(f"{args.input}: not a store (no manifest.json there); to show a sample of an input "
                          "file, give --model")
-    kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
-    index = int(args.n) if args.n.isdigit() else None
-    found, count = None, 0
-    stats = TokenizeStats()
-    for sample in load_samples(args.input, tokenizer, keep_over_length=True, expand=not args.no_expand,
-                               stats=stats, chat_template_kwargs=kwargs):
-        if count == index or sample.sample_id == args.n:
-            found = sample
-            break
-        count += 1
-    if found is None:
-        why = next((r for r, ids in stats.skipped.items() if args.n in ids), None)
-        if why:
-            raise ValueError(f"{args.input}: row {args.n!r} was skipped ({why}): it cannot be tokenized faithfully "
-                             "(the warning above says why)")
-        skipped = "".join(f"; {len(ids)} rows skipped ({r}), first: {stats.first_skipped[r][:240]}"
-                          for r, ids in stats.skipped.items())
-        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {count} samples{skipped})")
-    s = found
-    flags = ", ".join(s.flags) or "-"
-    print(
-        f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, "
-        f"thinking {s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}"
-    )
-    print(format_sample(tokenizer, s.input_ids, s.loss_mask, color=_use_color(args.color), max_chars=args.max_chars))
-    return 0
-
-
-def is_store(url: str, storage_options: dict) -> bool:
-    from hsstore import storage
-    from hsstore.errors import StoreError
-    from hsstore.manifest import MANIFEST_FILE
-
-    fs, root = storage.resolve(url, storage_options)  # bad URL or options: their own error
-    try:
-        return fs.exists(storage.join(root, MANIFEST_FILE))
-    except Exception as e:
-        if storage.is_local(fs):
-            return False
-        raise StoreError(f"cannot reach {url!r}: {type(e).__name__}: {e}") from None
-
-
-def show_store_sample(args: argparse.Namespace) -> int:
-    """A stored sample decoded with the store's own tokenizer (exported by extract), loss mask marked."""
-    import tempfile
-
-    import hsstore
-    from .show import format_sample
-    from hsstore import assets
-
-    store = hsstore.open(args.input, **parse_storage_options(args.storage_option))
-    ids = store.sample_ids()
-    index = int(args.n) if args.n.isdigit() else (ids.index(args.n) if args.n in ids else None)
-    if index is None or not 0 <= index < len(store):
-        raise ValueError(f"{args.input}: no sample {args.n!r} (it has {len(store)} samples)")
-    ref = store.ref(index)
-    item = store.read(index, layers=store.layers[:1])
-    if args.model:
-        tokenizer = load_tokenizer(args.model)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=args.input)
-            tokenizer = load_tokenizer(tmp)
-    rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
-    flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
-    print(f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "
-          f"loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
-          f"shard {ref.shard}, flags: {flags}")
-    print(format_sample(tokenizer, item["input_ids"].numpy(), item["loss_mask"].numpy(),
-                        color=_use_color(args.color), max_chars=args.max_chars))
+    sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
+                          chat_template_kwargs=template_kwargs_from_args(args))
+    print(format_input_sample(sample, tokenizer, color=color, max_chars=args.max_chars))
     return 0
 
 
@@ -364,9 +297,9 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
         layout=args.layout, encoding=args.encoding, final_hidden=args.final_hidden,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
-        storage_options=parse_storage_options(args.storage_option), progress=not args.no_progress,
+        storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer,
-        chat_template_kwargs=template_kwargs_from_args(args))
+        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report)
     try:
         result = run_extract(cfg)
     except GateRefused as e:
@@ -381,43 +314,15 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def import_manifest(args: argparse.Namespace):
-    """The manifest of an import: identity from ``--model DIR`` or from the identity flags."""
-    from hsstore import Manifest, TargetIdentity, TokenizerIdentity
-
-    if args.model:
-        from .peers import identity_from_model_dir
-
-        target, tokenizer = identity_from_model_dir(args.model)
-        if args.hidden_size is not None and args.hidden_size != target.hidden_size:
-            raise ValueError(f"--hidden-size {args.hidden_size} contradicts {args.model} (hidden size "
-                             f"{target.hidden_size})")
-    else:
-        need = {"--model-name": args.model_name, "--num-layers": args.num_layers, "--hidden-size": args.hidden_size,
-                "--config-hash": args.config_hash, "--tokenizer-hash": args.tokenizer_hash}
-        absent = [k for k, v in need.items() if v is None]
-        if absent:
-            raise ValueError(f"give --model DIR, or the identity flags ({', '.join(absent)} missing)")
-        target = TargetIdentity(name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                config_hash=args.config_hash)
-        tokenizer = TokenizerIdentity(name=args.tokenizer_name or args.model_name, vocab_hash=args.tokenizer_hash,
-                                      chat_template_hash=args.chat_template_hash)
-    from pathlib import Path
-
-    from .peers import first_file_has_final_hidden, import_layers
-
-    layers, extra = import_layers(args.format, args.layers, args.peer_layers, target.num_layers,
-                                  hsstore_ids=args.hsstore_ids)
-    final = (args.format == "specforge" and not args.no_final_hidden
-             and first_file_has_final_hidden(Path(args.path)))
-    return Manifest(target=target, tokenizer=tokenizer, layers=tuple(layers), dtype=args.dtype, codec=args.codec,
-                    features=("final_hidden",) if final else (), extra={"imported_from": args.format, **extra})
-
-
 def run_import_cmd(args: argparse.Namespace) -> int:
-    from .peers import import_files, peer_files
+    from .peers import import_files, import_manifest, peer_files
 
-    manifest = import_manifest(args)
+    manifest = import_manifest(
+        args.format, args.layers, peer_layers=args.peer_layers, hsstore_ids=args.hsstore_ids, path=args.path,
+        final_hidden=not args.no_final_hidden, dtype=args.dtype, codec=args.codec, model=args.model,
+        model_name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        config_hash=args.config_hash, tokenizer_hash=args.tokenizer_hash, tokenizer_name=args.tokenizer_name,
+        chat_template_hash=args.chat_template_hash)
     missing: list[str] = []
     files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing,
@@ -425,7 +330,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                        final_hidden=bool(manifest.features), num_rows=args.num_rows)
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
                      shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
-                     progress=not args.no_progress)
+                     progress=not args.quiet)
     print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
@@ -466,7 +371,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
         inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
         timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
-        progress=not args.no_progress, chat_template_kwargs=template_kwargs_from_args(args))
+        progress=not args.quiet, chat_template_kwargs=template_kwargs_from_args(args))
     res = run_regenerate(cfg)
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {args.out}) in "
           f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "

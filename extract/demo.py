@@ -36,8 +36,8 @@ CREATED = ("target", "data", "store", "run", ".target-hidden")
 # block queries are all the same mask token, draft accuracy was 0.2 after 1,000 steps on this target, with two 0.65
 # after 500. The 32-position window of the first layer (the last one sees the whole context) learns a little faster.
 TRAIN_STEPS = 500
-TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--max-tokens", "4096", "--lr", "3e-3",
-               "--log-every", "50", "--device", "cpu", "--no-progress"]
+TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--token-budget", "4096", "--lr", "3e-3",
+               "--log-every", "50", "--device", "cpu", "-q"]
 EVAL_SAMPLES = 16
 EVAL_FLAGS = ["--max-new-tokens", "160", "--device", "cpu"]
 
@@ -109,7 +109,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
         return rc
     step("3/7 extract hidden states (hsstore extract)")
     rc = run(["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device", "cpu",
-              "--no-progress"])
+              "-q"])
     if rc:
         return rc
     step("4/7 what the store holds (hsstore info)")

@@ -92,6 +92,8 @@ class GateReport:
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     dominant: bool = False
+    #: sample ids met more than once (each once, in input order): resume matches samples by id
+    repeated_ids: list[str] = field(default_factory=list)
     _examples: dict[str, list] = field(default_factory=dict, repr=False)
 
     @property
@@ -139,6 +141,7 @@ class GateReport:
             "sources": self.sources,
             "input": self.input_stats,
             "skipped": (self.input_stats or {}).get("skipped", {}),
+            "repeated_ids": {"count": len(self.repeated_ids), "ids": self.repeated_ids[:max_listed]},
             "thresholds": asdict(self.thresholds),
         }
         if per_sample:
@@ -161,6 +164,11 @@ def _sample_hash(ids: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(ids, dtype="<i4").tobytes(), digest_size=16).digest()
 
 
+def is_stub(s: TokenizedSample, t: GateThresholds) -> bool:
+    """A final answer shorter than ``stub_answer_tokens`` (the gate's ``stub_answer`` flag)."""
+    return s.answer_tokens is not None and s.loss_tokens > 0 and s.answer_tokens < t.stub_answer_tokens
+
+
 def check(
     samples: Iterable[TokenizedSample],
     thresholds: GateThresholds | None = None,
@@ -169,14 +177,19 @@ def check(
     keep_examples: int = 5,
 ) -> GateReport:
     """Run the gate over ``samples`` (streamed once). Adds ``stub_answer`` and ``duplicate`` flags to the
-    per-sample records (samples themselves are not modified)."""
+    per-sample records (samples themselves are not modified); a sample id met twice fails the gate."""
     t = thresholds or GateThresholds()
     records: list[SampleStats] = []
     seen: set[bytes] = set()
+    ids: set[str] = set()
+    repeated: dict[str, None] = {}
     examples: dict[str, list] = {}
     for s in samples:
+        if s.sample_id in ids:
+            repeated[s.sample_id] = None
+        ids.add(s.sample_id)
         flags = list(s.flags)
-        if s.answer_tokens is not None and s.loss_tokens > 0 and s.answer_tokens < t.stub_answer_tokens:
+        if is_stub(s, t):
             flags.append("stub_answer")
         digest = _sample_hash(s.input_ids)
         if digest in seen:
@@ -194,7 +207,7 @@ def check(
             if len(bucket) < keep_examples:
                 bucket.append((rec, np.asarray(s.input_ids), np.asarray(s.loss_mask)))
 
-    report = GateReport(thresholds=t, samples=records, _examples=examples)
+    report = GateReport(thresholds=t, samples=records, repeated_ids=list(repeated), _examples=examples)
     if stats is not None:
         report.input_stats = stats.to_dict()
     n = len(records)
@@ -244,6 +257,11 @@ def _skipped_verdict(report: GateReport) -> None:
 def _verdict(report: GateReport) -> None:
     t = report.thresholds
     _skipped_verdict(report)
+    if report.repeated_ids:
+        first = report.repeated_ids[0]
+        report.failures.append(
+            f"{len(report.repeated_ids):,} sample id(s) occur more than once, e.g. {first!r}: ids must be unique "
+            "(extract resumes by id)")
     top = report.top_loss_sum
     if top["value"] <= t.small_loss_sum and top["share"] >= t.max_top_share:
         report.dominant = True

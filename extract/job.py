@@ -1,8 +1,10 @@
 """``hsstore extract``: input -> quality gate -> target forward -> store, resumable and rank-parallel.
 
-Order of work is chosen so that the expensive thing happens last: tokenize and gate every sample
-(refuse bad data before the model is even loaded), take this rank's slice, skip what the store already
-holds (resume), and only then load the target.
+Order of work is chosen so that the expensive thing happens last: the quality gate over the whole input
+(refuse bad data before the model is even loaded), tokenize this rank's rows, skip what the store already
+holds (resume), and only then load the target. The gate's verdict comes from ``hsstore check --report``
+(``--gate-report``: each rank tokenizes only its own rows) or is computed here (one process: in the same
+pass; under torchrun: every rank gates the whole input, then tokenizes its rows).
 """
 
 from __future__ import annotations
@@ -17,22 +19,24 @@ from typing import Any
 import torch
 
 from hsstore import ProcessWriter, StoreWriter, assets
+from hsstore.distributed import local_rank, rank_and_world
 from hsstore.reader import committed_ids
+from hsstore.taps import check_taps, default_taps
 
-from .capture import check_taps, default_taps, text_config
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, GateThresholds, check
-from .identity import build_manifest
+from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
+from .readers import RowShard
+from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class GateRefused(RuntimeError):
     """The quality gate failed and the caller did not force extraction."""
 
-    def __init__(self, report: GateReport, text: str):
+    def __init__(self, report: GateVerdict, text: str):
         super().__init__("quality gate failed: " + "; ".join(report.failures))
         self.report, self.text = report, text
 
@@ -62,6 +66,7 @@ class ExtractConfig:
     progress: bool = True
     writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
+    gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
 
 
 @dataclass
@@ -76,7 +81,8 @@ class ExtractResult:
     seconds: float = 0.0
     bytes_written: int = 0
     gpu_wait_s: float = 0.0  # the forward waited this long for the writer (storage slower than the GPU)
-    gate: GateReport | None = None
+    rows: int = 0  # input rows this rank read (its share: row i belongs to rank i % world size)
+    gate: GateReport | None = None  # None when the verdict came from --gate-report
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,12 +90,9 @@ class ExtractResult:
 
 
 def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun sets them (RANK, WORLD_SIZE, LOCAL_RANK)."""
-    r = rank if rank is not None else int(os.environ.get("RANK", 0))
-    w = world if world is not None else int(os.environ.get("WORLD_SIZE", 1))
-    if not 0 <= r < w:
-        raise ValueError(f"rank {r} out of range for world size {w}")
-    return r, w, int(os.environ.get("LOCAL_RANK", r if w <= max(torch.cuda.device_count(), 1) else 0))
+    """(rank, world size, local rank): the config's values, else the process group's or torchrun's."""
+    r, w = rank_and_world(rank, world)
+    return r, w, local_rank(r, w)
 
 
 def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[TokenizedSample]:
@@ -97,16 +100,6 @@ def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[To
     rank gets about the same number of tokens and the split depends only on the data and world size."""
     order = sorted(samples, key=lambda s: (s.num_tokens, s.sample_id))
     return order[rank::world]
-
-
-def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if not progress:
-        hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
 
 
 def export_assets(fs, root: str, model, tokenizer) -> None:
@@ -127,36 +120,51 @@ def export_assets(fs, root: str, model, tokenizer) -> None:
 def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult:
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
     when the quality gate fails and ``cfg.force`` is false."""
-    from .cli import load_tokenizer
-
     rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
 
     stats = TokenizeStats()
-    samples = list(load_samples(cfg.inputs, tokenizer, max_length=cfg.max_length, truncate=cfg.truncate,
-                                keep_over_length=True, expand=cfg.expand, stats=stats,
-                                chat_template_kwargs=cfg.chat_template_kwargs))
-    report = check(samples, cfg.thresholds, stats=stats)
-    result.gate = report
-    if not report.ok and not cfg.force:
-        raise GateRefused(report, report.format_text(tokenizer, n_examples=3))
-    gate_flags = {r.sample_id: list(r.flags) for r in report.samples}  # + stub_answer, duplicate: kept in the store
-    ids = [s.sample_id for s in samples]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"sample id {dup!r} occurs more than once in the input: ids must be unique for resume")
+    shard = RowShard(rank, world)
+    settings = dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
+                    expand=cfg.expand)
+
+    def my_rows() -> list[TokenizedSample]:
+        return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats, shard=shard, **settings))
+
+    samples = None
+    if cfg.gate_report:  # the gate ran once, in `hsstore check --report`: this rank tokenizes only its rows
+        identity = run_identity(cfg.inputs, tokenizer, thresholds=cfg.thresholds, hash_content=False, **settings)
+        verdict = reuse_gate_report(cfg.gate_report, identity)
+    elif world == 1:  # one pass: every row is this rank's
+        samples = my_rows()
+        result.gate = check(samples, cfg.thresholds, stats=stats)
+        verdict = GateVerdict.from_report(result.gate)
+    else:
+        log.warning("rank %d of %d: no --gate-report, so this rank runs the quality gate over the whole input (as "
+                    "every rank does); run `hsstore check --report FILE` once and pass --gate-report FILE so that "
+                    "each rank tokenizes only its own rows", rank, world)
+        result.gate = gate_inputs(cfg.inputs, tokenizer, thresholds=cfg.thresholds, **settings)
+        verdict = GateVerdict.from_report(result.gate)
+    if not verdict.ok and not cfg.force:
+        raise GateRefused(verdict, verdict.format_text(tokenizer))
+    if verdict.repeated_ids:
+        raise ValueError(f"sample id {verdict.repeated_ids[0]!r} occurs more than once in the input: ids must be "
+                         "unique for resume")
+    if samples is None:
+        samples = my_rows()
     over = [s.sample_id for s in samples if "over_length" in s.flags]
     samples = [s for s in samples if "over_length" not in s.flags]
+    result.rows = stats.rows
     result.skipped_over_length = len(over)
     result.skipped_rows = {reason: len(v) for reason, v in stats.skipped.items()}
 
-    mine = rank_slice(samples, rank, world)
     done = committed_ids(cfg.out, cfg.storage_options)
-    todo = [s for s in mine if s.sample_id not in done]
-    result.skipped_done = len(mine) - len(todo)
+    todo = [s for s in samples if s.sample_id not in done]
+    result.skipped_done = len(samples) - len(todo)
     if result.skipped_done:
-        log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done, len(mine))
+        log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done,
+                 len(samples))
 
     device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -165,7 +173,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
-    manifest = build_manifest(model, tokenizer, name=cfg.model.rstrip("/").rsplit("/", 1)[-1], layers=layers,
+    manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding,
                               features=("final_hidden",) if cfg.final_hidden else ())
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
@@ -175,11 +183,12 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
         shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
-    if rank == 0:  # recorded in the store's commit records, so `hsstore info` shows what never reached it
-        if over:
-            writer.note_skipped("over_length", over)
-        for reason, skipped_ids in stats.skipped.items():
-            writer.note_skipped(reason, skipped_ids)
+    # each rank records what it left out of its rows in its commit records, so `hsstore info` shows what never
+    # reached the store (counted once per id over all ranks and resumed runs)
+    if over:
+        writer.note_skipped("over_length", over)
+    for reason, skipped_ids in stats.skipped.items():
+        writer.note_skipped(reason, skipped_ids)
 
     budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
     batches = token_budget_batches(todo, budget)
@@ -194,7 +203,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
 
     def sink(s: TokenizedSample, feats: torch.Tensor) -> None:
         writer.add(s.sample_id, s.input_ids, s.loss_mask, feats, source=s.source,
-                   thinking_tokens=s.thinking_tokens, flags=gate_flags.get(s.sample_id, s.flags))
+                   thinking_tokens=s.thinking_tokens, flags=verdict.flags(s))
         result.samples += 1
         result.tokens += s.num_tokens
 

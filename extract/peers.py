@@ -44,6 +44,8 @@ from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.errors import SampleError
 from hsstore.reader import committed_ids
 
+from .target import identity_from_model_dir
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("specforge", "speculators")
@@ -281,23 +283,35 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
 
 
 # -- identity --------------------------------------------------------------------------------------------------
-def identity_from_model_dir(model_dir: str) -> tuple[TargetIdentity, TokenizerIdentity]:
-    """Target and tokenizer identity of a local model folder, hashed as ``extract`` hashes them (config and
-    tokenizer only: no weights are loaded, so ``weights_hash`` stays unset)."""
-    from transformers import AutoConfig
-
-    from .capture import text_config
-    from .cli import load_tokenizer
-    from .identity import config_hash, tokenizer_identity
-
-    if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"model directory not found: {model_dir}")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    tc = text_config(config)
-    name = model_dir.rstrip("/").rsplit("/", 1)[-1]
-    target = TargetIdentity(name=name, num_layers=int(tc.num_hidden_layers), hidden_size=int(tc.hidden_size),
-                            config_hash=config_hash(config), model_type=getattr(config, "model_type", None))
-    return target, tokenizer_identity(load_tokenizer(model_dir), name)
+def import_manifest(fmt: str, layers: str | None = None, *, peer_layers: str | None = None,
+                    hsstore_ids: bool = False, path: str | None = None, final_hidden: bool = True,
+                    dtype: str = "bfloat16", codec: str = "none",
+                    model: str | None = None, model_name: str | None = None, num_layers: int | None = None,
+                    hidden_size: int | None = None, config_hash: str | None = None,
+                    tokenizer_hash: str | None = None, tokenizer_name: str | None = None,
+                    chat_template_hash: str | None = None) -> Manifest:
+    """The manifest of an import: identity from a local ``model`` folder (hashed as extract hashes it) or from
+    the given values, which the peers' files cannot supply. Layer ids: ``layers`` (hsstore's) or ``peer_layers``
+    (the peer's own), see :func:`import_layers`. ``final_hidden``: a SpecForge folder at ``path`` whose files
+    carry the final-norm output (``hidden_state``) gives a store with the ``final_hidden`` feature."""
+    if model:
+        target, tokenizer = identity_from_model_dir(model)
+        if hidden_size is not None and hidden_size != target.hidden_size:
+            raise ValueError(f"--hidden-size {hidden_size} contradicts {model} (hidden size {target.hidden_size})")
+    else:
+        need = {"--model-name": model_name, "--num-layers": num_layers, "--hidden-size": hidden_size,
+                "--config-hash": config_hash, "--tokenizer-hash": tokenizer_hash}
+        absent = [k for k, v in need.items() if v is None]
+        if absent:
+            raise ValueError(f"give --model DIR, or the identity flags ({', '.join(absent)} missing)")
+        target = TargetIdentity(name=model_name, num_layers=num_layers, hidden_size=hidden_size,
+                                config_hash=config_hash)
+        tokenizer = TokenizerIdentity(name=tokenizer_name or model_name, vocab_hash=tokenizer_hash,
+                                      chat_template_hash=chat_template_hash)
+    ids, extra = import_layers(fmt, layers, peer_layers, target.num_layers, hsstore_ids=hsstore_ids)
+    final = fmt == "specforge" and final_hidden and path is not None and first_file_has_final_hidden(Path(path))
+    return Manifest(target=target, tokenizer=tokenizer, layers=tuple(ids), dtype=dtype, codec=codec,
+                    features=("final_hidden",) if final else (), extra={"imported_from": fmt, **extra})
 
 
 # -- layer ids ---------------------------------------------------------------------------------------------------

@@ -55,3 +55,67 @@ def format_sample(tokenizer, input_ids, loss_mask, color: bool = False, max_char
         else:
             out.append(MASK_OPEN + text + MASK_CLOSE if masked else text)
     return "".join(out)
+
+
+def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_template_kwargs: dict | None = None):
+    """Sample ``n`` of input files (0-based position after multi-turn expansion, or a sample id), tokenized as
+    extract would; a row that was skipped, or a position past the end, is refused saying which and why."""
+    from .tokenize import TokenizeStats, load_samples
+
+    index = int(n) if n.isdigit() else None
+    count = 0
+    stats = TokenizeStats()
+    for sample in load_samples(inputs, tokenizer, keep_over_length=True, expand=expand, stats=stats,
+                               chat_template_kwargs=chat_template_kwargs or {}):
+        if count == index or sample.sample_id == n:
+            return sample
+        count += 1
+    why = next((r for r, ids in stats.skipped.items() if n in ids), None)
+    if why:
+        raise ValueError(f"{inputs}: row {n!r} was skipped ({why}): it cannot be tokenized faithfully "
+                         "(the warning above says why)")
+    skipped = "".join(f"; {len(ids)} rows skipped ({r}), first: {stats.first_skipped[r][:240]}"
+                      for r, ids in stats.skipped.items())
+    raise ValueError(f"{inputs}: no sample {n!r} (it has {count} samples{skipped})")
+
+
+def format_input_sample(sample, tokenizer, color: bool = False, max_chars: int | None = None) -> str:
+    """A header line (id, source, token counts, gate flags), then the decoded sample with its mask marked."""
+    s = sample
+    flags = ", ".join(s.flags) or "-"
+    return (f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, thinking "
+            f"{s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}\n"
+            + format_sample(tokenizer, s.input_ids, s.loss_mask, color=color, max_chars=max_chars))
+
+
+def format_store_sample(url: str, n: str, storage_options: dict | None = None, model: str | None = None,
+                        color: bool = False, max_chars: int | None = None) -> str:
+    """Sample ``n`` (position or id) of a store, decoded with the store's own tokenizer (exported by extract)
+    unless ``model`` names one, its loss mask marked, after a header line from its commit record."""
+    import tempfile
+
+    import hsstore
+    from hsstore import assets
+
+    from .target import load_tokenizer
+
+    store = hsstore.open(url, **(storage_options or {}))
+    ids = store.sample_ids()
+    index = int(n) if n.isdigit() else (ids.index(n) if n in ids else None)
+    if index is None or not 0 <= index < len(store):
+        raise ValueError(f"{url}: no sample {n!r} (it has {len(store)} samples)")
+    ref = store.ref(index)
+    item = store.read(index, layers=store.layers[:1])
+    if model:
+        tokenizer = load_tokenizer(model)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=url)
+            tokenizer = load_tokenizer(tmp)
+    rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
+    flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
+    return (f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "
+            f"loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
+            f"shard {ref.shard}, flags: {flags}\n"
+            + format_sample(tokenizer, item["input_ids"].numpy(), item["loss_mask"].numpy(), color=color,
+                            max_chars=max_chars))

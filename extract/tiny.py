@@ -125,7 +125,7 @@ TRAINED_FILES = ("model.safetensors", "tokenizer.json", "target.json")
 
 def demo_conversations_path() -> Path:
     """Path of the bundled demo conversations (JSONL)."""
-    return Path(str(resources.files("extract").joinpath("data/demo_conversations.jsonl")))
+    return Path(str(resources.files(__package__).joinpath("data/demo_conversations.jsonl")))
 
 
 def _training_texts() -> list[str]:
@@ -314,7 +314,7 @@ def trained_files() -> Path:
     """The shipped files of the trained tiny target (``tools/train_tiny_target.py`` writes them): weights,
     ``tokenizer.json`` (its BPE), ``target.json`` (sizes, provenance), ``conversations.jsonl`` (prompts it answered
     greedily: the demo's extraction input) and ``heldout.jsonl`` (eval prompts in neither training set)."""
-    return Path(str(resources.files("extract").joinpath(TRAINED_DATA)))
+    return Path(str(resources.files(__package__).joinpath(TRAINED_DATA)))
 
 
 def build_trained_target(out_dir: str | os.PathLike) -> Path:

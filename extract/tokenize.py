@@ -49,7 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .readers import ChatRecord, Record, TokenRecord, derive_id, read_records  # noqa: F401 (re-export)
+from .readers import (  # noqa: F401 (re-export)
+    ALL_ROWS, ChatRecord, Record, RowShard, TokenRecord, derive_id, read_inputs, read_records,
+)
 from .response import THINK_END, THINK_START, ResponseMarkers, response_stats
 
 logger = logging.getLogger(__name__)
@@ -556,8 +558,9 @@ def load_samples(
     expand: bool = True,
     stats: TokenizeStats | None = None,
     chat_template_kwargs: dict | None = None,
+    shard: RowShard = ALL_ROWS,
 ) -> Iterator[TokenizedSample]:
-    """Stream samples from input files/directories.
+    """Stream samples from input files/directories (only the rows ``shard`` owns: one rank's share).
 
     Conversations need ``tokenizer`` (its chat template, rendered with ``chat_template_kwargs`` unless a
     row has its own); pre-tokenized rows only use it for the thinking/answer counts. A row that cannot be
@@ -569,43 +572,42 @@ def load_samples(
     paths = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
     chat: ChatTokenizer | None = None
     markers = ResponseMarkers.from_tokenizer(tokenizer) if tokenizer is not None else None
-    for path in paths:
-        for record in read_records(path):
-            stats.rows += 1
-            if isinstance(record, TokenRecord):
-                samples = [sample_from_tokens(record, markers)]
-            else:
-                if tokenizer is None:
-                    raise ValueError(f"{record.where}: conversations need a tokenizer (the target model's)")
-                if chat is None:
-                    try:
-                        chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs)
-                    except ValueError as e:
-                        raise ValueError(f"{record.where} (id={record.sample_id}): {e}") from e
+    for record in read_inputs(paths, shard):
+        stats.rows += 1
+        if isinstance(record, TokenRecord):
+            samples = [sample_from_tokens(record, markers)]
+        else:
+            if tokenizer is None:
+                raise ValueError(f"{record.where}: conversations need a tokenizer (the target model's)")
+            if chat is None:
                 try:
-                    samples = chat.tokenize(record, expand=expand)
-                except RowError as e:
-                    stats.skip(e.reason, record.sample_id, str(e))
-                    n = len(stats.skipped[e.reason])
-                    if n <= _LOGGED_PER_REASON:
-                        logger.warning("skipped row (%s): %s", e.reason, e)
-                    elif n == _LOGGED_PER_REASON + 1:
-                        logger.warning("more rows skipped for %s; the count is in the report", e.reason)
+                    chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs)
+                except ValueError as e:
+                    raise ValueError(f"{record.where} (id={record.sample_id}): {e}") from e
+            try:
+                samples = chat.tokenize(record, expand=expand)
+            except RowError as e:
+                stats.skip(e.reason, record.sample_id, str(e))
+                n = len(stats.skipped[e.reason])
+                if n <= _LOGGED_PER_REASON:
+                    logger.warning("skipped row (%s): %s", e.reason, e)
+                elif n == _LOGGED_PER_REASON + 1:
+                    logger.warning("more rows skipped for %s; the count is in the report", e.reason)
+                continue
+            stats.expanded += len(samples) - 1
+        for sample in samples:
+            sample, action = apply_max_length(sample, max_length, truncate, markers)
+            if action == "over_length":
+                stats.skipped_over_length += 1
+                if not keep_over_length:
                     continue
-                stats.expanded += len(samples) - 1
-            for sample in samples:
-                sample, action = apply_max_length(sample, max_length, truncate, markers)
-                if action == "over_length":
-                    stats.skipped_over_length += 1
-                    if not keep_over_length:
-                        continue
-                elif action == "truncated":
-                    stats.truncated += 1
-                    if sample.loss_tokens == 0:
-                        stats.skipped_no_loss += 1
-                        continue
-                stats.samples += 1
-                yield sample
+            elif action == "truncated":
+                stats.truncated += 1
+                if sample.loss_tokens == 0:
+                    stats.skipped_no_loss += 1
+                    continue
+            stats.samples += 1
+            yield sample
 
 
 _LOGGED_PER_REASON = 5

@@ -16,10 +16,10 @@ from .version import __version__
 # pay for torch and zarr.
 _LAZY = {
     "TokenBatches": "batching", "collate_packed": "batching", "collate_padded": "batching",
-    "token_batches": "batching", "HiddenStateDataset": "loader", "LoaderStateError": "loader",
-    "merge_states": "loader", "FORMAT_VERSION": "manifest", "Manifest": "manifest", "TargetIdentity": "manifest",
-    "TokenizerIdentity": "manifest", "ProcessWriter": "process_writer", "Store": "reader", "open_store": "reader",
-    "open": "reader", "StoreWriter": "writer",
+    "count_token_batches": "batching", "token_batches": "batching", "HiddenStateDataset": "loader",
+    "LoaderStateError": "resume", "merge_states": "resume", "FORMAT_VERSION": "manifest", "Manifest": "manifest",
+    "TargetIdentity": "manifest", "TokenizerIdentity": "manifest", "ProcessWriter": "process_writer",
+    "Store": "reader", "open_store": "reader", "open": "reader", "StoreWriter": "writer",
 }
 
 
@@ -36,6 +36,6 @@ def __getattr__(name: str):
 __all__ = [
     "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",
     "ManifestError", "ProcessWriter", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity",
-    "TokenBatches", "TokenizerIdentity", "__version__", "collate_packed", "collate_padded", "merge_states", "open",
-    "open_store", "token_batches",
+    "TokenBatches", "TokenizerIdentity", "__version__", "collate_packed", "collate_padded", "count_token_batches",
+    "merge_states", "open", "open_store", "token_batches",
 ]

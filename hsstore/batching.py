@@ -16,9 +16,28 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .loader import _can_pin
+from .memory import can_pin, empty_host
 
 MODES = ("pad", "pack")
+
+
+class _Budget:
+    """The token-budget rule of ``token_batches``, fed one sample length at a time."""
+
+    def __init__(self, max_tokens: int, mode: str, max_items: int | None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.max_tokens, self.mode, self.max_items = max_tokens, mode, max_items
+        self.items = self.longest = self.total = 0
+
+    def add(self, T: int) -> bool:
+        """Count a sample of ``T`` tokens in; True when it starts a new batch (the first, or the last is full)."""
+        cost = (self.items + 1) * max(self.longest, T) if self.mode == "pad" else self.total + T
+        new = not self.items or cost > self.max_tokens or (self.max_items is not None and self.items >= self.max_items)
+        if new:
+            self.items = self.longest = self.total = 0
+        self.items, self.longest, self.total = self.items + 1, max(self.longest, T), self.total + T
+        return new
 
 
 def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = "pad",
@@ -28,33 +47,23 @@ def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = 
     ``pad``: batch size x longest sample <= max_tokens (padding counts); ``pack``: sum of lengths <=
     max_tokens. A sample longer than the budget forms a batch of its own (it is never dropped).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    budget = _Budget(max_tokens, mode, max_items)
     batch: list[dict[str, Any]] = []
-    longest = total = 0
     for item in items:
-        T = int(item["input_ids"].shape[0])
-        cost = (len(batch) + 1) * max(longest, T) if mode == "pad" else total + T
-        if batch and (cost > max_tokens or (max_items is not None and len(batch) >= max_items)):
+        if budget.add(int(item["input_ids"].shape[0])) and batch:
             yield batch
-            batch, longest, total = [], 0, 0
+            batch = []
         batch.append(item)
-        longest, total = max(longest, T), total + T
     if batch:
         yield batch
 
 
-def _empty(shape: Sequence[int], dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
-    """Batch memory: shared memory in a DataLoader worker (handing it over then copies nothing); pinned
-    memory when asked in the main process. Pinned blocks come from torch's caching host allocator, so
-    a batch reuses the memory of one whose copy to the device is done: no page faults, no second copy."""
-    if get_worker_info() is not None:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
-        return torch.empty(0, dtype=torch.uint8).set_(storage).view(dtype).view(tuple(shape))
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory)
+def count_token_batches(lengths: Iterable[int], max_tokens: int, mode: str = "pad",
+                        max_items: int | None = None) -> int:
+    """How many batches ``token_batches`` makes of samples with these token counts, in this order (with
+    ``HiddenStateDataset.planned_lengths``: an epoch's steps, before reading it)."""
+    budget = _Budget(max_tokens, mode, max_items)
+    return sum(budget.add(int(T)) for T in lengths)
 
 
 def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory: bool = False) -> dict[str, Any]:
@@ -69,8 +78,8 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory:
     hs0 = items[0]["hidden_states"]
     ids = torch.full((B, T), pad_id, dtype=torch.int64)
     mask = torch.zeros((B, T), dtype=torch.bool)
-    hidden = _empty((B, T) + tuple(hs0.shape[1:]), hs0.dtype, pin_memory)
-    scales = _empty((B, T, hs0.shape[1]), torch.float32, pin_memory) if "hidden_scales" in items[0] else None
+    hidden = empty_host((B, T) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory)
+    scales = empty_host((B, T, hs0.shape[1]), torch.float32, pin=pin_memory) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = x["input_ids"]
@@ -105,8 +114,8 @@ def collate_packed(items: Sequence[dict[str, Any]], pin_memory: bool = False) ->
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     N = int(cu[-1])
     hs0 = items[0]["hidden_states"]
-    hidden = _empty((N,) + tuple(hs0.shape[1:]), hs0.dtype, pin_memory)
-    scales = _empty((N, hs0.shape[1]), torch.float32, pin_memory) if "hidden_scales" in items[0] else None
+    hidden = empty_host((N,) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory)
+    scales = empty_host((N, hs0.shape[1]), torch.float32, pin=pin_memory) if "hidden_scales" in items[0] else None
     for b, x in enumerate(items):
         hidden[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_states"])
         if scales is not None:
@@ -157,7 +166,7 @@ class TokenBatches(IterableDataset):
         if get_worker_info() is not None:
             self.dataset.share_memory = False  # items are copied into the (shared) batch anyway
         elif self.pin_memory:
-            pin = _can_pin()
+            pin = can_pin()
         self._held = 0
         for batch in token_batches(self._counted(self.dataset), self.max_tokens, self.mode, self.max_items):
             self._held -= len(batch)  # what is still held: the item that did not fit, if any

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import shard, storage, wds
+from . import storage, wds
+from .commit import layer_array
 from .manifest import Manifest, TargetIdentity, TokenizerIdentity
 from .reader import Store
 from .writer import StoreWriter, default_chunk_tokens
@@ -54,6 +55,51 @@ def _time(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _loader_process(store_url: str, storage_options: dict[str, Any], layers: list[int], rank: int, world: int,
+                    workers: int, seed: int, start, results) -> None:
+    """One of several concurrent loaders (a spawned process): open, wait for the others, then time one epoch."""
+    from torch.utils.data import DataLoader
+
+    from .loader import HiddenStateDataset
+
+    ds = HiddenStateDataset(store_url, layers=layers, seed=seed, rank=rank, world_size=world,
+                            storage_options=storage_options)
+    it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers)
+    start.wait()
+    t = time.perf_counter()
+    got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in it)
+    results.put((rank, got, time.perf_counter() - t))
+
+
+def _concurrent_loaders(store_url: str, storage_options: dict[str, Any], layers: list[int], procs: int,
+                        workers: int, rounds: int, progress: bool) -> dict[str, Any]:
+    """``procs`` loader processes at once, each rank r of world ``procs``: the best round's per-process GB/s
+    (its bytes / its time) and total GB/s (all bytes / the slowest process's time)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fresh interpreters, as torchrun starts its ranks
+    best: dict[str, Any] | None = None
+    bar = _bar(rounds, f"bench {procs} loaders at once", progress)
+    for r in range(rounds):
+        start, results = ctx.Barrier(procs), ctx.Queue()
+        ps = [ctx.Process(target=_loader_process, args=(store_url, storage_options, layers, i, procs, workers, r,
+                                                         start, results)) for i in range(procs)]
+        for p in ps:
+            p.start()
+        got = sorted(results.get(timeout=3600) for _ in ps)
+        for p in ps:
+            p.join()
+        per = [b / s / 1e9 for _, b, s in got]
+        total = sum(b for _, b, _ in got) / max(s for _, _, s in got) / 1e9
+        if best is None or total > best["total_gbps"]:
+            best = {"procs": procs, "workers_each": workers, "total_gbps": total, "per_process_gbps": per,
+                    "min_process_gbps": min(per)}
+        bar.update(1)
+    bar.close()
+    assert best is not None
+    return best
 
 
 def _bar(total: int, desc: str, progress: bool, unit: str = "round"):
@@ -128,7 +174,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
 def _raw_pieces(store: Store, layers: list[int]) -> list[tuple[str, int, int]]:
     """``(path, start, end)`` of the objects (zarr: chunk files; wds: tar members) that hold the ids, masks
     and ``layers``' features of a store: what a plain reader of those bytes would fetch."""
-    wanted = [f"/{shard.layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
+    wanted = [f"/{layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
     member_parts = [f".{wds.layer_part(l)}" for l in layers] + [".input_ids.npy", ".loss_mask.npy"]
     out = []
     for c in store.commits:
@@ -195,7 +241,7 @@ def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
 def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
                      workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
-                     layout: str = "zarr", progress: bool = False) -> dict[str, dict]:
+                     layout: str = "zarr", progress: bool = False, procs: int = 1) -> dict[str, dict]:
     """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
     optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
     the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
@@ -205,6 +251,9 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here.
     Locally the files are in the page cache unless ``cold`` (then each round first drops them with
     ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
+
+    ``procs`` > 1 also runs that many loader processes at once, each a rank of that world reading its share (the
+    loaders of one training node's GPUs, sharing its CPUs and disk): per-process and total GB/s.
     """
     from torch.utils.data import DataLoader
 
@@ -272,6 +321,9 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                 d["input_ids"].clone(), d["loss_mask"].clone()
 
         best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "peer": np.inf}
+        multi: dict[str, Any] | None = None
+        if procs > 1:
+            multi = _concurrent_loaders(store_url, storage_options, sel, procs, workers, rounds, progress)
         bar = _bar(rounds * 4, f"bench loader ({layout})", progress, unit="pass")
         for r in range(rounds):
             for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: through_loader(r)),
@@ -295,6 +347,8 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     if local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
         out["raw_direct_gbps"] = gb / best["raw_direct"]
         out["ratio_direct"] = out["gbps"] / out["raw_direct_gbps"]
+    if multi is not None:
+        out["procs"] = multi
     if peers:
         out["peer_gbps"] = gb / best["peer"]
         out["peer_ratio"] = out["peer_gbps"] / out["raw_gbps"]

@@ -119,18 +119,12 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from tqdm import tqdm
-
     from .convert import convert
-    from .reader import open_store
 
     src_options = storage.parse_storage_options(args.storage_option)
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
-    src = open_store(args.src, **src_options)
-    total = sum(v["raw_bytes"] for c in src.commits for v in c.layers.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=args.quiet) as bar:
-        r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
-                    progress=bar.update)
+    r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
+                progress=not args.quiet)
     print(f"convert {args.src} -> {args.dst} ({args.layout}): {r.shards} shards, {r.samples} samples written; "
           f"{r.skipped} shards already there")
     return 0
@@ -154,7 +148,7 @@ def cmd_bench(args) -> int:
                                          layers=args.num_taps, codec=args.codec, rounds=args.rounds,
                                          read_layers=read_layers, workers=args.workers, cold=args.cold,
                                          peers=not args.no_peers, pin=args.pin_memory, layout=lay,
-                                         progress=not args.quiet))
+                                         progress=not args.quiet, procs=args.procs))
         result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
     if len(layouts) > 1:
         base, other = layouts[0], layouts[1:]
@@ -177,6 +171,10 @@ def cmd_bench(args) -> int:
             if "peer_gbps" in r:
                 print(f"{'peer layout':>20}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
                       f"{r['peer_ratio']:.2f}; loader is {r['vs_peer']:.2f}x the peers' layout")
+            if "procs" in r:
+                m = r["procs"]
+                print(f"{'':>20}  {m['procs']} loaders at once: {m['total_gbps']:.3f} GB/s in all, "
+                      f"{m['min_process_gbps']:.3f} GB/s for the slowest")
             for lay, x in r.get("vs_layout", {}).items():
                 print(f"{'':>20}  {lay} layout: {x:.2f}x this throughput")
     return 0
@@ -262,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--read-layers", default=None, metavar="L,L",
                    help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
     q.add_argument("--workers", type=int, default=0, help="loader: DataLoader worker processes (0: in-process)")
+    q.add_argument("--procs", type=int, default=1, metavar="N",
+                   help="loader: also run N loader processes at once, each a rank of N (one node's GPUs)")
     q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
     q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")

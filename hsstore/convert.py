@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from . import codec, layout, shard, storage
+from . import codec, commit, layout, storage
 from .errors import ManifestError, StoreError
 from .reader import Store
 from .subset import copy_assets_if_missing
@@ -34,11 +34,13 @@ class ConvertResult:
 
 def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, Any] | None = None,
             dst_options: dict[str, Any] | None = None, chunk_codec: str | None = None,
-            progress: Callable[[int], None] | None = None) -> ConvertResult:
+            progress: bool = False) -> ConvertResult:
     """Convert ``src_url`` into ``dst_url`` with layout ``to_layout`` (``chunk_codec``: the zarr codec of the
-    destination, default the source's; wds takes none). ``progress`` gets feature bytes as shards finish."""
+    destination, default the source's; wds takes none). ``progress``: a bar of feature bytes converted."""
+    from tqdm import tqdm
+
+    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
     src = Store(src_url, src_options)
-    fs, root = storage.resolve(dst_url, dst_options)
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")
     if chunk_codec is None:
@@ -53,27 +55,28 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
         raise ManifestError(f"convert: store {dst_url!r} has chunk_tokens {dst_manifest.chunk_tokens}, the source "
                             f"{src.manifest.chunk_tokens}")
     copy_assets_if_missing(src, fs, root)  # what train and show need instead of the target
-    done = set(shard.list_committed(fs, root))
+    done = set(commit.list_committed(fs, root))
     write_shard = layout.get(to_layout).write_shard
     result = ConvertResult()
-    for rec in src.commits:
-        if rec.shard in done:
-            result.skipped += 1
-            continue
-        slots = src.manifest.slots  # the layers, then named features (final_hidden)
-        ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, slots)  # every byte checked before any write
-        features = {l: feats[j] for j, l in enumerate(slots)}
-        try:
-            new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
-                              stats=rec.stats)
-            shard.publish(fs, root, new)
-        except Exception as e:
-            raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-        result.shards += 1
-        result.samples += rec.n_samples
-        result.bytes_read += int(feats.nbytes)
-        if progress:
-            progress(int(feats.nbytes))
-        log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
+    total = sum(v["raw_bytes"] for c in src.commits if c.shard not in done for v in c.layers.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+        for rec in src.commits:
+            if rec.shard in done:
+                result.skipped += 1
+                continue
+            slots = src.manifest.slots  # the layers, then named features (final_hidden)
+            ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, slots)  # every byte checked first
+            features = {l: feats[j] for j, l in enumerate(slots)}
+            try:
+                new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
+                                  stats=rec.stats)
+                commit.publish(fs, root, new)
+            except Exception as e:
+                raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+            result.shards += 1
+            result.samples += rec.n_samples
+            result.bytes_read += int(feats.nbytes)
+            bar.update(int(feats.nbytes))
+            log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
     return result

@@ -1,42 +1,64 @@
-"""Shard layouts (the manifest's ``layout``): the one place that tells them apart.
+"""Shard layouts (the manifest's ``layout``): the protocol every layout follows, and the registry.
 
-Manifest, commit records, the sample index, the loader and ``info`` are shared by all layouts; a
-layout only says how one shard's samples become objects, how a token range of a shard is read back,
-and how ``verify`` checks a shard. ``zarr``: one Zarr v3 group of chunked arrays per shard (the
-default, compressible, chunk cache). ``wds``: one WebDataset tar of ``.npy`` members per shard.
+Manifest, commit records (commit.py), the sample index, the loader and ``info`` are shared by all layouts;
+a layout only says how one shard's samples become objects, how a token range of a shard is read back, and
+how ``verify`` checks a shard. Each layout is one module that implements :class:`Layout` with plain
+functions (as zarr-python's stores implement its ``Store`` ABC, one class per backend): ``zarr``
+(zarr_layout.py: one Zarr v3 group of chunked arrays per shard; the default, compressible, chunk cache) and
+``wds`` (wds.py: one WebDataset tar of ``.npy`` members per shard).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from . import wds, zarr_layout
+from .commit import CommitRecord
+from .manifest import Manifest
+from .report import VerifyReport
+
+if TYPE_CHECKING:
+    from .reader import Store
 
 
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    # (fs, root, name, writer, manifest, features, input_ids, loss_mask, samples, stats) -> unpublished CommitRecord
-    write_shard: Callable
-    # (store, record, start, stop, layers, ids, mask, feats, carry, scales): fill the destinations (scales: the
-    # fp8 per-row scales, or None), check every byte read
-    read_into: Callable
-    # (store, fs, root, record, report, progress, tails=None): verify's checks of one committed shard, whose
-    # files are in (fs, root) (another store's for a shard merged by reference); tails: see upgrade
-    check_shard: Callable
-    # objects written once, with the manifest, when a store is created
-    store_objects: Callable[[], dict[str, bytes]]
-    # an entry of shards/ -> the shard it belongs to (None: not a shard), for verify's debris listing
-    shard_of: Callable[[str], "str | None"]
+class Layout(Protocol):
+    """What a layout module provides. Every function checks what it reads: a layout never returns bytes that
+    failed their CRC32C, and names the shard and file (or member) at fault."""
+
+    def write_shard(self, fs, root: str, name: str, writer: str, manifest: Manifest, features: dict[int, np.ndarray],
+                    input_ids: np.ndarray, loss_mask: np.ndarray, samples: dict[str, list],
+                    stats: dict[str, Any] | None = None, scales: dict[int, np.ndarray] | None = None,
+                    ) -> CommitRecord:
+        """Write shard ``name``'s objects under ``(fs, root)``; return its commit record, not yet published
+        (``scales``: fp8 stores' per-row scales of each layer)."""
+
+    def read_into(self, store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int],
+                  ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None,
+                  scales: np.ndarray | None = None) -> None:
+        """Tokens ``start:stop`` of the shard into the caller's arrays (``feats`` layer-major
+        ``[n_layers, T, H]``; ``scales``: fp8 stores' ``[n_layers, T]``, else None); ``carry``: objects
+        shared by consecutive reads of a scan (see ``Store.read_range``)."""
+
+    def check_shard(self, store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
+                    progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
+        """``verify``'s checks of one committed shard whose files are in ``(fs, root)`` (another store's for
+        a shard merged by reference), problems added to ``report``; ``progress`` gets bytes read; ``tails``:
+        see ``hsstore upgrade``."""
+
+    def store_objects(self) -> dict[str, bytes]:
+        """Objects written once, with the manifest, when a store is created."""
+
+    def shard_of(self, entry: str) -> str | None:
+        """The shard an entry of ``shards/`` belongs to (None: not a shard), for verify's debris listing."""
+
+
+LAYOUTS: dict[str, Layout] = {"zarr": zarr_layout, "wds": wds}
 
 
 def get(name: str) -> Layout:
-    from . import reader, shard, verify, wds  # here: reader and verify use this module
-
-    if name == "zarr":
-        return Layout("zarr", shard.write_shard, reader.Store._read_zarr_into, verify.check_zarr_shard,
-                      shard.parent_groups,
-                      lambda entry: None if entry == "zarr.json" else entry)
-    if name == "wds":
-        return Layout("wds", wds.write_shard, wds.read_into, verify.check_tar_shard, dict,
-                      lambda entry: entry[:-len(".tar")] if entry.endswith(".tar") else None)
-    raise ValueError(f"unknown shard layout {name!r}")
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown shard layout {name!r}") from None

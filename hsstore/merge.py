@@ -19,9 +19,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import shard, storage
+from . import commit, storage
 from .errors import CorruptionError, ManifestError, StoreError
-from .manifest import MANIFEST_FILE, check_compatible
+from .manifest import check_compatible
 from .reader import Store
 from .subset import copy_assets_if_missing
 from .writer import ensure_manifest
@@ -48,7 +48,7 @@ def _check_layout(a: Store, b: Store) -> None:
                                 f"as they are (re-encode with `hsstore subset {b.url} DST`)")
 
 
-def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.CommitRecord]]:
+def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, commit.CommitRecord]]:
     """The (source, shard) pairs still to add, after every check; raises before anything is written."""
     first = dst or srcs[0]
     for s in srcs:
@@ -62,7 +62,7 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.Co
     for s in srcs:
         for rec in s.commits:
             if rec.shard in present:  # a re-run: this shard was merged already
-                if not shard.same_files(present[rec.shard], rec):  # (one may have been upgraded since)
+                if not commit.same_files(present[rec.shard], rec):  # (one may have been upgraded since)
                     raise StoreError(f"shard {rec.shard!r} of {s.url!r} differs from the destination's shard of the "
                                      "same name (refusing to overwrite)")
                 continue
@@ -77,7 +77,7 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, shard.Co
     return todo
 
 
-def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
+def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str) -> int:
     """Copy one shard's files (each checked against its commit record), then publish its record. Returns bytes."""
     src_fs, src_root, _ = src.shard_location(rec.shard)
     keys, size, copied = [], 0, 0
@@ -89,14 +89,14 @@ def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
             continue
         paths = {storage.join(src_root, k): k for k in keys}
         # objects cut or damaged in transit are fetched again before they are called corrupt
-        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: shard.check_file(rec, paths[p], b) is None)
+        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: commit.check_file(rec, paths[p], b) is None)
         out = {}
         for k in keys:
             data = blobs[storage.join(src_root, k)]
             where = f"store {src.url!r}, shard {rec.shard}, file {k}"
             if isinstance(data, Exception):
                 raise CorruptionError(f"{where}: unreadable ({type(data).__name__}: {data})")
-            wrong = shard.check_file(rec, k, data)
+            wrong = commit.check_file(rec, k, data)
             if wrong:
                 raise CorruptionError(f"{where}: does not match its commit record ({wrong}); run "
                                       f"`hsstore verify {src.url}`")
@@ -104,7 +104,7 @@ def copy_shard(src: Store, rec: shard.CommitRecord, fs, root: str) -> int:
         storage.put_many(fs, out)
         copied += sum(len(v) for v in out.values())
         keys, size = [], 0
-    shard.publish(fs, root, dataclasses.replace(rec, location=None))
+    commit.publish(fs, root, dataclasses.replace(rec, location=None))
     return copied
 
 
@@ -120,15 +120,14 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
         raise ValueError("merge needs at least one source store")
     dst_options = dst_options or {}
     src_options = dst_options if src_options is None else src_options
-    storage.refuse_anonymous_write(dst_url, dst_options)
+    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
     srcs = [Store(u, src_options) for u in src_urls]
-    fs, root = storage.resolve(dst_url, dst_options)
     if by == "reference":
         far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
         if far:
             raise ValueError(f"{far[0]!r} is on local disk: a reference to it from {dst_url!r} would not resolve "
                              "for other readers (merge --by copy instead)")
-    dst = Store(dst_url, dst_options) if fs.exists(storage.join(root, MANIFEST_FILE)) else None
+    dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
     todo = plan(dst, srcs)
     result = MergeResult(already=sum(len(s.commits) for s in srcs) - len(todo))
     if dst is None:  # the first source's manifest, as is: same identity, chunking and codec
@@ -144,8 +143,8 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
                 bar.update(n)
             else:
                 _, _, where = src.shard_location(rec.shard)
-                record = dataclasses.replace(rec, location=shard.relative_location(dst_url, where))
-                shard.publish(fs, root, record)
+                record = dataclasses.replace(rec, location=commit.relative_location(dst_url, where))
+                commit.publish(fs, root, record)
                 bar.update(1)
             result.shards += 1
             result.samples += rec.n_samples

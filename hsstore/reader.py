@@ -9,9 +9,7 @@ the sample, all layers concurrently.
 from __future__ import annotations
 
 import gc
-import mmap
 import os
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,15 +18,16 @@ from typing import Any, Iterator, Sequence
 import fsspec.spec
 import numpy as np
 import torch
-import zarr
 
-from . import codec, fp8, layout, shard, storage
-from .errors import CorruptionError, FetchError, ManifestError, StoreError
+from . import codec, fp8, layout, storage
+from .commit import CommitRecord, list_committed, load_commits, resolve_location
+from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
 
 _INHERITED: list = []  # filesystems a forked child inherited: alive for good, never used
 _HELD: list = []  # the parent's cached filesystems, referenced across a fork
+_UNFREEZE_IN_PARENT = False  # whether the parent undoes this fork's gc.freeze() (nothing was frozen before)
 
 
 def _hold_filesystems_across_fork() -> None:
@@ -40,15 +39,22 @@ def _hold_filesystems_across_fork() -> None:
     deadlocked DataLoader workers. Holding the instances means no finaliser runs in the child; freezing
     the garbage collector's view does the same for the parent's not-yet-collected garbage (Python's own
     advice for fork without exec: ``gc.freeze()`` before forking).
+
+    ``gc.unfreeze()`` thaws everything, so the parent undoes the freeze only when nothing was frozen
+    before it: an application that froze its own objects (the same advice) keeps them frozen, and the
+    objects of this fork stay frozen with them, as if the application had frozen right before forking.
     """
+    global _UNFREEZE_IN_PARENT
     for cls in list(getattr(fsspec.spec, "_registered_classes", ())):
         _HELD.extend(getattr(cls, "_cache", {}).values())
+    _UNFREEZE_IN_PARENT = gc.get_freeze_count() == 0
     gc.freeze()
 
 
 def _release_in_parent() -> None:
     del _HELD[:]
-    gc.unfreeze()
+    if _UNFREEZE_IN_PARENT:
+        gc.unfreeze()
 
 
 def _keep_in_child() -> None:
@@ -96,8 +102,8 @@ class Store:
         self.manifest = read_manifest(self.fs, self.root, url)
         if self.manifest.chunk_tokens is None:
             raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised this store)")
-        names = shard.list_committed(self.fs, self.root)
-        self.commits: list[shard.CommitRecord] = shard.load_commits(self.fs, self.root, names)
+        names = list_committed(self.fs, self.root)
+        self.commits: list[CommitRecord] = load_commits(self.fs, self.root, names)
         key = self.manifest.shard_key()
         # shards written under another manifest: the manifest was edited afterwards (verify names them)
         self.manifest_mismatch = [c.shard for c in self.commits if c.manifest_key and c.manifest_key != key]
@@ -107,10 +113,8 @@ class Store:
         self._by_name = {c.shard: c for c in self.commits}
         self._pid = os.getpid()
         # shards merged by reference live in another store: shard name -> that store's URL
-        self.locations = {c.shard: shard.resolve_location(url, c.location) for c in self.commits if c.location}
+        self.locations = {c.shard: resolve_location(url, c.location) for c in self.commits if c.location}
         self._located: dict[str, tuple] = {}
-        self._codec = codec.ChunkCodec(self.manifest.codec)
-        self._plain = codec.ChunkCodec("none")
         self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
 
     # -- index -----------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ class Store:
     def _layout(self) -> layout.Layout:
         return layout.get(self.manifest.layout)
 
-    def record(self, shard_name: str) -> shard.CommitRecord:
+    def record(self, shard_name: str) -> CommitRecord:
         """The commit record of a committed shard."""
         try:
             return self._by_name[shard_name]
@@ -185,12 +189,6 @@ class Store:
         state = dict(self.__dict__)
         state["_pid"], state["chunk_cache"], state["_located"] = None, None, {}
         return state
-
-    def _group(self, name: str) -> zarr.Group:
-        """The shard as a Zarr group (metadata checks in ``verify``; data reads do not need it)."""
-        fs, root, url = self.shard_location(name)
-        zstore = shard.zarr_store(fs, root, url, self.storage_options, read_only=True)
-        return zarr.open_group(zstore, path=shard.shard_path(name), mode="r")
 
     def check_manifest(self) -> None:
         """Raise unless every shard was written under this manifest (a hand-edited manifest would make
@@ -255,71 +253,6 @@ class Store:
         self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry,
                                scales_out if is_fp8 else None)
         return ids, mask, feats
-
-    def _read_zarr_into(self, rec: shard.CommitRecord, start: int, stop: int, layers: Sequence[int],
-                        ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None,
-                        scales: np.ndarray | None = None) -> None:
-        """The zarr layout's part of :meth:`read_range`: the chunks of ``layers`` overlapping the range
-        (and, fp8, of their scale arrays)."""
-        shard_name = rec.shard
-        ct, H = self.manifest.chunk_tokens, self.manifest.hidden_size
-        base = shard.shard_path(shard_name)
-        k0, k1 = start // ct, (stop - 1) // ct
-        targets = [(f"{base}/input_ids", ids, self._plain, 1), (f"{base}/loss_mask", mask, self._plain, 1)]
-        targets += [(f"{base}/{shard.layer_array(l)}", feats[j], self._codec, H) for j, l in enumerate(layers)]
-        if scales is not None:  # fp8: each layer's per-row scales
-            targets += [(f"{base}/{shard.scale_array(l)}", scales[j], self._plain, 1) for j, l in enumerate(layers)]
-        fs, root, _ = self.shard_location(shard_name)
-        direct = storage.is_local(fs) and self._codec.spec == "none"
-        # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
-        jobs = []
-        for array_path, out, chunk_codec, width in targets:
-            for k in range(k0, k1 + 1):
-                lo, hi = max(start, k * ct), min(stop, (k + 1) * ct)
-                key = shard.chunk_key(array_path, k, 1 if width == 1 else 2)
-                jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
-                             direct))
-        carried = carry or {}
-        fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
-        blobs: dict = dict(carried)
-        if fetch:
-            cached = self.chunk_cache is not None and not storage.is_local(fs)
-            listed = {storage.join(root, j[0]): rec.chunk_checksum(j[0]) for j in jobs} if cached else None
-            try:
-                if cached:
-                    blobs.update(self.chunk_cache.cat(fs, fetch, namespace=self.cache_namespace(), expect=listed))
-                else:
-                    blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b)))
-            except Exception as e:
-                raise FetchError(f"shard {shard_name!r} of store {self.url!r}: read failed: "
-                                 f"{type(e).__name__}: {e}") from None
-            for p in fetch:
-                failure = storage.fetch_failure(blobs.get(p))
-                if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
-                    raise FetchError(f"shard {shard_name!r} of store {self.url!r}, file "
-                                     f"{p[len(root) + 1:]}: read failed after retries ({failure})")
-        for key, dest, rows, chunk_codec, width, local in jobs:
-            where = f"shard {shard_name!r}, file {key}"
-            path = storage.join(root, key)
-            expect = rec.chunk_checksum(key)  # compared with the tail checked anyway: no extra pass
-            if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
-                read_chunk_into(path, dest, where, expect)
-                continue
-            if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-                vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
-                read_chunk_into(path, vals, where, expect)
-                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
-                continue
-            blob = blobs.get(path)
-            if blob is None or isinstance(blob, Exception):
-                detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
-                raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
-            vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where, expect=expect)
-            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
-        if carry is not None:
-            last = [storage.join(root, shard.chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
-            carry.clear()
-            carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
     def new_scales(self, n_layers: int, T: int) -> np.ndarray | None:
         """A destination for ``read_range``'s ``scales_out`` in an fp8 store (None otherwise)."""
@@ -431,54 +364,13 @@ class Store:
                 f"dtype={self.manifest.dtype}, encoding={self.manifest.encoding})")
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread byte buffer, reused: fresh pages for every partial chunk would cost more than the read."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]
-
-
-def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
-    """Copy an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C, and that it is
-    ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
-
-    The file is mapped rather than read: copying out of the page cache through a mapping measured
-    1.1-1.25x faster than ``readinto`` on the development machine (no difference beyond noise on the
-    GPU machine). Committed chunks are never rewritten, so the mapping cannot change under the copy."""
-    flat = dest.reshape(-1).view(np.uint8)
-    n = flat.nbytes
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != n + 4:
-                raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
-                src = np.frombuffer(m, np.uint8, count=n)
-                np.copyto(flat, src)
-                tail = m[n:n + 4]
-                del src  # release the buffer before the mapping closes
-    except FileNotFoundError:
-        raise CorruptionError(f"{where}: chunk missing") from None
-    tail = int.from_bytes(tail, "little")
-    if codec.crc32c(dest) != tail:
-        raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
-    if expect is not None and tail != expect:
-        raise CorruptionError(f"{where}: {codec.MISPLACED}")
-
-
 def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:
     """Sample ids already committed to a store (empty when the store does not exist yet): what a resumed
     job skips."""
-    try:
-        return set(Store(url, storage_options).sample_ids())
-    except ManifestError as e:
-        if f"no {MANIFEST_FILE}" in str(e):
-            return set()
-        raise
+    fs, root = storage.resolve(url, storage_options)
+    if not storage.store_exists(fs, root, url):
+        return set()
+    return set(Store(url, storage_options).sample_ids())
 
 
 def open_store(url: str, **storage_options: Any) -> Store:

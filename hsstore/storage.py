@@ -20,6 +20,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
+from .manifest import MANIFEST_FILE
 from .redaction import redact, register  # noqa: F401  (redact: storage.redact is the public name)
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,28 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
         raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
     return fs, root.rstrip("/")
+
+
+def open_destination(url: str, options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root) of a store about to be written: the one way every writer (``StoreWriter``,
+    ``convert``, ``merge``, ``subset``) opens its destination, so each refuses an anonymous write the same
+    way, before any request."""
+    refuse_anonymous_write(url, options)
+    return resolve(url, options)
+
+
+def store_exists(fs: fsspec.AbstractFileSystem, root: str, url: str) -> bool:
+    """Whether a store is at ``root``: its manifest is there. A filesystem that cannot answer, or a bucket
+    that does not exist, raises ``StoreError`` (saying what to do) instead of answering no: a destination that
+    cannot be reached is not an empty one, and a job should learn so before its expensive part."""
+    try:
+        if fs.exists(join(root, MANIFEST_FILE)):
+            return True
+    except Exception as e:
+        raise StoreError(explain(e, url, "read", fs, root)) from None
+    if missing_bucket(fs, root):
+        raise StoreError(explain(FileNotFoundError(root), url, "read", fs, root))
+    return False
 
 
 def refuse_anonymous_write(url: str, options: dict[str, Any] | None) -> None:

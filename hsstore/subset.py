@@ -15,7 +15,7 @@ from typing import Any
 
 from . import assets, codec, storage
 from .stats import SAMPLE_FLAGS
-from .manifest import MANIFEST_FILE, Manifest, check_compatible
+from .manifest import Manifest, check_compatible
 from .reader import Store, committed_ids, read_manifest
 from .writer import DEFAULT_SHARD_BYTES, StoreWriter
 
@@ -60,11 +60,10 @@ def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> li
     return out
 
 
-def destination_manifest(src: Manifest, dst_url: str, dst_options: dict[str, Any], note: dict) -> Manifest:
+def destination_manifest(src: Manifest, fs, root: str, dst_url: str, note: dict) -> Manifest:
     """The source's manifest for a derived store (same identity, chunking and codec); an existing destination
     must be compatible."""
-    fs, root = storage.resolve(dst_url, dst_options)
-    if fs.exists(storage.join(root, MANIFEST_FILE)):
+    if storage.store_exists(fs, root, dst_url):
         check_compatible(read_manifest(fs, root, dst_url), src, f"destination {dst_url!r}", "the source")
     return dataclasses.replace(src, created_by="", created_at="", extra={**src.extra, **note})
 
@@ -99,10 +98,10 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
     from tqdm import tqdm
 
     dst_options = dst_options or {}
-    storage.refuse_anonymous_write(dst_url, dst_options)
+    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
     src = Store(src_url, src_options)
     check_flags(src, sel.exclude_flags)
-    manifest = destination_manifest(src.manifest, dst_url, dst_options, {"subset_of": src_url})
+    manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": src_url})
     done = committed_ids(dst_url, dst_options)
     all_kept = select(src, sel)
     windows = select(src, sel, skip_ids=done)

@@ -19,10 +19,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import shard, storage
+from . import commit, storage
 from .manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
 from .reader import Store
-from .verify import Problem, VerifyReport, check_committed_shard
+from .report import Problem, VerifyReport
+from .verify import check_committed_shard
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +51,19 @@ def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> Upgr
         if report.problems:
             result.refused += report.problems
             continue
-        files = {k: {**e, "crc32c": tails[k]} if shard.is_chunk_key(k) else e for k, e in rec.files.items()}
+        files = {k: {**e, "crc32c": tails[k]} if commit.is_chunk_key(k) else e for k, e in rec.files.items()}
         new = dataclasses.replace(rec, files=files, format_version=FORMAT_VERSION)
-        path = storage.join(store.root, shard.commit_path(rec.shard))
+        path = storage.join(store.root, commit.commit_path(rec.shard))
         where = f"commit record of shard {rec.shard!r}"
-        now = shard.CommitRecord.from_json(store.fs.cat_file(path), where=where)
+        now = commit.CommitRecord.from_json(store.fs.cat_file(path), where=where)
         if now != rec:  # replaced since the store was opened (another upgrade, by hand): not ours to overwrite
             if now.binds_chunks:
                 result.current += 1
             else:
                 result.refused.append(Problem(rec.shard, "commit record changed while upgrading; run again",
-                                              shard.commit_path(rec.shard)))
+                                              commit.commit_path(rec.shard)))
             continue
-        shard.publish(store.fs, store.root, new)
+        commit.publish(store.fs, store.root, new)
         result.rewritten += 1
         log.debug("upgraded the commit record of shard %s", rec.shard)
     if not result.refused and store.manifest.format_version < FORMAT_VERSION:
@@ -73,8 +74,8 @@ def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> Upgr
 def _upgrade_manifest(store: Store) -> bool:
     """Raise the manifest's version when every record (those committed since opening too) is current."""
     known = {c.shard for c in store.commits}
-    later = [n for n in shard.list_committed(store.fs, store.root) if n not in known]
-    if not all(c.binds_chunks for c in shard.load_commits(store.fs, store.root, later)):
+    later = [n for n in commit.list_committed(store.fs, store.root) if n not in known]
+    if not all(c.binds_chunks for c in commit.load_commits(store.fs, store.root, later)):
         return False  # an older writer is still adding to the store: a re-run finishes the job
     path = storage.join(store.root, MANIFEST_FILE)
     now = Manifest.from_json(store.fs.cat_file(path), where=f"{store.url}/{MANIFEST_FILE}")

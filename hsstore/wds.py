@@ -12,7 +12,8 @@ Layout under the store prefix (see docs/FORMAT.md)::
 Why: the plain ``webdataset`` library (or ``tarfile`` + ``np.load``) reads a shard with no hsstore code.
 hsstore itself never scans a tar: the commit record's member index gives each member's byte range, so
 a read fetches only the requested layers' members (range reads, neighbours coalesced) and checks each
-one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracted to disk.
+one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracted to disk. Write, read and
+``verify``'s check live here; ``layout.get("wds")`` is this module.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ import posixpath
 import tarfile
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from . import codec, storage
-from .errors import CorruptionError, FetchError
+from .commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
+from .errors import CorruptionError, FetchError, StoreError
 from .manifest import Manifest, now_iso
-from .shard import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
+from .report import Problem, VerifyReport
+
+if TYPE_CHECKING:
+    from .reader import Store
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,16 @@ IDS_DTYPE, MASK_DTYPE = np.dtype("<i4"), np.dtype("|u1")
 
 def tar_path(name: str) -> str:
     return f"{SHARDS_DIR}/{name}.tar"
+
+
+def shard_of(entry: str) -> str | None:
+    """The shard an entry of ``shards/`` belongs to (None: not a shard's tar)."""
+    return entry[:-len(".tar")] if entry.endswith(".tar") else None
+
+
+def store_objects() -> dict[str, bytes]:
+    """Objects written with the manifest when a store is created: none (a tar needs no parent metadata)."""
+    return {}
 
 
 def sample_key(i: int) -> str:
@@ -205,7 +220,7 @@ def _member(rec: CommitRecord, name: str) -> list[int]:
     return entry
 
 
-def read_into(store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
     """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
@@ -372,3 +387,110 @@ def expected_members(rec: CommitRecord, layers: Sequence[int]) -> list[str]:
     """Every member a shard's tar holds, in order."""
     parts = ["json", "input_ids.npy", "loss_mask.npy"] + [layer_part(l) for l in layers]
     return [member_name(i, p) for i in range(rec.n_samples) for p in parts]
+
+
+# -- checking (verify) --------------------------------------------------------------------------------
+
+class _CrcReader:
+    """A file wrapper that checksums and counts what is read through it (one pass over a tar)."""
+
+    def __init__(self, f, progress) -> None:
+        self.f, self.progress, self.crc, self.size = f, progress, None, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if data:
+            self.crc = codec.crc32c(data, self.crc)
+            self.size += len(data)
+            if self.progress:
+                self.progress(len(data))
+        return data
+
+    def drain(self) -> None:
+        while self.read(16 << 20):
+            pass
+
+
+def check_shard(store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
+                progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
+    """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
+    the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
+    the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted.
+    Every checksum here is of the object's own bytes, so it identifies the data (``tails``: none to fill)."""
+    m, name = store.manifest, rec.shard
+    key = tar_path(name)
+    want = rec.files.get(key)
+    members = rec.members or {}
+    if want is None or set(members) != set(expected_members(rec, m.slots)):
+        report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
+                                             f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
+        return
+    ids = rec.samples["sample_id"]
+    dtype = codec.STORAGE_DTYPE[m.dtype]
+    seen: set[str] = set()
+    try:
+        with fs.open(storage.join(root, key), "rb") as f:
+            reader = _CrcReader(f, progress)
+            with tarfile.open(fileobj=reader, mode="r|") as tf:
+                for info in tf:
+                    try:
+                        check_member(info, name)
+                    except StoreError as e:
+                        report.problems.append(Problem(name, str(e), key))
+                        continue
+                    entry = members.get(info.name)
+                    if entry is None:
+                        report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
+                        continue
+                    i = int(info.name.split(".", 1)[0])
+                    who = [ids[i]]
+                    data = tf.extractfile(info).read()
+                    seen.add(info.name)
+                    if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
+                        report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
+                                                             "the commit record (corrupted bytes)", key, who))
+                        continue
+                    _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
+            reader.drain()
+    except FileNotFoundError:
+        report.problems.append(Problem(name, "file missing", key, list(ids)))
+        return
+    except (tarfile.TarError, OSError, EOFError) as e:
+        report.problems.append(Problem(name, f"tar unreadable: {type(e).__name__}: {e}", key, list(ids)))
+        return
+    report.files += 1
+    report.bytes += reader.size
+    if reader.size != want["size"]:
+        report.problems.append(Problem(name, f"size {reader.size} != committed {want['size']} (truncated or rewritten)",
+                                       key, list(ids)))
+    elif reader.crc != want["crc32c"]:
+        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+    missing = sorted(set(members) - seen)
+    if missing:
+        report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,
+                                       sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
+
+
+def _check_member_content(rec, member: str, data: bytes, i: int, dtype, hidden: int, key: str,
+                          report: VerifyReport) -> None:
+    sid, T = rec.samples["sample_id"][i], rec.samples["length"][i]
+    if member.endswith(".json"):
+        try:
+            ok = json.loads(data).get("sample_id") == sid
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            report.problems.append(Problem(rec.shard, f"member {member!r} does not name sample {sid!r}", key, [sid]))
+        return
+    want = {"input_ids.npy": (np.dtype("<i4"), (T,)), "loss_mask.npy": (np.dtype("|u1"), (T,))}.get(
+        member.split(".", 1)[1], (dtype, (T, hidden)))
+    try:
+        a = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        report.problems.append(Problem(rec.shard, f"member {member!r} is not a .npy array ({e})", key, [sid]))
+        return
+    if (a.dtype, a.shape) != want:
+        report.problems.append(Problem(rec.shard, f"member {member!r}: {a.dtype} {list(a.shape)}, expected "
+                                                  f"{want[0]} {list(want[1])}", key, [sid]))
+    elif member.endswith(".loss_mask.npy") and int(a.sum()) != rec.samples["loss_tokens"][i]:
+        report.problems.append(Problem(rec.shard, "loss_mask sum disagrees with the commit record", key, [sid]))

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, fp8, layout, shard, storage
+from . import codec, commit, fp8, layout, storage
 from .errors import SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
@@ -54,11 +54,7 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     The first writer's manifest wins (chunking, codec); later writers must agree on the compat key.
     """
     path = storage.join(root, MANIFEST_FILE)
-    try:
-        exists = fs.exists(path)
-    except Exception as e:
-        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
-    if not exists:
+    if not storage.store_exists(fs, root, url):
         try:
             objects = layout.get(manifest.layout).store_objects()
             storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
@@ -95,8 +91,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
-        storage.refuse_anonymous_write(url, self.storage_options)
-        self.fs, self.root = storage.resolve(url, self.storage_options)
+        self.fs, self.root = storage.open_destination(url, self.storage_options)
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(
@@ -125,7 +120,7 @@ class StoreWriter:
         self._lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
-        self.committed: list[shard.CommitRecord] = []
+        self.committed: list[commit.CommitRecord] = []
         self.bytes_written = 0
         self.wait_s = 0.0  # time add() spent blocked on storage (back-pressure): storage too slow if large
         self._new_buffer(self.capacity)
@@ -144,7 +139,7 @@ class StoreWriter:
         self._buf_bits = self._buf if self.fp8 else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
-        self._cols: dict[str, list] = {c: [] for c in shard.SAMPLE_COLUMNS}
+        self._cols: dict[str, list] = {c: [] for c in commit.SAMPLE_COLUMNS}
         self._fill = 0
 
     def add(
@@ -297,14 +292,14 @@ class StoreWriter:
         self._futures.append(fut)
         self._new_buffer(self.capacity)
 
-    def _write(self, name, bufs, n, ids, mask, cols) -> shard.CommitRecord:
+    def _write(self, name, bufs, n, ids, mask, cols) -> commit.CommitRecord:
         buf, sbuf = bufs
         try:
             features = {layer: buf[j, :n] for j, layer in enumerate(self.slots)}
             scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.slots)} if sbuf is not None else None
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols), scales=scales)
-            shard.publish(self.fs, self.root, record)
+            commit.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently
                 self.committed.append(record)
                 self.bytes_written += sum(f["size"] for f in record.files.values())

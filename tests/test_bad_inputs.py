@@ -101,7 +101,7 @@ def test_bad_input_file(tiny_dir, tmp_path, capsys, case, command):
     argv = {"check": ["check", "--model", str(tiny_dir), "--input", str(bad)],
             "show": ["show", str(bad), "5", "--model", str(tiny_dir)],
             "extract": ["extract", "--model", str(tiny_dir), "--input", str(bad), "--out", str(out),
-                        "--device", "cpu", "--no-progress"]}[command]
+                        "--device", "cpu", "-q"]}[command]
     one_line_error(capsys, main(argv), pattern)
     assert no_commits(out)
 
@@ -116,7 +116,7 @@ def test_unreadable_tokenizer(broken_tokenizer, synthetic_store, tmp_path, capsy
     argv = {"check": ["check", "--model", str(broken_tokenizer), "--input", data],
             "show": ["show", data, "0", "--model", str(broken_tokenizer)],
             "extract": ["extract", "--model", str(broken_tokenizer), "--input", data, "--out", str(out),
-                        "--device", "cpu", "--no-progress"],
+                        "--device", "cpu", "-q"],
             "eval": ["eval", "--store", str(synthetic_store), "--drafter", str(tmp_path), "--model",
                      str(broken_tokenizer), "--input", data, "--device", "cpu"]}[command]
     one_line_error(capsys, main(argv), r"tokenizer|model|drafter")
@@ -137,7 +137,7 @@ def test_nan_features_from_the_model(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(fwd, "run_tapped", poisoned)
     out = tmp_path / "store"
     rc = main(["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()), "--out", str(out),
-               "--device", "cpu", "--no-progress"])
+               "--device", "cpu", "-q"])
     one_line_error(capsys, rc, r"sample '.+': the target produced NaN/Inf features")
     assert no_commits(out) and len(hsstore.open(str(out))) == 0
 
@@ -155,7 +155,7 @@ def store_argv(command: str, url: str, tmp_path: Path, tiny_dir) -> list[str]:
     return {"info": ["info", url], "verify": ["verify", url, "-q"], "upgrade": ["upgrade", url, "-q"],
             "show": ["show", url, "0"],
             "train": ["train", "--store", url, "--out", str(tmp_path / "run"), "--steps", "1", "--device", "cpu",
-                      "--no-progress"],
+                      "-q"],
             "eval": ["eval", "--store", url, "--drafter", str(tmp_path / "run"), "--model", str(tiny_dir),
                      "--input", data, "--device", "cpu"]}[command]
 
@@ -193,8 +193,8 @@ def test_hand_edited_manifest(edited_store, tiny_dir, tmp_path, capsys):
 def test_wrong_storage_options(tiny_dir, tmp_path, capsys, s3_endpoint, command, option, pattern):
     url = f"s3://bucket-{uuid.uuid4().hex[:6]}/store"
     argv = {"extract": ["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()), "--out", url,
-                        "--device", "cpu", "--no-progress"],
-            "bench": ["bench", url, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1"],
+                        "--device", "cpu", "-q"],
+            "bench": ["bench", url, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1", "-q"],
             }.get(command) or store_argv(command, url, tmp_path, tiny_dir)
     one_line_error(capsys, main(argv + ["-S", f"endpoint_url={s3_endpoint}", "-S", option]), pattern)
 
@@ -203,16 +203,16 @@ def test_wrong_storage_options(tiny_dir, tmp_path, capsys, s3_endpoint, command,
 def test_no_permission(tiny_dir, synthetic_store, tmp_path, capsys, command):
     out = f"{NO_PERMISSION}/{uuid.uuid4().hex[:6]}"
     argv = {"extract": ["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()), "--out", out,
-                        "--device", "cpu", "--no-progress"],
+                        "--device", "cpu", "-q"],
             "train": ["train", "--store", str(synthetic_store), "--out", out, "--steps", "1", "--device", "cpu",
-                      "--no-progress"],
-            "bench": ["bench", out, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1"],
+                      "-q"],
+            "bench": ["bench", out, "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--rounds", "1", "-q"],
             "demo": ["demo", "--out", out]}[command]
     one_line_error(capsys, main(argv), rf"{NO_PERMISSION}")
 
 
 def test_bench_unknown_codec(tmp_path, capsys):
-    rc = main(["bench", str(tmp_path / "b"), "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--codec", "gzip9"])
+    rc = main(["bench", str(tmp_path / "b"), "--size-mb", "1", "--hidden", "64", "--num-taps", "2", "--codec", "gzip9", "-q"])
     one_line_error(capsys, rc, r"codec 'gzip9'")
     assert not list(tmp_path.glob("b/**/commits/*.json"))
 
@@ -228,7 +228,7 @@ def test_access_denied_says_what_to_check(tiny_dir, tmp_path, capsys, s3_store, 
     with FaultProxy(options["endpoint_url"], faults=["403"], persistent=True) as proxy:
         argv = {"info": ["info", url],
                 "extract": ["extract", "--model", str(tiny_dir), "--input", str(demo_conversations_path()),
-                            "--out", url, "--device", "cpu", "--no-progress"]}[command]
+                            "--out", url, "--device", "cpu", "-q"]}[command]
         line = one_line_error(capsys, main(argv + ["-S", f"endpoint_url={proxy.url}"]), r"access denied")
     assert proxy.injected["403"] > 0
     assert f"cannot read store {url!r}" in line and "credentials" in line and "bucket policy" in line

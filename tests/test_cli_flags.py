@@ -10,6 +10,8 @@ import pytest
 import hsstore
 from hsstore.cli import build_parser, main
 
+from train_helpers import small_input, store32  # noqa: F401  (fixtures)
+
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -84,3 +86,15 @@ def test_bench_shows_progress_unless_quiet(tmp_path, capsys):
     assert json.loads(captured.out)["store_read"]["bytes"] > 0
     assert main([*argv, "-q"]) == 0
     assert "bench store" not in capsys.readouterr().err
+
+
+def test_train_json_summary_and_the_old_budget_flag(store32, tmp_path, capsys, caplog):  # noqa: F811
+    argv = ["train", "--store", store32, "--out", str(tmp_path / "run"), "--steps", "2", "--draft-layers", "1",
+            "--block-size", "8", "--anchors", "8", "--device", "cpu", "-q", "--json"]
+    with caplog.at_level("WARNING", logger="hsstore"):
+        assert main([*argv, "--max-tokens", "512"]) == 0
+    assert "--max-tokens is deprecated, use --token-budget" in caplog.text
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 2 and summary["last"]["step"] == 2 and summary["drafter"].endswith("drafter")
+    settings = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer.json").read_text())
+    assert "512" in json.dumps(settings)  # the old spelling set the budget

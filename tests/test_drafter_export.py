@@ -304,7 +304,7 @@ def test_init_refuses_a_drafter_that_does_not_fit(store32, released, tmp_path, c
 def test_init_refusal_is_one_line_on_the_cli(store32, released, tmp_path, capsys):  # noqa: F811
     path = edited(released, tmp_path, hidden_size=32)
     rc = hsstore_cli(["train", "--store", store32, "--out", str(tmp_path / "run"), "--steps", "1", "--init", path,
-                      "--block-size", "8", "--draft-layers", "1", "--device", "cpu", "--no-progress"])
+                      "--block-size", "8", "--draft-layers", "1", "--device", "cpu", "-q"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "does not fit" in err and "hidden size 32" in err
 

@@ -190,7 +190,7 @@ def test_store_eval_equals_one_anchor_at_a_time(store32, trained):  # noqa: F811
 def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
     out, drafter = trained
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(out), "--json", "--device", "cpu",
-                      "--no-progress"])
+                      "-q"])
     text = capsys.readouterr().out
     assert rc == 0, text
     got = json.loads(text)
@@ -199,7 +199,7 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
     assert got["loss"] == pytest.approx(ref.loss, rel=1e-6)
     assert len(got["acceptance"]) == drafter.config.block_size - 1 and got["samples"] == len(hsstore.open(store32))
 
-    rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(out), "--device", "cpu", "--no-progress"])
+    rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(out), "--device", "cpu", "-q"])
     text = capsys.readouterr().out
     assert rc == 0 and "tau" in text and "acceptance" in text and f"{ref.anchors:,} anchors" in text
     # prompts without a target to decode them: refused

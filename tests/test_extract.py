@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hsstore
-from hsstore.extract.capture import default_taps, run_tapped
+from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
@@ -37,9 +37,6 @@ def small_input(tmp_path):
     return path
 
 
-def test_default_taps_follow_dflash():
-    assert default_taps(64) == [1, 16, 31, 46, 61]
-    assert default_taps(36) == [1, 9, 17, 25, 33]
 
 
 def test_taps_equal_hf_hidden_states_and_stop_early(model32, demo_samples):
@@ -216,7 +213,7 @@ def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, cap
         run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
                                   layers=[1, 8], progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
-                      "--max-length", "200", "--device", "cpu", "--no-progress", "--max-over-length-share", "1"])
+                      "--max-length", "200", "--device", "cpu", "-q", "--max-over-length-share", "1"])
     assert rc == 0
     assert "over --max-length skipped" in capsys.readouterr().out
     assert hsstore_cli(["info", out, "--json"]) == 0
@@ -235,7 +232,7 @@ def test_torchrun_two_ranks_extract_and_resume(tiny_dir, small_input, tmp_path, 
     out = str(tmp_path / "store")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
            "extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out, "--device", "cpu",
-           "--no-progress"]
+           "-q"]
     repo = Path(__file__).resolve().parents[1]
     first = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -274,7 +271,7 @@ def _kill_cmd(tiny_dir, out: str, token_budget: int = 600, data=None, shard_mb: 
     import sys
 
     return [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input",
-            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "--no-progress",
+            str(data or demo_conversations_path()), "--out", out, "--device", "cpu", "-q",
             "--shard-mb", str(shard_mb), "--token-budget", str(token_budget)]
 
 
@@ -424,7 +421,7 @@ def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_
     small_input.write_text("\n".join(rows + [json.dumps(bad)]) + "\n")
     out = str(tmp_path / "store")
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
-                      "--device", "cpu", "--no-progress", "--max-skipped-share", "0.5"])
+                      "--device", "cpu", "-q", "--max-skipped-share", "0.5"])
     assert rc == 0
     assert "1 rows skipped (tool_arguments)" in capsys.readouterr().out
     store = hsstore.open(out)
@@ -433,7 +430,7 @@ def test_rows_that_cannot_be_tokenized_are_skipped_and_recorded(tiny_dir, small_
     assert json.loads(capsys.readouterr().out)["skipped"] == {"tool_arguments": 1}
     # Past the threshold (1 of 9 rows > 2%) the gate refuses before any forward.
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", str(tmp_path / "s2"),
-                      "--device", "cpu", "--no-progress"])
+                      "--device", "cpu", "-q"])
     captured = capsys.readouterr()
     assert rc == 1 and "rows that cannot be tokenized faithfully" in captured.out + captured.err
 
@@ -450,7 +447,7 @@ def test_gate_flags_reach_the_store_and_subset_convert_use_them(tiny_dir, tmp_pa
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, sub, wds = (str(tmp_path / n) for n in ("store", "sub", "wds"))
     assert hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(data), "--out", out, "--device", "cpu",
-                        "--no-progress", "--force"]) == 0
+                        "-q", "--force"]) == 0
     capsys.readouterr()
     assert hsstore_cli(["info", out, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["flags"]["stub_answer"] == 1
@@ -475,7 +472,7 @@ def test_ctrl_c_says_so_and_keeps_what_was_committed(tiny_dir, small_input, tmp_
 
     out = tmp_path / "store"
     cmd = [sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input", str(small_input),
-           "--out", str(out), "--device", "cpu", "--no-progress", "--shard-mb", "0.05", "--token-budget", "256"]
+           "--out", str(out), "--device", "cpu", "-q", "--shard-mb", "0.05", "--token-budget", "256"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline and not list(out.glob("commits/*.json")):

@@ -13,7 +13,7 @@ import hsstore
 from conftest import make_manifest, make_samples
 from hsstore.extract.job import ExtractConfig, run_extract
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore import fp8, shard
+from hsstore import commit, fp8, zarr_layout
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError
 from hsstore.info import summarize
@@ -174,9 +174,9 @@ def test_verify_names_samples_with_bad_scales(tmp_path):
     sc = {l: scales[:, j].numpy() for j, l in enumerate(m.layers)}
     ids = torch.cat([x["input_ids"] for x in s]).numpy()
     mask = torch.cat([x["loss_mask"] for x in s]).numpy()
-    rec = shard.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats, ids, mask, cols,
-                            scales=sc)
-    shard.publish(store0.fs, store0.root, rec)
+    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats, ids, mask,
+                                  cols, scales=sc)
+    commit.publish(store0.fs, store0.root, rec)
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 3: 1 scales not finite and positive" in str(problems[0])
     assert problems[0].samples == ["s1"]
@@ -242,7 +242,7 @@ def two_stores(tiny_dir, tmp_path_factory):
     run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
                               token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
-                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "--no-progress",
+                      "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "-q",
                       "--writer", "process"])  # fp8 values and scales through the shared-memory staging too
     assert rc == 0
     return bf16, f8

@@ -20,7 +20,7 @@ from hsstore.reader import committed_ids
 
 LAYERS, HIDDEN = (1, 3, 5), 48
 IDENTITY = ["--layers", "1,3,5", "--model-name", "peer-target", "--num-layers", "8", "--hidden-size", str(HIDDEN),
-            "--config-hash", "cfg-peer", "--tokenizer-hash", "vocab-peer", "--no-progress"]
+            "--config-hash", "cfg-peer", "--tokenizer-hash", "vocab-peer", "-q"]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -232,7 +232,7 @@ def test_identity_from_model_dir_matches_extract(tmp_path, tiny_dir, tok, new_sa
     and an extracted one of the same target are compatible: they can be merged or mixed by a loader."""
     from transformers import AutoModelForCausalLM
 
-    from hsstore.extract.identity import build_manifest
+    from hsstore.extract.target import build_manifest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     extracted = build_manifest(model, tok, name="tiny", layers=[0, 1])
@@ -241,7 +241,7 @@ def test_identity_from_model_dir_matches_extract(tmp_path, tiny_dir, tok, new_sa
     write_specforge(tmp_path / "sf", samples)
     out = str(tmp_path / "store")
     assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, "--model", str(tiny_dir),
-                 "--layers", "0,1", "--no-progress"]) == 0
+                 "--layers", "0,1", "-q"]) == 0
     imported = hsstore.open(out).manifest
     check_compatible(imported, extracted, "imported", "extracted")
     assert imported.target.config_hash == extracted.target.config_hash

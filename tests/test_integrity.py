@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import shard, storage, wds
+from hsstore import commit, storage, wds
 from hsstore.cli import main
 from hsstore.errors import CorruptionError
 from hsstore.verify import verify
@@ -224,7 +224,7 @@ def test_record_checksums_identify_content(tmp_path):
 
 def test_newer_record_version_refused(tmp_path):
     url = write_store(str(tmp_path / "s"), make_samples(5))
-    path = os.path.join(url, shard.commit_path(hsstore.open(url).commits[0].shard))
+    path = os.path.join(url, commit.commit_path(hsstore.open(url).commits[0].shard))
     d = json.loads(open(path).read())
     open(path, "w").write(json.dumps({**d, "format_version": 3}))
     with pytest.raises(hsstore.StoreError, match="format version 3.*upgrade hsstore"):

@@ -237,10 +237,8 @@ def test_resume_with_another_world_size(store_url, samples):
 
 
 def slot_ids(ds, world, workers, slot):
-    plan = ds.slot_plan(ds.epoch, None, 0, world, workers, slot)
-    cat, store = ds.catalog, ds.stores[0]
-    rows = ds._epoch(ds.epoch).entry_cat[plan.entries]
-    return [store.commits[cat.shard[i]].samples["sample_id"][cat.local[i]] for i in rows]
+    assert ds.world_size == world
+    return ds.planned_ids(ds.epoch, slot // workers, num_workers=workers, worker=slot % workers)
 
 
 def round_robin(streams):
@@ -276,10 +274,78 @@ def test_state_errors(store_url):
         ds.load_state_dict({"foo": 1})
 
 
+# States as hsstore 0.x wrote them (before the state became a dataclass), after the JSON round trip a
+# trainer's checkpoint makes (slot keys are strings): seed 3, epoch 1. RANK0: rank 0 of 2 after 5 items.
+# PHASE1: the two ranks' states (5 and 7 items) merged, resumed on one rank, 3 more items handed out.
+CONFIG_V1 = {"catalog": "cad73a515a50cbeb2a0a9106", "weights": [1.0], "seed": 3, "shuffle": True, "unit_tokens": 128,
+             "shuffle_bytes": 144000, "even": None}
+RANK0_V1 = {"hsstore_loader": 1, "config": CONFIG_V1, "epoch": 1, "done": None, "phase": 0, "world": [2, 1],
+            "counts": {"0": 5}, "skipped": {}}
+PHASE1_V1 = {"hsstore_loader": 1, "config": CONFIG_V1, "epoch": 1, "done": "eJxzOCjFyMDEICACAAlJAUM=", "phase": 1,
+             "world": [1, 1], "counts": {"0": 3}, "skipped": {}}
+# what that code then handed out after loading each state
+REST0_V1 = ["s10", "s21", "s24", "s66", "s30", "s29", "s33", "s23", "s14", "s50", "s44", "s39", "s28", "s11", "s4",
+            "s7", "s27", "s65", "s45", "s52", "s58", "s5", "s40", "s16", "s32", "s41", "s57", "s6", "s17", "s68"]
+PHASE1_REST_V1 = [
+    "s29", "s21", "s66", "s33", "s50", "s14", "s7", "s39", "s30", "s4", "s11", "s27", "s28", "s65", "s44", "s45",
+    "s52", "s40", "s5", "s57", "s16", "s32", "s58", "s17", "s68", "s6", "s35", "s42", "s25", "s41", "s64", "s43",
+    "s54", "s0", "s63", "s55", "s36", "s53", "s56", "s62", "s60", "s49", "s51", "s37", "s34", "s47", "s61", "s48",
+    "s18", "s26", "s2", "s13", "s3", "s12", "s38"]
+
+
+def test_saved_states_of_the_first_format_still_resume(store_url):
+    """Checkpoints outlive the code: a state dict in the first format resumes exactly where it left off."""
+    import json
+
+    r0 = dataset(store_url, rank=0, world_size=2, seed=3)
+    r0.load_state_dict(json.loads(json.dumps(RANK0_V1)))
+    assert r0.epoch == 1 and ids_of(r0) == REST0_V1
+    one = dataset(store_url, seed=3)
+    one.load_state_dict(PHASE1_V1)
+    back = one.state_dict()  # loaded, not iterated: the same state, slot keys as ints
+    assert back == {**PHASE1_V1, "counts": {0: 3}} and json.loads(json.dumps(back)) == PHASE1_V1
+    assert ids_of(one) == PHASE1_REST_V1
+    # the live state keeps the format: same keys, plain JSON-able values (a new iterator resumes at 3 again)
+    it = iter(one)
+    next(it)
+    live = one.state_dict()
+    assert set(live) == set(PHASE1_V1) and live["hsstore_loader"] == 1 and live["world"] == [1, 1]
+    assert json.loads(json.dumps(live)) == {**PHASE1_V1, "counts": {"0": 4}}
+    # the same, merged with the rank-1 state of that run, re-cut for 1 rank by this code: the same 55 samples
+    r1 = dataset(store_url, rank=1, world_size=2, seed=3)
+    r1.set_epoch(1)
+    it = iter(r1)
+    for _ in range(7):
+        next(it)
+    again = dataset(store_url, seed=3)
+    again.load_state_dict(merge_states([RANK0_V1, r1.state_dict()]))
+    assert ids_of(again)[3:] == PHASE1_REST_V1
+
+
+def test_plan_api_is_what_iteration_yields(store_url, samples):
+    """planned_ids / planned_lengths give each slot's order ahead of reading, for any rank and worker."""
+    from hsstore import count_token_batches, token_batches
+
+    length = {s["sample_id"]: len(s["input_ids"]) for s in samples}
+    for rank in range(2):
+        ds = dataset(store_url, rank=rank, world_size=2, seed=5)
+        ds.set_epoch(2)
+        got = ids_of(ds)
+        assert ds.planned_ids(2) == got == ds.planned_ids(2, rank)
+        assert ds.planned_lengths(2).tolist() == [length[i] for i in got]
+        assert count_token_batches(ds.planned_lengths(2), 300) == len(list(token_batches(iter(ds), 300)))
+        workers = [ds.planned_ids(2, num_workers=2, worker=w) for w in range(2)]
+        dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        assert ids_of(dl) == round_robin(workers)
+    assert sorted(ds.planned_ids(2, 0) + ds.planned_ids(2, 1)) == sorted(length)
+    with pytest.raises(ValueError, match="no slot for rank 2 of 2"):
+        ds.planned_lengths(0, 2)
+
+
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
     import threading
 
-    import hsstore.reader as reader
+    import hsstore.zarr_layout as zarr_layout
 
     url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
     opened = collections.Counter()
@@ -292,7 +358,7 @@ def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
                 opened[str(path).split("/shards/")[1].split("/")[1]] += os.path.getsize(path)
         return real_open(path, *a, **k)
 
-    monkeypatch.setattr(reader, "open", spy, raising=False)
+    monkeypatch.setattr(zarr_layout, "open", spy, raising=False)
     n = sum(1 for _ in dataset(url, layers=[3]))
     assert n == 70
     assert set(opened) == {"layer_003", "input_ids", "loss_mask"}
@@ -406,9 +472,8 @@ def test_len_and_rank_defaults(store_url, monkeypatch):
 def test_plan_is_metadata_only_and_units_are_contiguous(store_url):
     """The shuffle keeps reads large: every slot's emission draws from a few loaded units at a time."""
     ds = dataset(store_url)
-    plan = ds.slot_plan(0, None, 0, 1, 1, 0)
-    eo = ds._epoch(0)
-    assert sorted(eo.entry_cat[plan.entries].tolist()) == list(range(70))
+    plan = ds.planner.slot_plan(0, None, 0, 1, 1, 0)
+    assert sorted(plan.rows.tolist()) == list(range(70))
     # at any point, the items handed out so far come from few open groups (pool of ~500 tokens)
     open_groups, last = set(), {g: i for i, g in enumerate(plan.groups.tolist())}
     widest = 0
@@ -447,7 +512,7 @@ def test_loader_bench_reports_ratios(tmp_path, capsys):
 
 
 def test_buffer_pool_reuses_only_unviewed_buffers():
-    from hsstore.loader import BufferPool
+    from hsstore.memory import BufferPool
 
     def addr(x):
         return x.__array_interface__["data"][0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsstore import TokenBatches, collate_packed, collate_padded, token_batches
+from hsstore import TokenBatches, collate_packed, collate_padded, count_token_batches, token_batches
 
 from test_loader import StatefulDataLoader, bits, dataset, samples, store_url  # noqa: F401  (fixtures)
 
@@ -35,6 +35,11 @@ def test_budget_kept_nothing_lost(mode):
     assert [len(b) for b in token_batches(items[:10], 10_000, max_items=4)] == [4, 4, 2]
     # a sample longer than the budget is a batch of its own, never dropped
     assert [len(b) for b in token_batches(items[:3], max_tokens=1, mode=mode)] == [1, 1, 1]
+    # counted from lengths alone (a schedule planned before reading), the same batches
+    lengths = [int(x["input_ids"].shape[0]) for x in items]
+    for budget, most in ((256, None), (100, 3), (1, None)):
+        assert count_token_batches(lengths, budget, mode, most) == len(list(token_batches(items, budget, mode, most)))
+    assert count_token_batches([], 256, mode) == 0
 
 
 def test_collate_padded_and_packed():

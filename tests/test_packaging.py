@@ -61,6 +61,9 @@ def test_wheel_in_fresh_venv(wheel, tmp_path):
             f"assert hsstore.__file__.startswith({target!r}), hsstore.__file__\n"
             f"assert hsstore.extract.tokenize.__file__.startswith({target!r})\n"
             "assert importlib.util.find_spec('extract') is None\n"
+            "from hsstore.extract.tiny import demo_conversations_path, trained_target_dir\n"
+            f"assert str(demo_conversations_path()).startswith({target!r}) and demo_conversations_path().is_file()\n"
+            "assert (trained_target_dir() / 'config.json').is_file()\n"
             "print(sorted(a for a in c.build_parser()._subparsers._group_actions[0].choices))\n")
     proc = subprocess.run([str(py), "-c", code], cwd=user, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

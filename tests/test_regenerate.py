@@ -100,7 +100,7 @@ def read_out(path: Path) -> list[dict]:
 
 def regenerate_cmd(server: str, inp: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "hsstore", "regenerate", "--server", server, "--input", str(inp), "--out",
-            str(out), "--no-progress", *extra]
+            str(out), "-q", *extra]
 
 
 # ------------------------------------------------------------------------------------ against the server
@@ -252,7 +252,7 @@ def test_retries_exhausted_name_the_prompt(tmp_path, capsys):
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
     out = tmp_path / "out.jsonl"
     rc = main(["regenerate", "--server", f"http://127.0.0.1:{free_port()}", "--model", "m", "--input", str(inp),
-               "--out", str(out), "--retries", "0", "--no-progress"])
+               "--out", str(out), "--retries", "0", "-q"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "prompt demo-math-001" in err and "failed after 1 attempts" in err and "ConnectError" in err

@@ -83,11 +83,31 @@ def test_anonymous_s3_reads_public_store_and_refuses_writes(s3_store, s3_endpoin
     # writes with anon=true: refused by hsstore itself
     with pytest.raises(StoreError, match="read-only"):
         hsstore.StoreWriter(url, new_manifest(), storage_options={"anon": True, "endpoint_url": s3_endpoint})
-    for argv in (["merge", f"s3://{bucket}/merged", url, *anon], ["subset", url, f"s3://{bucket}/sub", *anon]):
+    for argv in (["merge", f"s3://{bucket}/merged", url, *anon], ["subset", url, f"s3://{bucket}/sub", *anon],
+                 ["convert", url, f"s3://{bucket}/conv", "--layout", "wds", *anon],
+                 ["convert", url, f"s3://{bucket}/conv", "--layout", "wds", "-S", f"endpoint_url={s3_endpoint}",
+                  "--dst-storage-option", "anon=true", "--dst-storage-option", f"endpoint_url={s3_endpoint}"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "anon=true opens a store read-only" in err
     assert sorted(signed.find(bucket)) == listing  # ... hsstore refused them all before writing anything
+
+
+@pytest.mark.parametrize("argv", [
+    ["merge", "{dst}", "{src}", "-S", "anon=true"],
+    ["subset", "{src}", "{dst}", "-S", "anon=true"],
+    ["convert", "{src}", "{dst}", "--layout", "wds", "-S", "anon=true"],  # convert used to write anyway
+    ["convert", "{src}", "{dst}", "--layout", "wds", "--dst-storage-option", "anon=true"],
+], ids=["merge", "subset", "convert", "convert-dst-option"])
+def test_every_writer_refuses_anonymous_destination_alike(tmp_path, new_manifest, new_samples, argv, capsys):
+    """One way to open a destination: each command refuses anon=true with the same one line, writing nothing."""
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    write_tagged(src, new_manifest(), new_samples(3))
+    assert main([a.format(src=src, dst=dst) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hsstore {argv[0]}: error: store {str(dst)!r}: anon=true opens a store read-only; to write, "
+                   "drop the anon storage option and give credentials")
+    assert not dst.exists()
 
 
 # ------------------------------------------------------------------------------------------------- subset

@@ -1,5 +1,7 @@
 """Round trips through the store: bit-exact features, ids and masks, on local disk and real S3."""
 
+import gc
+import os
 import threading
 
 import numpy as np
@@ -153,14 +155,14 @@ def test_reader_never_sees_uncommitted_shard(tmp_path, new_manifest, new_samples
     w = hsstore.StoreWriter(str(tmp_path), m)
     for s in new_samples(3, prefix="orphan", seed=7):
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
-    from hsstore import shard as shard_mod
+    from hsstore import commit as commit_mod
 
-    real_publish = shard_mod.publish
-    shard_mod.publish = lambda *a, **k: None
+    real_publish = commit_mod.publish
+    commit_mod.publish = lambda *a, **k: None
     try:
         w.close()
     finally:
-        shard_mod.publish = real_publish
+        commit_mod.publish = real_publish
     assert list((tmp_path / "shards").iterdir())  # data is on disk
     store = hsstore.open(str(tmp_path))
     assert sorted(store.sample_ids()) == [f"done{i}" for i in range(5)]
@@ -207,3 +209,38 @@ def test_crc32c_backends_agree(backend, monkeypatch, tmp_path):
     with open(tmp_path / "f", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         assert codec.crc32c(m) == want
         assert codec.crc32c(memoryview(m)[10:5000]) == google_crc32c.value(blob[10:5000])
+
+
+def _fork_freeze_counts() -> tuple[int, int]:
+    """gc.get_freeze_count() in a forked child and, after the fork, in the parent."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (child)
+        os.write(w, str(gc.get_freeze_count()).encode())
+        os._exit(0)
+    os.close(w)
+    child = int(os.read(r, 32))
+    os.close(r)
+    os.waitpid(pid, 0)
+    return child, gc.get_freeze_count()
+
+
+def test_fork_keeps_an_applications_gc_freeze(tmp_path, new_manifest, new_samples, write):
+    """The reader's fork hook freezes the collector across a fork (so a child never finalises the parent's
+    filesystems); an application's own ``gc.freeze()`` before forking (Python's advice for fork without
+    exec) must stay in force in the parent and the child, and without one the parent is thawed again."""
+    write(str(tmp_path), new_manifest(), new_samples(3))
+    store = hsstore.open(str(tmp_path))  # registers the hook, caches a filesystem
+    store.read(0)
+    assert gc.get_freeze_count() == 0, "another test left the collector frozen"
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        child, parent = _fork_freeze_counts()
+        assert child > 0 and parent >= frozen  # (objects the child frees leave its count)
+    finally:
+        gc.unfreeze()
+    child, parent = _fork_freeze_counts()
+    assert child > 0 and parent == 0
+

@@ -161,7 +161,7 @@ def test_train_tiny_target_is_deterministic(tmp_path):
     from tools.train_tiny_target import main
 
     argv = ["--train-examples", "60", "--demo-examples", "2", "--heldout-examples", "2", "--epochs", "1",
-            "--max-new-tokens", "8", "--no-progress"]
+            "--max-new-tokens", "8", "-q"]
     for name in ("a", "b"):
         assert main([*argv, "--out", str(tmp_path / name)]) == 0
     for f in ("model.safetensors", "tokenizer.json", "conversations.jsonl", "heldout.jsonl"):

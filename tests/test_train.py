@@ -175,7 +175,7 @@ def test_drafter_config_from_store_assets(store32):
                          draft_layers=3), torch.device("cpu"))
     assert cfg.target_layers == store.layers and cfg.hidden_size == store.manifest.hidden_size
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 32, embed.shape[0])
-    assert cfg.sliding_window == [2048, 2048, None] and cfg.attn_impl == "sdpa"
+    assert cfg.sliding_window == [2048, 2048, None] and cfg.attn_impl == "blocks"  # --attn auto
     # the tiny tokenizer fills the embedding: the mask token is the pad token
     assert cfg.mask_token_id == target_cfg["pad_token_id"]
 
@@ -214,7 +214,7 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(store32, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hsstore", "train", "--store", store32, "--out", str(out), "--steps", "400",
            "--save-every", "1000", "--log-every", "1", "--draft-layers", "1", "--block-size", "8", "--anchors", "8",
-           "--max-tokens", "1024", "--device", "cpu", "--no-progress"]
+           "--token-budget", "1024", "--device", "cpu", "-q"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 300
@@ -239,6 +239,6 @@ def test_train_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for flag, default in [("--max-tokens", "16384"), ("--anchors", "512"), ("--draft-layers", "5"),
+    for flag, default in [("--token-budget", "16384"), ("--anchors", "512"), ("--draft-layers", "5"),
                           ("--sliding-window", "2048"), ("--lr", "0.0006"), ("--save-every", "1000")]:
         assert f"(default: {default})" in out.split(flag, 2)[2].split(" --", 1)[0], flag

@@ -21,8 +21,8 @@ def test_torchrun_two_ranks_see_every_sample_once_per_epoch(store32, tmp_path): 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
            "train", "--store", store32, "--out", str(out), "--epochs", "2", "--draft-layers", "1", "--block-size", "8",
-           "--anchors", "16", "--max-tokens", "600", "--log-every", "1", "--log-samples", "--device", "cpu",
-           "--no-progress"]
+           "--anchors", "16", "--token-budget", "600", "--log-every", "1", "--log-samples", "--device", "cpu",
+           "-q"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -58,8 +58,8 @@ def test_ctrl_c_under_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(st
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
            "train", "--store", store32, "--out", str(out), "--steps", "400", "--save-every", "1000",
-           "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--max-tokens", "600", "--log-every", "1",
-           "--log-samples", "--device", "cpu", "--no-progress"]
+           "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--token-budget", "600", "--log-every", "1",
+           "--log-samples", "--device", "cpu", "-q"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     metrics = out / "metrics.jsonl"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import shard, wds
+from hsstore import commit, wds
 from hsstore.cli import main
 from hsstore.convert import convert
 from hsstore.errors import CorruptionError, ManifestError
@@ -76,7 +76,7 @@ def test_uncommitted_tar_invisible_and_listed(tmp_path, capsys):
     write_samples(str(tmp_path), wds_manifest(), samples, shard_bytes=SMALL_SHARD)
     store = hsstore.open(str(tmp_path))
     rec = store.commits[0]
-    os.remove(os.path.join(str(tmp_path), shard.commit_path(rec.shard)))  # as if the writer died before it
+    os.remove(os.path.join(str(tmp_path), commit.commit_path(rec.shard)))  # as if the writer died before it
     store = hsstore.open(str(tmp_path))
     assert rec.shard not in [c.shard for c in store.commits] and len(store) == len(samples) - rec.n_samples
     report = verify(store)
@@ -304,7 +304,7 @@ def craft(store, shard_index, member, how):
     data[hdr:hdr + 512] = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
     open(path, "wb").write(bytes(data))
     rec.files[wds.tar_path(rec.shard)]["crc32c"] = hsstore.codec.crc32c(bytes(data))
-    shard.publish(store.fs, store.root, rec)
+    commit.publish(store.fs, store.root, rec)
     return rec
 
 
@@ -331,7 +331,7 @@ def test_unsafe_tar_member_refused_nothing_half_written(tmp_path, how, expect, c
     assert main(["convert", src, dst, "--layout", "zarr", "-q"]) == 2
     err = capsys.readouterr().err
     assert re.search(rf"shard '{rec.shard}', {expect}", err) and len(err.strip().splitlines()) == 1
-    committed = shard.list_committed(*hsstore.storage.resolve(dst))
+    committed = commit.list_committed(*hsstore.storage.resolve(dst))
     assert committed == [store.commits[0].shard]
     assert not os.path.exists(os.path.join(dst, "shards", rec.shard))
     assert not any(f.startswith(".") for f in os.listdir(os.path.join(dst, "commits")))
@@ -343,7 +343,7 @@ def test_manifest_rules_and_zarr_records_unchanged(tmp_path):
         wds_manifest(codec="zstd")
     write_samples(str(tmp_path), make_manifest(), make_samples(3))
     store = hsstore.open(str(tmp_path))
-    raw = json.loads(open(os.path.join(str(tmp_path), shard.commit_path(store.commits[0].shard))).read())
+    raw = json.loads(open(os.path.join(str(tmp_path), commit.commit_path(store.commits[0].shard))).read())
     assert "members" not in raw  # hsstore 0.1 readers still read zarr stores written now
 
 
@@ -356,7 +356,7 @@ def test_extract_layout_wds_tiny_target(tiny_dir, tok, tmp_path):
     inp.write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "store")
     assert main(["extract", "--model", str(tiny_dir), "--input", str(inp), "--out", out, "--layout", "wds",
-                 "--device", "cpu", "--layers", "1,4", "--no-progress"]) == 0
+                 "--device", "cpu", "--layers", "1,4", "-q"]) == 0
     store = hsstore.open(out)
     assert store.manifest.layout == "wds" and store.manifest.layers == (1, 4)
     want = {s.sample_id: s for s in load_samples(inp, tok)}

@@ -1,108 +1,236 @@
-"""Speed / memory of one DFlash training step with random weights (no target, no data needed).
+"""Speed, peak memory and MFU of one DFlash training step with random weights (no target, no data needed),
+for each attention implementation side by side in one run.
 
-    python -m tools.bench_attention --impl sdpa flex --seq 4096 --anchors 512       # 27B-sized drafter layer
-    python -m tools.bench_attention --check                                         # flex == sdpa on this device
+    python -m tools.bench_attention --published --seq 16384 32768 --anchors 512     # the 27B drafter, H200
+    python -m tools.bench_attention --tiny --impl sdpa blocks                       # CPU smoke test
+    python -m tools.bench_attention --check --impl blocks flex                      # == sdpa on this device
+
+``--published``: the Qwen3.6-27B drafter (5 layers: 4 sliding-window 2048 + 1 full; hidden 5120, FFN 17408,
+32 heads x 128, 8 KV heads, 5 taps, vocab 248320). One sequence of ``--seq`` tokens, every position a
+response token, ``--anchors`` anchors. Prints ms/step, tokens/s (context tokens), peak memory (CUDA: the
+allocator's peak, each implementation after a reset; CPU: each implementation runs in its own process and
+reports its peak RSS) and MFU = model FLOPs / time / ``--peak-tflops`` (989: H200 dense bf16). Model FLOPs:
+the matmuls (fc, q/k/v/o, SwiGLU, the lm_head rows that carry loss weight) and the attention over the keys
+the mask allows (4 * heads * head_dim per visible query-key pair); backward counted as 2x forward for the
+trained layers and 1x for fc and the frozen lm_head (one of the two gradients), recomputation not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import multiprocessing as mp
+import resource
 import time
 
 import torch
 
+from hsstore.train import model as model_mod
+from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
+from hsstore.train.objective import batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
-from hsstore.train.model import DFlashDrafter, DrafterConfig
-from hsstore.train.objective import dflash_loss
+
+TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
+            steps=3, warmup=1)
 
 
-def make(impl, args, device, dtype):
+def windows(args) -> list[int | None] | None:
+    if args.published:
+        return [2048] * 4 + [None]
+    if args.window:
+        return [args.window] * (args.layers - 1) + [None] if args.full_last else [args.window] * args.layers
+    return None
+
+
+def make(impl, args, seq, device, dtype):
+    ws = windows(args)
     cfg = DrafterConfig(hidden_size=args.hidden, intermediate_size=args.ffn, vocab_size=args.vocab,
                         target_layers=list(range(args.taps)), mask_token_id=args.vocab - 1,
                         num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                        num_layers=args.layers, block_size=args.block, attn_impl=impl,
-                        sliding_window=args.window and [args.window] * args.layers or None)
+                        num_layers=len(ws) if ws else args.layers, block_size=args.block, attn_impl=impl,
+                        sliding_window=ws, max_position=max(40960, seq + args.block))
     torch.manual_seed(0)
     embed = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype) * 0.02
     head = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype) * 0.02
     return DFlashDrafter(cfg, embed, head).to(device=device, dtype=dtype)
 
 
-def make_batch(args, device, dtype, B=1):
+def make_batch(args, seq, device, dtype, B=1):
     g = torch.Generator().manual_seed(1)
-    T = args.seq
+    loss_mask = torch.ones(B, seq, dtype=torch.bool)
     return dict(
-        input_ids=torch.randint(0, args.vocab - 1, (B, T), generator=g).to(device),
-        loss_mask=torch.ones(B, T, dtype=torch.bool, device=device),
-        hidden_states=torch.randn(B, T, args.taps, args.hidden, generator=g).to(device, dtype),
+        input_ids=torch.randint(0, args.vocab - 1, (B, seq), generator=g).to(device),
+        loss_mask=loss_mask.to(device),
+        hidden_states=torch.randn(B, seq, args.taps, args.hidden, generator=g).to(device, dtype),
+        anchors=batch_anchors(loss_mask, args.anchors, torch.Generator().manual_seed(2)).to(device),
     )
 
 
-def step(model, batch, args):
-    g = torch.Generator().manual_seed(2)
-    loss, m = dflash_loss(model, batch, anchors_per_seq=args.anchors, generator=g)
+def step_flops(cfg: DrafterConfig, batch) -> float:
+    """Model FLOPs of one training step on ``batch`` (see the module doc)."""
+    anchors = batch["anchors"].cpu()
+    B, T = batch["input_ids"].shape
+    S, Hd, F = cfg.block_size, cfg.hidden_size, cfg.intermediate_size
+    q_w, kv_w = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    real = anchors >= 0
+    N = int(real.sum()) * S  # block rows of real anchors (padding anchors are not model work)
+    _, w = block_targets(batch["input_ids"].cpu(), batch["loss_mask"].cpu(), anchors, S, 7.0)
+    p = anchors[real].double()[:, None]
+    i = torch.arange(S, dtype=torch.float64)
+    fwd = 0.0
+    for layer in range(cfg.num_layers):
+        W = cfg.window(layer)
+        lo = torch.zeros_like(p + i) if W is None else (p + i - (W - 1)).clamp(min=0)
+        pairs = float((p - lo).clamp(min=0).sum()) + int(real.sum()) * int(
+            own_block_visible(S, W, cfg.sliding_causal).sum())
+        fwd += 2 * N * Hd * (2 * q_w) + 2 * (N + B * T) * Hd * 2 * kv_w + 3 * 2 * N * Hd * F + 4 * q_w * pairs
+    fc = 2 * B * T * cfg.num_taps * Hd * Hd
+    head = 2 * int((w > 0).sum()) * Hd * cfg.vocab_size
+    return 3 * fwd + 2 * (fc + head)
+
+
+def step(model, batch):
+    loss, _ = dflash_loss(model, batch)
     loss.backward()
     return loss
 
 
-def bench(impl, args, device, dtype):
-    model = make(impl, args, device, dtype)
-    batch = make_batch(args, device, dtype)
-    for _ in range(args.warmup):
-        step(model, batch, args)
-        model.zero_grad(set_to_none=True)
+def bench_one(impl, seq, args) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    res = {"impl": impl, "seq": seq, "anchors": args.anchors}
+    if args.chunk_rows:  # set here: a spawned process imports the model afresh
+        model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
+    if args.full_groups:
+        model_mod.FULL_LAYER_GROUPS = args.full_groups
+    try:
+        model = make(impl, args, seq, device, dtype)
+        batch = make_batch(args, seq, device, dtype)
+        res["tflop_per_step"] = step_flops(model.config, batch) / 1e12
+        for _ in range(args.warmup):
+            step(model, batch)
+            model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            step(model, batch)
+            model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / args.steps
+    except torch.OutOfMemoryError as e:
+        res["error"] = f"out of memory: {str(e).splitlines()[0]}"
+        return res
+    res.update(ms_per_step=dt * 1e3, tokens_per_s=seq / dt,
+               mfu=res["tflop_per_step"] / dt / args.peak_tflops)
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        step(model, batch, args)
-        model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / args.steps
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    print(f"{impl:5s} T={args.seq} A={args.anchors} S={args.block} layers={args.layers} H={args.hidden}: "
-          f"{dt * 1e3:8.1f} ms/step  {args.seq / dt:9.0f} tokens/s  peak {peak:.1f} GiB", flush=True)
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return res
+
+
+def _child(impl, seq, args, queue):
+    try:
+        queue.put(bench_one(impl, seq, args))
+    except Exception as e:  # noqa: BLE001 -- reported in the parent's table
+        queue.put({"impl": impl, "seq": seq, "anchors": args.anchors, "error": f"{type(e).__name__}: {e}"})
+
+
+def bench(impl, seq, args) -> dict:
+    """On CPU in a fresh process (its peak RSS is this implementation's alone); on CUDA in this one."""
+    if args.device.startswith("cuda"):
+        res = bench_one(impl, seq, args)
+        torch.cuda.empty_cache()
+        return res
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(impl, seq, args, queue))
+    proc.start()
+    proc.join()
+    return queue.get() if proc.exitcode == 0 else {"impl": impl, "seq": seq, "anchors": args.anchors,
+                                                   "error": f"exit code {proc.exitcode}"}
+
+
+def show(r: dict) -> str:
+    head = f"{r['impl']:6s} T={r['seq']:6d} A={r['anchors']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    mem = f"peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else f"peak RSS {r['peak_rss_gib']:.2f} GiB"
+    return (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
+            f"{r['tflop_per_step']:.2f} TFLOP/step  MFU {100 * r['mfu']:.1f}%")
 
 
 def check(args, device, dtype):
-    """Loss and gradients of the flex path equal the SDPA reference (with padding and a window)."""
+    """Loss and gradients of every other implementation equal the SDPA reference (with padding)."""
     out = {}
-    for impl in ("sdpa", "flex"):
-        model = make(impl, args, device, dtype)
-        batch = make_batch(args, device, dtype, B=2)
+    seq = args.seq[0]
+    for impl in dict.fromkeys(["sdpa", *args.impl]):
+        model = make(impl, args, seq, device, dtype)
+        batch = make_batch(args, seq, device, dtype, B=2)
         batch["attention_mask"] = torch.ones_like(batch["loss_mask"])
-        batch["attention_mask"][1, args.seq * 2 // 3:] = False
-        loss = step(model, batch, args)
+        batch["attention_mask"][1, seq * 2 // 3:] = False
+        batch["loss_mask"] = batch["loss_mask"] & batch["attention_mask"]
+        batch["anchors"] = batch_anchors(batch["loss_mask"].cpu(), args.anchors,
+                                         torch.Generator().manual_seed(2)).to(device)
+        loss = step(model, batch)
         out[impl] = (loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    (l1, g1), (l2, g2) = out["sdpa"], out["flex"]
-    worst = max(((g1[n] - g2[n]).norm() / g1[n].norm().clamp(min=1e-12)).item() for n in g1)
-    print(f"check: loss sdpa {l1.item():.6f} flex {l2.item():.6f}; worst relative grad diff {worst:.2e}")
-    assert torch.allclose(l1, l2, rtol=1e-2) and worst < 5e-2, "flex and sdpa disagree"
+    l1, g1 = out.pop("sdpa")
+    for impl, (l2, g2) in out.items():
+        worst = max(((g1[n] - g2[n]).norm() / g1[n].norm().clamp(min=1e-12)).item() for n in g1)
+        print(f"check {impl}: loss sdpa {l1.item():.6f} {impl} {l2.item():.6f}; worst relative grad diff {worst:.2e}")
+        assert torch.allclose(l1, l2, rtol=1e-2) and worst < 5e-2, f"{impl} and sdpa disagree"
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", nargs="+", default=["sdpa", "flex"])
-    ap.add_argument("--seq", type=int, default=4096)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impl", nargs="+", default=["sdpa", "blocks"], choices=ATTN_IMPLS)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="sequence lengths (one sequence per step)")
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--window", type=int, default=0, help="sliding window of the layers (0: full attention)")
+    ap.add_argument("--full-last", action="store_true", help="the last layer full attention, the others --window")
+    ap.add_argument("--published", action="store_true",
+                    help="the published 27B drafter's layers: 4 sliding-window 2048 + 1 full (with the default sizes)")
     add_drafter_size_args(ap)
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
+    ap.add_argument("--chunk-rows", type=int, default=None, help="blocks: query rows per chunk (default "
+                    f"{model_mod.ATTN_CHUNK_ROWS})")
+    ap.add_argument("--full-groups", type=int, default=None, help="blocks: SDPA calls per full-attention layer "
+                    f"(default {model_mod.FULL_LAYER_GROUPS})")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--check", action="store_true", help="compare flex with sdpa instead of timing")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--check", action="store_true", help="compare --impl with sdpa instead of timing")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (989: H200 dense bf16)")
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.chunk_rows:
+        model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
+    if args.full_groups:
+        model_mod.FULL_LAYER_GROUPS = args.full_groups
     if args.check:
-        check(args, device, dtype)
+        check(args, torch.device(args.device), getattr(torch, args.dtype))
         return
-    for impl in args.impl:
-        bench(impl, args, device, dtype)
+    results = []
+    for seq in args.seq:
+        for impl in args.impl:
+            results.append(bench(impl, seq, args))
+            print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
+    for seq in args.seq:  # ratios against the first implementation, measured in this run
+        rs = [r for r in results if r["seq"] == seq and "error" not in r]
+        if len(rs) > 1 and not args.json:
+            base = rs[0]
+            print(f"T={seq}: " + ", ".join(f"{r['impl']} {base['ms_per_step'] / r['ms_per_step']:.2f}x faster than "
+                                          f"{base['impl']}" for r in rs[1:]))
 
 
 if __name__ == "__main__":

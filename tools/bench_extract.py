@@ -32,11 +32,13 @@ import time
 import numpy as np
 import torch
 
-from hsstore.extract.capture import base_model, decoder_layers, default_taps, run_tapped
+from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.job import rank_slice
 from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
+from hsstore.distributed import rank_and_world
+from hsstore.taps import default_taps
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")
 
@@ -117,13 +119,19 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--keep", default=None, metavar="URL", help="finally extract into URL (with assets) and keep it")
     p.add_argument("--seed", type=int, default=0, help="model init seed (same on every rank)")
+    p.add_argument("--no-emulate-casts", action="store_true", help="with --compile: let fused kernels keep fp32 "
+                   "intermediates (inductor's default) instead of rounding to bf16 where eager kernels do")
+    p.add_argument("--compile", action="store_true",
+                   help="after the eager rounds: compile the decoder's dense parts (extract/speed.py), warm up on "
+                        "every batch shape (compile time reported), run the modes again as MODE+compile and compare "
+                        "the first batch's features with the eager ones (per-token cosine)")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}")
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = rank_and_world()
     dist = None
     if world > 1:
         import torch.distributed as dist
@@ -193,17 +201,57 @@ def main() -> None:
 
     forward_pass(model, batches[:1], layers, full=True)  # warm-up: kernels, autotuning
     forward_pass(model, batches[:1], layers, full=False)
-    best = {m: np.inf for m in modes}
-    for _ in range(args.rounds):
-        for mode in modes:
-            w = open_writer(mode) if mode.startswith("extract") else None
-            barrier()  # every rank runs the same mode at the same time: they share disk and CPUs
-            sec = timed(lambda: run_mode(mode, w))
-            best[mode] = min(best[mode], sec)
-            print(json.dumps({"rank": rank, "mode": mode, "seconds": sec, "tokens_per_s": tokens / sec}),
-                  file=sys.stderr, flush=True)  # progress that survives a timeout
-            if w is not None:
-                close_writer(w, mode)
+    best: dict[str, float] = {}
+
+    def measure(suffix: str) -> None:
+        for _ in range(args.rounds):
+            for mode in modes:
+                w = open_writer(mode) if mode.startswith("extract") else None
+                barrier()  # every rank runs the same mode at the same time: they share disk and CPUs
+                sec = timed(lambda: run_mode(mode, w))
+                best[mode + suffix] = min(best.get(mode + suffix, np.inf), sec)
+                print(json.dumps({"rank": rank, "mode": mode + suffix, "seconds": sec, "tokens_per_s": tokens / sec}),
+                      file=sys.stderr, flush=True)  # progress that survives a timeout
+                if w is not None:
+                    close_writer(w, mode)
+
+    measure("")
+    compiled: dict = {}
+    if args.compile:
+        from hsstore.extract.speed import compile_forward
+
+        ids, mask = pad_right(batches[0], 0)
+        ids, mask = ids.to(device), mask.to(device)
+        ref = run_tapped(model, layers, ids, mask).float()
+        n0 = batches[0][0].num_tokens  # the batch's first sample, alone: the eager forward at another shape
+        alone = run_tapped(model, layers, ids[:1, :n0], mask[:1, :n0]).float()
+        report = compile_forward(model, emulate_casts=not args.no_emulate_casts)
+        t = time.perf_counter()
+        forward_pass(model, batches, layers, full=True)  # every batch shape once: the compile time, up front
+        forward_pass(model, batches, layers, full=False)
+        compiled["warm_up_s"] = time.perf_counter() - t
+        compiled["modules"] = str(report)
+        compiled["emulate_casts"] = not args.no_emulate_casts
+        new = run_tapped(model, layers, ids, mask).float()
+        keep = mask.bool()
+
+        def cosines(a, b):  # per token and tap: [tokens, taps]
+            return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+        c = cosines(ref[keep], new[keep])
+        floor = cosines(ref[0, :n0], alone[0])
+        compiled["cosine_min"], compiled["cosine_mean"] = float(c.min()), float(c.mean())
+        compiled["per_tap"] = {str(l): {"compiled_vs_eager_min": float(c[:, j].min()),
+                                        "compiled_vs_eager_mean": float(c[:, j].mean()),
+                                        "eager_alone_vs_in_batch_min": float(floor[:, j].min()),
+                                        "eager_alone_vs_in_batch_mean": float(floor[:, j].mean())}
+                               for j, l in enumerate(layers)}
+        compiled["max_abs_diff"] = float((ref[keep] - new[keep]).abs().max())
+        compiled["batch_shapes"] = len({(len(b), max(s.num_tokens for s in b)) for b in batches})
+        del ref, new, alone
+        measure("+compile")
+        for m in modes:
+            compiled[f"speedup_{m}"] = best[m] / best[m + "+compile"]
     stack = decoder_layers(model)
     params_full = sum(p.numel() for p in stack.parameters())
     params_taps = sum(p.numel() for l in stack[: max(layers) + 1] for p in l.parameters())
@@ -213,7 +261,7 @@ def main() -> None:
     attn_taps = attn_full * (max(layers) + 1) / args.layers_total
 
     def tflops(mode):
-        full = mode == "forward_full"
+        full = mode.startswith("forward_full")
         return tokens * (2 * (params_full if full else params_taps) + (attn_full if full else attn_taps)) / best[mode] / 1e12
 
     res = {
@@ -221,8 +269,9 @@ def main() -> None:
         "tokens": tokens, "samples": len(samples), "batches": len(batches),
         "layers_total": args.layers_total, "hidden": args.hidden, "taps": layers, "build_model_s": build_s,
         "fla": _fla_available(),
-        "tokens_per_s": {m: tokens / best[m] for m in modes},
-        "tflops": {m: tflops(m) for m in modes},
+        "tokens_per_s": {m: tokens / v for m, v in best.items()},
+        "tflops": {m: tflops(m) for m in best},
+        "compile": compiled,
         "final_flush_s": {m: min(v) for m, v in close_s.items()},
         "waits_s": {m: {k: min(v) for k, v in w.items()} for m, w in waits.items()},
         "store_bytes_per_pass": tokens * len(layers) * args.hidden * 2,
@@ -232,6 +281,9 @@ def main() -> None:
         for m in modes:
             if base in best and m.startswith(("extract", "capture")):
                 res[f"ratio_{m}_vs_{base}"] = best[base] / best[m]
+    if args.compile and "extract_process+compile" in best:
+        res["extract_process+compile_vs_eager_forward_full"] = best.get("forward_full", np.nan) / best[
+            "extract_process+compile"]
     if args.keep:
         w = open_writer("keep")
         barrier()

@@ -39,7 +39,7 @@ import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.train.data import StoreBatches, add_anchors, read_ahead
-from hsstore.train.model import DFlashDrafter, DrafterConfig
+from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
 from hsstore.train.optim import build_optimizer, build_scheduler
 from hsstore.train.trainer import DraftLoss, train_step
@@ -96,7 +96,7 @@ def build(args, device):
                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_layers=args.draft_layers,
                         block_size=args.block, sliding_window=[w] * (args.draft_layers - 1) + [None] if w else None,
                         sliding_causal=not args.non_causal_sliding,
-                        attn_impl=args.attn or ("flex" if device.type == "cuda" else "sdpa"))
+                        attn_impl=args.attn)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = (torch.randn(args.vocab, args.hidden, device=device) * 0.02).to(dtype)
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--attn", choices=["sdpa", "flex"], default=None)
+    ap.add_argument("--attn", choices=ATTN_IMPLS, default="blocks")
     ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", action="store_true")
@@ -245,9 +245,10 @@ def loader_only(args, store: Path, device: torch.device) -> None:
     """Per rank: tokens/s and GB/s of batches landing on the device, for each data-path setting."""
     import torch.distributed as dist
 
+    from hsstore.distributed import rank_and_world
     from hsstore.train.trainer import share_cpu_threads
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = rank_and_world()
     if world > 1:
         dist.init_process_group("gloo")
     if rank == 0 and not (store / "manifest.json").exists():

@@ -9,7 +9,7 @@ against the live target.
 
     python -m tools.compare_fp8 --out /tmp/cmp                       # tiny demo target + bundled data, CPU
     python -m tools.compare_fp8 --out /scratch/cmp --model /models/t --input data.jsonl --device cuda \\
-        --steps 2000 --draft-layers 5 --max-tokens 16384 --anchors 512 --json
+        --steps 2000 --draft-layers 5 --token-budget 16384 --anchors 512 --json
 
 The tiny demo target has random weights: its drafter barely learns and speculative tau stays near 1 for
 both stores; there the loss/accuracy difference is the signal. Run it on a real target for tau.

@@ -45,7 +45,7 @@ train() {
   shift 3
   local cmd=(-m hsstore train --store "$store" --out "/tmp/$name" --epochs "$TRAIN_EPOCHS" --mask-token-id 0
              --log-samples --log-every 1 --save-every 100000 --draft-layers "${DRAFT_LAYERS:-1}"
-             --attn "${ATTN:-sdpa}" --no-progress "${TRAIN_ARGS[@]}" "$@")
+             --attn "${ATTN:-sdpa}" -q "${TRAIN_ARGS[@]}" "$@")
   rm -rf "/tmp/$name"
   step "train $name ($gpus GPU)"
   if [[ $gpus == 1 ]]; then

@@ -11,7 +11,7 @@ import logging
 import json
 import math
 
-from hsstore.cli import DefaultsHelpFormatter, add_storage_option
+from hsstore.cli import Deprecated, DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
 
@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     n.add_argument("--steps", type=int, default=None, help="optimizer steps")
     n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
     t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
-    t.add_argument("--max-tokens", type=int, default=16384, help="token budget per batch and rank (padded)")
+    t.add_argument("--token-budget", dest="token_budget", type=int, default=16384, metavar="N",
+                   help="padded tokens per batch and rank")
+    t.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
     t.add_argument("--anchors", type=int, default=512, help="anchors per sequence, at most")
     t.add_argument("--block-size", type=int, default=16, help="anchor + mask tokens drafted per block")
     t.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers")
@@ -59,9 +61,10 @@ def register(subparsers) -> None:
     t.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr / peak lr")
     t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     t.add_argument("--seed", type=int, default=0, help="data order, anchors and initial weights")
-    t.add_argument("--attn", choices=["auto", "sdpa", "flex"], default="auto",
-                   help="auto: sdpa. flex is 7-10%% faster per step once compiled, but compiles for about a minute "
-                        "on its first step, longer when batch shapes vary")
+    t.add_argument("--attn", choices=["auto", "blocks", "sdpa", "flex"], default="auto",
+                   help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and time "
+                        "follow the visible keys). sdpa: one dense mask [queries x (context + queries)], the "
+                        "reference. flex: compiles on its first step and again when batch shapes vary")
     t.add_argument("--weight", type=float, action="append", default=None, metavar="W",
                    help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
     t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")
@@ -74,7 +77,8 @@ def register(subparsers) -> None:
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT has checkpoints")
     t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_option(t)
+    add_json_option(t, "the summary at the end (rank 0)")
     t.add_argument("--val-store", action="append", default=None, metavar="URL",
                    help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
                         "valid anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
@@ -123,16 +127,17 @@ def register(subparsers) -> None:
     e.add_argument("--max-new-tokens", type=int, default=2048, help="with --model (DFlash's benchmark: 2048)")
     e.add_argument("--no-thinking", dest="thinking", action="store_false",
                    help="with --model: render prompts with enable_thinking=False (default: thinking on)")
-    e.add_argument("--max-tokens", type=int, default=16384,
-                   help="without --model: token budget per batch (padded), as in training")
+    e.add_argument("--token-budget", dest="token_budget", type=int, default=16384, metavar="N",
+                   help="without --model: padded tokens per batch, as in training")
+    e.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
     e.add_argument("--anchor-chunk", type=int, default=512,
                    help="without --model: anchors per sequence per forward (memory; the training default)")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="with --model: default bfloat16 on CUDA, float32 on CPU")
     e.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
-    e.add_argument("--no-progress", action="store_true")
-    e.add_argument("--json", action="store_true")
+    add_quiet_option(e)
+    add_json_option(e, "the report")
     add_storage_option(e)
     e.set_defaults(func=run_eval)
 
@@ -152,29 +157,36 @@ def run_train(args: argparse.Namespace) -> int:
     logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
     cfg = TrainConfig(
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
-        max_tokens=args.max_tokens, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
+        max_tokens=args.token_budget, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
         sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
         mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
         warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
-        prefetch=args.prefetch, resume=not args.no_resume, progress=not args.no_progress,
+        prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
         val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option))
     result = train(cfg)
-    if result.drafter_dir is not None:  # rank 0
-        if result.resumed_from is not None:
-            print(f"resumed from {result.resumed_from}")
-        last = result.last
-        fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
-        print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
-              f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
-              f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
-        if "val_tau" in last:
-            print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
-                  f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
-        print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
+    if result.drafter_dir is None:  # not rank 0
+        return 0
+    last = result.last
+    if args.json:
+        print(json.dumps({"steps": result.steps, "epochs_done": result.epochs_done, "seconds": result.seconds,
+                          "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
+                          "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
+                          "last": last}, indent=2))
+        return 0
+    if result.resumed_from is not None:
+        print(f"resumed from {result.resumed_from}")
+    fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
+    print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
+          f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
+          f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
+    if "val_tau" in last:
+        print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
+              f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
+    print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
     return 0
 
 
@@ -192,67 +204,22 @@ def run_eval(args: argparse.Namespace) -> int:
         return run_store_eval(args)
     if not args.input:
         raise ValueError("--model needs --input (the prompts to decode)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .speculative import evaluate_target
 
-    import hsstore
-
-    from .checkpoint import load_drafter, read_drafter_config
-    from .speculative import evaluate, load_prompts
-    from .trainer import load_frozen
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    store = hsstore.open(args.store, **parse_storage_options(args.storage_option))
-    dcfg, meta = read_drafter_config(args.drafter)
-    if list(dcfg.target_layers) != list(store.manifest.layers):
-        raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
-    _, embed, head = load_frozen(store)  # in the dtype extraction ran in
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True).to(device).eval()
-    mine = model.get_input_embeddings().weight.detach()
-    if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
-        raise ValueError(f"{args.model} is not the target the store {args.store} was extracted from "
-                         "(its input embedding differs from the store's)")
-    embed, head = embed.to(device, dtype), head.to(device, dtype)
-    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=dtype).eval()
-
-    prompts = load_prompts(args.input, tokenizer, limit=args.num_samples, enable_thinking=args.thinking)
-    if not prompts:
-        raise ValueError(f"no prompts in {args.input}")
-    eos = {int(x) for x in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else (model.generation_config.eos_token_id or []))}
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    report = evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, args.max_new_tokens, eos,
-                      progress=not args.no_progress)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report.format_text())
+    report = evaluate_target(args.store, args.drafter, args.model, args.input,
+                             storage_options=parse_storage_options(args.storage_option), device=args.device,
+                             dtype=args.dtype, num_samples=args.num_samples, thinking=args.thinking,
+                             max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0
 
 
 def run_store_eval(args: argparse.Namespace) -> int:
     """``hsstore eval`` without a target: teacher-forced, over every valid anchor of the store."""
-    import torch
+    from .evaluate import evaluate_store
 
-    import hsstore
-
-    from .checkpoint import load_drafter
-    from .evaluate import eval_source, evaluate
-    from .trainer import load_frozen
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    options = parse_storage_options(args.storage_option)
-    store = hsstore.open(args.store, **options)
-    # as in training: fp32 drafter (bf16 autocast on CUDA); the frozen head in its stored dtype on CUDA
-    _, embed, head = load_frozen(store, device, None if device.type == "cuda" else torch.float32)
-    drafter = load_drafter(args.drafter, embed, head, attn_impl="sdpa").to(device=device, dtype=torch.float32)
-    drafter.eval()
-    source = eval_source(args.store, drafter.config.target_layers, args.max_tokens, storage_options=options,
-                         cache_dir=args.cache_dir, pin_memory=device.type == "cuda")
-    report = evaluate(drafter, source, device, anchor_chunk=args.anchor_chunk, progress=not args.no_progress)
+    report = evaluate_store(args.store, args.drafter, storage_options=parse_storage_options(args.storage_option),
+                            device=args.device, max_tokens=args.token_budget, anchor_chunk=args.anchor_chunk,
+                            cache_dir=args.cache_dir, progress=not args.quiet)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0

@@ -22,13 +22,11 @@ import logging
 import queue
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 
-from hsstore import HiddenStateDataset, TokenBatches, merge_states, token_batches
+from hsstore import HiddenStateDataset, TokenBatches, count_token_batches, merge_states
 
 from .objective import block_targets, sample_anchors
 
@@ -128,31 +126,14 @@ class StoreBatches:
     def planned_steps(self, epochs: int) -> int:
         """Optimizer steps for ``epochs`` epochs, from metadata only: per epoch, the batch count of the rank
         with the most batches (the others run empty steps, see the module doc)."""
-        from hsstore.loader import epoch_order  # the plan is a pure function of metadata
-
         t0 = time.perf_counter()
-        ds = self.dataset
-        lengths = ds.catalog.stop - ds.catalog.start
-        W = max(1, self.workers)
+        ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(epochs):
-            eo = epoch_order(ds.catalog, ds.weights, ds.seed, e, ds.shuffle)
-            per_rank = []
-            for r in range(ds.world_size):
-                n = 0
-                for w in range(W):
-                    plan = ds.slot_plan(e, None, 0, ds.world_size, W, r * W + w)
-                    n += count_batches(lengths[eo.entry_cat[plan.entries]], self.max_tokens)
-                per_rank.append(n)
-            total += max(per_rank)
+            total += max(sum(count_token_batches(ds.planned_lengths(e, r, num_workers=W, worker=w), self.max_tokens)
+                             for w in range(W)) for r in range(ds.world_size))
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
         return total
-
-
-def count_batches(lengths: np.ndarray, max_tokens: int) -> int:
-    """How many batches ``token_batches`` makes of samples with these lengths, in this order."""
-    items = ({"input_ids": SimpleNamespace(shape=(int(n),))} for n in lengths)
-    return sum(1 for _ in token_batches(items, max_tokens))
 
 
 # ---------------------------------------------------------------------------------------------- read-ahead

@@ -181,3 +181,25 @@ def evaluate(drafter, source, device: torch.device | None = None, *, gamma: floa
 
         dist.all_reduce(sums, group=group)
     return StoreEval.from_sums(sums, drafter.config.block_size, time.perf_counter() - t0)
+
+
+def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None = None, device: str | None = None,
+                   max_tokens: int = 16384, anchor_chunk: int = ANCHOR_CHUNK, cache_dir: str | None = None,
+                   progress: bool = False) -> StoreEval:
+    """``hsstore eval`` without a target: the drafter at ``drafter_dir`` over every valid anchor of the store at
+    ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training."""
+    import hsstore
+
+    from .checkpoint import load_drafter
+    from .trainer import load_frozen
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = storage_options or {}
+    store = hsstore.open(url, **options)
+    # as in training: the frozen head in its stored dtype on CUDA
+    _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
+    drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)
+    drafter.eval()
+    source = eval_source(url, drafter.config.target_layers, max_tokens, storage_options=options,
+                         cache_dir=cache_dir, pin_memory=dev.type == "cuda")
+    return evaluate(drafter, source, dev, anchor_chunk=anchor_chunk, progress=progress)

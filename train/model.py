@@ -43,6 +43,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hsstore.taps import default_taps
+
+
+ATTN_IMPLS = ("sdpa", "blocks", "flex")
+
 
 @dataclass
 class DrafterConfig:
@@ -65,7 +70,9 @@ class DrafterConfig:
     sliding_causal: bool = True
     max_position: int = 40960  # largest absolute position (context length + block) the drafter accepts
     num_target_layers: int | None = None  # decoder layers of the target (exported for the engines)
-    attn_impl: str = "sdpa"  # "sdpa" (boolean mask; reference, any device) or "flex" (BlockMask)
+    # "sdpa": dense boolean mask (the reference, any device); "blocks": each chunk of blocks attends to only
+    # the keys it may see (``block_plan``; memory and time follow the visible keys); "flex": BlockMask
+    attn_impl: str = "sdpa"
 
     def __post_init__(self):
         self.target_layers = [int(x) for x in self.target_layers]
@@ -87,8 +94,8 @@ class DrafterConfig:
                 raise ValueError(f"sliding windows must be >= 1, got {self.sliding_window}")
             if all(w is None for w in self.sliding_window):
                 self.sliding_window = None
-        if self.attn_impl not in ("sdpa", "flex"):
-            raise ValueError(f"attn_impl must be 'sdpa' or 'flex', not {self.attn_impl!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, not {self.attn_impl!r}")
 
     @property
     def num_taps(self) -> int:
@@ -157,12 +164,7 @@ def reference_attention_shape(target_heads: int, target_kv_heads: int, target_he
     return nh, nkv, hd
 
 
-def default_target_layers(num_target_layers: int, num_taps: int = 5) -> list[int]:
-    """Evenly spaced layer ids from 1 to n-3: [1,16,31,46,61] for 64 layers, [1,9,17,25,33] for 36."""
-    lo, hi = 1, num_target_layers - 3
-    if num_taps == 1:
-        return [lo]
-    return [round(lo + i * (hi - lo) / (num_taps - 1)) for i in range(num_taps)]
+default_target_layers = default_taps  # the DFlash default spacing, shared with extraction (hsstore/taps.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +258,44 @@ class DecoderLayer(nn.Module):
 # the attention mask
 
 
+def context_visible(p: torch.Tensor, real: torch.Tensor, j: torch.Tensor, valid_j: torch.Tensor,
+                    block_size: int, window: int | None = None) -> torch.Tensor:
+    """Which context keys the rows of each block see: bool [..., A, S, K] ([..., A, 1, K] without a window).
+
+    p, real [..., A]: anchor positions and whether the anchor is real (not padding); j, valid_j [..., K]:
+    the positions of the candidate keys and whether they are real tokens. Row i of the block at p sees
+    j iff j < p (strictly), valid_j and real, and in a sliding layer j >= p + i - (window - 1). The one
+    place this rule is written: the dense mask and the block plan both evaluate it.
+    """
+    p, real = p[..., :, None, None], real[..., :, None, None]
+    j, valid_j = j[..., None, None, :], valid_j[..., None, None, :]
+    vis = (j < p) & valid_j & real
+    if window is not None:
+        i = torch.arange(block_size, device=p.device)[:, None]
+        vis = vis & (j >= p + i - (window - 1))
+    return vis
+
+
+def own_block_visible(block_size: int, window: int | None = None, causal: bool = True, device=None) -> torch.Tensor:
+    """[S, S] bool: block row i sees block row i' of its own block (all; in a sliding layer causal and
+    i - i' <= window - 1, or |i - i'| <= window - 1 when not ``causal``)."""
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    if window is not None:
+        i = torch.arange(block_size, device=device)
+        d = i[:, None] - i[None, :]  # query offset - key offset
+        own = (d >= 0) & (d <= window - 1) if causal else d.abs() <= window - 1
+    return own
+
+
+def blocks_visible(num_blocks: int, block_size: int, window: int | None = None, causal: bool = True,
+                   device=None) -> torch.Tensor:
+    """[A*S, A*S] bool over the concatenated blocks: own block only, by ``own_block_visible``."""
+    S = block_size
+    own = own_block_visible(S, window, causal, device)
+    n = torch.arange(num_blocks * S, device=device)
+    return (n[:, None] // S == n[None, :] // S) & own[n[:, None] % S, n[None, :] % S]
+
+
 def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
                          window: int | None = None, causal: bool = True) -> torch.Tensor:
     """Boolean mask [B, A*S, T + A*S] (True = may attend) for SDPA; keys are [context T | blocks A*S].
@@ -274,22 +314,113 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size:
     B, A = anchors.shape
     T = valid.shape[1]
     S = block_size
-    dev = anchors.device
-    p = anchors.clamp(min=0)[:, :, None, None]  # [B, A, 1, 1]
-    j = torch.arange(T, device=dev)
-    ctx = (j < p) & valid[:, None, None, :] & (anchors >= 0)[:, :, None, None]  # [B, A, 1, T]
-    i = torch.arange(S, device=dev)
-    if window is not None:
-        ctx = ctx & (j >= p + i[:, None] - (window - 1))  # [B, A, S, T]
+    j = torch.arange(T, device=anchors.device)
+    ctx = context_visible(anchors.clamp(min=0), anchors >= 0, j[None], valid, S, window)  # [B, A, S|1, T]
     ctx = ctx.expand(B, A, S, T).reshape(B, A * S, T)
-    own = torch.ones(S, S, dtype=torch.bool, device=dev)
-    if window is not None:
-        d = i[:, None] - i[None, :]  # query offset - key offset
-        own = (d >= 0) & (d <= window - 1) if causal else d.abs() <= window - 1
-    n = torch.arange(A * S, device=dev)
-    blk = (n[:, None] // S == n[None, :] // S) & own[n[:, None] % S, n[None, :] % S]  # [A*S, A*S]
-    blk = blk.expand(B, -1, -1)
+    blk = blocks_visible(A, S, window, causal, anchors.device).expand(B, -1, -1)
     return torch.cat([ctx, blk], dim=-1)
+
+
+# Block-sparse attention ("blocks"): the dense mask above is [A*S, T + A*S] per sequence, but a block row
+# sees at most p context keys (W - 1 in a sliding layer) plus its own S block keys. The plan splits the
+# anchors into chunks of consecutive anchors (``chunk_rows`` query rows each); a chunk's keys are the
+# context span its anchors can see, [lo, hi) = [min p - (W - 1), max p) (from 0 in a full layer), plus
+# its own blocks' keys, gathered by index and attended with SDPA under the same rule on that small
+# mask. Anchors are sorted (``sample_anchors``), so spans are short; unsorted anchors stay correct, only
+# slower. Chunks of one group share a key length (the group's longest span) and run as one batched SDPA
+# call: sliding layers, whose spans are all about W + the chunk's extent, use one group; full layers,
+# whose spans grow with p, split into FULL_LAYER_GROUPS so short prefixes are not padded to the whole
+# sequence.
+
+ATTN_CHUNK_ROWS = 256  # query rows per chunk (16 anchors of 16): small enough to keep spans tight
+FULL_LAYER_GROUPS = 4  # batched SDPA calls for a full-attention layer
+_KEY_ALIGN = 16  # gathered key counts are padded to a multiple of this (fused kernels' mask alignment)
+
+
+@dataclass
+class BlockPlan:
+    """Which keys each chunk of blocks attends to, for ``attend``: per group of chunks, the indices of
+    its keys in [context T | blocks (padded to whole chunks)] and their bool mask."""
+
+    rows: int  # A*S query rows (before padding to whole chunks)
+    chunk_rows: int  # C*S
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first chunk, end chunk, idx [B, n, K], mask [B, n, C*S, K])
+
+    @property
+    def padded_rows(self) -> int:
+        return self.groups[-1][1] * self.chunk_rows if self.groups else 0
+
+
+def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, window: int | None = None,
+               causal: bool = True, chunk_rows: int = ATTN_CHUNK_ROWS, groups: int | None = None) -> BlockPlan:
+    """The block-sparse equivalent of ``block_attention_mask`` (same rule, same visible keys).
+
+    ``groups``: batched SDPA calls (default 1 for a sliding layer, FULL_LAYER_GROUPS for a full one).
+    """
+    B, A = anchors.shape
+    T = valid.shape[1]
+    S = block_size
+    dev = anchors.device
+    C = max(1, chunk_rows // S)
+    n = -(-A // C)
+    if n == 0:
+        return BlockPlan(0, C * S, [])
+    anchors = F.pad(anchors, (0, n * C - A), value=-1).view(B, n, C)
+    real = anchors >= 0
+    p = anchors.clamp(min=0)
+    first = torch.zeros_like(p) if window is None else (p - (window - 1)).clamp(min=0)  # widest row: i = 0
+    lo = torch.where(real, first, T).amin(-1)  # [B, n]: no real anchor -> empty span
+    hi = torch.where(real, p, 0).amax(-1)
+    lo = torch.minimum(lo, hi)
+    span = hi - lo
+    blk = blocks_visible(C, S, window, causal, dev)  # [C*S, C*S], the same for every chunk
+    n_groups = max(1, min(n, groups or (1 if window is not None else FULL_LAYER_GROUPS)))
+    bounds = [round(g * n / n_groups) for g in range(n_groups + 1)]
+    out = []
+    for c0, c1 in zip(bounds[:-1], bounds[1:]):
+        if c0 == c1:
+            continue
+        K = int(span[:, c0:c1].max())
+        K = -(-K // _KEY_ALIGN) * _KEY_ALIGN
+        j = (lo[:, c0:c1, None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, ng, K]; beyond hi: unseen
+        ctx = context_visible(p[:, c0:c1], real[:, c0:c1], j, torch.gather(valid, 1, j.flatten(1)).view_as(j),
+                              S, window)  # [B, ng, C, S|1, K]
+        ng = c1 - c0
+        ctx = ctx.expand(B, ng, C, S, K).reshape(B, ng, C * S, K)
+        own = T + (torch.arange(c0, c1, device=dev)[:, None] * (C * S) + torch.arange(C * S, device=dev))
+        idx = torch.cat([j, own.expand(B, ng, C * S)], dim=-1)
+        mask = torch.cat([ctx, blk.expand(B, ng, C * S, C * S)], dim=-1)
+        out.append((c0, c1, idx, mask))
+    return BlockPlan(A * S, C * S, out)
+
+
+def attend_blocks(q, k, v, plan: BlockPlan):
+    """``attend`` for a BlockPlan: q [B, nh, N, hd], k/v [B, nkv, T+N, hd] -> [B, nh, N, hd].
+
+    Query heads of one KV group are folded into the query rows ([B*n, nkv, g*C*S, hd]), so SDPA sees plain
+    multi-head attention with a mask: the fused CPU/CUDA kernels take that, while ``enable_gqa`` with a
+    mask falls back to the math kernel (all scores in memory)."""
+    B, nh, N, hd = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    if not plan.groups:
+        return q.new_zeros(B, nh, N, hd)
+    CS, Np = plan.chunk_rows, plan.padded_rows
+    q = F.pad(q, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, N', nh, hd]
+    k = F.pad(k, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, T+N', nkv, hd]
+    v = F.pad(v, (0, 0, 0, Np - N)).transpose(1, 2)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    outs = []
+    for c0, c1, idx, mask in plan.groups:
+        ng, K = c1 - c0, idx.shape[-1]
+        qg = q[:, c0 * CS:c1 * CS].reshape(B, ng, CS, nkv, g, hd).permute(0, 1, 3, 4, 2, 5)
+        qg = qg.reshape(B * ng, nkv, g * CS, hd)
+        kg = k[b, idx].permute(0, 1, 3, 2, 4).reshape(B * ng, nkv, K, hd)  # [B, ng, K, nkv, hd] -> heads first
+        vg = v[b, idx].permute(0, 1, 3, 2, 4).reshape(B * ng, nkv, K, hd)
+        m = mask.reshape(B * ng, 1, CS, K).repeat(1, 1, g, 1)  # row r*CS + i of the fold is query row i
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m)  # [B*ng, nkv, g*CS, hd]
+        outs.append(o.view(B, ng, nkv, g, CS, hd).permute(0, 1, 4, 2, 3, 5).reshape(B, ng * CS, nh, hd))
+    return torch.cat(outs, dim=1)[:, :N].transpose(1, 2)
 
 
 def _flex_block_mask(anchors, valid, block_size, window, causal=True):
@@ -322,7 +453,9 @@ _compiled_flex = None
 
 
 def attend(q, k, v, mask):
-    """q [B, nh, N, hd], k/v [B, nkv, T+N, hd]; mask is a bool tensor [B, N, T+N] or a BlockMask."""
+    """q [B, nh, N, hd], k/v [B, nkv, T+N, hd]; mask is a bool tensor [B, N, T+N], a BlockPlan or a BlockMask."""
+    if isinstance(mask, BlockPlan):
+        return attend_blocks(q, k, v, mask)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
     global _compiled_flex
@@ -411,7 +544,9 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             w = c.window(i)
             if w not in masks:
-                if c.attn_impl == "flex":
+                if c.attn_impl == "blocks":
+                    masks[w] = block_plan(anchors, valid, S, w, c.sliding_causal)
+                elif c.attn_impl == "flex":
                     masks[w] = _flex_block_mask(anchors, valid, S, w, c.sliding_causal)
                 else:
                     masks[w] = block_attention_mask(anchors, valid, S, w, c.sliding_causal)

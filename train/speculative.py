@@ -253,3 +253,45 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
                         spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
     tau = sum(taus) / len(taus) if taus else float("nan")
     return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs)
+
+
+def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
+                    storage_options: dict | None = None, device: str | None = None, dtype: str | None = None,
+                    num_samples: int | None = None, thinking: bool = True, max_new_tokens: int = 2048,
+                    progress: bool = False) -> EvalReport:
+    """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
+    target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
+    drafter's frozen embedding and head come from the store."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hsstore
+
+    from .checkpoint import load_drafter, read_drafter_config
+    from .trainer import load_frozen
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    store = hsstore.open(store_url, **(storage_options or {}))
+    dcfg, _ = read_drafter_config(drafter_dir)
+    if list(dcfg.target_layers) != list(store.manifest.layers):
+        raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
+    _, embed, head = load_frozen(store)  # in the dtype extraction ran in
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True).to(dev).eval()
+    mine = model.get_input_embeddings().weight.detach()
+    if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
+        raise ValueError(f"{model_dir} is not the target the store {store_url} was extracted from "
+                         "(its input embedding differs from the store's)")
+    embed, head = embed.to(dev, dt), head.to(dev, dt)
+    drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=dt).eval()
+
+    prompts = load_prompts(inputs, tokenizer, limit=num_samples, enable_thinking=thinking)
+    if not prompts:
+        raise ValueError(f"no prompts in {inputs}")
+    eos_ids = model.generation_config.eos_token_id
+    eos = {int(x) for x in ([eos_ids] if isinstance(eos_ids, int) else (eos_ids or []))}
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
+                    progress=progress)

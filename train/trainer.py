@@ -54,7 +54,9 @@ import torch.distributed as dist
 
 import hsstore
 from hsstore import assets, codec, fp8
+from hsstore.distributed import local_rank, rank_and_world
 from hsstore.manifest import check_compatible
+from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
@@ -101,7 +103,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     clip: float = 1.0
     seed: int = 0
-    attn: str = "auto"  # sdpa | flex | auto (= sdpa: flex compiles for a minute or more, longer when shapes vary)
+    attn: str = "auto"  # blocks | sdpa | flex | auto (= blocks; flex recompiles when batch shapes vary)
     log_every: int = 10
     save_every: int = 1000
     cpu_threads: int | None = None  # torch CPU threads per rank (default: see share_cpu_threads)
@@ -156,11 +158,6 @@ def load_frozen(store: hsstore.Store, device="cpu", dtype: torch.dtype | None = 
     return cfg, embed.to(device), head.to(device)
 
 
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's part of a (possibly multimodal, e.g. ``qwen3_5``) config dict."""
-    return cfg.get("text_config") or cfg
-
-
 def pick_mask_token(target_cfg: dict[str, Any], manifest: hsstore.Manifest, vocab_rows: int,
                     requested: int | None = None) -> int:
     """See the module doc: requested > first unused embedding row > pad token."""
@@ -184,7 +181,7 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
     if tc.get("hidden_size") != manifest.hidden_size:
         raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
                          f"{manifest.hidden_size}")
-    attn = cfg.attn if cfg.attn != "auto" else "sdpa"  # flex: opt-in, see TrainConfig.attn
+    attn = cfg.attn if cfg.attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
     if cfg.init is not None:
         return init_config(cfg.init, manifest, vocab_rows, cfg, attn)
     window = cfg.sliding_window or None
@@ -256,9 +253,8 @@ class DraftLoss(torch.nn.Module):
 
 def init_distributed(device: str | None):
     """(rank, world, device, CPU group for small all-reduces); starts the process group under torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world = rank_and_world()
+    local = local_rank(rank, world)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", local if dev.index is None else dev.index)
@@ -406,6 +402,9 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     extra = {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
              "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
 
+    checkpoints = Checkpointer(out=out, drafter=drafter, opt=opt, sched=sched, cfg=cfg, config_json=config_json,
+                               extra=extra, device=device, rank=rank, world=world)
+
     # -- resume
     step, epoch = 0, 0
     latest = ckpt.latest_checkpoint(out) if cfg.resume else None
@@ -499,8 +498,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
                                     tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
                 if step % cfg.save_every == 0 or step == total:
-                    save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
-                         world)
+                    checkpoints.save(step, epoch, loader_state)
                 if cfg.steps is not None and step >= total:
                     finished_epoch = False
                     break
@@ -516,8 +514,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if interrupt.stopping(world):
         bar.close()
         if step % cfg.save_every and step != total:  # not saved at this step yet
-            save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank,
-                 world)
+            checkpoints.save(step, epoch, loader_state)
         log.warning("stopped at step %d: checkpoint %s; re-run the same command to resume", step,
                     ckpt.checkpoint_dir(out, step))
         raise KeyboardInterrupt
@@ -526,7 +523,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         last = {"step": step, "epoch": epoch, **meter.summary(world, group), **validate()}
         write_row(last)
     if step % cfg.save_every and step != total:  # the epochs ended before the planned step count
-        save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank, world)
+        checkpoints.save(step, epoch, loader_state)
     drafter_dir = None
     if rank == 0:
         drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, extra)
@@ -603,22 +600,38 @@ def train_step(model, drafter, opt, sched, batch, clip: float, amp):
     return loss.detach(), metrics, grad_norm
 
 
-def save(out, step, epoch, drafter, opt, sched, loader_state, cfg, config_json, extra, device, rank, world):
-    """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it."""
-    tmp, final = ckpt.staging_dir(out, step), ckpt.checkpoint_dir(out, step)
-    if rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
-    if world > 1:
-        dist.barrier()
-    ckpt.write_rank_files(tmp, rank, loader_state, device)
-    if world > 1:
-        dist.barrier()
-    if rank == 0:
-        ckpt.write_main_files(tmp, drafter, opt, sched, step=step, epoch=epoch, config=config_json,
-                              world=[world, cfg.workers], extra=extra)
-        ckpt.publish(tmp, final, cfg.keep)
-    if world > 1:
-        dist.barrier()
+@dataclass(kw_only=True)
+class Checkpointer:
+    """What every checkpoint of one run writes besides its position: set up once, then ``save`` per checkpoint."""
+
+    out: Path
+    drafter: DFlashDrafter
+    opt: Any
+    sched: Any
+    cfg: TrainConfig
+    config_json: dict[str, Any]  # the run's settings as saved (no storage options: they may hold secrets)
+    extra: dict[str, Any]  # target, taps, tokenizer: written into the drafter's meta
+    device: torch.device
+    rank: int
+    world: int
+
+    def save(self, step: int, epoch: int, loader_state) -> None:
+        """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it."""
+        rank, world = self.rank, self.world
+        tmp, final = ckpt.staging_dir(self.out, step), ckpt.checkpoint_dir(self.out, step)
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        if world > 1:
+            dist.barrier()
+        ckpt.write_rank_files(tmp, rank, loader_state, self.device)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
+                                  config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
+            ckpt.publish(tmp, final, self.cfg.keep)
+        if world > 1:
+            dist.barrier()
 
 
 def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):

@@ -1,17 +1,13 @@
-"""One shard: a Zarr v3 group of flat token-major arrays, plus the commit record that publishes it.
+"""The commit record: what makes a shard visible, and what it promises about the shard's files.
 
-Layout under the store prefix (see docs/FORMAT.md)::
+Layout-independent names under the store prefix (see docs/FORMAT.md)::
 
-    shards/<name>/                 Zarr v3 group (attributes: shard name, per-sample columns)
-        layer_<LLL>/               [tokens, hidden] features of tapped layer LLL, chunked along tokens
-        input_ids/  loss_mask/     [tokens] int32 / uint8, same chunk grid as the layers
-        offsets/                   [samples + 1] int64: sample i is tokens offsets[i]:offsets[i+1]
-        scale_<LLL>/               (fp8 stores only) [tokens] float32 scales of layer LLL's rows
-    commits/<name>.json            written last; readers see only shards that have one
+    shards/<name>...               the shard's files, as its layout writes them (zarr_layout.py, wds.py)
+    commits/<name>.json            its commit record, written last; readers see only shards that have one
 
 A commit record lists every file of its shard with size and CRC32C, so ``verify`` can name the file
-(and so the samples) at fault without trusting anything else in the shard. For a chunk that checksum is
-its payload's (the CRC32C the chunk ends with), so the record binds each chunk's data to its path: a
+(and so the samples) at fault without trusting anything else in the shard. For a zarr chunk that checksum
+is its payload's (the CRC32C the chunk ends with), so the record binds each chunk's data to its path: a
 valid chunk in the wrong place is caught by the same comparison that catches a flipped byte.
 """
 
@@ -25,13 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zarr
-from zarr.abc.store import Store as ZarrStore
-from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
-from . import codec, fp8, storage
+from . import codec, storage
 from .errors import CorruptionError, StoreError
-from .manifest import FORMAT_VERSION, Manifest, now_iso
+from .manifest import FORMAT_VERSION
 
 SHARDS_DIR = "shards"
 COMMITS_DIR = "commits"
@@ -42,17 +35,9 @@ CONTENT_CHECKSUMS = 2
 
 
 def layer_array(layer: int | str) -> str:
-    """The array of a slot: ``layer_<LLL>`` for a layer id, the feature's own name (``final_hidden``) otherwise."""
+    """A slot's name in a shard, in every layout (a Zarr array, a tar member's part): ``layer_<LLL>`` for a
+    layer id, the feature's own name (``final_hidden``) otherwise."""
     return layer if isinstance(layer, str) else f"layer_{layer:03d}"
-
-
-def scale_array(layer: int | str) -> str:
-    """The per-row scales of an fp8-encoded layer (or feature) array."""
-    return f"scale_{layer}" if isinstance(layer, str) else f"scale_{layer:03d}"
-
-
-def shard_path(name: str) -> str:
-    return f"{SHARDS_DIR}/{name}"
 
 
 def commit_path(name: str) -> str:
@@ -64,6 +49,14 @@ def is_chunk_key(key: str) -> bool:
     with its payload's CRC32C); metadata and tars are not."""
     parts = key.split("/", 4)
     return len(parts) == 5 and parts[0] == SHARDS_DIR and parts[3] == "c"
+
+
+def sample_offsets(name: str, samples: dict[str, list], n_tokens: int) -> np.ndarray:
+    """``[samples + 1]`` token offsets from the sample lengths, which must cover the shard's tokens."""
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(samples["length"], dtype=np.int64))]).astype(np.int64)
+    if offsets[-1] != n_tokens:
+        raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
+    return offsets
 
 
 @dataclass
@@ -168,127 +161,6 @@ def same_files(a: CommitRecord, b: CommitRecord) -> bool:
         if ea["crc32c"] != eb["crc32c"] and not (a.binds_chunks != b.binds_chunks and is_chunk_key(key)):
             return False
     return True
-
-
-def zarr_metadata(build) -> dict[str, bytes]:
-    """Zarr metadata objects made by ``build(memory_store)``, as ``{key: bytes}``: zarr-python writes the
-    metadata (so it cannot drift from the spec) without any round trip to the real store."""
-    mem = MemoryStore()
-    build(mem)
-    return {k: v.to_bytes() for k, v in mem._store_dict.items()}
-
-
-def parent_groups() -> dict[str, bytes]:
-    """``zarr.json`` of the store root and of ``shards/``, so zarr-python can walk the hierarchy."""
-    def build(mem):
-        zarr.create_group(store=mem, path=SHARDS_DIR, zarr_format=3)
-    return zarr_metadata(build)
-
-
-def zarr_store(fs, root: str, url: str, storage_options: dict | None, read_only: bool) -> ZarrStore:
-    """The Zarr store object for a store prefix (LocalStore on disk, FsspecStore elsewhere)."""
-    if storage.is_local(fs):
-        return LocalStore(root, read_only=read_only)
-    return FsspecStore.from_url(url, storage_options=storage_options, read_only=read_only)
-
-
-def chunk_key(array_path: str, k: int, ndim: int) -> str:
-    """Zarr v3 default chunk key of chunk ``k`` along tokens (other dimensions are one chunk)."""
-    return f"{array_path}/c/{k}" + "/0" * (ndim - 1)
-
-
-def encode_array(array_path: str, data: np.ndarray, chunk: int, chunk_codec: codec.ChunkCodec,
-                 ) -> dict[str, codec.EncodedChunk]:
-    """Chunk objects of a token-major array, keyed by store-relative path. Edge chunks are padded with
-    the fill value to the full chunk shape, as Zarr v3 stores them."""
-    out = {}
-    n = data.shape[0]
-    for k in range(-(-n // chunk)):
-        part = data[k * chunk:(k + 1) * chunk]
-        if part.shape[0] < chunk:
-            padded = np.zeros((chunk,) + data.shape[1:], dtype=data.dtype)
-            padded[: part.shape[0]] = part
-            part = padded
-        out[chunk_key(array_path, k, data.ndim)] = chunk_codec.encode(part)
-    return out
-
-
-def sample_offsets(name: str, samples: dict[str, list], n_tokens: int) -> np.ndarray:
-    """``[samples + 1]`` token offsets from the sample lengths, which must cover the shard's tokens."""
-    offsets = np.concatenate([[0], np.cumsum(np.asarray(samples["length"], dtype=np.int64))]).astype(np.int64)
-    if offsets[-1] != n_tokens:
-        raise ValueError(f"shard {name}: sample lengths sum to {offsets[-1]}, arrays hold {n_tokens} tokens")
-    return offsets
-
-
-def write_shard(
-    fs,
-    root: str,
-    name: str,
-    writer: str,
-    manifest: Manifest,
-    features: dict[int, np.ndarray],
-    input_ids: np.ndarray,
-    loss_mask: np.ndarray,
-    samples: dict[str, list],
-    stats: dict[str, Any] | None = None,
-    scales: dict[int, np.ndarray] | None = None,
-) -> CommitRecord:
-    """Write one shard -- Zarr metadata and whole chunks, in one concurrent batch -- and return its commit
-    record. The record is not yet published: see :func:`publish`. ``scales`` (fp8 stores): per layer,
-    the float32 scale of every row of ``features`` (which then hold e4m3fn bits)."""
-    n_tokens = int(input_ids.shape[0])
-    offsets = sample_offsets(name, samples, n_tokens)
-    lengths = np.diff(offsets)
-    base = shard_path(name)
-    ct = manifest.chunk_tokens
-    feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
-    is_fp8 = manifest.encoding == fp8.ENCODING
-    if is_fp8 and scales is None:
-        raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
-    arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.slots]
-    if is_fp8:
-        arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
-                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.slots]
-    arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
-               ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
-               ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
-
-    def build(mem):
-        group = zarr.create_group(store=mem, path=base, zarr_format=3,
-                                  attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
-                                              "samples": samples})
-        for arr_name, data, chunk, chunk_codec, attrs in arrays:
-            group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
-                               compressors=chunk_codec.zarr_compressors(), fill_value=0, attributes=attrs,
-                               dimension_names=["token", "hidden"][: data.ndim])
-
-    # only the shard's own metadata: parent groups are written once, when the store is created
-    objects: dict[str, Any] = {k: v for k, v in zarr_metadata(build).items() if k.startswith(base + "/")}
-    for arr_name, data, chunk, chunk_codec, _ in arrays:
-        objects.update(encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec))
-    storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
-    files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
-             for k, v in sorted(objects.items())}
-    layers = {}
-    for l in manifest.slots:  # a layer's bytes: its values, and its scales in an fp8 store
-        prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
-        raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
-        layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
-                          "raw_bytes": raw}
-    return CommitRecord(
-        shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
-        files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso(), manifest_key=manifest.shard_key())
-
-
-def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
-    """Zarr attributes of a layer array: ``hsstore_dtype`` names what the stored bits are (the manifest dtype,
-    or ``float8_e4m3fn`` in an fp8 store, whose ``hsstore_scales`` array holds the per-row scales)."""
-    if manifest.encoding == fp8.ENCODING:
-        return {"hsstore_dtype": "float8_e4m3fn", "hsstore_encoding": fp8.ENCODING,
-                "hsstore_scales": scale_array(layer), "layer": layer}
-    return {"hsstore_dtype": manifest.dtype, "layer": layer}
 
 
 def publish(fs, root: str, record: CommitRecord) -> None:

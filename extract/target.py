@@ -1,0 +1,115 @@
+"""The target: its tokenizer, its weights, and its identity as a store's manifest records it.
+
+One home for everything that touches the target model folder, so that ``extract``, ``import``, ``check`` and
+``show`` load and hash it the same way. Hashes, not names: two teams that load one model from different paths
+get the same identity, and a store made with another tokenizer or config is refused instead of silently mixed.
+Nothing is downloaded: the model is a local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from hsstore import Manifest, TargetIdentity, TokenizerIdentity
+from hsstore.manifest import canonical_json_hash, sha256_hex
+from hsstore.taps import text_config
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# Config fields that say where/how a model was loaded, not what it computes.
+VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
+                        "_attn_implementation", "_attn_implementation_autoset", "use_cache", "architectures"}
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+def load_tokenizer(model: str):
+    """The target's tokenizer from a local directory (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
+        raise FileNotFoundError(f"model directory not found: {model}")
+    try:
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
+        raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
+
+
+def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
+    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def model_name(model_dir: str) -> str:
+    """The name a store records for the model at ``model_dir``: its folder's name."""
+    return model_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+# -- identity --------------------------------------------------------------------------------------------------
+def _strip(d):
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if k not in VOLATILE_CONFIG_KEYS}
+    return d
+
+
+def config_hash(config) -> str:
+    return canonical_json_hash(_strip(config.to_dict()))
+
+
+def weights_hash(model: torch.nn.Module, max_bytes: int = 64 << 20) -> str:
+    """A fingerprint of the input embedding (first ``max_bytes``): tells random inits of one config apart
+    without hashing tens of GB."""
+    w = model.get_input_embeddings().weight.detach()
+    flat = w.reshape(-1)[: max_bytes // w.element_size()].contiguous().cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def target_identity(model, name: str, revision: str | None = None) -> TargetIdentity:
+    tc = text_config(model.config)
+    return TargetIdentity(name=name, num_layers=int(tc.num_hidden_layers), hidden_size=int(tc.hidden_size),
+                          config_hash=config_hash(model.config), revision=revision,
+                          model_type=getattr(model.config, "model_type", None), weights_hash=weights_hash(model))
+
+
+def tokenizer_identity(tokenizer, name: str) -> TokenizerIdentity:
+    vocab = tokenizer.get_vocab()
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    added = sorted((str(k), int(v)) for k, v in tokenizer.get_added_vocab().items())
+    vocab_hash = sha256_hex(json.dumps({"vocab": sorted(vocab.items()), "special": special, "added": added}))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return TokenizerIdentity(name=name, vocab_hash=vocab_hash,
+                             chat_template_hash=sha256_hex(template) if template else None, vocab_size=len(vocab))
+
+
+def identity_from_model_dir(model_dir: str) -> tuple[TargetIdentity, TokenizerIdentity]:
+    """Target and tokenizer identity of a local model folder, hashed as ``extract`` hashes them (config and
+    tokenizer only: no weights are loaded, so ``weights_hash`` stays unset)."""
+    from transformers import AutoConfig
+
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory not found: {model_dir}")
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tc = text_config(config)
+    name = model_name(model_dir)
+    target = TargetIdentity(name=name, num_layers=int(tc.num_hidden_layers), hidden_size=int(tc.hidden_size),
+                            config_hash=config_hash(config), model_type=getattr(config, "model_type", None))
+    return target, tokenizer_identity(load_tokenizer(model_dir), name)
+
+
+def build_manifest(model, tokenizer, name: str, layers: list[int], revision: str | None = None,
+                   codec: str = "none", dtype: str = "bfloat16", layout: str = "zarr",
+                   encoding: str = "raw", features: tuple[str, ...] = ()) -> Manifest:
+    return Manifest(target=target_identity(model, name, revision), tokenizer=tokenizer_identity(tokenizer, name),
+                    layers=tuple(layers), dtype=dtype, codec=codec, layout=layout, encoding=encoding,
+                    features=features)

@@ -1,0 +1,302 @@
+"""The epoch plan: which samples an epoch has, in which order, and which (rank, worker) slot hands out
+which of them in which order. Computed from commit records alone (no feature bytes), and a pure
+function of its inputs: resume and world-size changes rest on that (``loader`` module doc, steps 1-5).
+
+``Planner`` holds one dataset's catalog and settings and answers for any (epoch, phase, world, slot);
+``HiddenStateDataset.planned_lengths`` / ``planned_ids`` are its public face.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .reader import Store
+from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
+
+EVEN_MODES = ("drop", "repeat")
+
+
+# -- catalog: the samples that pass the filters, grouped into units -------------------------------------
+@dataclass(frozen=True)
+class Filters:
+    """Which samples to load, decided from commit records (no feature bytes are read).
+
+    ``where`` receives each sample's columns as a dict (sample_id, source, length, loss_tokens,
+    thinking_tokens, flags) and is applied once, when the dataset is built, never in workers."""
+
+    sources: frozenset[str] | None = None
+    min_loss_tokens: int = 0
+    min_length: int = 0
+    max_length: int | None = None
+    where: Callable[[dict[str, Any]], bool] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"sources": sorted(self.sources) if self.sources is not None else None,
+                "min_loss_tokens": self.min_loss_tokens, "min_length": self.min_length,
+                "max_length": self.max_length, "where": getattr(self.where, "__qualname__", None)}
+
+
+@dataclass
+class Catalog:
+    """Parallel arrays, one row per kept sample, in store order (store, shard, position)."""
+
+    store: np.ndarray   # int32 store index
+    shard: np.ndarray   # int32 shard index within its store
+    local: np.ndarray   # int32 sample index within its shard
+    start: np.ndarray   # int64 first token within the shard
+    stop: np.ndarray    # int64 end token
+    unit: np.ndarray    # int64 unit id (non-decreasing)
+    store_rows: list[tuple[int, int]]  # per store: catalog row range [a, b)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @property
+    def n_units(self) -> int:
+        return int(self.unit[-1]) + 1 if len(self.unit) else 0
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for a in (self.store, self.shard, self.local, self.start, self.unit):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:24]
+
+
+def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -> Catalog:
+    """Step 1: the samples that pass ``filters``, in store order, grouped into read units."""
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("store", "shard", "local", "start", "stop", "window")}
+    store_rows, n = [], 0
+    for si, store in enumerate(stores):
+        first = n
+        for hi, commit in enumerate(store.commits):
+            s = commit.samples
+            length = np.asarray(s["length"], dtype=np.int64)
+            keep = length >= filters.min_length
+            if filters.max_length is not None:
+                keep &= length <= filters.max_length
+            if filters.min_loss_tokens:
+                keep &= np.asarray(s["loss_tokens"], dtype=np.int64) >= filters.min_loss_tokens
+            if filters.sources is not None:
+                keep &= np.fromiter((x in filters.sources for x in s["source"]), bool, len(length))
+            if filters.where is not None:
+                names = list(s)
+                keep &= np.fromiter((bool(filters.where(dict(zip(names, row)))) for row in zip(*s.values())),
+                                    bool, len(length))
+            idx = np.flatnonzero(keep)
+            off = commit.offsets
+            cols["store"].append(np.full(len(idx), si, np.int32))
+            cols["shard"].append(np.full(len(idx), hi, np.int32))
+            cols["local"].append(idx.astype(np.int32))
+            cols["start"].append(off[idx])
+            cols["stop"].append(off[idx + 1])
+            cols["window"].append(off[idx] // unit_tokens)
+            n += len(idx)
+        store_rows.append((first, n))
+    arr = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
+    if n:
+        new = np.ones(n, bool)
+        new[1:] = (arr["store"][1:] != arr["store"][:-1]) | (arr["shard"][1:] != arr["shard"][:-1]) | (
+            arr["window"][1:] != arr["window"][:-1])
+        unit = np.cumsum(new) - 1
+    else:
+        unit = np.zeros(0, np.int64)
+    return Catalog(arr["store"].astype(np.int32), arr["shard"].astype(np.int32), arr["local"].astype(np.int32),
+                   arr["start"].astype(np.int64), arr["stop"].astype(np.int64), unit.astype(np.int64), store_rows)
+
+
+# -- plan: pure functions of (catalog, settings, epoch, done, world, slot) -------------------------------
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
+
+
+@dataclass
+class EpochOrder:
+    """The epoch's entries and their global order (independent of world size)."""
+
+    entry_cat: np.ndarray   # catalog row of each entry
+    entry_key: np.ndarray   # read-unit key of each entry (unit id + copy * n_units)
+    order: np.ndarray       # entry ids in global order
+
+    def __len__(self) -> int:
+        return len(self.entry_cat)
+
+
+def epoch_order(cat: Catalog, weights: Sequence[float], seed: int, epoch: int, shuffle: bool) -> EpochOrder:
+    """Steps 2 and 3: the entries (weights applied) and their seeded order of whole units."""
+    parts_cat, parts_key = [], []
+    nu = max(1, cat.n_units)
+    for si, w in enumerate(weights):
+        a, b = cat.store_rows[si]
+        rows = np.arange(a, b, dtype=np.int64)
+        whole, frac = int(w), w - int(w)
+        for repeat in range(whole):
+            parts_cat.append(rows)
+            parts_key.append(cat.unit[rows] + repeat * nu)
+        m = int(round(frac * len(rows)))
+        if m:
+            pick = np.sort(_rng(seed, epoch, 1, si).choice(len(rows), m, replace=False))
+            parts_cat.append(rows[pick])
+            parts_key.append(cat.unit[rows[pick]] + whole * nu)
+    entry_cat = np.concatenate(parts_cat) if parts_cat else np.zeros(0, np.int64)
+    entry_key = np.concatenate(parts_key) if parts_key else np.zeros(0, np.int64)
+    n = len(entry_cat)
+    if n == 0 or not shuffle:
+        return EpochOrder(entry_cat, entry_key, np.arange(n, dtype=np.int64))
+    starts = np.flatnonzero(np.r_[True, entry_key[1:] != entry_key[:-1]])
+    lengths = np.diff(np.r_[starts, n])
+    perm = _rng(seed, epoch, 2).permutation(len(starts))
+    plen = lengths[perm]
+    out_starts = np.cumsum(plen) - plen
+    order = np.arange(n, dtype=np.int64) - np.repeat(out_starts, plen) + np.repeat(starts[perm], plen)
+    return EpochOrder(entry_cat, entry_key, order)
+
+
+def rank_ranges(n: int, world: int, even: str | None) -> list[tuple[int, int]]:
+    """[a, b) of each rank in the (padded when ``even == "repeat"``) remaining global order."""
+    if even == "drop":
+        q = n // world
+        return [(r * q, (r + 1) * q) for r in range(world)]
+    if even == "repeat":
+        q = -(-n // world) if n else 0
+        return [(r * q, (r + 1) * q) for r in range(world)]
+    return [(r * n // world, (r + 1) * n // world) for r in range(world)]
+
+
+@dataclass
+class SlotPlan:
+    """What one (rank, worker) slot hands out, in order: entry ids, their catalog rows and read groups."""
+
+    entries: np.ndarray  # entry ids in emission order
+    groups: np.ndarray   # read-group id of each emitted entry (a group = one contiguous read)
+    rows: np.ndarray     # catalog row of each emitted entry (a weight > 1 repeats rows)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def slot_streams(eo: EpochOrder, done: np.ndarray | None, world: int, workers: int, even: str | None,
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(entries in stream order, group ids) for every slot ``rank * workers + worker``."""
+    remaining = eo.order if done is None else eo.order[~done[eo.order]]
+    n = len(remaining)
+    key = eo.entry_key[remaining]
+    out = []
+    for a, b in rank_ranges(n, world, even):
+        idx = np.arange(a, b, dtype=np.int64)
+        wrapped = idx >= n  # "repeat" padding wraps around to the start of the global order
+        ent = remaining[idx % n] if n else remaining[:0]
+        k = key[idx % n] if n else key[:0]
+        brk = np.r_[True, (k[1:] != k[:-1]) | (wrapped[1:] != wrapped[:-1])] if len(ent) else np.zeros(0, bool)
+        grp = np.cumsum(brk) - 1
+        m = len(ent)
+        for w in range(workers):
+            lo, hi = w * m // workers, (w + 1) * m // workers
+            out.append((ent[lo:hi], grp[lo:hi]))
+    return out
+
+
+def pool_shuffle(groups: np.ndarray, group_bytes: np.ndarray, budget: int, rng: np.random.Generator) -> np.ndarray:
+    """Emission order (positions into the stream) of a shuffle buffer over read groups.
+
+    Groups enter the pool in stream order while the pool holds less than ``budget`` bytes (at least
+    one group); each step emits a uniformly random pooled sample; a group leaves when it is empty.
+    """
+    n = len(groups)
+    out = np.empty(n, np.int64)
+    if n == 0:
+        return out
+    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    ends = np.r_[starts[1:], n]
+    gid = np.repeat(np.arange(len(starts)), ends - starts)
+    remaining = (ends - starts).tolist()
+    gbytes = group_bytes.tolist()
+    rand = rng.random(n).tolist()
+    pool: list[int] = []
+    loaded, nxt, ng = 0, 0, len(starts)
+    for i in range(n):
+        while nxt < ng and (not pool or loaded < budget):
+            pool.extend(range(int(starts[nxt]), int(ends[nxt])))
+            loaded += gbytes[nxt]
+            nxt += 1
+        j = int(rand[i] * len(pool))
+        p = pool[j]
+        pool[j] = pool[-1]
+        pool.pop()
+        out[i] = p
+        g = int(gid[p])
+        remaining[g] -= 1
+        if remaining[g] == 0:
+            loaded -= gbytes[g]
+    return out
+
+
+class Planner:
+    """One dataset's plan for any epoch, phase and world (step 4's cut, step 5's shuffle).
+
+    Memoised: every slot of one world shares one global order and one cut, and ``len()`` is cheap.
+    ``done`` arguments are ``LoaderState.done`` texts (what earlier phases consumed)."""
+
+    def __init__(self, catalog: Catalog, weights: Sequence[float], *, seed: int, shuffle: bool, even: str | None,
+                 unit_tokens: int, token_bytes: int, shuffle_bytes: int) -> None:
+        self.catalog, self.weights, self.seed, self.shuffle, self.even = catalog, list(weights), seed, shuffle, even
+        self.token_bytes, self.shuffle_bytes = token_bytes, shuffle_bytes
+        # what a resume state must agree on (LoaderState.config): the same catalog, order and cut
+        self.config = {"catalog": catalog.digest(), "weights": self.weights, "seed": seed, "shuffle": shuffle,
+                       "unit_tokens": unit_tokens, "shuffle_bytes": shuffle_bytes, "even": even}
+        self._memo: dict[Any, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_memo": {}}  # recomputed where used (DataLoader workers)
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        key = ("epoch", epoch)
+        if key not in self._memo:
+            self._memo = {k: v for k, v in self._memo.items() if k[0] != "epoch"}
+            self._memo[key] = epoch_order(self.catalog, self.weights, self.seed, epoch, self.shuffle)
+        return self._memo[key]
+
+    def _streams(self, epoch: int, done: str | None, phase: int, world: int, workers: int):
+        key = ("streams", epoch, done, phase, world, workers)
+        if key not in self._memo:
+            eo = self.epoch_order(epoch)
+            self._memo = {k: v for k, v in self._memo.items() if k[0] != "streams"}
+            self._memo[key] = slot_streams(eo, unpack_done(done, len(eo)), world, workers, self.even)
+        return self._memo[key]
+
+    def slot_plan(self, epoch: int, done: str | None, phase: int, world: int, workers: int,
+                  slot: int) -> SlotPlan:
+        """The exact emission order of slot ``rank * workers + worker`` (metadata only; cheap)."""
+        eo = self.epoch_order(epoch)
+        ent, grp = self._streams(epoch, done, phase, world, workers)[slot]
+        if self.shuffle and len(ent):
+            tokens = (self.catalog.stop - self.catalog.start)[eo.entry_cat[ent]]
+            starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
+            gbytes = np.add.reduceat(tokens, starts) * self.token_bytes
+            pos = pool_shuffle(grp, gbytes, self.shuffle_bytes, _rng(self.seed, epoch, 3, phase, world, workers, slot))
+            ent, grp = ent[pos], grp[pos]
+        return SlotPlan(ent, grp, eo.entry_cat[ent])
+
+    def rank_counts(self, epoch: int, done: str | None, phase: int, world: int) -> list[int]:
+        """Entries each rank hands out in the phase (rank ranges do not depend on the worker count)."""
+        return [len(e) for e, _ in self._streams(epoch, done, phase, world, 1)]
+
+    def fold(self, state: LoaderState) -> str | None:
+        """``done`` after the phase recorded in ``state``: earlier phases plus every old slot's consumed prefix."""
+        R, W = state.world
+        missing = [s for s in range(R * W) if s not in state.counts]
+        if missing:
+            raise LoaderStateError(
+                f"resume state covers slots {sorted(state.counts)} of {R} rank(s) x {W} worker(s); slots {missing[:8]} "
+                "are missing. To resume with another world size or worker count, pass the states of all ranks "
+                "(and workers) through hsstore.merge_states and load the result with dataset.load_state_dict")
+        eo = self.epoch_order(state.epoch)
+        done = unpack_done(state.done, len(eo))
+        done = np.zeros(len(eo), bool) if done is None else done.copy()
+        for s in range(R * W):
+            plan = self.slot_plan(state.epoch, state.done, state.phase, R, W, s)
+            done[plan.entries[: state.counts[s]]] = True
+        return pack_done(done)

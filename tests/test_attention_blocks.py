@@ -1,0 +1,160 @@
+"""The block-sparse attention path ("blocks") against the dense reference mask ("sdpa").
+
+The plan must name exactly the keys the dense mask allows (no more, none twice, none missing), and the
+drafter's loss and gradients must be those of the dense path on the same batch: padded rows, padding
+anchors, anchors at the sequence's start and end, sliding and full layers, causal and not, chunks that
+split the anchors unevenly. Tiny dimensions, CPU, float32 (and float64 for the exact mask check).
+"""
+
+import pytest
+import torch
+
+from hsstore.train.model import DFlashDrafter, DrafterConfig, block_attention_mask, block_plan
+from hsstore.train.objective import batch_anchors, dflash_loss
+
+H, L, V, MASK = 32, 3, 100, 99
+
+
+def plan_as_dense(plan, B, T, N):
+    """Count, per (query row, key) of the dense layout [context T | blocks N], how often the plan lets the
+    row see that key (0 or 1 when the plan is right)."""
+    CS = plan.chunk_rows
+    Np = max(plan.padded_rows, N)
+    seen = torch.zeros(B, Np, T + Np, dtype=torch.long)
+    for c0, _, idx, mask in plan.groups:
+        for c in range(mask.shape[1]):
+            rows = torch.arange((c0 + c) * CS, (c0 + c + 1) * CS)[:, None].expand(-1, idx.shape[-1])
+            for b in range(B):
+                cols = idx[b, c][None].expand(CS, -1)
+                seen[b].index_put_((rows, cols), mask[b, c].long(), accumulate=True)
+    return seen
+
+
+def random_case(g):
+    B = int(torch.randint(1, 4, (1,), generator=g))
+    T = int(torch.randint(1, 40, (1,), generator=g))
+    S = int(torch.randint(2, 6, (1,), generator=g))
+    A = int(torch.randint(0, 9, (1,), generator=g))
+    anchors = torch.randint(-1, T, (B, A), generator=g)
+    valid = torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1), generator=g)
+    return anchors, valid, S
+
+
+def test_plan_sees_exactly_the_dense_mask():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        anchors, valid, S = random_case(g)
+        if trial % 2:
+            anchors = anchors.sort(-1).values  # sorted (as sampled) and unsorted anchors
+        B, A = anchors.shape
+        T, N = valid.shape[1], A * S
+        for w in (None, 1, 3, 7):
+            for causal in (True, False):
+                dense = block_attention_mask(anchors, valid, S, w, causal).long()
+                for rows, groups in ((S, 1), (2 * S, 3), (3 * S + 1, 2), (64, None)):
+                    seen = plan_as_dense(block_plan(anchors, valid, S, w, causal, rows, groups), B, T, N)
+                    got = torch.cat([seen[:, :N, :T], seen[:, :N, T:T + N]], dim=-1)
+                    assert torch.equal(got, dense), (trial, w, causal, rows, groups)
+                    assert not seen[:, :N, T + N:].any()  # real rows never see the padding blocks
+
+
+def test_plan_spans_follow_the_window():
+    """A sliding layer's chunk gathers about W + the chunk's extent keys, not the whole context."""
+    T, S, W = 4096, 16, 256
+    anchors = torch.arange(1000, 1000 + 64 * 8, 8)[None]  # 64 sorted anchors, 8 apart
+    plan = block_plan(anchors, torch.ones(1, T, dtype=torch.bool), S, W, chunk_rows=256)
+    (_, _, idx, mask), = plan.groups
+    assert idx.shape[-1] <= W + 16 * 8 + 256 + 16  # window + chunk extent + own blocks + alignment
+    full = block_plan(anchors, torch.ones(1, T, dtype=torch.bool), S, None, chunk_rows=256)
+    assert max(i.shape[-1] for _, _, i, _ in full.groups) >= 1000  # a full layer sees the prefix
+
+
+def make(attn_impl, sliding_window, sliding_causal=True, block_size=4, seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, vocab_size=V, target_layers=[1, 2, 3],
+                        mask_token_id=MASK, num_heads=4, num_kv_heads=2, head_dim=8,
+                        num_layers=len(sliding_window), block_size=block_size, sliding_window=sliding_window,
+                        sliding_causal=sliding_causal, max_position=512, attn_impl=attn_impl)
+    return DFlashDrafter(cfg, torch.randn(V, H), torch.randn(V, H))
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss, metrics = dflash_loss(model, batch, gamma=4.0)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
+
+
+CASES = [  # (lengths of the rows, anchors per row, block size, windows per layer, causal)
+    ([40], 6, 4, [3, None], True),
+    ([40, 27, 9], 8, 4, [5, None], True),  # right padding, rows with fewer anchors (-1 padding)
+    ([40, 27], 8, 4, [5, 5], False),
+    ([33, 31], 12, 4, [None, None], True),
+    ([64], 64, 4, [10, None], True),  # every candidate: anchors at the first and last positions
+    ([50, 12], 5, 8, [2, 20, None], True),  # window smaller than the block; 3 layers
+]
+
+
+@pytest.mark.parametrize("lengths,n_anchors,S,windows,causal", CASES)
+def test_blocks_loss_and_gradients_equal_dense(lengths, n_anchors, S, windows, causal):
+    g = torch.Generator().manual_seed(len(lengths) * 100 + n_anchors)
+    B, T = len(lengths), max(lengths)
+    valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    loss_mask = valid & (torch.rand(B, T, generator=g) > 0.15)
+    loss_mask[:, :2] = True  # an anchor candidate at position 0
+    hs = torch.randn(B, T, L, H, generator=g)
+    hs[~valid] = float("nan")  # padding garbage must not matter on either path
+    batch = dict(input_ids=torch.randint(0, V - 1, (B, T), generator=g), loss_mask=loss_mask & valid,
+                 attention_mask=valid, hidden_states=hs,
+                 anchors=batch_anchors(loss_mask & valid, n_anchors, torch.Generator().manual_seed(3)))
+    if n_anchors == 64:
+        assert batch["anchors"][0, 0] == 0 and batch["anchors"][0, -1] >= T - 3
+    ref = make("sdpa", windows, causal, S)
+    blocks = make("blocks", windows, causal, S)
+    blocks.load_state_dict(ref.state_dict())
+    l1, g1, m1 = loss_and_grads(ref, batch)
+    l2, g2, m2 = loss_and_grads(blocks, batch)
+    assert torch.isfinite(l1) and torch.allclose(l1, l2, rtol=1e-5, atol=1e-6)
+    for n in g1:
+        assert torch.allclose(g1[n], g2[n], rtol=1e-4, atol=1e-6), n
+    assert torch.equal(m1["hits_k"], m2["hits_k"])
+
+
+def test_blocks_outputs_equal_dense_with_small_chunks(monkeypatch):
+    """Chunks of one block each and of several blocks, one group or many: the same drafter states."""
+    from hsstore.train import model as model_mod
+
+    g = torch.Generator().manual_seed(5)
+    B, T = 2, 30
+    hs, ids = torch.randn(B, T, L, H, generator=g), torch.randint(0, V - 1, (B, T), generator=g)
+    valid = torch.arange(T)[None] < torch.tensor([[30], [19]])
+    anchors = torch.tensor([[0, 3, 11, 12, 20, 28, 29], [1, 5, 9, 17, 18, -1, -1]])
+    ref = make("sdpa", [4, None]).eval()
+    blocks = make("blocks", [4, None]).eval()
+    blocks.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        want = ref.draft_hidden(hs, ids, anchors, valid)
+        for rows, groups in ((4, 1), (8, 3), (12, 2), (1000, 1)):
+            monkeypatch.setattr(model_mod, "ATTN_CHUNK_ROWS", rows)
+            monkeypatch.setattr(model_mod, "FULL_LAYER_GROUPS", groups)
+            got = blocks.draft_hidden(hs, ids, anchors, valid)
+            assert torch.allclose(got, want, atol=1e-5), (rows, groups)
+
+
+def test_blocks_path_catches_a_leaky_rule(monkeypatch):
+    """The equality above can fail: a context rule with j <= p changes the blocks path's outputs."""
+    from hsstore.train import model as model_mod
+
+    real = model_mod.context_visible
+
+    def leaky(p, realm, j, valid_j, block_size, window=None):
+        return real(p + 1, realm, j, valid_j, block_size, window)
+
+    g = torch.Generator().manual_seed(6)
+    hs, ids = torch.randn(1, 20, L, H, generator=g), torch.randint(0, V - 1, (1, 20), generator=g)
+    anchors = torch.tensor([[2, 9, 15]])
+    model = make("blocks", [None]).eval()
+    with torch.no_grad():
+        want = model.draft_hidden(hs, ids, anchors)
+        monkeypatch.setattr(model_mod, "context_visible", leaky)
+        assert not torch.allclose(model.draft_hidden(hs, ids, anchors), want, atol=1e-5)
