@@ -94,7 +94,7 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory:
     out = {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
            "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
     if "final_hidden" in items[0]:  # the final norm's output [B, T, H], padding zeroed
-        final = _empty((B, T, hs0.shape[-1]), hs0.dtype, pin_memory)
+        final = empty_host((B, T, hs0.shape[-1]), hs0.dtype, pin=pin_memory)
         for b, x in enumerate(items):
             final[b, :int(lengths[b])].copy_(x["final_hidden"])
             final[b, int(lengths[b]):].zero_()
