@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from .gate import GateThresholds
-from hsstore.cli import add_quiet_option, add_storage_option
+from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ def register(subparsers) -> None:
     x.add_argument("url", help="store URL")
     x.add_argument("out", help="output folder (local; must not exist or be empty)")
     add_quiet_option(x)
+    add_json_option(x)
     add_storage_option(x)
     x.set_defaults(func=run_export_cmd)
 
@@ -347,10 +348,17 @@ def _some(ids: list[str], n: int = 10) -> str:
 
 
 def run_export_cmd(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
     from .export import export_store
 
     r = export_store(args.format, args.url, args.out, storage_options=parse_storage_options(args.storage_option),
                      progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"format": args.format, "url": args.url, "out": args.out, **dataclasses.asdict(r)},
+                         indent=2))
+        return 0
     print(f"export {args.format} ({r.layout}) {args.url} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens "
           f"({r.bytes_written / 1e9:.2f} GB)")
     for note in r.notes:

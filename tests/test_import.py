@@ -451,8 +451,11 @@ def test_speculators_export_is_what_it_reads_and_imports_back_bit_exact(tmp_path
     src = str(tmp_path / "src")
     write(src, m, samples, shard_bytes=30_000)
     out = tmp_path / "spec"
-    assert main(["export", "speculators", src, str(out), "-q"]) == 0
-    assert "aux layer ids [2, 4]" in capsys.readouterr().out
+    assert main(["export", "speculators", src, str(out), "-q", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples"] == 7 and summary["tokens"] == sum(len(s["input_ids"]) for s in samples)
+    assert summary["layout"] == "speculators" and summary["out"] == str(out)
+    assert any("aux layer ids [2, 4]" in n for n in summary["notes"])
     from hsstore.extract.readers import read_records
     from safetensors.torch import load_file
 
