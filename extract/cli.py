@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from .gate import GateThresholds
-from hsstore.cli import add_quiet_option, add_storage_option
+from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ def register(subparsers) -> None:
     e.add_argument("--encoding", default="raw", choices=["raw", "fp8"],
                    help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, quantised "
                         "on the device (half the bytes)")
+    e.add_argument("--final-hidden", action="store_true",
+                   help="also store the final norm's output (what the lm_head reads; EAGLE-3's training target) as "
+                        "the feature final_hidden, captured in the same forward (which then runs to the norm)")
     e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
     e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
@@ -148,8 +151,23 @@ def register(subparsers) -> None:
     m.add_argument("format", choices=["specforge", "speculators"])
     m.add_argument("path", help="SpecForge: the folder of .ckpt files; speculators: the Arrow dataset folder")
     m.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
-    m.add_argument("--layers", required=True, help="tapped layer ids of the files' features, in their order, e.g. "
-                   "1,16,31 (hsstore ids: output of decoder layer l, 0-based)")
+    m.add_argument("--layers", default=None, help="tapped layer ids of the files' features, in their order, e.g. "
+                   "1,16,31, in hsstore's convention (output of decoder layer l, 0-based). A list that reads like "
+                   "the peer's own ids (speculators/vLLM: its launch ids [2, N//2, N-3, N], or N) is refused: use "
+                   "--peer-layers, or --hsstore-ids if it really is meant as hsstore ids")
+    m.add_argument("--peer-layers", default=None, help="the same, in the peer's own convention, e.g. 2,4,5,8 as "
+                   "passed to speculators' launch_vllm.py (vLLM id i = output of decoder layer i-1; hsstore id = "
+                   "i-1) or SpecForge's aux_hidden_state_layer_ids (= hsstore ids); both lists go into the "
+                   "manifest's extra.peer_layers")
+    m.add_argument("--hsstore-ids", action="store_true", help="--layers is meant in hsstore's convention even "
+                   "where it looks like the peer's")
+    m.add_argument("--pad-token-id", type=int, default=0, help="SpecForge: the id its collator right-pads rows "
+                   "with (0, whatever the tokenizer says); trailing pad tokens outside the loss mask are trimmed")
+    m.add_argument("--keep-padding", action="store_true", help="SpecForge: store rows with their batch padding")
+    m.add_argument("--num-rows", type=int, default=None, help="SpecForge: rows of the dataset the files were made "
+                   "from; data_{i} files missing below it (NaN rows, the dropped last partial batch) are named")
+    m.add_argument("--no-final-hidden", action="store_true", help="SpecForge: drop the files' hidden_state (the "
+                   "final-norm output; kept as the store's final_hidden feature by default)")
     m.add_argument("--model", default=None, help="local target model folder: identity from its config and tokenizer")
     m.add_argument("--model-name", default=None)
     m.add_argument("--num-layers", type=int, default=None, help="decoder layers of the target")
@@ -171,6 +189,23 @@ def register(subparsers) -> None:
     add_quiet_option(m)
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
+
+    x = subparsers.add_parser(
+        "export",
+        help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + Arrow)",
+        description="The peers' current on-disk formats, so their trainers read a store: SpecForge's "
+        "rows_A-B/data_{i}.ckpt (EAGLE-3 keys aux_hidden_state + hidden_state when the store holds final_hidden, "
+        "else DFlash's hidden_states), or speculators' Arrow dataset with hidden_states/hs_{i}.safetensors (the "
+        "store must hold the last layer, which speculators' trainer takes as the verifier's last hidden state). "
+        "OUT must be new or empty. hsstore import of the result gives back the store bit-exact.",
+    )
+    x.add_argument("format", choices=["specforge", "speculators"])
+    x.add_argument("url", help="store URL")
+    x.add_argument("out", help="output folder (local; must not exist or be empty)")
+    add_quiet_option(x)
+    add_json_option(x)
+    add_storage_option(x)
+    x.set_defaults(func=run_export_cmd)
 
     r = subparsers.add_parser(
         "regenerate",
@@ -265,7 +300,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     cfg = ExtractConfig(
         model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
         max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
-        layout=args.layout, encoding=args.encoding,
+        layout=args.layout, encoding=args.encoding, final_hidden=args.final_hidden,
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer, compile=args.compile,
@@ -288,19 +323,50 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     from .peers import import_files, import_manifest, peer_files
 
     manifest = import_manifest(
-        args.format, [int(x) for x in args.layers.split(",")], dtype=args.dtype, codec=args.codec, model=args.model,
+        args.format, args.layers, peer_layers=args.peer_layers, hsstore_ids=args.hsstore_ids, path=args.path,
+        final_hidden=not args.no_final_hidden, dtype=args.dtype, codec=args.codec, model=args.model,
         model_name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
         config_hash=args.config_hash, tokenizer_hash=args.tokenizer_hash, tokenizer_name=args.tokenizer_name,
         chat_template_hash=args.chat_template_hash)
     missing: list[str] = []
     files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
-                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing)
+                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing,
+                       pad_id=None if args.keep_padding else args.pad_token_id,
+                       final_hidden=bool(manifest.features), num_rows=args.num_rows)
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
                      shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
                      progress=not args.quiet)
     print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
-          + (f"; {r.missing} rows without a hidden-state file skipped" if r.missing else ""))
+          + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
+          + (f"; batch padding trimmed from {r.padded_rows} rows ({r.pad_tokens:,} tokens)" if r.padded_rows else "")
+          + (f"; final_hidden kept" if manifest.features else ""))
+    if r.pad_ambiguous:
+        print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
+              f"padding_ambiguous): {_some(r.pad_ambiguous)}")
+    return 0
+
+
+def _some(ids: list[str], n: int = 10) -> str:
+    return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
+
+
+def run_export_cmd(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .export import export_store
+
+    r = export_store(args.format, args.url, args.out, storage_options=parse_storage_options(args.storage_option),
+                     progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"format": args.format, "url": args.url, "out": args.out, **dataclasses.asdict(r)},
+                         indent=2))
+        return 0
+    print(f"export {args.format} ({r.layout}) {args.url} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens "
+          f"({r.bytes_written / 1e9:.2f} GB)")
+    for note in r.notes:
+        print(f"  {note}")
     return 0
 
 

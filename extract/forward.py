@@ -106,6 +106,7 @@ def extract_batches(
     staging_tokens: int = 0,
     quantise: bool = False,
     host_alloc: Callable[[int], torch.Tensor] | None = None,
+    final_hidden: bool = False,
 ) -> ExtractStats:
     """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
@@ -114,7 +115,8 @@ def extract_batches(
     ``quantise``: features are :class:`hsstore.fp8.Quantised` (e4m3fn values, per-token-per-layer scales),
     quantised on the device after the finiteness check.
     ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
-    go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused."""
+    go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused.
+    ``final_hidden``: the features hold one more slot, the final norm's output (same forward)."""
     cuda = device.type == "cuda"
     stats = ExtractStats()
     slots: list[list[torch.Tensor]] = [[], []]
@@ -159,7 +161,9 @@ def extract_batches(
             ids, attn = pad_right(batch, pad_id)
             if cuda:
                 ids, attn = ids.pin_memory().to(device, non_blocking=True), attn.pin_memory().to(device, non_blocking=True)
-            feats = run_tapped(model, layers, ids, attn)  # [B, T, L, H] on device
+            # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output
+            feats = run_tapped(model, layers, ids, attn, final_hidden=True) if final_hidden else \
+                run_tapped(model, layers, ids, attn)
             # GPU-side pack: drop padding before anything crosses PCIe
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
             # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores

@@ -55,6 +55,7 @@ class ExtractConfig:
     codec: str = "none"
     layout: str = "zarr"
     encoding: str = "raw"  # or "fp8": quantised on the device (hsstore/fp8.py)
+    final_hidden: bool = False  # also store the final norm's output (EAGLE-3's target), same forward
     expand: bool = True
     force: bool = False
     thresholds: GateThresholds = field(default_factory=GateThresholds)
@@ -179,7 +180,8 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
-                              codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding)
+                              codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding,
+                              features=("final_hidden",) if cfg.final_hidden else ())
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     use_process = cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
     writer = (ProcessWriter if use_process else StoreWriter)(
@@ -221,7 +223,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     try:
         stats = extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch,
                                 staging_tokens=budget, quantise=writer.fp8,
-                                host_alloc=writer.staging if use_process else None)
+                                host_alloc=writer.staging if use_process else None, final_hidden=cfg.final_hidden)
         writer.close()
         result.gpu_wait_s = stats.slot_wait_s
     except BaseException as e:

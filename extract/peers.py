@@ -5,12 +5,17 @@ Two layouts are read (docs/FORMAT.md, "Importing"):
 * **SpecForge** -- a folder of ``torch.save`` files (``.ckpt``, optionally gzip-compressed), one per sample,
   each a dict with ``input_ids`` [T], ``loss_mask`` [T] and the tapped layers' features under exactly one
   of ``hidden_states`` / ``aux_hidden_state`` / ``aux_hidden_states``, shaped [T, L, H] or, concatenated
-  along the hidden dim, [T, L*H] (a leading batch dim of 1 is accepted). ``hidden_state`` / ``target``
-  (the final layer's output an EAGLE-3 trainer uses as target) is not a tapped layer and is ignored.
-  Files are opened with ``torch.load(weights_only=True)`` only: a file that needs real unpickling is refused.
+  along the hidden dim, [T, L*H] (a leading batch dim of 1 is accepted). ``hidden_state`` (EAGLE-3) /
+  ``target_last_hidden_states`` (DSpark), the final-norm output, is kept as the store's ``final_hidden``
+  feature. SpecForge right-pads every row to its batch's longest with token 0 and saves no length: the
+  trailing padding is trimmed (:func:`trailing_padding`). Files are opened with
+  ``torch.load(weights_only=True)`` only: a file that needs real unpickling is refused.
 * **speculators** -- an Arrow dataset (``datasets.save_to_disk`` or plain ``.arrow``) with ``input_ids`` and
   ``loss_mask`` per row, and ``hidden_states/hs_{i}.safetensors`` for row ``i`` holding ``hidden_states``
-  [T, L, H] (and ``token_ids``, checked against the row when present).
+  [T, L, H] (and ``token_ids``, checked against the row when present). Its slots are vLLM ids (see
+  :mod:`.peer_layers`); the last one, vLLM id ``N``, is the last decoder layer's output *before* the final
+  norm (speculators' trainer applies the norm itself), so it is stored as layer ``N - 1``, not as
+  ``final_hidden``.
 
 The peers' files record neither the model, the tokenizer nor the tapped layers, so the identity comes
 from the command line: ``--model DIR`` hashes a local model's config and tokenizer exactly as ``extract``
@@ -45,7 +50,10 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("specforge", "speculators")
 FEATURE_KEYS = ("hidden_states", "aux_hidden_state", "aux_hidden_states")
-TARGET_KEYS = ("hidden_state", "target")  # the final layer's output: not a tapped layer, not stored
+# the final-norm output (what the lm_head reads): EAGLE-3's ``hidden_state``, DSpark's ``target_last_hidden_states``
+TARGET_KEYS = ("hidden_state", "target_last_hidden_states", "target")
+PAD_TOKEN_ID = 0  # SpecForge's collator pads input_ids (and loss_mask, attention_mask) with zeros
+PAD_AMBIGUOUS = "padding_ambiguous"  # sample flag: trailing pad-id tokens that may be real (see trailing_padding)
 CKPT_SUFFIXES = (".ckpt", ".ckpt.gz")
 HS_DIR = "hidden_states"
 
@@ -57,6 +65,9 @@ class PeerSample:
     loss_mask: torch.Tensor
     hidden_states: torch.Tensor  # [T, L, H]
     source: str
+    final_hidden: torch.Tensor | None = None  # [T, H]: the final-norm output, when the file carries it
+    pad_tokens: int = 0  # trailing batch padding trimmed off
+    pad_ambiguous: str | None = None  # why the padding could not be told from real tokens, or None
 
 
 @dataclass
@@ -116,15 +127,53 @@ def load_ckpt(path: Path) -> dict:
     return obj
 
 
-def specforge_sample(path: Path, sample_id: str, source: str, n_layers: int, hidden: int) -> PeerSample:
+def trailing_padding(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, where: str) -> tuple[int, str | None]:
+    """(tokens of trailing batch padding, why they may be real or None) of a SpecForge row.
+
+    SpecForge's collator right-pads input_ids and loss_mask with zeros to the batch's longest row, the padded
+    row runs through the target as it is, and no length is saved. Padding is the longest tail of tokens equal
+    to ``pad_id`` with loss_mask 0 (a token in the loss is real). That is exact unless the real row itself
+    ended in such tokens, which SpecForge's own data prep makes unlikely: the last assistant span runs to the
+    end of the text with loss_mask 1. A row whose kept part ends outside the loss mask (truncated, or no
+    final assistant turn) has no such anchor: its padding is trimmed all the same and the row is named."""
+    is_pad = (ids == pad_id) & (mask == 0)
+    real = torch.nonzero(~is_pad).reshape(-1)
+    if real.numel() == 0:
+        raise SampleError(f"{where}: every token is padding (token {pad_id} with loss_mask 0)")
+    n = int(ids.shape[0]) - (int(real[-1]) + 1)
+    if n and int(mask[-n - 1]) == 0:
+        return n, (f"the {ids.shape[0] - n} tokens before its {n} pad tokens end outside the loss mask, so real "
+                   f"trailing tokens equal to {pad_id} cannot be told from padding")
+    return n, None
+
+
+def _final_hidden(x: Any, T: int, hidden: int, where: str, key: str) -> torch.Tensor:
+    """``[T, H]`` from [T, H] or [1, T, H]."""
+    if not isinstance(x, torch.Tensor):
+        raise SampleError(f"{where}: '{key}' is a {type(x).__name__}, expected a tensor")
+    if x.ndim == 3 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim != 2 or tuple(x.shape) != (T, hidden):
+        raise SampleError(f"{where}: '{key}' (the final-norm output) has shape {tuple(x.shape)}, expected "
+                          f"[{T}, {hidden}] or [1, {T}, {hidden}]")
+    return x
+
+
+def specforge_sample(path: Path, sample_id: str, source: str, n_layers: int, hidden: int, *,
+                     pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False) -> PeerSample:
+    """One SpecForge file; ``pad_id`` None keeps trailing padding; ``final_hidden`` requires and keeps the
+    final-norm output."""
     d, where = load_ckpt(path), str(path)
     missing = [repr(k) for k in ("input_ids", "loss_mask") if k not in d]
     present = [k for k in FEATURE_KEYS if k in d]
+    targets = [k for k in TARGET_KEYS if k in d]
     if not present:
-        only_target = [k for k in TARGET_KEYS if k in d]
-        hint = (f" ('{only_target[0]}' is the final layer's output, not the tapped layers: SpecForge without "
-                "aux hidden states)") if only_target else ""
+        hint = (f" ('{targets[0]}' is the final-norm output, not the tapped layers: SpecForge without "
+                "aux hidden states)") if targets else ""
         missing.append(" or ".join(repr(k) for k in FEATURE_KEYS) + hint)
+    if final_hidden and not targets:
+        missing.append(" or ".join(repr(k) for k in TARGET_KEYS[:2]) + " (the final-norm output: the store holds "
+                       "final_hidden)")
     if missing:
         raise SampleError(f"{where}: missing {', '.join(missing)} (keys present: {sorted(map(str, d))})")
     if len(present) > 1:
@@ -134,30 +183,57 @@ def specforge_sample(path: Path, sample_id: str, source: str, n_layers: int, hid
     mask = _as_1d(d["loss_mask"], where, "loss_mask")
     if mask.shape[0] != ids.shape[0]:
         raise SampleError(f"{where}: loss_mask has {mask.shape[0]} tokens, input_ids has {ids.shape[0]}")
-    hs = features(d[present[0]], ids.shape[0], n_layers, hidden, where, present[0])
-    return PeerSample(sample_id, ids, mask, hs, source)
+    T = ids.shape[0]
+    hs = features(d[present[0]], T, n_layers, hidden, where, present[0])
+    fh = _final_hidden(d[targets[0]], T, hidden, where, targets[0]) if final_hidden else None
+    n_pad, why = trailing_padding(ids, mask, pad_id, where) if pad_id is not None else (0, None)
+    if n_pad:
+        keep = T - n_pad
+        ids, mask, hs = ids[:keep], mask[:keep], hs[:keep]
+        fh = fh[:keep] if fh is not None else None
+    return PeerSample(sample_id, ids, mask, hs, source, final_hidden=fh, pad_tokens=n_pad, pad_ambiguous=why)
 
 
 def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
 
 
-def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidden: int) -> list[PeerFile]:
+def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidden: int, *,
+                    pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False, num_rows: int | None = None,
+                    missing: list[str] | None = None, ids: list[str] | None = None) -> list[PeerFile]:
     """Every ``.ckpt`` under ``root`` (SpecForge groups them in ``rows_A-B/`` folders), in index order; the
-    sample id is the file name without suffix (``data_17``), prefixed."""
+    sample id is the file name without suffix (``data_17``), prefixed.
+
+    SpecForge writes no file for a row with a NaN feature, nor for the rows of the last partial batch
+    (``drop_last``); a ``data_{i}`` missing below the largest index found (or below ``num_rows``, the input
+    dataset's row count, when given) is listed in ``missing`` by the id it would have had."""
     if not root.is_dir():
         raise FileNotFoundError(f"SpecForge input folder not found: {root}")
     paths = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(CKPT_SUFFIXES)), key=_natural)
     if not paths:
         raise ValueError(f"{root}: no {' or '.join(CKPT_SUFFIXES)} files found")
-    out, seen = [], {}
+    out, seen, indices = [], {}, set()
     for p in paths:
-        sid = id_prefix + p.name.split(".", 1)[0]
+        stem = p.name.split(".", 1)[0]
+        m = re.fullmatch(r"data_(\d+)", stem)
+        sid = id_prefix + (ids[int(m.group(1))] if ids is not None and m and int(m.group(1)) < len(ids) else stem)
         if sid in seen:
             raise ValueError(f"{p} and {seen[sid]} give the same sample id {sid!r}")
         seen[sid] = p
-        out.append(PeerFile(sid, p, lambda p=p, sid=sid: specforge_sample(p, sid, source, n_layers, hidden)))
+        if m:
+            indices.add(int(m.group(1)))
+        out.append(PeerFile(sid, p, lambda p=p, sid=sid: specforge_sample(p, sid, source, n_layers, hidden,
+                                                                          pad_id=pad_id, final_hidden=final_hidden)))
+    if missing is not None and indices:
+        end = max(max(indices) + 1, num_rows or 0)
+        missing.extend(f"{id_prefix}data_{i}" for i in range(end) if i not in indices)
     return out
+
+
+def first_file_has_final_hidden(path: Path) -> bool:
+    """Whether the first SpecForge file carries the final-norm output (``hidden_state`` and kin)."""
+    paths = sorted((p for p in path.rglob("*") if p.is_file() and p.name.endswith(CKPT_SUFFIXES)), key=_natural)
+    return bool(paths) and any(k in load_ckpt(paths[0]) for k in TARGET_KEYS)
 
 
 def speculators_sample(path: Path, sample_id: str, record, n_layers: int, hidden: int, source: str) -> PeerSample:
@@ -184,7 +260,7 @@ def speculators_sample(path: Path, sample_id: str, record, n_layers: int, hidden
 
 
 def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: str, n_layers: int, hidden: int,
-                      missing: list[str]) -> list[PeerFile]:
+                      missing: list[str], ids: list[str] | None = None) -> list[PeerFile]:
     """Row ``i`` of the Arrow dataset at ``root`` with ``hs_dir/hs_{i}.safetensors``; the sample id is
     ``hs_{i}``, prefixed. Rows whose file does not exist (generation not finished) are listed in ``missing``."""
     from .readers import TokenRecord, read_records
@@ -196,7 +272,8 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
     for i, rec in enumerate(read_records(root)):
         if not isinstance(rec, TokenRecord):
             raise ValueError(f"{rec.where}: not a pre-tokenized row (needs input_ids and loss_mask)")
-        sid, path = f"{id_prefix}hs_{i}", hs_dir / f"hs_{i}.safetensors"
+        sid = id_prefix + (ids[i] if ids is not None and i < len(ids) else f"hs_{i}")
+        path = hs_dir / f"hs_{i}.safetensors"
         if not path.exists():
             missing.append(sid)
             continue
@@ -206,13 +283,17 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
 
 
 # -- identity --------------------------------------------------------------------------------------------------
-def import_manifest(fmt: str, layers: list[int], *, dtype: str = "bfloat16", codec: str = "none",
+def import_manifest(fmt: str, layers: str | None = None, *, peer_layers: str | None = None,
+                    hsstore_ids: bool = False, path: str | None = None, final_hidden: bool = True,
+                    dtype: str = "bfloat16", codec: str = "none",
                     model: str | None = None, model_name: str | None = None, num_layers: int | None = None,
                     hidden_size: int | None = None, config_hash: str | None = None,
                     tokenizer_hash: str | None = None, tokenizer_name: str | None = None,
                     chat_template_hash: str | None = None) -> Manifest:
     """The manifest of an import: identity from a local ``model`` folder (hashed as extract hashes it) or from
-    the given values, which the peers' files cannot supply."""
+    the given values, which the peers' files cannot supply. Layer ids: ``layers`` (hsstore's) or ``peer_layers``
+    (the peer's own), see :func:`import_layers`. ``final_hidden``: a SpecForge folder at ``path`` whose files
+    carry the final-norm output (``hidden_state``) gives a store with the ``final_hidden`` feature."""
     if model:
         target, tokenizer = identity_from_model_dir(model)
         if hidden_size is not None and hidden_size != target.hidden_size:
@@ -227,8 +308,35 @@ def import_manifest(fmt: str, layers: list[int], *, dtype: str = "bfloat16", cod
                                 config_hash=config_hash)
         tokenizer = TokenizerIdentity(name=tokenizer_name or model_name, vocab_hash=tokenizer_hash,
                                       chat_template_hash=chat_template_hash)
-    return Manifest(target=target, tokenizer=tokenizer, layers=tuple(layers), dtype=dtype, codec=codec,
-                    extra={"imported_from": fmt})
+    ids, extra = import_layers(fmt, layers, peer_layers, target.num_layers, hsstore_ids=hsstore_ids)
+    final = fmt == "specforge" and final_hidden and path is not None and first_file_has_final_hidden(Path(path))
+    return Manifest(target=target, tokenizer=tokenizer, layers=tuple(ids), dtype=dtype, codec=codec,
+                    features=("final_hidden",) if final else (), extra={"imported_from": fmt, **extra})
+
+
+# -- layer ids ---------------------------------------------------------------------------------------------------
+def import_layers(fmt: str, layers: str | None, peer_layers: str | None, num_layers: int, *,
+                  hsstore_ids: bool = False) -> tuple[list[int], dict]:
+    """(hsstore layer ids, manifest extra) from ``--layers`` (hsstore ids) or ``--peer-layers`` (the peer's).
+    A ``--layers`` list that reads like the peer's own ids is refused unless ``hsstore_ids`` says it is meant."""
+    from . import peer_layers as pl
+
+    if (layers is None) == (peer_layers is None):
+        raise ValueError("give exactly one of --layers (hsstore ids) and --peer-layers (the peer's own ids)")
+    if peer_layers is not None:
+        ids = pl.parse_ids(peer_layers, "--peer-layers")
+        out = pl.to_hsstore(fmt, ids, num_layers)
+    else:
+        out = pl.parse_ids(layers, "--layers")
+        why = None if hsstore_ids else pl.ambiguity(fmt, out, num_layers)
+        if why:
+            as_peer = [i - pl.PEER_OFFSET[fmt] for i in out]
+            raise ValueError(f"--layers {out} may be {fmt}'s own layer ids, not hsstore's: {why}. If they are the "
+                             f"ids given to the peer, pass --peer-layers {','.join(map(str, out))} (hsstore ids "
+                             f"{as_peer}); if they are hsstore ids (output of decoder layer l), add --hsstore-ids")
+        ids = pl.from_hsstore(fmt, out)
+    extra = {"peer_layers": {"convention": pl.PEER_CONVENTION[fmt], "ids": ids, "hsstore_ids": out}}
+    return out, extra
 
 
 # -- the import ------------------------------------------------------------------------------------------------
@@ -239,6 +347,9 @@ class ImportResult:
     already: int = 0
     missing: int = 0
     bytes_written: int = 0
+    padded_rows: int = 0  # rows whose trailing batch padding was trimmed
+    pad_tokens: int = 0
+    pad_ambiguous: list[str] = field(default_factory=list)  # ids of rows whose padding could not be told apart
 
 
 def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage_options: dict | None = None,
@@ -262,7 +373,14 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
                                      shard_bytes=shard_bytes)
                 if missing:
                     writer.note_skipped("no_hidden_states", missing)
-            writer.add(s.sample_id, s.input_ids, s.loss_mask, s.hidden_states, source=s.source)
+            if s.pad_ambiguous:
+                log.warning("%s (%s): %s; trimmed, flagged %s", s.sample_id, f.path, s.pad_ambiguous, PAD_AMBIGUOUS)
+                result.pad_ambiguous.append(s.sample_id)
+            result.padded_rows += bool(s.pad_tokens)
+            result.pad_tokens += s.pad_tokens
+            extra = {"final_hidden": s.final_hidden} if manifest.features else {}
+            writer.add(s.sample_id, s.input_ids, s.loss_mask, s.hidden_states, source=s.source,
+                       flags=[PAD_AMBIGUOUS] if s.pad_ambiguous else None, **extra)
             result.samples += 1
             result.tokens += int(s.input_ids.shape[0])
             bar.update(1)
@@ -279,12 +397,21 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
 
 
 def peer_files(fmt: str, path: str, *, n_layers: int, hidden: int, id_prefix: str = "", source: str | None = None,
-               hs_dir: str | None = None, missing: list[str] | None = None) -> list[PeerFile]:
+               hs_dir: str | None = None, missing: list[str] | None = None, pad_id: int | None = PAD_TOKEN_ID,
+               final_hidden: bool = False, num_rows: int | None = None) -> list[PeerFile]:
+    from .export import exported_ids
+
     root = Path(path)
     src = source or root.name
+    ids = exported_ids(root)  # files of ``hsstore export``: the store's sample ids back, and no padding to find
+    if ids is not None:
+        log.info("%s was written by hsstore export: sample ids from its %s, no padding detection", root,
+                 "hsstore_export.json")
+        pad_id = None
     if fmt == "specforge":
-        return specforge_files(root, id_prefix, src, n_layers, hidden)
+        return specforge_files(root, id_prefix, src, n_layers, hidden, pad_id=pad_id, final_hidden=final_hidden,
+                               num_rows=num_rows, missing=missing, ids=ids)
     if fmt == "speculators":
         return speculators_files(root, Path(hs_dir) if hs_dir else None, id_prefix, source or "", n_layers, hidden,
-                                 missing if missing is not None else [])
+                                 missing if missing is not None else [], ids=ids)
     raise ValueError(f"unknown peer format {fmt!r} (one of {FORMATS})")

@@ -109,6 +109,7 @@ def identity_from_model_dir(model_dir: str) -> tuple[TargetIdentity, TokenizerId
 
 def build_manifest(model, tokenizer, name: str, layers: list[int], revision: str | None = None,
                    codec: str = "none", dtype: str = "bfloat16", layout: str = "zarr",
-                   encoding: str = "raw") -> Manifest:
+                   encoding: str = "raw", features: tuple[str, ...] = ()) -> Manifest:
     return Manifest(target=target_identity(model, name, revision), tokenizer=tokenizer_identity(tokenizer, name),
-                    layers=tuple(layers), dtype=dtype, codec=codec, layout=layout, encoding=encoding)
+                    layers=tuple(layers), dtype=dtype, codec=codec, layout=layout, encoding=encoding,
+                    features=features)

@@ -93,6 +93,12 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory:
     attention = torch.arange(T)[None, :] < lengths[:, None]
     out = {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
            "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
+    if "final_hidden" in items[0]:  # the final norm's output [B, T, H], padding zeroed
+        final = empty_host((B, T, hs0.shape[-1]), hs0.dtype, pin=pin_memory)
+        for b, x in enumerate(items):
+            final[b, :int(lengths[b])].copy_(x["final_hidden"])
+            final[b, int(lengths[b]):].zero_()
+        out["final_hidden"] = final
     if scales is not None:
         out["hidden_scales"] = scales
     return out
@@ -119,6 +125,8 @@ def collate_packed(items: Sequence[dict[str, Any]], pin_memory: bool = False) ->
            "loss_mask": torch.cat([x["loss_mask"] for x in items]),
            "position_ids": torch.cat([torch.arange(n) for n in lengths]),
            "hidden_states": hidden, "cu_seqlens": cu, "max_seqlen": max(lengths)}
+    if "final_hidden" in items[0]:  # the final norm's output [N, H]
+        out["final_hidden"] = torch.cat([x["final_hidden"] for x in items])
     if scales is not None:
         out["hidden_scales"] = scales
     return out

@@ -34,9 +34,10 @@ SAMPLE_COLUMNS = ("sample_id", "source", "length", "loss_tokens", "thinking_toke
 CONTENT_CHECKSUMS = 2
 
 
-def layer_array(layer: int) -> str:
-    """A tapped layer's name in a shard, in every layout (a Zarr array, a tar member's part)."""
-    return f"layer_{layer:03d}"
+def layer_array(layer: int | str) -> str:
+    """A slot's name in a shard, in every layout (a Zarr array, a tar member's part): ``layer_<LLL>`` for a
+    layer id, the feature's own name (``final_hidden``) otherwise."""
+    return layer if isinstance(layer, str) else f"layer_{layer:03d}"
 
 
 def commit_path(name: str) -> str:

@@ -25,7 +25,7 @@ def summarize(store: Store) -> dict[str, Any]:
             skipped_ids.setdefault(reason, set()).update(ids)
     skipped = {reason: len(ids) for reason, ids in skipped_ids.items()}
     layers = {}
-    for l in m.layers:
+    for l in m.slots:  # the layers, then named features (final_hidden)
         stored = sum(c.layers[str(l)]["stored_bytes"] for c in store.commits)
         raw = sum(c.layers[str(l)]["raw_bytes"] for c in store.commits)
         layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
@@ -43,6 +43,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "flags": dict(flags),
         "skipped": dict(skipped),
         "layers": list(m.layers),
+        "features": list(m.features),
         "hidden_size": m.hidden_size,
         "dtype": m.dtype,
         "encoding": m.encoding,
@@ -54,7 +55,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "compression_ratio": raw_total / feature_stored if raw_total else None,
         # stored feature bytes (all taps; fp8: values + scales) per token, and the same in the target's dtype
         "bytes_per_token": feature_stored / n_tokens if n_tokens else None,
-        "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.layers), m.hidden_size),
+        "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.slots), m.hidden_size),
         "target": dataclasses.asdict(m.target),
         "tokenizer": dataclasses.asdict(m.tokenizer),
         "created_by": m.created_by,
@@ -78,7 +79,8 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append(f"target     {t['name']}  type={t['model_type']} layers={t['num_layers']} hidden={t['hidden_size']} "
                  f"revision={t['revision']} config={t['config_hash'][:12]}")
     lines.append(f"tokenizer  {k['name']}  vocab={k['vocab_hash'][:12]} template={(k['chat_template_hash'] or '-')[:12]}")
-    lines.append(f"taps       layers {s['layers']} (layer l = output of decoder layer l = HF hidden_states[l+1])")
+    lines.append(f"taps       layers {s['layers']} (layer l = output of decoder layer l = HF hidden_states[l+1])"
+                 + ("; + final_hidden (the final norm's output)" if s["features"] else ""))
     lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer(s)")
     if not s["samples"]:
         lines.append("           (empty store: no committed shards)")
@@ -105,6 +107,6 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append(f"per token  {s['bytes_per_token']:,.1f} B stored ({s['encoding']}), {s['dtype_bytes_per_token']:,} B "
                  f"as {s['dtype']} ({s['dtype_bytes_per_token'] / s['bytes_per_token']:.2f}x)")
     for l, b in s["bytes_per_layer"].items():
-        lines.append(f"  layer {int(l):>3}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
+        lines.append(f"  {'layer ' + format(int(l), '>3') if l.isdigit() else l}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
                      f"({b['ratio']:.2f}x)")
     return "\n".join(lines)

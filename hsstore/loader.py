@@ -192,6 +192,7 @@ class HiddenStateDataset(IterableDataset):
         skip_corrupt: bool = False,
         dequantise: bool = False,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        final_hidden: bool = False,
     ) -> None:
         super().__init__()
         self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options)
@@ -206,7 +207,13 @@ class HiddenStateDataset(IterableDataset):
         for store in self.stores[1:]:
             store.check_layers(self.layers)
         m = first.manifest
-        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self.layers), m.hidden_size)
+        self.final_hidden = bool(final_hidden)
+        if self.final_hidden and "final_hidden" not in m.features:
+            raise StoreError(f"final_hidden asked for, store {first.url!r} does not hold it (written without "
+                             "hsstore extract --final-hidden, or imported from files without hidden_state)")
+        # what is read per token: the layers, then the final norm's output when asked for
+        self._slots = list(self.layers) + (["final_hidden"] if self.final_hidden else [])
+        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._slots), m.hidden_size)
         self.fp8, self.dequantise = m.encoding == fp8.ENCODING, bool(dequantise)
         ct = m.chunk_tokens
         self.unit_tokens = max(1, -(-max(1, unit_bytes // self.token_bytes) // ct)) * ct
@@ -425,7 +432,7 @@ class HiddenStateDataset(IterableDataset):
         cat = self.catalog
         a, b = int(cat.start[run[0]]), int(cat.stop[run[-1]])
         m = store.manifest
-        shape = (len(self.layers), b - a, m.hidden_size)
+        shape = (len(self._slots), b - a, m.hidden_size)
         scales = None
         if self.fp8:  # e4m3fn bits, and the rows' scales
             feats = self._alloc(shape, torch.uint8)
@@ -436,7 +443,7 @@ class HiddenStateDataset(IterableDataset):
             feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
             bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
                 codec.STORAGE_DTYPE[m.dtype])
-        ids, mask, _ = store.read_range(commit.shard, a, b, self.layers, out=bits,
+        ids, mask, _ = store.read_range(commit.shard, a, b, self._slots, out=bits,
                                         scales_out=None if scales is None else scales.numpy())
         for row in run:
             s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
@@ -447,6 +454,8 @@ class HiddenStateDataset(IterableDataset):
         item = {"sample_id": sample.sample_id, "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
                 "loss_mask": torch.from_numpy(sample.loss_mask.astype(bool)),
                 "hidden_states": sample.feats.permute(1, 0, 2)}
+        if self.final_hidden:  # the last slot read: the final norm's output [T, H]
+            item["hidden_states"], item["final_hidden"] = sample.feats[:-1].permute(1, 0, 2), sample.feats[-1]
         if sample.scales is not None:
             item["hidden_scales"] = sample.scales.permute(1, 0)
             if self.dequantise:

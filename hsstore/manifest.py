@@ -22,6 +22,9 @@ MANIFEST_FILE = "manifest.json"
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/fp8.py)
 LAYOUTS = ("zarr", "wds")
+# stored features that are not a layer's output: ``final_hidden`` is the final norm's output (what the lm_head
+# reads, EAGLE-3's training target). Named in the manifest's ``features``; absent from stores without them.
+FEATURES = ("final_hidden",)
 
 
 def sha256_hex(data: bytes | str) -> str:
@@ -74,13 +77,20 @@ class Manifest:
     created_by: str = ""
     created_at: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    features: tuple[str, ...] = ()  # non-layer features (FEATURES), stored after the layers; () in most stores
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
         validate_fields(self)
 
     @property
     def hidden_size(self) -> int:
         return self.target.hidden_size
+
+    @property
+    def slots(self) -> list:
+        """What a shard stores per token, in order: the layer ids, then the named features (``final_hidden``)."""
+        return list(self.layers) + list(self.features)
 
     def compat_key(self) -> dict[str, Any]:
         """What must be equal for two writers to share a store or a loader to mix stores."""
@@ -92,6 +102,8 @@ class Manifest:
             "layers": list(self.layers),
             "dtype": self.dtype,
             "encoding": self.encoding,
+            # only when present: stores without features keep the key (and so every shard's manifest_key) they had
+            **({"features": list(self.features)} if self.features else {}),
         }
 
     def shard_key(self) -> str:
@@ -102,6 +114,10 @@ class Manifest:
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
         d["layers"] = list(self.layers)
+        if self.features:
+            d["features"] = list(self.features)
+        else:  # absent, as before the field existed: older hsstore reads such a store unchanged
+            del d["features"]
         return json.dumps(d, indent=2, sort_keys=True)
 
     @classmethod
@@ -165,6 +181,11 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"layout 'wds' stores plain .npy members: codec must be 'none', got {m.codec!r}")
     if m.layout == "wds" and m.encoding != "raw":  # readers of plain .npy members expect the values themselves
         raise ManifestError(f"layout 'wds' holds raw features only: encoding {m.encoding!r} needs layout 'zarr'")
+    bad = [f for f in m.features if f not in FEATURES]
+    if bad or len(set(m.features)) != len(m.features):
+        raise ManifestError(f"features {list(m.features)!r} not supported (each at most once, of {FEATURES})")
+    if m.features and m.encoding != "raw":  # the loader's fp8 path dequantises the layers only
+        raise ManifestError(f"features {list(m.features)} are stored with encoding 'raw' only, not {m.encoding!r}")
     if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
         raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
 
@@ -173,8 +194,10 @@ def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None
     """Raise naming every field that differs between two manifests' compatibility keys."""
     ka, kb = a.compat_key(), b.compat_key()
     diffs = []
-    for key in ka:
-        if ka[key] != kb[key]:
+    for key in dict.fromkeys([*ka, *kb]):
+        if key not in ka or key not in kb:  # features: one holds final_hidden, the other not
+            diffs.append(f"{key}: {ka.get(key, [])!r} vs {kb.get(key, [])!r}")
+        elif ka[key] != kb[key]:
             if isinstance(ka[key], dict):
                 for sub in ka[key]:
                     va, vb = ka[key][sub], kb[key][sub]

@@ -199,10 +199,12 @@ class Store:
                                 "under (edited after writing?); run hsstore verify")
 
     def check_layers(self, layers: Sequence[int] | None) -> list[int]:
+        """The layer ids asked for (None: all), checked; a named feature (``final_hidden``) of the store counts
+        as one, read after the layers."""
         if layers is None:
             return self.layers
         layers = list(layers)
-        missing = [l for l in layers if l not in self.manifest.layers]
+        missing = [l for l in layers if l not in self.manifest.slots]
         if missing:
             raise StoreError(f"layers {missing} are not in store {self.url!r} (it holds {self.layers})")
         return layers
@@ -261,19 +263,30 @@ class Store:
         ``hidden_states`` ``[T, n_layers, H]`` in the stored dtype (bit-exact). fp8 stores: dequantised into
         the manifest dtype, or with ``dequantise=False`` e4m3fn values plus ``hidden_scales`` ``[T, n_layers]``."""
         r = self.ref(i)
-        layers = self.check_layers(layers)
+        layers = self._with_features(layers)
         scales = self.new_scales(len(layers), r.stop - r.start)
         try:
             ids, mask, feats = self.read_range(r.shard, r.start, r.stop, layers, scales_out=scales)
         except CorruptionError as e:
             raise CorruptionError(f"sample {r.sample_id!r} (index {r.index}): {e}") from None
-        return self.sample_dict(r.sample_id, ids, mask, feats, scales, dequantise)
+        return self.sample_dict(r.sample_id, ids, mask, feats, scales, dequantise, layers[-1] == "final_hidden")
+
+    def _with_features(self, layers: Sequence[int] | None) -> list:
+        """``layers`` checked; None: every layer, then the store's named features (items get ``final_hidden``)."""
+        return self.manifest.slots if layers is None else self.check_layers(layers)
 
     def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray,
-                    scales: np.ndarray | None = None, dequantise: bool = True) -> dict[str, Any]:
+                    scales: np.ndarray | None = None, dequantise: bool = True, final_hidden: bool = False,
+                    ) -> dict[str, Any]:
         """The item format: ``feats`` is layer-major ``[n_layers, T, H]``; ``hidden_states`` is its
         ``[T, n_layers, H]`` view (no copy; ``reshape(T, -1)`` gives the drafter's concatenation).
-        ``scales`` ``[n_layers, T]`` (fp8 stores): see :meth:`read` for ``dequantise``."""
+        ``scales`` ``[n_layers, T]`` (fp8 stores): see :meth:`read` for ``dequantise``. ``final_hidden``: the
+        last slot of ``feats`` is the final norm's output, served as ``final_hidden`` ``[T, H]``."""
+        if final_hidden:
+            item = self.sample_dict(sample_id, ids, mask, feats, scales, dequantise)
+            hs = item.pop("hidden_states")
+            item["hidden_states"], item["final_hidden"] = hs[:, :-1], hs[:, -1]  # raw stores only (manifest)
+            return item
         item = {
             "sample_id": sample_id,
             "input_ids": torch.from_numpy(ids.astype(np.int64)),
@@ -308,7 +321,8 @@ class Store:
         """Samples of the given windows in order; the next ``prefetch`` windows are read in a background
         thread while this one is consumed (on object stores, I/O overlaps decoding). ``dequantise``: see
         :meth:`read`."""
-        layers = self.check_layers(layers)
+        layers = self._with_features(layers)
+        final = layers[-1] == "final_hidden"
         carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
         def load(w):
@@ -334,13 +348,12 @@ class Store:
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
                     yield self.sample_dict(rec.samples["sample_id"][k], ids[a:b], mask[a:b], feats[:, a:b],
-                                           None if scales is None else scales[:, a:b], dequantise)
+                                           None if scales is None else scales[:, a:b], dequantise, final)
 
     def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
                    window_bytes: int = 512 << 20) -> Iterator[dict[str, Any]]:
         """The samples of one shard in order, read in large windows (the sequential path for scans)."""
-        layers = self.check_layers(layers)
-        return self.iter_windows(self.windows(shard_index, layers, window_bytes), layers)
+        return self.iter_windows(self.windows(shard_index, self._with_features(layers), window_bytes), layers)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Every sample in store order, with read-ahead across shard boundaries."""

@@ -120,7 +120,7 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
                 T = int(item["input_ids"].shape[0])
                 writer.add(item["sample_id"], item["input_ids"], item["loss_mask"], item["hidden_states"],
                            source=cols["source"][k], thinking_tokens=cols["thinking_tokens"][k],
-                           flags=cols["flags"][k])
+                           flags=cols["flags"][k], final_hidden=item.get("final_hidden"))
                 result.written += 1
                 result.tokens += T
                 bar.update(T)

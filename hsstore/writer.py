@@ -101,6 +101,7 @@ class StoreWriter:
             created_at=manifest.created_at or now_iso())
         self.manifest = ensure_manifest(self.fs, self.root, url, manifest)
         self.layers = list(self.manifest.layers)
+        self.slots = self.manifest.slots  # the layers, then named features (final_hidden) when the store has them
         self._write_shard = layout.get(self.manifest.layout).write_shard
         self.hidden = self.manifest.hidden_size
         self.fp8 = self.manifest.encoding == fp8.ENCODING
@@ -108,7 +109,7 @@ class StoreWriter:
         self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
         self.session = uuid.uuid4().hex[:8]
         self.check_finite = check_finite
-        token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.layers), self.hidden)
+        token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.slots), self.hidden)
         self.capacity = max(1, shard_bytes // token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
         self._slots = threading.BoundedSemaphore(max_pending)
@@ -132,8 +133,8 @@ class StoreWriter:
             if capacity == self.capacity and self._free:
                 bufs = self._free.pop()
         if bufs is None:
-            bufs = (np.empty((len(self.layers), capacity, self.hidden), dtype=self.storage_dtype),
-                    np.empty((len(self.layers), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
+            bufs = (np.empty((len(self.slots), capacity, self.hidden), dtype=self.storage_dtype),
+                    np.empty((len(self.slots), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
         self._buf, self._scales = bufs
         self._buf_bits = self._buf if self.fp8 else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._ids: list[np.ndarray] = []
@@ -151,12 +152,14 @@ class StoreWriter:
         source: str = "",
         thinking_tokens: int = 0,
         flags: list[str] | None = None,
+        final_hidden: torch.Tensor | np.ndarray | None = None,
     ) -> None:
         """Queue one sample. ``hidden_states`` is ``[T, n_layers, H]`` in manifest layer order, or a
         mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16). An fp8 store
         also takes :class:`hsstore.fp8.Quantised` (values ``[T, n_layers, H]``, scales ``[T, n_layers]``, or
         one per layer in the mapping) as extraction makes it on the GPU; features in the manifest dtype are
-        quantised here, on the host."""
+        quantised here, on the host. ``final_hidden`` ``[T, H]`` (the final norm's output) is required exactly
+        when the store's manifest names the ``final_hidden`` feature."""
         if self._closed:
             raise StoreError("writer is closed")
         self.raise_background_error()
@@ -174,7 +177,7 @@ class StoreWriter:
             raise SampleError(f"{where}: input_ids out of int32 range")
         if not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_) or mask.min() < 0 or mask.max() > 1:
             raise SampleError(f"{where}: loss_mask must hold 0/1 values")
-        layers, scales = self._layer_views(where, hidden_states, T)
+        layers, scales = self._layer_views(where, hidden_states, T, final_hidden)
         if T > self._buf.shape[1] - self._fill:
             if self._fill:
                 self._submit()
@@ -188,12 +191,12 @@ class StoreWriter:
         if scales is not None:
             self._scales[:, self._fill:self._fill + T] = np.stack(scales)
             if self.check_finite:
-                for j, layer in enumerate(self.layers):
+                for j, layer in enumerate(self.slots):
                     bad = fp8.first_bad_row(region[j], self._scales[j, self._fill:self._fill + T])
                     if bad is not None:
                         raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
         elif self.check_finite and self._has_nonfinite(region):
-            for j, layer in enumerate(self.layers):
+            for j, layer in enumerate(self.slots):
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
                 if bad is not None:  # the region is simply overwritten by the next sample
                     raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
@@ -221,27 +224,34 @@ class StoreWriter:
         np.bitwise_and(region, mask, out=scratch)
         return int(scratch.max()) == mask
 
-    def _layer_views(self, where: str, hs, T: int) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Per layer: the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
+    def _layer_views(self, where: str, hs, T: int, final_hidden=None,
+                     ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Per slot (layers, then final_hidden): the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
+        # all slots in one tensor (extraction's [T, layers + final_hidden, H]) when final_hidden is not given apart
+        n = len(self.slots) if final_hidden is None and self.manifest.features else len(self.layers)
         if isinstance(hs, fp8.Quantised):
-            if hs.values.ndim != 3 or hs.values.shape[1] != len(self.layers) or hs.scales.ndim != 2:
-                n = len(self.layers)
+            if hs.values.ndim != 3 or hs.values.shape[1] != n or hs.scales.ndim != 2:
                 raise SampleError(f"{where}: fp8 values/scales shapes {tuple(hs.values.shape)}/"
                                   f"{tuple(hs.scales.shape)}, expected [{T}, {n}, {self.hidden}]/[{T}, {n}]")
-            parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(len(self.layers))]
+            parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(n)]
         elif isinstance(hs, Mapping):
-            missing = [l for l in self.layers if l not in hs]
-            extra = [l for l in hs if l not in self.layers]
-            if missing or extra:
-                raise SampleError(f"{where}: layers {sorted(hs)} do not match the store's layers {self.layers}")
-            parts = [hs[l] for l in self.layers]
+            want = self.slots if final_hidden is None and "final_hidden" in hs else self.layers
+            if set(hs) != set(want):
+                raise SampleError(f"{where}: layers {list(hs)} do not match the store's layers {self.slots}")
+            parts = [hs[l] for l in want]
         else:
-            if hs.ndim != 3 or hs.shape[1] != len(self.layers):
+            if hs.ndim != 3 or hs.shape[1] != n:
                 raise SampleError(f"{where}: hidden_states shape {tuple(hs.shape)}, expected "
-                                  f"[{T}, {len(self.layers)}, {self.hidden}] (tokens, layers {self.layers}, hidden)")
-            parts = [hs[:, j] for j in range(len(self.layers))]
+                                  f"[{T}, {n}, {self.hidden}] (tokens, slots {self.slots[:n]}, hidden)")
+            parts = [hs[:, j] for j in range(n)]
+        if self.manifest.features and len(parts) < len(self.slots):
+            if final_hidden is None:
+                raise SampleError(f"{where}: the store holds final_hidden (the final norm's output): pass it")
+            parts.append(final_hidden)
+        elif not self.manifest.features and final_hidden is not None:
+            raise SampleError(f"{where}: final_hidden given, the store does not hold it (manifest features [])")
         out, scales = [], []
-        for layer, x in zip(self.layers, parts):
+        for layer, x in zip(self.slots, parts):
             q = x if isinstance(x, fp8.Quantised) else None
             if q is not None and not self.fp8:
                 raise SampleError(f"{where}: fp8 features given, the store's encoding is {self.manifest.encoding!r}")
@@ -285,8 +295,8 @@ class StoreWriter:
     def _write(self, name, bufs, n, ids, mask, cols) -> commit.CommitRecord:
         buf, sbuf = bufs
         try:
-            features = {layer: buf[j, :n] for j, layer in enumerate(self.layers)}
-            scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.layers)} if sbuf is not None else None
+            features = {layer: buf[j, :n] for j, layer in enumerate(self.slots)}
+            scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.slots)} if sbuf is not None else None
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols), scales=scales)
             commit.publish(self.fs, self.root, record)

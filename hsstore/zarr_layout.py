@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 BATCH_BYTES = 256 << 20  # verify reads a shard's files in batches of about this many bytes
 
 
-def scale_array(layer: int) -> str:
-    """The per-row scales of an fp8-encoded layer array."""
-    return f"scale_{layer:03d}"
+def scale_array(layer: int | str) -> str:
+    """The per-row scales of an fp8-encoded layer (or feature) array."""
+    return f"scale_{layer}" if isinstance(layer, str) else f"scale_{layer:03d}"
 
 
 def shard_path(name: str) -> str:
@@ -125,10 +125,10 @@ def write_shard(
     if is_fp8 and scales is None:
         raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
     arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.layers]
+        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.slots]
     if is_fp8:
         arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
-                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.layers]
+                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.slots]
     arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
                ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
                ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
@@ -150,7 +150,7 @@ def write_shard(
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}
-    for l in manifest.layers:  # a layer's bytes: its values, and its scales in an fp8 store
+    for l in manifest.slots:  # a layer's bytes: its values, and its scales in an fp8 store
         prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
         raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
         layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
@@ -359,7 +359,7 @@ def _check_arrays(store: Store, rec: CommitRecord, report: VerifyReport) -> None
     except Exception as e:
         report.problems.append(Problem(name, f"shard group cannot be opened: {e}", f"{base}/zarr.json"))
         return
-    for l in m.layers:
+    for l in m.slots:
         key = f"{base}/{layer_array(l)}"
         try:
             a = g[layer_array(l)]

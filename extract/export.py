@@ -1,0 +1,180 @@
+"""``hsstore export``: a store -> the peers' one-file-per-sample layouts, so their trainers read it as their own.
+
+* **specforge** -- what ``scripts/prepare_hidden_states.py`` writes: ``rows_{g}-{g+2000}/data_{i}.ckpt``, one
+  ``torch.save`` dict per sample: ``input_ids`` [T] int64, ``loss_mask`` [T] int64, then the EAGLE-3 layout
+  (``aux_hidden_state`` [1, T, L*H] + ``hidden_state`` [1, T, H], the final-norm output) when the store holds
+  ``final_hidden``, else the DFlash one (``hidden_states`` [1, T, L*H]). No padding (one row per batch).
+* **speculators** -- what ``prepare_data.py`` + ``data_generation_offline.py`` write: an Arrow dataset as
+  ``datasets.save_to_disk`` lays it out (``input_ids``/``loss_mask`` int64 lists, ``seq_len``; torch format) and
+  ``hidden_states/hs_{i}.safetensors`` with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64. Its trainer
+  splits the last slot off as the verifier's last hidden state (vLLM id N, before the final norm), so the store
+  must hold layer N - 1; the slots are the store's layers in order, vLLM ids = hsstore ids + 1.
+
+Sample ``i`` is the store's ``i``-th sample. ``hsstore_export.json`` beside the files (ignored by both peers, who
+only list their own suffixes) records the store, its layers in both conventions and the sample ids, so
+``hsstore import`` of an export gives back the same ids and skips padding detection (an export holds none).
+OUT must not exist or be empty: nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hsstore.reader import Store
+
+from . import peer_layers
+
+log = logging.getLogger(__name__)
+
+SIDECAR = "hsstore_export.json"
+FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
+ARROW_FILE = "data-00000-of-00001.arrow"
+
+
+@dataclass
+class ExportResult:
+    samples: int = 0
+    tokens: int = 0
+    bytes_written: int = 0
+    layout: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _out_dir(out: str) -> Path:
+    p = Path(out)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: export never overwrites (choose a new OUT)")
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def _sidecar(out: Path, fmt: str, store: Store, layout: str, ids: list[str], extra: dict) -> None:
+    m = store.manifest
+    doc = {"format": fmt, "layout": layout, "store": store.url, "layers": list(m.layers),
+           "features": list(m.features), "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
+           "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
+    (out / SIDECAR).write_text(json.dumps(doc, indent=1))
+
+
+def export_specforge(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
+                     file_group_size: int = FILE_GROUP_SIZE) -> ExportResult:
+    from tqdm import tqdm
+
+    store = Store(url, storage_options or {})
+    store.check_manifest()
+    final = "final_hidden" in store.manifest.features
+    root = _out_dir(out)
+    r = ExportResult(layout="eagle3" if final else "dflash")
+    if not final:
+        r.notes.append("the store holds no final_hidden: DFlash layout (hidden_states), no EAGLE-3 target")
+    ids = []
+    for i, item in enumerate(tqdm(store, total=len(store), unit="sample", desc="export", disable=not progress)):
+        T = int(item["input_ids"].shape[0])
+        hs = item["hidden_states"].reshape(1, T, -1)  # taps concatenated along hidden, in tap order
+        rec = {"input_ids": item["input_ids"].clone(), "loss_mask": item["loss_mask"].to(torch.int64)}
+        if final:
+            rec["aux_hidden_state"] = hs.clone()
+            rec["hidden_state"] = item["final_hidden"].reshape(1, T, -1).clone()
+        else:
+            rec["hidden_states"] = hs.clone()
+        g = i // file_group_size * file_group_size
+        sub = root / f"rows_{g}-{g + file_group_size}"
+        sub.mkdir(exist_ok=True)
+        path = sub / f"data_{i}.ckpt"
+        tmp = sub / f".{path.name}.{uuid.uuid4().hex[:8]}"
+        torch.save(rec, tmp)  # SpecForge counts an existing file as done: never leave a partial one at the name
+        os.replace(tmp, path)
+        ids.append(item["sample_id"])
+        r.samples += 1
+        r.tokens += T
+        r.bytes_written += path.stat().st_size
+    _sidecar(root, "specforge", store, r.layout, ids, {"file_group_size": file_group_size})
+    return r
+
+
+def export_speculators(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
+                       ) -> ExportResult:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    store = Store(url, storage_options or {})
+    store.check_manifest()
+    m = store.manifest
+    n = m.target.num_layers
+    if m.layers[-1] != n - 1:
+        raise ValueError(f"store {url!r} has layers {list(m.layers)}: speculators' trainer takes the last slot as "
+                         f"the verifier's last hidden state (vLLM id {n}, hsstore layer {n - 1}, the last decoder "
+                         f"layer's output before the norm), which the store does not hold")
+    root = _out_dir(out)
+    hs_dir = root / "hidden_states"
+    hs_dir.mkdir()
+    r = ExportResult(layout="speculators")
+    if m.features:
+        r.notes.append("final_hidden not exported: speculators stores the last layer before the norm (its "
+                       "trainer applies the verifier's norm)")
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    ids = []
+    for i, item in enumerate(tqdm(store.iter_windows([w for s in range(len(store.commits))
+                                                       for w in store.windows(s, store.layers)], store.layers),
+                                  total=len(store), unit="sample", desc="export", disable=not progress)):
+        T = int(item["input_ids"].shape[0])
+        path = hs_dir / f"hs_{i}.safetensors"
+        save_file({"hidden_states": item["hidden_states"].contiguous(), "token_ids": item["input_ids"].clone()},
+                  str(path))
+        rows["input_ids"].append(item["input_ids"].numpy())
+        rows["loss_mask"].append(item["loss_mask"].numpy().astype(np.int64))
+        rows["seq_len"].append(T)
+        ids.append(item["sample_id"])
+        r.samples += 1
+        r.tokens += T
+        r.bytes_written += path.stat().st_size
+    _write_arrow_dataset(root, rows)
+    aux = peer_layers.from_hsstore("speculators", list(m.layers))
+    _sidecar(root, "speculators", store, r.layout, ids, {"target_layer_ids": aux[:-1]})
+    r.notes.append(f"train with the aux layer ids {aux[:-1]} (vLLM ids; the last slot, {aux[-1]}, is the verifier's "
+                   "last hidden state)")
+    return r
+
+
+def _write_arrow_dataset(root: Path, rows: dict[str, list]) -> None:
+    """The files ``datasets.save_to_disk`` writes for speculators' prepared data (one shard, torch format)."""
+    import pyarrow as pa
+
+    ints = pa.list_(pa.int64())
+    table = pa.table({"input_ids": pa.array([list(map(int, x)) for x in rows["input_ids"]], type=ints),
+                      "loss_mask": pa.array([list(map(int, x)) for x in rows["loss_mask"]], type=ints),
+                      "seq_len": pa.array(rows["seq_len"], type=pa.int64())})
+    with pa.OSFile(str(root / ARROW_FILE), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    seq = {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"}
+    info = {"citation": "", "description": "", "homepage": "", "license": "",
+            "features": {"input_ids": seq, "loss_mask": seq, "seq_len": {"dtype": "int64", "_type": "Value"}}}
+    (root / "dataset_info.json").write_text(json.dumps(info, indent=2))
+    state = {"_data_files": [{"filename": ARROW_FILE}], "_fingerprint": uuid.uuid4().hex[:16],
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": "torch", "_output_all_columns": False,
+             "_split": None}
+    (root / "state.json").write_text(json.dumps(state, indent=2))
+
+
+def export_store(fmt: str, url: str, out: str, **kw) -> ExportResult:
+    if fmt == "specforge":
+        return export_specforge(url, out, **kw)
+    if fmt == "speculators":
+        return export_speculators(url, out, **kw)
+    raise ValueError(f"unknown peer format {fmt!r} (specforge or speculators)")
+
+
+def exported_ids(root: Path) -> list[str] | None:
+    """The store's sample ids of an ``hsstore export`` folder (its sidecar), or None for the peers' own files."""
+    p = root / SIDECAR
+    if not p.is_file():
+        return None
+    return list(json.loads(p.read_text())["sample_ids"])
