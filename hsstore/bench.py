@@ -59,9 +59,11 @@ def _time(fn) -> float:
 
 def _loader_process(store_url: str, storage_options: dict[str, Any], layers: list[int], rank: int, world: int,
                     workers: int, seed: int, start, results) -> None:
-    """One of several concurrent loaders (a spawned process): open, wait for the others, then time one epoch."""
+    """One of several concurrent loaders (a spawned process): open, wait for the others, then time one epoch.
+    Its intra-op threads are its share of the cores, as torchrun's ranks (``OMP_NUM_THREADS``) would have them."""
     from torch.utils.data import DataLoader
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from .loader import HiddenStateDataset
 
     ds = HiddenStateDataset(store_url, layers=layers, seed=seed, rank=rank, world_size=world,
