@@ -238,7 +238,8 @@ def test_fork_keeps_an_applications_gc_freeze(tmp_path, new_manifest, new_sample
         frozen = gc.get_freeze_count()
         assert frozen > 0
         child, parent = _fork_freeze_counts()
-        assert child > 0 and parent >= frozen  # (objects the child frees leave its count)
+        # objects freed meanwhile leave the count (in the child and the parent); thawed, it would be 0
+        assert child > frozen // 2 and parent > frozen // 2, (child, parent, frozen)
     finally:
         gc.unfreeze()
     child, parent = _fork_freeze_counts()

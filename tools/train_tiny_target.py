@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads; the weights depend on it (1: the same on any machine, and not slowed "
                          "down tenfold when other processes share the cores, as 2 threads were)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--quiet", "-q", "--no-progress", dest="quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = Qwen3_5ForCausalLM(config)
     stats = train_target(model, seqs, epochs=args.epochs, max_tokens=args.max_tokens, lr=args.lr, seed=args.seed,
-                         progress=not args.no_progress)
+                         progress=not args.quiet)
     log.info("trained in %.0fs: loss %.3f -> %.3f", stats["train_seconds"], stats["first_loss"], stats["final_loss"])
 
     # the demo's conversations: the target's own greedy answers to prompts it was not trained on
