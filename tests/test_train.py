@@ -241,4 +241,26 @@ def test_train_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for flag, default in [("--token-budget", "16384"), ("--anchors", "512"), ("--draft-layers", "5"),
                           ("--sliding-window", "2048"), ("--lr", "0.0006"), ("--save-every", "1000")]:
-        assert f"(default: {default})" in out.split(flag, 2)[2].split(" --", 1)[0], flag
+        assert f"(default: {default}" in out.split(flag, 2)[2].split(" --", 1)[0], flag
+
+
+def test_cpu_defaults_and_a_step_too_big_for_this_machine_is_refused(store32, tmp_path, caplog, capsys):  # noqa: F811
+    """On a CPU, unset batch settings are a quarter of the GPU recipe's, said in the settings line; a step whose
+    estimate exceeds the memory available is refused in one line before training (the kernel would kill it)."""
+    from hsstore.cli import main
+    from hsstore.train.budget import DEFAULTS, available_bytes
+
+    with caplog.at_level("INFO", logger="hsstore.train"):
+        assert main(["train", "--store", store32, "--out", str(tmp_path / "a"), "--steps", "1", "--draft-layers", "1",
+                     "--block-size", "8", "--device", "cpu", "-q"]) == 0
+    cpu = DEFAULTS["cpu"]
+    assert f"{cpu['max_tokens']:,} tokens per batch and rank, {cpu['anchors']} anchors per sequence" in caplog.text
+    assert (cpu["max_tokens"], cpu["anchors"]) != (DEFAULTS["cuda"]["max_tokens"], DEFAULTS["cuda"]["anchors"])
+    have = available_bytes()
+    assert have is not None
+    rc = main(["train", "--store", store32, "--out", str(tmp_path / "b"), "--steps", "1", "--device", "cpu",
+               "--token-budget", "4000000", "--anchors", "100000", "--draft-layers", "5", "-q"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "GiB available: lower --token-budget and --anchors" in err[0], err
+    assert not (tmp_path / "b" / "checkpoints").exists()  # refused before any step

@@ -31,10 +31,12 @@ def register(subparsers) -> None:
     n.add_argument("--steps", type=int, default=None, help="optimizer steps")
     n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
     t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
-    t.add_argument("--token-budget", dest="token_budget", type=int, default=16384, metavar="N",
-                   help="padded tokens per batch and rank")
+    t.add_argument("--token-budget", dest="token_budget", type=int, default=None, metavar="N",
+                   help="padded tokens per batch and rank (default: 16384 on a GPU, the published recipe; 4096 on a "
+                        "CPU; a CPU step estimated above the available memory is refused)")
     t.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
-    t.add_argument("--anchors", type=int, default=512, help="anchors per sequence, at most")
+    t.add_argument("--anchors", type=int, default=None, metavar="N",
+                   help="anchors per sequence, at most (default: 512 on a GPU, 128 on a CPU)")
     t.add_argument("--block-size", type=int, default=16, help="anchor + mask tokens drafted per block")
     t.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers")
     t.add_argument("--sliding-window", type=int, default=2048,

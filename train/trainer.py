@@ -59,6 +59,7 @@ from hsstore.manifest import check_compatible
 from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
+from .budget import check_cpu_memory, with_device_defaults
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .evaluate import eval_source, evaluate
 from .model import DFlashDrafter, DrafterConfig
@@ -83,8 +84,8 @@ class TrainConfig:
     steps: int | None = None  # optimizer steps; or
     epochs: int | None = None  # passes over the data (default DEFAULT_EPOCHS when steps is None too)
     device: str | None = None  # default: cuda:LOCAL_RANK when available, else cpu
-    max_tokens: int = 16384  # token budget per batch and rank (batch x longest sample)
-    anchors: int = 512  # anchors per sequence (at most)
+    max_tokens: int | None = None  # token budget per batch and rank (batch x longest); None: budget.DEFAULTS
+    anchors: int | None = None  # anchors per sequence (at most); None: the device's default (budget.DEFAULTS)
     block_size: int = 16
     draft_layers: int = 5
     sliding_window: int | None = 2048  # for all draft layers but the last; None or 0: full attention
@@ -369,6 +370,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     t_start = time.perf_counter()
     rank, world, device, group = init_distributed(cfg.device)
     share_cpu_threads(cfg.cpu_threads, device)
+    cfg = with_device_defaults(cfg, device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -384,6 +386,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if cfg.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, cfg.init)
+    if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
+        check_cpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel())
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
