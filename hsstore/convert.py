@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import codec, commit, layout, storage
+from . import codec, commit, index, layout, storage
 from .errors import ManifestError, StoreError
 from .reader import Store
 from .subset import copy_assets_if_missing
@@ -54,25 +54,29 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
                             f"{src.manifest.chunk_tokens}")
     copy_assets_if_missing(src, fs, root)  # what train and show need instead of the target
     done = set(commit.list_committed(fs, root))
-    write_shard = layout.get(to_layout).write_shard
     result = ConvertResult()
-    for rec in src.commits:
-        if rec.shard in done:
-            result.skipped += 1
-            continue
-        ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens)  # every byte checked before any write
-        features = {l: feats[j] for j, l in enumerate(src.layers)}
-        try:
-            new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
-                              stats=rec.stats)
-            commit.publish(fs, root, new)
-        except Exception as e:
-            raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
-                             f"{type(e).__name__}: {e}") from e
-        result.shards += 1
-        result.samples += rec.n_samples
-        result.bytes_read += int(feats.nbytes)
-        if progress:
-            progress(int(feats.nbytes))
-        log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
+    write_shard = layout.get(to_layout).write_shard
+    appender = index.SegmentAppender(fs, root, "convert")  # the records written, as one index segment
+    try:
+        for rec in src.commits:
+            if rec.shard in done:
+                result.skipped += 1
+                continue
+            ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens)  # every byte checked before any write
+            features = {l: feats[j] for j, l in enumerate(src.layers)}
+            try:
+                new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
+                                  stats=rec.stats)
+                appender.add(new, commit.publish(fs, root, new))
+            except Exception as e:
+                raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
+                                 f"{type(e).__name__}: {e}") from e
+            result.shards += 1
+            result.samples += rec.n_samples
+            result.bytes_read += int(feats.nbytes)
+            if progress:
+                progress(int(feats.nbytes))
+            log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
+    finally:
+        appender.flush()
     return result

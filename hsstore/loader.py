@@ -68,7 +68,7 @@ from .errors import CorruptionError, StoreError
 from .manifest import MANIFEST_FILE, check_compatible
 from .memory import BufferPool, empty_host
 from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
-from .reader import Store, open_store
+from .reader import Store, open_shared, open_store
 from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _as_sources(url_or_urls, weights, storage_options) -> tuple[list[Store], list[float]]:
+def _as_sources(url_or_urls, weights, storage_options, share: bool = False) -> tuple[list[Store], list[float]]:
     if isinstance(url_or_urls, (str, os.PathLike, Store)):
         items: list = [url_or_urls]
     elif isinstance(url_or_urls, Mapping):
@@ -145,7 +145,9 @@ def _as_sources(url_or_urls, weights, storage_options) -> tuple[list[Store], lis
         options = [dict(storage_options or {})] * len(items)
     else:
         options = [dict(o or {}) for o in storage_options]
-    stores = [x if isinstance(x, Store) else open_store(os.fspath(x), **o) for x, o in zip(items, options)]
+    # shared: one rank reads the metadata and broadcasts it (every rank builds the dataset, as under DDP)
+    stores = [x if isinstance(x, Store) else open_shared(os.fspath(x), o) if share else open_store(os.fspath(x), **o)
+              for x, o in zip(items, options)]
     return stores, weights
 
 
@@ -177,6 +179,10 @@ class HiddenStateDataset(IterableDataset):
                       ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
                       ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
                       manifest dtype. No effect on raw stores.
+      share_metadata  under torch.distributed, the first rank reads the stores' commit records and
+                      broadcasts them (``hsstore.reader.open_shared``) instead of every rank reading them:
+                      a collective, so every rank must build the dataset (as DDP code does). DataLoader
+                      workers never re-read them: they get the opened stores with the dataset.
     """
 
     def __init__(
@@ -204,9 +210,10 @@ class HiddenStateDataset(IterableDataset):
         skip_corrupt: bool = False,
         dequantise: bool = False,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        share_metadata: bool = False,
     ) -> None:
         super().__init__()
-        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options)
+        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
         first = self.stores[0]
         for store in self.stores[1:]:
             check_compatible(first.manifest, store.manifest, f"store {first.url!r}", f"store {store.url!r}")
