@@ -104,10 +104,9 @@ def cmd_verify(args) -> int:
 
 def cmd_index(args) -> int:
     from .index import compact
-
-    fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
     from .reader import read_manifest
 
+    fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
     r = compact(fs, root, grace_s=args.grace)
     if args.json:

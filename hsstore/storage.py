@@ -178,9 +178,10 @@ def stamp(entry: dict[str, Any]) -> str | None:
 
 def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str, Any]]:
     """Base name -> listing entry of the objects directly under ``path`` (empty when there is none): one
-    paged LIST on object stores, sizes and stamps included."""
+    paged LIST on object stores, sizes and stamps included, never from fsspec's listings cache (a store opened
+    again in one process must see what was committed since)."""
     try:
-        entries = fs.ls(path, detail=True)
+        entries = fs.ls(path, detail=True, refresh=True)
     except FileNotFoundError:
         return {}
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e.get("type") != "directory"}

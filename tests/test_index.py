@@ -63,6 +63,10 @@ def test_open_on_s3_reads_the_index_not_one_record_per_shard(s3_store, s3_endpoi
         assert len(_record_gets(proxy)) == N_SHARDS  # what every open cost before the index
         assert [c.shard for c in direct.commits] == [c.shard for c in store.commits]
         assert direct.commits == store.commits
+        # another writer (another client: this process's listing cache of commits/ knows nothing of it) adds two
+        _write(url, opts, n=2, prefix="late")
+        again = hsstore.open(url, **popts)
+        assert len(again.commits) == N_SHARDS + 2 and again.index_use.indexed == N_SHARDS + 2
 
 
 def test_records_are_read_concurrently_and_the_concurrency_is_configurable(s3_store, s3_endpoint, monkeypatch):
@@ -103,7 +107,7 @@ def test_a_record_rewritten_on_s3_is_read_again_not_taken_from_the_index(s3_stor
 
 
 # -- correctness: late shards, stale, orphan, damaged --------------------------------------------------------
-def test_shards_committed_after_the_index_are_found_and_orphan_entries_ignored(tmp_path):
+def test_shards_committed_after_the_index_are_found_and_orphan_entries_ignored(tmp_path, capsys):
     url = str(tmp_path / "s")
     _write(url)
     assert main(["index", url, "--grace", "0"]) == 0
@@ -121,6 +125,10 @@ def test_shards_committed_after_the_index_are_found_and_orphan_entries_ignored(t
     assert sum(1 for sid in store.sample_ids() if sid.startswith("late")) == 5
     report = verify(store)
     assert report.index["unindexed_shards"] == 5 and report.index["orphan_entries"] == 1
+    capsys.readouterr()
+    assert main(["info", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["index"] == {"indexed": N_SHARDS - 1, "fetched": 5, "segments": 1,
+                                                            "damaged": 0}
     # compaction takes the late records in
     assert main(["index", url, "--grace", "0"]) == 0
     again = hsstore.open(url)
