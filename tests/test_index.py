@@ -236,3 +236,22 @@ def test_two_ranks_with_two_workers_read_the_metadata_once(s3_store, s3_endpoint
     assert sorted(ids[0] + ids[1]) == sorted(f"s{i}" for i in range(N_SHARDS))  # every sample once
     assert len(_record_gets(proxy)) == N_SHARDS  # not 2 ranks x (1 + 2 workers) times
     assert sum(1 for m, p in proxy.log if m == "GET" and p.split("?")[0].endswith("/manifest.json")) == 1
+
+
+def test_upgrade_leaves_the_index_current(tmp_path):
+    from test_integrity import downgrade
+
+    from hsstore.upgrade import upgrade
+
+    url = str(tmp_path / "s")
+    _write(url)
+    downgrade(url)  # records of format version 1, rewritten in place: the writer's entries are stale now
+    old = hsstore.open(url)
+    assert old.index_use.fetched == N_SHARDS and all(not c.binds_chunks for c in old.commits)
+    index.compact(_local_fs(), url, grace_s=0)  # the version-1 records, indexed
+    assert hsstore.open(url).index_use.fetched == 0
+    assert upgrade(hsstore.open(url)).rewritten == N_SHARDS
+    new = hsstore.open(url)  # the compacted entries are outdated, upgrade's own segment holds the new records
+    assert all(c.binds_chunks for c in new.commits)
+    assert new.index_use.fetched == 0 and len(new.index_use.stale) == 0 and new.index_use.segments == 2
+    assert verify(new).ok
