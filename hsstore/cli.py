@@ -1,6 +1,6 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, upgrade, convert, bench, subset, merge) live here; extraction commands (check, show,
+Store commands (info, verify, index, upgrade, convert, bench, subset, merge) live here; extraction commands (check, show,
 extract, import, regenerate, demo) and training commands (train, eval) are registered by ``hsstore.extract.cli``
 and ``hsstore.train.cli`` through the ``hsstore.commands`` entry-point group (so another installed package can add
 commands the same way); they import transformers only when their command runs.
@@ -79,7 +79,7 @@ def cmd_verify(args) -> int:
         print(json.dumps({"url": args.url, "ok": report.ok, "shards": report.shards, "files": report.files,
                           "bytes": report.bytes, "problems": [str(p) for p in report.problems],
                           "uncommitted": list(report.uncommitted), "weak_records": list(report.weak_records),
-                          "assets": report.assets}, indent=2))
+                          "assets": report.assets, "index": report.index}, indent=2))
         return 0 if report.ok else 1
     for p in report.problems:
         print(f"FAIL {p}")
@@ -90,6 +90,9 @@ def cmd_verify(args) -> int:
         print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
               "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "
               f"another store passes); `hsstore upgrade {args.url}` re-derives them (safe to interrupt and re-run)")
+    if report.index.get("unindexed_shards"):
+        print(f"note: {report.index['unindexed_shards']} shard(s) not in the index (readers read their records one "
+              f"by one); `hsstore index {args.url}` adds them")
     if not report.assets:
         print("warning: the store has no assets (the target's embedding, lm_head, config and tokenizer): "
               "`hsstore train` and `hsstore show` need them; `hsstore extract` writes them, and merge, subset and "
@@ -97,6 +100,22 @@ def cmd_verify(args) -> int:
     status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
     print(f"verify {args.url}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
     return 0 if report.ok else 1
+
+
+def cmd_index(args) -> int:
+    from .index import compact
+    from .reader import read_manifest
+
+    fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
+    read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
+    r = compact(fs, root, grace_s=args.grace)
+    if args.json:
+        print(json.dumps({"url": args.url, **dataclasses.asdict(r)}, indent=2))
+        return 0
+    print(f"index {args.url}: {r.shards} commit record(s) in index/{r.segment} ({r.fetched} read from commits/); "
+          f"{r.superseded} older segment(s) superseded, {len(r.removed)} removed"
+          + (f"; {len(r.damaged)} damaged segment(s) superseded" if r.damaged else ""))
+    return 0
 
 
 def cmd_upgrade(args) -> int:
@@ -226,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_option(q, "the report (exit status as without it: 1 when a problem was found)")
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
+
+    q = sub.add_parser("index", help="gather the commit records into one index segment (opening then reads a "
+                                     "handful of objects, not one per shard); safe while writers add shards")
+    q.add_argument("url")
+    q.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="remove index segments superseded by a segment at least this old (readers that listed "
+                        "them before may still be reading them); 0: also those this run supersedes")
+    add_json_option(q)
+    add_storage_option(q)
+    q.set_defaults(func=cmd_index)
 
     q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
                                        "chunks apart (each shard verified first; safe to interrupt and re-run)")

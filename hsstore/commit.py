@@ -90,11 +90,19 @@ class CommitRecord:
     def from_json(cls, data: bytes, where: str) -> "CommitRecord":
         try:
             d = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptionError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "CommitRecord":
+        """A record from its parsed JSON (a record file's, or an index entry's copy), with every check."""
+        try:
             version = d["format_version"]  # required: its rules say what the checksums mean
             if not isinstance(version, int) or version < 1:
                 raise TypeError(f"format_version {version!r}")
             rec = cls(**d)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as e:
+        except (TypeError, KeyError) as e:
             raise CorruptionError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
         if version > FORMAT_VERSION:
             raise StoreError(f"{where}: format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
@@ -163,9 +171,10 @@ def same_files(a: CommitRecord, b: CommitRecord) -> bool:
     return True
 
 
-def publish(fs, root: str, record: CommitRecord) -> None:
-    """Make a written shard visible to readers: the commit record is the last object written."""
-    storage.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
+def publish(fs, root: str, record: CommitRecord) -> str | None:
+    """Make a written shard visible to readers: the commit record is the last object written. Returns the
+    record object's stamp (``storage.stamp``) when the filesystem tells, for the store's index."""
+    return storage.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
 
 
 def resolve_location(store_url: str, location: str) -> str:
@@ -194,25 +203,30 @@ def relative_location(store_url: str, target_url: str) -> str:
 
 def list_committed(fs, root: str) -> list[str]:
     """Names of committed shards, sorted (the store's sample order follows this order)."""
-    try:
-        entries = fs.ls(storage.join(root, COMMITS_DIR), detail=False)
-    except FileNotFoundError:
-        return []
-    names = []
-    for e in entries:
-        base = e.rstrip("/").rsplit("/", 1)[-1]
-        if base.endswith(".json") and not base.startswith("."):
-            names.append(base[: -len(".json")])
-    return sorted(names)
+    return sorted(list_records(fs, root))
 
 
-def load_commits(fs, root: str, names: list[str]) -> list[CommitRecord]:
+def list_records(fs, root: str) -> dict[str, dict[str, Any]]:
+    """Shard name -> listing entry (size, stamp: ``storage.stamp``) of its commit record: one paged LIST."""
+    return {base[: -len(".json")]: e for base, e in storage.list_detail(fs, storage.join(root, COMMITS_DIR)).items()
+            if base.endswith(".json") and not base.startswith(".")}
+
+
+def load_commits(fs, root: str, names: list[str], sizes: list[int] | None = None) -> list[CommitRecord]:
+    """The commit records of shards ``names``, read concurrently (``storage.cat_many``; ``sizes`` from a
+    listing make each one a single ranged GET)."""
+    return [CommitRecord.from_json(data, where=f"commit record of shard {n!r}")
+            for n, data in zip(names, read_records(fs, root, names, sizes))]
+
+
+def read_records(fs, root: str, names: list[str], sizes: list[int] | None = None) -> list[bytes]:
+    """The bytes of the commit records of shards ``names``, read concurrently; an unreadable one raises."""
     paths = [storage.join(root, commit_path(n)) for n in names]
-    blobs = storage.cat_many(fs, paths)
+    blobs = storage.cat_many(fs, paths, sizes)
     out = []
     for n, p in zip(names, paths):
         data = blobs[p]
         if isinstance(data, Exception):
             raise CorruptionError(f"commit record of shard {n!r} unreadable: {type(data).__name__}: {data}")
-        out.append(CommitRecord.from_json(data, where=f"commit record of shard {n!r}"))
+        out.append(data)
     return out

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import codec, commit, layout, storage
+from . import codec, commit, index, layout, storage
 from .errors import ManifestError, StoreError
 from .reader import Store
 from .subset import copy_assets_if_missing
@@ -56,27 +56,31 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
                             f"{src.manifest.chunk_tokens}")
     copy_assets_if_missing(src, fs, root)  # what train and show need instead of the target
     done = set(commit.list_committed(fs, root))
-    write_shard = layout.get(to_layout).write_shard
     result = ConvertResult()
+    write_shard = layout.get(to_layout).write_shard
+    appender = index.SegmentAppender(fs, root, "convert")  # the records written, as one index segment
     total = sum(v["raw_bytes"] for c in src.commits if c.shard not in done for v in c.layers.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
-        for rec in src.commits:
-            if rec.shard in done:
-                result.skipped += 1
-                continue
-            slots = src.manifest.slots  # the layers, then named features (final_hidden)
-            ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, slots)  # every byte checked first
-            features = {l: feats[j] for j, l in enumerate(slots)}
-            try:
-                new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
-                                  stats=rec.stats)
-                commit.publish(fs, root, new)
-            except Exception as e:
-                raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
-                                 f"{type(e).__name__}: {e}") from e
-            result.shards += 1
-            result.samples += rec.n_samples
-            result.bytes_read += int(feats.nbytes)
-            bar.update(int(feats.nbytes))
-            log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+            for rec in src.commits:
+                if rec.shard in done:
+                    result.skipped += 1
+                    continue
+                slots = src.manifest.slots  # the layers, then named features (final_hidden)
+                ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, slots)  # every byte checked first
+                features = {l: feats[j] for j, l in enumerate(slots)}
+                try:
+                    new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
+                                      stats=rec.stats)
+                    appender.add(new, commit.publish(fs, root, new))
+                except Exception as e:
+                    raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
+                                     f"{type(e).__name__}: {e}") from e
+                result.shards += 1
+                result.samples += rec.n_samples
+                result.bytes_read += int(feats.nbytes)
+                bar.update(int(feats.nbytes))
+                log.debug("converted shard %s (%d samples)", rec.shard, rec.n_samples)
+    finally:
+        appender.flush()
     return result

@@ -59,6 +59,9 @@ def summarize(store: Store) -> dict[str, Any]:
         "target": dataclasses.asdict(m.target),
         "tokenizer": dataclasses.asdict(m.tokenizer),
         "created_by": m.created_by,
+        # how this open used the index: records taken from it vs read one by one (`hsstore index` gathers them)
+        "index": {"indexed": store.index_use.indexed, "fetched": store.index_use.fetched,
+                  "segments": store.index_use.segments, "damaged": len(store.index_use.damaged)},
         "stub_warning": stats.dominated(out["top_loss_sum"], STUB_WARN_MAX_VALUE, STUB_WARN_SHARE),
     })
     return out
@@ -82,6 +85,10 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append(f"taps       layers {s['layers']} (layer l = output of decoder layer l = HF hidden_states[l+1])"
                  + ("; + final_hidden (the final norm's output)" if s["features"] else ""))
     lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer(s)")
+    ix = s["index"]
+    if ix["fetched"] and s["shards"] > 100:  # opening paid a request per record not indexed
+        lines.append(f"index      {ix['indexed']:,} records indexed, {ix['fetched']:,} read one by one: "
+                     f"`hsstore index {s['url']}` makes opening cheaper")
     if not s["samples"]:
         lines.append("           (empty store: no committed shards)")
         return "\n".join(lines)

@@ -69,7 +69,7 @@ from .distributed import rank_and_world
 from .manifest import check_compatible
 from .memory import BufferPool, empty_host
 from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
-from .reader import Store, open_store
+from .reader import Store, open_shared, open_store
 from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class _ReadSample(NamedTuple):
     scales: torch.Tensor | None  # [L, T] row scales of fp8 stores
 
 
-def _as_sources(url_or_urls, weights, storage_options) -> tuple[list[Store], list[float]]:
+def _as_sources(url_or_urls, weights, storage_options, share: bool = False) -> tuple[list[Store], list[float]]:
     if isinstance(url_or_urls, (str, os.PathLike, Store)):
         items: list = [url_or_urls]
     elif isinstance(url_or_urls, Mapping):
@@ -133,7 +133,9 @@ def _as_sources(url_or_urls, weights, storage_options) -> tuple[list[Store], lis
         options = [dict(storage_options or {})] * len(items)
     else:
         options = [dict(o or {}) for o in storage_options]
-    stores = [x if isinstance(x, Store) else open_store(os.fspath(x), **o) for x, o in zip(items, options)]
+    # shared: one rank reads the metadata and broadcasts it (every rank builds the dataset, as under DDP)
+    stores = [x if isinstance(x, Store) else open_shared(os.fspath(x), o) if share else open_store(os.fspath(x), **o)
+              for x, o in zip(items, options)]
     return stores, weights
 
 
@@ -165,6 +167,10 @@ class HiddenStateDataset(IterableDataset):
                       ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
                       ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
                       manifest dtype. No effect on raw stores.
+      share_metadata  under torch.distributed, the first rank reads the stores' commit records and
+                      broadcasts them (``hsstore.reader.open_shared``) instead of every rank reading them:
+                      a collective, so every rank must build the dataset (as DDP code does). DataLoader
+                      workers never re-read them: they get the opened stores with the dataset.
     """
 
     def __init__(
@@ -193,9 +199,10 @@ class HiddenStateDataset(IterableDataset):
         dequantise: bool = False,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         final_hidden: bool = False,
+        share_metadata: bool = False,
     ) -> None:
         super().__init__()
-        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options)
+        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
         first = self.stores[0]
         for store in self.stores[1:]:
             check_compatible(first.manifest, store.manifest, f"store {first.url!r}", f"store {store.url!r}")

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import commit, storage
+from . import commit, index, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import check_compatible
 from .reader import Store
@@ -77,8 +77,10 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, commit.C
     return todo
 
 
-def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str) -> int:
-    """Copy one shard's files (each checked against its commit record), then publish its record. Returns bytes."""
+def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
+               appender: index.SegmentAppender | None = None) -> int:
+    """Copy one shard's files (each checked against its commit record), then publish its record (noted in
+    ``appender``, the destination's index segment of this run). Returns bytes."""
     src_fs, src_root, _ = src.shard_location(rec.shard)
     keys, size, copied = [], 0, 0
     items = list(rec.files.items())
@@ -104,7 +106,10 @@ def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str) -> int:
         storage.put_many(fs, out)
         copied += sum(len(v) for v in out.values())
         keys, size = [], 0
-    commit.publish(fs, root, dataclasses.replace(rec, location=None))
+    record = dataclasses.replace(rec, location=None)
+    stamp = commit.publish(fs, root, record)
+    if appender is not None:
+        appender.add(record, stamp)
     return copied
 
 
@@ -134,19 +139,23 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
         ensure_manifest(fs, root, dst_url, srcs[0].manifest)
     copy_assets_if_missing(srcs[0], fs, root)
     total = sum(f["size"] for _, rec in todo for f in rec.files.values()) if by == "copy" else len(todo)
+    appender = index.SegmentAppender(fs, root, f"merge-{by}")  # the records written, as one index segment
     with tqdm(total=total, unit="B" if by == "copy" else "shard", unit_scale=by == "copy", desc=f"merge ({by})",
               disable=not progress) as bar:
-        for src, rec in todo:
-            if by == "copy":
-                n = copy_shard(src, rec, fs, root)
-                result.bytes_copied += n
-                bar.update(n)
-            else:
-                _, _, where = src.shard_location(rec.shard)
-                record = dataclasses.replace(rec, location=commit.relative_location(dst_url, where))
-                commit.publish(fs, root, record)
-                bar.update(1)
-            result.shards += 1
-            result.samples += rec.n_samples
-            log.debug("merged shard %s of %s (%s)", rec.shard, src.url, by)
+        try:
+            for src, rec in todo:
+                if by == "copy":
+                    n = copy_shard(src, rec, fs, root, appender)
+                    result.bytes_copied += n
+                    bar.update(n)
+                else:
+                    _, _, where = src.shard_location(rec.shard)
+                    record = dataclasses.replace(rec, location=commit.relative_location(dst_url, where))
+                    appender.add(record, commit.publish(fs, root, record))
+                    bar.update(1)
+                result.shards += 1
+                result.samples += rec.n_samples
+                log.debug("merged shard %s of %s (%s)", rec.shard, src.url, by)
+        finally:
+            appender.flush()
     return result

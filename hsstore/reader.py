@@ -8,7 +8,10 @@ the sample, all layers concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import gzip
+import json
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +22,8 @@ import fsspec.spec
 import numpy as np
 import torch
 
-from . import codec, fp8, layout, storage
-from .commit import CommitRecord, list_committed, load_commits, resolve_location
+from . import codec, fp8, index, layout, storage
+from .commit import CommitRecord, resolve_location
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
@@ -95,15 +98,21 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
 class Store:
     """A read-only view of the committed shards of one store, as they were when opened."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, use_index: bool = True,
+                 loaded: tuple[Manifest, list[CommitRecord], index.IndexUse] | None = None) -> None:
+        """``use_index=False`` reads every commit record one by one (what ``verify`` compares the index with);
+        ``loaded``: manifest, records and index use read elsewhere (``open_shared``: rank 0's)."""
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = storage.resolve(url, self.storage_options)
-        self.manifest = read_manifest(self.fs, self.root, url)
-        if self.manifest.chunk_tokens is None:
-            raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised this store)")
-        names = list_committed(self.fs, self.root)
-        self.commits: list[CommitRecord] = load_commits(self.fs, self.root, names)
+        if loaded is None:
+            manifest = read_manifest(self.fs, self.root, url)
+            if manifest.chunk_tokens is None:
+                raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised "
+                                    "this store)")
+            snap = index.load(self.fs, self.root, use_index=use_index)
+            loaded = (manifest, snap.records, snap.use)
+        self.manifest, self.commits, self.index_use = loaded
         key = self.manifest.shard_key()
         # shards written under another manifest: the manifest was edited afterwards (verify names them)
         self.manifest_mismatch = [c.shard for c in self.commits if c.manifest_key and c.manifest_key != key]
@@ -376,3 +385,53 @@ def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> se
 def open_store(url: str, **storage_options: Any) -> Store:
     """Open a store read-only. ``storage_options`` go to fsspec (e.g. ``anon=True``, ``endpoint_url=...``)."""
     return Store(url, storage_options)
+
+
+def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=None) -> Store:
+    """``Store(url, storage_options)`` opened once per job: under ``torch.distributed`` (initialised, more than
+    one rank) the group's first rank reads the manifest and the records and broadcasts them (JSON, never
+    pickle); the others read nothing. Every rank of ``group`` must call it, in the same order (a collective).
+    Without a process group it is ``Store(url, storage_options)``."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return Store(url, storage_options)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":  # NCCL moves device tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    if dist.get_rank() == src:
+        store, error = None, None
+        try:
+            store = Store(url, storage_options)
+            payload = _shared_payload(store)
+        except Exception as e:  # the other ranks are waiting for the broadcast: tell them, then raise here
+            error = e
+            payload = gzip.compress(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        _broadcast_bytes(payload, src, group, device)
+        if error is not None:
+            raise error
+        return store
+    body = json.loads(gzip.decompress(_broadcast_bytes(None, src, group, device)))
+    if "error" in body:
+        raise StoreError(f"opening store {url!r} failed on rank {src}: {body['error']}")
+    manifest = Manifest.from_json(body["manifest"].encode(), where=f"{url}/{MANIFEST_FILE} (from rank {src})")
+    records = [CommitRecord.from_dict(d, where=f"commit record of shard {d.get('shard')!r} (from rank {src})")
+               for d in body["records"]]
+    return Store(url, storage_options, loaded=(manifest, records, index.IndexUse(**body["use"])))
+
+
+def _shared_payload(store: Store) -> bytes:
+    body = {"manifest": store.manifest.to_json(), "use": dataclasses.asdict(store.index_use),
+            "records": [json.loads(c.to_json()) for c in store.commits]}
+    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), compresslevel=1)
+
+
+def _broadcast_bytes(data: bytes | None, src: int, group, device: torch.device) -> bytes:
+    """``data`` from rank ``src`` to every rank of ``group`` (a length, then a uint8 tensor)."""
+    dist = torch.distributed
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(n, src, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data is not None
+           else torch.empty(int(n.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src, group=group)
+    return data if data is not None else buf.cpu().numpy().tobytes()

@@ -35,6 +35,8 @@ class VerifyReport:
     # shards whose commit records (format version 1) list checksums that cannot tell one valid chunk from
     # another: checked as far as they go, not problems; `hsstore upgrade` re-derives them
     weak_records: list[str] = field(default_factory=list)
+    # the index against the records (verify.check_index): segments, entries checked, shards not indexed, ...
+    index: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

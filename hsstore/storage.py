@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
@@ -35,6 +36,23 @@ S3_RETRIES = {"mode": "standard", "max_attempts": 6}
 # fetched again by hsstore this many times in all, with exponential backoff, before it is called corrupt.
 FETCH_ATTEMPTS = 3
 FETCH_BACKOFF_S = 0.2
+# Small objects (commit records, index segments) read at once: latency, not bandwidth, is their cost, so many
+# requests in flight. ``HSSTORE_METADATA_CONCURRENCY`` overrides it; s3fs's connection pool is raised to match
+# (botocore's default of 10 connections capped a 1,000-record open at ~6 requests in flight).
+METADATA_CONCURRENCY = 64
+METADATA_CONCURRENCY_ENV = "HSSTORE_METADATA_CONCURRENCY"
+
+
+def metadata_concurrency() -> int:
+    """Requests in flight for small-object reads (``HSSTORE_METADATA_CONCURRENCY``, default 64)."""
+    raw = os.environ.get(METADATA_CONCURRENCY_ENV, "")
+    try:
+        n = int(raw) if raw.strip() else METADATA_CONCURRENCY
+    except ValueError:
+        raise StoreError(f"{METADATA_CONCURRENCY_ENV}={raw!r}: expected a positive integer") from None
+    if n < 1:
+        raise StoreError(f"{METADATA_CONCURRENCY_ENV}={raw!r}: expected a positive integer")
+    return n
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -100,13 +118,15 @@ def refuse_anonymous_write(url: str, options: dict[str, Any] | None) -> None:
 
 
 def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus hsstore's botocore retry policy for ``s3://`` URLs, unless the user set one."""
+    """``options`` plus hsstore's botocore retry policy and a connection pool as large as the metadata
+    concurrency for ``s3://`` URLs, unless the user set them."""
     if not url.startswith(("s3://", "s3a://")):
         return options
     out = copy.deepcopy(options)
     config = out.setdefault("config_kwargs", {})
     if isinstance(config, dict):
         config.setdefault("retries", dict(S3_RETRIES))
+        config.setdefault("max_pool_connections", max(10, metadata_concurrency()))
     return out
 
 
@@ -146,8 +166,9 @@ def explain(e: BaseException, url: str, action: str, fs: fsspec.AbstractFileSyst
     return f"{cannot}: {what}"
 
 
-def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write a small object so that readers see all of it or none of it.
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> str | None:
+    """Write a small object so that readers see all of it or none of it; return its stamp (``stamp``), as a
+    listing will show it, when the filesystem tells (None: unknown).
 
     Object stores give this for free (a PUT is atomic); on local disk write a temporary file
     beside it and rename.
@@ -161,8 +182,32 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    else:
-        fs.pipe_file(path, data)
+        return stamp({"mtime": os.stat(path).st_mtime})
+    response = fs.pipe_file(path, data)
+    return stamp(response) if isinstance(response, dict) else None
+
+
+def stamp(entry: dict[str, Any]) -> str | None:
+    """What identifies one version of an object in a listing entry (or a PUT response): its ETag on object
+    stores, its mtime on local disk; None when the filesystem gives neither. Two versions with the same
+    stamp and size are taken to be the same bytes (an S3 ETag of a single PUT is the body's MD5)."""
+    for key in ("ETag", "etag"):
+        if entry.get(key):
+            return "etag:" + str(entry[key]).strip('"')
+    if entry.get("mtime") is not None:
+        return f"mtime:{float(entry['mtime'])!r}"
+    return None
+
+
+def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str, Any]]:
+    """Base name -> listing entry of the objects directly under ``path`` (empty when there is none): one
+    paged LIST on object stores, sizes and stamps included, never from fsspec's listings cache (a store opened
+    again in one process must see what was committed since)."""
+    try:
+        entries = fs.ls(path, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e.get("type") != "directory"}
 
 
 def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
@@ -201,15 +246,25 @@ def _write_local(path: str, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes | Exception]:
+def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] | None = None,
+             concurrency: int | None = None) -> dict[str, bytes | Exception]:
     """Read whole objects, concurrently on async filesystems; a failed read maps to its exception.
 
     ``cat_ranges`` rather than ``cat``: fsspec's ``cat`` of a list first expands the paths, which on S3
-    costs one HEAD request per object before its GET.
+    costs one HEAD request per object before its GET. ``sizes`` (known from a listing) turn each read into
+    one ranged GET: without them s3fs looks each size up first, in a scan of its cached listing that grows
+    with the listing (quadratic in the number of records). ``concurrency``: requests in flight (default:
+    the metadata concurrency, ``metadata_concurrency``).
     """
     if not paths:
         return {}
-    out = fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
+    starts: list = [None] * len(paths)
+    ends: list = [None] * len(paths)
+    if sizes is not None and not is_local(fs):
+        starts = [0 if n else None for n in sizes]
+        ends = [n if n else None for n in sizes]  # an empty object takes no Range
+    kw = {"batch_size": concurrency or metadata_concurrency()} if isinstance(fs, AsyncFileSystem) else {}
+    out = fs.cat_ranges(paths, starts, ends, on_error="return", **kw)
     return dict(zip(paths, out))
 
 

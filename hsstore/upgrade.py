@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import commit, storage
+from . import commit, index, storage
 from .manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
 from .reader import Store
 from .report import Problem, VerifyReport
@@ -41,6 +41,19 @@ def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> Upgr
     left, the manifest's ``format_version`` (so hsstore from before refuses the store instead of reporting
     every chunk as corrupt). ``progress`` gets the bytes read."""
     result = UpgradeResult()
+    # the rewritten records, as one index segment: entries of the older versions are stale from now on
+    # (their size and stamp differ from the listing's), this segment's are current
+    appender = index.SegmentAppender(store.fs, store.root, "upgrade")
+    try:
+        _upgrade_records(store, result, appender, progress)
+    finally:
+        appender.flush()
+    if not result.refused and store.manifest.format_version < FORMAT_VERSION:
+        result.manifest_upgraded = _upgrade_manifest(store)
+    return result
+
+
+def _upgrade_records(store: Store, result: UpgradeResult, appender: index.SegmentAppender, progress) -> None:
     for rec in store.commits:
         if rec.binds_chunks:
             result.current += 1
@@ -63,12 +76,9 @@ def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> Upgr
                 result.refused.append(Problem(rec.shard, "commit record changed while upgrading; run again",
                                               commit.commit_path(rec.shard)))
             continue
-        commit.publish(store.fs, store.root, new)
+        appender.add(new, commit.publish(store.fs, store.root, new))
         result.rewritten += 1
         log.debug("upgraded the commit record of shard %s", rec.shard)
-    if not result.refused and store.manifest.format_version < FORMAT_VERSION:
-        result.manifest_upgraded = _upgrade_manifest(store)
-    return result
 
 
 def _upgrade_manifest(store: Store) -> bool:

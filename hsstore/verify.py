@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from . import assets, layout, storage
+from . import assets, codec, commit, index, layout, storage
 from .commit import SHARDS_DIR, CommitRecord
 from .errors import StoreError
 from .reader import Store
@@ -38,8 +38,47 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
+    check_index(store, report)
     check_assets(store, report)
     return report
+
+
+def check_index(store: Store, report: VerifyReport) -> None:
+    """The index against the commit records, each read again (concurrently): an entry that readers would use
+    (its record listed with the size and stamp it recorded) must hold that record, byte for byte; a damaged
+    segment is a problem. Outdated entries (records rewritten since) and entries of records no longer listed
+    are counted, not problems: readers ignore them."""
+    fs, root = store.fs, store.root
+    listed = index.listed_records(fs, root)
+    use = index.IndexUse(shards=len(listed))
+    segments, stamps = index.read_segments(fs, root, use)
+    for name in use.damaged:
+        report.problems.append(Problem("(index)", "index segment damaged or unreadable (ignored by readers, who read "
+                                                  "the records instead); `hsstore index` rewrites the index",
+                                       f"{index.INDEX_DIR}/{name}"))
+    live = index.live_segments(segments, stamps)
+    used = [(seg.name, e) for seg in live for e in seg.entries
+            if isinstance(e, dict) and e.get("shard") in listed and listed[e["shard"]].stamp is not None
+            and (e.get("size"), e.get("stamp")) == (listed[e["shard"]].size, listed[e["shard"]].stamp)]
+    names = sorted({e["shard"] for _, e in used})
+    data = dict(zip(names, commit.read_records(fs, root, names, [listed[n].size for n in names]))) if names else {}
+    for seg, e in used:
+        blob = data[e["shard"]]
+        try:
+            same = e.get("crc32c") == codec.crc32c(blob) and (
+                CommitRecord.from_dict(e.get("record"), where="index entry") ==
+                CommitRecord.from_json(blob, where="commit record"))
+        except StoreError:  # a malformed entry (or record: reported with the shard)
+            same = False
+        if not same:
+            report.problems.append(Problem(e["shard"], "index entry differs from the shard's commit record although "
+                                                       "it records the record's size and stamp (readers would use the "
+                                                       "entry); `hsstore index` rewrites it", f"{index.INDEX_DIR}/{seg}"))
+    all_entries = [e for seg in live for e in seg.entries if isinstance(e, dict)]
+    report.index = {"segments": len(live), "superseded": len(segments) - len(live), "damaged": len(use.damaged),
+                    "entries_checked": len(used),
+                    "indexed_shards": len(names), "unindexed_shards": len(listed) - len(names),
+                    "orphan_entries": sum(1 for e in all_entries if e.get("shard") not in listed)}
 
 
 def check_assets(store: Store, report: VerifyReport) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, commit, fp8, layout, storage
+from . import codec, commit, fp8, index, layout, storage
 from .errors import SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
@@ -88,6 +88,7 @@ class StoreWriter:
         num_threads: int = 2,
         check_finite: bool = True,
         storage_options: dict[str, Any] | None = None,
+        index_every: int = 64,
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
@@ -108,6 +109,8 @@ class StoreWriter:
         self.storage_dtype = codec.storage_dtype(self.manifest.dtype, self.manifest.encoding)
         self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
         self.session = uuid.uuid4().hex[:8]
+        # this session's records in one index segment (index.py), rewritten every ``index_every`` commits
+        self._index = index.SegmentAppender(self.fs, self.root, f"{self.tag}-{self.session}", index_every)
         self.check_finite = check_finite
         token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.slots), self.hidden)
         self.capacity = max(1, shard_bytes // token_bytes)
@@ -299,9 +302,10 @@ class StoreWriter:
             scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.slots)} if sbuf is not None else None
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols), scales=scales)
-            commit.publish(self.fs, self.root, record)
+            stamp = commit.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently
                 self.committed.append(record)
+                self._index.add(record, stamp)
                 self.bytes_written += sum(f["size"] for f in record.files.values())
             log.debug("committed shard %s: %d samples, %d tokens", name, record.n_samples, record.n_tokens)
             return record
@@ -363,6 +367,8 @@ class StoreWriter:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+            with self._lock:
+                self._index.flush()  # this session's records, as one index segment
 
     def __enter__(self) -> "StoreWriter":
         return self

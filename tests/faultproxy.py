@@ -56,11 +56,15 @@ class FaultProxy:
         self.injected: collections.Counter = collections.Counter()
         self.events: list[tuple[str, str, str]] = []  # (method, path, fault)
         self.requests = 0
+        self.log: list[tuple[str, str]] = []  # (method, path) of every request, in arrival order
+        self.in_flight = 0
+        self.max_in_flight = 0  # most requests the proxy held at once (how concurrent a client was)
         self._seen = 0
         self._next = 0  # index of the next fault kind: kinds are injected strictly in turn
         self._pending = False
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 256})  # many clients at once
+        self._server = server_class(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._server.handle_error = lambda request, address: None  # a client gone mid-fault is expected
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -68,6 +72,11 @@ class FaultProxy:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def reset_counts(self) -> None:
+        """Forget the requests seen so far (``log``, ``requests``, ``max_in_flight``): count a phase alone."""
+        with self._lock:
+            self.log, self.requests, self.max_in_flight = [], 0, self.in_flight
 
     @property
     def total(self) -> int:
@@ -85,6 +94,7 @@ class FaultProxy:
         """The fault for this request, or None (forward unchanged)."""
         with self._lock:
             self.requests += 1
+            self.log.append((method, path))
             if not self.match(method, path):
                 return None
             i = self._seen
@@ -161,6 +171,16 @@ class FaultProxy:
                 self._send(status, "Error", [("Content-Type", "application/xml")], data)
 
             def _serve(self) -> None:
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._serve_one()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _serve_one(self) -> None:
                 body = self._body()
                 has_body = self.command == "GET"
                 kind = proxy._pick(self.command, self.path, has_body)

@@ -90,7 +90,8 @@ class StoreBatches:
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False):
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
                                           world_size=world_size, weights=weights, storage_options=storage_options,
-                                          cache_dir=cache_dir)  # items are copied into batches: pin those
+                                          cache_dir=cache_dir,  # items are copied into batches: pin those
+                                          share_metadata=world_size > 1)  # DDP: rank 0 reads the records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
         self.batches = TokenBatches(self.dataset, max_tokens=max_tokens, pin_memory=pin_memory and workers == 0)

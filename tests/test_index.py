@@ -1,0 +1,257 @@
+"""The store's index (docs/FORMAT.md, "Index"): opening reads a listing and a few segments instead of one commit
+record per shard; shards committed after the index, rewritten records, records gone and damaged segments are
+handled from the listing; ``verify`` checks the index against the records; per-shard reads run concurrently;
+under torch.distributed one rank reads the metadata for the job. Request counts come from the fault proxy
+(tests/faultproxy.py) in front of moto's S3 server."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import dataclasses
+
+import fsspec
+import pytest
+import torch
+
+import hsstore
+from hsstore import commit, index, storage
+from hsstore.cli import main
+from hsstore.convert import convert
+from hsstore.merge import merge
+from hsstore.subset import Selection, subset
+from hsstore.verify import verify
+
+from conftest import make_manifest, make_samples, write_samples
+from faultproxy import FaultProxy
+
+N_SHARDS = 12
+
+
+def _write(url, opts=None, n=N_SHARDS, prefix="s", **kw):
+    """``n`` shards of one sample each (tiny features): a metadata-heavy store."""
+    write_samples(url, make_manifest(hidden=16), make_samples(n, hidden=16, max_len=20, prefix=prefix),
+                  shard_bytes=1, storage_options=opts, **kw)
+
+
+def _record_gets(proxy) -> list[str]:
+    return [p for m, p in proxy.log if m == "GET" and "/commits/" in p and ".json" in p.split("?")[0]]
+
+
+def _local_fs():
+    return fsspec.filesystem("file")
+
+
+def _segments(root) -> list[str]:
+    return sorted(os.listdir(os.path.join(root, index.INDEX_DIR)))
+
+
+# -- S3: requests --------------------------------------------------------------------------------------------
+def test_open_on_s3_reads_the_index_not_one_record_per_shard(s3_store, s3_endpoint):
+    url, opts = s3_store
+    _write(url, opts)
+    with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.0) as proxy:
+        popts = {"endpoint_url": proxy.url}
+        store = hsstore.open(url, **popts)
+        assert len(store.commits) == N_SHARDS and store.index_use.indexed == N_SHARDS
+        assert _record_gets(proxy) == []  # every record came from the writer's segment
+        assert proxy.requests <= 6, proxy.log  # manifest, LIST commits/, LIST index/, the segment
+        proxy.reset_counts()
+        direct = hsstore.reader.Store(url, popts, use_index=False)
+        assert len(_record_gets(proxy)) == N_SHARDS  # what every open cost before the index
+        assert [c.shard for c in direct.commits] == [c.shard for c in store.commits]
+        assert direct.commits == store.commits
+        # another writer (another client: this process's listing cache of commits/ knows nothing of it) adds two
+        _write(url, opts, n=2, prefix="late")
+        again = hsstore.open(url, **popts)
+        assert len(again.commits) == N_SHARDS + 2 and again.index_use.indexed == N_SHARDS + 2
+
+
+def test_records_are_read_concurrently_and_the_concurrency_is_configurable(s3_store, s3_endpoint, monkeypatch):
+    import s3fs
+
+    url, opts = s3_store
+    _write(url, opts, n=40)
+    is_record = lambda m, p: m == "GET" and "/commits/" in p  # noqa: E731
+    for limit, check in ((None, lambda n: n >= 16), ("4", lambda n: n <= 4)):
+        if limit:
+            monkeypatch.setenv(storage.METADATA_CONCURRENCY_ENV, limit)
+        s3fs.S3FileSystem.clear_instance_cache()
+        with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.05, match=is_record) as proxy:
+            hsstore.reader.Store(url, {"endpoint_url": proxy.url}, use_index=False)
+            assert len(_record_gets(proxy)) == 40
+            # botocore's default pool of 10 connections kept it at <= 10 before; 64 in flight by default now
+            assert check(proxy.max_in_flight), (limit, proxy.max_in_flight)
+    monkeypatch.setenv(storage.METADATA_CONCURRENCY_ENV, "0")
+    with pytest.raises(hsstore.StoreError, match=storage.METADATA_CONCURRENCY_ENV):
+        storage.metadata_concurrency()
+
+
+def test_a_record_rewritten_on_s3_is_read_again_not_taken_from_the_index(s3_store, s3_endpoint):
+    url, opts = s3_store
+    _write(url, opts)
+    fs, root = storage.resolve(url, opts)
+    first = hsstore.open(url, **opts).commits[3]
+    stamp = "2099" + first.created_at[4:]
+    new = dataclasses.replace(first, created_at=stamp)  # same size, new content: a new ETag
+    assert len(new.to_json()) == len(first.to_json())
+    commit.publish(fs, root, new)
+    fs.invalidate_cache()
+    with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.0) as proxy:
+        store = hsstore.open(url, endpoint_url=proxy.url)
+    assert store.record(first.shard).created_at == stamp
+    assert store.index_use.stale == [first.shard] and store.index_use.fetched == 1
+    assert len(_record_gets(proxy)) == 1
+
+
+# -- correctness: late shards, stale, orphan, damaged --------------------------------------------------------
+def test_shards_committed_after_the_index_are_found_and_orphan_entries_ignored(tmp_path, capsys):
+    url = str(tmp_path / "s")
+    _write(url)
+    assert main(["index", url, "--grace", "0"]) == 0
+    assert len(_segments(url)) == 1 and _segments(url)[0].startswith("c-")
+    gone = commit.list_committed(_local_fs(), url)[0] + ".json"  # indexed
+    # a writer killed before it wrote its segment: its shards are committed, the index knows nothing of them
+    _write(url, n=5, prefix="late", index_every=10**6)
+    late = [s for s in _segments(url) if s.startswith("w-")]
+    os.remove(os.path.join(url, index.INDEX_DIR, late[0]))
+    os.remove(os.path.join(url, commit.COMMITS_DIR, gone))  # an entry whose record is not listed
+    store = hsstore.open(url)
+    assert len(store.commits) == N_SHARDS + 5 - 1
+    assert gone[: -len(".json")] not in {c.shard for c in store.commits}  # never invented from the index
+    assert store.index_use.fetched == 5 and store.index_use.indexed == N_SHARDS - 1
+    assert sum(1 for sid in store.sample_ids() if sid.startswith("late")) == 5
+    report = verify(store)
+    assert report.index["unindexed_shards"] == 5 and report.index["orphan_entries"] == 1
+    capsys.readouterr()
+    assert main(["info", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["index"] == {"indexed": N_SHARDS - 1, "fetched": 5, "segments": 1,
+                                                            "damaged": 0}
+    # compaction takes the late records in
+    assert main(["index", url, "--grace", "0"]) == 0
+    again = hsstore.open(url)
+    assert again.index_use.fetched == 0 and again.commits == store.commits
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_segment_is_ignored_with_a_warning_and_hides_no_shard(tmp_path, caplog, damage):
+    url = str(tmp_path / "s")
+    _write(url)
+    path = os.path.join(url, index.INDEX_DIR, _segments(url)[0])
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":  # a writer killed mid-write on a filesystem without atomic rename
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="hsstore.index"):
+        store = hsstore.open(url)
+    assert len(store.commits) == N_SHARDS and store.index_use.fetched == N_SHARDS
+    assert store.index_use.damaged == [os.path.basename(path)]
+    assert "index segment" in caplog.text and "ignored" in caplog.text
+    report = verify(store)
+    assert not report.ok and any(p.shard == "(index)" for p in report.problems)
+    assert main(["index", url, "--grace", "0"]) == 0  # rewritten (the damaged one superseded and removed)
+    assert verify(hsstore.open(url)).ok
+
+
+def test_verify_names_an_entry_that_differs_from_its_record(tmp_path, capsys):
+    url = str(tmp_path / "s")
+    _write(url)
+    assert verify(hsstore.open(url)).ok
+    path = os.path.join(url, index.INDEX_DIR, _segments(url)[0])
+    body = json.loads(gzip.decompress(open(path, "rb").read()))
+    victim = body["entries"][2]
+    victim["record"]["samples"]["source"] = ["forged"]  # size and stamp still those of the record
+    open(path, "wb").write(gzip.compress(json.dumps(body).encode()))
+    store = hsstore.open(url)
+    report = verify(store)
+    assert [p.shard for p in report.problems] == [victim["shard"]]
+    assert "index entry differs" in report.problems[0].message
+    assert main(["verify", url, "-q"]) == 1
+    assert f"shard {victim['shard']}" in capsys.readouterr().out
+
+
+def test_compaction_keeps_a_writer_segment_that_grew_after_it_and_removes_only_after_the_grace(tmp_path):
+    url = str(tmp_path / "s")
+    _write(url)
+    fs = _local_fs()
+    (writer_segment,) = _segments(url)
+    r = index.compact(fs, url, grace_s=3600)
+    assert r.superseded == 1 and r.removed == []  # a reader that listed the old segment may still read it
+    assert _segments(url) == sorted([writer_segment, r.segment])
+    store = hsstore.open(url)
+    assert store.index_use.segments == 1 and store.index_use.superseded == 1 and store.index_use.fetched == 0
+    # the writer's session rewrote its segment since (it grew): superseded was the older version only
+    path = os.path.join(url, index.INDEX_DIR, writer_segment)
+    os.utime(path, (os.stat(path).st_atime, os.stat(path).st_mtime + 5))
+    assert hsstore.open(url).index_use.segments == 2
+    r2 = index.compact(fs, url, grace_s=0)
+    assert sorted(r2.removed) == sorted([writer_segment, r.segment])
+    assert _segments(url) == [r2.segment]
+
+
+# -- the commands that write records keep the index current ----------------------------------------------------
+def test_merge_by_reference_convert_and_subset_index_what_they_write(tmp_path):
+    src = str(tmp_path / "src")
+    _write(src)
+    ref, conv, sub = (str(tmp_path / n) for n in ("ref", "conv", "sub"))
+    merge(ref, [src], by="reference", progress=False)
+
+    convert(src, conv, "wds")
+    subset(src, sub, Selection(min_tokens=1), progress=False)
+    for url in (ref, conv, sub):
+        store = hsstore.open(url)
+        assert len(store) == N_SHARDS
+        assert store.index_use.fetched == 0 and store.index_use.indexed == len(store.commits), url
+        assert verify(store).ok, url
+
+
+# -- one open per job ------------------------------------------------------------------------------------------
+def _rank_main(rank, world, init, url, endpoint, out):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ds = hsstore.HiddenStateDataset(url, storage_options={"endpoint_url": endpoint}, share_metadata=True,
+                                    shuffle_bytes=1 << 12)
+    items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(sorted(x["sample_id"] for x in items), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_with_two_workers_read_the_metadata_once(s3_store, s3_endpoint, tmp_path):
+    url, opts = s3_store
+    _write(url, opts)
+    fs, root = storage.resolve(url, opts)
+    fs.rm(storage.join(root, index.INDEX_DIR), recursive=True)  # one GET per record: count them
+    with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.0) as proxy:
+        torch.multiprocessing.spawn(_rank_main, args=(2, f"file://{tmp_path / 'pg'}", url, proxy.url,
+                                                      str(tmp_path / "ids")), nprocs=2, join=True)
+    ids = [json.load(open(tmp_path / f"ids.{r}")) for r in range(2)]
+    assert sorted(ids[0] + ids[1]) == sorted(f"s{i}" for i in range(N_SHARDS))  # every sample once
+    assert len(_record_gets(proxy)) == N_SHARDS  # not 2 ranks x (1 + 2 workers) times
+    assert sum(1 for m, p in proxy.log if m == "GET" and p.split("?")[0].endswith("/manifest.json")) == 1
+
+
+def test_upgrade_leaves_the_index_current(tmp_path):
+    from test_integrity import downgrade
+
+    from hsstore.upgrade import upgrade
+
+    url = str(tmp_path / "s")
+    _write(url)
+    downgrade(url)  # records of format version 1, rewritten in place: the writer's entries are stale now
+    old = hsstore.open(url)
+    assert old.index_use.fetched == N_SHARDS and all(not c.binds_chunks for c in old.commits)
+    index.compact(_local_fs(), url, grace_s=0)  # the version-1 records, indexed
+    assert hsstore.open(url).index_use.fetched == 0
+    assert upgrade(hsstore.open(url)).rewritten == N_SHARDS
+    new = hsstore.open(url)  # the compacted entries are outdated, upgrade's own segment holds the new records
+    assert all(c.binds_chunks for c in new.commits)
+    assert new.index_use.fetched == 0 and len(new.index_use.stale) == 0 and new.index_use.segments == 2
+    assert verify(new).ok
