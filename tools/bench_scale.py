@@ -1,8 +1,11 @@
 """Benchmarks of issue #17 (the seeds' scale: ~914K conversations, ~1e5 shards), one section per concern.
 
-Sections (``--sections``; each a ``bench_<name>(args) -> dict`` in ``SECTIONS``, so the store-metadata part
-of #17, ``open``/``info``/``verify``/first loader batch over 1e3-1e5 shards, local and on moto with
-latency, can be added as another section without touching this one):
+Sections (``--sections``; each a ``bench_<name>(args) -> dict`` in ``SECTIONS``):
+
+  store     metadata-only stores of ``--shards`` (default 1e3 and 1e4; 1e5 locally) shards, locally and on moto
+            behind the fault proxy's request latency (``--latency``): requests, time and peak memory of
+            ``open``, ``info --json``, ``verify``'s metadata part and the loader's first item, with and without
+            the index; the loader plan alone for ``--plan-samples`` samples (tools/bench_scale_store.py)
 
   tokenize  synthetic conversations (``--sizes``, default 1e5) in one JSONL file, tokenized with the tiny
             target's tokenizer (``extract/tiny.py``) the way ``hsstore extract`` does per rank
@@ -148,7 +151,21 @@ def bench_tokenize(args) -> dict:
     return out
 
 
-SECTIONS = {"tokenize": bench_tokenize}
+def bench_store(args) -> dict:
+    """Store metadata at scale (tools/bench_scale_store.py, each measurement in a fresh process): open, info
+    --json, verify's metadata part and the loader's first item, with and without the index, locally and on moto
+    behind the delaying proxy."""
+    from tools import bench_scale_store
+
+    out = Path(args.workdir) / "store.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bench_scale_store.main(["--shards", args.shards, "--where", args.where, "--latency", args.latency,
+                            "--plan-samples", str(args.plan_samples),
+                            "--plan-shards", str(max(1, min(100000, args.plan_samples // 10))), "--json", str(out)])
+    return {"runs": json.loads(out.read_text())}
+
+
+SECTIONS = {"tokenize": bench_tokenize, "store": bench_store}
 
 
 def main(argv=None) -> int:
@@ -161,6 +178,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-gate", action="store_true", help="skip the whole-input gate")
     ap.add_argument("--workdir", default="/tmp/hsstore-bench-scale", help="where the synthetic inputs are kept")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--shards", default="1000,10000", help="store: comma-separated shard counts")
+    ap.add_argument("--where", default="local,s3", help="store: local, s3 (moto behind the delaying proxy), or both")
+    ap.add_argument("--latency", default="0.03,0.1", help="store: seconds added to every S3 request")
+    ap.add_argument("--plan-samples", type=int, default=1000000, help="store: the loader plan alone for N samples")
     args = ap.parse_args(argv)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     result = {"cpu_count": os.cpu_count(), **{name: SECTIONS[name](args) for name in args.sections}}
