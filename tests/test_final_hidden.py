@@ -15,7 +15,7 @@ from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
 from hsstore.extract.forward import pad_right
 from hsstore.extract.job import ExtractConfig, run_extract
-from hsstore.extract.tiny import demo_conversations_path
+from train_helpers import small_input  # noqa: F401  (fixture)
 from hsstore.extract.tokenize import load_samples
 from hsstore.manifest import canonical_json_hash
 from hsstore.verify import verify
@@ -24,14 +24,6 @@ from hsstore.verify import verify
 @pytest.fixture(scope="module")
 def model32(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def small_input(tmp_path):
-    lines = demo_conversations_path().read_text().splitlines()[:6]
-    path = tmp_path / "in.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
