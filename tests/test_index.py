@@ -255,3 +255,50 @@ def test_upgrade_leaves_the_index_current(tmp_path):
     assert all(c.binds_chunks for c in new.commits)
     assert new.index_use.fetched == 0 and len(new.index_use.stale) == 0 and new.index_use.segments == 2
     assert verify(new).ok
+
+
+KILLED_WRITER = """
+import sys, time
+from conftest import make_manifest, make_samples
+from hsstore import StoreWriter
+url = sys.argv[1]
+with StoreWriter(url, make_manifest(hidden=16), shard_bytes=1, index_every=1, writer_tag="w") as w:
+    for s in make_samples(400, hidden=16, max_len=20):
+        w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
+"""
+
+
+@pytest.mark.parametrize("after", [3, 9, 17])
+def test_kill_9_of_a_writer_rewriting_its_segment_hides_and_invents_nothing(tmp_path, after):
+    """A writer that rewrites its index segment after every commit is killed (SIGKILL) at a seeded point: the
+    store opened through the index holds exactly the shards whose commit records exist, verify passes, and a
+    second writer finishes the job."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url = str(tmp_path / "store")
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    proc = subprocess.Popen([sys.executable, str(script), url], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(commit.list_committed(_local_fs(), url)) >= after:
+            break
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    listed = set(commit.list_committed(_local_fs(), url))
+    assert after <= len(listed) < 400 and _segments(url)  # killed mid-run, with a segment written
+    with_index, without = hsstore.open(url), hsstore.Store(url, {}, use_index=False)
+    assert {c.shard for c in with_index.commits} == listed == {c.shard for c in without.commits}
+    assert with_index.sample_ids() == without.sample_ids()
+    assert verify(with_index).ok
+    done = set(with_index.sample_ids())
+    rest = [s for s in make_samples(400, hidden=16, max_len=20) if s["sample_id"] not in done]
+    write_samples(url, make_manifest(hidden=16), rest, shard_bytes=1, writer_tag="w2")
+    again = hsstore.open(url)
+    assert sorted(again.sample_ids()) == sorted(f"s{i}" for i in range(400)) and verify(again).ok
