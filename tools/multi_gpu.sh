@@ -19,6 +19,10 @@
 # Lessons of the first runs (session 2): fla autotunes each new batch shape once (~25 s on the first pass,
 # so time best-of-2 rounds); the first flex-attention step of `hsstore train` did not finish within 100 s
 # on a 248K-vocab store, so training defaults to SDPA here (ATTN=flex to try it).
+# Needs hsstore installed. On the GPU machine (no index there): build the wheel here with
+# `pip wheel --no-deps -w .whl .`, carry .whl/ with the other wheels, `pip install --target /tmp/site .whl/*.whl`,
+# and run from a folder whose `tools` is a link to the checkout's tools/ (PYTHONPATH=/tmp/site:THAT_FOLDER): the
+# checkout itself must not be on the path, or its hsstore/ would hide the installed hsstore.extract/train.
 set -u
 RESULTS=${RESULTS:-/tmp/hsstore-multi-gpu}
 S=${SAMPLES_PER_GPU:-32}

@@ -20,7 +20,7 @@ It writes into ``--out`` (``extract/data/tiny_trained/``, shipped with the packa
 
 Regenerate the shipped files (deterministic for a given seed, torch version and ``--threads``):
 
-    PYTHONPATH=. python -m tools.train_tiny_target --out extract/data/tiny_trained
+    python -m tools.train_tiny_target --out extract/data/tiny_trained     # from the checkout
 
 The shipped files come from exactly that command on the project's 2-core CPU machine (torch 2.13.0+cpu,
 transformers 5.24.0, 1 thread, other jobs sharing the cores): 2,448 steps over 16,000 conversations (2.4M
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                      for i, e in enumerate(heldout))
     meta = {
         "sizes": sizes, "vocab_size": args.vocab_size, "seed": args.seed,
-        "command": "PYTHONPATH=. python -m tools.train_tiny_target " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m tools.train_tiny_target " + " ".join(sys.argv[1:] if argv is None else argv),
         "examples": {"train": len(train), "demo": len(demo), "heldout": len(heldout)},
         "training": {**stats, "max_tokens": args.max_tokens, "lr": args.lr, "threads": args.threads},
         "generate_seconds": round(gen_seconds, 1),
