@@ -243,7 +243,8 @@ def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
 def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
                      workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
-                     layout: str = "zarr", progress: bool = False, procs: int = 1) -> dict[str, dict]:
+                     layout: str = "zarr", progress: bool = False, procs: int = 1, batch_tokens: int = 0,
+                     ) -> dict[str, dict]:
     """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
     optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
     the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
@@ -254,11 +255,15 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     Locally the files are in the page cache unless ``cold`` (then each round first drops them with
     ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
 
+    ``batch_tokens``: time packed ``TokenBatches`` of that many tokens instead of single samples (in DataLoader
+    workers, one shared-memory hand-over per batch instead of per sample).
+
     ``procs`` > 1 also runs that many loader processes at once, each a rank of that world reading its share (the
     loaders of one training node's GPUs, sharing its CPUs and disk): per-process and total GB/s.
     """
     from torch.utils.data import DataLoader
 
+    from .batching import TokenBatches
     from .loader import HiddenStateDataset
 
     fs, root = storage.resolve(url, storage_options)
@@ -304,6 +309,8 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
 
         def through_loader(r):
             ds = HiddenStateDataset(store, layers=sel, seed=r, pin_memory=pin)
+            if batch_tokens:  # packed token-budget batches (no padding: every byte is a sample's)
+                ds = TokenBatches(ds, max_tokens=batch_tokens, mode="pack", pin_memory=pin)
             it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin)
             got = 0
             for item in it:
@@ -343,6 +350,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         _remove(fs, storage.join(root, run))
     gb = nbytes / 1e9
     out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": nbytes, "workers": workers,
+           "batch_tokens": batch_tokens,
            "pin_memory": pin, "layout": layout,
            "layers": layers, "read_layers": sel, "hidden": hidden, "codec": codec, "cold": cold, "url": url}
     out["ratio"] = out["gbps"] / out["raw_gbps"]

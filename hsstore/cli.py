@@ -167,7 +167,8 @@ def cmd_bench(args) -> int:
                                          layers=args.num_taps, codec=args.codec, rounds=args.rounds,
                                          read_layers=read_layers, workers=args.workers, cold=args.cold,
                                          peers=not args.no_peers, pin=args.pin_memory, layout=lay,
-                                         progress=not args.quiet, procs=args.procs))
+                                         progress=not args.quiet, procs=args.procs,
+                                         batch_tokens=args.batch_tokens))
         result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
     if len(layouts) > 1:
         base, other = layouts[0], layouts[1:]
@@ -289,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--read-layers", default=None, metavar="L,L",
                    help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
     q.add_argument("--workers", type=int, default=0, help="loader: DataLoader worker processes (0: in-process)")
+    q.add_argument("--batch-tokens", type=int, default=0, metavar="N",
+                   help="loader: time packed TokenBatches of N tokens instead of single samples")
     q.add_argument("--procs", type=int, default=1, metavar="N",
                    help="loader: also run N loader processes at once, each a rank of N (one node's GPUs)")
     q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
