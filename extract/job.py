@@ -96,13 +96,6 @@ def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
     return r, w, local_rank(r, w)
 
 
-def rank_slice(samples: list[TokenizedSample], rank: int, world: int) -> list[TokenizedSample]:
-    """This rank's deterministic, disjoint share: round-robin over samples sorted by (length, id), so every
-    rank gets about the same number of tokens and the split depends only on the data and world size."""
-    order = sorted(samples, key=lambda s: (s.num_tokens, s.sample_id))
-    return order[rank::world]
-
-
 def export_assets(fs, root: str, model, tokenizer) -> None:
     """The embedding, lm_head, config and tokenizer files the trainer uses instead of the target."""
     files = {

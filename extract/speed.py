@@ -15,7 +15,6 @@ dimensions dynamic, so varying token-budget batches do not compile again and aga
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +55,7 @@ def compiled_parts(model: nn.Module) -> list[nn.Module]:
 
 def compile_forward(model: nn.Module, mode: str | None = None, emulate_casts: bool = True) -> CompileReport:
     """Compile the dense parts of ``model``'s decoder layers in place (the first forward of each new shape
-    pays the compile time; :func:`warm_up` pays it up front and says how long it took).
+    pays the compile time).
 
     ``emulate_casts``: fused kernels round their intermediates to bf16 where eager kernels do (inductor's
     ``emulate_precision_casts``), so the features stay as close to the eager forward's as bf16 allows instead of
@@ -74,14 +73,3 @@ def compile_forward(model: nn.Module, mode: str | None = None, emulate_casts: bo
         report.kinds[type(m).__name__] = report.kinds.get(type(m).__name__, 0) + 1
     log.info("compiled %s", report)
     return report
-
-
-def warm_up(run, shapes: list[tuple[int, int]]) -> float:
-    """Call ``run(batch, seq_len)`` once per shape so compilation happens before the timed or productive part;
-    returns the seconds it took (compile time is reported, never hidden in throughput figures)."""
-    t = time.perf_counter()
-    for b, s in shapes:
-        run(b, s)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t

@@ -11,8 +11,8 @@ synthetic sequences, and times, on the same batches, alternating:
 Prints JSON with tokens/s, ratios, MFU, and how long the forward waited on the writer (``slot_wait_s``)
 and the writer on storage (``storage_wait_s``).
 
-Under ``torchrun --nproc_per_node N`` every rank takes its share of the samples (``extract.job.rank_slice``,
-so ``--samples`` is the total) and all ranks run each mode at the same time, sharing disk and CPUs;
+Under ``torchrun --nproc_per_node N`` every rank takes its share of the samples (sample i to rank i % world,
+as extraction splits input rows, so ``--samples`` is the total) and all ranks run each mode at the same time, sharing disk and CPUs;
 rank 0 prints per-rank and summed figures. ``--keep URL`` finally extracts once more into URL, with the
 target's embedding, lm_head and config as store assets, so ``hsstore train`` can run on it.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -34,7 +33,6 @@ import torch
 
 from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
-from hsstore.extract.job import rank_slice
 from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
 from hsstore.distributed import rank_and_world
@@ -145,7 +143,7 @@ def main() -> None:
     model = build_model(args)
     build_s = time.perf_counter() - t0
     layers = default_taps(args.layers_total)
-    samples = rank_slice(synthetic(args.samples, args.min_len, args.max_len, args.vocab), rank, world)
+    samples = synthetic(args.samples, args.min_len, args.max_len, args.vocab)[rank::world]
     batches = token_budget_batches(samples, args.token_budget)
     tokens = sum(s.num_tokens for s in samples)
     manifest = Manifest(

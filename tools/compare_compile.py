@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -67,8 +66,8 @@ def main() -> None:
     model = args.model or str(trained_target_dir())
     data = args.input or str(demo_conversations_path())
     out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out} exists and is not empty: give a new folder (nothing is deleted)")
     res = {"eager_s": extract(model, data, out / "eager", False, args.final_hidden, args.device),
            "compiled_s": extract(model, data, out / "compiled", True, args.final_hidden, args.device)}
     res["verify"] = {name: hsstore_main(["verify", str(out / name), "-q", "--json"]) for name in ("eager", "compiled")}

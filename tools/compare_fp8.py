@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import io
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -105,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     out = Path(args.out)
-    if out.exists() and not args.reuse:
-        shutil.rmtree(out)
+    if out.exists() and any(out.iterdir()) and not args.reuse:
+        raise SystemExit(f"{out} exists and is not empty: give a new folder, or --reuse to continue in it "
+                         "(nothing is deleted)")
     out.mkdir(parents=True, exist_ok=True)
     model = args.model or (str(out / "target") if (out / "target").exists() and args.reuse
                            else str(build_tiny_target(out / "target")))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+import hsstore
 from hsstore import HiddenStateDataset, TokenBatches, count_token_batches, merge_states
 
 from .objective import block_targets, sample_anchors
@@ -85,13 +86,13 @@ class StoreBatches:
     DataLoader pins them on its own thread); in-process batches are collated into pinned memory, and what is
     not pinned yet is pinned by ``read_ahead``."""
 
-    def __init__(self, urls: Sequence[str], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
+    def __init__(self, urls: Sequence[str | hsstore.Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
                  world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False):
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
                                           world_size=world_size, weights=weights, storage_options=storage_options,
                                           cache_dir=cache_dir,  # items are copied into batches: pin those
-                                          share_metadata=world_size > 1)  # DDP: rank 0 reads the records once
+                                          share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
         self.batches = TokenBatches(self.dataset, max_tokens=max_tokens, pin_memory=pin_memory and workers == 0)

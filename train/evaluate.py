@@ -108,7 +108,8 @@ def eval_source(urls: str | Sequence[str], layers: Sequence[int], max_tokens: in
     exactly once, in token-budget batches. Iterate it again for another pass."""
     urls = [urls] if isinstance(urls, str) else list(urls)
     ds = HiddenStateDataset(urls, layers=list(layers), shuffle=False, rank=rank, world_size=world,
-                            storage_options=storage_options, cache_dir=cache_dir)
+                            storage_options=storage_options, cache_dir=cache_dir,
+                            share_metadata=world > 1)  # DDP: rank 0 reads the records once
     return TokenBatches(ds, max_tokens=max_tokens, pin_memory=pin_memory)
 
 

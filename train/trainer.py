@@ -53,9 +53,10 @@ import torch
 import torch.distributed as dist
 
 import hsstore
-from hsstore import assets, codec, fp8
+from hsstore import assets, codec, fp8, storage
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.manifest import check_compatible
+from hsstore.reader import open_shared, read_manifest
 from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
@@ -340,8 +341,9 @@ def val_metrics(ev) -> dict[str, Any]:
 def check_val_stores(train: hsstore.Manifest, urls: list[str], storage_options: dict) -> None:
     """A validation store must come from the same target and tokenizer (the drafter's frozen head and its
     tokens); its taps, dtype and encoding may differ (the loader reads the drafter's taps from it)."""
-    for url in urls:
-        m = hsstore.open(url, **storage_options).manifest
+    for url in urls:  # the manifest alone: the records are read once, by the evaluation's loader
+        fs, root = storage.resolve(url, storage_options)
+        m = read_manifest(fs, root, url)
         same_layout = dataclasses.replace(m, layers=train.layers, dtype=train.dtype, encoding=train.encoding)
         check_compatible(train, same_layout, "the training store", f"validation store {url!r}")
 
@@ -375,7 +377,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
 
     # -- the drafter, from the store alone
-    stores = [hsstore.open(u, **cfg.storage_options) for u in cfg.stores]
+    # opened once per job: under DDP rank 0 reads the records and broadcasts them; the loader reuses these
+    stores = [open_shared(u, cfg.storage_options) for u in cfg.stores]
     manifest = stores[0].manifest
     head_dtype = None if device.type == "cuda" else torch.float32
     target_cfg, embed, head = load_frozen(stores[0], device, head_dtype)
@@ -396,7 +399,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
 
     # -- the data: this rank's share of the stores, in token-budget batches
     if source is None:
-        source = StoreBatches(cfg.stores, layers=dcfg.target_layers, max_tokens=cfg.max_tokens, seed=cfg.seed,
+        source = StoreBatches(stores, layers=dcfg.target_layers, max_tokens=cfg.max_tokens, seed=cfg.seed,
                               rank=rank, world_size=world, workers=cfg.workers, weights=cfg.weights,
                               storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
                               pin_memory=device.type == "cuda")
