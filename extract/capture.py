@@ -87,11 +87,12 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 @torch.inference_mode()
-def run_tapped(model: nn.Module, layers: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+def run_tapped(model: nn.Module, layers: list[int], input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                final_hidden: bool = False) -> torch.Tensor:
     """One forward over a right-padded batch; returns the taps as ``[B, T, n_layers, H]`` on the model's
     device (stacked on the GPU: one device-to-host copy per batch instead of one per layer); with
-    ``final_hidden``, ``[B, T, n_layers + 1, H]``, the final norm's output last."""
+    ``final_hidden``, ``[B, T, n_layers + 1, H]``, the final norm's output last. ``attention_mask`` may be None
+    for right padding: real tokens' features are the same (only the pads' differ)."""
     slots = list(layers) + (["final_hidden"] if final_hidden else [])
     with tapped(model, layers, final_hidden) as captured:
         try:

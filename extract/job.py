@@ -168,8 +168,9 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
         from .speed import compile_forward
 
-        log.info("rank %d: compiling the target's norms, MLPs and attention blocks (%s); the first batch of each "
-                 "new shape pays the compile time (~40 s at 27B scale on an H200)", rank, compile_forward(model))
+        log.info("rank %d: compiling the target's norms, MLPs, attention blocks and recurrent mixers around their "
+                 "kernels (%s); the first batch of each new shape pays the compile time (~40 s at 27B scale on an "
+                 "H200)", rank, compile_forward(model, mixers=True))
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,

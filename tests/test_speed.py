@@ -31,6 +31,27 @@ def test_only_dense_parts_are_compiled(model):
     assert attn and not any(id(p) in inner for p in parts)  # an attention block's q/k norms are not compiled twice
 
 
+def test_no_padding_mask_gives_the_same_real_token_features(model):
+    """Extraction passes no mask: under a causal decoder a right pad never reaches a real token. A left pad would
+    (the second check shows the comparison can fail)."""
+    g = torch.Generator().manual_seed(1)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(3, vocab, (3, 48), generator=g)
+    mask = torch.ones(3, 48, dtype=torch.long)
+    mask[1, 30:] = 0
+    mask[2, 9:] = 0
+    taps = list(range(len(decoder_layers(model))))
+    with torch.inference_mode():
+        ref = run_tapped(model, taps, ids, mask)
+        out = run_tapped(model, taps, ids, None)
+        keep = mask.bool()
+        assert torch.allclose(out[keep], ref[keep], rtol=1e-5, atol=1e-6), (out[keep] - ref[keep]).abs().max()
+        left = torch.flip(mask, [1])  # the same rows left-padded: without the mask the pads leak into real tokens
+        ref_left = run_tapped(model, taps, ids, left)
+        out_left = run_tapped(model, taps, ids, None)
+        assert not torch.allclose(out_left[left.bool()], ref_left[left.bool()], rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_features_equal_eager(model):
     g = torch.Generator().manual_seed(0)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -42,9 +63,12 @@ def test_compiled_features_equal_eager(model):
         batches.append((ids, mask))
     taps = list(range(len(decoder_layers(model))))
     eager = [run_tapped(model, taps, ids, mask) for ids, mask in batches]
-    report = compile_forward(model)
-    assert report.modules == len(compiled_parts(model))
+    report = compile_forward(model, mixers=True)  # what `hsstore extract --compile` runs
+    parts = compiled_parts(model, mixers=True)
+    assert report.modules == len(parts)
+    assert {type(p).__name__ for p in parts} == {"Qwen3_5RMSNorm", "Qwen3_5MLP", "Qwen3_5Attention",
+                                                 "Qwen3_5GatedDeltaNet"}  # a mixer's gated norm is traced with it
     for (ids, mask), ref in zip(batches, eager):
-        out = run_tapped(model, taps, ids, mask)
+        out = run_tapped(model, taps, ids, None)  # as extraction calls it: no padding mask
         keep = mask.bool()
         assert torch.allclose(out[keep], ref[keep], rtol=1e-4, atol=1e-5), (out[keep] - ref[keep]).abs().max()

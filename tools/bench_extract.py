@@ -223,14 +223,14 @@ def main() -> None:
         ref = run_tapped(model, layers, ids, mask).float()
         n0 = batches[0][0].num_tokens  # the batch's first sample, alone: the eager forward at another shape
         alone = run_tapped(model, layers, ids[:1, :n0], mask[:1, :n0]).float()
-        report = compile_forward(model, emulate_casts=not args.no_emulate_casts)
+        report = compile_forward(model, emulate_casts=not args.no_emulate_casts, mixers=True)
         t = time.perf_counter()
         forward_pass(model, batches, layers, full=True)  # every batch shape once: the compile time, up front
         forward_pass(model, batches, layers, full=False)
         compiled["warm_up_s"] = time.perf_counter() - t
         compiled["modules"] = str(report)
         compiled["emulate_casts"] = not args.no_emulate_casts
-        new = run_tapped(model, layers, ids, mask).float()
+        new = run_tapped(model, layers, ids, None).float()  # as extraction calls it: no padding mask
         keep = mask.bool()
 
         def cosines(a, b):  # per token and tap: [tokens, taps]

@@ -1,0 +1,183 @@
+"""Where the extraction forward's time goes, and what each speed-up buys (GPU; issue #18).
+
+Builds the random-weight Qwen3.5 target of ``tools/bench_extract.py`` (same flags) and, on the same synthetic
+batches in one process, times the tapped forward (``run_tapped``: the forward up to the last tap, the taps
+stacked) under variants applied one after another:
+
+  eager      the eager forward, the padding mask passed (what extraction did before)
+  nomask     eager, no mask: right padding under a causal decoder never reaches a real token, and without a
+             mask SDPA takes its fused causal kernel and Gated DeltaNet skips its masking pass
+  compiled   + ``compile_forward`` (norms, MLP, attention blocks)
+  mixers     + ``compile_forward(mixers=True)`` (the Gated DeltaNet mixers too, around fla's kernels)
+
+Each variant's first batch is compared per token with the eager one (min/mean cosine per tap; the reference
+spread is the eager forward's own, the same sample alone against inside its batch). Finally one batch of each
+variant is profiled: CUDA kernel time by kind (GEMM, attention, fla, inductor-fused, other elementwise, copies,
+convolution) and the top kernels.
+
+    python -m tools.profile_extract --variants eager,nomask,compiled,mixers --samples 48 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from hsstore.extract.capture import run_tapped
+from hsstore.extract.forward import pad_right, token_budget_batches
+from hsstore.taps import default_taps
+from tools.bench_extract import build_model, synthetic, sync
+
+VARIANTS = ("eager", "nomask", "compiled", "mixers")
+KINDS = (  # first match wins
+    ("gemm", r"gemm|cutlass|xmma|nvjet|sm90_|cublas|matmul"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient"),
+    ("fla", r"chunk_|gated_delta|fwd_kernel|recompute_w_u|l2norm|solve_tril|merge_16x16|cumsum"),
+    ("conv", r"conv"),
+    ("inductor", r"^triton_"),
+    ("copy", r"copy|cat|Memcpy|memset|fill"),
+    ("elementwise", r"elementwise|vectorized|reduce|unrolled|index"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.I):
+            return kind
+    return "other"
+
+
+@torch.inference_mode()
+def tapped(model, layers, batch, mask: bool) -> torch.Tensor:
+    device = next(model.parameters()).device
+    ids, attn = pad_right(batch, 0)
+    ids, attn = ids.to(device, non_blocking=True), attn.to(device, non_blocking=True)
+    return run_tapped(model, layers, ids, attn if mask else None)
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor, lengths: list[int]) -> dict:
+    """Per-token cosine over real tokens, per tap: min and mean."""
+    rows = []
+    for i, n in enumerate(lengths):
+        x, y = a[i, :n].float(), b[i, :n].float()
+        rows.append(torch.nn.functional.cosine_similarity(x, y, dim=-1))  # [n, taps]
+    c = torch.cat(rows)
+    return {"min": [round(v, 6) for v in c.min(0).values.tolist()], "mean": [round(v, 6) for v in c.mean(0).tolist()]}
+
+
+def profile(model, layers, batch, mask: bool, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    tapped(model, layers, batch, mask)
+    sync()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tapped(model, layers, batch, mask)
+        sync()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    total = sum(per_kernel.values())
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, us in per_kernel.items():
+        by_kind[kind_of(name)] += us
+    return {
+        "gpu_ms": total / 1e3,
+        "by_kind_pct": {k: round(100 * v / total, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top": [{"kernel": n[:120], "kind": kind_of(n), "ms": round(us / 1e3, 2), "pct": round(100 * us / total, 2)}
+                for n, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"in order, each on top of the last: {VARIANTS}")
+    p.add_argument("--layers-total", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--ffn", type=int, default=17408)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--linear-v-heads", type=int, default=48)
+    p.add_argument("--linear-k-heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=248320)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--min-len", type=int, default=3072)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--top", type=int, default=25, help="kernels listed in the profile")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if set(variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}")
+    logging_setup()
+
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model = build_model(args)
+    layers = default_taps(args.layers_total)
+    samples = synthetic(args.samples, args.min_len, args.max_len, args.vocab)
+    batches = token_budget_batches(samples, args.token_budget)
+    tokens = sum(s.num_tokens for s in samples)
+    first = batches[0]
+    lengths = [s.num_tokens for s in first]
+    res: dict = {"build_s": time.perf_counter() - t0, "tokens": tokens, "batches": len(batches), "layers": layers,
+                 "variants": {}}
+    reference = tapped(model, layers, first, mask=True).clone()
+    alone = tapped(model, layers, first[:1], mask=True)
+    res["eager_spread"] = cosines(alone, reference[:1], lengths[:1])  # the eager forward against itself
+    del alone
+    mask = True
+    from hsstore.extract.speed import compile_forward
+
+    for v in variants:
+        if v == "nomask":
+            mask = False
+        elif v in ("compiled", "mixers"):
+            torch._dynamo.reset()
+            for m in model.modules():
+                m._compiled_call_impl = None
+            compile_forward(model, mixers=v == "mixers")
+        t = time.perf_counter()
+        for b in batches:  # warm-up: every shape compiled once
+            tapped(model, layers, b, mask)
+        sync()
+        warm_s = time.perf_counter() - t
+        best = float("inf")
+        for _ in range(args.rounds):
+            sync()
+            t = time.perf_counter()
+            for b in batches:
+                tapped(model, layers, b, mask)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        out = tapped(model, layers, first, mask)
+        res["variants"][v] = {"tokens_per_s": tokens / best, "seconds": best, "warm_up_s": warm_s,
+                              "cosine_vs_eager": cosines(out, reference, lengths)}
+        del out
+        if torch.cuda.is_available():
+            res["variants"][v]["profile"] = profile(model, layers, first, mask, args.top if v == variants[-1] else 6)
+        print(json.dumps({v: res["variants"][v]}), file=sys.stderr, flush=True)
+    base = res["variants"][variants[0]]["tokens_per_s"]
+    for v in variants:
+        res["variants"][v]["vs_first"] = res["variants"][v]["tokens_per_s"] / base
+    print(json.dumps(res, indent=1))
+
+
+def logging_setup() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    main()
