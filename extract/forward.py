@@ -164,7 +164,8 @@ def extract_batches(
             # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output. No padding mask:
             # under a causal decoder a right pad never reaches a real token, and without one SDPA runs its fused
             # causal kernel and the recurrent layers skip their masking pass (6.8% faster at 27B scale, equal features)
-            feats = run_tapped(model, layers, ids, None, final_hidden=final_hidden)
+            feats = run_tapped(model, layers, ids, None, final_hidden=True) if final_hidden else \
+                run_tapped(model, layers, ids, None)
             # GPU-side pack: drop padding before anything crosses PCIe
             packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
             # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
