@@ -186,8 +186,9 @@ class SharedRing:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of shared memory as a flat uint8 tensor: a free segment when there is one."""
-        grain = self.GRAIN if nbytes >= self.GRAIN else 1 << 20
-        size = max(1, -(-nbytes // grain)) * grain
+        # size classes: 1 MiB steps below GRAIN, powers of two above (runs vary in size from epoch to epoch,
+        # and a larger segment costs no memory for pages never written)
+        size = max(1, -(-nbytes // (1 << 20))) << 20 if nbytes < self.GRAIN else 1 << (nbytes - 1).bit_length()
         with self.lock:
             best = None
             if self.usable:
