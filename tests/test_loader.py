@@ -504,9 +504,10 @@ def test_loader_bench_reports_ratios(tmp_path, capsys):
     from hsstore.cli import main
 
     assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--num-taps", "3",
-                 "--read-layers", "0,2", "--rounds", "1", "--json"]) == 0
+                 "--read-layers", "0,2", "--rounds", "1", "--workers", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["loader"]
     assert {"gbps", "raw_gbps", "ratio", "peer_gbps", "peer_ratio", "vs_peer", "raw_direct_gbps"} <= set(d)
+    assert d["workers"] == 1 and d["workers_vs_inprocess"] == pytest.approx(d["workers_gbps"] / d["gbps"])
     assert d["ratio"] == pytest.approx(d["gbps"] / d["raw_gbps"]) and d["read_layers"] == [0, 2]
     assert d["bytes"] > 0 and list(tmp_path.iterdir()) == []  # scratch removed
 
