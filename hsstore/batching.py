@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .memory import can_pin, empty_host
+from .memory import can_pin, empty_host, hand_over
 
 MODES = ("pad", "pack")
 
@@ -170,7 +170,8 @@ class TokenBatches(IterableDataset):
         self._held = 0
         for batch in token_batches(self._counted(self.dataset), self.max_tokens, self.mode, self.max_items):
             self._held -= len(batch)  # what is still held: the item that did not fit, if any
-            yield collate_packed(batch, pin) if self.mode == "pack" else collate_padded(batch, self.pad_id, pin)
+            out = collate_packed(batch, pin) if self.mode == "pack" else collate_padded(batch, self.pad_id, pin)
+            yield hand_over(out)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
         return f"TokenBatches({self.dataset!r}, max_tokens={self.max_tokens}, mode={self.mode!r})"

@@ -59,7 +59,8 @@ def _time(fn) -> float:
 
 def _loader_process(store_url: str, storage_options: dict[str, Any], layers: list[int], rank: int, world: int,
                     workers: int, seed: int, start, results) -> None:
-    """One of several concurrent loaders (a spawned process): open, wait for the others, then time one epoch.
+    """One of several concurrent loaders (a spawned process): open, read one epoch to warm up, wait for the
+    others, then time the next epoch.
     Its intra-op threads are its share of the cores, as torchrun's ranks (``OMP_NUM_THREADS``) would have them."""
     from torch.utils.data import DataLoader
 
@@ -68,10 +69,13 @@ def _loader_process(store_url: str, storage_options: dict[str, Any], layers: lis
 
     ds = HiddenStateDataset(store_url, layers=layers, seed=seed, rank=rank, world_size=world,
                             storage_options=storage_options)
-    it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers)
-    start.wait()
-    t = time.perf_counter()
-    got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in it)
+    it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
+    for epoch in range(2):  # epoch 0 warms up (first-touch memory, as a training run's first steps), 1 is timed
+        ds.set_epoch(epoch)
+        if epoch:
+            start.wait()
+        t = time.perf_counter()
+        got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in it)
     results.put((rank, got, time.perf_counter() - t))
 
 
@@ -255,11 +259,16 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     Locally the files are in the page cache unless ``cold`` (then each round first drops them with
     ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
 
+    The loader is timed in-process (``gbps``) and, with ``workers`` > 0, also through that many persistent
+    DataLoader workers (``workers_gbps``, ``workers_vs_inprocess``), each one dataset (one DataLoader) across
+    rounds with ``set_epoch``, as a training run keeps them: round 0 warms up recycled memory, the best round counts.
+
     ``batch_tokens``: time packed ``TokenBatches`` of that many tokens instead of single samples (in DataLoader
     workers, one shared-memory hand-over per batch instead of per sample).
 
-    ``procs`` > 1 also runs that many loader processes at once, each a rank of that world reading its share (the
-    loaders of one training node's GPUs, sharing its CPUs and disk): per-process and total GB/s.
+    ``procs`` > 1 also runs that many in-process loaders at once, each a rank of that world reading its share on
+    its share of the cores (the loaders of one training node's GPUs, sharing its CPUs and disk), each timing its
+    second epoch: per-process and total GB/s.
     """
     from torch.utils.data import DataLoader
 
@@ -307,15 +316,19 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                 if size >= 512 << 20:
                     held, size = [], 0
 
-        def through_loader(r):
-            ds = HiddenStateDataset(store, layers=sel, seed=r, pin_memory=pin)
-            if batch_tokens:  # packed token-budget batches (no padding: every byte is a sample's)
-                ds = TokenBatches(ds, max_tokens=batch_tokens, mode="pack", pin_memory=pin)
-            it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin)
-            got = 0
-            for item in it:
-                got += item["hidden_states"].numel() * 2
-            assert got == nbytes, (got, nbytes)
+        def loader_pass(n_workers):
+            ds = HiddenStateDataset(store, layers=sel, seed=0, pin_memory=pin)
+            src = TokenBatches(ds, max_tokens=batch_tokens, mode="pack", pin_memory=pin) if batch_tokens else ds
+            it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=pin,
+                                                       persistent_workers=True)
+
+            def one_epoch(r):
+                ds.set_epoch(r)
+                got = 0
+                for item in it:
+                    got += item["hidden_states"].numel() * 2
+                assert got == nbytes, (got, nbytes)
+            return one_epoch
 
         def peer(r):
             order = np.random.default_rng(r).permutation(len(peer_paths))
@@ -329,16 +342,19 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                 hs = hs[:, sel_idx] if len(sel_idx) < hs.shape[1] else hs.clone()  # bytes into memory
                 d["input_ids"].clone(), d["loss_mask"].clone()
 
-        best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "peer": np.inf}
+        best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "workers": np.inf, "peer": np.inf}
         multi: dict[str, Any] | None = None
         if procs > 1:
-            multi = _concurrent_loaders(store_url, storage_options, sel, procs, workers, rounds, progress)
-        bar = _bar(rounds * 4, f"bench loader ({layout})", progress, unit="pass")
+            multi = _concurrent_loaders(store_url, storage_options, sel, procs, 0, rounds, progress)
+        in_process = loader_pass(0)
+        in_workers = loader_pass(workers) if workers else None
+        bar = _bar(rounds * 5, f"bench loader ({layout})", progress, unit="pass")
         for r in range(rounds):
-            for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: through_loader(r)),
-                             ("peer", lambda: peer(r))):
+            for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: in_process(r)),
+                             ("workers", lambda: in_workers(r)), ("peer", lambda: peer(r))):
                 bar.update(1)
-                if (name == "peer" and not peers) or (name == "raw_direct" and not local):
+                if (name == "peer" and not peers) or (name == "raw_direct" and not local) or (
+                        name == "workers" and not workers):
                     continue
                 bar.set_postfix_str(f"round {r + 1}/{rounds}: {name}")
                 if cold and local:
@@ -354,6 +370,9 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
            "pin_memory": pin, "layout": layout,
            "layers": layers, "read_layers": sel, "hidden": hidden, "codec": codec, "cold": cold, "url": url}
     out["ratio"] = out["gbps"] / out["raw_gbps"]
+    if workers:
+        out["workers_gbps"] = gb / best["workers"]
+        out["workers_vs_inprocess"] = out["workers_gbps"] / out["gbps"]
     if local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
         out["raw_direct_gbps"] = gb / best["raw_direct"]
         out["ratio_direct"] = out["gbps"] / out["raw_direct_gbps"]
@@ -363,4 +382,6 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         out["peer_gbps"] = gb / best["peer"]
         out["peer_ratio"] = out["peer_gbps"] / out["raw_gbps"]
         out["vs_peer"] = out["gbps"] / out["peer_gbps"]
+        if workers:
+            out["workers_vs_peer"] = out["workers_gbps"] / out["peer_gbps"]
     return {"loader": out}

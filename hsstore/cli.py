@@ -191,6 +191,9 @@ def cmd_bench(args) -> int:
             if "peer_gbps" in r:
                 print(f"{'peer layout':>20}: {r['peer_gbps']:.3f} GB/s (torch.save per sample) -> ratio "
                       f"{r['peer_ratio']:.2f}; loader is {r['vs_peer']:.2f}x the peers' layout")
+            if "workers_gbps" in r:
+                print(f"{'':>20}  {r['workers']} DataLoader workers: {r['workers_gbps']:.3f} GB/s -> "
+                      f"{r['workers_vs_inprocess']:.2f}x in-process")
             if "procs" in r:
                 m = r["procs"]
                 print(f"{'':>20}  {m['procs']} loaders at once: {m['total_gbps']:.3f} GB/s in all, "
@@ -289,11 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")
     q.add_argument("--read-layers", default=None, metavar="L,L",
                    help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
-    q.add_argument("--workers", type=int, default=0, help="loader: DataLoader worker processes (0: in-process)")
+    q.add_argument("--workers", type=int, default=0,
+                   help="loader: also time N persistent DataLoader workers beside the in-process loader")
     q.add_argument("--batch-tokens", type=int, default=0, metavar="N",
                    help="loader: time packed TokenBatches of N tokens instead of single samples")
     q.add_argument("--procs", type=int, default=1, metavar="N",
-                   help="loader: also run N loader processes at once, each a rank of N (one node's GPUs)")
+                   help="loader: also run N in-process loaders at once, each a rank of N on its share of the "
+                        "cores (one node's GPUs): per-process and total GB/s")
     q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
     q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")

@@ -39,10 +39,11 @@ Use in a DDP trainer::
     # resume, another world size or worker count: merge the states of *all* old ranks, then before
     #   building the loader: ds.load_state_dict(hsstore.merge_states(all_old_rank_states))
 
-In-process iteration (``num_workers=0``) is the fast path: reads run on the dataset's own threads (file
-copies release the GIL; CRC32C checks hold it, ~20 GB/s per core), and run buffers are recycled once
-the trainer drops the items viewing them. DataLoader workers work too (fork and spawn), but each item's
-memory then comes from fresh shared memory, which faults in more slowly.
+Reads run on the dataset's own threads (file reads and copies release the GIL; so do CRC32C checks),
+and run buffers are recycled once the trainer drops the items viewing them: in-process from a
+``BufferPool``, in DataLoader workers (fork and spawn) from shared-memory segments that the main process
+releases as it drops the items (``memory.SharedRing``), so handing an item over copies nothing and a
+worker rewrites no memory the trainer still holds.
 
 Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, item and batch memory in
 ``memory``; this module builds the dataset and reads each slot's plan.
@@ -67,7 +68,7 @@ from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
 from .distributed import rank_and_world
 from .manifest import check_compatible
-from .memory import BufferPool, empty_host
+from .memory import BufferPool, empty_host, hand_over
 from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
 from .reader import Store, open_shared, open_store
 from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
@@ -384,7 +385,7 @@ class HiddenStateDataset(IterableDataset):
                 store.chunk_cache = ChunkCache(self.cache_dir, self.cache_bytes)
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Memory for a run's features (``memory.empty_host``): shared in DataLoader workers, pinned when
+        """Memory for a run's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
         asked in the main process, else recycled from this process's pool (numpy's allocator asks for
         huge pages: fresh memory faults in several times faster than torch's)."""
         return empty_host(shape, dtype, pin=self.pin_memory, shared=self.share_memory, pool=self._pool())
@@ -470,7 +471,7 @@ class HiddenStateDataset(IterableDataset):
         if self.pin_memory and sample.feats.is_pinned():  # pinned only in the main process (see _alloc)
             item["input_ids"] = item["input_ids"].pin_memory()
             item["loss_mask"] = item["loss_mask"].pin_memory()
-        return item
+        return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
         return (f"HiddenStateDataset({[s.url for s in self.stores]}, samples={len(self.catalog)}, layers={self.layers}, "

@@ -504,9 +504,10 @@ def test_loader_bench_reports_ratios(tmp_path, capsys):
     from hsstore.cli import main
 
     assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--num-taps", "3",
-                 "--read-layers", "0,2", "--rounds", "1", "--json"]) == 0
+                 "--read-layers", "0,2", "--rounds", "1", "--workers", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["loader"]
     assert {"gbps", "raw_gbps", "ratio", "peer_gbps", "peer_ratio", "vs_peer", "raw_direct_gbps"} <= set(d)
+    assert d["workers"] == 1 and d["workers_vs_inprocess"] == pytest.approx(d["workers_gbps"] / d["gbps"])
     assert d["ratio"] == pytest.approx(d["gbps"] / d["raw_gbps"]) and d["read_layers"] == [0, 2]
     assert d["bytes"] > 0 and list(tmp_path.iterdir()) == []  # scratch removed
 
@@ -533,3 +534,87 @@ def test_buffer_pool_reuses_only_unviewed_buffers():
     del as_numpy
     again = pool.take(20 << 20)
     assert addr(again) == first and pool.reused == 1
+
+
+class RingStats(torch.utils.data.IterableDataset):
+    """The wrapped dataset's items, then one dict with this worker's ``SharedRing`` counts (module level:
+    spawned workers unpickle it)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __iter__(self):
+        yield from self.ds
+        from hsstore.memory import shared_ring
+        ring = shared_ring()
+        yield {"ring": (ring.reused, ring.allocated)}
+
+
+def reference_bits(url, **kw):
+    """Every sample's features as the in-process loader yields them (no shared memory involved)."""
+    return {x["sample_id"]: bits(x["hidden_states"]).clone() for x in dataset(url, **kw)}
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_workers_rewrite_shared_memory_only_after_the_consumer_drops_it(store_url, samples, ctx):
+    ref = reference_bits(store_url)
+    loader = DataLoader(RingStats(dataset(store_url, seed=3)), batch_size=None, num_workers=2,
+                        multiprocessing_context=ctx)
+    held, stats = [], []
+    for item in loader:  # keep every item of the epoch, as a trainer that stores them would
+        (stats.append(item["ring"]) if "ring" in item else held.append(item))
+    assert sorted(ids_of(held)) == sorted(ref) and len(stats) == 2
+    assert all(torch.equal(bits(x["hidden_states"]), ref[x["sample_id"]]) for x in held)
+    assert [reused for reused, _ in stats] == [0, 0]  # nothing was free to reuse: every segment was held
+    del held
+    # dropped as they come: the same segments come back, and every item is still what the store holds
+    stats = []
+    for item in loader:
+        if "ring" in item:
+            stats.append(item["ring"])
+        else:
+            assert torch.equal(bits(item["hidden_states"]), ref[item["sample_id"]]), item["sample_id"]
+        del item
+    assert len(stats) == 2 and sum(reused for reused, _ in stats) > 0
+
+
+def test_killed_worker_leaves_held_items_intact(store_url):
+    import signal
+    import time
+
+    ref = reference_bits(store_url)
+    it = iter(DataLoader(dataset(store_url, seed=5), batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    held = [next(it) for _ in range(6)]
+    os.kill(it._workers[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    # the loader notices (the dead worker's hand-overs fail, or its exit is seen)
+    with pytest.raises((RuntimeError, OSError)):
+        while time.monotonic() < deadline:
+            held.append(next(it))
+    del it
+    assert all(torch.equal(bits(x["hidden_states"]), ref[x["sample_id"]]) for x in held)
+    got = list(DataLoader(dataset(store_url, seed=5), batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert sorted(ids_of(got)) == sorted(ref)
+    assert all(torch.equal(bits(x["hidden_states"]), ref[x["sample_id"]]) for x in got)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunk_reads_on_one_thread_and_several_agree_and_are_checked(tmp_path, samples, threads):
+    url = write_store(str(tmp_path / "s"), samples)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 1: preadv into the destination; more: mapped and copied on torch's threads
+    try:
+        got = {x["sample_id"]: bits(x["hidden_states"]) for x in dataset(url)}
+        want = {s["sample_id"]: bits(s["hidden_states"]) for s in samples}
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        rec = hsstore.open(url).commits[0]
+        path = os.path.join(url, f"shards/{rec.shard}/layer_003/c/0/0")
+        _flip(path, 100)
+        with pytest.raises(CorruptionError, match="checksum"):
+            list(dataset(url))
+        with open(path, "r+b") as f:  # truncated: named as such, never read past
+            f.truncate(os.path.getsize(path) - 10)
+        with pytest.raises(CorruptionError, match="truncated"):
+            list(dataset(url))
+    finally:
+        torch.set_num_threads(before)

@@ -108,3 +108,22 @@ def test_pin_memory_gives_the_same_batches(store_url, mode):  # noqa: F811
         assert torch.equal(bits(a["hidden_states"]), bits(b["hidden_states"]))
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         assert b["hidden_states"].is_pinned() == torch.cuda.is_available()
+
+
+def test_worker_batches_held_stay_intact(store_url):  # noqa: F811
+    """Batches collated in DataLoader workers live in recycled shared memory: held ones are never rewritten."""
+    from torch.utils.data import DataLoader
+
+    ref = {x["sample_id"]: bits(x["hidden_states"]).clone() for x in dataset(store_url)}
+    for mode in ("pack", "pad"):
+        loader = DataLoader(TokenBatches(dataset(store_url, seed=1), max_tokens=300, mode=mode), batch_size=None,
+                            num_workers=2, multiprocessing_context="fork")
+        held = list(loader)
+        for _ in loader:  # another epoch while the first is held: its memory must come from elsewhere
+            pass
+        assert sorted(i for b in held for i in b["sample_id"]) == sorted(ref)
+        for b in held:
+            want = torch.cat([ref[i] for i in b["sample_id"]])
+            if mode == "pad":  # the real rows of each padded sample, in order
+                b = {"hidden_states": torch.cat([h[:n] for h, n in zip(b["hidden_states"], b["lengths"])])}
+            assert torch.equal(bits(b["hidden_states"]), want)
