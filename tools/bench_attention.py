@@ -14,7 +14,8 @@ in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward). 
 (context tokens), peak memory over the timed steps (CUDA: ``torch.cuda.max_memory_allocated`` after a reset,
 weights included; CPU: each case runs in its own process with glibc returning large blocks to the system
 at once, and reports its peak RSS since a reset of the high-water mark, and that peak less the RSS at the
-reset, i.e. the step's own memory) and MFU = model FLOPs / time / ``--peak-tflops`` (989: H200 dense bf16). Model FLOPs:
+reset, i.e. the step's own memory), the activations kept for backward after the forward (exact, counted by
+``saved_bytes``, on both devices) and MFU = model FLOPs / time / ``--peak-tflops`` (989: H200 dense bf16). Model FLOPs:
 the matmuls (fc, q/k/v/o, SwiGLU, the lm_head rows that carry loss weight) and the attention over the keys
 the mask allows (4 * heads * head_dim per visible query-key pair); backward counted as 2x forward for the
 trained layers and 1x for fc and the frozen lm_head (one of the two gradients), recomputation not counted.
@@ -31,6 +32,7 @@ import time
 import torch
 
 from hsstore.train import model as model_mod
+from hsstore.train.budget import saved_activation_bytes
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
@@ -115,6 +117,13 @@ def reset_peak_rss() -> int:
     return _proc_status("VmRSS")
 
 
+def saved_bytes(model, batch, ce="fused", ce_chunk=1024) -> int:
+    """Activation bytes kept for backward by one forward of the loss (weights and frozen buffers not counted)."""
+    n, _ = saved_activation_bytes(lambda: dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk),
+                                  exclude=[*model.parameters(), *model.buffers()])
+    return n
+
+
 def bench_one(impl, seq, args, ce="fused") -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -127,6 +136,7 @@ def bench_one(impl, seq, args, ce="fused") -> dict:
         model = make(impl, args, seq, device, dtype)
         batch = make_batch(args, seq, device, dtype)
         res["tflop_per_step"] = step_flops(model.config, batch) / 1e12
+        res["saved_gib"] = saved_bytes(model, batch, ce, args.ce_chunk) / 2**30
         for _ in range(args.warmup):
             step(model, batch, ce, args.ce_chunk)
             model.zero_grad(set_to_none=True)
@@ -188,6 +198,7 @@ def show(r: dict) -> str:
         return f"{head}: {r['error']}"
     mem = (f"peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r
            else f"peak RSS {r['peak_rss_gib']:.2f} GiB (step {1024 * r['step_rss_gib']:.0f} MiB)")
+    mem += f", kept for backward {1024 * r['saved_gib']:.0f} MiB"
     return (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
             f"{r['tflop_per_step']:.2f} TFLOP/step  MFU {100 * r['mfu']:.1f}%")
 

@@ -163,8 +163,11 @@ def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.
     if impl == "full":
         return _ce_and_argmax(h, lm_head, labels)
     if impl == "fused":
+        if lm_head.requires_grad:
+            raise ValueError("the fused cross entropy treats lm_head as frozen, but it requires grad; "
+                             "use impl='checkpoint' to train it")
         if want_grad:
-            return _FusedLinearCE.apply(h, lm_head.detach(), labels, chunk)
+            return _FusedLinearCE.apply(h, lm_head, labels, chunk)
         ce, pred, _ = _fused_chunks(h, lm_head, labels, chunk, want_grad=False)
         return ce, pred
     ces, preds = [], []
