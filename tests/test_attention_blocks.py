@@ -18,14 +18,14 @@ H, L, V, MASK = 32, 3, 100, 99
 def plan_as_dense(plan, B, T, N):
     """Count, per (query row, key) of the dense layout [context T | blocks N], how often the plan lets the
     row see that key (0 or 1 when the plan is right)."""
-    CS = plan.chunk_rows
     Np = max(plan.padded_rows, N)
     seen = torch.zeros(B, Np, T + Np, dtype=torch.long)
-    for c0, _, idx, mask in plan.groups:
+    for r0, _, idx, mask in plan.groups:
+        R = mask.shape[2]
         for c in range(mask.shape[1]):
-            rows = torch.arange((c0 + c) * CS, (c0 + c + 1) * CS)[:, None].expand(-1, idx.shape[-1])
+            rows = torch.arange(r0 + c * R, r0 + (c + 1) * R)[:, None].expand(-1, idx.shape[-1])
             for b in range(B):
-                cols = idx[b, c][None].expand(CS, -1)
+                cols = idx[b, c][None].expand(R, -1)
                 seen[b].index_put_((rows, cols), mask[b, c].long(), accumulate=True)
     return seen
 
@@ -74,7 +74,7 @@ def make(attn_impl, sliding_window, sliding_causal=True, block_size=4, seed=0):
     cfg = DrafterConfig(hidden_size=H, intermediate_size=64, vocab_size=V, target_layers=[1, 2, 3],
                         mask_token_id=MASK, num_heads=4, num_kv_heads=2, head_dim=8,
                         num_layers=len(sliding_window), block_size=block_size, sliding_window=sliding_window,
-                        sliding_causal=sliding_causal, max_position=512, attn_impl=attn_impl)
+                        sliding_causal=sliding_causal, max_position=4096, attn_impl=attn_impl)
     return DFlashDrafter(cfg, torch.randn(V, H), torch.randn(V, H))
 
 
@@ -158,3 +158,56 @@ def test_blocks_path_catches_a_leaky_rule(monkeypatch):
         want = model.draft_hidden(hs, ids, anchors)
         monkeypatch.setattr(model_mod, "context_visible", leaky)
         assert not torch.allclose(model.draft_hidden(hs, ids, anchors), want, atol=1e-5)
+
+
+def spaced_batch(T, A, seed=0):
+    """One sequence of T tokens with A anchors evenly spaced (so every chunk spans the same extent)."""
+    g = torch.Generator().manual_seed(seed)
+    anchors = torch.arange(A)[None] * (T // A) + T // (2 * A)
+    return dict(input_ids=torch.randint(0, V - 1, (1, T), generator=g), loss_mask=torch.ones(1, T, dtype=torch.bool),
+                hidden_states=torch.randn(1, T, L, H, generator=g), anchors=anchors)
+
+
+def kept_bytes(model, batch):
+    from hsstore.train.budget import saved_activation_bytes
+
+    n, _ = saved_activation_bytes(lambda: dflash_loss(model, batch, gamma=4.0),
+                                  exclude=[*model.parameters(), *model.buffers()])
+    return n
+
+
+def test_sliding_attention_memory_per_context_token_does_not_grow_with_queries():
+    """Activations kept for backward, sliding layers (W = 64, block 16): going from 1024 to 2048 context tokens
+    costs the blocks path the same whether 16 or 64 anchors (256 or 1024 query rows) attend; the dense path
+    pays per query row and context token (its mask), so its cost per context token grows with the queries."""
+    def per_token(impl, A):
+        model = make(impl, [64, 64], block_size=16)
+        return (kept_bytes(model, spaced_batch(2048, A)) - kept_bytes(model, spaced_batch(1024, A))) / 1024
+
+    few, many = per_token("blocks", 16), per_token("blocks", 64)
+    assert abs(many - few) < 0.05 * few, (few, many)
+    dense_few, dense_many = per_token("sdpa", 16), per_token("sdpa", 64)
+    assert dense_many > 1.5 * dense_few, (dense_few, dense_many)
+
+
+def test_full_layer_gathers_each_prefix_once_per_group():
+    """A full layer's chunks all see a prefix of the context: the plan gathers it once per group of chunks (about
+    groups x T keys in all, plus the blocks), not once per chunk (chunks x T)."""
+    from hsstore.train import model as model_mod
+
+    T, A, S = 4096, 256, 16  # 16 chunks of 256 rows, 4 groups
+    anchors = torch.arange(A)[None] * (T // A) + 8
+    plan = block_plan(anchors, torch.ones(1, T, dtype=torch.bool), S, None, chunk_rows=256)
+    gathered = sum(idx.shape[1] * idx.shape[2] for _, _, idx, _ in plan.groups)
+    assert gathered <= model_mod.FULL_LAYER_GROUPS * T + A * S, gathered
+
+
+def test_layers_of_one_window_share_one_attention_mask():
+    """SDPA keeps its mask for backward: the layers of one window get the same additive mask (kept once), so a
+    third sliding layer adds less than the second one did plus that layer's mask."""
+    batch = spaced_batch(1024, 32)
+    one, two, three = (kept_bytes(make("blocks", [64] * n, block_size=16), batch) for n in (1, 2, 3))
+    plan = block_plan(batch["anchors"], torch.ones(1, 1024, dtype=torch.bool), 16, 64)
+    mask_bytes = sum(plan.bias(i, torch.float32, 2).nbytes for i in range(len(plan.groups)))
+    assert two - one == three - two  # every layer after the first adds the same
+    assert (two - one) + mask_bytes <= one  # and not its own mask: the first layer's mask is kept once

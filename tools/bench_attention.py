@@ -1,15 +1,21 @@
 """Speed, peak memory and MFU of one DFlash training step with random weights (no target, no data needed),
-for each attention implementation side by side in one run.
+for each attention implementation x lm_head/cross-entropy implementation side by side in one run.
 
-    python -m tools.bench_attention --published --seq 16384 32768 --anchors 512     # the 27B drafter, H200
-    python -m tools.bench_attention --tiny --impl sdpa blocks                       # CPU smoke test
+    python -m tools.bench_attention --published --seq 16384 32768 --anchors 512 \
+        --impl sdpa blocks --ce full fused                                           # the 27B drafter, H200
+    python -m tools.bench_attention --tiny --impl sdpa blocks --ce full fused      # CPU smoke test
     python -m tools.bench_attention --check --impl blocks flex                      # == sdpa on this device
 
 ``--published``: the Qwen3.6-27B drafter (5 layers: 4 sliding-window 2048 + 1 full; hidden 5120, FFN 17408,
 32 heads x 128, 8 KV heads, 5 taps, vocab 248320). One sequence of ``--seq`` tokens, every position a
-response token, ``--anchors`` anchors. Prints ms/step, tokens/s (context tokens), peak memory (CUDA: the
-allocator's peak, each implementation after a reset; CPU: each implementation runs in its own process and
-reports its peak RSS) and MFU = model FLOPs / time / ``--peak-tflops`` (989: H200 dense bf16). Model FLOPs:
+response token, ``--anchors`` anchors. ``--ce``: how the lm_head + cross entropy run (objective.CE_IMPLS:
+full = all logits at once, the unchunked reference; checkpoint = ``--ce-chunk`` rows at a time, recomputed
+in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward). Prints ms/step, tokens/s
+(context tokens), peak memory over the timed steps (CUDA: ``torch.cuda.max_memory_allocated`` after a reset,
+weights included; CPU: each case runs in its own process with glibc returning large blocks to the system
+at once, and reports its peak RSS since a reset of the high-water mark, and that peak less the RSS at the
+reset, i.e. the step's own memory), the activations kept for backward after the forward (exact, counted by
+``saved_bytes``, on both devices) and MFU = model FLOPs / time / ``--peak-tflops`` (989: H200 dense bf16). Model FLOPs:
 the matmuls (fc, q/k/v/o, SwiGLU, the lm_head rows that carry loss weight) and the attention over the keys
 the mask allows (4 * heads * head_dim per visible query-key pair); backward counted as 2x forward for the
 trained layers and 1x for fc and the frozen lm_head (one of the two gradients), recomputation not counted.
@@ -20,14 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
+import os
 import time
 
 import torch
 
 from hsstore.train import model as model_mod
+from hsstore.train.budget import saved_activation_bytes
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
-from hsstore.train.objective import batch_anchors, block_targets, dflash_loss
+from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
@@ -89,16 +96,38 @@ def step_flops(cfg: DrafterConfig, batch) -> float:
     return 3 * fwd + 2 * (fc + head)
 
 
-def step(model, batch):
-    loss, _ = dflash_loss(model, batch)
+def step(model, batch, ce="fused", ce_chunk=1024):
+    loss, _ = dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk)
     loss.backward()
     return loss
 
 
-def bench_one(impl, seq, args) -> dict:
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's RSS high-water mark (Linux: clear_refs 5); returns the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _proc_status("VmRSS")
+
+
+def saved_bytes(model, batch, ce="fused", ce_chunk=1024) -> int:
+    """Activation bytes kept for backward by one forward of the loss (weights and frozen buffers not counted)."""
+    n, _ = saved_activation_bytes(lambda: dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk),
+                                  exclude=[*model.parameters(), *model.buffers()])
+    return n
+
+
+def bench_one(impl, seq, args, ce="fused") -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    res = {"impl": impl, "seq": seq, "anchors": args.anchors}
+    res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors}
     if args.chunk_rows:  # set here: a spawned process imports the model afresh
         model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
     if args.full_groups:
@@ -107,15 +136,18 @@ def bench_one(impl, seq, args) -> dict:
         model = make(impl, args, seq, device, dtype)
         batch = make_batch(args, seq, device, dtype)
         res["tflop_per_step"] = step_flops(model.config, batch) / 1e12
+        res["saved_gib"] = saved_bytes(model, batch, ce, args.ce_chunk) / 2**30
         for _ in range(args.warmup):
-            step(model, batch)
+            step(model, batch, ce, args.ce_chunk)
             model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        else:
+            base = reset_peak_rss()
         t = time.perf_counter()
         for _ in range(args.steps):
-            step(model, batch)
+            step(model, batch, ce, args.ce_chunk)
             model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -128,46 +160,55 @@ def bench_one(impl, seq, args) -> dict:
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:
-        res["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak = _proc_status("VmHWM")
+        res.update(peak_rss_gib=peak / 2**30, step_rss_gib=(peak - base) / 2**30)
     return res
 
 
-def _child(impl, seq, args, queue):
+def _child(impl, seq, args, ce, queue):
     try:
-        queue.put(bench_one(impl, seq, args))
+        queue.put(bench_one(impl, seq, args, ce))
     except Exception as e:  # noqa: BLE001 -- reported in the parent's table
-        queue.put({"impl": impl, "seq": seq, "anchors": args.anchors, "error": f"{type(e).__name__}: {e}"})
+        queue.put({"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "error": f"{type(e).__name__}: {e}"})
 
 
-def bench(impl, seq, args) -> dict:
-    """On CPU in a fresh process (its peak RSS is this implementation's alone); on CUDA in this one."""
+def bench(impl, seq, args, ce="fused") -> dict:
+    """On CPU in a fresh process (its peak RSS is this case's alone); on CUDA in this one."""
     if args.device.startswith("cuda"):
-        res = bench_one(impl, seq, args)
+        res = bench_one(impl, seq, args, ce)
         torch.cuda.empty_cache()
         return res
+    # glibc keeps freed blocks below its (growing) mmap threshold for reuse, so the RSS would keep the peak of
+    # an earlier phase; allocations of 64 KiB and more go straight back to the system with this (the child
+    # reads it at start; spawn starts a fresh interpreter)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(impl, seq, args, queue))
+    proc = ctx.Process(target=_child, args=(impl, seq, args, ce, queue))
     proc.start()
+    res = queue.get()  # before join: a large result must not block the child's exit
     proc.join()
-    return queue.get() if proc.exitcode == 0 else {"impl": impl, "seq": seq, "anchors": args.anchors,
-                                                   "error": f"exit code {proc.exitcode}"}
+    return res if proc.exitcode == 0 else {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors,
+                                           "error": f"exit code {proc.exitcode}"}
 
 
 def show(r: dict) -> str:
-    head = f"{r['impl']:6s} T={r['seq']:6d} A={r['anchors']}"
+    head = f"{r['impl']:6s} ce={r.get('ce', 'fused'):10s} T={r['seq']:6d} A={r['anchors']}"
     if "error" in r:
         return f"{head}: {r['error']}"
-    mem = f"peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else f"peak RSS {r['peak_rss_gib']:.2f} GiB"
+    mem = (f"peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r
+           else f"peak RSS {r['peak_rss_gib']:.2f} GiB (step {1024 * r['step_rss_gib']:.0f} MiB)")
+    mem += f", kept for backward {1024 * r['saved_gib']:.0f} MiB"
     return (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
             f"{r['tflop_per_step']:.2f} TFLOP/step  MFU {100 * r['mfu']:.1f}%")
 
 
 def check(args, device, dtype):
-    """Loss and gradients of every other implementation equal the SDPA reference (with padding)."""
+    """Loss and gradients of every other (attention, cross entropy) case equal the reference, sdpa with
+    unchunked logits (with padding)."""
     out = {}
     seq = args.seq[0]
-    for impl in dict.fromkeys(["sdpa", *args.impl]):
+    for impl, ce in dict.fromkeys([("sdpa", "full")] + [(i, c) for i in args.impl for c in args.ce]):
         model = make(impl, args, seq, device, dtype)
         batch = make_batch(args, seq, device, dtype, B=2)
         batch["attention_mask"] = torch.ones_like(batch["loss_mask"])
@@ -175,18 +216,22 @@ def check(args, device, dtype):
         batch["loss_mask"] = batch["loss_mask"] & batch["attention_mask"]
         batch["anchors"] = batch_anchors(batch["loss_mask"].cpu(), args.anchors,
                                          torch.Generator().manual_seed(2)).to(device)
-        loss = step(model, batch)
-        out[impl] = (loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    l1, g1 = out.pop("sdpa")
-    for impl, (l2, g2) in out.items():
+        loss = step(model, batch, ce, args.ce_chunk)
+        out[impl, ce] = (loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    l1, g1 = out.pop(("sdpa", "full"))
+    for (impl, ce), (l2, g2) in out.items():
         worst = max(((g1[n] - g2[n]).norm() / g1[n].norm().clamp(min=1e-12)).item() for n in g1)
-        print(f"check {impl}: loss sdpa {l1.item():.6f} {impl} {l2.item():.6f}; worst relative grad diff {worst:.2e}")
-        assert torch.allclose(l1, l2, rtol=1e-2) and worst < 5e-2, f"{impl} and sdpa disagree"
+        print(f"check {impl}/{ce}: loss sdpa/full {l1.item():.6f} {impl}/{ce} {l2.item():.6f}; "
+              f"worst relative grad diff {worst:.2e}")
+        assert torch.allclose(l1, l2, rtol=1e-2) and worst < 5e-2, f"{impl}/{ce} and sdpa/full disagree"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", nargs="+", default=["sdpa", "blocks"], choices=ATTN_IMPLS)
+    ap.add_argument("--ce", nargs="+", default=["fused"], choices=CE_IMPLS,
+                    help="lm_head + cross entropy: full (all logits at once), checkpoint, fused (the default)")
+    ap.add_argument("--ce-chunk", type=int, default=1024, help="query rows per lm_head chunk (checkpoint, fused)")
     ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="sequence lengths (one sequence per step)")
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--block", type=int, default=16)
@@ -223,14 +268,26 @@ def main():
     results = []
     for seq in args.seq:
         for impl in args.impl:
-            results.append(bench(impl, seq, args))
-            print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
-    for seq in args.seq:  # ratios against the first implementation, measured in this run
+            for ce in args.ce:
+                results.append(bench(impl, seq, args, ce))
+                print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
+    if not args.json:
+        print(summary(results))
+
+
+def summary(results) -> str:
+    """Per sequence length, every case against the first one measured in this run: speed and peak memory."""
+    lines = []
+    for seq in dict.fromkeys(r["seq"] for r in results):
         rs = [r for r in results if r["seq"] == seq and "error" not in r]
-        if len(rs) > 1 and not args.json:
-            base = rs[0]
-            print(f"T={seq}: " + ", ".join(f"{r['impl']} {base['ms_per_step'] / r['ms_per_step']:.2f}x faster than "
-                                          f"{base['impl']}" for r in rs[1:]))
+        if len(rs) < 2:
+            continue
+        base, key = rs[0], "peak_gib" if "peak_gib" in rs[0] else "step_rss_gib"
+        name = lambda r: f"{r['impl']}/{r['ce']}"  # noqa: E731
+        lines.append(f"T={seq}, against {name(base)}: " + ", ".join(
+            f"{name(r)} {base['ms_per_step'] / r['ms_per_step']:.2f}x speed, "
+            f"{1024 * (r[key] - base[key]):+.0f} MiB peak" for r in rs[1:]))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,25 @@ def check_cpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int) -> in
             f"{have / 2**30:.1f} GiB available: lower --token-budget and --anchors (CPU defaults "
             f"{DEFAULTS['cpu']['max_tokens']} and {DEFAULTS['cpu']['anchors']}) or --draft-layers, or train on a GPU")
     return need
+
+
+def saved_activation_bytes(fn, exclude=()) -> tuple[int, object]:
+    """(bytes of the tensors autograd keeps for backward while ``fn()`` runs, ``fn()``'s result).
+
+    Each storage counts once, as long as ``fn``'s result (which holds the graph) is alive; storages of
+    ``exclude`` (weights, frozen buffers) are not counted. Exact on any device, unlike the process's RSS:
+    what a step's activations cost before backward starts (the CUDA peak adds the weights, gradients and
+    the backward's temporaries)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+

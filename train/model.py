@@ -323,14 +323,19 @@ def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, block_size:
 
 # Block-sparse attention ("blocks"): the dense mask above is [A*S, T + A*S] per sequence, but a block row
 # sees at most p context keys (W - 1 in a sliding layer) plus its own S block keys. The plan splits the
-# anchors into chunks of consecutive anchors (``chunk_rows`` query rows each); a chunk's keys are the
-# context span its anchors can see, [lo, hi) = [min p - (W - 1), max p) (from 0 in a full layer), plus
-# its own blocks' keys, gathered by index and attended with SDPA under the same rule on that small
-# mask. Anchors are sorted (``sample_anchors``), so spans are short; unsorted anchors stay correct, only
-# slower. Chunks of one group share a key length (the group's longest span) and run as one batched SDPA
-# call: sliding layers, whose spans are all about W + the chunk's extent, use one group; full layers,
-# whose spans grow with p, split into FULL_LAYER_GROUPS so short prefixes are not padded to the whole
-# sequence.
+# anchors into chunks of consecutive anchors (``chunk_rows`` query rows each) and attends each chunk to only
+# the keys it may see, gathered by index, under the same rule on that small mask. Anchors are sorted
+# (``sample_anchors``), so spans are short; unsorted anchors stay correct, only slower.
+# * Sliding layer: a chunk's keys are the context span its anchors can see, [min p - (W - 1), max p), plus its
+#   own blocks' keys; all chunks share one key length (about W + the chunk's extent) and run as one batched
+#   SDPA call. Keys gathered: chunks x (W + extent), about A*S*W/chunk_rows + T, not the context per chunk.
+# * Full layer: every chunk sees a prefix [0, max p) of the context, so chunks are not gathered one by one
+#   (that copies the prefix once per chunk: chunks x T keys); the anchors split into FULL_LAYER_GROUPS groups
+#   of consecutive chunks, and all of a group's rows attend, in one call, to the group's prefix (gathered
+#   once) plus the group's own blocks (block-diagonal mask). Short prefixes are not padded to the whole
+#   sequence, and the keys gathered are about groups x T / 2.
+# Every group's boolean mask becomes SDPA's additive mask once per plan and dtype (``BlockPlan.bias``), shared
+# by the layers of one window: SDPA keeps the mask it is given for its backward, once, not once per layer.
 
 ATTN_CHUNK_ROWS = 256  # query rows per chunk (16 anchors of 16): small enough to keep spans tight
 FULL_LAYER_GROUPS = 4  # batched SDPA calls for a full-attention layer
@@ -339,16 +344,31 @@ _KEY_ALIGN = 16  # gathered key counts are padded to a multiple of this (fused k
 
 @dataclass
 class BlockPlan:
-    """Which keys each chunk of blocks attends to, for ``attend``: per group of chunks, the indices of
-    its keys in [context T | blocks (padded to whole chunks)] and their bool mask."""
+    """Which keys each chunk of query rows attends to, for ``attend``: per group, the query rows
+    [r0, r1) = n chunks of R rows, the indices of their keys in [context T | blocks (padded to whole
+    chunks)] and their bool mask."""
 
     rows: int  # A*S query rows (before padding to whole chunks)
-    chunk_rows: int  # C*S
-    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (first chunk, end chunk, idx [B, n, K], mask [B, n, C*S, K])
+    chunk_rows: int  # C*S, the rows of one chunk of anchors
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (r0, r1, idx [B, n, K], mask [B, n, R, K])
+
+    def __post_init__(self):
+        self._bias = {}
 
     @property
     def padded_rows(self) -> int:
-        return self.groups[-1][1] * self.chunk_rows if self.groups else 0
+        return self.groups[-1][1] if self.groups else 0
+
+    def bias(self, group: int, dtype: torch.dtype, fold: int) -> torch.Tensor:
+        """Group ``group``'s mask as SDPA's additive mask [B*n, 1, fold*R, K] (0 / -inf, ``dtype``), rows
+        repeated ``fold`` times (the query heads of a KV group folded into the rows); made once per plan."""
+        key = (group, dtype, fold)
+        if key not in self._bias:
+            mask = self.groups[group][3]
+            B, n, R, K = mask.shape
+            m = mask.reshape(B * n, 1, R, K).repeat(1, 1, fold, 1)
+            self._bias[key] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        return self._bias[key]
 
 
 def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, window: int | None = None,
@@ -372,32 +392,36 @@ def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, wind
     lo = torch.where(real, first, T).amin(-1)  # [B, n]: no real anchor -> empty span
     hi = torch.where(real, p, 0).amax(-1)
     lo = torch.minimum(lo, hi)
-    span = hi - lo
-    blk = blocks_visible(C, S, window, causal, dev)  # [C*S, C*S], the same for every chunk
     n_groups = max(1, min(n, groups or (1 if window is not None else FULL_LAYER_GROUPS)))
     bounds = [round(g * n / n_groups) for g in range(n_groups + 1)]
     out = []
     for c0, c1 in zip(bounds[:-1], bounds[1:]):
         if c0 == c1:
             continue
-        K = int(span[:, c0:c1].max())
-        K = -(-K // _KEY_ALIGN) * _KEY_ALIGN
-        j = (lo[:, c0:c1, None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, ng, K]; beyond hi: unseen
-        ctx = context_visible(p[:, c0:c1], real[:, c0:c1], j, torch.gather(valid, 1, j.flatten(1)).view_as(j),
-                              S, window)  # [B, ng, C, S|1, K]
-        ng = c1 - c0
-        ctx = ctx.expand(B, ng, C, S, K).reshape(B, ng, C * S, K)
-        own = T + (torch.arange(c0, c1, device=dev)[:, None] * (C * S) + torch.arange(C * S, device=dev))
-        idx = torch.cat([j, own.expand(B, ng, C * S)], dim=-1)
-        mask = torch.cat([ctx, blk.expand(B, ng, C * S, C * S)], dim=-1)
-        out.append((c0, c1, idx, mask))
+        if window is None:  # one wide chunk per group: the prefix [0, max p) once, then the group's blocks
+            g_lo, g_hi = lo[:, c0:c1].amin(-1, keepdim=True), hi[:, c0:c1].amax(-1, keepdim=True)  # [B, 1]
+            ch, ng, R = 1, (c1 - c0) * C, (c1 - c0) * C * S
+        else:
+            g_lo, g_hi = lo[:, c0:c1], hi[:, c0:c1]  # [B, ng]
+            ch, ng, R = c1 - c0, C, C * S
+        K = int((g_hi - g_lo).max()) + R
+        K = -(-K // _KEY_ALIGN) * _KEY_ALIGN - R  # context keys; with the R block keys a multiple of the alignment
+        j = (g_lo[..., None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, ch, K]; beyond hi: unseen
+        pa, ra = p[:, c0:c1].reshape(B, ch, ng), real[:, c0:c1].reshape(B, ch, ng)
+        ctx = context_visible(pa, ra, j, torch.gather(valid, 1, j.flatten(1)).view_as(j), S, window)
+        ctx = ctx.expand(B, ch, ng, S, K).reshape(B, ch, R, K)  # [B, ch, ng, S|1, K] -> rows
+        own = T + (torch.arange(ch, device=dev)[:, None] * R + c0 * C * S + torch.arange(R, device=dev))
+        idx = torch.cat([j, own.expand(B, ch, R)], dim=-1)
+        blk = blocks_visible(ng, S, window, causal, dev)  # [R, R], the same for every chunk
+        mask = torch.cat([ctx, blk.expand(B, ch, R, R)], dim=-1)
+        out.append((c0 * C * S, c1 * C * S, idx, mask))
     return BlockPlan(A * S, C * S, out)
 
 
 def attend_blocks(q, k, v, plan: BlockPlan):
     """``attend`` for a BlockPlan: q [B, nh, N, hd], k/v [B, nkv, T+N, hd] -> [B, nh, N, hd].
 
-    Query heads of one KV group are folded into the query rows ([B*n, nkv, g*C*S, hd]), so SDPA sees plain
+    Query heads of one KV group are folded into the query rows ([B*n, nkv, g*R, hd]), so SDPA sees plain
     multi-head attention with a mask: the fused CPU/CUDA kernels take that, while ``enable_gqa`` with a
     mask falls back to the math kernel (all scores in memory)."""
     B, nh, N, hd = q.shape
@@ -405,21 +429,21 @@ def attend_blocks(q, k, v, plan: BlockPlan):
     g = nh // nkv
     if not plan.groups:
         return q.new_zeros(B, nh, N, hd)
-    CS, Np = plan.chunk_rows, plan.padded_rows
+    Np = plan.padded_rows
     q = F.pad(q, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, N', nh, hd]
     k = F.pad(k, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, T+N', nkv, hd]
     v = F.pad(v, (0, 0, 0, Np - N)).transpose(1, 2)
     b = torch.arange(B, device=q.device)[:, None, None]
     outs = []
-    for c0, c1, idx, mask in plan.groups:
-        ng, K = c1 - c0, idx.shape[-1]
-        qg = q[:, c0 * CS:c1 * CS].reshape(B, ng, CS, nkv, g, hd).permute(0, 1, 3, 4, 2, 5)
-        qg = qg.reshape(B * ng, nkv, g * CS, hd)
-        kg = k[b, idx].permute(0, 1, 3, 2, 4).reshape(B * ng, nkv, K, hd)  # [B, ng, K, nkv, hd] -> heads first
-        vg = v[b, idx].permute(0, 1, 3, 2, 4).reshape(B * ng, nkv, K, hd)
-        m = mask.reshape(B * ng, 1, CS, K).repeat(1, 1, g, 1)  # row r*CS + i of the fold is query row i
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=m)  # [B*ng, nkv, g*CS, hd]
-        outs.append(o.view(B, ng, nkv, g, CS, hd).permute(0, 1, 4, 2, 3, 5).reshape(B, ng * CS, nh, hd))
+    for gi, (r0, r1, idx, mask) in enumerate(plan.groups):
+        n, R, K = mask.shape[1], mask.shape[2], idx.shape[-1]
+        qg = q[:, r0:r1].reshape(B, n, R, nkv, g, hd).permute(0, 1, 3, 4, 2, 5)
+        qg = qg.reshape(B * n, nkv, g * R, hd)
+        kg = k[b, idx].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)  # [B, n, K, nkv, hd] -> heads first
+        vg = v[b, idx].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)
+        bias = plan.bias(gi, q.dtype, g)  # row r*R + i of the fold is query row i
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias)  # [B*n, nkv, g*R, hd]
+        outs.append(o.view(B, n, nkv, g, R, hd).permute(0, 1, 4, 2, 3, 5).reshape(B, n * R, nh, hd))
     return torch.cat(outs, dim=1)[:, :N].transpose(1, 2)
 
 

@@ -85,36 +85,109 @@ def block_targets(input_ids, loss_mask, anchors, block_size: int, gamma: float):
     return labels, weights
 
 
+CE_IMPLS = ("fused", "checkpoint", "full")
+
+
 def _ce_and_argmax(h, w, y):
     logits = F.linear(h.to(w.dtype), w)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
     return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
 
 
-def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 1024):
-    """CE [N] and top-1 predictions [N] for rows h [N, H] without materializing all N x V logits.
+def _fused_chunks(h, w, y, chunk: int, want_grad: bool):
+    """CE [N], top-1 [N] and, with ``want_grad``, dCE_i/dh_i [N, H], one chunk of logits at a time.
 
-    Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is
-    about chunk x V floats instead of N x V.
+    The CE is what ``F.cross_entropy`` computes (log-softmax in >= fp32, then the label's entry; rows
+    labelled IGNORE give 0); its gradient with respect to the logits is softmax - onehot, which the
+    log-softmax of the forward already holds, so the gradient with respect to h costs one matmul here and
+    none in backward (the checkpointed path recomputes the logits there: one V x H matmul more per row)."""
+    N = h.shape[0]
+    ct = torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32)
+    ce = h.new_empty(N, dtype=ct)
+    pred = y.new_empty(N)
+    dh = torch.empty_like(h) if want_grad else None
+    for s in range(0, N, chunk):
+        logits = F.linear(h[s:s + chunk].to(w.dtype), w)
+        pred[s:s + chunk] = logits.argmax(-1)
+        lsm = F.log_softmax(logits, -1, dtype=ct)  # == log_softmax(logits.to(ct)): no fp32 copy of the logits
+        del logits
+        ys = y[s:s + chunk]
+        keep = ys != IGNORE
+        yc = ys.clamp(min=0)[:, None]
+        ce[s:s + chunk] = torch.where(keep, -lsm.gather(1, yc).squeeze(1), 0.0)
+        if want_grad:
+            g = lsm.exp_()  # softmax, in place
+            g.scatter_add_(1, yc, torch.full_like(yc, -1, dtype=g.dtype))
+            g.mul_(keep[:, None])
+            dh[s:s + chunk] = (g.to(w.dtype) @ w).to(h.dtype)
+        del lsm
+    return ce, pred, dh
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Rows' CE of h @ w.T with the gradient taken in the forward pass; w is frozen (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, chunk):
+        ce, pred, dh = _fused_chunks(h, w, y, chunk, want_grad=True)
+        ctx.save_for_backward(dh)
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred):
+        (dh,) = ctx.saved_tensors
+        return dh * grad_ce[:, None].to(dh.dtype), None, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,
+                          impl: str = "fused"):
+    """CE [N] and top-1 predictions [N] for rows h [N, H] (logits h @ lm_head.T; lm_head frozen).
+
+    ``impl``:
+      * "fused" (default): ``chunk`` rows of logits at a time; each chunk's gradient with respect to its
+        rows of h is computed right away (softmax - onehot) @ lm_head and kept ([N, H], the size of h),
+        so backward only scales it: one chunk's logits live at any time, and no logits are recomputed;
+      * "checkpoint": ``chunk`` rows at a time under activation checkpointing: the same peak for the
+        logits, but backward recomputes each chunk's logits (one V x H matmul per row more);
+      * "full": all N x V logits at once, kept for backward by autograd (the reference; memory N x V).
+    Rows labelled IGNORE get CE 0 and no gradient, as in ``F.cross_entropy``.
     """
+    if impl not in CE_IMPLS:
+        raise ValueError(f"cross-entropy impl must be one of {CE_IMPLS}, not {impl!r}")
+    if chunk < 1:
+        raise ValueError(f"ce chunk must be >= 1 row, not {chunk}")
+    if h.shape[0] == 0:
+        return h.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
+    want_grad = torch.is_grad_enabled() and h.requires_grad
+    if impl == "full":
+        return _ce_and_argmax(h, lm_head, labels)
+    if impl == "fused":
+        if lm_head.requires_grad:
+            raise ValueError("the fused cross entropy treats lm_head as frozen, but it requires grad; "
+                             "use impl='checkpoint' to train it")
+        if want_grad:
+            return _FusedLinearCE.apply(h, lm_head, labels, chunk)
+        ce, pred, _ = _fused_chunks(h, lm_head, labels, chunk, want_grad=False)
+        return ce, pred
     ces, preds = [], []
-    use_ckpt = torch.is_grad_enabled() and h.requires_grad
     for s in range(0, h.shape[0], chunk):
         args = (h[s : s + chunk], lm_head, labels[s : s + chunk])
-        ce, pred = checkpoint(_ce_and_argmax, *args, use_reentrant=False) if use_ckpt else _ce_and_argmax(*args)
+        ce, pred = checkpoint(_ce_and_argmax, *args, use_reentrant=False) if want_grad else _ce_and_argmax(*args)
         ces.append(ce)
         preds.append(pred)
-    if not ces:
-        return h.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
     return torch.cat(ces), torch.cat(preds)
 
 
 def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch.Generator | None = None,
-                gamma: float | None = None, ce_chunk: int = 1024, weight_total: float | torch.Tensor | None = None):
+                gamma: float | None = None, ce_chunk: int = 1024, weight_total: float | torch.Tensor | None = None,
+                ce_impl: str = "fused"):
     """Weighted block cross entropy of ``model`` (a DFlashDrafter) on ``batch``.
 
     Anchors come from batch["anchors"] if present, else are sampled here (sample_anchors per row).
     ``weight_total`` replaces this batch's weight sum as the loss's denominator (DDP: see the module doc).
+    ``ce_chunk`` / ``ce_impl``: how the lm_head and CE run over the weighted rows (``chunked_cross_entropy``);
+    every impl gives the same loss, gradients and metrics, they differ in memory and time only.
     Returns (loss, metrics); loss is a scalar with grad (0 with grad if the batch has no anchors).
     metrics (detached tensors, call .item() when logging):
         acc          top-1 accuracy over all weighted positions (unweighted mean)
@@ -152,7 +225,7 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
                           ce_sum=torch.tensor(0.0), hits_k=none, labels_k=none, accept_k=none)
 
     h = model.draft_hidden(batch["hidden_states"].to(dev), input_ids, anchors, attn)  # [B, A, S, H]
-    ce, pred = chunked_cross_entropy(h[sel], model.lm_head, labels[sel], ce_chunk)
+    ce, pred = chunked_cross_entropy(h[sel], model.lm_head, labels[sel], ce_chunk, ce_impl)
     w = weights[sel]
     ce_sum = (w * ce).sum()
     loss = ce_sum / (w.sum() if weight_total is None else weight_total)

@@ -118,7 +118,8 @@ class TrainConfig:
     weights: list[float] | None = None  # per store (see HiddenStateDataset)
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
-    ce_chunk: int = 1024
+    ce_chunk: int = 1024  # query rows per lm_head + cross-entropy chunk
+    ce_impl: str = "fused"  # fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy
     val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
     val_every: int | None = None  # steps between evaluations (default: save_every)
 
@@ -243,13 +244,13 @@ class DraftLoss(torch.nn.Module):
     over the ``world`` ranks, so the step follows the gradient of ``sum over ranks (w * CE) / W``: exactly
     one process's step on the union of the batches, whatever each rank's share of the weights."""
 
-    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int, world: int = 1):
+    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int, world: int = 1, ce_impl: str = "fused"):
         super().__init__()
-        self.drafter, self.gamma, self.ce_chunk, self.world = drafter, gamma, ce_chunk, world
+        self.drafter, self.gamma, self.ce_chunk, self.world, self.ce_impl = drafter, gamma, ce_chunk, world, ce_impl
 
     def forward(self, batch):
         total = batch.get("global_weight_sum")
-        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk,
+        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk, ce_impl=self.ce_impl,
                            weight_total=None if not total else total / self.world)
 
 
@@ -391,7 +392,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         log.info("rank %d: drafter initialised from %s", rank, cfg.init)
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
         check_cpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel())
-    loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world)
+    loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
     if rank == 0:
