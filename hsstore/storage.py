@@ -210,6 +210,59 @@ def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str,
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e.get("type") != "directory"}
 
 
+def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str]) -> dict[str, dict[str, Any]]:
+    """``list_detail`` of an S3 prefix as concurrent ranges: base names sorted ``splits`` cut the key space into
+    ``(None, s1], (s1, s2], ..., (sn, end)``, each listed (``StartAfter``, paged) up to its end, at most
+    ``metadata_concurrency`` at once. Every key falls in exactly one range, so the union is the serial listing
+    (a key added or removed meanwhile is seen or not, as in a serial listing). Not s3fs (or versioned): serial."""
+    from s3fs import S3FileSystem
+
+    if not isinstance(fs, S3FileSystem) or fs.version_aware or not splits:
+        return list_detail(fs, path)
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(path)
+    prefix = key.rstrip("/") + "/" if key else ""
+    bounds = [None, *(prefix + s for s in sorted(set(splits))), None]
+
+    async def one(after: str | None, stop: str | None) -> list[dict[str, Any]]:
+        kw = dict(Bucket=bucket, Prefix=prefix, Delimiter="/", **fs.req_kw)
+        if after is not None:
+            kw["StartAfter"] = after
+        out = []
+        async with sem:
+            async for page in fs._list_pages("list_objects_v2", **kw):
+                done = False
+                for c in page.get("Contents", []):
+                    if stop is not None and c["Key"] > stop:
+                        done = True
+                        break
+                    out.append({"name": f"{bucket}/{c['Key']}", "size": c["Size"], "ETag": c.get("ETag"),
+                                "LastModified": c.get("LastModified"), "type": "file"})
+                if done or (stop is not None and out and out[-1]["name"] == f"{bucket}/{stop}"):
+                    break
+        return out
+
+    async def run() -> list[list[dict[str, Any]]]:
+        nonlocal sem
+        sem = asyncio.Semaphore(metadata_concurrency())  # made on the filesystem's loop
+        return await asyncio.gather(*(one(a, b) for a, b in zip(bounds[:-1], bounds[1:])))
+
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    sem: Any = None
+    try:
+        parts = sync(fs.loop, run)
+    except ClientError as e:
+        raise translate_boto_error(e) from None
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part}
+
+
 def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
     """Write many objects, each ``bytes`` or something with ``parts()`` (written without joining on
     local disk). Concurrent on async filesystems; parent folders are made on local disk."""

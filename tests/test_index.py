@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import commit, index, storage
+from hsstore import codec, commit, index, records, storage
 from hsstore.cli import main
 from hsstore.convert import convert
 from hsstore.merge import merge
@@ -157,21 +157,64 @@ def test_a_damaged_segment_is_ignored_with_a_warning_and_hides_no_shard(tmp_path
     assert verify(hsstore.open(url)).ok
 
 
-def test_verify_names_an_entry_that_differs_from_its_record(tmp_path, capsys):
+def _v1_segment(path_records: list[tuple[bytes, str | None]]) -> bytes:
+    """A version-1 segment as docs/FORMAT.md specifies it (gzip'd JSON, whole records in entries)."""
+    entries = [{"shard": json.loads(d)["shard"], "size": len(d), "stamp": st, "crc32c": codec.crc32c(d),
+                "record": json.loads(d)} for d, st in path_records]
+    body = {"format": "hsstore-index", "version": 1, "kind": "compacted", "created_at": "2024-01-01T00:00:00Z",
+            "created_unix": 0.0, "writer": "old hsstore", "supersedes": {}, "entries": entries}
+    return gzip.compress(json.dumps(body).encode())
+
+
+def _listed_records(url) -> list[tuple[bytes, str | None]]:
+    listed = index.listed_records(_local_fs(), url)
+    return [(open(os.path.join(url, commit.commit_path(n)), "rb").read(), listed[n].stamp) for n in sorted(listed)]
+
+
+@pytest.mark.parametrize("forge", ["v2-record", "v2-columns", "v1-record"])
+def test_verify_names_an_entry_that_differs_from_its_record(tmp_path, capsys, forge):
     url = str(tmp_path / "s")
     _write(url)
     assert verify(hsstore.open(url)).ok
-    path = os.path.join(url, index.INDEX_DIR, _segments(url)[0])
-    body = json.loads(gzip.decompress(open(path, "rb").read()))
-    victim = body["entries"][2]
-    victim["record"]["samples"]["source"] = ["forged"]  # size and stamp still those of the record
-    open(path, "wb").write(gzip.compress(json.dumps(body).encode()))
+    (name,) = _segments(url)
+    path = os.path.join(url, index.INDEX_DIR, name)
+    items = _listed_records(url)
+    victim = json.loads(items[2][0])["shard"]
+    if forge == "v1-record":
+        os.remove(path)
+        d = json.loads(items[2][0])
+        d["samples"]["source"] = ["forged"]
+        forged = _v1_segment(items)
+        body = json.loads(gzip.decompress(forged))
+        body["entries"][2]["record"] = d  # size, stamp, crc still those of the record
+        path = os.path.join(url, index.INDEX_DIR, "c-old.json.gz")
+        open(path, "wb").write(gzip.compress(json.dumps(body).encode()))
+    elif forge == "v2-record":  # the record's bytes in the segment changed, its columns not
+        seg = index.decode_segment(name, open(path, "rb").read())
+        t = seg.table
+        row = t.shard.tolist().index(victim)
+        raws = [t.raw(i) for i in range(len(t))]
+        raws[row] = raws[row].replace(b'"writer":"', b'"writer":"X')
+        parsed = [(commit.CommitRecord.from_json(r, "x"), r, t.stamp[i], int(t.crc32c[i]), int(t.size[i]))
+                  for i, r in enumerate(raws)]
+        forged = records.from_records(parsed)
+        forged.writer = t.writer  # columns as they were
+        open(path, "wb").write(index.encode_segment("writer", "w", forged))
+        assert hsstore.open(url).index_use.indexed == N_SHARDS  # readers would use it
+    else:  # the columns say another thing than the record (what opening, info and the loader read)
+        seg = index.decode_segment(name, open(path, "rb").read())
+        t = seg.table
+        row = t.shard.tolist().index(victim)
+        loss = t.samples["loss_tokens"].copy()
+        loss[t.first[row]] += 1
+        t.samples["loss_tokens"] = loss
+        open(path, "wb").write(index.encode_segment("writer", "w", t))
     store = hsstore.open(url)
     report = verify(store)
-    assert [p.shard for p in report.problems] == [victim["shard"]]
+    assert [p.shard for p in report.problems] == [victim]
     assert "index entry differs" in report.problems[0].message
     assert main(["verify", url, "-q"]) == 1
-    assert f"shard {victim['shard']}" in capsys.readouterr().out
+    assert f"shard {victim}" in capsys.readouterr().out
 
 
 def test_compaction_keeps_a_writer_segment_that_grew_after_it_and_removes_only_after_the_grace(tmp_path):
