@@ -35,7 +35,10 @@ def summarize(store: Store) -> dict[str, Any]:
     layers = {}
     for l in m.slots:  # the layers, then named features (final_hidden)
         j = t.slots.index(str(l)) if str(l) in t.slots else None
-        if j is None or (len(t) and t.layer_stored[:, j].min() < 0):
+        if not len(t):
+            layers[str(l)] = {"stored_bytes": 0, "raw_bytes": 0, "ratio": None}
+            continue
+        if j is None or t.layer_stored[:, j].min() < 0:
             missing = t.shard[int(np.argmax(t.layer_stored[:, j] < 0))] if j is not None else t.shard[0]
             raise CorruptionError(f"commit record of shard {missing!r} lists no slot {l} of the manifest "
                                   "(hsstore verify names every such shard)")

@@ -84,20 +84,25 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
     """The loader plan alone, from synthetic records: catalog, then every slot's plan of one epoch."""
     import numpy as np
 
+    from hsstore import records
     from hsstore.commit import CommitRecord
     from hsstore.plan import Filters, Planner, build_catalog
 
     per = samples // shards
     rng = np.random.default_rng(0)
 
-    class FakeStore:  # what build_catalog reads: commits with sample columns
-        commits = []
+    class FakeStore:  # what build_catalog reads: the records' columns
+        table = None
 
+    items = []
     for i in range(shards):
         lengths = rng.integers(200, 4000, per).tolist()
         cols = {"sample_id": [f"{i}-{j}" for j in range(per)], "source": ["a"] * per, "length": lengths,
                 "loss_tokens": [x // 2 for x in lengths], "thinking_tokens": [0] * per, "flags": [[]] * per}
-        FakeStore.commits.append(CommitRecord(f"s{i:06d}", "w", per, sum(lengths), cols, {}, {}, 64))
+        rec = CommitRecord(f"s{i:06d}", "w", per, sum(lengths), cols, {}, {}, 64)
+        items.append((rec, rec.to_json(), None, 0))
+    FakeStore.table = records.from_records(items)
+    del items
     base = _rss_mb()
     t0 = time.perf_counter()
     cat = build_catalog([FakeStore], Filters(), unit_tokens=4096)
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--where", default="local,s3", help="local, s3 (moto behind the delaying proxy), or both")
     p.add_argument("--latency", default="0.03,0.1", help="s3: seconds added to every request (comma-separated)")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--index", default="no,yes", help="without the index (every record read), with it, or both")
     p.add_argument("--plan-samples", type=int, default=0, help="measure the loader plan alone for N samples")
     p.add_argument("--plan-shards", type=int, default=100000)
     p.add_argument("--json", default=None, help="also write the results here")
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 endpoint, latencies = None, [0.0]
             for n in shard_counts:
-                results += bench_one(where, n, endpoint, latencies, ops, scratch)
+                results += bench_one(where, n, endpoint, latencies, ops, scratch,
+                                     [m == "yes" for m in args.index.split(",") if m])
     finally:
         if server is not None:
             server.stop()
@@ -220,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str):
+def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str,
+              modes: tuple[bool, ...] = (False, True)):
     from hsstore import storage
     from hsstore.index import compact
 
@@ -237,7 +245,7 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
     build_store(fs, root, n, scratch)
     print(f"# built {where} store of {n} shards in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     out = []
-    for indexed in (False, True):
+    for indexed in modes:
         if indexed:
             compact(fs, root, grace_s=0)
         for lat in latencies:
