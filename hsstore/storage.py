@@ -202,7 +202,20 @@ def stamp(entry: dict[str, Any]) -> str | None:
 def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str, Any]]:
     """Base name -> listing entry of the objects directly under ``path`` (empty when there is none): one
     paged LIST on object stores, sizes and stamps included, never from fsspec's listings cache (a store opened
-    again in one process must see what was committed since)."""
+    again in one process must see what was committed since). Local disk: ``os.scandir`` (fsspec's ``ls`` builds
+    each entry through ``info``: 3x slower on 1e5 records)."""
+    if is_local(fs):
+        try:
+            with os.scandir(path) as it:
+                out = {}
+                for d in it:
+                    if d.is_dir():
+                        continue
+                    st = d.stat()
+                    out[d.name] = {"name": d.path, "size": st.st_size, "mtime": st.st_mtime, "type": "file"}
+                return out
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
     try:
         entries = fs.ls(path, detail=True, refresh=True)
     except FileNotFoundError:
