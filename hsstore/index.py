@@ -120,14 +120,7 @@ def encode_segment(kind: str, writer: str, table: RecordTable, supersedes: dict[
     the zstd'd record blocks, CRC32C of all before it. ``repack``: rebuild the blocks in row order (a table
     gathered from several segments)."""
     if repack:
-        cache = records.BlockCache()
-        raws = [table.raw(i, cache) for i in range(len(table))]
-        blocks, block, offset = [], np.zeros(len(raws), np.int32), np.zeros(len(raws), np.int64)
-        for b in range(0, len(raws), records.BLOCK_RECORDS):
-            part = raws[b:b + records.BLOCK_RECORDS]
-            block[b:b + len(part)] = len(blocks)
-            offset[b:b + len(part)] = np.concatenate([[0], np.cumsum([len(d) for d in part])[:-1]])
-            blocks.append(records.compress(b"".join(part)))
+        blocks, block, offset = records.pack(records.raws(table))
         table = RecordTable(**{**table.__dict__, "blocks": blocks, "block": block, "offset": offset,
                                "_starts": None})
     desc, arrays = records.table_header(table)

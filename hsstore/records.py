@@ -11,6 +11,7 @@ segment's blocks as they were read, records read one by one compressed here), de
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -21,7 +22,8 @@ from numcodecs import Zstd
 from .commit import CommitRecord
 from .errors import CorruptionError
 
-BLOCK_RECORDS = 256  # records per compressed block: a lazy parse decompresses ~0.6 MB of JSON at most
+BLOCK_RECORDS = 256  # records per compressed block at most, and about BLOCK_BYTES of them: what one lazy parse
+BLOCK_BYTES = 1 << 20  # decompresses (~1 ms)
 PARSED_CACHE = 512  # parsed records kept (a loader touches few shards at a time; verify walks them in order)
 _ZSTD = Zstd(level=3)
 
@@ -245,12 +247,7 @@ def from_records(items: Sequence[tuple]) -> RecordTable:
     first = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([len(r["samples"]["length"]) for r in rows], out=first[1:])
     col = lambda k: [x for r in rows for x in r["samples"][k]]  # noqa: E731
-    blocks, block, offset = [], np.zeros(len(rows), np.int32), np.zeros(len(rows), np.int64)
-    for b in range(0, len(rows), BLOCK_RECORDS):
-        part = [it[1] for it in items[b:b + BLOCK_RECORDS]]
-        block[b:b + len(part)] = len(blocks)
-        offset[b:b + len(part)] = np.concatenate([[0], np.cumsum([len(d) for d in part])[:-1]])
-        blocks.append(compress(b"".join(part)))
+    blocks, block, offset = pack([it[1] for it in items])
     return RecordTable(
         Strings.of([r["shard"] for r in rows]), Strings.of([it[2] or "" for it in items]),
         np.array([r["crc32c"] for r in rows], np.uint32),
@@ -260,6 +257,36 @@ def from_records(items: Sequence[tuple]) -> RecordTable:
         {i: r["skipped"] for i, r in enumerate(rows) if r["skipped"]}, first,
         {k: np.array(col(k), np.int64) for k in SAMPLE_INTS}, Strings.of(col("sample_id")), Codes.of(col("source")),
         Codes.of([tuple(f) for f in col("flags")]), blocks, block, offset)
+
+
+def pack(raws: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+    """Record bytes in order -> (zstd blocks, each record's block, its offset in the decompressed block)."""
+    blocks, block, offset = [], np.zeros(len(raws), np.int32), np.zeros(len(raws), np.int64)
+    part: list[bytes] = []
+    pos = 0
+    for i, d in enumerate(raws):
+        if part and (len(part) >= BLOCK_RECORDS or pos >= BLOCK_BYTES):
+            blocks.append(compress(b"".join(part)))
+            part, pos = [], 0
+        block[i], offset[i] = len(blocks), pos
+        part.append(d)
+        pos += len(d)
+    if part:
+        blocks.append(compress(b"".join(part)))
+    return blocks, block, offset
+
+
+def raws(t: RecordTable) -> list[bytes]:
+    """Every record's bytes in row order, each block decompressed once (rows gathered from several segments
+    interleave their blocks)."""
+    out: list[bytes] = [b""] * len(t)
+    size = t.ints["raw_size"]
+    for b in np.unique(t.block).tolist():
+        data = decompress(t.blocks[b])
+        for i in np.flatnonzero(t.block == b).tolist():
+            o = int(t.offset[i])
+            out[i] = data[o:o + int(size[i])]
+    return out
 
 
 def concat(parts: list[RecordTable]) -> RecordTable:
@@ -381,12 +408,14 @@ class BlockCache:
 
 class Records(Sequence[CommitRecord]):
     """``Store.commits``: the records of a table as a sequence of :class:`CommitRecord`, each parsed (with
-    every check of ``CommitRecord.from_json``) when first asked for and kept among the last ``PARSED_CACHE``."""
+    every check of ``CommitRecord.from_json``) when first asked for and kept among the last ``PARSED_CACHE``.
+    Thread-safe: the loader's and a store's read-ahead threads ask for records."""
 
     def __init__(self, table: RecordTable, where: str = "") -> None:
         self.table, self.where = table, where
         self._parsed: OrderedDict[int, CommitRecord] = OrderedDict()
         self._blocks = BlockCache()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.table)
@@ -398,18 +427,21 @@ class Records(Sequence[CommitRecord]):
         if not -n <= i < n:
             raise IndexError(f"shard index {i} out of range ({n} shards)")
         i = int(i) % n
-        rec = self._parsed.get(i)
-        if rec is not None:
-            self._parsed.move_to_end(i)
-            return rec
+        with self._lock:
+            rec = self._parsed.get(i)
+            if rec is not None:
+                self._parsed.move_to_end(i)
+                return rec
+            raw = self.table.raw(i, self._blocks)
         name = self.table.shard[i]
         where = f"commit record of shard {name!r}{self.where}"
-        rec = CommitRecord.from_json(self.table.raw(i, self._blocks), where=where)
+        rec = CommitRecord.from_json(raw, where=where)
         if rec.shard != name:
             raise CorruptionError(f"{where}: holds shard {rec.shard!r}")
-        self._parsed[i] = rec
-        if len(self._parsed) > PARSED_CACHE:
-            self._parsed.popitem(last=False)
+        with self._lock:
+            self._parsed[i] = rec
+            if len(self._parsed) > PARSED_CACHE:
+                self._parsed.popitem(last=False)
         return rec
 
     def __iter__(self) -> Iterator[CommitRecord]:
