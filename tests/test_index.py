@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import dataclasses
+import datetime
 
 import fsspec
 import pytest
@@ -435,6 +436,8 @@ def test_split_listing_equals_the_serial_listing(s3_store):
     got = storage.list_detail_split(fs, path, splits_cases[0] + splits_cases[1])
     assert sorted(got) == sorted(storage.list_detail(fs, path))
     assert storage.list_detail_split(fs, storage.join(root, "nothing"), ["k"]) == {}
+    # the split listing parses timestamps as text on a session of its own: the store's filesystem keeps datetimes
+    assert isinstance(fs.ls(path, detail=True, refresh=True)[0]["LastModified"], datetime.datetime)
 
 
 def test_open_on_s3_lists_ranges_concurrently_and_finds_late_shards(s3_store, s3_endpoint, monkeypatch):

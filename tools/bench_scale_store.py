@@ -50,7 +50,7 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
 
     opts = {"endpoint_url": endpoint} if endpoint else {}
     base = _rss_mb()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out: dict = {}
     if op == "first_item":
         store = Store(url, opts, use_index=use_index)
@@ -76,7 +76,8 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
             check_index(store, report)
             assert report.ok, report.problems[:3]
         out["index_use"] = {k: v for k, v in dataclasses.asdict(store.index_use).items() if isinstance(v, int)}
-    out.update(seconds=time.perf_counter() - t0, peak_rss_mb=_rss_mb(), base_rss_mb=base, shards=len(store.commits))
+    out.update(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0,  # this process's, all threads
+               peak_rss_mb=_rss_mb(), base_rss_mb=base, shards=len(store.commits))
     return out
 
 
