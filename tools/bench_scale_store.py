@@ -294,8 +294,11 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
                     from tests.faultproxy import FaultProxy
 
                     with FaultProxy(endpoint, faults=["latency"], persistent=True, delay=lat) as proxy:
+                        c0 = time.process_time()
                         r = run_child([op, url, proxy.url, "1" if indexed else "0"])
-                    r.update(requests=proxy.requests, max_in_flight=proxy.max_in_flight)
+                    # moto and the proxy run in this process: their CPU is what S3 would spend, not the client
+                    r.update(requests=proxy.requests, max_in_flight=proxy.max_in_flight,
+                             server_cpu_s=time.process_time() - c0)
                 else:
                     r = run_child([op, url, "-", "1" if indexed else "0"])
                 row = {"where": where, "shards": n, "latency_s": lat, "index": indexed, "op": op, **r}
