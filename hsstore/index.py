@@ -235,7 +235,7 @@ def listed_records(fs, root: str, known: list[str] | None = None) -> dict[str, L
     (``storage.list_detail_split``); the listing is the same either way."""
     splits = None
     if known and not storage.is_local(fs):
-        splits = [f"{n}.json" for n in known[LIST_SPLIT::LIST_SPLIT]]
+        splits = [f"{n}.json" for n in known[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # ranges of LIST_SPLIT keys: a page each
     if splits:
         listing = storage.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)
         listing = {b[: -len(".json")]: e for b, e in listing.items() if b.endswith(".json") and not b.startswith(".")}
