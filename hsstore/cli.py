@@ -72,7 +72,7 @@ def cmd_verify(args) -> int:
     from .verify import verify
 
     store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
-    total = sum(f["size"] for c in store.commits for f in c.files.values())
+    total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
     if args.json:

@@ -10,6 +10,10 @@ reader uses an entry only when the listing of ``commits/`` still shows that size
 - an entry whose record is not listed is ignored: the index never invents a shard;
 - a segment that fails its checksum or ends early is ignored with a warning: its records are read.
 
+Segments of version 2 (what this hsstore writes) hold the records as columns (what opening, ``info`` and the
+loader's catalog read) plus each record's own bytes in zstd blocks, parsed only when a shard is read or checked
+(``records.RecordTable``); version 1 segments (gzip'd JSON of whole records) are still read.
+
 Writers add segments (``StoreWriter``: one per writer session, replaced whole as it grows); ``hsstore index``
 (``compact``) rewrites everything listed into one segment that supersedes the others, and removes superseded
 segments once the segment that superseded them is older than a grace period (a reader that listed them just
@@ -21,24 +25,31 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import struct
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec, storage
-from .commit import CommitRecord, list_records, read_records
+import numpy as np
+
+from . import codec, records, storage
+from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
 from .errors import CorruptionError
 from .manifest import now_iso
+from .records import RecordTable
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR = "index"
-SEGMENT_SUFFIX = ".json.gz"
+SEGMENT_SUFFIX = ".idx"  # a version-2 segment's name ends so (older hsstore lists only SUFFIXES[1:]: ignores it)
+SUFFIXES = (SEGMENT_SUFFIX, ".json.gz")  # version 1's: ".json.gz"
 FORMAT = "hsstore-index"
-VERSION = 1  # of the segment format; a reader ignores (with a warning) segments of a version it does not know
+VERSION = 2  # of the segment format written; a reader ignores (with a warning) segments of a version it does not know
+READS = (1, 2)
+MAGIC = b"HSSIDX2\n"  # a version-2 segment's first bytes (version 1: gzip's 1f 8b)
 DEFAULT_GRACE_S = 3600.0
+LIST_SPLIT = 1000  # parallel listing: one range per this many shards known from the index (one LIST page each)
 
 
 @dataclass
@@ -56,7 +67,8 @@ class Segment:
     created_at: float  # Unix time, for the grace period before superseded segments are removed
     writer: str
     supersedes: dict[str, str | None]  # segment name -> the stamp it had when superseded
-    entries: list[dict[str, Any]]  # {"shard", "size", "stamp", "crc32c", "record"}
+    table: RecordTable  # its entries (a version-1 segment's converted)
+    version: int = VERSION
 
 
 @dataclass
@@ -76,49 +88,109 @@ class IndexUse:
 class Snapshot:
     """Every committed shard's record at one moment, and where each came from."""
 
-    records: list[CommitRecord]  # sorted by shard name
+    table: RecordTable  # sorted by shard name; its stamps are the listed ones
     listed: dict[str, Listed]
-    entries: dict[str, dict[str, Any]]  # shard -> an entry describing its current record (for ``compact``)
     segments: dict[str, Segment]  # readable segments (live and superseded) by name
     segment_stamps: dict[str, str | None]  # every segment object listed (damaged ones too) -> stamp
     use: IndexUse
 
+    @property
+    def records(self) -> records.Records:
+        return records.Records(self.table)
+
 
 # -- segments ------------------------------------------------------------------------------------------------
 def segment_name(kind: str, tag: str) -> str:
-    """``<kind>-<UTC time>-<tag>-<random>.json.gz``: unique per writer session or compaction."""
+    """``<kind>-<UTC time>-<tag>-<random>.idx``: unique per writer session or compaction."""
     return f"{kind}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{tag}-{uuid.uuid4().hex[:8]}{SEGMENT_SUFFIX}"
 
 
-def entry(data: bytes, stamp: str | None, record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The index entry of a record object's bytes ``data`` (``record``: its parsed JSON, when at hand)."""
-    d = json.loads(data) if record is None else record
-    return {"shard": d["shard"], "size": len(data), "stamp": stamp, "crc32c": codec.crc32c(data), "record": d}
+def table_of(items: list[tuple[bytes, str | None]]) -> RecordTable:
+    """The table of record objects' bytes (each with its stamp), parsed with every check."""
+    parsed = []
+    for data, st in items:
+        rec = CommitRecord.from_json(data, where="commit record")
+        parsed.append((rec, data, st, codec.crc32c(data)))
+    return records.from_records(parsed)
 
 
-def encode_segment(kind: str, writer: str, entries: list[dict[str, Any]],
-                   supersedes: dict[str, str | None] | None = None) -> bytes:
-    body = {"format": FORMAT, "version": VERSION, "kind": kind, "created_at": now_iso(), "created_unix": time.time(),
-            "writer": writer, "supersedes": supersedes or {}, "entries": entries}
-    # gzip's trailer holds the CRC-32 and length of the JSON: a flipped byte or a cut object fails to decode
-    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), compresslevel=6, mtime=0)
+def encode_segment(kind: str, writer: str, table: RecordTable, supersedes: dict[str, str | None] | None = None,
+                   repack: bool = True) -> bytes:
+    """A version-2 segment (docs/FORMAT.md, "Index"): magic, header length, JSON header, the zstd'd columns,
+    the zstd'd record blocks, CRC32C of all before it. ``repack``: rebuild the blocks in row order (a table
+    gathered from several segments)."""
+    if repack:
+        blocks, block, offset = records.pack(records.raws(table))
+        table = RecordTable(**{**table.__dict__, "blocks": blocks, "block": block, "offset": offset,
+                               "_starts": None})
+    desc, arrays = records.table_header(table)
+    columns = records.compress(b"".join(a.tobytes() for a in arrays))
+    header = {"format": FORMAT, "version": VERSION, "kind": kind, "created_at": now_iso(),
+              "created_unix": time.time(), "writer": writer, "supersedes": supersedes or {}, "table": desc,
+              "columns_bytes": len(columns), "blocks_bytes": [len(b) for b in table.blocks]}
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join([MAGIC, struct.pack("<I", len(hb)), hb, columns, *table.blocks])
+    return body + struct.pack("<I", codec.crc32c(body))
 
 
 def decode_segment(name: str, data: bytes) -> Segment:
     """A segment from its object's bytes; ``CorruptionError`` when damaged, cut short or of an unknown version."""
     try:
-        body = json.loads(gzip.decompress(data))
-        if body.get("format") != FORMAT:
-            raise ValueError(f"format {body.get('format')!r}")
-        if body.get("version") != VERSION:
-            raise ValueError(f"segment version {body.get('version')!r}, this hsstore reads {VERSION}")
-        entries = body["entries"]
-        if not isinstance(entries, list) or not isinstance(body["supersedes"], dict):
-            raise TypeError("entries / supersedes")
-        return Segment(name, str(body["kind"]), float(body["created_unix"]), str(body["writer"]),
-                       dict(body["supersedes"]), entries)
-    except (OSError, EOFError, zlib.error, ValueError, TypeError, KeyError, AttributeError) as e:
+        if bytes(data[:2]) == b"\x1f\x8b":
+            return _decode_v1(name, data)
+        if bytes(data[:len(MAGIC)]) != MAGIC:
+            raise ValueError(f"starts with {bytes(data[:8])!r}: neither a version-1 nor a version-2 segment")
+        if len(data) < len(MAGIC) + 8 or struct.unpack("<I", data[-4:])[0] != codec.crc32c(data[:-4]):
+            raise ValueError("checksum mismatch (damaged or cut short)")
+        (hl,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
+        pos = len(MAGIC) + 4
+        header = json.loads(bytes(data[pos:pos + hl]))
+        pos += hl
+        if header.get("format") != FORMAT:
+            raise ValueError(f"format {header.get('format')!r}")
+        if header.get("version") not in READS:
+            raise ValueError(f"segment version {header.get('version')!r}, this hsstore reads {READS}")
+        cb = int(header["columns_bytes"])
+        columns = records.decompress(bytes(data[pos:pos + cb]))
+        pos += cb
+        blocks = []
+        for n in header["blocks_bytes"]:
+            blocks.append(bytes(data[pos:pos + int(n)]))
+            pos += int(n)
+        if pos != len(data) - 4:
+            raise ValueError("length does not add up")
+        if not isinstance(header["supersedes"], dict):
+            raise TypeError("supersedes")
+        table = records.table_from(header["table"], columns, blocks)
+        return Segment(name, str(header["kind"]), float(header["created_unix"]), str(header["writer"]),
+                       dict(header["supersedes"]), table, int(header["version"]))
+    except CorruptionError:
+        raise
+    except Exception as e:  # any damage the checksum missed must not escape as anything but "damaged"
         raise CorruptionError(f"index segment {INDEX_DIR}/{name}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _decode_v1(name: str, data: bytes) -> Segment:
+    """A version-1 segment: gzip'd JSON whose entries hold whole records (gzip's trailer: CRC-32 and length)."""
+    body = json.loads(gzip.decompress(data))
+    if body.get("format") != FORMAT:
+        raise ValueError(f"format {body.get('format')!r}")
+    if body.get("version") != 1:
+        raise ValueError(f"segment version {body.get('version')!r} in a gzip'd segment, this hsstore reads {READS}")
+    entries = body["entries"]
+    if not isinstance(entries, list) or not isinstance(body["supersedes"], dict):
+        raise TypeError("entries / supersedes")
+    items = []
+    for e in entries:  # an unusable entry is skipped: its record is read from commits/
+        try:
+            rec = CommitRecord.from_dict(e["record"], where=f"index entry of shard {e.get('shard')!r}")
+            if rec.shard != e["shard"]:
+                raise CorruptionError(f"index entry of shard {e['shard']!r} holds shard {rec.shard!r}")
+            items.append((rec, rec.to_json(), e.get("stamp"), int(e["crc32c"]), int(e["size"])))
+        except (CorruptionError, TypeError, KeyError, ValueError) as err:
+            log.warning("index segment %s/%s: %s; read from its commit record instead", INDEX_DIR, name, err)
+    return Segment(name, str(body["kind"]), float(body["created_unix"]), str(body["writer"]),
+                   dict(body["supersedes"]), records.from_records(items), 1)
 
 
 def write_segment(fs, root: str, name: str, data: bytes) -> str | None:
@@ -134,12 +206,13 @@ class SegmentAppender:
     def __init__(self, fs, root: str, tag: str, every: int = 64) -> None:
         self.fs, self.root, self.tag, self.every = fs, root, tag, max(1, int(every))
         self.name = segment_name("w", tag)
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[tuple[CommitRecord, bytes, str | None, int]] = []
         self._written = 0
 
     def add(self, record: CommitRecord, stamp: str | None) -> None:
         """Note a published record (``stamp``: what ``commit.publish`` returned)."""
-        self.entries.append(entry(record.to_json(), stamp))
+        data = record.to_json()
+        self.entries.append((record, data, stamp, codec.crc32c(data)))
         if len(self.entries) - self._written >= self.every:
             self.flush()
 
@@ -147,7 +220,8 @@ class SegmentAppender:
         if len(self.entries) == self._written:
             return
         try:
-            write_segment(self.fs, self.root, self.name, encode_segment("writer", self.tag, list(self.entries)))
+            data = encode_segment("writer", self.tag, records.from_records(self.entries), repack=False)
+            write_segment(self.fs, self.root, self.name, data)
             self._written = len(self.entries)
         except Exception as e:  # the shards are committed either way
             log.warning("could not write index segment %s/%s (%s: %s); readers read these %d records one by one "
@@ -155,15 +229,25 @@ class SegmentAppender:
 
 
 # -- reading ------------------------------------------------------------------------------------------------
-def listed_records(fs, root: str) -> dict[str, Listed]:
-    """Shard name -> size and stamp of its commit record, from one (paged) listing of ``commits/``."""
-    return {name: Listed(int(e.get("size") or 0), storage.stamp(e)) for name, e in list_records(fs, root).items()}
+def listed_records(fs, root: str, known: list[str] | None = None) -> dict[str, Listed]:
+    """Shard name -> size and stamp of its commit record, from one listing of ``commits/``. ``known`` (sorted
+    shard names, from the index) lets an object store list ranges of it concurrently
+    (``storage.list_detail_split``); the listing is the same either way."""
+    splits = None
+    if known and not storage.is_local(fs):
+        splits = [f"{n}.json" for n in known[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # ranges of LIST_SPLIT keys: a page each
+    if splits:
+        listing = storage.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)
+        listing = {b[: -len(".json")]: e for b, e in listing.items() if b.endswith(".json") and not b.startswith(".")}
+    else:
+        listing = list_records(fs, root)
+    return {name: Listed(int(e.get("size") or 0), storage.stamp(e)) for name, e in listing.items()}
 
 
 def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dict[str, str | None]]:
     """(readable segments by name, stamp of every segment object listed). Damaged ones are named in ``use``."""
     listing = {b: e for b, e in storage.list_detail(fs, storage.join(root, INDEX_DIR)).items()
-               if b.endswith(SEGMENT_SUFFIX) and not b.startswith(".")}
+               if b.endswith(SUFFIXES) and not b.startswith(".")}
     stamps = {b: storage.stamp(e) for b, e in listing.items()}
     names = sorted(listing)
     paths = [storage.join(root, INDEX_DIR, b) for b in names]
@@ -191,50 +275,60 @@ def live_segments(segments: dict[str, Segment], stamps: dict[str, str | None]) -
     return [s for name, s in sorted(segments.items()) if name not in gone]
 
 
+def usable_entries(live: list[Segment], listed: dict[str, Listed]) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """(shard -> (segment number in ``live``, row) of the entry readers use, shards that have entries but none
+    that matches the listing). An entry is used only when its record is listed with the size and stamp it
+    recorded: the index never invents a shard and never serves a record rewritten since."""
+    found: dict[str, tuple[int, int]] = {}
+    seen: set[str] = set()
+    for k, seg in enumerate(live):
+        t = seg.table
+        for row, (name, st, size) in enumerate(zip(t.shard.tolist(), t.stamp.tolist(), t.size.tolist())):
+            now = listed.get(name)
+            if now is None or name in found:  # not listed (never invented), or taken from an earlier segment
+                continue
+            seen.add(name)
+            if now.stamp is not None and st == now.stamp and size == now.size:
+                found[name] = (k, row)
+    return found, seen - set(found)
+
+
 def load(fs, root: str, use_index: bool = True) -> Snapshot:
-    """Every committed shard's record: one listing of ``commits/``, the index's segments, and GETs (concurrent)
-    of the records that no live segment holds in the version listed."""
-    listed = listed_records(fs, root)
-    use = IndexUse(shards=len(listed))
+    """Every committed shard's record: the index's segments, one listing of ``commits/`` (ranges of it
+    concurrently on object stores), and GETs (concurrent) of the records that no live segment holds in the
+    version listed."""
+    use = IndexUse()
     segments, seg_stamps = read_segments(fs, root, use) if use_index else ({}, {})
     live = live_segments(segments, seg_stamps)
+    known = sorted({n for s in live for n in s.table.shard.tolist()}) if live else None
+    listed = listed_records(fs, root, known)
+    use.shards = len(listed)
     use.segments, use.superseded = len(live), len(segments) - len(live)
-    candidates: dict[str, list[dict[str, Any]]] = {}
-    for seg in live:
-        for e in seg.entries:
-            if isinstance(e, dict) and e.get("shard") in listed:  # an entry without a listed record: ignored
-                candidates.setdefault(e["shard"], []).append(e)
-    found: dict[str, CommitRecord] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    for name, cands in candidates.items():
-        now = listed[name]
-        for e in cands:
-            if now.stamp is None or e.get("stamp") != now.stamp or e.get("size") != now.size:
-                continue
-            try:
-                rec = CommitRecord.from_dict(e.get("record"), where=f"index entry of shard {name!r}")
-            except CorruptionError as err:
-                log.warning("%s; read from its commit record instead", err)
-                continue
-            if rec.shard == name:
-                found[name], entries[name] = rec, e
-                break
-        else:
-            use.stale.append(name)
+    found, stale = usable_entries(live, listed)
+    use.stale = sorted(stale)
     missing = sorted(set(listed) - set(found))
+    fetched = []
     for name, data in zip(missing, read_records(fs, root, missing, [listed[n].size for n in missing])):
-        where = f"commit record of shard {name!r}"
-        try:
-            d = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CorruptionError(f"{where}: malformed commit record ({type(err).__name__}: {err})") from None
-        found[name] = CommitRecord.from_dict(d, where=where)
-        entries[name] = entry(data, listed[name].stamp, d)
+        rec = CommitRecord.from_json(data, where=f"commit record of shard {name!r}")
+        if rec.shard != name:
+            raise CorruptionError(f"commit record of shard {name!r} names shard {rec.shard!r}")
+        fetched.append((rec, data, listed[name].stamp, codec.crc32c(data)))
+    parts = []
+    for k, seg in enumerate(live):
+        rows = sorted(r for kk, r in found.values() if kk == k)
+        if rows:
+            parts.append(seg.table if rows == list(range(len(seg.table))) else seg.table.take(np.array(rows)))
+    parts.append(records.from_records(fetched))
+    table = records.concat(parts)
+    names = table.shard.tolist()
+    order = sorted(range(len(names)), key=names.__getitem__)
+    if order != list(range(len(names))):
+        table = table.take(np.array(order, np.int64))
     use.indexed, use.fetched = len(listed) - len(missing), len(missing)
     if use.stale:
         log.info("index: %d entr%s outdated (records rewritten since), read from commits/", len(use.stale),
                  "y" if len(use.stale) == 1 else "ies")
-    return Snapshot([found[n] for n in sorted(found)], listed, entries, segments, seg_stamps, use)
+    return Snapshot(table, listed, segments, seg_stamps, use)
 
 
 # -- compaction ---------------------------------------------------------------------------------------------
@@ -253,10 +347,9 @@ def compact(fs, root: str, grace_s: float = DEFAULT_GRACE_S) -> CompactResult:
     remove segments superseded by a segment older than ``grace_s`` (0: also those superseded right now)."""
     snap = load(fs, root)
     name = segment_name("c", "index")
-    entries = [snap.entries[n] for n in sorted(snap.entries)]
-    write_segment(fs, root, name, encode_segment("compacted", "hsstore index", entries, dict(snap.segment_stamps)))
+    write_segment(fs, root, name, encode_segment("compacted", "hsstore index", snap.table, dict(snap.segment_stamps)))
     now = time.time()
-    mine = Segment(name, "compacted", now, "hsstore index", dict(snap.segment_stamps), [])
+    mine = Segment(name, "compacted", now, "hsstore index", dict(snap.segment_stamps), records.from_records([]))
     removed = []
     for seg in [*snap.segments.values(), mine]:
         if now - seg.created_at < grace_s:
@@ -269,6 +362,6 @@ def compact(fs, root: str, grace_s: float = DEFAULT_GRACE_S) -> CompactResult:
                 removed.append(old)
             except FileNotFoundError:
                 pass
-    log.info("index: %d records in %s/%s; %d segment(s) superseded, %d removed", len(entries), INDEX_DIR, name,
+    log.info("index: %d records in %s/%s; %d segment(s) superseded, %d removed", len(snap.table), INDEX_DIR, name,
              len(snap.segment_stamps), len(removed))
-    return CompactResult(name, len(entries), snap.use.fetched, len(snap.segment_stamps), removed, snap.use.damaged)
+    return CompactResult(name, len(snap.table), snap.use.fetched, len(snap.segment_stamps), removed, snap.use.damaged)

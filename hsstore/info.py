@@ -6,7 +6,10 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from . import codec, stats
+from .errors import CorruptionError
 from .reader import Store
 
 STUB_WARN_MAX_VALUE = 32
@@ -14,31 +17,43 @@ STUB_WARN_SHARE = 0.2
 
 
 def summarize(store: Store) -> dict[str, Any]:
+    """From the records' columns (``Store.table``): no record is parsed, however many shards."""
     m = store.manifest
-    loss_sums = [x for c in store.commits for x in c.samples["loss_tokens"]]
-    lengths = [x for c in store.commits for x in c.samples["length"]]
-    thinking = sum(x for c in store.commits for x in c.samples["thinking_tokens"])
-    flags: Counter[str] = Counter(f for c in store.commits for fl in c.samples["flags"] for f in fl)
+    t = store.table
+    loss_sums = t.samples["loss_tokens"].tolist()
+    lengths = t.samples["length"].tolist()
+    thinking = int(t.samples["thinking_tokens"].sum())
+    flags: Counter[str] = Counter()
+    for code, n in zip(*np.unique(t.flags.codes, return_counts=True)):
+        for f in t.flags.values[code]:
+            flags[f] += int(n)
     skipped_ids: dict[str, set[str]] = {}
-    for c in store.commits:  # ids, not counts: a resumed run notes the same skips again
-        for reason, ids in c.stats.get("skipped", {}).items():
+    for row in sorted(t.skipped):  # ids, not counts: a resumed run notes the same skips again
+        for reason, ids in t.skipped[row].items():
             skipped_ids.setdefault(reason, set()).update(ids)
     skipped = {reason: len(ids) for reason, ids in skipped_ids.items()}
     layers = {}
     for l in m.slots:  # the layers, then named features (final_hidden)
-        stored = sum(c.layers[str(l)]["stored_bytes"] for c in store.commits)
-        raw = sum(c.layers[str(l)]["raw_bytes"] for c in store.commits)
+        j = t.slots.index(str(l)) if str(l) in t.slots else None
+        if not len(t):
+            layers[str(l)] = {"stored_bytes": 0, "raw_bytes": 0, "ratio": None}
+            continue
+        if j is None or t.layer_stored[:, j].min() < 0:
+            missing = t.shard[int(np.argmax(t.layer_stored[:, j] < 0))] if j is not None else t.shard[0]
+            raise CorruptionError(f"commit record of shard {missing!r} lists no slot {l} of the manifest "
+                                  "(hsstore verify names every such shard)")
+        stored, raw = int(t.layer_stored[:, j].sum()), int(t.layer_raw[:, j].sum())
         layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
-    stored_total = sum(f["size"] for c in store.commits for f in c.files.values())
+    stored_total = int(t.ints["stored_bytes"].sum())
     raw_total = sum(v["raw_bytes"] for v in layers.values())
-    n_tokens = sum(c.n_tokens for c in store.commits)
+    n_tokens = int(t.n_tokens.sum())
     feature_stored = sum(v["stored_bytes"] for v in layers.values())
     out = stats.loss_sum_summary(loss_sums, lengths)
     out.update({
         "url": store.url,
         "format_version": m.format_version,
-        "shards": len(store.commits),
-        "writers": len({c.writer for c in store.commits}),
+        "shards": len(t),
+        "writers": len({t.writer.values[c] for c in np.unique(t.writer.codes)}),
         "thinking_tokens": thinking,
         "flags": dict(flags),
         "skipped": dict(skipped),

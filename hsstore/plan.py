@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .commit import SAMPLE_COLUMNS
 from .reader import Store
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
 
@@ -72,29 +73,31 @@ def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -
     store_rows, n = [], 0
     for si, store in enumerate(stores):
         first = n
-        for hi, commit in enumerate(store.commits):
-            s = commit.samples
-            length = np.asarray(s["length"], dtype=np.int64)
-            keep = length >= filters.min_length
-            if filters.max_length is not None:
-                keep &= length <= filters.max_length
-            if filters.min_loss_tokens:
-                keep &= np.asarray(s["loss_tokens"], dtype=np.int64) >= filters.min_loss_tokens
-            if filters.sources is not None:
-                keep &= np.fromiter((x in filters.sources for x in s["source"]), bool, len(length))
-            if filters.where is not None:
-                names = list(s)
-                keep &= np.fromiter((bool(filters.where(dict(zip(names, row)))) for row in zip(*s.values())),
-                                    bool, len(length))
-            idx = np.flatnonzero(keep)
-            off = commit.offsets
-            cols["store"].append(np.full(len(idx), si, np.int32))
-            cols["shard"].append(np.full(len(idx), hi, np.int32))
-            cols["local"].append(idx.astype(np.int32))
-            cols["start"].append(off[idx])
-            cols["stop"].append(off[idx + 1])
-            cols["window"].append(off[idx] // unit_tokens)
-            n += len(idx)
+        t = store.table  # the records' columns: no record is parsed
+        length = t.samples["length"]
+        keep = length >= filters.min_length
+        if filters.max_length is not None:
+            keep &= length <= filters.max_length
+        if filters.min_loss_tokens:
+            keep &= t.samples["loss_tokens"] >= filters.min_loss_tokens
+        if filters.sources is not None:
+            ok = np.array([v in filters.sources for v in t.source.values] or [False])
+            keep &= ok[t.source.codes]
+        if filters.where is not None:
+            values = [t.sample_id.tolist(), t.source.tolist(), length.tolist(), t.samples["loss_tokens"].tolist(),
+                      t.samples["thinking_tokens"].tolist(), [list(f) for f in t.flags.tolist()]]
+            keep &= np.fromiter((bool(filters.where(dict(zip(SAMPLE_COLUMNS, row)))) for row in zip(*values)), bool,
+                                len(length))
+        idx = np.flatnonzero(keep)
+        shard = np.repeat(np.arange(len(t), dtype=np.int32), np.diff(t.first))[idx]
+        start = t.starts[idx]
+        cols["store"].append(np.full(len(idx), si, np.int32))
+        cols["shard"].append(shard)
+        cols["local"].append((idx - t.first[shard]).astype(np.int32))
+        cols["start"].append(start)
+        cols["stop"].append(start + length[idx])
+        cols["window"].append(start // unit_tokens)
+        n += len(idx)
         store_rows.append((first, n))
     arr = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
     if n:

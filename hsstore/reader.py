@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import gzip
 import json
 import os
+import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ import fsspec.spec
 import numpy as np
 import torch
 
-from . import codec, fp8, index, layout, storage
+from . import codec, fp8, index, layout, records, storage
 from .commit import CommitRecord, resolve_location
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
@@ -99,9 +99,12 @@ class Store:
     """A read-only view of the committed shards of one store, as they were when opened."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, use_index: bool = True,
-                 loaded: tuple[Manifest, list[CommitRecord], index.IndexUse] | None = None) -> None:
+                 loaded: tuple[Manifest, records.RecordTable, index.IndexUse] | None = None) -> None:
         """``use_index=False`` reads every commit record one by one (what ``verify`` compares the index with);
-        ``loaded``: manifest, records and index use read elsewhere (``open_shared``: rank 0's)."""
+        ``loaded``: manifest, records and index use read elsewhere (``open_shared``: rank 0's).
+
+        The records are held as columns (``self.table``, ``records.RecordTable``); ``self.commits`` is the
+        sequence of :class:`CommitRecord`, each parsed when first asked for."""
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = storage.resolve(url, self.storage_options)
@@ -111,18 +114,21 @@ class Store:
                 raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised "
                                     "this store)")
             snap = index.load(self.fs, self.root, use_index=use_index)
-            loaded = (manifest, snap.records, snap.use)
-        self.manifest, self.commits, self.index_use = loaded
+            loaded = (manifest, snap.table, snap.use)
+        self.manifest, self.table, self.index_use = loaded
+        self.commits = records.Records(self.table)
+        t = self.table
         key = self.manifest.shard_key()
         # shards written under another manifest: the manifest was edited afterwards (verify names them)
-        self.manifest_mismatch = [c.shard for c in self.commits if c.manifest_key and c.manifest_key != key]
-        counts = np.array([c.n_samples for c in self.commits], dtype=np.int64)
-        self._first = np.concatenate([[0], np.cumsum(counts)]) if len(counts) else np.zeros(1, np.int64)
-        self._offsets = [c.offsets for c in self.commits]
-        self._by_name = {c.shard: c for c in self.commits}
+        odd = [c for c, k in enumerate(t.manifest_key.values) if k and k != key]
+        self.manifest_mismatch = [t.shard[i] for i in np.flatnonzero(np.isin(t.manifest_key.codes, odd))]
+        self._first = t.first
+        self._by_name: dict[str, int] | None = None  # shard name -> row, made when first needed
         self._pid = os.getpid()
         # shards merged by reference live in another store: shard name -> that store's URL
-        self.locations = {c.shard: resolve_location(url, c.location) for c in self.commits if c.location}
+        elsewhere = [c for c, v in enumerate(t.location.values) if v]
+        self.locations = {t.shard[i]: resolve_location(url, t.location[i])
+                          for i in np.flatnonzero(np.isin(t.location.codes, elsewhere))}
         self._located: dict[str, tuple] = {}
         self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
 
@@ -136,7 +142,7 @@ class Store:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.n_tokens for c in self.commits)
+        return int(self.table.n_tokens.sum())
 
     def ref(self, i: int) -> SampleRef:
         n = len(self)
@@ -145,9 +151,9 @@ class Store:
         i %= n
         s = int(np.searchsorted(self._first, i, side="right") - 1)
         local = i - int(self._first[s])
-        off = self._offsets[s]
-        c = self.commits[s]
-        return SampleRef(i, c.shard, local, int(off[local]), int(off[local + 1]), c.samples["sample_id"][local])
+        t = self.table
+        start = int(t.starts[i])
+        return SampleRef(i, t.shard[s], local, start, start + int(t.samples["length"][i]), t.sample_id[i])
 
     @property
     def _layout(self) -> layout.Layout:
@@ -155,13 +161,19 @@ class Store:
 
     def record(self, shard_name: str) -> CommitRecord:
         """The commit record of a committed shard."""
+        if self._by_name is None:
+            self._by_name = {n: i for i, n in enumerate(self.table.shard.tolist())}
         try:
-            return self._by_name[shard_name]
+            return self.commits[self._by_name[shard_name]]
         except KeyError:
             raise StoreError(f"no committed shard {shard_name!r} in store {self.url!r}") from None
 
     def sample_ids(self) -> list[str]:
-        return [sid for c in self.commits for sid in c.samples["sample_id"]]
+        return self.table.sample_id.tolist()
+
+    def _offsets(self, s: int) -> np.ndarray:
+        """Token offsets of shard ``s``'s samples (``CommitRecord.offsets``), from the columns."""
+        return self.table.offsets(s)
 
     # -- data ------------------------------------------------------------------------------------
     def _fs(self):
@@ -312,14 +324,14 @@ class Store:
                 ) -> list[tuple[int, int, int]]:
         """``(shard_index, first, stop)`` runs of whole samples of about ``window_bytes`` (at least one chunk):
         the large reads a sequential scan makes, each chunk fetched about once."""
-        rec, off = self.commits[shard_index], self._offsets[shard_index]
+        n, off = int(self.table.n_samples[shard_index]), self._offsets(shard_index)
         m = self.manifest
         token_bytes = codec.token_bytes(m.dtype, m.encoding, max(1, len(layers)), m.hidden_size)
         window = max(self.manifest.chunk_tokens, window_bytes // token_bytes)
         out, i = [], 0
-        while i < rec.n_samples:
+        while i < n:
             j = i + 1
-            while j < rec.n_samples and off[j + 1] - off[i] <= window:
+            while j < n and off[j + 1] - off[i] <= window:
                 j += 1
             out.append((shard_index, i, j))
             i = j
@@ -336,9 +348,9 @@ class Store:
 
         def load(w):
             s, i, j = w
-            rec, off = self.commits[s], self._offsets[s]
+            off = self._offsets(s)
             scales = self.new_scales(len(layers), int(off[j] - off[i]))
-            return w, self.read_range(rec.shard, int(off[i]), int(off[j]), layers, carry=carry,
+            return w, self.read_range(self.table.shard[s], int(off[i]), int(off[j]), layers, carry=carry,
                                       scales_out=scales) + (scales,)
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsstore-read") as pool:
@@ -353,10 +365,11 @@ class Store:
                 nxt = next(todo, None)
                 if nxt is not None:
                     pending.append(pool.submit(load, nxt))
-                rec, off = self.commits[s], self._offsets[s]
+                off, ids_of = self._offsets(s), self.table.sample_id
+                base = int(self._first[s])
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
-                    yield self.sample_dict(rec.samples["sample_id"][k], ids[a:b], mask[a:b], feats[:, a:b],
+                    yield self.sample_dict(ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],
                                            None if scales is None else scales[:, a:b], dequantise, final)
 
     def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
@@ -406,24 +419,31 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
             payload = _shared_payload(store)
         except Exception as e:  # the other ranks are waiting for the broadcast: tell them, then raise here
             error = e
-            payload = gzip.compress(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            payload = _frame({"error": f"{type(e).__name__}: {e}"}, b"")
         _broadcast_bytes(payload, src, group, device)
         if error is not None:
             raise error
         return store
-    body = json.loads(gzip.decompress(_broadcast_bytes(None, src, group, device)))
+    data = _broadcast_bytes(None, src, group, device)
+    (n,) = struct.unpack("<I", data[:4])
+    body = json.loads(data[4:4 + n])
     if "error" in body:
         raise StoreError(f"opening store {url!r} failed on rank {src}: {body['error']}")
     manifest = Manifest.from_json(body["manifest"].encode(), where=f"{url}/{MANIFEST_FILE} (from rank {src})")
-    records = [CommitRecord.from_dict(d, where=f"commit record of shard {d.get('shard')!r} (from rank {src})")
-               for d in body["records"]]
-    return Store(url, storage_options, loaded=(manifest, records, index.IndexUse(**body["use"])))
+    table = index.decode_segment(f"(records from rank {src})", data[4 + n:]).table
+    return Store(url, storage_options, loaded=(manifest, table, index.IndexUse(**body["use"])))
+
+
+def _frame(body: dict, tail: bytes) -> bytes:
+    head = json.dumps(body, separators=(",", ":")).encode()
+    return struct.pack("<I", len(head)) + head + tail
 
 
 def _shared_payload(store: Store) -> bytes:
-    body = {"manifest": store.manifest.to_json(), "use": dataclasses.asdict(store.index_use),
-            "records": [json.loads(c.to_json()) for c in store.commits]}
-    return gzip.compress(json.dumps(body, separators=(",", ":")).encode(), compresslevel=1)
+    """The manifest and index use as JSON, then the records as an index segment (columns and the records'
+    bytes, checksummed; never pickle)."""
+    return _frame({"manifest": store.manifest.to_json(), "use": dataclasses.asdict(store.index_use)},
+                  index.encode_segment("shared", "open_shared", store.table, repack=False))
 
 
 def _broadcast_bytes(data: bytes | None, src: int, group, device: torch.device) -> bytes:

@@ -47,10 +47,11 @@ def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> li
     ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
     token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
     out = []
-    for s, rec in enumerate(store.commits):
-        cols, run, run_tokens = rec.samples, None, 0
-        for i in range(rec.n_samples + 1):
-            keep = i < rec.n_samples and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
+    t = store.table
+    for s in range(len(t)):  # the records' columns: no record is parsed
+        cols, run, run_tokens, n = t.sample_columns(s), None, 0, int(t.n_samples[s])
+        for i in range(n + 1):
+            keep = i < n and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
             if run is not None and (not keep or run_tokens * token_bytes >= WINDOW_BYTES):
                 out.append((s, run, i))
                 run, run_tokens = None, 0
@@ -77,7 +78,8 @@ def copy_assets_if_missing(src: Store, dst_fs, dst_root: str) -> None:
 def check_flags(store: Store, flags: tuple[str, ...]) -> None:
     """Refuse a flag name that no writer records and the store does not hold: a typo (``stub_answers``)
     would otherwise exclude nothing, silently."""
-    known = set(SAMPLE_FLAGS) | {f for rec in store.commits for fl in rec.samples["flags"] for f in fl}
+    fl = store.table.flags
+    known = set(SAMPLE_FLAGS) | {f for c in set(fl.codes.tolist()) for f in fl.values[c]}
     unknown = [f for f in flags if f not in known]
     if unknown:
         raise ValueError(f"unknown flag(s) {', '.join(map(repr, unknown))}: flags are {', '.join(sorted(known))}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from . import assets, codec, commit, index, layout, storage
+from . import assets, codec, commit, index, layout, records, storage
 from .commit import SHARDS_DIR, CommitRecord
 from .errors import StoreError
 from .reader import Store
@@ -45,9 +45,10 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
 
 def check_index(store: Store, report: VerifyReport) -> None:
     """The index against the commit records, each read again (concurrently): an entry that readers would use
-    (its record listed with the size and stamp it recorded) must hold that record, byte for byte; a damaged
-    segment is a problem. Outdated entries (records rewritten since) and entries of records no longer listed
-    are counted, not problems: readers ignore them."""
+    (its record listed with the size and stamp it recorded) must hold that record (byte for byte in a
+    version-2 segment; equal once parsed in a version-1 one) and columns that say what the record says (opening,
+    ``info`` and the loader read the columns); a damaged segment is a problem. Outdated entries (records
+    rewritten since) and entries of records no longer listed are counted, not problems: readers ignore them."""
     fs, root = store.fs, store.root
     listed = index.listed_records(fs, root)
     use = index.IndexUse(shards=len(listed))
@@ -57,28 +58,36 @@ def check_index(store: Store, report: VerifyReport) -> None:
                                                   "the records instead); `hsstore index` rewrites the index",
                                        f"{index.INDEX_DIR}/{name}"))
     live = index.live_segments(segments, stamps)
-    used = [(seg.name, e) for seg in live for e in seg.entries
-            if isinstance(e, dict) and e.get("shard") in listed and listed[e["shard"]].stamp is not None
-            and (e.get("size"), e.get("stamp")) == (listed[e["shard"]].size, listed[e["shard"]].stamp)]
-    names = sorted({e["shard"] for _, e in used})
+    used = []  # (segment, row) of every entry a reader would use, in any live segment
+    for seg in live:
+        t = seg.table
+        for row, (name, st, size) in enumerate(zip(t.shard.tolist(), t.stamp.tolist(), t.size.tolist())):
+            now = listed.get(name)
+            if now is not None and now.stamp is not None and (size, st) == (now.size, now.stamp):
+                used.append((seg, row))
+    names = sorted({seg.table.shard[row] for seg, row in used})
     data = dict(zip(names, commit.read_records(fs, root, names, [listed[n].size for n in names]))) if names else {}
-    for seg, e in used:
-        blob = data[e["shard"]]
+    blocks = records.BlockCache()
+    for seg, row in used:
+        t = seg.table
+        shard = t.shard[row]
+        blob = data[shard]
         try:
-            same = e.get("crc32c") == codec.crc32c(blob) and (
-                CommitRecord.from_dict(e.get("record"), where="index entry") ==
-                CommitRecord.from_json(blob, where="commit record"))
+            rec = CommitRecord.from_json(blob, where="commit record")
+            raw = t.raw(row, blocks)
+            same = (int(t.crc32c[row]) == codec.crc32c(blob)
+                    and (raw == blob if seg.version >= 2 else CommitRecord.from_json(raw, "index entry") == rec)
+                    and t.row_of(row) == records.record_row(rec, raw, int(t.crc32c[row]), int(t.size[row])))
         except StoreError:  # a malformed entry (or record: reported with the shard)
             same = False
         if not same:
-            report.problems.append(Problem(e["shard"], "index entry differs from the shard's commit record although "
-                                                       "it records the record's size and stamp (readers would use the "
-                                                       "entry); `hsstore index` rewrites it", f"{index.INDEX_DIR}/{seg}"))
-    all_entries = [e for seg in live for e in seg.entries if isinstance(e, dict)]
+            report.problems.append(Problem(shard, "index entry differs from the shard's commit record although "
+                                                  "it records the record's size and stamp (readers would use the "
+                                                  "entry); `hsstore index` rewrites it", f"{index.INDEX_DIR}/{seg.name}"))
     report.index = {"segments": len(live), "superseded": len(segments) - len(live), "damaged": len(use.damaged),
                     "entries_checked": len(used),
                     "indexed_shards": len(names), "unindexed_shards": len(listed) - len(names),
-                    "orphan_entries": sum(1 for e in all_entries if e.get("shard") not in listed)}
+                    "orphan_entries": sum(1 for seg in live for n in seg.table.shard.tolist() if n not in listed)}
 
 
 def check_assets(store: Store, report: VerifyReport) -> None:

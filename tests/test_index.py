@@ -11,13 +11,14 @@ import json
 import logging
 import os
 import dataclasses
+import datetime
 
 import fsspec
 import pytest
 import torch
 
 import hsstore
-from hsstore import commit, index, storage
+from hsstore import codec, commit, index, records, storage
 from hsstore.cli import main
 from hsstore.convert import convert
 from hsstore.merge import merge
@@ -157,21 +158,64 @@ def test_a_damaged_segment_is_ignored_with_a_warning_and_hides_no_shard(tmp_path
     assert verify(hsstore.open(url)).ok
 
 
-def test_verify_names_an_entry_that_differs_from_its_record(tmp_path, capsys):
+def _v1_segment(path_records: list[tuple[bytes, str | None]]) -> bytes:
+    """A version-1 segment as docs/FORMAT.md specifies it (gzip'd JSON, whole records in entries)."""
+    entries = [{"shard": json.loads(d)["shard"], "size": len(d), "stamp": st, "crc32c": codec.crc32c(d),
+                "record": json.loads(d)} for d, st in path_records]
+    body = {"format": "hsstore-index", "version": 1, "kind": "compacted", "created_at": "2024-01-01T00:00:00Z",
+            "created_unix": 0.0, "writer": "old hsstore", "supersedes": {}, "entries": entries}
+    return gzip.compress(json.dumps(body).encode())
+
+
+def _listed_records(url) -> list[tuple[bytes, str | None]]:
+    listed = index.listed_records(_local_fs(), url)
+    return [(open(os.path.join(url, commit.commit_path(n)), "rb").read(), listed[n].stamp) for n in sorted(listed)]
+
+
+@pytest.mark.parametrize("forge", ["v2-record", "v2-columns", "v1-record"])
+def test_verify_names_an_entry_that_differs_from_its_record(tmp_path, capsys, forge):
     url = str(tmp_path / "s")
     _write(url)
     assert verify(hsstore.open(url)).ok
-    path = os.path.join(url, index.INDEX_DIR, _segments(url)[0])
-    body = json.loads(gzip.decompress(open(path, "rb").read()))
-    victim = body["entries"][2]
-    victim["record"]["samples"]["source"] = ["forged"]  # size and stamp still those of the record
-    open(path, "wb").write(gzip.compress(json.dumps(body).encode()))
+    (name,) = _segments(url)
+    path = os.path.join(url, index.INDEX_DIR, name)
+    items = _listed_records(url)
+    victim = json.loads(items[2][0])["shard"]
+    if forge == "v1-record":
+        os.remove(path)
+        d = json.loads(items[2][0])
+        d["samples"]["source"] = ["forged"]
+        forged = _v1_segment(items)
+        body = json.loads(gzip.decompress(forged))
+        body["entries"][2]["record"] = d  # size, stamp, crc still those of the record
+        path = os.path.join(url, index.INDEX_DIR, "c-old.json.gz")
+        open(path, "wb").write(gzip.compress(json.dumps(body).encode()))
+    elif forge == "v2-record":  # the record's bytes in the segment changed, its columns not
+        seg = index.decode_segment(name, open(path, "rb").read())
+        t = seg.table
+        row = t.shard.tolist().index(victim)
+        raws = [t.raw(i) for i in range(len(t))]
+        raws[row] = raws[row].replace(b'"writer":"', b'"writer":"X')
+        parsed = [(commit.CommitRecord.from_json(r, "x"), r, t.stamp[i], int(t.crc32c[i]), int(t.size[i]))
+                  for i, r in enumerate(raws)]
+        forged = records.from_records(parsed)
+        forged.writer = t.writer  # columns as they were
+        open(path, "wb").write(index.encode_segment("writer", "w", forged))
+        assert hsstore.open(url).index_use.indexed == N_SHARDS  # readers would use it
+    else:  # the columns say another thing than the record (what opening, info and the loader read)
+        seg = index.decode_segment(name, open(path, "rb").read())
+        t = seg.table
+        row = t.shard.tolist().index(victim)
+        loss = t.samples["loss_tokens"].copy()
+        loss[t.first[row]] += 1
+        t.samples["loss_tokens"] = loss
+        open(path, "wb").write(index.encode_segment("writer", "w", t))
     store = hsstore.open(url)
     report = verify(store)
-    assert [p.shard for p in report.problems] == [victim["shard"]]
+    assert [p.shard for p in report.problems] == [victim]
     assert "index entry differs" in report.problems[0].message
     assert main(["verify", url, "-q"]) == 1
-    assert f"shard {victim['shard']}" in capsys.readouterr().out
+    assert f"shard {victim}" in capsys.readouterr().out
 
 
 def test_compaction_keeps_a_writer_segment_that_grew_after_it_and_removes_only_after_the_grace(tmp_path):
@@ -302,3 +346,114 @@ def test_kill_9_of_a_writer_rewriting_its_segment_hides_and_invents_nothing(tmp_
     write_samples(url, make_manifest(hidden=16), rest, shard_bytes=1, writer_tag="w2")
     again = hsstore.open(url)
     assert sorted(again.sample_ids()) == sorted(f"s{i}" for i in range(400)) and verify(again).ok
+
+
+# -- segment version 2: columns, lazily parsed records, version 1 still read -----------------------------------
+def test_open_info_and_the_catalog_parse_no_record_and_a_record_parsed_later_is_the_committed_one(tmp_path):
+    from hsstore.info import summarize
+
+    url = str(tmp_path / "s")
+    _write(url)
+    store = hsstore.open(url)
+    assert store.index_use.indexed == N_SHARDS
+    summary = summarize(store)
+    ds = hsstore.HiddenStateDataset(store, shuffle=False)
+    assert len(ds.catalog) == N_SHARDS
+    assert len(store.commits._parsed) == 0  # opening, info and the loader's catalog read the columns only
+    direct = hsstore.Store(url, {}, use_index=False)  # every record read from commits/
+    assert {**summarize(direct), "index": None} == {**summary, "index": None}
+    for i, name in enumerate(commit.list_committed(_local_fs(), url)):
+        data = open(os.path.join(url, commit.commit_path(name)), "rb").read()
+        assert store.table.raw(i) == data  # the record's own bytes, not a re-encoding
+        rec = store.commits[i]
+        assert rec.to_json() == data and rec == commit.CommitRecord.from_json(data, "x")
+        assert store.table.row_of(i) == records.record_row(rec, data, codec.crc32c(data))
+        assert store.ref(int(store._first[i])).sample_id == rec.samples["sample_id"][0]
+    assert store.sample_ids() == direct.sample_ids()
+
+
+def test_a_version_1_segment_is_still_read(tmp_path):
+    url = str(tmp_path / "s")
+    _write(url, index_every=10**6)
+    for name in _segments(url):
+        os.remove(os.path.join(url, index.INDEX_DIR, name))
+    items = _listed_records(url)
+    open(os.path.join(url, index.INDEX_DIR, "c-20240101T000000Z-index-00000000.json.gz"), "wb").write(
+        _v1_segment(items))
+    store = hsstore.open(url)
+    assert store.index_use.indexed == N_SHARDS and store.index_use.fetched == 0 and store.index_use.damaged == []
+    direct = hsstore.Store(url, {}, use_index=False)
+    assert store.commits == direct.commits and store.sample_ids() == direct.sample_ids()
+    assert verify(store).ok
+    r = index.compact(_local_fs(), url, grace_s=0)  # rewritten as version 2, the version-1 one removed
+    assert _segments(url) == [r.segment] and r.segment.endswith(index.SEGMENT_SUFFIX)
+    assert open(os.path.join(url, index.INDEX_DIR, r.segment), "rb").read(len(index.MAGIC)) == index.MAGIC
+    again = hsstore.open(url)
+    assert again.index_use.indexed == N_SHARDS and again.commits == direct.commits and verify(again).ok
+
+
+@pytest.mark.parametrize("cut", [1, 4, 100])
+def test_a_version_2_segment_cut_anywhere_is_detected(tmp_path, cut):
+    url = str(tmp_path / "s")
+    _write(url)
+    (name,) = _segments(url)
+    data = open(os.path.join(url, index.INDEX_DIR, name), "rb").read()
+    assert sorted(index.decode_segment(name, data).table.shard.tolist()) == commit.list_committed(_local_fs(), url)
+    for bad in (data[:-cut], data[:len(data) // 2 + cut], data + b"\0" * cut):
+        with pytest.raises(hsstore.errors.CorruptionError, match="index segment"):
+            index.decode_segment(name, bad)
+    future = bytearray(data)
+    future[len(index.MAGIC) + 4:] = data[len(index.MAGIC) + 4:].replace(b'"version":2', b'"version":9', 1)
+    future[-4:] = codec.crc32c(bytes(future[:-4])).to_bytes(4, "little")
+    with pytest.raises(hsstore.errors.CorruptionError, match="version 9"):
+        index.decode_segment(name, bytes(future))
+
+
+# -- listing commits/ in concurrent ranges ----------------------------------------------------------------------
+def _keys(fs, root, names):
+    storage.put_many(fs, {storage.join(root, "commits", n): b"x" * (len(n) % 7) for n in names})
+
+
+def test_split_listing_equals_the_serial_listing(s3_store):
+    url, opts = s3_store
+    fs, root = storage.resolve(url, opts)
+    names = [f"k{i:05d}.json" for i in range(0, 2400, 2)]  # 1,200 keys: one range spans more than a page
+    _keys(fs, root, names + ["a.tmp", "zz"])
+    path = storage.join(root, "commits")
+    serial = storage.list_detail(fs, path)
+    splits_cases = [
+        ["k00010.json", "k00020.json", "k01999.json"],  # exactly at keys; one range (k00020, k01999] > 1,000 keys
+        ["k00011.json", "k00011x.json", "k00012.json"],  # between keys; an empty range
+        ["a", "k99999.json", "zzz"],  # before every key, after every key
+    ]
+    for splits in splits_cases:
+        got = storage.list_detail_split(fs, path, splits)
+        assert list(sorted(got)) == sorted(serial)
+        assert {k: (v["size"], storage.stamp(v)) for k, v in got.items()} == \
+               {k: (v["size"], storage.stamp(v)) for k, v in serial.items()}
+    # keys added after the split points were chosen (shards committed after the index): found
+    _keys(fs, root, ["k00011.json", "k00010a.json", "k01999z.json", "k00000.json"])
+    got = storage.list_detail_split(fs, path, splits_cases[0] + splits_cases[1])
+    assert sorted(got) == sorted(storage.list_detail(fs, path))
+    assert storage.list_detail_split(fs, storage.join(root, "nothing"), ["k"]) == {}
+    # the split listing parses timestamps as text on a session of its own: the store's filesystem keeps datetimes
+    assert isinstance(fs.ls(path, detail=True, refresh=True)[0]["LastModified"], datetime.datetime)
+
+
+def test_open_on_s3_lists_ranges_concurrently_and_finds_late_shards(s3_store, s3_endpoint, monkeypatch):
+    url, opts = s3_store
+    _write(url, opts, n=30)
+    fs, root = storage.resolve(url, opts)
+    index.compact(fs, root, grace_s=0)
+    _write(url, opts, n=4, prefix="s1")  # sorts between indexed names (s0, s1, s10, ...): inside ranges
+    _write(url, opts, n=3, prefix="t", index_every=10**6)
+    late = [s for s in fs.ls(storage.join(root, index.INDEX_DIR)) if "/w-" in s and "-t" not in s]
+    monkeypatch.setattr(index, "LIST_SPLIT", 4)
+    is_list = lambda m, p: m == "GET" and "list-type=2" in p  # noqa: E731
+    with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.05, match=is_list) as proxy:
+        store = hsstore.open(url, endpoint_url=proxy.url)
+    lists = [p for m, p in proxy.log if is_list(m, p) and "commits" in p]
+    assert len(lists) >= 8 and proxy.max_in_flight >= 4, (len(lists), proxy.max_in_flight)
+    direct = hsstore.Store(url, opts, use_index=False)
+    assert store.commits == direct.commits and len(store.commits) == 37 and late
+    assert store.index_use.shards == 37

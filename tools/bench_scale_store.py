@@ -50,7 +50,7 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
 
     opts = {"endpoint_url": endpoint} if endpoint else {}
     base = _rss_mb()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out: dict = {}
     if op == "first_item":
         store = Store(url, opts, use_index=use_index)
@@ -76,7 +76,8 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
             check_index(store, report)
             assert report.ok, report.problems[:3]
         out["index_use"] = {k: v for k, v in dataclasses.asdict(store.index_use).items() if isinstance(v, int)}
-    out.update(seconds=time.perf_counter() - t0, peak_rss_mb=_rss_mb(), base_rss_mb=base, shards=len(store.commits))
+    out.update(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0,  # this process's, all threads
+               peak_rss_mb=_rss_mb(), base_rss_mb=base, shards=len(store.commits))
     return out
 
 
@@ -84,20 +85,25 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
     """The loader plan alone, from synthetic records: catalog, then every slot's plan of one epoch."""
     import numpy as np
 
+    from hsstore import records
     from hsstore.commit import CommitRecord
     from hsstore.plan import Filters, Planner, build_catalog
 
     per = samples // shards
     rng = np.random.default_rng(0)
 
-    class FakeStore:  # what build_catalog reads: commits with sample columns
-        commits = []
+    class FakeStore:  # what build_catalog reads: the records' columns
+        table = None
 
+    items = []
     for i in range(shards):
         lengths = rng.integers(200, 4000, per).tolist()
         cols = {"sample_id": [f"{i}-{j}" for j in range(per)], "source": ["a"] * per, "length": lengths,
                 "loss_tokens": [x // 2 for x in lengths], "thinking_tokens": [0] * per, "flags": [[]] * per}
-        FakeStore.commits.append(CommitRecord(f"s{i:06d}", "w", per, sum(lengths), cols, {}, {}, 64))
+        rec = CommitRecord(f"s{i:06d}", "w", per, sum(lengths), cols, {}, {}, 64)
+        items.append((rec, rec.to_json(), None, 0))
+    FakeStore.table = records.from_records(items)
+    del items
     base = _rss_mb()
     t0 = time.perf_counter()
     cat = build_catalog([FakeStore], Filters(), unit_tokens=4096)
@@ -154,6 +160,41 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
     shutil.rmtree(local)
 
 
+def s3_like_listing() -> None:
+    """Make moto answer a LIST page in time independent of the bucket's size, as S3 does.
+
+    moto builds, sorts and scans every key of the bucket on every ListObjectsV2 page (``S3Backend.
+    list_objects_v2``): measured here ~0.6 s of server CPU a page at 1e4 keys, so at 1e5 keys a listing (100
+    pages, serial or in ranges) costs minutes of moto time that S3 does not charge. This answers the same
+    pages (keys after ``StartAfter``/the continuation token, up to ``MaxKeys``, same tokens) by bisecting the
+    sorted names under the prefix; anything but a ``/``-delimited listing of a folder without sub-folders goes
+    to moto's own code. Only the benchmark's in-process server is patched (``--s3-like-listing``)."""
+    import bisect
+
+    from moto.s3.models import S3Backend
+    from moto.utilities.utils import md5_hash
+
+    original = S3Backend.list_objects_v2
+
+    def listing(self, bucket, prefix, delimiter, continuation_token, start_after, max_keys):
+        if delimiter != "/" or not prefix or not prefix.endswith("/") or not max_keys:
+            return original(self, bucket, prefix, delimiter, continuation_token, start_after, max_keys)
+        names = sorted(k for k in list(bucket.keys.keys()) if k.startswith(prefix))
+        after = self._pagination_tokens.get(continuation_token) if continuation_token else start_after
+        i = bisect.bisect_right(names, after) if after else 0
+        page = names[i:i + max_keys]
+        if any("/" in n[len(prefix):] for n in page):
+            return original(self, bucket, prefix, delimiter, continuation_token, start_after, max_keys)
+        keys = [bucket.keys[n] for n in page]
+        if i + max_keys < len(names):
+            token = md5_hash(page[-1].encode("utf-8")).hexdigest()
+            self._pagination_tokens[token] = page[-1]
+            return keys, True, token
+        return keys, False, None
+
+    S3Backend.list_objects_v2 = listing
+
+
 def run_child(args: list[str]) -> dict:
     out = subprocess.run([sys.executable, "-m", "tools.bench_scale_store", "--child", *args], capture_output=True,
                          text=True, check=False)
@@ -168,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--where", default="local,s3", help="local, s3 (moto behind the delaying proxy), or both")
     p.add_argument("--latency", default="0.03,0.1", help="s3: seconds added to every request (comma-separated)")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--index", default="no,yes", help="without the index (every record read), with it, or both")
     p.add_argument("--plan-samples", type=int, default=0, help="measure the loader plan alone for N samples")
     p.add_argument("--plan-shards", type=int, default=100000)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--s3-like-listing", action="store_true",
+                   help="s3: moto answers a LIST page in constant time like S3 (see s3_like_listing)")
     p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -201,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                              "AWS_DEFAULT_REGION": "us-east-1"}.items():
                     os.environ[k] = v
                 os.environ.pop("AWS_PROFILE", None)
+                if args.s3_like_listing:
+                    s3_like_listing()
                 port = free_port()
                 server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
                 server.start()
@@ -209,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 endpoint, latencies = None, [0.0]
             for n in shard_counts:
-                results += bench_one(where, n, endpoint, latencies, ops, scratch)
+                results += bench_one(where, n, endpoint, latencies, ops, scratch,
+                                     [m == "yes" for m in args.index.split(",") if m])
     finally:
         if server is not None:
             server.stop()
@@ -220,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str):
+def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str,
+              modes: tuple[bool, ...] = (False, True)):
     from hsstore import storage
     from hsstore.index import compact
 
@@ -237,7 +285,7 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
     build_store(fs, root, n, scratch)
     print(f"# built {where} store of {n} shards in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     out = []
-    for indexed in (False, True):
+    for indexed in modes:
         if indexed:
             compact(fs, root, grace_s=0)
         for lat in latencies:
@@ -246,8 +294,11 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
                     from tests.faultproxy import FaultProxy
 
                     with FaultProxy(endpoint, faults=["latency"], persistent=True, delay=lat) as proxy:
+                        c0 = time.process_time()
                         r = run_child([op, url, proxy.url, "1" if indexed else "0"])
-                    r.update(requests=proxy.requests, max_in_flight=proxy.max_in_flight)
+                    # moto and the proxy run in this process: their CPU is what S3 would spend, not the client
+                    r.update(requests=proxy.requests, max_in_flight=proxy.max_in_flight,
+                             server_cpu_s=time.process_time() - c0)
                 else:
                     r = run_child([op, url, "-", "1" if indexed else "0"])
                 row = {"where": where, "shards": n, "latency_s": lat, "index": indexed, "op": op, **r}
