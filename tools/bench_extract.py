@@ -58,6 +58,25 @@ def build_model(args):
     return model.eval()
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The target's shape (default: Qwen3.5 at 27B scale) and the synthetic batches: shared by the GPU tools."""
+    p.add_argument("--layers-total", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--ffn", type=int, default=17408)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--linear-v-heads", type=int, default=48)
+    p.add_argument("--linear-k-heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=248320)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--min-len", type=int, default=3072)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--token-budget", type=int, default=16384)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default="cuda")
+
+
 def synthetic(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[TokenizedSample]:
     rng = np.random.default_rng(seed)
     out = []
@@ -99,21 +118,7 @@ def timed(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench-extract-store")
-    p.add_argument("--layers-total", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--ffn", type=int, default=17408)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=256)
-    p.add_argument("--linear-v-heads", type=int, default=48)
-    p.add_argument("--linear-k-heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=248320)
-    p.add_argument("--samples", type=int, default=48)
-    p.add_argument("--min-len", type=int, default=3072)
-    p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--device", default="cuda")
+    add_model_args(p)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--keep", default=None, metavar="URL", help="finally extract into URL (with assets) and keep it")
     p.add_argument("--seed", type=int, default=0, help="model init seed (same on every rank)")

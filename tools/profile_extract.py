@@ -32,7 +32,7 @@ import torch
 from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.taps import default_taps
-from tools.bench_extract import build_model, synthetic, sync
+from tools.bench_extract import add_model_args, build_model, synthetic, sync
 
 VARIANTS = ("eager", "nomask", "compiled", "mixers")
 KINDS = (  # first match wins
@@ -98,22 +98,8 @@ def profile(model, layers, batch, mask: bool, top: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"in order, each on top of the last: {VARIANTS}")
-    p.add_argument("--layers-total", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--ffn", type=int, default=17408)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=256)
-    p.add_argument("--linear-v-heads", type=int, default=48)
-    p.add_argument("--linear-k-heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=248320)
-    p.add_argument("--samples", type=int, default=48)
-    p.add_argument("--min-len", type=int, default=3072)
-    p.add_argument("--max-len", type=int, default=4096)
-    p.add_argument("--token-budget", type=int, default=16384)
-    p.add_argument("--rounds", type=int, default=2)
+    add_model_args(p)
     p.add_argument("--top", type=int, default=25, help="kernels listed in the profile")
-    p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
