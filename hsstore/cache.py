@@ -74,8 +74,9 @@ class ChunkCache:
         return blob
 
     def cat(self, fs, paths: list[str], namespace: str, expect: dict[str, int | None] | None = None,
-            ) -> dict[str, Any]:
-        """``expect``: path -> payload CRC32C from the commit record; a cached copy must match it."""
+            sizes: dict[str, int] | None = None) -> dict[str, Any]:
+        """``expect``: path -> payload CRC32C from the commit record; a cached copy must match it. ``sizes``:
+        path -> size from the record, for the reads (``storage.cat_verified``)."""
         out: dict[str, Any] = {}
         missing = []
         expect = expect or {}
@@ -88,7 +89,7 @@ class ChunkCache:
         self.hits += len(out)
         self.misses += len(missing)
         if missing:
-            fetched = storage.cat_verified(fs, missing, lambda _p, b: codec.chunk_ok(b))
+            fetched = storage.cat_verified(fs, missing, lambda _p, b: codec.chunk_ok(b), sizes=sizes)
             for p in missing:
                 blob = fetched.get(p)
                 out[p] = blob

@@ -204,11 +204,14 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
     if fetch:
         cached = store.chunk_cache is not None and not storage.is_local(fs)
         listed = {storage.join(root, j[0]): rec.chunk_checksum(j[0]) for j in jobs} if cached else None
+        # the sizes the record lists: one ranged GET per chunk on object stores, not a HEAD and a GET
+        sizes = {storage.join(root, j[0]): rec.files[j[0]]["size"] for j in jobs if j[0] in rec.files}
         try:
             if cached:
-                blobs.update(store.chunk_cache.cat(fs, fetch, namespace=store.cache_namespace(), expect=listed))
+                blobs.update(store.chunk_cache.cat(fs, fetch, namespace=store.cache_namespace(), expect=listed,
+                                                   sizes=sizes))
             else:
-                blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b)))
+                blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b), sizes=sizes))
         except Exception as e:
             raise FetchError(f"shard {shard_name!r} of store {store.url!r}: read failed: "
                              f"{type(e).__name__}: {e}") from None

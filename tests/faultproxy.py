@@ -19,7 +19,8 @@ Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when 
 kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
 request that has one), until ``limit`` faults are injected: ``limit / len(faults)`` of each kind. Persistent
 mode (``persistent=True``): every matching request gets a fault. ``injected`` counts faults by kind, so
-a test can assert that faults really happened.
+a test can assert that faults really happened. ``replay=True`` (benchmarks) answers a GET/HEAD it has seen
+before from memory, so a second run of the same reads costs the upstream nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ _XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Mess
 class FaultProxy:
     def __init__(self, upstream: str, faults=ALL_FAULTS, every: int = 3, limit: int = 10, seed: int = 0,
                  persistent: bool = False, match: Callable[[str, str], bool] | None = None,
-                 delay: float = 0.05, short_on: Callable[[str], bool] | None = None) -> None:
+                 delay: float = 0.05, short_on: Callable[[str], bool] | None = None, replay: bool = False) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.faults = list(faults)
@@ -53,6 +54,10 @@ class FaultProxy:
         self.every, self.limit, self.persistent, self.delay = max(1, every), limit, persistent, delay
         self.match = match or (lambda method, path: True)
         self.short_on = short_on or (lambda path: True)  # where a silently short body may be served
+        # replay: GET/HEAD answers (200/206) are kept by method, path+query and Range, and served again from memory
+        # for the same request (faults still applied): the upstream's CPU leaves the measurement (benchmarks)
+        self.replay, self.replayed = replay, 0
+        self._answers: dict[tuple[str, str, str], tuple[int, str, list, bytes]] = {}
         self.injected: collections.Counter = collections.Counter()
         self.events: list[tuple[str, str, str]] = []  # (method, path, fault)
         self.requests = 0
@@ -194,7 +199,16 @@ class FaultProxy:
                     return self._error(503, "SlowDown", "Please reduce your request rate.")
                 if kind == "latency":
                     time.sleep(proxy.delay)
-                status, reason, headers, data = self._forward(body)
+                key = (self.command, self.path, self.headers.get("Range", ""))
+                answer = proxy._answers.get(key) if proxy.replay and self.command in ("GET", "HEAD") else None
+                if answer is not None:
+                    with proxy._lock:
+                        proxy.replayed += 1
+                    status, reason, headers, data = answer
+                else:
+                    status, reason, headers, data = self._forward(body)
+                    if proxy.replay and self.command in ("GET", "HEAD") and status in (200, 206):
+                        proxy._answers[key] = (status, reason, headers, data)
                 if kind == "reset_after":
                     return self._rst()
                 if kind in BODY_FAULTS and len(data) < 2:  # nothing to cut: drop the connection instead

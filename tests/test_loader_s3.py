@@ -170,3 +170,26 @@ def test_fork_never_finalises_parent_filesystems():
     got = os.read(r, 16)
     os.waitpid(pid, 0)
     assert got == b"alive"
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_s3_chunk_reads_are_one_ranged_get_each(s3_url, s3_endpoint, s3_samples, tmp_path, cached):
+    """The commit record lists every chunk's size, so a read is one ranged GET per chunk, no HEAD first: half
+    the requests of a first batch (issue #17's budget of requests)."""
+    from faultproxy import FaultProxy
+
+    url, _ = s3_url
+    with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:
+        s3fs.S3FileSystem.clear_instance_cache()
+        opts = {"endpoint_url": proxy.url}
+        store = hsstore.open(url, **opts)
+        proxy.reset_counts()
+        kw = {"cache_dir": str(tmp_path / "cache")} if cached else {}
+        got = list(dataset(url, storage_options=opts, **kw))
+        log = list(proxy.log)
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert len(got) == len(s3_samples)
+    chunk_reads = [(m, p) for m, p in log if "/shards/" in p and "/c/" in p]
+    assert chunk_reads and not [r for r in chunk_reads if r[0] != "GET"], chunk_reads[:5]
+    chunks = {k for c in store.commits for k in c.files if "/c/" in k and "/offsets/" not in k}  # what samples read
+    assert len({p for _, p in chunk_reads}) == len(chunks)  # every chunk read (a chunk two groups share, twice)

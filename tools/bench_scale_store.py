@@ -8,6 +8,7 @@ figure after imports is reported as ``base``). On ``s3`` the store lives on moto
 proxy (``tests/faultproxy.py``), which delays every request by ``--latency`` seconds and counts requests.
 
     python -m tools.bench_scale_store --shards 1000,10000 --where s3 --latency 0.03,0.1
+    python -m tools.bench_scale_store --shards 100000 --where s3 --latency 0.05 --index yes --s3-like-listing --replay
     python -m tools.bench_scale_store --shards 100000 --where local
     python -m tools.bench_scale_store --plan-samples 1000000 --plan-shards 100000   # the loader plan alone
 
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--s3-like-listing", action="store_true",
                    help="s3: moto answers a LIST page in constant time like S3 (see s3_like_listing)")
+    p.add_argument("--replay", action="store_true",
+                   help="s3: run each op twice through one proxy that keeps every GET/LIST answer, and measure the "
+                        "second run, served from memory: requests and latency as before, but no moto CPU on this "
+                        "machine (S3's own servers do not share the client's cores)")
     p.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint, latencies = None, [0.0]
             for n in shard_counts:
                 results += bench_one(where, n, endpoint, latencies, ops, scratch,
-                                     [m == "yes" for m in args.index.split(",") if m])
+                                     [m == "yes" for m in args.index.split(",") if m], replay=args.replay)
     finally:
         if server is not None:
             server.stop()
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str,
-              modes: tuple[bool, ...] = (False, True)):
+              modes: tuple[bool, ...] = (False, True), replay: bool = False):
     from hsstore import storage
     from hsstore.index import compact
 
@@ -293,12 +298,18 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
                 if where == "s3":
                     from tests.faultproxy import FaultProxy
 
-                    with FaultProxy(endpoint, faults=["latency"], persistent=True, delay=lat) as proxy:
+                    with FaultProxy(endpoint, faults=["latency"], persistent=True, delay=lat, replay=replay) as proxy:
+                        if replay:  # the same reads once, to fill the proxy's answers
+                            run_child([op, url, proxy.url, "1" if indexed else "0"])
+                            proxy.reset_counts()
+                            proxy.replayed = 0
                         c0 = time.process_time()
                         r = run_child([op, url, proxy.url, "1" if indexed else "0"])
                     # moto and the proxy run in this process: their CPU is what S3 would spend, not the client
                     r.update(requests=proxy.requests, max_in_flight=proxy.max_in_flight,
                              server_cpu_s=time.process_time() - c0)
+                    if replay:
+                        r["replayed"] = proxy.replayed
                 else:
                     r = run_child([op, url, "-", "1" if indexed else "0"])
                 row = {"where": where, "shards": n, "latency_s": lat, "index": indexed, "op": op, **r}
