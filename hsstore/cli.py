@@ -16,7 +16,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from . import storage
+from . import config, storage
 from .errors import StoreError
 from .redaction import RedactingFilter, scrub
 from .version import __version__
@@ -353,6 +353,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    config.apply(parser, argv)  # a sub-command's --config FILE: its values become that parser's defaults
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -17,6 +17,8 @@ A *drafter directory* is what SGLang, vLLM and z-lab's ``dflash`` load (``--spec
         trainer.json                 step, epoch, scheduler, training config, optimizer param groups, Python RNG
         rank00000.safetensors        this rank's torch CPU/CUDA and numpy RNG states
         loader.rank00000.json        this rank's loader position (hsstore loader state)
+    OUT/checkpoints/best             with --val-store: a small JSON file naming the checkpoint with the best
+                                     val_tau (kept whatever --keep says); export-drafter and eval follow it
     OUT/drafter/                     the final drafter directory
 
 Directories written before this format (config.json ``{"architecture": "DFlashDrafter", "drafter": {...}}``
@@ -59,6 +61,8 @@ ARCHITECTURE = "DFlashDraftModel"
 LEGACY_ARCHITECTURE = "DFlashDrafter"  # this project's format before the DFlash HF one
 FULL, SLIDING = "full_attention", "sliding_attention"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+BEST = "best"  # OUT/checkpoints/best: names the checkpoint with the best val_tau
+BEST_FORMAT = "hsstore-best-checkpoint"
 
 
 # ---------------------------------------------------------------------------------------------- the drafter
@@ -259,6 +263,11 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike) -> Path:
 def resolve_drafter_dir(path: str | os.PathLike) -> Path:
     """A drafter directory itself, OUT/drafter of a finished run, or else OUT's latest checkpoint."""
     path = Path(path)
+    if path.is_file() and path.name == BEST:  # OUT/checkpoints/best: the checkpoint it names
+        target = path.parent / read_pointer(path)["checkpoint"]
+        if not (target / CONFIG).exists():
+            raise FileNotFoundError(f"{path} names {target.name}, which is not there (removed?)")
+        return target
     for cand in (path, path / DRAFTER_DIR):
         if (cand / CONFIG).exists() and (cand / WEIGHTS).exists():
             return cand
@@ -367,14 +376,50 @@ def write_main_files(tmp: Path, model: DFlashDrafter, opt: torch.optim.Optimizer
     (tmp / "trainer.json").write_text(json.dumps(state))
 
 
-def publish(tmp: Path, final: Path, keep: int) -> None:
-    """Rename the staging directory into place and drop all but the newest ``keep`` checkpoints."""
+def publish(tmp: Path, final: Path, keep: int, best: dict[str, Any] | None = None) -> None:
+    """Rename the staging directory into place, point ``best`` at it when given (its validation metrics), and
+    drop all but the newest ``keep`` checkpoints, never the best one."""
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     log.info("saved %s", final)
-    for old in list_checkpoints(final.parent.parent)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    out = final.parent.parent
+    if best is not None:
+        write_best(out, final.name, best)
+    pointer = read_best(out)
+    for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
+        if pointer is None or old.name != pointer["checkpoint"]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def best_path(out: str | os.PathLike) -> Path:
+    return Path(out) / CKPT_DIR / BEST
+
+
+def write_best(out: str | os.PathLike, checkpoint: str, metrics: dict[str, Any]) -> None:
+    """OUT/checkpoints/best: a small JSON file naming the checkpoint with the best validation tau (a file, not
+    a link: it works the same on object stores and on file systems without links)."""
+    path = best_path(out)
+    tmp = path.with_name(f".tmp-{BEST}")
+    tmp.write_text(json.dumps({"format": BEST_FORMAT, "checkpoint": checkpoint, **metrics}, indent=2) + "\n")
+    os.replace(tmp, path)
+    log.info("best checkpoint (val_tau %.4f): %s", metrics.get("val_tau", float("nan")), checkpoint)
+
+
+def read_best(out: str | os.PathLike) -> dict[str, Any] | None:
+    """The best pointer of a run (None when it has none); refuses one that names anything but a sibling
+    ``step_N`` directory."""
+    return read_pointer(best_path(out)) if best_path(out).is_file() else None
+
+
+def read_pointer(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{path}: not a best-checkpoint pointer (JSON with format {BEST_FORMAT!r})") from None
+    if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not _STEP_RE.match(str(d.get("checkpoint"))):
+        raise ValueError(f"{path}: not a best-checkpoint pointer (format {BEST_FORMAT!r}, checkpoint step_N)")
+    return d
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

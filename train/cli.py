@@ -11,6 +11,7 @@ import logging
 import json
 import math
 
+from hsstore.config import add_config_option, settings
 from hsstore.cli import Deprecated, DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
 from hsstore.storage import parse_storage_options
 
@@ -25,18 +26,22 @@ def register(subparsers) -> None:
         "OUT/checkpoints/ and the drafter in OUT/drafter/. Re-running the same command resumes from the latest "
         "checkpoint. Multi-GPU: torchrun --nproc_per_node N -m hsstore train ...",
     )
+    parser = t  # the flags in groups: --help shows them so, and --config files have these sections
+    t = parser.add_argument_group("run")
     t.add_argument("--store", required=True, action="append", metavar="URL", help="store URL (repeatable)")
     t.add_argument("--out", required=True, help="run directory (metrics, checkpoints, drafter)")
     n = t.add_mutually_exclusive_group()
     n.add_argument("--steps", type=int, default=None, help="optimizer steps")
     n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
     t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
+    t = parser.add_argument_group("batch")
     t.add_argument("--token-budget", dest="token_budget", type=int, default=None, metavar="N",
                    help="padded tokens per batch and rank (default: 16384 on a GPU, the published recipe; 4096 on a "
                         "CPU; a CPU step estimated above the available memory is refused)")
     t.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
     t.add_argument("--anchors", type=int, default=None, metavar="N",
                    help="anchors per sequence, at most (default: 512 on a GPU, 128 on a CPU)")
+    t = parser.add_argument_group("drafter")
     t.add_argument("--block-size", type=int, default=16, help="anchor + mask tokens drafted per block")
     t.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers")
     t.add_argument("--sliding-window", type=int, default=2048,
@@ -45,7 +50,7 @@ def register(subparsers) -> None:
     t.add_argument("--non-causal-sliding", action="store_true",
                    help="sliding layers see their whole block (exported as is_causal: false); default: causal "
                         "inside the block, as SpecForge trains and SGLang/vLLM serve")
-    d = t.add_argument_group("drafter shape (default: the published DFlash drafters' rule, e.g. Qwen3.6-27B "
+    d = parser.add_argument_group("drafter shape (default: the published DFlash drafters' rule, e.g. Qwen3.6-27B "
                              "-> 32 heads x 128, 8 KV heads; FFN, RoPE base from the target)")
     d.add_argument("--num-heads", type=int, default=None, help="attention heads")
     d.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads")
@@ -57,6 +62,7 @@ def register(subparsers) -> None:
                         "taps, hidden size, vocabulary and block size fit the store")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="default: first unused embedding row, else the target's pad token")
+    t = parser.add_argument_group("training")
     t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default by block)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine)")
     t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
@@ -67,6 +73,7 @@ def register(subparsers) -> None:
                    help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and time "
                         "follow the visible keys). sdpa: one dense mask [queries x (context + queries)], the "
                         "reference. flex: compiles on its first step and again when batch shapes vary")
+    t = parser.add_argument_group("data")
     t.add_argument("--weight", type=float, action="append", default=None, metavar="W",
                    help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
     t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")
@@ -74,6 +81,7 @@ def register(subparsers) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
+    t = parser.add_argument_group("output")
     t.add_argument("--log-every", type=int, default=10, help="steps between metrics.jsonl rows")
     t.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (Ctrl-C also saves one)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
@@ -81,12 +89,15 @@ def register(subparsers) -> None:
     t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
     add_quiet_option(t)
     add_json_option(t, "the summary at the end (rank 0)")
+    t = parser.add_argument_group("validation")
     t.add_argument("--val-store", action="append", default=None, metavar="URL",
                    help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
                         "valid anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
     t.add_argument("--val-every", type=int, default=None, metavar="N",
                    help="steps between evaluations on --val-store (default: --save-every); always at the end too")
+    t = parser.add_argument_group("storage")
     add_storage_option(t)
+    add_config_option(parser)
     t.set_defaults(func=run_train)
 
     x = subparsers.add_parser(
@@ -169,7 +180,7 @@ def run_train(args: argparse.Namespace) -> int:
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
         val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option))
-    result = train(cfg)
+    result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last

@@ -333,6 +333,28 @@ class Meter:
                 "wait_frac": self.wait / dt if dt > 0 else 0.0}
 
 
+class BestTracker:
+    """Which checkpoint OUT/checkpoints/best names: the step with the highest val_tau so far (SpecForge's
+    best-checkpoint metric is its acceptance-length estimate too). A new best forces a checkpoint at its step."""
+
+    KEYS = ("step", "val_tau", "val_loss", "val_acc", "val_anchors")
+
+    def __init__(self, saved: dict[str, Any] | None):
+        self.tau = float(saved["val_tau"]) if saved and saved.get("val_tau") is not None else -math.inf
+        self.pending: dict[str, Any] | None = None
+
+    def offer(self, step: int, row: dict[str, Any]) -> None:
+        tau = row.get("val_tau")
+        if tau is not None and math.isfinite(tau) and tau > self.tau:
+            self.tau = tau
+            self.pending = {k: _json_safe(row[k]) if k != "step" else step for k in self.KEYS if k in row or
+                            k == "step"}
+
+    def take(self) -> dict[str, Any] | None:
+        p, self.pending = self.pending, None
+        return p
+
+
 def val_metrics(ev) -> dict[str, Any]:
     """The metrics.jsonl fields of a teacher-forced evaluation (``evaluate.StoreEval``)."""
     return {"val_loss": ev.loss, "val_acc": ev.acc, "val_tau": ev.tau, "val_acceptance": ev.acceptance,
@@ -368,8 +390,9 @@ def _json_safe(x):
 # ---------------------------------------------------------------------------------------------- the loop
 
 
-def train(cfg: TrainConfig, source=None) -> TrainResult:
-    """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features)."""
+def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None) -> TrainResult:
+    """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features);
+    ``settings`` (the command's flags by section, ``hsstore.config.settings``) go into OUT/run.yaml."""
     t_start = time.perf_counter()
     rank, world, device, group = init_distributed(cfg.device)
     share_cpu_threads(cfg.cpu_threads, device)
@@ -422,6 +445,9 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     metrics_path = out / "metrics.jsonl"
     samples_path = out / f"samples.rank{rank:05d}.jsonl"
     val_source, val_every, val_step = None, cfg.val_every or cfg.save_every, step
+    best = BestTracker(ckpt.read_best(out) if latest is not None else None)
+    if latest is None and rank == 0 and ckpt.read_best(out) is not None:  # starting over: not this run's best
+        ckpt.best_path(out).unlink()
     if cfg.val_stores:
         check_val_stores(manifest, cfg.val_stores, cfg.storage_options)
         val_source = eval_source(cfg.val_stores, dcfg.target_layers, cfg.max_tokens, rank, world,
@@ -444,6 +470,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         truncate_jsonl(samples_path, step)
     if rank == 0:
         (out / "train_config.json").write_text(json.dumps(config_json, indent=2))
+        if settings is not None:
+            write_run_file(out / RUN_FILE, settings, stores, {**config_json, "device": str(device)})
 
     model = loss_fn
     if world > 1:
@@ -499,14 +527,15 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
                     if val_due:
                         row.update(validate())
                         val_step = step
+                        best.offer(step, row)
                     meter.reset()  # after the evaluation: its time is not the next interval's
                     last = row
                     write_row(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
                                     tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
-                if step % cfg.save_every == 0 or step == total:
-                    checkpoints.save(step, epoch, loader_state)
+                if step % cfg.save_every == 0 or step == total or best.pending:
+                    checkpoints.save(step, epoch, loader_state, best.take())
                 if cfg.steps is not None and step >= total:
                     finished_epoch = False
                     break
@@ -530,14 +559,38 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if val_source is not None and val_step != step:  # the epochs ended before the planned step count
         last = {"step": step, "epoch": epoch, **meter.summary(world, group), **validate()}
         write_row(last)
-    if step % cfg.save_every and step != total:  # the epochs ended before the planned step count
-        checkpoints.save(step, epoch, loader_state)
+        best.offer(step, last)
+    if (step % cfg.save_every and step != total) or best.pending:  # the epochs ended before the planned steps
+        checkpoints.save(step, epoch, loader_state, best.take())
     drafter_dir = None
     if rank == 0:
         drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, extra)
     if world > 1:
         dist.barrier()
     return TrainResult(step, epoch, time.perf_counter() - t_start, drafter_dir, last, latest)
+
+
+RUN_FILE = "run.yaml"
+
+
+def write_run_file(path: Path, settings: dict[str, Any], stores, resolved: dict[str, Any]) -> None:
+    """OUT/run.yaml: the command's settings (``hsstore train --config OUT/run.yaml`` runs it again), and for
+    people the version, each store's identity and the values the device chose."""
+    from hsstore.config import dump
+    from hsstore.redaction import scrub
+
+    recorded = {"hsstore_version": hsstore.__version__,
+                "stores": [{"url": scrub(s.url), "samples": len(s), "layers": list(s.manifest.layers),
+                            "dtype": s.manifest.dtype, "encoding": s.manifest.encoding,
+                            "target": dataclasses.asdict(s.manifest.target),
+                            "tokenizer": dataclasses.asdict(s.manifest.tokenizer)} for s in stores],
+                "resolved": {k: v for k, v in resolved.items() if k in ("device", "max_tokens", "anchors",
+                                                                         "epochs", "steps")}}
+    header = ("hsstore train settings of this run. `hsstore train --config run.yaml --out NEW` runs it again\n"
+              "(flags given with --config win); secret storage options are not recorded: pass them with -S.")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump(settings, recorded, header))
+    os.replace(tmp, path)
 
 
 def settings_line(dcfg: DrafterConfig, cfg: TrainConfig, device, world: int, params: int) -> str:
@@ -623,8 +676,9 @@ class Checkpointer:
     rank: int
     world: int
 
-    def save(self, step: int, epoch: int, loader_state) -> None:
-        """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it."""
+    def save(self, step: int, epoch: int, loader_state, best: dict[str, Any] | None = None) -> None:
+        """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it (and
+        points OUT/checkpoints/best at it when ``best``, its validation metrics, is given)."""
         rank, world = self.rank, self.world
         tmp, final = ckpt.staging_dir(self.out, step), ckpt.checkpoint_dir(self.out, step)
         if rank == 0:
@@ -637,7 +691,7 @@ class Checkpointer:
         if rank == 0:
             ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
                                   config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
-            ckpt.publish(tmp, final, self.cfg.keep)
+            ckpt.publish(tmp, final, self.cfg.keep, best)
         if world > 1:
             dist.barrier()
 

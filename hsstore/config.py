@@ -1,0 +1,215 @@
+"""``--config FILE.yaml``: a command's settings from a file, and ``run.yaml``, the file a run leaves behind.
+
+The keys are the command's own flags (their argparse ``dest``: ``--token-budget`` is ``token_budget``), in
+sections named after the command's argument groups (``--help`` shows the same groups; flags outside a group
+are in ``options``), so there is no second list of settings to keep in step with the flags. Precedence is
+flag > file > default: the file's values become the parser's defaults before parsing, except for flags
+given on the command line (and the other members of their mutually exclusive group: ``--steps`` given
+overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
+against the flag's type and choices. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
+version, store identities, resolved values) is read past.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .redaction import is_secret_key, scrub
+
+CONFIG_DEST = "config"
+PARSER_KEY = "_config_parser"  # the namespace holds the parser that has --config (for sections / dump)
+RECORDED = "recorded"
+DEFAULT_SECTION = "options"
+_DEFAULT_TITLES = ("options", "optional arguments", "positional arguments")
+
+
+def add_config_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="settings from a YAML file (keys: the flags' names with _ for -, in sections as in "
+                        "--help); flags given here win over the file, the file over the defaults")
+    p.set_defaults(**{PARSER_KEY: p})
+
+
+def section_name(title: str | None) -> str:
+    if not title or title in _DEFAULT_TITLES:
+        return DEFAULT_SECTION
+    return title.split("(")[0].strip().replace(" ", "_").replace("-", "_")
+
+
+def _settable(a: argparse.Action) -> bool:
+    from .cli import Deprecated  # the old spellings share their new flag's key
+
+    return not (isinstance(a, (argparse._HelpAction, argparse._VersionAction, Deprecated))
+                or a.dest in (CONFIG_DEST, argparse.SUPPRESS) or a.help == argparse.SUPPRESS)
+
+
+def sections(parser: argparse.ArgumentParser) -> dict[str, dict[str, argparse.Action]]:
+    """section -> {key: action}, in the order of ``--help``."""
+    out: dict[str, dict[str, argparse.Action]] = {}
+    for group in parser._action_groups:
+        for a in group._group_actions:
+            if _settable(a):
+                out.setdefault(section_name(group.title), {})[a.dest] = a
+    return out
+
+
+def _check_value(a: argparse.Action, value: Any, where: str) -> Any:
+    """``value`` as the flag would have produced it; ValueError naming ``where`` otherwise."""
+    def bad(why: str):
+        raise ValueError(f"{where}: {why} (got {value!r})")
+
+    def one(v: Any) -> Any:
+        if v is None:
+            return None
+        t = a.type
+        if t in (int, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (t is int and not isinstance(v, int)):
+                if isinstance(v, str):
+                    try:
+                        v = t(v)
+                    except ValueError:
+                        bad(f"expected {'an integer' if t is int else 'a number'}")
+                else:
+                    bad(f"expected {'an integer' if t is int else 'a number'}")
+            v = t(v)
+        elif t is None or t is str:
+            if not isinstance(v, str):
+                bad("expected a string")
+        elif isinstance(v, str):
+            v = t(v)
+        if a.choices is not None and v not in a.choices:
+            bad(f"expected one of {list(a.choices)}")
+        return v
+
+    if a.nargs == 0 or isinstance(a, argparse.BooleanOptionalAction):  # store_true / --x/--no-x
+        if not (isinstance(value, bool) or (value is None and isinstance(a, argparse.BooleanOptionalAction))):
+            bad("expected true or false")
+        return value
+    if isinstance(a, argparse._AppendAction) or a.nargs in ("+", "*") or isinstance(a.nargs, int):
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            bad("expected a list")
+        return [one(v) for v in value]
+    return one(value)
+
+
+def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """{dest: value} from a config file, checked against ``parser``'s flags."""
+    import yaml
+
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    known = sections(parser)
+    unknown, values = [], {}
+    for sec, body in data.items():
+        if sec == RECORDED:
+            continue
+        if sec not in known:
+            unknown.append(str(sec))
+            continue
+        if not isinstance(body, dict):
+            raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
+        for key, value in body.items():
+            if key not in known[sec]:
+                unknown.append(f"{sec}.{key}")
+                continue
+            values[key] = _check_value(known[sec][key], value, f"--config {path}: {sec}.{key}")
+    if unknown:
+        raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
+                         f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")
+    return values
+
+
+def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests given on the command line: a parse with every default suppressed."""
+    saved = [(a, a.default, a.required) for a in parser._actions]
+    saved_defaults = dict(parser._defaults)
+    try:
+        for a in parser._actions:
+            a.default, a.required = argparse.SUPPRESS, False
+        parser._defaults.clear()
+        ns, _ = parser.parse_known_args(argv)
+    finally:
+        for a, default, required in saved:
+            a.default, a.required = default, required
+        parser._defaults.update(saved_defaults)
+    return set(vars(ns))
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, tok in enumerate(argv):
+        if tok == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if tok.startswith("--config="):
+            return tok.split("=", 1)[1]
+    return None
+
+
+def apply(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """Before ``parser.parse_args(argv)``: a sub-command's ``--config`` file becomes its defaults."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return
+    choices = subs[0].choices
+    at = next((i for i, tok in enumerate(argv) if tok in choices), None)
+    if at is None:
+        return
+    sub, rest = choices[argv[at]], argv[at + 1:]
+    path = _config_path(rest)
+    if path is None or PARSER_KEY not in sub._defaults:
+        return
+    try:
+        values = load(path, sub)
+    except (OSError, ValueError) as e:
+        sub.error(str(e))
+    given = _explicit(sub, rest)
+    for group in sub._mutually_exclusive_groups:  # a flag given overrides the file's value of its rivals
+        dests = {a.dest for a in group._group_actions}
+        if dests & given:
+            given |= dests
+    defaults = {k: v for k, v in values.items() if k not in given}
+    for a in sub._actions:
+        if a.dest in defaults and defaults[a.dest] is not None:
+            a.required = False
+    sub.set_defaults(**defaults)
+
+
+def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The command's effective settings by section (secret storage options left out, URL passwords masked):
+    what ``run.yaml`` records and ``--config`` reads back."""
+    parser = getattr(args, PARSER_KEY)
+    out: dict[str, dict[str, Any]] = {}
+    for sec, actions in sections(parser).items():
+        for dest in actions:
+            out.setdefault(sec, {})[dest] = _public(dest, getattr(args, dest, None))
+    return out
+
+
+def _public(dest: str, v: Any) -> Any:
+    if dest == "storage_option" and isinstance(v, list):  # KEY=VALUE strings
+        return [scrub(s) for s in v if not is_secret_key(str(s).split("=", 1)[0])]
+    if isinstance(v, str):
+        return scrub(v)
+    if isinstance(v, list):
+        return [scrub(x) if isinstance(x, str) else x for x in v]
+    return v
+
+
+def dump(settings_: dict[str, dict[str, Any]], recorded: dict[str, Any] | None = None, header: str = "") -> str:
+    import yaml
+
+    body = yaml.safe_dump(settings_, sort_keys=False, default_flow_style=False)
+    if recorded:
+        body += yaml.safe_dump({RECORDED: recorded}, sort_keys=False, default_flow_style=False)
+    return "".join(f"# {ln}\n" for ln in header.splitlines()) + body

@@ -1,0 +1,130 @@
+"""What a run leaves behind and reads back: `--config FILE.yaml` (flag > file > default, unknown keys refused),
+OUT/run.yaml (running it again gives the same losses) and OUT/checkpoints/best (follows the best val_tau,
+exported like any checkpoint). Tiny store, CPU, in-process CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hsstore.cli import build_parser, main
+from hsstore import config
+from hsstore.train import checkpoint as ckpt
+from train_helpers import small_input, store32  # noqa: F401  (fixtures)
+
+FAST_FLAGS = ["--token-budget", "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "32",
+              "--log-every", "1", "--device", "cpu", "-q"]
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def parse(argv):
+    p = build_parser()
+    config.apply(p, argv)
+    return p.parse_args(argv)
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_config_precedence_flag_over_file_over_default(tmp_path):
+    f = write_yaml(tmp_path / "c.yaml", {"run": {"store": ["/s/a"], "out": "/o", "epochs": 3},
+                                         "training": {"lr": 0.001, "seed": 7}, "batch": {"anchors": 64}})
+    args = parse(["train", "--config", f, "--seed", "3"])
+    assert args.store == ["/s/a"] and args.out == "/o"  # required flags may come from the file
+    assert args.lr == 0.001 and args.anchors == 64  # file over default
+    assert args.seed == 3  # flag over file
+    assert args.warmup == 0.04 and args.epochs == 3 and args.steps is None  # default where neither says
+    args = parse(["train", "--steps", "5", "--config", f])  # a flag overrides the file's rival in its group
+    assert args.steps == 5 and args.epochs is None
+
+
+def test_config_refuses_unknown_keys_and_bad_values(tmp_path, capsys):
+    f = write_yaml(tmp_path / "c.yaml", {"run": {"store": ["/s"], "out": "/o", "stepz": 3},
+                                         "trainin": {"lr": 1.0}})
+    with pytest.raises(SystemExit) as e:
+        parse(["train", "--config", f])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "run.stepz" in err and "trainin" in err and "unknown key" in err
+    f = write_yaml(tmp_path / "d.yaml", {"training": {"lr": "fast"}})
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", f, "--store", "/s", "--out", "/o"])
+    assert "training.lr" in capsys.readouterr().err
+    f = write_yaml(tmp_path / "e.yaml", {"training": {"attn": "magic"}})
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", f, "--store", "/s", "--out", "/o"])
+    assert "training.attn" in capsys.readouterr().err
+
+
+def test_every_train_flag_has_a_key():
+    """The sections come from the parser itself: each option of `train --help` is a key of one section."""
+    p = build_parser()
+    sub = p._subparsers._group_actions[0].choices["train"]
+    keys = {k for sec in config.sections(sub).values() for k in sec}
+    flags = {a.dest for a in sub._actions if a.option_strings and a.help != "==SUPPRESS=="} - {"help", "config"}
+    assert flags == keys
+    assert {"run", "batch", "drafter", "drafter_shape", "training", "output", "validation"} <= set(
+        config.sections(sub))
+
+
+def test_run_yaml_reproduces_the_run_and_best_checkpoint(store32, tmp_path, capsys):  # noqa: F811
+    a = tmp_path / "a"
+    argv = ["train", "--store", store32, "--out", str(a), "--steps", "4", "--save-every", "2", "--keep", "1",
+            "--val-store", store32, "--val-every", "1", "-S", "secret_access_key=hunter2hunter2", *FAST_FLAGS]
+    assert main(argv) == 0
+    run = yaml.safe_load((a / "run.yaml").read_text())
+    assert run["run"]["store"] == [store32] and run["training"]["seed"] == 0 and run["batch"]["anchors"] == 32
+    assert run["recorded"]["hsstore_version"] and run["recorded"]["stores"][0]["samples"] == 8
+    assert "hunter2" not in (a / "run.yaml").read_text()  # secret storage options are not written down
+
+    b = tmp_path / "b"
+    assert main(["train", "--config", str(a / "run.yaml"), "--out", str(b)]) == 0
+    ra, rb = rows(a), rows(b)
+    assert [r["step"] for r in ra] == [1, 2, 3, 4] and [r["loss"] for r in ra] == [r["loss"] for r in rb]
+
+    # best: the step with the highest val_tau, kept although --keep 1
+    taus = {r["step"]: r["val_tau"] for r in ra}
+    best_step = max(taus, key=lambda s: (taus[s], -s))
+    pointer = json.loads((a / "checkpoints" / "best").read_text())
+    assert pointer["step"] == best_step and pointer["val_tau"] == pytest.approx(taus[best_step])
+    assert (a / "checkpoints" / pointer["checkpoint"] / "trainer.json").exists()
+    assert json.loads((a / "checkpoints" / pointer["checkpoint"] / "trainer.json").read_text())["step"] == best_step
+    capsys.readouterr()
+    assert main(["export-drafter", str(a / "checkpoints" / "best"), str(tmp_path / "exp")]) == 0
+    cfg, _ = ckpt.read_drafter_config(tmp_path / "exp")
+    assert cfg.num_layers == 1 and cfg.block_size == 8
+
+
+def test_best_pointer_is_checked(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    p = tmp_path / "checkpoints" / "best"
+    p.write_text(json.dumps({"format": ckpt.BEST_FORMAT, "checkpoint": "../../etc"}))
+    with pytest.raises(ValueError, match="not a best-checkpoint pointer"):
+        ckpt.resolve_drafter_dir(p)
+    p.write_text(json.dumps({"format": ckpt.BEST_FORMAT, "checkpoint": "step_00000009"}))
+    with pytest.raises(FileNotFoundError, match="step_00000009"):
+        ckpt.resolve_drafter_dir(p)
+
+
+def test_best_checkpoint_survives_keep(tmp_path):
+    """--keep drops old checkpoints but never the one OUT/checkpoints/best names."""
+    def fake(step, best=None):
+        tmp = ckpt.staging_dir(tmp_path, step)
+        tmp.mkdir(parents=True)
+        (tmp / "trainer.json").write_text("{}")
+        ckpt.publish(tmp, ckpt.checkpoint_dir(tmp_path, step), keep=1, best=best)
+
+    fake(1)
+    fake(2, best={"step": 2, "val_tau": 3.0})
+    fake(3)
+    fake(4)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert ckpt.read_best(tmp_path)["checkpoint"] == "step_00000002"
+    fake(5, best={"step": 5, "val_tau": 3.5})
+    fake(6)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
