@@ -13,6 +13,7 @@ from dataclasses import fields
 
 from .gate import GateThresholds
 from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
+from hsstore.config import add_config_option
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ def register(subparsers) -> None:
     add_template_kwargs_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
+    add_config_option(e)
     e.set_defaults(func=run_extract_cmd)
 
     m = subparsers.add_parser(

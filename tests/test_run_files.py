@@ -128,3 +128,17 @@ def test_best_checkpoint_survives_keep(tmp_path):
     fake(5, best={"step": 5, "val_tau": 3.5})
     fake(6)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
+
+
+def test_extract_config(tmp_path):
+    """extract reads the same kind of file: its flags under `options`, the gate thresholds in their own section."""
+    p = build_parser()
+    sub = p._subparsers._group_actions[0].choices["extract"]
+    secs = config.sections(sub)
+    assert "options" in secs and "gate_thresholds" in secs and "model" in secs["options"]
+    name = next(iter(secs["gate_thresholds"]))
+    f = write_yaml(tmp_path / "x.yaml", {"options": {"model": "/m", "input": ["/in.jsonl"], "out": "/o",
+                                                     "layers": "1,3", "encoding": "fp8"}})
+    args = parse(["extract", "--config", f, "--out", "/other"])
+    assert args.model == "/m" and args.input == ["/in.jsonl"] and args.layers == "1,3" and args.encoding == "fp8"
+    assert args.out == "/other" and getattr(args, name) == sub.get_default(name)
