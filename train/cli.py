@@ -89,6 +89,10 @@ def register(subparsers) -> None:
     t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
     add_quiet_option(t)
     add_json_option(t, "the summary at the end (rank 0)")
+    t.add_argument("--report-to", default="none", metavar="NAMES",
+                   help="also send the metrics.jsonl rows and the settings to tensorboard, wandb and/or mlflow "
+                        "(comma-separated; OUT/tensorboard, OUT/wandb, OUT/mlruns unless their environment says "
+                        "otherwise; WANDB_MODE=offline works without a network; pip install 'hsstore[track]')")
     t = parser.add_argument_group("validation")
     t.add_argument("--val-store", action="append", default=None, metavar="URL",
                    help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
@@ -179,7 +183,8 @@ def run_train(args: argparse.Namespace) -> int:
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
-        val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option))
+        val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option),
+        report_to=args.report_to)
     result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
         return 0

@@ -60,6 +60,7 @@ from hsstore.reader import open_shared, read_manifest
 from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
+from . import tracking
 from .budget import check_cpu_memory, with_device_defaults
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .evaluate import eval_source, evaluate
@@ -122,6 +123,7 @@ class TrainConfig:
     ce_impl: str = "fused"  # fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy
     val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
     val_every: int | None = None  # steps between evaluations (default: save_every)
+    report_to: list[str] | None = None  # experiment trackers (tracking.py): tensorboard, wandb, mlflow
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
@@ -136,6 +138,7 @@ class TrainConfig:
         self.val_stores = [str(s) for s in self.val_stores] if self.val_stores else None
         if self.val_every is not None and self.val_every < 1:
             raise ValueError("val_every must be >= 1")
+        self.report_to = tracking.parse_report_to(self.report_to) or None
 
 
 @dataclass
@@ -394,6 +397,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features);
     ``settings`` (the command's flags by section, ``hsstore.config.settings``) go into OUT/run.yaml."""
     t_start = time.perf_counter()
+    tracking.check_available(cfg.report_to or [])  # before any work: a missing package is one line
     rank, world, device, group = init_distributed(cfg.device)
     share_cpu_threads(cfg.cpu_threads, device)
     cfg = with_device_defaults(cfg, device)
@@ -461,9 +465,13 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
         return val_metrics(ev)
 
     def write_row(row: dict[str, Any]) -> None:
+        if device.type == "cuda":
+            row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps({k: _json_safe(v) for k, v in row.items()}) + "\n")
+            if trackers is not None:
+                trackers.log(row, row["step"])
     if rank == 0:
         truncate_jsonl(metrics_path, step)
     if cfg.log_samples:
@@ -472,6 +480,9 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
         (out / "train_config.json").write_text(json.dumps(config_json, indent=2))
         if settings is not None:
             write_run_file(out / RUN_FILE, settings, stores, {**config_json, "device": str(device)})
+    trackers = None
+    if rank == 0 and cfg.report_to:
+        trackers = tracking.Trackers(cfg.report_to, out, settings or config_json)
 
     model = loss_fn
     if world > 1:
@@ -554,6 +565,8 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
             checkpoints.save(step, epoch, loader_state)
         log.warning("stopped at step %d: checkpoint %s; re-run the same command to resume", step,
                     ckpt.checkpoint_dir(out, step))
+        if trackers is not None:
+            trackers.close(failed=True)
         raise KeyboardInterrupt
     bar.close()
     if val_source is not None and val_step != step:  # the epochs ended before the planned step count
@@ -565,6 +578,8 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     drafter_dir = None
     if rank == 0:
         drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, extra)
+        if trackers is not None:
+            trackers.close()
     if world > 1:
         dist.barrier()
     return TrainResult(step, epoch, time.perf_counter() - t_start, drafter_dir, last, latest)
