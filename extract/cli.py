@@ -54,6 +54,41 @@ def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
     return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
 
 
+def add_estimate_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cost estimate", "the store's size, extraction GPU-hours and bytes read per "
+                                  "training epoch for the checked samples (over-length ones left out unless "
+                                  "--truncate), taps and hidden size from --model")
+    g.add_argument("--layers", default=None, metavar="L,L", help="taps to estimate for (default: DFlash spacing)")
+    g.add_argument("--final-hidden", action="store_true", help="extract would add the final norm's output")
+    g.add_argument("--tokens-per-s", type=float, default=None, metavar="X",
+                   help="extraction throughput per GPU (default: this project's H200 figure for a 27B-scale "
+                        "Qwen3.5 target, 11,049; other targets differ)")
+    g.add_argument("--estimate-only", action="store_true",
+                   help="no input: the estimate for --tokens, --samples and --hidden (or --model) and --layers")
+    g.add_argument("--tokens", type=float, default=None, help="with --estimate-only: tokens, e.g. 1.87e9")
+    g.add_argument("--samples", type=float, default=None, help="with --estimate-only: samples, e.g. 914000")
+    g.add_argument("--hidden", type=int, default=None, help="with --estimate-only: the target's hidden size")
+
+
+def cost_estimate(args: argparse.Namespace, samples: int, tokens: int) -> dict:
+    """``hsstore.estimate`` for ``check``: taps and hidden size from the flags, else the model's config."""
+    import json
+    from pathlib import Path
+
+    from hsstore.estimate import H200_27B_TOKENS_PER_S, estimate
+    from hsstore.taps import default_taps, text_config
+
+    hidden, layers = args.hidden, [int(x) for x in args.layers.split(",")] if args.layers else None
+    if args.model and (hidden is None or layers is None):
+        cfg = text_config(json.loads((Path(args.model) / "config.json").read_text()))
+        hidden = hidden or cfg["hidden_size"]
+        layers = layers or default_taps(cfg["num_hidden_layers"])
+    if hidden is None or layers is None:
+        raise ValueError("the estimate needs --hidden and --layers (or --model, whose config has them)")
+    return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=args.final_hidden,
+                    tokens_per_s=args.tokens_per_s or H200_27B_TOKENS_PER_S)
+
+
 def register(subparsers) -> None:
     """Add the ``check`` and ``show`` subcommands; each sets ``func=handler(args) -> int``."""
     p = subparsers.add_parser(
@@ -62,8 +97,8 @@ def register(subparsers) -> None:
         description="Tokenize the input with the target's chat template and check per-sample loss-mask "
         "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
     )
-    p.add_argument("--model", required=True, help="target model directory (its tokenizer and chat template)")
-    p.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
+    p.add_argument("--model", help="target model directory (its tokenizer and chat template); required")
+    p.add_argument("--input", nargs="+", help="JSONL/Parquet/Arrow files or directories; required")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--max-length", type=int, default=None, help="flag samples longer than this many tokens")
     p.add_argument("--truncate", action="store_true", help="cut over-length samples instead (as extract --truncate)")
@@ -75,6 +110,7 @@ def register(subparsers) -> None:
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     add_template_kwargs_flag(p)
     add_threshold_flags(p)
+    add_estimate_flags(p)
     p.set_defaults(func=run_check)
 
     s = subparsers.add_parser(
@@ -253,18 +289,33 @@ def _use_color(choice: str) -> bool:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    import json
+
+    from hsstore.estimate import format_text
     from .gate_report import gate_inputs
     from .target import load_tokenizer
 
+    if args.estimate_only:
+        if args.tokens is None or args.samples is None:
+            raise ValueError("--estimate-only needs --tokens and --samples")
+        est = cost_estimate(args, int(args.samples), int(args.tokens))
+        print(json.dumps({"estimate": est}, indent=2) if args.json else format_text(est), end="\n" if args.json
+              else "")
+        return 0
+    if not args.model or not args.input:
+        raise ValueError("check needs --model and --input (or --estimate-only with counts)")
     kwargs = template_kwargs_from_args(args)
     tokenizer = load_tokenizer(args.model)
     report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
                          max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
                          report_url=args.report)
+    kept = [s for s in report.samples if args.truncate or "over_length" not in s.flags]
+    est = cost_estimate(args, len(kept), sum(s.tokens for s in kept))
     if args.json:
-        print(report.to_json())
+        print(json.dumps({**report.to_dict(), "estimate": est}, indent=2))
     else:
         print(report.format_text(tokenizer, n_examples=args.examples, color=_use_color(args.color)), end="")
+        print(format_text(est), end="")
     if report.ok:
         return 0
     more = f" (+{len(report.failures) - 1} more in the report)" if len(report.failures) > 1 else ""

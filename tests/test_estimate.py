@@ -1,0 +1,58 @@
+"""`hsstore check`'s cost estimate: the sizes it predicts are those of the stores extraction then writes, and the
+seeds' workload (914K conversations, 1.87B tokens, taps [1,16,31,46,61] of a 5120-wide target) comes out as the
+format's per-token sizes say."""
+
+import json
+
+import pytest
+
+import hsstore
+from hsstore.cli import main
+from hsstore.estimate import H200_27B_TOKENS_PER_S, estimate
+from hsstore.extract.job import ExtractConfig, run_extract
+from train_helpers import small_input  # noqa: F401  (fixture)
+
+
+def test_seed_workload():
+    e = estimate(samples=914_000, tokens=1_870_000_000, layers=[1, 16, 31, 46, 61], hidden=5120)
+    # FORMAT.md: bf16 features 2 B per value, fp8 1 B per value + float32 scale per token and layer; input_ids
+    # int32 + loss_mask uint8 per token; BRIEF: 51,200 B/token for 5 x 5120 bf16
+    assert e["bytes_per_token"] == {"bf16": 51_200 + 5, "fp8": 5 * (5120 + 4) + 5}
+    assert e["data_bytes"]["bf16"] == 1_870_000_000 * 51_205  # 95.75 TB
+    assert e["data_bytes"]["bf16_final_hidden"] == 1_870_000_000 * (61_440 + 5)
+    assert e["store_bytes"]["bf16"] == pytest.approx(e["data_bytes"]["bf16"] * 1.038, rel=0.01)  # chunk padding
+    assert e["gpu_hours"] == pytest.approx(1.87e9 / 11_049 / 3600)  # 47.0 H200-hours
+    assert e["epoch_read_bytes"]["fp8"] == e["data_bytes"]["fp8"]
+
+
+def test_check_estimate_matches_the_extracted_stores(tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
+    assert main(["check", "--model", str(tiny_dir), "--input", str(small_input), "--json", "--tokens-per-s",
+                 "1000", "--layers", "1,3,5"]) in (0, 1)
+    est = json.loads(capsys.readouterr().out)["estimate"]
+    assert est["layers"] == [1, 3, 5] and est["tokens_per_s"] == 1000
+    assert est["gpu_hours"] == pytest.approx(est["tokens"] / 1000 / 3600)
+    for encoding, key in (("raw", "bf16"), ("fp8", "fp8")):
+        out = tmp_path / encoding
+        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), layers=[1, 3, 5],
+                                  device="cpu", encoding=encoding, progress=False, force=True))
+        store = hsstore.open(str(out))
+        assert len(store) == est["samples"]
+        # what the store holds for each sample, read back as stored (fp8: e4m3 values + float32 scales)
+        held = 0
+        for i in range(len(store)):
+            item = store.read(i, dequantise=False) if encoding == "fp8" else store.read(i)
+            held += sum(item[k].numel() * item[k].element_size() for k in ("hidden_states", "hidden_scales")
+                        if k in item)
+            held += len(item["input_ids"]) * (4 + 1)  # FORMAT.md: input_ids int32, loss_mask uint8
+        assert held == est["data_bytes"][key]
+        on_disk = int(store.table.ints["stored_bytes"].sum())  # every shard file, as the commit records list them
+        chunk = store.commits[0].chunk_tokens  # one shard: its last chunks are padded to full size
+        assert est["data_bytes"][key] < on_disk <= est["data_bytes"][key] + chunk * est["bytes_per_token"][key] * 1.1
+
+
+def test_estimate_only_flag(capsys):
+    assert main(["check", "--estimate-only", "--tokens", "1.87e9", "--samples", "914000", "--hidden", "5120",
+                 "--layers", "1,16,31,46,61"]) == 0
+    text = capsys.readouterr().out
+    assert "99.4" in text and "47.0 GPU-hours" in text and f"{H200_27B_TOKENS_PER_S:,.0f}" in text
+    assert main(["check", "--estimate-only", "--tokens", "10"]) == 2
