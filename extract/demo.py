@@ -30,7 +30,7 @@ from .tiny import build_trained_target, trained_files
 
 #: Written into --out; lists what the demo created there, which is all a later run may remove.
 MARKER = ".hsstore-demo"
-CREATED = ("target", "data", "store", "run", ".target-hidden")
+CREATED = ("target", "data", "store", "run", ".target-hidden", "store.html", "run.html")
 
 # Drafter training and eval: about 80 s for the whole demo on 2 idle CPU cores. Two draft layers: with one, whose
 # block queries are all the same mask token, draft accuracy was 0.2 after 1,000 steps on this target, with two 0.65
@@ -134,6 +134,10 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     print(f"loss {rows[0]['loss']:.3f} (step {rows[0]['step']}) -> {rows[-1]['loss']:.3f} (step {rows[-1]['step']}); "
           f"draft-position accuracy {rows[0]['acc']:.3f} -> {rows[-1]['acc']:.3f}; teacher-forced tau "
           f"{rows[0]['tau']:.2f} -> {rows[-1]['tau']:.2f}")
+    for what, path in ((store, out / "store.html"), (run_dir, out / "run.html")):  # pictures to open in a browser
+        rc = run(["report", what, "--out", str(path)])
+        if rc:
+            return rc
 
     step("7/7 speculative decoding on held-out prompts: the target alone vs the target + drafter (hsstore eval)")
     buf = io.StringIO()
@@ -178,4 +182,5 @@ Where things are
   target   {out / 'target'}   (a from_pretrained folder)
   data     {out / 'data'}   (conversations.jsonl: extraction input; heldout.jsonl: eval prompts)
   store    {out / 'store'}   (read a sample: hsstore show {out / 'store'} 0)
-  drafter  {out / 'run' / 'drafter'}   (training curve: {out / 'run' / 'metrics.jsonl'})""")
+  drafter  {out / 'run' / 'drafter'}   (training curve: {out / 'run' / 'metrics.jsonl'})
+  pictures {out / 'store.html'}, {out / 'run.html'}   (hsstore report: open in a browser, no server)""")

@@ -231,6 +231,14 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .html_report import write_report
+
+    kind = write_report(args.path, args.out, storage.parse_storage_options(args.storage_option))
+    print(f"report of {kind} {args.path}: {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
     p.add_argument("--version", action="version", version=f"hsstore {__version__}")
@@ -334,6 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     add_json_option(q)
     q.set_defaults(func=cmd_merge)
+
+    q = sub.add_parser("report", help="a store or a training run as one self-contained HTML page of charts",
+                       description="PATH a store (loss-mask-sum and length histograms with the stub signature "
+                       "marked, response fraction, flags, bytes per layer; from the commit records) or a run "
+                       "directory of `hsstore train` (loss, tau, accuracy and acceptance curves, val against "
+                       "train, tokens/s, lr). Inline SVG: opens from disk, no server, no network.")
+    q.add_argument("path", metavar="PATH", help="store URL or run directory (OUT of hsstore train)")
+    q.add_argument("--out", required=True, metavar="FILE.html")
+    add_storage_option(q)
+    q.set_defaults(func=cmd_report)
 
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)

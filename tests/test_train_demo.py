@@ -19,6 +19,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "What the numbers mean" in text and str(out / "store") in text
     assert (out / "target" / "model.safetensors").exists()  # put back after training
     assert json.loads((out / MARKER).read_text())["created"]
+    for page, chart in (("store.html", 'data-chart="loss_sum_histogram"'), ("run.html", 'data-chart="tau"')):
+        assert chart in (out / page).read_text()  # hsstore report's pages (tests/test_html_report.py renders them)
 
 
 def test_demo_refuses_a_folder_it_did_not_create(tmp_path, capsys):
