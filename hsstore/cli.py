@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
     try:
+        config.check_applied(args)
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # inside the try: a reader that went away (`info | head`) is not an error
         return rc

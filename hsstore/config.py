@@ -21,6 +21,7 @@ from .redaction import is_secret_key, scrub
 
 CONFIG_DEST = "config"
 PARSER_KEY = "_config_parser"  # the namespace holds the parser that has --config (for sections / dump)
+APPLIED_KEY = "_config_applied"  # the file apply() read, to check against what argparse parsed
 RECORDED = "recorded"
 DEFAULT_SECTION = "options"
 _DEFAULT_TITLES = ("options", "optional arguments", "positional arguments")
@@ -148,10 +149,13 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 
 def _config_path(argv: list[str]) -> str | None:
     for i, tok in enumerate(argv):
-        if tok == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if tok.startswith("--config="):
-            return tok.split("=", 1)[1]
+        if tok == "--":
+            break
+        name, eq, value = tok.partition("=")
+        if len(name) >= 4 and "--config".startswith(name):  # argparse takes unique prefixes (--conf) too
+            if eq:
+                return value
+            return argv[i + 1] if i + 1 < len(argv) else None
     return None
 
 
@@ -182,7 +186,14 @@ def apply(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     for a in sub._actions:
         if a.dest in defaults and defaults[a.dest] is not None:
             a.required = False
-    sub.set_defaults(**defaults)
+    sub.set_defaults(**defaults, **{APPLIED_KEY: path})
+
+
+def check_applied(args: argparse.Namespace) -> None:
+    """After parsing: a --config that ``apply`` did not read (an odd spelling) is an error, not ignored."""
+    path = getattr(args, CONFIG_DEST, None)
+    if path is not None and PARSER_KEY in vars(args) and getattr(args, APPLIED_KEY, None) != path:
+        raise ValueError(f"--config {path} was not read (spell it --config FILE or --config=FILE)")
 
 
 def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

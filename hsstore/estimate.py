@@ -70,15 +70,9 @@ def estimate(*, samples: int, tokens: int, layers: list[int], hidden: int,
     }
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1000
-    return f"{n} PB"
-
-
 def format_text(e: dict) -> str:
+    from .info import human_bytes
+
     s = e["store_bytes"]
     chosen = "bf16_final_hidden" if e["final_hidden"] else "bf16"
     return (f"cost estimate: {e['samples']:,} samples, {e['tokens']:,} tokens, taps {e['layers']} of hidden "

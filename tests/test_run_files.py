@@ -142,3 +142,8 @@ def test_extract_config(tmp_path):
     args = parse(["extract", "--config", f, "--out", "/other"])
     assert args.model == "/m" and args.input == ["/in.jsonl"] and args.layers == "1,3" and args.encoding == "fp8"
     assert args.out == "/other" and getattr(args, name) == sub.get_default(name)
+
+
+def test_config_abbreviated_flag_is_read(tmp_path):
+    f = write_yaml(tmp_path / "c.yaml", {"run": {"store": ["/s"], "out": "/o"}, "training": {"lr": 0.5}})
+    assert parse(["train", "--conf", f]).lr == 0.5 and parse(["train", f"--config={f}"]).lr == 0.5

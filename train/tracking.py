@@ -12,6 +12,9 @@ Where each one writes, by default inside OUT:
 * mlflow: ``$MLFLOW_TRACKING_URI`` when set, else the local file store ``OUT/mlruns`` (MLflow 3 keeps its
   file store behind ``MLFLOW_ALLOW_FILE_STORE``, which is set for that case only); experiment
   ``$MLFLOW_EXPERIMENT_NAME`` or ``hsstore``.
+
+A resumed run (the same command again) opens a new tracker run whose steps go on from the checkpoint's. Every
+row is flushed as it is logged, so a run that crashes keeps what it reported (its MLflow status stays RUNNING).
 """
 
 from __future__ import annotations
