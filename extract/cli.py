@@ -105,7 +105,8 @@ def register(subparsers) -> None:
     e.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
     e.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
     e.add_argument("--layers", default=None, help="tapped layer ids, e.g. 1,16,31,46,61 (default: DFlash spacing)")
-    e.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:LOCAL_RANK if available)")
+    e.add_argument("--device", default=None,
+                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--max-length", type=int, default=None, help="skip (and count) longer samples")
     e.add_argument("--truncate", action="store_true", help="cut over-length samples instead of skipping them")
@@ -124,9 +125,10 @@ def register(subparsers) -> None:
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
                         "or threads of this process")
     e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the target's norms, MLPs and attention blocks (torch.compile, per layer kind; "
-                        "features equal to the eager forward's within bf16 rounding, ~1.17x faster at 27B scale on an "
-                        "H200; the first batches pay ~40 s of compiling). Default: on CUDA")
+                   help="compile the target's norms, MLPs, attention blocks and recurrent mixers (torch.compile, per "
+                        "layer kind; features equal to the eager forward's within bf16 rounding, 1.28x faster at 27B "
+                        "scale on an H200; the first batches pay ~40 s of compiling). Default: on CUDA when the "
+                        "expected saving exceeds that warm-up (the log says which and why)")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--gate-report", default=None, metavar="FILE",
@@ -243,6 +245,8 @@ def register(subparsers) -> None:
     d.add_argument("--out", default="hsstore-demo",
                    help="working folder (target, data, store, run); created if missing. A non-empty folder the demo "
                         "did not create is refused; on a re-run only what the demo created there is replaced")
+    d.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N for extraction, training and eval (default: the GPU when there is one)")
     d.set_defaults(func=run_demo_cmd)
 
 
@@ -312,7 +316,10 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)
         return 1
     print(f"rank {result.rank}/{result.world_size}: wrote {result.samples} samples, {result.tokens:,} tokens in "
-          f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
+          f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s"
+          + (f"; {result.steady_tokens_per_s:,.0f} tokens/s after {result.warmup_s:.1f}s of compile warm-up"
+             if result.compiled else "; not compiled")
+          + f", {result.bytes_written / 1e9:.2f} GB); "
           f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped"
           + "".join(f", {n} rows skipped ({r})" for r, n in sorted(result.skipped_rows.items())) + "; "
           f"the forward waited {result.gpu_wait_s:.1f}s on the writer")
@@ -394,4 +401,4 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
 def run_demo_cmd(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.out)
+    return run_demo(args.out, device=args.device)
