@@ -177,7 +177,7 @@ What the numbers mean
          while shuffled features or labels shifted by one give 1.1-1.3 (tests/test_demo_learns.py). Published
          DFlash drafters reach about 6.5 on Qwen3-8B (GSM8K, greedy): 5 layers, hours of GPU training.
   speed  both rows re-run the whole sequence for every target forward (no KV cache), so the tokens/s ratio
-         shows what fewer target forwards buy on this tiny CPU model, not what a serving engine gets.
+         shows what fewer target forwards buy on this tiny model, not what a serving engine gets.
   equal  speculative decoding is lossless: every output must equal the target's own greedy output.
 Where things are
   target   {out / 'target'}   (a from_pretrained folder)
