@@ -18,12 +18,16 @@ assistant turn(s) with ``reasoning_content`` (from the server's reasoning parser
 reasoning field is an inline ``<think>...</think>`` split out of the content, so a literal ``</think>`` in an
 answer is kept) and ``finish_reason``, and ``chat_template_kwargs``: the template arguments the requests carried
 (what ``check``/``extract`` must render the row with); a turn cut by ``max_tokens`` has ``finish_reason: "length"``,
-which the gate counts as truncated. Rows are appended and fsynced as they complete, so a crash loses only
+which the gate counts as truncated. Each generated turn also records the engine's own ``prompt_token_ids`` and
+``token_ids`` (asked with ``return_token_ids``: vLLM >= 0.10.2, SGLang), which check/extract then use as they
+are; ``generation.token_ids`` says ``"engine"``, or why a row has none (the server ignored or refused the
+field: noted once in the log; such rows fall back to re-tokenizing their text). Rows are appended and fsynced as they complete, so a crash loses only
 in-flight prompts; re-running skips ids already in the output (a torn last line is dropped and redone).
 
 Requests carry only ``model``, ``messages``, ``max_tokens``, ``temperature``, ``chat_template_kwargs``
-(``{"enable_thinking": true}`` plus ``--chat-template-kwargs``) and ``tools`` when the row has them, because some servers refuse unknown fields
-(``transformers serve`` answers 422). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
+(``{"enable_thinking": true}`` plus ``--chat-template-kwargs``), ``return_token_ids`` and ``tools`` when the row
+has them, because some servers refuse unknown fields (``transformers serve`` answers 422; to that one naming
+``return_token_ids`` the run asks again without it). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
 ``{"skip_special_tokens": false}`` for vLLM/SGLang without a reasoning parser when the model's think markers are
 special tokens (Qwen's are not), or the recommended sampling (``top_p``, ``top_k``). Rows with tools need
 vLLM's ``--enable-auto-tool-choice --tool-call-parser ...``.

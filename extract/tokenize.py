@@ -24,6 +24,11 @@ keeps all reasoning (Qwen3.6 with ``preserve_thinking``) one sample per conversa
 ``{id}#t{k}``, k the 0-based index among the conversation's assistant turns of the sample's last
 turn; a conversation that gives one sample keeps its ``id``. ``expand=False`` keeps only the last.
 
+Engine ids. A turn that records the serving engine's own ids (``prompt_token_ids`` + ``token_ids``, as
+``hsstore regenerate`` writes them) is taken as exactly those, since re-tokenizing text loses the
+non-canonical splits a model samples and whatever the server's parsers reformatted
+(:meth:`ChatTokenizer.engine_samples`; docs/FORMAT.md, "Engine ids").
+
 Rows as engines see them. Tool-call ``arguments`` given as a JSON string (the OpenAI wire format) are
 parsed to objects before rendering, as vLLM and SGLang do (empty -> ``{}``). Reasoning comes from the
 row's ``reasoning_content`` (or ``reasoning``/``thinking``) field when it has one, and the content is
