@@ -43,6 +43,14 @@ def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str | None =
                      "or '{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
 
 
+def add_trust_engine_ids_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-engine-ids", action="store_true",
+        help="use the token ids a row recorded from the serving engine (prompt_token_ids + token_ids) even where "
+             "the prompt ids differ from this tokenizer's render of the chat template (default: such rows are "
+             "skipped as engine_prompt_mismatch)")
+
+
 def template_kwargs_from_args(args: argparse.Namespace) -> dict:
     from .tokenize import template_kwargs_of
 
@@ -73,6 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     add_template_kwargs_flag(p)
+    add_trust_engine_ids_flag(p)
     add_threshold_flags(p)
     p.set_defaults(func=run_check)
 
@@ -91,6 +100,7 @@ def register(subparsers) -> None:
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     s.add_argument("--max-chars", type=int, default=None, help="show only the last N characters")
     add_template_kwargs_flag(s)
+    add_trust_engine_ids_flag(s)
     add_storage_option(s)
     s.set_defaults(func=run_show)
 
@@ -137,6 +147,7 @@ def register(subparsers) -> None:
                         "its own rows; without it every rank runs the gate over the whole input")
     add_quiet_option(e)
     add_template_kwargs_flag(e)
+    add_trust_engine_ids_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
     e.set_defaults(func=run_extract_cmd)
@@ -262,7 +273,7 @@ def run_check(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
                          max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
-                         report_url=args.report)
+                         report_url=args.report, trust_engine_ids=args.trust_engine_ids)
     if args.json:
         print(report.to_json())
     else:
@@ -292,7 +303,7 @@ def run_show(args: argparse.Namespace) -> int:
                          "file, give --model")
     tokenizer = load_tokenizer(args.model)
     sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
-                          chat_template_kwargs=template_kwargs_from_args(args))
+                          chat_template_kwargs=template_kwargs_from_args(args), trust_engine_ids=args.trust_engine_ids)
     print(format_input_sample(sample, tokenizer, color=color, max_chars=args.max_chars))
     return 0
 
@@ -308,7 +319,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer, compile=args.compile,
-        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report)
+        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report,
+        trust_engine_ids=args.trust_engine_ids)
     try:
         result = run_extract(cfg)
     except GateRefused as e:

@@ -70,6 +70,7 @@ class ExtractConfig:
     writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
     gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
+    trust_engine_ids: bool = False  # rows' recorded engine ids are used even where their prompt differs from ours
     compile: bool | None = None  # regional torch.compile of the forward's dense parts (extract/speed.py); None: on CUDA
 
 
@@ -133,7 +134,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     stats = TokenizeStats()
     shard = RowShard(rank, world)
     settings = dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
-                    expand=cfg.expand)
+                    expand=cfg.expand, trust_engine_ids=cfg.trust_engine_ids)
 
     def my_rows() -> list[TokenizedSample]:
         return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats, shard=shard, **settings))
