@@ -76,8 +76,6 @@ SKIP_REASONS = ("invalid_row", "tool_arguments", "template_error", "prompt_misma
 #: spelling; ``output_ids`` is SGLang's native name for the generated ids). See docs/FORMAT.md.
 PROMPT_IDS_KEY = "prompt_token_ids"
 GENERATED_IDS_KEYS = ("token_ids", "output_ids")
-#: Sample flags of turns built from recorded engine ids (counted per store by ``hsstore info``).
-ENGINE_FLAGS = ("engine_ids", "non_canonical", "engine_prompt_mismatch")
 
 
 class RowError(ValueError):
