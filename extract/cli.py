@@ -44,6 +44,14 @@ def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str | None =
                      "or '{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
 
 
+def add_trust_engine_ids_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-engine-ids", action="store_true",
+        help="use the token ids a row recorded from the serving engine (prompt_token_ids + token_ids) even where "
+             "the prompt ids differ from this tokenizer's render of the chat template (default: such rows are "
+             "skipped as engine_prompt_mismatch)")
+
+
 def template_kwargs_from_args(args: argparse.Namespace) -> dict:
     from .tokenize import template_kwargs_of
 
@@ -109,6 +117,7 @@ def register(subparsers) -> None:
     p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     add_template_kwargs_flag(p)
+    add_trust_engine_ids_flag(p)
     add_threshold_flags(p)
     add_estimate_flags(p)
     p.set_defaults(func=run_check)
@@ -128,6 +137,7 @@ def register(subparsers) -> None:
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     s.add_argument("--max-chars", type=int, default=None, help="show only the last N characters")
     add_template_kwargs_flag(s)
+    add_trust_engine_ids_flag(s)
     add_storage_option(s)
     s.set_defaults(func=run_show)
 
@@ -142,7 +152,8 @@ def register(subparsers) -> None:
     e.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
     e.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
     e.add_argument("--layers", default=None, help="tapped layer ids, e.g. 1,16,31,46,61 (default: DFlash spacing)")
-    e.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:LOCAL_RANK if available)")
+    e.add_argument("--device", default=None,
+                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--max-length", type=int, default=None, help="skip (and count) longer samples")
     e.add_argument("--truncate", action="store_true", help="cut over-length samples instead of skipping them")
@@ -161,9 +172,10 @@ def register(subparsers) -> None:
                    help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
                         "or threads of this process")
     e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the target's norms, MLPs and attention blocks (torch.compile, per layer kind; "
-                        "features equal to the eager forward's within bf16 rounding, ~1.17x faster at 27B scale on an "
-                        "H200; the first batches pay ~40 s of compiling). Default: on CUDA")
+                   help="compile the target's norms, MLPs, attention blocks and recurrent mixers (torch.compile, per "
+                        "layer kind; features equal to the eager forward's within bf16 rounding, 1.28x faster at 27B "
+                        "scale on an H200; the first batches pay ~40 s of compiling). Default: on CUDA when the "
+                        "expected saving exceeds that warm-up (the log says which and why)")
     e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
     e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
     e.add_argument("--gate-report", default=None, metavar="FILE",
@@ -172,6 +184,7 @@ def register(subparsers) -> None:
                         "its own rows; without it every rank runs the gate over the whole input")
     add_quiet_option(e)
     add_template_kwargs_flag(e)
+    add_trust_engine_ids_flag(e)
     add_threshold_flags(e)
     add_storage_option(e)
     add_config_option(e)
@@ -281,6 +294,8 @@ def register(subparsers) -> None:
     d.add_argument("--out", default="hsstore-demo",
                    help="working folder (target, data, store, run); created if missing. A non-empty folder the demo "
                         "did not create is refused; on a re-run only what the demo created there is replaced")
+    d.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N for extraction, training and eval (default: the GPU when there is one)")
     d.set_defaults(func=run_demo_cmd)
 
 
@@ -308,7 +323,7 @@ def run_check(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
                          max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
-                         report_url=args.report)
+                         report_url=args.report, trust_engine_ids=args.trust_engine_ids)
     kept = [s for s in report.samples if args.truncate or "over_length" not in s.flags]
     est = cost_estimate(args, len(kept), sum(s.tokens for s in kept))
     if args.json:
@@ -341,7 +356,7 @@ def run_show(args: argparse.Namespace) -> int:
                          "file, give --model")
     tokenizer = load_tokenizer(args.model)
     sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
-                          chat_template_kwargs=template_kwargs_from_args(args))
+                          chat_template_kwargs=template_kwargs_from_args(args), trust_engine_ids=args.trust_engine_ids)
     print(format_input_sample(sample, tokenizer, color=color, max_chars=args.max_chars))
     return 0
 
@@ -357,7 +372,8 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
         storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
         shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer, compile=args.compile,
-        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report)
+        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report,
+        trust_engine_ids=args.trust_engine_ids)
     try:
         result = run_extract(cfg)
     except GateRefused as e:
@@ -365,7 +381,10 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
         print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)
         return 1
     print(f"rank {result.rank}/{result.world_size}: wrote {result.samples} samples, {result.tokens:,} tokens in "
-          f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s, {result.bytes_written / 1e9:.2f} GB); "
+          f"{result.seconds:.1f}s ({result.tokens_per_s:,.0f} tokens/s"
+          + (f"; {result.steady_tokens_per_s:,.0f} tokens/s after {result.warmup_s:.1f}s of compile warm-up"
+             if result.compiled else "; not compiled")
+          + f", {result.bytes_written / 1e9:.2f} GB); "
           f"{result.skipped_done} already in the store, {result.skipped_over_length} over --max-length skipped"
           + "".join(f", {n} rows skipped ({r})" for r, n in sorted(result.skipped_rows.items())) + "; "
           f"the forward waited {result.gpu_wait_s:.1f}s on the writer")
@@ -447,4 +466,4 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
 def run_demo_cmd(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.out)
+    return run_demo(args.out, device=args.device)

@@ -1,4 +1,5 @@
-"""``hsstore demo``: the main job, end to end, on a tiny trained target, in about 80 s on 2 idle CPU cores.
+"""``hsstore demo``: the main job, end to end, on a tiny trained target, in about 80 s on 2 idle CPU cores; on a
+GPU machine every step runs on the GPU (``--device`` chooses).
 
 The target is the tiny Qwen3.5-architecture model shipped with the package, trained by
 ``tools/train_tiny_target.py`` on a structured synthetic corpus, so that its answers are predictable and
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from hsstore.cli import main as hsstore_main
+from hsstore.devices import describe, resolve_device
 
 from .tiny import build_trained_target, trained_files
 
@@ -37,9 +39,9 @@ CREATED = ("target", "data", "store", "run", ".target-hidden", "store.html", "ru
 # after 500. The 32-position window of the first layer (the last one sees the whole context) learns a little faster.
 TRAIN_STEPS = 500
 TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--token-budget", "4096", "--lr", "3e-3",
-               "--log-every", "50", "--device", "cpu", "-q"]
+               "--log-every", "50", "-q"]
 EVAL_SAMPLES = 16
-EVAL_FLAGS = ["--max-new-tokens", "160", "--device", "cpu"]
+EVAL_FLAGS = ["--max-new-tokens", "160"]
 
 
 def step(title: str) -> None:
@@ -76,9 +78,11 @@ def prepare_out(out: Path) -> None:
 
 
 def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,
-             eval_samples: int = EVAL_SAMPLES) -> int:
+             eval_samples: int = EVAL_SAMPLES, device: str | None = None) -> int:
+    """``device``: what every step runs on (default: the GPU when there is one, else the CPU)."""
     t0 = time.perf_counter()
     out = Path(out)
+    dev = str(resolve_device(device))
     prepare_out(out)
     shipped = trained_files()
     meta = json.loads((shipped / "target.json").read_text(encoding="utf-8"))
@@ -98,6 +102,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     print(f"         weights shipped in {shipped}, trained by `{meta['command']}` on "
           f"{meta['examples']['train']:,} synthetic conversations ({tr['steps']} steps, loss {tr['first_loss']:.2f} "
           f"-> {tr['final_loss']:.2f}, {tr['train_seconds']:.0f}s)")
+    print(f"device : {describe(resolve_device(dev))} (extraction, training and eval; --device to choose)")
     print(f"data   : {convs} ({n_conv} prompts the target answered itself, greedily, thinking on)")
     print(f"         {heldout} ({n_held} held-out prompts for eval: in neither the target's nor the drafter's "
           "training data)")
@@ -108,8 +113,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     if rc not in (0, 1):
         return rc
     step("3/7 extract hidden states (hsstore extract)")
-    rc = run(["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device", "cpu",
-              "-q"])
+    rc = run(["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device", dev, "-q"])
     if rc:
         return rc
     step("4/7 what the store holds (hsstore info)")
@@ -125,7 +129,8 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     hidden = out / ".target-hidden"
     target.rename(hidden)  # training must not need it
     try:
-        rc = run(["train", "--store", store, "--out", run_dir, "--steps", str(train_steps), *TRAIN_FLAGS])
+        rc = run(["train", "--store", store, "--out", run_dir, "--steps", str(train_steps), *TRAIN_FLAGS,
+                  "--device", dev])
     finally:
         hidden.rename(target)
     if rc:
@@ -142,7 +147,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     step("7/7 speculative decoding on held-out prompts: the target alone vs the target + drafter (hsstore eval)")
     buf = io.StringIO()
     argv = ["eval", "--store", store, "--drafter", run_dir, "--model", str(target), "--input", str(heldout),
-            "--num-samples", str(eval_samples), *EVAL_FLAGS, "--json"]
+            "--num-samples", str(eval_samples), *EVAL_FLAGS, "--device", dev, "--json"]
     print("$ hsstore " + shlex.join(argv), flush=True)
     with contextlib.redirect_stdout(buf):
         rc = hsstore_main(argv)
@@ -176,7 +181,7 @@ What the numbers mean
          while shuffled features or labels shifted by one give 1.1-1.3 (tests/test_demo_learns.py). Published
          DFlash drafters reach about 6.5 on Qwen3-8B (GSM8K, greedy): 5 layers, hours of GPU training.
   speed  both rows re-run the whole sequence for every target forward (no KV cache), so the tokens/s ratio
-         shows what fewer target forwards buy on this tiny CPU model, not what a serving engine gets.
+         shows what fewer target forwards buy on this tiny model, not what a serving engine gets.
   equal  speculative decoding is lossless: every output must equal the target's own greedy output.
 Where things are
   target   {out / 'target'}   (a from_pretrained folder)

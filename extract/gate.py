@@ -284,6 +284,10 @@ def _verdict(report: GateReport) -> None:
             report.failures.append(f"{what}: {count} samples ({_pct(share)}), limit {_pct(limit)}")
         elif count:
             report.warnings.append(f"{what}: {count} samples ({_pct(share)}), under the limit {_pct(limit)}")
+    trusted = (report.input_stats or {}).get("engine_prompt_mismatch_trusted", 0)
+    if trusted:
+        report.warnings.append(f"{trusted} turns' recorded prompt ids differ from this tokenizer's render of the "
+                               "template; kept as the engine computed them (--trust-engine-ids)")
     if report.flag_counts.get("no_loss"):
         report.warnings.append(f"{report.flag_counts['no_loss']} samples have an empty loss mask (nothing to learn)")
     if report.response_fraction < t.min_response_fraction:
@@ -335,6 +339,7 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
     for flag in FLAG_ORDER:
         c = report.flag_counts.get(flag, 0)
         lines.append(f"    {flag:<16} {c:>9,}  {_pct(c / n):>6}")
+    lines += _engine_lines(report)
     lines += _skipped_lines(report)
     lines += ["", "  verdict"]
     lines += [f"    FAIL  {f}" for f in report.failures]
@@ -354,6 +359,21 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
                 )
                 lines.append(format_sample(tokenizer, ids, mask, color=color, max_chars=max_chars))
     return "\n".join(lines) + "\n"
+
+
+def _engine_lines(report: GateReport) -> list[str]:
+    """How many turns came from the serving engine's own ids, and how many of those re-tokenizing would change."""
+    inp = report.input_stats or {}
+    turns = inp.get("engine_turns", 0)
+    if not turns:
+        return []
+    nc, trusted = inp.get("non_canonical", 0), inp.get("engine_prompt_mismatch_trusted", 0)
+    lines = ["", "  engine ids (prompt_token_ids + token_ids recorded by the serving engine)",
+             f"    turns            {turns:>9,}  taken as the engine computed them",
+             f"    non_canonical    {nc:>9,}  {_pct(nc / turns):>6}  differ from re-tokenizing their text"]
+    if trusted:
+        lines.append(f"    prompt mismatch  {trusted:>9,}  {_pct(trusted / turns):>6}  kept (--trust-engine-ids)")
+    return lines
 
 
 def _skipped_lines(report: GateReport, shown: int = 3) -> list[str]:

@@ -19,14 +19,17 @@ from typing import Any
 import torch
 
 from hsstore import ProcessWriter, StoreWriter, assets
+from hsstore.devices import describe, resolve_device, route_cpu_kernels
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.reader import committed_ids
 from hsstore.taps import check_taps, default_taps
 
+from .capture import decoder_layers
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, GateThresholds, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
+from .speed import choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
@@ -67,6 +70,7 @@ class ExtractConfig:
     writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
     gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
+    trust_engine_ids: bool = False  # rows' recorded engine ids are used even where their prompt differs from ours
     compile: bool | None = None  # regional torch.compile of the forward's dense parts (extract/speed.py); None: on CUDA
 
 
@@ -84,10 +88,18 @@ class ExtractResult:
     gpu_wait_s: float = 0.0  # the forward waited this long for the writer (storage slower than the GPU)
     rows: int = 0  # input rows this rank read (its share: row i belongs to rank i % world size)
     gate: GateReport | None = None  # None when the verdict came from --gate-report
+    compiled: bool = False  # the forward was compiled (extract/speed.py: choose_compile)
+    warmup_s: float = 0.0  # of ``seconds``, spent compiling (torch.compile's own timer)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        """Tokens per second outside the compile warm-up."""
+        steady = self.seconds - self.warmup_s
+        return self.tokens / steady if steady > 0 else 0.0
 
 
 def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
@@ -115,13 +127,14 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
     when the quality gate fails and ``cfg.force`` is false."""
     rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
+    device = resolve_device(cfg.device, local_rank)  # an unusable --device fails before the gate spends any time
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
 
     stats = TokenizeStats()
     shard = RowShard(rank, world)
     settings = dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
-                    expand=cfg.expand)
+                    expand=cfg.expand, trust_engine_ids=cfg.trust_engine_ids)
 
     def my_rows() -> list[TokenizedSample]:
         return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats, shard=shard, **settings))
@@ -160,17 +173,21 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
         log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done,
                  len(samples))
 
-    device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    log.info("rank %d: extracting on %s", rank, describe(device))
     dtype = DTYPES[cfg.dtype]
     model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
-    if cfg.compile if cfg.compile is not None else device.type == "cuda":
-        from .speed import compile_forward
-
+    route_cpu_kernels(model)
+    decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
+    choice = choose_compile(cfg.compile, device, decoder_params, sum(s.num_tokens for s in todo))
+    result.compiled = choice.compile
+    if choice.compile:
         log.info("rank %d: compiling the target's norms, MLPs, attention blocks and recurrent mixers around their "
-                 "kernels (%s); the first batch of each new shape pays the compile time (~40 s at 27B scale on an "
-                 "H200)", rank, compile_forward(model, mixers=True))
+                 "kernels (%s; %s); the first batch of each new shape pays the compile time (~40 s at 27B scale on "
+                 "an H200)", rank, compile_forward(model, mixers=True), choice.reason)
+    elif cfg.compile is None and device.type == "cuda":
+        log.info("rank %d: not compiling the forward (%s; --compile to compile anyway)", rank, choice.reason)
     n_layers = int(text_config(model.config).num_hidden_layers)
     layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
@@ -199,7 +216,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
 
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank}",
                disable=not cfg.progress, smoothing=0.1)
-    t0 = time.perf_counter()
+    t0, compiling0 = time.perf_counter(), compile_seconds()
 
     def sink(s: TokenizedSample, feats: torch.Tensor) -> None:
         writer.add(s.sample_id, s.input_ids, s.loss_mask, feats, source=s.source,
@@ -229,5 +246,6 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     finally:
         bar.close()
     result.seconds = time.perf_counter() - t0
+    result.warmup_s = compile_seconds() - compiling0
     result.bytes_written = writer.bytes_written
     return result

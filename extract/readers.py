@@ -128,12 +128,36 @@ def record_from_row(row: Any, where: str, default_source: str) -> Record:
     if "input_ids" in row and "loss_mask" in row:
         return make_token_record(row["input_ids"], row["loss_mask"], sample_id, str(source), where)
     key = "messages" if "messages" in row else "conversations" if "conversations" in row else None
+    if key is None and (engine := engine_answer_ids(row, where)) is not None:
+        prompt, gen = engine
+        return make_token_record(prompt + gen, [0] * len(prompt) + [1] * len(gen), sample_id, str(source), where)
     if key is None:
-        raise ValueError(f"{where}: row has neither 'messages' nor 'input_ids' + 'loss_mask'")
+        raise ValueError(f"{where}: row has neither 'messages' nor 'input_ids' + 'loss_mask' (nor an engine answer's "
+                         "prompt_token_ids + token_ids)")
     messages, tools = row[key], row.get("tools")
     if sample_id is None or sample_id == "":
         sample_id = derive_id({"messages": messages, "tools": tools})
     return ChatRecord(str(sample_id), str(source), messages, tools, where, row.get("chat_template_kwargs"))
+
+
+def engine_answer_ids(row: dict, where: str) -> tuple[list, list] | None:
+    """(prompt ids, generated ids) of a saved engine answer without messages: vLLM's chat/completion response
+    (top-level ``prompt_token_ids``, ``choices[0].token_ids``), SGLang's (both in the choice; ``output_ids``
+    its native name for the generated ids) or a flat row with those keys. None when the row is none of these."""
+    choices = row.get("choices")
+    choice = {}
+    if isinstance(choices, list) and choices:
+        if len(choices) != 1 or not isinstance(choices[0], dict):
+            raise ValueError(f"{where}: an engine answer with {len(choices)} choices; write one choice per row")
+        choice = choices[0]
+    prompt = row.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    gen = next((src[k] for src in (row, choice) for k in ("token_ids", "output_ids") if src.get(k) is not None), None)
+    if prompt is None and gen is None:
+        return None
+    if not isinstance(prompt, list) or not isinstance(gen, list) or not prompt or not gen:
+        raise ValueError(f"{where}: an engine answer needs non-empty prompt_token_ids and token_ids (or output_ids) "
+                         "lists; this row lacks one (was return_token_ids set?)")
+    return prompt, gen
 
 
 def read_jsonl(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int = 0) -> Iterator[Record]:

@@ -18,12 +18,16 @@ assistant turn(s) with ``reasoning_content`` (from the server's reasoning parser
 reasoning field is an inline ``<think>...</think>`` split out of the content, so a literal ``</think>`` in an
 answer is kept) and ``finish_reason``, and ``chat_template_kwargs``: the template arguments the requests carried
 (what ``check``/``extract`` must render the row with); a turn cut by ``max_tokens`` has ``finish_reason: "length"``,
-which the gate counts as truncated. Rows are appended and fsynced as they complete, so a crash loses only
+which the gate counts as truncated. Each generated turn also records the engine's own ``prompt_token_ids`` and
+``token_ids`` (asked with ``return_token_ids``: vLLM >= 0.10.2, SGLang), which check/extract then use as they
+are; ``generation.token_ids`` says ``"engine"``, or why a row has none (the server ignored or refused the
+field: noted once in the log; such rows fall back to re-tokenizing their text). Rows are appended and fsynced as they complete, so a crash loses only
 in-flight prompts; re-running skips ids already in the output (a torn last line is dropped and redone).
 
 Requests carry only ``model``, ``messages``, ``max_tokens``, ``temperature``, ``chat_template_kwargs``
-(``{"enable_thinking": true}`` plus ``--chat-template-kwargs``) and ``tools`` when the row has them, because some servers refuse unknown fields
-(``transformers serve`` answers 422). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
+(``{"enable_thinking": true}`` plus ``--chat-template-kwargs``), ``return_token_ids`` and ``tools`` when the row
+has them, because some servers refuse unknown fields (``transformers serve`` answers 422; to that one naming
+``return_token_ids`` the run asks again without it). Server-specific ones go in ``extra_body`` (``--extra-body``): e.g.
 ``{"skip_special_tokens": false}`` for vLLM/SGLang without a reasoning parser when the model's think markers are
 special tokens (Qwen's are not), or the recommended sampling (``top_p``, ``top_k``). Rows with tools need
 vLLM's ``--enable-auto-tool-choice --tool-call-parser ...``.
@@ -55,6 +59,10 @@ _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 class RegenerateError(OSError):
     """A prompt could not be answered (retries exhausted, or the server refused the request)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status of a refusal
 
 
 @dataclass
@@ -192,6 +200,10 @@ class ChatClient:
         #: what every request's chat_template_kwargs holds (``--extra-body`` may add to it); recorded in each row
         self.template_kwargs = {"enable_thinking": True, **cfg.chat_template_kwargs,
                                 **(cfg.extra_body.get("chat_template_kwargs") or {})}
+        #: ask for the engine's ids (vLLM >= 0.10.2 and SGLang spell it so); off once the server refuses the field
+        self.want_ids = cfg.extra_body.get("return_token_ids", True) is not False
+        self._noted: set[str] = set()
+        self._lock = threading.Lock()
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.http = httpx.Client(
             base_url=api_base(cfg.server), headers=headers,
@@ -217,7 +229,34 @@ class ChatClient:
             body["tools"] = tools
         body.update(self.cfg.extra_body)
         body["chat_template_kwargs"] = self.template_kwargs
-        return self._call("POST", "/chat/completions", body, what)
+        if not self.want_ids:
+            body.pop("return_token_ids", None)
+            return self._call("POST", "/chat/completions", body, what)
+        body["return_token_ids"] = True
+        try:
+            return self._call("POST", "/chat/completions", body, what)
+        except RegenerateError as e:
+            if e.status not in (400, 422) or "return_token_ids" not in str(e):
+                raise
+            with self._lock:
+                self.want_ids = False
+            self.note("refused", f"{api_base(self.cfg.server)} refuses return_token_ids ({str(e)[-200:]}); asking "
+                                 "without it: rows record no engine ids and check/extract re-tokenize their text")
+            body.pop("return_token_ids")
+            return self._call("POST", "/chat/completions", body, what)
+
+    def why_no_ids(self) -> str:
+        if self.want_ids:
+            return "not returned by the server"
+        return "refused by the server" if "refused" in self._noted else "not requested (--extra-body)"
+
+    def note(self, key: str, message: str) -> None:
+        """Log ``message`` once per run."""
+        with self._lock:
+            if key in self._noted:
+                return
+            self._noted.add(key)
+        logger.warning("%s", message)
 
     def _call(self, method: str, path: str, body: dict | None, what: str) -> dict:
         import httpx
@@ -237,7 +276,8 @@ class ChatClient:
                         raise RegenerateError(f"{what}: the server's answer is not JSON: {resp.text[:200]!r}") from None
                 problem = f"HTTP {resp.status_code}: {resp.text[:300].strip()}"
                 if resp.status_code not in _RETRY_STATUS:
-                    raise RegenerateError(f"{what}: the server refused the request ({problem})")
+                    raise RegenerateError(f"{what}: the server refused the request ({problem})",
+                                          status=resp.status_code)
                 retry_after = _seconds(resp.headers.get("retry-after"))
             if attempt == attempts:
                 break
@@ -261,6 +301,8 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
     if client.stop.is_set():
         raise RegenerateError(f"prompt {prompt.sample_id}: not started (the run is stopping)")
     messages, tokens, finish = [], 0, []
+    # the generated turns as the row records them (with the engine's ids), their places, turns without ids
+    recorded, generated_at, ids_missing = [], [], []
     cursor = 0
     for k, point in enumerate(prompt.points):
         messages += prompt.messages[cursor : point + 1]
@@ -273,16 +315,41 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
         except (KeyError, IndexError, TypeError):
             raise RegenerateError(f"{what}: unexpected answer from the server: {json.dumps(data)[:300]}") from None
         tokens += int((data.get("usage") or {}).get("completion_tokens") or 0)
-        messages.append(turn)
+        messages.append(turn)  # what later requests send: the text, never the ids
+        generated_at.append(len(messages) - 1)
+        ids = engine_ids(data, choice)
+        if ids is None:
+            ids_missing.append(k)
+            if client.want_ids:
+                client.note("missing", f"{api_base(client.cfg.server)} returned no prompt_token_ids/token_ids "
+                                       "(vLLM >= 0.10.2 and SGLang return them for return_token_ids): rows record "
+                                       "no engine ids and check/extract re-tokenize their text")
+            recorded.append(turn)
+        else:
+            recorded.append({**turn, "prompt_token_ids": ids[0], "token_ids": ids[1]})
         finish.append(turn["finish_reason"])
     messages += prompt.messages[cursor:]
+    for j, turn in zip(generated_at, recorded, strict=True):
+        messages[j] = turn
     row = {"id": prompt.sample_id, "source": prompt.source, "messages": messages}
     if prompt.tools:
         row["tools"] = prompt.tools
     row["chat_template_kwargs"] = client.template_kwargs
     row["generation"] = {"model": client.cfg.model, "finish_reasons": finish, "completion_tokens": tokens,
-                         "max_tokens": client.cfg.max_tokens, "temperature": client.cfg.temperature}
+                         "max_tokens": client.cfg.max_tokens, "temperature": client.cfg.temperature,
+                         # "engine": every generated turn records the engine's ids; else why not
+                         "token_ids": "engine" if not ids_missing else client.why_no_ids()}
     return row, tokens
+
+
+def engine_ids(data: dict, choice: dict) -> tuple[list[int], list[int]] | None:
+    """(prompt ids, generated ids) of an answer, or None when it has none: vLLM puts ``prompt_token_ids`` at the
+    top level and ``token_ids`` in the choice; SGLang puts both in the choice (``output_ids`` in its native
+    spelling). Anything but two non-empty lists of non-negative ints counts as none."""
+    prompt = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    gen = choice.get("token_ids") or choice.get("output_ids")
+    ok = all(isinstance(v, list) and v and all(type(x) is int and x >= 0 for x in v) for v in (prompt, gen))
+    return (prompt, gen) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -57,7 +57,8 @@ def format_sample(tokenizer, input_ids, loss_mask, color: bool = False, max_char
     return "".join(out)
 
 
-def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_template_kwargs: dict | None = None):
+def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_template_kwargs: dict | None = None,
+                 trust_engine_ids: bool = False):
     """Sample ``n`` of input files (0-based position after multi-turn expansion, or a sample id), tokenized as
     extract would; a row that was skipped, or a position past the end, is refused saying which and why."""
     from .tokenize import TokenizeStats, load_samples
@@ -66,7 +67,7 @@ def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_templat
     count = 0
     stats = TokenizeStats()
     for sample in load_samples(inputs, tokenizer, keep_over_length=True, expand=expand, stats=stats,
-                               chat_template_kwargs=chat_template_kwargs or {}):
+                               chat_template_kwargs=chat_template_kwargs or {}, trust_engine_ids=trust_engine_ids):
         if count == index or sample.sample_id == n:
             return sample
         count += 1

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
+from hsstore.devices import route_cpu_kernels
 from hsstore.manifest import canonical_json_hash, sha256_hex
 from hsstore.taps import text_config
 
@@ -46,6 +47,7 @@ def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progr
     if not progress:
         hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
     return model.to(device).eval()
 
 

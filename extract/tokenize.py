@@ -24,6 +24,11 @@ keeps all reasoning (Qwen3.6 with ``preserve_thinking``) one sample per conversa
 ``{id}#t{k}``, k the 0-based index among the conversation's assistant turns of the sample's last
 turn; a conversation that gives one sample keeps its ``id``. ``expand=False`` keeps only the last.
 
+Engine ids. A turn that records the serving engine's own ids (``prompt_token_ids`` + ``token_ids``, as
+``hsstore regenerate`` writes them) is taken as exactly those, since re-tokenizing text loses the
+non-canonical splits a model samples and whatever the server's parsers reformatted
+(:meth:`ChatTokenizer.engine_samples`; docs/FORMAT.md, "Engine ids").
+
 Rows as engines see them. Tool-call ``arguments`` given as a JSON string (the OpenAI wire format) are
 parsed to objects before rendering, as vLLM and SGLang do (empty -> ``{}``). Reasoning comes from the
 row's ``reasoning_content`` (or ``reasoning``/``thinking``) field when it has one, and the content is
@@ -65,7 +70,12 @@ _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")
 
 
 #: Why a row was skipped (see :class:`RowError`), in the order reports list them.
-SKIP_REASONS = ("invalid_row", "tool_arguments", "template_error", "prompt_mismatch", "no_end_of_turn")
+SKIP_REASONS = ("invalid_row", "tool_arguments", "template_error", "prompt_mismatch", "no_end_of_turn",
+                "engine_prompt_mismatch")
+#: Where an assistant turn records the serving engine's own ids (``hsstore regenerate`` writes the first
+#: spelling; ``output_ids`` is SGLang's native name for the generated ids). See docs/FORMAT.md.
+PROMPT_IDS_KEY = "prompt_token_ids"
+GENERATED_IDS_KEYS = ("token_ids", "output_ids")
 
 
 class RowError(ValueError):
@@ -119,6 +129,14 @@ class TokenizeStats:
     skipped_over_length: int = 0
     truncated: int = 0  # cut to max_length (truncate=True)
     skipped_no_loss: int = 0  # nothing left to learn after truncation
+    #: assistant turns taken from the engine's recorded ids (prompt_token_ids + token_ids)
+    engine_turns: int = 0
+    #: of those, turns whose ids differ from what re-tokenizing the row's text gives (what the text rule would
+    #: have stored: non-canonical splits the model sampled, text the server's parsers reformatted)
+    non_canonical: int = 0
+    #: turns whose recorded prompt ids differ from this tokenizer's render, kept because the engine is trusted
+    #: (``trust_engine_ids``; without it such rows are skipped as ``engine_prompt_mismatch``)
+    engine_prompt_mismatch_trusted: int = 0
     #: rows that could not be tokenized faithfully: reason -> sample ids (nothing of them is used)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     #: reason -> the error message of the first row skipped for it (names file, line and id)
@@ -321,6 +339,9 @@ class TurnRender:
     prompt: str
     text: str
     end: int
+    #: the message's own text (reasoning, answer) as rendered in ``generated``: special-token text inside
+    #: these is ordinary text; markers outside them were inserted by the template
+    own_text: tuple[str, ...] = ()
 
     @property
     def generated(self) -> str:
@@ -335,13 +356,16 @@ class ChatTokenizer:
     """
 
     def __init__(self, tokenizer, end_of_turn: str | None = None, markers: ResponseMarkers | None = None,
-                 template_kwargs: dict | None = None):
+                 template_kwargs: dict | None = None, trust_engine_ids: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {_name(tokenizer)} has no chat template")
         self.tokenizer = tokenizer
         self.markers = markers or ResponseMarkers.from_tokenizer(tokenizer, end_of_turn)
         self.template_kwargs = dict(template_kwargs or {})
         self.eot_text = tokenizer.convert_ids_to_tokens(self.markers.end_of_turn)
+        self.trust_engine_ids = trust_engine_ids
+        self._marker_ids: dict[str, int | None] = {}
+        self.vocab_size = len(tokenizer)
         self._check_control_tokens()
 
     def _check_control_tokens(self) -> None:
@@ -381,15 +405,51 @@ class ChatTokenizer:
         """Token ids of text as the engine tokenizes a rendered prompt (special-token text -> special ids)."""
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    def encode_generated(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of generated turns: the closing end-of-turn token, and special-token text before it as
-        ordinary text (the model cannot have emitted the real token mid-turn: the engine stops there)."""
+    def encode_generated(self, texts: list[str], own_text: list[tuple[str, ...]] | None = None) -> list[list[int]]:
+        """Token ids of generated turns: the closing end-of-turn token, template-inserted markers (``</think>``,
+        ``<tool_call>``, ...) as the one id the model emits for each, even where the tokenizer marks them
+        special, and special-token text from the message's own text (``own_text``) as ordinary text: the model
+        cannot have emitted the real token there (the engine stops at the end-of-turn one; a parser would have
+        taken a marker out of the text)."""
         if not texts:
             return []
+        own_text = own_text or [()] * len(texts)
         eot, n = self.markers.end_of_turn, len(self.eot_text)
         bodies = [t[:-n] if t.endswith(self.eot_text) else t for t in texts]
-        encoded = self.tokenizer(bodies, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return [ids + [eot] if t.endswith(self.eot_text) else ids for ids, t in zip(encoded, texts, strict=True)]
+        # split each body at the markers the template put there; the pieces between are encoded with special
+        # text split (added tokens split the text before the BPE either way, so no merge crosses a marker)
+        pieces: list[str] = []
+        layout: list[list[int | str]] = []  # per body: a marker's id, or a piece's index (as str)
+        for body, own in zip(bodies, own_text, strict=True):
+            spans = _own_spans(body, own)
+            parts: list[int | str] = []
+            start = 0
+            for m in _MARKUP.finditer(body):
+                marker = self._marker_id(m.group(0))
+                if marker is None or any(a <= m.start() < b for a, b in spans):
+                    continue
+                if m.start() > start:
+                    parts.append(str(len(pieces)))
+                    pieces.append(body[start : m.start()])
+                parts.append(marker)
+                start = m.end()
+            if start < len(body):
+                parts.append(str(len(pieces)))
+                pieces.append(body[start:])
+            layout.append(parts)
+        encoded = self.tokenizer(pieces, add_special_tokens=False, split_special_tokens=True)["input_ids"] if pieces else []
+        out = []
+        for parts, t in zip(layout, texts, strict=True):
+            ids: list[int] = []
+            for part in parts:
+                ids += encoded[int(part)] if isinstance(part, str) else [part]
+            out.append(ids + [eot] if t.endswith(self.eot_text) else ids)
+        return out
+
+    def _marker_id(self, text: str) -> int | None:
+        if text not in self._marker_ids:
+            self._marker_ids[text] = self._single(text)
+        return self._marker_ids[text]
 
     def _turn(self, messages: list[dict], t: int, tools, kwargs: dict, label: str) -> TurnRender:
         prompt = self.render(messages[:t], tools, add_generation_prompt=True, kwargs=kwargs, label=label)
@@ -408,7 +468,9 @@ class ChatTokenizer:
                 "no_end_of_turn",
                 f"{label}: assistant message {t} renders without the end-of-turn token {self.eot_text!r}",
             )
-        return TurnRender(prompt, text, close + len(self.eot_text))
+        m = messages[t]
+        own = tuple(x for x in (m.get("reasoning_content"), m.get("content")) if isinstance(x, str) and x.strip())
+        return TurnRender(prompt, text, close + len(self.eot_text), own)
 
     def plan(self, messages: list[dict], tools, label: str, kwargs: dict | None = None
              ) -> tuple[list[list[int]], dict[int, TurnRender]]:
@@ -437,7 +499,7 @@ class ChatTokenizer:
         """
         text = renders[group[-1]].text
         prompts = self.encode([renders[t].prompt for t in group])
-        gens = self.encode_generated([renders[t].generated for t in group])
+        gens = self.encode_generated([renders[t].generated for t in group], [renders[t].own_text for t in group])
         # the text from the end of each turn to the next turn's generation prompt, all in one call
         gaps = [[]] + self.encode([text[renders[a].end : len(renders[b].prompt)] for a, b in zip(group, group[1:])])
         out = []
@@ -466,18 +528,29 @@ class ChatTokenizer:
             samples.append((turns, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
         return samples
 
-    def tokenize(self, record: ChatRecord, expand: bool = True) -> list[TokenizedSample]:
+    def tokenize(self, record: ChatRecord, expand: bool = True, stats: TokenizeStats | None = None
+                 ) -> list[TokenizedSample]:
         """Samples of one conversation (see the module docstring); ``expand=False`` keeps only the last one.
+        A row whose assistant turns carry the engine's ids is built from those (:meth:`engine_samples`);
+        ``stats`` gets its engine counts.
 
         Raises :class:`RowError` (with its reason) when the row cannot be tokenized faithfully.
         """
         label = f"{record.where} (id={record.sample_id})" if record.where else f"id={record.sample_id}"
         messages, cut = normalize_messages(record.messages, label)
         kwargs = {**self.template_kwargs, **template_kwargs_of(record.template_kwargs, label)}
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        messages = messages[: last + 1]  # trailing user/tool messages have no response to learn from
-        groups, renders = self.plan(messages, record.tools, label, kwargs)
-        built = [s for g in groups for s in self.build(g, renders, cut)]
+        engine = engine_ids_of(record.messages, self.vocab_size, label)
+        flags: dict[int, list[str]] = {}
+        if engine:
+            built, counts, flags = self.engine_samples(messages, engine, cut, record.tools, kwargs, label)
+            if stats is not None:
+                for k, v in counts.items():
+                    setattr(stats, k, getattr(stats, k) + v)
+        else:
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            messages = messages[: last + 1]  # trailing user/tool messages have no response to learn from
+            groups, renders = self.plan(messages, record.tools, label, kwargs)
+            built = [s for g in groups for s in self.build(g, renders, cut)]
         ordinal = {j: k for k, j in enumerate(i for i, m in enumerate(messages) if m["role"] == "assistant")}
         samples = []
         for turns, ids, mask in built if expand else built[-1:]:
@@ -486,8 +559,110 @@ class ChatTokenizer:
             annotate(sample, self.markers)
             if cut.intersection(turns):
                 sample.add_flag("truncated")
+            for t in turns:
+                for f in flags.get(t, ()):
+                    sample.add_flag(f)
             samples.append(sample)
         return samples
+
+    def engine_samples(self, messages: list[dict], engine: dict[int, tuple[list[int], list[int]]], cut: set[int],
+                       tools, kwargs: dict, label: str):
+        """Samples of a row whose generated turns carry the engine's ids: ``[(turns, ids, mask)]``, the counts
+        for :class:`TokenizeStats` and the flags per turn.
+
+        A sample is exactly a turn's ``prompt_token_ids + token_ids`` with the loss mask on the ``token_ids``;
+        the next turn joins it only when its ``prompt_token_ids`` begin with everything the sample holds (then
+        the ids between are context). Only turns with recorded ids are learnt from (others were not generated
+        by the engine). Each recorded prompt is compared with this tokenizer's render of the same messages: a
+        difference means the template, tokenizer or template arguments are not the engine's (skipped as
+        ``engine_prompt_mismatch`` unless ``trust_engine_ids``). Each turn is also compared with what the text
+        rule would give (re-tokenizing its rendered text): a difference is flagged ``non_canonical``.
+        """
+        counts = {"engine_turns": 0, "non_canonical": 0, "engine_prompt_mismatch_trusted": 0}
+        flags: dict[int, list[str]] = {}
+        out: list[tuple[list[int], list[int], list[int]]] = []
+        for t in sorted(engine):
+            prompt_ids, gen_ids = engine[t]
+            own_prompt = self.render(messages[:t], tools, add_generation_prompt=True, kwargs=kwargs, label=label)
+            own = self.encode([own_prompt])[0]
+            turn_flags = ["engine_ids"]
+            if own != prompt_ids:
+                at = next((i for i, (a, b) in enumerate(zip(own, prompt_ids)) if a != b), min(len(own), len(prompt_ids)))
+                if not self.trust_engine_ids:
+                    shown = json.dumps(kwargs, sort_keys=True) if kwargs else "none"
+                    raise RowError(
+                        "engine_prompt_mismatch",
+                        f"{label}: assistant message {t}: the engine's prompt_token_ids ({len(prompt_ids)} ids) differ "
+                        f"from this tokenizer's render of the chat template ({len(own)} ids) from token {at} "
+                        f"({self.tokenizer.decode(prompt_ids[at:at + 8])!r} vs {self.tokenizer.decode(own[at:at + 8])!r}; "
+                        f"template arguments: {shown}): the template, tokenizer or chat_template_kwargs are not the "
+                        "serving engine's; fix them, or pass --trust-engine-ids to use the engine's ids as recorded")
+                counts["engine_prompt_mismatch_trusted"] += 1
+                turn_flags.append("engine_prompt_mismatch")
+            if self._retokenized(messages, t, tools, kwargs, label, t in cut) != gen_ids:
+                counts["non_canonical"] += 1
+                turn_flags.append("non_canonical")
+            counts["engine_turns"] += 1
+            flags[t] = turn_flags
+            if out and prompt_ids[: len(out[-1][1])] == out[-1][1]:
+                turns, ids, mask = out[-1]
+                between = prompt_ids[len(ids):]
+                out[-1] = (turns + [t], ids + between + gen_ids, mask + [0] * len(between) + [1] * len(gen_ids))
+            else:
+                out.append(([t], list(prompt_ids) + gen_ids, [0] * len(prompt_ids) + [1] * len(gen_ids)))
+        built = [(turns, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)) for turns, ids, mask in out]
+        return built, counts, flags
+
+    def _retokenized(self, messages: list[dict], t: int, tools, kwargs: dict, label: str, cut: bool) -> list[int] | None:
+        """What the text rule gives for turn ``t``'s generated ids (None when it cannot tokenize the turn)."""
+        try:
+            r = self._turn(messages, t, tools, kwargs, label)
+        except RowError:
+            return None
+        ids = self.encode_generated([r.generated], [r.own_text])[0]
+        return ids[:-1] if cut and ids and ids[-1] == self.markers.end_of_turn else ids
+
+
+def engine_ids_of(raw_messages, vocab_size: int, where: str) -> dict[int, tuple[list[int], list[int]]]:
+    """``{message index: (prompt ids, generated ids)}`` of the assistant turns that record the engine's ids
+    (``prompt_token_ids`` and ``token_ids`` or ``output_ids``); validated: lists of ids in the vocabulary."""
+    out = {}
+    for i, m in enumerate(parse_message_list(raw_messages, where)):
+        if not isinstance(m, dict):
+            continue
+        gen_key = next((k for k in GENERATED_IDS_KEYS if m.get(k) is not None), None)
+        prompt = m.get(PROMPT_IDS_KEY)
+        if gen_key is None and prompt is None:
+            continue
+        if gen_key is None or prompt is None:
+            raise RowError("invalid_row", f"{where}: message {i} has {PROMPT_IDS_KEY if prompt is not None else gen_key} "
+                           f"without {'token_ids' if prompt is not None else PROMPT_IDS_KEY} (both are needed)")
+        pair = []
+        for key, ids in ((PROMPT_IDS_KEY, prompt), (gen_key, m[gen_key])):
+            if not isinstance(ids, list) or not all(type(x) is int and 0 <= x < vocab_size for x in ids):
+                raise RowError("invalid_row", f"{where}: message {i} {key} must be a list of token ids in "
+                               f"[0, {vocab_size})")
+            pair.append(ids)
+        if not pair[0] or not pair[1]:
+            raise RowError("invalid_row", f"{where}: message {i} has an empty {PROMPT_IDS_KEY if not pair[0] else gen_key}")
+        if m.get("role", m.get("from")) not in ("assistant", "gpt"):
+            raise RowError("invalid_row", f"{where}: message {i} records engine ids but is not an assistant turn")
+        out[i] = (pair[0], pair[1])
+    return out
+
+
+def _own_spans(body: str, own: tuple[str, ...]) -> list[tuple[int, int]]:
+    """[start, end) of each of the message's own texts in the rendered turn, found in order (templates insert
+    them verbatim, often stripped): special-token text inside them came from the content, not the template."""
+    spans, cursor = [], 0
+    for text in own:
+        for candidate in (text, text.strip()):
+            at = body.find(candidate, cursor) if candidate else -1
+            if at >= 0:
+                spans.append((at, at + len(candidate)))
+                cursor = at + len(candidate)
+                break
+    return spans
 
 
 def _name(tokenizer) -> str:
@@ -559,6 +734,7 @@ def load_samples(
     stats: TokenizeStats | None = None,
     chat_template_kwargs: dict | None = None,
     shard: RowShard = ALL_ROWS,
+    trust_engine_ids: bool = False,
 ) -> Iterator[TokenizedSample]:
     """Stream samples from input files/directories (only the rows ``shard`` owns: one rank's share).
 
@@ -581,11 +757,12 @@ def load_samples(
                 raise ValueError(f"{record.where}: conversations need a tokenizer (the target model's)")
             if chat is None:
                 try:
-                    chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs)
+                    chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs,
+                                         trust_engine_ids=trust_engine_ids)
                 except ValueError as e:
                     raise ValueError(f"{record.where} (id={record.sample_id}): {e}") from e
             try:
-                samples = chat.tokenize(record, expand=expand)
+                samples = chat.tokenize(record, expand=expand, stats=stats)
             except RowError as e:
                 stats.skip(e.reason, record.sample_id, str(e))
                 n = len(stats.skipped[e.reason])

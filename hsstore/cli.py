@@ -380,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             handler.addFilter(RedactingFilter())
     try:
         config.check_applied(args)
+        if getattr(args, "device", None) is not None:  # every command with --device: refused before any work
+            from .devices import resolve_device
+
+            resolve_device(args.device)
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # inside the try: a reader that went away (`info | head`) is not an error
         return rc

@@ -41,14 +41,40 @@ def test_wheel_holds_one_top_level_name(wheel):
     assert "[hsstore.commands]" in text and "hsstore.extract.cli:register" in text
 
 
+def fresh_venv(path: Path) -> tuple[Path, str]:
+    """A new virtualenv that sees this environment's packages (torch and the rest), whatever this environment is:
+    a system Python, a virtualenv or a conda-like prefix. ``--system-site-packages`` would show the packages of
+    the *base* interpreter only, which inside a virtualenv lack torch; instead the fresh venv gets a ``.pth``
+    listing this interpreter's site directories. Paths named in a ``.pth`` file are appended without running their
+    own ``.pth`` files, so the repository's editable install (a ``.pth`` hook there) stays out of sight.
+    Returns (its python, its purelib)."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    py = path / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    outer = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
+    Path(purelib, "outer-environment.pth").write_text("".join(p + "\n" for p in outer))
+    return py, purelib
+
+
+def test_fresh_venv_sees_torch_and_not_the_checkout(tmp_path):
+    py, purelib = fresh_venv(tmp_path / "venv")
+    code = ("import sys, torch, numpy, zarr\n"
+            "import importlib.util\n"
+            "spec = importlib.util.find_spec('hsstore')\n"
+            "print(spec.origin if spec else None)\n")
+    proc = subprocess.run([str(py), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr
+    assert not proc.stdout.strip().startswith(str(ROOT))  # the editable install of this checkout is not visible
+
+
 def test_wheel_in_fresh_venv(wheel, tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    # this environment's pip installs into the venv; --ignore-installed: the repository's own editable install is
-    # visible through the system site-packages and must not count as "already installed"
-    target = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    py, target = fresh_venv(tmp_path / "venv")
+    # this environment's pip installs into the venv; --ignore-installed: hsstore may be installed (not editable)
+    # in this environment, and must not count as "already installed"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed",
                     "--target", target, str(wheel)], check=True)
     user = tmp_path / "user"

@@ -138,6 +138,8 @@ def test_every_prompt_answered_once_and_check_reads_it(server, tiny_dir, tmp_pat
         assert row["generation"]["finish_reasons"] == [turn["finish_reason"]]
         assert row["source"] == record.source
         assert row["chat_template_kwargs"] == {"enable_thinking": True, "preserve_thinking": True}  # as sent
+        # transformers serve answers 422 to return_token_ids: asked again without it, text only
+        assert row["generation"]["token_ids"] == "refused by the server" and "token_ids" not in turn
     assert [m["content"] for m in next(r for r in got if r["id"] == "multi")["messages"][:3]] == [
         "First question?", "First answer.", "Second question?"]  # earlier turns kept, the old last one dropped
     n_cut = sum(r["messages"][-1]["finish_reason"] == "length" for r in got)

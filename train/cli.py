@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     n = t.add_mutually_exclusive_group()
     n.add_argument("--steps", type=int, default=None, help="optimizer steps")
     n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
-    t.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK if available)")
+    t.add_argument("--device", default=None,
+                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
     t = parser.add_argument_group("batch")
     t.add_argument("--token-budget", dest="token_budget", type=int, default=None, metavar="N",
                    help="padded tokens per batch and rank (default: 16384 on a GPU, the published recipe; 4096 on a "
@@ -149,7 +150,8 @@ def register(subparsers) -> None:
     e.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
     e.add_argument("--anchor-chunk", type=int, default=512,
                    help="without --model: anchors per sequence per forward (memory; the training default)")
-    e.add_argument("--device", default=None)
+    e.add_argument("--device", default=None,
+                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
     e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="with --model: default bfloat16 on CUDA, float32 on CPU")
     e.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")

@@ -41,6 +41,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from hsstore import HiddenStateDataset, TokenBatches, codec, fp8
+from hsstore.devices import resolve_device
 
 from .data import read_ahead
 from .objective import batch_anchors, default_gamma, dflash_loss
@@ -194,7 +195,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     from .checkpoint import load_drafter
     from .trainer import load_frozen
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     options = storage_options or {}
     store = hsstore.open(url, **options)
     # as in training: the frozen head in its stored dtype on CUDA

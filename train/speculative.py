@@ -38,6 +38,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hsstore.devices import resolve_device, route_cpu_kernels
+
 log = logging.getLogger(__name__)
 
 # propose(context features [p, L, H], tokens [p + 1] (the anchor last)) -> S - 1 draft tokens
@@ -269,7 +271,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     from .checkpoint import load_drafter, read_drafter_config
     from .trainer import load_frozen
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     store = hsstore.open(store_url, **(storage_options or {}))
     dcfg, _ = read_drafter_config(drafter_dir)
@@ -278,7 +280,9 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     _, embed, head = load_frozen(store)  # in the dtype extraction ran in
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True).to(dev).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True)
+    route_cpu_kernels(model)  # on CPU, transformers' torch paths even where fla is installed
+    model = model.to(dev).eval()
     mine = model.get_input_embeddings().weight.detach()
     if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
         raise ValueError(f"{model_dir} is not the target the store {store_url} was extracted from "

@@ -54,6 +54,7 @@ import torch.distributed as dist
 
 import hsstore
 from hsstore import assets, codec, fp8, storage
+from hsstore.devices import resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.manifest import check_compatible
 from hsstore.reader import open_shared, read_manifest
@@ -261,9 +262,8 @@ def init_distributed(device: str | None):
     """(rank, world, device, CPU group for small all-reduces); starts the process group under torchrun."""
     rank, world = rank_and_world()
     local = local_rank(rank, world)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device, local)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
     group = None
     if world > 1:

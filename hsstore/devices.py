@@ -1,0 +1,127 @@
+"""The device a command runs on, chosen one way by every command that has ``--device``, and CPU forwards kept off
+GPU-only kernels.
+
+``--device`` takes ``cpu``, ``cuda`` (this process's GPU: ``cuda:LOCAL_RANK`` under torchrun) or ``cuda:N``;
+left out, the GPU when there is one. An unusable spelling (``cuda`` without a GPU, an index past the last GPU,
+``gpu``) is refused with one line (``hsstore CMD: error: --device ...``, exit 2) before any work starts: the CLI
+resolves every command's ``--device`` before running it.
+
+transformers picks a Gated DeltaNet's kernels when its modeling module is imported: with flash-linear-attention
+installed, fla's Triton kernels, whatever device the model is later moved to; a CPU forward then fails inside
+Triton. :func:`route_cpu_kernels` puts a device check in front of each such kernel, so CPU tensors take
+transformers' own torch path (the kernel's ``__wrapped__`` reference) and CUDA tensors the kernel as before. It
+works on the modules' names only, so this package still never imports transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+
+# torch is imported where it is used: `hsstore --help` must not load it
+
+SPELLINGS = "cpu, cuda (this process's GPU) or cuda:N"
+
+
+class DeviceError(ValueError):
+    """A ``--device`` value this machine cannot run (exit 2 in the CLI)."""
+
+
+def resolve_device(spec: str | None = None, local_rank: int | None = None):
+    """The ``torch.device`` for ``spec`` on this machine; ``cuda`` always comes back with its index."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else int(local_rank)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec is None or spec == "":
+        if not gpus:
+            return torch.device("cpu")
+        spec = "cuda"
+    text = str(spec).strip().lower()
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"--device {spec!r} is not a device: use {SPELLINGS}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise DeviceError(f"--device {spec!r}: only {SPELLINGS} are supported")
+    if not gpus:
+        raise DeviceError(f"--device {spec!r}: this machine has no usable CUDA GPU (torch {torch.__version__}, "
+                          f"cuda {torch.version.cuda or 'not built in'}); use --device cpu")
+    index = local if dev.index is None else dev.index
+    if index >= gpus:
+        why = "LOCAL_RANK " if dev.index is None else ""
+        raise DeviceError(f"--device {spec!r}: {why}index {index} is past the last GPU (this machine has {gpus}: "
+                          f"cuda:0..cuda:{gpus - 1})")
+    return torch.device("cuda", index)
+
+
+def describe(dev) -> str:
+    """``cuda:0 (NVIDIA H200)`` / ``cpu``: what a command says it runs on."""
+    import torch
+
+    if dev.type == "cuda":
+        return f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return "cpu"
+
+
+# -- CPU forwards around GPU-only kernels -------------------------------------------------------------------
+def _reference(fn):
+    """The torch reference behind a transformers kernel wrapper (``use_kernel_func_from_hub_with_fallback``:
+    the wrapper's code lives in transformers' hub_kernels module, ``__wrapped__`` is the modeling file's torch
+    function), else None."""
+    ref = getattr(fn, "__wrapped__", None)
+    code = getattr(fn, "__code__", None)
+    if ref is None or code is None or not callable(ref) or getattr(fn, "_hsstore_cpu_safe", False):
+        return None
+    if not code.co_filename.replace("\\", "/").endswith("integrations/hub_kernels.py"):
+        return None
+    return ref
+
+
+def _first_tensor(args, kwargs):
+    import torch
+
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _cpu_safe(kernel, reference):
+    params = inspect.signature(reference).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(kernel)
+    def dispatch(*args, **kwargs):
+        t = _first_tensor(args, kwargs)
+        if t is not None and t.device.type == "cpu":
+            if not takes_any:
+                kwargs = {k: v for k, v in kwargs.items() if k in params}
+            return reference(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+    dispatch._hsstore_cpu_safe = True
+    dispatch._hsstore_kernel = kernel
+    return dispatch
+
+
+def route_cpu_kernels(model) -> list[str]:
+    """Make every forward of ``model`` on CPU tensors use transformers' torch paths instead of GPU-only kernels
+    (fla's Triton Gated DeltaNet, causal-conv1d), whatever is installed; CUDA forwards are unchanged. Patches the
+    modeling modules of ``model``'s submodules once per process. Returns the names routed (for the log)."""
+    routed = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        if module is None or not name.startswith("transformers."):
+            continue
+        scope = vars(module)
+        for attr, fn in list(scope.items()):
+            ref = _reference(fn) if callable(fn) else None
+            if ref is not None:
+                scope[attr] = _cpu_safe(fn, ref)
+                routed.append(f"{name.rsplit('.', 1)[-1]}.{attr}")
+    return routed

@@ -1,0 +1,1 @@
+"""Tripwire stand-in for flash-linear-attention (see ../README.md)."""

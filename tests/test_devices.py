@@ -1,0 +1,167 @@
+"""Devices: every ``--device`` spelling the help offers, unusable ones refused in one line, CPU forwards that never
+reach fla's Triton kernels (whatever is installed), and the cost rule that decides ``--compile``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsstore.cli import main as hsstore_cli
+from hsstore.devices import DeviceError, resolve_device
+from hsstore.extract.speed import choose_compile
+from hsstore.extract.tiny import demo_conversations_path
+
+TRIPWIRE = Path(__file__).parent / "fla_tripwire"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_spellings_resolve():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("CPU") == torch.device("cpu")
+    if GPUS:
+        assert resolve_device(None).type == "cuda"
+        assert resolve_device("cuda", local_rank=0) == torch.device("cuda", 0)  # always with its index
+        assert resolve_device(f"cuda:{GPUS - 1}") == torch.device("cuda", GPUS - 1)
+    else:
+        assert resolve_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", f"cuda:{max(GPUS, 7)}", "gpu", "mps", "cuda:x", "cuda:-1"])
+def test_unusable_spellings_refused(spec):
+    if GPUS and spec in ("cuda", "cuda:0"):
+        pytest.skip("usable on this machine")
+    with pytest.raises(DeviceError) as e:
+        resolve_device(spec)
+    assert spec in str(e.value) and "\n" not in str(e.value)
+
+
+def test_local_rank_past_last_gpu_refused(monkeypatch):
+    if not GPUS:
+        pytest.skip("needs a GPU: on a CPU machine 'cuda' is refused before the index is looked at")
+    with pytest.raises(DeviceError, match="LOCAL_RANK"):
+        resolve_device("cuda", local_rank=GPUS)
+
+
+@pytest.mark.parametrize("argv", [
+    ["extract", "--model", "m", "--input", "x.jsonl", "--out", "s"],
+    ["train", "--store", "s", "--out", "o"],
+    ["eval", "--store", "s", "--drafter", "d"],
+    ["demo", "--out", "o"],
+])
+@pytest.mark.parametrize("spec", [f"cuda:{max(GPUS, 7)}", "gpu"])
+def test_cli_refuses_unusable_device_in_one_line(argv, spec, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert hsstore_cli([*argv, "--device", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device" in err[0] and spec in err[0], err
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_cli_refuses_cuda_without_gpu(capsys, tmp_path):
+    if GPUS:
+        pytest.skip("this machine has a GPU")
+    assert hsstore_cli(["extract", "--model", "m", "--input", "x", "--out", str(tmp_path / "s"),
+                        "--device", "cuda"]) == 2
+    assert "no usable CUDA GPU" in capsys.readouterr().err
+
+
+# -- CPU forwards never reach fla ---------------------------------------------------------------------------
+PROBE = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    from transformers import AutoModelForCausalLM
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+    target, out = sys.argv[1], sys.argv[2]
+    picked = getattr(modeling.torch_chunk_gated_delta_rule, "__wrapped__", None)
+    ids = torch.arange(3, 60).reshape(1, -1)
+    plain = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    try:
+        with torch.no_grad():
+            plain(ids)
+        tripped = None
+    except RuntimeError as e:
+        tripped = str(e)
+    from hsstore.extract.target import load_target
+    model = load_target(target, torch.float32, torch.device("cpu"), progress=False)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    np.save(out, torch.stack(hs).numpy())
+    print(json.dumps({"tripped": tripped}))
+""")
+
+
+def _tripwire_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TRIPWIRE), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def test_cpu_forward_never_reaches_fla(tiny_dir, tmp_path):
+    """With a kernel package on the path that raises when called (as fla's Triton kernels fail on CPU tensors),
+    a plain transformers CPU forward trips it; the target as hsstore loads it does not, and computes what the torch
+    path computes."""
+    out = tmp_path / "hs.npy"
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(tiny_dir), str(out)], env=_tripwire_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tripped"] and "tripwire" in result["tripped"], "the stand-in kernels were not picked up"
+
+    from hsstore.extract.target import load_target
+
+    model = load_target(str(tiny_dir), torch.float32, torch.device("cpu"), progress=False)
+    with torch.no_grad():
+        ref = torch.stack(model(torch.arange(3, 60).reshape(1, -1), output_hidden_states=True).hidden_states)
+    np.testing.assert_allclose(np.load(out), ref.numpy(), rtol=0, atol=1e-5)
+
+
+def test_extract_and_speculative_eval_on_cpu_with_fla_installed(tiny_dir, tmp_path):
+    """The CLI path a user runs on a GPU machine with ``.[gpu]`` installed but ``--device cpu``: extract (whose
+    default device is the GPU elsewhere) and ``eval --model`` (the target decoding on CPU)."""
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
+    store = tmp_path / "store"
+    proc = subprocess.run([sys.executable, "-m", "hsstore", "extract", "--model", str(tiny_dir), "--input", str(rows),
+                           "--out", str(store), "--device", "cpu", "--force", "-q"], env=_tripwire_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not compiled" in proc.stdout
+    import hsstore
+
+    assert len(hsstore.open(str(store))) == 4
+
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        from hsstore.devices import route_cpu_kernels
+        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+        assert route_cpu_kernels(m), "nothing routed"
+        with torch.no_grad():
+            m.generate(torch.arange(3, 20).reshape(1, -1), max_new_tokens=4, do_sample=False)  # cached decode path
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], env=_tripwire_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# -- --compile by cost ------------------------------------------------------------------------------------
+def test_compile_chosen_by_cost():
+    cuda = torch.device("cuda", 0)
+    tiny = choose_compile(None, cuda, decoder_params=2_000_000, tokens=49_623)  # the demo's extraction
+    assert not tiny.compile and "warm-up" in tiny.reason
+    seeds = choose_compile(None, cuda, decoder_params=int(25e9), tokens=int(1.87e9))  # the seeds' workload
+    assert seeds.compile
+    short = choose_compile(None, cuda, decoder_params=int(25e9), tokens=50_000)  # a 27B smoke test: 6 s eager
+    assert not short.compile
+    assert not choose_compile(None, torch.device("cpu"), int(25e9), int(1e9)).compile
+    assert choose_compile(True, torch.device("cpu"), 1, 1).compile  # asked for: as asked
+    assert not choose_compile(False, cuda, int(25e9), int(1e9)).compile
