@@ -327,7 +327,7 @@ def run_check(args: argparse.Namespace) -> int:
     kept = [s for s in report.samples if args.truncate or "over_length" not in s.flags]
     est = cost_estimate(args, len(kept), sum(s.tokens for s in kept))
     if args.json:
-        print(json.dumps({**report.to_dict(), "estimate": est}, indent=2))
+        print(json.dumps({**report.to_dict(), "estimate": est}, indent=2, ensure_ascii=False))
     else:
         print(report.format_text(tokenizer, n_examples=args.examples, color=_use_color(args.color)), end="")
         print(format_text(est), end="")
