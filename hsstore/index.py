@@ -81,6 +81,7 @@ class IndexUse:
     segments: int = 0  # live segments read
     superseded: int = 0  # segments listed but superseded by another
     damaged: list[str] = field(default_factory=list)  # segments ignored: checksum, truncation, unknown version
+    why: dict[str, str] = field(default_factory=dict)  # damaged segment -> why (a refused name is named)
     stale: list[str] = field(default_factory=list)  # shards whose entry no longer matched the record's listing
 
 
@@ -292,6 +293,7 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
         except CorruptionError as e:
             log.warning("%s; ignored (its records are read from commits/; `hsstore index` rewrites the index)", e)
             use.damaged.append(b)
+            use.why[b] = str(e)
     return segments, stamps
 
 

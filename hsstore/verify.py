@@ -75,7 +75,8 @@ def check_index(store: Store, report: VerifyReport) -> bool:
     segments, stamps = index.read_segments(fs, root, use)
     for name in use.damaged:
         report.problems.append(Problem("(index)", "index segment damaged or unreadable (ignored by readers, who read "
-                                                  "the records instead); `hsstore index` rewrites the index",
+                                                  "the records instead); `hsstore index` rewrites the index"
+                                                  + (f": {use.why[name]}" if name in use.why else ""),
                                        f"{index.INDEX_DIR}/{name}"))
     live = index.live_segments(segments, stamps)
     used = []  # (segment, row) of every entry a reader would use, in any live segment
