@@ -37,8 +37,7 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     for rec in store.commits:
         if rec.weak_checksums:
             report.weak_records.append(rec.shard)
-        if _check_names(store, rec, report):
-            check_committed_shard(store, rec, report, progress)
+        check_committed_shard(store, rec, report, progress)
     try:
         entries = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, SHARDS_DIR), detail=False)]
     except FileNotFoundError:
@@ -136,6 +135,8 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     """Every check of one committed shard: its record against the manifest, then its files through the
     layout (``tails``: see :func:`hsstore.zarr_layout.check_shard`)."""
     _check_record(store, rec, report)
+    if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
+        return
     try:  # a shard merged by reference: its files are checked where its record says they are
         shard_fs, shard_root, _ = store.shard_location(rec.shard)
     except Exception as e:
