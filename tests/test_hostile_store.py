@@ -134,6 +134,21 @@ def test_show_and_verify_refuse_an_absolute_asset_name(tmp_path, capsys):
     assert re.search(r"FAIL shard \(assets\).*" + re.escape(repr(name)), out), out
 
 
+@pytest.mark.parametrize("name", ["tokenizer//x.json", "/abs/x.json", "tokenizer\\x.json", "tokenizer/./x.json"])
+def test_verify_fails_naming_an_asset_name_with_an_empty_absolute_backslash_or_dot_part(tmp_path, capsys, name):
+    url = _store(str(tmp_path / "store"))
+    payload = b"{}"
+    # the bytes where a reader that joins root/assets/<name> lexically finds them
+    hidden = tmp_path / "store" / "assets" / name.replace("//", "/").replace("/./", "/").lstrip("/")
+    hidden.parent.mkdir(parents=True, exist_ok=True)
+    hidden.write_bytes(payload)
+    _add_asset_entry(str(tmp_path / "store"), name, payload)
+    capsys.readouterr()
+    assert main(["verify", url, "-q"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL shard \(assets\).*asset name " + re.escape(repr(name)) + " refused", out), out
+
+
 # ================================================================ 3. copiers overwrite a file outside DST
 def _hostile_local_assets(tmp_path):
     """A local store whose asset `lnk/../../../victim.txt` reads, through a link inside it, the attacker's
