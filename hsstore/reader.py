@@ -205,8 +205,8 @@ class Store:
     def _from_commits(self, row: int, why: str) -> CommitRecord:
         """The record of ``row`` read from ``commits/`` when its index entry's bytes are junk (``Records``'s
         fallback): used when it says what the row's columns say, else the index is named as the fault."""
-        seg = self._origin.of(row) if self._origin is not None else None
-        if seg is None:
+        seg = self._origin.of(row) if self._origin is not None else "(records from another rank)"
+        if seg is None:  # the row was read from commits/ itself: nothing else to fall back on
             raise CorruptionError(why)
         name = self.table.shard[row]
         data = commit.read_records(self._fs(), self.root, [name])[0]
