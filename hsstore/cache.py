@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any
 
-from . import codec, storage
+from . import codec, names, storage
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class ChunkCache:
         self.__init__(state["root"], state["max_bytes"])
 
     def local_path(self, namespace: str, path: str) -> str:
-        return os.path.join(self.root, namespace, path.lstrip("/"))
+        """Where the copy of remote object ``path`` is kept: under ``root`` always (``names.cache_path``
+        refuses a path made of a store's names that would climb out of it)."""
+        return names.cache_path(self.root, namespace, path)
 
     # -- reading -----------------------------------------------------------------------------------
     def get(self, namespace: str, path: str, expect: int | None = None) -> bytes | None:

@@ -29,6 +29,10 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", "-S", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec/s3fs option, repeatable (e.g. anon=true, endpoint_url=http://..., "
                         "client_kwargs.region_name=us-east-1); AWS env vars and profiles apply as usual")
+    p.add_argument("--allow-location", action="append", default=[], metavar="PREFIX",
+                   help="read shards merged by reference from stores under PREFIX (a URL or local path; "
+                        "repeatable; sets HSSTORE_ALLOW_LOCATIONS for this command and its workers). Without it a "
+                        "commit record's location outside the store is refused; local system paths always are")
 
 
 class Deprecated(argparse.Action):
@@ -378,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # third-party debug logs quote endpoints and signed headers
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+    if getattr(args, "allow_location", None):  # every store this command (and its workers) opens
+        from .names import ALLOW_ENV
+
+        os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:
         config.check_applied(args)
         if getattr(args, "device", None) is not None:  # every command with --device: refused before any work

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, records, storage
+from . import codec, names, records, storage
 from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
-from .errors import CorruptionError
+from .errors import CorruptionError, StoreError
 from .manifest import now_iso
 from .records import RecordTable
 
@@ -81,6 +81,7 @@ class IndexUse:
     segments: int = 0  # live segments read
     superseded: int = 0  # segments listed but superseded by another
     damaged: list[str] = field(default_factory=list)  # segments ignored: checksum, truncation, unknown version
+    why: dict[str, str] = field(default_factory=dict)  # damaged segment -> why (a refused name is named)
     stale: list[str] = field(default_factory=list)  # shards whose entry no longer matched the record's listing
 
 
@@ -93,6 +94,19 @@ class Snapshot:
     segments: dict[str, Segment]  # readable segments (live and superseded) by name
     segment_stamps: dict[str, str | None]  # every segment object listed (damaged ones too) -> stamp
     use: IndexUse
+    origin: "Origin | None" = None
+
+
+@dataclass
+class Origin:
+    """Which live segment each row of a snapshot's table came from (-1: read from ``commits/``)."""
+
+    codes: np.ndarray  # int32 [rows]
+    segments: list[str]
+
+    def of(self, row: int) -> str | None:
+        k = int(self.codes[row])
+        return None if k < 0 else self.segments[k]
 
     @property
     def records(self) -> records.Records:
@@ -159,15 +173,28 @@ def decode_segment(name: str, data: bytes) -> Segment:
             pos += int(n)
         if pos != len(data) - 4:
             raise ValueError("length does not add up")
-        if not isinstance(header["supersedes"], dict):
-            raise TypeError("supersedes")
+        _check_supersedes(name, header["supersedes"])
         table = records.table_from(header["table"], columns, blocks)
         return Segment(name, str(header["kind"]), float(header["created_unix"]), str(header["writer"]),
                        dict(header["supersedes"]), table, int(header["version"]))
     except CorruptionError:
         raise
+    except StoreError as e:  # a name refused
+        raise CorruptionError(str(e)) from None
     except Exception as e:  # any damage the checksum missed must not escape as anything but "damaged"
         raise CorruptionError(f"index segment {INDEX_DIR}/{name}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _check_supersedes(name: str, supersedes: Any) -> None:
+    """A segment's ``supersedes`` names other segments of ``index/``: each must be one segment name
+    (``names.part``, a segment suffix), never a path (``hsstore index`` removes what it names)."""
+    if not isinstance(supersedes, dict):
+        raise TypeError("supersedes")
+    for old in supersedes:
+        names.part(old, "superseded segment name", f"index segment {INDEX_DIR}/{name}")
+        if not old.endswith(SUFFIXES) or old.startswith("."):
+            raise CorruptionError(f"index segment {INDEX_DIR}/{name}: superseded segment name {old!r} refused "
+                                  "(not an index segment name)")
 
 
 def _decode_v1(name: str, data: bytes) -> Segment:
@@ -178,8 +205,9 @@ def _decode_v1(name: str, data: bytes) -> Segment:
     if body.get("version") != 1:
         raise ValueError(f"segment version {body.get('version')!r} in a gzip'd segment, this hsstore reads {READS}")
     entries = body["entries"]
-    if not isinstance(entries, list) or not isinstance(body["supersedes"], dict):
-        raise TypeError("entries / supersedes")
+    if not isinstance(entries, list):
+        raise TypeError("entries")
+    _check_supersedes(name, body["supersedes"])
     items = []
     for e in entries:  # an unusable entry is skipped: its record is read from commits/
         try:
@@ -265,13 +293,15 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
         except CorruptionError as e:
             log.warning("%s; ignored (its records are read from commits/; `hsstore index` rewrites the index)", e)
             use.damaged.append(b)
+            use.why[b] = str(e)
     return segments, stamps
 
 
 def live_segments(segments: dict[str, Segment], stamps: dict[str, str | None]) -> list[Segment]:
     """Segments no readable segment supersedes in the version listed (a writer's segment rewritten after a
     compaction superseded it is live again: it holds records the compaction had not seen)."""
-    gone = {name for s in segments.values() for name, st in s.supersedes.items() if stamps.get(name, 0) == st}
+    gone = {name for s in segments.values() for name, st in s.supersedes.items()
+            if name in stamps and stamps[name] == st}
     return [s for name, s in sorted(segments.items()) if name not in gone]
 
 
@@ -313,22 +343,26 @@ def load(fs, root: str, use_index: bool = True) -> Snapshot:
         if rec.shard != name:
             raise CorruptionError(f"commit record of shard {name!r} names shard {rec.shard!r}")
         fetched.append((rec, data, listed[name].stamp, codec.crc32c(data)))
-    parts = []
+    parts, origin = [], []
     for k, seg in enumerate(live):
         rows = sorted(r for kk, r in found.values() if kk == k)
         if rows:
             parts.append(seg.table if rows == list(range(len(seg.table))) else seg.table.take(np.array(rows)))
+            origin.append(np.full(len(rows), k, np.int32))
     parts.append(records.from_records(fetched))
+    origin.append(np.full(len(fetched), -1, np.int32))
     table = records.concat(parts)
-    names = table.shard.tolist()
-    order = sorted(range(len(names)), key=names.__getitem__)
-    if order != list(range(len(names))):
+    codes = np.concatenate(origin)
+    shards = table.shard.tolist()
+    order = sorted(range(len(shards)), key=shards.__getitem__)
+    if order != list(range(len(shards))):
         table = table.take(np.array(order, np.int64))
+        codes = codes[np.array(order, np.int64)]
     use.indexed, use.fetched = len(listed) - len(missing), len(missing)
     if use.stale:
         log.info("index: %d entr%s outdated (records rewritten since), read from commits/", len(use.stale),
                  "y" if len(use.stale) == 1 else "ies")
-    return Snapshot(table, listed, segments, seg_stamps, use)
+    return Snapshot(table, listed, segments, seg_stamps, use, Origin(codes, [s.name for s in live]))
 
 
 # -- compaction ---------------------------------------------------------------------------------------------
@@ -346,8 +380,9 @@ def compact(fs, root: str, grace_s: float = DEFAULT_GRACE_S) -> CompactResult:
     """``hsstore index``: one segment holding every listed record, superseding every segment listed; then
     remove segments superseded by a segment older than ``grace_s`` (0: also those superseded right now)."""
     snap = load(fs, root)
+    table, junk = checked_table(fs, root, snap)
     name = segment_name("c", "index")
-    write_segment(fs, root, name, encode_segment("compacted", "hsstore index", snap.table, dict(snap.segment_stamps)))
+    write_segment(fs, root, name, encode_segment("compacted", "hsstore index", table, dict(snap.segment_stamps)))
     now = time.time()
     mine = Segment(name, "compacted", now, "hsstore index", dict(snap.segment_stamps), records.from_records([]))
     removed = []
@@ -355,13 +390,49 @@ def compact(fs, root: str, grace_s: float = DEFAULT_GRACE_S) -> CompactResult:
         if now - seg.created_at < grace_s:
             continue
         for old, st in seg.supersedes.items():
-            if old in removed or old == name or snap.segment_stamps.get(old, 0) != st:
-                continue  # gone already, or rewritten since (a writer's segment that grew): keep
-            try:
-                fs.rm_file(storage.join(root, INDEX_DIR, old))
+            if old in removed or old == name or old not in snap.segment_stamps or snap.segment_stamps[old] != st:
+                continue  # gone already, never listed, or rewritten since (a writer's segment that grew): keep
+            try:  # only segments listed in index/ (decode_segment refused any other name): never a path
+                fs.rm_file(names.path(fs, root, f"{INDEX_DIR}/{old}", "superseded segment", f"store {root!r}"))
                 removed.append(old)
             except FileNotFoundError:
                 pass
     log.info("index: %d records in %s/%s; %d segment(s) superseded, %d removed", len(snap.table), INDEX_DIR, name,
              len(snap.segment_stamps), len(removed))
-    return CompactResult(name, len(snap.table), snap.use.fetched, len(snap.segment_stamps), removed, snap.use.damaged)
+    damaged = snap.use.damaged + sorted(set(junk.values()) - set(snap.use.damaged))
+    return CompactResult(name, len(table), snap.use.fetched + len(junk), len(snap.segment_stamps), removed, damaged)
+
+
+def checked_table(fs, root: str, snap: Snapshot) -> tuple[RecordTable, dict[str, str]]:
+    """``snap.table`` with every row taken from a segment parsed and checked against its columns
+    (``records.matches``); a row that fails (a block with a valid checksum and junk in it) is replaced by its
+    record read from ``commits/``, and named. Returns (table, shard -> segment of each row replaced): what
+    ``compact`` writes, so no entry it has not parsed and checked is copied into the new segment."""
+    t, origin = snap.table, snap.origin
+    blocks = records.BlockCache()
+    junk: dict[str, str] = {}
+    for i in (np.flatnonzero(origin.codes >= 0).tolist() if origin is not None else []):
+        raw = t.raw(i, blocks)
+        try:
+            rec = CommitRecord.from_json(raw, where="index entry")
+            ok = rec.shard == t.shard[i] and records.matches(t, i, rec, raw)
+        except StoreError:
+            ok = False
+        if not ok:
+            junk[t.shard[i]] = origin.of(i)
+    if not junk:
+        return t, junk
+    for shard, seg in sorted(junk.items()):
+        log.warning("index segment %s/%s: the entry of shard %r does not parse or disagrees with its columns; "
+                    "skipped, its commit record is read instead", INDEX_DIR, seg, shard)
+    names_ = sorted(junk)
+    fetched = []
+    for shard, data in zip(names_, read_records(fs, root, names_, [snap.listed[n].size for n in names_])):
+        rec = CommitRecord.from_json(data, where=f"commit record of shard {shard!r}")
+        if rec.shard != shard:
+            raise CorruptionError(f"commit record of shard {shard!r} names shard {rec.shard!r}")
+        fetched.append((rec, data, snap.listed[shard].stamp, codec.crc32c(data)))
+    keep = np.array([i for i, n in enumerate(t.shard.tolist()) if n not in junk], np.int64)
+    table = records.concat([t.take(keep), records.from_records(fetched)])
+    shards = table.shard.tolist()
+    return table.take(np.array(sorted(range(len(shards)), key=shards.__getitem__), np.int64)), junk

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import commit, index, storage
+from . import commit, index, names, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import check_compatible
 from .reader import Store
@@ -82,6 +82,10 @@ def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
     """Copy one shard's files (each checked against its commit record), then publish its record (noted in
     ``appender``, the destination's index segment of this run). Returns bytes."""
     src_fs, src_root, _ = src.shard_location(rec.shard)
+    where = f"store {src.url!r}, commit record of shard {rec.shard!r}"
+    for key in rec.files:  # every key under the shard's own prefix, in both stores, before anything is written
+        names.path(src_fs, src_root, names.file_key(rec.shard, key, where), "file key", where)
+        names.path(fs, root, key, "file key", where)
     keys, size, copied = [], 0, 0
     items = list(rec.files.items())
     for n, (key, entry) in enumerate(items):
@@ -134,6 +138,12 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
                              "for other readers (merge --by copy instead)")
     dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
     todo = plan(dst, srcs)
+    for src, rec in todo:  # a shard name, file key or location refused anywhere: refused before the first write
+        src.shard_location(rec.shard)
+        if by == "copy":
+            where = f"store {src.url!r}, commit record of shard {rec.shard!r}"
+            for key in rec.files:
+                names.file_key(rec.shard, key, where)
     result = MergeResult(already=sum(len(s.commits) for s in srcs) - len(todo))
     if dst is None:  # the first source's manifest, as is: same identity, chunking and codec
         ensure_manifest(fs, root, dst_url, srcs[0].manifest)

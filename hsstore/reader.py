@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import os
 import struct
 from collections import deque
@@ -22,11 +23,13 @@ import fsspec.spec
 import numpy as np
 import torch
 
-from . import codec, fp8, index, layout, records, storage
-from .commit import CommitRecord, resolve_location
+from . import codec, commit, fp8, index, layout, names, records, storage
+from .commit import SHARDS_DIR, CommitRecord
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
 
+
+log = logging.getLogger(__name__)
 
 _INHERITED: list = []  # filesystems a forked child inherited: alive for good, never used
 _HELD: list = []  # the parent's cached filesystems, referenced across a fork
@@ -99,9 +102,12 @@ class Store:
     """A read-only view of the committed shards of one store, as they were when opened."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, use_index: bool = True,
-                 loaded: tuple[Manifest, records.RecordTable, index.IndexUse] | None = None) -> None:
+                 loaded: tuple[Manifest, records.RecordTable, index.IndexUse] | None = None,
+                 allow_locations: Sequence[str] | None = None) -> None:
         """``use_index=False`` reads every commit record one by one (what ``verify`` compares the index with);
         ``loaded``: manifest, records and index use read elsewhere (``open_shared``: rank 0's).
+        ``allow_locations``: prefixes (URLs, local paths) that shards merged by reference may be read from, besides
+        the store itself; ``HSSTORE_ALLOW_LOCATIONS`` adds more (``names.location``: local system paths never).
 
         The records are held as columns (``self.table``, ``records.RecordTable``); ``self.commits`` is the
         sequence of :class:`CommitRecord`, each parsed when first asked for."""
@@ -114,9 +120,11 @@ class Store:
                 raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised "
                                     "this store)")
             snap = index.load(self.fs, self.root, use_index=use_index)
-            loaded = (manifest, snap.table, snap.use)
+            loaded, self._origin = (manifest, snap.table, snap.use), snap.origin
+        else:
+            self._origin = None
         self.manifest, self.table, self.index_use = loaded
-        self.commits = records.Records(self.table)
+        self.commits = records.Records(self.table, fallback=self._from_commits)
         t = self.table
         key = self.manifest.shard_key()
         # shards written under another manifest: the manifest was edited afterwards (verify names them)
@@ -126,9 +134,18 @@ class Store:
         self._by_name: dict[str, int] | None = None  # shard name -> row, made when first needed
         self._pid = os.getpid()
         # shards merged by reference live in another store: shard name -> that store's URL
-        elsewhere = [c for c, v in enumerate(t.location.values) if v]
-        self.locations = {t.shard[i]: resolve_location(url, t.location[i])
-                          for i in np.flatnonzero(np.isin(t.location.codes, elsewhere))}
+        # (a location outside the store, unless allowed: refused when the shard is read, named by verify)
+        self.allow_locations = list(allow_locations or ())
+        allow = names.allowed(self.allow_locations)
+        self.locations, self.bad_locations = {}, {}
+        elsewhere = [c for c, v in enumerate(t.location.values) if v is not None]
+        for i in np.flatnonzero(np.isin(t.location.codes, elsewhere)).tolist():
+            shard = t.shard[i]
+            try:
+                self.locations[shard] = names.location(url, t.location[i], allow, f"store {url!r}, shard {shard!r}")
+            except StoreError as e:
+                self.bad_locations[shard] = str(e)
+        self._safe: set[str] = set()  # shards whose names (and, locally, paths) were checked
         self._located: dict[str, tuple] = {}
         self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
 
@@ -185,9 +202,41 @@ class Store:
             self._pid = os.getpid()
         return self.fs
 
+    def _from_commits(self, row: int, why: str) -> CommitRecord:
+        """The record of ``row`` read from ``commits/`` when its index entry's bytes are junk (``Records``'s
+        fallback): used when it says what the row's columns say, else the index is named as the fault."""
+        seg = self._origin.of(row) if self._origin is not None else "(records from another rank)"
+        if seg is None:  # the row was read from commits/ itself: nothing else to fall back on
+            raise CorruptionError(why)
+        name = self.table.shard[row]
+        data = commit.read_records(self._fs(), self.root, [name])[0]
+        rec = CommitRecord.from_json(data, where=f"commit record of shard {name!r}")
+        if rec.shard != name or not records.matches_object(self.table, row, rec, data):
+            raise CorruptionError(f"store {self.url!r}: index segment {index.INDEX_DIR}/{seg}: the entry of shard "
+                                  f"{name!r} disagrees with its commit record ({why}); `hsstore index {self.url}` "
+                                  "rewrites the index")
+        log.warning("store %r: index segment %s/%s: the entry of shard %r is unusable (%s); read from its commit "
+                    "record (`hsstore index` rewrites the index)", self.url, index.INDEX_DIR, seg, name, why)
+        return rec
+
     def shard_location(self, name: str) -> tuple[Any, str, str]:
         """(filesystem, root, URL) of the store that holds shard ``name``'s files: this one, or for a shard
-        merged by reference the store its commit record's ``location`` names (same storage options)."""
+        merged by reference the store its commit record's ``location`` names (same storage options). A shard
+        name that is not one path part, a location refused by ``names.location`` and (local disk) a shard path
+        that resolves outside the store through a link raise ``StoreError``."""
+        if name not in self._safe:
+            where = f"store {self.url!r}"
+            names.part(name, "shard name", where)
+            if name in self.bad_locations:
+                raise StoreError(self.bad_locations[name])
+            fs, root, _ = self._shard_store(name)
+            if storage.is_local(fs):
+                for p in (f"{SHARDS_DIR}/{name}", f"{SHARDS_DIR}/{name}.tar"):
+                    names.path(fs, root, p, "shard path", where)
+            self._safe.add(name)
+        return self._shard_store(name)
+
+    def _shard_store(self, name: str) -> tuple[Any, str, str]:
         url = self.locations.get(name)
         if url is None:
             return self._fs(), self.root, self.url
@@ -210,6 +259,10 @@ class Store:
         state = dict(self.__dict__)
         state["_pid"], state["chunk_cache"], state["_located"] = None, None, {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.commits.fallback = self._from_commits  # (a bound method is not part of the records' state)
 
     def check_manifest(self) -> None:
         """Raise unless every shard was written under this manifest (a hand-edited manifest would make
@@ -395,9 +448,10 @@ def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> se
     return set(Store(url, storage_options).sample_ids())
 
 
-def open_store(url: str, **storage_options: Any) -> Store:
-    """Open a store read-only. ``storage_options`` go to fsspec (e.g. ``anon=True``, ``endpoint_url=...``)."""
-    return Store(url, storage_options)
+def open_store(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:
+    """Open a store read-only. ``storage_options`` go to fsspec (e.g. ``anon=True``, ``endpoint_url=...``);
+    ``allow_locations``: see :class:`Store`."""
+    return Store(url, storage_options, allow_locations=allow_locations)
 
 
 def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=None) -> Store:

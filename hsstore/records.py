@@ -14,11 +14,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from numcodecs import Zstd
 
+from . import codec
 from .commit import CommitRecord
 from .errors import CorruptionError
 
@@ -229,6 +230,20 @@ def record_row(rec: CommitRecord, data: bytes, crc: int, size: int | None = None
             "samples": {k: [list(x) for x in v] if k == "flags" else list(v) for k, v in rec.samples.items()}}
 
 
+def matches(t: RecordTable, i: int, rec: CommitRecord, raw: bytes) -> bool:
+    """Whether row ``i``'s columns say what ``rec`` (parsed from ``raw``, the row's own record bytes) says: an
+    index entry's bytes are used only when they do (a block with a valid checksum may still hold junk)."""
+    return t.row_of(i) == record_row(rec, raw, int(t.crc32c[i]), int(t.size[i]))
+
+
+def matches_object(t: RecordTable, i: int, rec: CommitRecord, data: bytes) -> bool:
+    """Whether row ``i``'s columns say what the record object ``data`` (parsed: ``rec``) in ``commits/`` says."""
+    row = t.row_of(i)
+    want = record_row(rec, data, codec.crc32c(data), len(data))
+    row.pop("raw_size"), want.pop("raw_size")  # a version-1 segment's row holds the record serialised again
+    return row == want
+
+
 def from_records(items: Sequence[tuple]) -> RecordTable:
     """A table of parsed records, in that order: (record, its object's bytes, its stamp, their CRC32C) each, or
     with a fifth item, the object's size (see ``record_row``)."""
@@ -411,8 +426,11 @@ class Records(Sequence[CommitRecord]):
     every check of ``CommitRecord.from_json``) when first asked for and kept among the last ``PARSED_CACHE``.
     Thread-safe: the loader's and a store's read-ahead threads ask for records."""
 
-    def __init__(self, table: RecordTable, where: str = "") -> None:
-        self.table, self.where = table, where
+    def __init__(self, table: RecordTable, where: str = "",
+                 fallback: "Callable[[int, str], CommitRecord] | None" = None) -> None:
+        """``fallback(row, why)``: the record of a row whose own bytes do not parse or disagree with its columns
+        (a junk index entry), from elsewhere (``Store``: from ``commits/``), or raise."""
+        self.table, self.where, self.fallback = table, where, fallback
         self._parsed: OrderedDict[int, CommitRecord] = OrderedDict()
         self._blocks = BlockCache()
         self._lock = threading.Lock()
@@ -435,14 +453,30 @@ class Records(Sequence[CommitRecord]):
             raw = self.table.raw(i, self._blocks)
         name = self.table.shard[i]
         where = f"commit record of shard {name!r}{self.where}"
-        rec = CommitRecord.from_json(raw, where=where)
-        if rec.shard != name:
-            raise CorruptionError(f"{where}: holds shard {rec.shard!r}")
+        try:
+            rec = CommitRecord.from_json(raw, where=where)
+            if rec.shard != name:
+                raise CorruptionError(f"{where}: holds shard {rec.shard!r}")
+            if not self._bound(i, rec, raw):
+                raise CorruptionError(f"{where}: differs from what its columns say")
+        except CorruptionError as e:
+            if self.fallback is None:
+                raise
+            rec = self.fallback(i, str(e))
         with self._lock:
             self._parsed[i] = rec
             if len(self._parsed) > PARSED_CACHE:
                 self._parsed.popitem(last=False)
         return rec
+
+    def _bound(self, i: int, rec: CommitRecord, raw: bytes) -> bool:
+        """Whether row ``i``'s bytes are the record its columns were made from: their CRC32C is the column's
+        (~1 us) when the row holds the record object's own bytes; a row converted from a version-1 segment
+        (the record serialised again) is compared column by column (``matches``)."""
+        t = self.table
+        if int(t.ints["raw_size"][i]) == int(t.size[i]):
+            return codec.crc32c(raw) == int(t.crc32c[i])
+        return matches(t, i, rec, raw)
 
     def __iter__(self) -> Iterator[CommitRecord]:
         return (self[i] for i in range(len(self)))

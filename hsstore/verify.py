@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from . import assets, codec, commit, index, layout, records, storage
+from . import assets, codec, commit, index, layout, names, records, storage
 from .commit import SHARDS_DIR, CommitRecord
 from .errors import StoreError
 from .reader import Store
@@ -24,7 +24,14 @@ log = logging.getLogger(__name__)
 
 
 def verify(store: Store, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """The index is checked first: when an entry readers would use is not its record (a junk block), that is
+    reported as an index problem and the shards are checked from the records themselves (``commits/``), so a
+    bad index never passes for bad data."""
     report = VerifyReport(shards=len(store.commits))
+    if check_index(store, report):
+        log.warning("store %r: the index disagrees with the commit records (reported); checking the shards "
+                    "from the records", store.url)
+        store = Store(store.url, store.storage_options, use_index=False, allow_locations=store.allow_locations)
     fs, root = store.fs, store.root
     lay = layout.get(store.manifest.layout)
     for rec in store.commits:
@@ -38,12 +45,24 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
-    check_index(store, report)
     check_assets(store, report)
     return report
 
 
-def check_index(store: Store, report: VerifyReport) -> None:
+def _check_names(store: Store, rec: CommitRecord, report: VerifyReport) -> bool:
+    """Every name in the record that readers refuse (``names``: shard name, file keys, ``location``) as a
+    problem naming it; False when there is one (the shard's files are then not followed)."""
+    bad = names.record_problems(rec)
+    for key, why in bad:
+        report.problems.append(Problem(rec.shard, f"unsafe name, not followed: {why}", key))
+    if rec.shard in store.bad_locations:
+        report.problems.append(Problem(rec.shard, f"location not followed: {store.bad_locations[rec.shard]}",
+                                       "location"))
+        return False
+    return not bad
+
+
+def check_index(store: Store, report: VerifyReport) -> bool:
     """The index against the commit records, each read again (concurrently): an entry that readers would use
     (its record listed with the size and stamp it recorded) must hold that record (byte for byte in a
     version-2 segment; equal once parsed in a version-1 one) and columns that say what the record says (opening,
@@ -55,7 +74,8 @@ def check_index(store: Store, report: VerifyReport) -> None:
     segments, stamps = index.read_segments(fs, root, use)
     for name in use.damaged:
         report.problems.append(Problem("(index)", "index segment damaged or unreadable (ignored by readers, who read "
-                                                  "the records instead); `hsstore index` rewrites the index",
+                                                  "the records instead); `hsstore index` rewrites the index"
+                                                  + (f": {use.why[name]}" if name in use.why else ""),
                                        f"{index.INDEX_DIR}/{name}"))
     live = index.live_segments(segments, stamps)
     used = []  # (segment, row) of every entry a reader would use, in any live segment
@@ -68,6 +88,7 @@ def check_index(store: Store, report: VerifyReport) -> None:
     names = sorted({seg.table.shard[row] for seg, row in used})
     data = dict(zip(names, commit.read_records(fs, root, names, [listed[n].size for n in names]))) if names else {}
     blocks = records.BlockCache()
+    bad_entries = False
     for seg, row in used:
         t = seg.table
         shard = t.shard[row]
@@ -81,6 +102,7 @@ def check_index(store: Store, report: VerifyReport) -> None:
         except StoreError:  # a malformed entry (or record: reported with the shard)
             same = False
         if not same:
+            bad_entries = True
             report.problems.append(Problem(shard, "index entry differs from the shard's commit record although "
                                                   "it records the record's size and stamp (readers would use the "
                                                   "entry); `hsstore index` rewrites it", f"{index.INDEX_DIR}/{seg.name}"))
@@ -88,6 +110,7 @@ def check_index(store: Store, report: VerifyReport) -> None:
                     "entries_checked": len(used),
                     "indexed_shards": len(names), "unindexed_shards": len(listed) - len(names),
                     "orphan_entries": sum(1 for seg in live for n in seg.table.shard.tolist() if n not in listed)}
+    return bad_entries
 
 
 def check_assets(store: Store, report: VerifyReport) -> None:
@@ -112,6 +135,8 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     """Every check of one committed shard: its record against the manifest, then its files through the
     layout (``tails``: see :func:`hsstore.zarr_layout.check_shard`)."""
     _check_record(store, rec, report)
+    if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
+        return
     try:  # a shard merged by reference: its files are checked where its record says they are
         shard_fs, shard_root, _ = store.shard_location(rec.shard)
     except Exception as e:

@@ -238,7 +238,8 @@ def test_compaction_keeps_a_writer_segment_that_grew_after_it_and_removes_only_a
 
 
 # -- the commands that write records keep the index current ----------------------------------------------------
-def test_merge_by_reference_convert_and_subset_index_what_they_write(tmp_path):
+def test_merge_by_reference_convert_and_subset_index_what_they_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", str(tmp_path))  # ref's shards are read from src
     src = str(tmp_path / "src")
     _write(src)
     ref, conv, sub = (str(tmp_path / n) for n in ("ref", "conv", "sub"))

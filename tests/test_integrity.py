@@ -357,7 +357,8 @@ def test_upgrade_leaves_a_damaged_shard_as_it_was(tmp_path, capsys):
 
 # -- merge and convert keep the binding ----------------------------------------------------------------
 
-def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_path):
+def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", str(tmp_path))  # ref's shards are read from a and b
     from hsstore.merge import merge
 
     sa = make_samples(12, seed=1)

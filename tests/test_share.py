@@ -171,7 +171,8 @@ def test_merge_by_copy(tmp_path, two_stores, capsys):
     assert "0 shards" in capsys.readouterr().out and len(hsstore.open(dst)) == len(samples)
 
 
-def test_merge_by_reference_resolves_moves_and_is_verified(tmp_path, two_stores, capsys):
+def test_merge_by_reference_resolves_moves_and_is_verified(tmp_path, two_stores, capsys, monkeypatch):
+    monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", str(tmp_path))  # dst's shards are read from a and b
     a, b, samples = two_stores
     dst = str(tmp_path / "st" / "ref")
     assert main(["merge", dst, a, b, "--by", "reference", "-q"]) == 0
@@ -189,9 +190,10 @@ def test_merge_by_reference_resolves_moves_and_is_verified(tmp_path, two_stores,
     assert "file missing (referenced store '../a')" in capsys.readouterr().out
 
 
-def test_merge_by_reference_on_s3(s3_store, new_manifest, new_samples):
+def test_merge_by_reference_on_s3(s3_store, new_manifest, new_samples, monkeypatch):
     url, opts = s3_store
     base = url.rsplit("/", 1)[0]
+    monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", base)  # c's shards are read from a and b
     a, b = new_samples(5, prefix="a"), new_samples(4, prefix="b", seed=2)
     write_tagged(f"{base}/a", new_manifest(), a, storage_options=opts)
     write_tagged(f"{base}/b", new_manifest(), b, storage_options=opts)
@@ -274,9 +276,11 @@ def test_merge_requires_sources(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_merge_wds_stores_by_reference_and_copy(tmp_path, new_manifest, new_samples, capsys):
+def test_merge_wds_stores_by_reference_and_copy(tmp_path, new_manifest, new_samples, capsys, monkeypatch):
     """Both layouts go through the same reference resolution: tar shards read from where they live."""
     import dataclasses
+
+    monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", str(tmp_path))
 
     m = dataclasses.replace(new_manifest(), layout="wds")
     a, b = new_samples(5, prefix="a"), new_samples(4, prefix="b", seed=2)
