@@ -66,10 +66,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
-from .distributed import rank_and_world
+from .distributed import node_of, rank_and_world
 from .manifest import check_compatible
 from .memory import BufferPool, empty_host, hand_over
-from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
+from .plan import EVEN_MODES, PARTITIONS, Filters, Planner, SlotPlan, build_catalog
 from .reader import Store, open_shared, open_store
 from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
 
@@ -89,6 +89,7 @@ class _SlotProgress:
     phase: int
     world: tuple[int, int]
     slot: int
+    nodes: int | None = None
     count: int = 0
     skipped: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
@@ -101,7 +102,7 @@ class _SlotProgress:
                 raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
             count = self.recent[-pending]
         return LoaderState(config, self.epoch, self.done, self.phase, self.world, {self.slot: count},
-                           {self.slot: self.skipped} if self.skipped else {})
+                           {self.slot: self.skipped} if self.skipped else {}, self.nodes)
 
 
 class _ReadSample(NamedTuple):
@@ -168,6 +169,15 @@ class HiddenStateDataset(IterableDataset):
                       ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
                       ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
                       manifest dtype. No effect on raw stores.
+      partition       "global" (default): every epoch is one global permutation cut into rank ranges, so a
+                      node reads a different part of the stores every epoch. "node": each node is given a
+                      fixed share of the read units for the whole run (a function of ``seed`` and the node
+                      count, not of the epoch) and shuffles within it every epoch; the node's ranks and
+                      workers split that share as in a global plan. With ``cache_dir``/``cache_bytes`` holding
+                      the node's share, epochs 2.. fetch nothing remote. Exactly once per epoch still holds
+                      over all ranks; a resume with another node count re-partitions what is left.
+      ranks_per_node  ranks per node for ``partition="node"`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else
+                      the whole world is one node); ranks are numbered node by node, as torchrun does.
       share_metadata  under torch.distributed, the first rank reads the stores' commit records and
                       broadcasts them (``hsstore.reader.open_shared``) instead of every rank reading them:
                       a collective, so every rank must build the dataset (as DDP code does). DataLoader
@@ -201,6 +211,8 @@ class HiddenStateDataset(IterableDataset):
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         final_hidden: bool = False,
         share_metadata: bool = False,
+        partition: str = "global",
+        ranks_per_node: int | None = None,
     ) -> None:
         super().__init__()
         self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
@@ -241,12 +253,20 @@ class HiddenStateDataset(IterableDataset):
         self.filters = Filters(**{**self.filters.__dict__, "where": None})  # applied; not picklable (spawn)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.rank, self.world_size = rank_and_world(rank, world_size)
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+        self.partition = partition
+        # a global plan is one part over the whole world; nodes is None there (states carry no node count)
+        self.node, self.nodes, self.ranks_per_node = (node_of(self.rank, self.world_size, ranks_per_node)
+                                                      if partition == "node" else (0, None, self.world_size))
         self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
         self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
         self.planner = Planner(self.catalog, self.weights, seed=self.seed, shuffle=self.shuffle, even=self.even,
                                unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=self.shuffle_bytes)
+                               shuffle_bytes=self.shuffle_bytes, partition=partition)
+        if self.nodes is not None:
+            self._log_share()
         self._epoch_box = _shared_int(0)
         self._epoch_plain = 0
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
@@ -280,6 +300,15 @@ class HiddenStateDataset(IterableDataset):
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None
 
+    def _log_share(self) -> None:
+        units, nbytes = self.planner.node_share(self.nodes, self.node)
+        log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
+                 self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
+        remote = [s for s in self.stores if not storage.is_local(s._fs())]
+        if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
+            log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
+                        "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
+
     def _resumed(self) -> LoaderState | None:
         """The loaded resume state when it is for the current epoch."""
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
@@ -289,7 +318,7 @@ class HiddenStateDataset(IterableDataset):
         if not (0 <= rank < self.world_size and 0 <= worker < num_workers):
             raise ValueError(f"no slot for rank {rank} of {self.world_size}, worker {worker} of {num_workers}")
         return self.planner.slot_plan(int(epoch), None, 0, self.world_size, num_workers,
-                                      rank * num_workers + worker)
+                                      rank * num_workers + worker, self.nodes)
 
     def planned_lengths(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
                         worker: int = 0) -> np.ndarray:
@@ -310,7 +339,7 @@ class HiddenStateDataset(IterableDataset):
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
         resume = self._resumed()
         done, phase = (resume.done, resume.phase) if resume else (None, 0)
-        return self.planner.rank_counts(self.epoch, done, phase, self.world_size)
+        return self.planner.rank_counts(self.epoch, done, phase, self.world_size, self.nodes)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
@@ -327,7 +356,7 @@ class HiddenStateDataset(IterableDataset):
         live = self._live
         if live is None or live.epoch != self.epoch:
             resume = self._resumed()
-            return (resume or LoaderState(self.planner.config, self.epoch)).to_dict()
+            return (resume or LoaderState(self.planner.config, self.epoch, nodes=self.nodes)).to_dict()
         return live.state(self.planner.config, pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -335,6 +364,8 @@ class HiddenStateDataset(IterableDataset):
         resume = LoaderState.find(state)
         diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in self.planner.config.items()
                  if resume.config.get(k) != v]
+        if resume.config.get("partition", "global") != self.partition and "partition" not in self.planner.config:
+            diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {self.partition!r}")
         if diffs:
             raise LoaderStateError("resume state was made by a differently configured dataset (state vs this): "
                                    + "; ".join(diffs))
@@ -353,8 +384,11 @@ class HiddenStateDataset(IterableDataset):
         if resume is not None:
             done, phase = resume.done, resume.phase
             if resume.world is None:
-                pass
-            elif resume.world == (R, W):
+                if resume.nodes != self.nodes:
+                    log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
+                             "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
+                             resume.nodes)
+            elif resume.world == (R, W) and resume.nodes == self.nodes:
                 if slot not in resume.counts:
                     raise LoaderStateError(
                         f"resume state has no position for rank {r} worker {w} (it covers slots "
@@ -362,13 +396,17 @@ class HiddenStateDataset(IterableDataset):
                         "or a merge of all of them")
                 count, skipped = resume.counts[slot], resume.skipped.get(slot, 0)
             else:
+                if resume.nodes != self.nodes:
+                    log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
+                             "remaining samples over the nodes (node shares, and so what local caches hold, "
+                             "change)", self.epoch, self.nodes, resume.nodes)
                 log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
                          "re-cutting the remaining samples", self.epoch, R, W, *resume.world)
                 done, phase = self.planner.fold(resume), phase + 1
-        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot)
+        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot, self.nodes)
         if count > len(plan):
             raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return _SlotProgress(self.epoch, done, phase, (R, W), slot, count, skipped), plan
+        return _SlotProgress(self.epoch, done, phase, (R, W), slot, self.nodes, count, skipped), plan
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         progress, plan = self._position()

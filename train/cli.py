@@ -74,6 +74,12 @@ def register(subparsers) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
+    t.add_argument("--cache-bytes", type=float, default=None, metavar="N",
+                   help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
+    t.add_argument("--partition", choices=["global", "node"], default="global",
+                   help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
+                        "GROUP_RANK, LOCAL_WORLD_SIZE) reads one fixed share every epoch, shuffled within, so a "
+                        "--cache-dir that holds the share serves epochs 2.. without remote reads")
     t.add_argument("--log-every", type=int, default=10, help="steps between metrics.jsonl rows")
     t.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (Ctrl-C also saves one)")
     t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
@@ -168,6 +174,7 @@ def run_train(args: argparse.Namespace) -> int:
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
+        partition=args.partition, cache_bytes=None if args.cache_bytes is None else int(args.cache_bytes),
         val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option))
     result = train(cfg)
     if result.drafter_dir is None:  # not rank 0

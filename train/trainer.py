@@ -118,6 +118,8 @@ class TrainConfig:
     weights: list[float] | None = None  # per store (see HiddenStateDataset)
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
+    cache_bytes: int | None = None  # chunk cache cap (None: the loader's default)
+    partition: str = "global"  # "node": each node keeps one share of the stores every epoch (HiddenStateDataset)
     ce_chunk: int = 1024  # query rows per lm_head + cross-entropy chunk
     ce_impl: str = "fused"  # fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy
     val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
@@ -403,7 +405,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
         source = StoreBatches(stores, layers=dcfg.target_layers, max_tokens=cfg.max_tokens, seed=cfg.seed,
                               rank=rank, world_size=world, workers=cfg.workers, weights=cfg.weights,
                               storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
-                              pin_memory=device.type == "cuda")
+                              pin_memory=device.type == "cuda", partition=cfg.partition,
+                              cache_bytes=cfg.cache_bytes)
     total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
     sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
     config_json = {**dataclasses.asdict(cfg), "storage_options": None}  # may hold secrets: not saved
