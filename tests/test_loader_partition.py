@@ -18,6 +18,7 @@ from hsstore.loader import LoaderStateError
 
 from test_loader import StatefulDataLoader, dataset, ids_of, write_store
 from conftest import make_samples
+from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -216,3 +217,42 @@ def test_remote_bytes_per_epoch_node_vs_global(s3_small, s3_endpoint, tmp_path):
     assert node[1] == 0  # epoch 2: each node's share is in its own cache
     assert glob[1] > chunks * 0.2  # a global shuffle sends a node to units its cache never saw
     print(f"remote chunk bytes per epoch: node {node}, global {glob}, store {chunks}")
+
+
+def test_train_partition_node_saves_and_resumes_node_states(store32, tmp_path):  # noqa: F811
+    """``hsstore train --partition node``: the loader positions in checkpoints carry the node count, and a
+    resumed run continues (the same loss as the uninterrupted run)."""
+    import json
+    import shutil
+
+    from hsstore.train import checkpoint as ckpt
+    from hsstore.train.trainer import TrainConfig, train
+
+    cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, partition="node", **FAST)
+    full = tmp_path / "full"
+    train(TrainConfig(out=str(full), **cfg))
+    first = ckpt.list_checkpoints(full)[0]
+    state = json.loads((first / "loader.rank00000.json").read_text())
+    found = [s for s in _states(state)]
+    assert found and all(s["nodes"] == 1 and s["config"]["partition"] == "node" for s in found)
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for p in ckpt.list_checkpoints(cut)[1:]:
+        shutil.rmtree(p)
+    shutil.rmtree(cut / "drafter")
+    train(TrainConfig(out=str(cut), **cfg))
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and [r["loss"] for r in rows] == [r["loss"] for r in again]
+
+
+def _states(obj):
+    if isinstance(obj, dict):
+        if "hsstore_loader" in obj:
+            yield obj
+        else:
+            for v in obj.values():
+                yield from _states(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _states(v)
