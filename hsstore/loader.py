@@ -52,7 +52,9 @@ Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, ite
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+import time
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +80,20 @@ log = logging.getLogger(__name__)
 DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_SHUFFLE_BYTES = 1 << 30
 DEFAULT_CACHE_BYTES = 64 << 30
+DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: one H200's drafter step
+DEFAULT_READ_AHEAD_BYTES = 4 << 30  # at most this much read ahead per slot, however slow the requests
+
+
+def read_ahead_units(rate: float, request_s: float, request_bytes: float, requests_per_unit: float,
+                     concurrency: int, floor: int, cap: int) -> int:
+    """Units to keep in flight so ``rate`` bytes/s arrive when one request of ``request_bytes`` takes
+    ``request_s`` (the store's latency plus the transfer at one connection's bandwidth): Little's law, requests
+    in flight = rate x request_s / request_bytes, in units of ``requests_per_unit`` requests, plus the unit
+    being handed out. More than ``concurrency`` requests (the connections a read may use) cannot be in flight,
+    so no more units than those fill are asked for; never fewer than ``floor`` nor more than ``cap``."""
+    need = rate * max(0.0, request_s) / max(1.0, request_bytes)
+    need = min(need, float(concurrency) + requests_per_unit)
+    return int(min(cap, max(floor, math.ceil(need / max(1.0, requests_per_unit)) + 1)))
 
 
 @dataclass
@@ -159,7 +175,12 @@ class HiddenStateDataset(IterableDataset):
                       ranks at the minimum step count.
       unit_bytes      size of one read (bytes of the requested layers), rounded to whole chunks.
       shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
-      prefetch        units read ahead, concurrently, per slot.
+      prefetch        units read ahead, concurrently, per slot (on remote stores, at least: see remote_rate).
+      remote_rate     remote stores: the read-ahead grows until ``remote_rate`` bytes/s per slot can arrive,
+                      sized from the fastest request time seen (latency + transfer at one connection's
+                      bandwidth) by ``read_ahead_units``, so a 30 ms object store gives the rate of a near one
+                      once the pipeline is full; capped by ``read_ahead_bytes`` and the connections a read may
+                      use (``HSSTORE_METADATA_CONCURRENCY``). 0: a fixed ``prefetch``.
       cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
       skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
                       and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
@@ -213,6 +234,8 @@ class HiddenStateDataset(IterableDataset):
         share_metadata: bool = False,
         partition: str = "global",
         ranks_per_node: int | None = None,
+        remote_rate: float = DEFAULT_REMOTE_RATE,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     ) -> None:
         super().__init__()
         self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
@@ -260,6 +283,9 @@ class HiddenStateDataset(IterableDataset):
         self.node, self.nodes, self.ranks_per_node = (node_of(self.rank, self.world_size, ranks_per_node)
                                                       if partition == "node" else (0, None, self.world_size))
         self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
+        self.remote_rate, self.read_ahead_bytes = float(remote_rate), int(read_ahead_bytes)
+        unit = self.unit_tokens * self.token_bytes
+        self.max_prefetch = max(self.prefetch, self.read_ahead_bytes // max(1, unit))
         self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
         self.planner = Planner(self.catalog, self.weights, seed=self.seed, shuffle=self.shuffle, even=self.even,
@@ -434,6 +460,14 @@ class HiddenStateDataset(IterableDataset):
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
                 self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+
+    def remote_read(self) -> tuple[float, float] | None:
+        """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
+        from measured request times), else None."""
+        if self.remote_rate <= 0 or all(storage.is_local(s._fs()) for s in self.stores):
+            return None
+        ct, n = self.stores[0].manifest.chunk_tokens, len(self._slots)
+        return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
         return pool
 
     def _store_gone(self, store: Store) -> str | None:
@@ -552,6 +586,9 @@ class _SlotReader:
             self.order = sorted(firsts, key=firsts.__getitem__)
             self.rank_of = {g: i for i, g in enumerate(self.order)}
         self.futures: dict[int, Future] = {}
+        self.depth = ds.prefetch  # units read ahead: grows on remote stores (read_ahead_units)
+        self.remote = ds.remote_read()
+        self.request_s = math.inf  # the fastest request time seen (remote stores)
         self.next_submit = 0
         self.pool: ThreadPoolExecutor | None = None
         self.closed = False
@@ -562,11 +599,27 @@ class _SlotReader:
     def _submit_through(self, idx: int) -> None:
         if self.pool is None:
             self.ds._attach_cache()
-            self.pool = ThreadPoolExecutor(self.ds.prefetch, thread_name_prefix="hsstore-loader")
+            workers = self.ds.max_prefetch if self.remote else self.ds.prefetch
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
         while self.next_submit < len(self.order) and self.next_submit <= idx:
             g = self.order[self.next_submit]
-            self.futures[g] = self.pool.submit(self.ds.read_group, self.group_rows.pop(g))
+            rows = self.group_rows.pop(g)
+            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_group, rows)
             self.next_submit += 1
+
+    def _read(self, rows: np.ndarray):
+        """A remote group read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
+        t = time.perf_counter()
+        out = self.ds.read_group(rows)
+        took = time.perf_counter() - t
+        cat, ds = self.ds.catalog, self.ds
+        request, per_unit = self.remote
+        requests = max(1.0, float((cat.stop[rows] - cat.start[rows]).sum()) * ds.token_bytes / request)
+        rounds = math.ceil(requests / storage.metadata_concurrency())
+        self.request_s = min(self.request_s, took / rounds)
+        self.depth = read_ahead_units(ds.remote_rate, self.request_s, request, per_unit,
+                                      storage.metadata_concurrency(), ds.prefetch, ds.max_prefetch)
+        return out
 
     def __next__(self) -> dict[str, Any]:
         plan, ds, progress = self.plan, self.ds, self.progress
@@ -574,7 +627,7 @@ class _SlotReader:
             while self.pos < len(plan):
                 p = self.pos
                 g = int(plan.groups[p])
-                self._submit_through(self.rank_of[g] + ds.prefetch)
+                self._submit_through(self.rank_of[g] + self.depth)
                 sample = self.futures[g].result()[int(self.rows[p])]
                 if p == self.last_use[g]:
                     del self.futures[g]

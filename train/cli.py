@@ -74,7 +74,7 @@ def register(subparsers) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
-    t.add_argument("--cache-bytes", type=float, default=None, metavar="N",
+    t.add_argument("--cache-bytes", type=int, default=None, metavar="N",
                    help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
     t.add_argument("--partition", choices=["global", "node"], default="global",
                    help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
