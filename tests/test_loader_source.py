@@ -50,3 +50,17 @@ def test_remote_read_ahead_grows_with_latency(s3_endpoint, tmp_path):
     # request bytes: 64 tokens x 96 B; 2 chunks x 3 layers a unit; >= 0.05 s each -> the connections' limit
     assert depth == read_ahead_units(2.5e9, 0.05, 64 * 96, 6, 64, 2, ds.max_prefetch) > 2
     assert got == fixed
+
+
+def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
+    from hsstore.cli import main
+
+    assert main(["bench", str(tmp_path), "--what", "source", "--procs", "2", "--size-mb", "2", "--hidden", "64",
+                 "--num-taps", "2", "--epochs", "2", "--cold", "--json", "--quiet"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)["source"]
+    assert r["procs"] == 2 and [e["epoch"] for e in r["epochs"]] == [0, 1]
+    for e in r["epochs"]:
+        assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch store is removed
