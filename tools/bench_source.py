@@ -14,6 +14,7 @@ one run (latency 0 vs ``--latency``: the read-ahead should give the same rate on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_bytes: int | None) -> dict:
+@contextlib.contextmanager
+def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
+    """(endpoint moto serves on, proxy in front of it): a fresh bucket name comes with it. The proxy replays
+    repeated reads from memory; ``proxy.latency`` / ``proxy.bandwidth`` give it an object store's shape."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from faultproxy import FaultProxy
     from moto.server import ThreadedMotoServer
@@ -49,27 +53,34 @@ def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_b
     try:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(bucket)
-        bw = args.bandwidth_mb * 1e6 if args.bandwidth_mb else None
         with FaultProxy(endpoint, faults=[], limit=0, replay=True) as proxy:
-            opts = {"endpoint_url": proxy.url}
-
-            def counters():
-                return {"remote_bytes": sum(n for p, n in proxy.sent.items() if "/shards/" in p),
-                        "max_in_flight": proxy.max_in_flight}
-
-            def warm_then_shape():  # every object once through the proxy (into its memory), then the shape
-                fs, root = storage.resolve(f"s3://{bucket}", opts)
-                paths = [p for p in fs.find(root) if "/shards/" in p]
-                storage.cat_many(fs, paths)
-                proxy.latency, proxy.bandwidth = latency, bw
-                proxy.reset_counts()
-
-            return run_source_bench(f"s3://{bucket}", {"endpoint_url": endpoint}, size_mb=args.size_mb,
-                                    hidden=args.hidden, layers=args.num_taps, procs=args.procs, epochs=args.epochs,
-                                    cold=False, partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                                    read_options=opts, counters=counters, before_ranks=warm_then_shape)["source"]
+            proxy.bucket = bucket
+            yield endpoint, proxy
     finally:
         server.stop()
+
+
+def warm_through(proxy, prefix: str, latency: float, bandwidth: float | None) -> None:
+    """Every object under ``prefix`` once through the proxy (into its memory), then the latency and cap."""
+    fs, root = storage.resolve(prefix, {"endpoint_url": proxy.url})
+    storage.cat_many(fs, [p for p in fs.find(root) if "/shards/" in p])
+    proxy.latency, proxy.bandwidth = latency, bandwidth
+    proxy.reset_counts()
+
+
+def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_bytes: int | None) -> dict:
+    bw = args.bandwidth_mb * 1e6 if args.bandwidth_mb else None
+    with emulated_s3() as (endpoint, proxy):
+        def counters():
+            return {"remote_bytes": sum(n for p, n in proxy.sent.items() if "/shards/" in p),
+                    "max_in_flight": proxy.max_in_flight}
+
+        url = f"s3://{proxy.bucket}"
+        return run_source_bench(url, {"endpoint_url": endpoint}, size_mb=args.size_mb, hidden=args.hidden,
+                                layers=args.num_taps, procs=args.procs, epochs=args.epochs, cold=False,
+                                partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                                read_options={"endpoint_url": proxy.url}, counters=counters,
+                                before_ranks=lambda: warm_through(proxy, url, latency, bw))["source"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,7 @@ from hsstore.reader import open_shared, read_manifest
 from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
-from .budget import check_cpu_memory, with_device_defaults
+from .budget import check_cpu_memory, check_gpu_memory, with_device_defaults
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .evaluate import eval_source, evaluate
 from .model import DFlashDrafter, DrafterConfig
@@ -120,6 +120,8 @@ class TrainConfig:
     cache_dir: str | None = None
     cache_bytes: int | None = None  # chunk cache cap (None: the loader's default)
     partition: str = "global"  # "node": each node keeps one share of the stores every epoch (HiddenStateDataset)
+    checkpoint_layers: bool = False  # recompute draft layers in backward (activation checkpointing): less memory
+    gpu_memory_gib: float | None = None  # GPU memory to plan for (and hold to); None: the device's
     ce_chunk: int = 1024  # query rows per lm_head + cross-entropy chunk
     ce_impl: str = "fused"  # fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy
     val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
@@ -392,8 +394,11 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if cfg.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, cfg.init)
+    drafter.checkpoint_layers = cfg.checkpoint_layers
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
         check_cpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel())
+    elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
+        cfg = check_gpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel(), device)
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
