@@ -286,7 +286,7 @@ def main():
             for ce in args.ce:
                 for ckpt in args.ckpt:
                     results.append(bench(impl, seq, args, ce, ckpt))
-                print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
+                    print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
     if not args.json:
         print(summary(results))
 
