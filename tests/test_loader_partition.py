@@ -16,23 +16,13 @@ from hsstore import merge_states
 from hsstore.distributed import node_of
 from hsstore.loader import LoaderStateError
 
-from test_loader import StatefulDataLoader, dataset, ids_of, write_store
+from test_loader import StatefulDataLoader, dataset, ids_of, samples, store_url, write_store  # noqa: F401
 from conftest import make_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
 NODES, PER_NODE, WORKERS = 2, 2, 2
-
-
-@pytest.fixture(scope="module")
-def samples():
-    return make_samples(70)
-
-
-@pytest.fixture(scope="module")
-def store_url(tmp_path_factory, samples):
-    return write_store(str(tmp_path_factory.mktemp("store")), samples)
 
 
 def node_ds(url, rank, nodes=NODES, per_node=PER_NODE, **kw):
