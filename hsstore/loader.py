@@ -9,7 +9,10 @@ How an epoch is laid out (everything below is computed from commit records alone
 2. **Entries**: the epoch's samples with per-store weights applied (weight 2 = every sample twice,
    0.5 = a seeded half chosen anew each epoch). Entry ids are the positions in this canonical list.
 3. **Global order**: a seeded permutation of units (``seed``, ``epoch``), samples inside a unit in
-   storage order. It depends on nothing else: not on ranks, not on workers.
+   storage order. It depends on nothing else: not on ranks, not on workers. With ``partition="node"``
+   each node first gets a fixed share of the units for the whole run (seed and node count only), and the
+   order is each node's share permuted anew per epoch, node after node; step 4 then cuts each node's part
+   among that node's ranks.
 4. **Slots**: the global order minus what earlier *phases* consumed (see resume) is cut into
    ``world_size`` contiguous rank ranges, and each range into ``num_workers`` contiguous slot ranges.
    ``even`` acts at the rank cut: ``"drop"`` gives every rank ``N // R`` entries (the last ``N % R`` of

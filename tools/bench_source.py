@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             out["s3 latency 0"] = s3_rows(a, 0.0, "global", None, None)
             out[f"s3 latency {a.latency:g}"] = s3_rows(a, a.latency, "global", None, None)
         if "node" in sections:
-            share = int(a.size_mb * 1.5 * (1 << 20) / a.procs) + (64 << 20)
+            share = int(a.size_mb * 1.5 * (1 << 20) / a.procs)  # 1.5x a rank's share: less than the store
             for part in ("global", "node"):
                 out[f"s3 {part} + cache"] = s3_rows(a, a.latency, part, os.path.join(tmp, f"cache-{part}"), share)
     if a.json:
