@@ -385,3 +385,107 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         if workers:
             out["workers_vs_peer"] = out["workers_gbps"] / out["peer_gbps"]
     return {"loader": out}
+
+
+def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
+                 partition: str, cache_dir: str | None, cache_bytes: int | None, start, done, results) -> None:
+    """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
+    the parent (which drops the page cache and reads the proxy's counters in between), then reads its share."""
+    import resource
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from .loader import DEFAULT_CACHE_BYTES, HiddenStateDataset
+
+    ds = HiddenStateDataset(store_url, seed=0, rank=rank, world_size=world, storage_options=storage_options,
+                            partition=partition, ranks_per_node=1 if partition == "node" else None,
+                            cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
+                            cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        start.wait()
+        ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in ds)
+        secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
+        results.put((epoch, rank, got, secs, cpu))
+        done.wait()
+
+
+def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
+                     layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
+                     cache_dir: str | None = None, cache_bytes: int | None = None, progress: bool = False,
+                     read_options: dict[str, Any] | None = None, counters=None, before_ranks=None) -> dict[str, Any]:
+    """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
+
+    Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
+    CPU-seconds per GB (user + system time of the rank processes over their bytes). Local stores are dropped from
+    the page cache before every epoch when ``cold`` (``posix_fadvise(DONTNEED)`` per file: read-once NVMe).
+    ``read_options``: how the ranks reach the store (default ``storage_options``, which wrote it), e.g. through
+    a proxy with latency and a bandwidth cap; ``counters()``, called between epochs, returns cumulative
+    ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
+    remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written."""
+    import multiprocessing as mp
+
+    fs, root = storage.resolve(url, storage_options)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    store_url = f"{url.rstrip('/')}/{run}/store"
+    manifest = bench_manifest(layers, hidden, "none")
+    try:
+        with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
+            for sid, ids, mask, hs in synthetic_samples(size_mb << 20, layers, hidden):
+                w.add(sid, ids, mask, hs)
+        store = Store(store_url, storage_options)
+        files = [storage.join(store.root, k) for c in store.commits for k in c.files]
+        nbytes = store.num_tokens * layers * hidden * 2
+        if before_ranks is not None:
+            before_ranks()
+        ctx = mp.get_context("spawn")
+        start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
+        opts = storage_options if read_options is None else read_options
+        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, cache_dir,
+                                                    cache_bytes, start, done, results)) for r in range(procs)]
+        for p in ps:
+            p.start()
+        rows = []
+        bar = _bar(epochs, f"bench source, {procs} ranks", progress, unit="epoch")
+        before = counters() if counters else {}
+        for e in range(epochs):
+            if cold and storage.is_local(fs):
+                _drop_page_cache(files)
+            start.wait(timeout=3600)
+            got = sorted(results.get(timeout=3600) for _ in ps)
+            done.wait(timeout=3600)
+            after = counters() if counters else {}
+            per = [b / s / 1e9 for _, _, b, s, _ in got]
+            total = sum(b for _, _, b, _, _ in got)
+            row = {"epoch": e, "per_rank_gbps": per, "min_rank_gbps": min(per),
+                   "total_gbps": total / max(s for _, _, _, s, _ in got) / 1e9,
+                   "cpu_s_per_gb": sum(c for *_, c in got) / (total / 1e9), "bytes": total}
+            if counters:
+                row["remote_bytes"] = after.get("remote_bytes", 0) - before.get("remote_bytes", 0)
+                row["max_in_flight"] = after.get("max_in_flight")
+            before = after
+            rows.append(row)
+            bar.update(1)
+        bar.close()
+        for p in ps:
+            p.join()
+        assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
+    finally:
+        _remove(fs, storage.join(root, run))
+    return {"source": {"url": url, "procs": procs, "cold": cold, "partition": partition, "bytes": nbytes,
+                       "hidden": hidden, "layers": layers, "cache_dir": cache_dir, "epochs": rows}}
+
+
+def format_source(r: dict[str, Any]) -> str:
+    """The source bench as a compact table, one row per epoch."""
+    lines = [f"{r['procs']} ranks at once, {r['bytes'] / 1e9:.2f} GB, {'cold' if r['cold'] else 'warm'}, "
+             f"partition {r['partition']}, {r['url']}",
+             f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
+             f"{'in flight':>9}"]
+    for e in r["epochs"]:
+        remote = f"{e['remote_bytes'] / 1e9:.3f}" if "remote_bytes" in e else "-"
+        lines.append(f"{e['epoch']:>5} {e['total_gbps']:>10.3f} {e['min_rank_gbps']:>13.3f} "
+                     f"{sum(e['per_rank_gbps']) / len(e['per_rank_gbps']):>6.3f} {e['cpu_s_per_gb']:>8.2f} "
+                     f"{remote:>9} {str(e.get('max_in_flight', '-')):>9}")
+    return "\n".join(lines)

@@ -154,9 +154,15 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_loader_bench, run_store_bench
+    from .bench import format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
+    if args.what == "source":
+        result = run_source_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps,
+                                  procs=args.procs, epochs=args.epochs, cold=args.cold, partition=args.partition,
+                                  cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, progress=not args.quiet)
+        print(json.dumps(result, indent=2) if args.json else format_source(result["source"]))
+        return 0
     layouts = args.layout.split(",")
     result: dict = {}
     for lay in layouts:  # several layouts: one after the other in this run, each against its own raw baseline
@@ -299,8 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--layers", dest="num_taps", type=int, action=Deprecated, new="--num-taps")
     q.add_argument("--codec", default="none")
     q.add_argument("--layout", default="zarr", help="zarr, wds, or both (zarr,wds: one after the other, compared)")
-    q.add_argument("--what", choices=["store", "loader", "all"], default="store",
-                   help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout")
+    q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
+                   help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
+                        "--procs ranks read one epoch after another at once (--cold: page cache dropped before "
+                        "each), GB/s per rank and CPU-seconds per GB (tools/bench_source.py: the same from S3 "
+                        "behind a proxy with latency and a bandwidth cap)")
     q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")
     q.add_argument("--read-layers", default=None, metavar="L,L",
                    help="loader: layer ids to read (default all; the bench store has layers 0..LAYERS-1)")
@@ -311,7 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--procs", type=int, default=1, metavar="N",
                    help="loader: also run N in-process loaders at once, each a rank of N on its share of the "
                         "cores (one node's GPUs): per-process and total GB/s")
-    q.add_argument("--cold", action="store_true", help="loader: drop local files from the page cache each round")
+    q.add_argument("--cold", action="store_true", help="loader, source: drop local files from the page cache each "
+                                                       "round / epoch")
+    q.add_argument("--epochs", type=int, default=2, help="source: epochs each rank reads")
+    q.add_argument("--partition", choices=["global", "node"], default="global",
+                   help="source: the ranks' plan (node: each rank as its own node, keeping one share every epoch)")
+    q.add_argument("--cache-dir", default=None, help="source: local chunk cache for remote stores (one per rank)")
+    q.add_argument("--cache-bytes", type=int, default=None, help="source: cap of each rank's cache")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
     q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")
     add_quiet_option(q)

@@ -35,3 +35,25 @@ def local_rank(rank: int, world_size: int) -> int:
     import torch
 
     return rank if world_size <= max(torch.cuda.device_count(), 1) else 0
+
+
+def node_of(rank: int, world_size: int, ranks_per_node: int | None = None, node: int | None = None,
+            ) -> tuple[int, int, int]:
+    """(node index, node count, ranks per node) of ``rank``: what a node-affine loader splits by.
+
+    Values given win, then torchrun's ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``; without them the whole
+    world is one node. Ranks must be numbered node by node (rank = node * ranks_per_node + local rank,
+    as torchrun numbers them): a node's ranks then split the node's share between themselves."""
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    ranks_per_node = int(ranks_per_node)
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(f"{ranks_per_node} ranks per node do not divide a world of {world_size} rank(s) "
+                         "(nodes with different rank counts are not supported)")
+    if node is None and "GROUP_RANK" in os.environ and ranks_per_node != world_size:
+        node = int(os.environ["GROUP_RANK"])
+    expected = rank // ranks_per_node
+    if node is not None and int(node) != expected:
+        raise ValueError(f"rank {rank} is on node {node}, but with {ranks_per_node} ranks per node it should be on "
+                         f"node {expected}: ranks must be numbered node by node (as torchrun numbers them)")
+    return expected, world_size // ranks_per_node, ranks_per_node

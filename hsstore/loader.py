@@ -9,7 +9,10 @@ How an epoch is laid out (everything below is computed from commit records alone
 2. **Entries**: the epoch's samples with per-store weights applied (weight 2 = every sample twice,
    0.5 = a seeded half chosen anew each epoch). Entry ids are the positions in this canonical list.
 3. **Global order**: a seeded permutation of units (``seed``, ``epoch``), samples inside a unit in
-   storage order. It depends on nothing else: not on ranks, not on workers.
+   storage order. It depends on nothing else: not on ranks, not on workers. With ``partition="node"``
+   each node first gets a fixed share of the units for the whole run (seed and node count only), and the
+   order is each node's share permuted anew per epoch, node after node; step 4 then cuts each node's part
+   among that node's ranks.
 4. **Slots**: the global order minus what earlier *phases* consumed (see resume) is cut into
    ``world_size`` contiguous rank ranges, and each range into ``num_workers`` contiguous slot ranges.
    ``even`` acts at the rank cut: ``"drop"`` gives every rank ``N // R`` entries (the last ``N % R`` of
@@ -52,7 +55,9 @@ Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, ite
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+import time
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,10 +71,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
-from .distributed import rank_and_world
+from .distributed import node_of, rank_and_world
 from .manifest import check_compatible
 from .memory import BufferPool, empty_host, hand_over
-from .plan import EVEN_MODES, Filters, Planner, SlotPlan, build_catalog
+from .plan import EVEN_MODES, PARTITIONS, Filters, Planner, SlotPlan, build_catalog
 from .reader import Store, open_shared, open_store
 from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
 
@@ -78,6 +83,20 @@ log = logging.getLogger(__name__)
 DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_SHUFFLE_BYTES = 1 << 30
 DEFAULT_CACHE_BYTES = 64 << 30
+DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: one H200's drafter step
+DEFAULT_READ_AHEAD_BYTES = 4 << 30  # at most this much read ahead per slot, however slow the requests
+
+
+def read_ahead_units(rate: float, request_s: float, request_bytes: float, requests_per_unit: float,
+                     concurrency: int, floor: int, cap: int) -> int:
+    """Units to keep in flight so ``rate`` bytes/s arrive when one request of ``request_bytes`` takes
+    ``request_s`` (the store's latency plus the transfer at one connection's bandwidth): Little's law, requests
+    in flight = rate x request_s / request_bytes, in units of ``requests_per_unit`` requests, plus the unit
+    being handed out. More than ``concurrency`` requests (the connections a read may use) cannot be in flight,
+    so no more units than those fill are asked for; never fewer than ``floor`` nor more than ``cap``."""
+    need = rate * max(0.0, request_s) / max(1.0, request_bytes)
+    need = min(need, float(concurrency) + requests_per_unit)
+    return int(min(cap, max(floor, math.ceil(need / max(1.0, requests_per_unit)) + 1)))
 
 
 @dataclass
@@ -89,6 +108,7 @@ class _SlotProgress:
     phase: int
     world: tuple[int, int]
     slot: int
+    nodes: int | None = None
     count: int = 0
     skipped: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
@@ -101,7 +121,7 @@ class _SlotProgress:
                 raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
             count = self.recent[-pending]
         return LoaderState(config, self.epoch, self.done, self.phase, self.world, {self.slot: count},
-                           {self.slot: self.skipped} if self.skipped else {})
+                           {self.slot: self.skipped} if self.skipped else {}, self.nodes)
 
 
 class _ReadSample(NamedTuple):
@@ -158,7 +178,12 @@ class HiddenStateDataset(IterableDataset):
                       ranks at the minimum step count.
       unit_bytes      size of one read (bytes of the requested layers), rounded to whole chunks.
       shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
-      prefetch        units read ahead, concurrently, per slot.
+      prefetch        units read ahead, concurrently, per slot (on remote stores, at least: see remote_rate).
+      remote_rate     remote stores: the read-ahead grows until ``remote_rate`` bytes/s per slot can arrive,
+                      sized from the fastest request time seen (latency + transfer at one connection's
+                      bandwidth) by ``read_ahead_units``, so a 30 ms object store gives the rate of a near one
+                      once the pipeline is full; capped by ``read_ahead_bytes`` and the connections a read may
+                      use (``HSSTORE_METADATA_CONCURRENCY``). 0: a fixed ``prefetch``.
       cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
       skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
                       and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
@@ -168,6 +193,15 @@ class HiddenStateDataset(IterableDataset):
                       ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
                       ``hsstore.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
                       manifest dtype. No effect on raw stores.
+      partition       "global" (default): every epoch is one global permutation cut into rank ranges, so a
+                      node reads a different part of the stores every epoch. "node": each node is given a
+                      fixed share of the read units for the whole run (a function of ``seed`` and the node
+                      count, not of the epoch) and shuffles within it every epoch; the node's ranks and
+                      workers split that share as in a global plan. With ``cache_dir``/``cache_bytes`` holding
+                      the node's share, epochs 2.. fetch nothing remote. Exactly once per epoch still holds
+                      over all ranks; a resume with another node count re-partitions what is left.
+      ranks_per_node  ranks per node for ``partition="node"`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else
+                      the whole world is one node); ranks are numbered node by node, as torchrun does.
       share_metadata  under torch.distributed, the first rank reads the stores' commit records and
                       broadcasts them (``hsstore.reader.open_shared``) instead of every rank reading them:
                       a collective, so every rank must build the dataset (as DDP code does). DataLoader
@@ -201,6 +235,10 @@ class HiddenStateDataset(IterableDataset):
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         final_hidden: bool = False,
         share_metadata: bool = False,
+        partition: str = "global",
+        ranks_per_node: int | None = None,
+        remote_rate: float = DEFAULT_REMOTE_RATE,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     ) -> None:
         super().__init__()
         self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
@@ -241,12 +279,23 @@ class HiddenStateDataset(IterableDataset):
         self.filters = Filters(**{**self.filters.__dict__, "where": None})  # applied; not picklable (spawn)
         self.shuffle, self.seed = bool(shuffle), int(seed)
         self.rank, self.world_size = rank_and_world(rank, world_size)
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+        self.partition = partition
+        # a global plan is one part over the whole world; nodes is None there (states carry no node count)
+        self.node, self.nodes, self.ranks_per_node = (node_of(self.rank, self.world_size, ranks_per_node)
+                                                      if partition == "node" else (0, None, self.world_size))
         self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
+        self.remote_rate, self.read_ahead_bytes = float(remote_rate), int(read_ahead_bytes)
+        unit = self.unit_tokens * self.token_bytes
+        self.max_prefetch = max(self.prefetch, self.read_ahead_bytes // max(1, unit))
         self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
         self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
         self.planner = Planner(self.catalog, self.weights, seed=self.seed, shuffle=self.shuffle, even=self.even,
                                unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=self.shuffle_bytes)
+                               shuffle_bytes=self.shuffle_bytes, partition=partition)
+        if self.nodes is not None:
+            self._log_share()
         self._epoch_box = _shared_int(0)
         self._epoch_plain = 0
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
@@ -280,6 +329,15 @@ class HiddenStateDataset(IterableDataset):
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None
 
+    def _log_share(self) -> None:
+        units, nbytes = self.planner.node_share(self.nodes, self.node)
+        log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
+                 self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
+        remote = [s for s in self.stores if not storage.is_local(s._fs())]
+        if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
+            log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
+                        "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
+
     def _resumed(self) -> LoaderState | None:
         """The loaded resume state when it is for the current epoch."""
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
@@ -289,7 +347,7 @@ class HiddenStateDataset(IterableDataset):
         if not (0 <= rank < self.world_size and 0 <= worker < num_workers):
             raise ValueError(f"no slot for rank {rank} of {self.world_size}, worker {worker} of {num_workers}")
         return self.planner.slot_plan(int(epoch), None, 0, self.world_size, num_workers,
-                                      rank * num_workers + worker)
+                                      rank * num_workers + worker, self.nodes)
 
     def planned_lengths(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
                         worker: int = 0) -> np.ndarray:
@@ -310,7 +368,7 @@ class HiddenStateDataset(IterableDataset):
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
         resume = self._resumed()
         done, phase = (resume.done, resume.phase) if resume else (None, 0)
-        return self.planner.rank_counts(self.epoch, done, phase, self.world_size)
+        return self.planner.rank_counts(self.epoch, done, phase, self.world_size, self.nodes)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
@@ -327,7 +385,7 @@ class HiddenStateDataset(IterableDataset):
         live = self._live
         if live is None or live.epoch != self.epoch:
             resume = self._resumed()
-            return (resume or LoaderState(self.planner.config, self.epoch)).to_dict()
+            return (resume or LoaderState(self.planner.config, self.epoch, nodes=self.nodes)).to_dict()
         return live.state(self.planner.config, pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -335,6 +393,8 @@ class HiddenStateDataset(IterableDataset):
         resume = LoaderState.find(state)
         diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in self.planner.config.items()
                  if resume.config.get(k) != v]
+        if resume.config.get("partition", "global") != self.partition and "partition" not in self.planner.config:
+            diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {self.partition!r}")
         if diffs:
             raise LoaderStateError("resume state was made by a differently configured dataset (state vs this): "
                                    + "; ".join(diffs))
@@ -353,8 +413,11 @@ class HiddenStateDataset(IterableDataset):
         if resume is not None:
             done, phase = resume.done, resume.phase
             if resume.world is None:
-                pass
-            elif resume.world == (R, W):
+                if resume.nodes != self.nodes:
+                    log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
+                             "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
+                             resume.nodes)
+            elif resume.world == (R, W) and resume.nodes == self.nodes:
                 if slot not in resume.counts:
                     raise LoaderStateError(
                         f"resume state has no position for rank {r} worker {w} (it covers slots "
@@ -362,13 +425,17 @@ class HiddenStateDataset(IterableDataset):
                         "or a merge of all of them")
                 count, skipped = resume.counts[slot], resume.skipped.get(slot, 0)
             else:
+                if resume.nodes != self.nodes:
+                    log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
+                             "remaining samples over the nodes (node shares, and so what local caches hold, "
+                             "change)", self.epoch, self.nodes, resume.nodes)
                 log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
                          "re-cutting the remaining samples", self.epoch, R, W, *resume.world)
                 done, phase = self.planner.fold(resume), phase + 1
-        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot)
+        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot, self.nodes)
         if count > len(plan):
             raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return _SlotProgress(self.epoch, done, phase, (R, W), slot, count, skipped), plan
+        return _SlotProgress(self.epoch, done, phase, (R, W), slot, self.nodes, count, skipped), plan
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         progress, plan = self._position()
@@ -396,6 +463,14 @@ class HiddenStateDataset(IterableDataset):
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
                 self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+
+    def remote_read(self) -> tuple[float, float] | None:
+        """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
+        from measured request times), else None."""
+        if self.remote_rate <= 0 or all(storage.is_local(s._fs()) for s in self.stores):
+            return None
+        ct, n = self.stores[0].manifest.chunk_tokens, len(self._slots)
+        return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
         return pool
 
     def _store_gone(self, store: Store) -> str | None:
@@ -514,6 +589,9 @@ class _SlotReader:
             self.order = sorted(firsts, key=firsts.__getitem__)
             self.rank_of = {g: i for i, g in enumerate(self.order)}
         self.futures: dict[int, Future] = {}
+        self.depth = ds.prefetch  # units read ahead: grows on remote stores (read_ahead_units)
+        self.remote = ds.remote_read()
+        self.request_s = math.inf  # the fastest request time seen (remote stores)
         self.next_submit = 0
         self.pool: ThreadPoolExecutor | None = None
         self.closed = False
@@ -524,11 +602,27 @@ class _SlotReader:
     def _submit_through(self, idx: int) -> None:
         if self.pool is None:
             self.ds._attach_cache()
-            self.pool = ThreadPoolExecutor(self.ds.prefetch, thread_name_prefix="hsstore-loader")
+            workers = self.ds.max_prefetch if self.remote else self.ds.prefetch
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
         while self.next_submit < len(self.order) and self.next_submit <= idx:
             g = self.order[self.next_submit]
-            self.futures[g] = self.pool.submit(self.ds.read_group, self.group_rows.pop(g))
+            rows = self.group_rows.pop(g)
+            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_group, rows)
             self.next_submit += 1
+
+    def _read(self, rows: np.ndarray):
+        """A remote group read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
+        t = time.perf_counter()
+        out = self.ds.read_group(rows)
+        took = time.perf_counter() - t
+        cat, ds = self.ds.catalog, self.ds
+        request, per_unit = self.remote
+        requests = max(1.0, float((cat.stop[rows] - cat.start[rows]).sum()) * ds.token_bytes / request)
+        rounds = math.ceil(requests / storage.metadata_concurrency())
+        self.request_s = min(self.request_s, took / rounds)
+        self.depth = read_ahead_units(ds.remote_rate, self.request_s, request, per_unit,
+                                      storage.metadata_concurrency(), ds.prefetch, ds.max_prefetch)
+        return out
 
     def __next__(self) -> dict[str, Any]:
         plan, ds, progress = self.plan, self.ds, self.progress
@@ -536,7 +630,7 @@ class _SlotReader:
             while self.pos < len(plan):
                 p = self.pos
                 g = int(plan.groups[p])
-                self._submit_through(self.rank_of[g] + ds.prefetch)
+                self._submit_through(self.rank_of[g] + self.depth)
                 sample = self.futures[g].result()[int(self.rows[p])]
                 if p == self.last_use[g]:
                     del self.futures[g]

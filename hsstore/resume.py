@@ -8,6 +8,9 @@ reads version 1 as it was first written::
 
     {"hsstore_loader": 1, "config": {...}, "epoch": 1, "done": None, "phase": 0, "world": [2, 1],
      "counts": {"0": 5}, "skipped": {}}
+
+A node-partitioned dataset (``partition="node"``) adds ``"nodes": N``, the node count of the phase (its
+config then holds ``"partition": "node"``); a state without it is a global plan's.
 """
 
 from __future__ import annotations
@@ -45,12 +48,16 @@ class LoaderState:
     world: tuple[int, int] | None = None  # (ranks, workers) of the phase; None: nothing handed out yet
     counts: dict[int, int] = field(default_factory=dict)  # slot -> entries handed out in this phase
     skipped: dict[int, int] = field(default_factory=dict)  # slot -> corrupt samples skipped
+    nodes: int | None = None  # node count of the phase (``partition="node"`` only; None: a global plan)
 
     def to_dict(self) -> dict[str, Any]:
         """The public, JSON-able form (a fresh dict: the caller may keep or change it)."""
-        return {STATE_KEY: STATE_VERSION, "config": dict(self.config), "epoch": self.epoch, "done": self.done,
-                "phase": self.phase, "world": list(self.world) if self.world is not None else None,
-                "counts": dict(self.counts), "skipped": dict(self.skipped)}
+        out = {STATE_KEY: STATE_VERSION, "config": dict(self.config), "epoch": self.epoch, "done": self.done,
+               "phase": self.phase, "world": list(self.world) if self.world is not None else None,
+               "counts": dict(self.counts), "skipped": dict(self.skipped)}
+        if self.nodes is not None:  # written only by node-partitioned plans: older readers see what they know
+            out["nodes"] = self.nodes
+        return out
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> "LoaderState":
@@ -61,7 +68,8 @@ class LoaderState:
         return cls(config=dict(state["config"]), epoch=int(state["epoch"]), done=state.get("done"),
                    phase=int(state["phase"]), world=(int(world[0]), int(world[1])) if world else None,
                    counts={int(k): int(v) for k, v in (state.get("counts") or {}).items()},
-                   skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()})
+                   skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()},
+                   nodes=int(state["nodes"]) if state.get("nodes") is not None else None)
 
     @classmethod
     def find(cls, obj: Any) -> "LoaderState":
@@ -89,7 +97,7 @@ def _merge(found: list[LoaderState]) -> LoaderState:
     live = [s for s in found if s.world is not None] or found[:1]
     base = live[0]
     for s in live[1:]:
-        for k in ("config", "epoch", "done", "phase", "world"):
+        for k in ("config", "epoch", "done", "phase", "world", "nodes"):
             if getattr(s, k) != getattr(base, k):
                 raise LoaderStateError(f"states disagree on {k!r} ({getattr(s, k)!r} vs {getattr(base, k)!r}): "
                                        "they are not from one run at one step")

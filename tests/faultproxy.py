@@ -21,6 +21,11 @@ request that has one), until ``limit`` faults are injected: ``limit / len(faults
 mode (``persistent=True``): every matching request gets a fault. ``injected`` counts faults by kind, so
 a test can assert that faults really happened. ``replay=True`` (benchmarks) answers a GET/HEAD it has seen
 before from memory, so a second run of the same reads costs the upstream nothing.
+
+An object store's shape, for benchmarks: ``latency`` delays every request (before its answer, as a round
+trip does) and ``bandwidth`` caps each connection's response rate in bytes/s (the body is paced in 64 KiB
+pieces), so throughput depends on how many requests a client keeps in flight. ``sent`` counts response
+body bytes by request path: what a client fetched remotely.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ _XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Mess
 class FaultProxy:
     def __init__(self, upstream: str, faults=ALL_FAULTS, every: int = 3, limit: int = 10, seed: int = 0,
                  persistent: bool = False, match: Callable[[str, str], bool] | None = None,
-                 delay: float = 0.05, short_on: Callable[[str], bool] | None = None, replay: bool = False) -> None:
+                 delay: float = 0.05, short_on: Callable[[str], bool] | None = None, replay: bool = False,
+                 latency: float = 0.0, bandwidth: float | None = None) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.faults = list(faults)
@@ -57,6 +63,8 @@ class FaultProxy:
         # replay: GET/HEAD answers (200/206) are kept by method, path+query and Range, and served again from memory
         # for the same request (faults still applied): the upstream's CPU leaves the measurement (benchmarks)
         self.replay, self.replayed = replay, 0
+        self.latency, self.bandwidth = float(latency), bandwidth  # every request; bytes/s per connection
+        self.sent: collections.Counter = collections.Counter()  # path -> response body bytes sent
         self._answers: dict[tuple[str, str, str], tuple[int, str, list, bytes]] = {}
         self.injected: collections.Counter = collections.Counter()
         self.events: list[tuple[str, str, str]] = []  # (method, path, fault)
@@ -82,6 +90,7 @@ class FaultProxy:
         """Forget the requests seen so far (``log``, ``requests``, ``max_in_flight``): count a phase alone."""
         with self._lock:
             self.log, self.requests, self.max_in_flight = [], 0, self.in_flight
+            self.sent = collections.Counter()
 
     @property
     def total(self) -> int:
@@ -168,8 +177,19 @@ class FaultProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data) if length is None else length))
                 self.end_headers()
-                if self.command != "HEAD":
+                if self.command == "HEAD":
+                    return
+                with proxy._lock:
+                    proxy.sent[self.path.split("?")[0]] += len(data)
+                if not proxy.bandwidth:
                     self.wfile.write(data)
+                    return
+                t0, step = time.perf_counter(), 64 << 10
+                for i in range(0, len(data), step):  # paced: this connection's share of the link
+                    self.wfile.write(data[i:i + step])
+                    ahead = t0 + (i + step) / proxy.bandwidth - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
 
             def _error(self, status: int, code: str, msg: str) -> None:
                 data = _XML.format(code=code, msg=msg).encode()
@@ -199,6 +219,8 @@ class FaultProxy:
                     return self._error(503, "SlowDown", "Please reduce your request rate.")
                 if kind == "latency":
                     time.sleep(proxy.delay)
+                if proxy.latency:
+                    time.sleep(proxy.latency)
                 key = (self.command, self.path, self.headers.get("Range", ""))
                 answer = proxy._answers.get(key) if proxy.replay and self.command in ("GET", "HEAD") else None
                 if answer is not None:

@@ -5,10 +5,14 @@ for each attention implementation x lm_head/cross-entropy implementation side by
         --impl sdpa blocks --ce full fused                                           # the 27B drafter, H200
     python -m tools.bench_attention --tiny --impl sdpa blocks --ce full fused      # CPU smoke test
     python -m tools.bench_attention --check --impl blocks flex                      # == sdpa on this device
+    python -m tools.bench_attention --published --seq 4096 --batch 4 --anchors 512 --impl blocks \
+        --ckpt off on                                       # 4 x 4096 tokens, 2,048 anchors: with/without
+                                                            # activation checkpointing of the draft layers
 
 ``--published``: the Qwen3.6-27B drafter (5 layers: 4 sliding-window 2048 + 1 full; hidden 5120, FFN 17408,
-32 heads x 128, 8 KV heads, 5 taps, vocab 248320). One sequence of ``--seq`` tokens, every position a
-response token, ``--anchors`` anchors. ``--ce``: how the lm_head + cross entropy run (objective.CE_IMPLS:
+32 heads x 128, 8 KV heads, 5 taps, vocab 248320). ``--batch`` sequences (default 1) of ``--seq`` tokens, every
+position a response token, ``--anchors`` anchors each; ``--ckpt on`` recomputes each draft layer in backward
+(``hsstore train --checkpoint-layers``), and every row prints ``train``'s GPU estimate beside the measured peak. ``--ce``: how the lm_head + cross entropy run (objective.CE_IMPLS:
 full = all logits at once, the unchunked reference; checkpoint = ``--ce-chunk`` rows at a time, recomputed
 in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward). Prints ms/step, tokens/s
 (context tokens), peak memory over the timed steps (CUDA: ``torch.cuda.max_memory_allocated`` after a reset,
@@ -33,7 +37,7 @@ import time
 import torch
 
 from hsstore.train import model as model_mod
-from hsstore.train.budget import saved_activation_bytes
+from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
@@ -125,17 +129,22 @@ def saved_bytes(model, batch, ce="fused", ce_chunk=1024) -> int:
     return n
 
 
-def bench_one(impl, seq, args, ce="fused") -> dict:
+def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors}
+    res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "batch": args.batch, "ckpt": ckpt}
     if args.chunk_rows:  # set here: a spawned process imports the model afresh
         model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
     if args.full_groups:
         model_mod.FULL_LAYER_GROUPS = args.full_groups
     try:
         model = make(impl, args, seq, device, dtype)
-        batch = make_batch(args, seq, device, dtype)
+        model.checkpoint_layers = ckpt == "on"
+        batch = make_batch(args, seq, device, dtype, B=args.batch)
+        frozen = model.embed_tokens.numel() + model.lm_head.numel()
+        res["estimate_gib"] = gpu_step_bytes(model.config, seq * args.batch, args.anchors,
+                                             model.num_trainable_parameters(), frozen, sequences=args.batch,
+                                             ce_chunk=args.ce_chunk, checkpoint_layers=ckpt == "on") / 2**30
         res["tflop_per_step"] = step_flops(model.config, batch) / 1e12
         res["saved_gib"] = saved_bytes(model, batch, ce, args.ce_chunk) / 2**30
         gc.collect()  # nothing of that measurement's graph may count in the timed steps' peak
@@ -157,7 +166,7 @@ def bench_one(impl, seq, args, ce="fused") -> dict:
     except torch.OutOfMemoryError as e:
         res["error"] = f"out of memory: {str(e).splitlines()[0]}"
         return res
-    res.update(ms_per_step=dt * 1e3, tokens_per_s=seq / dt,
+    res.update(ms_per_step=dt * 1e3, tokens_per_s=seq * args.batch / dt,
                mfu=res["tflop_per_step"] / dt / args.peak_tflops)
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -167,14 +176,15 @@ def bench_one(impl, seq, args, ce="fused") -> dict:
     return res
 
 
-def _child(impl, seq, args, ce, queue):
+def _child(impl, seq, args, ce, ckpt, queue):
     try:
-        queue.put(bench_one(impl, seq, args, ce))
+        queue.put(bench_one(impl, seq, args, ce, ckpt))
     except Exception as e:  # noqa: BLE001 -- reported in the parent's table
-        queue.put({"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "error": f"{type(e).__name__}: {e}"})
+        queue.put({"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "ckpt": ckpt,
+                   "error": f"{type(e).__name__}: {e}"})
 
 
-def bench(impl, seq, args, ce="fused") -> dict:
+def bench(impl, seq, args, ce="fused", ckpt="off") -> dict:
     """In a fresh process: its peak (RSS on CPU, allocated memory on CUDA) is this case's alone (on the H200, cases
     run one after another in one process read 18-24 GiB higher each, whatever held the earlier cases' memory)."""
     # glibc keeps freed blocks below its (growing) mmap threshold for reuse, so the RSS would keep the peak of
@@ -183,21 +193,24 @@ def bench(impl, seq, args, ce="fused") -> dict:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(impl, seq, args, ce, queue))
+    proc = ctx.Process(target=_child, args=(impl, seq, args, ce, ckpt, queue))
     proc.start()
     res = queue.get()  # before join: a large result must not block the child's exit
     proc.join()
     return res if proc.exitcode == 0 else {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors,
-                                           "error": f"exit code {proc.exitcode}"}
+                                           "ckpt": ckpt, "error": f"exit code {proc.exitcode}"}
 
 
 def show(r: dict) -> str:
-    head = f"{r['impl']:6s} ce={r.get('ce', 'fused'):10s} T={r['seq']:6d} A={r['anchors']}"
+    head = (f"{r['impl']:6s} ce={r.get('ce', 'fused'):10s} T={r['seq']:6d}x{r.get('batch', 1)} A={r['anchors']} "
+            f"ckpt={r.get('ckpt', 'off')}")
     if "error" in r:
         return f"{head}: {r['error']}"
     mem = (f"peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r
            else f"peak RSS {r['peak_rss_gib']:.2f} GiB (step {1024 * r['step_rss_gib']:.0f} MiB)")
     mem += f", kept for backward {1024 * r['saved_gib']:.0f} MiB"
+    if "estimate_gib" in r:
+        mem += f", train's estimate {r['estimate_gib']:.1f} GiB"
     return (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
             f"{r['tflop_per_step']:.2f} TFLOP/step  MFU {100 * r['mfu']:.1f}%")
 
@@ -231,8 +244,11 @@ def main():
     ap.add_argument("--ce", nargs="+", default=["fused"], choices=CE_IMPLS,
                     help="lm_head + cross entropy: full (all logits at once), checkpoint, fused (the default)")
     ap.add_argument("--ce-chunk", type=int, default=1024, help="query rows per lm_head chunk (checkpoint, fused)")
-    ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="sequence lengths (one sequence per step)")
-    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="sequence lengths (--batch sequences per step)")
+    ap.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (each --seq long)")
+    ap.add_argument("--ckpt", nargs="+", default=["off"], choices=["off", "on"],
+                    help="activation checkpointing of draft layers (train --checkpoint-layers); 'off on' compares")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--window", type=int, default=0, help="sliding window of the layers (0: full attention)")
@@ -268,8 +284,9 @@ def main():
     for seq in args.seq:
         for impl in args.impl:
             for ce in args.ce:
-                results.append(bench(impl, seq, args, ce))
-                print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
+                for ckpt in args.ckpt:
+                    results.append(bench(impl, seq, args, ce, ckpt))
+                    print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
     if not args.json:
         print(summary(results))
 
@@ -282,7 +299,7 @@ def summary(results) -> str:
         if len(rs) < 2:
             continue
         base, key = rs[0], "peak_gib" if "peak_gib" in rs[0] else "step_rss_gib"
-        name = lambda r: f"{r['impl']}/{r['ce']}"  # noqa: E731
+        name = lambda r: f"{r['impl']}/{r['ce']}/ckpt-{r.get('ckpt', 'off')}"  # noqa: E731
         lines.append(f"T={seq}, against {name(base)}: " + ", ".join(
             f"{name(r)} {base['ms_per_step'] / r['ms_per_step']:.2f}x speed, "
             f"{1024 * (r[key] - base[key]):+.0f} MiB peak" for r in rs[1:]))

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from hsstore.bench import _drop_page_cache
 from hsstore.train.data import StoreBatches, add_anchors, read_ahead
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
@@ -48,13 +49,13 @@ TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, ta
             max_tokens=1024, anchors=32, steps=4, warmup=1, rounds=2)
 
 
-def write_store(path: Path, args, device) -> None:
+def write_store(path, args, device, storage_options=None) -> None:
     """``--samples`` samples of ``--seq`` tokens, random N(0, 1) bf16 features (made on ``device``: fast)."""
     manifest = Manifest(
         target=TargetIdentity(name="bench", num_layers=args.taps + 3, hidden_size=args.hidden, config_hash="bench"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"), layers=tuple(range(args.taps)))
     g = torch.Generator(device=device).manual_seed(0)
-    with StoreWriter(str(path), manifest) as w:
+    with StoreWriter(str(path), manifest, storage_options=storage_options) as w:
         for i in range(args.samples):
             hs = torch.randn(args.seq, args.taps, args.hidden, generator=g, device=device).to(torch.bfloat16).cpu()
             ids = torch.randint(0, args.vocab - 1, (args.seq,), generator=g, device=device).cpu()
@@ -80,13 +81,7 @@ def write_target_assets(path: Path, args) -> None:
 
 
 def drop_page_cache(root: Path) -> None:
-    for f in root.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    _drop_page_cache([str(f) for f in root.rglob("*") if f.is_file()])
 
 
 def build(args, device):
@@ -145,6 +140,12 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--attn", choices=ATTN_IMPLS, default="blocks")
     ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
+    ap.add_argument("--s3", action="store_true",
+                    help="read the store from S3 emulated on loopback: moto behind the fault proxy (replaying from "
+                         "memory) with --s3-latency per request and --s3-bandwidth-mb per connection")
+    ap.add_argument("--s3-latency", type=float, default=0.03)
+    ap.add_argument("--s3-bandwidth-mb", type=float, default=100.0, help="MB/s per connection (0: no cap)")
+    ap.add_argument("--checkpoint-layers", action="store_true", help="recompute draft layers in backward")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--loader-only", action="store_true",
@@ -169,6 +170,16 @@ def main() -> None:
     store = Path(args.dir) / f"bench-train-{key}"
     if args.loader_only:
         return loader_only(args, store, device)
+    if args.s3:
+        from tools.bench_source import emulated_s3, warm_through
+
+        with emulated_s3() as (endpoint, proxy):
+            url = f"s3://{proxy.bucket}/store"
+            t = time.perf_counter()
+            write_store(url, args, device, {"endpoint_url": endpoint})
+            print(f"wrote {url} (moto) in {time.perf_counter() - t:.1f}s", flush=True)
+            warm_through(proxy, url, args.s3_latency, args.s3_bandwidth_mb * 1e6 or None)
+            return run(args, device, url, {"endpoint_url": proxy.url}, proxy)
     if not (store / "manifest.json").exists():
         shutil.rmtree(store, ignore_errors=True)
         t = time.perf_counter()
@@ -178,12 +189,21 @@ def main() -> None:
         write_target_assets(store, args)
         print(store)
         return
+    run(args, device, str(store), None, None)
+    if not args.keep_store:
+        shutil.rmtree(store, ignore_errors=True)
 
+
+def run(args, device, store_url: str, storage_options, proxy) -> None:
+    """Loader-fed vs resident steps (the module doc); ``proxy``: the emulated S3's, for its byte counts."""
+    per_step = args.steps + args.warmup
     model, drafter, opt, sched = build(args, device)
+    drafter.checkpoint_layers = args.checkpoint_layers
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gamma = default_gamma(args.block)
-    source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0, rank=0,
-                          world_size=1, workers=args.workers, pin_memory=device.type == "cuda")
+    source = StoreBatches([store_url], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0, rank=0,
+                          world_size=1, workers=args.workers, pin_memory=device.type == "cuda",
+                          storage_options=storage_options)
 
     def stream(epoch):
         source.set_epoch(epoch)
@@ -208,8 +228,8 @@ def main() -> None:
 
     loader_t, resident_t = [], []
     for r in range(args.rounds):
-        if args.cold:
-            drop_page_cache(store)
+        if args.cold and proxy is None:
+            drop_page_cache(Path(store_url))
         s = stream(r)
         loader_t.append(timed(s))
         s.close()
@@ -225,7 +245,12 @@ def main() -> None:
         "loader_tokens_per_s": tokens / lo, "resident_tokens_per_s": tokens / re_,
         "loader_gbps": tokens * args.taps * args.hidden * 2 / lo / 1e9,
         "rounds_loader_ms": [x * 1e3 for x in loader_t], "rounds_resident_ms": [x * 1e3 for x in resident_t],
+        "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if proxy is not None else "local",
     }
+    if proxy is not None:
+        result.update(s3_latency=args.s3_latency, s3_bandwidth_mb=args.s3_bandwidth_mb,
+                      remote_bytes=sum(n for p, n in proxy.sent.items() if "/shards/" in p),
+                      max_in_flight=proxy.max_in_flight)
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if args.json:
@@ -237,8 +262,6 @@ def main() -> None:
               f"({result['loader_gbps']:.2f} GB/s of features)")
         print(f"  resident   : {re_ * 1e3:8.1f} ms/step  {tokens / re_:10,.0f} tokens/s")
         print(f"  ratio (resident / loader-fed step time): {re_ / lo:.3f}  (>= 0.97: the loader is not the bottleneck)")
-    if not args.keep_store:
-        shutil.rmtree(store, ignore_errors=True)
 
 
 def loader_only(args, store: Path, device: torch.device) -> None:

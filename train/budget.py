@@ -97,3 +97,93 @@ def saved_activation_bytes(fn, exclude=()) -> tuple[int, object]:
         out = fn()
     return sum(seen.values()), out
 
+
+
+# bytes kept per query row and draft layer beyond the formula's tensors (autocast copies, attention and
+# backward temporaries): 1.11 puts the published drafter at 16,384 tokens x 512 anchors on its measured
+# 42.8 GiB on the H200 (2026-12-01); tools/bench_attention.py prints this estimate beside each measured peak
+GPU_ROW_SLACK = 1.11
+MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
+
+
+def gpu_step_bytes(dcfg, max_tokens: int, anchors: int, trainable_params: int, frozen_params: int, *,
+                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool = False) -> int:
+    """Estimated CUDA peak of one training step under bf16 autocast, in bytes (see ``fit_gpu_step``).
+
+    fp32 weights, gradients and AdamW moments (16 B per trainable parameter), the bf16 frozen embedding and
+    head; the batch's features, context and each layer's context keys/values; per query row (sequences x
+    anchors x block, at most tokens x block) and draft layer the bf16 activations kept for backward (input,
+    norms, q/k/v/attention out, o_proj, residual, gate/up/act/product, down); with ``checkpoint_layers`` only
+    each layer's input is kept, plus one layer's activations while it is recomputed; one fp32 logits chunk of
+    the cross entropy and its gradient. ``sequences``: sequences per batch at most (default: tokens /
+    ``ASSUMED_MIN_SEQUENCE``)."""
+    H, I, L, S = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers, dcfg.block_size
+    q_w, kv_w = dcfg.num_heads * dcfg.head_dim, dcfg.num_kv_heads * dcfg.head_dim
+    T = int(max_tokens)
+    seqs = sequences if sequences is not None else max(1, -(-T // ASSUMED_MIN_SEQUENCE))
+    rows = min(int(anchors) * seqs, T) * S
+    fixed = 16 * trainable_params + 2 * frozen_params
+    data = T * (2 * len(dcfg.target_layers) * H + 6 * H) + L * T * 2 * kv_w * 2
+    per_row_layer = GPU_ROW_SLACK * 2 * (6 * H + 3 * I + 2 * q_w + 2 * kv_w)
+    kept = rows * (L * 2 * H + per_row_layer) if checkpoint_layers else rows * L * per_row_layer
+    ce = 3 * 4 * int(ce_chunk) * dcfg.vocab_size
+    return int(fixed + data + kept + ce)
+
+
+def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
+                 sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool = False,
+                 ) -> tuple[int, int]:
+    """(anchors, estimated bytes) of a step that fits in ``have`` bytes of GPU memory: ``anchors`` as asked when
+    it fits, else halved until it does (a warning says so and what would keep them), else ValueError (one
+    line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in."""
+    def need(a: int, ckpt: bool) -> int:
+        return gpu_step_bytes(dcfg, max_tokens, a, trainable_params, frozen_params, sequences=sequences,
+                              ce_chunk=ce_chunk, checkpoint_layers=ckpt)
+
+    est = need(anchors, checkpoint_layers)
+    if est <= have:
+        return int(anchors), est
+    hint = ("" if checkpoint_layers else f"; --checkpoint-layers would need {need(anchors, True) / 2**30:.1f} GiB "
+            f"with all {anchors}")
+    a = int(anchors)
+    while a > MIN_ANCHORS:
+        a = max(MIN_ANCHORS, a // 2)
+        if need(a, checkpoint_layers) <= have:
+            import warnings
+
+            msg = (f"a step of {max_tokens:,} tokens with {anchors} anchors per sequence needs about "
+                   f"{est / 2**30:.1f} GiB of the GPU's {have / 2**30:.1f} GiB: lowering anchors to {a} per "
+                   f"sequence ({need(a, checkpoint_layers) / 2**30:.1f} GiB){hint}")
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            return a, need(a, checkpoint_layers)
+    raise ValueError(f"a step of {max_tokens:,} tokens with {anchors} anchors per sequence needs about "
+                     f"{est / 2**30:.1f} GiB of the GPU's {have / 2**30:.1f} GiB, and {MIN_ANCHORS} anchors still "
+                     f"do not fit: lower --token-budget{'' if checkpoint_layers else ' or add --checkpoint-layers'}")
+
+
+GPU_USABLE = 0.93  # of the device's memory: the CUDA context, cuBLAS workspaces and the allocator's fragmentation
+
+
+def check_gpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int, device: torch.device):
+    """``cfg`` with anchors that fit the GPU (``fit_gpu_step``; logged when lowered), or ValueError.
+
+    ``cfg.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to it
+    (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
+    import logging
+    import warnings
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = total if cfg.gpu_memory_gib is None else min(total, int(cfg.gpu_memory_gib * 2**30))
+    if limit < total:
+        torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        anchors, need = fit_gpu_step(dcfg, cfg.max_tokens, cfg.anchors, trainable_params, frozen_params,
+                                     have=int(limit * GPU_USABLE), ce_chunk=cfg.ce_chunk,
+                                     checkpoint_layers=cfg.checkpoint_layers)
+    log = logging.getLogger("hsstore.train")
+    for w in caught:
+        log.warning("%s", w.message)
+    log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence%s)", need / 2**30,
+             limit * GPU_USABLE / 2**30, anchors, ", draft layers recomputed in backward" if cfg.checkpoint_layers else "")
+    return cfg if anchors == cfg.anchors else dataclasses.replace(cfg, anchors=anchors)

@@ -82,6 +82,18 @@ def register(subparsers) -> None:
     t.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
     t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
+    t.add_argument("--cache-bytes", type=int, default=None, metavar="N",
+                   help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
+    t.add_argument("--partition", choices=["global", "node"], default="global",
+                   help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
+                        "GROUP_RANK, LOCAL_WORLD_SIZE) reads one fixed share every epoch, shuffled within, so a "
+                        "--cache-dir that holds the share serves epochs 2.. without remote reads")
+    t.add_argument("--checkpoint-layers", action="store_true",
+                   help="recompute each draft layer in backward instead of keeping its activations (about a third "
+                        "more layer compute, a fraction of the memory: the published recipe on an 80 GB GPU)")
+    t.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+                   help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 on a larger "
+                        "GPU to check a recipe for an 80 GB one")
     t = parser.add_argument_group("output")
     t.add_argument("--log-every", type=int, default=10, help="steps between metrics.jsonl rows")
     t.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (Ctrl-C also saves one)")
@@ -185,6 +197,8 @@ def run_train(args: argparse.Namespace) -> int:
         log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
         prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
         log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
+        partition=args.partition, checkpoint_layers=args.checkpoint_layers, gpu_memory_gib=args.gpu_memory_gib,
+        cache_bytes=None if args.cache_bytes is None else int(args.cache_bytes),
         val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option),
         report_to=args.report_to)
     result = train(cfg, settings=settings(args))

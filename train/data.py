@@ -88,9 +88,12 @@ class StoreBatches:
 
     def __init__(self, urls: Sequence[str | hsstore.Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
                  world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
-                 storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False):
+                 storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False,
+                 partition: str = "global", cache_bytes: int | None = None):
+        extra = {} if cache_bytes is None else {"cache_bytes": int(cache_bytes)}
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
                                           world_size=world_size, weights=weights, storage_options=storage_options,
+                                          partition=partition, **extra,  # node: ranks per node from torchrun
                                           cache_dir=cache_dir,  # items are copied into batches: pin those
                                           share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from hsstore.taps import default_taps
@@ -505,6 +506,9 @@ class DFlashDrafter(nn.Module):
             if tuple(w.shape) != (c.vocab_size, c.hidden_size):
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, expected ({c.vocab_size}, {c.hidden_size})")
         self.config = c
+        # a training setting, not the model's: recompute each draft layer in backward instead of keeping its
+        # activations (torch.utils.checkpoint); only each layer's input stays (trainer --checkpoint-layers)
+        self.checkpoint_layers = False
         self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
@@ -574,7 +578,10 @@ class DFlashDrafter(nn.Module):
                     masks[w] = _flex_block_mask(anchors, valid, S, w, c.sliding_causal)
                 else:
                     masks[w] = block_attention_mask(anchors, valid, S, w, c.sliding_causal)
-            x = layer(x, ctx, rope_blk, rope_ctx, masks[w])
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, masks[w], use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_blk, rope_ctx, masks[w])
         return self.norm(x).view(B, A, S, -1)
 
     def forward(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:

@@ -62,7 +62,7 @@ from hsstore.taps import text_config
 
 from . import checkpoint as ckpt
 from . import tracking
-from .budget import check_cpu_memory, with_device_defaults
+from .budget import check_cpu_memory, check_gpu_memory, with_device_defaults
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .evaluate import eval_source, evaluate
 from .model import DFlashDrafter, DrafterConfig
@@ -120,6 +120,10 @@ class TrainConfig:
     weights: list[float] | None = None  # per store (see HiddenStateDataset)
     storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
+    cache_bytes: int | None = None  # chunk cache cap (None: the loader's default)
+    partition: str = "global"  # "node": each node keeps one share of the stores every epoch (HiddenStateDataset)
+    checkpoint_layers: bool = False  # recompute draft layers in backward (activation checkpointing): less memory
+    gpu_memory_gib: float | None = None  # GPU memory to plan for (and hold to); None: the device's
     ce_chunk: int = 1024  # query rows per lm_head + cross-entropy chunk
     ce_impl: str = "fused"  # fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy
     val_stores: list[str] | None = None  # teacher-forced evaluation (evaluate.py) during and after training
@@ -417,8 +421,11 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     if cfg.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, cfg.init)
+    drafter.checkpoint_layers = cfg.checkpoint_layers
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
         check_cpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel())
+    elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
+        cfg = check_gpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel(), device)
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
@@ -430,7 +437,8 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
         source = StoreBatches(stores, layers=dcfg.target_layers, max_tokens=cfg.max_tokens, seed=cfg.seed,
                               rank=rank, world_size=world, workers=cfg.workers, weights=cfg.weights,
                               storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
-                              pin_memory=device.type == "cuda")
+                              pin_memory=device.type == "cuda", partition=cfg.partition,
+                              cache_bytes=cfg.cache_bytes)
     total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
     sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
     config_json = {**dataclasses.asdict(cfg), "storage_options": None}  # may hold secrets: not saved

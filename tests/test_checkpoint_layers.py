@@ -1,0 +1,79 @@
+"""Activation checkpointing of draft layers (issue #28: the published recipe on an 80 GB GPU): the same loss and
+gradients, bit for bit, with fewer bytes kept for backward; and the GPU budget that decides before step 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hsstore.train.budget import fit_gpu_step, gpu_step_bytes, saved_activation_bytes
+from hsstore.train.model import DFlashDrafter, DrafterConfig
+from hsstore.train.objective import batch_anchors, dflash_loss
+
+H, V, L = 32, 97, 3
+
+
+def tiny(impl="blocks"):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, vocab_size=V, target_layers=[1, 2, 3], mask_token_id=V - 1,
+                        num_heads=4, num_kv_heads=2, head_dim=8, num_layers=3, block_size=4,
+                        sliding_window=[8, 8, None], max_position=4096, attn_impl=impl)
+    return DFlashDrafter(cfg, torch.randn(V, H), torch.randn(V, H))
+
+
+def batch(T=96, B=2, A=12):
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    return dict(input_ids=torch.randint(0, V - 1, (B, T), generator=g), loss_mask=mask,
+                hidden_states=torch.randn(B, T, L, H, generator=g),
+                anchors=batch_anchors(mask, A, torch.Generator().manual_seed(4)))
+
+
+@pytest.mark.parametrize("impl", ["blocks", "sdpa"])
+def test_checkpointed_layers_give_the_same_loss_and_gradients(impl):
+    model, b = tiny(impl), batch()
+    out = []
+    for on in (False, True):
+        model.checkpoint_layers = on
+        model.zero_grad(set_to_none=True)
+        loss, _ = dflash_loss(model, b, gamma=4.0)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = out
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+
+
+def test_checkpointed_layers_keep_less_for_backward():
+    model, b = tiny(), batch()
+
+    def kept():
+        n, out = saved_activation_bytes(lambda: dflash_loss(model, b, gamma=4.0),
+                                        exclude=[*model.parameters(), *model.buffers()])
+        return n
+
+    full = kept()
+    model.checkpoint_layers = True
+    ckpt = kept()
+    # what checkpointing still holds outside autograd's saved tensors: each layer's input and the shared context
+    B, T = b["input_ids"].shape
+    inputs = model.config.num_layers * B * 12 * 4 * H * 4 + B * T * H * 4
+    assert ckpt + inputs < full / 2, (ckpt, inputs, full)
+
+
+def test_gpu_budget_refuses_or_lowers_anchors_and_says_so():
+    cfg = DrafterConfig(hidden_size=5120, intermediate_size=17408, vocab_size=248320, target_layers=[1, 16, 31, 46, 61],
+                        mask_token_id=0, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=5, block_size=16,
+                        sliding_window=[2048] * 4 + [None])
+    params, frozen = 1_250_000_000, 2 * 248320 * 5120
+    big = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4)
+    small = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers=True)
+    assert small < big
+    # fits as asked: unchanged
+    assert fit_gpu_step(cfg, 16384, 512, params, frozen, have=big * 2, sequences=4) == (512, big)
+    # too big: anchors halved until it fits, with the reason and the way out in the message
+    with pytest.warns(UserWarning, match="anchors"):
+        anchors, need = fit_gpu_step(cfg, 16384, 512, params, frozen, have=(big + small) // 2, sequences=4)
+    assert anchors < 512 and need <= (big + small) // 2
+    with pytest.raises(ValueError, match="--checkpoint-layers"):
+        fit_gpu_step(cfg, 16384, 512, params, frozen, have=16 * params, sequences=4)

@@ -1,0 +1,66 @@
+"""Throughput at the source (issue #28): the remote read-ahead sized from bandwidth x latency, and
+``hsstore bench --what source`` (N ranks at once, local cold or an S3 endpoint behind the delaying proxy)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import s3fs
+
+from hsstore.loader import read_ahead_units
+
+from conftest import make_samples
+from test_loader import dataset, ids_of, write_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def test_read_ahead_units_is_littles_law():
+    # 2.5 GB/s of 16 MB requests that take 0.19 s (30 ms + 16 MB at 100 MB/s): 30 requests in flight, 20 a unit
+    assert read_ahead_units(2.5e9, 0.19, 16e6, 20, 64, 1, 64) == 3
+    # latency alone needs more in flight the longer it is; never beyond what the connections carry, nor the cap
+    a, b = read_ahead_units(1e9, 0.01, 1e6, 4, 64, 1, 64), read_ahead_units(1e9, 0.03, 1e6, 4, 64, 1, 64)
+    assert a == 4 and b == 9
+    assert read_ahead_units(1e9, 10.0, 1e6, 4, 64, 1, 64) == 18  # (64 + 4) / 4 + 1: the connections' limit
+    assert read_ahead_units(1e9, 10.0, 1e6, 4, 64, 1, 6) == 6
+    assert read_ahead_units(1e9, 0.0, 1e6, 4, 64, 2, 64) == 2  # the floor (prefetch)
+
+
+def test_remote_read_ahead_grows_with_latency(s3_endpoint, tmp_path):
+    """Behind a 50 ms proxy every request takes >= 50 ms, so the read-ahead must grow past ``prefetch`` to keep
+    the rate; the order and the items are those of a fixed read-ahead."""
+    from faultproxy import FaultProxy
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"hs-ra-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir(bucket)
+    url = f"s3://{bucket}/stores/a"
+    write_store(url, make_samples(24, max_len=120), shard_tokens=1000, storage_options={"endpoint_url": s3_endpoint})
+    with FaultProxy(s3_endpoint, faults=[], limit=0, latency=0.05) as proxy:
+        s3fs.S3FileSystem.clear_instance_cache()
+        opts = {"endpoint_url": proxy.url}
+        ds = dataset(url, storage_options=opts, prefetch=2)
+        it = iter(ds)
+        got = [next(it)["sample_id"] for _ in range(4)]
+        depth = it.depth
+        got += ids_of(it)
+        fixed = ids_of(dataset(url, storage_options=opts, prefetch=2, remote_rate=0))
+    s3fs.S3FileSystem.clear_instance_cache()
+    # request bytes: 64 tokens x 96 B; 2 chunks x 3 layers a unit; >= 0.05 s each -> the connections' limit
+    assert depth == read_ahead_units(2.5e9, 0.05, 64 * 96, 6, 64, 2, ds.max_prefetch) > 2
+    assert got == fixed
+
+
+def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
+    from hsstore.cli import main
+
+    assert main(["bench", str(tmp_path), "--what", "source", "--procs", "2", "--size-mb", "2", "--hidden", "64",
+                 "--num-taps", "2", "--epochs", "2", "--cold", "--json", "--quiet"]) == 0
+    import json
+
+    r = json.loads(capsys.readouterr().out)["source"]
+    assert r["procs"] == 2 and [e["epoch"] for e in r["epochs"]] == [0, 1]
+    for e in r["epochs"]:
+        assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch store is removed

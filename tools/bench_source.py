@@ -1,0 +1,123 @@
+"""Feeding N ranks at once from the source (issue #28): local files cold, and S3 emulated by moto behind the
+fault proxy with a per-request latency and a bandwidth cap per connection, side by side in one run.
+
+Rows (``hsstore.bench.run_source_bench``, one per epoch): GB/s in all and per rank, CPU-seconds per GB of the
+rank processes, bytes fetched remotely per epoch and the most requests in flight (counted by the proxy).
+The proxy answers repeated reads from memory (``replay``; the store is read through it once before), so moto's
+CPU stays out of the timed epochs; the proxy's own threads share the machine with the ranks, so compare rows of
+one run (latency 0 vs ``--latency``: the read-ahead should give the same rate once the pipeline is full).
+
+    python -m tools.bench_source --procs 4 --size-mb 2048 --latency 0.03 --bandwidth-mb 100
+    python -m tools.bench_source --procs 2 --size-mb 64 --hidden 512 --latency 0.03   # CPU smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import uuid
+
+from hsstore import storage
+from hsstore.bench import format_source, run_source_bench
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
+    """(endpoint moto serves on, proxy in front of it): a fresh bucket name comes with it. The proxy replays
+    repeated reads from memory; ``proxy.latency`` / ``proxy.bandwidth`` give it an object store's shape."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from faultproxy import FaultProxy
+    from moto.server import ThreadedMotoServer
+    import s3fs
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(endpoint_url=endpoint).mkdir(bucket)
+        with FaultProxy(endpoint, faults=[], limit=0, replay=True) as proxy:
+            proxy.bucket = bucket
+            yield endpoint, proxy
+    finally:
+        server.stop()
+
+
+def warm_through(proxy, prefix: str, latency: float, bandwidth: float | None) -> None:
+    """Every object under ``prefix`` once through the proxy (into its memory), then the latency and cap."""
+    fs, root = storage.resolve(prefix, {"endpoint_url": proxy.url})
+    storage.cat_many(fs, [p for p in fs.find(root) if "/shards/" in p])
+    proxy.latency, proxy.bandwidth = latency, bandwidth
+    proxy.reset_counts()
+
+
+def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_bytes: int | None) -> dict:
+    bw = args.bandwidth_mb * 1e6 if args.bandwidth_mb else None
+    with emulated_s3() as (endpoint, proxy):
+        def counters():
+            return {"remote_bytes": sum(n for p, n in proxy.sent.items() if "/shards/" in p),
+                    "max_in_flight": proxy.max_in_flight}
+
+        url = f"s3://{proxy.bucket}"
+        return run_source_bench(url, {"endpoint_url": endpoint}, size_mb=args.size_mb, hidden=args.hidden,
+                                layers=args.num_taps, procs=args.procs, epochs=args.epochs, cold=False,
+                                partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                                read_options={"endpoint_url": proxy.url}, counters=counters,
+                                before_ranks=lambda: warm_through(proxy, url, latency, bw))["source"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--procs", type=int, default=4, help="ranks at once")
+    ap.add_argument("--size-mb", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--num-taps", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--latency", type=float, default=0.03, help="seconds added to every S3 request")
+    ap.add_argument("--bandwidth-mb", type=float, default=100.0, help="MB/s per connection (0: no cap)")
+    ap.add_argument("--scratch", default=None, help="local directory for the cold rows (default: a temp dir)")
+    ap.add_argument("--sections", default="local,s3,node", help="local (cold files), s3 (0 and --latency), "
+                    "node (S3 + --partition node with a per-rank cache: remote bytes per epoch)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    sections = a.sections.split(",")
+    out = {}
+    with tempfile.TemporaryDirectory(dir=a.scratch) as tmp:
+        if "local" in sections:
+            out["local cold"] = run_source_bench(tmp, {}, size_mb=a.size_mb, hidden=a.hidden, layers=a.num_taps,
+                                                 procs=a.procs, epochs=a.epochs, cold=True)["source"]
+        if "s3" in sections:
+            out["s3 latency 0"] = s3_rows(a, 0.0, "global", None, None)
+            out[f"s3 latency {a.latency:g}"] = s3_rows(a, a.latency, "global", None, None)
+        if "node" in sections:
+            share = int(a.size_mb * 1.5 * (1 << 20) / a.procs)  # 1.5x a rank's share: less than the store
+            for part in ("global", "node"):
+                out[f"s3 {part} + cache"] = s3_rows(a, a.latency, part, os.path.join(tmp, f"cache-{part}"), share)
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for name, r in out.items():
+            print(f"== {name}")
+            print(format_source(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
