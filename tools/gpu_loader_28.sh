@@ -10,8 +10,10 @@ S=${1:-/tmp/hs28}
 R=$S/results
 mkdir -p "$S" "$R"
 T=${T:-180}
+ONLY=${ONLY:-}  # names of the rows to run (default: all), e.g. ONLY="source_cold ckpt_1x16384"
 run() {  # name, command...: JSON (last line block) to $R/name.json, log to $R/name.log
     local name=$1; shift
+    [[ -z $ONLY || " $ONLY " == *" $name "* ]] || return 0
     echo "== $name: $*" >&2
     timeout "$T" "$@" >"$R/$name.json" 2>"$R/$name.log" || echo "   (exit $?; see $R/$name.log)" >&2
 }
@@ -38,7 +40,7 @@ run fed_s3 python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5
     --anchors 512 --s3 --s3-latency 0.03 --s3-bandwidth-mb 100 --rounds 1 --steps 3 --warmup 1 --json
 # 6. hsstore train planning for an 80 GB GPU (and held to it): without checkpointing it lowers anchors, saying
 #    so; with --checkpoint-layers it keeps 512
-STORE=$(timeout "$T" python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --samples 24 --steps 1 --warmup 1 --store-only \
+STORE=; [[ -z $ONLY || " $ONLY " == *" train80 "* ]] && STORE=$(timeout "$T" python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --samples 24 --steps 1 --warmup 1 --store-only \
     2>>"$R/store.log" | tail -1)
 for ck in "" "--checkpoint-layers"; do
     name=train80${ck:+_ckpt}
