@@ -46,7 +46,7 @@ for ck in "" "--checkpoint-layers"; do
     name=train80${ck:+_ckpt}
     rm -rf "$S/$name"
     run "$name" hsstore train --store "$STORE" --out "$S/$name" --steps 3 --device cuda --gpu-memory-gib 80 \
-        --token-budget 16384 --anchors 512 $ck --save-every 1000 --quiet --json
+        --token-budget 16384 --anchors 512 $ck --mask-token-id 0 --save-every 1000 --quiet --json
 done
 
 python - "$R" <<'EOF'
