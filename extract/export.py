@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from hsstore.reader import Store
+from hsstore.redaction import recordable_url
 
 from . import peer_layers
 
@@ -58,7 +59,7 @@ def _out_dir(out: str) -> Path:
 
 def _sidecar(out: Path, fmt: str, store: Store, layout: str, ids: list[str], extra: dict) -> None:
     m = store.manifest
-    doc = {"format": fmt, "layout": layout, "store": store.url, "layers": list(m.layers),
+    doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(m.layers),
            "features": list(m.features), "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
            "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
     (out / SIDECAR).write_text(json.dumps(doc, indent=1))

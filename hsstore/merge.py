@@ -23,6 +23,7 @@ from . import commit, index, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import check_compatible
 from .reader import Store
+from .redaction import recordable_url
 from .subset import copy_assets_if_missing
 from .writer import ensure_manifest
 
@@ -150,7 +151,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
                     bar.update(n)
                 else:
                     _, _, where = src.shard_location(rec.shard)
-                    record = dataclasses.replace(rec, location=commit.relative_location(dst_url, where))
+                    record = dataclasses.replace(rec, location=recordable_url(commit.relative_location(dst_url, where)))
                     appender.add(record, commit.publish(fs, root, record))
                     bar.update(1)
                 result.shards += 1

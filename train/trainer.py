@@ -56,6 +56,7 @@ import hsstore
 from hsstore import assets, codec, fp8, storage
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.manifest import check_compatible
+from hsstore.redaction import recordable_url
 from hsstore.reader import open_shared, read_manifest
 from hsstore.taps import text_config
 
@@ -406,7 +407,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
                               pin_memory=device.type == "cuda")
     total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
     sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
-    config_json = {**dataclasses.asdict(cfg), "storage_options": None}  # may hold secrets: not saved
+    config_json = recordable_config(cfg)
     extra = {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
              "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
 
@@ -642,10 +643,20 @@ class Checkpointer:
             dist.barrier()
 
 
+def recordable_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The training config as ``train_config.json`` and every checkpoint's ``trainer.json`` record it: no storage
+    options (they may hold secrets) and store URLs in their recordable form (no ``user:password@``)."""
+    d = {**dataclasses.asdict(cfg), "storage_options": None}
+    for key in ("stores", "val_stores"):
+        if d.get(key):
+            d[key] = [recordable_url(u) for u in d[key]]
+    return d
+
+
 def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = ckpt.read_trainer_state(path)
-    now = dataclasses.asdict(cfg)
+    now = recordable_config(cfg)  # as it was saved
     before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
     diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
     saved_cfg, _ = ckpt.read_drafter_config(path)
