@@ -172,6 +172,22 @@ def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
 
 # -- reading -----------------------------------------------------------------------------------------
 
+def check_extent(store: Store, rec: CommitRecord) -> None:
+    """Refuse (before any buffer is sized from it) a record whose token count its chunks cannot hold: it must
+    list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``. Checked once per record object."""
+    if getattr(rec, "_extent_ok", False):
+        return
+    ct = store.manifest.chunk_tokens
+    prefix = f"{shard_path(rec.shard)}/input_ids/c/"
+    listed = sum(1 for k in rec.files if k.startswith(prefix))
+    want = -(-rec.n_tokens // ct) if ct else 0
+    if listed != want:
+        raise CorruptionError(f"shard {rec.shard!r}: its commit record claims {rec.n_tokens:,} tokens, which need "
+                              f"{want:,} chunks of input_ids, and lists {listed:,} (forged or damaged record; run "
+                              "hsstore verify)")
+    rec._extent_ok = True
+
+
 def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:

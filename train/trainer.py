@@ -229,6 +229,7 @@ def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, cfg: Tra
                  if getattr(cfg, k) is not None and getattr(cfg, k) != mine[k]]
     if problems:
         raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
+    ckpt.check_weights_file(path, dcfg)  # its config describes its weights: checked before any is built
     if dcfg.num_layers != cfg.draft_layers or dcfg.sliding_window != (
             [cfg.sliding_window] * (cfg.draft_layers - 1) + [None] if cfg.sliding_window else None):
         log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
