@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hsstore import storage
 from hsstore.reader import Store
 from hsstore.redaction import recordable_url
 
@@ -51,8 +52,7 @@ class ExportResult:
 
 def _out_dir(out: str) -> Path:
     p = Path(out)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder: export never overwrites (choose a new OUT)")
+    storage.check_output_folder(p, (), "export OUT")  # export never overwrites: a new or empty folder only
     p.mkdir(parents=True, exist_ok=True)
     return p
 

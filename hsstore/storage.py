@@ -162,6 +162,23 @@ def _same_bytes(fs, path: str, data: bytes) -> bool:
         return False
 
 
+def check_output_folder(path: str | os.PathLike, own: tuple[str, ...], what: str) -> None:
+    """The same rule for a command's local output folder (``train --out``, ``export``): refuse (one line,
+    nothing written) an existing folder that is not empty and holds none of ``own``, the names that mark the
+    command's own earlier work (its resume). ``own`` empty: only a new or empty folder is taken."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return
+    if not os.path.isdir(path):
+        raise DestinationError(f"{what} {path}: exists and is not a folder (nothing was written)")
+    entries = sorted(os.listdir(path))
+    if entries and not any(name in entries for name in own):
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        mine = f" and is not {what}'s own work (no {' or '.join(own)})" if own else ""
+        raise DestinationError(f"{what} {path}: not empty ({shown}){mine}: give a new or empty folder "
+                               "(nothing was written)")
+
+
 class LockHeld(StoreError):
     """Another job holds the lock of a destination (two writers would duplicate its samples)."""
 

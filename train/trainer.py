@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EPOCHS = 6
 # settings that must not change when resuming (the weights or the data order would not match)
+RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
 RESUME_KEYS = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
                "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                "rope_theta", "mask_token_id", "gamma", "workers")
@@ -377,6 +378,8 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     share_cpu_threads(cfg.cpu_threads, device)
     cfg = with_device_defaults(cfg, device)
     out = Path(cfg.out)
+    if rank == 0:  # a user's folder is not a run to resume (other ranks would see rank 0's first files)
+        storage.check_output_folder(out, (RUN_MARKER,), "train --out")
     out.mkdir(parents=True, exist_ok=True)
 
     # -- the drafter, from the store alone
@@ -445,7 +448,7 @@ def train(cfg: TrainConfig, source=None) -> TrainResult:
     if cfg.log_samples:
         truncate_jsonl(samples_path, step)
     if rank == 0:
-        (out / "train_config.json").write_text(json.dumps(config_json, indent=2))
+        (out / RUN_MARKER).write_text(json.dumps(config_json, indent=2))
 
     model = loss_fn
     if world > 1:
