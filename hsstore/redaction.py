@@ -70,7 +70,9 @@ def recordable_url(url: str) -> str:
     url = _ANY_USERINFO.sub(lambda m: m.group("scheme"), url)
 
     def mask(m: re.Match) -> str:
-        return f"{m.group('key')}={MASK}" if is_secret_key(m.group("key")[1:]) else m.group(0)
+        key = m.group("key")[1:]
+        secret = is_secret_key(key) or "signature" in key.lower() or key.lower() == "sig"  # presigned, SAS
+        return f"{m.group('key')}={MASK}" if secret else m.group(0)
 
     return _QUERY_SECRET.sub(mask, url) if "://" in url and "?" in url else url
 

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, commit, fp8, index, layout, storage
+from . import codec, commit, fp8, index, layout, memory, storage
 from .errors import ManifestError, SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
@@ -140,6 +140,9 @@ class StoreWriter:
             if capacity == self.capacity and self._free:
                 bufs = self._free.pop()
         if bufs is None:
+            memory.check_fits(len(self.slots) * capacity * self.hidden * self.storage_dtype.itemsize,
+                              f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.slots)} layers x "
+                              f"hidden {self.hidden}")
             bufs = (np.empty((len(self.slots), capacity, self.hidden), dtype=self.storage_dtype),
                     np.empty((len(self.slots), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
         self._buf, self._scales = bufs

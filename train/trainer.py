@@ -36,6 +36,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -636,15 +637,32 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         if world > 1:
             dist.barrier()
-        ckpt.write_rank_files(tmp, rank, loader_state, self.device)
+        with checkpoint_errors(tmp, step):
+            ckpt.write_rank_files(tmp, rank, loader_state, self.device)
         if world > 1:
             dist.barrier()
         if rank == 0:
-            ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
-                                  config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
-            ckpt.publish(tmp, final, self.cfg.keep)
+            with checkpoint_errors(tmp, step):
+                ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
+                                      config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
+                ckpt.publish(tmp, final, self.cfg.keep)
         if world > 1:
             dist.barrier()
+
+
+@contextmanager
+def checkpoint_errors(tmp: Path, step: int):
+    """A checkpoint that cannot be written (a full disk above all: safetensors raises its own ``SafetensorError``)
+    as one ``OSError`` line saying so; the checkpoints published before stay as they were (a resume uses them)."""
+    try:
+        yield
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in text or "StorageFull" in text
+        why = "the disk is full" if full else text
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"checkpoint of step {step} could not be written to {tmp}: {why}; the checkpoints published "
+                      "before are kept (free space, then run the same command again to resume)") from e
 
 
 def recordable_config(cfg: TrainConfig) -> dict[str, Any]:
