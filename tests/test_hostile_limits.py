@@ -460,9 +460,11 @@ def corrupt_first_layer_chunk(url: str, opts: dict | None = None) -> str:
     return rec.samples["sample_id"][0]
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where,path", [("local", "read"), ("local", "loader"), ("s3", "read"), ("s3", "loader"),
+                                        ("s3", "loader+cache")])
 @pytest.mark.parametrize("spec", ["zstd", "lz4"])
-def test_flipped_payload_byte_is_a_checksum_error(where, spec, tmp_path, request):
+def test_flipped_payload_byte_is_a_checksum_error(where, spec, path, tmp_path, request):
+    """Through ``Store.read`` and the loader (on S3 also through its chunk cache), each read names the checksum."""
     from hsstore.loader import HiddenStateDataset
 
     opts = {}
@@ -472,11 +474,11 @@ def test_flipped_payload_byte_is_a_checksum_error(where, spec, tmp_path, request
         url = str(tmp_path / "s")
     write_samples(url, make_manifest(codec=spec), make_samples(3, max_len=50), storage_options=opts)
     sid = corrupt_first_layer_chunk(url, opts)
-    store = hsstore.open(url, **opts)
-    with pytest.raises(CorruptionError, match="checksum mismatch") as e:
-        store.read(0)
-    assert sid in str(e.value)
-    for cache in ([None, str(tmp_path / "cache")] if where == "s3" else [None]):
-        ds = HiddenStateDataset(url, storage_options=opts, cache_dir=cache)
+    if path == "read":
+        with pytest.raises(CorruptionError, match="checksum mismatch") as e:
+            hsstore.open(url, **opts).read(0)
+        assert sid in str(e.value)
+    else:
+        cache = str(tmp_path / "cache") if path == "loader+cache" else None
         with pytest.raises(CorruptionError, match="checksum mismatch"):
-            list(ds)
+            list(HiddenStateDataset(url, storage_options=opts, cache_dir=cache))
