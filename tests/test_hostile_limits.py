@@ -12,6 +12,7 @@ import gzip
 import http.server
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -30,7 +31,6 @@ import hsstore
 from hsstore import codec, commit, index, storage
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
-from hsstore.redaction import recordable_url
 
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
@@ -54,15 +54,23 @@ def one_line_error(rc, err, *words):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+def _status_bytes(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) << 10
+
+
 def peak_bytes(fn):
-    """(result or exception, peak bytes allocated while ``fn`` ran) -- numpy, zlib and numcodecs buffers count."""
+    """(result or exception, the most memory ``fn`` held at once): the larger of the Python allocations' peak
+    (tracemalloc: numpy, zlib and numcodecs buffers count, touched or not) and the growth of the process's peak
+    resident memory, reset first (Linux ``clear_refs``; torch's allocator is invisible to tracemalloc)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_bytes("VmRSS")
     tracemalloc.start()
     try:
         try:
             out = fn()
         except Exception as e:
             out = e
-        return out, tracemalloc.get_traced_memory()[1]
+        return out, max(tracemalloc.get_traced_memory()[1], _status_bytes("VmHWM") - base)
     finally:
         tracemalloc.stop()
 
@@ -113,6 +121,8 @@ def http_store(tmp_path):
 
 
 def test_recordable_url():
+    from hsstore.redaction import recordable_url
+
     assert recordable_url(f"https://{USER}:{PASSWORD}@host/a/b") == "https://host/a/b"
     assert recordable_url("s3://tok3n@bucket/x") == "s3://bucket/x"  # a bare token before @ too
     assert recordable_url("https://h/x?X-Amz-Signature=abc&part=1") == "https://h/x?X-Amz-Signature=***&part=1"
