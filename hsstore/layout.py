@@ -66,3 +66,9 @@ def get(name: str) -> Layout:
         return LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown shard layout {name!r}") from None
+
+
+def own_objects() -> dict[str, bytes]:
+    """Every layout's root objects (``store_objects``): what a store folder may hold before its manifest
+    (``storage.check_destination``)."""
+    return {k: v for lay in LAYOUTS.values() for k, v in lay.store_objects().items()}

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import commit, index, storage
+from . import commit, index, layout, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import check_compatible
 from .reader import Store
@@ -126,7 +126,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
         raise ValueError("merge needs at least one source store")
     dst_options = dst_options or {}
     src_options = dst_options if src_options is None else src_options
-    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     srcs = [Store(u, src_options) for u in src_urls]
     if by == "reference":
         far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]

@@ -97,23 +97,24 @@ class DestinationError(StoreError):
 LOCKS_DIR = "locks"
 
 
-def open_destination(url: str, options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def open_destination(url: str, options: dict[str, Any] | None = None, own: dict[str, bytes] | None = None,
+                     ) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root) of a store about to be written: the one way every writer (``StoreWriter``,
     ``convert``, ``merge``, ``subset``, ``import``, ``extract``) opens its destination, so each refuses the same
     way, before any write: an anonymous write, and an existing folder or prefix that holds anything but an
-    hsstore store (``check_destination``)."""
+    hsstore store (``check_destination``; ``own``: ``layout.own_objects()``)."""
     refuse_anonymous_write(url, options)
     fs, root = resolve(url, options)
-    check_destination(fs, root, url)
+    check_destination(fs, root, url, own or {})
     return fs, root
 
 
-def check_destination(fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+def check_destination(fs: fsspec.AbstractFileSystem, root: str, url: str, own: dict[str, bytes]) -> None:
     """Refuse (``DestinationError``, nothing written) a destination that exists, is not empty and is not an
     hsstore store: writing there would mix a store into the user's files and overwrite same-named ones (an
     existing zarr group's ``zarr.json``, a ``config.json``). A store (its manifest is there) is resumed; what
     hsstore itself writes before the manifest (a job lock, the layout's own root objects byte for byte, the
-    temporary files of atomic writes) does not count."""
+    temporary files of atomic writes) does not count. ``own``: the layouts' root objects (key -> bytes)."""
     if store_exists(fs, root, url):
         return
     try:
@@ -132,20 +133,17 @@ def check_destination(fs: fsspec.AbstractFileSystem, root: str, url: str) -> Non
         raise
     except Exception as e:
         raise StoreError(explain(e, url, "read", fs, root)) from None
-    foreign = sorted(name for name, is_dir in entries.items() if not _hsstore_own(fs, root, name, is_dir))
+    foreign = sorted(name for name, is_dir in entries.items() if not _hsstore_own(fs, root, name, is_dir, own))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise DestinationError(f"destination {url!r} exists, is not empty ({shown}) and is not an hsstore store: "
                                "give a new or empty folder (nothing was written)")
 
 
-def _hsstore_own(fs, root: str, name: str, is_dir: bool) -> bool:
+def _hsstore_own(fs, root: str, name: str, is_dir: bool, own: dict[str, bytes]) -> bool:
     """Whether an entry of a store folder without a manifest is one hsstore writes while creating a store."""
-    from . import layout  # layout -> zarr_layout -> storage
-
     if name.startswith(".tmp-") or (name == LOCKS_DIR and is_dir):
         return True
-    own = {k: v for lay in layout.LAYOUTS.values() for k, v in lay.store_objects().items()}
     if is_dir:  # a folder of the layout's own objects only (zarr's shards/zarr.json)
         inside = {k[len(name) + 1:] for k in own if k.startswith(name + "/")}
         if not inside:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import assets, codec, storage
+from . import assets, codec, layout, storage
 from .stats import SAMPLE_FLAGS
 from .manifest import Manifest, check_compatible
 from .reader import Store, committed_ids, read_manifest
@@ -102,7 +102,8 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
            progress: bool = True) -> SubsetResult:
     """Copy the samples of ``src_url`` that ``sel`` keeps into ``dst_url`` (created, or resumed)."""
     dst_options = dst_options or {}
-    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
+    # anon=true and a folder that is not a store refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())
     src = Store(src_url, src_options)
     check_flags(src, sel.exclude_flags)
     # one subset at a time into a destination: two would each find no sample committed and copy every one

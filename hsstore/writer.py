@@ -95,7 +95,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
-        self.fs, self.root = storage.open_destination(url, self.storage_options)
+        self.fs, self.root = storage.open_destination(url, self.storage_options, layout.own_objects())
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(

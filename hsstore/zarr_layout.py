@@ -368,7 +368,8 @@ def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
     if c is None:
         got = len(payload)
     else:
-        got = codec.blosc_content_size(payload) if m.codec in ("lz4", "blosc-zstd") else codec.zstd_content_size(payload)
+        blosc = m.codec.split(":")[0] in ("lz4", "blosc-zstd")
+        got = codec.blosc_content_size(payload) if blosc else codec.zstd_content_size(payload)
     if got != nbytes:
         return f"chunk decodes to {'an undeclared size' if got is None else f'{got:,} bytes'}, one chunk is {nbytes:,}"
     return None

@@ -288,7 +288,7 @@ def test_gzip_bomb_index_segment_is_refused_in_small_memory(small_store, capsys)
     assert isinstance(store, hsstore.Store) and len(store) == 4 and peak < SMALL, (store, peak)
     assert store.index_use.damaged == ["c-bomb.json.gz"]
     rc, out, _ = run(["verify", small_store], capsys)
-    assert rc == 1 and "index/c-bomb.json.gz" in out and "expands past" not in out or "damaged" in out
+    assert rc == 1 and "index/c-bomb.json.gz" in out and "damaged" in out
 
 
 def test_zstd_bomb_in_index_columns_is_refused_in_small_memory(small_store, capsys):
@@ -309,7 +309,7 @@ def test_zstd_bomb_in_index_columns_is_refused_in_small_memory(small_store, caps
     assert isinstance(store, hsstore.Store) and len(store) == 4 and peak < SMALL, (store, peak)
     assert store.index_use.damaged == [name]
     rc, out, _ = run(["verify", small_store], capsys)
-    assert rc == 1 and f"index/{name}" in out
+    assert rc == 1 and f"index/{name}" in out and "damaged" in out
 
 
 def forge_chunk(url: str, payload: bytes) -> str:
