@@ -259,10 +259,11 @@ def decode_bounded(c, payload, nbytes: int, where: str) -> np.ndarray:
     declared = (blosc_content_size(payload) if isinstance(c, numcodecs.Blosc) else zstd_content_size(payload))
     if declared != nbytes:
         said = "no decoded size" if declared is None else f"{declared:,} decoded bytes"
-        raise CorruptionError(f"{where}: chunk declares {said}, expected {nbytes:,} (corrupted or forged chunk)")
+        raise CorruptionError(f"{where}: {len(payload):,} compressed bytes that declare {said}, expected {nbytes:,} "
+                              "(corrupted or forged)")
     out = np.empty(nbytes, np.uint8)
     try:
         c.decode(payload, out=out)
     except Exception as e:
-        raise CorruptionError(f"{where}: chunk does not decode ({type(e).__name__}: {e})") from None
+        raise CorruptionError(f"{where}: does not decode ({type(e).__name__}: {e})") from None
     return out

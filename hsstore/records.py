@@ -42,18 +42,12 @@ def decompress(data: bytes, nbytes: int | None = None, where: str = "record bloc
     """Zstd-compressed record metadata, refused (``CorruptionError``, before allocating) unless its frame declares
     ``nbytes`` (what the segment's header or columns say it holds; None: not known) and at most
     ``MAX_EXPANSION`` times its compressed size."""
-    declared = codec.zstd_content_size(data)
     limit = MAX_EXPANSION * len(data) + 4096
-    if declared is None or (nbytes is not None and declared != nbytes) or declared > limit:
-        said = "no size" if declared is None else f"{declared:,} bytes"
-        want = f"{nbytes:,} bytes" if nbytes is not None else f"at most {limit:,}"
-        raise CorruptionError(f"{where}: zstd frame of {len(data):,} bytes declares {said}, its header allows {want}")
-    out = np.empty(declared, np.uint8)
-    try:
-        _ZSTD.decode(data, out=out)
-    except Exception as e:
-        raise CorruptionError(f"{where}: does not decompress ({type(e).__name__}: {e})") from None
-    return out.tobytes()
+    want = codec.zstd_content_size(data) if nbytes is None else nbytes
+    if want is None or want > limit:
+        raise CorruptionError(f"{where}: {len(data):,} compressed bytes that declare "
+                              f"{'no size' if want is None else f'{want:,} bytes'}, at most {limit:,} allowed")
+    return codec.decode_bounded(_ZSTD, data, want, where).tobytes()
 
 
 # -- columns ------------------------------------------------------------------------------------------------

@@ -360,7 +360,7 @@ def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
     """Why a layer chunk's payload would not decode to one chunk of the manifest's shape (None: it would): an
     uncompressed payload must be that size, a compressed one must declare it (``codec.decode_bounded``), so
     ``verify`` refuses what readers would refuse, without decoding."""
-    if not (is_chunk_key(key) and key.endswith("/0")):  # layer arrays are the 2-d ones; token arrays are plain
+    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.slots}:  # others: plain
         return None
     nbytes = m.chunk_tokens * m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
     c = codec.ChunkCodec(m.codec)._numcodec()
