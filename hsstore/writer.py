@@ -64,8 +64,8 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     existing = Manifest.from_json(fs.cat_file(path), where=f"{url}/{MANIFEST_FILE}")
     check_compatible(existing, manifest, f"store {url!r}", "the data being written")  # taps, dtype, encoding, ...
     if existing.layout != manifest.layout:  # a resumed job must not write another layout than it asks for
-        raise ManifestError(f"store {url!r} has layout {existing.layout!r}, {manifest.layout!r} was asked for "
-                            "(give another destination, or the store's layout)")
+        raise ManifestError(f"store {url!r} exists with layout {existing.layout!r}; {manifest.layout!r} was asked "
+                            "for (give another destination, or the store's layout)")
     return existing
 
 

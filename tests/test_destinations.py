@@ -79,7 +79,7 @@ def test_store_commands_resume_their_own_store(src, tmp_path, capsys):
 
 def test_resume_checks_layout_dtype_and_taps(src, tmp_path):
     samples = make_samples(2, max_len=40)
-    with pytest.raises(hsstore.ManifestError, match="layout 'zarr', 'wds' was asked for"):
+    with pytest.raises(hsstore.ManifestError, match="exists with layout 'zarr'; 'wds' was asked for"):
         write_samples(src, dataclasses.replace(make_manifest(), layout="wds"), samples)
     with pytest.raises(hsstore.ManifestError, match="dtype"):
         write_samples(src, make_manifest(dtype="float16"), samples)
@@ -94,7 +94,7 @@ def test_extract_wds_into_an_existing_zarr_store_is_refused(tiny_dir, small_inpu
     assert main(argv) == 0
     before = snapshot(Path(out))
     capsys.readouterr()
-    refused(argv + ["--layout", "wds"], Path(out), before, capsys, "layout 'zarr', 'wds' was asked for")
+    refused(argv + ["--layout", "wds"], Path(out), before, capsys, "exists with layout 'zarr'; 'wds' was asked for")
 
 
 def test_train_out_refuses_a_folder_that_is_not_its_run(store32, tmp_path, capsys):  # noqa: F811
