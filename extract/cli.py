@@ -14,6 +14,7 @@ from dataclasses import fields
 from .gate import GateThresholds
 from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
 from hsstore.config import add_config_option
+from hsstore.redaction import recordable_url
 from hsstore.storage import parse_storage_options
 
 logger = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ def run_show(args: argparse.Namespace) -> int:
                                   max_chars=args.max_chars))
         return 0
     if not args.model:
-        raise ValueError(f"{args.input}: not a store (no manifest.json there); to show a sample of an input "
+        raise ValueError(f"{recordable_url(args.input)}: not a store (no manifest.json there); to show a sample of an input "
                          "file, give --model")
     tokenizer = load_tokenizer(args.model)
     sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
@@ -408,7 +409,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
                      shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
                      progress=not args.quiet)
-    print(f"import {args.format} {args.path} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens written "
+    print(f"import {args.format} {args.path} -> {recordable_url(args.out)}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
           + (f"; batch padding trimmed from {r.padded_rows} rows ({r.pad_tokens:,} tokens)" if r.padded_rows else "")
@@ -432,10 +433,10 @@ def run_export_cmd(args: argparse.Namespace) -> int:
     r = export_store(args.format, args.url, args.out, storage_options=parse_storage_options(args.storage_option),
                      progress=not args.quiet)
     if args.json:
-        print(json.dumps({"format": args.format, "url": args.url, "out": args.out, **dataclasses.asdict(r)},
+        print(json.dumps({"format": args.format, "url": recordable_url(args.url), "out": recordable_url(args.out), **dataclasses.asdict(r)},
                          indent=2))
         return 0
-    print(f"export {args.format} ({r.layout}) {args.url} -> {args.out}: {r.samples} samples, {r.tokens:,} tokens "
+    print(f"export {args.format} ({r.layout}) {recordable_url(args.url)} -> {recordable_url(args.out)}: {r.samples} samples, {r.tokens:,} tokens "
           f"({r.bytes_written / 1e9:.2f} GB)")
     for note in r.notes:
         print(f"  {note}")
@@ -457,7 +458,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
         timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
         progress=not args.quiet, chat_template_kwargs=template_kwargs_from_args(args))
     res = run_regenerate(cfg)
-    print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {args.out}) in "
+    print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {recordable_url(args.out)}) in "
           f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "
           f"{res.truncated} cut by --max-tokens")
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shlex
 import shutil
 import time
@@ -45,28 +46,68 @@ EVAL_FLAGS = ["--max-new-tokens", "160"]
 
 
 def step(title: str) -> None:
+    note_created()
     print(f"\n=== {title} ===", flush=True)
 
 
 def run(argv: list[str]) -> int:
     """Print the command, as a user would type it, then run it in this process."""
     print("$ hsstore " + shlex.join(argv), flush=True)
-    return hsstore_main(argv)
+    try:
+        return hsstore_main(argv)
+    finally:
+        note_created()
+
+
+_OUT: list[Path] = []  # the --out of the demo running in this process (set by prepare_out)
+
+
+def _files_under(out: Path, names) -> set[str]:
+    """Relative paths of the files (and links) under the entries ``names`` of ``out``."""
+    found = set()
+    for name in names:
+        top = out / name
+        if top.is_symlink() or top.is_file():
+            found.add(name)
+        elif top.is_dir():
+            for d, _, files in os.walk(top):
+                found.update(os.path.relpath(os.path.join(d, f), out) for f in files)
+    return found
+
+
+def note_created() -> None:
+    """Add the files now under the demo's entries to its marker: what a later run may delete (and nothing else)."""
+    if not _OUT:
+        return
+    out = _OUT[-1]
+    marker = out / MARKER
+    info = json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else {"created": list(CREATED)}
+    info["files"] = sorted(set(info.get("files", [])) | _files_under(out, CREATED))
+    marker.write_text(json.dumps(info) + "\n", encoding="utf-8")
 
 
 def prepare_out(out: Path) -> None:
     """Make ``out`` ready: create it, or take an empty folder, or clear what an earlier demo created there (the
-    entries its marker lists, nothing else). Any other non-empty folder is refused: it may hold the user's files."""
+    files its marker lists, nothing else: an entry holding any other file is refused, as is any other non-empty
+    folder: it may hold the user's files)."""
     marker = out / MARKER
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
     if out.exists():
         if marker.exists():
-            for name in json.loads(marker.read_text(encoding="utf-8")).get("created", []):
+            info = json.loads(marker.read_text(encoding="utf-8"))
+            names = [n for n in info.get("created", []) if n in CREATED]  # only plain names this code creates
+            theirs = sorted(_files_under(out, names) - set(info.get("files", [])))
+            if theirs:  # a file the demo did not write: the user's, never deleted
+                shown = ", ".join(theirs[:5]) + (", ..." if len(theirs) > 5 else "")
+                raise ValueError(f"--out {out} holds files hsstore demo did not create ({shown}); move them "
+                                 "elsewhere or give another folder (nothing was changed)")
+            for name in names:
                 path = out / name
-                if name not in CREATED or not path.exists():  # only plain names this code creates
-                    continue
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                if path.is_symlink() or path.is_file():
+                    path.unlink()
+                elif path.is_dir():
+                    shutil.rmtree(path)
         else:
             entries = sorted(p.name for p in out.iterdir())
             if entries:
@@ -74,7 +115,8 @@ def prepare_out(out: Path) -> None:
                 raise ValueError(f"--out {out} is not empty ({shown}) and was not made by hsstore demo; "
                                  "give a new or empty folder (nothing was changed)")
     out.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps({"created": list(CREATED)}) + "\n", encoding="utf-8")
+    marker.write_text(json.dumps({"created": list(CREATED), "files": []}) + "\n", encoding="utf-8")
+    _OUT[:] = [out]
 
 
 def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,

@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hsstore import storage
 from hsstore.reader import Store
+from hsstore.redaction import recordable_url
 
 from . import peer_layers
 
@@ -50,15 +52,14 @@ class ExportResult:
 
 def _out_dir(out: str) -> Path:
     p = Path(out)
-    if p.exists() and (not p.is_dir() or any(p.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder: export never overwrites (choose a new OUT)")
+    storage.check_output_folder(p, (), "export OUT")  # export never overwrites: a new or empty folder only
     p.mkdir(parents=True, exist_ok=True)
     return p
 
 
 def _sidecar(out: Path, fmt: str, store: Store, layout: str, ids: list[str], extra: dict) -> None:
     m = store.manifest
-    doc = {"format": fmt, "layout": layout, "store": store.url, "layers": list(m.layers),
+    doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(m.layers),
            "features": list(m.features), "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
            "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
     (out / SIDECAR).write_text(json.dumps(doc, indent=1))

@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 
 from . import config, storage
 from .errors import StoreError
-from .redaction import RedactingFilter, scrub
+from .redaction import RedactingFilter, recordable_url, scrub
 from .version import __version__
 
 log = logging.getLogger("hsstore")
@@ -80,7 +80,7 @@ def cmd_verify(args) -> int:
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
     if args.json:
-        print(json.dumps({"url": args.url, "ok": report.ok, "shards": report.shards, "files": report.files,
+        print(json.dumps({"url": recordable_url(args.url), "ok": report.ok, "shards": report.shards, "files": report.files,
                           "bytes": report.bytes, "problems": [str(p) for p in report.problems],
                           "uncommitted": list(report.uncommitted), "weak_records": list(report.weak_records),
                           "assets": report.assets, "index": report.index}, indent=2))
@@ -93,16 +93,16 @@ def cmd_verify(args) -> int:
     if report.weak_records:
         print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
               "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "
-              f"another store passes); `hsstore upgrade {args.url}` re-derives them (safe to interrupt and re-run)")
+              f"another store passes); `hsstore upgrade {recordable_url(args.url)}` re-derives them (safe to interrupt and re-run)")
     if report.index.get("unindexed_shards"):
         print(f"note: {report.index['unindexed_shards']} shard(s) not in the index (readers read their records one "
-              f"by one); `hsstore index {args.url}` adds them")
+              f"by one); `hsstore index {recordable_url(args.url)}` adds them")
     if not report.assets:
         print("warning: the store has no assets (the target's embedding, lm_head, config and tokenizer): "
               "`hsstore train` and `hsstore show` need them; `hsstore extract` writes them, and merge, subset and "
               "convert copy them from a source that has them")
     status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-    print(f"verify {args.url}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
+    print(f"verify {recordable_url(args.url)}: {status}; {report.shards} shards, {report.files} files, {report.bytes:,} bytes checked")
     return 0 if report.ok else 1
 
 
@@ -114,9 +114,9 @@ def cmd_index(args) -> int:
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
     r = compact(fs, root, grace_s=args.grace)
     if args.json:
-        print(json.dumps({"url": args.url, **dataclasses.asdict(r)}, indent=2))
+        print(json.dumps({"url": recordable_url(args.url), **dataclasses.asdict(r)}, indent=2))
         return 0
-    print(f"index {args.url}: {r.shards} commit record(s) in index/{r.segment} ({r.fetched} read from commits/); "
+    print(f"index {recordable_url(args.url)}: {r.shards} commit record(s) in index/{r.segment} ({r.fetched} read from commits/); "
           f"{r.superseded} older segment(s) superseded, {len(r.removed)} removed"
           + (f"; {len(r.damaged)} damaged segment(s) superseded" if r.damaged else ""))
     return 0
@@ -135,7 +135,7 @@ def cmd_upgrade(args) -> int:
     for p in r.refused:
         print(f"FAIL {p}")
     left = len({p.shard for p in r.refused})
-    print(f"upgrade {args.url}: {r.rewritten} commit record(s) rewritten, {r.current} already current"
+    print(f"upgrade {recordable_url(args.url)}: {r.rewritten} commit record(s) rewritten, {r.current} already current"
           + (f"; {left} shard(s) left as they were (problems above)" if left else "")
           + ("; manifest now at format version 2" if r.manifest_upgraded else ""))
     return 1 if left else 0
@@ -148,7 +148,7 @@ def cmd_convert(args) -> int:
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
     r = convert(args.src, args.dst, args.layout, src_options, dst_options, chunk_codec=args.codec,
                 progress=not args.quiet)
-    print(f"convert {args.src} -> {args.dst} ({args.layout}): {r.shards} shards, {r.samples} samples written; "
+    print(f"convert {recordable_url(args.src)} -> {recordable_url(args.dst)} ({args.layout}): {r.shards} shards, {r.samples} samples written; "
           f"{r.skipped} shards already there")
     return 0
 
@@ -221,9 +221,9 @@ def cmd_subset(args) -> int:
                     min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag))
     r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet)
     if args.json:
-        print(json.dumps({"src": args.src, "dst": args.dst, **dataclasses.asdict(r)}, indent=2))
+        print(json.dumps({"src": recordable_url(args.src), "dst": recordable_url(args.dst), **dataclasses.asdict(r)}, indent=2))
         return 0
-    print(f"subset {args.src} -> {args.dst}: {r.selected} samples selected, {r.written} written "
+    print(f"subset {recordable_url(args.src)} -> {recordable_url(args.dst)}: {r.selected} samples selected, {r.written} written "
           f"({r.tokens:,} tokens), {r.already} already there")
     return 0
 
@@ -234,9 +234,9 @@ def cmd_merge(args) -> int:
     options = storage.parse_storage_options(args.storage_option)
     r = merge(args.dst, args.src, by=args.by, dst_options=options, progress=not args.quiet)
     if args.json:
-        print(json.dumps({"dst": args.dst, "src": args.src, "by": args.by, **dataclasses.asdict(r)}, indent=2))
+        print(json.dumps({"dst": recordable_url(args.dst), "src": recordable_url(args.src), "by": args.by, **dataclasses.asdict(r)}, indent=2))
         return 0
-    print(f"merge into {args.dst} (by {args.by}): {r.shards} shards, {r.samples} samples added"
+    print(f"merge into {recordable_url(args.dst)} (by {args.by}): {r.shards} shards, {r.samples} samples added"
           + (f", {r.bytes_copied:,} bytes copied" if args.by == "copy" else "") + f"; {r.already} already there")
     return 0
 

@@ -222,7 +222,48 @@ class ChunkCodec:
         if expect is not None and tail != expect:
             raise CorruptionError(f"{where}: {MISPLACED}")
         c = self._numcodec()
-        raw = payload if c is None else np.frombuffer(c.decode(payload), np.uint8)
-        if raw.nbytes != count * dtype.itemsize:
-            raise CorruptionError(f"{where}: chunk holds {raw.nbytes} bytes, expected {count * dtype.itemsize}")
-        return raw.view(dtype)
+        nbytes = count * dtype.itemsize
+        if c is None:
+            if payload.nbytes != nbytes:
+                raise CorruptionError(f"{where}: chunk holds {payload.nbytes} bytes, expected {nbytes}")
+            return payload.view(dtype)
+        return decode_bounded(c, payload, nbytes, where).view(dtype)
+
+
+def zstd_content_size(frame) -> int | None:
+    """The decoded size a zstd frame declares in its header (RFC 8878, 3.1.1.1), or None when it declares none
+    or is no zstd frame: what a decoder would allocate, known before allocating."""
+    b = bytes(frame[:18])
+    if len(b) < 5 or b[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = b[4]
+    fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[did_flag]
+    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(b) < pos + size:
+        return None
+    value = int.from_bytes(b[pos:pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+def blosc_content_size(frame) -> int | None:
+    """The decoded size a blosc frame declares (its header's ``nbytes``, bytes 4-8), or None when too short."""
+    b = bytes(frame[:16])
+    return int.from_bytes(b[4:8], "little") if len(b) >= 16 else None
+
+
+def decode_bounded(c, payload, nbytes: int, where: str) -> np.ndarray:
+    """``payload`` decoded by numcodecs compressor ``c`` into exactly ``nbytes`` bytes (what the manifest and
+    record allow), refused before any allocation when the frame declares another size: a few kB of hostile
+    zstd declare gigabytes, which the decoder would allocate first."""
+    declared = (blosc_content_size(payload) if isinstance(c, numcodecs.Blosc) else zstd_content_size(payload))
+    if declared != nbytes:
+        said = "no decoded size" if declared is None else f"{declared:,} decoded bytes"
+        raise CorruptionError(f"{where}: {len(payload):,} compressed bytes that declare {said}, expected {nbytes:,} "
+                              "(corrupted or forged)")
+    out = np.empty(nbytes, np.uint8)
+    try:
+        c.decode(payload, out=out)
+    except Exception as e:
+        raise CorruptionError(f"{where}: does not decode ({type(e).__name__}: {e})") from None
+    return out

@@ -39,7 +39,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
     destination, default the source's; wds takes none). ``progress``: a bar of feature bytes converted."""
     from tqdm import tqdm
 
-    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     src = Store(src_url, src_options)
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")

@@ -22,12 +22,12 @@ before still finds them; one that does not falls back to the records, slower but
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import struct
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ VERSION = 2  # of the segment format written; a reader ignores (with a warning) 
 READS = (1, 2)
 MAGIC = b"HSSIDX2\n"  # a version-2 segment's first bytes (version 1: gzip's 1f 8b)
 DEFAULT_GRACE_S = 3600.0
+V1_MAX_EXPANSION = 32  # gzip'd JSON records: measured 11x
 LIST_SPLIT = 1000  # parallel listing: one range per this many shards known from the index (one LIST page each)
 
 
@@ -165,7 +166,8 @@ def decode_segment(name: str, data: bytes) -> Segment:
         if header.get("version") not in READS:
             raise ValueError(f"segment version {header.get('version')!r}, this hsstore reads {READS}")
         cb = int(header["columns_bytes"])
-        columns = records.decompress(bytes(data[pos:pos + cb]))
+        declared = sum(int(np.prod(shape)) * np.dtype(dt).itemsize for _, dt, shape in header["table"]["arrays"])
+        columns = records.decompress(bytes(data[pos:pos + cb]), declared, where=f"{INDEX_DIR}/{name}: columns")
         pos += cb
         blocks = []
         for n in header["blocks_bytes"]:
@@ -197,9 +199,24 @@ def _check_supersedes(name: str, supersedes: Any) -> None:
                                   "(not an index segment name)")
 
 
+def gunzip_bounded(name: str, data: bytes) -> bytes:
+    """A version-1 segment's JSON, decompressed at most ``V1_MAX_EXPANSION`` times its size (gzip reaches ~1000x:
+    a 3 MB hostile segment would otherwise become gigabytes before ``json.loads``), and refused when it differs
+    from the size its gzip trailer declares."""
+    limit = V1_MAX_EXPANSION * len(data) + 4096
+    d = zlib.decompressobj(wbits=31)  # gzip framing
+    out = d.decompress(data, limit)
+    if d.unconsumed_tail or not d.eof:
+        raise CorruptionError(f"index segment {INDEX_DIR}/{name}: gzip of {len(data):,} bytes expands past "
+                              f"{limit:,} bytes (a version-1 segment holds JSON records: refused)")
+    if len(data) < 4 or len(out) % (1 << 32) != struct.unpack("<I", data[-4:])[0]:
+        raise CorruptionError(f"index segment {INDEX_DIR}/{name}: gzip length differs from its trailer's")
+    return out
+
+
 def _decode_v1(name: str, data: bytes) -> Segment:
     """A version-1 segment: gzip'd JSON whose entries hold whole records (gzip's trailer: CRC-32 and length)."""
-    body = json.loads(gzip.decompress(data))
+    body = json.loads(gunzip_bounded(name, data))
     if body.get("format") != FORMAT:
         raise ValueError(f"format {body.get('format')!r}")
     if body.get("version") != 1:

@@ -11,6 +11,7 @@ import numpy as np
 from . import codec, stats
 from .errors import CorruptionError
 from .reader import Store
+from .redaction import recordable_url
 
 STUB_WARN_MAX_VALUE = 32
 STUB_WARN_SHARE = 0.2
@@ -50,7 +51,7 @@ def summarize(store: Store) -> dict[str, Any]:
     feature_stored = sum(v["stored_bytes"] for v in layers.values())
     out = stats.loss_sum_summary(loss_sums, lengths)
     out.update({
-        "url": store.url,
+        "url": recordable_url(store.url),
         "format_version": m.format_version,
         "shards": len(t),
         "writers": len({t.writer.values[c] for c in np.unique(t.writer.codes)}),

@@ -41,6 +41,10 @@ class Layout(Protocol):
         ``[n_layers, T, H]``; ``scales``: fp8 stores' ``[n_layers, T]``, else None); ``carry``: objects
         shared by consecutive reads of a scan (see ``Store.read_range``)."""
 
+    def check_extent(self, store: Store, rec: CommitRecord) -> None:
+        """Raise ``CorruptionError`` when the record claims more tokens than its files can hold (checked before
+        a reader sizes buffers from it)."""
+
     def check_shard(self, store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
                     progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
         """``verify``'s checks of one committed shard whose files are in ``(fs, root)`` (another store's for
@@ -62,3 +66,9 @@ def get(name: str) -> Layout:
         return LAYOUTS[name]
     except KeyError:
         raise ValueError(f"unknown shard layout {name!r}") from None
+
+
+def own_objects() -> dict[str, bytes]:
+    """Every layout's root objects (``store_objects``): what a store folder may hold before its manifest
+    (``storage.check_destination``)."""
+    return {k: v for lay in LAYOUTS.values() for k, v in lay.store_objects().items()}

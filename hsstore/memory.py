@@ -28,6 +28,26 @@ from torch.utils.data import get_worker_info
 log = logging.getLogger(__name__)
 
 
+def machine_bytes() -> int:
+    """This machine's physical memory in bytes (0: unknown)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, a buffer that store metadata sizes beyond this machine's memory (a record
+    claiming 1e12 tokens, a manifest with hidden_size 2**40): one ``StoreError`` line naming ``what`` instead of
+    numpy's ``MemoryError`` traceback, or the kernel's OOM killer for an allocation it overcommitted."""
+    limit = machine_bytes()
+    if nbytes < 0 or (limit and nbytes > limit):
+        from .errors import StoreError
+
+        raise StoreError(f"{what}: needs {nbytes:,} bytes, more than this machine's {limit:,} bytes of memory "
+                         "(the store's metadata claims more than it can hold; run hsstore verify)")
+
+
 PARALLEL_COPY_BYTES = 4 << 20  # below this, one thread copies faster than handing out work to several
 
 
@@ -54,6 +74,7 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = False, s
     for s in shape:
         numel *= int(s)
     nbytes = numel * dtype.itemsize
+    check_fits(nbytes, f"a host buffer of shape {list(shape)} ({dtype})")
     in_worker = get_worker_info() is not None
     if in_worker if shared is None else shared:  # workers: recycled segments (hand items over with hand_over)
         ring = shared_ring(pool.max_bytes if pool is not None else 0) if in_worker else None

@@ -19,10 +19,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import commit, index, names, storage
+from . import commit, index, layout, names, storage
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import check_compatible
 from .reader import Store
+from .redaction import recordable_url
 from .subset import copy_assets_if_missing
 from .writer import ensure_manifest
 
@@ -129,7 +130,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
         raise ValueError("merge needs at least one source store")
     dst_options = dst_options or {}
     src_options = dst_options if src_options is None else src_options
-    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     srcs = [Store(u, src_options) for u in src_urls]
     if by == "reference":
         far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
@@ -160,7 +161,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
                     bar.update(n)
                 else:
                     _, _, where = src.shard_location(rec.shard)
-                    record = dataclasses.replace(rec, location=commit.relative_location(dst_url, where))
+                    record = dataclasses.replace(rec, location=recordable_url(commit.relative_location(dst_url, where)))
                     appender.add(record, commit.publish(fs, root, record))
                     bar.update(1)
                 result.shards += 1

@@ -23,7 +23,7 @@ import fsspec.spec
 import numpy as np
 import torch
 
-from . import codec, commit, fp8, index, layout, names, records, storage
+from . import codec, commit, fp8, index, layout, memory, names, records, storage
 from .commit import SHARDS_DIR, CommitRecord
 from .errors import CorruptionError, ManifestError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
@@ -307,6 +307,13 @@ class Store:
         layers = self.check_layers(layers)
         m = self.manifest
         T, H = stop - start, m.hidden_size
+        rec = self.record(shard_name)
+        if not 0 <= start <= stop <= rec.n_tokens:
+            raise CorruptionError(f"shard {shard_name!r}: tokens {start}:{stop} outside its {rec.n_tokens} tokens")
+        self._layout.check_extent(self, rec)  # the tokens the record claims are tokens its files can hold
+        memory.check_fits(T * len(layers) * H * codec.storage_dtype(m.dtype, m.encoding).itemsize,
+                          f"store {self.url!r}, shard {shard_name!r}: tokens {start}:{stop} of {len(layers)} layers x "
+                          f"hidden {H}")
         ids = np.empty(T, np.int32)
         mask = np.empty(T, np.uint8)
         shape, dtype = (len(layers), T, H), codec.storage_dtype(m.dtype, m.encoding)
@@ -324,7 +331,7 @@ class Store:
             feats = out
         if T <= 0:
             return ids, mask, feats
-        self._layout.read_into(self, self.record(shard_name), start, stop, layers, ids, mask, feats, carry,
+        self._layout.read_into(self, rec, start, stop, layers, ids, mask, feats, carry,
                                scales_out if is_fp8 else None)
         return ids, mask, feats
 

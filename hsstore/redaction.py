@@ -18,6 +18,8 @@ SECRET_OPTION_WORDS = ("secret", "token", "password", "key", "credential", "sess
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")  # the key id is not a secret
 MASK = "***"
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+:[^/@\s]+@")
+_ANY_USERINFO = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+_QUERY_SECRET = re.compile(r"(?P<key>[?&][^=&#\s]+)=(?P<value>[^&#\s]*)")
 _known: set[str] = set()
 _lock = threading.Lock()
 
@@ -56,6 +58,23 @@ def scrub(text: str) -> str:
         if v in text:
             text = text.replace(v, MASK)
     return text
+
+
+def recordable_url(url: str) -> str:
+    """The form of a store URL that may be written down (manifests, records, sidecars, run configs) or printed:
+    its user info (``user:password@``, or a bare token before ``@``) dropped, and the values of secret-looking
+    query parameters masked. Credentials belong in storage options (``-S key=... -S secret=...``) or the
+    environment, which are never recorded; a URL so stripped still names the same objects."""
+    if not isinstance(url, str):
+        return url
+    url = _ANY_USERINFO.sub(lambda m: m.group("scheme"), url)
+
+    def mask(m: re.Match) -> str:
+        key = m.group("key")[1:]
+        secret = is_secret_key(key) or "signature" in key.lower() or key.lower() == "sig"  # presigned, SAS
+        return f"{m.group('key')}={MASK}" if secret else m.group(0)
+
+    return _QUERY_SECRET.sub(mask, url) if "://" in url and "?" in url else url
 
 
 def redact(options: dict[str, Any]) -> dict[str, Any]:

@@ -13,10 +13,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from . import assets, codec, storage
+from . import assets, codec, layout, storage
 from .stats import SAMPLE_FLAGS
 from .manifest import Manifest, check_compatible
 from .reader import Store, committed_ids, read_manifest
+from .redaction import recordable_url
 from .writer import DEFAULT_SHARD_BYTES, StoreWriter
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,12 @@ def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> li
 def destination_manifest(src: Manifest, fs, root: str, dst_url: str, note: dict) -> Manifest:
     """The source's manifest for a derived store (same identity, chunking and codec); an existing destination
     must be compatible."""
-    if storage.store_exists(fs, root, dst_url):
-        check_compatible(read_manifest(fs, root, dst_url), src, f"destination {dst_url!r}", "the source")
-    return dataclasses.replace(src, created_by="", created_at="", extra={**src.extra, **note})
+    out = dataclasses.replace(src, created_by="", created_at="", extra={**src.extra, **note})
+    if storage.store_exists(fs, root, dst_url):  # an existing destination keeps its own layout and chunking
+        have = read_manifest(fs, root, dst_url)
+        check_compatible(have, src, f"destination {dst_url!r}", "the source")
+        out = dataclasses.replace(out, layout=have.layout, codec=have.codec, chunk_tokens=have.chunk_tokens)
+    return out
 
 
 def copy_assets_if_missing(src: Store, dst_fs, dst_root: str) -> None:
@@ -97,20 +101,29 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
            dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = True) -> SubsetResult:
     """Copy the samples of ``src_url`` that ``sel`` keeps into ``dst_url`` (created, or resumed)."""
-    from tqdm import tqdm
-
     dst_options = dst_options or {}
-    fs, root = storage.open_destination(dst_url, dst_options)  # anon=true refused before any request
+    # anon=true and a folder that is not a store refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())
     src = Store(src_url, src_options)
     check_flags(src, sel.exclude_flags)
-    manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": src_url})
+    # one subset at a time into a destination: two would each find no sample committed and copy every one
+    with storage.hold_lock(fs, root, dst_url, "subset"):
+        return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress)
+
+
+def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options: dict[str, Any], shard_bytes: int,
+            progress: bool) -> SubsetResult:
+    from tqdm import tqdm
+
+    src_url = src.url
+    manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": recordable_url(src_url)})
     done = committed_ids(dst_url, dst_options)
     all_kept = select(src, sel)
     windows = select(src, sel, skip_ids=done)
     result = SubsetResult(selected=sum(j - i for _, i, j in all_kept))
     result.already = result.selected - sum(j - i for _, i, j in windows)
     if not windows:
-        log.info("subset: nothing to copy (%d selected, all already in %s)", result.selected, dst_url)
+        log.info("subset: nothing to copy (%d selected, all already in %s)", result.selected, recordable_url(dst_url))
         return result
     total = sum(int(src.commits[s].offsets[j] - src.commits[s].offsets[i]) for s, i, j in windows)
     writer = StoreWriter(dst_url, manifest, writer_tag="subset", storage_options=dst_options,

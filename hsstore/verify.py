@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
+
 from . import assets, codec, commit, index, layout, names, records, storage
 from .commit import SHARDS_DIR, CommitRecord
 from .errors import StoreError
@@ -45,6 +47,7 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
+    check_unique_ids(store, report)
     check_assets(store, report)
     return report
 
@@ -60,6 +63,25 @@ def _check_names(store: Store, rec: CommitRecord, report: VerifyReport) -> bool:
                                        "location"))
         return False
     return not bad
+
+
+def check_unique_ids(store: Store, report: VerifyReport) -> None:
+    """Every sample id once: a repeated one is served twice per epoch and breaks resume and merge (which key on
+    ids). Named with the shards that hold it (at most a few of them listed)."""
+    ids = store.table.sample_id.tolist()
+    if len(set(ids)) == len(ids):
+        return
+    first = store.table.first
+    where: dict[str, list[str]] = {}
+    for i, sid in enumerate(ids):
+        where.setdefault(sid, []).append(i)
+    repeated = {sid: rows for sid, rows in where.items() if len(rows) > 1}
+    for sid, rows in list(repeated.items())[:20]:
+        shards = sorted({store.table.shard[int(np.searchsorted(first, r, side="right") - 1)] for r in rows})
+        report.problems.append(Problem(shards[0], f"sample id {sid!r} is held {len(rows)} times (shards "
+                                                  f"{', '.join(shards[:4])}): ids must be unique in a store"))
+    if len(repeated) > 20:
+        report.problems.append(Problem("(samples)", f"{len(repeated)} sample ids are repeated in all"))
 
 
 def check_index(store: Store, report: VerifyReport) -> bool:

@@ -27,8 +27,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from . import codec, commit, fp8, index, layout, storage
-from .errors import SampleError, StoreError
+from . import codec, commit, fp8, index, layout, memory, storage
+from .errors import ManifestError, SampleError, StoreError
 from .manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
 from .version import __version__
 
@@ -62,7 +62,10 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
     existing = Manifest.from_json(fs.cat_file(path), where=f"{url}/{MANIFEST_FILE}")
-    check_compatible(existing, manifest, f"store {url!r}", "the data being written")
+    check_compatible(existing, manifest, f"store {url!r}", "the data being written")  # taps, dtype, encoding, ...
+    if existing.layout != manifest.layout:  # a resumed job must not write another layout than it asks for
+        raise ManifestError(f"store {url!r} exists with layout {existing.layout!r}; {manifest.layout!r} was asked "
+                            "for (give another destination, or the store's layout)")
     return existing
 
 
@@ -92,7 +95,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
-        self.fs, self.root = storage.open_destination(url, self.storage_options)
+        self.fs, self.root = storage.open_destination(url, self.storage_options, layout.own_objects())
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(
@@ -122,6 +125,7 @@ class StoreWriter:
         self._free: list[tuple[np.ndarray, np.ndarray | None]] = []  # (features, fp8 scales or None)
         self._lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
+        self._seen: set[str] = set()  # sample ids added (a repeated one is refused)
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
         self.committed: list[commit.CommitRecord] = []
         self.bytes_written = 0
@@ -136,6 +140,9 @@ class StoreWriter:
             if capacity == self.capacity and self._free:
                 bufs = self._free.pop()
         if bufs is None:
+            memory.check_fits(len(self.slots) * capacity * self.hidden * self.storage_dtype.itemsize,
+                              f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.slots)} layers x "
+                              f"hidden {self.hidden}")
             bufs = (np.empty((len(self.slots), capacity, self.hidden), dtype=self.storage_dtype),
                     np.empty((len(self.slots), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
         self._buf, self._scales = bufs
@@ -166,6 +173,9 @@ class StoreWriter:
         if self._closed:
             raise StoreError("writer is closed")
         self.raise_background_error()
+        sample_id = str(sample_id)
+        if sample_id in self._seen:  # readers would serve it twice; resume and merge key on ids
+            raise SampleError(f"sample {sample_id!r}: added twice to this writer (sample ids are unique in a store)")
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
         T = ids.shape[0]
@@ -206,7 +216,8 @@ class StoreWriter:
         self._ids.append(ids.astype(np.int32))
         self._mask.append(mask.astype(np.uint8))
         c = self._cols
-        c["sample_id"].append(str(sample_id))
+        self._seen.add(sample_id)
+        c["sample_id"].append(sample_id)
         c["source"].append(str(source))
         c["length"].append(int(T))
         c["loss_tokens"].append(int(mask.sum()))

@@ -172,6 +172,22 @@ def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
 
 # -- reading -----------------------------------------------------------------------------------------
 
+def check_extent(store: Store, rec: CommitRecord) -> None:
+    """Refuse (before any buffer is sized from it) a record whose token count its chunks cannot hold: it must
+    list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``. Checked once per record object."""
+    if getattr(rec, "_extent_ok", False):
+        return
+    ct = store.manifest.chunk_tokens
+    prefix = f"{shard_path(rec.shard)}/input_ids/c/"
+    listed = sum(1 for k in rec.files if k.startswith(prefix))
+    want = -(-rec.n_tokens // ct) if ct else 0
+    if listed != want:
+        raise CorruptionError(f"shard {rec.shard!r}: its commit record claims {rec.n_tokens:,} tokens, which need "
+                              f"{want:,} chunks of input_ids, and lists {listed:,} (forged or damaged record; run "
+                              "hsstore verify)")
+    rec._extent_ok = True
+
+
 def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
@@ -336,12 +352,31 @@ def check_shard(store: Store, fs, root: str, rec: CommitRecord, report: VerifyRe
     CRC32C, chunk bound to its path), then the arrays through zarr-python (shapes, dtypes, every chunk
     listed, offsets and loss-mask sums against the record; fp8: the scales). ``tails`` (``hsstore
     upgrade``): filled with the CRC32C each intact chunk ends with, read in the same pass."""
-    _check_files(fs, root, rec, report, progress, tails)
+    _check_files(fs, root, rec, report, progress, tails, store.manifest)
     _check_arrays(store, rec, report)
 
 
+def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
+    """Why a layer chunk's payload would not decode to one chunk of the manifest's shape (None: it would): an
+    uncompressed payload must be that size, a compressed one must declare it (``codec.decode_bounded``), so
+    ``verify`` refuses what readers would refuse, without decoding."""
+    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.slots}:  # others: plain
+        return None
+    nbytes = m.chunk_tokens * m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
+    c = codec.ChunkCodec(m.codec)._numcodec()
+    payload = memoryview(blob)[:-4]
+    if c is None:
+        got = len(payload)
+    else:
+        blosc = m.codec.split(":")[0] in ("lz4", "blosc-zstd")
+        got = codec.blosc_content_size(payload) if blosc else codec.zstd_content_size(payload)
+    if got != nbytes:
+        return f"chunk decodes to {'an undeclared size' if got is None else f'{got:,} bytes'}, one chunk is {nbytes:,}"
+    return None
+
+
 def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progress,
-                 tails: dict[str, int] | None = None) -> None:
+                 tails: dict[str, int] | None = None, manifest: Manifest | None = None) -> None:
     keys = list(rec.files)
     batch: list[str] = []
     size = 0
@@ -367,7 +402,7 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
                     continue
                 report.files += 1
                 report.bytes += len(data)
-                wrong = check_file(rec, k, data)
+                wrong = check_file(rec, k, data) or (manifest and decoded_size_problem(manifest, k, data))
                 if wrong:
                     report.problems.append(Problem(rec.shard, wrong, k, samples_in_file(rec, k)))
                 elif tails is not None and is_chunk_key(k):

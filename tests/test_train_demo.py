@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hsstore.extract.demo import MARKER, prepare_out, run_demo
+from hsstore.extract.demo import MARKER, note_created, prepare_out, run_demo
 from hsstore.cli import main as hsstore_cli
 
 
@@ -39,6 +39,7 @@ def test_demo_rerun_removes_only_what_it_created(tmp_path):
     for name in ("store", "run"):
         (out / name).mkdir()
         (out / name / "x").write_text("old")
+    note_created()  # what the demo's steps record of the files they wrote
     (out / "notes.txt").write_text("mine")  # added by the user after the first run
     prepare_out(out)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "notes.txt"])

@@ -166,17 +166,50 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def check_tensors(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """ValueError naming the first few missing / unexpected / misshapen tensors of ``source``."""
+def check_tensors(cfg: DrafterConfig, tensors: dict[str, Any], source: str) -> None:
+    """ValueError naming the first few missing / unexpected / misshapen tensors of ``source`` (tensors, or
+    their shapes)."""
     want = expected_shapes(cfg)
-    missing = sorted(set(want) - set(tensors))
-    extra = sorted(set(tensors) - set(want))
-    shapes = [f"{k} {tuple(tensors[k].shape)} != {want[k]}" for k in sorted(set(want) & set(tensors))
-              if tuple(tensors[k].shape) != want[k]]
+    have = {k: tuple(v) if isinstance(v, (tuple, list)) else tuple(v.shape) for k, v in tensors.items()}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    shapes = [f"{k} {have[k]} != {want[k]}" for k in sorted(set(want) & set(have)) if have[k] != want[k]]
     problems = [f"missing {missing[:3]}" if missing else "", f"unexpected {extra[:3]}" if extra else "",
                 f"shape {shapes[:3]}" if shapes else ""]
     if any(problems):
         raise ValueError(f"{source} does not match its config: {'; '.join(x for x in problems if x)}")
+
+
+SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors format's own limit on its JSON header
+
+
+def file_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header alone (8-byte length, then JSON): what a config can
+    be checked against before any weight is built or read."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= SAFETENSORS_HEADER_MAX:
+            raise ValueError(f"{file}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+            return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{file}: malformed safetensors header ({type(e).__name__}: {e})") from None
+
+
+def weights_file(path: str | os.PathLike) -> Path:
+    """The file ``read_weights`` reads: a checkpoint's fp32 master weights, else the served model.safetensors."""
+    path = resolve_drafter_dir(path)
+    return path / MASTER if (path / MASTER).exists() else path / WEIGHTS
+
+
+def check_weights_file(path: str | os.PathLike, cfg: DrafterConfig) -> None:
+    """Refuse a drafter whose ``config.json`` does not describe its weights file, before anything is built: a
+    config is data from elsewhere (``intermediate_size`` 4M would allocate gigabytes for a model whose file
+    holds a small one)."""
+    file = weights_file(path)
+    check_tensors(cfg, file_shapes(file), f"{file} (its config {resolve_drafter_dir(path) / CONFIG})")
 
 
 def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str, torch.Tensor],
@@ -227,6 +260,7 @@ def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: t
     path = resolve_drafter_dir(path)
     cfg, _ = read_drafter_config(path)
     cfg = dataclasses.replace(cfg, **config_overrides)
+    check_weights_file(path, cfg)  # the config describes the file: checked before any weight is built
     model = DFlashDrafter(cfg, embed_tokens, lm_head)
     model.load_state_dict(read_weights(path, cfg), strict=True)
     return model
@@ -235,8 +269,7 @@ def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: t
 def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch.Tensor]:
     """The weights of the drafter at ``path``, checked against ``cfg``: a checkpoint's fp32 master weights (exactly
     what was trained), else the served model.safetensors (bf16; fp32 in the legacy format)."""
-    path = resolve_drafter_dir(path)
-    file = path / MASTER if (path / MASTER).exists() else path / WEIGHTS
+    file = weights_file(path)
     tensors = load_file(str(file))
     check_tensors(cfg, tensors, str(file))
     return tensors

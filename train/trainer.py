@@ -36,6 +36,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -43,7 +44,7 @@ import os
 import signal
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,6 +58,7 @@ from hsstore import assets, codec, fp8, storage
 from hsstore.devices import resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.manifest import check_compatible
+from hsstore.redaction import recordable_url
 from hsstore.reader import open_shared, read_manifest
 from hsstore.taps import text_config
 
@@ -73,6 +75,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EPOCHS = 6
 # settings that must not change when resuming (the weights or the data order would not match)
+RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
 RESUME_KEYS = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
                "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                "rope_theta", "mask_token_id", "gamma", "workers")
@@ -236,6 +239,7 @@ def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, cfg: Tra
                  if getattr(cfg, k) is not None and getattr(cfg, k) != mine[k]]
     if problems:
         raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
+    ckpt.check_weights_file(path, dcfg)  # its config describes its weights: checked before any is built
     if dcfg.num_layers != cfg.draft_layers or dcfg.sliding_window != (
             [cfg.sliding_window] * (cfg.draft_layers - 1) + [None] if cfg.sliding_window else None):
         log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
@@ -406,6 +410,8 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     share_cpu_threads(cfg.cpu_threads, device)
     cfg = with_device_defaults(cfg, device)
     out = Path(cfg.out)
+    if rank == 0:  # a user's folder is not a run to resume (other ranks would see rank 0's first files)
+        storage.check_output_folder(out, (RUN_MARKER,), "train --out")
     out.mkdir(parents=True, exist_ok=True)
 
     # -- the drafter, from the store alone
@@ -441,7 +447,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
                               cache_bytes=cfg.cache_bytes)
     total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
     sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
-    config_json = {**dataclasses.asdict(cfg), "storage_options": None}  # may hold secrets: not saved
+    config_json = recordable_config(cfg)
     extra = {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
              "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
 
@@ -485,7 +491,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     if cfg.log_samples:
         truncate_jsonl(samples_path, step)
     if rank == 0:
-        (out / "train_config.json").write_text(json.dumps(config_json, indent=2))
+        (out / RUN_MARKER).write_text(json.dumps(config_json, indent=2))
         if settings is not None:
             write_run_file(out / RUN_FILE, settings, stores, {**config_json, "device": str(device)})
     trackers = None
@@ -708,21 +714,48 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
         if world > 1:
             dist.barrier()
-        ckpt.write_rank_files(tmp, rank, loader_state, self.device)
+        with checkpoint_errors(tmp, step):
+            ckpt.write_rank_files(tmp, rank, loader_state, self.device)
         if world > 1:
             dist.barrier()
         if rank == 0:
-            ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
-                                  config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
-            ckpt.publish(tmp, final, self.cfg.keep, best)
+            with checkpoint_errors(tmp, step):
+                ckpt.write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
+                                      config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
+                ckpt.publish(tmp, final, self.cfg.keep, best)
         if world > 1:
             dist.barrier()
+
+
+@contextmanager
+def checkpoint_errors(tmp: Path, step: int):
+    """A checkpoint that cannot be written (a full disk above all: safetensors raises its own ``SafetensorError``)
+    as one ``OSError`` line saying so; the checkpoints published before stay as they were (a resume uses them)."""
+    try:
+        yield
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in text or "StorageFull" in text
+        why = "the disk is full" if full else text
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"checkpoint of step {step} could not be written to {tmp}: {why}; the checkpoints published "
+                      "before are kept (free space, then run the same command again to resume)") from e
+
+
+def recordable_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The training config as ``train_config.json`` and every checkpoint's ``trainer.json`` record it: no storage
+    options (they may hold secrets) and store URLs in their recordable form (no ``user:password@``)."""
+    d = {**dataclasses.asdict(cfg), "storage_options": None}
+    for key in ("stores", "val_stores"):
+        if d.get(key):
+            d[key] = [recordable_url(u) for u in d[key]]
+    return d
 
 
 def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = ckpt.read_trainer_state(path)
-    now = dataclasses.asdict(cfg)
+    now = recordable_config(cfg)  # as it was saved
     before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
     diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
     saved_cfg, _ = ckpt.read_drafter_config(path)

@@ -1,0 +1,132 @@
+"""Every writing command refuses an existing non-empty folder that is not its own kind of output (one line, exit 2,
+nothing changed), resumes its own work, and checks an existing store's layout, dtype and taps; the demo deletes
+only files it created (issue 26, item 9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import hsstore
+from hsstore.cli import main
+
+from conftest import make_manifest, make_samples, write_samples
+from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
+
+IDENTITY = ["--layers", "1,3,5", "--model-name", "peer-target", "--num-layers", "8", "--hidden-size", "48",
+            "--config-hash", "cfg-peer", "--tokenizer-hash", "vocab-peer", "-q"]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def user_folder(path: Path) -> dict[str, bytes]:
+    """A folder of the user's: an existing zarr group and a config.json where a store would put its assets."""
+    (path / "assets").mkdir(parents=True)
+    (path / "assets" / "config.json").write_text('{"mine": true}')
+    (path / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group", "attributes": {"mine": 1}}')
+    return snapshot(path)
+
+
+def refused(argv, folder: Path, before: dict, capsys, *words):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert all(w in lines[0] for w in words), lines[0]
+    assert snapshot(folder) == before  # nothing changed, nothing added
+
+
+@pytest.fixture
+def src(tmp_path):
+    url = str(tmp_path / "src")
+    write_samples(url, make_manifest(), make_samples(4, max_len=40))
+    return url
+
+
+@pytest.mark.parametrize("command", ["subset", "convert", "merge-copy", "merge-reference", "import", "export"])
+def test_writing_commands_refuse_a_users_folder(src, tmp_path, command, capsys):
+    dst = tmp_path / "mine"
+    before = user_folder(dst)
+    if command == "import":
+        assert main(["export", "specforge", src, str(tmp_path / "sf"), "-q"]) == 0
+    argv = {"subset": ["subset", src, str(dst), "-q"],
+            "convert": ["convert", src, str(dst), "--layout", "wds", "-q"],
+            "merge-copy": ["merge", str(dst), src, "--by", "copy", "-q"],
+            "merge-reference": ["merge", str(dst), src, "--by", "reference", "-q"],
+            "import": ["import", "specforge", str(tmp_path / "sf"), "--out", str(dst), *IDENTITY],
+            "export": ["export", "specforge", src, str(dst), "-q"]}[command]
+    refused(argv, dst, before, capsys, str(dst), "not empty", "nothing was written")
+
+
+def test_extract_refuses_a_users_folder(tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
+    dst = tmp_path / "mine"
+    before = user_folder(dst)
+    refused(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", str(dst), "--device", "cpu",
+             "-q"], dst, before, capsys, "not empty", "nothing was written")
+
+
+def test_store_commands_resume_their_own_store(src, tmp_path, capsys):
+    dst = str(tmp_path / "sub")
+    assert main(["subset", src, dst, "-q"]) == 0
+    assert main(["subset", src, dst, "-q"]) == 0  # resumed: nothing left to copy
+    assert "0 written" in capsys.readouterr().out and len(hsstore.open(dst)) == 4
+
+
+def test_resume_checks_layout_dtype_and_taps(src, tmp_path):
+    samples = make_samples(2, max_len=40)
+    with pytest.raises(hsstore.ManifestError, match="exists with layout 'zarr'; 'wds' was asked for"):
+        write_samples(src, dataclasses.replace(make_manifest(), layout="wds"), samples)
+    with pytest.raises(hsstore.ManifestError, match="dtype"):
+        write_samples(src, make_manifest(dtype="float16"), samples)
+    with pytest.raises(hsstore.ManifestError, match="layers"):
+        write_samples(src, make_manifest(layers=(1, 3, 6)), samples)
+    assert len(hsstore.open(src)) == 4
+
+
+def test_extract_wds_into_an_existing_zarr_store_is_refused(tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
+    out = str(tmp_path / "s")
+    argv = ["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out, "--device", "cpu", "-q"]
+    assert main(argv) == 0
+    before = snapshot(Path(out))
+    capsys.readouterr()
+    refused(argv + ["--layout", "wds"], Path(out), before, capsys, "exists with layout 'zarr'; 'wds' was asked for")
+
+
+def test_train_out_refuses_a_folder_that_is_not_its_run(store32, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run"
+    (out / "drafter").mkdir(parents=True)
+    (out / "drafter" / "config.json").write_text('{"mine": true}')
+    before = snapshot(out)
+    argv = ["train", "--store", store32, "--out", str(out), "--steps", "1", "--token-budget", "1024",
+            "--draft-layers", "1", "--block-size", "8", "--anchors", "32", "--device", "cpu", "-q"]
+    refused(argv, out, before, capsys, "train --out", "not empty", "train_config.json")
+    fresh = tmp_path / "fresh"
+    assert main([*argv[:4], str(fresh), *argv[5:]]) == 0 and (fresh / "train_config.json").exists()
+    assert main([*argv[:4], str(fresh), *argv[5:]]) == 0  # its own run: resumed
+
+
+def test_demo_rerun_keeps_the_users_files(tmp_path):
+    from hsstore.extract import demo
+
+    out = tmp_path / "demo"
+    demo.prepare_out(out)
+    for name in ("run", "store"):  # what a demo run wrote
+        (out / name / "sub").mkdir(parents=True)
+        (out / name / "sub" / "made.bin").write_bytes(b"demo")
+    demo.note_created()
+    (out / "run" / "notes.txt").write_text("mine")
+    (out / "store" / "sub" / "extra.json").write_text("mine")
+    with pytest.raises(ValueError, match="holds files hsstore demo did not create .*run/notes.txt"):
+        demo.prepare_out(out)
+    assert (out / "run" / "notes.txt").read_text() == "mine" and (out / "run" / "sub" / "made.bin").exists()
+    assert (out / "store" / "sub" / "extra.json").read_text() == "mine"
+    (out / "run" / "notes.txt").unlink()
+    (out / "store" / "sub" / "extra.json").unlink()
+    demo.prepare_out(out)  # only the demo's own files left: cleared for the new run
+    assert not (out / "run").exists() and not (out / "store").exists()
+    assert json.loads((out / demo.MARKER).read_text())["files"] == []
