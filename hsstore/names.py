@@ -171,6 +171,10 @@ def cache_path(cache_root: str, namespace: str, remote_path: str) -> str:
     (the remote path is made of the store's names). A lexical check (no ``realpath`` per chunk on the loader's
     path): the cache folder is the user's own, so no link in it comes from a store."""
     where = f"chunk cache {cache_root!r}"
-    name = remote_path.lstrip("/")
+    name = remote_path
+    if "://" in name:  # filesystems that key objects by URL (http): scheme and user info are no part of the name
+        netloc, _, rest = name.split("://", 1)[1].partition("/")
+        name = netloc.rpartition("@")[2] + "/" + rest
+    name = name.lstrip("/")
     return os.path.join(cache_root, part(namespace, "namespace", where), key(name, "chunk path", where))
 
