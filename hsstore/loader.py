@@ -71,6 +71,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
+from .items import make_item
 from .distributed import node_of, rank_and_world
 from .manifest import check_compatible
 from .memory import BufferPool, empty_host, hand_over
@@ -333,7 +334,7 @@ class HiddenStateDataset(IterableDataset):
         units, nbytes = self.planner.node_share(self.nodes, self.node)
         log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
                  self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
-        remote = [s for s in self.stores if not storage.is_local(s._fs())]
+        remote = [s for s in self.stores if not storage.is_local(s.fs)]
         if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
             log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
                         "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
@@ -448,8 +449,8 @@ class HiddenStateDataset(IterableDataset):
             return
         for store in self.stores:  # one cache object per process: a forked child must not share its lock
             cache = store.chunk_cache
-            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store._fs()):
-                store.chunk_cache = ChunkCache(self.cache_dir, self.cache_bytes)
+            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
+                store.use_chunk_cache(ChunkCache(self.cache_dir, self.cache_bytes))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a run's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
@@ -463,19 +464,19 @@ class HiddenStateDataset(IterableDataset):
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
                 self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+        return pool
 
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
         from measured request times), else None."""
-        if self.remote_rate <= 0 or all(storage.is_local(s._fs()) for s in self.stores):
+        if self.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
             return None
         ct, n = self.stores[0].manifest.chunk_tokens, len(self._slots)
         return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
-        return pool
 
     def _store_gone(self, store: Store) -> str | None:
         try:
-            return None if storage.store_exists(store._fs(), store.root, store.url) else "its manifest is gone"
+            return None if storage.store_exists(store.fs, store.root, store.url) else "its manifest is gone"
         except Exception as e:  # unreachable counts as gone: nothing can be read from it
             return f"it cannot be reached ({type(e).__name__}: {e})"
 
@@ -534,18 +535,10 @@ class HiddenStateDataset(IterableDataset):
                                         feats[:, s:e], None if scales is None else scales[:, s:e])
 
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
-        item = {"sample_id": sample.sample_id, "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
-                "loss_mask": torch.from_numpy(sample.loss_mask.astype(bool)),
-                "hidden_states": sample.feats.permute(1, 0, 2)}
-        if self.final_hidden:  # the last slot read: the final norm's output [T, H]
-            item["hidden_states"], item["final_hidden"] = sample.feats[:-1].permute(1, 0, 2), sample.feats[-1]
-        if sample.scales is not None:
-            item["hidden_scales"] = sample.scales.permute(1, 0)
-            if self.dequantise:
-                item = fp8.dequantise_batch(item, codec.TORCH_DTYPE[self.stores[0].manifest.dtype])
-        if self.pin_memory and sample.feats.is_pinned():  # pinned only in the main process (see _alloc)
-            item["input_ids"] = item["input_ids"].pin_memory()
-            item["loss_mask"] = item["loss_mask"].pin_memory()
+        item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
+                         dtype=self.stores[0].manifest.dtype, final_hidden=self.final_hidden,
+                         dequantise=self.dequantise,
+                         pin=self.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
         return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:

@@ -160,12 +160,12 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
         return
     try:  # a shard merged by reference: its files are checked where its record says they are
-        shard_fs, shard_root, _ = store.shard_location(rec.shard)
+        store.shard_location(rec.shard)
     except Exception as e:
         report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
                                                   f"{type(e).__name__}: {e}"))
         return
-    layout.get(store.manifest.layout).check_shard(store, shard_fs, shard_root, rec, report, progress, tails)
+    layout.get(store.manifest.layout).check_shard(store.source, rec, report, progress, tails)
 
 
 def _check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None:

@@ -40,7 +40,7 @@ from .memory import copy_bytes
 from .report import Problem, VerifyReport
 
 if TYPE_CHECKING:
-    from .reader import Store
+    from .shard_source import ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -221,11 +221,11 @@ def _member(rec: CommitRecord, name: str) -> list[int]:
     return entry
 
 
-def check_extent(store: Store, rec: CommitRecord) -> None:
+def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     """Nothing to check before sizing buffers: each sample's members are checked against their sizes as read."""
 
 
-def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
     """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
@@ -234,7 +234,7 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
     None (wds stores hold raw features; the manifest check refuses fp8)."""
     if carry is not None:
         carry.clear()
-    m = store.manifest
+    m = src.manifest
     off = rec.offsets
     H, fdescr = m.hidden_size, np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
     jobs: list[_Job] = []
@@ -253,7 +253,7 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
         feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.slots]
-    fs, root, url = store.shard_location(rec.shard)  # another store's, for a shard merged by reference
+    fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
     path = storage.join(root, tar_path(rec.shard))
     if storage.is_local(fs):
         _read_local(path, jobs, rec.shard)
@@ -416,13 +416,14 @@ class _CrcReader:
             pass
 
 
-def check_shard(store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
-                progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
+def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progress: Callable[[int], None] | None,
+                tails: dict[str, int] | None = None) -> None:
     """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
     the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
     the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted.
     Every checksum here is of the object's own bytes, so it identifies the data (``tails``: none to fill)."""
-    m, name = store.manifest, rec.shard
+    m, name = src.manifest, rec.shard
+    fs, root, _ = src.locate(name)  # another store's, for a shard merged by reference
     key = tar_path(name)
     want = rec.files.get(key)
     members = rec.members or {}
