@@ -256,7 +256,7 @@ class Store:
         if layers is None:
             return self.layers
         layers = list(layers)
-        missing = [l for l in layers if l not in self.manifest.slots]
+        missing = [l for l in layers if l not in self.manifest.all_features]
         if missing:
             raise StoreError(f"layers {missing} are not in store {self.url!r} (it holds {self.layers})")
         return layers
@@ -332,7 +332,7 @@ class Store:
 
     def _with_features(self, layers: Sequence[int] | None) -> list:
         """``layers`` checked; None: every layer, then the store's named features (items get ``final_hidden``)."""
-        return self.manifest.slots if layers is None else self.check_layers(layers)
+        return self.manifest.all_features if layers is None else self.check_layers(layers)
 
     def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray,
                     scales: np.ndarray | None = None, dequantise: bool = True, final_hidden: bool = False,

@@ -174,14 +174,14 @@ def _check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None
         report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
                                                   "after this shard was committed (layers, dtype, hashes, codec "
                                                   "or chunk grid)", "manifest.json"))
-    if sorted(rec.layers, key=_slot_order) != [str(l) for l in m.slots]:
-        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_slot_order)} "
-                                                  f"differ from the manifest's {m.slots}"))
+    if sorted(rec.layers, key=_feature_order) != [str(l) for l in m.all_features]:
+        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_feature_order)} "
+                                                  f"differ from the manifest's {m.all_features}"))
     if rec.chunk_tokens != m.chunk_tokens:
         report.problems.append(Problem(rec.shard, f"chunk_tokens {rec.chunk_tokens} differs from the manifest's "
                                                   f"{m.chunk_tokens}"))
 
 
-def _slot_order(key: str) -> tuple:
-    """Commit-record slot keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
+def _feature_order(key: str) -> tuple:
+    """Commit-record feature keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
     return (0, int(key), "") if key.lstrip("-").isdigit() else (1, 0, key)

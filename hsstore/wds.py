@@ -174,7 +174,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         raise ValueError(f"shard {name!r}: the wds layout holds raw features only (no fp8 scales)")
     offsets = sample_offsets(name, samples, int(input_ids.shape[0]))
     tar = TarBuilder()
-    layer_bytes = {l: 0 for l in manifest.slots}
+    layer_bytes = {l: 0 for l in manifest.all_features}
     ids, mask = input_ids.astype(IDS_DTYPE, copy=False), loss_mask.astype(MASK_DTYPE, copy=False)
     for i in range(len(offsets) - 1):
         a, b = int(offsets[i]), int(offsets[i + 1])
@@ -183,14 +183,14 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         tar.add(member_name(i, "json"), [json.dumps(meta, separators=(",", ":")).encode()])
         tar.add_npy(member_name(i, "input_ids.npy"), ids[a:b])
         tar.add_npy(member_name(i, "loss_mask.npy"), mask[a:b])
-        for l in manifest.slots:
+        for l in manifest.all_features:
             layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
     obj = tar.finish()
     storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
         layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
-                for l in manifest.slots},
+                for l in manifest.all_features},
         files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
         stats=stats or {}, created_at=now_iso(), members=tar.members,
         manifest_key=manifest.shard_key())
@@ -252,7 +252,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         for part, dest, descr, shape in parts:
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
-        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.slots]
+        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
     fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
     path = storage.join(root, tar_path(rec.shard))
     if storage.is_local(fs):
@@ -427,7 +427,7 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     key = tar_path(name)
     want = rec.files.get(key)
     members = rec.members or {}
-    if want is None or set(members) != set(expected_members(rec, m.slots)):
+    if want is None or set(members) != set(expected_members(rec, m.all_features)):
         report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
                                              f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
         return

@@ -126,10 +126,10 @@ def write_shard(
     if is_fp8 and scales is None:
         raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
     arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.slots]
+        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.all_features]
     if is_fp8:
         arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
-                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.slots]
+                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.all_features]
     arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
                ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
                ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
@@ -151,7 +151,7 @@ def write_shard(
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}
-    for l in manifest.slots:  # a layer's bytes: its values, and its scales in an fp8 store
+    for l in manifest.all_features:  # a layer's bytes: its values, and its scales in an fp8 store
         prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
         raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
         layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
@@ -361,7 +361,7 @@ def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
     """Why a layer chunk's payload would not decode to one chunk of the manifest's shape (None: it would): an
     uncompressed payload must be that size, a compressed one must declare it (``codec.decode_bounded``), so
     ``verify`` refuses what readers would refuse, without decoding."""
-    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.slots}:  # others: plain
+    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.all_features}:  # others: plain
         return None
     nbytes = m.chunk_tokens * m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
     c = codec.ChunkCodec(m.codec)._numcodec()
@@ -421,7 +421,7 @@ def _check_arrays(src: ShardSource, rec: CommitRecord, report: VerifyReport) -> 
     except Exception as e:
         report.problems.append(Problem(name, f"shard group cannot be opened: {e}", f"{base}/zarr.json"))
         return
-    for l in m.slots:
+    for l in m.all_features:
         key = f"{base}/{layer_array(l)}"
         try:
             a = g[layer_array(l)]

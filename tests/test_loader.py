@@ -455,14 +455,14 @@ def test_plan_is_metadata_only_and_units_are_contiguous(store_url):
     ds = dataset(store_url)
     plan = ds.planner.slot_plan(0, None, 0, 1, 1, 0)
     assert sorted(plan.rows.tolist()) == list(range(70))
-    # at any point, the items handed out so far come from few open groups (pool of ~500 tokens)
-    open_groups, last = set(), {g: i for i, g in enumerate(plan.groups.tolist())}
+    # at any point, the items handed out so far come from few open units (pool of ~500 tokens)
+    open_units, last = set(), {g: i for i, g in enumerate(plan.units.tolist())}
     widest = 0
-    for i, g in enumerate(plan.groups.tolist()):
-        open_groups.add(g)
-        widest = max(widest, len(open_groups))
+    for i, g in enumerate(plan.units.tolist()):
+        open_units.add(g)
+        widest = max(widest, len(open_units))
         if last[g] == i:
-            open_groups.discard(g)
+            open_units.discard(g)
     assert widest <= 8
 
 
