@@ -35,7 +35,7 @@ CONTENT_CHECKSUMS = 2
 
 
 def layer_array(layer: int | str) -> str:
-    """A slot's name in a shard, in every layout (a Zarr array, a tar member's part): ``layer_<LLL>`` for a
+    """A feature's name in a shard, in every layout (a Zarr array, a tar member's part): ``layer_<LLL>`` for a
     layer id, the feature's own name (``final_hidden``) otherwise."""
     return layer if isinstance(layer, str) else f"layer_{layer:03d}"
 

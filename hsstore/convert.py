@@ -66,9 +66,9 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
                 if rec.shard in done:
                     result.skipped += 1
                     continue
-                slots = src.manifest.slots  # the layers, then named features (final_hidden)
-                ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, slots)  # every byte checked first
-                features = {l: feats[j] for j, l in enumerate(slots)}
+                every = src.manifest.all_features  # the layers, then named features (final_hidden)
+                ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, every)  # every byte checked first
+                features = {l: feats[j] for j, l in enumerate(every)}
                 try:
                     new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
                                       stats=rec.stats)

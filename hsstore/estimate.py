@@ -2,7 +2,7 @@
 per training epoch. Plain arithmetic on the store format (docs/FORMAT.md), so the figures are the store's own:
 
 * features: tokens x taps x hidden x 2 B in bf16; fp8 (e4m3) is 1 B per value plus a float32 scale per token
-  and tap; ``--final-hidden`` adds one slot per token in the same encoding;
+  and tap; ``--final-hidden`` adds one feature per token in the same encoding;
 * per token besides: ``input_ids`` int32 + ``loss_mask`` uint8 = 5 B (offsets and records are negligible);
 * on disk, each shard's last chunk of every array is full size: about half a chunk per shard of padding at the
   writer's default shard (1 GiB) and chunk (~16 MiB per layer) sizes, ~4% at 27B scale;

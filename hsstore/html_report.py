@@ -91,17 +91,17 @@ def bar_chart(name: str, title: str, labels: list[str], values: list[float], mar
     pw, ph = W - M_LEFT - M_RIGHT, H - M_TOP - M_BOTTOM
     peak = max([v for v in values if v is not None and math.isfinite(v)] or [0]) or 1
     n = max(len(values), 1)
-    slot = pw / n
+    pitch = pw / n
     body = []
     for i, (lab, v) in enumerate(zip(labels, values)):
         v = v if v is not None and math.isfinite(v) else 0
         h = ph * v / peak
-        x = M_LEFT + i * slot + slot * 0.1
+        x = M_LEFT + i * pitch + pitch * 0.1
         color = MARK if mark == i else COLORS[0]
-        body.append(f'<rect class="mark bar" x="{x:.1f}" y="{M_TOP + ph - h:.1f}" width="{slot * 0.8:.1f}" '
+        body.append(f'<rect class="mark bar" x="{x:.1f}" y="{M_TOP + ph - h:.1f}" width="{pitch * 0.8:.1f}" '
                     f'height="{max(h, 0.0):.1f}" fill="{color}"><title>{_esc(lab)}: {_esc(_fmt(v))}</title></rect>')
         if n <= 16 or i % math.ceil(n / 16) == 0:
-            body.append(f'<text x="{x + slot * 0.4:.1f}" y="{M_TOP + ph + 14}" text-anchor="middle">'
+            body.append(f'<text x="{x + pitch * 0.4:.1f}" y="{M_TOP + ph + 14}" text-anchor="middle">'
                         f'{_esc(lab)}</text>')
     if note:
         body.append(f'<text x="{W - M_RIGHT}" y="18" text-anchor="end" style="fill:{MARK}">{_esc(note)}</text>')

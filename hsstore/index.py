@@ -134,10 +134,10 @@ def encode_segment(kind: str, writer: str, table: RecordTable, supersedes: dict[
     """A version-2 segment (docs/FORMAT.md, "Index"): magic, header length, JSON header, the zstd'd columns,
     the zstd'd record blocks, CRC32C of all before it. ``repack``: rebuild the blocks in row order (a table
     gathered from several segments)."""
-    if repack:
+    if repack or table.trimmed():  # (a reader bounds each block by its rows: a trimmed block is rebuilt)
         blocks, block, offset = records.pack(records.raws(table))
         table = RecordTable(**{**table.__dict__, "blocks": blocks, "block": block, "offset": offset,
-                               "_starts": None})
+                               "_starts": None, "_block_sizes": None})
     desc, arrays = records.table_header(table)
     columns = records.compress(b"".join(a.tobytes() for a in arrays))
     header = {"format": FORMAT, "version": VERSION, "kind": kind, "created_at": now_iso(),

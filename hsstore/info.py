@@ -34,14 +34,14 @@ def summarize(store: Store) -> dict[str, Any]:
             skipped_ids.setdefault(reason, set()).update(ids)
     skipped = {reason: len(ids) for reason, ids in skipped_ids.items()}
     layers = {}
-    for l in m.slots:  # the layers, then named features (final_hidden)
+    for l in m.all_features:  # the layers, then named features (final_hidden)
         j = t.slots.index(str(l)) if str(l) in t.slots else None
         if not len(t):
             layers[str(l)] = {"stored_bytes": 0, "raw_bytes": 0, "ratio": None}
             continue
         if j is None or t.layer_stored[:, j].min() < 0:
             missing = t.shard[int(np.argmax(t.layer_stored[:, j] < 0))] if j is not None else t.shard[0]
-            raise CorruptionError(f"commit record of shard {missing!r} lists no slot {l} of the manifest "
+            raise CorruptionError(f"commit record of shard {missing!r} lists no feature {l} of the manifest "
                                   "(hsstore verify names every such shard)")
         stored, raw = int(t.layer_stored[:, j].sum()), int(t.layer_raw[:, j].sum())
         layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
@@ -71,7 +71,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "compression_ratio": raw_total / feature_stored if raw_total else None,
         # stored feature bytes (all taps; fp8: values + scales) per token, and the same in the target's dtype
         "bytes_per_token": feature_stored / n_tokens if n_tokens else None,
-        "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.slots), m.hidden_size),
+        "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.all_features), m.hidden_size),
         "target": dataclasses.asdict(m.target),
         "tokenizer": dataclasses.asdict(m.tokenizer),
         "created_by": m.created_by,

@@ -2,7 +2,8 @@
 
 Manifest, commit records (commit.py), the sample index, the loader and ``info`` are shared by all layouts;
 a layout only says how one shard's samples become objects, how a token range of a shard is read back, and
-how ``verify`` checks a shard. Each layout is one module that implements :class:`Layout` with plain
+how ``verify`` checks a shard. A layout reads through a ``ShardSource`` (shard_source.py: filesystem, root,
+manifest, chunk cache, checked shard locations), never the ``Store``. Each layout is one module that implements :class:`Layout` with plain
 functions (as zarr-python's stores implement its ``Store`` ABC, one class per backend): ``zarr``
 (zarr_layout.py: one Zarr v3 group of chunked arrays per shard; the default, compressible, chunk cache) and
 ``wds`` (wds.py: one WebDataset tar of ``.npy`` members per shard).
@@ -20,7 +21,7 @@ from .manifest import Manifest
 from .report import VerifyReport
 
 if TYPE_CHECKING:
-    from .reader import Store
+    from .shard_source import ShardSource
 
 
 class Layout(Protocol):
@@ -34,22 +35,23 @@ class Layout(Protocol):
         """Write shard ``name``'s objects under ``(fs, root)``; return its commit record, not yet published
         (``scales``: fp8 stores' per-row scales of each layer)."""
 
-    def read_into(self, store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int],
+    def read_into(self, src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int],
                   ids: np.ndarray, mask: np.ndarray, feats: np.ndarray, carry: dict | None = None,
                   scales: np.ndarray | None = None) -> None:
         """Tokens ``start:stop`` of the shard into the caller's arrays (``feats`` layer-major
         ``[n_layers, T, H]``; ``scales``: fp8 stores' ``[n_layers, T]``, else None); ``carry``: objects
-        shared by consecutive reads of a scan (see ``Store.read_range``)."""
+        shared by consecutive reads of a scan (see ``Store.read_range``). The shard's files are where
+        ``src.locate(rec.shard)`` says; remote chunk reads go through ``src.chunk_cache`` when set."""
 
-    def check_extent(self, store: Store, rec: CommitRecord) -> None:
+    def check_extent(self, src: ShardSource, rec: CommitRecord) -> None:
         """Raise ``CorruptionError`` when the record claims more tokens than its files can hold (checked before
         a reader sizes buffers from it)."""
 
-    def check_shard(self, store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
+    def check_shard(self, src: ShardSource, rec: CommitRecord, report: VerifyReport,
                     progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
-        """``verify``'s checks of one committed shard whose files are in ``(fs, root)`` (another store's for
-        a shard merged by reference), problems added to ``report``; ``progress`` gets bytes read; ``tails``:
-        see ``hsstore upgrade``."""
+        """``verify``'s checks of one committed shard whose files are where ``src.locate(rec.shard)`` says
+        (another store's for a shard merged by reference), problems added to ``report``; ``progress`` gets
+        bytes read; ``tails``: see ``hsstore upgrade``."""
 
     def store_objects(self) -> dict[str, bytes]:
         """Objects written once, with the manifest, when a store is created."""

@@ -3,9 +3,10 @@ over all ranks and DataLoader workers, in a seeded order that survives restarts 
 
 How an epoch is laid out (everything below is computed from commit records alone, no feature bytes):
 
-1. **Catalog**: every sample that passes the filters, in store order. Samples are grouped into *units*:
-   runs of consecutive samples of one shard inside one window of ``unit_tokens`` tokens (aligned to
-   the chunk grid). A unit is what one read fetches: large and contiguous, which object stores want.
+1. **Catalog**: every sample that passes the filters, in store order. Samples are gathered into *units*:
+   the consecutive samples of one shard inside one ``unit_tokens`` cell of the chunk grid. A unit is what
+   one read fetches (one ``read_range`` per contiguous token range of it): large and contiguous, which
+   object stores want. "Unit" is the one word for this read granularity throughout the loader.
 2. **Entries**: the epoch's samples with per-store weights applied (weight 2 = every sample twice,
    0.5 = a seeded half chosen anew each epoch). Entry ids are the positions in this canonical list.
 3. **Global order**: a seeded permutation of units (``seed``, ``epoch``), samples inside a unit in
@@ -43,7 +44,7 @@ Use in a DDP trainer::
     #   building the loader: ds.load_state_dict(hsstore.merge_states(all_old_rank_states))
 
 Reads run on the dataset's own threads (file reads and copies release the GIL; so do CRC32C checks),
-and run buffers are recycled once the trainer drops the items viewing them: in-process from a
+and unit buffers are recycled once the trainer drops the items viewing them: in-process from a
 ``BufferPool``, in DataLoader workers (fork and spawn) from shared-memory segments that the main process
 releases as it drops the items (``memory.SharedRing``), so handing an item over copies nothing and a
 worker rewrites no memory the trainer still holds.
@@ -71,6 +72,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from . import codec, fp8, storage
 from .cache import ChunkCache
 from .errors import CorruptionError, StoreError
+from .items import make_item
 from .distributed import node_of, rank_and_world
 from .manifest import check_compatible
 from .memory import BufferPool, empty_host, hand_over
@@ -125,12 +127,12 @@ class _SlotProgress:
 
 
 class _ReadSample(NamedTuple):
-    """One sample as read from a run buffer (``read_group``), before it becomes an item dict."""
+    """One sample as read from a unit buffer (``read_unit``), before it becomes an item (``items.make_item``)."""
 
     sample_id: str
     input_ids: np.ndarray
     loss_mask: np.ndarray
-    feats: torch.Tensor          # [L, T, H] view of the run buffer (fp8 stores: e4m3fn bits)
+    feats: torch.Tensor          # [L, T, H] view of the unit buffer (fp8 stores: e4m3fn bits)
     scales: torch.Tensor | None  # [L, T] row scales of fp8 stores
 
 
@@ -258,8 +260,8 @@ class HiddenStateDataset(IterableDataset):
             raise StoreError(f"final_hidden asked for, store {first.url!r} does not hold it (written without "
                              "hsstore extract --final-hidden, or imported from files without hidden_state)")
         # what is read per token: the layers, then the final norm's output when asked for
-        self._slots = list(self.layers) + (["final_hidden"] if self.final_hidden else [])
-        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._slots), m.hidden_size)
+        self._features = list(self.layers) + (["final_hidden"] if self.final_hidden else [])
+        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
         self.fp8, self.dequantise = m.encoding == fp8.ENCODING, bool(dequantise)
         ct = m.chunk_tokens
         self.unit_tokens = max(1, -(-max(1, unit_bytes // self.token_bytes) // ct)) * ct
@@ -333,7 +335,7 @@ class HiddenStateDataset(IterableDataset):
         units, nbytes = self.planner.node_share(self.nodes, self.node)
         log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
                  self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
-        remote = [s for s in self.stores if not storage.is_local(s._fs())]
+        remote = [s for s in self.stores if not storage.is_local(s.fs)]
         if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
             log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
                         "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
@@ -448,11 +450,11 @@ class HiddenStateDataset(IterableDataset):
             return
         for store in self.stores:  # one cache object per process: a forked child must not share its lock
             cache = store.chunk_cache
-            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store._fs()):
-                store.chunk_cache = ChunkCache(self.cache_dir, self.cache_bytes)
+            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
+                store.use_chunk_cache(ChunkCache(self.cache_dir, self.cache_bytes))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Memory for a run's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
+        """Memory for a token range's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
         asked in the main process, else recycled from this process's pool (numpy's allocator asks for
         huge pages: fresh memory faults in several times faster than torch's)."""
         return empty_host(shape, dtype, pin=self.pin_memory, shared=self.share_memory, pool=self._pool())
@@ -463,19 +465,19 @@ class HiddenStateDataset(IterableDataset):
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
                 self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+        return pool
 
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
         from measured request times), else None."""
-        if self.remote_rate <= 0 or all(storage.is_local(s._fs()) for s in self.stores):
+        if self.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
             return None
-        ct, n = self.stores[0].manifest.chunk_tokens, len(self._slots)
+        ct, n = self.stores[0].manifest.chunk_tokens, len(self._features)
         return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
-        return pool
 
     def _store_gone(self, store: Store) -> str | None:
         try:
-            return None if storage.store_exists(store._fs(), store.root, store.url) else "its manifest is gone"
+            return None if storage.store_exists(store.fs, store.root, store.url) else "its manifest is gone"
         except Exception as e:  # unreachable counts as gone: nothing can be read from it
             return f"it cannot be reached ({type(e).__name__}: {e})"
 
@@ -483,18 +485,18 @@ class HiddenStateDataset(IterableDataset):
         cat = self.catalog
         return self.stores[int(cat.store[row])].commits[int(cat.shard[row])].samples["sample_id"][int(cat.local[row])]
 
-    def read_group(self, rows: np.ndarray) -> dict[int, _ReadSample | CorruptionError]:
-        """Read catalog rows of one shard (one group): row -> the sample read, or the ``CorruptionError``
+    def read_unit(self, rows: np.ndarray) -> dict[int, _ReadSample | CorruptionError]:
+        """Read catalog rows of one shard (one unit): row -> the sample read, or the ``CorruptionError``
         of that sample. Contiguous rows are read with one ``read_range``."""
         cat = self.catalog
         rows = np.unique(rows)
         store = self.stores[int(cat.store[rows[0]])]
         commit = store.commits[int(cat.shard[rows[0]])]
         out: dict[int, Any] = {}
-        runs = np.split(rows, np.flatnonzero(cat.start[rows[1:]] != cat.stop[rows[:-1]]) + 1)
+        ranges = np.split(rows, np.flatnonzero(cat.start[rows[1:]] != cat.stop[rows[:-1]]) + 1)
         try:
-            for run in runs:
-                self._read_run(store, commit, run, out)
+            for contiguous in ranges:
+                self._read_range(store, commit, contiguous, out)
         except (CorruptionError, StoreError) as e:
             gone = self._store_gone(store)
             if gone:
@@ -505,17 +507,20 @@ class HiddenStateDataset(IterableDataset):
             out = {}
             for row in rows:  # find the samples at fault, keep the rest
                 try:
-                    self._read_run(store, commit, np.array([row]), out)
+                    self._read_range(store, commit, np.array([row]), out)
                 except CorruptionError as e1:
                     out[int(row)] = CorruptionError(f"store {store.url!r}, shard {commit.shard!r}, "
                                                     f"sample {self._sample_id(int(row))!r}: {e1}")
         return out
 
-    def _read_run(self, store: Store, commit, run: np.ndarray, out: dict[int, Any]) -> None:
+    read_group = read_unit  # its former name, kept for callers
+
+    def _read_range(self, store: Store, commit, rows: np.ndarray, out: dict[int, Any]) -> None:
+        """Catalog rows whose tokens are one contiguous range of a shard: one ``read_range``."""
         cat = self.catalog
-        a, b = int(cat.start[run[0]]), int(cat.stop[run[-1]])
+        a, b = int(cat.start[rows[0]]), int(cat.stop[rows[-1]])
         m = store.manifest
-        shape = (len(self._slots), b - a, m.hidden_size)
+        shape = (len(self._features), b - a, m.hidden_size)
         scales = None
         if self.fp8:  # e4m3fn bits, and the rows' scales
             feats = self._alloc(shape, torch.uint8)
@@ -526,26 +531,18 @@ class HiddenStateDataset(IterableDataset):
             feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
             bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
                 codec.STORAGE_DTYPE[m.dtype])
-        ids, mask, _ = store.read_range(commit.shard, a, b, self._slots, out=bits,
+        ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits,
                                         scales_out=None if scales is None else scales.numpy())
-        for row in run:
+        for row in rows:
             s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
             out[int(row)] = _ReadSample(commit.samples["sample_id"][int(cat.local[row])], ids[s:e], mask[s:e],
                                         feats[:, s:e], None if scales is None else scales[:, s:e])
 
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
-        item = {"sample_id": sample.sample_id, "input_ids": torch.from_numpy(sample.input_ids.astype(np.int64)),
-                "loss_mask": torch.from_numpy(sample.loss_mask.astype(bool)),
-                "hidden_states": sample.feats.permute(1, 0, 2)}
-        if self.final_hidden:  # the last slot read: the final norm's output [T, H]
-            item["hidden_states"], item["final_hidden"] = sample.feats[:-1].permute(1, 0, 2), sample.feats[-1]
-        if sample.scales is not None:
-            item["hidden_scales"] = sample.scales.permute(1, 0)
-            if self.dequantise:
-                item = fp8.dequantise_batch(item, codec.TORCH_DTYPE[self.stores[0].manifest.dtype])
-        if self.pin_memory and sample.feats.is_pinned():  # pinned only in the main process (see _alloc)
-            item["input_ids"] = item["input_ids"].pin_memory()
-            item["loss_mask"] = item["loss_mask"].pin_memory()
+        item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
+                         dtype=self.stores[0].manifest.dtype, final_hidden=self.final_hidden,
+                         dequantise=self.dequantise,
+                         pin=self.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
         return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
@@ -562,28 +559,28 @@ def _shared_int(value: int):
 
 
 class _SlotReader:
-    """Iterator over one slot's plan: reads groups ahead on threads, hands out items in plan order.
+    """Iterator over one slot's plan: reads units ahead on threads, hands out items in plan order.
 
-    Groups are submitted in order of first use, up to ``prefetch`` groups beyond the one being handed
-    out; a group's data is released after its last item is handed out (the shuffle pool's memory)."""
+    Units are submitted in order of first use, up to ``prefetch`` units beyond the one being handed
+    out; a unit's data is released after its last item is handed out (the shuffle pool's memory)."""
 
     def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress) -> None:
         self.ds, self.plan, self.progress = ds, plan, progress
         self.pos = progress.count
         self.rows = plan.rows
-        self.group_rows: dict[int, np.ndarray] = {}
+        self.unit_rows: dict[int, np.ndarray] = {}
         self.last_use: dict[int, int] = {}
-        self.rank_of: dict[int, int] = {}  # group -> index in order of first use
+        self.rank_of: dict[int, int] = {}  # unit -> index in order of first use
         self.order: list[int] = []
-        rest = plan.groups[self.pos:]
+        rest = plan.units[self.pos:]
         if len(rest):
             srt = np.argsort(rest, kind="stable")
-            g_sorted = rest[srt]
-            cuts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+            u_sorted = rest[srt]
+            cuts = np.flatnonzero(np.r_[True, u_sorted[1:] != u_sorted[:-1]])
             firsts = {}
             for c0, c1 in zip(cuts.tolist(), np.r_[cuts[1:], len(srt)].tolist()):
-                g = int(g_sorted[c0])
-                self.group_rows[g] = self.rows[self.pos + srt[c0:c1]]
+                g = int(u_sorted[c0])
+                self.unit_rows[g] = self.rows[self.pos + srt[c0:c1]]
                 self.last_use[g] = self.pos + int(srt[c1 - 1])
                 firsts[g] = int(srt[c0])
             self.order = sorted(firsts, key=firsts.__getitem__)
@@ -606,14 +603,14 @@ class _SlotReader:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
         while self.next_submit < len(self.order) and self.next_submit <= idx:
             g = self.order[self.next_submit]
-            rows = self.group_rows.pop(g)
-            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_group, rows)
+            rows = self.unit_rows.pop(g)
+            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_unit, rows)
             self.next_submit += 1
 
     def _read(self, rows: np.ndarray):
-        """A remote group read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
+        """A remote unit read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
         t = time.perf_counter()
-        out = self.ds.read_group(rows)
+        out = self.ds.read_unit(rows)
         took = time.perf_counter() - t
         cat, ds = self.ds.catalog, self.ds
         request, per_unit = self.remote
@@ -629,7 +626,7 @@ class _SlotReader:
         try:
             while self.pos < len(plan):
                 p = self.pos
-                g = int(plan.groups[p])
+                g = int(plan.units[p])
                 self._submit_through(self.rank_of[g] + self.depth)
                 sample = self.futures[g].result()[int(self.rows[p])]
                 if p == self.last_use[g]:

@@ -88,9 +88,12 @@ class Manifest:
         return self.target.hidden_size
 
     @property
-    def slots(self) -> list:
-        """What a shard stores per token, in order: the layer ids, then the named features (``final_hidden``)."""
+    def all_features(self) -> list:
+        """The features a shard stores per token, in order: the layer ids, then the named features
+        (``features``: ``final_hidden``)."""
         return list(self.layers) + list(self.features)
+
+    slots = all_features  # its former name, kept for callers (the index's ``slots`` key is the same list)
 
     def compat_key(self) -> dict[str, Any]:
         """What must be equal for two writers to share a store or a loader to mix stores."""

@@ -102,7 +102,7 @@ def can_pin() -> bool:
 
 
 class BufferPool:
-    """Recycles run buffers once no item views them any more.
+    """Recycles unit buffers once no item views them any more.
 
     Fresh memory must be faulted in page by page, which costs as much as reading the bytes (more under
     gVisor); a trainer drops each batch after its step, so a buffer whose items are all gone is reused.
@@ -157,7 +157,7 @@ def _new_segment(nbytes: int) -> torch.Tensor:
 
 
 def _counters(control: torch.UntypedStorage) -> np.ndarray:
-    """The control segment as ``[slots, 2]`` int64: per slot, copies handed over and copies released."""
+    """The control segment as ``[segments, 2]`` int64: per segment number, copies handed over and copies released."""
     return torch.empty(0, dtype=torch.uint8).set_(control).view(torch.int64).numpy().reshape(-1, 2)
 
 
@@ -174,7 +174,7 @@ class SharedRing:
     by inode), so a reused segment costs the consumer at most a mapping, and the worker nothing: its pages
     are already faulted in.
 
-    Release protocol (one writer per counter, so no lock spans processes): each segment has a slot in a
+    Release protocol (one writer per counter, so no lock spans processes): each segment has a number, its row in a
     small control segment that this worker creates, holding two counters. Pickling an item that views a
     segment (``hand_over``'s ``_Leased``, in the worker) adds one to *handed over*; unpickling it in the
     consumer registers a finalizer on the received storage that adds one to *released* when that storage
@@ -188,63 +188,63 @@ class SharedRing:
     """
 
     GRAIN = 16 << 20
-    SLOTS = 512
+    MAX_SEGMENTS = 512
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes, self.pid = int(max_bytes), os.getpid()
-        self.control = torch.UntypedStorage._new_shared(self.SLOTS * 16)
+        self.control = torch.UntypedStorage._new_shared(self.MAX_SEGMENTS * 16)
         self.counts = _counters(self.control)
         self.counts[:] = 0
-        self.segments: dict[int, tuple[torch.UntypedStorage, int]] = {}  # slot -> (storage, idle use count)
-        self.slot_of: dict[int, int] = {}  # segment address -> slot
+        self.segments: dict[int, tuple[torch.UntypedStorage, int]] = {}  # segment number -> (storage, idle use count)
+        self.seg_of: dict[int, int] = {}  # segment address -> segment number
         self.lock = threading.Lock()
         self.reused = self.allocated = 0
         self.usable = _use_count(self.control) is not None
 
-    def _free(self, slot: int) -> bool:
-        storage, idle = self.segments[slot]
-        return _use_count(storage) <= idle and self.counts[slot, 0] == self.counts[slot, 1]
+    def _free(self, seg: int) -> bool:
+        storage, idle = self.segments[seg]
+        return _use_count(storage) <= idle and self.counts[seg, 0] == self.counts[seg, 1]
 
     def take(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of shared memory as a flat uint8 tensor: a free segment when there is one."""
-        # size classes: 1 MiB steps below GRAIN, powers of two above (runs vary in size from epoch to epoch,
+        # size classes: 1 MiB steps below GRAIN, powers of two above (units vary in size from epoch to epoch,
         # and a larger segment costs no memory for pages never written)
         size = max(1, -(-nbytes // (1 << 20))) << 20 if nbytes < self.GRAIN else 1 << (nbytes - 1).bit_length()
         with self.lock:
             best = None
             if self.usable:
-                for slot, (st, _) in self.segments.items():
+                for seg, (st, _) in self.segments.items():
                     if st.nbytes() >= size and (best is None or st.nbytes() < self.segments[best][0].nbytes()) \
-                            and self._free(slot):
-                        best = slot
+                            and self._free(seg):
+                        best = seg
             if best is not None:
                 self.reused += 1  # the view is made under the lock: the segment is claimed
                 return torch.empty(0, dtype=torch.uint8).set_(self.segments[best][0], 0, (nbytes,))
             self.allocated += 1
             fresh = torch.UntypedStorage._new_shared(size)
             total = sum(st.nbytes() for st, _ in self.segments.values())
-            slot = None
-            if self.usable and total + size <= self.max_bytes and len(self.segments) < self.SLOTS:
-                slot = min(set(range(self.SLOTS)) - set(self.segments))
+            seg = None
+            if self.usable and total + size <= self.max_bytes and len(self.segments) < self.MAX_SEGMENTS:
+                seg = min(set(range(self.MAX_SEGMENTS)) - set(self.segments))
             elif self.usable:  # full: replace the largest free segment, if any, so that sizes keep up
                 free = [s for s in self.segments if self._free(s)]
                 if free:
-                    slot = max(free, key=lambda s: self.segments[s][0].nbytes())
-                    del self.slot_of[self.segments.pop(slot)[0].data_ptr()]
-            if slot is not None:
-                self.counts[slot] = 0  # a new segment: no copies of it out yet
-                self.segments[slot] = (fresh, _use_count(fresh))
-                self.slot_of[fresh.data_ptr()] = slot
+                    seg = max(free, key=lambda s: self.segments[s][0].nbytes())
+                    del self.seg_of[self.segments.pop(seg)[0].data_ptr()]
+            if seg is not None:
+                self.counts[seg] = 0  # a new segment: no copies of it out yet
+                self.segments[seg] = (fresh, _use_count(fresh))
+                self.seg_of[fresh.data_ptr()] = seg
             return torch.empty(0, dtype=torch.uint8).set_(fresh, 0, (nbytes,))
 
     def leases(self, item: dict[str, Any]) -> list[tuple[int, str]]:
-        """(slot, key of a tensor viewing it) for each ring segment that ``item``'s tensors view."""
+        """(segment number, key of a tensor viewing it) for each ring segment that ``item``'s tensors view."""
         out: dict[int, str] = {}
         for k, v in item.items():
             if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-                slot = self.slot_of.get(v.untyped_storage().data_ptr())
-                if slot is not None:
-                    out.setdefault(slot, k)
+                seg = self.seg_of.get(v.untyped_storage().data_ptr())
+                if seg is not None:
+                    out.setdefault(seg, k)
         return sorted(out.items())
 
 
@@ -294,8 +294,8 @@ class _Leased(dict):
         if ring.pid != os.getpid():  # pickled again elsewhere (a forked copy): a plain dict
             return (dict, (dict(self),))
         with ring.lock:
-            for slot, _ in self._leases:
-                ring.counts[slot, 0] += 1
+            for seg, _ in self._leases:
+                ring.counts[seg, 0] += 1
         return (_received, (dict(self), ring.control, self._leases))
 
 
@@ -305,14 +305,14 @@ _RELEASE_LOCK = threading.Lock()
 def _received(item: dict[str, Any], control: torch.UntypedStorage, leases: list[tuple[int, str]]) -> dict[str, Any]:
     """Consumer side of a hand-over: release each leased segment when the storage received for it dies."""
     pid = os.getpid()
-    for slot, key in leases:
-        fin = weakref.finalize(item[key].untyped_storage(), _release, control, slot, pid)
+    for seg, key in leases:
+        fin = weakref.finalize(item[key].untyped_storage(), _release, control, seg, pid)
         fin.atexit = False
     return item
 
 
-def _release(control: torch.UntypedStorage, slot: int, pid: int) -> None:
+def _release(control: torch.UntypedStorage, seg: int, pid: int) -> None:
     if os.getpid() != pid:  # a forked copy of the consumer dropping its inherited references
         return
     with _RELEASE_LOCK:
-        _counters(control)[slot, 1] += 1
+        _counters(control)[seg, 1] += 1

@@ -70,7 +70,7 @@ class Catalog:
 
 def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -> Catalog:
     """Step 1: the samples that pass ``filters``, in store order, grouped into read units."""
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("store", "shard", "local", "start", "stop", "window")}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("store", "shard", "local", "start", "stop", "unit_in_shard")}
     store_rows, n = [], 0
     for si, store in enumerate(stores):
         first = n
@@ -97,14 +97,14 @@ def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -
         cols["local"].append((idx - t.first[shard]).astype(np.int32))
         cols["start"].append(start)
         cols["stop"].append(start + length[idx])
-        cols["window"].append(start // unit_tokens)
+        cols["unit_in_shard"].append(start // unit_tokens)  # the unit_tokens cell of the chunk grid
         n += len(idx)
         store_rows.append((first, n))
     arr = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
     if n:
         new = np.ones(n, bool)
         new[1:] = (arr["store"][1:] != arr["store"][:-1]) | (arr["shard"][1:] != arr["shard"][:-1]) | (
-            arr["window"][1:] != arr["window"][:-1])
+            arr["unit_in_shard"][1:] != arr["unit_in_shard"][:-1])
         unit = np.cumsum(new) - 1
     else:
         unit = np.zeros(0, np.int64)
@@ -140,7 +140,7 @@ def node_units(cat: Catalog, weights: Sequence[float], seed: int, nodes: int) ->
 
     A function of the catalog, weights, seed and node count only (never of the epoch), so a node reads the
     same units every epoch and a local cache that holds its share serves epochs 2.. alone. Units are put in
-    a seeded order and cut into ``nodes`` runs of about equal weighted tokens (within one unit)."""
+    a seeded order and cut into ``nodes`` contiguous shares of about equal weighted tokens (within one unit)."""
     nu = cat.n_units
     w = np.asarray(weights, np.float64)[cat.store] if len(cat) else np.zeros(0)
     tokens = np.bincount(cat.unit, weights=(cat.stop - cat.start) * w, minlength=nu) if nu else np.zeros(0)
@@ -154,14 +154,14 @@ def node_units(cat: Catalog, weights: Sequence[float], seed: int, nodes: int) ->
     return out
 
 
-def _unit_runs(entry_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _unit_bounds(entry_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(entry_key)
     starts = np.flatnonzero(np.r_[True, entry_key[1:] != entry_key[:-1]])
     return starts, np.diff(np.r_[starts, n])
 
 
 def _expand(starts: np.ndarray, lengths: np.ndarray, perm: np.ndarray) -> np.ndarray:
-    """Entry ids of the runs ``perm`` (indices into starts/lengths), run after run."""
+    """Entry ids of the units ``perm`` (indices into starts/lengths), unit after unit."""
     plen = lengths[perm]
     out_starts = np.cumsum(plen) - plen
     return np.arange(int(plen.sum()), dtype=np.int64) - np.repeat(out_starts, plen) + np.repeat(starts[perm], plen)
@@ -191,7 +191,7 @@ def epoch_order(cat: Catalog, weights: Sequence[float], seed: int, epoch: int, s
     entry_key = np.concatenate(parts_key) if parts_key else np.zeros(0, np.int64)
     n = len(entry_cat)
     if nodes is not None:
-        starts, lengths = _unit_runs(entry_key)
+        starts, lengths = _unit_bounds(entry_key)
         run_node = node_units(cat, weights, seed, nodes)[entry_key[starts] % nu] if n else np.zeros(0, np.int64)
         pieces, bounds = [], [0]
         for g in range(nodes):
@@ -204,7 +204,7 @@ def epoch_order(cat: Catalog, weights: Sequence[float], seed: int, epoch: int, s
         return EpochOrder(entry_cat, entry_key, order, np.array(bounds, np.int64))
     if n == 0 or not shuffle:
         return EpochOrder(entry_cat, entry_key, np.arange(n, dtype=np.int64))
-    starts, lengths = _unit_runs(entry_key)
+    starts, lengths = _unit_bounds(entry_key)
     return EpochOrder(entry_cat, entry_key, _expand(starts, lengths, _rng(seed, epoch, 2).permutation(len(starts))))
 
 
@@ -221,10 +221,11 @@ def rank_ranges(n: int, world: int, even: str | None) -> list[tuple[int, int]]:
 
 @dataclass
 class SlotPlan:
-    """What one (rank, worker) slot hands out, in order: entry ids, their catalog rows and read groups."""
+    """What one (rank, worker) slot hands out, in order: entry ids, their catalog rows and read units."""
 
     entries: np.ndarray  # entry ids in emission order
-    groups: np.ndarray   # read-group id of each emitted entry (a group = one contiguous read)
+    units: np.ndarray    # read unit of each emitted entry, numbered in this slot's stream (a unit or the part
+                         # of one this slot holds; a repeat is another): what one ``read_unit`` reads
     rows: np.ndarray     # catalog row of each emitted entry (a weight > 1 repeats rows)
 
     def __len__(self) -> int:
@@ -249,7 +250,7 @@ def node_rank_ranges(counts: Sequence[int], per_node: int, even: str | None) -> 
 
 def slot_streams(eo: EpochOrder, done: np.ndarray | None, world: int, workers: int, even: str | None,
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(entries in stream order, group ids) for every slot ``rank * workers + worker``."""
+    """(entries in stream order, their unit numbers in the stream) for every slot ``rank * workers + worker``."""
     bounds = eo.node_bounds()
     nodes = len(bounds) - 1
     if world % nodes:
@@ -268,36 +269,36 @@ def slot_streams(eo: EpochOrder, done: np.ndarray | None, world: int, workers: i
         ent = remaining[c + idx % n] if n else remaining[:0]
         k = key[c + idx % n] if n else key[:0]
         brk = np.r_[True, (k[1:] != k[:-1]) | (wrapped[1:] != wrapped[:-1])] if len(ent) else np.zeros(0, bool)
-        grp = np.cumsum(brk) - 1
+        unit = np.cumsum(brk) - 1
         m = len(ent)
         for w in range(workers):
             lo, hi = w * m // workers, (w + 1) * m // workers
-            out.append((ent[lo:hi], grp[lo:hi]))
+            out.append((ent[lo:hi], unit[lo:hi]))
     return out
 
 
-def pool_shuffle(groups: np.ndarray, group_bytes: np.ndarray, budget: int, rng: np.random.Generator) -> np.ndarray:
-    """Emission order (positions into the stream) of a shuffle buffer over read groups.
+def pool_shuffle(units: np.ndarray, unit_bytes: np.ndarray, budget: int, rng: np.random.Generator) -> np.ndarray:
+    """Emission order (positions into the stream) of a shuffle buffer over read units.
 
-    Groups enter the pool in stream order while the pool holds less than ``budget`` bytes (at least
-    one group); each step emits a uniformly random pooled sample; a group leaves when it is empty.
+    Units enter the pool in stream order while the pool holds less than ``budget`` bytes (at least
+    one unit); each step emits a uniformly random pooled sample; a unit leaves when it is empty.
     """
-    n = len(groups)
+    n = len(units)
     out = np.empty(n, np.int64)
     if n == 0:
         return out
-    starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+    starts = np.flatnonzero(np.r_[True, units[1:] != units[:-1]])
     ends = np.r_[starts[1:], n]
     gid = np.repeat(np.arange(len(starts)), ends - starts)
     remaining = (ends - starts).tolist()
-    gbytes = group_bytes.tolist()
+    ubytes = unit_bytes.tolist()
     rand = rng.random(n).tolist()
     pool: list[int] = []
     loaded, nxt, ng = 0, 0, len(starts)
     for i in range(n):
         while nxt < ng and (not pool or loaded < budget):
             pool.extend(range(int(starts[nxt]), int(ends[nxt])))
-            loaded += gbytes[nxt]
+            loaded += ubytes[nxt]
             nxt += 1
         j = int(rand[i] * len(pool))
         p = pool[j]
@@ -307,7 +308,7 @@ def pool_shuffle(groups: np.ndarray, group_bytes: np.ndarray, budget: int, rng: 
         g = int(gid[p])
         remaining[g] -= 1
         if remaining[g] == 0:
-            loaded -= gbytes[g]
+            loaded -= ubytes[g]
     return out
 
 
@@ -363,14 +364,14 @@ class Planner:
                   slot: int, nodes: int | None = None) -> SlotPlan:
         """The exact emission order of slot ``rank * workers + worker`` (metadata only; cheap)."""
         eo = self.epoch_order(epoch, nodes)
-        ent, grp = self._streams(epoch, done, phase, world, workers, nodes)[slot]
+        ent, unit = self._streams(epoch, done, phase, world, workers, nodes)[slot]
         if self.shuffle and len(ent):
             tokens = (self.catalog.stop - self.catalog.start)[eo.entry_cat[ent]]
-            starts = np.flatnonzero(np.r_[True, grp[1:] != grp[:-1]])
-            gbytes = np.add.reduceat(tokens, starts) * self.token_bytes
-            pos = pool_shuffle(grp, gbytes, self.shuffle_bytes, _rng(self.seed, epoch, 3, phase, world, workers, slot))
-            ent, grp = ent[pos], grp[pos]
-        return SlotPlan(ent, grp, eo.entry_cat[ent])
+            starts = np.flatnonzero(np.r_[True, unit[1:] != unit[:-1]])
+            ubytes = np.add.reduceat(tokens, starts) * self.token_bytes
+            pos = pool_shuffle(unit, ubytes, self.shuffle_bytes, _rng(self.seed, epoch, 3, phase, world, workers, slot))
+            ent, unit = ent[pos], unit[pos]
+        return SlotPlan(ent, unit, eo.entry_cat[ent])
 
     def rank_counts(self, epoch: int, done: str | None, phase: int, world: int,
                     nodes: int | None = None) -> list[int]:

@@ -24,14 +24,15 @@ import numpy as np
 import torch
 
 from . import codec, commit, fp8, index, layout, memory, names, records, storage
-from .commit import SHARDS_DIR, CommitRecord
+from .commit import CommitRecord
 from .errors import CorruptionError, ManifestError, StoreError
-from .manifest import MANIFEST_FILE, Manifest, canonical_json_hash
+from .items import make_item
+from .manifest import MANIFEST_FILE, Manifest
+from .shard_source import INHERITED as _INHERITED, ShardSource
 
 
 log = logging.getLogger(__name__)
 
-_INHERITED: list = []  # filesystems a forked child inherited: alive for good, never used
 _HELD: list = []  # the parent's cached filesystems, referenced across a fork
 _UNFREEZE_IN_PARENT = False  # whether the parent undoes this fork's gc.freeze() (nothing was frozen before)
 
@@ -113,13 +114,13 @@ class Store:
         sequence of :class:`CommitRecord`, each parsed when first asked for."""
         self.url = url
         self.storage_options = storage_options or {}
-        self.fs, self.root = storage.resolve(url, self.storage_options)
+        fs, self.root = storage.resolve(url, self.storage_options)
         if loaded is None:
-            manifest = read_manifest(self.fs, self.root, url)
+            manifest = read_manifest(fs, self.root, url)
             if manifest.chunk_tokens is None:
                 raise ManifestError(f"{url}/{MANIFEST_FILE}: chunk_tokens is not set (no writer has initialised "
                                     "this store)")
-            snap = index.load(self.fs, self.root, use_index=use_index)
+            snap = index.load(fs, self.root, use_index=use_index)
             loaded, self._origin = (manifest, snap.table, snap.use), snap.origin
         else:
             self._origin = None
@@ -132,7 +133,6 @@ class Store:
         self.manifest_mismatch = [t.shard[i] for i in np.flatnonzero(np.isin(t.manifest_key.codes, odd))]
         self._first = t.first
         self._by_name: dict[str, int] | None = None  # shard name -> row, made when first needed
-        self._pid = os.getpid()
         # shards merged by reference live in another store: shard name -> that store's URL
         # (a location outside the store, unless allowed: refused when the shard is read, named by verify)
         self.allow_locations = list(allow_locations or ())
@@ -145,9 +145,9 @@ class Store:
                 self.locations[shard] = names.location(url, t.location[i], allow, f"store {url!r}, shard {shard!r}")
             except StoreError as e:
                 self.bad_locations[shard] = str(e)
-        self._safe: set[str] = set()  # shards whose names (and, locally, paths) were checked
-        self._located: dict[str, tuple] = {}
-        self.chunk_cache = None  # a cache.ChunkCache for remote stores (set by the loader), or None
+        # all that the layout sees of this store (layouts never get the Store itself)
+        self.source = ShardSource.opened(url, fs, self.root, self.storage_options, self.manifest, self.locations,
+                                         self.bad_locations)
 
     # -- index -----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -193,14 +193,21 @@ class Store:
         return self.table.offsets(s)
 
     # -- data ------------------------------------------------------------------------------------
-    def _fs(self):
-        """The filesystem, re-created after a fork: a child must not reuse the parent's event loop.
-        The inherited one is kept, never finalised here (see ``_hold_filesystems_across_fork``)."""
-        if self._pid != os.getpid():
-            _INHERITED.append(self.fs)
-            self.fs, _ = storage.resolve(self.url, self.storage_options)
-            self._pid = os.getpid()
-        return self.fs
+    @property
+    def fs(self):
+        """The store's filesystem in this process (re-created after a fork: a child must not reuse the parent's
+        event loop; the inherited one is kept, never finalised here, see ``_hold_filesystems_across_fork``)."""
+        return self.source.filesystem()
+
+    @property
+    def chunk_cache(self):
+        """The ``cache.ChunkCache`` remote chunk reads go through (see :meth:`use_chunk_cache`), or None."""
+        return self.source.chunk_cache
+
+    def use_chunk_cache(self, cache) -> None:
+        """Read this store's remote chunks through ``cache`` (a ``cache.ChunkCache``, one per process; None:
+        none). The loader calls it in each process that reads; local stores ignore the cache."""
+        self.source = self.source.with_cache(cache)
 
     def _from_commits(self, row: int, why: str) -> CommitRecord:
         """The record of ``row`` read from ``commits/`` when its index entry's bytes are junk (``Records``'s
@@ -209,7 +216,7 @@ class Store:
         if seg is None:  # the row was read from commits/ itself: nothing else to fall back on
             raise CorruptionError(why)
         name = self.table.shard[row]
-        data = commit.read_records(self._fs(), self.root, [name])[0]
+        data = commit.read_records(self.fs, self.root, [name])[0]
         rec = CommitRecord.from_json(data, where=f"commit record of shard {name!r}")
         if rec.shard != name or not records.matches_object(self.table, row, rec, data):
             raise CorruptionError(f"store {self.url!r}: index segment {index.INDEX_DIR}/{seg}: the entry of shard "
@@ -224,43 +231,14 @@ class Store:
         merged by reference the store its commit record's ``location`` names (same storage options). A shard
         name that is not one path part, a location refused by ``names.location`` and (local disk) a shard path
         that resolves outside the store through a link raise ``StoreError``."""
-        if name not in self._safe:
-            where = f"store {self.url!r}"
-            names.part(name, "shard name", where)
-            if name in self.bad_locations:
-                raise StoreError(self.bad_locations[name])
-            fs, root, _ = self._shard_store(name)
-            if storage.is_local(fs):
-                for p in (f"{SHARDS_DIR}/{name}", f"{SHARDS_DIR}/{name}.tar"):
-                    names.path(fs, root, p, "shard path", where)
-            self._safe.add(name)
-        return self._shard_store(name)
-
-    def _shard_store(self, name: str) -> tuple[Any, str, str]:
-        url = self.locations.get(name)
-        if url is None:
-            return self._fs(), self.root, self.url
-        got = self._located.get(url)
-        if got is None or got[0] != os.getpid():
-            if got is not None:  # inherited across a fork: kept alive, never used (see _fs)
-                _INHERITED.append(got[1])
-            fs, root = storage.resolve(url, self.storage_options)
-            got = self._located[url] = (os.getpid(), fs, root)
-        return got[1], got[2], url
+        return self.source.locate(name)
 
     def cache_namespace(self) -> str:
         """Key of this store in a shared chunk cache: URL plus endpoint (secrets excluded)."""
-        opts = storage.redact(self.storage_options)
-        return canonical_json_hash({"url": self.url, "options": opts})[:20]
-
-    def __getstate__(self) -> dict:
-        # For spawned DataLoader workers: the filesystem is re-resolved there on first use (see _fs);
-        # a cache is per process.
-        state = dict(self.__dict__)
-        state["_pid"], state["chunk_cache"], state["_located"] = None, None, {}
-        return state
+        return self.source.cache_namespace()
 
     def __setstate__(self, state: dict) -> None:
+        # (spawned DataLoader workers: the source resolves the filesystem there on first use, without a cache)
         self.__dict__.update(state)
         self.commits.fallback = self._from_commits  # (a bound method is not part of the records' state)
 
@@ -278,7 +256,7 @@ class Store:
         if layers is None:
             return self.layers
         layers = list(layers)
-        missing = [l for l in layers if l not in self.manifest.slots]
+        missing = [l for l in layers if l not in self.manifest.all_features]
         if missing:
             raise StoreError(f"layers {missing} are not in store {self.url!r} (it holds {self.layers})")
         return layers
@@ -310,7 +288,7 @@ class Store:
         rec = self.record(shard_name)
         if not 0 <= start <= stop <= rec.n_tokens:
             raise CorruptionError(f"shard {shard_name!r}: tokens {start}:{stop} outside its {rec.n_tokens} tokens")
-        self._layout.check_extent(self, rec)  # the tokens the record claims are tokens its files can hold
+        self._layout.check_extent(self.source, rec)  # the tokens the record claims are tokens its files can hold
         memory.check_fits(T * len(layers) * H * codec.storage_dtype(m.dtype, m.encoding).itemsize,
                           f"store {self.url!r}, shard {shard_name!r}: tokens {start}:{stop} of {len(layers)} layers x "
                           f"hidden {H}")
@@ -331,7 +309,7 @@ class Store:
             feats = out
         if T <= 0:
             return ids, mask, feats
-        self._layout.read_into(self, rec, start, stop, layers, ids, mask, feats, carry,
+        self._layout.read_into(self.source, rec, start, stop, layers, ids, mask, feats, carry,
                                scales_out if is_fp8 else None)
         return ids, mask, feats
 
@@ -354,31 +332,20 @@ class Store:
 
     def _with_features(self, layers: Sequence[int] | None) -> list:
         """``layers`` checked; None: every layer, then the store's named features (items get ``final_hidden``)."""
-        return self.manifest.slots if layers is None else self.check_layers(layers)
+        return self.manifest.all_features if layers is None else self.check_layers(layers)
 
     def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray,
                     scales: np.ndarray | None = None, dequantise: bool = True, final_hidden: bool = False,
                     ) -> dict[str, Any]:
-        """The item format: ``feats`` is layer-major ``[n_layers, T, H]``; ``hidden_states`` is its
-        ``[T, n_layers, H]`` view (no copy; ``reshape(T, -1)`` gives the drafter's concatenation).
-        ``scales`` ``[n_layers, T]`` (fp8 stores): see :meth:`read` for ``dequantise``. ``final_hidden``: the
-        last slot of ``feats`` is the final norm's output, served as ``final_hidden`` ``[T, H]``."""
-        if final_hidden:
-            item = self.sample_dict(sample_id, ids, mask, feats, scales, dequantise)
-            hs = item.pop("hidden_states")
-            item["hidden_states"], item["final_hidden"] = hs[:, :-1], hs[:, -1]  # raw stores only (manifest)
-            return item
-        item = {
-            "sample_id": sample_id,
-            "input_ids": torch.from_numpy(ids.astype(np.int64)),
-            "loss_mask": torch.from_numpy(mask.astype(bool)),
-        }
+        """The item (``items.make_item``) of stored arrays: ``feats`` layer-major ``[n_layers, T, H]`` in the
+        storage dtype, ``scales`` ``[n_layers, T]`` (fp8 stores: see :meth:`read` for ``dequantise``);
+        ``final_hidden``: the last feature of ``feats`` is the final norm's output."""
         if scales is None:
-            item["hidden_states"] = codec.from_storage(feats, self.manifest.dtype).permute(1, 0, 2)
-            return item
-        item["hidden_states"] = torch.from_numpy(feats).view(fp8.FP8_DTYPE).permute(1, 0, 2)
-        item["hidden_scales"] = torch.from_numpy(scales).permute(1, 0)
-        return fp8.dequantise_batch(item, codec.TORCH_DTYPE[self.manifest.dtype]) if dequantise else item
+            t, sc = codec.from_storage(feats, self.manifest.dtype), None
+        else:
+            t, sc = torch.from_numpy(feats).view(fp8.FP8_DTYPE), torch.from_numpy(scales)
+        return make_item(sample_id, ids, mask, t, sc, dtype=self.manifest.dtype, final_hidden=final_hidden,
+                         dequantise=dequantise)
 
     def windows(self, shard_index: int, layers: Sequence[int], window_bytes: int = 512 << 20,
                 ) -> list[tuple[int, int, int]]:

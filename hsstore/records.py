@@ -143,7 +143,7 @@ class RecordTable:
     writer: Codes
     manifest_key: Codes
     location: Codes  # None: the shard's files are in this store
-    slots: list[str]  # layer keys of ``layer_stored`` / ``layer_raw`` columns
+    slots: list[str]  # feature keys of the ``layer_stored`` / ``layer_raw`` columns (the index's ``slots`` key)
     layer_stored: np.ndarray  # int64 [n, len(slots)]
     layer_raw: np.ndarray
     skipped: dict[int, dict[str, list[str]]]  # row -> the record's stats["skipped"], where it has one
@@ -157,6 +157,9 @@ class RecordTable:
     block: np.ndarray  # int32 [n]
     offset: np.ndarray  # int64 [n]
     _starts: np.ndarray | None = field(default=None, repr=False)
+    # each block's decompressed size, kept by ``take`` and ``concat``: rows taken away (a record gone from
+    # commits/) must not shrink the bound a block is decompressed to (None: every row of every block is here)
+    _block_sizes: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -198,8 +201,24 @@ class RecordTable:
 
     def block_bytes(self, b: int) -> int:
         """Decompressed size of block ``b``: its records one after the other (``pack``), so the end of the last."""
+        if self._block_sizes is not None:
+            return int(self._block_sizes[b])
         rows = np.flatnonzero(self.block == b)
         return int((self.offset[rows] + self.ints["raw_size"][rows]).max()) if len(rows) else 0
+
+    def block_sizes(self) -> np.ndarray:
+        """``block_bytes`` of every block (int64)."""
+        if self._block_sizes is not None:
+            return self._block_sizes
+        sizes = np.zeros(len(self.blocks), np.int64)
+        if len(self.block):
+            np.maximum.at(sizes, self.block, self.offset + self.ints["raw_size"])
+        return sizes
+
+    def trimmed(self) -> bool:
+        """Whether rows were taken out of a block (its size is then not what the remaining columns say)."""
+        return self._block_sizes is not None and not np.array_equal(
+            self._block_sizes, RecordTable(**{**self.__dict__, "_block_sizes": None}).block_sizes())
 
     def decompress_block(self, b: int) -> bytes:
         """Block ``b``'s records' bytes, bounded by what the columns say it holds."""
@@ -228,7 +247,7 @@ class RecordTable:
             self.layer_raw[idx], {where[r]: v for r, v in self.skipped.items() if r in where}, first,
             {k: v[sidx] for k, v in self.samples.items()}, self.sample_id.take(sidx),
             Codes(self.source.codes[sidx], self.source.values), Codes(self.flags.codes[sidx], self.flags.values),
-            self.blocks, self.block[idx], self.offset[idx])
+            self.blocks, self.block[idx], self.offset[idx], _block_sizes=self.block_sizes())
 
     def row_of(self, i: int) -> dict[str, Any]:
         """What the columns say of shard row ``i``, in the terms of ``record_row`` (``verify`` compares them)."""
@@ -361,7 +380,8 @@ def concat(parts: list[RecordTable]) -> RecordTable:
         cat(lambda p: widen(p, p.layer_stored)), cat(lambda p: widen(p, p.layer_raw)), skipped, np.concatenate(firsts),
         {k: cat(lambda p: p.samples[k]) for k in SAMPLE_INTS}, _concat_strings([p.sample_id for p in parts]),
         _concat_codes([p.source for p in parts]), _concat_codes([p.flags for p in parts]), blocks,
-        np.concatenate(block).astype(np.int32), cat(lambda p: p.offset))
+        np.concatenate(block).astype(np.int32), cat(lambda p: p.offset),
+        _block_sizes=np.concatenate([p.block_sizes() for p in parts]))
 
 
 # -- serialised form (index segments of version 2, open_shared's broadcast) -------------------------------------

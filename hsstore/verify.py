@@ -160,12 +160,12 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
         return
     try:  # a shard merged by reference: its files are checked where its record says they are
-        shard_fs, shard_root, _ = store.shard_location(rec.shard)
+        store.shard_location(rec.shard)
     except Exception as e:
         report.problems.append(Problem(rec.shard, f"location {rec.location!r} cannot be opened: "
                                                   f"{type(e).__name__}: {e}"))
         return
-    layout.get(store.manifest.layout).check_shard(store, shard_fs, shard_root, rec, report, progress, tails)
+    layout.get(store.manifest.layout).check_shard(store.source, rec, report, progress, tails)
 
 
 def _check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None:
@@ -174,14 +174,14 @@ def _check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None
         report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
                                                   "after this shard was committed (layers, dtype, hashes, codec "
                                                   "or chunk grid)", "manifest.json"))
-    if sorted(rec.layers, key=_slot_order) != [str(l) for l in m.slots]:
-        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_slot_order)} "
-                                                  f"differ from the manifest's {m.slots}"))
+    if sorted(rec.layers, key=_feature_order) != [str(l) for l in m.all_features]:
+        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_feature_order)} "
+                                                  f"differ from the manifest's {m.all_features}"))
     if rec.chunk_tokens != m.chunk_tokens:
         report.problems.append(Problem(rec.shard, f"chunk_tokens {rec.chunk_tokens} differs from the manifest's "
                                                   f"{m.chunk_tokens}"))
 
 
-def _slot_order(key: str) -> tuple:
-    """Commit-record slot keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
+def _feature_order(key: str) -> tuple:
+    """Commit-record feature keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
     return (0, int(key), "") if key.lstrip("-").isdigit() else (1, 0, key)

@@ -40,7 +40,7 @@ from .memory import copy_bytes
 from .report import Problem, VerifyReport
 
 if TYPE_CHECKING:
-    from .reader import Store
+    from .shard_source import ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         raise ValueError(f"shard {name!r}: the wds layout holds raw features only (no fp8 scales)")
     offsets = sample_offsets(name, samples, int(input_ids.shape[0]))
     tar = TarBuilder()
-    layer_bytes = {l: 0 for l in manifest.slots}
+    layer_bytes = {l: 0 for l in manifest.all_features}
     ids, mask = input_ids.astype(IDS_DTYPE, copy=False), loss_mask.astype(MASK_DTYPE, copy=False)
     for i in range(len(offsets) - 1):
         a, b = int(offsets[i]), int(offsets[i + 1])
@@ -183,14 +183,14 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         tar.add(member_name(i, "json"), [json.dumps(meta, separators=(",", ":")).encode()])
         tar.add_npy(member_name(i, "input_ids.npy"), ids[a:b])
         tar.add_npy(member_name(i, "loss_mask.npy"), mask[a:b])
-        for l in manifest.slots:
+        for l in manifest.all_features:
             layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
     obj = tar.finish()
     storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
         layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
-                for l in manifest.slots},
+                for l in manifest.all_features},
         files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
         stats=stats or {}, created_at=now_iso(), members=tar.members,
         manifest_key=manifest.shard_key())
@@ -221,11 +221,11 @@ def _member(rec: CommitRecord, name: str) -> list[int]:
     return entry
 
 
-def check_extent(store: Store, rec: CommitRecord) -> None:
+def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     """Nothing to check before sizing buffers: each sample's members are checked against their sizes as read."""
 
 
-def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
     """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
@@ -234,7 +234,7 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
     None (wds stores hold raw features; the manifest check refuses fp8)."""
     if carry is not None:
         carry.clear()
-    m = store.manifest
+    m = src.manifest
     off = rec.offsets
     H, fdescr = m.hidden_size, np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
     jobs: list[_Job] = []
@@ -252,8 +252,8 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
         for part, dest, descr, shape in parts:
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
-        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.slots]
-    fs, root, url = store.shard_location(rec.shard)  # another store's, for a shard merged by reference
+        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
+    fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
     path = storage.join(root, tar_path(rec.shard))
     if storage.is_local(fs):
         _read_local(path, jobs, rec.shard)
@@ -416,17 +416,18 @@ class _CrcReader:
             pass
 
 
-def check_shard(store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
-                progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
+def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progress: Callable[[int], None] | None,
+                tails: dict[str, int] | None = None) -> None:
     """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
     the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
     the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted.
     Every checksum here is of the object's own bytes, so it identifies the data (``tails``: none to fill)."""
-    m, name = store.manifest, rec.shard
+    m, name = src.manifest, rec.shard
+    fs, root, _ = src.locate(name)  # another store's, for a shard merged by reference
     key = tar_path(name)
     want = rec.files.get(key)
     members = rec.members or {}
-    if want is None or set(members) != set(expected_members(rec, m.slots)):
+    if want is None or set(members) != set(expected_members(rec, m.all_features)):
         report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
                                              f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
         return

@@ -105,7 +105,7 @@ class StoreWriter:
             created_at=manifest.created_at or now_iso())
         self.manifest = ensure_manifest(self.fs, self.root, url, manifest)
         self.layers = list(self.manifest.layers)
-        self.slots = self.manifest.slots  # the layers, then named features (final_hidden) when the store has them
+        self.all_features = self.manifest.all_features  # the layers, then named features (final_hidden) if any
         self._write_shard = layout.get(self.manifest.layout).write_shard
         self.hidden = self.manifest.hidden_size
         self.fp8 = self.manifest.encoding == fp8.ENCODING
@@ -115,10 +115,10 @@ class StoreWriter:
         # this session's records in one index segment (index.py), rewritten every ``index_every`` commits
         self._index = index.SegmentAppender(self.fs, self.root, f"{self.tag}-{self.session}", index_every)
         self.check_finite = check_finite
-        token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.slots), self.hidden)
+        token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.all_features), self.hidden)
         self.capacity = max(1, shard_bytes // token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self._pending_shards = threading.BoundedSemaphore(max_pending)  # one permit per shard in memory
         self._futures: list[Future] = []
         self._seq = 0
         self._closed = False
@@ -140,11 +140,11 @@ class StoreWriter:
             if capacity == self.capacity and self._free:
                 bufs = self._free.pop()
         if bufs is None:
-            memory.check_fits(len(self.slots) * capacity * self.hidden * self.storage_dtype.itemsize,
-                              f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.slots)} layers x "
+            memory.check_fits(len(self.all_features) * capacity * self.hidden * self.storage_dtype.itemsize,
+                              f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.all_features)} layers x "
                               f"hidden {self.hidden}")
-            bufs = (np.empty((len(self.slots), capacity, self.hidden), dtype=self.storage_dtype),
-                    np.empty((len(self.slots), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
+            bufs = (np.empty((len(self.all_features), capacity, self.hidden), dtype=self.storage_dtype),
+                    np.empty((len(self.all_features), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
         self._buf, self._scales = bufs
         self._buf_bits = self._buf if self.fp8 else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._ids: list[np.ndarray] = []
@@ -204,12 +204,12 @@ class StoreWriter:
         if scales is not None:
             self._scales[:, self._fill:self._fill + T] = np.stack(scales)
             if self.check_finite:
-                for j, layer in enumerate(self.slots):
+                for j, layer in enumerate(self.all_features):
                     bad = fp8.first_bad_row(region[j], self._scales[j, self._fill:self._fill + T])
                     if bad is not None:
                         raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
         elif self.check_finite and self._has_nonfinite(region):
-            for j, layer in enumerate(self.slots):
+            for j, layer in enumerate(self.all_features):
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
                 if bad is not None:  # the region is simply overwritten by the next sample
                     raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
@@ -238,34 +238,39 @@ class StoreWriter:
         np.bitwise_and(region, mask, out=scratch)
         return int(scratch.max()) == mask
 
+    @property
+    def slots(self) -> list:
+        """Former name of ``all_features``, kept for callers."""
+        return self.all_features
+
     def _layer_views(self, where: str, hs, T: int, final_hidden=None,
                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Per slot (layers, then final_hidden): the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
-        # all slots in one tensor (extraction's [T, layers + final_hidden, H]) when final_hidden is not given apart
-        n = len(self.slots) if final_hidden is None and self.manifest.features else len(self.layers)
+        """Per feature (layers, then final_hidden): the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
+        # all features in one tensor (extraction's [T, layers + final_hidden, H]) when final_hidden is not given apart
+        n = len(self.all_features) if final_hidden is None and self.manifest.features else len(self.layers)
         if isinstance(hs, fp8.Quantised):
             if hs.values.ndim != 3 or hs.values.shape[1] != n or hs.scales.ndim != 2:
                 raise SampleError(f"{where}: fp8 values/scales shapes {tuple(hs.values.shape)}/"
                                   f"{tuple(hs.scales.shape)}, expected [{T}, {n}, {self.hidden}]/[{T}, {n}]")
             parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(n)]
         elif isinstance(hs, Mapping):
-            want = self.slots if final_hidden is None and "final_hidden" in hs else self.layers
+            want = self.all_features if final_hidden is None and "final_hidden" in hs else self.layers
             if set(hs) != set(want):
-                raise SampleError(f"{where}: layers {list(hs)} do not match the store's layers {self.slots}")
+                raise SampleError(f"{where}: layers {list(hs)} do not match the store's layers {self.all_features}")
             parts = [hs[l] for l in want]
         else:
             if hs.ndim != 3 or hs.shape[1] != n:
                 raise SampleError(f"{where}: hidden_states shape {tuple(hs.shape)}, expected "
-                                  f"[{T}, {n}, {self.hidden}] (tokens, slots {self.slots[:n]}, hidden)")
+                                  f"[{T}, {n}, {self.hidden}] (tokens, features {self.all_features[:n]}, hidden)")
             parts = [hs[:, j] for j in range(n)]
-        if self.manifest.features and len(parts) < len(self.slots):
+        if self.manifest.features and len(parts) < len(self.all_features):
             if final_hidden is None:
                 raise SampleError(f"{where}: the store holds final_hidden (the final norm's output): pass it")
             parts.append(final_hidden)
         elif not self.manifest.features and final_hidden is not None:
             raise SampleError(f"{where}: final_hidden given, the store does not hold it (manifest features [])")
         out, scales = [], []
-        for layer, x in zip(self.slots, parts):
+        for layer, x in zip(self.all_features, parts):
             q = x if isinstance(x, fp8.Quantised) else None
             if q is not None and not self.fp8:
                 raise SampleError(f"{where}: fp8 features given, the store's encoding is {self.manifest.encoding!r}")
@@ -299,7 +304,7 @@ class StoreWriter:
         name = f"{self.tag}-{self.session}-{self._seq:05d}"
         self._seq += 1
         t = time.perf_counter()
-        self._slots.acquire()  # back-pressure: at most max_pending shards in memory
+        self._pending_shards.acquire()  # back-pressure: at most max_pending shards in memory
         self.wait_s += time.perf_counter() - t
         fut = self._pool.submit(self._write, name, bufs, n, np.concatenate(ids) if ids else np.zeros(0, np.int32),
                                 np.concatenate(mask) if mask else np.zeros(0, np.uint8), cols)
@@ -309,8 +314,8 @@ class StoreWriter:
     def _write(self, name, bufs, n, ids, mask, cols) -> commit.CommitRecord:
         buf, sbuf = bufs
         try:
-            features = {layer: buf[j, :n] for j, layer in enumerate(self.slots)}
-            scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.slots)} if sbuf is not None else None
+            features = {layer: buf[j, :n] for j, layer in enumerate(self.all_features)}
+            scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.all_features)} if sbuf is not None else None
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
                                        stats=self._stats(cols), scales=scales)
             stamp = commit.publish(self.fs, self.root, record)
@@ -326,7 +331,7 @@ class StoreWriter:
             if buf.shape[1] == self.capacity:
                 with self._lock:
                     self._free.append(bufs)
-            self._slots.release()
+            self._pending_shards.release()
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
         """Record samples the producer left out (over-length, no loss, ...). The ids travel in the next

@@ -35,7 +35,7 @@ from .memory import copy_bytes
 from .report import Problem, VerifyReport
 
 if TYPE_CHECKING:
-    from .reader import Store
+    from .shard_source import ShardSource
 
 BATCH_BYTES = 256 << 20  # verify reads a shard's files in batches of about this many bytes
 
@@ -126,10 +126,10 @@ def write_shard(
     if is_fp8 and scales is None:
         raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
     arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.slots]
+        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.all_features]
     if is_fp8:
         arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
-                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.slots]
+                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.all_features]
     arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
                ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
                ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
@@ -151,7 +151,7 @@ def write_shard(
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}
-    for l in manifest.slots:  # a layer's bytes: its values, and its scales in an fp8 store
+    for l in manifest.all_features:  # a layer's bytes: its values, and its scales in an fp8 store
         prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
         raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
         layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
@@ -172,12 +172,12 @@ def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
 
 # -- reading -----------------------------------------------------------------------------------------
 
-def check_extent(store: Store, rec: CommitRecord) -> None:
+def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     """Refuse (before any buffer is sized from it) a record whose token count its chunks cannot hold: it must
     list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``. Checked once per record object."""
     if getattr(rec, "_extent_ok", False):
         return
-    ct = store.manifest.chunk_tokens
+    ct = src.manifest.chunk_tokens
     prefix = f"{shard_path(rec.shard)}/input_ids/c/"
     listed = sum(1 for k in rec.files if k.startswith(prefix))
     want = -(-rec.n_tokens // ct) if ct else 0
@@ -188,14 +188,14 @@ def check_extent(store: Store, rec: CommitRecord) -> None:
     rec._extent_ok = True
 
 
-def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
     """Tokens ``start:stop`` of a shard into ``ids``, ``mask`` and layer-major ``feats`` (the layout's part of
     :meth:`hsstore.reader.Store.read_range`): the chunks of ``layers`` overlapping the range (and, fp8, of
     their scale arrays), every one checked against its CRC32C and the commit record."""
     shard_name = rec.shard
-    m = store.manifest
+    m = src.manifest
     ct, H = m.chunk_tokens, m.hidden_size
     feature_codec, plain = codec.ChunkCodec(m.codec), codec.ChunkCodec("none")
     base = shard_path(shard_name)
@@ -204,7 +204,7 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
     targets += [(f"{base}/{layer_array(l)}", feats[j], feature_codec, H) for j, l in enumerate(layers)]
     if scales is not None:  # fp8: each layer's per-row scales
         targets += [(f"{base}/{scale_array(l)}", scales[j], plain, 1) for j, l in enumerate(layers)]
-    fs, root, _ = store.shard_location(shard_name)
+    fs, root, _ = src.locate(shard_name)
     direct = storage.is_local(fs) and feature_codec.spec == "none"
     # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
     jobs = []
@@ -218,23 +218,23 @@ def read_into(store: Store, rec: CommitRecord, start: int, stop: int, layers: Se
     fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
     blobs: dict = dict(carried)
     if fetch:
-        cached = store.chunk_cache is not None and not storage.is_local(fs)
+        cached = src.chunk_cache is not None and not storage.is_local(fs)
         listed = {storage.join(root, j[0]): rec.chunk_checksum(j[0]) for j in jobs} if cached else None
         # the sizes the record lists: one ranged GET per chunk on object stores, not a HEAD and a GET
         sizes = {storage.join(root, j[0]): rec.files[j[0]]["size"] for j in jobs if j[0] in rec.files}
         try:
             if cached:
-                blobs.update(store.chunk_cache.cat(fs, fetch, namespace=store.cache_namespace(), expect=listed,
+                blobs.update(src.chunk_cache.cat(fs, fetch, namespace=src.cache_namespace(), expect=listed,
                                                    sizes=sizes))
             else:
                 blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b), sizes=sizes))
         except Exception as e:
-            raise FetchError(f"shard {shard_name!r} of store {store.url!r}: read failed: "
+            raise FetchError(f"shard {shard_name!r} of store {src.url!r}: read failed: "
                              f"{type(e).__name__}: {e}") from None
         for p in fetch:
             failure = storage.fetch_failure(blobs.get(p))
             if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
-                raise FetchError(f"shard {shard_name!r} of store {store.url!r}, file "
+                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file "
                                  f"{p[len(root) + 1:]}: read failed after retries ({failure})")
     for key, dest, rows, chunk_codec, width, local in jobs:
         where = f"shard {shard_name!r}, file {key}"
@@ -321,11 +321,11 @@ def _pread_exact(fd: int, flat: np.ndarray, where: str) -> bytes:
     return bytes(tail)
 
 
-def open_group(store: Store, name: str) -> zarr.Group:
-    """Shard ``name`` of ``store`` as a Zarr group, through zarr-python (the metadata checks; data reads
+def open_group(src: ShardSource, name: str) -> zarr.Group:
+    """Shard ``name`` of a store as a Zarr group, through zarr-python (the metadata checks; data reads
     do not need it)."""
-    fs, root, url = store.shard_location(name)
-    zstore = zarr_store(fs, root, url, store.storage_options, read_only=True)
+    fs, root, url = src.locate(name)
+    zstore = zarr_store(fs, root, url, dict(src.storage_options), read_only=True)
     return zarr.open_group(zstore, path=shard_path(name), mode="r")
 
 
@@ -346,21 +346,22 @@ def samples_in_file(rec: CommitRecord, key: str) -> list[str]:
     return list(ids)
 
 
-def check_shard(store: Store, fs, root: str, rec: CommitRecord, report: VerifyReport,
-                progress: Callable[[int], None] | None, tails: dict[str, int] | None = None) -> None:
+def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progress: Callable[[int], None] | None,
+                tails: dict[str, int] | None = None) -> None:
     """``verify``'s checks of one committed shard whose files are in ``(fs, root)``: every listed file (size,
     CRC32C, chunk bound to its path), then the arrays through zarr-python (shapes, dtypes, every chunk
     listed, offsets and loss-mask sums against the record; fp8: the scales). ``tails`` (``hsstore
     upgrade``): filled with the CRC32C each intact chunk ends with, read in the same pass."""
-    _check_files(fs, root, rec, report, progress, tails, store.manifest)
-    _check_arrays(store, rec, report)
+    fs, root, _ = src.locate(rec.shard)  # another store's, for a shard merged by reference
+    _check_files(fs, root, rec, report, progress, tails, src.manifest)
+    _check_arrays(src, rec, report)
 
 
 def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
     """Why a layer chunk's payload would not decode to one chunk of the manifest's shape (None: it would): an
     uncompressed payload must be that size, a compressed one must declare it (``codec.decode_bounded``), so
     ``verify`` refuses what readers would refuse, without decoding."""
-    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.slots}:  # others: plain
+    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.all_features}:  # others: plain
         return None
     nbytes = m.chunk_tokens * m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
     c = codec.ChunkCodec(m.codec)._numcodec()
@@ -412,15 +413,15 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
             batch, size = [], 0
 
 
-def _check_arrays(store: Store, rec: CommitRecord, report: VerifyReport) -> None:
-    m, name = store.manifest, rec.shard
+def _check_arrays(src: ShardSource, rec: CommitRecord, report: VerifyReport) -> None:
+    m, name = src.manifest, rec.shard
     base = shard_path(name)
     try:
-        g = open_group(store, name)
+        g = open_group(src, name)
     except Exception as e:
         report.problems.append(Problem(name, f"shard group cannot be opened: {e}", f"{base}/zarr.json"))
         return
-    for l in m.slots:
+    for l in m.all_features:
         key = f"{base}/{layer_array(l)}"
         try:
             a = g[layer_array(l)]

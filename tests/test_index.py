@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import dataclasses
+import struct
 import datetime
 
 import fsspec
@@ -458,3 +459,22 @@ def test_open_on_s3_lists_ranges_concurrently_and_finds_late_shards(s3_store, s3
     direct = hsstore.Store(url, opts, use_index=False)
     assert store.commits == direct.commits and len(store.commits) == 37 and late
     assert store.index_use.shards == 37
+
+
+def test_records_gone_from_the_end_of_a_block_still_read(tmp_path):
+    """A record removed from commits/ after it was indexed drops its row, not its bytes from the row's block:
+    the records before it are still read (in this process and from an ``open_shared`` payload), with the
+    block decompressed to its full size, not the end of the rows that are left."""
+    url = str(tmp_path)
+    _write(url, n=4)
+    names = commit.list_committed(_local_fs(), url)
+    os.remove(os.path.join(url, commit.commit_path(names[-1])))  # the last record of the writer's one block
+    store = hsstore.open(url)
+    assert [c.shard for c in store.commits] == names[:-1] and store.index_use.indexed == 3
+    assert [store.read(i)["sample_id"] for i in range(len(store))] == ["s0", "s1", "s2"]
+    from hsstore.reader import _shared_payload
+
+    data = _shared_payload(store)
+    (n,) = struct.unpack("<I", data[:4])
+    table = index.decode_segment("shared", data[4 + n:]).table
+    assert [records.Records(table, fallback=None)[i].shard for i in range(len(table))] == names[:-1]
