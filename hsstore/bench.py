@@ -51,9 +51,15 @@ def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr") -
         layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2), layout=layout)
 
 
-def _time(fn) -> float:
+def timed(fn, sync=None) -> float:
+    """Seconds ``fn()`` took; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before and after, so queued device
+    work is neither counted against ``fn`` nor left out of it."""
+    if sync is not None:
+        sync()
     t = time.perf_counter()
     fn()
+    if sync is not None:
+        sync()
     return time.perf_counter() - t
 
 
@@ -137,25 +143,25 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
                     for sid, ids, mask, hs in samples:
                         w.add(sid, ids, mask, hs)
 
-            best["write"] = min(best["write"], _time(write_store))
+            best["write"] = min(best["write"], timed(write_store))
             store = Store(store_url, storage_options)
             files = [storage.join(store.root, k) for c in store.commits for k in c.files]
             blobs = storage.cat_many(fs, files)  # byte-identical payloads for the raw write
             raw_objects = {storage.join(raw_root, f"{i:06d}"): blobs[p] for i, p in enumerate(files)}
             del blobs
             fs.makedirs(raw_root, exist_ok=True)
-            best["raw_write"] = min(best["raw_write"], _time(lambda: fs.pipe(raw_objects)))
+            best["raw_write"] = min(best["raw_write"], timed(lambda: fs.pipe(raw_objects)))
             if local:  # the store fsyncs every chunk before its commit record; so does this baseline
-                best["raw_durable"] = min(best["raw_durable"], _time(lambda: _pipe_fsync(raw_objects)))
+                best["raw_durable"] = min(best["raw_durable"], timed(lambda: pipe_fsync(raw_objects)))
             raw_objects = None  # free the copies before the read rounds
-            best["raw_read"] = min(best["raw_read"], _time(lambda: storage.cat_many(fs, files)))
+            best["raw_read"] = min(best["raw_read"], timed(lambda: storage.cat_many(fs, files)))
 
             def read_store():  # sequential decode of every sample, all layers, as tensors
                 for _ in store:
                     pass
 
             bar.set_postfix_str(f"round {r + 1}/{rounds}: read")
-            best["read"] = min(best["read"], _time(read_store))
+            best["read"] = min(best["read"], timed(read_store))
             bar.update(1)
             fs.rm(storage.join(root, run, f"raw{r}"), recursive=True)
             fs.rm(storage.join(root, run, f"store{r}"), recursive=True)
@@ -203,7 +209,7 @@ def _remove(fs, path: str) -> None:
         log.warning("bench: could not remove scratch %s (%s: %s)", path, type(e).__name__, e)
 
 
-def _pipe_fsync(objects: dict[str, bytes]) -> None:
+def pipe_fsync(objects: dict[str, bytes]) -> None:
     """Raw local writes made durable (write + fsync per file, sequentially, as ``fs.pipe`` writes)."""
     for path, data in objects.items():
         with open(path, "wb") as f:
@@ -212,7 +218,7 @@ def _pipe_fsync(objects: dict[str, bytes]) -> None:
             os.fsync(f.fileno())
 
 
-def _drop_page_cache(paths: list[str]) -> None:
+def drop_page_cache(paths: list[str]) -> None:
     """Ask the kernel to forget cached pages of local files (no root needed), for cold-read rounds."""
     for p in paths:
         try:
@@ -358,8 +364,8 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                     continue
                 bar.set_postfix_str(f"round {r + 1}/{rounds}: {name}")
                 if cold and local:
-                    _drop_page_cache(files + peer_paths)
-                best[name] = min(best[name], _time(fn))
+                    drop_page_cache(files + peer_paths)
+                best[name] = min(best[name], timed(fn))
                 log.info("loader bench round %d: %s %.3f GB/s", r, name, nbytes / 1e9 / best[name])
         bar.close()
     finally:
@@ -451,7 +457,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         before = counters() if counters else {}
         for e in range(epochs):
             if cold and storage.is_local(fs):
-                _drop_page_cache(files)
+                drop_page_cache(files)
             start.wait(timeout=3600)
             got = sorted(results.get(timeout=3600) for _ in ps)
             done.wait(timeout=3600)
