@@ -417,10 +417,87 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
         done.wait()
 
 
+RAW_BLOCK = 8 << 20  # bytes per plain read of the raw baseline
+RAW_MODES = ("read", "mmap")
+
+
+def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
+    """One process of the source bench's raw baseline (spawned): its files read start to end, timed from a barrier
+    shared with the others. ``read``: unbuffered ``readinto`` of ``RAW_BLOCK`` bytes at a time into one reused
+    buffer (what the disk gives a plain sequential reader); ``mmap``: each file mapped and copied out block by
+    block, the way the loader reads a chunk when it has several intra-op threads (page faults read the file)."""
+    import mmap
+    import resource
+
+    buf = np.empty(RAW_BLOCK, np.uint8)
+    view = memoryview(buf)
+    start.wait()
+    ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    got = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            if mode == "read":
+                while n := f.readinto(view):
+                    got += n
+                continue
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                    for off in range(0, size, RAW_BLOCK):
+                        n = min(RAW_BLOCK, size - off)
+                        src = np.frombuffer(m, np.uint8, count=n, offset=off)
+                        buf[:n] = src
+                        del src  # the mapping cannot close while a view of it exists
+                got += size
+    secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    results.put((rank, got, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)))
+
+
+def _split_by_size(paths: list[str], parts: int) -> list[list[str]]:
+    """``paths`` in ``parts`` groups of about equal bytes (largest first, each to the lightest group)."""
+    groups: list[list[str]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for p in sorted(paths, key=lambda p: -os.path.getsize(p)):
+        i = load.index(min(load))
+        groups[i].append(p)
+        load[i] += os.path.getsize(p)
+    return groups
+
+
+def _per_rank_row(got: list[tuple]) -> dict[str, Any]:
+    """GB/s per rank (its bytes / its time), in all (all bytes / the slowest rank's time) and CPU-s per GB, from
+    ``(rank, bytes, seconds, cpu seconds)`` per rank."""
+    per = [b / s / 1e9 for _, b, s, _ in got]
+    total = sum(b for _, b, _, _ in got)
+    return {"per_rank_gbps": per, "min_rank_gbps": min(per),
+            "total_gbps": total / max(s for _, _, s, _ in got) / 1e9,
+            "cpu_s_per_gb": sum(c for *_, c in got) / (total / 1e9), "bytes": total}
+
+
+def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict[str, Any]:
+    """``procs`` processes at once read ``files`` (split by size) with plain sequential reads (``_raw_reader``),
+    after the same page-cache drop as the loader's epochs when ``cold``: the disk's limit, beside the loader's."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    if cold:
+        drop_page_cache(files)
+    start, results = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_raw_reader, args=(group, mode, i, start, results))
+          for i, group in enumerate(_split_by_size(files, procs))]
+    for p in ps:
+        p.start()
+    got = sorted(results.get(timeout=3600) for _ in ps)
+    for p in ps:
+        p.join()
+    return {"mode": mode, **_per_rank_row(got)}
+
+
 def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      cache_dir: str | None = None, cache_bytes: int | None = None, progress: bool = False,
-                     read_options: dict[str, Any] | None = None, counters=None, before_ranks=None) -> dict[str, Any]:
+                     read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
+                     raw_modes: tuple[str, ...] = RAW_MODES) -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
 
     Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
@@ -429,7 +506,12 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     ``read_options``: how the ranks reach the store (default ``storage_options``, which wrote it), e.g. through
     a proxy with latency and a bandwidth cap; ``counters()``, called between epochs, returns cumulative
     ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
-    remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written."""
+    remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written.
+
+    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``raw_modes``): the
+    store's files read by as many processes with plain sequential reads after the same page-cache drop, and
+    ``vs_raw`` = the loader's GB/s / the raw GB/s (in all and for the slowest rank), so a low figure tells the
+    disk's limit from the loader's."""
     import multiprocessing as mp
 
     fs, root = storage.resolve(url, storage_options)
@@ -462,11 +544,12 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
             got = sorted(results.get(timeout=3600) for _ in ps)
             done.wait(timeout=3600)
             after = counters() if counters else {}
-            per = [b / s / 1e9 for _, _, b, s, _ in got]
-            total = sum(b for _, _, b, _, _ in got)
-            row = {"epoch": e, "per_rank_gbps": per, "min_rank_gbps": min(per),
-                   "total_gbps": total / max(s for _, _, _, s, _ in got) / 1e9,
-                   "cpu_s_per_gb": sum(c for *_, c in got) / (total / 1e9), "bytes": total}
+            row = {"epoch": e, **_per_rank_row([(r, b, s, c) for _, r, b, s, c in got])}
+            if storage.is_local(fs):  # the ranks wait at the next epoch's barrier meanwhile
+                row["raw"] = {m: raw_source_pass(files, procs, m, cold) for m in raw_modes}
+                row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
+                                     "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
+                                 for m, r in row["raw"].items()}
             if counters:
                 row["remote_bytes"] = after.get("remote_bytes", 0) - before.get("remote_bytes", 0)
                 row["max_in_flight"] = after.get("max_in_flight")
@@ -494,4 +577,9 @@ def format_source(r: dict[str, Any]) -> str:
         lines.append(f"{e['epoch']:>5} {e['total_gbps']:>10.3f} {e['min_rank_gbps']:>13.3f} "
                      f"{sum(e['per_rank_gbps']) / len(e['per_rank_gbps']):>6.3f} {e['cpu_s_per_gb']:>8.2f} "
                      f"{remote:>9} {str(e.get('max_in_flight', '-')):>9}")
+        for mode, raw in e.get("raw", {}).items():  # the disk's limit beside the loader's
+            v = e["vs_raw"][mode]
+            lines.append(f"{'  raw':<5} {raw['total_gbps']:>10.3f} {raw['min_rank_gbps']:>13.3f} "
+                         f"{sum(raw['per_rank_gbps']) / len(raw['per_rank_gbps']):>6.3f} {raw['cpu_s_per_gb']:>8.2f} "
+                         f"  plain {mode}: loader/raw {v['total']:.2f} in all, {v['min_rank']:.2f} slowest rank")
     return "\n".join(lines)
