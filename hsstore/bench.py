@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -250,147 +251,197 @@ def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
     return paths
 
 
-def run_loader_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
-                     layers: int = 5, codec: str = "none", rounds: int = 3, read_layers: list[int] | None = None,
-                     workers: int = 0, cold: bool = False, peers: bool = True, pin: bool = False,
-                     layout: str = "zarr", progress: bool = False, procs: int = 1, batch_tokens: int = 0,
-                     ) -> dict[str, dict]:
-    """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
-    optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
-    the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
-    ``fs.cat`` + ``torch.load``), all in one run with alternating rounds, best of each.
+@dataclass(frozen=True)
+class LoaderBench:
+    """What ``run_loader_bench`` measures (the flags of ``hsstore bench --what loader``).
 
-    ``raw_gbps`` is ``fs.cat_ranges`` of whole objects (as the store bench); locally ``raw_direct_gbps`` is also reported:
-    unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here.
-    Locally the files are in the page cache unless ``cold`` (then each round first drops them with
-    ``posix_fadvise``), so this measures the CPU cost of each path on this machine.
+    A synthetic store of ``size_mb`` (``layers`` taps of ``hidden``, chunk ``codec``, ``layout``) read back
+    ``rounds`` times, best round of each path kept; ``read_layers`` (default all) are the layers read.
+    ``workers`` > 0 also times that many persistent DataLoader workers; ``batch_tokens`` > 0 times packed
+    ``TokenBatches`` of that many tokens instead of single samples; ``procs`` > 1 also runs that many loaders at
+    once; ``cold`` drops local files from the page cache before every pass; ``peers`` times the peers'
+    one-file-per-sample layout; ``pin`` delivers items in pinned memory."""
 
-    The loader is timed in-process (``gbps``) and, with ``workers`` > 0, also through that many persistent
-    DataLoader workers (``workers_gbps``, ``workers_vs_inprocess``), each one dataset (one DataLoader) across
-    rounds with ``set_epoch``, as a training run keeps them: round 0 warms up recycled memory, the best round counts.
+    size_mb: int = 512
+    hidden: int = 5120
+    layers: int = 5
+    codec: str = "none"
+    rounds: int = 3
+    read_layers: tuple[int, ...] | None = None
+    workers: int = 0
+    cold: bool = False
+    peers: bool = True
+    pin: bool = False
+    layout: str = "zarr"
+    progress: bool = False
+    procs: int = 1
+    batch_tokens: int = 0
 
-    ``batch_tokens``: time packed ``TokenBatches`` of that many tokens instead of single samples (in DataLoader
-    workers, one shared-memory hand-over per batch instead of per sample).
 
-    ``procs`` > 1 also runs that many in-process loaders at once, each a rank of that world reading its share on
-    its share of the cores (the loaders of one training node's GPUs, sharing its CPUs and disk), each timing its
-    second epoch: per-process and total GB/s.
-    """
-    from torch.utils.data import DataLoader
-
-    from .batching import TokenBatches
-    from .loader import HiddenStateDataset
-
-    fs, root = storage.resolve(url, storage_options)
-    local = storage.is_local(fs)
-    run = f"bench-{uuid.uuid4().hex[:8]}"
+def _write_loader_store(fs, root: str, url: str, storage_options: dict[str, Any], run: str, s: LoaderBench,
+                        ) -> tuple[Store, list[str]]:
+    """The bench's store (and, with ``s.peers``, the same samples in the peers' layout): (store, peer files)."""
     store_url = f"{url.rstrip('/')}/{run}/store"
-    manifest = bench_manifest(layers, hidden, codec, layout)
-    sel = list(read_layers) if read_layers else list(manifest.layers)
-    try:
-        samples = synthetic_samples(size_mb << 20, layers, hidden)
-        with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
-            for sid, ids, mask, hs in samples:
-                w.add(sid, ids, mask, hs)
-        peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if peers else []
-        del samples
-        store = Store(store_url, storage_options)
-        pieces = _raw_pieces(store, sel)
-        files = sorted({p for p, _, _ in pieces})
-        nbytes = store.num_tokens * len(sel) * hidden * 2
-        sel_idx = [manifest.layers.index(l) for l in sel]
+    samples = synthetic_samples(s.size_mb << 20, s.layers, s.hidden)
+    with StoreWriter(store_url, bench_manifest(s.layers, s.hidden, s.codec, s.layout), storage_options=storage_options,
+                     shard_bytes=256 << 20) as w:
+        for sid, ids, mask, hs in samples:
+            w.add(sid, ids, mask, hs)
+    peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if s.peers else []
+    return Store(store_url, storage_options), peer_paths
 
-        def raw():
-            batch, size = [], 0
-            for piece in pieces + [None]:
-                if piece is not None:
-                    batch.append(piece)
-                    size += piece[2] - piece[1]
-                if batch and (piece is None or size >= 512 << 20):
-                    fs.cat_ranges(*map(list, zip(*batch)))
-                    batch, size = [], 0
 
-        def raw_direct():  # local only: each piece read unbuffered into fresh numpy memory (a ceiling)
-            held, size = [], 0
-            for f, start, end in pieces:
-                buf = np.empty(end - start, np.uint8)
-                with open(f, "rb", buffering=0) as fh:
-                    fh.seek(start)
-                    fh.readinto(memoryview(buf))
-                held.append(buf)
-                size += end - start
-                if size >= 512 << 20:
-                    held, size = [], 0
+class _LoaderPasses:
+    """One pass of each path the loader bench times, over the same bytes: ``raw`` (``fs.cat_ranges`` of the
+    objects holding them), ``raw_direct`` (local: unbuffered ``readinto`` into fresh memory, a ceiling),
+    ``loader`` / ``workers`` (``HiddenStateDataset`` in-process / through DataLoader workers, one dataset across
+    rounds as a training run keeps it) and ``peer`` (``torch.load`` of one file per sample)."""
 
-        def loader_pass(n_workers):
-            ds = HiddenStateDataset(store, layers=sel, seed=0, pin_memory=pin)
-            src = TokenBatches(ds, max_tokens=batch_tokens, mode="pack", pin_memory=pin) if batch_tokens else ds
-            it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=pin,
-                                                       persistent_workers=True)
+    def __init__(self, fs, store: Store, sel: list[int], peer_paths: list[str], s: LoaderBench) -> None:
+        self.fs, self.store, self.sel, self.peer_paths, self.s = fs, store, sel, peer_paths, s
+        self.local = storage.is_local(fs)
+        self.pieces = _raw_pieces(store, sel)
+        self.files = sorted({p for p, _, _ in self.pieces})
+        self.nbytes = store.num_tokens * len(sel) * s.hidden * 2
+        self.sel_idx = [store.manifest.layers.index(l) for l in sel]
+        self.in_process = self._loader(0)
+        self.in_workers = self._loader(s.workers) if s.workers else None
 
-            def one_epoch(r):
-                ds.set_epoch(r)
-                got = 0
-                for item in it:
-                    got += item["hidden_states"].numel() * 2
-                assert got == nbytes, (got, nbytes)
-            return one_epoch
+    def raw(self, r: int) -> None:
+        batch, size = [], 0
+        for piece in self.pieces + [None]:
+            if piece is not None:
+                batch.append(piece)
+                size += piece[2] - piece[1]
+            if batch and (piece is None or size >= 512 << 20):
+                self.fs.cat_ranges(*map(list, zip(*batch)))
+                batch, size = [], 0
 
-        def peer(r):
-            order = np.random.default_rng(r).permutation(len(peer_paths))
-            for i in order:
-                p = peer_paths[i]
-                if local:
-                    d = torch.load(p, mmap=True, weights_only=True)
-                else:
-                    d = torch.load(io.BytesIO(fs.cat_file(p)), weights_only=True)
-                hs = d["hidden_states"]
-                hs = hs[:, sel_idx] if len(sel_idx) < hs.shape[1] else hs.clone()  # bytes into memory
-                d["input_ids"].clone(), d["loss_mask"].clone()
+    def raw_direct(self, r: int) -> None:
+        held, size = [], 0
+        for f, start, end in self.pieces:
+            buf = np.empty(end - start, np.uint8)
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(start)
+                fh.readinto(memoryview(buf))
+            held.append(buf)
+            size += end - start
+            if size >= 512 << 20:
+                held, size = [], 0
 
-        best = {"raw": np.inf, "raw_direct": np.inf, "loader": np.inf, "workers": np.inf, "peer": np.inf}
-        multi: dict[str, Any] | None = None
-        if procs > 1:
-            multi = _concurrent_loaders(store_url, storage_options, sel, procs, 0, rounds, progress)
-        in_process = loader_pass(0)
-        in_workers = loader_pass(workers) if workers else None
-        bar = _bar(rounds * 5, f"bench loader ({layout})", progress, unit="pass")
-        for r in range(rounds):
-            for name, fn in (("raw", raw), ("raw_direct", raw_direct), ("loader", lambda: in_process(r)),
-                             ("workers", lambda: in_workers(r)), ("peer", lambda: peer(r))):
-                bar.update(1)
-                if (name == "peer" and not peers) or (name == "raw_direct" and not local) or (
-                        name == "workers" and not workers):
-                    continue
-                bar.set_postfix_str(f"round {r + 1}/{rounds}: {name}")
-                if cold and local:
-                    drop_page_cache(files + peer_paths)
-                best[name] = min(best[name], timed(fn))
-                log.info("loader bench round %d: %s %.3f GB/s", r, name, nbytes / 1e9 / best[name])
-        bar.close()
-    finally:
-        _remove(fs, storage.join(root, run))
-    gb = nbytes / 1e9
-    out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": nbytes, "workers": workers,
-           "batch_tokens": batch_tokens,
-           "pin_memory": pin, "layout": layout,
-           "layers": layers, "read_layers": sel, "hidden": hidden, "codec": codec, "cold": cold, "url": url}
+    def _loader(self, n_workers: int):
+        from torch.utils.data import DataLoader
+
+        from .batching import TokenBatches
+        from .loader import HiddenStateDataset
+
+        s = self.s
+        ds = HiddenStateDataset(self.store, layers=self.sel, seed=0, pin_memory=s.pin)
+        src = TokenBatches(ds, max_tokens=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
+        it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=s.pin,
+                                                   persistent_workers=True)
+
+        def one_epoch(r: int) -> None:
+            ds.set_epoch(r)
+            got = sum(item["hidden_states"].numel() * 2 for item in it)
+            assert got == self.nbytes, (got, self.nbytes)
+        return one_epoch
+
+    def loader(self, r: int) -> None:
+        self.in_process(r)
+
+    def workers(self, r: int) -> None:
+        self.in_workers(r)
+
+    def peer(self, r: int) -> None:
+        order = np.random.default_rng(r).permutation(len(self.peer_paths))
+        for i in order:
+            p = self.peer_paths[i]
+            if self.local:
+                d = torch.load(p, mmap=True, weights_only=True)
+            else:
+                d = torch.load(io.BytesIO(self.fs.cat_file(p)), weights_only=True)
+            hs = d["hidden_states"]
+            hs = hs[:, self.sel_idx] if len(self.sel_idx) < hs.shape[1] else hs.clone()  # bytes into memory
+            d["input_ids"].clone(), d["loss_mask"].clone()
+
+    def wanted(self, name: str) -> bool:
+        return not ((name == "peer" and not self.s.peers) or (name == "raw_direct" and not self.local)
+                    or (name == "workers" and not self.s.workers))
+
+
+LOADER_PASSES = ("raw", "raw_direct", "loader", "workers", "peer")
+
+
+def _best_of_rounds(passes: _LoaderPasses, s: LoaderBench) -> dict[str, float]:
+    """Seconds of the best round of each pass, alternating them round after round (cold: each after a drop)."""
+    best = dict.fromkeys(LOADER_PASSES, np.inf)
+    bar = _bar(s.rounds * len(LOADER_PASSES), f"bench loader ({s.layout})", s.progress, unit="pass")
+    for r in range(s.rounds):
+        for name in LOADER_PASSES:
+            bar.update(1)
+            if not passes.wanted(name):
+                continue
+            bar.set_postfix_str(f"round {r + 1}/{s.rounds}: {name}")
+            if s.cold and passes.local:
+                drop_page_cache(passes.files + passes.peer_paths)
+            best[name] = min(best[name], timed(lambda: getattr(passes, name)(r)))
+            log.info("loader bench round %d: %s %.3f GB/s", r, name, passes.nbytes / 1e9 / best[name])
+    bar.close()
+    return best
+
+
+def _loader_result(url: str, best: dict[str, float], passes: _LoaderPasses, s: LoaderBench,
+                   multi: dict[str, Any] | None) -> dict[str, Any]:
+    gb = passes.nbytes / 1e9
+    out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": passes.nbytes, "workers": s.workers,
+           "batch_tokens": s.batch_tokens, "pin_memory": s.pin, "layout": s.layout, "layers": s.layers,
+           "read_layers": passes.sel, "hidden": s.hidden, "codec": s.codec, "cold": s.cold, "url": url}
     out["ratio"] = out["gbps"] / out["raw_gbps"]
-    if workers:
+    if s.workers:
         out["workers_gbps"] = gb / best["workers"]
         out["workers_vs_inprocess"] = out["workers_gbps"] / out["gbps"]
-    if local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
+    if passes.local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
         out["raw_direct_gbps"] = gb / best["raw_direct"]
         out["ratio_direct"] = out["gbps"] / out["raw_direct_gbps"]
     if multi is not None:
         out["procs"] = multi
-    if peers:
+    if s.peers:
         out["peer_gbps"] = gb / best["peer"]
         out["peer_ratio"] = out["peer_gbps"] / out["raw_gbps"]
         out["vs_peer"] = out["gbps"] / out["peer_gbps"]
-        if workers:
+        if s.workers:
             out["workers_vs_peer"] = out["workers_gbps"] / out["peer_gbps"]
-    return {"loader": out}
+    return out
+
+
+def run_loader_bench(url: str, storage_options: dict[str, Any], settings: LoaderBench = LoaderBench(),
+                     ) -> dict[str, dict]:
+    """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
+    optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
+    the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
+    ``fs.cat`` + ``torch.load``), all in one run with alternating rounds, best of each (``_LoaderPasses``).
+
+    ``raw_gbps`` is ``fs.cat_ranges`` of whole objects (as the store bench); locally ``raw_direct_gbps`` is also
+    reported: unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here. Locally the
+    files are in the page cache unless ``settings.cold``, so this measures the CPU cost of each path on this
+    machine. With ``workers``, ``workers_gbps`` and ``workers_vs_inprocess``; round 0 warms up recycled memory.
+    ``procs`` > 1 also runs that many in-process loaders at once, each a rank of that world reading its share on
+    its share of the cores (the loaders of one training node's GPUs, sharing its CPUs and disk), each timing its
+    second epoch: per-process and total GB/s."""
+    s = settings
+    fs, root = storage.resolve(url, storage_options)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    try:
+        store, peer_paths = _write_loader_store(fs, root, url, storage_options, run, s)
+        sel = list(s.read_layers) if s.read_layers else list(store.manifest.layers)
+        multi = (_concurrent_loaders(store.url, storage_options, sel, s.procs, 0, s.rounds, s.progress)
+                 if s.procs > 1 else None)
+        passes = _LoaderPasses(fs, store, sel, peer_paths, s)
+        best = _best_of_rounds(passes, s)
+    finally:
+        _remove(fs, storage.join(root, run))
+    return {"loader": _loader_result(url, best, passes, s, multi)}
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
@@ -422,17 +473,18 @@ RAW_MODES = ("read", "mmap")
 
 
 def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
-    """One process of the source bench's raw baseline (spawned): its files read start to end, timed from a barrier
-    shared with the others. ``read``: unbuffered ``readinto`` of ``RAW_BLOCK`` bytes at a time into one reused
-    buffer (what the disk gives a plain sequential reader); ``mmap``: each file mapped and copied out block by
-    block, the way the loader reads a chunk when it has several intra-op threads (page faults read the file)."""
+    """One reader of the source bench's raw baseline (a thread: both reads below release the GIL): its files
+    read start to end, timed from a barrier shared with the others. ``read``: unbuffered ``readinto`` of
+    ``RAW_BLOCK`` bytes at a time into one reused buffer (what the disk gives a plain sequential reader);
+    ``mmap``: each file mapped and copied out block by block, the way the loader reads a chunk when it has
+    several intra-op threads (page faults read the file)."""
     import mmap
     import resource
 
     buf = np.empty(RAW_BLOCK, np.uint8)
     view = memoryview(buf)
     start.wait()
-    ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    ru, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
     got = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:
@@ -449,7 +501,7 @@ def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
                         buf[:n] = src
                         del src  # the mapping cannot close while a view of it exists
                 got += size
-    secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_THREAD)
     results.put((rank, got, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)))
 
 
@@ -475,22 +527,23 @@ def _per_rank_row(got: list[tuple]) -> dict[str, Any]:
 
 
 def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict[str, Any]:
-    """``procs`` processes at once read ``files`` (split by size) with plain sequential reads (``_raw_reader``),
-    after the same page-cache drop as the loader's epochs when ``cold``: the disk's limit, beside the loader's."""
-    import multiprocessing as mp
+    """``procs`` readers at once read ``files`` (split by size) with plain sequential reads (``_raw_reader``),
+    after the same page-cache drop as the loader's epochs when ``cold``: the disk's limit, beside the loader's.
+    Threads of this process, not processes: the reads run without the GIL, and a spawned interpreter per reader
+    and pass would cost more than a small store's reads."""
+    import queue
+    import threading
 
-    ctx = mp.get_context("spawn")
     if cold:
         drop_page_cache(files)
-    start, results = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_raw_reader, args=(group, mode, i, start, results))
+    start, results = threading.Barrier(procs), queue.Queue()
+    ts = [threading.Thread(target=_raw_reader, args=(group, mode, i, start, results), name=f"hsstore-raw-{i}")
           for i, group in enumerate(_split_by_size(files, procs))]
-    for p in ps:
-        p.start()
-    got = sorted(results.get(timeout=3600) for _ in ps)
-    for p in ps:
-        p.join()
-    return {"mode": mode, **_per_rank_row(got)}
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"mode": mode, **_per_rank_row(sorted(results.get() for _ in ts))}
 
 
 def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
@@ -509,7 +562,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written.
 
     Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``raw_modes``): the
-    store's files read by as many processes with plain sequential reads after the same page-cache drop, and
+    store's files read by as many readers with plain sequential reads after the same page-cache drop, and
     ``vs_raw`` = the loader's GB/s / the raw GB/s (in all and for the slowest rank), so a low figure tells the
     disk's limit from the loader's."""
     import multiprocessing as mp

@@ -154,7 +154,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import format_source, run_loader_bench, run_source_bench, run_store_bench
+    from .bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
     if args.what == "source":
@@ -172,13 +172,12 @@ def cmd_bench(args) -> int:
                                         layers=args.num_taps, codec=args.codec, rounds=args.rounds, what=args.what,
                                         layout=lay, progress=not args.quiet))
         if args.what in ("loader", "all"):
-            read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
-            part.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                         layers=args.num_taps, codec=args.codec, rounds=args.rounds,
-                                         read_layers=read_layers, workers=args.workers, cold=args.cold,
-                                         peers=not args.no_peers, pin=args.pin_memory, layout=lay,
-                                         progress=not args.quiet, procs=args.procs,
-                                         batch_tokens=args.batch_tokens))
+            read_layers = tuple(int(x) for x in args.read_layers.split(",")) if args.read_layers else None
+            part.update(run_loader_bench(args.url, options, LoaderBench(
+                size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps, codec=args.codec, rounds=args.rounds,
+                read_layers=read_layers, workers=args.workers, cold=args.cold, peers=not args.no_peers,
+                pin=args.pin_memory, layout=lay, progress=not args.quiet, procs=args.procs,
+                batch_tokens=args.batch_tokens)))
         result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
     if len(layouts) > 1:
         base, other = layouts[0], layouts[1:]

@@ -63,4 +63,9 @@ def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
     assert r["procs"] == 2 and [e["epoch"] for e in r["epochs"]] == [0, 1]
     for e in r["epochs"]:
         assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
+        # the raw baseline: the store's files (features, ids, masks, metadata) by as many plain readers
+        raw = e["raw"]
+        assert set(raw) == {"read", "mmap"} and raw["read"]["bytes"] == raw["mmap"]["bytes"] > e["bytes"]
+        assert all(len(x["per_rank_gbps"]) == 2 for x in raw.values())
+        assert e["vs_raw"]["read"]["total"] == pytest.approx(e["total_gbps"] / raw["read"]["total_gbps"])
     assert list(tmp_path.iterdir()) == []  # the scratch store is removed
