@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL_S,
+                    help="sys.setswitchinterval, as `hsstore train` sets it (Python's default: 0.005)")
     ap.add_argument("--reader-threads", type=int, default=0,
                     help="torch threads of the read-ahead thread and the loader threads it starts (0: the process's)")
     ap.add_argument("--attn", choices=ATTN_IMPLS, default="blocks")
@@ -155,6 +159,7 @@ def main() -> None:
     ap.add_argument("--store-only", action="store_true",
                     help="only write the store, with random target assets, for `hsstore train` (kept; path printed)")
     args = ap.parse_args()
+    sys.setswitchinterval(args.switch_interval)  # what the training thread waits for the GIL at most, as in train
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
@@ -260,7 +265,7 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
         "rounds_loader_ms": [x * 1e3 for x in loader_t], "rounds_resident_ms": [x * 1e3 for x in resident_t],
         "rounds_ratio": [b / a for a, b in zip(loader_t, resident_t)],
         "breakdown_ms": breakdown, "rounds_breakdown_ms": parts, "reader_threads": args.reader_threads,
-        "prefetch": args.prefetch,
+        "prefetch": args.prefetch, "switch_interval": sys.getswitchinterval(),
         "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if proxy is not None else "local",
     }
     if proxy is not None:
