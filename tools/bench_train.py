@@ -346,7 +346,9 @@ def launch_probe(args, store: Path, device: torch.device) -> None:
             res.setdefault(f"threads={threads} batches/s", []).append(bps)
     alone = statistics.median(res["alone"])
     out = {"device": str(device), "torch_threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-           "ops_per_s_alone": alone, "rounds": res}
+           "ops_per_s_alone": alone, "rounds": res,
+           "rounds_ops_1_vs_0": [b / a for a, b in zip(res["threads=0"], res["threads=1"])],  # paired, per round
+           "rounds_batches_1_vs_0": [b / a for a, b in zip(res["threads=0 batches/s"], res["threads=1 batches/s"])]}
     for threads in (0, 1):
         out[f"reader_threads_{threads}"] = {
             "ops_ratio": statistics.median(res[f"threads={threads}"]) / alone,
