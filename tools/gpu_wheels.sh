@@ -26,12 +26,21 @@ PLATFORMS=()
 for n in 39 35 34 31 28 27 24 17; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 mkdir -p "$DEST"
+held() {  # the version of wheel NAME already in $DEST (names compared as pip normalises them), or nothing
+    local want f n
+    want=$(echo "$1" | tr 'A-Z.-' 'a-z__')
+    for f in "$DEST"/*.whl; do
+        [[ -e $f ]] || continue
+        f=${f##*/}
+        n=$(echo "${f%%-*}" | tr 'A-Z.-' 'a-z__')
+        if [[ $n == "$want" ]]; then f=${f#*-}; echo "${f%%-*}"; return; fi
+    done
+}
 for spec in "${WHEELS[@]}"; do
     name=${spec%%==*}
-    norm=$(echo "$name" | tr 'A-Z-' 'a-z_')
-    if ls "$DEST" | tr 'A-Z-' 'a-z_' | grep -q "^${norm}-"; then
-        have=$(ls "$DEST" | tr 'A-Z-' 'a-z_' | grep "^${norm}-" | head -1)
-        [[ $have == "${norm}-${spec##*==}-"* ]] || { echo "$DEST already holds $have, not $spec: remove one" >&2; exit 1; }
+    have=$(held "$name")
+    if [[ -n $have ]]; then
+        [[ $have == "${spec##*==}" ]] || { echo "$DEST already holds $name $have, not $spec: remove one" >&2; exit 1; }
         continue
     fi
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
