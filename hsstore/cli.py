@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
                         "--procs ranks read one epoch after another at once (--cold: page cache dropped before "
-                        "each), GB/s per rank and CPU-seconds per GB (tools/bench_source.py: the same from S3 "
+                        "each), GB/s per rank and CPU-seconds per GB, beside N plain readers of the same files "
+                        "(loader/raw; local stores) (tools/bench_source.py: the same from S3 "
                         "behind a proxy with latency and a bandwidth cap)")
     q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")
     q.add_argument("--read-layers", default=None, metavar="L,L",
