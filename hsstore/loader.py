@@ -463,6 +463,7 @@ class HiddenStateDataset(IterableDataset):
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
                 self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+        return pool
 
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
@@ -471,7 +472,6 @@ class HiddenStateDataset(IterableDataset):
             return None
         ct, n = self.stores[0].manifest.chunk_tokens, len(self._slots)
         return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
-        return pool
 
     def _store_gone(self, store: Store) -> str | None:
         try:
