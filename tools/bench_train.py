@@ -8,11 +8,20 @@ same), builds a random-weight drafter of the requested size, and times the train
              batches -> anchors -> read-ahead thread -> pinned copy to the device on a side stream);
   resident   the same kind of batches, read once beforehand and kept in device memory.
 
-ratio = resident step time / loader step time (1.0: the loader costs nothing; the target is >= 0.97).
+ratio = resident step time / loader step time (1.0: the loader costs nothing; the target is >= 0.97), with
+each round's own ratio. Each loader-fed step is broken down (``breakdown_ms``, from ``ReadAheadStats``): the
+wait for data (the loader was late; ``ready_mean``: batches queued when the step asked) and the rest, whose
+excess over the resident step (``step_vs_resident_ms``) is what the loader took from the step itself (cores,
+memory bandwidth, the GIL of the thread launching kernels); and, on the read-ahead thread, read + collate,
+anchors, copy issue and (CUDA) the copy itself. ``--reader-threads N`` gives the read-ahead thread and the
+loader threads it starts N torch threads; the GIL switch interval is ``hsstore train``'s.
 The store is written just before, so it is in the page cache unless ``--cold`` drops it (local files).
 
     python -m tools.bench_train --dir /scratch/bench --device cuda              # 27B-sized drafter layer
     python -m tools.bench_train --dir /tmp/b --tiny                              # CPU smoke test
+
+``--launch-probe`` times a thread launching tiny ops on the device alone and while the read-ahead streams
+batches flat out, with the process's threads and with one reader thread, alternated (``launch_probe``).
 
 ``--loader-only`` times the data path alone (no drafter): batches per second from the store to the
 device, the way the trainer reads them, for the settings the trainer can change, alternated in one run:
