@@ -141,7 +141,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import format_source, run_loader_bench, run_source_bench, run_store_bench
+    from .bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
     if args.what == "source":
@@ -159,13 +159,12 @@ def cmd_bench(args) -> int:
                                         layers=args.num_taps, codec=args.codec, rounds=args.rounds, what=args.what,
                                         layout=lay, progress=not args.quiet))
         if args.what in ("loader", "all"):
-            read_layers = [int(x) for x in args.read_layers.split(",")] if args.read_layers else None
-            part.update(run_loader_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden,
-                                         layers=args.num_taps, codec=args.codec, rounds=args.rounds,
-                                         read_layers=read_layers, workers=args.workers, cold=args.cold,
-                                         peers=not args.no_peers, pin=args.pin_memory, layout=lay,
-                                         progress=not args.quiet, procs=args.procs,
-                                         batch_tokens=args.batch_tokens))
+            read_layers = tuple(int(x) for x in args.read_layers.split(",")) if args.read_layers else None
+            part.update(run_loader_bench(args.url, options, LoaderBench(
+                size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps, codec=args.codec, rounds=args.rounds,
+                read_layers=read_layers, workers=args.workers, cold=args.cold, peers=not args.no_peers,
+                pin=args.pin_memory, layout=lay, progress=not args.quiet, procs=args.procs,
+                batch_tokens=args.batch_tokens)))
         result.update(part if len(layouts) == 1 else {f"{k}[{lay}]": v for k, v in part.items()})
     if len(layouts) > 1:
         base, other = layouts[0], layouts[1:]
@@ -295,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
                         "--procs ranks read one epoch after another at once (--cold: page cache dropped before "
-                        "each), GB/s per rank and CPU-seconds per GB (tools/bench_source.py: the same from S3 "
+                        "each), GB/s per rank and CPU-seconds per GB, beside N plain readers of the same files "
+                        "(loader/raw; local stores) (tools/bench_source.py: the same from S3 "
                         "behind a proxy with latency and a bandwidth cap)")
     q.add_argument("--rounds", type=int, default=3, help="rounds (alternating raw and store; best of each)")
     q.add_argument("--read-layers", default=None, metavar="L,L",

@@ -156,7 +156,7 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
                           tails: dict[str, int] | None = None) -> None:
     """Every check of one committed shard: its record against the manifest, then its files through the
     layout (``tails``: see :func:`hsstore.zarr_layout.check_shard`)."""
-    _check_record(store, rec, report)
+    check_record(store, rec, report)
     if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
         return
     try:  # a shard merged by reference: its files are checked where its record says they are
@@ -168,7 +168,7 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     layout.get(store.manifest.layout).check_shard(store.source, rec, report, progress, tails)
 
 
-def _check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None:
+def check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None:
     m = store.manifest
     if rec.shard in store.manifest_mismatch:
         report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "

@@ -41,6 +41,7 @@ from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
+from tools.measure import peak_rss_mb, reset_peak_rss
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
             steps=3, warmup=1)
@@ -107,21 +108,6 @@ def step(model, batch, ce="fused", ce_chunk=1024):
     return loss
 
 
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def reset_peak_rss() -> int:
-    """Reset this process's RSS high-water mark (Linux: clear_refs 5); returns the RSS now."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _proc_status("VmRSS")
-
-
 def saved_bytes(model, batch, ce="fused", ce_chunk=1024) -> int:
     """Activation bytes kept for backward by one forward of the loss (weights and frozen buffers not counted)."""
     n, _ = saved_activation_bytes(lambda: dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk),
@@ -155,7 +141,7 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            base = reset_peak_rss()
+            base = reset_peak_rss() * 2**20
         t = time.perf_counter()
         for _ in range(args.steps):
             step(model, batch, ce, args.ce_chunk)
@@ -171,7 +157,7 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:
-        peak = _proc_status("VmHWM")
+        peak = peak_rss_mb() * 2**20
         res.update(peak_rss_gib=peak / 2**30, step_rss_gib=(peak - base) / 2**30)
     return res
 

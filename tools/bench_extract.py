@@ -37,6 +37,7 @@ from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
 from hsstore.distributed import rank_and_world
 from hsstore.taps import default_taps
+from tools.measure import timed
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")
 
@@ -105,14 +106,6 @@ def forward_pass(model, batches, layers, full: bool) -> None:
         else:
             run_tapped(model, layers, ids, attn)
     sync()
-
-
-def timed(fn) -> float:
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -211,7 +204,7 @@ def main() -> None:
             for mode in modes:
                 w = open_writer(mode) if mode.startswith("extract") else None
                 barrier()  # every rank runs the same mode at the same time: they share disk and CPUs
-                sec = timed(lambda: run_mode(mode, w))
+                sec = timed(lambda: run_mode(mode, w), sync)
                 best[mode + suffix] = min(best.get(mode + suffix, np.inf), sec)
                 print(json.dumps({"rank": rank, "mode": mode + suffix, "seconds": sec, "tokens_per_s": tokens / sec}),
                       file=sys.stderr, flush=True)  # progress that survives a timeout

@@ -29,9 +29,10 @@ import json
 import multiprocessing as mp
 import os
 import random
-import resource
 import time
 from pathlib import Path
+
+from tools.measure import peak_rss_mb, rss_mb
 
 WORDS = ("the of and to in is that for it as with was on be by this are from or have an they which one had "
          "not but what all were when we there can your more would about if will up out so said some into do "
@@ -60,15 +61,6 @@ def synthetic_conversations(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def _tokenizer():
     from transformers import AutoTokenizer
 
@@ -83,7 +75,7 @@ def _rank_job(inputs: list[str], rank: int, world: int, queue) -> None:
     from hsstore.extract.tokenize import TokenizeStats, load_samples
 
     tok = _tokenizer()
-    base = _rss_mb()
+    base = rss_mb()
     stats = TokenizeStats()
     t0 = time.perf_counter()
     samples = list(load_samples(inputs, tok, keep_over_length=True, stats=stats, shard=RowShard(rank, world)))
@@ -91,7 +83,7 @@ def _rank_job(inputs: list[str], rank: int, world: int, queue) -> None:
     queue.put({"rank": rank, "world": world, "rows": stats.rows, "samples": len(samples),
                "tokens": int(sum(s.num_tokens for s in samples)), "seconds": round(seconds, 2),
                "rows_per_s": round(stats.rows / seconds, 1) if seconds else None,
-               "peak_rss_mb": round(_peak_rss_mb(), 1), "rss_growth_mb": round(_peak_rss_mb() - base, 1)})
+               "peak_rss_mb": round(peak_rss_mb(), 1), "rss_growth_mb": round(peak_rss_mb() - base, 1)})
 
 
 def _gate_job(inputs: list[str], queue) -> None:
@@ -99,12 +91,12 @@ def _gate_job(inputs: list[str], queue) -> None:
     from hsstore.extract.gate_report import gate_inputs
 
     tok = _tokenizer()
-    base = _rss_mb()
+    base = rss_mb()
     t0 = time.perf_counter()
     report = gate_inputs(inputs, tok, thresholds=GateThresholds())
     seconds = time.perf_counter() - t0
     queue.put({"samples": report.n_samples, "ok": report.ok, "seconds": round(seconds, 2),
-               "peak_rss_mb": round(_peak_rss_mb(), 1), "rss_growth_mb": round(_peak_rss_mb() - base, 1)})
+               "peak_rss_mb": round(peak_rss_mb(), 1), "rss_growth_mb": round(peak_rss_mb() - base, 1)})
 
 
 def _run(target, args_list: list[tuple]) -> list[dict]:

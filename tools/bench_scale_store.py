@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -30,18 +29,11 @@ import tempfile
 import time
 import uuid
 
+from tools.measure import peak_rss_mb
+
 OPS = ("open", "info", "verify", "first_item")
 SAMPLES_PER_SHARD = 10
 WITH_FILES = 16  # shards that get files (the rest are commit records only)
-
-
-def _rss_mb() -> float:
-    """This process's peak RSS (VmHWM: unlike ru_maxrss it starts afresh at exec, not at the parent's peak)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- child: one measurement ---------------------------------------------------------------------------------
@@ -50,7 +42,7 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
     from hsstore.reader import Store
 
     opts = {"endpoint_url": endpoint} if endpoint else {}
-    base = _rss_mb()
+    base = peak_rss_mb()
     t0, c0 = time.perf_counter(), time.process_time()
     out: dict = {}
     if op == "first_item":
@@ -69,16 +61,16 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
             json.dumps(summarize(store))
         elif op == "verify":
             from hsstore.report import VerifyReport
-            from hsstore.verify import _check_record, check_index
+            from hsstore.verify import check_index, check_record
 
             report = VerifyReport(shards=len(store.commits))
             for rec in store.commits:
-                _check_record(store, rec, report)
+                check_record(store, rec, report)
             check_index(store, report)
             assert report.ok, report.problems[:3]
         out["index_use"] = {k: v for k, v in dataclasses.asdict(store.index_use).items() if isinstance(v, int)}
     out.update(seconds=time.perf_counter() - t0, cpu_s=time.process_time() - c0,  # this process's, all threads
-               peak_rss_mb=_rss_mb(), base_rss_mb=base, shards=len(store.commits))
+               peak_rss_mb=peak_rss_mb(), base_rss_mb=base, shards=len(store.commits))
     return out
 
 
@@ -105,7 +97,7 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
         items.append((rec, rec.to_json(), None, 0))
     FakeStore.table = records.from_records(items)
     del items
-    base = _rss_mb()
+    base = peak_rss_mb()
     t0 = time.perf_counter()
     cat = build_catalog([FakeStore], Filters(), unit_tokens=4096)
     t1 = time.perf_counter()
@@ -117,7 +109,7 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
     return {"samples": samples, "shards": shards, "world": world, "workers": workers, "catalog_s": t1 - t0,
             "plan_all_slots_s": t2 - t1, "catalog_mb": sum(getattr(cat, f).nbytes for f in
                                                           ("store", "shard", "local", "start", "stop", "unit")) / 2**20,
-            "peak_rss_mb": _rss_mb(), "rss_before_mb": base}
+            "peak_rss_mb": peak_rss_mb(), "rss_before_mb": base}
 
 
 # -- parent: build stores, run children ---------------------------------------------------------------------

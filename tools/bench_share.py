@@ -16,21 +16,15 @@ import argparse
 import json
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from hsstore.extract.peers import import_files, peer_files
-from hsstore.bench import _pipe_fsync, bench_manifest, synthetic_samples
+from hsstore.bench import bench_manifest, pipe_fsync, synthetic_samples
 from hsstore.merge import merge
 from hsstore.subset import Selection, subset
-
-
-def _time(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+from tools.measure import timed
 
 
 def load_and_write(files, out: Path) -> None:
@@ -38,7 +32,7 @@ def load_and_write(files, out: Path) -> None:
     out.mkdir()
     for i, f in enumerate(files):
         hs = torch.load(f.path, weights_only=True, mmap=True)["hidden_states"]
-        _pipe_fsync({str(out / f"{i}"): hs.contiguous().view(torch.int16).numpy().tobytes()})
+        pipe_fsync({str(out / f"{i}"): hs.contiguous().view(torch.int16).numpy().tobytes()})
 
 
 def copy_fsync(src: Path, dst: Path) -> None:
@@ -46,7 +40,7 @@ def copy_fsync(src: Path, dst: Path) -> None:
     for p in src.rglob("*"):
         if p.is_file():
             (dst / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
-            _pipe_fsync({str(dst / p.relative_to(src)): p.read_bytes()})
+            pipe_fsync({str(dst / p.relative_to(src)): p.read_bytes()})
 
 
 def main() -> None:
@@ -71,15 +65,15 @@ def main() -> None:
         for r in range(args.rounds):
             for d in ("store", "copy", "copy2", "raw", "merged", "sub"):
                 shutil.rmtree(root / d, ignore_errors=True)
-            best["load"] = min(best["load"], _time(lambda: [torch.load(f.path, weights_only=True) for f in files]))
-            best["load_write"] = min(best["load_write"], _time(lambda: load_and_write(files, root / "raw")))
-            best["import"] = min(best["import"], _time(
+            best["load"] = min(best["load"], timed(lambda: [torch.load(f.path, weights_only=True) for f in files]))
+            best["load_write"] = min(best["load_write"], timed(lambda: load_and_write(files, root / "raw")))
+            best["import"] = min(best["import"], timed(
                 lambda: import_files(files, str(root / "store"), manifest, progress=False, shard_bytes=256 << 20)))
-            best["copytree"] = min(best["copytree"], _time(lambda: shutil.copytree(root / "store", root / "copy")))
-            best["copy_fsync"] = min(best["copy_fsync"], _time(lambda: copy_fsync(root / "store", root / "copy2")))
-            best["merge"] = min(best["merge"], _time(
+            best["copytree"] = min(best["copytree"], timed(lambda: shutil.copytree(root / "store", root / "copy")))
+            best["copy_fsync"] = min(best["copy_fsync"], timed(lambda: copy_fsync(root / "store", root / "copy2")))
+            best["merge"] = min(best["merge"], timed(
                 lambda: merge(str(root / "merged"), [str(root / "store")], progress=False)))
-            best["subset"] = min(best["subset"], _time(
+            best["subset"] = min(best["subset"], timed(
                 lambda: subset(str(root / "store"), str(root / "sub"), Selection(), progress=False,
                                shard_bytes=256 << 20)))
     gb = nbytes / 1e9

@@ -18,19 +18,13 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import tempfile
 import uuid
 
 from hsstore import storage
 from hsstore.bench import format_source, run_source_bench
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.measure import free_port
 
 
 @contextlib.contextmanager
@@ -46,7 +40,7 @@ def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(k, v)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

@@ -8,11 +8,20 @@ same), builds a random-weight drafter of the requested size, and times the train
              batches -> anchors -> read-ahead thread -> pinned copy to the device on a side stream);
   resident   the same kind of batches, read once beforehand and kept in device memory.
 
-ratio = resident step time / loader step time (1.0: the loader costs nothing; the target is >= 0.97).
+ratio = resident step time / loader step time (1.0: the loader costs nothing; the target is >= 0.97), with
+each round's own ratio. Each loader-fed step is broken down (``breakdown_ms``, from ``ReadAheadStats``): the
+wait for data (the loader was late; ``ready_mean``: batches queued when the step asked) and the rest, whose
+excess over the resident step (``step_vs_resident_ms``) is what the loader took from the step itself (cores,
+memory bandwidth, the GIL of the thread launching kernels); and, on the read-ahead thread, read + collate,
+anchors, copy issue and (CUDA) the copy itself. ``--reader-threads N`` gives the read-ahead thread and the
+loader threads it starts N torch threads; the GIL switch interval is ``hsstore train``'s.
 The store is written just before, so it is in the page cache unless ``--cold`` drops it (local files).
 
     python -m tools.bench_train --dir /scratch/bench --device cuda              # 27B-sized drafter layer
     python -m tools.bench_train --dir /tmp/b --tiny                              # CPU smoke test
+
+``--launch-probe`` times a thread launching tiny ops on the device alone and while the read-ahead streams
+batches flat out, with the process's threads and with one reader thread, alternated (``launch_probe``).
 
 ``--loader-only`` times the data path alone (no drafter): batches per second from the store to the
 device, the way the trainer reads them, for the settings the trainer can change, alternated in one run:
@@ -31,6 +40,8 @@ import json
 import os
 import shutil
 import statistics
+import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,12 +49,13 @@ from pathlib import Path
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
-from hsstore.bench import _drop_page_cache
-from hsstore.train.data import StoreBatches, add_anchors, read_ahead
+from hsstore.train.cli import SWITCH_INTERVAL_S
+from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
 from hsstore.train.optim import build_optimizer, build_scheduler
 from hsstore.train.trainer import DraftLoss, train_step
+from tools.measure import drop_tree_cache
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=256, samples=24,
             max_tokens=1024, anchors=32, steps=4, warmup=1, rounds=2)
@@ -78,10 +90,6 @@ def write_target_assets(path: Path, args) -> None:
     assets.write_assets(fs, root, {assets.EMBED: assets.tensors_bytes({"weight": weight()}),
                                    assets.LM_HEAD: assets.tensors_bytes({"weight": weight()}),
                                    assets.CONFIG: cfg.to_json_string().encode()})
-
-
-def drop_page_cache(root: Path) -> None:
-    _drop_page_cache([str(f) for f in root.rglob("*") if f.is_file()])
 
 
 def build(args, device):
@@ -138,6 +146,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--switch-interval", type=float, default=SWITCH_INTERVAL_S,
+                    help="sys.setswitchinterval, as `hsstore train` sets it (Python's default: 0.005)")
+    ap.add_argument("--reader-threads", type=int, default=0,
+                    help="torch threads of the read-ahead thread and the loader threads it starts (0: the process's)")
     ap.add_argument("--attn", choices=ATTN_IMPLS, default="blocks")
     ap.add_argument("--cold", action="store_true", help="drop the store from the page cache before each loader round")
     ap.add_argument("--s3", action="store_true",
@@ -150,9 +162,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--loader-only", action="store_true",
                     help="time the data path alone (torchrun: all ranks at once); see the module doc")
+    ap.add_argument("--launch-probe", action="store_true",
+                    help="how much the read-ahead slows a thread that launches small ops (see launch_probe)")
+    ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument("--store-only", action="store_true",
                     help="only write the store, with random target assets, for `hsstore train` (kept; path printed)")
     args = ap.parse_args()
+    sys.setswitchinterval(args.switch_interval)  # what the training thread waits for the GIL at most, as in train
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
@@ -170,6 +186,8 @@ def main() -> None:
     store = Path(args.dir) / f"bench-train-{key}"
     if args.loader_only:
         return loader_only(args, store, device)
+    if args.launch_probe:
+        return launch_probe(args, store, device)
     if args.s3:
         from tools.bench_source import emulated_s3, warm_through
 
@@ -205,10 +223,10 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
                           world_size=1, workers=args.workers, pin_memory=device.type == "cuda",
                           storage_options=storage_options)
 
-    def stream(epoch):
+    def stream(epoch, stats=None):
         source.set_epoch(epoch)
         return read_ahead(source, lambda b: add_anchors(b, 0, epoch, args.anchors, args.block, gamma), device,
-                          args.prefetch)
+                          args.prefetch, stats=stats, threads=args.reader_threads or None)
 
     def timed(batches) -> float:
         it = iter(batches)
@@ -226,15 +244,24 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
     resident_src.close()
     tokens = sum(int(b["attention_mask"].sum()) for b, _ in resident[args.warmup:]) / args.steps
 
-    loader_t, resident_t = [], []
+    loader_t, resident_t, parts = [], [], []
     for r in range(args.rounds):
         if args.cold and proxy is None:
-            drop_page_cache(Path(store_url))
-        s = stream(r)
+            drop_tree_cache(store_url)
+        stats = ReadAheadStats()
+        s = stream(r, stats)
         loader_t.append(timed(s))
         s.close()
+        sync(device)
+        parts.append(stats.summary(skip=args.warmup, count=args.steps))
         resident_t.append(timed(resident))
     lo, re_ = statistics.median(loader_t), statistics.median(resident_t)
+    breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    # the loader-fed step less its wait for data: above the resident step, the loader slowed the step itself
+    # (CPU, memory bandwidth or the GIL taken from the thread that launches its kernels)
+    breakdown["step_ms"] = lo * 1e3 - breakdown["wait_ms"]
+    breakdown["resident_ms"] = re_ * 1e3
+    breakdown["step_vs_resident_ms"] = breakdown["step_ms"] - re_ * 1e3
     result = {
         "device": str(device), "hidden": args.hidden, "taps": args.taps, "vocab": args.vocab,
         "draft_layers": args.draft_layers, "heads": [args.heads, args.kv_heads, args.head_dim],
@@ -245,6 +272,9 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
         "loader_tokens_per_s": tokens / lo, "resident_tokens_per_s": tokens / re_,
         "loader_gbps": tokens * args.taps * args.hidden * 2 / lo / 1e9,
         "rounds_loader_ms": [x * 1e3 for x in loader_t], "rounds_resident_ms": [x * 1e3 for x in resident_t],
+        "rounds_ratio": [b / a for a, b in zip(loader_t, resident_t)],
+        "breakdown_ms": breakdown, "rounds_breakdown_ms": parts, "reader_threads": args.reader_threads,
+        "prefetch": args.prefetch, "switch_interval": sys.getswitchinterval(),
         "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if proxy is not None else "local",
     }
     if proxy is not None:
@@ -262,6 +292,79 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
               f"({result['loader_gbps']:.2f} GB/s of features)")
         print(f"  resident   : {re_ * 1e3:8.1f} ms/step  {tokens / re_:10,.0f} tokens/s")
         print(f"  ratio (resident / loader-fed step time): {re_ / lo:.3f}  (>= 0.97: the loader is not the bottleneck)")
+        b = breakdown
+        print(f"  per loader-fed step (ms): waited for data {b['wait_ms']:.1f} (batches ready {b['ready_mean']:.1f}), "
+              f"step {b['step_ms']:.1f} = resident {b['step_vs_resident_ms']:+.1f}; read-ahead thread: read+collate "
+              f"{b['read_ms']:.1f}, anchors {b['prep_ms']:.1f}, copy issue {b['copy_issue_ms']:.1f}"
+              + (f", copy on GPU {b['copy_gpu_ms']:.1f}" if "copy_gpu_ms" in b else ""))
+
+
+def launch_probe(args, store: Path, device: torch.device) -> None:
+    """Between its syncs a GPU step's main thread only launches kernels: a few microseconds of Python and
+    dispatcher each, under the GIL, on one core. This times such a thread (a loop of tiny in-place ops on
+    ``device``) alone and while batches stream through the trainer's read-ahead as fast as it can make them
+    (the consumer drops them), for each ``--reader-threads`` setting (0, the process's, and 1), alternated in one
+    run: ``ops_ratio`` = rate while streaming / rate alone (1.0: the loader costs the launching thread nothing)."""
+    if not (store / "manifest.json").exists():
+        shutil.rmtree(store, ignore_errors=True)
+        write_store(store, args, device)
+    gamma = default_gamma(args.block)
+    x = torch.zeros(1, device=device)
+
+    def probe(seconds: float) -> float:  # tiny ops per second on this thread
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(100):
+                x.add_(1.0)
+            n += 100
+        sync(device)
+        return n / (time.perf_counter() - t0)
+
+    def streamed(threads: int) -> tuple[float, float]:  # (ops/s, batches/s) while the read-ahead streams
+        source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0,
+                              rank=0, world_size=1, pin_memory=device.type == "cuda")
+        done, batches, rate = threading.Event(), [0], [0.0]
+
+        def launcher():
+            rate[0] = probe(args.probe_seconds)
+            done.set()
+
+        epoch = 0
+        t = threading.Thread(target=launcher)
+        t.start()
+        t0 = time.perf_counter()
+        while not done.is_set():
+            source.set_epoch(epoch)
+            s = read_ahead(source, lambda b, e=epoch: add_anchors(b, 0, e, args.anchors, args.block, gamma), device,
+                           args.prefetch, threads=threads or None)
+            for _ in s:
+                batches[0] += 1
+                if done.is_set():
+                    break
+            s.close()
+            epoch += 1
+        t.join()
+        return rate[0], batches[0] / (time.perf_counter() - t0)
+
+    res: dict[str, list] = {}
+    for _ in range(args.rounds):
+        res.setdefault("alone", []).append(probe(args.probe_seconds))
+        for threads in (0, 1):
+            ops, bps = streamed(threads)
+            res.setdefault(f"threads={threads}", []).append(ops)
+            res.setdefault(f"threads={threads} batches/s", []).append(bps)
+    alone = statistics.median(res["alone"])
+    out = {"device": str(device), "torch_threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
+           "ops_per_s_alone": alone, "rounds": res,
+           "rounds_ops_1_vs_0": [b / a for a, b in zip(res["threads=0"], res["threads=1"])],  # paired, per round
+           "rounds_batches_1_vs_0": [b / a for a, b in zip(res["threads=0 batches/s"], res["threads=1 batches/s"])]}
+    for threads in (0, 1):
+        out[f"reader_threads_{threads}"] = {
+            "ops_ratio": statistics.median(res[f"threads={threads}"]) / alone,
+            "batches_per_s": statistics.median(res[f"threads={threads} batches/s"]),
+            "gb_per_s": statistics.median(res[f"threads={threads} batches/s"]) * args.max_tokens * args.taps
+            * args.hidden * 2 / 1e9}
+    print(json.dumps(out, indent=1) if args.json else out)
 
 
 def loader_only(args, store: Path, device: torch.device) -> None:

@@ -4,16 +4,24 @@
 #
 #   bash tools/gpu_loader_28.sh [SCRATCH]        # SCRATCH: local NVMe directory (default /tmp/hs28)
 #
-# Needs moto (pip install 'moto[server]', a test dependency) for the S3 rows; without it those rows say so.
+# The S3 rows need moto's server, boto3 and s3fs, which the GPU machine lacks: `bash tools/gpu_wheels.sh` here puts
+# their wheels into .whl/ (carry it); this script installs them into /tmp/site when moto is missing, and without
+# them those rows say so.
 set -u
 S=${1:-/tmp/hs28}
 R=$S/results
 mkdir -p "$S" "$R"
 T=${T:-180}
 ONLY=${ONLY:-}  # names of the rows to run (default: all), e.g. ONLY="source_cold ckpt_1x16384"
+if ! python3 -c "import moto.server, s3fs" 2>/dev/null && ls .whl/moto-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+S3=1; python3 -c "import moto.server, s3fs" 2>/dev/null || { S3=; echo "moto/s3fs missing: S3 rows skipped (bash tools/gpu_wheels.sh, carry .whl)" >&2; }
 run() {  # name, command...: JSON (last line block) to $R/name.json, log to $R/name.log
     local name=$1; shift
     [[ -z $ONLY || " $ONLY " == *" $name "* ]] || return 0
+    if [[ -z $S3 && $name == *s3* ]]; then echo "skipped: moto/s3fs missing" >"$R/$name.log"; return 0; fi
     echo "== $name: $*" >&2
     timeout "$T" "$@" >"$R/$name.json" 2>"$R/$name.log" || echo "   (exit $?; see $R/$name.log)" >&2
 }
@@ -30,9 +38,16 @@ run ckpt_4x4096 python -m tools.bench_attention --published --seq 4096 --batch 4
     --ckpt off on --steps 3 --warmup 1 --json
 run ckpt_1x16384 python -m tools.bench_attention --published --seq 16384 --batch 1 --anchors 512 --impl blocks \
     --ckpt off on --steps 3 --warmup 1 --json
-# 4. the trainer fed by the loader vs resident, published recipe (5 layers, 4 x 4096, 512 anchors each), cold
+# 4. the trainer fed by the loader vs resident, published recipe (5 layers, 4 x 4096, 512 anchors each), cold;
+#    each with the per-step breakdown (waited for data, step vs resident, read/anchors/copy on the read-ahead
+#    thread); _t1: the read-ahead and loader threads on one torch thread each (off the launching thread's cores);
+#    launch_probe: how much the streaming read-ahead slows a thread that launches kernels, 0 vs 1 reader threads
 run fed_cold python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
-    --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --keep-store --json
+    --anchors 512 --cold --rounds 3 --steps 5 --warmup 2 --keep-store --json
+run fed_cold_t1 python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
+    --anchors 512 --cold --rounds 3 --steps 5 --warmup 2 --reader-threads 1 --keep-store --json
+run launch_probe python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --max-tokens 16384 --launch-probe \
+    --rounds 2 --probe-seconds 5 --keep-store --json
 run fed_cold_ckpt python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 \
     --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --checkpoint-layers --keep-store --json
 # 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection)
@@ -78,6 +93,10 @@ for name, r in src.items():
         rem = f"{e['remote_bytes'] / 1e9:.3f}" if "remote_bytes" in e else "-"
         print(f"| {name} | {e['epoch']} | {e['total_gbps']:.2f} | {e['min_rank_gbps']:.2f} | {e['cpu_s_per_gb']:.2f} "
               f"| {rem} | {e.get('max_in_flight', '-')} |")
+        for mode, raw in e.get("raw", {}).items():  # the disk's limit: plain reads by as many processes
+            v = e["vs_raw"][mode]
+            print(f"| {name}, raw {mode} (loader/raw {v['total']:.2f}, slowest {v['min_rank']:.2f}) | {e['epoch']} | "
+                  f"{raw['total_gbps']:.2f} | {raw['min_rank_gbps']:.2f} | {raw['cpu_s_per_gb']:.2f} | - | - |")
 print("\n| drafter step | ckpt | ms/step | tokens/s | peak GiB | train's estimate GiB |")
 print("|---|---|---|---|---|---|")
 for name in ("ckpt_4x4096", "ckpt_1x16384"):
@@ -89,14 +108,32 @@ for name in ("ckpt_4x4096", "ckpt_1x16384"):
                   f"{r.get('peak_gib', float('nan')):.1f} | {r.get('estimate_gib', float('nan')):.1f} |")
 print("\n| trainer | loader ms | resident ms | resident/loader | GB/s fed | peak GiB | remote GB |")
 print("|---|---|---|---|---|---|---|")
-for name in ("fed_cold", "fed_cold_ckpt", "fed_s3"):
+fed = {}
+for name in ("fed_cold", "fed_cold_t1", "fed_cold_ckpt", "fed_s3"):
     r = load(name)
     if isinstance(r, dict):
+        fed[name] = r
         rem = f"{r['remote_bytes'] / 1e9:.2f}" if "remote_bytes" in r else "-"
         print(f"| {name} | {r['loader_ms']:.0f} | {r['resident_ms']:.0f} | {r['ratio']:.3f} | {r['loader_gbps']:.2f} | "
               f"{r.get('peak_gib', float('nan')):.1f} | {rem} |")
     else:
         print(f"| {name} | failed: see {R}/{name}.log | | | | | |")
+print("\n| loader-fed step, ms | waited for data | batches ready | step - resident | read+collate | anchors | "
+      "copy issue | copy on GPU | rounds' ratios |")
+print("|---|---|---|---|---|---|---|---|---|")
+for name, r in fed.items():
+    b = r.get("breakdown_ms")
+    if b:
+        print(f"| {name} | {b['wait_ms']:.1f} | {b['ready_mean']:.1f} | {b['step_vs_resident_ms']:+.1f} | "
+              f"{b['read_ms']:.1f} | {b['prep_ms']:.1f} | {b['copy_issue_ms']:.1f} | {b.get('copy_gpu_ms', float('nan')):.1f} | "
+              f"{' '.join(f'{x:.3f}' for x in r.get('rounds_ratio', []))} |")
+p = load("launch_probe")
+if isinstance(p, dict):
+    print("\n| launch probe | ops/s vs alone | read-ahead GB/s meanwhile |")
+    print("|---|---|---|")
+    for t in (0, 1):
+        x = p[f"reader_threads_{t}"]
+        print(f"| reader threads {t or 'as the process'} | {x['ops_ratio']:.3f} | {x['gb_per_s']:.2f} |")
 print("\n| hsstore train, 80 GiB plan | what it said |")
 print("|---|---|")
 for name in ("train80", "train80_ckpt"):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Sequence
 
+import numpy as np
 import torch
 
 # the published recipe on a GPU; a quarter of its tokens and anchors on a CPU
@@ -134,15 +136,40 @@ def gpu_step_bytes(dcfg, max_tokens: int, anchors: int, trainable_params: int, f
     return int(fixed + data + kept + ce)
 
 
+def store_lengths(stores) -> np.ndarray:
+    """Token counts of every sample of ``stores`` (opened ``hsstore.Store``s), from their commit records: what
+    bounds the batches the loader can make of them (``max_sequences``)."""
+    parts = [np.asarray(s.table.samples["length"], dtype=np.int64) for s in stores]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def max_sequences(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> int | None:
+    """The most sequences one padded token-budget batch can hold for samples of these lengths, whatever the
+    shuffle: a batch of B samples costs B x its longest <= ``max_tokens`` (``hsstore.batching``), and its
+    longest is at least the B-th shortest length, so B is at most the largest B with ``sorted[B-1] * B <=
+    max_tokens`` (at least 1: a sample over the budget is a batch of its own). None when no lengths are known."""
+    ls = np.sort(np.asarray(lengths, dtype=np.int64))
+    if ls.size == 0:
+        return None
+    fits = ls * np.arange(1, ls.size + 1) <= int(max_tokens)  # a prefix: sorted lengths times a growing count
+    return max(1, int(fits.sum()))
+
+
 def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
-                 sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool = False,
-                 ) -> tuple[int, int]:
+                 sequences: int | None = None, longest: int | None = None, ce_chunk: int = 1024,
+                 checkpoint_layers: bool = False) -> tuple[int, int]:
     """(anchors, estimated bytes) of a step that fits in ``have`` bytes of GPU memory: ``anchors`` as asked when
     it fits, else halved until it does (a warning says so and what would keep them), else ValueError (one
-    line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in."""
+    line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in.
+    ``sequences``: sequences per batch at most (``max_sequences``; None: assumed from ``ASSUMED_MIN_SEQUENCE``);
+    ``longest``: the longest sample, which is a batch of its own when over ``max_tokens``."""
     def need(a: int, ckpt: bool) -> int:
-        return gpu_step_bytes(dcfg, max_tokens, a, trainable_params, frozen_params, sequences=sequences,
-                              ce_chunk=ce_chunk, checkpoint_layers=ckpt)
+        est = gpu_step_bytes(dcfg, max_tokens, a, trainable_params, frozen_params, sequences=sequences,
+                             ce_chunk=ce_chunk, checkpoint_layers=ckpt)
+        if longest is not None and longest > max_tokens:  # the one batch that exceeds the budget
+            est = max(est, gpu_step_bytes(dcfg, longest, a, trainable_params, frozen_params, sequences=1,
+                                          ce_chunk=ce_chunk, checkpoint_layers=ckpt))
+        return est
 
     est = need(anchors, checkpoint_layers)
     if est <= have:
@@ -168,8 +195,23 @@ def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, fro
 GPU_USABLE = 0.93  # of the device's memory: the CUDA context, cuBLAS workspaces and the allocator's fragmentation
 
 
-def check_gpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int, device: torch.device):
-    """``cfg`` with anchors that fit the GPU (``fit_gpu_step``; logged when lowered), or ValueError.
+def plan_gpu_step(dcfg, cfg, trainable_params: int, frozen_params: int, have: int, stores=None,
+                  ) -> tuple[int, int, int | None]:
+    """(anchors, estimated bytes, sequences per batch at most or None) of ``cfg``'s step within ``have`` bytes
+    (``fit_gpu_step``, which warns when it lowers anchors). ``stores``: the training stores, whose samples'
+    lengths (``store_lengths``) bound the sequences per batch (``max_sequences``); without them (or samples) up
+    to ``max_tokens / ASSUMED_MIN_SEQUENCE`` are assumed."""
+    lengths = store_lengths(stores) if stores else None
+    seqs = None if lengths is None else max_sequences(lengths, cfg.max_tokens)
+    longest = None if seqs is None else int(np.max(lengths))
+    anchors, need = fit_gpu_step(dcfg, cfg.max_tokens, cfg.anchors, trainable_params, frozen_params, have=have,
+                                 sequences=seqs, longest=longest, ce_chunk=cfg.ce_chunk,
+                                 checkpoint_layers=cfg.checkpoint_layers)
+    return anchors, need, seqs
+
+
+def check_gpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int, device: torch.device, stores=None):
+    """``cfg`` with anchors that fit the GPU (``plan_gpu_step``; logged when lowered), or ValueError.
 
     ``cfg.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to it
     (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
@@ -182,12 +224,14 @@ def check_gpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int, devic
         torch.cuda.set_per_process_memory_fraction(limit / total, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        anchors, need = fit_gpu_step(dcfg, cfg.max_tokens, cfg.anchors, trainable_params, frozen_params,
-                                     have=int(limit * GPU_USABLE), ce_chunk=cfg.ce_chunk,
-                                     checkpoint_layers=cfg.checkpoint_layers)
+        anchors, need, seqs = plan_gpu_step(dcfg, cfg, trainable_params, frozen_params, int(limit * GPU_USABLE),
+                                            stores)
     log = logging.getLogger("hsstore.train")
     for w in caught:
         log.warning("%s", w.message)
-    log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence%s)", need / 2**30,
-             limit * GPU_USABLE / 2**30, anchors, ", draft layers recomputed in backward" if cfg.checkpoint_layers else "")
+    per_batch = (f"at most {seqs} sequences per batch (the stores' lengths)" if seqs is not None else
+                 f"up to {max(1, -(-cfg.max_tokens // ASSUMED_MIN_SEQUENCE))} sequences per batch (assumed)")
+    log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence, %s%s)", need / 2**30,
+             limit * GPU_USABLE / 2**30, anchors, per_batch,
+             ", draft layers recomputed in backward" if cfg.checkpoint_layers else "")
     return cfg if anchors == cfg.anchors else dataclasses.replace(cfg, anchors=anchors)

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -158,10 +159,55 @@ def to_device(batch: dict[str, Any], device: torch.device, non_blocking: bool = 
 _DONE = object()
 
 
-def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2,
+@dataclass
+class ReadAheadStats:
+    """Where a batch's time goes in ``read_ahead``, per batch in order, to tell a late loader from a slow step:
+    ``read`` (the source producing it: loading and collation, on the read-ahead thread), ``prep`` (``prepare``:
+    anchors and loss weights, same thread), ``copy`` (issuing the host->device copies, same thread; on CUDA
+    ``copy_gpu``, the copies themselves on the side stream), ``wait`` (the consumer blocked for it: the step
+    waited for the loader) and ``ready`` (batches already queued when the consumer asked: 0 means the
+    pipeline ran dry)."""
+
+    read: list[float] = field(default_factory=list)
+    prep: list[float] = field(default_factory=list)
+    copy: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+    events: list[tuple[Any, Any]] = field(default_factory=list)
+
+    def summary(self, skip: int = 0, count: int | None = None) -> dict[str, float]:
+        """Mean milliseconds per batch of each part over batches ``skip .. skip + count`` (the batches the
+        consumer took there; the first ones fill the pipeline). Reads the copies' CUDA events: call after the
+        device has finished them."""
+        end = None if count is None else skip + count
+
+        def mean(xs) -> float:
+            xs = xs[skip:end]
+            return 1e3 * sum(xs) / len(xs) if xs else float("nan")
+
+        out = {"read_ms": mean(self.read), "prep_ms": mean(self.prep), "copy_issue_ms": mean(self.copy),
+               "wait_ms": mean(self.wait)}
+        ready = self.ready[skip:end]
+        out["ready_mean"] = sum(ready) / len(ready) if ready else float("nan")
+        if self.events:
+            out["copy_gpu_ms"] = mean([a.elapsed_time(b) / 1e3 for a, b in self.events])
+        return out
+
+
+def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
+               stats: ReadAheadStats | None = None, threads: int | None = None,
                ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """Yield ``(batch on device, source state after it)`` while a thread reads, prepares (anchors) and,
-    on CUDA, copies the next ``depth`` batches on a side stream. Stops the thread when closed early."""
+    on CUDA, copies the next ``depth`` batches on a side stream (pinned memory, non-blocking copies; the
+    consumer's stream waits for each batch's copy event and the batch's tensors are recorded on it, so their
+    memory is not reused before the step is done with them). The consumer's only work per batch is that
+    hand-over. Stops the thread when closed early.
+
+    ``stats``: filled per batch (``ReadAheadStats``). ``threads``: torch's intra-op threads of the read-ahead
+    thread (collation copies; the loader's reading threads, started from it, inherit the setting, as new
+    threads take the last value set): fewer keeps them from competing with the consumer's thread, which
+    launches the step's kernels (torch's own pin-memory thread runs with 1); threads started elsewhere meanwhile take
+    it too, and the setting is undone when the thread ends. None: as the process has them."""
     cuda = device.type == "cuda"
     q: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
@@ -176,33 +222,59 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
         return False
 
     def produce() -> None:
+        inherited = torch.get_num_threads()
         try:
+            if threads:
+                torch.set_num_threads(int(threads))  # this thread's (and threads started from it)
             stream = torch.cuda.Stream(device) if cuda else None
-            for batch in source:
+            it = iter(source)
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, _DONE)
+                if batch is _DONE:
+                    return
+                t1 = time.perf_counter()
                 state = source.state_dict()
                 batch = prepare(batch)
+                t2 = time.perf_counter()
                 event = None
                 if cuda:
                     with torch.cuda.stream(stream):
+                        begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
+                        if begin is not None:
+                            begin.record(stream)
                         batch = to_device(batch, device, non_blocking=True)
-                        event = torch.cuda.Event()
+                        event = torch.cuda.Event(enable_timing=stats is not None)
                         event.record(stream)
+                    if stats is not None:
+                        stats.events.append((begin, event))
+                if stats is not None:
+                    stats.read.append(t1 - t0)
+                    stats.prep.append(t2 - t1)
+                    stats.copy.append(time.perf_counter() - t2)
                 if not put((batch, state, event)):
                     return
         except BaseException as e:  # re-raised in the consumer
             put(e)
         finally:
+            if threads:
+                torch.set_num_threads(inherited)  # what threads started later take, as before
             put(_DONE)
 
     thread = threading.Thread(target=produce, name="hsstore-train-read-ahead", daemon=True)
     thread.start()
     try:
         while True:
+            ready = q.qsize()
+            t = time.perf_counter()
             item = q.get()
             if item is _DONE:
                 return
             if isinstance(item, BaseException):
                 raise item
+            if stats is not None:
+                stats.wait.append(time.perf_counter() - t)
+                stats.ready.append(ready)
             batch, state, event = item
             if event is not None:
                 current = torch.cuda.current_stream(device)

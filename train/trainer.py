@@ -431,7 +431,8 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
         check_cpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel())
     elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
-        cfg = check_gpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel(), device)
+        cfg = check_gpu_memory(dcfg, cfg, drafter.num_trainable_parameters(), embed.numel() + head.numel(), device,
+                               stores)
     loss_fn = DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl)
     opt = build_optimizer(drafter, lr=cfg.lr)
     S = dcfg.block_size
