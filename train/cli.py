@@ -98,6 +98,12 @@ def register(subparsers) -> None:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def train_config(args: argparse.Namespace):
+    """The TrainConfig of parsed ``hsstore train`` flags (the schema's, plus -q and -S)."""
+    return from_settings(from_args(TrainSettings, args, progress=not args.quiet,
+                                   storage_options=parse_storage_options(args.storage_option)))
+
+
 def run_train(args: argparse.Namespace) -> int:
     import sys
 
@@ -105,8 +111,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
-    cfg = from_settings(from_args(TrainSettings, args, progress=not args.quiet,
-                                  storage_options=parse_storage_options(args.storage_option)))
+    cfg = train_config(args)
     result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
         return 0

@@ -291,15 +291,13 @@ class Loop:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
 
 
-# names that lived here before train/ was split by concept: they keep working, with a warning, for a release
+# names that lived here before train/ was split by concept and that this module no longer uses itself: they
+# keep working, with a warning, for a release (the ones it imports, e.g. Meter or DraftLoss, import as before)
 _MOVED = {"load_frozen": "build", "pick_mask_token": "build", "drafter_config": "build", "init_config": "build",
-          "SHAPE_KEYS": "build", "DraftLoss": "build", "settings_line": "build",
-          "init_distributed": "launch", "share_cpu_threads": "launch",
-          "Meter": "metrics", "BestTracker": "metrics", "val_metrics": "metrics", "truncate_jsonl": "metrics",
-          "StopOnInterrupt": "interrupt", "Checkpointer": "checkpoint", "checkpoint_errors": "checkpoint",
-          "resume": "checkpoint", "recordable_config": "config", "DEFAULT_EPOCHS": "config",
-          "LEGACY_RESUME_VALUES": "config", "check_val_stores": "evaluate", "RUN_MARKER": "rundir",
-          "RUN_FILE": "rundir", "write_run_file": "rundir"}
+          "SHAPE_KEYS": "build", "val_metrics": "metrics", "truncate_jsonl": "metrics",
+          "checkpoint_errors": "checkpoint", "resume": "checkpoint", "DEFAULT_EPOCHS": "config",
+          "LEGACY_RESUME_VALUES": "config", "RUN_MARKER": "rundir", "RUN_FILE": "rundir",
+          "write_run_file": "rundir"}
 
 
 def __getattr__(name: str):
