@@ -20,6 +20,12 @@ from .config import TrainSettings, from_settings
 
 
 def register(subparsers) -> None:
+    register_train(subparsers)
+    register_export(subparsers)
+    register_eval(subparsers)
+
+
+def register_train(subparsers) -> None:
     t = subparsers.add_parser(
         "train", formatter_class=DefaultsHelpFormatter,
         help="train a DFlash drafter from one or more stores (no target needed)",
@@ -36,6 +42,8 @@ def register(subparsers) -> None:
     add_config_option(t)
     t.set_defaults(func=run_train)
 
+
+def register_export(subparsers) -> None:
     x = subparsers.add_parser(
         "export-drafter",
         help="write a drafter directory SGLang and vLLM load, from any checkpoint or run",
@@ -48,6 +56,8 @@ def register(subparsers) -> None:
     x.add_argument("out", metavar="OUT")
     x.set_defaults(func=run_export)
 
+
+def register_eval(subparsers) -> None:
     e = subparsers.add_parser(
         "eval", formatter_class=DefaultsHelpFormatter,
         help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",

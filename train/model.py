@@ -23,7 +23,7 @@ How it works, in one picture (block_size S = 4, anchor p = 5):
   the target just emitted, the target has not run on it yet, so features at >= p do not exist.
   Training with them is the classic "98% train accuracy, 10% acceptance" leak.
 * Training processes many anchors per sequence at once: all blocks of a sequence are concatenated
-  into one query sequence [A*S] and a single attention mask enforces the rules above.
+  into one query sequence [A*S] and a single attention mask (masks.py) enforces the rules above.
 * ``embed_tokens`` and ``lm_head`` are the target's own weights, frozen. They are stored as
   non-persistent buffers: not parameters (so never in the optimizer, never get a gradient) and not in
   ``state_dict()`` (checkpoints hold only the trainable drafter weights, under the names the

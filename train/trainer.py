@@ -102,14 +102,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
                                device=device, rank=rank, world=world)
     step, epoch, latest = checkpoints.resume_latest(source)
     best = best_tracker(out, resumed=latest is not None, rank=rank)
-    validation = None
-    if cfg.val_stores:
-        check_val_stores(stores[0].manifest, cfg.val_stores, cfg.storage_options)
-        validation = Validation(drafter, eval_source(cfg.val_stores, drafter.config.target_layers, cfg.max_tokens,
-                                                     rank, world, cfg.storage_options, cfg.cache_dir,
-                                                     pin_memory=device.type == "cuda"),
-                                cfg.val_every or cfg.save_every, device, gamma, cfg.anchors, cfg.ce_chunk, world,
-                                group, cfg.prefetch)
+    validation = validation_for(cfg, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, cfg.log_samples)
     metrics.truncate(step)
     if rank == 0:
@@ -144,6 +137,19 @@ def store_batches(stores, layers, cfg: TrainConfig, rank: int, world: int, devic
                         world_size=world, workers=cfg.workers, weights=cfg.weights,
                         storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
                         pin_memory=device.type == "cuda", partition=cfg.partition, cache_bytes=cfg.cache_bytes)
+
+
+def validation_for(cfg: TrainConfig, manifest, drafter, gamma: float, device: torch.device, rank: int, world: int,
+                   group) -> Validation | None:
+    """``--val-store``: the evaluation during training, over this rank's share of the validation stores
+    (refused first unless they come from the training store's target and tokenizer)."""
+    if not cfg.val_stores:
+        return None
+    check_val_stores(manifest, cfg.val_stores, cfg.storage_options)
+    source = eval_source(cfg.val_stores, drafter.config.target_layers, cfg.max_tokens, rank, world,
+                         cfg.storage_options, cfg.cache_dir, pin_memory=device.type == "cuda")
+    return Validation(drafter, source, cfg.val_every or cfg.save_every, device, gamma, cfg.anchors, cfg.ce_chunk,
+                      world, group, cfg.prefetch)
 
 
 def best_tracker(out: Path, resumed: bool, rank: int) -> BestTracker:
