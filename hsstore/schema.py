@@ -52,7 +52,9 @@ class Option:
     """How one setting appears on the command line. ``flag`` defaults to ``--field-name``; a bool whose
     default is True is given as a flag that turns it off (``flag="--no-resume"``). ``convert`` maps the
     parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually exclusive group of the
-    section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share."""
+    section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share.
+    ``negate`` (a bool): the flag's key holds the opposite of the setting, as its spelling says (``--no-resume``
+    with key ``no_resume``, so config files written with that key keep their meaning)."""
 
     help: str
     flag: str | None = None
@@ -68,6 +70,7 @@ class Option:
     old: tuple[str, ...] = ()
     resume: bool = False
     cli: bool = True  # False: a setting of the API only (no flag)
+    negate: bool = False
 
 
 def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:
@@ -147,17 +150,16 @@ def _scalar(t: Any) -> tuple[Any, bool]:
 
 
 
-def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
-    """The schema's flags on ``parser``, one argument group per section, in the schema's order."""
-    groups: dict[str, Any] = {}
+def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, Any]:
+    """The schema's flags on ``parser``, one argument group per section, in the schema's order; returns the
+    groups by section field name (for flags shared by many commands, added by their own helpers)."""
+    groups = {sec.name: parser.add_argument_group(sec.metadata[_SECTION]) for sec in dataclasses.fields(schema)}
     exclusive: dict[tuple[str, str], Any] = {}
     for s in settings_of(schema):
         how = s.how
         if not how.cli:
             continue
-        group = groups.get(s.section)
-        if group is None:
-            group = groups[s.section] = parser.add_argument_group(s.title)
+        group = groups[s.section]
         target = group
         if how.exclusive:
             target = exclusive.get((s.section, how.exclusive))
@@ -166,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
         kind, many = _scalar(s.type)
         kw: dict[str, Any] = {"help": how.help}
         if kind is bool and not many:
-            kw["action"] = "store_false" if s.default is True else "store_true"
+            kw["action"] = "store_false" if (s.default is True) != how.negate else "store_true"
         else:
             kw["default"] = s.default
             if kind in (int, float):
@@ -197,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
             if "type" in kw:
                 extra["type"] = kw["type"]
             group.add_argument(old, dest=s.dest, action=Deprecated, new=flags[0], **extra)
+    return groups
 
 
 def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
@@ -208,6 +211,8 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
             value = overrides.pop(s.name)
         elif s.how.cli and hasattr(args, s.dest):
             value = getattr(args, s.dest)
+            if s.how.negate:
+                value = not value
             if s.how.convert is not None:
                 value = s.how.convert(value)
         else:
@@ -224,6 +229,24 @@ def flat(config: Any) -> dict[str, Any]:
     """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare)."""
     return {f.name: getattr(getattr(config, sec.name), f.name)
             for sec in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, sec.name))}
+
+
+def flat_class(schema: type, name: str, module: str, **namespace: Any) -> type:
+    """A dataclass with every option of ``schema`` as its own field (same names, types, defaults, in order):
+    the one-namespace view code reads (``cfg.lr``), made from the schema, so no field is written twice.
+    ``namespace``: methods such as ``__post_init__``. ``flat_class(S, ...)(**flat(cfg))`` converts."""
+    fields = []
+    for s in settings_of(schema):
+        f = s.field
+        kw: dict[str, Any] = {"metadata": f.metadata}
+        if f.default is not MISSING:
+            kw["default"] = f.default
+        if f.default_factory is not MISSING:
+            kw["default_factory"] = f.default_factory
+        fields.append((s.name, s.type, dataclasses.field(**kw)))
+    cls = dataclasses.make_dataclass(name, fields, namespace=namespace)
+    cls.__module__ = module  # where it is defined: pickle and repr find it there
+    return cls
 
 
 def resume_keys(schema: type) -> tuple[str, ...]:

@@ -129,3 +129,12 @@ def test_layouts_implement_the_protocol(name):
         assert list(inspect.signature(fn).parameters) == want, f"layout {name!r}: {attr} parameters"
     with pytest.raises(ValueError, match="unknown shard layout 'tar'"):
         layout.get("tar")
+
+
+def test_train_has_no_import_cycle():
+    """train/ split by concept: its modules import each other without a cycle (evaluate.py and trainer.py
+    once imported each other, through a function-level import of ``load_frozen``)."""
+    graph = import_graph(PACKAGE.parent / "train")
+    assert {"trainer", "evaluate", "build", "config", "masks", "metrics"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle in train/: {' -> '.join(cycle)}"

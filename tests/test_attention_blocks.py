@@ -9,7 +9,8 @@ split the anchors unevenly. Tiny dimensions, CPU, float32 (and float64 for the e
 import pytest
 import torch
 
-from hsstore.train.model import DFlashDrafter, DrafterConfig, block_attention_mask, block_plan
+from hsstore.train.masks import block_attention_mask, block_plan
+from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.objective import batch_anchors, dflash_loss
 
 H, L, V, MASK = 32, 3, 100, 99
@@ -122,7 +123,7 @@ def test_blocks_loss_and_gradients_equal_dense(lengths, n_anchors, S, windows, c
 
 def test_blocks_outputs_equal_dense_with_small_chunks(monkeypatch):
     """Chunks of one block each and of several blocks, one group or many: the same drafter states."""
-    from hsstore.train import model as model_mod
+    from hsstore.train import masks
 
     g = torch.Generator().manual_seed(5)
     B, T = 2, 30
@@ -135,17 +136,17 @@ def test_blocks_outputs_equal_dense_with_small_chunks(monkeypatch):
     with torch.no_grad():
         want = ref.draft_hidden(hs, ids, anchors, valid)
         for rows, groups in ((4, 1), (8, 3), (12, 2), (1000, 1)):
-            monkeypatch.setattr(model_mod, "ATTN_CHUNK_ROWS", rows)
-            monkeypatch.setattr(model_mod, "FULL_LAYER_GROUPS", groups)
+            monkeypatch.setattr(masks, "ATTN_CHUNK_ROWS", rows)
+            monkeypatch.setattr(masks, "FULL_LAYER_GROUPS", groups)
             got = blocks.draft_hidden(hs, ids, anchors, valid)
             assert torch.allclose(got, want, atol=1e-5), (rows, groups)
 
 
 def test_blocks_path_catches_a_leaky_rule(monkeypatch):
     """The equality above can fail: a context rule with j <= p changes the blocks path's outputs."""
-    from hsstore.train import model as model_mod
+    from hsstore.train import masks
 
-    real = model_mod.context_visible
+    real = masks.context_visible
 
     def leaky(p, realm, j, valid_j, block_size, window=None):
         return real(p + 1, realm, j, valid_j, block_size, window)
@@ -156,7 +157,7 @@ def test_blocks_path_catches_a_leaky_rule(monkeypatch):
     model = make("blocks", [None]).eval()
     with torch.no_grad():
         want = model.draft_hidden(hs, ids, anchors)
-        monkeypatch.setattr(model_mod, "context_visible", leaky)
+        monkeypatch.setattr(masks, "context_visible", leaky)
         assert not torch.allclose(model.draft_hidden(hs, ids, anchors), want, atol=1e-5)
 
 
@@ -193,13 +194,13 @@ def test_sliding_attention_memory_per_context_token_does_not_grow_with_queries()
 def test_full_layer_gathers_each_prefix_once_per_group():
     """A full layer's chunks all see a prefix of the context: the plan gathers it once per group of chunks (about
     groups x T keys in all, plus the blocks), not once per chunk (chunks x T)."""
-    from hsstore.train import model as model_mod
+    from hsstore.train import masks
 
     T, A, S = 4096, 256, 16  # 16 chunks of 256 rows, 4 groups
     anchors = torch.arange(A)[None] * (T // A) + 8
     plan = block_plan(anchors, torch.ones(1, T, dtype=torch.bool), S, None, chunk_rows=256)
     gathered = sum(idx.shape[1] * idx.shape[2] for _, _, idx, _ in plan.groups)
-    assert gathered <= model_mod.FULL_LAYER_GROUPS * T + A * S, gathered
+    assert gathered <= masks.FULL_LAYER_GROUPS * T + A * S, gathered
 
 
 def test_layers_of_one_window_share_one_attention_mask():

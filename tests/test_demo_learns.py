@@ -21,7 +21,8 @@ from hsstore.train import objective, trainer
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.model import DFlashDrafter
 from hsstore.train.speculative import drafter_proposer, load_prompts, speculative_generate
-from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, train
+from hsstore.train.build import drafter_config, load_frozen
+from hsstore.train.trainer import TrainConfig, train
 
 # Between what a drafter without usable features or labels reaches on this target (it still learns the fixed
 # phrasing from the anchor token: ~1.2) and what the working pipeline reaches with the same steps (~2.1).

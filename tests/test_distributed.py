@@ -24,7 +24,7 @@ def test_torchrun_environment_and_given_values(monkeypatch):
 
 def test_extract_and_train_read_the_same_rank(monkeypatch):
     from hsstore.extract.job import dist_env
-    from hsstore.train.trainer import init_distributed
+    from hsstore.train.launch import init_distributed
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hsstore.train import model as model_mod
-from hsstore.train.model import DFlashDrafter, DrafterConfig, block_attention_mask, default_target_layers
+from hsstore.train import masks
+from hsstore.train.masks import block_attention_mask
+from hsstore.train.model import DFlashDrafter, DrafterConfig, default_target_layers
 from hsstore.train.objective import (
     IGNORE, batch_anchors, block_targets, chunked_cross_entropy, default_gamma, dflash_loss, sample_anchors,
 )
@@ -86,7 +87,7 @@ def test_leak_detector_catches_less_equal(monkeypatch):
         m[:, :, :T] |= torch.arange(T) == p[:, :, None]  # also allow j == p
         return m
 
-    monkeypatch.setattr(model_mod, "block_attention_mask", leaky)
+    monkeypatch.setattr(masks, "block_attention_mask", leaky)
     assert anchor_sees_features_at_or_after_p(make_model())
 
 
@@ -222,7 +223,7 @@ def test_flex_mask_equals_sdpa_mask():
             for causal in (True, False):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    bm = model_mod._flex_block_mask(anchors, valid, S, w, causal)
+                    bm = masks._flex_block_mask(anchors, valid, S, w, causal)
                 dense = block_attention_mask(anchors, valid, S, w, causal)
                 assert torch.equal(bm.mask_mod(b, 0, q, kv).expand_as(dense), dense), (w, causal)
 

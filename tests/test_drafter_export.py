@@ -19,7 +19,8 @@ from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.cli import main as hsstore_cli
 from hsstore.train import checkpoint as ckpt
 from hsstore.train.model import DFlashDrafter, DrafterConfig
-from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, train
+from hsstore.train.build import drafter_config, load_frozen
+from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 # Qwen/Qwen3.6-27B's text_config (the fields the drafter reads): 64 layers, 24 heads x 256, 4 KV heads,

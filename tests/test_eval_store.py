@@ -14,7 +14,8 @@ from hsstore.cli import main as hsstore_cli
 from hsstore.train.checkpoint import latest_checkpoint, load_drafter
 from hsstore.train.evaluate import eval_source, evaluate
 from hsstore.train.model import DFlashDrafter, DrafterConfig
-from hsstore.train.trainer import TrainConfig, load_frozen, train
+from hsstore.train.build import load_frozen
+from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 from conftest import make_manifest, write_samples

@@ -163,7 +163,7 @@ def test_url_user_info_never_recorded_or_printed(http_store, tmp_path, capsys):
 
 
 def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
-    from hsstore.train.trainer import TrainConfig, recordable_config
+    from hsstore.train.config import TrainConfig, recordable_config
 
     cfg = TrainConfig(stores=[f"https://{USER}:{PASSWORD}@h/s"], val_stores=[f"s3://{USER}:{PASSWORD}@b/v"],
                       out=str(tmp_path), storage_options={"secret": "x"})
@@ -423,7 +423,8 @@ def test_drafter_config_checked_before_any_weight_is_built(huge_config_drafter):
 
 def test_train_init_with_a_huge_config_is_one_line(huge_config_drafter, tmp_path):
     from hsstore.train import checkpoint as ckpt
-    from hsstore.train.trainer import TrainConfig, init_config
+    from hsstore.train.build import init_config
+    from hsstore.train.config import TrainConfig
 
     path, _ = huge_config_drafter
     manifest = make_manifest()

@@ -103,3 +103,30 @@ def test_overrides_and_bad_schemas():
 
     with pytest.raises(TypeError, match="is used by"):
         settings_of(Twice)
+
+
+
+@dataclass
+class Out:
+    cache: bool = option(True, flag="--no-cache", dest="no_cache", negate=True, help="no cache")
+    steps: int = option(3, help="steps")
+
+
+@dataclass
+class Negated:
+    out: Out = section(Out, "output")
+
+
+def test_negated_flags_keep_their_key_and_flat_class_mirrors_the_schema():
+    """``negate``: the key (and so a config file) says what the flag says (``no_cache: true`` = --no-cache given),
+    the setting is its opposite; ``flat_class`` has every setting as a field, with the schema's defaults."""
+    from hsstore.schema import flat_class
+
+    p = argparse.ArgumentParser(prog="t")
+    groups = add_arguments(p, Negated)
+    assert set(groups) == {"out"} and groups["out"].title == "output"
+    assert from_args(Negated, p.parse_args([])).out.cache is True
+    args = p.parse_args(["--no-cache"])
+    assert args.no_cache is True and from_args(Negated, args).out.cache is False
+    Flat = flat_class(Negated, "Flat", __name__)
+    assert Flat() == Flat(cache=True, steps=3) and Flat(**flat(from_args(Negated, args))).cache is False

@@ -18,7 +18,8 @@ from hsstore.extract.job import ExtractConfig, run_extract
 from hsstore.extract.tiny import build_tiny_target
 from hsstore.extract.tokenize import load_samples
 from hsstore.train import checkpoint as ckpt
-from hsstore.train.trainer import TrainConfig, drafter_config, load_frozen, pick_mask_token, train
+from hsstore.train.build import drafter_config, load_frozen, pick_mask_token
+from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST, REPO, small_input, store32  # noqa: F401  (fixtures)
 
 

@@ -107,7 +107,7 @@ def grad_items(shard):
 def grad_setup(world: int):
     """The trainer's loss module (DraftLoss) around a small drafter, identical in every process."""
     from hsstore.train.model import DFlashDrafter, DrafterConfig
-    from hsstore.train.trainer import DraftLoss
+    from hsstore.train.build import DraftLoss
 
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, vocab_size=100, target_layers=[1, 2, 3],
                         mask_token_id=99, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
@@ -123,7 +123,7 @@ def grad_step(model, batch, world, per_rank: bool = False):
     loss and backward, and the logged metrics (all-reduced). ``per_rank``: the old rule, each rank's loss
     divided by its own weight sum."""
     from hsstore.train.data import add_anchors, lockstep
-    from hsstore.train.trainer import Meter
+    from hsstore.train.metrics import Meter
 
     batch = add_anchors(batch, 0, 0, GRAD_ANCHORS, GRAD_S, GRAD_GAMMA)
     [(batch, _)] = list(lockstep([(batch, None)], world))

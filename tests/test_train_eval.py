@@ -8,7 +8,8 @@ import hsstore
 from hsstore.cli import main as hsstore_cli
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
-from hsstore.train.trainer import TrainConfig, load_frozen, train
+from hsstore.train.build import load_frozen
+from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 S, NEW = 8, 24

@@ -36,9 +36,10 @@ import time
 
 import torch
 
-from hsstore.train import model as model_mod
+from hsstore.train import masks as masks_mod
 from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
-from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig, own_block_visible
+from hsstore.train.masks import own_block_visible
+from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
 from tools.measure import peak_rss_mb, reset_peak_rss
@@ -120,9 +121,9 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
     dtype = getattr(torch, args.dtype)
     res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "batch": args.batch, "ckpt": ckpt}
     if args.chunk_rows:  # set here: a spawned process imports the model afresh
-        model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
+        masks_mod.ATTN_CHUNK_ROWS = args.chunk_rows
     if args.full_groups:
-        model_mod.FULL_LAYER_GROUPS = args.full_groups
+        masks_mod.FULL_LAYER_GROUPS = args.full_groups
     try:
         model = make(impl, args, seq, device, dtype)
         model.checkpoint_layers = ckpt == "on"
@@ -244,9 +245,9 @@ def main():
     add_drafter_size_args(ap)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")
     ap.add_argument("--chunk-rows", type=int, default=None, help="blocks: query rows per chunk (default "
-                    f"{model_mod.ATTN_CHUNK_ROWS})")
+                    f"{masks_mod.ATTN_CHUNK_ROWS})")
     ap.add_argument("--full-groups", type=int, default=None, help="blocks: SDPA calls per full-attention layer "
-                    f"(default {model_mod.FULL_LAYER_GROUPS})")
+                    f"(default {masks_mod.FULL_LAYER_GROUPS})")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="compare --impl with sdpa instead of timing")
@@ -260,9 +261,9 @@ def main():
             setattr(args, k, v)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.chunk_rows:
-        model_mod.ATTN_CHUNK_ROWS = args.chunk_rows
+        masks_mod.ATTN_CHUNK_ROWS = args.chunk_rows
     if args.full_groups:
-        model_mod.FULL_LAYER_GROUPS = args.full_groups
+        masks_mod.FULL_LAYER_GROUPS = args.full_groups
     if args.check:
         check(args, torch.device(args.device), getattr(torch, args.dtype))
         return

@@ -27,25 +27,33 @@ with fp32 model.safetensors) still load, resume and export (``hsstore export-dra
 Pickle-free means a checkpoint from an untrusted place cannot run code when loaded. A checkpoint is
 written to a hidden temporary directory and renamed into place, so a crash mid-write leaves the
 previous one as the latest. The frozen embedding / lm_head are not saved: they are the target's, and
-come from the store's assets (``train.trainer.load_frozen``).
+come from the store's assets (``build.load_frozen``).
+
+``Checkpointer`` writes a run's checkpoints (every rank its part, rank 0 the rest) and ``resume`` continues a
+run from one, refusing settings (``config.RESUME_KEYS``) or a drafter that would not continue the same run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -480,3 +488,94 @@ def loader_states(path: Path) -> dict[int, dict[str, Any]]:
     for f in sorted(path.glob("loader.rank*.json")):
         out[int(f.stem.split("rank")[-1])] = json.loads(f.read_text())
     return out
+
+
+# ---------------------------------------------------------------------------------------------- a run's checkpoints
+
+
+@dataclass(kw_only=True)
+class Checkpointer:
+    """What every checkpoint of one run writes besides its position: set up once, then ``save`` per checkpoint."""
+
+    out: Path
+    drafter: DFlashDrafter
+    opt: Any
+    sched: Any
+    cfg: TrainConfig
+    config_json: dict[str, Any]  # the run's settings as saved (no storage options: they may hold secrets)
+    extra: dict[str, Any]  # target, taps, tokenizer: written into the drafter's meta
+    device: torch.device
+    rank: int
+    world: int
+
+    def save(self, step: int, epoch: int, loader_state, best: dict[str, Any] | None = None) -> None:
+        """All ranks write their loader/RNG files into a staging dir; rank 0 the rest, then publishes it (and
+        points OUT/checkpoints/best at it when ``best``, its validation metrics, is given)."""
+        rank, world = self.rank, self.world
+        tmp, final = staging_dir(self.out, step), checkpoint_dir(self.out, step)
+        if rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        if world > 1:
+            dist.barrier()
+        with checkpoint_errors(tmp, step):
+            write_rank_files(tmp, rank, loader_state, self.device)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            with checkpoint_errors(tmp, step):
+                write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
+                                      config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
+                publish(tmp, final, self.cfg.keep, best)
+        if world > 1:
+            dist.barrier()
+
+    def resume_latest(self, source) -> tuple[int, int, Path | None]:
+        """(step, epoch, checkpoint) to continue from: OUT's latest checkpoint (``resume``) unless the config
+        says to start over; (0, 0, None) when there is none."""
+        latest = latest_checkpoint(self.out) if self.cfg.resume else None
+        if latest is None:
+            return 0, 0, None
+        step, epoch = resume(latest, self.cfg, self.drafter, self.opt, self.sched, source, self.device, self.rank,
+                             self.world)
+        log.info("rank %d: resumed from %s (step %d, epoch %d)", self.rank, latest, step, epoch)
+        return step, epoch, latest
+
+
+@contextmanager
+def checkpoint_errors(tmp: Path, step: int):
+    """A checkpoint that cannot be written (a full disk above all: safetensors raises its own ``SafetensorError``)
+    as one ``OSError`` line saying so; the checkpoints published before stay as they were (a resume uses them)."""
+    try:
+        yield
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in text or "StorageFull" in text
+        why = "the disk is full" if full else text
+        raise OSError(errno.ENOSPC if full else errno.EIO,
+                      f"checkpoint of step {step} could not be written to {tmp}: {why}; the checkpoints published "
+                      "before are kept (free space, then run the same command again to resume)") from e
+
+
+def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
+    """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
+    saved = read_trainer_state(path)
+    now = recordable_config(cfg)  # as it was saved
+    before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
+    diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
+    saved_cfg, _ = read_drafter_config(path)
+    mine = dataclasses.replace(drafter.config, attn_impl=saved_cfg.attn_impl)
+    diffs += [f"drafter {f.name}: {getattr(saved_cfg, f.name)!r} -> {getattr(mine, f.name)!r}"
+              for f in dataclasses.fields(mine) if getattr(saved_cfg, f.name) != getattr(mine, f.name)]
+    if diffs:
+        raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
+                         "or --no-resume to start over")
+    state = restore(path, drafter, opt, sched, device, rank)
+    states = loader_states(path)
+    if saved["world"] == [world, cfg.workers] and rank in states:
+        if states[rank] is not None:
+            source.load_state_dict(states[rank])
+    elif any(s is not None for s in states.values()):
+        log.info("resuming a run of %s rank(s) x workers on %d x %d: re-cutting the rest of the epoch",
+                 saved["world"], world, cfg.workers)
+        source.load_merged([s for s in states.values() if s is not None])
+    return int(state["step"]), int(state["epoch"])

@@ -13,11 +13,19 @@ import math
 
 from hsstore.config import add_config_option, settings
 from hsstore.cli import Deprecated, DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
+from hsstore.schema import add_arguments, from_args
 from hsstore.storage import parse_storage_options
 
+from .config import TrainSettings, from_settings
 
 
 def register(subparsers) -> None:
+    register_train(subparsers)
+    register_export(subparsers)
+    register_eval(subparsers)
+
+
+def register_train(subparsers) -> None:
     t = subparsers.add_parser(
         "train", formatter_class=DefaultsHelpFormatter,
         help="train a DFlash drafter from one or more stores (no target needed)",
@@ -26,97 +34,16 @@ def register(subparsers) -> None:
         "OUT/checkpoints/ and the drafter in OUT/drafter/. Re-running the same command resumes from the latest "
         "checkpoint. Multi-GPU: torchrun --nproc_per_node N -m hsstore train ...",
     )
-    parser = t  # the flags in groups: --help shows them so, and --config files have these sections
-    t = parser.add_argument_group("run")
-    t.add_argument("--store", required=True, action="append", metavar="URL", help="store URL (repeatable)")
-    t.add_argument("--out", required=True, help="run directory (metrics, checkpoints, drafter)")
-    n = t.add_mutually_exclusive_group()
-    n.add_argument("--steps", type=int, default=None, help="optimizer steps")
-    n.add_argument("--epochs", type=int, default=None, help="passes over the data (default 6)")
-    t.add_argument("--device", default=None,
-                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
-    t = parser.add_argument_group("batch")
-    t.add_argument("--token-budget", dest="token_budget", type=int, default=None, metavar="N",
-                   help="padded tokens per batch and rank (default: 16384 on a GPU, the published recipe; 4096 on a "
-                        "CPU; a CPU step estimated above the available memory is refused)")
-    t.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
-    t.add_argument("--anchors", type=int, default=None, metavar="N",
-                   help="anchors per sequence, at most (default: 512 on a GPU, 128 on a CPU)")
-    t = parser.add_argument_group("drafter")
-    t.add_argument("--block-size", type=int, default=16, help="anchor + mask tokens drafted per block")
-    t.add_argument("--draft-layers", type=int, default=5, help="draft decoder layers")
-    t.add_argument("--sliding-window", type=int, default=2048,
-                   help="window of every draft layer but the last, in positions counting the query's own, as "
-                        "Hugging Face's sliding_window (0: full attention everywhere)")
-    t.add_argument("--non-causal-sliding", action="store_true",
-                   help="sliding layers see their whole block (exported as is_causal: false); default: causal "
-                        "inside the block, as SpecForge trains and SGLang/vLLM serve")
-    d = parser.add_argument_group("drafter shape (default: the published DFlash drafters' rule, e.g. Qwen3.6-27B "
-                             "-> 32 heads x 128, 8 KV heads; FFN, RoPE base from the target)")
-    d.add_argument("--num-heads", type=int, default=None, help="attention heads")
-    d.add_argument("--num-kv-heads", type=int, default=None, help="key/value heads")
-    d.add_argument("--head-dim", type=int, default=None, help="per head")
-    d.add_argument("--intermediate-size", type=int, default=None, help="SwiGLU width (default: the target's)")
-    d.add_argument("--rope-theta", type=float, default=None, help="RoPE base, full rotary (default: the target's)")
-    t.add_argument("--init", default=None, metavar="DIR",
-                   help="start from this drafter (DFlash format: ours, SpecForge's, z-lab's); refused unless its "
-                        "taps, hidden size, vocabulary and block size fit the store")
-    t.add_argument("--mask-token-id", type=int, default=None,
-                   help="default: first unused embedding row, else the target's pad token")
-    t = parser.add_argument_group("training")
-    t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default by block)")
-    t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (AdamW, cosine)")
-    t.add_argument("--warmup", type=float, default=0.04, help="warmup share of the steps")
-    t.add_argument("--min-lr-ratio", type=float, default=0.0, help="final lr / peak lr")
-    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--seed", type=int, default=0, help="data order, anchors and initial weights")
-    t.add_argument("--attn", choices=["auto", "blocks", "sdpa", "flex"], default="auto",
-                   help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and time "
-                        "follow the visible keys). sdpa: one dense mask [queries x (context + queries)], the "
-                        "reference. flex: compiles on its first step and again when batch shapes vary")
-    t = parser.add_argument_group("data")
-    t.add_argument("--weight", type=float, action="append", default=None, metavar="W",
-                   help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
-    t.add_argument("--workers", type=int, default=0, help="loader worker processes per rank (needs torchdata)")
-    t.add_argument("--prefetch", type=int, default=2, help="batches read (and copied to the GPU) ahead")
-    t.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
-    t.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
-    t.add_argument("--cache-bytes", type=int, default=None, metavar="N",
-                   help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
-    t.add_argument("--partition", choices=["global", "node"], default="global",
-                   help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
-                        "GROUP_RANK, LOCAL_WORLD_SIZE) reads one fixed share every epoch, shuffled within, so a "
-                        "--cache-dir that holds the share serves epochs 2.. without remote reads")
-    t.add_argument("--checkpoint-layers", action="store_true",
-                   help="recompute each draft layer in backward instead of keeping its activations (about a third "
-                        "more layer compute, a fraction of the memory: the published recipe on an 80 GB GPU)")
-    t.add_argument("--gpu-memory-gib", type=float, default=None, metavar="GIB",
-                   help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 on a larger "
-                        "GPU to check a recipe for an 80 GB one")
-    t = parser.add_argument_group("output")
-    t.add_argument("--log-every", type=int, default=10, help="steps between metrics.jsonl rows")
-    t.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (Ctrl-C also saves one)")
-    t.add_argument("--keep", type=int, default=2, help="checkpoints to keep (0: all)")
-    t.add_argument("--no-resume", action="store_true", help="start over even if OUT has checkpoints")
-    t.add_argument("--log-samples", action="store_true", help="write OUT/samples.rankN.jsonl (sample ids per step)")
-    add_quiet_option(t)
-    add_json_option(t, "the summary at the end (rank 0)")
-    t.add_argument("--report-to", default="none", metavar="NAMES",
-                   help="also send the metrics.jsonl rows and the settings to tensorboard, wandb and/or mlflow "
-                        "(comma-separated; OUT/tensorboard, OUT/wandb, OUT/mlruns unless their environment says "
-                        "otherwise; WANDB_MODE=offline works without a network; pip install 'hsstore[track]')")
-    t = parser.add_argument_group("validation")
-    t.add_argument("--val-store", action="append", default=None, metavar="URL",
-                   help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every "
-                        "valid anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
-    t.add_argument("--val-every", type=int, default=None, metavar="N",
-                   help="steps between evaluations on --val-store (default: --save-every); always at the end too")
-    t = parser.add_argument_group("storage")
-    add_storage_option(t)
-    add_config_option(parser)
+    # the flags in groups, from the schema (config.py): --help shows them so, and --config files have these sections
+    groups = add_arguments(t, TrainSettings)
+    add_quiet_option(groups["output"])
+    add_json_option(groups["output"], "the summary at the end (rank 0)")
+    add_storage_option(groups["storage"])
+    add_config_option(t)
     t.set_defaults(func=run_train)
 
+
+def register_export(subparsers) -> None:
     x = subparsers.add_parser(
         "export-drafter",
         help="write a drafter directory SGLang and vLLM load, from any checkpoint or run",
@@ -129,6 +56,8 @@ def register(subparsers) -> None:
     x.add_argument("out", metavar="OUT")
     x.set_defaults(func=run_export)
 
+
+def register_eval(subparsers) -> None:
     e = subparsers.add_parser(
         "eval", formatter_class=DefaultsHelpFormatter,
         help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",
@@ -179,28 +108,20 @@ def register(subparsers) -> None:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def train_config(args: argparse.Namespace):
+    """The TrainConfig of parsed ``hsstore train`` flags (the schema's, plus -q and -S)."""
+    return from_settings(from_args(TrainSettings, args, progress=not args.quiet,
+                                   storage_options=parse_storage_options(args.storage_option)))
+
+
 def run_train(args: argparse.Namespace) -> int:
     import sys
 
-    from .trainer import TrainConfig, train
+    from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
-    cfg = TrainConfig(
-        stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
-        max_tokens=args.token_budget, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
-        sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
-        mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
-        warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
-        log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
-        prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
-        log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
-        partition=args.partition, checkpoint_layers=args.checkpoint_layers, gpu_memory_gib=args.gpu_memory_gib,
-        cache_bytes=None if args.cache_bytes is None else int(args.cache_bytes),
-        val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option),
-        report_to=args.report_to)
+    cfg = train_config(args)
     result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
         return 0

@@ -31,6 +31,7 @@ more than a training step's. The context projection is recomputed per anchor chu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -40,10 +41,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hsstore import HiddenStateDataset, TokenBatches, codec, fp8
+from hsstore import HiddenStateDataset, Manifest, TokenBatches, codec, fp8, storage
 from hsstore.devices import resolve_device
+from hsstore.manifest import check_compatible
+from hsstore.reader import read_manifest
 
 from .data import read_ahead
+from .metrics import val_metrics
 from .objective import batch_anchors, default_gamma, dflash_loss
 
 log = logging.getLogger(__name__)
@@ -193,7 +197,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     import hsstore
 
     from .checkpoint import load_drafter
-    from .trainer import load_frozen
+    from .build import load_frozen
 
     dev = resolve_device(device)
     options = storage_options or {}
@@ -205,3 +209,43 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     source = eval_source(url, drafter.config.target_layers, max_tokens, storage_options=options,
                          cache_dir=cache_dir, pin_memory=dev.type == "cuda")
     return evaluate(drafter, source, dev, anchor_chunk=anchor_chunk, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------- during training
+
+
+def check_val_stores(train: Manifest, urls: list[str], storage_options: dict) -> None:
+    """A validation store must come from the same target and tokenizer (the drafter's frozen head and its
+    tokens); its taps, dtype and encoding may differ (the loader reads the drafter's taps from it)."""
+    for url in urls:  # the manifest alone: the records are read once, by the evaluation's loader
+        fs, root = storage.resolve(url, storage_options)
+        m = read_manifest(fs, root, url)
+        same_layout = dataclasses.replace(m, layers=train.layers, dtype=train.dtype, encoding=train.encoding)
+        check_compatible(train, same_layout, "the training store", f"validation store {url!r}")
+
+
+@dataclass
+class Validation:
+    """``hsstore train --val-store``: the evaluation above every ``every`` steps and at the end, each rank over
+    its share of the validation stores; ``run`` gives the metrics.jsonl fields (``metrics.val_metrics``)."""
+
+    drafter: Any
+    source: Any
+    every: int
+    device: torch.device
+    gamma: float
+    anchor_chunk: int
+    ce_chunk: int
+    world: int = 1
+    group: Any = None
+    prefetch: int = 2
+
+    def due(self, step: int, total: int) -> bool:
+        return step % self.every == 0 or step == total
+
+    def run(self, step: int) -> dict[str, Any]:
+        ev = evaluate(self.drafter, self.source, self.device, gamma=self.gamma, anchor_chunk=self.anchor_chunk,
+                      ce_chunk=self.ce_chunk, world=self.world, group=self.group, prefetch=self.prefetch)
+        log.info("step %d: val loss %.4f, val tau %.3f (%d anchors, %.1fs)", step, ev.loss, ev.tau, ev.anchors,
+                 ev.seconds)
+        return val_metrics(ev)

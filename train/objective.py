@@ -8,7 +8,7 @@ already stands for position p+k). Output 0 is the anchor itself and is never tra
     loss         = sum(weight * CE) / sum(weight)            over all anchors of the (global) batch
 
 Under DDP "the batch" is the union of the ranks' batches: the trainer passes the all-reduced weight sum
-(``weight_total``, see ``train.trainer.DraftLoss``), so ranks whose batches weigh differently still take
+(``weight_total``, see ``train.build.DraftLoss``), so ranks whose batches weigh differently still take
 the step one process would take on all of them.
 
 Early positions get more weight because a draft is only accepted up to its first miss.

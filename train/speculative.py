@@ -269,7 +269,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     import hsstore
 
     from .checkpoint import load_drafter, read_drafter_config
-    from .trainer import load_frozen
+    from .build import load_frozen
 
     dev = resolve_device(device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)

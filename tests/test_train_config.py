@@ -1,0 +1,139 @@
+"""The trainer's one settings schema (train/config.py): the flags, run.yaml sections, RESUME_KEYS and the flat
+TrainConfig it generates mean what the hand-written ones did; train/'s old names still import; the metrics
+meter's named sums."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from hsstore import config
+from hsstore.cli import build_parser
+from hsstore.storage import parse_storage_options
+from hsstore.train.cli import train_config
+from hsstore.train.config import RESUME_KEYS, TrainConfig, TrainSettings
+from hsstore.train.metrics import Meter
+from hsstore.schema import settings_of
+
+
+def parse(argv):
+    p = build_parser()
+    config.apply(p, argv)
+    return p.parse_args(argv)
+
+
+def old_cli_config(args) -> TrainConfig:
+    """What train/cli.py built before the schema, field by field (copied from its last hand-written version)."""
+    return TrainConfig(
+        stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
+        max_tokens=args.token_budget, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
+        sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
+        mask_token_id=args.mask_token_id, gamma=args.gamma, lr=args.lr,
+        warmup=args.warmup, min_lr_ratio=args.min_lr_ratio, clip=args.clip, seed=args.seed, attn=args.attn,
+        log_every=args.log_every, save_every=args.save_every, keep=args.keep, workers=args.workers,
+        prefetch=args.prefetch, resume=not args.no_resume, progress=not args.quiet,
+        log_samples=args.log_samples, weights=args.weight, cache_dir=args.cache_dir, cpu_threads=args.cpu_threads,
+        partition=args.partition, checkpoint_layers=args.checkpoint_layers, gpu_memory_gib=args.gpu_memory_gib,
+        cache_bytes=None if args.cache_bytes is None else int(args.cache_bytes),
+        val_stores=args.val_store, val_every=args.val_every, storage_options=parse_storage_options(args.storage_option),
+        report_to=args.report_to)
+
+
+EVERY_FLAG = ["train", "--store", "/s/a", "--store", "/s/b", "--out", "/o", "--steps", "7", "--device", "cpu",
+              "--token-budget", "999", "--anchors", "33", "--block-size", "8", "--draft-layers", "3",
+              "--sliding-window", "0", "--non-causal-sliding", "--num-heads", "4", "--num-kv-heads", "2",
+              "--head-dim", "16", "--intermediate-size", "96", "--rope-theta", "5e5", "--init", "/d",
+              "--mask-token-id", "3", "--gamma", "4.5", "--lr", "1e-3", "--warmup", "0.1", "--min-lr-ratio", "0.2",
+              "--clip", "0.5", "--seed", "9", "--attn", "sdpa", "--weight", "2", "--weight", "0.5", "--workers", "2",
+              "--prefetch", "3", "--cpu-threads", "2", "--cache-dir", "/c", "--cache-bytes", "4096",
+              "--partition", "node", "--checkpoint-layers", "--gpu-memory-gib", "80", "--log-every", "5",
+              "--save-every", "50", "--keep", "0", "--no-resume", "--log-samples", "-q", "--report-to",
+              "tensorboard", "--val-store", "/v", "--val-every", "20", "-S", "anon=true"]
+
+
+@pytest.mark.parametrize("argv", [["train", "--store", "/s", "--out", "/o"], EVERY_FLAG],
+                         ids=["defaults", "every-flag"])
+def test_flags_build_the_config_the_hand_written_cli_built(argv):
+    args = parse(argv)
+    assert train_config(args) == old_cli_config(args)
+
+
+def test_old_run_yaml_keys_keep_their_meaning(tmp_path):
+    """A run.yaml written before the schema: its keys are the flags' (no_resume, non_causal_sliding,
+    token_budget, store, weight), and a true there still means the flag was given."""
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({
+        "run": {"store": ["/s/a"], "out": "/o", "epochs": 2}, "batch": {"token_budget": 123},
+        "drafter": {"sliding_window": 0, "non_causal_sliding": True},
+        "output": {"no_resume": True, "quiet": True, "report_to": "none"},
+        "data": {"weight": [2.0]}, "storage": {"storage_option": ["anon=true"]}}))
+    cfg = train_config(parse(["train", "--config", str(f)]))
+    assert cfg == TrainConfig(stores=["/s/a"], out="/o", epochs=2, max_tokens=123, sliding_window=None,
+                              sliding_causal=False, resume=False, progress=False, weights=[2.0],
+                              storage_options={"anon": True})
+    f.write_text(yaml.safe_dump({"run": {"store": ["/s/a"], "out": "/o"},
+                                 "drafter": {"non_causal_sliding": False}, "output": {"no_resume": False}}))
+    cfg = train_config(parse(["train", "--config", str(f)]))
+    assert cfg.sliding_causal is True and cfg.resume is True and cfg.epochs == 6
+
+
+def test_resume_keys_are_the_hand_written_ones():
+    """The settings a resumed run may not change, as the tuple was written before the schema."""
+    before = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
+              "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+              "rope_theta", "mask_token_id", "gamma", "workers")
+    assert sorted(RESUME_KEYS) == sorted(before) and len(RESUME_KEYS) == len(before)
+
+
+def test_the_flat_config_is_the_schema():
+    """TrainConfig's fields are the schema's settings, in order, with their defaults; the ones without a flag
+    are said so in the schema (cli=False) and come from elsewhere in the CLI (-q, -S) or the API only."""
+    names = [s.name for s in settings_of(TrainSettings)]
+    assert [f.name for f in dataclasses.fields(TrainConfig)] == names
+    assert {s.name for s in settings_of(TrainSettings) if not s.how.cli} == {"ce_chunk", "ce_impl", "progress",
+                                                                             "storage_options"}
+    with pytest.raises(ValueError, match="--steps or --epochs"):
+        TrainConfig(stores=["/s"], out="/o", steps=1, epochs=1)
+    with pytest.raises(TypeError):
+        TrainConfig(out="/o")  # stores has no default
+
+
+def test_moved_names_still_import_with_a_warning():
+    from hsstore.train import build, masks, metrics, model, trainer
+
+    with pytest.warns(DeprecationWarning, match="moved to hsstore.train.build.load_frozen"):
+        assert trainer.load_frozen is build.load_frozen
+    with pytest.warns(DeprecationWarning, match="hsstore.train.metrics.val_metrics"):
+        assert trainer.val_metrics is metrics.val_metrics
+    with pytest.warns(DeprecationWarning, match="hsstore.train.masks.block_plan"):
+        assert model.block_plan is masks.block_plan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # names that did not move: no warning
+        assert trainer.TrainConfig is TrainConfig and callable(trainer.train) and trainer.RESUME_KEYS == RESUME_KEYS
+        assert trainer.Meter is metrics.Meter and trainer.DraftLoss is build.DraftLoss  # still imported there
+    with pytest.raises(AttributeError):
+        trainer.no_such_name
+
+
+def test_meter_sums_by_name():
+    """Two steps of block 4 (3 draft positions), one empty: loss = sum(w * CE) / sum(w), tau weighted by
+    anchors, acc_k = right drafts / labels per position, acc over all positions."""
+    m = Meter(4)
+    m.add({"num_tokens": 10, "ce_sum": 6.0, "weight_sum": 3.0, "tau": 2.0, "num_anchors": 2,
+           "acc_k": torch.tensor([1.0, 0.5, 0.0])}, [2, 2, 1], tokens=40, samples=2)
+    m.add({"num_tokens": 0}, None, tokens=0, samples=0)  # an empty step (this rank had no batch)
+    m.add({"num_tokens": 5, "ce_sum": 2.0, "weight_sum": 1.0, "tau": 3.0, "num_anchors": 1,
+           "acc_k": torch.tensor([1.0, float("nan"), 0.0])}, [1, 0, 1], tokens=20, samples=1)
+    s = m.summary(1, None)
+    assert s["loss"] == 8.0 / 4.0 and s["tau"] == (2.0 * 2 + 3.0) / 3
+    assert s["acc_k"][0] == 1.0 and s["acc_k"][1] == 0.5 and s["acc_k"][2] == 0.0
+    assert s["acc"] == 4 / 7 and s["tokens"] == 60 and s["samples"] == 3 and m.sums["steps"] == 3
+    m.reset()
+    assert math.isnan(m.summary(1, None)["loss"])

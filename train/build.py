@@ -1,0 +1,193 @@
+"""Building the drafter from a store alone: its frozen head (the store's assets), its config (the flags, the
+target's config, or ``--init``'s drafter), its weights, and the loss module the loop trains.
+
+Choices worth knowing:
+* **Mask token**: ``mask_token_id`` if given; else the first embedding row past the tokenizer's
+  vocabulary (Qwen checkpoints pad their embedding: e.g. 248320 rows), an id no text can produce;
+  else the target's ``pad_token_id`` (``<|endoftext|>`` for Qwen, never inside a chat sample).
+* **Draft layers**: the published Qwen3.6-27B drafter by default: 5 Qwen3-style layers, all but the
+  last with a sliding window of 2048 (causal inside the block, as the engines serve it); hidden size,
+  FFN width, RoPE base and context length are the target's, the attention shape the published
+  drafters' (``model.reference_attention_shape``: 32 heads x 128, 8 KV heads for Qwen3.6-27B). Flags
+  override each. ``--init DIR`` starts from a drafter in the DFlash format instead (its shape, taps,
+  mask token), after checking that it fits the store.
+* **Precision**: fp32 master weights; on CUDA the frozen head stays in its stored dtype; on CPU everything
+  is fp32 (so tests can compare exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import hsstore
+from hsstore import assets
+from hsstore.taps import text_config
+
+from . import checkpoint as ckpt
+from .budget import check_cpu_memory, check_gpu_memory
+from .config import TrainConfig
+from .model import DFlashDrafter, DrafterConfig
+from .objective import dflash_loss
+
+log = logging.getLogger(__name__)
+
+
+def load_frozen(store: hsstore.Store, device="cpu", dtype: torch.dtype | None = None):
+    """(target config dict, embedding [V, H], lm_head [V, H]) from the store's assets."""
+    cfg = json.loads(assets.read_asset(store.fs, store.root, assets.CONFIG, store.url))
+    embed = assets.load_tensors(store.fs, store.root, assets.EMBED, store.url)["weight"]
+    head = assets.load_tensors(store.fs, store.root, assets.LM_HEAD, store.url)["weight"]
+    if dtype is not None:
+        embed, head = embed.to(dtype), head.to(dtype)
+    return cfg, embed.to(device), head.to(device)
+
+
+def pick_mask_token(target_cfg: dict[str, Any], manifest: hsstore.Manifest, vocab_rows: int,
+                    requested: int | None = None) -> int:
+    """See the module doc: requested > first unused embedding row > pad token."""
+    if requested is not None:
+        if not 0 <= requested < vocab_rows:
+            raise ValueError(f"mask token id {requested} outside the embedding (0..{vocab_rows - 1})")
+        return int(requested)
+    used = manifest.tokenizer.vocab_size
+    if used is not None and used < vocab_rows:
+        return int(used)
+    pad = text_config(target_cfg).get("pad_token_id", target_cfg.get("pad_token_id"))
+    if pad is not None:
+        return int(pad)
+    raise ValueError("cannot choose a mask token: the embedding has no unused row and the target config no "
+                     "pad_token_id; pass --mask-token-id")
+
+
+def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab_rows: int, cfg: TrainConfig,
+                   device: torch.device) -> DrafterConfig:
+    tc = text_config(target_cfg)
+    if tc.get("hidden_size") != manifest.hidden_size:
+        raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
+                         f"{manifest.hidden_size}")
+    attn = cfg.attn if cfg.attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
+    if cfg.init is not None:
+        return init_config(cfg.init, manifest, vocab_rows, cfg, attn)
+    window = cfg.sliding_window or None
+    windows = [window] * (cfg.draft_layers - 1) + [None] if window else None
+    shape = {k: getattr(cfg, k) for k in SHAPE_KEYS if getattr(cfg, k) is not None}
+    return DrafterConfig.from_target_config(
+        SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
+        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, cfg.mask_token_id),
+        target_layers=list(manifest.layers), num_layers=cfg.draft_layers, block_size=cfg.block_size,
+        sliding_window=windows, sliding_causal=cfg.sliding_causal, attn_impl=attn,
+        num_target_layers=manifest.target.num_layers, **shape)
+
+
+SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
+
+
+def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, cfg: TrainConfig, attn: str) -> DrafterConfig:
+    """The config of the drafter at ``path`` (``--init``), refused in one line when it does not fit the store:
+    its taps must be among the store's layers, its hidden size, vocabulary, target depth and block size
+    those of the store and flags; explicit shape flags must agree with it."""
+    dcfg, _ = ckpt.read_drafter_config(path)
+    problems = []
+    missing = [t for t in dcfg.target_layers if t not in manifest.layers]
+    if missing:
+        problems.append(f"taps {dcfg.target_layers} need layers {missing} the store lacks (it has "
+                        f"{list(manifest.layers)})")
+    if dcfg.num_target_layers is not None and dcfg.num_target_layers != manifest.target.num_layers:
+        problems.append(f"it was made for a {dcfg.num_target_layers}-layer target, the store's has "
+                        f"{manifest.target.num_layers}")
+    if dcfg.hidden_size != manifest.hidden_size:
+        problems.append(f"hidden size {dcfg.hidden_size} != the store's {manifest.hidden_size}")
+    if dcfg.vocab_size != vocab_rows:
+        problems.append(f"vocabulary {dcfg.vocab_size} != the store's embedding rows {vocab_rows}")
+    if dcfg.block_size != cfg.block_size:
+        problems.append(f"block size {dcfg.block_size} != --block-size {cfg.block_size}")
+    if cfg.mask_token_id is not None and cfg.mask_token_id != dcfg.mask_token_id:
+        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {cfg.mask_token_id}")
+    mine = {"num_heads": dcfg.num_heads, "num_kv_heads": dcfg.num_kv_heads, "head_dim": dcfg.head_dim,
+            "intermediate_size": dcfg.intermediate_size, "rope_theta": dcfg.rope_theta}
+    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(cfg, k)}" for k in SHAPE_KEYS
+                 if getattr(cfg, k) is not None and getattr(cfg, k) != mine[k]]
+    if problems:
+        raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
+    ckpt.check_weights_file(path, dcfg)  # its config describes its weights: checked before any is built
+    if dcfg.num_layers != cfg.draft_layers or dcfg.sliding_window != (
+            [cfg.sliding_window] * (cfg.draft_layers - 1) + [None] if cfg.sliding_window else None):
+        log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
+                 path, dcfg.num_layers, dcfg.sliding_window)
+    return dataclasses.replace(dcfg, attn_impl=attn, num_target_layers=manifest.target.num_layers)
+
+
+class DraftLoss(torch.nn.Module):
+    """The drafter plus its objective as one module: DDP must wrap the call that produces the loss
+    (the drafter's own forward would build [B, A, S, V] logits).
+
+    Global normalisation: with ``batch["global_weight_sum"]`` (``data.lockstep``: the loss weights summed
+    over all ranks' batches, W) each rank's loss is ``world * sum(w * CE) / W``. DDP averages gradients
+    over the ``world`` ranks, so the step follows the gradient of ``sum over ranks (w * CE) / W``: exactly
+    one process's step on the union of the batches, whatever each rank's share of the weights."""
+
+    def __init__(self, drafter: DFlashDrafter, gamma: float, ce_chunk: int, world: int = 1, ce_impl: str = "fused"):
+        super().__init__()
+        self.drafter, self.gamma, self.ce_chunk, self.world, self.ce_impl = drafter, gamma, ce_chunk, world, ce_impl
+
+    def forward(self, batch):
+        total = batch.get("global_weight_sum")
+        return dflash_loss(self.drafter, batch, gamma=self.gamma, ce_chunk=self.ce_chunk, ce_impl=self.ce_impl,
+                           weight_total=None if not total else total / self.world)
+
+
+def build_drafter(stores: list[hsstore.Store], cfg: TrainConfig, device: torch.device, rank: int = 0):
+    """(drafter on ``device``, cfg): seeded random weights or ``--init``'s, its frozen head from the first
+    store; refused before step 1 when the step would not fit the device's memory (on a GPU the anchors per
+    sequence may be lowered to fit, planned from the stores' sample lengths: the returned cfg says so)."""
+    store = stores[0]
+    head_dtype = None if device.type == "cuda" else torch.float32
+    target_cfg, embed, head = load_frozen(store, device, head_dtype)
+    dcfg = drafter_config(store.manifest, target_cfg, embed.shape[0], cfg, device)
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(dcfg, embed, head).to(device)
+    if cfg.init is not None:  # a resumed run then loads its checkpoint over these
+        drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
+        log.info("rank %d: drafter initialised from %s", rank, cfg.init)
+    drafter.checkpoint_layers = cfg.checkpoint_layers
+    params, frozen = drafter.num_trainable_parameters(), embed.numel() + head.numel()
+    if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
+        check_cpu_memory(dcfg, cfg, params, frozen)
+    elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
+        cfg = check_gpu_memory(dcfg, cfg, params, frozen, device, stores)
+    return drafter, cfg
+
+
+def drafter_meta(manifest: hsstore.Manifest) -> dict[str, Any]:
+    """What every saved drafter of a run records of its store: target, taps, tokenizer, version."""
+    return {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
+            "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
+
+
+def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn.Module:
+    """``loss_fn`` itself in one process; under torchrun, wrapped in DDP (the frozen head, identical on every
+    rank since it comes from the store, is never broadcast)."""
+    if world == 1:
+        return loss_fn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    DDP._set_params_and_buffers_to_ignore_for_model(loss_fn, ["drafter.embed_tokens", "drafter.lm_head"])
+    return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def settings_line(dcfg: DrafterConfig, cfg: TrainConfig, device, world: int, params: int) -> str:
+    """What this run will do, in one line at its start: device, drafter shape, batch and schedule."""
+    windows = sorted({w for w in (dcfg.sliding_window or [None])}, key=lambda w: (w is None, w or 0))
+    kind = ", ".join("full" if w is None else f"window {w}" for w in windows)
+    steps = f"{cfg.steps} steps" if cfg.steps is not None else f"{cfg.epochs} epochs"
+    return (f"training on {device} x {world}: drafter {dcfg.num_layers} layers ({kind}), {dcfg.num_heads} heads x "
+            f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
+            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {cfg.max_tokens:,} tokens "
+            f"per batch and rank, {cfg.anchors} anchors per sequence, {steps}, lr {cfg.lr:g}, attention "
+            f"{dcfg.attn_impl}")

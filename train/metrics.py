@@ -1,0 +1,152 @@
+"""What OUT/metrics.jsonl says: the sums of a logging interval over every rank, and the best checkpoint.
+
+One line per logged step: step, epoch, loss (weighted CE over all ranks), acc, acc_k (draft positions
+1..S-1), tau (teacher-forced acceptance estimate on the training anchors), lr, grad_norm, tokens,
+tokens_per_s, samples, wait_frac (share of the time spent waiting for data), gpu_mem_gib on CUDA. With
+validation stores, every ``val_every`` steps and at the end the line also has val_loss, val_acc, val_tau,
+val_acceptance (per draft position), val_anchors, val_seconds (``evaluate.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+METRICS_FILE = "metrics.jsonl"
+
+# the interval's sums, in the order of the one float64 vector a DDP run all-reduces; after them come
+# the hits and the label counts of each draft position 1..S-1
+SUMS = ("ce_sum",  # sum(w * CE), not the loss: under DDP the loss is scaled for the gradient (DraftLoss)
+        "weight_sum", "tau_sum", "anchors", "steps", "tokens", "samples")
+
+
+class Meter:
+    """Sums over a logging interval; ``summary`` all-reduces them so the line covers every rank."""
+
+    def __init__(self, S: int):
+        self.S = S
+        self.reset()
+
+    def reset(self):
+        self.sums = dict.fromkeys(SUMS, 0.0)
+        self.hits = torch.zeros(self.S - 1, dtype=torch.float64)  # right drafts per position
+        self.counts = torch.zeros(self.S - 1, dtype=torch.float64)  # labels per position
+        self.t0, self.wait = time.perf_counter(), 0.0
+
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int):
+        self.sums["steps"] += 1  # an empty step still counts
+        if label_counts is None or int(metrics["num_tokens"]) == 0:
+            return
+        anchors = int(metrics["num_anchors"])
+        counts = torch.tensor(label_counts, dtype=torch.float64)
+        step = {"ce_sum": float(metrics["ce_sum"]), "weight_sum": float(metrics["weight_sum"]),
+                "tau_sum": float(metrics["tau"]) * anchors, "anchors": anchors, "tokens": tokens, "samples": samples}
+        for k, v in step.items():
+            self.sums[k] += v
+        self.hits += (torch.nan_to_num(metrics["acc_k"].double().cpu()) * counts).round()
+        self.counts += counts
+
+    def reduced(self, world: int, group) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """(sums, hits, counts) over every rank: one all-reduce of the vector [SUMS | hits | counts]."""
+        v = torch.cat([torch.tensor([self.sums[k] for k in SUMS], dtype=torch.float64), self.hits, self.counts])
+        if world > 1:
+            dist.all_reduce(v, group=group)
+        n, S1 = len(SUMS), self.S - 1
+        return dict(zip(SUMS, v[:n].tolist())), v[n:n + S1], v[n + S1:]
+
+    def summary(self, world: int, group) -> dict[str, Any]:
+        s, hits, counts = self.reduced(world, group)
+        dt = time.perf_counter() - self.t0
+        nan = float("nan")
+        acc_k = [float(h / c) if c > 0 else nan for h, c in zip(hits, counts)]
+        return {"loss": s["ce_sum"] / s["weight_sum"] if s["weight_sum"] > 0 else nan,
+                "acc": float(hits.sum() / counts.sum()) if counts.sum() > 0 else nan,
+                "acc_k": acc_k, "tau": s["tau_sum"] / s["anchors"] if s["anchors"] > 0 else nan,
+                "tokens": int(s["tokens"]), "samples": int(s["samples"]),
+                "tokens_per_s": s["tokens"] / dt if dt > 0 else nan, "wait_frac": self.wait / dt if dt > 0 else 0.0}
+
+
+class MetricsLog:
+    """OUT/metrics.jsonl (rank 0) and the experiment trackers; ``samples`` also writes this rank's
+    OUT/samples.rankNNNNN.jsonl (the sample ids of every step). A resumed run first drops the lines logged
+    after its checkpoint (``truncate``): it logs them again."""
+
+    def __init__(self, out: Path, rank: int, device: torch.device, samples: bool = False):
+        self.rank, self.device, self.trackers = rank, device, None
+        self.path = out / METRICS_FILE
+        self.samples_path = out / f"samples.rank{rank:05d}.jsonl" if samples else None
+
+    def truncate(self, step: int) -> None:
+        if self.rank == 0:
+            truncate_jsonl(self.path, step)
+        if self.samples_path is not None:
+            truncate_jsonl(self.samples_path, step)
+
+    def row(self, row: dict[str, Any]) -> None:
+        if self.device.type == "cuda":
+            row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.rank == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(row, row["step"])
+
+    def samples(self, step: int, epoch: int, batch: dict[str, Any]) -> None:
+        if self.samples_path is not None:
+            with self.samples_path.open("a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
+
+    def close(self, failed: bool = False) -> None:
+        if self.trackers is not None:
+            self.trackers.close(failed=failed)
+
+
+class BestTracker:
+    """Which checkpoint OUT/checkpoints/best names: the step with the highest val_tau so far (SpecForge's
+    best-checkpoint metric is its acceptance-length estimate too). A new best forces a checkpoint at its step."""
+
+    KEYS = ("step", "val_tau", "val_loss", "val_acc", "val_anchors")
+
+    def __init__(self, saved: dict[str, Any] | None):
+        self.tau = float(saved["val_tau"]) if saved and saved.get("val_tau") is not None else -math.inf
+        self.pending: dict[str, Any] | None = None
+
+    def offer(self, step: int, row: dict[str, Any]) -> None:
+        tau = row.get("val_tau")
+        if tau is not None and math.isfinite(tau) and tau > self.tau:
+            self.tau = tau
+            self.pending = {k: json_safe(row[k]) if k != "step" else step for k in self.KEYS if k in row or
+                            k == "step"}
+
+    def take(self) -> dict[str, Any] | None:
+        p, self.pending = self.pending, None
+        return p
+
+
+def val_metrics(ev) -> dict[str, Any]:
+    """The metrics.jsonl fields of a teacher-forced evaluation (``evaluate.StoreEval``)."""
+    return {"val_loss": ev.loss, "val_acc": ev.acc, "val_tau": ev.tau, "val_acceptance": ev.acceptance,
+            "val_anchors": ev.anchors, "val_seconds": ev.seconds}
+
+
+def truncate_jsonl(path: Path, after_step: int) -> None:
+    """Drop lines logged after ``after_step`` (a resumed run logs them again)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= after_step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def json_safe(x):
+    """NaN and infinities as null (JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, list):
+        return [json_safe(v) for v in x]
+    return x
