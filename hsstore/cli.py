@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 from . import config, storage
 from .errors import StoreError
 from .redaction import RedactingFilter, recordable_url, scrub
+from .schema import Deprecated  # noqa: F401  (the commands' modules import it from here)
 from .version import __version__
 
 log = logging.getLogger("hsstore")
@@ -33,20 +34,6 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
                    help="read shards merged by reference from stores under PREFIX (a URL or local path; "
                         "repeatable; sets HSSTORE_ALLOW_LOCATIONS for this command and its workers). Without it a "
                         "commit record's location outside the store is refused; local system paths always are")
-
-
-class Deprecated(argparse.Action):
-    """An old spelling that keeps working (scripts and saved commands rely on it): it stores into the new
-    option's destination and says the new name. Hidden from --help."""
-
-    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
-        self.new = new
-        kwargs.setdefault("default", argparse.SUPPRESS)
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        log.warning("%s: %s is deprecated, use %s (same meaning)", parser.prog, option_string, self.new)
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
 def add_quiet_option(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ def section_name(title: str | None) -> str:
 
 
 def _settable(a: argparse.Action) -> bool:
-    """A flag with a key: not help/version, not --config, not hidden (the old spellings, ``cli.Deprecated``,
+    """A flag with a key: not help/version, not --config, not hidden (the old spellings, ``schema.Deprecated``,
     are hidden and share their new flag's key)."""
     return not (isinstance(a, (argparse._HelpAction, argparse._VersionAction))
                 or a.dest in (CONFIG_DEST, argparse.SUPPRESS) or a.help == argparse.SUPPRESS)

@@ -1,0 +1,231 @@
+"""A command's settings as grouped dataclasses, and its flags generated from them.
+
+One schema per command family is the only list of its settings: each field says its flag, help and default
+once, and the ``argparse`` flags (in ``--help`` groups, which are also the sections of ``--config`` files and
+``run.yaml``, see ``config.py``), the parsed config object and the keys that must not change on resume all
+come from it. A schema is a dataclass whose fields are *sections* (dataclasses themselves, one argument group
+each) made with :func:`section`; a section's fields are made with :func:`option`. Field names are unique
+across sections, so a flag's ``dest`` names one setting wherever it is read.
+
+    @dataclass
+    class Schedule:
+        lr: float = option(6e-4, help="peak learning rate", resume=False)
+
+    @dataclass
+    class TrainSettings:
+        schedule: Schedule = section(Schedule, "training")
+
+    add_arguments(parser, TrainSettings); cfg = from_args(TrainSettings, parser.parse_args())
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import typing
+from dataclasses import MISSING, dataclass
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_KEY = "hsstore.option"
+_SECTION = "hsstore.section"
+
+
+class Deprecated(argparse.Action):
+    """An old spelling that keeps working (scripts and saved commands rely on it): it stores into the new
+    option's destination and says the new name. Hidden from --help."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
+        self.new = new
+        kwargs.setdefault("default", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        log.warning("%s: %s is deprecated, use %s (same meaning)", parser.prog, option_string, self.new)
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one setting appears on the command line. ``flag`` defaults to ``--field-name``; a bool whose
+    default is True is given as a flag that turns it off (``flag="--no-resume"``). ``convert`` maps the
+    parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually exclusive group of the
+    section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share."""
+
+    help: str
+    flag: str | None = None
+    short: str | None = None
+    dest: str | None = None
+    metavar: str | None = None
+    choices: tuple | None = None
+    required: bool = False
+    positional: bool = False
+    nargs: str | int | None = None  # lists: "+"/"*" on one flag; default: the flag repeated (append)
+    convert: Callable[[Any], Any] | None = None
+    exclusive: str | None = None
+    old: tuple[str, ...] = ()
+    resume: bool = False
+    cli: bool = True  # False: a setting of the API only (no flag)
+
+
+def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:
+    """A dataclass field that is also a flag (see :class:`Option` for ``how``)."""
+    if isinstance(how.get("choices"), list):
+        how["choices"] = tuple(how["choices"])
+    if isinstance(how.get("old"), str):
+        how["old"] = (how["old"],)
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={_KEY: Option(help=help, **how)})
+
+
+def section(cls: type, title: str) -> Any:
+    """A dataclass field holding one argument group (``title`` is its ``--help`` heading and, through
+    ``config.section_name``, its section in config files)."""
+    return dataclasses.field(default_factory=cls, metadata={_SECTION: title})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option of a schema, located: its section's field name and title, and its own field."""
+
+    section: str
+    title: str
+    field: dataclasses.Field
+    type: Any
+    how: Option
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def dest(self) -> str:
+        return self.how.dest or self.field.name
+
+    @property
+    def default(self) -> Any:
+        f = self.field
+        return f.default_factory() if f.default_factory is not MISSING else (None if f.default is MISSING else f.default)
+
+
+def settings_of(schema: type) -> list[Setting]:
+    """Every option of ``schema``, in order; refuses a name or dest used twice."""
+    out: list[Setting] = []
+    seen: dict[str, str] = {}  # name or dest -> section.field
+    for sec in dataclasses.fields(schema):
+        if _SECTION not in sec.metadata:
+            raise TypeError(f"{schema.__name__}.{sec.name}: a schema's fields are sections (schema.section)")
+        cls = typing.get_type_hints(schema)[sec.name]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            how = f.metadata.get(_KEY)
+            if how is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: a section's fields are options (schema.option)")
+            s = Setting(sec.name, sec.metadata[_SECTION], f, hints[f.name], how)
+            where = f"{sec.name}.{f.name}"
+            for key in {s.name, s.dest}:
+                if key in seen and seen[key] != where:
+                    raise TypeError(f"{schema.__name__}: {key!r} is used by {seen[key]} and {where}")
+                seen[key] = where
+            out.append(s)
+    return out
+
+
+_UnionType = type(int | None)
+
+
+def _scalar(t: Any) -> tuple[Any, bool]:
+    """(element type, is a list) of an annotation such as ``int | None`` or ``list[str] | None``."""
+    args = [a for a in typing.get_args(t) if a is not type(None)] if typing.get_origin(t) in (typing.Union,
+                                                                                              _UnionType) else [t]
+    t = args[0]
+    if typing.get_origin(t) in (list, tuple):
+        return typing.get_args(t)[0], True
+    return t, False
+
+
+
+def add_arguments(parser: argparse.ArgumentParser, schema: type) -> None:
+    """The schema's flags on ``parser``, one argument group per section, in the schema's order."""
+    groups: dict[str, Any] = {}
+    exclusive: dict[tuple[str, str], Any] = {}
+    for s in settings_of(schema):
+        how = s.how
+        if not how.cli:
+            continue
+        group = groups.get(s.section)
+        if group is None:
+            group = groups[s.section] = parser.add_argument_group(s.title)
+        target = group
+        if how.exclusive:
+            target = exclusive.get((s.section, how.exclusive))
+            if target is None:
+                target = exclusive[(s.section, how.exclusive)] = group.add_mutually_exclusive_group()
+        kind, many = _scalar(s.type)
+        kw: dict[str, Any] = {"help": how.help}
+        if kind is bool and not many:
+            kw["action"] = "store_false" if s.default is True else "store_true"
+        else:
+            kw["default"] = s.default
+            if kind in (int, float):
+                kw["type"] = kind
+            if many:
+                if how.nargs is None:
+                    kw["action"] = "append"
+                    kw["default"] = None if s.default in (None, []) else list(s.default)
+                else:
+                    kw["nargs"] = how.nargs
+            elif how.nargs is not None:
+                kw["nargs"] = how.nargs
+            if how.choices is not None:
+                kw["choices"] = list(how.choices)
+            if how.metavar:
+                kw["metavar"] = how.metavar
+        if how.positional:
+            if s.field.default is MISSING and s.field.default_factory is MISSING:
+                kw.pop("default", None)
+            target.add_argument(s.dest, **kw)
+            continue
+        flags = [how.flag or "--" + s.name.replace("_", "-")] + ([how.short] if how.short else [])
+        if how.required:
+            kw["required"] = True
+        target.add_argument(*flags, dest=s.dest, **kw)
+        for old in how.old:
+            extra = {"nargs": 0} if kw.get("action") in ("store_true", "store_false") else {}
+            if "type" in kw:
+                extra["type"] = kw["type"]
+            group.add_argument(old, dest=s.dest, action=Deprecated, new=flags[0], **extra)
+
+
+def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """The schema's object from parsed flags (``convert`` applied); ``overrides`` by field name win, for
+    settings that have no flag or come from elsewhere."""
+    by_section: dict[str, dict[str, Any]] = {}
+    for s in settings_of(schema):
+        if s.name in overrides:
+            value = overrides.pop(s.name)
+        elif s.how.cli and hasattr(args, s.dest):
+            value = getattr(args, s.dest)
+            if s.how.convert is not None:
+                value = s.how.convert(value)
+        else:
+            value = s.default
+        by_section.setdefault(s.section, {})[s.name] = value
+    if overrides:
+        raise TypeError(f"{schema.__name__}: no settings named {sorted(overrides)}")
+    hints = typing.get_type_hints(schema)
+    return schema(**{sec: hints[sec](**by_section.get(sec, {})) for sec in
+                     (f.name for f in dataclasses.fields(schema))})
+
+
+def flat(config: Any) -> dict[str, Any]:
+    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare)."""
+    return {f.name: getattr(getattr(config, sec.name), f.name)
+            for sec in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, sec.name))}
+
+
+def resume_keys(schema: type) -> tuple[str, ...]:
+    """The settings marked ``resume=True``: a resumed run refuses to change them."""
+    return tuple(s.name for s in settings_of(schema) if s.how.resume)

@@ -1,0 +1,105 @@
+"""hsstore.schema: flags, config sections and resume keys generated from one grouped dataclass schema."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+from hsstore import config
+from hsstore.schema import add_arguments, flat, from_args, option, resume_keys, section, settings_of
+
+
+@dataclass
+class Run:
+    stores: list[str] = option(None, flag="--store", required=True, metavar="URL", help="store URL (repeatable)")
+    steps: int | None = option(None, exclusive="length", help="optimizer steps")
+    epochs: int | None = option(None, exclusive="length", help="passes")
+    resume: bool = option(True, flag="--no-resume", help="start over")
+
+
+@dataclass
+class Shape:
+    max_tokens: int | None = option(None, flag="--token-budget", dest="token_budget", old="--max-tokens",
+                                    resume=True, help="padded tokens per batch")
+    window: int | None = option(2048, convert=lambda v: v or None, resume=True, help="0: full attention")
+    attn: str = option("auto", choices=["auto", "sdpa"], help="kernel")
+    lr: float = option(6e-4, help="peak learning rate")
+    fast: bool = option(False, help="go fast")
+
+
+@dataclass
+class Settings:
+    run: Run = section(Run, "run")
+    shape: Shape = section(Shape, "drafter shape (the published rule)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t")
+    add_arguments(p, Settings)
+    config.add_config_option(p)
+    return p
+
+
+def test_defaults_flags_and_conversion():
+    cfg = from_args(Settings, parser().parse_args(["--store", "a", "--store", "b", "--window", "0", "--fast",
+                                                    "--no-resume", "--lr", "1e-3"]))
+    assert cfg.run.stores == ["a", "b"] and cfg.run.resume is False and cfg.run.steps is None
+    assert cfg.shape.window is None and cfg.shape.fast is True and cfg.shape.lr == 1e-3
+    assert cfg.shape.attn == "auto" and cfg.shape.max_tokens is None
+    assert flat(cfg)["window"] is None and list(flat(cfg))[:2] == ["stores", "steps"]
+    assert resume_keys(Settings) == ("max_tokens", "window")
+
+
+def test_help_groups_choices_and_refusals(capsys):
+    p = parser()
+    titles = [g.title for g in p._action_groups]
+    assert "run" in titles and "drafter shape (the published rule)" in titles
+    with pytest.raises(SystemExit):
+        p.parse_args(["--store", "a", "--steps", "2", "--epochs", "3"])
+    assert "argument --epochs: not allowed with argument --steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args(["--store", "a", "--attn", "flex"])
+    assert "invalid choice: 'flex'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+    assert "the following arguments are required: --store" in capsys.readouterr().err
+    help_text = p.format_help()
+    assert "--token-budget" in help_text and "--max-tokens" not in help_text  # old spelling hidden
+
+
+def test_old_spelling_stores_into_the_new_dest(caplog):
+    with caplog.at_level(logging.WARNING):
+        args = parser().parse_args(["--store", "a", "--max-tokens", "77"])
+    assert from_args(Settings, args).shape.max_tokens == 77
+    assert "--max-tokens is deprecated, use --token-budget" in caplog.text
+
+
+def test_config_file_sections_come_from_the_schema(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"run": {"stores": ["s3://b/x"], "steps": 5},
+                                 "drafter_shape": {"token_budget": 123, "attn": "sdpa"}}))
+    p = parser()
+    known = config.sections(p)
+    assert set(known["drafter_shape"]) == {"token_budget", "window", "attn", "lr", "fast"}
+    assert set(known["run"]) == {"stores", "steps", "epochs", "resume"}
+    values = config.load(f, p)
+    assert values == {"stores": ["s3://b/x"], "steps": 5, "token_budget": 123, "attn": "sdpa"}
+
+
+def test_overrides_and_bad_schemas():
+    cfg = from_args(Settings, parser().parse_args(["--store", "a"]), lr=0.5)
+    assert cfg.shape.lr == 0.5
+    with pytest.raises(TypeError, match="no settings named"):
+        from_args(Settings, parser().parse_args(["--store", "a"]), nope=1)
+
+    @dataclass
+    class Twice:
+        a: Run = section(Run, "a")
+        b: Run = section(Run, "b")
+
+    with pytest.raises(TypeError, match="is used by"):
+        settings_of(Twice)
