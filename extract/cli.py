@@ -1,5 +1,8 @@
-"""``hsstore check`` and ``hsstore show``: the quality gate and the sample reader, on input files.
+"""The extraction family's commands: ``check``, ``show``, ``extract``, ``import``, ``export``, ``regenerate``
+and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
 
+The flags of check, show and extract come from their schemas in ``settings.py`` (one argument group per
+section); each handler turns the parsed flags into its settings object and passes that on.
 transformers is imported only inside the handlers: the ``hsstore`` CLI imports this module at startup
 and must stay fast for commands that never touch a tokenizer.
 """
@@ -11,75 +14,29 @@ import logging
 import sys
 from dataclasses import fields
 
-from .gate import GateThresholds
 from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
+from hsstore.schema import add_arguments, from_args
 from hsstore.storage import parse_storage_options
+
+from .gate import GateThresholds
+from .settings import (CheckSettings, ExtractSettings, ShowSettings, add_shard_mb_flag, extract_config,
+                       mib_bytes, shared_overrides, template_kwargs)
 
 logger = logging.getLogger(__name__)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def add_threshold_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`GateThresholds` field, defaulting to the dataclass default."""
-    group = parser.add_argument_group("gate thresholds")
-    for f in fields(GateThresholds):
-        group.add_argument(
-            _flag(f.name),
-            dest=f.name,
-            type=type(f.default),
-            default=f.default,
-            metavar="N" if isinstance(f.default, int) else "X",
-            help=f"{f.metadata.get('help', '')} (default {f.default})",
-        )
-
-
-def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    parser.add_argument(
-        "--chat-template-kwargs", default=None, metavar="JSON",
-        help=help or "arguments for the chat template, as the engine got them, e.g. '{\"enable_thinking\": false}' "
-                     "or '{\"preserve_thinking\": true}'; a row's own chat_template_kwargs object overrides them")
-
-
-def add_trust_engine_ids_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trust-engine-ids", action="store_true",
-        help="use the token ids a row recorded from the serving engine (prompt_token_ids + token_ids) even where "
-             "the prompt ids differ from this tokenizer's render of the chat template (default: such rows are "
-             "skipped as engine_prompt_mismatch)")
-
-
-def template_kwargs_from_args(args: argparse.Namespace) -> dict:
-    from .tokenize import template_kwargs_of
-
-    return template_kwargs_of(args.chat_template_kwargs, "--chat-template-kwargs")
+def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--chat-template-kwargs`` of ``regenerate``, whose arguments go to the server."""
+    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON", help=help)
 
 
 def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
     return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
 
 
-def add_estimate_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("cost estimate", "the store's size, extraction GPU-hours and bytes read per "
-                                  "training epoch for the checked samples (over-length ones left out unless "
-                                  "--truncate), taps and hidden size from --model")
-    g.add_argument("--layers", default=None, metavar="L,L", help="taps to estimate for (default: DFlash spacing)")
-    g.add_argument("--final-hidden", action="store_true", help="extract would add the final norm's output")
-    g.add_argument("--tokens-per-s", type=float, default=None, metavar="X",
-                   help="extraction throughput per GPU (default: this project's H200 figure for a 27B-scale "
-                        "Qwen3.5 target, 11,049; other targets differ)")
-    g.add_argument("--estimate-only", action="store_true",
-                   help="no input: the estimate for --tokens, --samples and --hidden (or --model) and --layers")
-    g.add_argument("--tokens", type=float, default=None, help="with --estimate-only: tokens, e.g. 1.87e9")
-    g.add_argument("--samples", type=float, default=None, help="with --estimate-only: samples, e.g. 914000")
-    g.add_argument("--hidden", type=int, default=None, help="with --estimate-only: the target's hidden size")
-
-
-def cost_estimate(args: argparse.Namespace, samples: int, tokens: int) -> dict:
+def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
     """``hsstore.estimate`` for ``check``: taps and hidden size from the flags, else the model's config."""
     import json
     from pathlib import Path
@@ -87,61 +44,48 @@ def cost_estimate(args: argparse.Namespace, samples: int, tokens: int) -> dict:
     from hsstore.estimate import H200_27B_TOKENS_PER_S, estimate
     from hsstore.taps import default_taps, text_config
 
-    hidden, layers = args.hidden, [int(x) for x in args.layers.split(",")] if args.layers else None
-    if args.model and (hidden is None or layers is None):
-        cfg = text_config(json.loads((Path(args.model) / "config.json").read_text()))
-        hidden = hidden or cfg["hidden_size"]
-        layers = layers or default_taps(cfg["num_hidden_layers"])
+    est, model = cfg.estimate, cfg.input.model
+    hidden, layers = est.hidden, est.layers
+    if model and (hidden is None or layers is None):
+        target = text_config(json.loads((Path(model) / "config.json").read_text()))
+        hidden = hidden or target["hidden_size"]
+        layers = layers or default_taps(target["num_hidden_layers"])
     if hidden is None or layers is None:
         raise ValueError("the estimate needs --hidden and --layers (or --model, whose config has them)")
-    return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=args.final_hidden,
-                    tokens_per_s=args.tokens_per_s or H200_27B_TOKENS_PER_S)
+    return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=est.final_hidden,
+                    tokens_per_s=est.tokens_per_s or H200_27B_TOKENS_PER_S)
 
 
 def register(subparsers) -> None:
-    """Add the ``check`` and ``show`` subcommands; each sets ``func=handler(args) -> int``."""
+    """Add the family's subcommands; each sets ``func=handler(args) -> int``."""
+    for add in (add_check, add_show, add_extract, add_import, add_export, add_regenerate, add_demo):
+        add(subparsers)
+
+
+def add_check(subparsers) -> None:
     p = subparsers.add_parser(
         "check",
         help="quality gate on training data, before any GPU work",
         description="Tokenize the input with the target's chat template and check per-sample loss-mask "
         "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
     )
-    p.add_argument("--model", help="target model directory (its tokenizer and chat template); required")
-    p.add_argument("--input", nargs="+", help="JSONL/Parquet/Arrow files or directories; required")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--max-length", type=int, default=None, help="flag samples longer than this many tokens")
-    p.add_argument("--truncate", action="store_true", help="cut over-length samples instead (as extract --truncate)")
-    p.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
-    p.add_argument("--report", default=None, metavar="FILE",
-                   help="also write the verdict with the input's and tokenizer's hashes and these settings to FILE "
-                        "(local path or URL), for extract --gate-report: the gate then runs once, not on every rank")
-    p.add_argument("--examples", type=int, default=3, help="flagged samples to decode in the text report")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    add_template_kwargs_flag(p)
-    add_trust_engine_ids_flag(p)
-    add_threshold_flags(p)
-    add_estimate_flags(p)
+    add_arguments(p, CheckSettings)
     p.set_defaults(func=run_check)
 
+
+def add_show(subparsers) -> None:
     s = subparsers.add_parser(
         "show",
         help="print one decoded sample with its loss mask marked",
         description="Decode sample N (0-based position, or a sample id) of an input with loss-masked "
         "tokens highlighted (color on a terminal, ⟦ ⟧ otherwise).",
     )
-    s.add_argument("input", help="a store URL, or a JSONL/Parquet/Arrow file or directory")
-    s.add_argument("n", help="sample position (0-based, after multi-turn expansion) or sample id")
-    s.add_argument("--model", default=None,
-                   help="target model directory (its tokenizer and chat template); for a store, its own "
-                   "tokenizer is used unless this is given")
-    s.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
-    s.add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    s.add_argument("--max-chars", type=int, default=None, help="show only the last N characters")
-    add_template_kwargs_flag(s)
-    add_trust_engine_ids_flag(s)
-    add_storage_option(s)
+    groups = add_arguments(s, ShowSettings)
+    add_storage_option(groups["input"])
     s.set_defaults(func=run_show)
 
+
+def add_extract(subparsers) -> None:
     e = subparsers.add_parser(
         "extract",
         help="run the target over the input and write the tapped hidden states to a store",
@@ -149,48 +93,15 @@ def register(subparsers) -> None:
         "the model is loaded), then extract. Under torchrun each rank writes its own shards; re-running "
         "the same command resumes (committed samples are skipped).",
     )
-    e.add_argument("--model", required=True, help="target model directory")
-    e.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
-    e.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
-    e.add_argument("--layers", default=None, help="tapped layer ids, e.g. 1,16,31,46,61 (default: DFlash spacing)")
-    e.add_argument("--device", default=None,
-                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    e.add_argument("--max-length", type=int, default=None, help="skip (and count) longer samples")
-    e.add_argument("--truncate", action="store_true", help="cut over-length samples instead of skipping them")
-    e.add_argument("--token-budget", type=int, default=None, help="padded tokens per forward batch")
-    e.add_argument("--layout", default="zarr", choices=["zarr", "wds"],
-                   help="shard layout: zarr (chunked arrays, codecs) or wds (WebDataset tars of .npy members)")
-    e.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
-    e.add_argument("--encoding", default="raw", choices=["raw", "fp8"],
-                   help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, quantised "
-                        "on the device (half the bytes)")
-    e.add_argument("--final-hidden", action="store_true",
-                   help="also store the final norm's output (what the lm_head reads; EAGLE-3's training target) as "
-                        "the feature final_hidden, captured in the same forward (which then runs to the norm)")
-    e.add_argument("--no-expand", action="store_true", help="only the final exchange of multi-turn conversations")
-    e.add_argument("--writer", choices=["auto", "thread", "process"], default="auto",
-                   help="where the store writer runs: a child process fed through shared memory (auto: on CUDA), "
-                        "or threads of this process")
-    e.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the target's norms, MLPs, attention blocks and recurrent mixers (torch.compile, per "
-                        "layer kind; features equal to the eager forward's within bf16 rounding, 1.28x faster at 27B "
-                        "scale on an H200; the first batches pay ~40 s of compiling). Default: on CUDA when the "
-                        "expected saving exceeds that warm-up (the log says which and why)")
-    e.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
-    e.add_argument("--force", action="store_true", help="extract even when the quality gate fails")
-    e.add_argument("--gate-report", default=None, metavar="FILE",
-                   help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, "
-                        "tokenizer and settings match (refused naming what differs), so each rank tokenizes only "
-                        "its own rows; without it every rank runs the gate over the whole input")
-    add_quiet_option(e)
-    add_template_kwargs_flag(e)
-    add_trust_engine_ids_flag(e)
-    add_threshold_flags(e)
-    add_storage_option(e)
+    groups = add_arguments(e, ExtractSettings)
+    add_shard_mb_flag(groups["store"])
+    add_storage_option(groups["store"])
+    add_quiet_option(groups["run"])
     add_config_option(e)
     e.set_defaults(func=run_extract_cmd)
 
+
+def add_import(subparsers) -> None:
     m = subparsers.add_parser(
         "import",
         help="convert the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors) into a store",
@@ -237,11 +148,13 @@ def register(subparsers) -> None:
                    "the folder name)")
     m.add_argument("--hidden-states-dir", default=None, help="speculators: folder of hs_{i}.safetensors "
                    "(default PATH/hidden_states)")
-    m.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
+    add_shard_mb_flag(m)
     add_quiet_option(m)
     add_storage_option(m)
     m.set_defaults(func=run_import_cmd)
 
+
+def add_export(subparsers) -> None:
     x = subparsers.add_parser(
         "export",
         help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + Arrow)",
@@ -259,6 +172,8 @@ def register(subparsers) -> None:
     add_storage_option(x)
     x.set_defaults(func=run_export_cmd)
 
+
+def add_regenerate(subparsers) -> None:
     r = subparsers.add_parser(
         "regenerate",
         help="have the target answer the prompts (thinking on) through an OpenAI-compatible server",
@@ -287,6 +202,8 @@ def register(subparsers) -> None:
     add_quiet_option(r)
     r.set_defaults(func=run_regenerate_cmd)
 
+
+def add_demo(subparsers) -> None:
     d = subparsers.add_parser(
         "demo",
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
@@ -311,27 +228,29 @@ def run_check(args: argparse.Namespace) -> int:
     from .gate_report import gate_inputs
     from .target import load_tokenizer
 
-    if args.estimate_only:
-        if args.tokens is None or args.samples is None:
+    cfg = from_args(CheckSettings, args)
+    est, out, tok = cfg.estimate, cfg.report, cfg.tokenize
+    if est.estimate_only:
+        if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")
-        est = cost_estimate(args, int(args.samples), int(args.tokens))
-        print(json.dumps({"estimate": est}, indent=2) if args.json else format_text(est), end="\n" if args.json
-              else "")
+        figures = cost_estimate(cfg, int(est.samples), int(est.tokens))
+        print(json.dumps({"estimate": figures}, indent=2) if out.json else format_text(figures),
+              end="\n" if out.json else "")
         return 0
-    if not args.model or not args.input:
+    if not cfg.input.model or not cfg.input.inputs:
         raise ValueError("check needs --model and --input (or --estimate-only with counts)")
-    kwargs = template_kwargs_from_args(args)
-    tokenizer = load_tokenizer(args.model)
-    report = gate_inputs(args.input, tokenizer, thresholds=thresholds_from_args(args), chat_template_kwargs=kwargs,
-                         max_length=args.max_length, truncate=args.truncate, expand=not args.no_expand,
-                         report_url=args.report, trust_engine_ids=args.trust_engine_ids)
-    kept = [s for s in report.samples if args.truncate or "over_length" not in s.flags]
-    est = cost_estimate(args, len(kept), sum(s.tokens for s in kept))
-    if args.json:
-        print(json.dumps({**report.to_dict(), "estimate": est}, indent=2, ensure_ascii=False))
+    tokenizer = load_tokenizer(cfg.input.model)
+    report = gate_inputs(cfg.input.inputs, tokenizer, thresholds=cfg.thresholds,
+                         chat_template_kwargs=tok.chat_template_kwargs, max_length=tok.max_length,
+                         truncate=tok.truncate, expand=tok.expand, report_url=out.report,
+                         trust_engine_ids=tok.trust_engine_ids)
+    kept = [s for s in report.samples if tok.truncate or "over_length" not in s.flags]
+    figures = cost_estimate(cfg, len(kept), sum(s.tokens for s in kept))
+    if out.json:
+        print(json.dumps({**report.to_dict(), "estimate": figures}, indent=2, ensure_ascii=False))
     else:
-        print(report.format_text(tokenizer, n_examples=args.examples, color=_use_color(args.color)), end="")
-        print(format_text(est), end="")
+        print(report.format_text(tokenizer, n_examples=out.examples, color=_use_color(out.color)), end="")
+        print(format_text(figures), end="")
     if report.ok:
         return 0
     more = f" (+{len(report.failures) - 1} more in the report)" if len(report.failures) > 1 else ""
@@ -345,36 +264,27 @@ def run_show(args: argparse.Namespace) -> int:
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
 
-    options = parse_storage_options(args.storage_option)
-    fs, root = storage.resolve(args.input, options)  # bad URL or options: their own error
-    color = _use_color(args.color)
-    if storage.store_exists(fs, root, args.input):
-        print(format_store_sample(args.input, args.n, options, model=args.model, color=color,
-                                  max_chars=args.max_chars))
+    cfg = from_args(ShowSettings, args, **shared_overrides(args))
+    where, tok, color = cfg.input, cfg.tokenize, _use_color(cfg.output.color)
+    fs, root = storage.resolve(where.input, where.storage_options)  # bad URL or options: their own error
+    if storage.store_exists(fs, root, where.input):
+        print(format_store_sample(where.input, where.n, where.storage_options, model=where.model, color=color,
+                                  max_chars=cfg.output.max_chars))
         return 0
-    if not args.model:
-        raise ValueError(f"{recordable_url(args.input)}: not a store (no manifest.json there); to show a sample of an input "
-                         "file, give --model")
-    tokenizer = load_tokenizer(args.model)
-    sample = input_sample(args.input, args.n, tokenizer, expand=not args.no_expand,
-                          chat_template_kwargs=template_kwargs_from_args(args), trust_engine_ids=args.trust_engine_ids)
-    print(format_input_sample(sample, tokenizer, color=color, max_chars=args.max_chars))
+    if not where.model:
+        raise ValueError(f"{recordable_url(where.input)}: not a store (no manifest.json there); to show a sample of "
+                         "an input file, give --model")
+    tokenizer = load_tokenizer(where.model)
+    sample = input_sample(where.input, where.n, tokenizer, expand=tok.expand,
+                          chat_template_kwargs=tok.chat_template_kwargs, trust_engine_ids=tok.trust_engine_ids)
+    print(format_input_sample(sample, tokenizer, color=color, max_chars=cfg.output.max_chars))
     return 0
 
 
 def run_extract_cmd(args: argparse.Namespace) -> int:
-    from .job import ExtractConfig, GateRefused, run_extract
+    from .job import GateRefused, run_extract
 
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    cfg = ExtractConfig(
-        model=args.model, inputs=args.input, out=args.out, layers=layers, device=args.device, dtype=args.dtype,
-        max_length=args.max_length, truncate=args.truncate, token_budget=args.token_budget, codec=args.codec,
-        layout=args.layout, encoding=args.encoding, final_hidden=args.final_hidden,
-        expand=not args.no_expand, force=args.force, thresholds=thresholds_from_args(args),
-        storage_options=parse_storage_options(args.storage_option), progress=not args.quiet,
-        shard_bytes=max(1, int(args.shard_mb * (1 << 20))), writer=args.writer, compile=args.compile,
-        chat_template_kwargs=template_kwargs_from_args(args), gate_report=args.gate_report,
-        trust_engine_ids=args.trust_engine_ids)
+    cfg = extract_config(from_args(ExtractSettings, args, **shared_overrides(args)))
     try:
         result = run_extract(cfg)
     except GateRefused as e:
@@ -407,7 +317,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                        pad_id=None if args.keep_padding else args.pad_token_id,
                        final_hidden=bool(manifest.features), num_rows=args.num_rows)
     r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
-                     shard_bytes=max(1, int(args.shard_mb * (1 << 20))), missing=missing,
+                     shard_bytes=mib_bytes(args.shard_mb), missing=missing,
                      progress=not args.quiet)
     print(f"import {args.format} {args.path} -> {recordable_url(args.out)}: {r.samples} samples, {r.tokens:,} tokens written "
           f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
@@ -456,7 +366,7 @@ def run_regenerate_cmd(args: argparse.Namespace) -> int:
         inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
         temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
         timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
-        progress=not args.quiet, chat_template_kwargs=template_kwargs_from_args(args))
+        progress=not args.quiet, chat_template_kwargs=template_kwargs(args.chat_template_kwargs))
     res = run_regenerate(cfg)
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {recordable_url(args.out)}) in "
           f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "

@@ -26,9 +26,10 @@ from hsstore.taps import check_taps, default_taps
 
 from .capture import decoder_layers
 from .forward import extract_batches, token_budget_batches
-from .gate import GateReport, GateThresholds, check
+from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
+from .settings import ExtractConfig  # noqa: F401  (its callers import it from here)
 from .speed import choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
@@ -42,36 +43,6 @@ class GateRefused(RuntimeError):
     def __init__(self, report: GateVerdict, text: str):
         super().__init__("quality gate failed: " + "; ".join(report.failures))
         self.report, self.text = report, text
-
-
-@dataclass
-class ExtractConfig:
-    model: str
-    inputs: list[str]
-    out: str
-    layers: list[int] | None = None
-    device: str | None = None
-    dtype: str = "bfloat16"
-    max_length: int | None = None
-    truncate: bool = False
-    token_budget: int | None = None
-    codec: str = "none"
-    layout: str = "zarr"
-    encoding: str = "raw"  # or "fp8": quantised on the device (hsstore/fp8.py)
-    final_hidden: bool = False  # also store the final norm's output (EAGLE-3's target), same forward
-    expand: bool = True
-    force: bool = False
-    thresholds: GateThresholds = field(default_factory=GateThresholds)
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    shard_bytes: int = 1 << 30
-    rank: int | None = None
-    world_size: int | None = None
-    progress: bool = True
-    writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
-    gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
-    trust_engine_ids: bool = False  # rows' recorded engine ids are used even where their prompt differs from ours
-    compile: bool | None = None  # regional torch.compile of the forward's dense parts (extract/speed.py); None: on CUDA
 
 
 @dataclass
