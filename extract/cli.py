@@ -10,6 +10,7 @@ and must stay fast for commands that never touch a tokenizer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from dataclasses import fields
@@ -18,18 +19,13 @@ from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
 from hsstore.schema import add_arguments, from_args
-from hsstore.storage import parse_storage_options
 
 from .gate import GateThresholds
-from .settings import (CheckSettings, ExtractSettings, ShowSettings, add_shard_mb_flag, extract_config,
-                       mib_bytes, shared_overrides, template_kwargs)
+from .settings import (CheckSettings, DemoSettings, ExportSettings, ExtractSettings, ImportSettings,
+                       RegenerateSettings, ShowSettings, add_shard_mb_flag, extract_config, regen_config,
+                       shared_overrides)
 
 logger = logging.getLogger(__name__)
-
-
-def add_template_kwargs_flag(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--chat-template-kwargs`` of ``regenerate``, whose arguments go to the server."""
-    parser.add_argument("--chat-template-kwargs", default=None, metavar="JSON", help=help)
 
 
 def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
@@ -111,46 +107,10 @@ def add_import(subparsers) -> None:
         "model folder, hashed like extract does; no weights are loaded) or the identity flags. Re-running "
         "resumes (committed sample ids are skipped).",
     )
-    m.add_argument("format", choices=["specforge", "speculators"])
-    m.add_argument("path", help="SpecForge: the folder of .ckpt files; speculators: the Arrow dataset folder")
-    m.add_argument("--out", required=True, help="store URL (local path or s3://bucket/prefix)")
-    m.add_argument("--layers", default=None, help="tapped layer ids of the files' features, in their order, e.g. "
-                   "1,16,31, in hsstore's convention (output of decoder layer l, 0-based). A list that reads like "
-                   "the peer's own ids (speculators/vLLM: its launch ids [2, N//2, N-3, N], or N) is refused: use "
-                   "--peer-layers, or --hsstore-ids if it really is meant as hsstore ids")
-    m.add_argument("--peer-layers", default=None, help="the same, in the peer's own convention, e.g. 2,4,5,8 as "
-                   "passed to speculators' launch_vllm.py (vLLM id i = output of decoder layer i-1; hsstore id = "
-                   "i-1) or SpecForge's aux_hidden_state_layer_ids (= hsstore ids); both lists go into the "
-                   "manifest's extra.peer_layers")
-    m.add_argument("--hsstore-ids", action="store_true", help="--layers is meant in hsstore's convention even "
-                   "where it looks like the peer's")
-    m.add_argument("--pad-token-id", type=int, default=0, help="SpecForge: the id its collator right-pads rows "
-                   "with (0, whatever the tokenizer says); trailing pad tokens outside the loss mask are trimmed")
-    m.add_argument("--keep-padding", action="store_true", help="SpecForge: store rows with their batch padding")
-    m.add_argument("--num-rows", type=int, default=None, help="SpecForge: rows of the dataset the files were made "
-                   "from; data_{i} files missing below it (NaN rows, the dropped last partial batch) are named")
-    m.add_argument("--no-final-hidden", action="store_true", help="SpecForge: drop the files' hidden_state (the "
-                   "final-norm output; kept as the store's final_hidden feature by default)")
-    m.add_argument("--model", default=None, help="local target model folder: identity from its config and tokenizer")
-    m.add_argument("--model-name", default=None)
-    m.add_argument("--num-layers", type=int, default=None, help="decoder layers of the target")
-    m.add_argument("--hidden-size", type=int, default=None)
-    m.add_argument("--config-hash", default=None, help="target identity when --model is not given")
-    m.add_argument("--tokenizer-hash", default=None, help="vocab hash of the tokenizer when --model is not given")
-    m.add_argument("--tokenizer-name", default=None)
-    m.add_argument("--chat-template-hash", default=None)
-    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="the files' feature dtype (stored bit-exact; other dtypes are refused)")
-    m.add_argument("--codec", default="none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
-    m.add_argument("--id-prefix", default="", help="prepended to sample ids (data_17, hs_17) to keep several "
-                   "imports into one store apart")
-    m.add_argument("--source", default=None, help="source column of every sample (default: the row's source or "
-                   "the folder name)")
-    m.add_argument("--hidden-states-dir", default=None, help="speculators: folder of hs_{i}.safetensors "
-                   "(default PATH/hidden_states)")
-    add_shard_mb_flag(m)
-    add_quiet_option(m)
-    add_storage_option(m)
+    groups = add_arguments(m, ImportSettings)
+    add_shard_mb_flag(groups["store"])
+    add_storage_option(groups["store"])
+    add_quiet_option(groups["run"])
     m.set_defaults(func=run_import_cmd)
 
 
@@ -164,12 +124,10 @@ def add_export(subparsers) -> None:
         "store must hold the last layer, which speculators' trainer takes as the verifier's last hidden state). "
         "OUT must be new or empty. hsstore import of the result gives back the store bit-exact.",
     )
-    x.add_argument("format", choices=["specforge", "speculators"])
-    x.add_argument("url", help="store URL")
-    x.add_argument("out", help="output folder (local; must not exist or be empty)")
-    add_quiet_option(x)
-    add_json_option(x)
-    add_storage_option(x)
+    groups = add_arguments(x, ExportSettings)
+    add_quiet_option(groups["run"])
+    add_json_option(groups["run"])
+    add_storage_option(groups["export"])
     x.set_defaults(func=run_export_cmd)
 
 
@@ -181,25 +139,8 @@ def add_regenerate(subparsers) -> None:
         "with thinking enabled and write JSONL rows with reasoning_content, ready for check/extract. Rows are "
         "written as they complete; re-running the same command resumes (ids already written are skipped).",
     )
-    r.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
-    r.add_argument("--input", required=True, nargs="+", help="JSONL/Parquet/Arrow files or directories")
-    r.add_argument("--out", required=True, help="output JSONL file (appended to; resumed)")
-    r.add_argument("--model", default=None, help="model name to request (default: the server's only model)")
-    r.add_argument("--turns", choices=("last", "all"), default="last",
-                   help="last: answer the last user message (later turns dropped); all: regenerate every "
-                   "exchange in order (default last)")
-    r.add_argument("--max-tokens", type=int, default=4096, help="per response, reasoning included (default 4096)")
-    r.add_argument("--temperature", type=float, default=0.6)
-    r.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    r.add_argument("--retries", type=int, default=8, help="per request, on connection errors, 429 and 5xx")
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    r.add_argument("--extra-body", default=None,
-                   help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
-    r.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                   help="environment variable holding the API key, if the server needs one")
-    add_template_kwargs_flag(r, help="template arguments sent with every request, over {\"enable_thinking\": true} "
-                             "(e.g. '{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
-    add_quiet_option(r)
+    groups = add_arguments(r, RegenerateSettings)
+    add_quiet_option(groups["run"])
     r.set_defaults(func=run_regenerate_cmd)
 
 
@@ -209,11 +150,7 @@ def add_demo(subparsers) -> None:
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
         "check, extract, info, verify, train a drafter, eval on held-out prompts (about 80 s on 2 CPU cores)",
     )
-    d.add_argument("--out", default="hsstore-demo",
-                   help="working folder (target, data, store, run); created if missing. A non-empty folder the demo "
-                        "did not create is refused; on a re-run only what the demo created there is replaced")
-    d.add_argument("--device", default=None,
-                   help="cpu, cuda or cuda:N for extraction, training and eval (default: the GPU when there is one)")
+    add_arguments(d, DemoSettings)
     d.set_defaults(func=run_demo_cmd)
 
 
@@ -305,25 +242,22 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
 def run_import_cmd(args: argparse.Namespace) -> int:
     from .peers import import_files, import_manifest, peer_files
 
-    manifest = import_manifest(
-        args.format, args.layers, peer_layers=args.peer_layers, hsstore_ids=args.hsstore_ids, path=args.path,
-        final_hidden=not args.no_final_hidden, dtype=args.dtype, codec=args.codec, model=args.model,
-        model_name=args.model_name, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        config_hash=args.config_hash, tokenizer_hash=args.tokenizer_hash, tokenizer_name=args.tokenizer_name,
-        chat_template_hash=args.chat_template_hash)
+    cfg = from_args(ImportSettings, args, **shared_overrides(args))
+    src, store = cfg.files, cfg.store
+    manifest = import_manifest(src.format, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
+                               **dataclasses.asdict(cfg.identity))
     missing: list[str] = []
-    files = peer_files(args.format, args.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
-                       id_prefix=args.id_prefix, source=args.source, hs_dir=args.hidden_states_dir, missing=missing,
-                       pad_id=None if args.keep_padding else args.pad_token_id,
-                       final_hidden=bool(manifest.features), num_rows=args.num_rows)
-    r = import_files(files, args.out, manifest, storage_options=parse_storage_options(args.storage_option),
-                     shard_bytes=mib_bytes(args.shard_mb), missing=missing,
-                     progress=not args.quiet)
-    print(f"import {args.format} {args.path} -> {recordable_url(args.out)}: {r.samples} samples, {r.tokens:,} tokens written "
-          f"({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
+    files = peer_files(src.format, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
+                       id_prefix=src.id_prefix, source=src.source, hs_dir=src.hidden_states_dir, missing=missing,
+                       pad_id=None if src.keep_padding else src.pad_token_id,
+                       final_hidden=bool(manifest.features), num_rows=src.num_rows)
+    r = import_files(files, store.out, manifest, storage_options=store.storage_options,
+                     shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress)
+    print(f"import {src.format} {src.path} -> {recordable_url(store.out)}: {r.samples} samples, {r.tokens:,} tokens "
+          f"written ({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
           + (f"; batch padding trimmed from {r.padded_rows} rows ({r.pad_tokens:,} tokens)" if r.padded_rows else "")
-          + (f"; final_hidden kept" if manifest.features else ""))
+          + ("; final_hidden kept" if manifest.features else ""))
     if r.pad_ambiguous:
         print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
               f"padding_ambiguous): {_some(r.pad_ambiguous)}")
@@ -335,18 +269,19 @@ def _some(ids: list[str], n: int = 10) -> str:
 
 
 def run_export_cmd(args: argparse.Namespace) -> int:
-    import dataclasses
     import json
 
     from .export import export_store
 
-    r = export_store(args.format, args.url, args.out, storage_options=parse_storage_options(args.storage_option),
-                     progress=not args.quiet)
+    cfg = from_args(ExportSettings, args, **shared_overrides(args))
+    x = cfg.export
+    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=cfg.run.progress)
+    where = f"{recordable_url(x.url)} -> {recordable_url(x.out)}"
     if args.json:
-        print(json.dumps({"format": args.format, "url": recordable_url(args.url), "out": recordable_url(args.out), **dataclasses.asdict(r)},
-                         indent=2))
+        print(json.dumps({"format": x.format, "url": recordable_url(x.url), "out": recordable_url(x.out),
+                          **dataclasses.asdict(r)}, indent=2))
         return 0
-    print(f"export {args.format} ({r.layout}) {recordable_url(args.url)} -> {recordable_url(args.out)}: {r.samples} samples, {r.tokens:,} tokens "
+    print(f"export {x.format} ({r.layout}) {where}: {r.samples} samples, {r.tokens:,} tokens "
           f"({r.bytes_written / 1e9:.2f} GB)")
     for note in r.notes:
         print(f"  {note}")
@@ -354,27 +289,17 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 
 
 def run_regenerate_cmd(args: argparse.Namespace) -> int:
-    import json
-    import os
+    from .regenerate import run_regenerate
 
-    from .regenerate import RegenConfig, run_regenerate
-
-    extra = json.loads(args.extra_body) if args.extra_body else {}
-    if not isinstance(extra, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    cfg = RegenConfig(
-        inputs=args.input, out=args.out, server=args.server, model=args.model, max_tokens=args.max_tokens,
-        temperature=args.temperature, turns=args.turns, concurrency=args.concurrency, retries=args.retries,
-        timeout_s=args.timeout, extra_body=extra, api_key=os.environ.get(args.api_key_env) or None,
-        progress=not args.quiet, chat_template_kwargs=template_kwargs(args.chat_template_kwargs))
-    res = run_regenerate(cfg)
-    print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in {recordable_url(args.out)}) in "
-          f"{res.seconds:.1f}s: {res.completion_tokens:,} tokens ({res.tokens_per_s:,.0f} tokens/s), "
-          f"{res.truncated} cut by --max-tokens")
+    res = run_regenerate(regen_config(args))
+    print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in "
+          f"{recordable_url(args.out)}) in {res.seconds:.1f}s: {res.completion_tokens:,} tokens "
+          f"({res.tokens_per_s:,.0f} tokens/s), {res.truncated} cut by --max-tokens")
     return 0
 
 
 def run_demo_cmd(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.out, device=args.device)
+    demo = from_args(DemoSettings, args).demo
+    return run_demo(demo.out, device=demo.device)

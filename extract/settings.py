@@ -9,8 +9,8 @@ namespace (``cfg.model``, ``cfg.thresholds``), what ``run_extract`` and the API 
 
 Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are added by their shared
 helpers into the groups named here, and reach the settings through ``from_args`` overrides
-(:func:`shared_overrides`). Config files written when every extract flag was under ``options`` still load:
-``hsstore.config`` reads such a key as the flag of its new group.
+(:func:`shared_overrides`). A config file may also give extract's keys under ``options`` (the one section of
+files from releases without these groups): ``hsstore.config`` reads such a key as the flag of its group.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from hsstore.schema import flat, flat_class, option, section
+from hsstore.schema import flat, flat_class, from_args, option, section
 
 from .gate import GateThresholds
 
@@ -159,10 +159,16 @@ class Gate:
 
 
 @dataclass
-class Run:
-    """This process's part (``--quiet`` joins this group)."""
+class Progress:
+    """``--quiet`` joins this group."""
 
     progress: bool = option(True, cli=False, help="progress bars (the flag: --quiet)")
+
+
+@dataclass
+class Run(Progress):
+    """This process's part of the job."""
+
     rank: int | None = option(None, cli=False, help="this rank (default: the process group's or torchrun's)")
     world_size: int | None = option(None, cli=False, help="ranks in all (default: the process group's)")
 
@@ -257,3 +263,177 @@ class ShowSettings:
     tokenize: Rendering = section(Rendering, "tokenize")
     output: ShowOutput = section(ShowOutput, "output")
 
+
+
+# --- regenerate ---------------------------------------------------------------------------------------------
+
+
+def json_object(value: str | None) -> dict:
+    """``--extra-body`` JSON as a dict."""
+    import json
+
+    out = json.loads(value) if value else {}
+    if not isinstance(out, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return out
+
+
+@dataclass
+class RegenData:
+    inputs: list[str] = option(flag="--input", dest="input", nargs="+", required=True,
+                               help="JSONL/Parquet/Arrow files or directories")
+    out: str = option(required=True, help="output JSONL file (appended to; resumed)")
+
+
+@dataclass
+class RegenServer:
+    server: str = option(required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
+    model: str | None = option(None, help="model name to request (default: the server's only model)")
+    concurrency: int = option(16, help="requests in flight (default 16)")
+    retries: int = option(8, help="per request, on connection errors, 429 and 5xx")
+    backoff_s: float = option(1.0, cli=False, help="first retry delay; doubles per attempt, up to backoff_max_s")
+    backoff_max_s: float = option(60.0, cli=False, help="longest retry delay")
+    timeout_s: float = option(600.0, flag="--timeout", dest="timeout",
+                              help="seconds per request, generation included (default 600)")
+    extra_body: dict = option(
+        default_factory=dict, type=str, convert=json_object,
+        help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
+    api_key_env: str = option("OPENAI_API_KEY", help="environment variable holding the API key, if the server "
+                                                     "needs one")
+    api_key: str | None = option(None, cli=False, help="the key itself (default: from --api-key-env)")
+
+
+@dataclass
+class Generation:
+    turns: str = option("last", choices=("last", "all"),
+                        help="last: answer the last user message (later turns dropped); all: regenerate every "
+                             "exchange in order (default last)")
+    max_tokens: int = option(4096, help="per response, reasoning included (default 4096)")
+    temperature: float = option(0.6, help="sampling temperature (default 0.6)")
+    chat_template_kwargs: dict = option(
+        default_factory=dict, type=str, metavar="JSON", convert=template_kwargs,
+        help="template arguments sent with every request, over {\"enable_thinking\": true} (e.g. "
+             "'{\"preserve_thinking\": true}'); recorded in each output row for check/extract")
+
+
+@dataclass
+class RegenerateSettings:
+    data: RegenData = section(RegenData, "input and output")
+    server: RegenServer = section(RegenServer, "server")
+    generation: Generation = section(Generation, "generation")
+    run: Progress = section(Progress, "run")
+
+
+RegenConfig = flat_class(RegenerateSettings, "RegenConfig", __name__, __doc__=(
+    "``regenerate``'s settings in one namespace (``RegenerateSettings``' fields)."))
+
+
+def regen_config(args: argparse.Namespace) -> RegenConfig:
+    """The parsed flags as a :class:`RegenConfig`, the API key read from the variable ``--api-key-env`` names."""
+    import os
+
+    cfg = from_args(RegenerateSettings, args, **shared_overrides(args))
+    cfg.server.api_key = os.environ.get(cfg.server.api_key_env) or None
+    return RegenConfig(**flat(cfg))
+
+
+# --- import, export, demo -----------------------------------------------------------------------------------
+
+PEER_FORMATS = ("specforge", "speculators")
+
+
+@dataclass
+class PeerFiles:
+    format: str = option(positional=True, choices=PEER_FORMATS, help="the peer whose files these are")
+    path: str = option(positional=True,
+                       help="SpecForge: the folder of .ckpt files; speculators: the Arrow dataset folder")
+    pad_token_id: int = option(0, help="SpecForge: the id its collator right-pads rows with (0, whatever the "
+                                       "tokenizer says); trailing pad tokens outside the loss mask are trimmed")
+    keep_padding: bool = option(False, help="SpecForge: store rows with their batch padding")
+    num_rows: int | None = option(None, help="SpecForge: rows of the dataset the files were made from; data_{i} "
+                                             "files missing below it (NaN rows, the dropped last partial batch) "
+                                             "are named")
+    final_hidden: bool = option(True, flag="--no-final-hidden", dest="no_final_hidden", negate=True,
+                                help="SpecForge: drop the files' hidden_state (the final-norm output; kept as the "
+                                     "store's final_hidden feature by default)")
+    id_prefix: str = option("", help="prepended to sample ids (data_17, hs_17) to keep several imports into one "
+                                     "store apart")
+    source: str | None = option(None, help="source column of every sample (default: the row's source or the "
+                                           "folder name)")
+    hidden_states_dir: str | None = option(None, help="speculators: folder of hs_{i}.safetensors (default "
+                                                      "PATH/hidden_states)")
+
+
+@dataclass
+class PeerIdentity:
+    """What the peers' files do not say: the taps, the target and the tokenizer (``peers.import_manifest``)."""
+
+    layers: str | None = option(
+        None, help="tapped layer ids of the files' features, in their order, e.g. 1,16,31, in hsstore's convention "
+                   "(output of decoder layer l, 0-based). A list that reads like the peer's own ids "
+                   "(speculators/vLLM: its launch ids [2, N//2, N-3, N], or N) is refused: use --peer-layers, or "
+                   "--hsstore-ids if it really is meant as hsstore ids")
+    peer_layers: str | None = option(
+        None, help="the same, in the peer's own convention, e.g. 2,4,5,8 as passed to speculators' launch_vllm.py "
+                   "(vLLM id i = output of decoder layer i-1; hsstore id = i-1) or SpecForge's "
+                   "aux_hidden_state_layer_ids (= hsstore ids); both lists go into the manifest's extra.peer_layers")
+    hsstore_ids: bool = option(False, help="--layers is meant in hsstore's convention even where it looks like the "
+                                           "peer's")
+    model: str | None = option(None, help="local target model folder: identity from its config and tokenizer")
+    model_name: str | None = option(None, help="the target's name when --model is not given")
+    num_layers: int | None = option(None, help="decoder layers of the target")
+    hidden_size: int | None = option(None, help="the target's hidden size when --model is not given")
+    config_hash: str | None = option(None, help="target identity when --model is not given")
+    tokenizer_hash: str | None = option(None, help="vocab hash of the tokenizer when --model is not given")
+    tokenizer_name: str | None = option(None, help="the tokenizer's name when --model is not given")
+    chat_template_hash: str | None = option(None, help="the chat template's hash when --model is not given")
+    dtype: str = option("bfloat16", choices=DTYPE_CHOICES,
+                        help="the files' feature dtype (stored bit-exact; other dtypes are refused)")
+
+
+@dataclass
+class ImportStore:
+    """The store written (``--shard-mb`` and ``--storage-option`` join this group)."""
+
+    out: str = option(required=True, help="store URL (local path or s3://bucket/prefix)")
+    codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
+    shard_bytes: int = option(1 << 30, cli=False, help="feature bytes per shard (the flag: --shard-mb)")
+    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
+                                             help="fsspec options of the store (the flag: --storage-option)")
+
+
+@dataclass
+class ImportSettings:
+    files: PeerFiles = section(PeerFiles, "peer files")
+    identity: PeerIdentity = section(PeerIdentity, "identity")
+    store: ImportStore = section(ImportStore, "store")
+    run: Progress = section(Progress, "run")
+
+
+@dataclass
+class ExportFiles:
+    format: str = option(positional=True, choices=PEER_FORMATS, help="the peer whose files to write")
+    url: str = option(positional=True, help="store URL")
+    out: str = option(positional=True, help="output folder (local; must not exist or be empty)")
+    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
+                                             help="fsspec options of the store (the flag: --storage-option)")
+
+
+@dataclass
+class ExportSettings:
+    export: ExportFiles = section(ExportFiles, "export")
+    run: Progress = section(Progress, "run")
+
+
+@dataclass
+class Demo:
+    out: str = option("hsstore-demo",
+                      help="working folder (target, data, store, run); created if missing. A non-empty folder the "
+                           "demo did not create is refused; on a re-run only what the demo created there is replaced")
+    device: str | None = option(None, help="cpu, cuda or cuda:N for extraction, training and eval (default: the "
+                                           "GPU when there is one)")
+
+
+@dataclass
+class DemoSettings:
+    demo: Demo = section(Demo, "demo")
