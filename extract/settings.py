@@ -63,6 +63,23 @@ def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _inputs() -> Any:
+    return option(flag="--input", dest="input", nargs="+", required=True,
+                  help="JSONL/Parquet/Arrow files or directories")
+
+
+def _store_url() -> Any:
+    return option(required=True, help="store URL (local path or s3://bucket/prefix)")
+
+
+def _shard_bytes() -> Any:
+    return option(1 << 30, cli=False, help="feature bytes per shard (the flag: --shard-mb)")
+
+
+def _storage_options() -> Any:
+    return option(default_factory=dict, cli=False, help="fsspec options of the store (the flag: --storage-option)")
+
+
 # --- sections shared by check, show and extract -------------------------------------------------------------
 
 
@@ -102,15 +119,14 @@ class CheckTokenize(Tokenize):
 @dataclass
 class ExtractInput:
     model: str = option(required=True, help="target model directory")
-    inputs: list[str] = option(flag="--input", dest="input", nargs="+", required=True,
-                               help="JSONL/Parquet/Arrow files or directories")
+    inputs: list[str] = _inputs()
 
 
 @dataclass
 class StoreOutput:
     """Where and how the features are written (``--shard-mb`` and ``--storage-option`` join this group)."""
 
-    out: str = option(required=True, help="store URL (local path or s3://bucket/prefix)")
+    out: str = _store_url()
     layout: str = option("zarr", choices=["zarr", "wds"],
                          help="shard layout: zarr (chunked arrays, codecs) or wds (WebDataset tars of .npy members)")
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
@@ -120,9 +136,8 @@ class StoreOutput:
     writer: str = option("auto", choices=["auto", "thread", "process"],
                          help="where the store writer runs: a child process fed through shared memory (auto: on "
                               "CUDA), or threads of this process")
-    shard_bytes: int = option(1 << 30, cli=False, help="feature bytes per shard (the flag: --shard-mb)")
-    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
-                                             help="fsspec options of the store (the flag: --storage-option)")
+    shard_bytes: int = _shard_bytes()
+    storage_options: dict[str, Any] = _storage_options()
 
 
 @dataclass
@@ -247,8 +262,7 @@ class ShowInput:
     n: str = option(positional=True, help="sample position (0-based, after multi-turn expansion) or sample id")
     model: str | None = option(None, help="target model directory (its tokenizer and chat template); for a store, "
                                           "its own tokenizer is used unless this is given")
-    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
-                                             help="fsspec options of a store (the flag: --storage-option)")
+    storage_options: dict[str, Any] = _storage_options()
 
 
 @dataclass
@@ -280,8 +294,7 @@ def json_object(value: str | None) -> dict:
 
 @dataclass
 class RegenData:
-    inputs: list[str] = option(flag="--input", dest="input", nargs="+", required=True,
-                               help="JSONL/Parquet/Arrow files or directories")
+    inputs: list[str] = _inputs()
     out: str = option(required=True, help="output JSONL file (appended to; resumed)")
 
 
@@ -395,11 +408,10 @@ class PeerIdentity:
 class ImportStore:
     """The store written (``--shard-mb`` and ``--storage-option`` join this group)."""
 
-    out: str = option(required=True, help="store URL (local path or s3://bucket/prefix)")
+    out: str = _store_url()
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
-    shard_bytes: int = option(1 << 30, cli=False, help="feature bytes per shard (the flag: --shard-mb)")
-    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
-                                             help="fsspec options of the store (the flag: --storage-option)")
+    shard_bytes: int = _shard_bytes()
+    storage_options: dict[str, Any] = _storage_options()
 
 
 @dataclass
@@ -415,8 +427,7 @@ class ExportFiles:
     format: str = option(positional=True, choices=PEER_FORMATS, help="the peer whose files to write")
     url: str = option(positional=True, help="store URL")
     out: str = option(positional=True, help="output folder (local; must not exist or be empty)")
-    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
-                                             help="fsspec options of the store (the flag: --storage-option)")
+    storage_options: dict[str, Any] = _storage_options()
 
 
 @dataclass
