@@ -1,8 +1,9 @@
 """The extraction family's commands: ``check``, ``show``, ``extract``, ``import``, ``export``, ``regenerate``
 and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
 
-The flags of check, show and extract come from their schemas in ``settings.py`` (one argument group per
-section); each handler turns the parsed flags into its settings object and passes that on.
+Every command's flags come from its schema in ``settings.py`` (one argument group per section; the flags all
+families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, are added by their helpers into
+those groups); each handler turns the parsed flags into its settings object and passes that on.
 transformers is imported only inside the handlers: the ``hsstore`` CLI imports this module at startup
 and must stay fast for commands that never touch a tokenizer.
 """
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
+    """The gate thresholds alone, for callers that parsed a command with them but need nothing else."""
     return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
 
 
