@@ -29,7 +29,7 @@ from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
-from .settings import ExtractConfig  # noqa: F401  (its callers import it from here)
+from .settings import ExtractConfig  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
