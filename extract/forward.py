@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -117,102 +117,158 @@ def extract_batches(
     ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
     go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused.
     ``final_hidden``: the features hold one more slot, the final norm's output (same forward)."""
-    cuda = device.type == "cuda"
     stats = ExtractStats()
-    slots: list[list[torch.Tensor]] = [[], []]
-    free: queue.Queue[int] = queue.Queue()
-    for i in range(len(slots)):
-        free.put(i)
+    staging = _HostStaging(device, staging_tokens, host_alloc)
     staged: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
     errors: list[BaseException] = []
-
-    def consume() -> None:
-        while True:
-            item = staged.get()
-            if item is None:
-                return
-            try:
-                if item.event is not None:
-                    item.event.synchronize()
-                off = 0
-                for s in item.batch:
-                    ok = item.finite[off:off + s.num_tokens]
-                    if not bool(ok.all()):
-                        bad = int((~ok).nonzero()[0, 0])
-                        raise SampleError(f"sample {s.sample_id!r}: the target produced NaN/Inf features "
-                                          f"(first at token {bad})")
-                    parts = [h[off:off + s.num_tokens] for h in item.host]
-                    sink(s, fp8.Quantised(*parts) if quantise else parts[0])
-                    off += s.num_tokens
-                if on_batch:
-                    on_batch(item.batch)
-            except BaseException as e:  # surfaced in the producer at the next batch
-                errors.append(e)
-            finally:
-                free.put(item.slot)
-
-    worker = threading.Thread(target=consume, name="hsstore-extract-sink", daemon=True)
+    worker = threading.Thread(target=_consume, args=(staged, staging.free, errors, sink, on_batch, quantise),
+                              name="hsstore-extract-sink", daemon=True)
     worker.start()
-    copy_stream = torch.cuda.Stream(device) if cuda else None
     try:
         for batch in batches:
-            if errors:
-                raise errors[0]
-            ids, _ = pad_right(batch, pad_id)
-            if cuda:
-                ids = ids.pin_memory().to(device, non_blocking=True)
-            # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output. No padding mask:
-            # under a causal decoder a right pad never reaches a real token, and without one SDPA runs its fused
-            # causal kernel and the recurrent layers skip their masking pass (6.8% faster at 27B scale, equal features)
-            feats = run_tapped(model, layers, ids, None, final_hidden=True) if final_hidden else \
-                run_tapped(model, layers, ids, None)
-            # GPU-side pack: drop padding before anything crosses PCIe
-            packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
-            # NaN/Inf check on the device (one pass at HBM speed) instead of on the host's cores
-            finite = torch.isfinite(packed).flatten(1).all(dim=1)
-            # fp8: quantise on the device (NaN/Inf rows are refused by the check above, on the consumer side)
-            parts = list(fp8.quantise(packed)) if quantise else [packed]
-            t = time.perf_counter()
-            slot = free.get()
-            stats.slot_wait_s += time.perf_counter() - t
+            _raise_first(errors)
+            parts, finite = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise)
+            slot = _free_slot(staging.free, stats)
             stats.batches += 1
-            stats.tokens += packed.shape[0]
-            if errors:
-                raise errors[0]
-            if cuda or host_alloc is not None:
-                hosts = slots[slot]
-                views = []
-                for j, part in enumerate(parts):
-                    if len(hosts) <= j or hosts[j].numel() < part.numel():
-                        # sized for the largest batch the budget allows, once: pinning is slow and synchronising
-                        if len(hosts) > j and cuda and host_alloc is not None:
-                            unpin(hosts[j:j + 1])
-                        size = max(part.numel(), staging_tokens * part[0].numel())
-                        hosts[j:j + 1] = [host_buffer(size, part.dtype, host_alloc, pin=cuda)]
-                    views.append(hosts[j][: part.numel()].view(part.shape))
-            if not cuda and host_alloc is not None:
-                for view, part in zip(views, parts):
-                    view.copy_(part)
-                staged.put(_Staged(batch, views, finite, None, slot))
-            elif cuda:
-                event = torch.cuda.Event()
-                copy_stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(copy_stream):
-                    for view, part in zip(views, parts):
-                        view.copy_(part, non_blocking=True)
-                        part.record_stream(copy_stream)
-                    finite_host = finite.to("cpu", non_blocking=True)
-                    finite.record_stream(copy_stream)
-                    event.record(copy_stream)
-                staged.put(_Staged(batch, views, finite_host, event, slot))
-            else:
-                staged.put(_Staged(batch, parts, finite, None, slot))
-            del feats, packed, finite, parts
+            stats.tokens += parts[0].shape[0]
+            _raise_first(errors)
+            staged.put(staging.stage(batch, parts, finite, slot))
+            del parts, finite
     finally:
         staged.put(None)
         worker.join()
-        if cuda and host_alloc is not None:
-            unpin([h for hosts in slots for h in hosts])
+        staging.release()
+    _raise_first(errors)
+    return stats
+
+
+def _raise_first(errors: list[BaseException]) -> None:
+    """The sink thread's first error, raised in the producer: it stops the forward at the next batch."""
     if errors:
         raise errors[0]
-    return stats
+
+
+def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,
+                    device: torch.device, final_hidden: bool, quantise: bool,
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or fp8
+    ``[values, scales]``) and ``finite [n_tokens]``. Checking finiteness here is one pass at HBM speed instead
+    of one on the host's cores; the consumer refuses NaN/Inf rows from it."""
+    ids, _ = pad_right(batch, pad_id)
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output. No padding mask:
+    # under a causal decoder a right pad never reaches a real token, and without one SDPA runs its fused
+    # causal kernel and the recurrent layers skip their masking pass (6.8% faster at 27B scale, equal features)
+    feats = run_tapped(model, layers, ids, None, final_hidden=True) if final_hidden else \
+        run_tapped(model, layers, ids, None)
+    packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
+    finite = torch.isfinite(packed).flatten(1).all(dim=1)
+    return (list(fp8.quantise(packed)) if quantise else [packed]), finite
+
+
+def _free_slot(free: queue.Queue[int], stats: ExtractStats) -> int:
+    """A host buffer the sink has finished with; the time waited is the writer being slower than the GPU."""
+    t = time.perf_counter()
+    slot = free.get()
+    stats.slot_wait_s += time.perf_counter() - t
+    return slot
+
+
+@dataclass
+class _HostStaging:
+    """The two host buffer slots a batch's features are copied into (pinned, or ``host_alloc``'s shared memory)
+    while the next forward runs, and the side stream that copies them."""
+
+    device: torch.device
+    staging_tokens: int
+    host_alloc: Callable[[int], torch.Tensor] | None
+    slots: list[list[torch.Tensor]] = field(default_factory=lambda: [[], []])
+    free: queue.Queue[int] = field(default_factory=queue.Queue)
+    copy_stream: torch.cuda.Stream | None = None
+
+    def __post_init__(self) -> None:
+        for i in range(len(self.slots)):
+            self.free.put(i)
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def stage(self, batch: list[TokenizedSample], parts: list[torch.Tensor], finite: torch.Tensor, slot: int
+              ) -> _Staged:
+        """Hand a batch to the sink: on the CPU without ``host_alloc`` as it is; else copied into ``slot``'s
+        buffers (on CUDA asynchronously on the copy stream, with an event the sink waits on)."""
+        if not self.cuda and self.host_alloc is None:
+            return _Staged(batch, parts, finite, None, slot)
+        views = self._views(slot, parts)
+        if not self.cuda:
+            for view, part in zip(views, parts):
+                view.copy_(part)
+            return _Staged(batch, views, finite, None, slot)
+        event = torch.cuda.Event()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for view, part in zip(views, parts):
+                view.copy_(part, non_blocking=True)
+                part.record_stream(self.copy_stream)
+            finite_host = finite.to("cpu", non_blocking=True)
+            finite.record_stream(self.copy_stream)
+            event.record(self.copy_stream)
+        return _Staged(batch, views, finite_host, event, slot)
+
+    def _views(self, slot: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``slot``'s buffers shaped like ``parts``; a buffer is (re)allocated only when too small, sized
+        for the largest batch the budget allows, once: pinning is slow and synchronising."""
+        hosts = self.slots[slot]
+        views = []
+        for j, part in enumerate(parts):
+            if len(hosts) <= j or hosts[j].numel() < part.numel():
+                if len(hosts) > j and self.cuda and self.host_alloc is not None:
+                    unpin(hosts[j:j + 1])
+                size = max(part.numel(), self.staging_tokens * part[0].numel())
+                hosts[j:j + 1] = [host_buffer(size, part.dtype, self.host_alloc, pin=self.cuda)]
+            views.append(hosts[j][: part.numel()].view(part.shape))
+        return views
+
+    def release(self) -> None:
+        """Unregister ``host_alloc``'s buffers from CUDA (torch's own pinned buffers free themselves)."""
+        if self.cuda and self.host_alloc is not None:
+            unpin([h for hosts in self.slots for h in hosts])
+
+
+def _consume(staged: queue.Queue[_Staged | None], free: queue.Queue[int], errors: list[BaseException],
+             sink: Callable[[TokenizedSample, torch.Tensor], None],
+             on_batch: Callable[[list[TokenizedSample]], None] | None, quantise: bool) -> None:
+    """The sink thread: deliver each staged batch, then give its slot back; an error is kept for the producer
+    (which raises it at its next batch) and the slot still freed, so the producer never waits forever."""
+    while True:
+        item = staged.get()
+        if item is None:
+            return
+        try:
+            _deliver(item, sink, quantise)
+            if on_batch:
+                on_batch(item.batch)
+        except BaseException as e:  # surfaced in the producer at the next batch
+            errors.append(e)
+        finally:
+            free.put(item.slot)
+
+
+def _deliver(item: _Staged, sink: Callable[[TokenizedSample, torch.Tensor], None], quantise: bool) -> None:
+    """Wait for the batch's copy, then ``sink`` each sample's slice, refusing one with a NaN/Inf feature."""
+    if item.event is not None:
+        item.event.synchronize()
+    off = 0
+    for s in item.batch:
+        ok = item.finite[off:off + s.num_tokens]
+        if not bool(ok.all()):
+            bad = int((~ok).nonzero()[0, 0])
+            raise SampleError(f"sample {s.sample_id!r}: the target produced NaN/Inf features "
+                              f"(first at token {bad})")
+        parts = [h[off:off + s.num_tokens] for h in item.host]
+        sink(s, fp8.Quantised(*parts) if quantise else parts[0])
+        off += s.num_tokens

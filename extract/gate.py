@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from .show import format_sample
+from hsstore.schema import option
 from hsstore.stats import SAMPLE_FLAGS, log2_histogram, top_values
 from .tokenize import TokenizedSample, TokenizeStats
 
@@ -24,39 +25,27 @@ PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
 FLAG_ORDER = SAMPLE_FLAGS
 
 
+def _limit(default: int | float, help: str):
+    """A threshold: its flag says its default (``N`` for counts, ``X`` for shares)."""
+    return option(default, metavar="N" if isinstance(default, int) else "X", help=f"{help} (default {default})")
+
+
 @dataclass
 class GateThresholds:
-    """Limits of the gate; each field is also a ``hsstore check`` flag (``--small-loss-sum`` ...)."""
+    """Limits of the gate; each field is also a flag of ``hsstore check`` and ``extract`` (``--small-loss-sum``
+    ...), in their ``gate thresholds`` group."""
 
-    small_loss_sum: int = field(
-        default=32, metadata={"help": "a most-common loss-mask sum at or below this many tokens is suspicious"}
-    )
-    max_top_share: float = field(
-        default=0.20, metadata={"help": "fail when such a small value holds at least this share of samples"}
-    )
-    stub_answer_tokens: int = field(
-        default=4, metadata={"help": "a final answer with fewer tokens than this is a stub"}
-    )
-    max_stub_share: float = field(default=0.20, metadata={"help": "fail when stub answers exceed this share"})
-    max_empty_thinking_share: float = field(
-        default=0.50, metadata={"help": "fail when empty thinking blocks exceed this share"}
-    )
-    max_truncated_share: float = field(
-        default=0.10, metadata={"help": "fail when responses cut off (no end of turn) exceed this share"}
-    )
-    max_over_length_share: float = field(
-        default=0.10, metadata={"help": "fail when samples over --max-length exceed this share"}
-    )
-    max_duplicate_share: float = field(
-        default=0.10, metadata={"help": "fail when repeated token sequences exceed this share"}
-    )
-    min_response_fraction: float = field(
-        default=0.0, metadata={"help": "fail when loss tokens / all tokens is below this"}
-    )
-    max_skipped_share: float = field(
-        default=0.02, metadata={"help": "fail when input rows that cannot be tokenized faithfully (skipped) exceed "
-                                        "this share of the rows"}
-    )
+    small_loss_sum: int = _limit(32, "a most-common loss-mask sum at or below this many tokens is suspicious")
+    max_top_share: float = _limit(0.20, "fail when such a small value holds at least this share of samples")
+    stub_answer_tokens: int = _limit(4, "a final answer with fewer tokens than this is a stub")
+    max_stub_share: float = _limit(0.20, "fail when stub answers exceed this share")
+    max_empty_thinking_share: float = _limit(0.50, "fail when empty thinking blocks exceed this share")
+    max_truncated_share: float = _limit(0.10, "fail when responses cut off (no end of turn) exceed this share")
+    max_over_length_share: float = _limit(0.10, "fail when samples over --max-length exceed this share")
+    max_duplicate_share: float = _limit(0.10, "fail when repeated token sequences exceed this share")
+    min_response_fraction: float = _limit(0.0, "fail when loss tokens / all tokens is below this")
+    max_skipped_share: float = _limit(0.02, "fail when input rows that cannot be tokenized faithfully (skipped) "
+                                            "exceed this share of the rows")
 
 
 @dataclass(slots=True)

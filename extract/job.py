@@ -26,9 +26,10 @@ from hsstore.taps import check_taps, default_taps
 
 from .capture import decoder_layers
 from .forward import extract_batches, token_budget_batches
-from .gate import GateReport, GateThresholds, check
+from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
+from .settings import ExtractConfig  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
@@ -42,36 +43,6 @@ class GateRefused(RuntimeError):
     def __init__(self, report: GateVerdict, text: str):
         super().__init__("quality gate failed: " + "; ".join(report.failures))
         self.report, self.text = report, text
-
-
-@dataclass
-class ExtractConfig:
-    model: str
-    inputs: list[str]
-    out: str
-    layers: list[int] | None = None
-    device: str | None = None
-    dtype: str = "bfloat16"
-    max_length: int | None = None
-    truncate: bool = False
-    token_budget: int | None = None
-    codec: str = "none"
-    layout: str = "zarr"
-    encoding: str = "raw"  # or "fp8": quantised on the device (hsstore/fp8.py)
-    final_hidden: bool = False  # also store the final norm's output (EAGLE-3's target), same forward
-    expand: bool = True
-    force: bool = False
-    thresholds: GateThresholds = field(default_factory=GateThresholds)
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    shard_bytes: int = 1 << 30
-    rank: int | None = None
-    world_size: int | None = None
-    progress: bool = True
-    writer: str = "auto"  # "process": StoreWriter in a child process (default on CUDA), "thread": in this one
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # default for rows without their own
-    gate_report: str | None = None  # `hsstore check --report` file of this input: reused, the gate not re-run
-    trust_engine_ids: bool = False  # rows' recorded engine ids are used even where their prompt differs from ours
-    compile: bool | None = None  # regional torch.compile of the forward's dense parts (extract/speed.py); None: on CUDA
 
 
 @dataclass
@@ -130,20 +101,47 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     device = resolve_device(cfg.device, local_rank)  # an unusable --device fails before the gate spends any time
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
+    rows = gated_rows(cfg, tokenizer, result)
+    todo = not_yet_stored(cfg, rows.samples, result)
+    model = prepare_target(cfg, model, device, todo, result)
+    layers = target_taps(cfg, model)
+    writer = open_writer(cfg, model, tokenizer, layers, rows, device, rank)
+    write_features(cfg, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
+    return result
 
-    stats = TokenizeStats()
-    shard = RowShard(rank, world)
-    settings = dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
-                    expand=cfg.expand, trust_engine_ids=cfg.trust_engine_ids)
+
+@dataclass
+class GatedRows:
+    """This rank's rows once the gate has passed: the samples to extract, and what was left out of them."""
+
+    samples: list[TokenizedSample]
+    verdict: GateVerdict
+    over_length: list[str]  # sample ids over --max-length (not --truncate): skipped
+    stats: TokenizeStats  # its ``skipped``: rows not tokenized faithfully, by reason
+
+
+def tokenize_settings(cfg: ExtractConfig) -> dict[str, Any]:
+    """The tokenization settings the gate and this rank's rows share (the gate report records them too)."""
+    return dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
+                expand=cfg.expand, trust_engine_ids=cfg.trust_engine_ids)
+
+
+def gated_rows(cfg: ExtractConfig, tokenizer, result: ExtractResult) -> GatedRows:
+    """The gate's verdict, then this rank's tokenized rows; refuses before the model is loaded. The verdict comes
+    from ``--gate-report`` (this rank tokenizes only its rows), from the same pass (one process: every row is
+    this rank's) or from gating the whole input on every rank (torchrun without a report)."""
+    rank, world = result.rank, result.world_size
+    stats, settings = TokenizeStats(), tokenize_settings(cfg)
 
     def my_rows() -> list[TokenizedSample]:
-        return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats, shard=shard, **settings))
+        return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats,
+                                 shard=RowShard(rank, world), **settings))
 
     samples = None
-    if cfg.gate_report:  # the gate ran once, in `hsstore check --report`: this rank tokenizes only its rows
+    if cfg.gate_report:
         identity = run_identity(cfg.inputs, tokenizer, thresholds=cfg.thresholds, hash_content=False, **settings)
         verdict = reuse_gate_report(cfg.gate_report, identity)
-    elif world == 1:  # one pass: every row is this rank's
+    elif world == 1:
         samples = my_rows()
         result.gate = check(samples, cfg.thresholds, stats=stats)
         verdict = GateVerdict.from_report(result.gate)
@@ -153,31 +151,45 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
                     "each rank tokenizes only its own rows", rank, world)
         result.gate = gate_inputs(cfg.inputs, tokenizer, thresholds=cfg.thresholds, **settings)
         verdict = GateVerdict.from_report(result.gate)
+    refuse_unless_passed(cfg, verdict, tokenizer)
+    if samples is None:
+        samples = my_rows()
+    over = [s.sample_id for s in samples if "over_length" in s.flags]
+    result.rows = stats.rows
+    result.skipped_over_length = len(over)
+    result.skipped_rows = {reason: len(v) for reason, v in stats.skipped.items()}
+    return GatedRows([s for s in samples if "over_length" not in s.flags], verdict, over, stats)
+
+
+def refuse_unless_passed(cfg: ExtractConfig, verdict: GateVerdict, tokenizer) -> None:
+    """A failed gate stops the run (unless ``--force``), and so do repeated sample ids: resume matches by id."""
     if not verdict.ok and not cfg.force:
         raise GateRefused(verdict, verdict.format_text(tokenizer))
     if verdict.repeated_ids:
         raise ValueError(f"sample id {verdict.repeated_ids[0]!r} occurs more than once in the input: ids must be "
                          "unique for resume")
-    if samples is None:
-        samples = my_rows()
-    over = [s.sample_id for s in samples if "over_length" in s.flags]
-    samples = [s for s in samples if "over_length" not in s.flags]
-    result.rows = stats.rows
-    result.skipped_over_length = len(over)
-    result.skipped_rows = {reason: len(v) for reason, v in stats.skipped.items()}
 
+
+def not_yet_stored(cfg: ExtractConfig, samples: list[TokenizedSample], result: ExtractResult
+                   ) -> list[TokenizedSample]:
+    """Resume: the samples whose ids the store has not committed yet."""
     done = committed_ids(cfg.out, cfg.storage_options)
     todo = [s for s in samples if s.sample_id not in done]
     result.skipped_done = len(samples) - len(todo)
     if result.skipped_done:
-        log.info("rank %d: %d of %d samples already in the store (resuming)", rank, result.skipped_done,
+        log.info("rank %d: %d of %d samples already in the store (resuming)", result.rank, result.skipped_done,
                  len(samples))
+    return todo
 
+
+def prepare_target(cfg: ExtractConfig, model, device: torch.device, todo: list[TokenizedSample],
+                   result: ExtractResult):
+    """The target on ``device`` (loaded unless given), compiled where the expected saving pays for the warm-up."""
+    rank = result.rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("rank %d: extracting on %s", rank, describe(device))
-    dtype = DTYPES[cfg.dtype]
-    model = model if model is not None else load_target(cfg.model, dtype, device, progress=cfg.progress)
+    model = model if model is not None else load_target(cfg.model, DTYPES[cfg.dtype], device, progress=cfg.progress)
     route_cpu_kernels(model)
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     choice = choose_compile(cfg.compile, device, decoder_params, sum(s.num_tokens for s in todo))
@@ -188,33 +200,53 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
                  "an H200)", rank, compile_forward(model, mixers=True), choice.reason)
     elif cfg.compile is None and device.type == "cuda":
         log.info("rank %d: not compiling the forward (%s; --compile to compile anyway)", rank, choice.reason)
+    return model
+
+
+def uses_process_writer(cfg: ExtractConfig, device: torch.device) -> bool:
+    """The writer runs in a child process on CUDA (``auto``): encoding and uploads then never take the GIL
+    from the thread that feeds the GPU."""
+    return cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
+
+
+def target_taps(cfg: ExtractConfig, model) -> list[int]:
+    """``--layers``, else DFlash's spacing for the target's depth; checked against that depth."""
     n_layers = int(text_config(model.config).num_hidden_layers)
-    layers = check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
+    return check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
+
+
+def open_writer(cfg: ExtractConfig, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
+                rank: int):
+    """This rank's store writer, with the manifest of the target and taps; rank 0 exports the assets the trainer
+    uses instead of the target. Each rank records what it left out of its rows in its commit records, so
+    ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs)."""
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding,
                               features=("final_hidden",) if cfg.final_hidden else ())
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
-    use_process = cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
-    writer = (ProcessWriter if use_process else StoreWriter)(
+    writer = (ProcessWriter if uses_process_writer(cfg, device) else StoreWriter)(
         cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
         shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
-    # each rank records what it left out of its rows in its commit records, so `hsstore info` shows what never
-    # reached the store (counted once per id over all ranks and resumed runs)
-    if over:
-        writer.note_skipped("over_length", over)
-    for reason, skipped_ids in stats.skipped.items():
+    if rows.over_length:
+        writer.note_skipped("over_length", rows.over_length)
+    for reason, skipped_ids in rows.stats.skipped.items():
         writer.note_skipped(reason, skipped_ids)
+    return writer
 
+
+def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: list[TokenizedSample],
+                   verdict: GateVerdict, tokenizer, device: torch.device, result: ExtractResult) -> None:
+    """The forward over token-budget batches into the writer, with a progress bar; the writer commits on
+    success, and on any error (Ctrl-C included) drops its open shard and keeps the committed ones."""
+    from tqdm import tqdm
+
+    use_process = uses_process_writer(cfg, device)
     budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
     batches = token_budget_batches(todo, budget)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    total_tokens = sum(s.num_tokens for s in todo)
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc=f"extract rank {rank}",
+    bar = tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank {result.rank}",
                disable=not cfg.progress, smoothing=0.1)
     t0, compiling0 = time.perf_counter(), compile_seconds()
 
@@ -248,4 +280,3 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     result.seconds = time.perf_counter() - t0
     result.warmup_s = compile_seconds() - compiling0
     result.bytes_written = writer.bytes_written
-    return result

@@ -43,10 +43,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .readers import ChatRecord, input_files, read_records
+from .settings import RegenConfig
 from .tokenize import parse_message_list, role_and_content, split_reasoning
 
 logger = logging.getLogger(__name__)
@@ -63,26 +64,6 @@ class RegenerateError(OSError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status  # the HTTP status of a refusal
-
-
-@dataclass
-class RegenConfig:
-    inputs: list[str]
-    out: str
-    server: str
-    model: str | None = None  # None: the server's only model
-    max_tokens: int = 4096
-    temperature: float = 0.6
-    turns: str = "last"
-    concurrency: int = 16
-    retries: int = 8
-    backoff_s: float = 1.0  # first retry delay; doubles per attempt, capped at backoff_max_s
-    backoff_max_s: float = 60.0
-    timeout_s: float = 600.0  # one request, generation included
-    extra_body: dict = field(default_factory=dict)  # merged into every request (e.g. skip_special_tokens, top_p)
-    chat_template_kwargs: dict = field(default_factory=dict)  # over {"enable_thinking": True}
-    api_key: str | None = None
-    progress: bool = True
 
 
 @dataclass

@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
-#: Assistant-message fields that hold the reasoning (vLLM once said `reasoning_content`, now `reasoning`).
+#: Assistant-message fields that hold the reasoning (older vLLM releases: `reasoning_content`; newer: `reasoning`).
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 # Control-token-like strings a template may emit; each must be one token of the tokenizer.
 _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")

@@ -1,9 +1,10 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, index, upgrade, convert, bench, subset, merge) live here; extraction commands (check, show,
-extract, import, regenerate, demo) and training commands (train, eval) are registered by ``hsstore.extract.cli``
-and ``hsstore.train.cli`` through the ``hsstore.commands`` entry-point group (so another installed package can add
-commands the same way); they import transformers only when their command runs.
+Store commands (info, verify, index, upgrade, convert, bench, subset, merge, report) live here; the extraction
+commands (check, show, extract, import, export, regenerate, demo) and the training commands (train, eval,
+export-drafter) are registered by ``hsstore.extract.cli`` and ``hsstore.train.cli`` through the ``hsstore.commands``
+entry-point group (so another installed package can add commands the same way); they import transformers only
+when their command runs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ are in ``options``), so there is no second list of settings to keep in step with
 flag > file > default: the file's values become the parser's defaults before parsing, except for flags
 given on the command line (and the other members of their mutually exclusive group: ``--steps`` given
 overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
-against the flag's type and choices. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
+against the flag's type and choices; a key under ``options`` whose flag has since moved into a group is read as
+that flag. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
 version, store identities, resolved values) is read past.
 """
 
@@ -98,6 +99,13 @@ def _check_value(a: argparse.Action, value: Any, where: str) -> Any:
     return one(value)
 
 
+def _moved(known: dict[str, dict[str, argparse.Action]], sec: str, key: str) -> str | None:
+    """The section a key under ``options`` belongs in, for files written before its flag had a group."""
+    if sec != DEFAULT_SECTION:
+        return None
+    return next((other for other, actions in known.items() if key in actions), None)
+
+
 def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """{dest: value} from a config file, checked against ``parser``'s flags."""
     import yaml
@@ -115,16 +123,17 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     for sec, body in data.items():
         if sec == RECORDED:
             continue
-        if sec not in known:
+        if sec not in known and sec != DEFAULT_SECTION:
             unknown.append(str(sec))
             continue
         if not isinstance(body, dict):
             raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
         for key, value in body.items():
-            if key not in known[sec]:
+            where = sec if key in known.get(sec, {}) else _moved(known, sec, key)
+            if where is None:
                 unknown.append(f"{sec}.{key}")
                 continue
-            values[key] = _check_value(known[sec][key], value, f"--config {path}: {sec}.{key}")
+            values[key] = _check_value(known[where][key], value, f"--config {path}: {sec}.{key}")
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
                          f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _KEY = "hsstore.option"
 _SECTION = "hsstore.section"
+_ABOUT = "hsstore.section.about"
 
 
 class Deprecated(argparse.Action):
@@ -54,7 +55,9 @@ class Option:
     parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually exclusive group of the
     section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share.
     ``negate`` (a bool): the flag's key holds the opposite of the setting, as its spelling says (``--no-resume``
-    with key ``no_resume``, so config files written with that key keep their meaning)."""
+    with key ``no_resume``, so config files written with that key keep their meaning). ``type``: what the flag
+    reads where the setting is another type (``--layers 1,16,31`` is a str, ``convert`` makes the list). A bool
+    defaulting to None is a ``--x/--no-x`` pair (unset: decided later)."""
 
     help: str
     flag: str | None = None
@@ -71,6 +74,7 @@ class Option:
     resume: bool = False
     cli: bool = True  # False: a setting of the API only (no flag)
     negate: bool = False
+    type: Any = None  # the flag's value type where the setting's differs (then made by ``convert``)
 
 
 def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:
@@ -83,10 +87,10 @@ def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING,
                              metadata={_KEY: Option(help=help, **how)})
 
 
-def section(cls: type, title: str) -> Any:
+def section(cls: type, title: str, about: str | None = None) -> Any:
     """A dataclass field holding one argument group (``title`` is its ``--help`` heading and, through
-    ``config.section_name``, its section in config files)."""
-    return dataclasses.field(default_factory=cls, metadata={_SECTION: title})
+    ``config.section_name``, its section in config files; ``about``, the group's description in ``--help``)."""
+    return dataclasses.field(default_factory=cls, metadata={_SECTION: title, _ABOUT: about})
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ def _scalar(t: Any) -> tuple[Any, bool]:
 def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, Any]:
     """The schema's flags on ``parser``, one argument group per section, in the schema's order; returns the
     groups by section field name (for flags shared by many commands, added by their own helpers)."""
-    groups = {sec.name: parser.add_argument_group(sec.metadata[_SECTION]) for sec in dataclasses.fields(schema)}
+    groups = {sec.name: parser.add_argument_group(sec.metadata[_SECTION], sec.metadata.get(_ABOUT))
+              for sec in dataclasses.fields(schema)}
     exclusive: dict[tuple[str, str], Any] = {}
     for s in settings_of(schema):
         how = s.how
@@ -165,12 +170,14 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
             target = exclusive.get((s.section, how.exclusive))
             if target is None:
                 target = exclusive[(s.section, how.exclusive)] = group.add_mutually_exclusive_group()
-        kind, many = _scalar(s.type)
+        kind, many = _scalar(how.type or s.type)
         kw: dict[str, Any] = {"help": how.help}
-        if kind is bool and not many:
+        if kind is bool and not many and s.default is None:
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
+        elif kind is bool and not many:
             kw["action"] = "store_false" if (s.default is True) != how.negate else "store_true"
         else:
-            kw["default"] = s.default
+            kw["default"] = None if how.type is not None else s.default
             if kind in (int, float):
                 kw["type"] = kind
             if many:
@@ -225,18 +232,29 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
                      (f.name for f in dataclasses.fields(schema))})
 
 
-def flat(config: Any) -> dict[str, Any]:
-    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare)."""
-    return {f.name: getattr(getattr(config, sec.name), f.name)
-            for sec in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, sec.name))}
+def flat(config: Any, whole: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare);
+    the sections named in ``whole`` as one value each, under the section's name."""
+    out: dict[str, Any] = {}
+    for sec in dataclasses.fields(config):
+        part = getattr(config, sec.name)
+        if sec.name in whole:
+            out[sec.name] = part
+        else:
+            out.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
+    return out
 
 
-def flat_class(schema: type, name: str, module: str, **namespace: Any) -> type:
+def flat_class(schema: type, name: str, module: str, whole: tuple[str, ...] = (), **namespace: Any) -> type:
     """A dataclass with every option of ``schema`` as its own field (same names, types, defaults, in order):
     the one-namespace view code reads (``cfg.lr``), made from the schema, so no field is written twice.
-    ``namespace``: methods such as ``__post_init__``. ``flat_class(S, ...)(**flat(cfg))`` converts."""
+    ``whole``: sections kept as one field holding the section's object (``cfg.thresholds``), for code that
+    takes them as one value. ``namespace``: methods such as ``__post_init__``. ``flat_class(S, ...)(**flat(cfg))``
+    converts (``flat(cfg, whole)`` with ``whole``)."""
     fields = []
     for s in settings_of(schema):
+        if s.section in whole:
+            continue
         f = s.field
         kw: dict[str, Any] = {"metadata": f.metadata}
         if f.default is not MISSING:
@@ -244,6 +262,9 @@ def flat_class(schema: type, name: str, module: str, **namespace: Any) -> type:
         if f.default_factory is not MISSING:
             kw["default_factory"] = f.default_factory
         fields.append((s.name, s.type, dataclasses.field(**kw)))
+    hints = typing.get_type_hints(schema)
+    fields += [(name, hints[name], dataclasses.field(default_factory=hints[name])) for name in whole]  # last:
+    # they have defaults, and the settings before them may not
     cls = dataclasses.make_dataclass(name, fields, namespace=namespace)
     cls.__module__ = module  # where it is defined: pickle and repr find it there
     return cls

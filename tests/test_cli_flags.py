@@ -98,3 +98,24 @@ def test_train_json_summary_and_the_old_budget_flag(store32, tmp_path, capsys, c
     assert summary["steps"] == 2 and summary["last"]["step"] == 2 and summary["drafter"].endswith("drafter")
     settings = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer.json").read_text())
     assert "512" in json.dumps(settings)  # the old spelling set the budget
+
+
+def test_extract_flags_make_its_config():
+    """The handler's config comes from the schema: every flag lands in its setting, converted."""
+    from hsstore.config import apply
+    from hsstore.extract.settings import ExtractSettings, extract_config, shared_overrides
+    from hsstore.schema import from_args
+
+    argv = ["extract", "--model", "m", "--input", "a.jsonl", "b.jsonl", "--out", "s3://b/x", "--layers", "1,3",
+            "--shard-mb", "2", "-S", "anon=true", "--no-expand", "--chat-template-kwargs", '{"enable_thinking": false}',
+            "--max-stub-share", "0.5", "--no-compile", "-q", "--token-budget", "512", "--encoding", "fp8"]
+    p = build_parser()
+    apply(p, argv)
+    args = p.parse_args(argv)
+    cfg = extract_config(from_args(ExtractSettings, args, **shared_overrides(args)))
+    assert (cfg.model, cfg.inputs, cfg.out, cfg.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x", [1, 3])
+    assert cfg.shard_bytes == 2 * 1024 * 1024 and cfg.storage_options == {"anon": True}
+    assert cfg.expand is False and cfg.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.thresholds.max_stub_share == 0.5 and cfg.thresholds.small_loss_sum == 32
+    assert cfg.compile is False and cfg.progress is False and cfg.token_budget == 512 and cfg.encoding == "fp8"
+    assert cfg.rank is None and cfg.world_size is None and cfg.dtype == "bfloat16" and cfg.writer == "auto"

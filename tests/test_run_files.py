@@ -131,17 +131,27 @@ def test_best_checkpoint_survives_keep(tmp_path):
 
 
 def test_extract_config(tmp_path):
-    """extract reads the same kind of file: its flags under `options`, the gate thresholds in their own section."""
+    """extract reads the same kind of file, in the sections of its --help groups; a file written when every flag
+    but the gate thresholds was under `options` still loads."""
     p = build_parser()
     sub = p._subparsers._group_actions[0].choices["extract"]
     secs = config.sections(sub)
-    assert "options" in secs and "gate_thresholds" in secs and "model" in secs["options"]
+    assert {"input", "store", "tokenize", "gate", "gate_thresholds", "capture", "forward", "run"} <= set(secs)
+    assert "model" in secs["input"] and "layers" in secs["capture"] and "shard_mb" in secs["store"]
     name = next(iter(secs["gate_thresholds"]))
-    f = write_yaml(tmp_path / "x.yaml", {"options": {"model": "/m", "input": ["/in.jsonl"], "out": "/o",
-                                                     "layers": "1,3", "encoding": "fp8"}})
-    args = parse(["extract", "--config", f, "--out", "/other"])
-    assert args.model == "/m" and args.input == ["/in.jsonl"] and args.layers == "1,3" and args.encoding == "fp8"
-    assert args.out == "/other" and getattr(args, name) == sub.get_default(name)
+    new = {"input": {"model": "/m", "input": ["/in.jsonl"]}, "store": {"out": "/o", "encoding": "fp8"},
+           "capture": {"layers": "1,3"}, "tokenize": {"no_expand": True}}
+    old = {"options": {"model": "/m", "input": ["/in.jsonl"], "out": "/o", "layers": "1,3", "encoding": "fp8",
+                       "no_expand": True}}
+    for data in (new, old):
+        f = write_yaml(tmp_path / "x.yaml", data)
+        args = parse(["extract", "--config", f, "--out", "/other"])
+        assert args.model == "/m" and args.input == ["/in.jsonl"] and args.layers == "1,3" and args.encoding == "fp8"
+        assert args.no_expand is True
+        assert args.out == "/other" and getattr(args, name) == sub.get_default(name)
+    f = write_yaml(tmp_path / "bad.yaml", {"options": {"no_such_flag": 1}})
+    with pytest.raises(SystemExit):
+        parse(["extract", "--config", f])
 
 
 def test_config_abbreviated_flag_is_read(tmp_path):

@@ -130,3 +130,42 @@ def test_negated_flags_keep_their_key_and_flat_class_mirrors_the_schema():
     assert args.no_cache is True and from_args(Negated, args).out.cache is False
     Flat = flat_class(Negated, "Flat", __name__)
     assert Flat() == Flat(cache=True, steps=3) and Flat(**flat(from_args(Negated, args))).cache is False
+
+
+@dataclass
+class Taps:
+    layers: list[int] | None = option(None, type=str, convert=lambda v: [int(x) for x in v.split(",")] if v else None,
+                                      help="ids, e.g. 1,3")
+    compile: bool | None = option(None, help="compile (unset: decided later)")
+
+
+@dataclass
+class Limits:
+    small: int = option(32, help="a limit")
+
+
+@dataclass
+class Grouped:
+    taps: Taps = section(Taps, "capture", about="what the forward keeps")
+    limits: Limits = section(Limits, "limits")
+
+
+def test_flag_type_tristate_bool_group_description_and_whole_sections():
+    p = argparse.ArgumentParser(prog="t")
+    add_arguments(p, Grouped)
+    group = next(g for g in p._action_groups if g.title == "capture")
+    assert group.description == "what the forward keeps"
+    args = p.parse_args(["--layers", "1,16,31", "--no-compile"])
+    assert args.layers == "1,16,31"  # the flag reads a string; the setting is the list
+    cfg = from_args(Grouped, args)
+    assert cfg.taps.layers == [1, 16, 31] and cfg.taps.compile is False
+    unset = from_args(Grouped, p.parse_args([]))
+    assert unset.taps.layers is None and unset.taps.compile is None
+    assert from_args(Grouped, p.parse_args(["--compile"])).taps.compile is True
+
+    from hsstore.schema import flat_class
+    View = flat_class(Grouped, "View", __name__, whole=("limits",))
+    view = View(**flat(cfg, whole=("limits",)))
+    assert view.layers == [1, 16, 31] and view.limits == Limits(small=32)
+    assert [f for f in View.__dataclass_fields__] == ["layers", "compile", "limits"]
+    assert View(limits=Limits(small=1)).limits.small == 1
