@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hsstore.taps import text_config
+from hsstore.format.taps import text_config
 
 log = logging.getLogger(__name__)
 

@@ -35,12 +35,12 @@ def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
 
 
 def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
-    """``hsstore.estimate`` for ``check``: taps and hidden size from the flags, else the model's config."""
+    """``hsstore.ops.estimate`` for ``check``: taps and hidden size from the flags, else the model's config."""
     import json
     from pathlib import Path
 
-    from hsstore.estimate import H200_27B_TOKENS_PER_S, estimate
-    from hsstore.taps import default_taps, text_config
+    from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
+    from hsstore.format.taps import default_taps, text_config
 
     est, model = cfg.estimate, cfg.input.model
     hidden, layers = est.hidden, est.layers
@@ -163,7 +163,7 @@ def _use_color(choice: str) -> bool:
 def run_check(args: argparse.Namespace) -> int:
     import json
 
-    from hsstore.estimate import format_text
+    from hsstore.ops.estimate import format_text
     from .gate_report import gate_inputs
     from .target import load_tokenizer
 

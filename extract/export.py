@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hsstore import storage
-from hsstore.reader import Store
+from hsstore.store.reader import Store
 from hsstore.redaction import recordable_url
 
 from . import peer_layers

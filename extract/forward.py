@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from hsstore import fp8
+from hsstore.format import fp8
 from hsstore.errors import SampleError
 
 from .capture import run_tapped
@@ -112,7 +112,7 @@ def extract_batches(
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
     is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
     ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget).
-    ``quantise``: features are :class:`hsstore.fp8.Quantised` (e4m3fn values, per-token-per-layer scales),
+    ``quantise``: features are :class:`hsstore.format.fp8.Quantised` (e4m3fn values, per-token-per-layer scales),
     quantised on the device after the finiteness check.
     ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
     go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused.

@@ -18,7 +18,7 @@ import numpy as np
 
 from .show import format_sample
 from hsstore.schema import option
-from hsstore.stats import SAMPLE_FLAGS, log2_histogram, top_values
+from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, top_values
 from .tokenize import TokenizedSample, TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from hsstore import ProcessWriter, StoreWriter, assets
+from hsstore import ProcessWriter, StoreWriter
+from hsstore.format import assets
 from hsstore.devices import describe, resolve_device, route_cpu_kernels
 from hsstore.distributed import local_rank, rank_and_world
-from hsstore.reader import committed_ids
-from hsstore.taps import check_taps, default_taps
+from hsstore.store.reader import committed_ids
+from hsstore.format.taps import check_taps, default_taps
 
 from .capture import decoder_layers
 from .forward import extract_batches, token_budget_batches

@@ -42,7 +42,7 @@ import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.errors import SampleError
-from hsstore.reader import committed_ids
+from hsstore.store.reader import committed_ids
 
 from .target import identity_from_model_dir
 

@@ -96,7 +96,7 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
     import tempfile
 
     import hsstore
-    from hsstore import assets
+    from hsstore.format import assets
 
     from .target import load_tokenizer
 

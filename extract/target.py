@@ -16,8 +16,8 @@ import torch
 
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.devices import route_cpu_kernels
-from hsstore.manifest import canonical_json_hash, sha256_hex
-from hsstore.taps import text_config
+from hsstore.format.manifest import canonical_json_hash, sha256_hex
+from hsstore.format.taps import text_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

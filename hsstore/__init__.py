@@ -5,37 +5,43 @@ Public API::
     store = hsstore.open(url, **storage_options)      # len(store), store.manifest, store.read(i, layers)
     with hsstore.StoreWriter(url, manifest) as w:      # w.add(sample_id, input_ids, loss_mask, hidden_states)
     ds = hsstore.HiddenStateDataset(url, layers=...)   # torch IterableDataset: exactly once, resumable
+
+The package by concern (each subpackage's doc says what it may import): ``format`` (what a store is on
+disk), ``layouts`` (how a shard is laid out), ``store`` (open, write, commit), ``loader`` (streaming, plans,
+resume, batches), ``ops`` (info, verify, subset, merge, convert, upgrade, bench); beside them the core that
+all use: ``storage`` (filesystems and URLs), ``redaction``, ``errors``, ``memory``, ``devices``,
+``distributed``, ``schema`` and ``config`` (settings), ``cli``.
 """
 
 from importlib import import_module
 
-from .errors import CorruptionError, FetchError, ManifestError, SampleError, StoreError
+from . import _moved
 from .version import __version__
 
-# The rest loads on first use (PEP 562): `hsstore --help` and commands that never read a store must not
-# pay for torch and zarr.
-_LAZY = {
-    "TokenBatches": "batching", "collate_packed": "batching", "collate_padded": "batching",
-    "count_token_batches": "batching", "token_batches": "batching", "HiddenStateDataset": "loader",
-    "LoaderStateError": "resume", "merge_states": "resume", "FORMAT_VERSION": "manifest", "Manifest": "manifest",
-    "TargetIdentity": "manifest", "TokenizerIdentity": "manifest", "ProcessWriter": "process_writer",
-    "Store": "reader", "open_store": "reader", "open": "reader", "StoreWriter": "writer",
+_moved.install()
+
+# The public names and where they live. They load on first use (PEP 562): `hsstore --help` and commands that
+# never read a store must not pay for torch and zarr. `hsstore.open` mirrors zarr.open / webdataset.
+_PUBLIC = {
+    "CorruptionError": "errors", "FetchError": "errors", "ManifestError": "errors", "SampleError": "errors",
+    "StoreError": "errors",
+    "FORMAT_VERSION": "format.manifest", "Manifest": "format.manifest", "TargetIdentity": "format.manifest",
+    "TokenizerIdentity": "format.manifest",
+    "Store": "store.reader", "open_store": "store.reader", "open": "store.reader", "StoreWriter": "store.writer",
+    "ProcessWriter": "store.process_writer",
+    "HiddenStateDataset": "loader.dataset", "LoaderStateError": "loader.resume", "merge_states": "loader.resume",
+    "TokenBatches": "loader.batching", "collate_packed": "loader.batching", "collate_padded": "loader.batching",
+    "count_token_batches": "loader.batching", "token_batches": "loader.batching",
 }
+__all__ = sorted(["__version__", *_PUBLIC])
 
 
 def __getattr__(name: str):
-    module = _LAZY.get(name)
+    module = _PUBLIC.get(name)
     if module is None:
+        if name in _moved.MOVED:  # `import hsstore; hsstore.reader` of the flat layout
+            return import_module(f".{name}", __name__)
         raise AttributeError(f"module 'hsstore' has no attribute {name!r}")
-    # hsstore.open mirrors zarr.open / webdataset conventions
     value = getattr(import_module(f".{module}", __name__), "open_store" if name == "open" else name)
     globals()[name] = value
     return value
-
-
-__all__ = [
-    "FORMAT_VERSION", "CorruptionError", "FetchError", "HiddenStateDataset", "LoaderStateError", "Manifest",
-    "ManifestError", "ProcessWriter", "SampleError", "Store", "StoreError", "StoreWriter", "TargetIdentity",
-    "TokenBatches", "TokenizerIdentity", "__version__", "collate_packed", "collate_padded", "count_token_batches",
-    "merge_states", "open", "open_store", "token_batches",
-]

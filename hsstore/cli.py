@@ -48,8 +48,8 @@ def add_json_option(p: argparse.ArgumentParser, what: str = "the summary") -> No
 
 
 def cmd_info(args) -> int:
-    from .info import format_text, summarize
-    from .reader import open_store
+    from .ops.info import format_text, summarize
+    from .store.reader import open_store
 
     store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
     s = summarize(store)
@@ -60,8 +60,8 @@ def cmd_info(args) -> int:
 def cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .reader import open_store
-    from .verify import verify
+    from .store.reader import open_store
+    from .ops.verify import verify
 
     store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
@@ -95,8 +95,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from .index import compact
-    from .reader import read_manifest
+    from .format.index import compact
+    from .store.reader import read_manifest
 
     fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
@@ -113,8 +113,8 @@ def cmd_index(args) -> int:
 def cmd_upgrade(args) -> int:
     from tqdm import tqdm
 
-    from .reader import open_store
-    from .upgrade import upgrade
+    from .store.reader import open_store
+    from .ops.upgrade import upgrade
 
     store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
     total = sum(f["size"] for c in store.commits if not c.binds_chunks for f in c.files.values())
@@ -130,7 +130,7 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert
+    from .ops.convert import convert
 
     src_options = storage.parse_storage_options(args.storage_option)
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
@@ -142,7 +142,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
+    from .ops.bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
     if args.what == "source":
@@ -201,7 +201,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_subset(args) -> int:
-    from .subset import Selection, subset
+    from .ops.subset import Selection, subset
 
     options = storage.parse_storage_options(args.storage_option)
     sel = Selection(sources=tuple(args.source), min_tokens=args.min_length, max_tokens=args.max_length,
@@ -216,7 +216,7 @@ def cmd_subset(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .merge import merge
+    from .ops.merge import merge
 
     options = storage.parse_storage_options(args.storage_option)
     r = merge(args.dst, args.src, by=args.by, dst_options=options, progress=not args.quiet)
@@ -229,7 +229,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .html_report import write_report
+    from .ops.html_report import write_report
 
     kind = write_report(args.path, args.out, storage.parse_storage_options(args.storage_option))
     print(f"report of {kind} {args.path}: {args.out}")
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
     if getattr(args, "allow_location", None):  # every store this command (and its workers) opens
-        from .names import ALLOW_ENV
+        from .format.names import ALLOW_ENV
 
         os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:

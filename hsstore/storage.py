@@ -22,7 +22,6 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
-from .manifest import MANIFEST_FILE
 from .redaction import redact, register  # noqa: F401  (redact: storage.redact is the public name)
 
 log = logging.getLogger(__name__)
@@ -43,6 +42,8 @@ FETCH_BACKOFF_S = 0.2
 METADATA_CONCURRENCY = 64
 METADATA_CONCURRENCY_ENV = "HSSTORE_METADATA_CONCURRENCY"
 
+
+MANIFEST_FILE = "manifest.json"  # a folder is a store when this file is in it (docs/FORMAT.md)
 
 def metadata_concurrency() -> int:
     """Requests in flight for small-object reads (``HSSTORE_METADATA_CONCURRENCY``, default 64)."""

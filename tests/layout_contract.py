@@ -1,4 +1,4 @@
-"""The behaviour every shard layout owes (``hsstore.layout.Layout``), as one base class of tests.
+"""The behaviour every shard layout owes (``hsstore.layouts.base.Layout``), as one base class of tests.
 
 A layout's test class subclasses :class:`LayoutContract`, names its layout, lists the manifest variants worth
 running (``variants``) and says where one feature byte of a sample lies on disk (``feature_byte``); it then
@@ -20,10 +20,11 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import commit, layout
+from hsstore.format import commit
+from hsstore.layouts import base as layout
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples, write_samples
 from test_loader import StatefulDataLoader, collect, dataset, ids_of, write_store

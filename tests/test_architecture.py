@@ -1,6 +1,7 @@
-"""The package's shape, read from its source: ``hsstore/`` modules import each other without a cycle (at
-module level or inside functions: a function-level import hides a cycle, it does not remove it), never
-import transformers, and every shard layout implements the layout protocol."""
+"""The packages' shape, read from their source: hsstore/, extract/ and train/ import their own modules without
+a cycle (at module level or inside functions: a function-level import hides a cycle, it does not remove it);
+each subpackage of hsstore/ imports only what the ``Imports:`` line of its doc allows; hsstore/ never imports
+transformers; extract/ and train/ never import each other; every shard layout implements the protocol."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hsstore import layout
+from hsstore.layouts import base as layout
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hsstore"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"hsstore": ("hsstore", ROOT / "hsstore"), "extract": ("hsstore.extract", ROOT / "extract"),
+            "train": ("hsstore.train", ROOT / "train")}
+CORE = "core"  # hsstore's top-level modules, which every subpackage may use
+TOP = {"__init__", "__main__", "cli", "_moved"}  # the entry points, above everything
 
 
 def _type_checking_only(node: ast.If) -> bool:
@@ -21,10 +26,33 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imported_modules(tree: ast.Module, package: str, modules: set[str]) -> set[str]:
-    """Top-level names imported anywhere in ``tree`` (functions included; ``if TYPE_CHECKING:`` blocks, which
-    never run, excluded): sibling modules of ``package`` as their names, anything else as its first part."""
-    out: set[str] = set()
+def modules_of(package_dir: Path) -> dict[str, Path]:
+    """Dotted name inside the package -> file: ``reader`` for a top-level module, ``store.reader`` in a
+    subpackage, ``store`` for its ``__init__``, ``__init__`` for the package's own."""
+    out = {}
+    for p in sorted(package_dir.rglob("*.py")):
+        parts = list(p.relative_to(package_dir).with_suffix("").parts)
+        if "__pycache__" in parts or any(not s.isidentifier() for s in parts):
+            continue
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def imported(tree: ast.Module, name: str, is_init: bool, absolute: str, modules: set[str]) -> tuple[set, set]:
+    """(modules of this package that ``tree`` imports, first parts of everything else it imports), anywhere
+    in the file but ``if TYPE_CHECKING:``. ``name`` is the module's dotted name inside its package."""
+    inner: set[str] = set()
+    outer: set[str] = set()
+    package = name.split(".") if is_init and name != "__init__" else name.split(".")[:-1]
+
+    def resolve(target: list[str], names: list[str]) -> None:
+        for n in names or [None]:
+            full = ".".join(target + ([n] if n else []))
+            while full and full not in modules:
+                full = full.rpartition(".")[0]
+            inner.add(full or "__init__")
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
@@ -33,44 +61,46 @@ def imported_modules(tree: ast.Module, package: str, modules: set[str]) -> set[s
                     visit(other)
                 continue
             if isinstance(child, ast.ImportFrom):
-                parts = (child.module or "").split(".") if child.module else []
-                if child.level == 1 or (child.level == 0 and parts[:1] == [package]):
-                    inner = parts if child.level == 1 else parts[1:]
-                    if inner:  # from .x import y / from hsstore.x import y
-                        out.add(inner[0])
-                    else:  # from . import x, y / from hsstore import x, y
-                        out.update(a.name for a in child.names if a.name in modules)
-                elif child.level == 0:
-                    out.add(parts[0])
+                mod = (child.module or "").split(".") if child.module else []
+                if child.level:
+                    base = package[:len(package) - (child.level - 1)] if child.level > 1 else package
+                    resolve(base + mod, [a.name for a in child.names])
+                elif (child.module or "").startswith(absolute + ".") or child.module == absolute:
+                    resolve(mod[len(absolute.split(".")):], [a.name for a in child.names])
+                else:
+                    outer.add(".".join(mod[:2]) if mod[0] == "hsstore" else mod[0])
             elif isinstance(child, ast.Import):
                 for a in child.names:
-                    parts = a.name.split(".")
-                    out.add(parts[1] if parts[0] == package and len(parts) > 1 else parts[0])
+                    if a.name.startswith(absolute + "."):
+                        resolve(a.name.split(".")[len(absolute.split(".")):], [])
+                    else:
+                        parts = a.name.split(".")
+                        outer.add(".".join(parts[:2]) if parts[0] == "hsstore" else parts[0])
             visit(child)
 
     visit(tree)
-    return out
+    return inner - {name}, outer
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module -> the sibling modules it imports."""
-    modules = {p.stem for p in package_dir.glob("*.py")}
-    graph = {}
-    for m in sorted(modules):
-        tree = ast.parse((package_dir / f"{m}.py").read_text(), filename=f"{m}.py")
-        graph[m] = (imported_modules(tree, package_dir.name, modules) & modules) - {m}
-    return graph
+def import_graph(package_dir: Path, absolute: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports."""
+    files = modules_of(package_dir)
+    return {m: imported(ast.parse(p.read_text(), filename=str(p)), m, p.name == "__init__.py", absolute,
+                        set(files))[0] for m, p in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as ``[a, b, ..., a]``, or None."""
+    """One import cycle as ``[a, b, ..., a]``, or None. A package's ``__init__`` that re-exports its modules
+    is not part of a cycle through them (importing ``pkg.mod`` runs ``pkg`` first, not the other way)."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
     def visit(m: str) -> list[str] | None:
         state[m] = 1
         path.append(m)
-        for n in sorted(graph[m]):
+        for n in sorted(graph.get(m, ())):
+            if n.startswith(m + ".") or (m == "__init__"):  # a package importing its own modules
+                continue
             if state.get(n) == 1:
                 return path[path.index(n):] + [n]
             if n not in state:
@@ -89,36 +119,85 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def group_of(module: str, subpackages: set[str]) -> str:
+    head = module.split(".")[0]
+    return head if head in subpackages else ("top" if module in TOP else CORE)
+
+
+def allowed_imports(doc: str | None) -> set[str]:
+    """The groups named on the ``Imports:`` line of a subpackage's doc (``hsstore core`` -> ``core``)."""
+    for line in (doc or "").splitlines():
+        if line.startswith("Imports:"):
+            names = [w.strip(" .") for w in line[len("Imports:"):].split(",")]
+            return {CORE if n == "hsstore core" else n for n in names if n}
+    return set()
+
+
 def test_find_cycle_sees_function_level_imports(tmp_path):
-    """The checker itself: a cycle closed only by an import inside a function is found; a TYPE_CHECKING one
-    is not a cycle."""
+    """The checker itself: a cycle closed only by an import inside a function is found, through a
+    subpackage too; a TYPE_CHECKING one is not a cycle."""
     pkg = tmp_path / "hsstore"
-    pkg.mkdir()
-    (pkg / "a.py").write_text("from . import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
-    assert find_cycle(import_graph(pkg)) is None
-    (pkg / "b.py").write_text("def f():\n    from hsstore.a import x\n    return x\n")
-    assert find_cycle(import_graph(pkg)) == ["a", "b", "a"]
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
+    assert find_cycle(import_graph(pkg, "hsstore")) is None
+    (pkg / "sub" / "b.py").write_text("def f():\n    from hsstore.a import x\n    return x\n")
+    assert find_cycle(import_graph(pkg, "hsstore")) == ["a", "sub.b", "a"]
+    (pkg / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
+    assert find_cycle(import_graph(pkg, "hsstore")) == ["a", "sub.b", "a"]
 
 
-def test_hsstore_has_no_import_cycle():
-    graph = import_graph(PACKAGE)
-    assert {"layout", "reader", "verify", "wds"} <= set(graph)  # the package was found
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle(package):
+    absolute, path = PACKAGES[package]
+    graph = import_graph(path, absolute)
+    assert len(graph) > 5  # the package was found
     cycle = find_cycle(graph)
-    assert cycle is None, f"import cycle in hsstore/: {' -> '.join(cycle)}"
+    assert cycle is None, f"import cycle in {package}/: {' -> '.join(cycle)}"
+
+
+def test_subpackages_import_only_what_their_doc_allows():
+    absolute, path = PACKAGES["hsstore"]
+    files = modules_of(path)
+    subpackages = {m for m, p in files.items() if p.name == "__init__.py" and m != "__init__"}
+    assert {"format", "layouts", "store", "loader", "ops"} <= subpackages
+    allowed = {s: allowed_imports(ast.get_docstring(ast.parse(files[s].read_text()))) | {s} for s in subpackages}
+    allowed[CORE] = {CORE}
+    bad = []
+    for m, p in files.items():
+        g = group_of(m, subpackages)
+        if g == "top":
+            continue
+        assert g == CORE or len(allowed[g]) > 1, f"hsstore/{g}/__init__.py has no 'Imports:' line"
+        deps = imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute, set(files))[0]
+        bad += [f"{m} -> {d}" for d in sorted(deps) if group_of(d, subpackages) not in allowed[g]]
+    assert not bad, f"imports their package's doc does not allow: {bad}"
 
 
 def test_hsstore_never_imports_transformers():
     """hsstore/ is the library extract/ and train/ share; the target's framework is theirs alone."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    bad = sorted(p.name for p in PACKAGE.glob("*.py")
-                 if "transformers" in imported_modules(ast.parse(p.read_text()), PACKAGE.name, modules))
+    absolute, path = PACKAGES["hsstore"]
+    files = modules_of(path)
+    bad = sorted(m for m, p in files.items()
+                 if "transformers" in imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute,
+                                               set(files))[1])
     assert not bad, f"hsstore/ modules importing transformers: {bad}"
+
+
+@pytest.mark.parametrize("package,other", [("extract", "train"), ("train", "extract")])
+def test_extract_and_train_never_import_each_other(package, other):
+    absolute, path = PACKAGES[package]
+    files = modules_of(path)
+    bad = sorted(m for m, p in files.items()
+                 if f"hsstore.{other}" in imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute,
+                                                   set(files))[1])
+    assert not bad, f"{package}/ modules importing hsstore.{other}: {bad}"
 
 
 @pytest.mark.parametrize("name", sorted(layout.LAYOUTS))
 def test_layouts_implement_the_protocol(name):
-    """Every registered layout has each function of :class:`hsstore.layout.Layout`, with its parameters."""
+    """Every registered layout has each function of :class:`hsstore.layouts.base.Layout`, with its parameters."""
     impl = layout.get(name)
     for attr, spec in vars(layout.Layout).items():
         if attr.startswith("_") or not callable(spec):
@@ -129,12 +208,3 @@ def test_layouts_implement_the_protocol(name):
         assert list(inspect.signature(fn).parameters) == want, f"layout {name!r}: {attr} parameters"
     with pytest.raises(ValueError, match="unknown shard layout 'tar'"):
         layout.get("tar")
-
-
-def test_train_has_no_import_cycle():
-    """train/ split by concept: its modules import each other without a cycle (evaluate.py and trainer.py
-    once imported each other, through a function-level import of ``load_frozen``)."""
-    graph = import_graph(PACKAGE.parent / "train")
-    assert {"trainer", "evaluate", "build", "config", "masks", "metrics"} <= set(graph)
-    cycle = find_cycle(graph)
-    assert cycle is None, f"import cycle in train/: {' -> '.join(cycle)}"

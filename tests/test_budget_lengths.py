@@ -9,8 +9,7 @@ import pytest
 
 import hsstore
 from hsstore import HiddenStateDataset, TokenBatches
-from hsstore.train.budget import (ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step,
-                                  store_lengths)
+from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step, store_lengths
 from hsstore.train.model import DrafterConfig
 
 

@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from hsstore.train import masks
 from hsstore.train.masks import block_attention_mask
 from hsstore.train.model import DFlashDrafter, DrafterConfig, default_target_layers
-from hsstore.train.objective import (
-    IGNORE, batch_anchors, block_targets, chunked_cross_entropy, default_gamma, dflash_loss, sample_anchors,
-)
+from hsstore.train.objective import IGNORE, batch_anchors, block_targets, chunked_cross_entropy, default_gamma, dflash_loss, sample_anchors
 from hsstore.train.optim import build_optimizer, build_scheduler, clip_grad, lr_factor
 
 H, L, V, MASK = 32, 3, 100, 99

@@ -8,7 +8,7 @@ import pytest
 
 import hsstore
 from hsstore.cli import main
-from hsstore.estimate import H200_27B_TOKENS_PER_S, estimate
+from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
 from hsstore.extract.job import ExtractConfig, run_extract
 from train_helpers import small_input  # noqa: F401  (fixture)
 

@@ -13,9 +13,9 @@ from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore.extract.tokenize import load_samples
-from hsstore import assets
+from hsstore.format import assets
 from hsstore.cli import main as hsstore_cli
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 
 @pytest.fixture(scope="module")

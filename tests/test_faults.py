@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore import storage
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 from faultproxy import ALL_FAULTS, FaultProxy
 from test_loader import bits, dataset, write_store

@@ -10,15 +10,15 @@ from transformers import AutoModelForCausalLM
 
 import hsstore
 from hsstore import HiddenStateDataset, Manifest, StoreWriter
-from hsstore.batching import collate_packed, collate_padded
+from hsstore.loader.batching import collate_packed, collate_padded
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
 from hsstore.extract.forward import pad_right
 from hsstore.extract.job import ExtractConfig, run_extract
 from train_helpers import small_input  # noqa: F401  (fixture)
 from hsstore.extract.tokenize import load_samples
-from hsstore.manifest import canonical_json_hash
-from hsstore.verify import verify
+from hsstore.format.manifest import canonical_json_hash
+from hsstore.ops.verify import verify
 
 
 @pytest.fixture(scope="module")

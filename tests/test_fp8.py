@@ -13,11 +13,12 @@ import hsstore
 from conftest import make_manifest, make_samples
 from hsstore.extract.job import ExtractConfig, run_extract
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore import commit, fp8, zarr_layout
+from hsstore.format import commit, fp8
+from hsstore.layouts import zarr as zarr_layout
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError
-from hsstore.info import summarize
-from hsstore.verify import verify
+from hsstore.ops.info import summarize
+from hsstore.ops.verify import verify
 from hsstore.train.trainer import TrainConfig, train
 from train_helpers import FAST
 

@@ -28,7 +28,8 @@ import pytest
 import s3fs
 
 import hsstore
-from hsstore import codec, commit, index, storage
+from hsstore.format import codec, commit, index
+from hsstore import storage
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
 
@@ -479,7 +480,7 @@ def corrupt_first_layer_chunk(url: str, opts: dict | None = None) -> str:
 @pytest.mark.parametrize("spec", ["zstd", "lz4"])
 def test_flipped_payload_byte_is_a_checksum_error(where, spec, path, tmp_path, request):
     """Through ``Store.read`` and the loader (on S3 also through its chunk cache), each read names the checksum."""
-    from hsstore.loader import HiddenStateDataset
+    from hsstore.loader.dataset import HiddenStateDataset
 
     opts = {}
     if where == "s3":

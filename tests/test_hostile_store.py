@@ -21,7 +21,7 @@ from numcodecs import Zstd
 import hsstore
 from hsstore.cli import main
 from hsstore.errors import StoreError
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples, write_samples
 
@@ -181,9 +181,9 @@ def _hostile_s3_assets(tmp_path, s3_store):
 
 
 def _copy(command, src, dst, opts):
-    from hsstore.convert import convert
-    from hsstore.merge import merge
-    from hsstore.subset import Selection, subset
+    from hsstore.ops.convert import convert
+    from hsstore.ops.merge import merge
+    from hsstore.ops.subset import Selection, subset
 
     if command == "subset":
         subset(src, dst, Selection(), src_options=opts, progress=False)
@@ -260,7 +260,7 @@ def _s3_store_by_location(tmp_path, s3_store, location_of):
 
 
 def test_chunk_cache_never_writes_outside_cache_dir(tmp_path, s3_store, monkeypatch):
-    from hsstore.loader import HiddenStateDataset
+    from hsstore.loader.dataset import HiddenStateDataset
 
     target = tmp_path / "target"
     target.mkdir()
@@ -275,7 +275,7 @@ def test_chunk_cache_never_writes_outside_cache_dir(tmp_path, s3_store, monkeypa
         assert len(str(e.value).splitlines()) == 1
         assert [f for _, _, fs_ in os.walk(target) for f in fs_] == []
     # the cache itself refuses a path that climbs out of it, whatever made it
-    from hsstore.cache import ChunkCache
+    from hsstore.loader.cache import ChunkCache
 
     cache = ChunkCache(str(tmp_path / "cache2"), 1 << 20)
     with pytest.raises(StoreError, match="refused"):
@@ -324,7 +324,7 @@ def test_locations_outside_the_store_need_allow_location(tmp_path, capsys, monke
     """A sibling store by reference (`../a`, what merge writes) is read only when the user allows its prefix."""
     a = _store(str(tmp_path / "a"))
     ref = str(tmp_path / "ref")
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     monkeypatch.delenv(ALLOW_ENV, raising=False)
     merge(ref, [a], by="reference", progress=False)

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 import hsstore
 from hsstore.cli import main
 from hsstore.errors import SampleError
-from hsstore.manifest import check_compatible
-from hsstore.reader import committed_ids
+from hsstore.format.manifest import check_compatible
+from hsstore.store.reader import committed_ids
 
 LAYERS, HIDDEN = (1, 3, 5), 48
 IDENTITY = ["--layers", "1,3,5", "--model-name", "peer-target", "--num-layers", "8", "--hidden-size", str(HIDDEN),

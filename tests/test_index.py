@@ -19,12 +19,13 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import codec, commit, index, records, storage
+from hsstore.format import codec, commit, index, records
+from hsstore import storage
 from hsstore.cli import main
-from hsstore.convert import convert
-from hsstore.merge import merge
-from hsstore.subset import Selection, subset
-from hsstore.verify import verify
+from hsstore.ops.convert import convert
+from hsstore.ops.merge import merge
+from hsstore.ops.subset import Selection, subset
+from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples, write_samples
 from faultproxy import FaultProxy
@@ -61,7 +62,7 @@ def test_open_on_s3_reads_the_index_not_one_record_per_shard(s3_store, s3_endpoi
         assert _record_gets(proxy) == []  # every record came from the writer's segment
         assert proxy.requests <= 6, proxy.log  # manifest, LIST commits/, LIST index/, the segment
         proxy.reset_counts()
-        direct = hsstore.reader.Store(url, popts, use_index=False)
+        direct = hsstore.store.reader.Store(url, popts, use_index=False)
         assert len(_record_gets(proxy)) == N_SHARDS  # what every open cost before the index
         assert [c.shard for c in direct.commits] == [c.shard for c in store.commits]
         assert direct.commits == store.commits
@@ -82,7 +83,7 @@ def test_records_are_read_concurrently_and_the_concurrency_is_configurable(s3_st
             monkeypatch.setenv(storage.METADATA_CONCURRENCY_ENV, limit)
         s3fs.S3FileSystem.clear_instance_cache()
         with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.05, match=is_record) as proxy:
-            hsstore.reader.Store(url, {"endpoint_url": proxy.url}, use_index=False)
+            hsstore.store.reader.Store(url, {"endpoint_url": proxy.url}, use_index=False)
             assert len(_record_gets(proxy)) == 40
             # botocore's default pool of 10 connections kept it at <= 10 before; 64 in flight by default now
             assert check(proxy.max_in_flight), (limit, proxy.max_in_flight)
@@ -148,7 +149,7 @@ def test_a_damaged_segment_is_ignored_with_a_warning_and_hides_no_shard(tmp_path
     else:
         data[len(data) // 2] ^= 0x40
     open(path, "wb").write(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="hsstore.index"):
+    with caplog.at_level(logging.WARNING, logger="hsstore.format.index"):
         store = hsstore.open(url)
     assert len(store.commits) == N_SHARDS and store.index_use.fetched == N_SHARDS
     assert store.index_use.damaged == [os.path.basename(path)]
@@ -287,7 +288,7 @@ def test_two_ranks_with_two_workers_read_the_metadata_once(s3_store, s3_endpoint
 def test_upgrade_leaves_the_index_current(tmp_path):
     from test_integrity import downgrade
 
-    from hsstore.upgrade import upgrade
+    from hsstore.ops.upgrade import upgrade
 
     url = str(tmp_path / "s")
     _write(url)
@@ -352,7 +353,7 @@ def test_kill_9_of_a_writer_rewriting_its_segment_hides_and_invents_nothing(tmp_
 
 # -- segment version 2: columns, lazily parsed records, version 1 still read -----------------------------------
 def test_open_info_and_the_catalog_parse_no_record_and_a_record_parsed_later_is_the_committed_one(tmp_path):
-    from hsstore.info import summarize
+    from hsstore.ops.info import summarize
 
     url = str(tmp_path / "s")
     _write(url)
@@ -472,7 +473,7 @@ def test_records_gone_from_the_end_of_a_block_still_read(tmp_path):
     store = hsstore.open(url)
     assert [c.shard for c in store.commits] == names[:-1] and store.index_use.indexed == 3
     assert [store.read(i)["sample_id"] for i in range(len(store))] == ["s0", "s1", "s2"]
-    from hsstore.reader import _shared_payload
+    from hsstore.store.reader import _shared_payload
 
     data = _shared_payload(store)
     (n,) = struct.unpack("<I", data[:4])

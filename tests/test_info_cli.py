@@ -60,7 +60,7 @@ def test_info_reads_no_feature_data(tmp_path, new_manifest, new_samples, write, 
     real_open = builtins.open
     opened = []
     monkeypatch.setattr(builtins, "open", lambda p, *a, **k: (opened.append(str(p)), real_open(p, *a, **k))[1])
-    from hsstore.info import summarize
+    from hsstore.ops.info import summarize
 
     summarize(hsstore.open(str(tmp_path)))
     assert not [p for p in opened if "/shards/" in p]
@@ -131,7 +131,7 @@ def test_help_loads_neither_torch_nor_zarr():
 def test_verify_checks_assets_and_says_when_there_are_none(tmp_path, capsys):
     from conftest import make_manifest, make_samples, write_samples
 
-    from hsstore import assets
+    from hsstore.format import assets
     from hsstore.cli import main
 
     store = tmp_path / "s"

@@ -17,10 +17,12 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import commit, storage, wds
+from hsstore.format import commit
+from hsstore import storage
+from hsstore.layouts import wds
 from hsstore.cli import main
 from hsstore.errors import CorruptionError
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples
 from test_loader import dataset, ids_of, write_store
@@ -34,7 +36,7 @@ CRC32C_OF_ANY_VALID_CHUNK = 0xB798B438 ^ 0xFFFFFFFF
 
 
 def crc32c(data: bytes) -> int:
-    """CRC-32C computed here bit by bit (reflected polynomial 0x82F63B78), independent of hsstore.codec."""
+    """CRC-32C computed here bit by bit (reflected polynomial 0x82F63B78), independent of hsstore.format.codec."""
     crc = 0xFFFFFFFF
     for b in data:
         crc ^= b
@@ -303,7 +305,7 @@ def test_old_store_reads_warns_once_and_upgrade_binds_chunks(tmp_path, capsys):
 def test_upgrade_interrupted_loses_nothing_and_resumes(tmp_path, monkeypatch):
     """Killed between records and inside a record's write (a temporary file left, no rename): every record is
     either the old or the new one, the store reads as before, and a re-run finishes the job."""
-    from hsstore import upgrade as upgrade_mod
+    from hsstore.ops import upgrade as upgrade_mod
 
     samples = make_samples(30)
     url = write_store(str(tmp_path / "s"), samples, shard_tokens=600)
@@ -359,7 +361,7 @@ def test_upgrade_leaves_a_damaged_shard_as_it_was(tmp_path, capsys):
 
 def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_path, monkeypatch):
     monkeypatch.setenv("HSSTORE_ALLOW_LOCATIONS", str(tmp_path))  # ref's shards are read from a and b
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     sa = make_samples(12, seed=1)
     a = write_store(str(tmp_path / "a"), sa, shard_tokens=600)
@@ -392,8 +394,8 @@ def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_pa
 
 
 def test_convert_and_subset_write_content_checksums(tmp_path):
-    from hsstore.convert import convert
-    from hsstore.subset import Selection, subset
+    from hsstore.ops.convert import convert
+    from hsstore.ops.subset import Selection, subset
 
     src = write_store(str(tmp_path / "src"), make_samples(10), shard_tokens=600)
     downgrade(src)
@@ -410,7 +412,7 @@ def test_convert_and_subset_write_content_checksums(tmp_path):
 def test_assets_swapped_refused(tmp_path):
     """Asset files are listed with the CRC32C of their own bytes: two of equal size swapped (embedding and
     lm_head have the same shape) are refused by name."""
-    from hsstore import assets
+    from hsstore.format import assets
 
     url = write_store(str(tmp_path / "s"), make_samples(3))
     fs, root = storage.resolve(url)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from hsstore import layout, wds, zarr_layout
-from hsstore.commit import layer_array
+from hsstore.layouts import base as layout, wds, zarr as zarr_layout
+from hsstore.format.commit import layer_array
 
 from layout_contract import LayoutContract
 

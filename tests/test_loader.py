@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import hsstore
 from hsstore import HiddenStateDataset, merge_states
 from hsstore.errors import CorruptionError, ManifestError, StoreError
-from hsstore.loader import LoaderStateError
+from hsstore.loader.dataset import LoaderStateError
 
 from conftest import make_manifest, make_samples
 
@@ -345,7 +345,7 @@ def test_plan_api_is_what_iteration_yields(store_url, samples):
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
     import threading
 
-    import hsstore.zarr_layout as zarr_layout
+    import hsstore.layouts.zarr as zarr_layout
 
     url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
     opened = collections.Counter()

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hsstore
-from hsstore.cache import ChunkCache
+from hsstore.loader.cache import ChunkCache
 from hsstore.errors import StoreError
 
 from conftest import make_samples
@@ -117,7 +117,7 @@ def test_chunk_cache_lru(tmp_path):
     remote.mkdir()
     import fsspec
 
-    from hsstore.codec import ChunkCodec
+    from hsstore.format.codec import ChunkCodec
     fs = fsspec.filesystem("file")
     blobs = {}
     for name in "abcd":

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import s3fs
 
-from hsstore.loader import HiddenStateDataset, read_ahead_units
+from hsstore.loader.dataset import HiddenStateDataset, read_ahead_units
 
 from conftest import make_samples
 from test_loader import dataset, ids_of, write_store

@@ -8,7 +8,7 @@ import torch
 
 import hsstore
 from hsstore import ProcessWriter
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 
 def _stage(w: ProcessWriter, samples, nbytes: int):

@@ -18,14 +18,7 @@ import pytest
 from conftest import free_port
 
 from hsstore.extract.readers import read_records
-from hsstore.extract.regenerate import (
-    RegenConfig,
-    RegenerateError,
-    assistant_turn,
-    build_prompt,
-    resume_output,
-    run_regenerate,
-)
+from hsstore.extract.regenerate import RegenConfig, RegenerateError, assistant_turn, build_prompt, resume_output, run_regenerate
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
 

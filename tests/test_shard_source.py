@@ -1,4 +1,4 @@
-"""The seam between a store and its layout (hsstore/shard_source.py): layouts never see the ``Store``; the
+"""The seam between a store and its layout (hsstore/layouts/source.py): layouts never see the ``Store``; the
 chunk cache reaches reads through the public ``Store.use_chunk_cache``, per process, never pickled; the
 source's filesystem is this process's after a fork."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import layout
-from hsstore.cache import ChunkCache
+from hsstore.layouts import base as layout
+from hsstore.loader.cache import ChunkCache
 from hsstore.errors import StoreError
 
 from conftest import make_manifest, make_samples, write_samples
@@ -24,12 +24,13 @@ PACKAGE = Path(hsstore.__file__).parent
 
 @pytest.mark.parametrize("name", sorted(layout.LAYOUTS))
 def test_layouts_import_neither_the_reader_nor_the_loader(name):
-    """A layout gets a ShardSource; the Store (reader.py) and the loader are beyond the seam."""
+    """A layout gets a ShardSource; the Store (store/reader.py) and the loader are beyond the seam."""
     mod = layout.get(name)
     tree = ast.parse(Path(mod.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not imported & {"reader", "loader", "hsstore.reader", "hsstore.loader"}, imported
+    beyond = {"store", "store.reader", "loader", "loader.dataset", "hsstore.store.reader", "hsstore.loader"}
+    assert not imported & beyond, imported
 
 
 def test_chunk_cache_through_the_public_call_per_process_and_never_pickled(s3_store, tmp_path):

@@ -10,7 +10,7 @@ import torch
 import hsstore
 from hsstore.cli import main
 from hsstore.errors import ManifestError, StoreError
-from hsstore.reader import committed_ids
+from hsstore.store.reader import committed_ids
 
 SOURCES = ("web", "math", "code")
 
@@ -155,7 +155,8 @@ def two_stores(tmp_path, new_manifest, new_samples, write):
 
 
 def test_merge_by_copy(tmp_path, two_stores, capsys):
-    from hsstore import assets, storage
+    from hsstore.format import assets
+    from hsstore import storage
 
     a, b, samples = two_stores
     assets.write_assets(*storage.resolve(a), {assets.CONFIG: b'{"hidden_size": 48}'})  # what a trainer needs
@@ -197,7 +198,7 @@ def test_merge_by_reference_on_s3(s3_store, new_manifest, new_samples, monkeypat
     a, b = new_samples(5, prefix="a"), new_samples(4, prefix="b", seed=2)
     write_tagged(f"{base}/a", new_manifest(), a, storage_options=opts)
     write_tagged(f"{base}/b", new_manifest(), b, storage_options=opts)
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     r = merge(f"{base}/c", [f"{base}/a", f"{base}/b"], by="reference", dst_options=opts, progress=False)
     assert r.shards == 2 and r.samples == 9
@@ -206,7 +207,7 @@ def test_merge_by_reference_on_s3(s3_store, new_manifest, new_samples, monkeypat
 
 
 def test_merge_by_reference_from_local_into_s3_is_refused(s3_store, tmp_path, new_manifest, new_samples, write):
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     url, opts = s3_store
     write(str(tmp_path / "a"), new_manifest(), new_samples(2))
@@ -253,7 +254,7 @@ def test_merge_refusals_write_nothing(tmp_path, new_manifest, new_samples, write
 
 def test_merge_refuses_corrupt_source_file_before_its_commit(tmp_path, new_manifest, new_samples, write):
     from hsstore.errors import CorruptionError
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     a = tmp_path / "a"
     write(str(a), new_manifest(), new_samples(4, prefix="a"))
@@ -267,7 +268,7 @@ def test_merge_refuses_corrupt_source_file_before_its_commit(tmp_path, new_manif
 
 
 def test_merge_requires_sources(tmp_path):
-    from hsstore.merge import merge
+    from hsstore.ops.merge import merge
 
     with pytest.raises(ValueError, match="at least one source"):
         merge(str(tmp_path / "d"), [], progress=False)

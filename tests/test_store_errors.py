@@ -8,7 +8,7 @@ import torch
 
 import hsstore
 from hsstore.cli import main
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 
 def add(w, s, **over):

@@ -104,7 +104,7 @@ def test_crc32c_backends_agree(backend, monkeypatch, tmp_path):
 
     import google_crc32c  # what zarr-python's crc32c codec computes
 
-    from hsstore import codec
+    from hsstore.format import codec
 
     if backend == "google_crc32c":
         monkeypatch.setattr(codec, "_crc32c_nogil", None)

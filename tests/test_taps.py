@@ -1,4 +1,4 @@
-"""One DFlash tap rule for extraction and training (hsstore/taps.py).
+"""One DFlash tap rule for extraction and training (hsstore/format/taps.py).
 
 Expected ids come from DFlash's ``build_target_layer_ids`` as z-lab's dflash, SpecForge and SGLang
 (``sglang/srt/speculative/dflash_utils.py``) publish it: one draft tap -> ``num_target_layers // 2``;
@@ -8,7 +8,7 @@ drafters' configs: Qwen3.6-27B (64 layers) [1, 16, 31, 46, 61], Qwen3-8B (36 lay
 
 import pytest
 
-from hsstore.taps import check_taps, default_taps, text_config
+from hsstore.format.taps import check_taps, default_taps, text_config
 
 
 @pytest.mark.parametrize("layers, taps, want", [

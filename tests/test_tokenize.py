@@ -13,16 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from hsstore.extract.readers import derive_id, read_records
 from hsstore.extract.response import masked_spans
 from hsstore.extract.tiny import CHAT_TEMPLATE, demo_conversations_path, tiny_target_dir
-from hsstore.extract.tokenize import (
-    ChatRecord,
-    ChatTokenizer,
-    RowError,
-    TemplateError,
-    TokenizeStats,
-    load_samples,
-    split_inline_think,
-    tokenize_conversation,
-)
+from hsstore.extract.tokenize import ChatRecord, ChatTokenizer, RowError, TemplateError, TokenizeStats, load_samples, split_inline_think, tokenize_conversation
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

@@ -93,7 +93,7 @@ GRAD_SHARDS = [[("a", 24, 16)], [("b", 40, 8), ("c", 55, 10), ("d", 31, 4)]]  # 
 
 
 def grad_items(shard):
-    from hsstore.batching import collate_padded
+    from hsstore.loader.batching import collate_padded
 
     items = []
     for sid, n, prompt in shard:

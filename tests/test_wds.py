@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import commit, wds
+from hsstore.format import commit
+from hsstore.layouts import wds
 from hsstore.cli import main
-from hsstore.convert import convert
+from hsstore.ops.convert import convert
 from hsstore.errors import CorruptionError, ManifestError
-from hsstore.verify import verify
+from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples, write_samples
 from test_loader import dataset, ids_of, write_store
@@ -193,7 +194,7 @@ def craft(store, shard_index, member, how):
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
     data[hdr:hdr + 512] = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
     open(path, "wb").write(bytes(data))
-    rec.files[wds.tar_path(rec.shard)]["crc32c"] = hsstore.codec.crc32c(bytes(data))
+    rec.files[wds.tar_path(rec.shard)]["crc32c"] = hsstore.format.codec.crc32c(bytes(data))
     commit.publish(store.fs, store.root, rec)
     return rec
 

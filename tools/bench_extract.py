@@ -34,9 +34,10 @@ import torch
 from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.tokenize import TokenizedSample
-from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, assets, storage
+from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, storage
+from hsstore.format import assets
 from hsstore.distributed import rank_and_world
-from hsstore.taps import default_taps
+from hsstore.format.taps import default_taps
 from tools.measure import timed
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from hsstore.plan import Catalog, Planner, node_units
+from hsstore.loader.plan import Catalog, Planner, node_units
 
 
 def synthetic_catalog(samples: int, per_shard: int, mean_tokens: int, unit_tokens: int, seed: int = 0) -> Catalog:

@@ -39,7 +39,7 @@ WITH_FILES = 16  # shards that get files (the rest are commit records only)
 # -- child: one measurement ---------------------------------------------------------------------------------
 def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
     import hsstore
-    from hsstore.reader import Store
+    from hsstore.store.reader import Store
 
     opts = {"endpoint_url": endpoint} if endpoint else {}
     base = peak_rss_mb()
@@ -56,12 +56,12 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
     else:
         store = Store(url, opts, use_index=use_index)
         if op == "info":
-            from hsstore.info import summarize
+            from hsstore.ops.info import summarize
 
             json.dumps(summarize(store))
         elif op == "verify":
-            from hsstore.report import VerifyReport
-            from hsstore.verify import check_index, check_record
+            from hsstore.format.report import VerifyReport
+            from hsstore.ops.verify import check_index, check_record
 
             report = VerifyReport(shards=len(store.commits))
             for rec in store.commits:
@@ -78,9 +78,9 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
     """The loader plan alone, from synthetic records: catalog, then every slot's plan of one epoch."""
     import numpy as np
 
-    from hsstore import records
-    from hsstore.commit import CommitRecord
-    from hsstore.plan import Filters, Planner, build_catalog
+    from hsstore.format import records
+    from hsstore.format.commit import CommitRecord
+    from hsstore.loader.plan import Filters, Planner, build_catalog
 
     per = samples // shards
     rng = np.random.default_rng(0)
@@ -118,8 +118,8 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
     import torch
 
     from hsstore import StoreWriter, storage
-    from hsstore.commit import commit_path
-    from hsstore.manifest import Manifest, TargetIdentity, TokenizerIdentity
+    from hsstore.format.commit import commit_path
+    from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 
     local = os.path.join(scratch, f"template-{uuid.uuid4().hex[:6]}")
     manifest = Manifest(TargetIdentity("bench", 8, 16, "cfg"), TokenizerIdentity("tok", "vocab", "tmpl"),
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str,
               modes: tuple[bool, ...] = (False, True), replay: bool = False):
     from hsstore import storage
-    from hsstore.index import compact
+    from hsstore.format.index import compact
 
     if where == "s3":
         import s3fs

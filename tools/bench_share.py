@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from hsstore.extract.peers import import_files, peer_files
-from hsstore.bench import bench_manifest, pipe_fsync, synthetic_samples
-from hsstore.merge import merge
-from hsstore.subset import Selection, subset
+from hsstore.ops.bench import bench_manifest, pipe_fsync, synthetic_samples
+from hsstore.ops.merge import merge
+from hsstore.ops.subset import Selection, subset
 from tools.measure import timed
 
 

@@ -1,7 +1,7 @@
 """Feeding N ranks at once from the source (issue #28): local files cold, and S3 emulated by moto behind the
 fault proxy with a per-request latency and a bandwidth cap per connection, side by side in one run.
 
-Rows (``hsstore.bench.run_source_bench``, one per epoch): GB/s in all and per rank, CPU-seconds per GB of the
+Rows (``hsstore.ops.bench.run_source_bench``, one per epoch): GB/s in all and per rank, CPU-seconds per GB of the
 rank processes, bytes fetched remotely per epoch and the most requests in flight (counted by the proxy).
 The proxy answers repeated reads from memory (``replay``; the store is read through it once before), so moto's
 CPU stays out of the timed epochs; the proxy's own threads share the machine with the ranks, so compare rows of
@@ -23,7 +23,7 @@ import tempfile
 import uuid
 
 from hsstore import storage
-from hsstore.bench import format_source, run_source_bench
+from hsstore.ops.bench import format_source, run_source_bench
 from tools.measure import free_port
 
 

@@ -79,7 +79,8 @@ def write_target_assets(path: Path, args) -> None:
     (which replaces the target by these assets) can run on the synthetic store, e.g. under torchrun."""
     from transformers import Qwen3_5TextConfig
 
-    from hsstore import assets, storage
+    from hsstore.format import assets
+    from hsstore import storage
 
     cfg = Qwen3_5TextConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                             num_hidden_layers=args.taps + 3, num_attention_heads=args.heads,

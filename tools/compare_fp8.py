@@ -30,9 +30,9 @@ import torch
 import hsstore
 from hsstore.extract.job import ExtractConfig, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
-from hsstore import fp8
+from hsstore.format import fp8
 from hsstore.cli import main as hsstore_main
-from hsstore.info import summarize
+from hsstore.ops.info import summarize
 from hsstore.train.trainer import TrainConfig, train
 
 ELEMENT_PCTS = (50, 90, 99, 99.9, 100)

@@ -13,7 +13,7 @@ import resource
 import socket
 from pathlib import Path
 
-from hsstore.bench import drop_page_cache, timed
+from hsstore.ops.bench import drop_page_cache, timed
 
 __all__ = ["timed", "drop_page_cache", "drop_tree_cache", "rss_mb", "peak_rss_mb", "reset_peak_rss", "free_port"]
 

@@ -31,7 +31,7 @@ import torch
 
 from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
-from hsstore.taps import default_taps
+from hsstore.format.taps import default_taps
 from tools.bench_extract import add_model_args, build_model, synthetic, sync
 
 VARIANTS = ("eager", "nomask", "compiled", "mixers")

@@ -145,7 +145,7 @@ def store_lengths(stores) -> np.ndarray:
 
 def max_sequences(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> int | None:
     """The most sequences one padded token-budget batch can hold for samples of these lengths, whatever the
-    shuffle: a batch of B samples costs B x its longest <= ``max_tokens`` (``hsstore.batching``), and its
+    shuffle: a batch of B samples costs B x its longest <= ``max_tokens`` (``hsstore.loader.batching``), and its
     longest is at least the B-th shortest length, so B is at most the largest B with ``sorted[B-1] * B <=
     max_tokens`` (at least 1: a sample over the budget is a batch of its own). None when no lengths are known."""
     ls = np.sort(np.asarray(lengths, dtype=np.int64))

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 import hsstore
-from hsstore import assets
-from hsstore.taps import text_config
+from hsstore.format import assets
+from hsstore.format.taps import text_config
 
 from . import checkpoint as ckpt
 from .budget import check_cpu_memory, check_gpu_memory

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from hsstore.taps import default_taps
+from hsstore.format.taps import default_taps
 
 from . import masks as _masks
 from .masks import attend, layer_mask
@@ -168,7 +168,7 @@ def reference_attention_shape(target_heads: int, target_kv_heads: int, target_he
     return nh, nkv, hd
 
 
-default_target_layers = default_taps  # the DFlash default spacing, shared with extraction (hsstore/taps.py)
+default_target_layers = default_taps  # the DFlash default spacing, shared with extraction (hsstore/format/taps.py)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsstore import codec, fp8
-from hsstore.reader import open_shared
+from hsstore.format import codec, fp8
+from hsstore.store.reader import open_shared
 
 from . import checkpoint as ckpt
 from . import rundir, tracking

@@ -1,0 +1,104 @@
+"""Store assets: what a trainer needs instead of the target.
+
+The drafter uses the target's input embedding and lm_head (frozen), its config and its tokenizer.
+Extraction copies them into ``<store>/assets/`` so training never touches the target's weights; every
+tensor file is safetensors (no pickle), and ``assets/index.json`` lists each file with size and CRC32C.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from . import codec, names
+from .. import storage
+from ..errors import CorruptionError, StoreError
+
+ASSETS_DIR = "assets"
+INDEX = "index.json"
+EMBED = "embed_tokens.safetensors"
+LM_HEAD = "lm_head.safetensors"
+CONFIG = "config.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def _index(fs, root: str) -> dict[str, Any]:
+    try:
+        return json.loads(fs.cat_file(storage.join(root, ASSETS_DIR, INDEX)))
+    except FileNotFoundError:
+        return {"files": {}}
+
+
+def has_assets(fs, root: str) -> bool:
+    return bool(_index(fs, root)["files"])
+
+
+def asset_names(fs, root: str) -> list[str]:
+    """The asset files the store's index lists (empty: a store without assets)."""
+    return list(_index(fs, root)["files"])
+
+
+def asset_path(fs, root: str, name, url: str = "") -> str:
+    """The path of asset ``name`` under ``<root>/assets/`` (``names.path``: never outside it)."""
+    where = f"store {url or root!r}, {ASSETS_DIR}/{INDEX}"
+    names.key(name, "asset name", where)
+    if name == INDEX:
+        raise StoreError(f"{where}: asset name {name!r} refused (the index itself)")
+    p = names.path(fs, storage.join(root, ASSETS_DIR), name, "asset name", where)
+    if storage.is_local(fs):
+        names.contained(root, p, "asset name", name, where)
+    return p
+
+
+def write_assets(fs, root: str, files: dict[str, bytes], url: str = "") -> None:
+    """Write asset files (store-relative names under ``assets/``), then the index that lists them."""
+    for name, data in files.items():
+        storage.put_atomic(fs, asset_path(fs, root, name, url), data)
+    index = _index(fs, root)
+    index["files"].update({n: {"size": len(d), "crc32c": codec.crc32c(d)} for n, d in files.items()})
+    storage.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode())
+
+
+def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def read_asset(fs, root: str, name: str, url: str = "") -> bytes:
+    entry = _index(fs, root)["files"].get(name)
+    if entry is None:
+        raise StoreError(f"store {url or root!r} has no asset {name!r} (was it written by `hsstore extract`?)")
+    data = fs.cat_file(asset_path(fs, root, name, url))
+    if len(data) != entry["size"] or codec.crc32c(data) != entry["crc32c"]:
+        raise CorruptionError(f"store {url or root!r}: asset {name!r} does not match its checksum")
+    return data
+
+
+def load_tensors(fs, root: str, name: str, url: str = "") -> dict[str, torch.Tensor]:
+    return st_load(read_asset(fs, root, name, url))
+
+
+def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
+    """Copy every asset under ``prefix`` (e.g. the tokenizer files) into a local folder; returns it."""
+    os.makedirs(dest, exist_ok=True)
+    for name in _index(fs, root)["files"]:
+        if isinstance(name, str) and name.startswith(prefix + "/"):
+            data = read_asset(fs, root, name, url)  # the name checked first, under the store's assets/
+            rel = name[len(prefix) + 1:]
+            out = names.path(fsspec.filesystem("file"), dest, rel, "asset name", f"store {url or root!r}, "
+                                                                                 f"{ASSETS_DIR}/{INDEX}")
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with open(out, "wb") as f:
+                f.write(data)
+    return dest
+
+
+def copy_assets(src_fs, src_root: str, dst_fs, dst_root: str, url: str = "") -> None:
+    """Copy every asset of one store into another (each checked against its CRC32C on the way)."""
+    write_assets(dst_fs, dst_root, {n: read_asset(src_fs, src_root, n, url) for n in asset_names(src_fs, src_root)},
+                 url=url)

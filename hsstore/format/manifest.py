@@ -1,0 +1,216 @@
+"""The store manifest: what a store holds, and whether two writers or stores may be mixed.
+
+A store is only useful to a team that did not make it if it says which target computed the
+features (config hash, layers, hidden size), which tokenizer produced the ids, and which layers
+were tapped. Anything that changes the meaning of the numbers is part of the compatibility key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ManifestError
+from ..storage import MANIFEST_FILE  # noqa: F401  (storage knows a store by this file)
+
+FORMAT_NAME = "hsstore"
+FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)
+DTYPES = ("bfloat16", "float16", "float32")
+ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/format/fp8.py)
+LAYOUTS = ("zarr", "wds")
+# stored features that are not a layer's output: ``final_hidden`` is the final norm's output (what the lm_head
+# reads, EAGLE-3's training target). Named in the manifest's ``features``; absent from stores without them.
+FEATURES = ("final_hidden",)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json_hash(obj: Any) -> str:
+    """Hash of a JSON-able object that does not depend on key order or whitespace."""
+    return sha256_hex(json.dumps(obj, sort_keys=True, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """The model whose hidden states are stored. ``config_hash`` covers the architecture;
+    ``weights_hash`` (optional) tells two random inits of the same config apart."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    config_hash: str
+    revision: str | None = None
+    model_type: str | None = None
+    weights_hash: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """The tokenizer that produced ``input_ids``: a vocab+special-token hash and a chat-template hash."""
+
+    name: str
+    vocab_hash: str
+    chat_template_hash: str | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    target: TargetIdentity
+    tokenizer: TokenizerIdentity
+    layers: tuple[int, ...]
+    dtype: str = "bfloat16"
+    encoding: str = "raw"
+    layout: str = "zarr"
+    codec: str = "none"
+    chunk_tokens: int | None = None  # None: the writer picks ~16 MiB per layer chunk
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    created_by: str = ""
+    created_at: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    features: tuple[str, ...] = ()  # non-layer features (FEATURES), stored after the layers; () in most stores
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        validate_fields(self)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def all_features(self) -> list:
+        """The features a shard stores per token, in order: the layer ids, then the named features
+        (``features``: ``final_hidden``)."""
+        return list(self.layers) + list(self.features)
+
+    slots = all_features  # its former name, kept for callers (the index's ``slots`` key is the same list)
+
+    def compat_key(self) -> dict[str, Any]:
+        """What must be equal for two writers to share a store or a loader to mix stores."""
+        t, k = self.target, self.tokenizer
+        return {
+            "target": {"config_hash": t.config_hash, "num_layers": t.num_layers, "hidden_size": t.hidden_size,
+                       "weights_hash": t.weights_hash},
+            "tokenizer": {"vocab_hash": k.vocab_hash, "chat_template_hash": k.chat_template_hash},
+            "layers": list(self.layers),
+            "dtype": self.dtype,
+            "encoding": self.encoding,
+            # only when present: stores without features keep the key (and so every shard's manifest_key) they had
+            **({"features": list(self.features)} if self.features else {}),
+        }
+
+    def shard_key(self) -> str:
+        """Hash of what the bytes of a shard depend on (compatibility key, codec, chunk grid). Every commit
+        record carries the key it was written under, so a manifest edited afterwards is detected."""
+        return canonical_json_hash({**self.compat_key(), "codec": self.codec, "chunk_tokens": self.chunk_tokens})
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        if self.features:
+            d["features"] = list(self.features)
+        else:  # absent, as before the field existed: older hsstore reads such a store unchanged
+            del d["features"]
+        return json.dumps(d, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "manifest") -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from None
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest") -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected a JSON object")
+        if d.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an hsstore manifest (format={d.get('format')!r})")
+        version = d.get("format_version")
+        if not isinstance(version, int):
+            raise ManifestError(f"{where}: format_version missing or not an integer")
+        if version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: store has format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
+                "upgrade hsstore")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ManifestError(f"{where}: unknown fields {sorted(unknown)}")
+        try:
+            target = TargetIdentity(**d["target"])
+            tokenizer = TokenizerIdentity(**d["tokenizer"])
+            rest = {k: v for k, v in d.items() if k not in ("target", "tokenizer", "layers")}
+            return cls(target=target, tokenizer=tokenizer, layers=tuple(d["layers"]), **rest)
+        except ManifestError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"{where}: missing or malformed field ({e})") from None
+
+
+def validate_fields(m: Manifest) -> None:
+    """Schema checks: types and ranges, so a hand-edited manifest fails loudly, not later."""
+    t = m.target
+    if not isinstance(t.num_layers, int) or t.num_layers <= 0:
+        raise ManifestError(f"target.num_layers must be a positive integer, got {t.num_layers!r}")
+    if not isinstance(t.hidden_size, int) or t.hidden_size <= 0:
+        raise ManifestError(f"target.hidden_size must be a positive integer, got {t.hidden_size!r}")
+    if not m.layers or not all(isinstance(x, int) for x in m.layers):
+        raise ManifestError(f"layers must be a non-empty list of integers, got {list(m.layers)!r}")
+    if len(set(m.layers)) != len(m.layers) or list(m.layers) != sorted(m.layers):
+        raise ManifestError(f"layers must be strictly increasing, got {list(m.layers)}")
+    bad = [x for x in m.layers if not 0 <= x < t.num_layers]
+    if bad:
+        raise ManifestError(f"layer ids {bad} out of range for a target with {t.num_layers} decoder layers "
+                            f"(valid: 0..{t.num_layers - 1})")
+    if m.dtype not in DTYPES:
+        raise ManifestError(f"dtype {m.dtype!r} not supported (one of {DTYPES})")
+    if m.encoding not in ENCODINGS:
+        raise ManifestError(f"encoding {m.encoding!r} not supported (one of {ENCODINGS})")
+    if m.layout not in LAYOUTS:
+        raise ManifestError(f"layout {m.layout!r} not supported (one of {LAYOUTS})")
+    if m.layout == "wds" and m.codec != "none":  # members are plain .npy files, readable with numpy alone
+        raise ManifestError(f"layout 'wds' stores plain .npy members: codec must be 'none', got {m.codec!r}")
+    if m.layout == "wds" and m.encoding != "raw":  # readers of plain .npy members expect the values themselves
+        raise ManifestError(f"layout 'wds' holds raw features only: encoding {m.encoding!r} needs layout 'zarr'")
+    bad = [f for f in m.features if f not in FEATURES]
+    if bad or len(set(m.features)) != len(m.features):
+        raise ManifestError(f"features {list(m.features)!r} not supported (each at most once, of {FEATURES})")
+    if m.features and m.encoding != "raw":  # the loader's fp8 path dequantises the layers only
+        raise ManifestError(f"features {list(m.features)} are stored with encoding 'raw' only, not {m.encoding!r}")
+    if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
+        raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
+
+
+def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None:
+    """Raise naming every field that differs between two manifests' compatibility keys."""
+    ka, kb = a.compat_key(), b.compat_key()
+    diffs = []
+    for key in dict.fromkeys([*ka, *kb]):
+        if key not in ka or key not in kb:  # features: one holds final_hidden, the other not
+            diffs.append(f"{key}: {ka.get(key, [])!r} vs {kb.get(key, [])!r}")
+        elif ka[key] != kb[key]:
+            if isinstance(ka[key], dict):
+                for sub in ka[key]:
+                    va, vb = ka[key][sub], kb[key][sub]
+                    if va != vb and not (sub == "weights_hash" and (va is None or vb is None)):
+                        diffs.append(f"{key}.{sub}: {va!r} vs {vb!r}")
+            else:
+                diffs.append(f"{key}: {ka[key]!r} vs {kb[key]!r}")
+    if diffs:
+        raise ManifestError(f"{what_a} and {what_b} are incompatible (refusing to mix): " + "; ".join(diffs))
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,180 @@
+"""Names read from a store -> paths and keys under the root they belong to (docs/FORMAT.md, "Names").
+
+A store from another team is untrusted input, and so is every name in it: asset names (``assets/index.json``),
+shard names and file keys (commit records), ``location``s (shards merged by reference), index segment names and
+their ``supersedes``, and the chunk-cache keys made from them. Archive extractors refuse member names that leave
+their target; these functions do the same for a store, in one place, so that no reader, copier, cache or
+deleter joins a store's name with a root on its own. A refused name is a ``StoreError`` whose one line names the
+store (or file) and the name.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+from .. import storage
+from ..errors import StoreError
+
+ALLOW_ENV = "HSSTORE_ALLOW_LOCATIONS"  # comma-separated prefixes a `location` may point into (--allow-location)
+# never a location, whatever is allowed: a store's shard read from here would read the machine's own files
+SYSTEM_DIRS = ("/etc", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/bin", "/sbin", "/lib", "/lib32",
+               "/lib64", "/usr", "/var/run", "/var/log", "/var/lib", "/var/spool")
+
+
+def _refuse(where: str, what: str, name, why: str) -> StoreError:
+    return StoreError(f"{where}: {what} {name!r} refused ({why})")
+
+
+def key(name, what: str, where: str) -> str:
+    """``name`` as a relative key (``a/b/c``), else ``StoreError``: empty, absolute, ``.``/``..`` or empty
+    parts, backslashes and NUL are refused (an S3 key ``assets/../../x`` is just a key, but a path joined
+    with it is not under the root)."""
+    why = _key_problem(name)
+    if why:
+        raise _refuse(where, what, name, why)
+    return name
+
+
+def _key_problem(name) -> str | None:
+    if not isinstance(name, str) or not name:
+        return "empty or not a string"
+    if "\\" in name or "\x00" in name:
+        return "backslash or NUL in a name"
+    if name.startswith("/"):
+        return "an absolute name"
+    parts = name.split("/")
+    if "" in parts:
+        return "an empty path part"
+    if "." in parts or ".." in parts:
+        return "a '.' or '..' part"
+    return None
+
+
+def part(name, what: str, where: str) -> str:
+    """``name`` as one path part (a shard or segment name): ``key`` and no ``/``."""
+    key(name, what, where)
+    if "/" in name:
+        raise _refuse(where, what, name, "a '/' in a single name")
+    return name
+
+
+def path(fs, root: str, name, what: str, where: str) -> str:
+    """The path of key ``name`` under ``root`` (``key``'s rules); on local disk also refused when it resolves
+    (through symbolic links in the store) outside ``root``."""
+    p = storage.join(root, key(name, what, where))
+    if storage.is_local(fs):
+        contained(root, p, what, name, where)
+    return p
+
+
+def contained(root: str, p: str, what: str, name, where: str) -> None:
+    """Refuse local path ``p`` (for ``name``) unless it resolves inside ``root``."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(p)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise _refuse(where, what, name, f"resolves to {real}, outside {real_root} (a link in the store?)")
+
+
+def file_key(shard: str, name, where: str) -> str:
+    """A commit record's file key: ``key``'s rules and under the shard's own prefix (``shards/<shard>/...`` or
+    ``shards/<shard>.tar``), so a copy of one shard can never overwrite another shard's files."""
+    key(name, "file key", where)
+    if not (name == f"shards/{shard}.tar" or name.startswith(f"shards/{shard}/")):
+        raise _refuse(where, "file key", name, f"not under the shard's own prefix shards/{shard}")
+    return name
+
+
+def record_problems(rec) -> list[tuple[str, str]]:
+    """(file key or "(shard name)", why) of every name in a commit record that readers refuse: the shard name,
+    then each file key (``verify`` reports them instead of following them)."""
+    where = f"shard {rec.shard!r}"
+    try:
+        part(rec.shard, "shard name", where)
+    except StoreError as e:
+        return [("(shard name)", str(e))]
+    out = []
+    for k in rec.files:
+        try:
+            file_key(rec.shard, k, where)
+        except StoreError as e:
+            out.append((str(k), str(e)))
+    return out
+
+
+# -- locations (shards merged by reference) ----------------------------------------------------------------
+def allowed(extra: Iterable[str] | None = None) -> list[str]:
+    """The prefixes a ``location`` may point into besides the store itself: ``extra`` (``hsstore.open(...,
+    allow_locations=...)``) plus ``HSSTORE_ALLOW_LOCATIONS`` (comma-separated; what ``--allow-location`` sets)."""
+    env = [p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()]
+    return [*(extra or ()), *env]
+
+
+def _is_local(url: str) -> bool:
+    scheme, sep, _ = url.partition("://")
+    return not sep or scheme in ("file", "local")
+
+
+def _local_path(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return os.path.realpath(rest if sep else url)
+
+
+def _inside(url: str, prefix: str) -> bool:
+    if _is_local(url) != _is_local(prefix):
+        return False
+    if _is_local(url):
+        u, p = _local_path(url), _local_path(prefix)
+        return u == p or u.startswith(p.rstrip(os.sep) + os.sep)
+    u, p = url.rstrip("/"), prefix.rstrip("/")
+    return u == p or u.startswith(p + "/")
+
+
+def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") -> str:
+    """The URL of a commit record's ``location``, else ``StoreError``. Relative locations resolve against the
+    store's URL (``commit.resolve_location``). Refused: bad parts (``..`` anywhere but leading a relative
+    location, ``.``, empty parts, backslashes), any location outside the store unless it lies under one of
+    ``allow`` (``allowed()``), and a local system directory (``SYSTEM_DIRS``) always."""
+    from .commit import resolve_location
+
+    where = where or f"store {store_url!r}"
+    if not isinstance(loc, str) or not loc or "\\" in loc or "\x00" in loc:
+        raise _refuse(where, "location", loc, "empty, not a string, or a backslash or NUL in it")
+    scheme, sep, rest = loc.partition("://")
+    if sep:
+        parts = rest.rstrip("/").split("/")
+    elif loc.startswith("/"):
+        parts = loc.rstrip("/").split("/")[1:]
+    else:
+        parts = loc.rstrip("/").split("/")
+        while parts and parts[0] == "..":
+            parts = parts[1:]
+    if parts and ("" in parts or "." in parts or ".." in parts):
+        raise _refuse(where, "location", loc, "an empty, '.' or '..' part")
+    try:
+        url = resolve_location(store_url, loc.rstrip("/") or loc)
+    except StoreError as e:
+        raise _refuse(where, "location", loc, str(e)) from None
+    if _is_local(url):
+        real = _local_path(url)
+        if real == "/" or any(real == d or real.startswith(d + "/") for d in SYSTEM_DIRS):
+            raise _refuse(where, "location", loc, f"{real} is a local system path")
+    if _inside(url, store_url) or any(_inside(url, p) for p in allow):
+        return url
+    raise _refuse(where, "location", loc, f"{url} is outside the store; a store by reference is read only from "
+                                          f"prefixes allowed with --allow-location PREFIX or {ALLOW_ENV}")
+
+
+# -- the chunk cache ---------------------------------------------------------------------------------------
+def cache_path(cache_root: str, namespace: str, remote_path: str) -> str:
+    """Where the chunk cache keeps a copy of a remote object: under ``cache_root/namespace``, never outside
+    (the remote path is made of the store's names). A lexical check (no ``realpath`` per chunk on the loader's
+    path): the cache folder is the user's own, so no link in it comes from a store."""
+    where = f"chunk cache {cache_root!r}"
+    name = remote_path
+    if "://" in name:  # filesystems that key objects by URL (http): scheme and user info are no part of the name
+        netloc, _, rest = name.split("://", 1)[1].partition("/")
+        name = netloc.rpartition("@")[2] + "/" + rest
+    name = name.lstrip("/")
+    return os.path.join(cache_root, part(namespace, "namespace", where), key(name, "chunk path", where))
+

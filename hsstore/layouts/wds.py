@@ -1,0 +1,503 @@
+"""The WebDataset layout: one shard is one tar object of per-sample ``.npy`` members.
+
+Layout under the store prefix (see docs/FORMAT.md)::
+
+    shards/<name>.tar              members, per sample i (key = i as 6+ digits, no dots):
+        <key>.json                 the sample's columns (sample_id, source, ...), shard, dtype, layers
+        <key>.input_ids.npy        [T] int32
+        <key>.loss_mask.npy        [T] uint8
+        <key>.layer_<LLL>.npy      [T, hidden] per tapped layer; bf16 as its uint16 bits
+    commits/<name>.json            written last; ``members`` indexes every member (offset, size, CRC32C)
+
+Why: the plain ``webdataset`` library (or ``tarfile`` + ``np.load``) reads a shard with no hsstore code.
+hsstore itself never scans a tar: the commit record's member index gives each member's byte range, so
+a read fetches only the requested layers' members (range reads, neighbours coalesced) and checks each
+one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracted to disk. Write, read and
+``verify``'s check live here; ``layout.get("wds")`` is this module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import io
+import json
+import logging
+import mmap
+import posixpath
+import tarfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from ..format import codec
+from .. import storage
+from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
+from ..errors import CorruptionError, FetchError, StoreError
+from ..format.manifest import Manifest, now_iso
+from ..memory import copy_bytes
+from ..format.report import Problem, VerifyReport
+
+if TYPE_CHECKING:
+    from .source import ShardSource
+
+log = logging.getLogger(__name__)
+
+BLOCK = tarfile.BLOCKSIZE  # 512: every member is one ustar header block, then its data padded to blocks
+IDS_DTYPE, MASK_DTYPE = np.dtype("<i4"), np.dtype("|u1")
+
+
+def tar_path(name: str) -> str:
+    return f"{SHARDS_DIR}/{name}.tar"
+
+
+def shard_of(entry: str) -> str | None:
+    """The shard an entry of ``shards/`` belongs to (None: not a shard's tar)."""
+    return entry[:-len(".tar")] if entry.endswith(".tar") else None
+
+
+def store_objects() -> dict[str, bytes]:
+    """Objects written with the manifest when a store is created: none (a tar needs no parent metadata)."""
+    return {}
+
+
+def sample_key(i: int) -> str:
+    """WebDataset groups members by the name before the first dot: a key holds no dots."""
+    return f"{i:06d}"
+
+
+def member_name(i: int, part: str) -> str:
+    return f"{sample_key(i)}.{part}"
+
+
+def layer_part(layer: int) -> str:
+    return f"{layer_array(layer)}.npy"
+
+
+@functools.lru_cache(maxsize=256)
+def npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header numpy writes for a C-ordered array (data then starts 64-byte aligned)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def check_member(info: tarfile.TarInfo, shard: str) -> None:
+    """Refuse what a tar may carry that a shard never does: names outside the shard, links, devices."""
+    name = info.name
+    parts = name.replace("\\", "/").split("/")
+    if posixpath.isabs(name) or name.startswith("\\") or ".." in parts or (len(name) > 1 and name[1] == ":"):
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: path outside the shard (refused)")
+    if not info.isreg():
+        kind = ("symlink" if info.issym() else "hard link" if info.islnk() else "device" if info.isdev()
+                else "directory" if info.isdir() else "fifo" if info.isfifo() else f"type {info.type!r}")
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: {kind} member refused (a shard holds regular "
+                              "files only)")
+
+
+def check_header(block: bytes, name: str, size: int, shard: str) -> None:
+    """The tar header in front of a member read by range must be the one the commit record names."""
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.TarError as e:
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: no valid tar header at its recorded offset "
+                              f"({e})") from None
+    check_member(info, shard)
+    if info.name != name or info.size != size:
+        raise CorruptionError(f"shard {shard!r}, member {info.name!r} ({info.size} bytes) found where the commit "
+                              f"record puts member {name!r} ({size} bytes)")
+
+
+# -- writing -----------------------------------------------------------------------------------------
+
+@dataclass
+class TarObject:
+    """A tar as parts (headers, views of the shard buffers, padding): written locally without joining."""
+
+    chunks: list
+    crc32c: int
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def parts(self) -> list:
+        return [memoryview(c).cast("B") if isinstance(c, np.ndarray) else c for c in self.chunks]
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts())
+
+
+class TarBuilder:
+    """Members appended in order; records each member's data offset, size and CRC32C."""
+
+    def __init__(self) -> None:
+        self.chunks: list = []
+        self.pos = 0
+        self.members: dict[str, list[int]] = {}
+
+    def add(self, name: str, pieces: Sequence[Any]) -> int:
+        pieces = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) if isinstance(p, np.ndarray) else p
+                  for p in pieces]
+        size = sum(len(p) for p in pieces)
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o644, 0  # mtime 0: a shard's bytes depend on its data only
+        self.chunks.append(info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape"))
+        crc = None
+        for p in pieces:
+            crc = codec.crc32c(p, crc)
+        self.chunks.extend(pieces)
+        self.chunks.append(b"\0" * (-size % BLOCK))
+        self.members[name] = [self.pos + BLOCK, size, int(crc if crc is not None else 0)]
+        self.pos += BLOCK + size + (-size % BLOCK)
+        return size
+
+    def add_npy(self, name: str, a: np.ndarray) -> int:
+        return self.add(name, [npy_header(np.lib.format.dtype_to_descr(a.dtype), a.shape), a])
+
+    def finish(self) -> TarObject:
+        end = 2 * BLOCK
+        end += -(self.pos + end) % tarfile.RECORDSIZE  # as tarfile pads an archive
+        self.chunks.append(b"\0" * end)
+        crc = None
+        for c in self.chunks:
+            crc = codec.crc32c(c, crc)
+        return TarObject(self.chunks, int(crc), self.pos + end)
+
+
+def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, features: dict[int, np.ndarray],
+                input_ids: np.ndarray, loss_mask: np.ndarray, samples: dict[str, list],
+                stats: dict[str, Any] | None = None, scales: dict | None = None) -> CommitRecord:
+    """Write one shard as a tar (one object, fsynced locally) and return its unpublished commit record."""
+    if scales is not None:  # the manifest check refuses wds + fp8 first; this guards direct callers
+        raise ValueError(f"shard {name!r}: the wds layout holds raw features only (no fp8 scales)")
+    offsets = sample_offsets(name, samples, int(input_ids.shape[0]))
+    tar = TarBuilder()
+    layer_bytes = {l: 0 for l in manifest.all_features}
+    ids, mask = input_ids.astype(IDS_DTYPE, copy=False), loss_mask.astype(MASK_DTYPE, copy=False)
+    for i in range(len(offsets) - 1):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        meta = {c: samples[c][i] for c in SAMPLE_COLUMNS}
+        meta.update(shard=name, dtype=manifest.dtype, layers=list(manifest.layers))
+        tar.add(member_name(i, "json"), [json.dumps(meta, separators=(",", ":")).encode()])
+        tar.add_npy(member_name(i, "input_ids.npy"), ids[a:b])
+        tar.add_npy(member_name(i, "loss_mask.npy"), mask[a:b])
+        for l in manifest.all_features:
+            layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
+    obj = tar.finish()
+    storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
+    return CommitRecord(
+        shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
+        layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
+                for l in manifest.all_features},
+        files={tar_path(name): {"size": len(obj), "crc32c": obj.crc32c}}, chunk_tokens=manifest.chunk_tokens,
+        stats=stats or {}, created_at=now_iso(), members=tar.members,
+        manifest_key=manifest.shard_key())
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    name: str
+    dest: np.ndarray  # destination rows (contiguous)
+    rows: slice  # rows of the member's array to take
+    descr: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+    crc: int
+
+    @property
+    def header(self) -> bytes:
+        return npy_header(self.descr, self.shape)
+
+
+def _member(rec: CommitRecord, name: str) -> list[int]:
+    entry = (rec.members or {}).get(name)
+    if entry is None:
+        raise CorruptionError(f"shard {rec.shard!r}: the commit record lists no member {name!r}")
+    return entry
+
+
+def check_extent(src: ShardSource, rec: CommitRecord) -> None:
+    """Nothing to check before sizing buffers: each sample's members are checked against their sizes as read."""
+
+
+def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
+              mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
+              ) -> None:
+    """Tokens ``start:stop`` of a tar shard into ``ids``, ``mask`` and layer-major ``feats``: only the
+    members of the requested layers of the overlapping samples are read; each is checked (tar header,
+    ``.npy`` header, CRC32C). ``carry`` is unused: samples never straddle members. ``scales``: always
+    None (wds stores hold raw features; the manifest check refuses fp8)."""
+    if carry is not None:
+        carry.clear()
+    m = src.manifest
+    off = rec.offsets
+    H, fdescr = m.hidden_size, np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
+    jobs: list[_Job] = []
+    feature_starts: list[int] = []  # data offsets of every feature member of these samples, asked for or not
+    first = int(np.searchsorted(off, start, side="right") - 1)
+    for i in range(first, rec.n_samples):
+        a, b = int(off[i]), int(off[i + 1])
+        if a >= stop:
+            break
+        lo, hi = max(start, a), min(stop, b)
+        rows, dst = slice(lo - a, hi - a), slice(lo - start, hi - start)
+        parts = [("input_ids.npy", ids[dst], IDS_DTYPE.str, (b - a,)),
+                 ("loss_mask.npy", mask[dst], MASK_DTYPE.str, (b - a,))]
+        parts += [(layer_part(l), feats[j, dst], fdescr, (b - a, H)) for j, l in enumerate(layers)]
+        for part, dest, descr, shape in parts:
+            name = member_name(i, part)
+            jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
+        feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
+    fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
+    path = storage.join(root, tar_path(rec.shard))
+    if storage.is_local(fs):
+        _read_local(path, jobs, rec.shard)
+    else:
+        _read_remote(fs, path, _spans(jobs, sorted(feature_starts)), rec, url)
+
+
+def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shard: str) -> None:
+    """Check a member read (``npy``: its first bytes, ``data``: its array bytes) and copy the rows."""
+    if crc != job.crc:
+        raise CorruptionError(f"shard {shard!r}, member {job.name!r}: checksum mismatch (corrupted bytes)")
+    head = job.header
+    if bytes(npy[:len(head)]) != head:
+        raise CorruptionError(f"shard {shard!r}, member {job.name!r}: .npy header is not the expected "
+                              f"{job.descr} {list(job.shape)} array")
+    if data is not None:
+        width = job.shape[1] if len(job.shape) > 1 else 1
+        vals = data.view(job.dest.dtype)
+        job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
+
+
+def _read_at(src: mmap.mmap, path: str, offset: int, buf: np.ndarray) -> None:
+    """Copy ``buf.nbytes`` bytes of the mapped tar at ``path`` from ``offset`` into ``buf``; a short file is
+    corruption. Mapped, not read: the copy out of the page cache is the only one (as for zarr chunks)."""
+    n = buf.nbytes
+    if offset + n > len(src):
+        raise EOFError(f"file ends {offset + n - len(src)} bytes early")
+    view = np.frombuffer(src, np.uint8, count=n, offset=offset)
+    copy_bytes(buf.reshape(-1).view(np.uint8), view)
+    del view  # release the mapping's buffer before it closes
+
+
+def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
+    with f:
+        try:
+            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
+        except ValueError:  # an empty file cannot be mapped
+            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)") from None
+        with src:
+            _read_jobs(src, path, jobs, shard)
+
+
+def _read_jobs(src: mmap.mmap, path: str, jobs: list[_Job], shard: str) -> None:
+    for job in jobs:
+        where = f"shard {shard!r}, member {job.name!r}"
+        head = np.empty(BLOCK + len(job.header), np.uint8)
+        try:
+            _read_at(src, path, job.offset - BLOCK, head)
+            check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
+            n_data = job.size - len(job.header)
+            whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
+            data = job.dest if whole else np.empty(n_data, np.uint8)
+            _read_at(src, path, job.offset + len(job.header), data)
+        except EOFError as e:
+            raise CorruptionError(f"{where}: truncated tar ({e})") from None
+        crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
+        _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
+
+
+def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, list[_Job]]]:
+    """Byte ranges to fetch: each job's tar header + member, neighbours merged unless a feature member
+    (``feature_starts``: sorted data offsets) that was not asked for lies between them (small json
+    members are read through)."""
+    jobs = sorted(jobs, key=lambda j: j.offset)
+    spans: list[tuple[int, int, list[_Job]]] = []
+    for j in jobs:
+        lo, hi = j.offset - BLOCK, j.offset + j.size
+        if spans:
+            s_lo, s_hi, group = spans[-1]
+            k = bisect.bisect_left(feature_starts, s_hi)
+            if k == len(feature_starts) or feature_starts[k] >= lo:  # nothing unwanted in between
+                spans[-1] = (s_lo, hi, group + [j])
+                continue
+        spans.append((lo, hi, [j]))
+    return spans
+
+
+def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
+    """Fetch the spans by byte range and finish their members. A span whose bytes fail a check (length, tar
+    header, CRC32C) is fetched again, with backoff, up to ``storage.FETCH_ATTEMPTS`` times in all before it
+    is called corrupt: a body cut or damaged in transit looks complete to the HTTP client. A request that
+    fails after the client's retries is a ``FetchError`` (never skipped as corrupt by the loader)."""
+    todo = list(spans)
+    for attempt in range(1, storage.FETCH_ATTEMPTS + 1):
+        blobs = _fetch(fs, path, todo, rec, url)
+        failed = []
+        for span, blob in zip(todo, blobs):
+            try:
+                _finish_span(span, blob, rec)
+            except CorruptionError as e:
+                if attempt == storage.FETCH_ATTEMPTS or isinstance(blob, FileNotFoundError):
+                    raise
+                failed.append(span)
+                first = e
+        if not failed:
+            return
+        log.warning("%d range(s) of %s failed their checks, fetching again (attempt %d of %d): %s",
+                    len(failed), tar_path(rec.shard), attempt + 1, storage.FETCH_ATTEMPTS, first)
+        time.sleep(storage.FETCH_BACKOFF_S * 2 ** (attempt - 1))
+        todo = failed
+
+
+def _fetch(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> list:
+    try:
+        blobs = fs.cat_ranges([path] * len(spans), [s[0] for s in spans], [s[1] for s in spans], on_error="return")
+    except Exception as e:
+        raise FetchError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
+    for blob in blobs:
+        failure = storage.fetch_failure(blob)
+        if failure:
+            raise FetchError(f"shard {rec.shard!r} of store {url!r}, file {tar_path(rec.shard)}: read failed after "
+                             f"retries ({failure})")
+    return blobs
+
+
+def _finish_span(span: tuple[int, int, list[_Job]], blob, rec: CommitRecord) -> None:
+    lo, hi, group = span
+    if isinstance(blob, FileNotFoundError):
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: missing")
+    if len(blob) != hi - lo:
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: truncated tar "
+                              f"({len(blob)} of {hi - lo} bytes at offset {lo})")
+    buf = np.frombuffer(blob, np.uint8)
+    for job in group:
+        a = job.offset - lo
+        check_header(bytes(buf[a - BLOCK:a]), job.name, job.size, rec.shard)
+        npy = buf[a:a + job.size]
+        _finish(job, npy, npy[len(job.header):], codec.crc32c(npy), rec.shard)
+
+
+def expected_members(rec: CommitRecord, layers: Sequence[int]) -> list[str]:
+    """Every member a shard's tar holds, in order."""
+    parts = ["json", "input_ids.npy", "loss_mask.npy"] + [layer_part(l) for l in layers]
+    return [member_name(i, p) for i in range(rec.n_samples) for p in parts]
+
+
+# -- checking (verify) --------------------------------------------------------------------------------
+
+class _CrcReader:
+    """A file wrapper that checksums and counts what is read through it (one pass over a tar)."""
+
+    def __init__(self, f, progress) -> None:
+        self.f, self.progress, self.crc, self.size = f, progress, None, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if data:
+            self.crc = codec.crc32c(data, self.crc)
+            self.size += len(data)
+            if self.progress:
+                self.progress(len(data))
+        return data
+
+    def drain(self) -> None:
+        while self.read(16 << 20):
+            pass
+
+
+def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progress: Callable[[int], None] | None,
+                tails: dict[str, int] | None = None) -> None:
+    """One streaming pass over a wds shard's tar: its size and CRC32C; every member's name (safe, and
+    the one the commit record lists at that offset), size and CRC32C; ``.npy`` dtypes and shapes against
+    the lengths; ``loss_mask`` sums and sample ids against the commit record. Nothing is extracted.
+    Every checksum here is of the object's own bytes, so it identifies the data (``tails``: none to fill)."""
+    m, name = src.manifest, rec.shard
+    fs, root, _ = src.locate(name)  # another store's, for a shard merged by reference
+    key = tar_path(name)
+    want = rec.files.get(key)
+    members = rec.members or {}
+    if want is None or set(members) != set(expected_members(rec, m.all_features)):
+        report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
+                                             f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
+        return
+    ids = rec.samples["sample_id"]
+    dtype = codec.STORAGE_DTYPE[m.dtype]
+    seen: set[str] = set()
+    try:
+        with fs.open(storage.join(root, key), "rb") as f:
+            reader = _CrcReader(f, progress)
+            with tarfile.open(fileobj=reader, mode="r|") as tf:
+                for info in tf:
+                    try:
+                        check_member(info, name)
+                    except StoreError as e:
+                        report.problems.append(Problem(name, str(e), key))
+                        continue
+                    entry = members.get(info.name)
+                    if entry is None:
+                        report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
+                        continue
+                    i = int(info.name.split(".", 1)[0])
+                    who = [ids[i]]
+                    data = tf.extractfile(info).read()
+                    seen.add(info.name)
+                    if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
+                        report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
+                                                             "the commit record (corrupted bytes)", key, who))
+                        continue
+                    _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
+            reader.drain()
+    except FileNotFoundError:
+        report.problems.append(Problem(name, "file missing", key, list(ids)))
+        return
+    except (tarfile.TarError, OSError, EOFError) as e:
+        report.problems.append(Problem(name, f"tar unreadable: {type(e).__name__}: {e}", key, list(ids)))
+        return
+    report.files += 1
+    report.bytes += reader.size
+    if reader.size != want["size"]:
+        report.problems.append(Problem(name, f"size {reader.size} != committed {want['size']} (truncated or rewritten)",
+                                       key, list(ids)))
+    elif reader.crc != want["crc32c"]:
+        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+    missing = sorted(set(members) - seen)
+    if missing:
+        report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,
+                                       sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
+
+
+def _check_member_content(rec, member: str, data: bytes, i: int, dtype, hidden: int, key: str,
+                          report: VerifyReport) -> None:
+    sid, T = rec.samples["sample_id"][i], rec.samples["length"][i]
+    if member.endswith(".json"):
+        try:
+            ok = json.loads(data).get("sample_id") == sid
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            report.problems.append(Problem(rec.shard, f"member {member!r} does not name sample {sid!r}", key, [sid]))
+        return
+    want = {"input_ids.npy": (np.dtype("<i4"), (T,)), "loss_mask.npy": (np.dtype("|u1"), (T,))}.get(
+        member.split(".", 1)[1], (dtype, (T, hidden)))
+    try:
+        a = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        report.problems.append(Problem(rec.shard, f"member {member!r} is not a .npy array ({e})", key, [sid]))
+        return
+    if (a.dtype, a.shape) != want:
+        report.problems.append(Problem(rec.shard, f"member {member!r}: {a.dtype} {list(a.shape)}, expected "
+                                                  f"{want[0]} {list(want[1])}", key, [sid]))
+    elif member.endswith(".loss_mask.npy") and int(a.sum()) != rec.samples["loss_tokens"][i]:
+        report.problems.append(Problem(rec.shard, "loss_mask sum disagrees with the commit record", key, [sid]))

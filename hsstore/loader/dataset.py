@@ -1,0 +1,664 @@
+"""Streaming loader: ``HiddenStateDataset`` yields store samples to a trainer, exactly once per epoch
+over all ranks and DataLoader workers, in a seeded order that survives restarts and world-size changes.
+
+How an epoch is laid out (everything below is computed from commit records alone, no feature bytes):
+
+1. **Catalog**: every sample that passes the filters, in store order. Samples are gathered into *units*:
+   the consecutive samples of one shard inside one ``unit_tokens`` cell of the chunk grid. A unit is what
+   one read fetches (one ``read_range`` per contiguous token range of it): large and contiguous, which
+   object stores want. "Unit" is the one word for this read granularity throughout the loader.
+2. **Entries**: the epoch's samples with per-store weights applied (weight 2 = every sample twice,
+   0.5 = a seeded half chosen anew each epoch). Entry ids are the positions in this canonical list.
+3. **Global order**: a seeded permutation of units (``seed``, ``epoch``), samples inside a unit in
+   storage order. It depends on nothing else: not on ranks, not on workers. With ``partition="node"``
+   each node first gets a fixed share of the units for the whole run (seed and node count only), and the
+   order is each node's share permuted anew per epoch, node after node; step 4 then cuts each node's part
+   among that node's ranks.
+4. **Slots**: the global order minus what earlier *phases* consumed (see resume) is cut into
+   ``world_size`` contiguous rank ranges, and each range into ``num_workers`` contiguous slot ranges.
+   ``even`` acts at the rank cut: ``"drop"`` gives every rank ``N // R`` entries (the last ``N % R`` of
+   the global order, a random handful that changes every epoch, are not seen that epoch);
+   ``"repeat"`` gives every rank ``ceil(N / R)``, padding with entries from the start of the global order.
+5. **Shuffle buffer**: each slot reads its units in order with ``prefetch`` units in flight and emits
+   samples in a seeded random order drawn from a pool of loaded units holding ~``shuffle_bytes``; a unit
+   is dropped once all its samples are out. Memory per slot is about ``shuffle_bytes`` + prefetch units.
+
+Resume: a slot's emission order is a pure function of (epoch plan, slot), so its state is one number,
+how many entries it has handed out. ``state_dict()`` in a worker gives that slot's count (this is what
+``torchdata``'s ``StatefulDataLoader`` snapshots per worker); with the same world size and worker count
+each slot skips its count and continues in the same order. With another world size or worker count,
+``merge_states`` joins the states of all ranks (and workers) into one; loading it folds the consumed
+entries of every old slot into a ``done`` bitmap and starts a new phase: the remaining entries, still
+in global order, are cut for the new world. Every entry is still handed out exactly once per epoch.
+
+Use in a DDP trainer::
+
+    ds = hsstore.HiddenStateDataset(url, layers=[1, 16, 31], seed=0)      # rank/world from torch.distributed
+    loader = StatefulDataLoader(hsstore.TokenBatches(ds, max_tokens=16384), batch_size=None, num_workers=2)
+    for epoch in range(start_epoch, epochs):
+        ds.set_epoch(epoch)                      # every epoch, before iterating (persistent workers too)
+        for batch in loader: ...
+    # checkpoint: every rank saves loader.state_dict()
+    # resume, same world size and workers: loader.load_state_dict(saved_state_of_this_rank)
+    # resume, another world size or worker count: merge the states of *all* old ranks, then before
+    #   building the loader: ds.load_state_dict(hsstore.merge_states(all_old_rank_states))
+
+Reads run on the dataset's own threads (file reads and copies release the GIL; so do CRC32C checks),
+and unit buffers are recycled once the trainer drops the items viewing them: in-process from a
+``BufferPool``, in DataLoader workers (fork and spawn) from shared-memory segments that the main process
+releases as it drops the items (``memory.SharedRing``), so handing an item over copies nothing and a
+worker rewrites no memory the trainer still holds.
+
+Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, item and batch memory in
+``memory``; this module builds the dataset and reads each slot's plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import time
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..format import codec, fp8
+from .. import storage
+from .cache import ChunkCache
+from ..errors import CorruptionError, StoreError
+from ..store.items import make_item
+from ..distributed import node_of, rank_and_world
+from ..format.manifest import check_compatible
+from ..memory import BufferPool, empty_host, hand_over
+from .plan import EVEN_MODES, PARTITIONS, Filters, Planner, SlotPlan, build_catalog
+from ..store.reader import Store, open_shared, open_store
+from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_UNIT_BYTES = 256 << 20
+DEFAULT_SHUFFLE_BYTES = 1 << 30
+DEFAULT_CACHE_BYTES = 64 << 30
+DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: one H200's drafter step
+DEFAULT_READ_AHEAD_BYTES = 4 << 30  # at most this much read ahead per slot, however slow the requests
+
+
+def read_ahead_units(rate: float, request_s: float, request_bytes: float, requests_per_unit: float,
+                     concurrency: int, floor: int, cap: int) -> int:
+    """Units to keep in flight so ``rate`` bytes/s arrive when one request of ``request_bytes`` takes
+    ``request_s`` (the store's latency plus the transfer at one connection's bandwidth): Little's law, requests
+    in flight = rate x request_s / request_bytes, in units of ``requests_per_unit`` requests, plus the unit
+    being handed out. More than ``concurrency`` requests (the connections a read may use) cannot be in flight,
+    so no more units than those fill are asked for; never fewer than ``floor`` nor more than ``cap``."""
+    need = rate * max(0.0, request_s) / max(1.0, request_bytes)
+    need = min(need, float(concurrency) + requests_per_unit)
+    return int(min(cap, max(floor, math.ceil(need / max(1.0, requests_per_unit)) + 1)))
+
+
+@dataclass
+class _SlotProgress:
+    """The live iterator's position, read by ``state_dict`` (in the process that iterates)."""
+
+    epoch: int
+    done: str | None
+    phase: int
+    world: tuple[int, int]
+    slot: int
+    nodes: int | None = None
+    count: int = 0
+    skipped: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
+
+    def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
+        """``pending``: the last ``pending`` items handed out are not consumed yet (a resume repeats them)."""
+        count = self.count
+        if pending:
+            if pending > len(self.recent):
+                raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
+            count = self.recent[-pending]
+        return LoaderState(config, self.epoch, self.done, self.phase, self.world, {self.slot: count},
+                           {self.slot: self.skipped} if self.skipped else {}, self.nodes)
+
+
+class _ReadSample(NamedTuple):
+    """One sample as read from a unit buffer (``read_unit``), before it becomes an item (``items.make_item``)."""
+
+    sample_id: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    feats: torch.Tensor          # [L, T, H] view of the unit buffer (fp8 stores: e4m3fn bits)
+    scales: torch.Tensor | None  # [L, T] row scales of fp8 stores
+
+
+def _as_sources(url_or_urls, weights, storage_options, share: bool = False) -> tuple[list[Store], list[float]]:
+    if isinstance(url_or_urls, (str, os.PathLike, Store)):
+        items: list = [url_or_urls]
+    elif isinstance(url_or_urls, Mapping):
+        if weights is not None:
+            raise ValueError("pass weights either as a {url: weight} mapping or as weights=, not both")
+        items, weights = list(url_or_urls), list(url_or_urls.values())
+    else:
+        items = list(url_or_urls)
+    if not items:
+        raise StoreError("no store given")
+    weights = [1.0] * len(items) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(items):
+        raise ValueError(f"{len(weights)} weights for {len(items)} stores")
+    if any(w < 0 or not np.isfinite(w) for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {weights}")
+    if storage_options is None or isinstance(storage_options, Mapping):
+        options = [dict(storage_options or {})] * len(items)
+    else:
+        options = [dict(o or {}) for o in storage_options]
+    # shared: one rank reads the metadata and broadcasts it (every rank builds the dataset, as under DDP)
+    stores = [x if isinstance(x, Store) else open_shared(os.fspath(x), o) if share else open_store(os.fspath(x), **o)
+              for x, o in zip(items, options)]
+    return stores, weights
+
+
+class HiddenStateDataset(IterableDataset):
+    """Samples of one or more hsstore stores as a torch ``IterableDataset`` (see the module doc).
+
+    Items are the store's item dicts: ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool),
+    ``hidden_states`` ``[T, n_layers, H]`` (a view of layer-major memory; with ``pin_memory`` that memory
+    is pinned, in DataLoader workers it is shared memory, so handing an item over copies nothing).
+
+    Arguments beyond the obvious:
+      layers          tapped layer ids to read (default: all); only their bytes are fetched.
+      weights         per store; 2.0 = each sample twice per epoch, 0.5 = a seeded half each epoch.
+      rank, world_size  default: torch.distributed when initialised, else torchrun's RANK/WORLD_SIZE (at build).
+      even            None (default: exactly once, rank counts may differ by one), "drop" (each rank
+                      gets N // world entries; up to world - 1 entries are skipped that epoch) or
+                      "repeat" (each rank gets ceil(N / world); up to world - 1 entries seen twice).
+                      ``True`` means "drop". For equal *step* counts with token batching, also stop all
+                      ranks at the minimum step count.
+      unit_bytes      size of one read (bytes of the requested layers), rounded to whole chunks.
+      shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
+      prefetch        units read ahead, concurrently, per slot (on remote stores, at least: see remote_rate).
+      remote_rate     remote stores: the read-ahead grows until ``remote_rate`` bytes/s per slot can arrive,
+                      sized from the fastest request time seen (latency + transfer at one connection's
+                      bandwidth) by ``read_ahead_units``, so a 30 ms object store gives the rate of a near one
+                      once the pipeline is full; capped by ``read_ahead_bytes`` and the connections a read may
+                      use (``HSSTORE_METADATA_CONCURRENCY``). 0: a fixed ``prefetch``.
+      cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
+      skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
+                      and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
+                      A read that fails after retries (``FetchError``: the network, not the bytes) is
+                      always raised, so an epoch is never silently short.
+      dequantise      fp8 stores: items carry e4m3fn ``hidden_states`` plus float32 ``hidden_scales``
+                      ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
+                      ``hsstore.format.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
+                      manifest dtype. No effect on raw stores.
+      partition       "global" (default): every epoch is one global permutation cut into rank ranges, so a
+                      node reads a different part of the stores every epoch. "node": each node is given a
+                      fixed share of the read units for the whole run (a function of ``seed`` and the node
+                      count, not of the epoch) and shuffles within it every epoch; the node's ranks and
+                      workers split that share as in a global plan. With ``cache_dir``/``cache_bytes`` holding
+                      the node's share, epochs 2.. fetch nothing remote. Exactly once per epoch still holds
+                      over all ranks; a resume with another node count re-partitions what is left.
+      ranks_per_node  ranks per node for ``partition="node"`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else
+                      the whole world is one node); ranks are numbered node by node, as torchrun does.
+      share_metadata  under torch.distributed, the first rank reads the stores' commit records and
+                      broadcasts them (``hsstore.store.reader.open_shared``) instead of every rank reading them:
+                      a collective, so every rank must build the dataset (as DDP code does). DataLoader
+                      workers never re-read them: they get the opened stores with the dataset.
+    """
+
+    def __init__(
+        self,
+        url_or_urls: str | Store | Sequence[str | Store] | Mapping[str, float],
+        layers: Sequence[int] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        weights: Sequence[float] | None = None,
+        even: bool | str | None = None,
+        sources: Iterable[str] | None = None,
+        min_loss_tokens: int = 0,
+        min_length: int = 0,
+        max_length: int | None = None,
+        where: Callable[[dict[str, Any]], bool] | None = None,
+        unit_bytes: int = DEFAULT_UNIT_BYTES,
+        shuffle_bytes: int = DEFAULT_SHUFFLE_BYTES,
+        prefetch: int = 4,
+        pin_memory: bool = False,
+        cache_dir: str | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        skip_corrupt: bool = False,
+        dequantise: bool = False,
+        storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        final_hidden: bool = False,
+        share_metadata: bool = False,
+        partition: str = "global",
+        ranks_per_node: int | None = None,
+        remote_rate: float = DEFAULT_REMOTE_RATE,
+        read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
+    ) -> None:
+        super().__init__()
+        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
+        first = self.stores[0]
+        for store in self.stores[1:]:
+            check_compatible(first.manifest, store.manifest, f"store {first.url!r}", f"store {store.url!r}")
+        for store in self.stores:
+            store.check_manifest()
+            if len(store) == 0:
+                raise StoreError(f"store {store.url!r} has no committed samples (nothing to load)")
+        self.layers = first.check_layers(layers)
+        for store in self.stores[1:]:
+            store.check_layers(self.layers)
+        m = first.manifest
+        self.final_hidden = bool(final_hidden)
+        if self.final_hidden and "final_hidden" not in m.features:
+            raise StoreError(f"final_hidden asked for, store {first.url!r} does not hold it (written without "
+                             "hsstore extract --final-hidden, or imported from files without hidden_state)")
+        # what is read per token: the layers, then the final norm's output when asked for
+        self._features = list(self.layers) + (["final_hidden"] if self.final_hidden else [])
+        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
+        self.fp8, self.dequantise = m.encoding == fp8.ENCODING, bool(dequantise)
+        ct = m.chunk_tokens
+        self.unit_tokens = max(1, -(-max(1, unit_bytes // self.token_bytes) // ct)) * ct
+        if even is True:
+            even = "drop"
+        if even not in (None, False) and even not in EVEN_MODES:
+            raise ValueError(f"even must be None, True or one of {EVEN_MODES}, got {even!r}")
+        self.even = even or None
+        if isinstance(sources, str):
+            sources = [sources]
+        self.filters = Filters(frozenset(sources) if sources is not None else None, int(min_loss_tokens),
+                               int(min_length), max_length, where)
+        self.catalog = build_catalog(self.stores, self.filters, self.unit_tokens)
+        if len(self.catalog) == 0:
+            raise StoreError(f"no samples left after filters {self.filters.describe()} in "
+                             + ", ".join(repr(s.url) for s in self.stores))
+        self.filters = Filters(**{**self.filters.__dict__, "where": None})  # applied; not picklable (spawn)
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+        self.partition = partition
+        # a global plan is one part over the whole world; nodes is None there (states carry no node count)
+        self.node, self.nodes, self.ranks_per_node = (node_of(self.rank, self.world_size, ranks_per_node)
+                                                      if partition == "node" else (0, None, self.world_size))
+        self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
+        self.remote_rate, self.read_ahead_bytes = float(remote_rate), int(read_ahead_bytes)
+        unit = self.unit_tokens * self.token_bytes
+        self.max_prefetch = max(self.prefetch, self.read_ahead_bytes // max(1, unit))
+        self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
+        self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
+        self.planner = Planner(self.catalog, self.weights, seed=self.seed, shuffle=self.shuffle, even=self.even,
+                               unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
+                               shuffle_bytes=self.shuffle_bytes, partition=partition)
+        if self.nodes is not None:
+            self._log_share()
+        self._epoch_box = _shared_int(0)
+        self._epoch_plain = 0
+        self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
+        self._resume: LoaderState | None = None
+        self._live: _SlotProgress | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_live"] = None
+        state.pop("_buffers", None)
+        if self._epoch_box is not None and multiprocessing.context.get_spawning_popen() is None:
+            state["_epoch_box"], state["_epoch_plain"] = None, self.epoch  # plain pickling: a snapshot
+        return state
+
+    # -- epochs and the plan ------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The current epoch. Shared with DataLoader workers, so ``set_epoch`` in the main process also
+        reaches persistent workers (``persistent_workers=True``), which keep their own dataset copy."""
+        return int(self._epoch_box.value) if self._epoch_box is not None else self._epoch_plain
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self._epoch_box is not None:
+            self._epoch_box.value = int(value)
+        self._epoch_plain = int(value)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (a new order per epoch). A loaded resume state for another epoch is dropped."""
+        self.epoch = int(epoch)
+        if self._resume is not None and self._resume.epoch != self.epoch:
+            self._resume = None
+
+    def _log_share(self) -> None:
+        units, nbytes = self.planner.node_share(self.nodes, self.node)
+        log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
+                 self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
+        remote = [s for s in self.stores if not storage.is_local(s.fs)]
+        if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
+            log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
+                        "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
+
+    def _resumed(self) -> LoaderState | None:
+        """The loaded resume state when it is for the current epoch."""
+        return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
+
+    def _fresh_plan(self, epoch: int, rank: int | None, num_workers: int, worker: int) -> SlotPlan:
+        rank = self.rank if rank is None else int(rank)
+        if not (0 <= rank < self.world_size and 0 <= worker < num_workers):
+            raise ValueError(f"no slot for rank {rank} of {self.world_size}, worker {worker} of {num_workers}")
+        return self.planner.slot_plan(int(epoch), None, 0, self.world_size, num_workers,
+                                      rank * num_workers + worker, self.nodes)
+
+    def planned_lengths(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
+                        worker: int = 0) -> np.ndarray:
+        """Token counts of the samples one slot hands out in ``epoch``, in order, from the epoch's start.
+
+        A slot is DataLoader worker ``worker`` of ``num_workers`` (in-process iteration: 0 of 1) on
+        ``rank`` (default: this dataset's). Metadata only, so cheap: with ``hsstore.count_token_batches``
+        it gives the steps of every epoch before any is read."""
+        rows = self._fresh_plan(epoch, rank, num_workers, worker).rows
+        return (self.catalog.stop - self.catalog.start)[rows]
+
+    def planned_ids(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
+                    worker: int = 0) -> list[str]:
+        """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
+        return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, rank, num_workers, worker).rows]
+
+    def rank_counts(self) -> list[int]:
+        """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
+        resume = self._resumed()
+        done, phase = (resume.done, resume.phase) if resume else (None, 0)
+        return self.planner.rank_counts(self.epoch, done, phase, self.world_size, self.nodes)
+
+    def __len__(self) -> int:
+        """Entries this rank hands out in the current epoch (after a resume: from the start of the
+        resumed phase, i.e. not less what was consumed in it)."""
+        return self.rank_counts()[self.rank]
+
+    # -- resume state ---------------------------------------------------------------------------------------
+    def state_dict(self, pending: int = 0) -> dict[str, Any]:
+        """Where this process's iterator is: its slot and how many entries it handed out.
+
+        ``pending``: the last ``pending`` items handed out are not consumed yet (a batcher holds them),
+        so a resume hands them out again. Without a live iterator: the loaded state, or the epoch start.
+        """
+        live = self._live
+        if live is None or live.epoch != self.epoch:
+            resume = self._resumed()
+            return (resume or LoaderState(self.planner.config, self.epoch, nodes=self.nodes)).to_dict()
+        return live.state(self.planner.config, pending).to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the epoch recorded in ``state`` (from ``state_dict`` or ``merge_states``) at its position."""
+        resume = LoaderState.find(state)
+        diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in self.planner.config.items()
+                 if resume.config.get(k) != v]
+        if resume.config.get("partition", "global") != self.partition and "partition" not in self.planner.config:
+            diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {self.partition!r}")
+        if diffs:
+            raise LoaderStateError("resume state was made by a differently configured dataset (state vs this): "
+                                   + "; ".join(diffs))
+        self.epoch = resume.epoch
+        self._resume = resume
+        self._live = None
+
+    # -- iteration ----------------------------------------------------------------------------------------
+    def _position(self) -> tuple[_SlotProgress, SlotPlan]:
+        info = get_worker_info()
+        W, w = (info.num_workers, info.id) if info is not None else (1, 0)
+        R, r = self.world_size, self.rank
+        slot = r * W + w
+        resume = self._resumed()
+        done, phase, count, skipped = None, 0, 0, 0
+        if resume is not None:
+            done, phase = resume.done, resume.phase
+            if resume.world is None:
+                if resume.nodes != self.nodes:
+                    log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
+                             "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
+                             resume.nodes)
+            elif resume.world == (R, W) and resume.nodes == self.nodes:
+                if slot not in resume.counts:
+                    raise LoaderStateError(
+                        f"resume state has no position for rank {r} worker {w} (it covers slots "
+                        f"{sorted(resume.counts)}); load each worker's own state (StatefulDataLoader does) "
+                        "or a merge of all of them")
+                count, skipped = resume.counts[slot], resume.skipped.get(slot, 0)
+            else:
+                if resume.nodes != self.nodes:
+                    log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
+                             "remaining samples over the nodes (node shares, and so what local caches hold, "
+                             "change)", self.epoch, self.nodes, resume.nodes)
+                log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
+                         "re-cutting the remaining samples", self.epoch, R, W, *resume.world)
+                done, phase = self.planner.fold(resume), phase + 1
+        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot, self.nodes)
+        if count > len(plan):
+            raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
+        return _SlotProgress(self.epoch, done, phase, (R, W), slot, self.nodes, count, skipped), plan
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        progress, plan = self._position()
+        self._live = progress
+        return _SlotReader(self, plan, progress)
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def _attach_cache(self) -> None:
+        if self.cache_dir is None:
+            return
+        for store in self.stores:  # one cache object per process: a forked child must not share its lock
+            cache = store.chunk_cache
+            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
+                store.use_chunk_cache(ChunkCache(self.cache_dir, self.cache_bytes))
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a token range's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
+        asked in the main process, else recycled from this process's pool (numpy's allocator asks for
+        huge pages: fresh memory faults in several times faster than torch's)."""
+        return empty_host(shape, dtype, pin=self.pin_memory, shared=self.share_memory, pool=self._pool())
+
+    def _pool(self) -> BufferPool:
+        pool = self.__dict__.get("_buffers")
+        if pool is None or pool.pid != os.getpid():
+            # about what a slot holds at its peak: the shuffle pool plus the units read ahead
+            pool = self.__dict__["_buffers"] = BufferPool(
+                self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+        return pool
+
+    def remote_read(self) -> tuple[float, float] | None:
+        """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
+        from measured request times), else None."""
+        if self.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
+            return None
+        ct, n = self.stores[0].manifest.chunk_tokens, len(self._features)
+        return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
+
+    def _store_gone(self, store: Store) -> str | None:
+        try:
+            return None if storage.store_exists(store.fs, store.root, store.url) else "its manifest is gone"
+        except Exception as e:  # unreachable counts as gone: nothing can be read from it
+            return f"it cannot be reached ({type(e).__name__}: {e})"
+
+    def _sample_id(self, row: int) -> str:
+        cat = self.catalog
+        return self.stores[int(cat.store[row])].commits[int(cat.shard[row])].samples["sample_id"][int(cat.local[row])]
+
+    def read_unit(self, rows: np.ndarray) -> dict[int, _ReadSample | CorruptionError]:
+        """Read catalog rows of one shard (one unit): row -> the sample read, or the ``CorruptionError``
+        of that sample. Contiguous rows are read with one ``read_range``."""
+        cat = self.catalog
+        rows = np.unique(rows)
+        store = self.stores[int(cat.store[rows[0]])]
+        commit = store.commits[int(cat.shard[rows[0]])]
+        out: dict[int, Any] = {}
+        ranges = np.split(rows, np.flatnonzero(cat.start[rows[1:]] != cat.stop[rows[:-1]]) + 1)
+        try:
+            for contiguous in ranges:
+                self._read_range(store, commit, contiguous, out)
+        except (CorruptionError, StoreError) as e:
+            gone = self._store_gone(store)
+            if gone:
+                raise StoreError(f"store {store.url!r} disappeared mid-epoch ({gone}) while reading shard "
+                                 f"{commit.shard!r}: {e}") from None
+            if not isinstance(e, CorruptionError):
+                raise
+            out = {}
+            for row in rows:  # find the samples at fault, keep the rest
+                try:
+                    self._read_range(store, commit, np.array([row]), out)
+                except CorruptionError as e1:
+                    out[int(row)] = CorruptionError(f"store {store.url!r}, shard {commit.shard!r}, "
+                                                    f"sample {self._sample_id(int(row))!r}: {e1}")
+        return out
+
+    read_group = read_unit  # its former name, kept for callers
+
+    def _read_range(self, store: Store, commit, rows: np.ndarray, out: dict[int, Any]) -> None:
+        """Catalog rows whose tokens are one contiguous range of a shard: one ``read_range``."""
+        cat = self.catalog
+        a, b = int(cat.start[rows[0]]), int(cat.stop[rows[-1]])
+        m = store.manifest
+        shape = (len(self._features), b - a, m.hidden_size)
+        scales = None
+        if self.fp8:  # e4m3fn bits, and the rows' scales
+            feats = self._alloc(shape, torch.uint8)
+            bits = feats.numpy()
+            scales = self._alloc(shape[:2], torch.float32)
+            feats = feats.view(fp8.FP8_DTYPE)
+        else:
+            feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
+            bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
+                codec.STORAGE_DTYPE[m.dtype])
+        ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits,
+                                        scales_out=None if scales is None else scales.numpy())
+        for row in rows:
+            s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
+            out[int(row)] = _ReadSample(commit.samples["sample_id"][int(cat.local[row])], ids[s:e], mask[s:e],
+                                        feats[:, s:e], None if scales is None else scales[:, s:e])
+
+    def _item(self, sample: _ReadSample) -> dict[str, Any]:
+        item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
+                         dtype=self.stores[0].manifest.dtype, final_hidden=self.final_hidden,
+                         dequantise=self.dequantise,
+                         pin=self.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
+        return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
+
+    def __repr__(self) -> str:
+        return (f"HiddenStateDataset({[s.url for s in self.stores]}, samples={len(self.catalog)}, layers={self.layers}, "
+                f"rank={self.rank}/{self.world_size}, epoch={self.epoch})")
+
+
+def _shared_int(value: int):
+    """An int in shared memory, inherited by forked and spawned workers (None where unavailable)."""
+    try:
+        return multiprocessing.Value("q", value, lock=False)
+    except (OSError, ImportError):  # no usable shared memory: epochs then reach workers at their start only
+        return None
+
+
+class _SlotReader:
+    """Iterator over one slot's plan: reads units ahead on threads, hands out items in plan order.
+
+    Units are submitted in order of first use, up to ``prefetch`` units beyond the one being handed
+    out; a unit's data is released after its last item is handed out (the shuffle pool's memory)."""
+
+    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress) -> None:
+        self.ds, self.plan, self.progress = ds, plan, progress
+        self.pos = progress.count
+        self.rows = plan.rows
+        self.unit_rows: dict[int, np.ndarray] = {}
+        self.last_use: dict[int, int] = {}
+        self.rank_of: dict[int, int] = {}  # unit -> index in order of first use
+        self.order: list[int] = []
+        rest = plan.units[self.pos:]
+        if len(rest):
+            srt = np.argsort(rest, kind="stable")
+            u_sorted = rest[srt]
+            cuts = np.flatnonzero(np.r_[True, u_sorted[1:] != u_sorted[:-1]])
+            firsts = {}
+            for c0, c1 in zip(cuts.tolist(), np.r_[cuts[1:], len(srt)].tolist()):
+                g = int(u_sorted[c0])
+                self.unit_rows[g] = self.rows[self.pos + srt[c0:c1]]
+                self.last_use[g] = self.pos + int(srt[c1 - 1])
+                firsts[g] = int(srt[c0])
+            self.order = sorted(firsts, key=firsts.__getitem__)
+            self.rank_of = {g: i for i, g in enumerate(self.order)}
+        self.futures: dict[int, Future] = {}
+        self.depth = ds.prefetch  # units read ahead: grows on remote stores (read_ahead_units)
+        self.remote = ds.remote_read()
+        self.request_s = math.inf  # the fastest request time seen (remote stores)
+        self.next_submit = 0
+        self.pool: ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def __iter__(self) -> "_SlotReader":
+        return self
+
+    def _submit_through(self, idx: int) -> None:
+        if self.pool is None:
+            self.ds._attach_cache()
+            workers = self.ds.max_prefetch if self.remote else self.ds.prefetch
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
+        while self.next_submit < len(self.order) and self.next_submit <= idx:
+            g = self.order[self.next_submit]
+            rows = self.unit_rows.pop(g)
+            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_unit, rows)
+            self.next_submit += 1
+
+    def _read(self, rows: np.ndarray):
+        """A remote unit read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
+        t = time.perf_counter()
+        out = self.ds.read_unit(rows)
+        took = time.perf_counter() - t
+        cat, ds = self.ds.catalog, self.ds
+        request, per_unit = self.remote
+        requests = max(1.0, float((cat.stop[rows] - cat.start[rows]).sum()) * ds.token_bytes / request)
+        rounds = math.ceil(requests / storage.metadata_concurrency())
+        self.request_s = min(self.request_s, took / rounds)
+        self.depth = read_ahead_units(ds.remote_rate, self.request_s, request, per_unit,
+                                      storage.metadata_concurrency(), ds.prefetch, ds.max_prefetch)
+        return out
+
+    def __next__(self) -> dict[str, Any]:
+        plan, ds, progress = self.plan, self.ds, self.progress
+        try:
+            while self.pos < len(plan):
+                p = self.pos
+                g = int(plan.units[p])
+                self._submit_through(self.rank_of[g] + self.depth)
+                sample = self.futures[g].result()[int(self.rows[p])]
+                if p == self.last_use[g]:
+                    del self.futures[g]
+                self.pos = progress.count = p + 1
+                if isinstance(sample, Exception):
+                    if ds.skip_corrupt and isinstance(sample, CorruptionError):
+                        progress.skipped += 1
+                        log.warning("skipping corrupt sample (%d skipped so far): %s", progress.skipped, sample)
+                        continue
+                    raise sample
+                progress.recent.append(p)
+                return ds._item(sample)
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for f in self.futures.values():
+            f.cancel()
+        self.futures.clear()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

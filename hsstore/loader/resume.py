@@ -1,0 +1,139 @@
+"""The loader's resume state: where an epoch stands, as a dataclass, and its plain-dict form.
+
+A slot's emission order is a pure function of the epoch plan (``plan`` module), so a position is one
+count per slot. The dict form (``LoaderState.to_dict``) is the public one: ``HiddenStateDataset.state_dict``
+returns it, ``torchdata``'s ``StatefulDataLoader`` snapshots it per worker, trainers save it as JSON
+(which turns the slot keys into strings). Every dict ever written must keep loading, so ``from_dict``
+reads version 1 as it was first written::
+
+    {"hsstore_loader": 1, "config": {...}, "epoch": 1, "done": None, "phase": 0, "world": [2, 1],
+     "counts": {"0": 5}, "skipped": {}}
+
+A node-partitioned dataset (``partition="node"``) adds ``"nodes": N``, the node count of the phase (its
+config then holds ``"partition": "node"``); a state without it is a global plan's.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import numpy as np
+
+from ..errors import StoreError
+
+STATE_KEY = "hsstore_loader"  # marks a loader state inside a larger checkpoint dict; its value is the version
+STATE_VERSION = 1
+
+
+class LoaderStateError(StoreError, ValueError):
+    """A resume state does not fit this dataset (other stores, filters, seed, or an incomplete merge)."""
+
+
+@dataclass
+class LoaderState:
+    """One epoch's position over the slots (rank x worker) of one phase.
+
+    A *phase* is one cut of the epoch's remaining entries into slots: it starts at the epoch start and
+    anew whenever a run resumes with another world size or worker count. ``done`` holds what earlier
+    phases consumed (a packed bitmap over the epoch's entries, ``pack_done``)."""
+
+    config: dict[str, Any]  # the plan's identity (``Planner.config``): a state only fits the same plan
+    epoch: int
+    done: str | None = None
+    phase: int = 0
+    world: tuple[int, int] | None = None  # (ranks, workers) of the phase; None: nothing handed out yet
+    counts: dict[int, int] = field(default_factory=dict)  # slot -> entries handed out in this phase
+    skipped: dict[int, int] = field(default_factory=dict)  # slot -> corrupt samples skipped
+    nodes: int | None = None  # node count of the phase (``partition="node"`` only; None: a global plan)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public, JSON-able form (a fresh dict: the caller may keep or change it)."""
+        out = {STATE_KEY: STATE_VERSION, "config": dict(self.config), "epoch": self.epoch, "done": self.done,
+               "phase": self.phase, "world": list(self.world) if self.world is not None else None,
+               "counts": dict(self.counts), "skipped": dict(self.skipped)}
+        if self.nodes is not None:  # written only by node-partitioned plans: older readers see what they know
+            out["nodes"] = self.nodes
+        return out
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> "LoaderState":
+        """One state dict as ``to_dict`` wrote it, also after a JSON round trip (string slot keys)."""
+        if state[STATE_KEY] > STATE_VERSION:
+            raise LoaderStateError(f"loader state version {state[STATE_KEY]} is newer than this hsstore reads")
+        world = state.get("world")
+        return cls(config=dict(state["config"]), epoch=int(state["epoch"]), done=state.get("done"),
+                   phase=int(state["phase"]), world=(int(world[0]), int(world[1])) if world else None,
+                   counts={int(k): int(v) for k, v in (state.get("counts") or {}).items()},
+                   skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()},
+                   nodes=int(state["nodes"]) if state.get("nodes") is not None else None)
+
+    @classmethod
+    def find(cls, obj: Any) -> "LoaderState":
+        """The state in ``obj``: a state dict, or one state or several (merged) anywhere inside a
+        checkpoint, e.g. a ``StatefulDataLoader.state_dict()`` with per-worker states."""
+        found = [cls.from_dict(s) for s in _find_states(obj)]
+        if not found:
+            raise LoaderStateError(f"not an hsstore loader state (no {STATE_KEY!r} key found)")
+        return found[0] if len(found) == 1 else _merge(found)
+
+
+def _find_states(obj: Any) -> Iterator[Mapping[str, Any]]:
+    if isinstance(obj, Mapping):
+        if STATE_KEY in obj:
+            yield obj
+            return
+        for v in obj.values():
+            yield from _find_states(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _find_states(v)
+
+
+def _merge(found: list[LoaderState]) -> LoaderState:
+    live = [s for s in found if s.world is not None] or found[:1]
+    base = live[0]
+    for s in live[1:]:
+        for k in ("config", "epoch", "done", "phase", "world", "nodes"):
+            if getattr(s, k) != getattr(base, k):
+                raise LoaderStateError(f"states disagree on {k!r} ({getattr(s, k)!r} vs {getattr(base, k)!r}): "
+                                       "they are not from one run at one step")
+    counts: dict[int, int] = {}
+    skipped: dict[int, int] = {}
+    for s in live:
+        for slot, c in s.counts.items():
+            if slot in counts and counts[slot] != c:
+                raise LoaderStateError(f"two states give slot {slot} different positions ({counts[slot]} vs {c})")
+            counts[slot] = c
+        skipped.update(s.skipped)
+    return dataclasses.replace(base, counts=counts, skipped=skipped)
+
+
+def merge_states(states: Iterable[Any]) -> dict[str, Any]:
+    """One resume state from the states of all ranks and workers of a run.
+
+    Accepts ``HiddenStateDataset.state_dict()`` results, ``StatefulDataLoader.state_dict()`` results
+    (per-worker states are found inside), or lists of them, e.g. the ``all_gather_object`` of every
+    rank's loader state. Load the result with ``dataset.load_state_dict`` before building the loader.
+    """
+    found = [LoaderState.from_dict(s) for s in _find_states(list(states))]
+    if not found:
+        raise LoaderStateError("no hsstore loader state found in what was given")
+    return _merge(found).to_dict()
+
+
+def pack_done(done: np.ndarray | None) -> str | None:
+    """A bitmap of consumed entries as short text (JSON-able); None when nothing is consumed."""
+    if done is None or not done.any():
+        return None
+    return base64.b64encode(zlib.compress(np.packbits(done).tobytes())).decode()
+
+
+def unpack_done(text: str | None, n: int) -> np.ndarray | None:
+    if not text:
+        return None
+    bits = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
+    return np.unpackbits(bits, count=n).astype(bool)

@@ -1,0 +1,639 @@
+"""Store and loader throughput against raw reads/writes of the same bytes on the same filesystem.
+
+Machines here are noisy, so speed is reported as a ratio measured in one run: store write vs
+``fs.pipe`` of byte-identical objects, store read (decoded, all layers, as tensors) vs ``fs.cat_ranges`` of
+the store's own files. Rounds alternate (raw, store, raw, store) and the best of each is kept.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import storage
+from ..layouts import wds
+from ..format.commit import layer_array
+from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
+from ..store.reader import Store
+from ..store.writer import StoreWriter, default_chunk_tokens
+
+log = logging.getLogger(__name__)
+
+
+def synthetic_samples(total_bytes: int, layers: int, hidden: int, seed: int = 0, mean_len: int = 2048):
+    """Finite random bf16 features (random bits with the exponent's top bit clear), ~total_bytes in all."""
+    g = torch.Generator().manual_seed(seed)
+    per_token = layers * hidden * 2
+    out, size, i = [], 0, 0
+    while size < total_bytes:
+        T = int(torch.randint(mean_len // 2, mean_len * 3 // 2, (1,), generator=g))
+        bits = torch.randint(0, 1 << 15, (T, layers, hidden), dtype=torch.int32, generator=g) & 0x3FFF
+        bits |= torch.randint(0, 2, (T, layers, hidden), dtype=torch.int32, generator=g) << 15
+        hs = bits.to(torch.int16).view(torch.bfloat16)
+        ids = torch.randint(0, 32000, (T,), generator=g)
+        mask = torch.rand(T, generator=g) > 0.3
+        out.append((f"bench-{i}", ids, mask, hs))
+        size += T * per_token
+        i += 1
+    return out
+
+
+def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr") -> Manifest:
+    return Manifest(
+        target=TargetIdentity(name="bench", num_layers=max(64, layers), hidden_size=hidden, config_hash="bench"),
+        tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"),
+        layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2), layout=layout)
+
+
+def timed(fn, sync=None) -> float:
+    """Seconds ``fn()`` took; ``sync`` (e.g. ``torch.cuda.synchronize``) runs before and after, so queued device
+    work is neither counted against ``fn`` nor left out of it."""
+    if sync is not None:
+        sync()
+    t = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - t
+
+
+def _loader_process(store_url: str, storage_options: dict[str, Any], layers: list[int], rank: int, world: int,
+                    workers: int, seed: int, start, results) -> None:
+    """One of several concurrent loaders (a spawned process): open, read one epoch to warm up, wait for the
+    others, then time the next epoch.
+    Its intra-op threads are its share of the cores, as torchrun's ranks (``OMP_NUM_THREADS``) would have them."""
+    from torch.utils.data import DataLoader
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from ..loader.dataset import HiddenStateDataset
+
+    ds = HiddenStateDataset(store_url, layers=layers, seed=seed, rank=rank, world_size=world,
+                            storage_options=storage_options)
+    it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
+    for epoch in range(2):  # epoch 0 warms up (first-touch memory, as a training run's first steps), 1 is timed
+        ds.set_epoch(epoch)
+        if epoch:
+            start.wait()
+        t = time.perf_counter()
+        got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in it)
+    results.put((rank, got, time.perf_counter() - t))
+
+
+def _concurrent_loaders(store_url: str, storage_options: dict[str, Any], layers: list[int], procs: int,
+                        workers: int, rounds: int, progress: bool) -> dict[str, Any]:
+    """``procs`` loader processes at once, each rank r of world ``procs``: the best round's per-process GB/s
+    (its bytes / its time) and total GB/s (all bytes / the slowest process's time)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fresh interpreters, as torchrun starts its ranks
+    best: dict[str, Any] | None = None
+    bar = _bar(rounds, f"bench {procs} loaders at once", progress)
+    for r in range(rounds):
+        start, results = ctx.Barrier(procs), ctx.Queue()
+        ps = [ctx.Process(target=_loader_process, args=(store_url, storage_options, layers, i, procs, workers, r,
+                                                         start, results)) for i in range(procs)]
+        for p in ps:
+            p.start()
+        got = sorted(results.get(timeout=3600) for _ in ps)
+        for p in ps:
+            p.join()
+        per = [b / s / 1e9 for _, b, s in got]
+        total = sum(b for _, b, _ in got) / max(s for _, _, s in got) / 1e9
+        if best is None or total > best["total_gbps"]:
+            best = {"procs": procs, "workers_each": workers, "total_gbps": total, "per_process_gbps": per,
+                    "min_process_gbps": min(per)}
+        bar.update(1)
+    bar.close()
+    assert best is not None
+    return best
+
+
+def _bar(total: int, desc: str, progress: bool, unit: str = "round"):
+    """Benchmarks run for minutes: a bar that says which round and which pass is running."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress)
+
+
+def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
+                    layers: int = 5, codec: str = "none", rounds: int = 2, what: str = "store", layout: str = "zarr",
+                    progress: bool = False) -> dict[str, dict]:
+    fs, root = storage.resolve(url, storage_options)
+    samples = synthetic_samples(size_mb << 20, layers, hidden)
+    nbytes = sum(s[3].numel() * 2 for s in samples)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    manifest = bench_manifest(layers, hidden, codec, layout)
+    best = {"write": np.inf, "raw_write": np.inf, "raw_durable": np.inf, "read": np.inf, "raw_read": np.inf}
+    local = storage.is_local(fs)
+    bar = _bar(rounds, f"bench store ({layout})", progress)
+    try:
+        for r in range(rounds):
+            bar.set_postfix_str(f"round {r + 1}/{rounds}: write")
+            store_url = f"{url.rstrip('/')}/{run}/store{r}"
+            raw_root = storage.join(root, run, f"raw{r}")
+
+            def write_store():
+                with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
+                    for sid, ids, mask, hs in samples:
+                        w.add(sid, ids, mask, hs)
+
+            best["write"] = min(best["write"], timed(write_store))
+            store = Store(store_url, storage_options)
+            files = [storage.join(store.root, k) for c in store.commits for k in c.files]
+            blobs = storage.cat_many(fs, files)  # byte-identical payloads for the raw write
+            raw_objects = {storage.join(raw_root, f"{i:06d}"): blobs[p] for i, p in enumerate(files)}
+            del blobs
+            fs.makedirs(raw_root, exist_ok=True)
+            best["raw_write"] = min(best["raw_write"], timed(lambda: fs.pipe(raw_objects)))
+            if local:  # the store fsyncs every chunk before its commit record; so does this baseline
+                best["raw_durable"] = min(best["raw_durable"], timed(lambda: pipe_fsync(raw_objects)))
+            raw_objects = None  # free the copies before the read rounds
+            best["raw_read"] = min(best["raw_read"], timed(lambda: storage.cat_many(fs, files)))
+
+            def read_store():  # sequential decode of every sample, all layers, as tensors
+                for _ in store:
+                    pass
+
+            bar.set_postfix_str(f"round {r + 1}/{rounds}: read")
+            best["read"] = min(best["read"], timed(read_store))
+            bar.update(1)
+            fs.rm(storage.join(root, run, f"raw{r}"), recursive=True)
+            fs.rm(storage.join(root, run, f"store{r}"), recursive=True)
+    finally:
+        bar.close()
+        _remove(fs, storage.join(root, run))
+    gb = nbytes / 1e9
+    result = {
+        "store_write": {"gbps": gb / best["write"], "raw_gbps": gb / best["raw_write"], "bytes": nbytes},
+        "store_read": {"gbps": gb / best["read"], "raw_gbps": gb / best["raw_read"], "bytes": nbytes},
+    }
+    if local:
+        w = result["store_write"]
+        w["raw_durable_gbps"] = gb / best["raw_durable"]
+        w["ratio_durable"] = w["gbps"] / w["raw_durable_gbps"]
+    for r in result.values():
+        r["ratio"] = r["gbps"] / r["raw_gbps"]
+        r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url, "layout": layout})
+    return result
+
+
+def _raw_pieces(store: Store, layers: list[int]) -> list[tuple[str, int, int]]:
+    """``(path, start, end)`` of the objects (zarr: chunk files; wds: tar members) that hold the ids, masks
+    and ``layers``' features of a store: what a plain reader of those bytes would fetch."""
+    wanted = [f"/{layer_array(l)}/c/" for l in layers] + ["/input_ids/c/", "/loss_mask/c/"]
+    member_parts = [f".{wds.layer_part(l)}" for l in layers] + [".input_ids.npy", ".loss_mask.npy"]
+    out = []
+    for c in store.commits:
+        if c.members is not None:
+            path = storage.join(store.root, wds.tar_path(c.shard))
+            out += [(path, o, o + n) for k, (o, n, _) in c.members.items() if any(k.endswith(x) for x in member_parts)]
+        else:
+            out += [(storage.join(store.root, k), 0, v["size"]) for k, v in c.files.items()
+                    if any(x in k for x in wanted)]
+    return out
+
+
+def _remove(fs, path: str) -> None:
+    """Delete a bench's scratch folder, whatever of it exists."""
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # cleanup after a failure must not replace that failure's error
+        log.warning("bench: could not remove scratch %s (%s: %s)", path, type(e).__name__, e)
+
+
+def pipe_fsync(objects: dict[str, bytes]) -> None:
+    """Raw local writes made durable (write + fsync per file, sequentially, as ``fs.pipe`` writes)."""
+    for path, data in objects.items():
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def drop_page_cache(paths: list[str]) -> None:
+    """Ask the kernel to forget cached pages of local files (no root needed), for cold-read rounds."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
+    """The peers' layout: one ``torch.save`` file per sample (SpecForge / ModelOpt style)."""
+    local = storage.is_local(fs)
+    paths = []
+    if local:
+        os.makedirs(peer_root, exist_ok=True)
+    for i, (sid, ids, mask, hs) in enumerate(samples):
+        path = storage.join(peer_root, f"{i:06d}.pt")
+        d = {"input_ids": ids, "loss_mask": mask, "hidden_states": hs}
+        if local:
+            torch.save(d, path)
+        else:
+            buf = io.BytesIO()
+            torch.save(d, buf)
+            fs.pipe_file(path, buf.getvalue())
+        paths.append(path)
+    return paths
+
+
+@dataclass(frozen=True)
+class LoaderBench:
+    """What ``run_loader_bench`` measures (the flags of ``hsstore bench --what loader``).
+
+    A synthetic store of ``size_mb`` (``layers`` taps of ``hidden``, chunk ``codec``, ``layout``) read back
+    ``rounds`` times, best round of each path kept; ``read_layers`` (default all) are the layers read.
+    ``workers`` > 0 also times that many persistent DataLoader workers; ``batch_tokens`` > 0 times packed
+    ``TokenBatches`` of that many tokens instead of single samples; ``procs`` > 1 also runs that many loaders at
+    once; ``cold`` drops local files from the page cache before every pass; ``peers`` times the peers'
+    one-file-per-sample layout; ``pin`` delivers items in pinned memory."""
+
+    size_mb: int = 512
+    hidden: int = 5120
+    layers: int = 5
+    codec: str = "none"
+    rounds: int = 3
+    read_layers: tuple[int, ...] | None = None
+    workers: int = 0
+    cold: bool = False
+    peers: bool = True
+    pin: bool = False
+    layout: str = "zarr"
+    progress: bool = False
+    procs: int = 1
+    batch_tokens: int = 0
+
+
+def _write_loader_store(fs, root: str, url: str, storage_options: dict[str, Any], run: str, s: LoaderBench,
+                        ) -> tuple[Store, list[str]]:
+    """The bench's store (and, with ``s.peers``, the same samples in the peers' layout): (store, peer files)."""
+    store_url = f"{url.rstrip('/')}/{run}/store"
+    samples = synthetic_samples(s.size_mb << 20, s.layers, s.hidden)
+    with StoreWriter(store_url, bench_manifest(s.layers, s.hidden, s.codec, s.layout), storage_options=storage_options,
+                     shard_bytes=256 << 20) as w:
+        for sid, ids, mask, hs in samples:
+            w.add(sid, ids, mask, hs)
+    peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if s.peers else []
+    return Store(store_url, storage_options), peer_paths
+
+
+class _LoaderPasses:
+    """One pass of each path the loader bench times, over the same bytes: ``raw`` (``fs.cat_ranges`` of the
+    objects holding them), ``raw_direct`` (local: unbuffered ``readinto`` into fresh memory, a ceiling),
+    ``loader`` / ``workers`` (``HiddenStateDataset`` in-process / through DataLoader workers, one dataset across
+    rounds as a training run keeps it) and ``peer`` (``torch.load`` of one file per sample)."""
+
+    def __init__(self, fs, store: Store, sel: list[int], peer_paths: list[str], s: LoaderBench) -> None:
+        self.fs, self.store, self.sel, self.peer_paths, self.s = fs, store, sel, peer_paths, s
+        self.local = storage.is_local(fs)
+        self.pieces = _raw_pieces(store, sel)
+        self.files = sorted({p for p, _, _ in self.pieces})
+        self.nbytes = store.num_tokens * len(sel) * s.hidden * 2
+        self.sel_idx = [store.manifest.layers.index(l) for l in sel]
+        self.in_process = self._loader(0)
+        self.in_workers = self._loader(s.workers) if s.workers else None
+
+    def raw(self, r: int) -> None:
+        batch, size = [], 0
+        for piece in self.pieces + [None]:
+            if piece is not None:
+                batch.append(piece)
+                size += piece[2] - piece[1]
+            if batch and (piece is None or size >= 512 << 20):
+                self.fs.cat_ranges(*map(list, zip(*batch)))
+                batch, size = [], 0
+
+    def raw_direct(self, r: int) -> None:
+        held, size = [], 0
+        for f, start, end in self.pieces:
+            buf = np.empty(end - start, np.uint8)
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(start)
+                fh.readinto(memoryview(buf))
+            held.append(buf)
+            size += end - start
+            if size >= 512 << 20:
+                held, size = [], 0
+
+    def _loader(self, n_workers: int):
+        from torch.utils.data import DataLoader
+
+        from ..loader.batching import TokenBatches
+        from ..loader.dataset import HiddenStateDataset
+
+        s = self.s
+        ds = HiddenStateDataset(self.store, layers=self.sel, seed=0, pin_memory=s.pin)
+        src = TokenBatches(ds, max_tokens=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
+        it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=s.pin,
+                                                   persistent_workers=True)
+
+        def one_epoch(r: int) -> None:
+            ds.set_epoch(r)
+            got = sum(item["hidden_states"].numel() * 2 for item in it)
+            assert got == self.nbytes, (got, self.nbytes)
+        return one_epoch
+
+    def loader(self, r: int) -> None:
+        self.in_process(r)
+
+    def workers(self, r: int) -> None:
+        self.in_workers(r)
+
+    def peer(self, r: int) -> None:
+        order = np.random.default_rng(r).permutation(len(self.peer_paths))
+        for i in order:
+            p = self.peer_paths[i]
+            if self.local:
+                d = torch.load(p, mmap=True, weights_only=True)
+            else:
+                d = torch.load(io.BytesIO(self.fs.cat_file(p)), weights_only=True)
+            hs = d["hidden_states"]
+            hs = hs[:, self.sel_idx] if len(self.sel_idx) < hs.shape[1] else hs.clone()  # bytes into memory
+            d["input_ids"].clone(), d["loss_mask"].clone()
+
+    def wanted(self, name: str) -> bool:
+        return not ((name == "peer" and not self.s.peers) or (name == "raw_direct" and not self.local)
+                    or (name == "workers" and not self.s.workers))
+
+
+LOADER_PASSES = ("raw", "raw_direct", "loader", "workers", "peer")
+
+
+def _best_of_rounds(passes: _LoaderPasses, s: LoaderBench) -> dict[str, float]:
+    """Seconds of the best round of each pass, alternating them round after round (cold: each after a drop)."""
+    best = dict.fromkeys(LOADER_PASSES, np.inf)
+    bar = _bar(s.rounds * len(LOADER_PASSES), f"bench loader ({s.layout})", s.progress, unit="pass")
+    for r in range(s.rounds):
+        for name in LOADER_PASSES:
+            bar.update(1)
+            if not passes.wanted(name):
+                continue
+            bar.set_postfix_str(f"round {r + 1}/{s.rounds}: {name}")
+            if s.cold and passes.local:
+                drop_page_cache(passes.files + passes.peer_paths)
+            best[name] = min(best[name], timed(lambda: getattr(passes, name)(r)))
+            log.info("loader bench round %d: %s %.3f GB/s", r, name, passes.nbytes / 1e9 / best[name])
+    bar.close()
+    return best
+
+
+def _loader_result(url: str, best: dict[str, float], passes: _LoaderPasses, s: LoaderBench,
+                   multi: dict[str, Any] | None) -> dict[str, Any]:
+    gb = passes.nbytes / 1e9
+    out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": passes.nbytes, "workers": s.workers,
+           "batch_tokens": s.batch_tokens, "pin_memory": s.pin, "layout": s.layout, "layers": s.layers,
+           "read_layers": passes.sel, "hidden": s.hidden, "codec": s.codec, "cold": s.cold, "url": url}
+    out["ratio"] = out["gbps"] / out["raw_gbps"]
+    if s.workers:
+        out["workers_gbps"] = gb / best["workers"]
+        out["workers_vs_inprocess"] = out["workers_gbps"] / out["gbps"]
+    if passes.local:  # fs.cat's buffered reads into fresh bytes are not the fastest raw read: report the best too
+        out["raw_direct_gbps"] = gb / best["raw_direct"]
+        out["ratio_direct"] = out["gbps"] / out["raw_direct_gbps"]
+    if multi is not None:
+        out["procs"] = multi
+    if s.peers:
+        out["peer_gbps"] = gb / best["peer"]
+        out["peer_ratio"] = out["peer_gbps"] / out["raw_gbps"]
+        out["vs_peer"] = out["gbps"] / out["peer_gbps"]
+        if s.workers:
+            out["workers_vs_peer"] = out["workers_gbps"] / out["peer_gbps"]
+    return out
+
+
+def run_loader_bench(url: str, storage_options: dict[str, Any], settings: LoaderBench = LoaderBench(),
+                     ) -> dict[str, dict]:
+    """Loader throughput: decoded hidden-state bytes into memory through ``HiddenStateDataset`` (shuffled,
+    optionally through DataLoader workers) against ``fs.cat_ranges`` of the chunk files holding those bytes, and
+    the peers' one-``torch.save``-file-per-sample layout read with ``torch.load(mmap=True)`` (remote:
+    ``fs.cat`` + ``torch.load``), all in one run with alternating rounds, best of each (``_LoaderPasses``).
+
+    ``raw_gbps`` is ``fs.cat_ranges`` of whole objects (as the store bench); locally ``raw_direct_gbps`` is also
+    reported: unbuffered ``readinto`` of each file into fresh memory, the fastest plain read here. Locally the
+    files are in the page cache unless ``settings.cold``, so this measures the CPU cost of each path on this
+    machine. With ``workers``, ``workers_gbps`` and ``workers_vs_inprocess``; round 0 warms up recycled memory.
+    ``procs`` > 1 also runs that many in-process loaders at once, each a rank of that world reading its share on
+    its share of the cores (the loaders of one training node's GPUs, sharing its CPUs and disk), each timing its
+    second epoch: per-process and total GB/s."""
+    s = settings
+    fs, root = storage.resolve(url, storage_options)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    try:
+        store, peer_paths = _write_loader_store(fs, root, url, storage_options, run, s)
+        sel = list(s.read_layers) if s.read_layers else list(store.manifest.layers)
+        multi = (_concurrent_loaders(store.url, storage_options, sel, s.procs, 0, s.rounds, s.progress)
+                 if s.procs > 1 else None)
+        passes = _LoaderPasses(fs, store, sel, peer_paths, s)
+        best = _best_of_rounds(passes, s)
+    finally:
+        _remove(fs, storage.join(root, run))
+    return {"loader": _loader_result(url, best, passes, s, multi)}
+
+
+def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
+                 partition: str, cache_dir: str | None, cache_bytes: int | None, start, done, results) -> None:
+    """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
+    the parent (which drops the page cache and reads the proxy's counters in between), then reads its share."""
+    import resource
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from ..loader.dataset import DEFAULT_CACHE_BYTES, HiddenStateDataset
+
+    ds = HiddenStateDataset(store_url, seed=0, rank=rank, world_size=world, storage_options=storage_options,
+                            partition=partition, ranks_per_node=1 if partition == "node" else None,
+                            cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
+                            cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        start.wait()
+        ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in ds)
+        secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
+        results.put((epoch, rank, got, secs, cpu))
+        done.wait()
+
+
+RAW_BLOCK = 8 << 20  # bytes per plain read of the raw baseline
+RAW_MODES = ("read", "mmap")
+
+
+def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
+    """One reader of the source bench's raw baseline (a thread: both reads below release the GIL): its files
+    read start to end, timed from a barrier shared with the others. ``read``: unbuffered ``readinto`` of
+    ``RAW_BLOCK`` bytes at a time into one reused buffer (what the disk gives a plain sequential reader);
+    ``mmap``: each file mapped and copied out block by block, the way the loader reads a chunk when it has
+    several intra-op threads (page faults read the file)."""
+    import mmap
+    import resource
+
+    buf = np.empty(RAW_BLOCK, np.uint8)
+    view = memoryview(buf)
+    start.wait()
+    ru, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+    got = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            if mode == "read":
+                while n := f.readinto(view):
+                    got += n
+                continue
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                    for off in range(0, size, RAW_BLOCK):
+                        n = min(RAW_BLOCK, size - off)
+                        src = np.frombuffer(m, np.uint8, count=n, offset=off)
+                        buf[:n] = src
+                        del src  # the mapping cannot close while a view of it exists
+                got += size
+    secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_THREAD)
+    results.put((rank, got, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)))
+
+
+def _split_by_size(paths: list[str], parts: int) -> list[list[str]]:
+    """``paths`` in ``parts`` groups of about equal bytes (largest first, each to the lightest group)."""
+    groups: list[list[str]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for p in sorted(paths, key=lambda p: -os.path.getsize(p)):
+        i = load.index(min(load))
+        groups[i].append(p)
+        load[i] += os.path.getsize(p)
+    return groups
+
+
+def _per_rank_row(got: list[tuple]) -> dict[str, Any]:
+    """GB/s per rank (its bytes / its time), in all (all bytes / the slowest rank's time) and CPU-s per GB, from
+    ``(rank, bytes, seconds, cpu seconds)`` per rank."""
+    per = [b / s / 1e9 for _, b, s, _ in got]
+    total = sum(b for _, b, _, _ in got)
+    return {"per_rank_gbps": per, "min_rank_gbps": min(per),
+            "total_gbps": total / max(s for _, _, s, _ in got) / 1e9,
+            "cpu_s_per_gb": sum(c for *_, c in got) / (total / 1e9), "bytes": total}
+
+
+def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict[str, Any]:
+    """``procs`` readers at once read ``files`` (split by size) with plain sequential reads (``_raw_reader``),
+    after the same page-cache drop as the loader's epochs when ``cold``: the disk's limit, beside the loader's.
+    Threads of this process, not processes: the reads run without the GIL, and a spawned interpreter per reader
+    and pass would cost more than a small store's reads."""
+    import queue
+    import threading
+
+    if cold:
+        drop_page_cache(files)
+    start, results = threading.Barrier(procs), queue.Queue()
+    ts = [threading.Thread(target=_raw_reader, args=(group, mode, i, start, results), name=f"hsstore-raw-{i}")
+          for i, group in enumerate(_split_by_size(files, procs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return {"mode": mode, **_per_rank_row(sorted(results.get() for _ in ts))}
+
+
+def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
+                     layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
+                     cache_dir: str | None = None, cache_bytes: int | None = None, progress: bool = False,
+                     read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
+                     raw_modes: tuple[str, ...] = RAW_MODES) -> dict[str, Any]:
+    """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
+
+    Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
+    CPU-seconds per GB (user + system time of the rank processes over their bytes). Local stores are dropped from
+    the page cache before every epoch when ``cold`` (``posix_fadvise(DONTNEED)`` per file: read-once NVMe).
+    ``read_options``: how the ranks reach the store (default ``storage_options``, which wrote it), e.g. through
+    a proxy with latency and a bandwidth cap; ``counters()``, called between epochs, returns cumulative
+    ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
+    remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written.
+
+    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``raw_modes``): the
+    store's files read by as many readers with plain sequential reads after the same page-cache drop, and
+    ``vs_raw`` = the loader's GB/s / the raw GB/s (in all and for the slowest rank), so a low figure tells the
+    disk's limit from the loader's."""
+    import multiprocessing as mp
+
+    fs, root = storage.resolve(url, storage_options)
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    store_url = f"{url.rstrip('/')}/{run}/store"
+    manifest = bench_manifest(layers, hidden, "none")
+    try:
+        with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
+            for sid, ids, mask, hs in synthetic_samples(size_mb << 20, layers, hidden):
+                w.add(sid, ids, mask, hs)
+        store = Store(store_url, storage_options)
+        files = [storage.join(store.root, k) for c in store.commits for k in c.files]
+        nbytes = store.num_tokens * layers * hidden * 2
+        if before_ranks is not None:
+            before_ranks()
+        ctx = mp.get_context("spawn")
+        start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
+        opts = storage_options if read_options is None else read_options
+        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, cache_dir,
+                                                    cache_bytes, start, done, results)) for r in range(procs)]
+        for p in ps:
+            p.start()
+        rows = []
+        bar = _bar(epochs, f"bench source, {procs} ranks", progress, unit="epoch")
+        before = counters() if counters else {}
+        for e in range(epochs):
+            if cold and storage.is_local(fs):
+                drop_page_cache(files)
+            start.wait(timeout=3600)
+            got = sorted(results.get(timeout=3600) for _ in ps)
+            done.wait(timeout=3600)
+            after = counters() if counters else {}
+            row = {"epoch": e, **_per_rank_row([(r, b, s, c) for _, r, b, s, c in got])}
+            if storage.is_local(fs):  # the ranks wait at the next epoch's barrier meanwhile
+                row["raw"] = {m: raw_source_pass(files, procs, m, cold) for m in raw_modes}
+                row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
+                                     "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
+                                 for m, r in row["raw"].items()}
+            if counters:
+                row["remote_bytes"] = after.get("remote_bytes", 0) - before.get("remote_bytes", 0)
+                row["max_in_flight"] = after.get("max_in_flight")
+            before = after
+            rows.append(row)
+            bar.update(1)
+        bar.close()
+        for p in ps:
+            p.join()
+        assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
+    finally:
+        _remove(fs, storage.join(root, run))
+    return {"source": {"url": url, "procs": procs, "cold": cold, "partition": partition, "bytes": nbytes,
+                       "hidden": hidden, "layers": layers, "cache_dir": cache_dir, "epochs": rows}}
+
+
+def format_source(r: dict[str, Any]) -> str:
+    """The source bench as a compact table, one row per epoch."""
+    lines = [f"{r['procs']} ranks at once, {r['bytes'] / 1e9:.2f} GB, {'cold' if r['cold'] else 'warm'}, "
+             f"partition {r['partition']}, {r['url']}",
+             f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
+             f"{'in flight':>9}"]
+    for e in r["epochs"]:
+        remote = f"{e['remote_bytes'] / 1e9:.3f}" if "remote_bytes" in e else "-"
+        lines.append(f"{e['epoch']:>5} {e['total_gbps']:>10.3f} {e['min_rank_gbps']:>13.3f} "
+                     f"{sum(e['per_rank_gbps']) / len(e['per_rank_gbps']):>6.3f} {e['cpu_s_per_gb']:>8.2f} "
+                     f"{remote:>9} {str(e.get('max_in_flight', '-')):>9}")
+        for mode, raw in e.get("raw", {}).items():  # the disk's limit beside the loader's
+            v = e["vs_raw"][mode]
+            lines.append(f"{'  raw':<5} {raw['total_gbps']:>10.3f} {raw['min_rank_gbps']:>13.3f} "
+                         f"{sum(raw['per_rank_gbps']) / len(raw['per_rank_gbps']):>6.3f} {raw['cpu_s_per_gb']:>8.2f} "
+                         f"  plain {mode}: loader/raw {v['total']:.2f} in all, {v['min_rank']:.2f} slowest rank")
+    return "\n".join(lines)

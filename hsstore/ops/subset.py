@@ -1,0 +1,155 @@
+"""``hsstore subset``: copy the samples of a store that pass per-sample filters into another store.
+
+Selection uses only the commit records' per-sample columns (source, length, loss tokens, flags), so
+choosing costs no feature reads; the chosen samples are then read in large windows and written
+bit-exact through a :class:`StoreWriter` under the source's manifest identity. Re-running resumes:
+ids already committed in the destination are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..format import assets, codec
+from ..layouts import base as layout
+from .. import storage
+from .stats import SAMPLE_FLAGS
+from ..format.manifest import Manifest, check_compatible
+from ..store.reader import Store, committed_ids, read_manifest
+from ..redaction import recordable_url
+from ..store.writer import DEFAULT_SHARD_BYTES, StoreWriter
+
+log = logging.getLogger(__name__)
+WINDOW_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Per-sample filters; a sample is kept when it passes all of them (unset filters pass)."""
+
+    sources: tuple[str, ...] = ()
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    min_loss_tokens: int | None = None
+    exclude_flags: tuple[str, ...] = ()
+
+    def keeps(self, cols: dict[str, list], i: int) -> bool:
+        n, loss = cols["length"][i], cols["loss_tokens"][i]
+        return ((not self.sources or cols["source"][i] in self.sources)
+                and (self.min_tokens is None or n >= self.min_tokens)
+                and (self.max_tokens is None or n <= self.max_tokens)
+                and (self.min_loss_tokens is None or loss >= self.min_loss_tokens)
+                and not (self.exclude_flags and set(cols["flags"][i]) & set(self.exclude_flags)))
+
+
+def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
+    """Windows ``(shard_index, first, stop)`` of consecutive kept samples, each at most about
+    ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
+    token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
+    out = []
+    t = store.table
+    for s in range(len(t)):  # the records' columns: no record is parsed
+        cols, run, run_tokens, n = t.sample_columns(s), None, 0, int(t.n_samples[s])
+        for i in range(n + 1):
+            keep = i < n and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
+            if run is not None and (not keep or run_tokens * token_bytes >= WINDOW_BYTES):
+                out.append((s, run, i))
+                run, run_tokens = None, 0
+            if keep:
+                run = i if run is None else run
+                run_tokens += cols["length"][i]
+    return out
+
+
+def destination_manifest(src: Manifest, fs, root: str, dst_url: str, note: dict) -> Manifest:
+    """The source's manifest for a derived store (same identity, chunking and codec); an existing destination
+    must be compatible."""
+    out = dataclasses.replace(src, created_by="", created_at="", extra={**src.extra, **note})
+    if storage.store_exists(fs, root, dst_url):  # an existing destination keeps its own layout and chunking
+        have = read_manifest(fs, root, dst_url)
+        check_compatible(have, src, f"destination {dst_url!r}", "the source")
+        out = dataclasses.replace(out, layout=have.layout, codec=have.codec, chunk_tokens=have.chunk_tokens)
+    return out
+
+
+def copy_assets_if_missing(src: Store, dst_fs, dst_root: str) -> None:
+    """Give the destination the source's trainer assets (embedding, lm_head, tokenizer) when it has none."""
+    if assets.has_assets(src.fs, src.root) and not assets.has_assets(dst_fs, dst_root):
+        assets.copy_assets(src.fs, src.root, dst_fs, dst_root, url=src.url)
+
+
+def check_flags(store: Store, flags: tuple[str, ...]) -> None:
+    """Refuse a flag name that no writer records and the store does not hold: a typo (``stub_answers``)
+    would otherwise exclude nothing, silently."""
+    fl = store.table.flags
+    known = set(SAMPLE_FLAGS) | {f for c in set(fl.codes.tolist()) for f in fl.values[c]}
+    unknown = [f for f in flags if f not in known]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {', '.join(map(repr, unknown))}: flags are {', '.join(sorted(known))}")
+
+
+@dataclass
+class SubsetResult:
+    selected: int = 0
+    written: int = 0
+    tokens: int = 0
+    already: int = 0
+
+
+def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str, Any] | None = None,
+           dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+           progress: bool = True) -> SubsetResult:
+    """Copy the samples of ``src_url`` that ``sel`` keeps into ``dst_url`` (created, or resumed)."""
+    dst_options = dst_options or {}
+    # anon=true and a folder that is not a store refused before any request
+    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())
+    src = Store(src_url, src_options)
+    check_flags(src, sel.exclude_flags)
+    # one subset at a time into a destination: two would each find no sample committed and copy every one
+    with storage.hold_lock(fs, root, dst_url, "subset"):
+        return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress)
+
+
+def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options: dict[str, Any], shard_bytes: int,
+            progress: bool) -> SubsetResult:
+    from tqdm import tqdm
+
+    src_url = src.url
+    manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": recordable_url(src_url)})
+    done = committed_ids(dst_url, dst_options)
+    all_kept = select(src, sel)
+    windows = select(src, sel, skip_ids=done)
+    result = SubsetResult(selected=sum(j - i for _, i, j in all_kept))
+    result.already = result.selected - sum(j - i for _, i, j in windows)
+    if not windows:
+        log.info("subset: nothing to copy (%d selected, all already in %s)", result.selected, recordable_url(dst_url))
+        return result
+    total = sum(int(src.commits[s].offsets[j] - src.commits[s].offsets[i]) for s, i, j in windows)
+    writer = StoreWriter(dst_url, manifest, writer_tag="subset", storage_options=dst_options,
+                         shard_bytes=shard_bytes)
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="subset", disable=not progress) as bar:
+        try:
+            copy_assets_if_missing(src, writer.fs, writer.root)
+            for item, (cols, k) in zip(src.iter_windows(windows), _columns(src, windows)):
+                T = int(item["input_ids"].shape[0])
+                writer.add(item["sample_id"], item["input_ids"], item["loss_mask"], item["hidden_states"],
+                           source=cols["source"][k], thinking_tokens=cols["thinking_tokens"][k],
+                           flags=cols["flags"][k], final_hidden=item.get("final_hidden"))
+                result.written += 1
+                result.tokens += T
+                bar.update(T)
+            writer.close()
+        except BaseException:
+            writer.close(commit=False)
+            raise
+    return result
+
+
+def _columns(store: Store, windows):
+    """(commit-record columns, local index) of every sample of ``windows``, in order."""
+    for s, i, j in windows:
+        for k in range(i, j):
+            yield store.commits[s].samples, k

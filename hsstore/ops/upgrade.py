@@ -1,0 +1,96 @@
+"""``hsstore upgrade``: rewrite commit records of format version 1 so that their checksums identify every
+chunk (format version 2), then the manifest's version.
+
+Version 1 records list each chunk object's whole CRC32C, which is the same constant for every valid chunk
+(payload + its own CRC32C), so a valid chunk at the wrong path passed every check. Version 2 lists the
+payload's CRC32C, the value the chunk ends with. A record is rewritten only after its shard passed all of
+``verify``'s checks, every chunk's own CRC32C included, in the same read that gives the new checksums.
+
+Safe to interrupt and re-run: each record is replaced whole and atomically (a rename on local disk, one PUT
+on object stores), so every record is the old or the new one; records already at version 2 are skipped;
+a record that changed since the store was opened is left alone. The chunks are bound as they are now: a
+chunk already in the wrong place that no other check notices (loss-mask sums, shapes) stays there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..format import commit, index
+from .. import storage
+from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
+from ..store.reader import Store
+from ..format.report import Problem, VerifyReport
+from .verify import check_committed_shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpgradeResult:
+    rewritten: int = 0
+    current: int = 0  # records already of the current version
+    refused: list[Problem] = field(default_factory=list)  # why shards were left as they were
+    manifest_upgraded: bool = False
+
+
+def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> UpgradeResult:
+    """Rewrite every older commit record of ``store`` whose shard checks out; then, when no older record is
+    left, the manifest's ``format_version`` (so hsstore from before refuses the store instead of reporting
+    every chunk as corrupt). ``progress`` gets the bytes read."""
+    result = UpgradeResult()
+    # the rewritten records, as one index segment: entries of the older versions are stale from now on
+    # (their size and stamp differ from the listing's), this segment's are current
+    appender = index.SegmentAppender(store.fs, store.root, "upgrade")
+    try:
+        _upgrade_records(store, result, appender, progress)
+    finally:
+        appender.flush()
+    if not result.refused and store.manifest.format_version < FORMAT_VERSION:
+        result.manifest_upgraded = _upgrade_manifest(store)
+    return result
+
+
+def _upgrade_records(store: Store, result: UpgradeResult, appender: index.SegmentAppender, progress) -> None:
+    for rec in store.commits:
+        if rec.binds_chunks:
+            result.current += 1
+            continue
+        report = VerifyReport(shards=1)
+        tails: dict[str, int] = {}
+        check_committed_shard(store, rec, report, progress, tails)
+        if report.problems:
+            result.refused += report.problems
+            continue
+        files = {k: {**e, "crc32c": tails[k]} if commit.is_chunk_key(k) else e for k, e in rec.files.items()}
+        new = dataclasses.replace(rec, files=files, format_version=FORMAT_VERSION)
+        path = storage.join(store.root, commit.commit_path(rec.shard))
+        where = f"commit record of shard {rec.shard!r}"
+        now = commit.CommitRecord.from_json(store.fs.cat_file(path), where=where)
+        if now != rec:  # replaced since the store was opened (another upgrade, by hand): not ours to overwrite
+            if now.binds_chunks:
+                result.current += 1
+            else:
+                result.refused.append(Problem(rec.shard, "commit record changed while upgrading; run again",
+                                              commit.commit_path(rec.shard)))
+            continue
+        appender.add(new, commit.publish(store.fs, store.root, new))
+        result.rewritten += 1
+        log.debug("upgraded the commit record of shard %s", rec.shard)
+
+
+def _upgrade_manifest(store: Store) -> bool:
+    """Raise the manifest's version when every record (those committed since opening too) is current."""
+    known = {c.shard for c in store.commits}
+    later = [n for n in commit.list_committed(store.fs, store.root) if n not in known]
+    if not all(c.binds_chunks for c in commit.load_commits(store.fs, store.root, later)):
+        return False  # an older writer is still adding to the store: a re-run finishes the job
+    path = storage.join(store.root, MANIFEST_FILE)
+    now = Manifest.from_json(store.fs.cat_file(path), where=f"{store.url}/{MANIFEST_FILE}")
+    if now.to_json() != store.manifest.to_json():
+        return False
+    storage.put_atomic(store.fs, path, dataclasses.replace(now, format_version=FORMAT_VERSION).to_json().encode())
+    return True

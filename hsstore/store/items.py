@@ -1,0 +1,38 @@
+"""The item: the dict one sample becomes, built in one place for ``Store.read``/iteration and the loader.
+
+An item is ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool) and ``hidden_states`` ``[T, n_layers, H]``,
+a view of the layer-major ``[n_layers, T, H]`` features read (no copy; ``reshape(T, -1)`` gives the drafter's
+concatenation); ``final_hidden`` ``[T, H]`` when the store's named feature was read; fp8 stores add
+``hidden_scales`` ``[T, n_layers]`` unless dequantised here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..format import codec, fp8
+
+
+def make_item(sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: torch.Tensor,
+              scales: torch.Tensor | None = None, *, dtype: str, final_hidden: bool = False,
+              dequantise: bool = True, pin: bool = False) -> dict[str, Any]:
+    """The item of one sample. ``feats``: ``[n_layers, T, H]`` in the manifest ``dtype`` (fp8 stores: e4m3fn,
+    with ``scales`` ``[n_layers, T]``); ``final_hidden``: its last feature is the final norm's output
+    (raw stores only: the manifest refuses it with fp8). ``dequantise`` (fp8): into ``dtype``, on the host.
+    ``pin``: ids and mask pinned too (the features are already)."""
+    item: dict[str, Any] = {"sample_id": sample_id, "input_ids": torch.from_numpy(ids.astype(np.int64)),
+                            "loss_mask": torch.from_numpy(mask.astype(bool))}
+    if final_hidden:
+        item["hidden_states"], item["final_hidden"] = feats[:-1].permute(1, 0, 2), feats[-1]
+    else:
+        item["hidden_states"] = feats.permute(1, 0, 2)
+    if scales is not None:
+        item["hidden_scales"] = scales.permute(1, 0)
+        if dequantise:
+            item = fp8.dequantise_batch(item, codec.TORCH_DTYPE[dtype])
+    if pin:
+        item["input_ids"], item["loss_mask"] = item["input_ids"].pin_memory(), item["loss_mask"].pin_memory()
+    return item
