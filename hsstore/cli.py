@@ -236,18 +236,15 @@ def cmd_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
-    p.add_argument("--version", action="version", version=f"hsstore {__version__}")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_info(sub) -> None:
     q = sub.add_parser("info", help="what a store holds (from commit records; fast)")
     q.add_argument("url")
     q.add_argument("--json", action="store_true")
     add_storage_option(q)
     q.set_defaults(func=cmd_info)
 
+
+def add_verify(sub) -> None:
     q = sub.add_parser("verify", help="re-read every byte, check checksums, shapes and offsets")
     q.add_argument("url")
     add_quiet_option(q)
@@ -255,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_verify)
 
+
+def add_index(sub) -> None:
     q = sub.add_parser("index", help="gather the commit records into one index segment (opening then reads a "
                                      "handful of objects, not one per shard); safe while writers add shards")
     q.add_argument("url")
@@ -265,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_index)
 
+
+def add_upgrade(sub) -> None:
     q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
                                        "chunks apart (each shard verified first; safe to interrupt and re-run)")
     q.add_argument("url")
@@ -272,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_upgrade)
 
+
+def add_convert(sub) -> None:
     q = sub.add_parser("convert", help="copy a store into a new store of another layout (zarr <-> wds), bit-exact")
     q.add_argument("src")
     q.add_argument("dst", help="destination store (created, or resumed when it already holds some shards)")
@@ -283,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_convert)
 
+
+def add_bench(sub) -> None:
     q = sub.add_parser("bench", help="store write/read and loader throughput against raw reads/writes of the "
                                      "same bytes")
     q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
@@ -322,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_bench)
 
+
+def add_subset(sub) -> None:
     q = sub.add_parser("subset", help="copy the samples that pass per-sample filters into another store")
     q.add_argument("src")
     q.add_argument("dst", help="created with the source's manifest, or an existing compatible store (resumed)")
@@ -339,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_option(q)
     q.set_defaults(func=cmd_subset)
 
+
+def add_merge(sub) -> None:
     q = sub.add_parser("merge", help="add the committed shards of compatible stores to DST, by copy or by reference")
     q.add_argument("dst", help="created from the first source's manifest when it does not exist")
     q.add_argument("src", nargs="+")
@@ -350,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_json_option(q)
     q.set_defaults(func=cmd_merge)
 
+
+def add_report(sub) -> None:
     q = sub.add_parser("report", help="a store or a training run as one self-contained HTML page of charts",
                        description="PATH a store (loss-mask-sum and length histograms with the stub signature "
                        "marked, response fraction, flags, bytes per layer; from the commit records) or a run "
@@ -360,6 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(q)
     q.set_defaults(func=cmd_report)
 
+
+STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_merge, add_report)  # in --help order; extract's and train's come through entry points
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
+    p.add_argument("--version", action="version", version=f"hsstore {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for add in STORE_COMMANDS:
+        add(sub)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)
     return p
