@@ -208,3 +208,50 @@ def test_layouts_implement_the_protocol(name):
         assert list(inspect.signature(fn).parameters) == want, f"layout {name!r}: {attr} parameters"
     with pytest.raises(ValueError, match="unknown shard layout 'tar'"):
         layout.get("tar")
+
+
+def test_public_names_resolve_to_their_modules():
+    """``import hsstore`` exposes every name of ``__all__``, each the object defined at its new home."""
+    import importlib
+
+    import hsstore
+
+    assert {"open", "Store", "StoreWriter", "HiddenStateDataset", "Manifest", "StoreError"} <= set(hsstore.__all__)
+    for name in hsstore.__all__:
+        assert getattr(hsstore, name) is not None, name
+    assert hsstore.Store is importlib.import_module("hsstore.store.reader").Store
+    assert hsstore.open is importlib.import_module("hsstore.store.reader").open_store
+    assert hsstore.HiddenStateDataset is importlib.import_module("hsstore.loader.dataset").HiddenStateDataset
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        hsstore.nope  # noqa: B018
+
+
+def test_flat_paths_of_earlier_releases_import_with_a_warning():
+    """The module paths of the flat layout import for one release: a DeprecationWarning naming the new path, and
+    the very module object there (private names and monkeypatching as before); unknown paths still fail."""
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings, importlib\n"
+        "warnings.simplefilter('error')\n"
+        "import hsstore.store.reader as new\n"  # the new paths import without a warning
+        "import hsstore.layouts.zarr, hsstore.loader.plan\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    import hsstore.reader as old\n"
+        "    from hsstore.zarr_layout import read_into\n"
+        "    from hsstore.plan import Planner\n"
+        "assert old is new, (old, new)\n"
+        "assert read_into is hsstore.layouts.zarr.read_into and Planner is hsstore.loader.plan.Planner\n"
+        "said = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
+        "assert said == ['hsstore.reader moved to hsstore.store.reader; the old path goes in the next release',\n"
+        "    'hsstore.zarr_layout moved to hsstore.layouts.zarr; the old path goes in the next release',\n"
+        "    'hsstore.plan moved to hsstore.loader.plan; the old path goes in the next release'], said\n"
+        "try:\n"
+        "    import hsstore.nosuchmodule\n"
+        "except ModuleNotFoundError:\n"
+        "    print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
