@@ -135,6 +135,8 @@ def check_destination(fs: fsspec.AbstractFileSystem, root: str, url: str, own: d
     except Exception as e:
         raise StoreError(explain(e, url, "read", fs, root)) from None
     foreign = sorted(name for name, is_dir in entries.items() if not _hsstore_own(fs, root, name, is_dir, own))
+    if MANIFEST_FILE in foreign and store_exists(fs, root, url):  # another writer made the store meanwhile
+        return
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise DestinationError(f"destination {url!r} exists, is not empty ({shown}) and is not an hsstore store: "

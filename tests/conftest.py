@@ -29,6 +29,11 @@ def s3_endpoint():
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():
         mp.setenv(k, v)
     mp.delenv("AWS_PROFILE", raising=False)
+    # moto answers from a thread of the test process: on a loaded 2-core machine it can take longer than s3fs's
+    # 5 s to accept a connection, which a real endpoint would not
+    import s3fs
+
+    mp.setattr(s3fs.S3FileSystem, "connect_timeout", 60)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

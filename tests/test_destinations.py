@@ -130,3 +130,23 @@ def test_demo_rerun_keeps_the_users_files(tmp_path):
     demo.prepare_out(out)  # only the demo's own files left: cleared for the new run
     assert not (out / "run").exists() and not (out / "store").exists()
     assert json.loads((out / demo.MARKER).read_text())["files"] == []
+
+
+
+def test_a_store_made_by_another_writer_between_the_two_looks_is_resumed(tmp_path, monkeypatch):
+    """Two writers starting one new store at once: the second may find no store on its first look and the first's
+    manifest on its listing. That folder is a store now, to resume, not a user's folder to refuse."""
+    from hsstore import storage
+
+    url = str(tmp_path / "s")
+    write_samples(url, make_manifest(), make_samples(3))  # the other writer's store, manifest and all
+    fs, root = storage.resolve(url)
+    real, looks = storage.store_exists, []
+
+    def store_exists(*args):  # the first look came before the other writer's manifest
+        looks.append(args)
+        return False if len(looks) == 1 else real(*args)
+
+    monkeypatch.setattr(storage, "store_exists", store_exists)
+    storage.check_destination(fs, root, url, {})
+    assert len(looks) == 2
