@@ -152,6 +152,7 @@ def _hsstore_own(fs, root: str, name: str, is_dir: bool, own: dict[str, bytes]) 
         if not inside:
             return False
         found = {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(join(root, name), detail=False)}
+        found = {f for f in found if not f.startswith(".tmp-")}  # another writer's atomic write in flight
         return found <= inside and all(_same_bytes(fs, join(root, name, f), own[f"{name}/{f}"]) for f in found)
     return name in own and _same_bytes(fs, join(root, name), own[name])
 

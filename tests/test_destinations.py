@@ -150,3 +150,23 @@ def test_a_store_made_by_another_writer_between_the_two_looks_is_resumed(tmp_pat
     monkeypatch.setattr(storage, "store_exists", store_exists)
     storage.check_destination(fs, root, url, {})
     assert len(looks) == 2
+
+
+def test_another_writers_store_objects_in_flight_are_not_a_users_files(tmp_path):
+    """A writer creating a store writes its layout's root objects atomically (a ``.tmp-`` file renamed into
+    place), before its manifest. A second writer looking then sees zarr's ``shards/`` folder holding a finished
+    ``zarr.json`` and another's temporary file: hsstore's own, not a user's folder to refuse."""
+    from hsstore import storage
+    from hsstore.layouts import base as layout
+
+    own = layout.own_objects()
+    root = tmp_path / "s"
+    for key, data in own.items():
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(data)
+    (root / "shards" / ".tmp-0123abcd-zarr.json").write_bytes(b"{")  # half of the other writer's copy
+    fs, path = storage.resolve(str(root))
+    storage.check_destination(fs, path, str(root), own)
+    (root / "shards" / "zarr.json").write_bytes(b"{")  # a file of that name that is not the layout's
+    with pytest.raises(storage.DestinationError, match="not empty \\(shards\\)"):
+        storage.check_destination(fs, path, str(root), own)

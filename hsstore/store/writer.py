@@ -58,8 +58,9 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     path = storage.join(root, MANIFEST_FILE)
     if not storage.store_exists(fs, root, url):
         try:
-            objects = layout.get(manifest.layout).store_objects()
-            storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
+            # each one atomic: a second writer starting at once must see all of an object or none of it
+            for key, data in layout.get(manifest.layout).store_objects().items():
+                storage.put_atomic(fs, storage.join(root, key), data)
             storage.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
