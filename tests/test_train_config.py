@@ -126,11 +126,12 @@ def test_meter_sums_by_name():
     """Two steps of block 4 (3 draft positions), one empty: loss = sum(w * CE) / sum(w), tau weighted by
     anchors, acc_k = right drafts / labels per position, acc over all positions."""
     m = Meter(4)
-    m.add({"num_tokens": 10, "ce_sum": 6.0, "weight_sum": 3.0, "tau": 2.0, "num_anchors": 2,
-           "acc_k": torch.tensor([1.0, 0.5, 0.0])}, [2, 2, 1], tokens=40, samples=2)
-    m.add({"num_tokens": 0}, None, tokens=0, samples=0)  # an empty step (this rank had no batch)
-    m.add({"num_tokens": 5, "ce_sum": 2.0, "weight_sum": 1.0, "tau": 3.0, "num_anchors": 1,
-           "acc_k": torch.tensor([1.0, float("nan"), 0.0])}, [1, 0, 1], tokens=20, samples=1)
+    t = torch.tensor
+    m.add({"ce_sum": t(6.0), "weight_sum": t(3.0), "tau": t(2.0), "hits_k": t([2, 1, 0])}, [2, 2, 1], tokens=40,
+          samples=2, anchors=2)
+    m.add({}, None, tokens=0, samples=0, anchors=0)  # an empty step (this rank had no batch)
+    m.add({"ce_sum": t(2.0), "weight_sum": t(1.0), "tau": t(3.0), "hits_k": t([1, 0, 0])}, [1, 0, 1], tokens=20,
+          samples=1, anchors=1)
     s = m.summary(1, None)
     assert s["loss"] == 8.0 / 4.0 and s["tau"] == (2.0 * 2 + 3.0) / 3
     assert s["acc_k"][0] == 1.0 and s["acc_k"][1] == 0.5 and s["acc_k"][2] == 0.0

@@ -132,7 +132,7 @@ def grad_step(model, batch, world, per_rank: bool = False):
     loss, m = model(batch)
     loss.backward()
     meter = Meter(GRAD_S)
-    meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
+    meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
     return batch, meter.summary(world, None)
 
 

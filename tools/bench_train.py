@@ -36,6 +36,7 @@ the same time, so the figure per rank is what DDP training gets from the loader:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -159,6 +161,9 @@ def main() -> None:
     ap.add_argument("--s3-latency", type=float, default=0.03)
     ap.add_argument("--s3-bandwidth-mb", type=float, default=100.0, help="MB/s per connection (0: no cap)")
     ap.add_argument("--checkpoint-layers", action="store_true", help="recompute draft layers in backward")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="after the rounds, one more loader-fed pass under torch's CUDA sync debug mode: how many "
+                         "times per step the launching thread waits for the GPU, and where (syncs_per_step)")
     ap.add_argument("--keep-store", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--loader-only", action="store_true",
@@ -226,8 +231,9 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
 
     def stream(epoch, stats=None):
         source.set_epoch(epoch)
-        return read_ahead(source, lambda b: add_anchors(b, 0, epoch, args.anchors, args.block, gamma), device,
-                          args.prefetch, stats=stats, threads=args.reader_threads or None)
+        return read_ahead(source, lambda b: add_anchors(b, 0, epoch, args.anchors, args.block, gamma,
+                                                        drafter.key_lengths),
+                          device, args.prefetch, stats=stats, threads=args.reader_threads or None)
 
     def timed(batches) -> float:
         it = iter(batches)
@@ -256,6 +262,14 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
         sync(device)
         parts.append(stats.summary(skip=args.warmup, count=args.steps))
         resident_t.append(timed(resident))
+    def synced_pass():
+        s = stream(args.rounds)
+        try:
+            timed(s)
+        finally:
+            s.close()
+
+    syncs = count_syncs(synced_pass, device) if args.sync_debug else None
     lo, re_ = statistics.median(loader_t), statistics.median(resident_t)
     breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     # the loader-fed step less its wait for data: above the resident step, the loader slowed the step itself
@@ -278,6 +292,9 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
         "prefetch": args.prefetch, "switch_interval": sys.getswitchinterval(),
         "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if proxy is not None else "local",
     }
+    if syncs is not None:
+        result["syncs_per_step"] = sum(syncs.values()) / per_step
+        result["syncs_where"] = dict(syncs.most_common(8))
     if proxy is not None:
         result.update(s3_latency=args.s3_latency, s3_bandwidth_mb=args.s3_bandwidth_mb,
                       remote_bytes=sum(n for p, n in proxy.sent.items() if "/shards/" in p),
@@ -298,6 +315,31 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
               f"step {b['step_ms']:.1f} = resident {b['step_vs_resident_ms']:+.1f}; read-ahead thread: read+collate "
               f"{b['read_ms']:.1f}, anchors {b['prep_ms']:.1f}, copy issue {b['copy_issue_ms']:.1f}"
               + (f", copy on GPU {b['copy_gpu_ms']:.1f}" if "copy_gpu_ms" in b else ""))
+
+
+def count_syncs(fn, device) -> collections.Counter:
+    """Run ``fn`` with torch's CUDA sync debug mode on ("warn": a warning at every operation that waits for
+    the GPU) and count the warnings raised on this thread (the one launching the step's kernels), by source
+    line. Every such wait empties the GPU's queue until the thread refills it. Empty off CUDA."""
+    found = collections.Counter()
+    if device.type != "cuda":
+        return found
+    me, shown = threading.get_ident(), warnings.showwarning
+
+    def show(message, category, filename, lineno, *rest):
+        if threading.get_ident() == me and "synchroniz" in str(message):
+            found[f"{os.path.relpath(filename)}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return found
 
 
 def launch_probe(args, store: Path, device: torch.device) -> None:

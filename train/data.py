@@ -30,7 +30,7 @@ import torch
 import hsstore
 from hsstore import HiddenStateDataset, TokenBatches, count_token_batches, merge_states
 
-from .objective import block_targets, sample_anchors
+from .objective import block_targets, sample_anchors, selected_positions
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,15 @@ def sample_seed(seed: int, epoch: int, sample_id: str) -> int:
 
 
 def add_anchors(batch: dict[str, Any], seed: int, epoch: int, n_max: int, block_size: int,
-                gamma: float) -> dict[str, Any]:
+                gamma: float, key_lengths: Callable[[torch.Tensor, int], Any] | None = None) -> dict[str, Any]:
     """Set ``batch["anchors"]`` [B, A] (-1 padded), ``batch["weight_sum"]`` (the sum of the loss weights of
     these anchors, for the global normalisation under DDP: see ``lockstep``), and for logging
     ``batch["label_counts"]`` (labelled positions per draft position k = 1..S-1, for exact per-position
-    accuracy across ranks) and ``batch["tokens"]`` (real tokens). CPU work, done on the read-ahead thread;
-    the sums are plain Python numbers so neither the loss nor logging waits for the GPU."""
+    accuracy across ranks), ``batch["num_anchors"]`` (real anchors) and ``batch["tokens"]`` (real tokens);
+    ``batch["selected"]`` (the weighted positions, ``objective.selected_positions``) and, given a
+    ``key_lengths`` (``DFlashDrafter.key_lengths``), ``batch["key_lengths"]``. CPU work, done on the
+    read-ahead thread; the sums are plain Python numbers and the sizes known, so neither the step nor its
+    logging waits for the GPU."""
     mask = batch["loss_mask"].bool()
     if "attention_mask" in batch:
         mask = mask & batch["attention_mask"].bool()
@@ -61,7 +64,9 @@ def add_anchors(batch: dict[str, Any], seed: int, epoch: int, n_max: int, block_
     for i, a in enumerate(rows):
         anchors[i, : a.numel()] = a
     _, w = block_targets(batch["input_ids"], mask, anchors, block_size, gamma)
-    return {**batch, "anchors": anchors, "weight_sum": float(w.double().sum()),
+    extra = {} if key_lengths is None else {"key_lengths": key_lengths(anchors, mask.shape[1])}
+    return {**batch, **extra, "anchors": anchors, "selected": selected_positions(w),
+            "num_anchors": int((anchors >= 0).sum()), "weight_sum": float(w.double().sum()),
             "label_counts": (w[:, :, 1:] > 0).sum((0, 1)).tolist(),
             "tokens": int(batch["attention_mask"].sum()) if "attention_mask" in batch else mask.numel()}
 
@@ -73,6 +78,7 @@ def empty_batch(num_taps: int, hidden: int, dtype: torch.dtype, device) -> dict[
             "attention_mask": torch.ones(1, 2, dtype=torch.bool, device=device),
             "hidden_states": torch.zeros(1, 2, num_taps, hidden, dtype=dtype, device=device),
             "anchors": torch.zeros(1, 0, dtype=torch.long, device=device),
+            "selected": torch.zeros(0, dtype=torch.long, device=device), "num_anchors": 0,
             "label_counts": None, "tokens": 0}
 
 

@@ -135,43 +135,81 @@ class BlockPlan:
         return self._bias[key]
 
 
-def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, window: int | None = None,
-               causal: bool = True, chunk_rows: int | None = None, groups: int | None = None) -> BlockPlan:
-    """The block-sparse equivalent of ``block_attention_mask`` (same rule, same visible keys).
-
-    ``chunk_rows``: query rows per chunk (default ATTN_CHUNK_ROWS); ``groups``: batched SDPA calls (default 1
-    for a sliding layer, FULL_LAYER_GROUPS for a full one). Both defaults are read at the call.
-    """
-    chunk_rows = chunk_rows or ATTN_CHUNK_ROWS
+def _chunk_spans(anchors: torch.Tensor, T: int, S: int, window: int | None, chunk_rows: int | None):
+    """Anchors [B, A] in chunks of C consecutive anchors: (C, n, p [B, n, C], real [B, n, C], lo, hi [B, n]),
+    [lo, hi) the context span the chunk's rows may see (empty for a chunk without a real anchor)."""
     B, A = anchors.shape
-    T = valid.shape[1]
-    S = block_size
-    dev = anchors.device
-    C = max(1, chunk_rows // S)
+    C = max(1, (chunk_rows or ATTN_CHUNK_ROWS) // S)
     n = -(-A // C)
-    if n == 0:
-        return BlockPlan(0, C * S, [])
     anchors = F.pad(anchors, (0, n * C - A), value=-1).view(B, n, C)
     real = anchors >= 0
     p = anchors.clamp(min=0)
     first = torch.zeros_like(p) if window is None else (p - (window - 1)).clamp(min=0)  # widest row: i = 0
     lo = torch.where(real, first, T).amin(-1)  # [B, n]: no real anchor -> empty span
     hi = torch.where(real, p, 0).amax(-1)
-    lo = torch.minimum(lo, hi)
+    return C, n, p, real, torch.minimum(lo, hi), hi
+
+
+def _group_bounds(n: int, window: int | None, groups: int | None) -> list[tuple[int, int]]:
+    """The non-empty chunk ranges [c0, c1) of the batched SDPA calls."""
     n_groups = max(1, min(n, groups or (1 if window is not None else FULL_LAYER_GROUPS)))
     bounds = [round(g * n / n_groups) for g in range(n_groups + 1)]
+    return [(c0, c1) for c0, c1 in zip(bounds[:-1], bounds[1:]) if c0 != c1]
+
+
+def _group_span(lo, hi, c0: int, c1: int, window: int | None, C: int, S: int):
+    """(g_lo, g_hi [B, ch], ch, ng, R): a group's context spans, its chunks, anchors per chunk and rows per
+    chunk. A full layer's group is one wide chunk (the prefix once, then the group's blocks)."""
+    if window is None:
+        return lo[:, c0:c1].amin(-1, keepdim=True), hi[:, c0:c1].amax(-1, keepdim=True), 1, (c1 - c0) * C, \
+            (c1 - c0) * C * S
+    return lo[:, c0:c1], hi[:, c0:c1], c1 - c0, C, C * S
+
+
+def _context_keys(g_lo, g_hi, R: int) -> int:
+    """Context keys gathered per chunk: the widest span, padded so that with the R block keys the count is a
+    multiple of the alignment. A Python int: on a GPU this waits for the device (``plan_key_lengths`` gives
+    them beforehand, from the anchors on the CPU)."""
+    K = int((g_hi - g_lo).max()) + R
+    return -(-K // _KEY_ALIGN) * _KEY_ALIGN - R
+
+
+def plan_key_lengths(anchors: torch.Tensor, T: int, block_size: int, window: int | None = None,
+                     chunk_rows: int | None = None, groups: int | None = None) -> list[int]:
+    """The context-key count of each group of ``block_plan`` (same arguments), computed where ``anchors``
+    are: on the CPU, before the batch crosses to the GPU, it spares the step a wait for the device per group
+    (``block_plan(..., key_lengths=)``)."""
+    C, n, _, _, lo, hi = _chunk_spans(anchors, T, block_size, window, chunk_rows)
     out = []
-    for c0, c1 in zip(bounds[:-1], bounds[1:]):
-        if c0 == c1:
-            continue
-        if window is None:  # one wide chunk per group: the prefix [0, max p) once, then the group's blocks
-            g_lo, g_hi = lo[:, c0:c1].amin(-1, keepdim=True), hi[:, c0:c1].amax(-1, keepdim=True)  # [B, 1]
-            ch, ng, R = 1, (c1 - c0) * C, (c1 - c0) * C * S
-        else:
-            g_lo, g_hi = lo[:, c0:c1], hi[:, c0:c1]  # [B, ng]
-            ch, ng, R = c1 - c0, C, C * S
-        K = int((g_hi - g_lo).max()) + R
-        K = -(-K // _KEY_ALIGN) * _KEY_ALIGN - R  # context keys; with the R block keys a multiple of the alignment
+    for c0, c1 in _group_bounds(n, window, groups):
+        g_lo, g_hi, _, _, R = _group_span(lo, hi, c0, c1, window, C, block_size)
+        out.append(_context_keys(g_lo, g_hi, R))
+    return out
+
+
+def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, window: int | None = None,
+               causal: bool = True, chunk_rows: int | None = None, groups: int | None = None,
+               key_lengths: list[int] | None = None) -> BlockPlan:
+    """The block-sparse equivalent of ``block_attention_mask`` (same rule, same visible keys).
+
+    ``chunk_rows``: query rows per chunk (default ATTN_CHUNK_ROWS); ``groups``: batched SDPA calls (default 1
+    for a sliding layer, FULL_LAYER_GROUPS for a full one). Both defaults are read at the call.
+    ``key_lengths``: ``plan_key_lengths`` of the same arguments, so that nothing here waits for the device.
+    """
+    B, A = anchors.shape
+    T = valid.shape[1]
+    S = block_size
+    dev = anchors.device
+    C, n, p, real, lo, hi = _chunk_spans(anchors, T, S, window, chunk_rows)
+    if n == 0:
+        return BlockPlan(0, C * S, [])
+    bounds = _group_bounds(n, window, groups)
+    if key_lengths is not None and len(key_lengths) != len(bounds):
+        raise ValueError(f"key_lengths has {len(key_lengths)} entries for {len(bounds)} groups")
+    out = []
+    for g, (c0, c1) in enumerate(bounds):
+        g_lo, g_hi, ch, ng, R = _group_span(lo, hi, c0, c1, window, C, S)
+        K = _context_keys(g_lo, g_hi, R) if key_lengths is None else key_lengths[g]
         j = (g_lo[..., None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, ch, K]; beyond hi: unseen
         pa, ra = p[:, c0:c1].reshape(B, ch, ng), real[:, c0:c1].reshape(B, ch, ng)
         ctx = context_visible(pa, ra, j, torch.gather(valid, 1, j.flatten(1)).view_as(j), S, window)
@@ -259,10 +297,11 @@ def attend(q, k, v, mask):
 
 
 def layer_mask(attn_impl: str, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-               window: int | None, causal: bool = True):
-    """The mask ``attend`` takes for one window of a drafter with ``attn_impl`` (``DrafterConfig.attn_impl``)."""
+               window: int | None, causal: bool = True, key_lengths: list[int] | None = None):
+    """The mask ``attend`` takes for one window of a drafter with ``attn_impl`` (``DrafterConfig.attn_impl``);
+    ``key_lengths``: ``block_plan``'s, computed beforehand (``plan_key_lengths``)."""
     if attn_impl == "blocks":
-        return block_plan(anchors, valid, block_size, window, causal)
+        return block_plan(anchors, valid, block_size, window, causal, key_lengths=key_lengths)
     if attn_impl == "flex":
         return _flex_block_mask(anchors, valid, block_size, window, causal)
     return block_attention_mask(anchors, valid, block_size, window, causal)

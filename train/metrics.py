@@ -35,29 +35,34 @@ class Meter:
 
     def reset(self):
         self.sums = dict.fromkeys(SUMS, 0.0)
-        self.hits = torch.zeros(self.S - 1, dtype=torch.float64)  # right drafts per position
+        # ce_sum, weight_sum, tau_sum, then the hits of each draft position: summed where the step's metrics
+        # are (on the GPU, without waiting for it), read once per interval in ``reduced``
+        self.on_device: torch.Tensor | None = None
         self.counts = torch.zeros(self.S - 1, dtype=torch.float64)  # labels per position
         self.t0, self.wait = time.perf_counter(), 0.0
 
-    def add(self, metrics: dict, label_counts, tokens: int, samples: int):
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int):
+        """One step: ``label_counts``, ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's,
+        known on the CPU (``add_anchors``); ``metrics`` are the loss's tensors, never read here."""
         self.sums["steps"] += 1  # an empty step still counts
-        if label_counts is None or int(metrics["num_tokens"]) == 0:
+        if label_counts is None or sum(label_counts) == 0:
             return
-        anchors = int(metrics["num_anchors"])
-        counts = torch.tensor(label_counts, dtype=torch.float64)
-        step = {"ce_sum": float(metrics["ce_sum"]), "weight_sum": float(metrics["weight_sum"]),
-                "tau_sum": float(metrics["tau"]) * anchors, "anchors": anchors, "tokens": tokens, "samples": samples}
-        for k, v in step.items():
+        for k, v in (("anchors", anchors), ("tokens", tokens), ("samples", samples)):
             self.sums[k] += v
-        self.hits += (torch.nan_to_num(metrics["acc_k"].double().cpu()) * counts).round()
-        self.counts += counts
+        self.counts += torch.tensor(label_counts, dtype=torch.float64)
+        step = torch.cat([torch.stack([metrics["ce_sum"].double(), metrics["weight_sum"].double(),
+                                       metrics["tau"].double() * anchors]), metrics["hits_k"].double()])
+        self.on_device = step if self.on_device is None else self.on_device + step
 
     def reduced(self, world: int, group) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         """(sums, hits, counts) over every rank: one all-reduce of the vector [SUMS | hits | counts]."""
-        v = torch.cat([torch.tensor([self.sums[k] for k in SUMS], dtype=torch.float64), self.hits, self.counts])
+        S1 = self.S - 1
+        dev = torch.zeros(3 + S1, dtype=torch.float64) if self.on_device is None else self.on_device.cpu()
+        sums = {**self.sums, "ce_sum": float(dev[0]), "weight_sum": float(dev[1]), "tau_sum": float(dev[2])}
+        v = torch.cat([torch.tensor([sums[k] for k in SUMS], dtype=torch.float64), dev[3:], self.counts])
         if world > 1:
             dist.all_reduce(v, group=group)
-        n, S1 = len(SUMS), self.S - 1
+        n = len(SUMS)
         return dict(zip(SUMS, v[:n].tolist())), v[n:n + S1], v[n + S1:]
 
     def summary(self, world: int, group) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from torch import nn
 from hsstore.format.taps import default_taps
 
 from . import masks as _masks
-from .masks import attend, layer_mask
+from .masks import attend, layer_mask, plan_key_lengths
 
 
 ATTN_IMPLS = ("sdpa", "blocks", "flex")
@@ -296,11 +296,23 @@ class DFlashDrafter(nn.Module):
             x = x.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(x))
 
-    def draft_hidden(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:
+    def key_lengths(self, anchors: torch.Tensor, T: int) -> dict[int | None, list[int]] | None:
+        """``draft_hidden``'s ``key_lengths`` for these anchors (on the CPU, before the batch crosses to the
+        GPU): the block plans' key counts per window, so that building the plans never waits for the device.
+        None unless ``attn_impl`` is "blocks"."""
+        c = self.config
+        if c.attn_impl != "blocks":
+            return None
+        windows = {c.window(i) for i in range(len(self.layers))}
+        return {w: plan_key_lengths(anchors, T, c.block_size, w) for w in windows}
+
+    def draft_hidden(self, hidden_states, input_ids, anchors, attention_mask=None,
+                     key_lengths: dict[int | None, list[int]] | None = None) -> torch.Tensor:
         """Final-normed drafter states [B, A, S, H]; logits = this @ lm_head.T.
 
         hidden_states [B, T, L, H]; input_ids [B, T] long; anchors [B, A] long (-1 = padding);
-        attention_mask [B, T] bool, False on (right) padding; None = all valid.
+        attention_mask [B, T] bool, False on (right) padding; None = all valid. ``key_lengths``: from
+        ``key_lengths`` (the same anchors), or None to work them out here (a wait for the device per plan).
         """
         c = self.config
         S = c.block_size
@@ -337,7 +349,8 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             w = c.window(i)
             if w not in masks:
-                masks[w] = layer_mask(c.attn_impl, anchors, valid, S, w, c.sliding_causal)
+                masks[w] = layer_mask(c.attn_impl, anchors, valid, S, w, c.sliding_causal,
+                                      None if key_lengths is None else key_lengths[w])
             if self.checkpoint_layers and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, masks[w], use_reentrant=False)
             else:

@@ -184,7 +184,11 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
                 ce_impl: str = "fused"):
     """Weighted block cross entropy of ``model`` (a DFlashDrafter) on ``batch``.
 
-    Anchors come from batch["anchors"] if present, else are sampled here (sample_anchors per row).
+    Anchors come from batch["anchors"] if present, else are sampled here (sample_anchors per row). With them,
+    ``batch["selected"]`` (the flat indices of the weighted positions, ``selected_positions``) and
+    ``batch["key_lengths"]`` (``DFlashDrafter.key_lengths``), both worked out on the CPU beforehand
+    (``train.data.add_anchors``), let the step run without waiting for the GPU once; without them it
+    works them out here.
     ``weight_total`` replaces this batch's weight sum as the loss's denominator (DDP: see the module doc).
     ``ce_chunk`` / ``ce_impl``: how the lm_head and CE run over the weighted rows (``chunked_cross_entropy``);
     every impl gives the same loss, gradients and metrics, they differ in memory and time only.
@@ -210,13 +214,15 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
     loss_mask = batch["loss_mask"].to(dev).bool() & attn
 
     anchors = batch.get("anchors")
-    if anchors is None:
+    given = anchors is not None
+    if not given:
         anchors = batch_anchors(loss_mask, anchors_per_seq, generator)
     anchors = anchors.to(dev)
 
     labels, weights = block_targets(input_ids, loss_mask, anchors, S, gamma)  # [B, A, S]
-    sel = weights > 0
-    if not sel.any():
+    idx = batch.get("selected") if given else None
+    idx = selected_positions(weights) if idx is None else idx.to(dev)  # the rows with weight > 0, in order
+    if idx.numel() == 0:
         zero = sum(p.sum() for p in model.parameters()) * 0.0
         nan = torch.tensor(float("nan"))
         none = torch.zeros(S - 1, dtype=torch.long)
@@ -224,25 +230,37 @@ def dflash_loss(model, batch: dict, anchors_per_seq: int = 512, generator: torch
                           num_anchors=torch.tensor(0), num_tokens=torch.tensor(0), weight_sum=torch.tensor(0.0),
                           ce_sum=torch.tensor(0.0), hits_k=none, labels_k=none, accept_k=none)
 
-    h = model.draft_hidden(batch["hidden_states"].to(dev), input_ids, anchors, attn)  # [B, A, S, H]
-    ce, pred = chunked_cross_entropy(h[sel], model.lm_head, labels[sel], ce_chunk, ce_impl)
-    w = weights[sel]
+    h = model.draft_hidden(batch["hidden_states"].to(dev), input_ids, anchors, attn,
+                           key_lengths=batch.get("key_lengths") if given else None)  # [B, A, S, H]
+    # gathers by index, not boolean masks: their sizes are known, so nothing waits for the device
+    y = labels.flatten().index_select(0, idx)
+    ce, pred = chunked_cross_entropy(h.flatten(0, 2).index_select(0, idx), model.lm_head, y, ce_chunk, ce_impl)
+    w = weights.flatten().index_select(0, idx)
     ce_sum = (w * ce).sum()
     loss = ce_sum / (w.sum() if weight_total is None else weight_total)
 
     with torch.no_grad():
-        correct = torch.zeros_like(sel)
-        correct[sel] = pred == labels[sel]
+        sel = weights > 0
+        correct = torch.zeros(sel.numel(), dtype=torch.bool, device=dev).index_put_((idx,), pred == y)
+        correct = correct.view_as(sel)
         hits = correct[:, :, 1:].sum((0, 1))
         counts = sel[:, :, 1:].sum((0, 1))
         acc_k = torch.where(counts > 0, hits / counts.clamp(min=1), torch.full_like(counts, float("nan"),
                                                                                       dtype=torch.float32))
         real = anchors >= 0
-        accepted = correct[:, :, 1:].long().cumprod(-1)[real]  # [anchors, S-1]: drafts 1..k all correct
-        tau = (1 + accepted.sum(-1)).float().mean()
+        accepted = correct[:, :, 1:].long().cumprod(-1) * real[..., None]  # [B, A, S-1]: drafts 1..k all correct
+        n_real = real.sum()
+        tau = (real.long() + accepted.sum(-1)).sum().float() / n_real  # mean over real anchors of 1 + prefix
         metrics = dict(
             acc=hits.sum() / counts.sum(), acc_k=acc_k, tau=tau,
-            num_anchors=real.sum(), num_tokens=sel.sum(), weight_sum=w.sum(), ce_sum=ce_sum.detach(),
-            hits_k=hits, labels_k=counts, accept_k=accepted.sum(0),
+            num_anchors=n_real, num_tokens=torch.tensor(idx.numel()), weight_sum=w.sum(), ce_sum=ce_sum.detach(),
+            hits_k=hits, labels_k=counts, accept_k=accepted.sum((0, 1)),
         )
     return loss, metrics
+
+
+def selected_positions(weights: torch.Tensor) -> torch.Tensor:
+    """Flat indices [N] (long, ascending) of the block positions with a weight > 0 (``block_targets``): the
+    rows the loss runs on, in the order a boolean mask would take them. Its size depends on the values, so
+    on a GPU this waits for the device: ``add_anchors`` works it out on the CPU instead."""
+    return (weights > 0).flatten().nonzero().squeeze(1)

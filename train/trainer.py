@@ -232,7 +232,8 @@ class Loop:
         self.source.set_epoch(epoch)
 
         def prepare(batch):
-            return add_anchors(batch, cfg.seed, epoch, cfg.anchors, self.drafter.config.block_size, self.gamma)
+            return add_anchors(batch, cfg.seed, epoch, cfg.anchors, self.drafter.config.block_size, self.gamma,
+                               self.drafter.key_lengths)
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
         stream = lockstep(read_ahead(self.source, prepare, self.device, cfg.prefetch, threads=threads), self.world,
@@ -262,7 +263,7 @@ class Loop:
         _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, cfg.clip, self.amp)
         self.step += 1
         step = self.step
-        self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]))
+        self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
         self.metrics.samples(step, self.epoch, batch)
         val_due = self.validation is not None and self.validation.due(step, self.total)
         if step % cfg.log_every == 0 or step == self.total or val_due:
