@@ -16,6 +16,7 @@ a shard. Write, read and check live here; ``layout.get("zarr")`` is this module.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -245,9 +246,10 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             read_chunk_into(path, dest, where, expect)
             continue
         if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-            vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
-            read_chunk_into(path, vals, where, expect)
-            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+            with _scratch(ct * width * dest.itemsize) as buf:
+                vals = buf.view(dest.dtype)
+                read_chunk_into(path, vals, where, expect)
+                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
             continue
         blob = blobs.get(path)
         if blob is None or isinstance(blob, Exception):
@@ -261,15 +263,24 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
 
-_SCRATCH = threading.local()
+_SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
+_SCRATCH_LOCK = threading.Lock()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread byte buffer, reused: fresh pages for every partial chunk would cost more than the read."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]
+@contextlib.contextmanager
+def _scratch(nbytes: int):
+    """A byte buffer for one partial chunk, reused across threads and the loader's per-epoch thread pools:
+    fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a VM), so none is dropped."""
+    with _SCRATCH_LOCK:
+        fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
+        buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None
+    if buf is None:
+        buf = np.empty(nbytes, np.uint8)
+    try:
+        yield buf[:nbytes]
+    finally:
+        with _SCRATCH_LOCK:
+            _SCRATCH.append(buf)
 
 
 def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
