@@ -62,6 +62,39 @@ def copy_bytes(dest: np.ndarray, src: np.ndarray) -> None:
     torch.from_numpy(dest).copy_(torch.from_numpy(src))
 
 
+MAPPED_READS_ENV = "HSSTORE_MAPPED_READS"  # "1": local chunks and members mapped and copied on torch's threads
+
+
+def mapped_reads() -> bool:
+    """Whether local reads map files and copy on torch's intra-op threads (``HSSTORE_MAPPED_READS=1``, the
+    former path for several threads) instead of ``preadv`` straight into the destination (the default).
+
+    Measured (issue #28, cold and warm page cache): the loader's reader threads already read units in
+    parallel, so one ``preadv`` per chunk costs the kernel's copy only, while mapping adds page faults, unmaps
+    and OpenMP threads that spin at every copy's barrier while one of them waits for the disk."""
+    return os.environ.get(MAPPED_READS_ENV, "") == "1"
+
+
+def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
+    """Read file ``fd`` from ``offset`` into the contiguous buffers ``bufs`` in turn with ``preadv`` (no
+    intermediate bytes, no mapping), resumed after short reads; returns the bytes read, fewer than the
+    buffers hold only when the file ends first (the caller decides what a short read means)."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    views = [v for v in views if len(v)]
+    total = 0
+    while views:
+        got = os.preadv(fd, views, offset + total)
+        if got == 0:
+            break
+        total += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views.pop(0)
+        if views and got:
+            views[0] = views[0][got:]
+    return total
+
+
 def empty_host(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = False, shared: bool | None = None,
                pool: "BufferPool | None" = None) -> torch.Tensor:
     """Uninitialised host memory of ``shape`` and ``dtype``.

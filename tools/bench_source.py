@@ -9,6 +9,9 @@ one run (latency 0 vs ``--latency``: the read-ahead should give the same rate on
 
     python -m tools.bench_source --procs 4 --size-mb 2048 --latency 0.03 --bandwidth-mb 100
     python -m tools.bench_source --procs 2 --size-mb 64 --hidden 512 --latency 0.03   # CPU smoke size
+
+The s3 section's rows also get a raw baseline (``raw_s3_pass``, ``--no-raw`` skips it): the same objects read by as many
+processes with plain concurrent ranged GETs through s3fs at the same latency and cap, as loader/raw.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tempfile
 import uuid
 
 from hsstore import storage
-from hsstore.ops.bench import format_source, run_source_bench
+from hsstore.ops.bench import _per_rank_row, format_source, run_source_bench
 from tools.measure import free_port
 
 
@@ -62,7 +65,54 @@ def warm_through(proxy, prefix: str, latency: float, bandwidth: float | None) ->
     proxy.reset_counts()
 
 
-def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_bytes: int | None) -> dict:
+def _raw_s3_reader(endpoint: str, objects: list[tuple[str, int]], rank: int, start, results) -> None:
+    """One process of the raw S3 baseline: its objects with plain concurrent ranged GETs through s3fs
+    (``storage.cat_many``, one GET per object with its listed size, as the loader asks for a chunk), timed
+    from a barrier shared with the others; CPU-seconds of the process."""
+    import resource
+    import time
+
+    fs, _ = storage.resolve("s3://x", {"endpoint_url": endpoint})
+    start.wait()
+    ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    got = storage.cat_many(fs, [p for p, _ in objects], sizes=[n for _, n in objects])
+    secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    bad = [p for p, b in got.items() if not isinstance(b, (bytes, bytearray))]
+    nbytes = sum(len(b) for b in got.values() if isinstance(b, (bytes, bytearray)))
+    results.put((rank, nbytes, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime), bad[:3]))
+
+
+def raw_s3_pass(proxy, prefix: str, procs: int) -> dict:
+    """The store's shard objects read by ``procs`` processes at once (split by size) with plain concurrent
+    ranged GETs through the proxy, at its latency and cap: what the emulated S3 gives N readers without the
+    loader, beside the loader's rows (loader/raw). Its requests are not counted in the loader's epochs."""
+    import multiprocessing as mp
+
+    fs, root = storage.resolve(prefix, {"endpoint_url": proxy.url})
+    sizes = {p: int(info["size"]) for p, info in fs.find(root, detail=True).items() if "/shards/" in p}
+    groups: list[list[tuple[str, int]]] = [[] for _ in range(procs)]
+    load = [0] * procs
+    for p in sorted(sizes, key=lambda p: -sizes[p]):
+        i = load.index(min(load))
+        groups[i].append((p, sizes[p]))
+        load[i] += sizes[p]
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_raw_s3_reader, args=(proxy.url, g, i, start, results)) for i, g in enumerate(groups)]
+    for p in ps:
+        p.start()
+    got = sorted(results.get(timeout=3600) for _ in ps)
+    for p in ps:
+        p.join()
+    bad = [b for *_, b in got if b]
+    if bad:
+        raise RuntimeError(f"raw S3 baseline: reads failed, e.g. {bad[0]}")
+    proxy.reset_counts()
+    return {"mode": "s3 ranged GET", **_per_rank_row([g[:4] for g in got])}
+
+
+def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_bytes: int | None,
+            raw_baseline: bool = False) -> dict:
     bw = args.bandwidth_mb * 1e6 if args.bandwidth_mb else None
     with emulated_s3() as (endpoint, proxy):
         def counters():
@@ -70,11 +120,24 @@ def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_b
                     "max_in_flight": proxy.max_in_flight}
 
         url = f"s3://{proxy.bucket}"
-        return run_source_bench(url, {"endpoint_url": endpoint}, size_mb=args.size_mb, hidden=args.hidden,
-                                layers=args.num_taps, procs=args.procs, epochs=args.epochs, cold=False,
-                                partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                                read_options={"endpoint_url": proxy.url}, counters=counters,
-                                before_ranks=lambda: warm_through(proxy, url, latency, bw))["source"]
+        raw: dict = {}
+
+        def before_ranks():
+            warm_through(proxy, url, latency, bw)
+            if raw_baseline and args.raw:
+                raw.update(raw_s3_pass(proxy, url, args.procs))
+
+        out = run_source_bench(url, {"endpoint_url": endpoint}, size_mb=args.size_mb, hidden=args.hidden,
+                               layers=args.num_taps, procs=args.procs, epochs=args.epochs, cold=False,
+                               partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                               read_options={"endpoint_url": proxy.url}, counters=counters,
+                               before_ranks=before_ranks)["source"]
+        if raw:  # once per store, shown beside every epoch as the local rows are
+            for e in out["epochs"]:
+                e["raw"] = {"s3": raw}
+                e["vs_raw"] = {"s3": {"total": e["total_gbps"] / raw["total_gbps"],
+                                      "min_rank": e["min_rank_gbps"] / raw["min_rank_gbps"]}}
+        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scratch", default=None, help="local directory for the cold rows (default: a temp dir)")
     ap.add_argument("--sections", default="local,s3,node", help="local (cold files), s3 (0 and --latency), "
                     "node (S3 + --partition node with a per-rank cache: remote bytes per epoch)")
+    ap.add_argument("--no-raw", dest="raw", action="store_false", help="S3 rows: skip the raw baseline (the "
+                    "same objects by as many processes with plain concurrent ranged GETs, same latency and cap)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     sections = a.sections.split(",")
@@ -98,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             out["local cold"] = run_source_bench(tmp, {}, size_mb=a.size_mb, hidden=a.hidden, layers=a.num_taps,
                                                  procs=a.procs, epochs=a.epochs, cold=True)["source"]
         if "s3" in sections:
-            out["s3 latency 0"] = s3_rows(a, 0.0, "global", None, None)
-            out[f"s3 latency {a.latency:g}"] = s3_rows(a, a.latency, "global", None, None)
+            out["s3 latency 0"] = s3_rows(a, 0.0, "global", None, None, raw_baseline=True)
+            out[f"s3 latency {a.latency:g}"] = s3_rows(a, a.latency, "global", None, None, raw_baseline=True)
         if "node" in sections:
             share = int(a.size_mb * 1.5 * (1 << 20) / a.procs)  # 1.5x a rank's share: less than the store
             for part in ("global", "node"):

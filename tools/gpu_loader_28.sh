@@ -27,7 +27,12 @@ run() {  # name, command...: JSON (last line block) to $R/name.json, log to $R/n
 }
 
 # 1. four ranks at once from local files, page cache dropped before each epoch (read-once, cold NVMe)
-run source_cold hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 2 --cold --quiet --json
+#    (3 epochs: epoch 0 also faults in the loader's buffers, 1-3 CPU-s per GB in a VM; epochs 1-2 are the steady
+#    state), then the same with the former mapped reads (HSSTORE_MAPPED_READS=1), then again: paired, before/after
+run source_cold hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
+run source_cold_mapped env HSSTORE_MAPPED_READS=1 hsstore bench "$S" --what source --procs 4 --size-mb 4096 \
+    --epochs 3 --cold --quiet --json
+run source_cold_again hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
 # 2. the same four ranks from S3 emulated on loopback (moto + proxy replaying from memory): latency 0 vs 30 ms,
 #    100 MB/s per connection; then --partition node with a per-rank cache: remote bytes per epoch
 run source_s3 python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 --bandwidth-mb 100 \
@@ -82,9 +87,11 @@ print("\n# issue 28, H200")
 print("| source | epoch | GB/s total | GB/s/rank min | CPU-s/GB | remote GB | in flight |")
 print("|---|---|---|---|---|---|---|")
 src = {}
-c = load("source_cold")
-if isinstance(c, dict):
-    src["local cold"] = c["source"]
+for key, label in (("source_cold", "local cold"), ("source_cold_mapped", "local cold, mapped reads (before)"),
+                   ("source_cold_again", "local cold, again")):
+    c = load(key)
+    if isinstance(c, dict):
+        src[label] = c["source"]
 s3 = load("source_s3")
 if isinstance(s3, dict):
     src.update(s3)

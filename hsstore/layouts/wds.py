@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import mmap
+import os
 import posixpath
 import tarfile
 import time
@@ -37,7 +38,7 @@ from .. import storage
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes
+from ..memory import copy_bytes, mapped_reads, pread_into
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -276,10 +277,16 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
         job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
 
 
-def _read_at(src: mmap.mmap, path: str, offset: int, buf: np.ndarray) -> None:
-    """Copy ``buf.nbytes`` bytes of the mapped tar at ``path`` from ``offset`` into ``buf``; a short file is
-    corruption. Mapped, not read: the copy out of the page cache is the only one (as for zarr chunks)."""
+def _read_at(src: mmap.mmap | int, path: str, offset: int, buf: np.ndarray) -> None:
+    """Copy ``buf.nbytes`` bytes of the tar at ``path`` from ``offset`` into ``buf``; a short file is corruption.
+    ``src``: the open file's descriptor (``preadv`` straight into ``buf``: the kernel's copy out of the page
+    cache is the only one), or its mapping (``memory.mapped_reads``: copied on torch's threads)."""
     n = buf.nbytes
+    if isinstance(src, int):
+        got = pread_into(src, [buf.reshape(-1).view(np.uint8)], offset)
+        if got != n:
+            raise EOFError(f"file ends {n - got} bytes early")
+        return
     if offset + n > len(src):
         raise EOFError(f"file ends {offset + n - len(src)} bytes early")
     view = np.frombuffer(src, np.uint8, count=n, offset=offset)
@@ -293,15 +300,17 @@ def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
     except FileNotFoundError:
         raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
     with f:
-        try:
-            src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
-        except ValueError:  # an empty file cannot be mapped
-            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)") from None
+        if os.fstat(f.fileno()).st_size == 0:
+            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)")
+        if not mapped_reads():
+            _read_jobs(f.fileno(), path, jobs, shard)
+            return
+        src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
         with src:
             _read_jobs(src, path, jobs, shard)
 
 
-def _read_jobs(src: mmap.mmap, path: str, jobs: list[_Job], shard: str) -> None:
+def _read_jobs(src: mmap.mmap | int, path: str, jobs: list[_Job], shard: str) -> None:
     for job in jobs:
         where = f"shard {shard!r}, member {job.name!r}"
         head = np.empty(BLOCK + len(job.header), np.uint8)

@@ -16,6 +16,7 @@ a shard. Write, read and check live here; ``layout.get("zarr")`` is this module.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -32,7 +33,7 @@ from .. import storage
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes
+from ..memory import copy_bytes, mapped_reads, pread_into
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -245,9 +246,10 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             read_chunk_into(path, dest, where, expect)
             continue
         if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-            vals = _scratch(ct * width * dest.itemsize).view(dest.dtype)
-            read_chunk_into(path, vals, where, expect)
-            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+            with _scratch(ct * width * dest.itemsize) as buf:
+                vals = buf.view(dest.dtype)
+                read_chunk_into(path, vals, where, expect)
+                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
             continue
         blob = blobs.get(path)
         if blob is None or isinstance(blob, Exception):
@@ -261,26 +263,34 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
 
 
-_SCRATCH = threading.local()
+_SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
+_SCRATCH_LOCK = threading.Lock()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread byte buffer, reused: fresh pages for every partial chunk would cost more than the read."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]
+@contextlib.contextmanager
+def _scratch(nbytes: int):
+    """A byte buffer for one partial chunk, reused across threads and the loader's per-epoch thread pools:
+    fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a VM), so none is dropped."""
+    with _SCRATCH_LOCK:
+        fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
+        buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None
+    if buf is None:
+        buf = np.empty(nbytes, np.uint8)
+    try:
+        yield buf[:nbytes]
+    finally:
+        with _SCRATCH_LOCK:
+            _SCRATCH.append(buf)
 
 
 def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
     """Read an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C, and that it is
     ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
 
-    With one intra-op thread (DataLoader workers, and a node's ranks on their share of cores) the payload
-    is read with ``preadv`` straight into ``dest`` and the 4-byte tail into a small buffer: no mapping to
-    fault in and no second copy (1.2x mapping + copy on one core here). With more threads the file is
-    mapped and copied on torch's threads (``copy_bytes``), which a single ``preadv`` cannot use.
-    Committed chunks are never rewritten, so the file cannot change under the read."""
+    The payload is read with ``preadv`` straight into ``dest`` and the 4-byte tail into a small buffer: no
+    mapping to fault in and no second copy; the loader's reader threads read several chunks at once
+    (``memory.mapped_reads``: the former mapped path, for comparison). Committed chunks are never
+    rewritten, so the file cannot change under the read."""
     flat = dest.reshape(-1).view(np.uint8)
     n = flat.nbytes
     try:
@@ -288,8 +298,10 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
             size = os.fstat(f.fileno()).st_size
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            if torch.get_num_threads() == 1:
-                tail = _pread_exact(f.fileno(), flat, where)
+            if not mapped_reads() or torch.get_num_threads() == 1:
+                tail = bytearray(4)
+                if pread_into(f.fileno(), [flat, tail], 0) != n + 4:
+                    raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
             else:
                 with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
                     src = np.frombuffer(m, np.uint8, count=n)
@@ -303,23 +315,6 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
         raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
     if expect is not None and tail != expect:
         raise CorruptionError(f"{where}: {codec.MISPLACED}")
-
-
-def _pread_exact(fd: int, flat: np.ndarray, where: str) -> bytes:
-    """The payload into ``flat`` and the 4-byte tail returned, with ``preadv`` (resumed after short reads)."""
-    tail = bytearray(4)
-    views, offset = [memoryview(flat), memoryview(tail)], 0
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got == 0:
-            raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views.pop(0)
-        if views and got:
-            views[0] = views[0][got:]
-    return bytes(tail)
 
 
 def open_group(src: ShardSource, name: str) -> zarr.Group:
