@@ -26,7 +26,7 @@ import tempfile
 import uuid
 
 from hsstore import storage
-from hsstore.ops.bench import _per_rank_row, format_source, run_source_bench
+from hsstore.ops.bench import _per_rank_row, _split_by_size, format_source, run_source_bench
 from tools.measure import free_port
 
 
@@ -90,12 +90,7 @@ def raw_s3_pass(proxy, prefix: str, procs: int) -> dict:
 
     fs, root = storage.resolve(prefix, {"endpoint_url": proxy.url})
     sizes = {p: int(info["size"]) for p, info in fs.find(root, detail=True).items() if "/shards/" in p}
-    groups: list[list[tuple[str, int]]] = [[] for _ in range(procs)]
-    load = [0] * procs
-    for p in sorted(sizes, key=lambda p: -sizes[p]):
-        i = load.index(min(load))
-        groups[i].append((p, sizes[p]))
-        load[i] += sizes[p]
+    groups = [[(p, sizes[p]) for p in g] for g in _split_by_size(list(sizes), procs, sizes.__getitem__)]
     ctx = mp.get_context("spawn")
     start, results = ctx.Barrier(procs), ctx.Queue()
     ps = [ctx.Process(target=_raw_s3_reader, args=(proxy.url, g, i, start, results)) for i, g in enumerate(groups)]

@@ -324,13 +324,13 @@ def count_syncs(fn, device) -> collections.Counter:
     found = collections.Counter()
     if device.type != "cuda":
         return found
-    me, shown = threading.get_ident(), warnings.showwarning
+    me = threading.get_ident()
 
     def show(message, category, filename, lineno, *rest):
         if threading.get_ident() == me and "synchroniz" in str(message):
             found[f"{os.path.relpath(filename)}:{lineno}"] += 1
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores the filters and showwarning on the way out
         warnings.simplefilter("always")
         warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
@@ -338,7 +338,6 @@ def count_syncs(fn, device) -> collections.Counter:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = shown
     return found
 
 

@@ -161,8 +161,8 @@ def _group_span(lo, hi, c0: int, c1: int, window: int | None, C: int, S: int):
     """(g_lo, g_hi [B, ch], ch, ng, R): a group's context spans, its chunks, anchors per chunk and rows per
     chunk. A full layer's group is one wide chunk (the prefix once, then the group's blocks)."""
     if window is None:
-        return lo[:, c0:c1].amin(-1, keepdim=True), hi[:, c0:c1].amax(-1, keepdim=True), 1, (c1 - c0) * C, \
-            (c1 - c0) * C * S
+        ng = (c1 - c0) * C
+        return lo[:, c0:c1].amin(-1, keepdim=True), hi[:, c0:c1].amax(-1, keepdim=True), 1, ng, ng * S
     return lo[:, c0:c1], hi[:, c0:c1], c1 - c0, C, C * S
 
 

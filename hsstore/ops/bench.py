@@ -506,14 +506,15 @@ def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
     results.put((rank, got, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)))
 
 
-def _split_by_size(paths: list[str], parts: int) -> list[list[str]]:
-    """``paths`` in ``parts`` groups of about equal bytes (largest first, each to the lightest group)."""
+def _split_by_size(paths: list[str], parts: int, size=os.path.getsize) -> list[list[str]]:
+    """``paths`` in ``parts`` groups of about equal bytes (largest first, each to the lightest group);
+    ``size``: a path's bytes (default: the local file's)."""
     groups: list[list[str]] = [[] for _ in range(parts)]
     load = [0] * parts
-    for p in sorted(paths, key=lambda p: -os.path.getsize(p)):
+    for p in sorted(paths, key=lambda p: -size(p)):
         i = load.index(min(load))
         groups[i].append(p)
-        load[i] += os.path.getsize(p)
+        load[i] += size(p)
     return groups
 
 
