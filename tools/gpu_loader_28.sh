@@ -34,9 +34,14 @@ run source_cold_mapped env HSSTORE_MAPPED_READS=1 hsstore bench "$S" --what sour
     --epochs 3 --cold --quiet --json
 run source_cold_again hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
 # 2. the same four ranks from S3 emulated on loopback (moto + proxy replaying from memory): latency 0 vs 30 ms,
-#    100 MB/s per connection; then --partition node with a per-rank cache: remote bytes per epoch
+#    100 MB/s per connection (~100 s), then the same with chunks fetched whole as bytes (HSSTORE_STREAM_READS=0, the
+#    former path: before/after in one run); then --partition node with a per-rank cache: remote bytes per epoch
 run source_s3 python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 --bandwidth-mb 100 \
-    --sections s3,node --scratch "$S" --json
+    --sections s3 --scratch "$S" --json
+run source_s3_bytes env HSSTORE_STREAM_READS=0 python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 \
+    --bandwidth-mb 100 --sections s3 --scratch "$S" --json
+run source_s3_node python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 --bandwidth-mb 100 \
+    --sections node --scratch "$S" --json
 # 3. the published 5-layer drafter, activation checkpointing off/on: 4 x 4096 tokens (2,048 anchors) and
 #    1 x 16,384 (512 anchors): peak, step time, train's estimate
 run ckpt_4x4096 python -m tools.bench_attention --published --seq 4096 --batch 4 --anchors 512 --impl blocks \
@@ -55,12 +60,17 @@ run launch_probe python -m tools.bench_train --dir "$S" --device cuda --seq 4096
     --rounds 2 --probe-seconds 5 --keep-store --json
 run fed_cold_ckpt python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 \
     --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --checkpoint-layers --keep-store --json
-# 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection)
+# 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection; 16 samples, one epoch a round), read in the
+#    trainer's process and by 2 DataLoader workers (the S3 client's Python off the launching thread's GIL;
+#    needs torchdata: bash tools/gpu_wheels.sh)
 run fed_s3 python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
-    --anchors 512 --s3 --s3-latency 0.03 --s3-bandwidth-mb 100 --rounds 1 --steps 3 --warmup 1 --json
+    --anchors 512 --s3 --s3-latency 0.03 --s3-bandwidth-mb 100 --rounds 2 --steps 3 --warmup 1 --samples 16 --json
+run fed_s3_w2 python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
+    --anchors 512 --s3 --s3-latency 0.03 --s3-bandwidth-mb 100 --rounds 2 --steps 3 --warmup 1 --samples 16 \
+    --workers 2 --json
 # 6. hsstore train planning for an 80 GB GPU (and held to it): without checkpointing it lowers anchors, saying
 #    so; with --checkpoint-layers it keeps 512
-STORE=; [[ -z $ONLY || " $ONLY " == *" train80 "* ]] && STORE=$(timeout "$T" python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --samples 24 --steps 1 --warmup 1 --store-only \
+STORE=; [[ -z $ONLY || " $ONLY " == *" train80"* ]] && STORE=$(timeout "$T" python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --samples 24 --steps 1 --warmup 1 --store-only \
     2>>"$R/store.log" | tail -1)
 for ck in "" "--checkpoint-layers"; do
     name=train80${ck:+_ckpt}
@@ -92,9 +102,10 @@ for key, label in (("source_cold", "local cold"), ("source_cold_mapped", "local 
     c = load(key)
     if isinstance(c, dict):
         src[label] = c["source"]
-s3 = load("source_s3")
-if isinstance(s3, dict):
-    src.update(s3)
+for key, prefix in (("source_s3", ""), ("source_s3_bytes", "bytes reads (before): "), ("source_s3_node", "")):
+    s3 = load(key)
+    if isinstance(s3, dict):
+        src.update({prefix + k: v for k, v in s3.items()})
 for name, r in src.items():
     for e in r["epochs"]:
         rem = f"{e['remote_bytes'] / 1e9:.3f}" if "remote_bytes" in e else "-"
@@ -116,7 +127,7 @@ for name in ("ckpt_4x4096", "ckpt_1x16384"):
 print("\n| trainer | loader ms | resident ms | resident/loader | GB/s fed | peak GiB | remote GB |")
 print("|---|---|---|---|---|---|---|")
 fed = {}
-for name in ("fed_cold", "fed_cold_t1", "fed_cold_ckpt", "fed_s3"):
+for name in ("fed_cold", "fed_cold_t1", "fed_cold_ckpt", "fed_s3", "fed_s3_w2"):
     r = load(name)
     if isinstance(r, dict):
         fed[name] = r

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for the S3 rows of tools/gpu_loader_28.sh on the GPU machine (Python 3.12, no internet): moto's server,
-# boto3/botocore/s3transfer, s3fs/aiobotocore/aiohttp, and those of their needs that the machine lacks or holds
-# in versions too old for them (its package list: /work/.library/device/KINDS.md). Run here, where pip reaches a
+# boto3/botocore/s3transfer, s3fs/aiobotocore/aiohttp, torchdata (the loader's DataLoader workers), and those of
+# their needs that the machine lacks or holds in versions too old for them (its package list:
+# /work/.library/device/KINDS.md). Run here, where pip reaches a
 # registry, from the repository root; the wheels land in .whl/ beside the ones already there:
 #
 #   bash tools/gpu_wheels.sh            # then carry .whl, and on the GPU machine, before anything else:
@@ -21,6 +22,7 @@ WHEELS=(
     xmltodict==1.0.4 responses==0.26.3 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
     flask==3.1.3 flask-cors==6.0.5 blinker==1.9.0 itsdangerous==2.2.0 werkzeug==3.1.9
     py-partiql-parser==0.6.3
+    torchdata==0.11.0  # StatefulDataLoader: the trainer's --workers rows (bench_train --workers N)
 )
 PLATFORMS=()
 for n in 39 35 34 31 28 27 24 17; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
