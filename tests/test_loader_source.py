@@ -82,6 +82,7 @@ def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
         # the raw baseline: the store's files (features, ids, masks, metadata) by as many plain readers
         raw = e["raw"]
         assert set(raw) == {"read", "mmap"} and raw["read"]["bytes"] == raw["mmap"]["bytes"] > e["bytes"]
+        assert raw["read"]["bytes"] == r["stored_bytes"]  # every object the records list, edge chunks full-size
         assert all(len(x["per_rank_gbps"]) == 2 for x in raw.values())
         assert e["vs_raw"]["read"]["total"] == pytest.approx(e["total_gbps"] / raw["read"]["total_gbps"])
     assert list(tmp_path.iterdir()) == []  # the scratch store is removed

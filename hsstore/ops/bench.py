@@ -580,6 +580,8 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         store = Store(store_url, storage_options)
         files = [storage.join(store.root, k) for c in store.commits for k in c.files]
         nbytes = store.num_tokens * layers * hidden * 2
+        # every object the records list: what an epoch without a cache fetches at least
+        stored = sum(int(f["size"]) for c in store.commits for f in c.files.values())
         if before_ranks is not None:
             before_ranks()
         ctx = mp.get_context("spawn")
@@ -618,12 +620,14 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     finally:
         _remove(fs, storage.join(root, run))
     return {"source": {"url": url, "procs": procs, "cold": cold, "partition": partition, "bytes": nbytes,
-                       "hidden": hidden, "layers": layers, "cache_dir": cache_dir, "epochs": rows}}
+                       "stored_bytes": stored, "hidden": hidden, "layers": layers, "cache_dir": cache_dir,
+                       "epochs": rows}}
 
 
 def format_source(r: dict[str, Any]) -> str:
     """The source bench as a compact table, one row per epoch."""
-    lines = [f"{r['procs']} ranks at once, {r['bytes'] / 1e9:.2f} GB, {'cold' if r['cold'] else 'warm'}, "
+    stored = f" ({r['stored_bytes'] / 1e9:.2f} GB stored)" if "stored_bytes" in r else ""
+    lines = [f"{r['procs']} ranks at once, {r['bytes'] / 1e9:.2f} GB{stored}, {'cold' if r['cold'] else 'warm'}, "
              f"partition {r['partition']}, {r['url']}",
              f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
              f"{'in flight':>9}"]
