@@ -42,17 +42,19 @@ def s3_url(s3_endpoint, s3_samples):
 
 @pytest.fixture
 def fetched(monkeypatch):
-    """Bytes fetched from S3 per array name (layer_003, input_ids, ...), in this process."""
+    """Bytes fetched from S3 per array name (layer_003, input_ids, ...), in this process: the body sizes of
+    s3fs's GetObject calls (whoever reads the body)."""
     counts: collections.Counter = collections.Counter()
-    orig = s3fs.S3FileSystem._cat_file
+    orig = s3fs.S3FileSystem._call_s3
 
-    async def spy(self, path, *a, **k):
-        data = await orig(self, path, *a, **k)
-        if "/shards/" in path:
-            counts[path.split("/shards/")[1].split("/")[1]] += len(data)
-        return data
+    async def spy(self, method, *a, **k):
+        resp = await orig(self, method, *a, **k)
+        key = k.get("Key", "")
+        if method == "get_object" and "/shards/" in key:
+            counts[key.split("/shards/")[1].split("/")[1]] += int(resp["ContentLength"])
+        return resp
 
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", spy)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", spy)
     return counts
 
 

@@ -216,6 +216,8 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             key = chunk_key(array_path, k, 1 if width == 1 else 2)
             jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
                          direct))
+    if carry is None and not direct and feature_codec.spec == "none" and storage.stream_reads():
+        return _stream_into(src, rec, fs, root, jobs, ct)
     carried = carry or {}
     fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
     blobs: dict = dict(carried)
@@ -261,6 +263,59 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         last = [storage.join(root, chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
         carry.clear()
         carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
+
+
+def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list, ct: int) -> None:
+    """``read_into``'s remote path for uncompressed chunks: each chunk's bytes go straight into the output (a
+    whole chunk) or a reused scratch buffer (part of one), its 4-byte tail beside (``storage.cat_into``, or the
+    loader's chunk cache when attached), and are checked there: no bytes object per chunk, no fresh memory to
+    fault in."""
+    shard_name = rec.shard
+    with contextlib.ExitStack() as stack:
+        targets, crcs, parts = {}, {}, {}
+        for key, dest, rows, _codec, width, _local in jobs:
+            where = f"shard {shard_name!r}, file {key}"
+            nbytes = ct * width * dest.itemsize
+            listed = rec.files.get(key, {}).get("size")
+            if listed is not None and listed != nbytes + 4:
+                raise CorruptionError(f"{where}: chunk holds {max(0, listed - 4)} bytes, expected {nbytes}")
+            path = storage.join(root, key)
+            if rows.stop - rows.start == ct and dest.flags.c_contiguous:
+                payload = dest.reshape(-1).view(np.uint8)
+            else:
+                payload = stack.enter_context(_scratch(nbytes))
+                parts[path] = (dest, rows, width, payload)
+            tail = bytearray(4)
+            targets[path] = [payload, tail]
+            crcs[path] = (payload, tail, rec.chunk_checksum(key), where)
+
+        def check(path: str) -> str | None:
+            payload, tail, expect, _ = crcs[path]
+            value = int.from_bytes(tail, "little")
+            if codec.crc32c(payload) != value:
+                return "checksum mismatch (corrupted chunk)"
+            return codec.MISPLACED if expect is not None and value != expect else None
+
+        try:
+            if src.chunk_cache is not None:
+                got = src.chunk_cache.cat_into(fs, targets, src.cache_namespace(), check)
+            else:
+                got = storage.cat_into(fs, targets, check)
+        except Exception as e:
+            raise FetchError(f"shard {shard_name!r} of store {src.url!r}: read failed: "
+                             f"{type(e).__name__}: {e}") from None
+        for path, result in got.items():
+            where = crcs[path][3]
+            if isinstance(result, FileNotFoundError):
+                raise CorruptionError(f"{where}: chunk missing or unreadable ({type(result).__name__}: {result})")
+            if isinstance(result, Exception):  # the path to the store failed (after retries), not the bytes
+                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {path[len(root) + 1:]}: "
+                                 f"read failed after retries ({type(result).__name__}: {result})")
+            if result is not None:
+                raise CorruptionError(f"{where}: {result}")
+        for dest, rows, width, payload in parts.values():
+            vals = payload.view(dest.dtype)
+            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
 
 
 _SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process

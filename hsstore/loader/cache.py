@@ -18,9 +18,10 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..format import codec, names
+from ..memory import pread_into
 from .. import storage
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,7 @@ class ChunkCache:
             log.warning("chunk cache: dropping damaged or stale copy %s", local)
             self._remove(local)
             return None
-        try:
-            os.utime(local)
-        except FileNotFoundError:
-            pass
-        with self._lock:
-            if self._index is not None:
-                self._index[local] = (self._clock(), len(blob))
+        self._touch(local, len(blob))
         return blob
 
     def cat(self, fs, paths: list[str], namespace: str, expect: dict[str, int | None] | None = None,
@@ -100,16 +95,65 @@ class ChunkCache:
                     self.put(namespace, p, bytes(blob))
         return out
 
+    def cat_into(self, fs, targets: dict[str, list[Any]], namespace: str,
+                 check: Callable[[str], str | None]) -> dict[str, Exception | str | None]:
+        """``storage.cat_into`` served from the cache where it holds a copy that fills the buffers and passes
+        ``check`` (a copy that does not is dropped); the rest is fetched into the buffers and cached from them."""
+        out: dict[str, Exception | str | None] = {}
+        missing: dict[str, list[Any]] = {}
+        for p, bufs in targets.items():
+            local = self.local_path(namespace, p)
+            if self._read_into(local, bufs) and check(p) is None:
+                out[p] = None
+                self._touch(local, sum(memoryview(b).nbytes for b in bufs))
+                continue
+            if os.path.exists(local):
+                log.warning("chunk cache: dropping damaged or stale copy %s", local)
+                self._remove(local)
+            missing[p] = bufs
+        self.hits += len(out)
+        self.misses += len(missing)
+        if missing:
+            for p, result in storage.cat_into(fs, missing, check).items():
+                out[p] = result
+                if result is None:
+                    self.put(namespace, p, missing[p])
+        return out
+
+    @staticmethod
+    def _read_into(local: str, bufs: list[Any]) -> bool:
+        """Whether the file at ``local`` exists and fills ``bufs`` exactly."""
+        want = sum(memoryview(b).nbytes for b in bufs)
+        try:
+            with open(local, "rb", buffering=0) as f:
+                return os.fstat(f.fileno()).st_size == want and pread_into(f.fileno(), bufs, 0) == want
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+
+    def _touch(self, local: str, size: int) -> None:
+        """A hit refreshes the copy's place in the LRU order (its mtime, for other processes too)."""
+        try:
+            os.utime(local)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            if self._index is not None:
+                self._index[local] = (self._clock(), size)
+
     # -- writing and eviction ----------------------------------------------------------------------
-    def put(self, namespace: str, path: str, blob: bytes) -> None:
-        if len(blob) > self.max_bytes:
+    def put(self, namespace: str, path: str, blob: Any) -> None:
+        """Keep ``blob`` (bytes, or a list of buffers written in turn) as the copy of ``path``."""
+        parts = blob if isinstance(blob, list) else [blob]
+        size = sum(memoryview(b).nbytes for b in parts)
+        if size > self.max_bytes:
             return
         local = self.local_path(namespace, path)
         os.makedirs(os.path.dirname(local), exist_ok=True)
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:
-                f.write(blob)
+                for b in parts:
+                    f.write(memoryview(b).cast("B"))
             os.replace(tmp, local)
         except OSError as e:  # a full or read-only disk must not stop training: the read still succeeds
             log.warning("chunk cache: cannot write %s (%s)", local, e)
@@ -118,8 +162,8 @@ class ChunkCache:
         with self._lock:
             index = self._scan() if self._index is None else self._index
             old = index.get(local)
-            self._total += len(blob) - (old[1] if old else 0)
-            index[local] = (self._clock(), len(blob))
+            self._total += size - (old[1] if old else 0)
+            index[local] = (self._clock(), size)
             if self._total > self.max_bytes:
                 self._evict()
 
