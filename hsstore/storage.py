@@ -654,11 +654,11 @@ async def _stream_s3(fs, path: str, views: list[memoryview]) -> int:
     bucket, key, version = fs.split_path(path)
     want = sum(len(v) for v in views)
     extra = {"VersionId": version} if version else {}
+    if want:
+        extra["Range"] = f"bytes=0-{want - 1}"  # an empty object takes no Range (it has no byte 0)
     retryable = S3_RETRYABLE_ERRORS + (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
     tries = max(1, int(getattr(fs, "retries", 5)))
     for i in range(tries):
-        if want:
-            extra["Range"] = f"bytes=0-{want - 1}"  # an empty object takes no Range (it has no byte 0)
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
         body = resp["Body"]
         try:

@@ -133,9 +133,15 @@ def chunk_ok(blob: bytes, expect: int | None = None) -> bool:
     """Whether a chunk object's trailing CRC32C matches its payload and, with ``expect``, is that checksum."""
     if len(blob) < 4:
         return False
-    payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
-    tail = chunk_tail(blob)
-    return (expect is None or tail == expect) and crc32c(payload) == tail
+    return payload_problem(np.frombuffer(blob, np.uint8, count=len(blob) - 4), chunk_tail(blob), expect) is None
+
+
+def payload_problem(payload, tail: int, expect: int | None = None) -> str | None:
+    """What is wrong with a chunk whose payload and 4-byte tail (its CRC32C) were read apart, or None:
+    the tail must be the payload's CRC32C and, with ``expect`` (the commit record's value), that value."""
+    if crc32c(payload) != tail:
+        return "checksum mismatch (corrupted chunk)"
+    return MISPLACED if expect is not None and tail != expect else None
 
 
 def _parse(spec: str) -> tuple[str, int]:
@@ -216,11 +222,9 @@ class ChunkCodec:
         if len(blob) < 4:
             raise CorruptionError(f"{where}: chunk of {len(blob)} bytes is truncated")
         payload = np.frombuffer(blob, np.uint8, count=len(blob) - 4)
-        tail = chunk_tail(blob)
-        if crc32c(payload) != tail:
-            raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
-        if expect is not None and tail != expect:
-            raise CorruptionError(f"{where}: {MISPLACED}")
+        problem = payload_problem(payload, chunk_tail(blob), expect)
+        if problem:
+            raise CorruptionError(f"{where}: {problem}")
         c = self._numcodec()
         nbytes = count * dtype.itemsize
         if c is None:

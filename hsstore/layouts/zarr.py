@@ -291,10 +291,7 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
 
         def check(path: str) -> str | None:
             payload, tail, expect, _ = crcs[path]
-            value = int.from_bytes(tail, "little")
-            if codec.crc32c(payload) != value:
-                return "checksum mismatch (corrupted chunk)"
-            return codec.MISPLACED if expect is not None and value != expect else None
+            return codec.payload_problem(payload, int.from_bytes(tail, "little"), expect)
 
         try:
             if src.chunk_cache is not None:
@@ -365,11 +362,9 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
                     del src  # release the buffer before the mapping closes
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
-    tail = int.from_bytes(tail, "little")
-    if codec.crc32c(dest) != tail:
-        raise CorruptionError(f"{where}: checksum mismatch (corrupted chunk)")
-    if expect is not None and tail != expect:
-        raise CorruptionError(f"{where}: {codec.MISPLACED}")
+    problem = codec.payload_problem(dest, int.from_bytes(tail, "little"), expect)
+    if problem:
+        raise CorruptionError(f"{where}: {problem}")
 
 
 def open_group(src: ShardSource, name: str) -> zarr.Group:
