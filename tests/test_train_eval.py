@@ -108,6 +108,24 @@ def test_bench_train_smoke(tmp_path):
     assert not list(tmp_path.iterdir())  # the scratch store is removed
 
 
+def test_bench_train_reads_emulated_s3_served_from_another_process(tmp_path):
+    """--s3: the trainer reads the store through the proxy, whose server runs in a process of its own (its
+    threads would otherwise take the trainer's GIL); the shard bytes it fetched are counted there."""
+    import json
+    import subprocess
+    import sys
+
+    from train_helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "tools.bench_train", "--dir", str(tmp_path), "--tiny", "--s3",
+                           "--s3-latency", "0", "--rounds", "1", "--steps", "1", "--warmup", "1", "--json",
+                           "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert result["source"] == "s3 (emulated)" and result["remote_bytes"] > 0 and result["max_in_flight"] >= 1
+    assert result["server_pid"] != result["trainer_pid"]
+
+
 def test_prompts_thinking_setting(tok, small_input):  # noqa: F811
     """Thinking on by default (DFlash's benchmark setting for thinking targets); --no-thinking renders the
     chat template's empty thinking block, as DFlash's non-thinking Qwen3 numbers do."""

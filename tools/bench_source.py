@@ -30,6 +30,13 @@ from hsstore.ops.bench import _per_rank_row, _split_by_size, format_source, run_
 from tools.measure import free_port
 
 
+def use_test_credentials() -> None:
+    """moto's test credentials for this process's S3 clients, unless some are set."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(k, v)
+
+
 @contextlib.contextmanager
 def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
     """(endpoint moto serves on, proxy in front of it): a fresh bucket name comes with it. The proxy replays
@@ -40,9 +47,7 @@ def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
     from moto.server import ThreadedMotoServer
     import s3fs
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
+    use_test_credentials()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -68,6 +73,70 @@ def warm_through(proxy, prefix: str, latency: float, bandwidth: float | None) ->
     storage.cat_many(fs, list(sizes), list(sizes.values()))
     proxy.latency, proxy.bandwidth = latency, bandwidth
     proxy.reset_counts()
+
+
+def shard_counts(proxy) -> dict:
+    """What the readers fetched of the store's shards through ``proxy`` since its last reset, and how many
+    requests it held at once."""
+    return {"remote_bytes": sum(n for p, n in proxy.sent.items() if "/shards/" in p),
+            "max_in_flight": proxy.max_in_flight}
+
+
+class EmulatedS3Process:
+    """``emulated_s3`` in a process of its own, for a reader that shares its process with a GPU step (the
+    trainer): moto's and the proxy's Python threads would otherwise take the trainer's GIL, a cost no remote
+    object store puts on its clients. ``endpoint`` (moto, for writing), ``url`` (the proxy, for reading) and
+    ``bucket`` as ``emulated_s3`` gives them; ``warm`` and ``counts`` run in the server's process."""
+
+    def __init__(self):
+        import multiprocessing as mp
+
+        use_test_credentials()  # the readers' (and writer's) clients live in this process
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_emulation, args=(child,), daemon=True)
+        self._proc.start()
+        self.endpoint, self.url, self.bucket = self._ask("where")
+
+    def _ask(self, *cmd):
+        self._conn.send(cmd)
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"S3 emulation: {value}")
+        return value
+
+    def warm(self, prefix: str, latency: float, bandwidth: float | None) -> None:
+        self._ask("warm", prefix, latency, bandwidth)
+
+    def counts(self) -> dict:
+        return self._ask("counts")
+
+    def __enter__(self) -> "EmulatedS3Process":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._conn.send(("stop",))
+        finally:
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
+def _serve_emulation(conn) -> None:
+    """The server side of ``EmulatedS3Process``: answers its commands until told to stop."""
+    with emulated_s3() as (endpoint, proxy):
+        while True:
+            cmd, *a = conn.recv()
+            try:
+                if cmd == "stop":
+                    return
+                value = {"where": lambda: (endpoint, proxy.url, proxy.bucket),
+                         "warm": lambda: warm_through(proxy, *a),
+                         "counts": lambda: {**shard_counts(proxy), "server_pid": os.getpid()}}[cmd]()
+                conn.send((True, value))
+            except Exception as e:  # told to the caller, which raises it
+                conn.send((False, f"{cmd}: {type(e).__name__}: {e}"))
 
 
 def _raw_s3_reader(endpoint: str, objects: list[tuple[str, int]], rank: int, start, results) -> None:
@@ -128,8 +197,7 @@ def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_b
     bw = args.bandwidth_mb * 1e6 if args.bandwidth_mb else None
     with emulated_s3() as (endpoint, proxy):
         def counters():
-            return {"remote_bytes": sum(n for p, n in proxy.sent.items() if "/shards/" in p),
-                    "max_in_flight": proxy.max_in_flight}
+            return shard_counts(proxy)
 
         url = f"s3://{proxy.bucket}"
         raw: dict = {}

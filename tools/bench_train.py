@@ -195,15 +195,16 @@ def main() -> None:
     if args.launch_probe:
         return launch_probe(args, store, device)
     if args.s3:
-        from tools.bench_source import emulated_s3, warm_through
+        from tools.bench_source import EmulatedS3Process
 
-        with emulated_s3() as (endpoint, proxy):
-            url = f"s3://{proxy.bucket}/store"
+        # the server in a process of its own: its Python threads off the trainer's GIL, as a remote store's are
+        with EmulatedS3Process() as s3:
+            url = f"s3://{s3.bucket}/store"
             t = time.perf_counter()
-            write_store(url, args, device, {"endpoint_url": endpoint})
+            write_store(url, args, device, {"endpoint_url": s3.endpoint})
             print(f"wrote {url} (moto) in {time.perf_counter() - t:.1f}s", flush=True)
-            warm_through(proxy, url, args.s3_latency, args.s3_bandwidth_mb * 1e6 or None)
-            return run(args, device, url, {"endpoint_url": proxy.url}, proxy)
+            s3.warm(url, args.s3_latency, args.s3_bandwidth_mb * 1e6 or None)
+            return run(args, device, url, {"endpoint_url": s3.url}, s3.counts)
     if not (store / "manifest.json").exists():
         shutil.rmtree(store, ignore_errors=True)
         t = time.perf_counter()
@@ -218,8 +219,8 @@ def main() -> None:
         shutil.rmtree(store, ignore_errors=True)
 
 
-def run(args, device, store_url: str, storage_options, proxy) -> None:
-    """Loader-fed vs resident steps (the module doc); ``proxy``: the emulated S3's, for its byte counts."""
+def run(args, device, store_url: str, storage_options, s3_counts) -> None:
+    """Loader-fed vs resident steps (the module doc); ``s3_counts``: the emulated S3's byte counts (or None)."""
     per_step = args.steps + args.warmup
     model, drafter, opt, sched = build(args, device)
     drafter.checkpoint_layers = args.checkpoint_layers
@@ -253,7 +254,7 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
 
     loader_t, resident_t, parts = [], [], []
     for r in range(args.rounds):
-        if args.cold and proxy is None:
+        if args.cold and s3_counts is None:
             drop_tree_cache(store_url)
         stats = ReadAheadStats()
         s = stream(r, stats)
@@ -290,15 +291,14 @@ def run(args, device, store_url: str, storage_options, proxy) -> None:
         "rounds_ratio": [b / a for a, b in zip(loader_t, resident_t)],
         "breakdown_ms": breakdown, "rounds_breakdown_ms": parts, "reader_threads": args.reader_threads,
         "prefetch": args.prefetch, "switch_interval": sys.getswitchinterval(),
-        "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if proxy is not None else "local",
+        "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if s3_counts is not None else "local",
     }
     if syncs is not None:
         result["syncs_per_step"] = sum(syncs.values()) / per_step
         result["syncs_where"] = dict(syncs.most_common(8))
-    if proxy is not None:
-        result.update(s3_latency=args.s3_latency, s3_bandwidth_mb=args.s3_bandwidth_mb,
-                      remote_bytes=sum(n for p, n in proxy.sent.items() if "/shards/" in p),
-                      max_in_flight=proxy.max_in_flight)
+    if s3_counts is not None:
+        result.update(s3_latency=args.s3_latency, s3_bandwidth_mb=args.s3_bandwidth_mb, **s3_counts(),
+                      trainer_pid=os.getpid())
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if args.json:

@@ -60,8 +60,8 @@ run launch_probe python -m tools.bench_train --dir "$S" --device cuda --seq 4096
     --rounds 2 --probe-seconds 5 --keep-store --json
 run fed_cold_ckpt python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 \
     --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --checkpoint-layers --keep-store --json
-# 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection; 16 samples, one epoch a round), read in the
-#    trainer's process and by 2 DataLoader workers (the S3 client's Python off the launching thread's GIL;
+# 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection; 16 samples, one epoch a round; moto and the
+#    proxy in a process of their own), read in the trainer's process and by 2 DataLoader workers (the S3 client's Python off the launching thread's GIL;
 #    needs torchdata: bash tools/gpu_wheels.sh)
 run fed_s3 python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
     --anchors 512 --s3 --s3-latency 0.03 --s3-bandwidth-mb 100 --rounds 2 --steps 3 --warmup 1 --samples 16 --json
