@@ -195,3 +195,33 @@ def test_s3_chunk_reads_are_one_ranged_get_each(s3_url, s3_endpoint, s3_samples,
     assert chunk_reads and not [r for r in chunk_reads if r[0] != "GET"], chunk_reads[:5]
     chunks = {k for c in store.commits for k in c.files if "/c/" in k and "/offsets/" not in k}  # what samples read
     assert len({p for _, p in chunk_reads}) == len(chunks)  # every chunk read (a chunk two groups share, twice)
+
+
+def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samples, tmp_path, caplog):
+    """A remote store read in the trainer's process on a GPU: the log suggests --workers (the S3 client's Python
+    off the launching thread); a local store, or workers already set, or a CPU run: nothing said."""
+    import logging
+
+    from hsstore.train.config import TrainConfig
+    from hsstore.train.trainer import store_batches
+
+    url, opts = s3_url
+    local = write_store(str(tmp_path / "local"), s3_samples[:4])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def said(stores, workers=0, device=cuda):
+        cfg = TrainConfig(stores=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
+                          max_tokens=1024)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hsstore.train.trainer"):
+            try:
+                store_batches(stores, [1, 3], cfg, 0, 1, device)
+            except ValueError:  # --workers without torchdata: the hint comes before the loader is built
+                pass
+        return [r.getMessage() for r in caplog.records if "--workers 2" in r.getMessage()]
+
+    remote, here = hsstore.Store(url, opts), hsstore.Store(local)
+    assert said([remote]) == [f"reading {url} in the trainer's process: for a remote store, --workers 2 (needs "
+                              "torchdata) keeps the S3 client off the thread that launches the step"]
+    assert said([here, remote]) and not said([here])
+    assert not said([remote], device=cpu) and not said([remote], workers=2)

@@ -32,6 +32,10 @@ row() {
     printf '| `%s` | - | - | skipped (ROWS=%s) |\n' "$label" "$ROWS" >> "$TABLE"
     return 0
   fi
+  if [[ -n ${NO_DEMO:-} ]]; then  # every later row runs on the demo's target and data
+    printf '| `%s` | - | - | skipped (no demo in %s: add demo to ROWS) |\n' "$label" "$DEMO" >> "$TABLE"
+    return 0
+  fi
   local out="$W/.row.out" t0 t1 rc fig
   echo "== $label: $*" >> "$LOG"
   t0=$(date +%s%N)
@@ -52,6 +56,7 @@ rm -rf "$W/s-"* "$W/run" "$W/drafter-export"   # this script's own outputs only
 row "hsstore demo" 0 "device : [^()]*\([^)]*\)|target \+ drafter +[0-9.]+|demo done in [0-9.]+s" -- \
   $HS demo --out "$DEMO"
 T="$DEMO/target"
+[[ -d $T ]] || NO_DEMO=1
 IN="$DEMO/data/conversations.jsonl"
 HELD="$DEMO/data/heldout.jsonl"
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hsstore import storage
 from hsstore.format import codec, fp8
 from hsstore.store.reader import open_shared
 
@@ -139,6 +140,12 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
 
 def store_batches(stores, layers, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> StoreBatches:
     """This rank's share of the stores (their ``layers``), in token-budget batches."""
+    remote = [s.url for s in stores if not storage.is_local(s.fs)]
+    if remote and cfg.workers == 0 and device.type == "cuda" and rank == 0:
+        # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
+        # thread that launches the step's kernels; in workers it does not
+        log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
+                 "the S3 client off the thread that launches the step", remote[0])
     return StoreBatches(stores, layers=layers, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=rank,
                         world_size=world, workers=cfg.workers, weights=cfg.weights,
                         storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
