@@ -96,6 +96,7 @@ class EmulatedS3Process:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve_emulation, args=(child,), daemon=True)
         self._proc.start()
+        child.close()  # so that a server that dies is an EOFError here, not a wait
         self.endpoint, self.url, self.bucket = self._ask("where")
 
     def _ask(self, *cmd):
