@@ -225,3 +225,7 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
                               "torchdata) keeps the S3 client off the thread that launches the step"]
     assert said([here, remote]) and not said([here])
     assert not said([remote], device=cpu) and not said([remote], workers=2)
+    # a URL is printed as it may be written down: without the user info a user put in it
+    with_user = hsstore.Store(url, opts)
+    with_user.url = url.replace("s3://", "s3://someone:hunter2@", 1)  # as a user may have typed it
+    assert said([with_user]) and "hunter2" not in said([with_user])[0]

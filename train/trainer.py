@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from hsstore import storage
 from hsstore.format import codec, fp8
+from hsstore.redaction import recordable_url
 from hsstore.store.reader import open_shared
 
 from . import checkpoint as ckpt
@@ -145,7 +146,7 @@ def store_batches(stores, layers, cfg: TrainConfig, rank: int, world: int, devic
         # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
         # thread that launches the step's kernels; in workers it does not
         log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
-                 "the S3 client off the thread that launches the step", remote[0])
+                 "the S3 client off the thread that launches the step", recordable_url(remote[0]))
     return StoreBatches(stores, layers=layers, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=rank,
                         world_size=world, workers=cfg.workers, weights=cfg.weights,
                         storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
