@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore import storage
+from hsstore import destination, storage
 from hsstore.store.reader import Store
 from hsstore.redaction import recordable_url
 
@@ -52,7 +52,7 @@ class ExportResult:
 
 def _out_dir(out: str) -> Path:
     p = Path(out)
-    storage.check_output_folder(p, (), "export OUT")  # export never overwrites: a new or empty folder only
+    destination.check_output_folder(p, (), "export OUT")  # export never overwrites: a new or empty folder only
     p.mkdir(parents=True, exist_ok=True)
     return p
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hsstore.terminal import escape
+
 from .response import masked_spans
 
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -50,6 +52,7 @@ def format_sample(tokenizer, input_ids, loss_mask, color: bool = False, max_char
         parts = [("[...] ", False)] + kept[::-1]
     out = []
     for text, masked in parts:
+        text = escape(text, keep="\n\t")  # the tokenizer may be a store's: its text never drives the terminal
         if color:
             out.append((_ANSI_MASKED if masked else _ANSI_CONTEXT) + text + _ANSI_RESET)
         else:
@@ -115,8 +118,8 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
             tokenizer = load_tokenizer(tmp)
     rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
     flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
-    return (f"# {ref.sample_id} [{rec.samples['source'][ref.local]}] {ref.stop - ref.start} tokens, "
-            f"loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
-            f"shard {ref.shard}, flags: {flags}\n"
+    return (f"# {escape(ref.sample_id)} [{escape(rec.samples['source'][ref.local])}] {ref.stop - ref.start} "
+            f"tokens, loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "
+            f"shard {escape(ref.shard)}, flags: {escape(flags)}\n"
             + format_sample(tokenizer, item["input_ids"].numpy(), item["loss_mask"].numpy(), color=color,
                             max_chars=max_chars))

@@ -34,7 +34,7 @@ def load_tokenizer(model: str):
     if not Path(model).is_dir() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise FileNotFoundError(f"model directory not found: {model}")
     try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+        return AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
         raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
 
@@ -46,7 +46,8 @@ def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progr
 
     if not progress:
         hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True,
+                                                 trust_remote_code=False)
     route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
     return model.to(device).eval()
 
@@ -101,7 +102,7 @@ def identity_from_model_dir(model_dir: str) -> tuple[TargetIdentity, TokenizerId
 
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     tc = text_config(config)
     name = model_name(model_dir)
     target = TargetIdentity(name=name, num_layers=int(tc.num_hidden_layers), hidden_size=int(tc.hidden_size),

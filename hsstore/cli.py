@@ -96,7 +96,7 @@ def cmd_verify(args) -> int:
 
 def cmd_index(args) -> int:
     from .format.index import compact
-    from .store.reader import read_manifest
+    from .format.manifest import read_manifest
 
     fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written

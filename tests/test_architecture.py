@@ -255,3 +255,58 @@ def test_flat_paths_of_earlier_releases_import_with_a_warning():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# -- the one door (issue #36): no module but hsstore/door.py and hsstore/storage.py reads a store object itself
+DOOR = {"hsstore/door.py", "hsstore/storage.py"}
+# raw baselines that must bypass the door to measure it (they read only stores the bench itself wrote)
+RAW_BASELINES = {"hsstore/ops/bench.py"}
+FS_READS = {"cat_file", "_cat_file", "cat_ranges", "cat", "open", "read_block", "get_file", "cat_many",
+            "cat_verified", "cat_into"}
+
+
+def store_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, call) of every call in ``tree`` that reads a file or an object by itself: a filesystem's read
+    methods (``x.fs.cat_file``, ``fs.open``, ``storage.cat_many`` ...), builtin ``open`` without a writing mode,
+    and ``os.open`` without ``O_WRONLY``."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and ast.unparse(f) == "os.open":
+            if "O_WRONLY" not in ast.unparse(node.args[1] if len(node.args) > 1 else node):
+                out.append((node.lineno, "os.open"))
+        elif isinstance(f, ast.Attribute) and f.attr in FS_READS:
+            owner = ast.unparse(f.value)
+            if owner == "storage" or owner.endswith("fs") or owner.endswith(".fs"):
+                out.append((node.lineno, ast.unparse(f)))
+        elif isinstance(f, ast.Name) and f.id == "open":
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"),
+                                                                None)
+            if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) & set("wax")):
+                out.append((node.lineno, "open"))
+    return sorted(out)
+
+
+def test_scanner_finds_the_reads_it_looks_for():
+    src = ("a = fs.cat_file(p)\nb = store.fs.open(p)\nc = storage.cat_many(fs, ps)\nd = open(p, 'rb')\n"
+           "e = open(p, 'wb')\nf = os.open(p, os.O_RDONLY)\ng = os.open(p, os.O_WRONLY | os.O_CREAT)\nh = x.cat(1)\n")
+    assert [c for _, c in store_reads(ast.parse(src))] == ["fs.cat_file", "store.fs.open", "storage.cat_many",
+                                                            "open", "os.open"]
+
+
+def test_every_store_read_goes_through_the_door():
+    """Readers, copiers, verify, the loader and the cache read a store's bytes only through ``hsstore.door``
+    (which opens each object one guarded way): none calls a filesystem's read or ``open`` on a store path."""
+    bad = []
+    for package in ("hsstore/store", "hsstore/layouts", "hsstore/loader", "hsstore/format", "hsstore/ops"):
+        for p in sorted((ROOT / package).rglob("*.py")):
+            rel = str(p.relative_to(ROOT))
+            if rel in DOOR | RAW_BASELINES:
+                continue
+            bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse(p.read_text()))]
+    for rel in ("hsstore/destination.py", "extract/show.py", "extract/export.py", "train/build.py",
+                "train/evaluate.py", "train/speculative.py", "train/data.py"):
+        bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse((ROOT / rel).read_text()))]
+    assert not bad, "reads that bypass hsstore.door:\n" + "\n".join(bad)

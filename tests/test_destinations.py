@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
+from hsstore import destination
 from hsstore.cli import main
 
 from conftest import make_manifest, make_samples, write_samples
@@ -148,7 +149,7 @@ def test_a_store_made_by_another_writer_between_the_two_looks_is_resumed(tmp_pat
         return False if len(looks) == 1 else real(*args)
 
     monkeypatch.setattr(storage, "store_exists", store_exists)
-    storage.check_destination(fs, root, url, {})
+    destination.check_destination(fs, root, url, {})
     assert len(looks) == 2
 
 
@@ -166,7 +167,7 @@ def test_another_writers_store_objects_in_flight_are_not_a_users_files(tmp_path)
         (root / key).write_bytes(data)
     (root / "shards" / ".tmp-0123abcd-zarr.json").write_bytes(b"{")  # half of the other writer's copy
     fs, path = storage.resolve(str(root))
-    storage.check_destination(fs, path, str(root), own)
+    destination.check_destination(fs, path, str(root), own)
     (root / "shards" / "zarr.json").write_bytes(b"{")  # a file of that name that is not the layout's
-    with pytest.raises(storage.DestinationError, match="not empty \\(shards\\)"):
-        storage.check_destination(fs, path, str(root), own)
+    with pytest.raises(destination.DestinationError, match="not empty \\(shards\\)"):
+        destination.check_destination(fs, path, str(root), own)

@@ -29,7 +29,7 @@ import s3fs
 
 import hsstore
 from hsstore.format import codec, commit, index
-from hsstore import storage
+from hsstore import destination, storage
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
 
@@ -243,7 +243,7 @@ def test_subset_refuses_while_another_holds_the_lock_and_takes_over_a_dead_ones(
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         lock = {"host": os.uname().nodename, "pid": sleeper.pid, "token": "x", "started": "then"}
-        storage.create_exclusive(fs, f"{root}/locks/subset.lock", json.dumps(lock).encode())
+        destination.create_exclusive(fs, f"{root}/locks/write.lock", json.dumps(lock).encode())
         rc, _, err = run(["subset", src, dst, "-q"], capsys)
         one_line_error(rc, err, "another `hsstore subset` is writing into", str(sleeper.pid))
         assert not os.path.exists(f"{root}/manifest.json")
@@ -252,15 +252,15 @@ def test_subset_refuses_while_another_holds_the_lock_and_takes_over_a_dead_ones(
         sleeper.wait()
     rc, _, err = run(["subset", src, dst, "-q"], capsys)  # its process is gone: the lock is taken over
     assert rc == 0, err
-    assert len(hsstore.open(dst)) == 5 and not os.path.exists(f"{root}/locks/subset.lock")
+    assert len(hsstore.open(dst)) == 5 and not os.path.exists(f"{root}/locks/write.lock")
 
 
 def test_exclusive_create_on_s3_lets_one_of_many_win(s3_store):
     url, opts = s3_store
     fs, root = storage.resolve(url, opts)
-    path = f"{root}/locks/subset.lock"
+    path = f"{root}/locks/write.lock"
     wins = []
-    threads = [threading.Thread(target=lambda i=i: wins.append(storage.create_exclusive(fs, path, b"%d" % i)))
+    threads = [threading.Thread(target=lambda i=i: wins.append(destination.create_exclusive(fs, path, b"%d" % i)))
                for i in range(6)]
     for t in threads:
         t.start()
@@ -328,27 +328,50 @@ def forge_chunk(url: str, payload: bytes) -> str:
     return rec.shard
 
 
+def _bomb(spec: str, nbytes: int) -> bytes:
+    zeros = np.zeros(nbytes, np.uint8)
+    return bytes(numcodecs.Zstd(level=19).encode(zeros) if spec == "zstd" else
+                 numcodecs.Blosc(cname="lz4", clevel=9, shuffle=numcodecs.Blosc.SHUFFLE).encode(zeros))
+
+
 @pytest.mark.parametrize("spec", ["zstd", "lz4"])
 def test_chunk_bomb_is_refused_before_decoding(tmp_path, spec, capsys):
+    """A chunk object small enough to pass the chunk's size bound (the raw chunk is 6 KiB here) that declares
+    1 MiB of decoded bytes: refused by the decoder's bound, before anything is allocated."""
     url = str(tmp_path / "s")
     write_samples(url, make_manifest(codec=spec), make_samples(4, max_len=50))
-    zeros = np.zeros(512 << 20, np.uint8)
-    payload = bytes(numcodecs.Zstd(level=19).encode(zeros) if spec == "zstd" else
-                    numcodecs.Blosc(cname="lz4", clevel=9, shuffle=numcodecs.Blosc.SHUFFLE).encode(zeros[:1 << 30]))
-    assert len(payload) < 3 << 20
+    payload = _bomb(spec, 1 << 20)
+    assert len(payload) < 6144
     shard = forge_chunk(url, payload)
     store = hsstore.open(url)
     err, peak = peak_bytes(lambda: store.read(0))
-    assert isinstance(err, CorruptionError) and "declare 536,870,912 decoded bytes" in str(err), err
+    assert isinstance(err, CorruptionError) and "declare 1,048,576 decoded bytes" in str(err), err
     assert peak < SMALL, peak
     rc, out, _ = run(["verify", url], capsys)
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
     assert rc == 1 and len(fails) == 1 and f"shard {shard}" in fails[0], out
-    assert "chunk decodes to 536,870,912 bytes" in fails[0]
+    assert "chunk decodes to 1,048,576 bytes" in fails[0]
     rc, _, err = run(["convert", url, str(tmp_path / "c"), "--layout", "wds", "-q"], capsys)
-    one_line_error(rc, err, "declare 536,870,912 decoded bytes")
+    one_line_error(rc, err, "declare 1,048,576 decoded bytes")
     rc, _, err = run(["export", "specforge", url, str(tmp_path / "e"), "-q"], capsys)
-    one_line_error(rc, err, "declare 536,870,912 decoded bytes")
+    one_line_error(rc, err, "declare 1,048,576 decoded bytes")
+
+
+@pytest.mark.parametrize("spec", ["zstd", "lz4"])
+def test_chunk_bomb_larger_than_a_chunk_is_refused_unread(tmp_path, spec, capsys):
+    """A 512 MiB bomb is itself larger than any chunk of this store may be: refused from
+    the size its record lists, before a byte of it is read."""
+    url = str(tmp_path / "s")
+    write_samples(url, make_manifest(codec=spec), make_samples(4, max_len=50))
+    payload = _bomb(spec, 512 << 20)
+    assert len(payload) < 3 << 20
+    shard = forge_chunk(url, payload)
+    err, peak = peak_bytes(lambda: hsstore.open(url).read(0))
+    assert isinstance(err, CorruptionError) and "larger than its bound of 7,556" in str(err), err
+    assert peak < SMALL, peak
+    rc, out, _ = run(["verify", url], capsys)
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+    assert rc == 1 and len(fails) == 1 and f"shard {shard}" in fails[0] and "larger than its bound" in fails[0], out
 
 
 def forge_record(url: str, edit) -> str:

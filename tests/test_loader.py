@@ -345,20 +345,20 @@ def test_plan_api_is_what_iteration_yields(store_url, samples):
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
     import threading
 
-    import hsstore.layouts.zarr as zarr_layout
+    from hsstore import door
 
     url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
     opened = collections.Counter()
     lock = threading.Lock()
-    real_open = open
+    real_open = door.open_beneath
 
-    def spy(path, *a, **k):  # every chunk read opens its file once; count the file's bytes
-        if "/shards/" in str(path):
+    def spy(root, key, *a, **k):  # every chunk read opens its file once (through the door); count its bytes
+        if key.startswith("shards/"):
             with lock:
-                opened[str(path).split("/shards/")[1].split("/")[1]] += os.path.getsize(path)
-        return real_open(path, *a, **k)
+                opened[key.split("/")[2]] += os.path.getsize(os.path.join(root, key))
+        return real_open(root, key, *a, **k)
 
-    monkeypatch.setattr(zarr_layout, "open", spy, raising=False)
+    monkeypatch.setattr(door, "open_beneath", spy)
     n = sum(1 for _ in dataset(url, layers=[3]))
     assert n == 70
     assert set(opened) == {"layer_003", "input_ids", "loss_mask"}

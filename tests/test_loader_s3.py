@@ -125,18 +125,20 @@ def test_chunk_cache_lru(tmp_path):
     for name in "abcd":
         blob = ChunkCodec("none").encode(torch.full((1000,), ord(name), dtype=torch.int16).numpy()).tobytes()
         (remote / name).write_bytes(blob)
-        blobs[name] = str(remote / name)
-    size = os.path.getsize(blobs["a"])
+        blobs[name] = name
+    size = os.path.getsize(remote / "a") + 32  # each copy carries its 32-byte digest
     cache = ChunkCache(str(tmp_path / "cache"), max_bytes=int(size * 3.5))  # room for 3
-    cache.cat(fs, [blobs["a"], blobs["b"], blobs["c"]], "ns")
+    root = str(remote)
+    cache.cat(fs, root, [blobs["a"], blobs["b"], blobs["c"]], "ns")
     assert cache.misses == 3 and cache.hits == 0
-    cache.cat(fs, [blobs["a"]], "ns")  # a is now more recent than b
+    cache.cat(fs, root, [blobs["a"]], "ns")  # a is now more recent than b
     assert cache.hits == 1
-    cache.cat(fs, [blobs["d"]], "ns")  # over the cap: evict down to 90% -> b goes
-    present = sorted(os.path.basename(p) for d, _, fs_ in os.walk(tmp_path / "cache") for p in fs_)
+    cache.cat(fs, root, [blobs["d"]], "ns")  # over the cap: evict down to 90% -> b goes
+    present = sorted(os.path.basename(p) for d, _, fs_ in os.walk(tmp_path / "cache") for p in fs_
+                     if not p.startswith("."))
     assert present == ["a", "c", "d"] and cache.evicted == 1
     assert cache.size() <= cache.max_bytes
-    out = cache.cat(fs, [blobs["b"], blobs["a"]], "ns")
+    out = cache.cat(fs, root, [blobs["b"], blobs["a"]], "ns")
     assert out[blobs["b"]] == (remote / "b").read_bytes() and cache.hits == 2
 
 

@@ -38,20 +38,21 @@ def test_layer_subset_reads_only_that_layer(tmp_path, new_manifest, samples, wri
     store = hsstore.open(str(tmp_path))
     assert_same(store, samples, layers=[3])
     assert_same(store, samples, layers=[1, 5])
-    # only layer_003 chunk files are opened for a layer-3 read
+    # only layer_003 chunk files are opened for a layer-3 read (every read goes through the door)
+    from hsstore import door
+
     opened = []
-    real_open = open
+    real_open = door.open_beneath
 
-    def spy(path, *a, **k):
-        opened.append(str(path))
-        return real_open(path, *a, **k)
+    def spy(root, key, *a, **k):
+        opened.append(f"{root}/{key}")
+        return real_open(root, key, *a, **k)
 
-    import builtins
-    builtins.open = spy
+    door.open_beneath = spy
     try:
         store.read(0, layers=[3])
     finally:
-        builtins.open = real_open
+        door.open_beneath = real_open
     feature_files = [p for p in opened if "/layer_" in p]
     assert feature_files and all("/layer_003/" in p for p in feature_files)
     with pytest.raises(hsstore.StoreError, match=r"layers \[7\] are not in store"):

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import os
+import threading
 import re
 import tarfile
 
@@ -130,14 +131,19 @@ def overlaps(ranges, spans):
 def test_only_requested_layers_bytes_read_local(tmp_path, loader_samples, monkeypatch):
     url = write_store(str(tmp_path / "s"), loader_samples, manifest=wds_manifest(), shard_tokens=600)
     store = hsstore.open(url)
-    read = []
-    real = wds._read_at
+    read, tar = [], threading.local()
+    real, real_local = wds._read_at, wds._read_local
 
-    def spy(src, path, offset, buf):
-        read.append((os.path.basename(path), offset, offset + buf.nbytes))
-        return real(src, path, offset, buf)
+    def spy(src, offset, buf):
+        read.append((tar.name, offset, offset + buf.nbytes))
+        return real(src, offset, buf)
+
+    def spy_local(root, rec, jobs):  # which tar this thread's reads that follow are of
+        tar.name = f"{rec.shard}.tar"
+        return real_local(root, rec, jobs)
 
     monkeypatch.setattr(wds, "_read_at", spy)
+    monkeypatch.setattr(wds, "_read_local", spy_local)
     assert len(ids_of(dataset(url, layers=[3]))) == len(loader_samples)
     others = member_spans(store, lambda k: ".layer_001." in k or ".layer_005." in k)
     assert read and not overlaps(read, others)

@@ -45,7 +45,7 @@ from hsstore import HiddenStateDataset, Manifest, TokenBatches, storage
 from hsstore.format import codec, fp8
 from hsstore.devices import resolve_device
 from hsstore.format.manifest import check_compatible
-from hsstore.store.reader import read_manifest
+from hsstore.format.manifest import read_manifest
 
 from .data import read_ahead
 from .metrics import val_metrics

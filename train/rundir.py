@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import hsstore
-from hsstore import storage
+from hsstore import destination
 
 RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
 RUN_FILE = "run.yaml"
@@ -25,7 +25,7 @@ def prepare(out: str | os.PathLike, rank: int) -> Path:
     would see rank 0's first files)."""
     out = Path(out)
     if rank == 0:
-        storage.check_output_folder(out, (RUN_MARKER,), "train --out")
+        destination.check_output_folder(out, (RUN_MARKER,), "train --out")
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -279,8 +279,8 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
         raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
     _, embed, head = load_frozen(store)  # in the dtype extraction ran in
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True, trust_remote_code=False)
     route_cpu_kernels(model)  # on CPU, transformers' torch paths even where fla is installed
     model = model.to(dev).eval()
     mine = model.get_input_embeddings().weight.detach()

@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from . import codec, names
-from .. import storage
+from .. import door, storage
 from ..errors import CorruptionError, StoreError
 
 ASSETS_DIR = "assets"
@@ -28,20 +28,32 @@ CONFIG = "config.json"
 TOKENIZER_DIR = "tokenizer"
 
 
-def _index(fs, root: str) -> dict[str, Any]:
+def _index(fs, root: str, url: str = "") -> dict[str, Any]:
+    """``assets/index.json`` (through the door: at most ``door.JSON_CAP`` bytes), every entry checked: a name
+    string, an integer size and CRC32C."""
+    where = f"store {url or root!r}, {ASSETS_DIR}/{INDEX}"
     try:
-        return json.loads(fs.cat_file(storage.join(root, ASSETS_DIR, INDEX)))
+        index = door.read_json(fs, root, f"{ASSETS_DIR}/{INDEX}", where=where)
     except FileNotFoundError:
         return {"files": {}}
+    files = index.get("files") if isinstance(index, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and _is_int(e.get("size")) and _is_int(e.get("crc32c")) for e in files.values()):
+        raise CorruptionError(f"{where}: malformed (expected files: {{name: {{size, crc32c}}}})")
+    return index
 
 
-def has_assets(fs, root: str) -> bool:
-    return bool(_index(fs, root)["files"])
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def asset_names(fs, root: str) -> list[str]:
+def has_assets(fs, root: str, url: str = "") -> bool:
+    return bool(_index(fs, root, url)["files"])
+
+
+def asset_names(fs, root: str, url: str = "") -> list[str]:
     """The asset files the store's index lists (empty: a store without assets)."""
-    return list(_index(fs, root)["files"])
+    return list(_index(fs, root, url)["files"])
 
 
 def asset_path(fs, root: str, name, url: str = "") -> str:
@@ -70,13 +82,55 @@ def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def read_asset(fs, root: str, name: str, url: str = "") -> bytes:
-    entry = _index(fs, root)["files"].get(name)
+    entry = _index(fs, root, url)["files"].get(name)
     if entry is None:
         raise StoreError(f"store {url or root!r} has no asset {name!r} (was it written by `hsstore extract`?)")
-    data = fs.cat_file(asset_path(fs, root, name, url))
+    asset_path(fs, root, name, url)  # the name's rules (never the index, never outside assets/)
+    refuse_code(name, url or root)
+    try:
+        data = door.read(fs, root, f"{ASSETS_DIR}/{name}", bound=door.ASSET_CAP, size=entry["size"],
+                         where=f"store {url or root!r}")
+    except FileNotFoundError:
+        raise CorruptionError(f"store {url or root!r}: asset {name!r} is listed but missing") from None
+    refuse_code(name, url or root, data)
     if len(data) != entry["size"] or codec.crc32c(data) != entry["crc32c"]:
         raise CorruptionError(f"store {url or root!r}: asset {name!r} does not match its checksum")
     return data
+
+
+# what may never come out of a store's assets: code (Python modules, extension libraries) and pickles. A
+# tokenizer or config that names its own code (``auto_map``) would have transformers offer to run it.
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt",
+                 ".joblib", ".npy", ".npz")
+
+
+def refuse_code(name: str, where: str, data: bytes | None = None) -> None:
+    """Refuse (one line naming the file) an asset that is code or a pickle, by its name, and (``data``: its
+    bytes) a JSON asset that names code for transformers to load (``auto_map``)."""
+    if name.lower().endswith(CODE_SUFFIXES):
+        raise StoreError(f"store {where!r}: asset {name!r} refused (code or a pickle; a store's assets are "
+                         "safetensors, JSON and tokenizer files only)")
+    if data is not None and name.lower().endswith(".json") and b"auto_map" in data:
+        try:
+            doc = door.load_json(data, f"store {where!r}, asset {name!r}")
+        except CorruptionError:
+            doc = None
+        if _names_code(doc):
+            raise StoreError(f"store {where!r}: asset {name!r} refused (its auto_map names code to run; hsstore "
+                             "never loads code from a store)")
+
+
+def _names_code(doc: Any) -> bool:
+    todo = [doc]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            if "auto_map" in d:
+                return True
+            todo.extend(d.values())
+        elif isinstance(d, list):
+            todo.extend(d)
+    return False
 
 
 def load_tensors(fs, root: str, name: str, url: str = "") -> dict[str, torch.Tensor]:
@@ -86,7 +140,7 @@ def load_tensors(fs, root: str, name: str, url: str = "") -> dict[str, torch.Ten
 def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
     """Copy every asset under ``prefix`` (e.g. the tokenizer files) into a local folder; returns it."""
     os.makedirs(dest, exist_ok=True)
-    for name in _index(fs, root)["files"]:
+    for name in _index(fs, root, url)["files"]:
         if isinstance(name, str) and name.startswith(prefix + "/"):
             data = read_asset(fs, root, name, url)  # the name checked first, under the store's assets/
             rel = name[len(prefix) + 1:]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import codec
-from .. import storage
+from .. import door, storage
 from ..errors import CorruptionError, StoreError
 from .manifest import FORMAT_VERSION
 
@@ -89,11 +89,7 @@ class CommitRecord:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> "CommitRecord":
-        try:
-            d = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CorruptionError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
-        return cls.from_dict(d, where)
+        return cls.from_dict(door.load_json(data, f"{where}: malformed commit record"), where)
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "CommitRecord":
@@ -221,12 +217,24 @@ def load_commits(fs, root: str, names: list[str], sizes: list[int] | None = None
 
 
 def read_records(fs, root: str, names: list[str], sizes: list[int] | None = None) -> list[bytes]:
-    """The bytes of the commit records of shards ``names``, read concurrently; an unreadable one raises."""
-    paths = [storage.join(root, commit_path(n)) for n in names]
-    blobs = storage.cat_many(fs, paths, sizes)
+    """The bytes of the commit records of shards ``names``, read concurrently through the door (each at most
+    ``door.RECORD_CAP`` bytes, and exactly the size a listing gave, ``sizes``); an unreadable one raises."""
+    keys = [commit_path(n) for n in names]
+    if sizes is None:
+        blobs = {}
+        for k in keys:
+            try:
+                blobs[k] = door.read(fs, root, k, bound=door.RECORD_CAP)
+            except (OSError, StoreError) as e:
+                blobs[k] = e
+    else:
+        blobs = door.read_many(fs, root, keys, sizes={k: n or None for k, n in zip(keys, sizes)},
+                               bound=door.RECORD_CAP)
     out = []
-    for n, p in zip(names, paths):
-        data = blobs[p]
+    for n, k in zip(names, keys):
+        data = blobs[k]
+        if isinstance(data, door.Refused):
+            raise CorruptionError(f"commit record of shard {n!r}: {data.why}")
         if isinstance(data, Exception):
             raise CorruptionError(f"commit record of shard {n!r} unreadable: {type(data).__name__}: {data}")
         out.append(data)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import codec, names, records
-from .. import storage
+from .. import door, storage
 from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso
@@ -160,7 +160,7 @@ def decode_segment(name: str, data: bytes) -> Segment:
             raise ValueError("checksum mismatch (damaged or cut short)")
         (hl,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
         pos = len(MAGIC) + 4
-        header = json.loads(bytes(data[pos:pos + hl]))
+        header = door.load_json(bytes(data[pos:pos + hl]), f"index segment {INDEX_DIR}/{name}: header")
         pos += hl
         if header.get("format") != FORMAT:
             raise ValueError(f"format {header.get('format')!r}")
@@ -217,7 +217,7 @@ def gunzip_bounded(name: str, data: bytes) -> bytes:
 
 def _decode_v1(name: str, data: bytes) -> Segment:
     """A version-1 segment: gzip'd JSON whose entries hold whole records (gzip's trailer: CRC-32 and length)."""
-    body = json.loads(gunzip_bounded(name, data))
+    body = door.load_json(gunzip_bounded(name, data), f"index segment {INDEX_DIR}/{name}")
     if body.get("format") != FORMAT:
         raise ValueError(f"format {body.get('format')!r}")
     if body.get("version") != 1:
@@ -296,11 +296,12 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
                if b.endswith(SUFFIXES) and not b.startswith(".")}
     stamps = {b: storage.stamp(e) for b, e in listing.items()}
     names = sorted(listing)
-    paths = [storage.join(root, INDEX_DIR, b) for b in names]
-    blobs = storage.cat_many(fs, paths, [int(listing[b].get("size") or 0) for b in names])
+    keys = [f"{INDEX_DIR}/{b}" for b in names]
+    blobs = door.read_many(fs, root, keys, sizes={k: listing[b].get("size") or None for k, b in zip(keys, names)},
+                           bound=door.SEGMENT_CAP)
     segments = {}
-    for b, p in zip(names, paths):
-        data = blobs[p]
+    for b, k in zip(names, keys):
+        data = blobs[k]
         if isinstance(data, FileNotFoundError):  # removed since the listing (superseded): not needed
             log.debug("index segment %s gone since listed", b)
             continue

@@ -14,8 +14,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ManifestError
-from ..storage import MANIFEST_FILE  # noqa: F401  (storage knows a store by this file)
+from .. import door, storage
+from ..errors import ManifestError, StoreError
+from ..storage import MANIFEST_FILE
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)
@@ -125,11 +126,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "manifest") -> "Manifest":
-        try:
-            d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where}: not valid JSON ({e})") from None
-        return cls.from_dict(d, where)
+        return cls.from_dict(door.load_json(text, where, error=ManifestError), where)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "manifest") -> "Manifest":
@@ -210,6 +207,23 @@ def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None
                 diffs.append(f"{key}: {ka[key]!r} vs {kb[key]!r}")
     if diffs:
         raise ManifestError(f"{what_a} and {what_b} are incompatible (refusing to mix): " + "; ".join(diffs))
+
+
+def read_manifest(fs, root: str, url: str) -> Manifest:
+    """The manifest of the store at ``root`` (through ``door``: a regular file of at most ``door.JSON_CAP``
+    bytes); a missing one says so, naming the URL, and whether the path exists at all."""
+    where = f"{url}/{MANIFEST_FILE}"
+    try:
+        data = door.read(fs, root, MANIFEST_FILE, bound=door.JSON_CAP, where=f"store {url!r}")
+    except FileNotFoundError as e:
+        if storage.missing_bucket(fs, root):
+            raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+        raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
+    except StoreError:
+        raise
+    except Exception as e:
+        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+    return Manifest.from_json(data, where=where)
 
 
 def now_iso() -> str:

@@ -14,6 +14,7 @@ import os
 from typing import Iterable, Sequence
 
 from .. import storage
+from ..door import key_problem
 from ..errors import StoreError
 
 ALLOW_ENV = "HSSTORE_ALLOW_LOCATIONS"  # comma-separated prefixes a `location` may point into (--allow-location)
@@ -30,25 +31,10 @@ def key(name, what: str, where: str) -> str:
     """``name`` as a relative key (``a/b/c``), else ``StoreError``: empty, absolute, ``.``/``..`` or empty
     parts, backslashes and NUL are refused (an S3 key ``assets/../../x`` is just a key, but a path joined
     with it is not under the root)."""
-    why = _key_problem(name)
+    why = key_problem(name)
     if why:
         raise _refuse(where, what, name, why)
     return name
-
-
-def _key_problem(name) -> str | None:
-    if not isinstance(name, str) or not name:
-        return "empty or not a string"
-    if "\\" in name or "\x00" in name:
-        return "backslash or NUL in a name"
-    if name.startswith("/"):
-        return "an absolute name"
-    parts = name.split("/")
-    if "" in parts:
-        return "an empty path part"
-    if "." in parts or ".." in parts:
-        return "a '.' or '..' part"
-    return None
 
 
 def part(name, what: str, where: str) -> str:
@@ -166,15 +152,13 @@ def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") ->
 
 
 # -- the chunk cache ---------------------------------------------------------------------------------------
-def cache_path(cache_root: str, namespace: str, remote_path: str) -> str:
-    """Where the chunk cache keeps a copy of a remote object: under ``cache_root/namespace``, never outside
-    (the remote path is made of the store's names). A lexical check (no ``realpath`` per chunk on the loader's
-    path): the cache folder is the user's own, so no link in it comes from a store."""
+def cache_key(cache_root: str, namespace: str, remote_path: str) -> str:
+    """The key (relative to the cache folder) under which the chunk cache keeps a copy of a remote object:
+    ``namespace/<remote path>``, never outside (the remote path is made of the store's names)."""
     where = f"chunk cache {cache_root!r}"
     name = remote_path
     if "://" in name:  # filesystems that key objects by URL (http): scheme and user info are no part of the name
         netloc, _, rest = name.split("://", 1)[1].partition("/")
         name = netloc.rpartition("@")[2] + "/" + rest
     name = name.lstrip("/")
-    return os.path.join(cache_root, part(namespace, "namespace", where), key(name, "chunk path", where))
-
+    return f"{part(namespace, 'namespace', where)}/{key(name, 'chunk path', where)}"

@@ -53,6 +53,10 @@ class Layout(Protocol):
         (another store's for a shard merged by reference), problems added to ``report``; ``progress`` gets
         bytes read; ``tails``: see ``hsstore upgrade``."""
 
+    def file_bound(self, manifest: Manifest, rec: CommitRecord, key: str) -> int:
+        """The most bytes file ``key`` of the shard may hold, from the manifest and the record alone: a
+        larger one is refused (``door``) before it is read, by ``verify`` and the copiers."""
+
     def store_objects(self) -> dict[str, bytes]:
         """Objects written once, with the manifest, when a store is created."""
 
@@ -72,5 +76,5 @@ def get(name: str) -> Layout:
 
 def own_objects() -> dict[str, bytes]:
     """Every layout's root objects (``store_objects``): what a store folder may hold before its manifest
-    (``storage.check_destination``)."""
+    (``destination.check_destination``)."""
     return {k: v for lay in LAYOUTS.values() for k, v in lay.store_objects().items()}

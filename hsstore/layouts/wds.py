@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..format import codec
-from .. import storage
+from .. import door, storage
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
@@ -220,7 +220,40 @@ def _member(rec: CommitRecord, name: str) -> list[int]:
     entry = (rec.members or {}).get(name)
     if entry is None:
         raise CorruptionError(f"shard {rec.shard!r}: the commit record lists no member {name!r}")
+    if not (isinstance(entry, list) and len(entry) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry)):
+        raise CorruptionError(f"shard {rec.shard!r}: the commit record's entry of member {name!r} is not "
+                              "[offset, size, crc32c]")
     return entry
+
+
+def _tar_size(rec: CommitRecord) -> int:
+    entry = rec.files.get(tar_path(rec.shard))
+    if entry is None:
+        raise CorruptionError(f"shard {rec.shard!r}: the commit record does not list {tar_path(rec.shard)}")
+    return entry["size"]
+
+
+def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
+    """The tar's bound: its members' ends (each member's size is checked against its array as read) plus the
+    end-of-archive blocks and the padding to a tar record; nothing else belongs to a wds shard."""
+    if key != tar_path(rec.shard):
+        return 0
+    ends = [o + n for o, n, *_ in (rec.members or {}).values() if isinstance(o, int) and isinstance(n, int)]
+    return max(ends, default=0) + BLOCK + 2 * BLOCK + tarfile.RECORDSIZE
+
+
+def _check_jobs(rec: CommitRecord, jobs: list["_Job"]) -> None:
+    """Refuse, before any buffer is sized or byte read, a member whose listed size is not what its ``.npy``
+    array of the record's length takes, or that lies outside the tar's listed size (a forged record)."""
+    tar_size = _tar_size(rec)
+    for job in jobs:
+        want = len(job.header) + int(np.prod(job.shape)) * np.dtype(job.descr).itemsize
+        if job.size != want or job.offset < BLOCK or job.offset + job.size > tar_size:
+            raise CorruptionError(f"shard {rec.shard!r}, member {job.name!r}: the commit record lists {job.size:,} "
+                                  f"bytes at offset {job.offset:,}; a {job.descr} {list(job.shape)} array takes "
+                                  f"{want:,}, inside a tar of {tar_size:,} (forged or damaged record; run "
+                                  "hsstore verify)")
 
 
 def check_extent(src: ShardSource, rec: CommitRecord) -> None:
@@ -255,12 +288,12 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
         feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
+    _check_jobs(rec, jobs)
     fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
-    path = storage.join(root, tar_path(rec.shard))
     if storage.is_local(fs):
-        _read_local(path, jobs, rec.shard)
+        _read_local(root, rec, jobs)
     else:
-        _read_remote(fs, path, _spans(jobs, sorted(feature_starts)), rec, url)
+        _read_remote(fs, root, _spans(jobs, sorted(feature_starts)), rec, url)
 
 
 def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shard: str) -> None:
@@ -277,8 +310,8 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
         job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
 
 
-def _read_at(src: mmap.mmap | int, path: str, offset: int, buf: np.ndarray) -> None:
-    """Copy ``buf.nbytes`` bytes of the tar at ``path`` from ``offset`` into ``buf``; a short file is corruption.
+def _read_at(src: mmap.mmap | int, offset: int, buf: np.ndarray) -> None:
+    """Copy ``buf.nbytes`` bytes of the tar from ``offset`` into ``buf``; a short file is corruption.
     ``src``: the open file's descriptor (``preadv`` straight into ``buf``: the kernel's copy out of the page
     cache is the only one), or its mapping (``memory.mapped_reads``: copied on torch's threads)."""
     n = buf.nbytes
@@ -294,33 +327,37 @@ def _read_at(src: mmap.mmap | int, path: str, offset: int, buf: np.ndarray) -> N
     del view  # release the mapping's buffer before it closes
 
 
-def _read_local(path: str, jobs: list[_Job], shard: str) -> None:
+def _read_local(root: str, rec: CommitRecord, jobs: list[_Job]) -> None:
+    """The jobs' members from the local tar, opened through the door (a regular file beneath the root, no link
+    followed) and of the size the record lists."""
+    shard, key = rec.shard, tar_path(rec.shard)
     try:
-        f = open(path, "rb", buffering=0)
+        with door.opened(root, key, bound=_tar_size(rec)) as (fd, size):  # cut short: members before the cut read
+            if size == 0:
+                raise CorruptionError(f"shard {shard!r}, file {key}: empty (truncated)")
+            if not mapped_reads():
+                _read_jobs(fd, jobs, shard)
+                return
+            src = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
+            with src:
+                _read_jobs(src, jobs, shard)
     except FileNotFoundError:
-        raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: missing") from None
-    with f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise CorruptionError(f"shard {shard!r}, file {tar_path(shard)}: empty (truncated)")
-        if not mapped_reads():
-            _read_jobs(f.fileno(), path, jobs, shard)
-            return
-        src = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
-        with src:
-            _read_jobs(src, path, jobs, shard)
+        raise CorruptionError(f"shard {shard!r}, file {key}: missing") from None
+    except door.Refused as e:
+        raise CorruptionError(f"shard {shard!r}, file {key}: refused ({e.why})") from None
 
 
-def _read_jobs(src: mmap.mmap | int, path: str, jobs: list[_Job], shard: str) -> None:
+def _read_jobs(src: mmap.mmap | int, jobs: list[_Job], shard: str) -> None:
     for job in jobs:
         where = f"shard {shard!r}, member {job.name!r}"
         head = np.empty(BLOCK + len(job.header), np.uint8)
         try:
-            _read_at(src, path, job.offset - BLOCK, head)
+            _read_at(src, job.offset - BLOCK, head)
             check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
             n_data = job.size - len(job.header)
             whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
             data = job.dest if whole else np.empty(n_data, np.uint8)
-            _read_at(src, path, job.offset + len(job.header), data)
+            _read_at(src, job.offset + len(job.header), data)
         except EOFError as e:
             raise CorruptionError(f"{where}: truncated tar ({e})") from None
         crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
@@ -345,14 +382,14 @@ def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, 
     return spans
 
 
-def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
+def _read_remote(fs, root: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
     """Fetch the spans by byte range and finish their members. A span whose bytes fail a check (length, tar
     header, CRC32C) is fetched again, with backoff, up to ``storage.FETCH_ATTEMPTS`` times in all before it
     is called corrupt: a body cut or damaged in transit looks complete to the HTTP client. A request that
     fails after the client's retries is a ``FetchError`` (never skipped as corrupt by the loader)."""
     todo = list(spans)
     for attempt in range(1, storage.FETCH_ATTEMPTS + 1):
-        blobs = _fetch(fs, path, todo, rec, url)
+        blobs = _fetch(fs, root, todo, rec, url)
         failed = []
         for span, blob in zip(todo, blobs):
             try:
@@ -370,9 +407,9 @@ def _read_remote(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: C
         todo = failed
 
 
-def _fetch(fs, path: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> list:
+def _fetch(fs, root: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> list:
     try:
-        blobs = fs.cat_ranges([path] * len(spans), [s[0] for s in spans], [s[1] for s in spans], on_error="return")
+        blobs = door.read_ranges(fs, root, tar_path(rec.shard), [(s[0], s[1]) for s in spans], size=_tar_size(rec))
     except Exception as e:
         raise FetchError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
     for blob in blobs:
@@ -445,7 +482,12 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     dtype = codec.STORAGE_DTYPE[m.dtype]
     seen: set[str] = set()
     try:
-        with fs.open(storage.join(root, key), "rb") as f:
+        bounds = _member_bounds(rec, m)
+    except CorruptionError as e:
+        report.problems.append(Problem(name, str(e), key, list(ids)))
+        return
+    try:
+        with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
             reader = _CrcReader(f, progress)
             with tarfile.open(fileobj=reader, mode="r|") as tf:
                 for info in tf:
@@ -460,6 +502,11 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
                         continue
                     i = int(info.name.split(".", 1)[0])
                     who = [ids[i]]
+                    if info.size != bounds[info.name]:  # its header's size, before reading a byte of it
+                        report.problems.append(Problem(name, f"member {info.name!r}: {info.size:,} bytes, "
+                                                             f"{bounds[info.name]:,} expected (refused unread)",
+                                                       key, who))
+                        continue
                     data = tf.extractfile(info).read()
                     seen.add(info.name)
                     if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
@@ -470,6 +517,9 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
             reader.drain()
     except FileNotFoundError:
         report.problems.append(Problem(name, "file missing", key, list(ids)))
+        return
+    except door.Refused as e:
+        report.problems.append(Problem(name, f"refused ({e.why})", key, list(ids)))
         return
     except (tarfile.TarError, OSError, EOFError) as e:
         report.problems.append(Problem(name, f"tar unreadable: {type(e).__name__}: {e}", key, list(ids)))
@@ -487,13 +537,38 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
                                        sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
 
 
+JSON_MEMBER_CAP = 64 << 10  # a sample's .json member: its ids and columns
+
+
+def _member_bounds(rec: CommitRecord, m: Manifest) -> dict[str, int]:
+    """Member name -> the size it must have: a ``.npy`` member exactly its header plus the array of the record's
+    length, a ``.json`` member at most ``JSON_MEMBER_CAP`` (and what the record lists). A record listing anything
+    else is refused here, before the tar is opened."""
+    fdescr = np.lib.format.dtype_to_descr(codec.STORAGE_DTYPE[m.dtype])
+    out = {}
+    for i, T in enumerate(rec.samples["length"]):
+        parts = [("input_ids.npy", IDS_DTYPE.str, (T,)), ("loss_mask.npy", MASK_DTYPE.str, (T,))]
+        parts += [(layer_part(l), fdescr, (T, m.hidden_size)) for l in m.all_features]
+        for part, descr, shape in parts:
+            out[member_name(i, part)] = len(npy_header(descr, shape)) + int(np.prod(shape)) * np.dtype(descr).itemsize
+        jname = member_name(i, "json")
+        out[jname] = _member(rec, jname)[1]
+        if out[jname] > JSON_MEMBER_CAP:
+            raise CorruptionError(f"member {jname!r}: {out[jname]:,} bytes listed, more than a sample's JSON takes")
+    for n, size in out.items():
+        if _member(rec, n)[1] != size:
+            raise CorruptionError(f"member {n!r}: the commit record lists {_member(rec, n)[1]:,} bytes, its array "
+                                  f"takes {size:,} (forged or damaged record)")
+    return out
+
+
 def _check_member_content(rec, member: str, data: bytes, i: int, dtype, hidden: int, key: str,
                           report: VerifyReport) -> None:
     sid, T = rec.samples["sample_id"][i], rec.samples["length"][i]
     if member.endswith(".json"):
         try:
-            ok = json.loads(data).get("sample_id") == sid
-        except (ValueError, AttributeError):
+            ok = door.load_json(data, f"member {member!r}").get("sample_id") == sid
+        except (CorruptionError, AttributeError):
             ok = False
         if not ok:
             report.problems.append(Problem(rec.shard, f"member {member!r} does not name sample {sid!r}", key, [sid]))

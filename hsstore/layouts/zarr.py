@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 import zarr
-from zarr.abc.store import Store as ZarrStore
-from zarr.storage import FsspecStore, LocalStore, MemoryStore
+from zarr.storage import MemoryStore
 
 from ..format import codec, fp8
-from .. import storage
+from .. import door, storage
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
-from ..errors import CorruptionError, FetchError
+from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
 from ..memory import copy_bytes, mapped_reads, pread_into
 from ..format.report import Problem, VerifyReport
+from ..terminal import escape, shown
 
 if TYPE_CHECKING:
     from .source import ShardSource
@@ -72,13 +72,6 @@ def store_objects() -> dict[str, bytes]:
     def build(mem):
         zarr.create_group(store=mem, path=SHARDS_DIR, zarr_format=3)
     return zarr_metadata(build)
-
-
-def zarr_store(fs, root: str, url: str, storage_options: dict | None, read_only: bool) -> ZarrStore:
-    """The Zarr store object for a store prefix (LocalStore on disk, FsspecStore elsewhere)."""
-    if storage.is_local(fs):
-        return LocalStore(root, read_only=read_only)
-    return FsspecStore.from_url(url, storage_options=storage_options, read_only=read_only)
 
 
 def chunk_key(array_path: str, k: int, ndim: int) -> str:
@@ -123,27 +116,26 @@ def write_shard(
     lengths = np.diff(offsets)
     base = shard_path(name)
     ct = manifest.chunk_tokens
-    feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
     is_fp8 = manifest.encoding == fp8.ENCODING
     if is_fp8 and scales is None:
         raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
-    arrays: list[tuple[str, np.ndarray, int, codec.ChunkCodec, dict]] = [
-        (layer_array(l), features[l], ct, feature_codec, layer_attributes(manifest, l)) for l in manifest.all_features]
-    if is_fp8:
-        arrays += [(scale_array(l), scales[l].astype(fp8.SCALE_DTYPE, copy=False), ct, plain,
-                    {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.all_features]
-    arrays += [("input_ids", input_ids.astype("<i4", copy=False), ct, plain, {}),
-               ("loss_mask", loss_mask.astype("|u1", copy=False), ct, plain, {}),
-               ("offsets", offsets, max(1, offsets.shape[0]), plain, {})]
+    values = {**{layer_array(l): features[l] for l in manifest.all_features},
+            **({scale_array(l): scales[l].astype(fp8.SCALE_DTYPE, copy=False) for l in manifest.all_features}
+               if is_fp8 else {}),
+            "input_ids": input_ids.astype("<i4", copy=False), "loss_mask": loss_mask.astype("|u1", copy=False),
+            "offsets": offsets}
+    specs = array_specs(manifest, n_tokens, len(lengths))
+    arrays = [(arr_name, values[arr_name], chunk, chunk_codec, attrs) for arr_name, _, chunk, _, chunk_codec, attrs
+              in specs]
 
     def build(mem):
         group = zarr.create_group(store=mem, path=base, zarr_format=3,
                                   attributes={"hsstore_shard": name, "writer": writer, "chunk_tokens": ct,
                                               "samples": samples})
-        for arr_name, data, chunk, chunk_codec, attrs in arrays:
-            group.create_array(arr_name, shape=data.shape, chunks=(chunk,) + data.shape[1:], dtype=data.dtype,
+        for arr_name, shape, chunk, dtype, chunk_codec, attrs in specs:
+            group.create_array(arr_name, shape=shape, chunks=(chunk,) + shape[1:], dtype=dtype,
                                compressors=chunk_codec.zarr_compressors(), fill_value=0, attributes=attrs,
-                               dimension_names=["token", "hidden"][: data.ndim])
+                               dimension_names=["token", "hidden"][: len(shape)])
 
     # only the shard's own metadata: parent groups are written once, when the store is created
     objects: dict[str, Any] = {k: v for k, v in zarr_metadata(build).items() if k.startswith(base + "/")}
@@ -161,6 +153,23 @@ def write_shard(
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(lengths), n_tokens=n_tokens, samples=samples, layers=layers,
         files=files, chunk_tokens=ct, stats=stats or {}, created_at=now_iso(), manifest_key=manifest.shard_key())
+
+
+def array_specs(manifest: Manifest, n_tokens: int, n_samples: int) -> list[tuple]:
+    """(name, shape, chunk length, dtype, chunk codec, attributes) of every array of a shard of ``n_tokens``
+    tokens and ``n_samples`` samples: what the writer writes, and what ``verify`` holds each ``zarr.json`` to."""
+    ct, H = manifest.chunk_tokens, manifest.hidden_size
+    feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
+    values = codec.storage_dtype(manifest.dtype, manifest.encoding)
+    out = [(layer_array(l), (n_tokens, H), ct, values, feature_codec, layer_attributes(manifest, l))
+           for l in manifest.all_features]
+    if manifest.encoding == fp8.ENCODING:
+        out += [(scale_array(l), (n_tokens,), ct, fp8.SCALE_DTYPE, plain,
+                 {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.all_features]
+    out += [("input_ids", (n_tokens,), ct, np.dtype("<i4"), plain, {}),
+            ("loss_mask", (n_tokens,), ct, np.dtype("|u1"), plain, {}),
+            ("offsets", (n_samples + 1,), n_samples + 1, np.dtype("<i8"), plain, {})]
+    return out
 
 
 def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
@@ -219,50 +228,62 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
     if carry is None and not direct and feature_codec.spec == "none" and storage.stream_reads():
         return _stream_into(src, rec, fs, root, jobs, ct)
     carried = carry or {}
-    fetch = [p for p in (storage.join(root, j[0]) for j in jobs if not j[5]) if p not in carried]
+    fetch = [j[0] for j in jobs if not j[5] and j[0] not in carried]
     blobs: dict = dict(carried)
     if fetch:
-        cached = src.chunk_cache is not None and not storage.is_local(fs)
-        listed = {storage.join(root, j[0]): rec.chunk_checksum(j[0]) for j in jobs} if cached else None
-        # the sizes the record lists: one ranged GET per chunk on object stores, not a HEAD and a GET
-        sizes = {storage.join(root, j[0]): rec.files[j[0]]["size"] for j in jobs if j[0] in rec.files}
+        unlisted = [k for k in fetch if k not in rec.files]
+        if unlisted:
+            raise CorruptionError(f"shard {shard_name!r}, file {unlisted[0]}: not listed in the commit record")
+        # the sizes the record lists, each within a chunk's bound: one ranged GET per chunk on object stores
+        sizes = {k: rec.files[k]["size"] for k in fetch}
+        bound = {j[0]: chunk_bound(ct * j[4] * j[1].itemsize) for j in jobs}
         try:
-            if cached:
-                blobs.update(src.chunk_cache.cat(fs, fetch, namespace=src.cache_namespace(), expect=listed,
-                                                   sizes=sizes))
+            if src.chunk_cache is not None and not storage.is_local(fs):
+                blobs.update(src.chunk_cache.cat(fs, root, fetch, namespace=src.cache_namespace(),
+                                                 expect={k: rec.chunk_checksum(k) for k in fetch}, sizes=sizes,
+                                                 bound=bound.__getitem__))
             else:
-                blobs.update(storage.cat_verified(fs, fetch, lambda _p, b: codec.chunk_ok(b), sizes=sizes))
+                blobs.update(door.read_many(fs, root, fetch, sizes=sizes, bound=bound.__getitem__,
+                                            ok=lambda _k, b: codec.chunk_ok(b), where=f"shard {shard_name!r}"))
         except Exception as e:
             raise FetchError(f"shard {shard_name!r} of store {src.url!r}: read failed: "
                              f"{type(e).__name__}: {e}") from None
-        for p in fetch:
-            failure = storage.fetch_failure(blobs.get(p))
-            if failure:  # the path to the store failed (after retries), not the bytes: never "corrupt"
-                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file "
-                                 f"{p[len(root) + 1:]}: read failed after retries ({failure})")
+        for k in fetch:
+            failure = storage.fetch_failure(blobs.get(k))
+            if failure and not isinstance(blobs.get(k), CorruptionError):
+                # the path to the store failed (after retries), not the bytes: never "corrupt"
+                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {k}: read failed after "
+                                 f"retries ({failure})")
     for key, dest, rows, chunk_codec, width, local in jobs:
         where = f"shard {shard_name!r}, file {key}"
-        path = storage.join(root, key)
         expect = rec.chunk_checksum(key)  # compared with the tail checked anyway: no extra pass
         if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
-            read_chunk_into(path, dest, where, expect)
+            read_chunk_into(root, key, dest, where, expect)
             continue
         if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
             with _scratch(ct * width * dest.itemsize) as buf:
                 vals = buf.view(dest.dtype)
-                read_chunk_into(path, vals, where, expect)
+                read_chunk_into(root, key, vals, where, expect)
                 dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
             continue
-        blob = blobs.get(path)
+        blob = blobs.get(key)
+        if isinstance(blob, door.Refused):
+            raise CorruptionError(f"{where}: refused ({blob.why})")
         if blob is None or isinstance(blob, Exception):
             detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
             raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
         vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where, expect=expect)
         dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
     if carry is not None:
-        last = [storage.join(root, chunk_key(t[0], k1, 1 if t[3] == 1 else 2)) for t in targets]
+        last = [chunk_key(t[0], k1, 1 if t[3] == 1 else 2) for t in targets]
         carry.clear()
-        carry.update({p: blobs[p] for p in last if isinstance(blobs.get(p), (bytes, bytearray))})
+        carry.update({k: blobs[k] for k in last if isinstance(blobs.get(k), (bytes, bytearray))})
+
+
+def chunk_bound(nbytes: int) -> int:
+    """The most bytes a chunk object of ``nbytes`` of values may hold: the payload, a compressor's worst-case
+    growth on incompressible data (zstd and blosc add well under 1/16), its framing and the 4-byte CRC32C."""
+    return nbytes + nbytes // 16 + 1024 + 4
 
 
 def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list, ct: int) -> None:
@@ -279,34 +300,35 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
             listed = rec.files.get(key, {}).get("size")
             if listed is not None and listed != nbytes + 4:
                 raise CorruptionError(f"{where}: chunk holds {max(0, listed - 4)} bytes, expected {nbytes}")
-            path = storage.join(root, key)
             if rows.stop - rows.start == ct and dest.flags.c_contiguous:
                 payload = dest.reshape(-1).view(np.uint8)
             else:
                 payload = stack.enter_context(_scratch(nbytes))
-                parts[path] = (dest, rows, width, payload)
+                parts[key] = (dest, rows, width, payload)
             tail = bytearray(4)
-            targets[path] = [payload, tail]
-            crcs[path] = (payload, tail, rec.chunk_checksum(key), where)
+            targets[key] = [payload, tail]
+            crcs[key] = (payload, tail, rec.chunk_checksum(key), where)
 
-        def check(path: str) -> str | None:
-            payload, tail, expect, _ = crcs[path]
+        def check(key: str) -> str | None:
+            payload, tail, expect, _ = crcs[key]
             return codec.payload_problem(payload, int.from_bytes(tail, "little"), expect)
 
         try:
             if src.chunk_cache is not None:
-                got = src.chunk_cache.cat_into(fs, targets, src.cache_namespace(), check)
+                got = src.chunk_cache.cat_into(fs, root, targets, src.cache_namespace(), check)
             else:
-                got = storage.cat_into(fs, targets, check)
+                got = door.fill(fs, root, targets, check, where=f"shard {shard_name!r}")
         except Exception as e:
             raise FetchError(f"shard {shard_name!r} of store {src.url!r}: read failed: "
                              f"{type(e).__name__}: {e}") from None
-        for path, result in got.items():
-            where = crcs[path][3]
+        for key, result in got.items():
+            where = crcs[key][3]
             if isinstance(result, FileNotFoundError):
                 raise CorruptionError(f"{where}: chunk missing or unreadable ({type(result).__name__}: {result})")
             if isinstance(result, Exception):  # the path to the store failed (after retries), not the bytes
-                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {path[len(root) + 1:]}: "
+                if isinstance(result, CorruptionError):  # the door's refusal: a link, not a regular file
+                    raise CorruptionError(f"{where}: {getattr(result, 'why', result)}")
+                raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {key}: "
                                  f"read failed after retries ({type(result).__name__}: {result})")
             if result is not None:
                 raise CorruptionError(f"{where}: {result}")
@@ -335,9 +357,10 @@ def _scratch(nbytes: int):
             _SCRATCH.append(buf)
 
 
-def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
-    """Read an uncompressed local chunk file into ``dest`` (contiguous) and check its CRC32C, and that it is
-    ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
+def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
+    """Read the uncompressed local chunk file ``key`` under ``root`` into ``dest`` (contiguous) through the door
+    (a regular file beneath the root, no link followed, exactly one chunk's size) and check its CRC32C, and that
+    it is ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
 
     The payload is read with ``preadv`` straight into ``dest`` and the 4-byte tail into a small buffer: no
     mapping to fault in and no second copy; the loader's reader threads read several chunks at once
@@ -346,33 +369,26 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
     flat = dest.reshape(-1).view(np.uint8)
     n = flat.nbytes
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        with door.opened(root, key) as (fd, size):
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
             if not mapped_reads() or torch.get_num_threads() == 1:
                 tail = bytearray(4)
-                if pread_into(f.fileno(), [flat, tail], 0) != n + 4:
+                if pread_into(fd, [flat, tail], 0) != n + 4:
                     raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
             else:
-                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
+                with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
                     src = np.frombuffer(m, np.uint8, count=n)
                     copy_bytes(flat, src)
                     tail = m[n:n + 4]
                     del src  # release the buffer before the mapping closes
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
+    except door.Refused as e:  # a link, a FIFO, not a regular file: never read
+        raise CorruptionError(f"{where}: refused ({e.why})") from None
     problem = codec.payload_problem(dest, int.from_bytes(tail, "little"), expect)
     if problem:
         raise CorruptionError(f"{where}: {problem}")
-
-
-def open_group(src: ShardSource, name: str) -> zarr.Group:
-    """Shard ``name`` of a store as a Zarr group, through zarr-python (the metadata checks; data reads
-    do not need it)."""
-    fs, root, url = src.locate(name)
-    zstore = zarr_store(fs, root, url, dict(src.storage_options), read_only=True)
-    return zarr.open_group(zstore, path=shard_path(name), mode="r")
 
 
 # -- checking (verify) --------------------------------------------------------------------------------
@@ -422,8 +438,30 @@ def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
     return None
 
 
+def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
+    """The most bytes file ``key`` of a shard may hold, from the manifest and the record alone: a chunk of a
+    feature, its scales or the token arrays one chunk's values (``chunk_bound``), the offsets chunk its samples
+    + 1 int64s, metadata ``door.JSON_CAP`` (the group's ``zarr.json``, which holds the sample columns, the
+    record's size). ``verify`` refuses a larger one without reading it."""
+    m = manifest
+    parts = key.split("/")
+    if not is_chunk_key(key):
+        return max(door.JSON_CAP, len(rec.samples["sample_id"]) * 4096) if key.endswith("zarr.json") else 0
+    array = parts[2]
+    widths = {layer_array(l): m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
+              for l in m.all_features}
+    widths.update({scale_array(l): fp8.SCALE_DTYPE.itemsize for l in m.all_features},
+                  input_ids=4, loss_mask=1)
+    if array == "offsets":
+        return chunk_bound((rec.n_samples + 1) * 8)
+    return chunk_bound(m.chunk_tokens * widths[array]) if array in widths else 0
+
+
 def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progress,
                  tails: dict[str, int] | None = None, manifest: Manifest | None = None) -> None:
+    """Every file the record lists, read through the door in batches of ~``BATCH_BYTES``: a link, not a regular
+    file, or larger than its bound (``file_bound``) is a problem named without reading it; then each one's
+    size, CRC32C and (a chunk) payload bound to its path."""
     keys = list(rec.files)
     batch: list[str] = []
     size = 0
@@ -431,14 +469,19 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
         batch.append(key)
         size += rec.files[key]["size"]
         if size >= BATCH_BYTES or i == len(keys) - 1:
-            paths = [storage.join(root, k) for k in batch]
-            key_of = dict(zip(paths, batch))
+            sizes = {k: rec.files[k]["size"] for k in batch}
+            bound = (lambda k: file_bound(manifest, rec, k)) if manifest is not None else door.SEGMENT_CAP
             try:
-                blobs = storage.cat_verified(fs, paths, lambda p, b: check_file(rec, key_of[p], b) is None)
+                blobs = door.read_many(fs, root, batch, sizes=sizes, bound=bound,
+                                       ok=lambda k, b: check_file(rec, k, b) is None, where=f"shard {rec.shard!r}")
             except Exception as e:
                 raise FetchError(f"shard {rec.shard}: cannot read files: {type(e).__name__}: {e}") from None
-            for k, p in zip(batch, paths):
-                data = blobs.get(p)
+            for k in batch:
+                data = blobs.get(k)
+                if isinstance(data, door.Refused):  # not read: a link, not a file, too large, another size
+                    why = data.why if isinstance(data, door.WrongSize) else f"refused ({data.why})"
+                    report.problems.append(Problem(rec.shard, why, k, samples_in_file(rec, k)))
+                    continue
                 failure = storage.fetch_failure(data)
                 if failure:  # unreachable is not "missing": verify cannot tell, so it stops
                     raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
@@ -459,68 +502,137 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
             batch, size = [], 0
 
 
+# the fields of an array's zarr.json that say how to read it: each must be what hsstore writes for that array
+META_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value",
+               "codecs")
+
+
+def expected_metadata(m: Manifest, rec: CommitRecord) -> dict[str, dict]:
+    """Array name -> the parsed ``zarr.json`` hsstore writes for a shard of ``rec``'s tokens and samples (made by
+    zarr-python in memory, as the writer makes it)."""
+    base = shard_path(rec.shard)
+    specs = array_specs(m, rec.n_tokens, rec.n_samples)
+
+    def build(mem):
+        group = zarr.create_group(store=mem, path=base, zarr_format=3)
+        for arr_name, shape, chunk, dtype, chunk_codec, attrs in specs:
+            group.create_array(arr_name, shape=shape, chunks=(chunk,) + shape[1:], dtype=dtype,
+                               compressors=chunk_codec.zarr_compressors(), fill_value=0, attributes=attrs,
+                               dimension_names=["token", "hidden"][: len(shape)])
+    objects = zarr_metadata(build)
+    return {spec[0]: door.load_json(objects[f"{base}/{spec[0]}/zarr.json"], spec[0]) for spec in specs}
+
+
 def _check_arrays(src: ShardSource, rec: CommitRecord, report: VerifyReport) -> None:
+    """Each array's ``zarr.json`` (through the door, bounded) against what the manifest and record allow --
+    shape, dtype, chunk grid, codecs -- before any of its data is looked at; then ``offsets``, ``input_ids``
+    and ``loss_mask`` read with hsstore's own bounded reader (never a library's decoder on the store's codecs)
+    and checked against the record's lengths and loss-mask sums."""
     m, name = src.manifest, rec.shard
     base = shard_path(name)
-    try:
-        g = open_group(src, name)
-    except Exception as e:
-        report.problems.append(Problem(name, f"shard group cannot be opened: {e}", f"{base}/zarr.json"))
-        return
-    for l in m.all_features:
-        key = f"{base}/{layer_array(l)}"
+    fs, root, _ = src.locate(name)
+    want = expected_metadata(m, rec)
+    bad_meta = False
+    for arr_name, expect in want.items():
+        key = f"{base}/{arr_name}/zarr.json"
+        what = arr_name if arr_name in ("input_ids", "loss_mask", "offsets") else (
+            f"layer {arr_name[6:].lstrip('0') or 0}" if arr_name.startswith("layer_") else arr_name)
         try:
-            a = g[layer_array(l)]
-        except Exception:
-            report.problems.append(Problem(name, f"array for layer {l} missing", key))
+            meta = door.read_json(fs, root, key, where=f"shard {name!r}, file {key}",
+                                  bound=file_bound(m, rec, key), size=rec.files.get(key, {}).get("size"))
+        except FileNotFoundError:
+            report.problems.append(Problem(name, f"array for {what} missing", key))
+            bad_meta = True
             continue
-        if a.shape != (rec.n_tokens, m.hidden_size):
-            report.problems.append(Problem(name, f"layer {l} shape {a.shape} != (tokens {rec.n_tokens}, hidden "
-                                                 f"{m.hidden_size}) implied by offsets", key))
-        want = layer_attributes(m, l)["hsstore_dtype"]
-        if a.dtype != codec.storage_dtype(m.dtype, m.encoding) or a.attrs.get("hsstore_dtype") != want:
-            report.problems.append(Problem(name, f"layer {l} dtype {a.dtype}/{a.attrs.get('hsstore_dtype')} "
-                                                 f"!= {want} (manifest dtype {m.dtype}, encoding {m.encoding})", key))
-        _check_chunks_listed(rec, key, a, report)
-        if m.encoding == fp8.ENCODING:
-            _check_scales(g, rec, l, report)
+        except StoreError as e:
+            report.problems.append(Problem(name, f"array for {what} unreadable: {e}", key))
+            bad_meta = True
+            continue
+        if not isinstance(meta, dict):
+            report.problems.append(Problem(name, f"{what}: zarr.json is not an object", key))
+            bad_meta = True
+            continue
+        diff = [f for f in META_FIELDS if meta.get(f) != expect.get(f) and f not in ("shape", "data_type")]
+        if meta.get("storage_transformers") not in (None, []):
+            diff.append("storage_transformers")
+        attrs = meta.get("attributes") if isinstance(meta.get("attributes"), dict) else {}
+        if meta.get("shape") != expect["shape"]:
+            report.problems.append(Problem(name, f"{what} shape {escape(meta.get('shape'))} != {expect['shape']} "
+                                                 f"(tokens {rec.n_tokens} implied by offsets, hidden "
+                                                 f"{m.hidden_size})", key))
+            bad_meta = True
+        wanted = expect.get("attributes", {}).get("hsstore_dtype")
+        if meta.get("data_type") != expect["data_type"] or attrs.get("hsstore_dtype") != wanted:
+            report.problems.append(Problem(name, f"{what} dtype {escape(meta.get('data_type'))}/"
+                                                 f"{escape(attrs.get('hsstore_dtype'))} != {wanted or expect['data_type']}"
+                                                 f" (manifest dtype {m.dtype}, encoding {m.encoding})", key))
+            bad_meta = True
+        if diff:
+            got = {f: meta.get(f) for f in diff}
+            report.problems.append(Problem(name, f"{what}: zarr.json {', '.join(diff)} differ from what hsstore "
+                                                 f"writes for it (got {shown(str(got)[:200])})", key))
+            bad_meta = True
+            continue
+        listed = [k for k in range(-(-rec.n_tokens // m.chunk_tokens) if arr_name != "offsets" else 1)
+                  if chunk_key(f"{base}/{arr_name}", k, len(expect["shape"])) not in rec.files]
+        if listed:
+            report.problems.append(Problem(name, f"chunks {listed[:5]} of {arr_name} not in the commit record",
+                                           f"{base}/{arr_name}"))
+            bad_meta = True
+    if bad_meta:
+        return
+    _check_token_arrays(src, rec, report, fs, root)
+    if m.encoding == fp8.ENCODING:
+        for l in m.all_features:
+            _check_scales(src, rec, l, report)
+
+
+def _check_token_arrays(src: ShardSource, rec: CommitRecord, report: VerifyReport, fs, root: str) -> None:
+    name, base = rec.shard, shard_path(rec.shard)
+    key = chunk_key(f"{base}/offsets", 0, 1)
     try:
-        ids, mask, offsets = (g[n][:] for n in ("input_ids", "loss_mask", "offsets"))
-    except Exception as e:
+        blob = door.read(fs, root, key, bound=file_bound(src.manifest, rec, key), size=rec.files[key]["size"])
+        offsets = codec.ChunkCodec("none").decode(blob, np.dtype("<i8"), rec.n_samples + 1, where=key,
+                                                  expect=rec.chunk_checksum(key))
+        mask = read_plain(fs, root, src.manifest, rec, "loss_mask", np.dtype("|u1"))
+    except (OSError, StoreError) as e:
         report.problems.append(Problem(name, f"token arrays unreadable: {type(e).__name__}: {e}"))
         return
     if not np.array_equal(offsets, rec.offsets):
         report.problems.append(Problem(name, "offsets array disagrees with the commit record's lengths",
                                        f"{base}/offsets"))
         return
-    if ids.shape[0] != rec.n_tokens or mask.shape[0] != rec.n_tokens:
-        report.problems.append(Problem(name, f"input_ids/loss_mask hold {ids.shape[0]}/{mask.shape[0]} tokens, "
-                                             f"offsets say {rec.n_tokens}"))
-        return
-    sums = np.add.reduceat(mask.astype(np.int64), offsets[:-1]) if rec.n_samples else np.zeros(0)
+    sums = np.add.reduceat(mask.astype(np.int64), offsets[:-1]) if rec.n_samples and rec.n_tokens else np.zeros(0)
     bad = [rec.samples["sample_id"][i] for i in np.nonzero(sums != np.asarray(rec.samples["loss_tokens"]))[0]]
     if bad:
         report.problems.append(Problem(name, "loss_mask sums disagree with the commit record", f"{base}/loss_mask", bad))
 
 
-def _check_scales(g: zarr.Group, rec: CommitRecord, layer: int, report: VerifyReport) -> None:
-    """An fp8 layer's scale array: present, ``[tokens]`` float32, every chunk committed, every scale finite
-    and positive (a bad scale silently scales a whole row)."""
-    name = scale_array(layer)
-    key = f"{shard_path(rec.shard)}/{name}"
+def read_plain(fs, root: str, m: Manifest, rec: CommitRecord, array: str, dtype: np.dtype) -> np.ndarray:
+    """A whole uncompressed ``[tokens]`` array of a shard (``loss_mask``, an fp8 layer's scales), each chunk read
+    through the door at the size the record lists and decoded by hsstore's bounded codec."""
+    ct = m.chunk_tokens
+    keys = [chunk_key(f"{shard_path(rec.shard)}/{array}", k, 1) for k in range(-(-rec.n_tokens // ct))]
+    blobs = door.read_many(fs, root, keys, sizes={k: rec.files[k]["size"] for k in keys},
+                           bound=chunk_bound(ct * dtype.itemsize), where=f"shard {rec.shard!r}")
+    out = np.empty(len(keys) * ct, dtype)
+    for j, k in enumerate(keys):
+        if isinstance(blobs[k], Exception):
+            raise blobs[k]
+        out[j * ct:(j + 1) * ct] = codec.ChunkCodec("none").decode(blobs[k], dtype, ct, where=k,
+                                                                  expect=rec.chunk_checksum(k))
+    return out[:rec.n_tokens]
+
+
+def _check_scales(src: ShardSource, rec: CommitRecord, layer: int, report: VerifyReport) -> None:
+    """An fp8 layer's scales (their metadata checked already), read with hsstore's own reader: every one
+    finite and positive (a bad scale silently scales a whole row)."""
+    key = f"{shard_path(rec.shard)}/{scale_array(layer)}"
+    m = src.manifest
+    fs, root, _ = src.locate(rec.shard)
     try:
-        a = g[name]
-    except Exception:
-        report.problems.append(Problem(rec.shard, f"scale array of layer {layer} missing", key))
-        return
-    if a.shape != (rec.n_tokens,) or a.dtype != fp8.SCALE_DTYPE:
-        report.problems.append(Problem(rec.shard, f"layer {layer} scales {a.dtype} {a.shape} != float32 "
-                                                  f"(tokens {rec.n_tokens},)", key))
-        return
-    _check_chunks_listed(rec, key, a, report)
-    try:
-        scales = a[:]
-    except Exception as e:
+        scales = read_plain(fs, root, m, rec, scale_array(layer), fp8.SCALE_DTYPE)
+    except (OSError, StoreError) as e:
         report.problems.append(Problem(rec.shard, f"layer {layer} scales unreadable: {type(e).__name__}: {e}", key))
         return
     bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
@@ -529,10 +641,3 @@ def _check_scales(g: zarr.Group, rec: CommitRecord, layer: int, report: VerifyRe
         who = [rec.samples["sample_id"][i] for i in np.unique(tokens)]
         report.problems.append(Problem(rec.shard, f"layer {layer}: {bad.size} scales not finite and positive", key,
                                        who))
-
-
-def _check_chunks_listed(rec: CommitRecord, key: str, a: zarr.Array, report: VerifyReport) -> None:
-    n_chunks = -(-a.shape[0] // a.chunks[0]) if a.shape[0] else 0
-    missing = [k for k in range(n_chunks) if chunk_key(key, k, a.ndim) not in rec.files]
-    if missing:
-        report.problems.append(Problem(rec.shard, f"chunks {missing[:5]} of {n_chunks} not in the commit record", key))

@@ -2,8 +2,16 @@
 
 Why chunks: committed chunk objects never change (shard names are unique, commits are final), so a
 cached copy is valid forever and needs no revalidation; and the loader reads whole chunks, so a chunk
-is also the unit that two reads (neighbouring units, a second epoch) share. Every chunk ends in its
-CRC32C, so a cached copy is checked on every hit and dropped when it does not match.
+is also the unit that two reads (neighbouring units, a second epoch) share.
+
+The cache holds hidden states of stores its user may read and others may not, and what it serves is
+trained on, so it is private and checked:
+- its folder is the user's own (refused when owned by someone else or when it is a link), folders 0700 and
+  files 0600, every file opened through the door (``hsstore.door``: no link followed, regular files only);
+- each copy ends with a keyed digest (HMAC-SHA256 under a key kept in the cache folder, 0600) of the object's
+  name and bytes, written when the copy is made. CRC32C is linear: a planted file with four bytes adjusted
+  passes it. A copy is served only when its digest matches (and the chunk's CRC32C the record's), so a file
+  placed or changed by anyone without the key is a miss, dropped and fetched again.
 
 Several processes (DataLoader workers, ranks on one node) may share one cache directory: files are
 written to a temporary name and renamed, a hit refreshes the file's mtime (the LRU clock), and
@@ -13,25 +21,35 @@ writes; a file removed under a reader is a miss, never an error.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 import uuid
 from typing import Any, Callable
 
+import fsspec
+
 from ..format import codec, names
 from ..memory import pread_into
-from .. import storage
+from .. import door, storage
+from ..errors import CorruptionError, StoreError
 
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so eviction (a directory scan) is not per write
+KEY_FILE = ".hsstore-cache-key"  # the digest key: 32 random bytes, 0600
+DIGEST = 32  # bytes of HMAC-SHA256 after each copy
+_LOCAL = fsspec.filesystem("file")  # the cache's own folder, read through the door as a local root
 
 
 class ChunkCache:
-    """``cat(fs, paths, namespace)`` like ``fs.cat(paths, on_error="return")``, served from ``root`` when
-    possible. ``max_bytes`` caps the bytes on disk (checked whenever this process writes)."""
+    """``cat(fs, root, keys, namespace)`` like ``door.read_many``, served from ``root`` when possible.
+    ``max_bytes`` caps the bytes on disk (checked whenever this process writes)."""
 
     def __init__(self, root: str, max_bytes: int) -> None:
         self.root = os.path.abspath(root)
@@ -42,6 +60,7 @@ class ChunkCache:
         self._total = 0
         self._last = 0.0
         self.pid = os.getpid()
+        self._key = _private_key(self.root)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"root": self.root, "max_bytes": self.max_bytes}
@@ -49,92 +68,116 @@ class ChunkCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["root"], state["max_bytes"])
 
+    def cache_key(self, namespace: str, path: str) -> str:
+        """Where (relative to ``root``) the copy of remote object ``path`` is kept (``names.cache_key`` refuses
+        a path made of a store's names that would climb out of it)."""
+        return names.cache_key(self.root, namespace, path)
+
     def local_path(self, namespace: str, path: str) -> str:
-        """Where the copy of remote object ``path`` is kept: under ``root`` always (``names.cache_path``
-        refuses a path made of a store's names that would climb out of it)."""
-        return names.cache_path(self.root, namespace, path)
+        return os.path.join(self.root, self.cache_key(namespace, path))
+
+    def _digest(self, key: str, parts: list[Any]) -> bytes:
+        h = hmac.new(self._key, key.encode() + b"\0", hashlib.sha256)
+        for b in parts:
+            h.update(memoryview(b).cast("B"))  # hashlib releases the GIL on large buffers
+        return h.digest()
 
     # -- reading -----------------------------------------------------------------------------------
-    def get(self, namespace: str, path: str, expect: int | None = None) -> bytes | None:
-        """The cached copy of ``path``, if intact and (``expect``: the payload CRC32C the commit record lists)
-        the chunk the store holds there now; otherwise it is dropped."""
-        local = self.local_path(namespace, path)
+    def get(self, namespace: str, path: str, expect: int | None = None, bound: int | None = None) -> bytes | None:
+        """The cached copy of ``path``, if its digest is this cache's, it is intact and (``expect``: the payload
+        CRC32C the commit record lists) the chunk the store holds there now; otherwise it is dropped."""
+        key = self.cache_key(namespace, path)
         try:
-            with open(local, "rb") as f:
-                blob = f.read()
-        except (FileNotFoundError, IsADirectoryError):
+            blob = door.read(_LOCAL, self.root, key, bound=(bound or self.max_bytes) + DIGEST)
+        except FileNotFoundError:
             return None
-        if not codec.chunk_ok(blob, expect):
-            log.warning("chunk cache: dropping damaged or stale copy %s", local)
-            self._remove(local)
+        except (CorruptionError, OSError) as e:
+            log.warning("chunk cache: %s; dropped", e)
+            self._remove(os.path.join(self.root, key))
             return None
-        self._touch(local, len(blob))
-        return blob
+        data, mac = memoryview(blob)[:-DIGEST], blob[-DIGEST:]
+        if len(blob) < DIGEST + 4 or not hmac.compare_digest(mac, self._digest(key, [data])) \
+                or not codec.chunk_ok(data, expect):
+            log.warning("chunk cache: dropping damaged, stale or foreign copy %s", key)
+            self._remove(os.path.join(self.root, key))
+            return None
+        self._touch(key, len(blob))
+        return bytes(data)
 
-    def cat(self, fs, paths: list[str], namespace: str, expect: dict[str, int | None] | None = None,
-            sizes: dict[str, int] | None = None) -> dict[str, Any]:
-        """``expect``: path -> payload CRC32C from the commit record; a cached copy must match it. ``sizes``:
-        path -> size from the record, for the reads (``storage.cat_verified``)."""
+    def cat(self, fs, root: str, keys: list[str], namespace: str, expect: dict[str, int | None] | None = None,
+            sizes: dict[str, int] | None = None, bound: Callable[[str], int] | None = None) -> dict[str, Any]:
+        """Objects ``keys`` of the store at ``(fs, root)``: key -> bytes (or the read's exception). ``expect``:
+        key -> payload CRC32C from the commit record; a cached copy must match it. ``sizes``/``bound``: the
+        record's sizes and each chunk's bound, for the reads (``door.read_many``)."""
         out: dict[str, Any] = {}
         missing = []
         expect = expect or {}
-        for p in paths:
-            blob = self.get(namespace, p, expect.get(p))
+        for k in keys:
+            blob = self.get(namespace, storage.join(root, k), expect.get(k), bound(k) if bound else None)
             if blob is None:
-                missing.append(p)
+                missing.append(k)
             else:
-                out[p] = blob
+                out[k] = blob
         self.hits += len(out)
         self.misses += len(missing)
         if missing:
-            fetched = storage.cat_verified(fs, missing, lambda _p, b: codec.chunk_ok(b), sizes=sizes)
-            for p in missing:
-                blob = fetched.get(p)
-                out[p] = blob
-                if isinstance(blob, (bytes, bytearray)) and codec.chunk_ok(blob, expect.get(p)):
-                    self.put(namespace, p, bytes(blob))
+            sizes = sizes if sizes is not None else {k: door.size_of(fs, root, k) for k in missing}
+            fetched = door.read_many(fs, root, missing, sizes=sizes, bound=bound or self.max_bytes,
+                                     ok=lambda _k, b: codec.chunk_ok(b))
+            for k in missing:
+                blob = fetched.get(k)
+                out[k] = blob
+                if isinstance(blob, (bytes, bytearray)) and codec.chunk_ok(blob, expect.get(k)):
+                    self.put(namespace, storage.join(root, k), bytes(blob))
         return out
 
-    def cat_into(self, fs, targets: dict[str, list[Any]], namespace: str,
+    def cat_into(self, fs, root: str, targets: dict[str, list[Any]], namespace: str,
                  check: Callable[[str], str | None]) -> dict[str, Exception | str | None]:
-        """``storage.cat_into`` served from the cache where it holds a copy that fills the buffers and passes
-        ``check`` (a copy that does not is dropped); the rest is fetched into the buffers and cached from them."""
+        """``door.fill`` served from the cache where it holds a copy that fills the buffers, carries this
+        cache's digest and passes ``check`` (a copy that does not is dropped); the rest is fetched into the
+        buffers and cached from them."""
         out: dict[str, Exception | str | None] = {}
         missing: dict[str, list[Any]] = {}
-        for p, bufs in targets.items():
-            local = self.local_path(namespace, p)
-            if self._read_into(local, bufs) and check(p) is None:
-                out[p] = None
-                self._touch(local, sum(memoryview(b).nbytes for b in bufs))
+        for k, bufs in targets.items():
+            key = self.cache_key(namespace, storage.join(root, k))
+            got = self._read_into(key, bufs)
+            if got and check(k) is None:
+                out[k] = None
+                self._touch(key, sum(memoryview(b).nbytes for b in bufs) + DIGEST)
                 continue
-            if os.path.exists(local):
-                log.warning("chunk cache: dropping damaged or stale copy %s", local)
-                self._remove(local)
-            missing[p] = bufs
+            if got is not None:
+                log.warning("chunk cache: dropping damaged, stale or foreign copy %s", key)
+                self._remove(os.path.join(self.root, key))
+            missing[k] = bufs
         self.hits += len(out)
         self.misses += len(missing)
         if missing:
-            for p, result in storage.cat_into(fs, missing, check).items():
-                out[p] = result
+            for k, result in door.fill(fs, root, missing, check).items():
+                out[k] = result
                 if result is None:
-                    self.put(namespace, p, missing[p])
+                    self.put(namespace, storage.join(root, k), missing[k])
         return out
 
-    @staticmethod
-    def _read_into(local: str, bufs: list[Any]) -> bool:
-        """Whether the file at ``local`` exists and fills ``bufs`` exactly."""
+    def _read_into(self, key: str, bufs: list[Any]) -> bool | None:
+        """Whether the copy at ``key`` fills ``bufs`` exactly and carries its digest (None: there is none)."""
         want = sum(memoryview(b).nbytes for b in bufs)
+        mac = bytearray(DIGEST)
         try:
-            with open(local, "rb", buffering=0) as f:
-                return os.fstat(f.fileno()).st_size == want and pread_into(f.fileno(), bufs, 0) == want
-        except (FileNotFoundError, IsADirectoryError):
-            return False
-
-    def _touch(self, local: str, size: int) -> None:
-        """A hit refreshes the copy's place in the LRU order (its mtime, for other processes too)."""
-        try:
-            os.utime(local)
+            with door.opened(self.root, key) as (fd, n):
+                if n != want + DIGEST or pread_into(fd, [*bufs, mac], 0) != n:
+                    return False
         except FileNotFoundError:
+            return None
+        except (CorruptionError, OSError):
+            return False
+        return hmac.compare_digest(bytes(mac), self._digest(key, bufs))
+
+    def _touch(self, key: str, size: int) -> None:
+        """A hit refreshes the copy's place in the LRU order (its mtime, for other processes too)."""
+        local = os.path.join(self.root, key)
+        try:
+            os.utime(local, follow_symlinks=False)
+        except (FileNotFoundError, NotImplementedError):
             pass
         with self._lock:
             if self._index is not None:
@@ -142,18 +185,21 @@ class ChunkCache:
 
     # -- writing and eviction ----------------------------------------------------------------------
     def put(self, namespace: str, path: str, blob: Any) -> None:
-        """Keep ``blob`` (bytes, or a list of buffers written in turn) as the copy of ``path``."""
+        """Keep ``blob`` (bytes, or a list of buffers written in turn) as the copy of ``path``, with its digest."""
         parts = blob if isinstance(blob, list) else [blob]
-        size = sum(memoryview(b).nbytes for b in parts)
+        key = self.cache_key(namespace, path)
+        size = sum(memoryview(b).nbytes for b in parts) + DIGEST
         if size > self.max_bytes:
             return
-        local = self.local_path(namespace, path)
-        os.makedirs(os.path.dirname(local), exist_ok=True)
+        local = os.path.join(self.root, key)
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
+            _makedirs_private(self.root, os.path.dirname(key))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 for b in parts:
                     f.write(memoryview(b).cast("B"))
+                f.write(self._digest(key, parts))
             os.replace(tmp, local)
         except OSError as e:  # a full or read-only disk must not stop training: the read still succeeds
             log.warning("chunk cache: cannot write %s (%s)", local, e)
@@ -176,14 +222,15 @@ class ChunkCache:
         index: dict[str, tuple[float, int]] = {}
         for dirpath, _, files in os.walk(self.root):
             for name in files:
-                if ".tmp-" in name:
+                if ".tmp-" in name or name.startswith("."):
                     continue
                 p = os.path.join(dirpath, name)
                 try:
-                    st = os.stat(p)
+                    st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                index[p] = (st.st_mtime, st.st_size)
+                if stat.S_ISREG(st.st_mode):
+                    index[p] = (st.st_mtime, st.st_size)
         self._index = index
         self._total = sum(s for _, s in index.values())
         return index
@@ -220,3 +267,62 @@ class ChunkCache:
 
     def __repr__(self) -> str:
         return f"ChunkCache({self.root!r}, max_bytes={self.max_bytes}, hits={self.hits}, misses={self.misses})"
+
+
+def _check_owned(path: str) -> None:
+    """Refuse a cache folder that is a link or belongs to another user; make one of ours private (0700)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"chunk cache {path!r}: refused (a link or not a folder; give a folder of your own)")
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"chunk cache {path!r}: refused (owned by uid {st.st_uid}, not by this user: another "
+                         "user could read or plant the cached hidden states)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _makedirs_private(root: str, rel: str) -> None:
+    """``root/rel`` made folder by folder with mode 0700 (``os.makedirs`` applies its mode to the last one only),
+    none of them a link."""
+    path = root
+    for part in [p for p in rel.split("/") if p]:
+        path = os.path.join(path, part)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                raise OSError(f"{path} is not a folder (a link?)") from None
+
+
+def _private_key(root: str) -> bytes:
+    """The cache's digest key: read from ``root/.hsstore-cache-key`` (0600, made once, exclusively)."""
+    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    _check_owned(root)
+    path = os.path.join(root, KEY_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    for _ in range(50):  # another process may be writing it this instant
+        try:
+            fd, st = door.open_beneath(root, KEY_FILE, f"chunk cache {root!r}")
+        except CorruptionError as e:
+            raise StoreError(str(e)) from None
+        try:
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise StoreError(f"chunk cache {root!r}: {KEY_FILE} refused (not this user's, or readable by others)")
+            key = os.pread(fd, 64, 0)
+        finally:
+            os.close(fd)
+        if len(key) == 32:
+            return key
+        time.sleep(0.01)
+    raise StoreError(f"chunk cache {root!r}: {KEY_FILE} is not a 32-byte key (remove it to start a new cache)")

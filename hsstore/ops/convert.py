@@ -17,7 +17,7 @@ from typing import Any
 
 from ..format import codec, commit, index
 from ..layouts import base as layout
-from .. import storage
+from .. import destination, storage
 from ..errors import ManifestError, StoreError
 from ..store.reader import Store
 from .subset import copy_assets_if_missing
@@ -39,12 +39,18 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
             progress: bool = False) -> ConvertResult:
     """Convert ``src_url`` into ``dst_url`` with layout ``to_layout`` (``chunk_codec``: the zarr codec of the
     destination, default the source's; wds takes none). ``progress``: a bar of feature bytes converted."""
-    from tqdm import tqdm
-
-    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
+    fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     src = Store(src_url, src_options)
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")
+    with destination.hold_lock(fs, root, dst_url, "convert"):  # one copying command at a time into it
+        return _convert(src, fs, root, dst_url, to_layout, chunk_codec, progress)
+
+
+def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_codec: str | None,
+             progress: bool) -> ConvertResult:
+    from tqdm import tqdm
+
     if chunk_codec is None:
         chunk_codec = "none" if to_layout == "wds" or src.manifest.layout == "wds" else src.manifest.codec
     codec.ChunkCodec(chunk_codec).zarr_compressors()  # an unknown codec fails here, before any write

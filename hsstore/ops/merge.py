@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ..format import commit, index, names
 from ..layouts import base as layout
-from .. import storage
+from .. import destination, door, storage
 from ..errors import CorruptionError, ManifestError, StoreError
 from ..format.manifest import check_compatible
 from ..store.reader import Store
@@ -96,12 +96,14 @@ def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
         size += entry["size"]
         if size < BATCH_BYTES and n < len(items) - 1:
             continue
-        paths = {storage.join(src_root, k): k for k in keys}
-        # objects cut or damaged in transit are fetched again before they are called corrupt
-        blobs = storage.cat_verified(src_fs, list(paths), lambda p, b: commit.check_file(rec, paths[p], b) is None)
+        # through the door at the sizes the record lists; objects cut or damaged in transit are fetched again
+        # before they are called corrupt
+        blobs = door.read_many(src_fs, src_root, keys, sizes={k: rec.files[k]["size"] for k in keys},
+                               bound=lambda k: layout.get(src.manifest.layout).file_bound(src.manifest, rec, k),
+                               ok=lambda k, b: commit.check_file(rec, k, b) is None, where=f"store {src.url!r}")
         out = {}
         for k in keys:
-            data = blobs[storage.join(src_root, k)]
+            data = blobs[k]
             where = f"store {src.url!r}, shard {rec.shard}, file {k}"
             if isinstance(data, Exception):
                 raise CorruptionError(f"{where}: unreadable ({type(data).__name__}: {data})")
@@ -124,21 +126,28 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
           src_options: dict[str, Any] | None = None, progress: bool = True) -> MergeResult:
     """Add every committed shard of ``src_urls`` to ``dst_url`` (created from the first source's manifest
     when it does not exist). ``src_options`` apply to every source (default: ``dst_options``)."""
-    from tqdm import tqdm
-
     if by not in MODES:
         raise ValueError(f"--by must be one of {MODES}, got {by!r}")
     if not src_urls:
         raise ValueError("merge needs at least one source store")
     dst_options = dst_options or {}
     src_options = dst_options if src_options is None else src_options
-    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
+    fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     srcs = [Store(u, src_options) for u in src_urls]
     if by == "reference":
         far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
         if far:
             raise ValueError(f"{far[0]!r} is on local disk: a reference to it from {dst_url!r} would not resolve "
                              "for other readers (merge --by copy instead)")
+    # one copying command at a time into a destination: two would each find no shard merged and add every one
+    with destination.hold_lock(fs, root, dst_url, f"merge --by {by}"):
+        return _merge(fs, root, dst_url, dst_options, srcs, by, progress)
+
+
+def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[Store], by: str,
+           progress: bool) -> MergeResult:
+    from tqdm import tqdm
+
     dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
     todo = plan(dst, srcs)
     for src, rec in todo:  # a shard name, file key or location refused anywhere: refused before the first write

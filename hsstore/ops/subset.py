@@ -15,10 +15,11 @@ from typing import Any
 
 from ..format import assets, codec
 from ..layouts import base as layout
-from .. import storage
+from .. import destination, storage
 from .stats import SAMPLE_FLAGS
 from ..format.manifest import Manifest, check_compatible
-from ..store.reader import Store, committed_ids, read_manifest
+from ..format.manifest import read_manifest
+from ..store.reader import Store, committed_ids
 from ..redaction import recordable_url
 from ..store.writer import DEFAULT_SHARD_BYTES, StoreWriter
 
@@ -105,11 +106,11 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
     """Copy the samples of ``src_url`` that ``sel`` keeps into ``dst_url`` (created, or resumed)."""
     dst_options = dst_options or {}
     # anon=true and a folder that is not a store refused before any request
-    fs, root = storage.open_destination(dst_url, dst_options, layout.own_objects())
+    fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())
     src = Store(src_url, src_options)
     check_flags(src, sel.exclude_flags)
     # one subset at a time into a destination: two would each find no sample committed and copy every one
-    with storage.hold_lock(fs, root, dst_url, "subset"):
+    with destination.hold_lock(fs, root, dst_url, "subset"):
         return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress)
 
 

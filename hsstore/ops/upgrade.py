@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..format import commit, index
 from .. import storage
-from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest
+from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest
 from ..store.reader import Store
 from ..format.report import Problem, VerifyReport
 from .verify import check_committed_shard
@@ -67,9 +67,7 @@ def _upgrade_records(store: Store, result: UpgradeResult, appender: index.Segmen
             continue
         files = {k: {**e, "crc32c": tails[k]} if commit.is_chunk_key(k) else e for k, e in rec.files.items()}
         new = dataclasses.replace(rec, files=files, format_version=FORMAT_VERSION)
-        path = storage.join(store.root, commit.commit_path(rec.shard))
-        where = f"commit record of shard {rec.shard!r}"
-        now = commit.CommitRecord.from_json(store.fs.cat_file(path), where=where)
+        (now,) = commit.load_commits(store.fs, store.root, [rec.shard])
         if now != rec:  # replaced since the store was opened (another upgrade, by hand): not ours to overwrite
             if now.binds_chunks:
                 result.current += 1
@@ -89,7 +87,7 @@ def _upgrade_manifest(store: Store) -> bool:
     if not all(c.binds_chunks for c in commit.load_commits(store.fs, store.root, later)):
         return False  # an older writer is still adding to the store: a re-run finishes the job
     path = storage.join(store.root, MANIFEST_FILE)
-    now = Manifest.from_json(store.fs.cat_file(path), where=f"{store.url}/{MANIFEST_FILE}")
+    now = read_manifest(store.fs, store.root, store.url)
     if now.to_json() != store.manifest.to_json():
         return False
     storage.put_atomic(store.fs, path, dataclasses.replace(now, format_version=FORMAT_VERSION).to_json().encode())

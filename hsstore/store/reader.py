@@ -29,7 +29,7 @@ from .. import memory, storage
 from ..format.commit import CommitRecord
 from ..errors import CorruptionError, ManifestError, StoreError
 from .items import make_item
-from ..format.manifest import MANIFEST_FILE, Manifest
+from ..format.manifest import MANIFEST_FILE, Manifest, read_manifest
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
 
 
@@ -86,19 +86,6 @@ class SampleRef:
     start: int
     stop: int
     sample_id: str
-
-
-def read_manifest(fs, root: str, url: str) -> Manifest:
-    path = storage.join(root, MANIFEST_FILE)
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError as e:
-        if storage.missing_bucket(fs, root):
-            raise StoreError(storage.explain(e, url, "read", fs, root)) from None
-        raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
-    except Exception as e:
-        raise StoreError(storage.explain(e, url, "read", fs, root)) from None
-    return Manifest.from_json(data, where=f"{url}/{MANIFEST_FILE}")
 
 
 class Store:

@@ -29,9 +29,9 @@ import torch
 
 from ..format import codec, commit, fp8, index
 from ..layouts import base as layout
-from .. import memory, storage
+from .. import destination, memory, storage
 from ..errors import ManifestError, SampleError, StoreError
-from ..format.manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso
+from ..format.manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso, read_manifest
 from ..version import __version__
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
             storage.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
-    existing = Manifest.from_json(fs.cat_file(path), where=f"{url}/{MANIFEST_FILE}")
+    existing = read_manifest(fs, root, url)
     check_compatible(existing, manifest, f"store {url!r}", "the data being written")  # taps, dtype, encoding, ...
     if existing.layout != manifest.layout:  # a resumed job must not write another layout than it asks for
         raise ManifestError(f"store {url!r} exists with layout {existing.layout!r}; {manifest.layout!r} was asked "
@@ -98,7 +98,7 @@ class StoreWriter:
     ) -> None:
         self.url = url
         self.storage_options = storage_options or {}
-        self.fs, self.root = storage.open_destination(url, self.storage_options, layout.own_objects())
+        self.fs, self.root = destination.open_destination(url, self.storage_options, layout.own_objects())
         codec.ChunkCodec(manifest.codec).zarr_compressors()  # an unknown codec fails here, before any write
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(

@@ -1,0 +1,335 @@
+"""The one door through which hsstore reads a store's bytes (docs/FORMAT.md, "Limits").
+
+A store from another team is untrusted: not only its names (``format/names.py``) but the files behind them. A
+``manifest.json`` that is a link to ``/dev/zero`` must not be read until memory runs out, a chunk that is a FIFO
+must not hang a command, a chunk linked to a copy outside the store must not be served as the store's. So every
+read of a store object -- fixed names (manifest, commit records, the asset index, index segments, locks) as
+well as chunks, tars and assets -- comes through here, and is opened one way:
+
+- the key is a relative key under the root it belongs to (``key_problem``);
+- on local disk each path component is opened beneath the root with ``O_NOFOLLOW`` (``openat``): a link
+  anywhere inside the store is refused, never followed (the root itself is the user's and may be a link);
+- the file must be a regular file (``fstat`` of the opened descriptor; a FIFO is opened non-blocking and
+  refused before any read);
+- a size bound is known before reading: the size a commit record or a listing gives, or a fixed cap for
+  small JSON objects (``JSON_CAP``); a larger object is refused without reading it. Object stores get the
+  same: the listed or recorded size, one ranged GET of exactly that size, or a GET capped at the bound.
+
+A refusal is ``Refused`` (a ``CorruptionError``) whose one line names the file and why. JSON from a store is
+parsed with a size and depth limit (``load_json``). ``tests/test_architecture.py`` checks that no module but
+this one and ``storage`` reads store objects itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+from typing import Any, Callable, Iterator
+
+from . import storage
+from .errors import CorruptionError
+from .memory import pread_into
+
+JSON_CAP = 1 << 20  # a manifest, the asset index, a lock, a zarr.json: small objects read whole
+RECORD_CAP = 256 << 20  # one commit record (a 1e4-sample shard's is a few MB)
+SEGMENT_CAP = 4 << 30  # one index segment (all records of a 1e5-shard store: ~1 GB in version 1)
+ASSET_CAP = 16 << 30  # one asset file (an embedding of 248K x 5120 bf16 is 2.5 GB)
+JSON_DEPTH = 64  # nesting deeper than any object hsstore writes (the manifest's ``extra`` included)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# non-blocking: a FIFO opens at once (and is then refused), instead of waiting for a writer forever
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+
+
+class Refused(CorruptionError):
+    """A store object the door will not read: a link, not a regular file, larger than its bound, an unsafe
+    key. ``key`` and ``why`` are kept apart, for ``verify``'s report."""
+
+    def __init__(self, where: str, key: str, why: str) -> None:
+        super().__init__(f"{where + ', ' if where else ''}file {key}: refused ({why})")
+        self.key, self.why = key, why
+
+
+class WrongSize(Refused):
+    """An object of another size than its record lists: truncated or rewritten (data damage, said as such)."""
+
+
+def key_problem(name: Any) -> str | None:
+    """Why ``name`` is not a relative key ``a/b/c`` under a root (None: it is): empty, not a string, absolute,
+    ``.``/``..`` or empty parts, backslashes and NUL are refused (an S3 key ``assets/../../x`` is just a key,
+    but a path joined with it is not under the root)."""
+    if not isinstance(name, str) or not name:
+        return "empty or not a string"
+    if "\\" in name or "\x00" in name:
+        return "backslash or NUL in a name"
+    if name.startswith("/"):
+        return "an absolute name"
+    parts = name.split("/")
+    if "" in parts:
+        return "an empty path part"
+    if "." in parts or ".." in parts:
+        return "a '.' or '..' part"
+    return None
+
+
+def _checked_key(key: str, where: str) -> str:
+    why = key_problem(key)
+    if why:
+        raise Refused(where, repr(key), why)
+    return key
+
+
+# -- local files --------------------------------------------------------------------------------------------
+def _explain(err: OSError, dir_fd: int, name: str) -> str | None:
+    """Why an ``openat`` with ``O_NOFOLLOW`` failed in words, when it was the door's own refusal (a link,
+    a file where a folder was expected); None for an ordinary error (missing, permission)."""
+    if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link (links in a store are never followed)"
+    return "not a folder" if err.errno == errno.ENOTDIR else None
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_beneath(root: str, key: str, where: str = "") -> tuple[int, os.stat_result]:
+    """(descriptor, its ``fstat``) of regular file ``key`` under local folder ``root``, every component opened
+    beneath the previous one without following a link. ``FileNotFoundError`` when it does not exist."""
+    _checked_key(key, where)
+    parts = key.split("/")
+    fd = os.open(root or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                nfd = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                why = _explain(e, fd, part)
+                if why:
+                    raise Refused(where, key, why if last else f"{'/'.join(parts[:i + 1])} is {why}") from None
+                if e.errno == errno.ENOTDIR:
+                    raise FileNotFoundError(errno.ENOENT, "no such file", key) from None
+                raise
+            os.close(fd)
+            fd = nfd
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(where, key, f"{_kind(st.st_mode)}, not a regular file")
+        out, fd = fd, -1
+        return out, st
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def opened(root: str, key: str, *, size: int | None = None, bound: int | None = None,
+           where: str = "") -> Iterator[tuple[int, int]]:
+    """``(descriptor, size)`` of local file ``key`` under ``root`` (``open_beneath``), refused when its size is
+    not ``size`` (what the record lists) or exceeds ``bound``; closed on exit."""
+    fd, st = open_beneath(root, key, where)
+    try:
+        _check_size(st.st_size, size, bound, key, where)
+        yield fd, st.st_size
+    finally:
+        os.close(fd)
+
+
+def _check_size(n: int, size: int | None, bound: int | None, key: str, where: str) -> None:
+    if size is not None and n != size:
+        raise WrongSize(where, key, f"size {n} != committed {size} (truncated or rewritten)")
+    if bound is not None and n > bound:
+        raise Refused(where, key, f"{n:,} bytes, larger than its bound of {bound:,}")
+
+
+def _read_fd(fd: int, n: int, key: str, where: str) -> bytes:
+    buf = bytearray(n)
+    got = pread_into(fd, [buf], 0) if n else 0
+    if got != n:
+        raise Refused(where, key, f"ended after {got:,} of {n:,} bytes (changed while read)")
+    return bytes(buf)
+
+
+# -- any filesystem -----------------------------------------------------------------------------------------
+def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where: str = "") -> bytes:
+    """The whole object ``key`` under ``root``: at most ``bound`` bytes, exactly ``size`` when given (a record's
+    or a listing's). ``FileNotFoundError`` when it does not exist; ``Refused`` for the door's refusals."""
+    _checked_key(key, where)
+    if size is not None:
+        _check_size(size, None, bound, key, where)
+    if storage.is_local(fs):
+        with opened(root, key, size=size, bound=bound, where=where) as (fd, n):
+            return _read_fd(fd, n, key, where)
+    path = storage.join(root, key)
+    if size is not None:
+        data = storage.cat_many(fs, [path], [size])[path]
+    else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
+        try:
+            data = fs.cat_file(path, start=0, end=bound + 1)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            if "InvalidRange" in str(e) or "416" in str(e):  # an empty object has no byte 0
+                data = b""
+            else:
+                raise
+    if isinstance(data, Exception):
+        raise data
+    _check_size(len(data), size, bound, key, where)
+    return data
+
+
+def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], bound: Callable[[str], int] | int,
+              ok: Callable[[str, bytes], bool] | None = None, where: str = "") -> dict[str, Any]:
+    """Objects ``keys`` under ``root``, each exactly the size ``sizes`` lists (a commit record's, a listing's;
+    None: unknown, as an HTTP listing may give) and within ``bound`` (a number, or a function of the key): key ->
+    bytes, or the exception that stopped it (``FileNotFoundError``, ``Refused``, a failed request). Concurrent on
+    object stores, where an object that arrives but fails ``ok(key, bytes)`` is fetched again
+    (``storage.cat_verified``)."""
+    limit = bound if callable(bound) else (lambda _k, b=bound: b)
+    out: dict[str, Any] = {}
+    todo = []
+    for k in keys:
+        why = key_problem(k)
+        if why:
+            out[k] = Refused(where, repr(k), why)
+        elif sizes.get(k) is not None and sizes[k] > limit(k):
+            out[k] = Refused(where, k, f"{sizes[k]:,} bytes listed, larger than its bound of {limit(k):,}")
+        else:
+            todo.append(k)
+    unsized = [k for k in todo if sizes.get(k) is None]
+    if storage.is_local(fs) or unsized:
+        for k in todo if storage.is_local(fs) else unsized:
+            try:
+                out[k] = read(fs, root, k, bound=limit(k), size=sizes.get(k), where=where)
+            except (OSError, CorruptionError) as e:
+                out[k] = e
+        if storage.is_local(fs):
+            return out
+    paths = {storage.join(root, k): k for k in todo if sizes.get(k) is not None}
+    check = (lambda p, b: ok(paths[p], b)) if ok is not None else (lambda p, b: True)
+    got = storage.cat_verified(fs, list(paths), check, sizes={p: sizes[k] for p, k in paths.items()})
+    for p, k in paths.items():
+        data = got.get(p)
+        if isinstance(data, (bytes, bytearray)) and len(data) != sizes[k]:
+            data = WrongSize(where, k, f"size {len(data)} != committed {sizes[k]} (truncated or rewritten)")
+        out[k] = data
+    return out
+
+
+def fill(fs, root: str, targets: dict[str, list[Any]], check: Callable[[str], str | None] | None = None,
+         where: str = "") -> dict[str, Exception | str | None]:
+    """Objects straight into the caller's buffers: object ``key`` fills ``targets[key]`` in turn, and must be
+    exactly their size (``storage.cat_into`` on object stores; ``preadv`` beneath the root locally). Returns
+    key -> None (filled and passed ``check(key)``), what is wrong with the bytes, or the read's exception."""
+    if not storage.is_local(fs):
+        by_path = {storage.join(root, k): k for k in targets}
+        checked = (lambda p: check(by_path[p])) if check is not None else None
+        got = storage.cat_into(fs, {p: targets[k] for p, k in by_path.items()}, checked)
+        return {by_path[p]: r for p, r in got.items()}
+    out: dict[str, Exception | str | None] = {}
+    for k, bufs in targets.items():
+        want = sum(memoryview(b).nbytes for b in bufs)
+        try:
+            with opened(root, k, where=where) as (fd, n):
+                if n != want:
+                    out[k] = f"object is {n:,} bytes, expected {want:,}"
+                    continue
+                got = pread_into(fd, bufs, 0)
+            out[k] = (f"object ended early ({got:,} of {want:,} bytes)" if got != want
+                      else check(k) if check is not None else None)
+        except (OSError, CorruptionError) as e:
+            out[k] = e
+    return out
+
+
+def read_ranges(fs, root: str, key: str, ranges: list[tuple[int, int]], *, size: int, where: str = "") -> list[Any]:
+    """Byte ranges ``[start, end)`` of object ``key`` of ``size`` bytes (a record's), each inside it: a list of
+    bytes (or the exception of a failed range), in order. For object stores (local files: ``opened``)."""
+    _checked_key(key, where)
+    bad = [r for r in ranges if not 0 <= r[0] <= r[1] <= size]
+    if bad:
+        raise Refused(where, key, f"range {bad[0]} outside its {size:,} bytes")
+    path = storage.join(root, key)
+    return fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="return")
+
+
+@contextlib.contextmanager
+def stream(fs, root: str, key: str, *, size: int, where: str = "") -> Iterator[Any]:
+    """A binary file object over object ``key`` of exactly ``size`` bytes (a record's), for one streaming pass
+    (``verify`` of a tar): the size is checked before the first byte is read."""
+    if storage.is_local(fs):
+        with opened(root, key, size=size, where=where) as (fd, _):
+            with os.fdopen(os.dup(fd), "rb") as f:
+                yield f
+        return
+    _checked_key(key, where)
+    path = storage.join(root, key)
+    with fs.open(path, "rb", size=size) if _takes_size(fs) else fs.open(path, "rb") as f:
+        n = getattr(f, "size", None)
+        if n is not None:
+            _check_size(int(n), size, None, key, where)
+        yield f
+
+
+def _takes_size(fs) -> bool:
+    return type(fs).__name__ == "S3FileSystem"  # s3fs takes the size it would otherwise HEAD for
+
+
+def size_of(fs, root: str, key: str, where: str = "") -> int:
+    """The size of object ``key`` (local: of the regular file beneath the root, ``Refused`` otherwise), without
+    reading it."""
+    if storage.is_local(fs):
+        with opened(root, key, where=where) as (_, n):
+            return n
+    return int(fs.info(storage.join(root, _checked_key(key, where)))["size"])
+
+
+# -- JSON ---------------------------------------------------------------------------------------------------
+def load_json(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, error=CorruptionError) -> Any:
+    """JSON from a store, nested at most ``depth`` deep; anything that does not parse (bad syntax, a number of
+    thousands of digits, nesting past Python's recursion limit) is one ``error`` naming ``where``."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deep (more than {depth} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError; an integer past int's digit limit
+        raise error(f"{where}: not valid JSON ({str(e)[:200]})") from None
+    text = data.encode() if isinstance(data, str) else bytes(data)
+    if text.count(b"[") + text.count(b"{") > depth and _depth(value) > depth:
+        raise error(f"{where}: JSON nested too deep (more than {depth} levels)")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep containers nest in ``value`` (0 for a scalar), without recursion."""
+    best, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        best = max(best, d)
+        todo.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return best
+
+
+def read_json(fs, root: str, key: str, *, where: str, bound: int = JSON_CAP, size: int | None = None,
+              error=CorruptionError) -> Any:
+    """``read`` + ``load_json``: a small JSON object of a store."""
+    return load_json(read(fs, root, key, bound=bound, size=size, where=where), f"{where}" if where else key,
+                     error=error)
