@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from . import config, storage
 from .errors import StoreError
 from .redaction import RedactingFilter, recordable_url, scrub
+from .terminal import EscapingFilter, escape
 from .schema import Deprecated  # noqa: F401  (the commands' modules import it from here)
 from .version import __version__
 
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # third-party debug logs quote endpoints and signed headers
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+            handler.addFilter(EscapingFilter())  # store strings in log lines never drive the terminal
     if getattr(args, "allow_location", None):  # every store this command (and its workers) opens
         from .format.names import ALLOW_ENV
 
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a tool killed by it
     except (StoreError, ValueError, OSError) as e:  # bad input: one line, exit 2 (-vv shows the traceback)
         log.debug("error", exc_info=True)
-        msg = scrub((str(e).strip().splitlines() or [type(e).__name__])[0])
+        msg = escape(scrub((str(e).strip().splitlines() or [type(e).__name__])[0]))
         print(f"hsstore {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # what was kept and how to go on is logged by the command itself

@@ -9,6 +9,7 @@ characters) and HTML is escaped by ``html.escape``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -25,3 +26,16 @@ def escape(value: Any, keep: str = "") -> str:
 def shown(value: Any) -> str:
     """``value`` quoted as ``repr`` does (strings) or as text (anything else), always printable."""
     return repr(value) if isinstance(value, str) else escape(value)
+
+
+class EscapingFilter(logging.Filter):
+    """Escapes the non-printable characters of every record passing a handler (its newlines and tabs kept: a log
+    message may span lines), so a store string logged unquoted cannot drive the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to the handler
+            return True
+        record.msg, record.args = escape(message, keep="\n\t"), None
+        return True

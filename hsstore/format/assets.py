@@ -87,11 +87,8 @@ def read_asset(fs, root: str, name: str, url: str = "") -> bytes:
         raise StoreError(f"store {url or root!r} has no asset {name!r} (was it written by `hsstore extract`?)")
     asset_path(fs, root, name, url)  # the name's rules (never the index, never outside assets/)
     refuse_code(name, url or root)
-    try:
-        data = door.read(fs, root, f"{ASSETS_DIR}/{name}", bound=door.ASSET_CAP, size=entry["size"],
-                         where=f"store {url or root!r}")
-    except FileNotFoundError:
-        raise CorruptionError(f"store {url or root!r}: asset {name!r} is listed but missing") from None
+    data = door.read(fs, root, f"{ASSETS_DIR}/{name}", bound=door.ASSET_CAP, size=entry["size"],
+                     where=f"store {url or root!r}")  # missing: FileNotFoundError, as before
     refuse_code(name, url or root, data)
     if len(data) != entry["size"] or codec.crc32c(data) != entry["crc32c"]:
         raise CorruptionError(f"store {url or root!r}: asset {name!r} does not match its checksum")

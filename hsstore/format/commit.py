@@ -25,7 +25,7 @@ import numpy as np
 from . import codec
 from .. import door, storage
 from ..errors import CorruptionError, StoreError
-from .manifest import FORMAT_VERSION
+from .manifest import FORMAT_VERSION, MAX_TEXT, is_int
 
 SHARDS_DIR = "shards"
 COMMITS_DIR = "commits"
@@ -104,6 +104,9 @@ class CommitRecord:
         if version > FORMAT_VERSION:
             raise StoreError(f"{where}: format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
                              "upgrade hsstore")
+        why = _type_problem(rec)
+        if why:
+            raise CorruptionError(f"{where}: malformed commit record ({why})")
         cols = rec.samples
         if set(cols) != set(SAMPLE_COLUMNS) or any(len(cols[c]) != rec.n_samples for c in SAMPLE_COLUMNS):
             raise CorruptionError(f"{where}: commit record sample columns do not match n_samples={rec.n_samples}")
@@ -136,6 +139,44 @@ class CommitRecord:
         if entry is None:
             raise CorruptionError(f"shard {self.shard!r}, file {key}: not listed in the commit record")
         return entry["crc32c"]
+
+
+def _count(x: Any) -> bool:
+    return is_int(x) and 0 <= x < 1 << 62
+
+
+def _text(x: Any) -> bool:
+    return isinstance(x, str) and len(x) <= MAX_TEXT
+
+
+def _type_problem(rec: CommitRecord) -> str | None:
+    """What in a parsed record is not of its type (None: all is): every count a non-negative integer (never a
+    bool), every name a short string, every file entry ``{size, crc32c}``; readers size buffers from these."""
+    if not (_text(rec.shard) and _text(rec.writer) and _text(rec.created_at) and _text(rec.manifest_key)):
+        return "shard, writer, created_at and manifest_key must be strings"
+    if not (_count(rec.n_samples) and _count(rec.n_tokens) and _count(rec.chunk_tokens) and rec.chunk_tokens):
+        return "n_samples, n_tokens and chunk_tokens must be non-negative integers"
+    if rec.location is not None and not _text(rec.location):
+        return "location must be a string"
+    if not isinstance(rec.stats, dict) or not isinstance(rec.samples, dict):
+        return "stats and samples must be objects"
+    if rec.members is not None and not isinstance(rec.members, dict):
+        return "members must be an object"
+    if not isinstance(rec.files, dict) or not all(
+            isinstance(e, dict) and _count(e.get("size")) and is_int(e.get("crc32c")) and 0 <= e["crc32c"] < 1 << 32
+            for e in rec.files.values()):
+        return "files must map each key to {size, crc32c} integers"
+    if not isinstance(rec.layers, dict) or not all(
+            isinstance(e, dict) and all(_count(v) for v in e.values()) for e in rec.layers.values()):
+        return "layers must map each feature to its byte counts"
+    cols = rec.samples
+    kinds = {"sample_id": _text, "source": _text, "length": _count, "loss_tokens": _count,
+             "thinking_tokens": _count,
+             "flags": lambda f: isinstance(f, list) and all(_text(x) for x in f)}
+    for name, ok in kinds.items():
+        if not isinstance(cols.get(name), list) or not all(map(ok, cols[name])):
+            return f"samples.{name} must be a list of {'strings' if name in ('sample_id', 'source') else 'values'}"
+    return None
 
 
 def check_file(rec: CommitRecord, key: str, data) -> str | None:
@@ -234,7 +275,7 @@ def read_records(fs, root: str, names: list[str], sizes: list[int] | None = None
     for n, k in zip(names, keys):
         data = blobs[k]
         if isinstance(data, door.Refused):
-            raise CorruptionError(f"commit record of shard {n!r}: {data.why}")
+            raise CorruptionError(f"commit record of shard {n!r} ({k}): refused, {data.why}")
         if isinstance(data, Exception):
             raise CorruptionError(f"commit record of shard {n!r} unreadable: {type(data).__name__}: {data}")
         out.append(data)

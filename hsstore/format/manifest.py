@@ -135,7 +135,7 @@ class Manifest:
         if d.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an hsstore manifest (format={d.get('format')!r})")
         version = d.get("format_version")
-        if not isinstance(version, int):
+        if not is_int(version):
             raise ManifestError(f"{where}: format_version missing or not an integer")
         if version > FORMAT_VERSION:
             raise ManifestError(
@@ -146,6 +146,10 @@ class Manifest:
         if unknown:
             raise ManifestError(f"{where}: unknown fields {sorted(unknown)}")
         try:
+            if not isinstance(d["layers"], list) or not isinstance(d.get("features", []), list):
+                raise ManifestError("layers must be a list of integers, features a list of names")
+            if not isinstance(d["target"], dict) or not isinstance(d["tokenizer"], dict):
+                raise TypeError("target and tokenizer must be objects")
             target = TargetIdentity(**d["target"])
             tokenizer = TokenizerIdentity(**d["tokenizer"])
             rest = {k: v for k, v in d.items() if k not in ("target", "tokenizer", "layers")}
@@ -156,15 +160,51 @@ class Manifest:
             raise ManifestError(f"{where}: missing or malformed field ({e})") from None
 
 
+# what a reader accepts (docs/FORMAT.md, "Limits"): far above any real target, far below what would let a
+# forged manifest size a buffer of terabytes
+MAX_LAYERS = 100_000
+MAX_HIDDEN = 1 << 20
+MAX_CHUNK_BYTES = 1 << 31  # one chunk of one feature
+MAX_TEXT = 4096  # any identity string (names, hashes, revisions)
+
+
+def is_int(x: Any) -> bool:
+    """An integer that is not a bool (JSON's ``true`` parses as Python's ``True``, an ``int``)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_text(what: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ManifestError(f"{what} must be a string of at most {MAX_TEXT} characters, got {type(value).__name__}")
+
+
 def validate_fields(m: Manifest) -> None:
-    """Schema checks: types and ranges, so a hand-edited manifest fails loudly, not later."""
-    t = m.target
-    if not isinstance(t.num_layers, int) or t.num_layers <= 0:
-        raise ManifestError(f"target.num_layers must be a positive integer, got {t.num_layers!r}")
-    if not isinstance(t.hidden_size, int) or t.hidden_size <= 0:
-        raise ManifestError(f"target.hidden_size must be a positive integer, got {t.hidden_size!r}")
-    if not m.layers or not all(isinstance(x, int) for x in m.layers):
-        raise ManifestError(f"layers must be a non-empty list of integers, got {list(m.layers)!r}")
+    """Schema checks: types and ranges, so a hand-edited (or forged) manifest fails loudly, not later."""
+    t, k = m.target, m.tokenizer
+    if not is_int(t.num_layers) or not 0 < t.num_layers <= MAX_LAYERS:
+        raise ManifestError(f"target.num_layers must be a positive integer of at most {MAX_LAYERS:,}, got "
+                            f"{t.num_layers!r}")
+    if not is_int(t.hidden_size) or not 0 < t.hidden_size <= MAX_HIDDEN:
+        raise ManifestError(f"target.hidden_size must be a positive integer of at most {MAX_HIDDEN:,}, got "
+                            f"{t.hidden_size!r}")
+    for what, value, optional in (("target.name", t.name, False), ("target.config_hash", t.config_hash, False),
+                                  ("target.revision", t.revision, True), ("target.model_type", t.model_type, True),
+                                  ("target.weights_hash", t.weights_hash, True), ("tokenizer.name", k.name, False),
+                                  ("tokenizer.vocab_hash", k.vocab_hash, False),
+                                  ("tokenizer.chat_template_hash", k.chat_template_hash, True),
+                                  ("created_by", m.created_by, False), ("created_at", m.created_at, False),
+                                  ("codec", m.codec, False)):
+        _check_text(what, value, optional)
+    if k.vocab_size is not None and (not is_int(k.vocab_size) or not 0 < k.vocab_size <= 1 << 31):
+        raise ManifestError(f"tokenizer.vocab_size must be a positive integer, got {k.vocab_size!r}")
+    if not isinstance(m.extra, dict):
+        raise ManifestError(f"extra must be an object, got {type(m.extra).__name__}")
+    if not is_int(m.format_version):
+        raise ManifestError(f"format_version must be an integer, got {m.format_version!r}")
+    if not m.layers or len(m.layers) > MAX_LAYERS or not all(is_int(x) for x in m.layers):
+        raise ManifestError(f"layers must be a non-empty list of integers, got {list(m.layers)[:8]!r}")
     if len(set(m.layers)) != len(m.layers) or list(m.layers) != sorted(m.layers):
         raise ManifestError(f"layers must be strictly increasing, got {list(m.layers)}")
     bad = [x for x in m.layers if not 0 <= x < t.num_layers]
@@ -186,8 +226,10 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"features {list(m.features)!r} not supported (each at most once, of {FEATURES})")
     if m.features and m.encoding != "raw":  # the loader's fp8 path dequantises the layers only
         raise ManifestError(f"features {list(m.features)} are stored with encoding 'raw' only, not {m.encoding!r}")
-    if m.chunk_tokens is not None and (not isinstance(m.chunk_tokens, int) or m.chunk_tokens <= 0):
-        raise ManifestError(f"chunk_tokens must be a positive integer, got {m.chunk_tokens!r}")
+    if m.chunk_tokens is not None and (not is_int(m.chunk_tokens) or m.chunk_tokens <= 0
+                                       or m.chunk_tokens * t.hidden_size * 4 > MAX_CHUNK_BYTES):
+        raise ManifestError(f"chunk_tokens must be a positive integer whose chunks are at most {MAX_CHUNK_BYTES:,} "
+                            f"bytes, got {m.chunk_tokens!r}")
 
 
 def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..terminal import escape
+
 
 @dataclass
 class Problem:
@@ -16,12 +18,14 @@ class Problem:
     samples: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        where = f"shard {self.shard}" + (f", file {self.file}" if self.file else "")
+        """One printable line: every part may hold a store's strings (ids, names), escaped (``terminal``)."""
+        where = f"shard {escape(self.shard)}" + (f", file {escape(self.file)}" if self.file else "")
         who = ""
         if self.samples:
-            shown = ", ".join(self.samples[:5]) + (f", ... ({len(self.samples)} samples)" if len(self.samples) > 5 else "")
+            shown = ", ".join(map(escape, self.samples[:5])) + (
+                f", ... ({len(self.samples)} samples)" if len(self.samples) > 5 else "")
             who = f" [samples: {shown}]"
-        return f"{where}: {self.message}{who}"
+        return f"{where}: {escape(self.message)}{who}"
 
 
 @dataclass

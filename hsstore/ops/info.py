@@ -13,6 +13,7 @@ from . import stats
 from ..errors import CorruptionError
 from ..store.reader import Store
 from ..redaction import recordable_url
+from ..terminal import escape
 
 STUB_WARN_MAX_VALUE = 32
 STUB_WARN_SHARE = 0.2
@@ -92,7 +93,20 @@ def human_bytes(n: float) -> str:
     return f"{n}"
 
 
+def escaped(value: Any) -> Any:
+    """``value`` with every string in it (keys too) escaped for a terminal (``terminal.escape``)."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {escaped(k): escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [escaped(v) for v in value]
+    return value
+
+
 def format_text(s: dict[str, Any]) -> str:
+    """``summarize``'s result as lines for a terminal: every store string escaped first."""
+    s = escaped(s)
     lines = [f"store      {s['url']}  (format v{s['format_version']}, {s['layout']}, {s['dtype']}, "
              f"encoding {s['encoding']}, codec {s['codec']})"]
     t, k = s["target"], s["tokenizer"]
