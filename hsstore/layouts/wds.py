@@ -486,6 +486,10 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     except CorruptionError as e:
         report.problems.append(Problem(name, str(e), key, list(ids)))
         return
+    if want["size"] > file_bound(m, rec, key):  # more than its members and tar's framing: never streamed
+        report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, larger than its bound of "
+                                             f"{file_bound(m, rec, key):,})", key, list(ids)))
+        return
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
             reader = _CrcReader(f, progress)

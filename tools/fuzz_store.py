@@ -1,0 +1,514 @@
+"""Forge stores at random and run every reading command on each (issue #36): ``python -m tools.fuzz_store
+--cases N [--seed S] [--work DIR] [--json]``.
+
+Each case starts from a copy of a small valid store (zarr or wds, with assets) and applies one to three
+mutators from ``MUTATORS``: fields of the manifest, commit records, zarr.json, asset and index files set to hostile
+values (bools for integers, huge or negative numbers, deep nesting, thousands of digits, control characters);
+files replaced by links (to a sentinel tree outside, to ``/dev/zero``, to an outside copy) or FIFOs; sparse huge
+files; flipped bytes; forged tar headers and index segments. Then ``info``, ``info --json``, ``verify``,
+``show``, ``subset``, ``convert``, ``export``, ``report`` and one loader epoch run on it, in a driver process
+(``--driver``), each under an alarm, with its stdout/stderr captured at the descriptor.
+
+What a case must give, else it is counted as a failure of its kind:
+- no traceback: a command returns (0 or a one-line error, exit 1 for verify's FAIL) and never raises;
+- no hang: each command ends within ``COMMAND_S`` seconds;
+- bounded memory: the driver's peak resident set grows by at most ``MEMORY_MB`` over its baseline;
+- no escape: no byte of the sentinel tree outside the store changes, and nothing a command prints holds an
+  escape or bell character from the store;
+- the original bits or a refusal: every sample a loader epoch yields, and every sample ``subset`` and
+  ``convert`` write, is bit for bit a sample of the original store, whatever id a forged record gives it (a
+  mutation that re-binds checksums to other data is never made, so other bits are always a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+COMMAND_S = 30  # seconds a command may take on a tiny store (they take well under 2)
+MEMORY_MB = 512  # growth of the driver's peak resident set a case may cause
+HOSTILE = [True, False, None, -1, 0, 2 ** 31, 10 ** 30, 1e308, "x" * 5000, "", "\x1b[2J\x07\n", [], {}, [1, 2],
+           {"a": 1}, "../../etc/passwd", "/etc/passwd", "a/../../b", 1.5]
+
+
+def _digest(ids, mask, feats) -> str:
+    h = hashlib.sha256()
+    for a in (ids, mask, feats):
+        h.update(bytes(memoryview(a.contiguous().view(-1).view(__import__("torch").uint8).numpy())))
+    return h.hexdigest()
+
+
+# -- base stores ------------------------------------------------------------------------------------------------
+def make_base(work: Path) -> dict[str, Any]:
+    """Two small valid stores (zarr, wds) with the tiny target's tokenizer and config as assets, and the digest of
+    every sample's bits."""
+    import torch
+
+    import hsstore
+    from hsstore import storage
+    from hsstore.extract.tiny import tiny_target_dir
+    from hsstore.format.assets import write_assets
+    from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
+
+    tiny = Path(tiny_target_dir())
+    assets = {f"tokenizer/{p.name}": p.read_bytes() for p in tiny.iterdir()
+              if p.name.startswith(("tokenizer", "special_tokens", "chat_template"))}
+    assets["config.json"] = (tiny / "config.json").read_bytes()
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(8):
+        T = int(torch.randint(5, 90, (1,), generator=g))
+        samples.append((f"s{i}", torch.randint(0, 500, (T,), generator=g), torch.rand(T, generator=g) > 0.4,
+                        (torch.randn(T, 3, 48, generator=g) * 3).to(torch.bfloat16)))
+    digests = {}
+    for layout in ("zarr", "wds"):
+        m = Manifest(target=TargetIdentity(name="tiny-target", num_layers=8, hidden_size=48, config_hash="cfg",
+                                           model_type="qwen3_5_text"),
+                     tokenizer=TokenizerIdentity(name="tiny-tok", vocab_hash="vocab", chat_template_hash="tmpl"),
+                     layers=(1, 3, 5), dtype="bfloat16", layout=layout, chunk_tokens=64)
+        url = str(work / f"base-{layout}")
+        with hsstore.StoreWriter(url, m, shard_bytes=250 * 3 * 48 * 2) as w:
+            for sid, ids, mask, feats in samples:
+                w.add(sid, ids, mask, feats, source="fuzz", flags=["ok"])
+        fs, root = storage.resolve(url)
+        write_assets(fs, root, assets)
+        store = hsstore.open(url)
+        digests = {store.ref(i).sample_id: _item_digest(store.read(i)) for i in range(len(store))}
+    return {"zarr": str(work / "base-zarr"), "wds": str(work / "base-wds"), "digests": digests}
+
+
+def _item_digest(item: dict) -> str:
+    return _digest(item["input_ids"].to(__import__("torch").int64), item["loss_mask"].to(__import__("torch").uint8),
+                   item["hidden_states"])
+
+
+def tree_digest(root: Path) -> str:
+    """Every file's name, mode and bytes under ``root`` (links as their target): what must never change."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_symlink():
+            h.update(os.readlink(p).encode())
+        elif p.is_file():
+            h.update(oct(p.stat().st_mode).encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+# -- mutators: each changes one thing of a store and says what ---------------------------------------------------
+def _json_files(store: Path, pattern: str) -> list[Path]:
+    return sorted(p for p in store.glob(pattern) if p.is_file() and not p.is_symlink() and p.stat().st_size < 16 << 20)
+
+
+def _set_random(rng: random.Random, doc: Any, value: Any) -> str:
+    """Set a random leaf or member of ``doc`` (a parsed JSON object) to ``value``; the path changed."""
+    path, node = [], doc
+    while isinstance(node, (dict, list)) and node and (not path or rng.random() < 0.7):
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        path.append(key)
+        if not isinstance(node[key], (dict, list)) or not node[key]:
+            break
+        node = node[key]
+    if not path:
+        return "(nothing)"
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = copy.deepcopy(value)
+    return "/".join(map(str, path))
+
+
+def _drop_index(store: Path) -> None:
+    shutil.rmtree(store / "index", ignore_errors=True)  # so records are read from commits/, as forged
+
+
+def m_json_field(rng, store: Path, sentinel: Path) -> str:
+    """A field of the manifest, a commit record, a zarr.json or the asset index set to a hostile value (the
+    record's listing of a zarr.json updated, so its checksum holds)."""
+    files = (_json_files(store, "manifest.json") + _json_files(store, "commits/*.json")
+             + _json_files(store, "shards/*/*/zarr.json") + _json_files(store, "assets/index.json"))
+    p = rng.choice(files)
+    doc = json.loads(p.read_text())
+    where = _set_random(rng, doc, rng.choice(HOSTILE))
+    data = json.dumps(doc).encode()
+    p.write_bytes(data)
+    _relist(store, p)
+    _drop_index(store)
+    return f"json field {p.relative_to(store)}:{where}"
+
+
+def _relist(store: Path, p: Path) -> None:
+    """List ``p`` in its commit record with its new size and CRC32C (a forger's valid checksums)."""
+    from hsstore.format import codec
+
+    key = str(p.relative_to(store))
+    for rp in _json_files(store, "commits/*.json"):
+        try:
+            rec = json.loads(rp.read_text())
+            if isinstance(rec.get("files"), dict) and key in rec["files"]:
+                rec["files"][key] = {"size": p.stat().st_size, "crc32c": codec.crc32c(p.read_bytes())}
+                rp.write_text(json.dumps(rec))
+        except (ValueError, AttributeError, TypeError, RecursionError):
+            pass
+
+
+def m_odd_json(rng, store: Path, sentinel: Path) -> str:
+    """A JSON file replaced by deep nesting, thousands of digits, invalid UTF-8, NaN, or not JSON at all."""
+    p = rng.choice(_json_files(store, "manifest.json") + _json_files(store, "commits/*.json")
+                   + _json_files(store, "assets/index.json") + _json_files(store, "shards/*/*/zarr.json"))
+    kind = rng.choice(["deep", "digits", "utf8", "nan", "junk", "empty", "big"])
+    body = {"deep": b"[" * 300_000 + b"]" * 300_000, "digits": b'{"a": ' + b"7" * 20000 + b"}",
+            "utf8": b'{"a": "\xff\xfe"}', "nan": b'{"a": NaN, "b": Infinity}', "junk": os.urandom(64),
+            "empty": b"", "big": b'{"a": "' + b"x" * (3 << 20) + b'"}'}[kind]
+    p.write_bytes(body)
+    _relist(store, p)
+    _drop_index(store)
+    return f"odd json ({kind}) {p.relative_to(store)}"
+
+
+def _any_file(rng, store: Path) -> Path:
+    files = [p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and ".tmp-" not in p.name
+             and p.stat().st_size < 16 << 20]
+    return rng.choice(files)
+
+
+def m_link(rng, store: Path, sentinel: Path) -> str:
+    """A file or folder replaced by a link: to a sentinel file, to /dev/zero, to an outside copy of itself."""
+    p = _any_file(rng, store)
+    if rng.random() < 0.3 and p.parent != store:
+        p = p.parent
+    outside = sentinel / "copy" / p.relative_to(store)
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    if not outside.exists():
+        shutil.copytree(p, outside) if p.is_dir() else shutil.copy2(p, outside)
+    target = rng.choice([outside, sentinel / "secret", Path("/dev/zero"), Path("/etc/passwd")])
+    shutil.rmtree(p) if p.is_dir() else p.unlink()
+    os.symlink(target, p)
+    return f"link {p.relative_to(store)} -> {target}"
+
+
+def m_fifo(rng, store: Path, sentinel: Path) -> str:
+    p = _any_file(rng, store)
+    p.unlink()
+    os.mkfifo(p)
+    return f"fifo {p.relative_to(store)}"
+
+
+def m_huge(rng, store: Path, sentinel: Path) -> str:
+    """A file made huge and sparse (its listing in the record updated, or not)."""
+    p = _any_file(rng, store)
+    os.truncate(p, rng.choice([3 << 30, 48 << 30, 1 << 40]))
+    if rng.random() < 0.5:
+        for rp in _json_files(store, "commits/*.json"):
+            try:
+                rec = json.loads(rp.read_text())
+                key = str(p.relative_to(store))
+                if key in rec.get("files", {}):
+                    rec["files"][key]["size"] = p.stat().st_size
+                    rp.write_text(json.dumps(rec))
+            except (ValueError, AttributeError, TypeError, RecursionError):
+                pass
+        _drop_index(store)
+    return f"huge {p.relative_to(store)}"
+
+
+def m_flip(rng, store: Path, sentinel: Path) -> str:
+    """Bytes of a data file flipped (its checksums left as they were: reads must refuse it)."""
+    files = [p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and 0 < p.stat().st_size < 16 << 20
+             and ("/c/" in str(p) or p.suffix == ".tar")]
+    p = rng.choice(files)
+    data = bytearray(p.read_bytes())
+    for _ in range(rng.randint(1, 8)):
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    p.write_bytes(bytes(data))
+    return f"flip {p.relative_to(store)}"
+
+
+def m_strings(rng, store: Path, sentinel: Path) -> str:
+    """Sample ids, sources and flags of a record set to strings that drive a terminal."""
+    rp = rng.choice(_json_files(store, "commits/*.json"))
+    rec = json.loads(rp.read_text())
+    col = rng.choice(["sample_id", "source", "flags"])
+    evil = "x\nverify fake: OK (0 problems)\x1b]0;pwned\x07\x1b[2J"
+    rec["samples"][col] = [[evil] if col == "flags" else f"{evil}{i}" for i in range(rec["n_samples"])]
+    rp.write_text(json.dumps(rec))
+    _drop_index(store)
+    return f"strings {col} in {rp.relative_to(store)}"
+
+
+def m_tar_header(rng, store: Path, sentinel: Path) -> str:
+    """A wds member's tar header size field (and the record's member entry) forged to gigabytes."""
+    tars = [p for p in store.glob("shards/*.tar") if p.is_file() and not p.is_symlink() and p.stat().st_size < 16 << 20]
+    if not tars:
+        return m_json_field(rng, store, sentinel)
+    tar = rng.choice(tars)
+    data = bytearray(tar.read_bytes())
+    at = rng.randrange(0, max(1, len(data) // 512)) * 512
+    size = rng.choice([3 << 30, 48 << 30])
+    data[at + 124:at + 136] = f"{size:011o}\0".encode()
+    tar.write_bytes(bytes(data))
+    return f"tar header at {at} of {tar.relative_to(store)}"
+
+
+def m_segment(rng, store: Path, sentinel: Path) -> str:
+    """An index segment's header field set to a hostile value, its CRC fixed."""
+    import struct
+
+    from hsstore.format import codec, index
+
+    segs = [p for p in store.glob("index/*") if p.is_file() and not p.is_symlink()]
+    if not segs:
+        return m_flip(rng, store, sentinel)
+    p = rng.choice(segs)
+    data = p.read_bytes()
+    if not data.startswith(index.MAGIC):
+        return m_flip(rng, store, sentinel)
+    (hl,) = struct.unpack("<I", data[len(index.MAGIC):len(index.MAGIC) + 4])
+    header = json.loads(data[len(index.MAGIC) + 4:len(index.MAGIC) + 4 + hl])
+    where = _set_random(rng, header, rng.choice(HOSTILE))
+    hb = json.dumps(header).encode()
+    body = index.MAGIC + struct.pack("<I", len(hb)) + hb + data[len(index.MAGIC) + 4 + hl:-4]
+    p.write_bytes(body + struct.pack("<I", codec.crc32c(body)))
+    return f"segment {p.relative_to(store)}:{where}"
+
+
+MUTATORS: dict[str, Callable] = {"json_field": m_json_field, "odd_json": m_odd_json, "link": m_link, "fifo": m_fifo,
+                                 "huge": m_huge, "flip": m_flip, "strings": m_strings, "tar_header": m_tar_header,
+                                 "segment": m_segment}
+
+
+def _apply(name: str, rng, store: Path, sentinel: Path) -> str:
+    """One mutator; one that finds nothing it can parse to change (an earlier one broke it) says so."""
+    try:
+        return MUTATORS[name](rng, store, sentinel)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OSError) as e:
+        return f"{name}: nothing to change ({type(e).__name__})"
+
+
+def forge(base: dict, work: Path, case: int, seed: int) -> dict:
+    rng = random.Random(seed * 1_000_003 + case)
+    layout = rng.choice(["zarr", "wds"])
+    d = work / f"case{case:05d}"
+    store, sentinel = d / "store", d / "sentinel"
+    shutil.copytree(base[layout], store, symlinks=True)
+    sentinel.mkdir(parents=True)
+    (sentinel / "secret").write_bytes(b"sentinel: never read into a store, never written\n" * 100)
+    done = [_apply(name, rng, store, sentinel) for name in rng.sample(sorted(MUTATORS), rng.randint(1, 3))]
+    return {"case": case, "dir": str(d), "layout": layout, "mutations": done, "sentinel": tree_digest(sentinel)}
+
+
+# -- the driver: every command on each case, in one process ---------------------------------------------------------
+class _Alarm(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Alarm()
+
+
+def _captured(fn) -> tuple[Any, str, str]:
+    """(result or exception, stdout, stderr) of ``fn()`` with descriptors 1 and 2 captured (logging included)."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+    try:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 (what escapes is what is counted)
+            result = e
+        sys.stdout.flush(), sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        os.close(saved[0]), os.close(saved[1])
+    out.seek(0), err.seek(0)
+    return result, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+
+
+def _epoch(url: str) -> dict[str, str]:
+    import hsstore
+
+    ds = hsstore.HiddenStateDataset(url, shuffle=False, prefetch=1)
+    return {item["sample_id"]: _item_digest(item) for item in ds}
+
+
+def _written(url: str) -> dict[str, str]:
+    import hsstore
+
+    if not Path(url, "manifest.json").exists():
+        return {}
+    store = hsstore.open(url)
+    return {store.ref(i).sample_id: _item_digest(store.read(i)) for i in range(len(store))}
+
+
+def drive(case: dict, digests: dict[str, str]) -> dict:
+    """Run every command on one forged store; what each gave and which oracles it broke."""
+    from hsstore.cli import main
+    from tools.measure import peak_rss_mb, reset_peak_rss
+
+    d = Path(case["dir"])
+    url = str(d / "store")
+    other = "wds" if case["layout"] == "zarr" else "zarr"
+    commands = {"info": ["info", url], "info_json": ["info", url, "--json"], "verify": ["verify", url, "-q"],
+                "show": ["show", url, "0"], "subset": ["subset", url, str(d / "subset"), "-q"],
+                "convert": ["convert", url, str(d / "convert"), "--layout", other, "-q"],
+                "export": ["export", "specforge", url, str(d / "export"), "-q"],
+                "report": ["report", url, "--out", str(d / "report.html")]}
+    runs = {name: (lambda argv=argv: main(argv)) for name, argv in commands.items()}
+    runs["epoch"] = lambda: _epoch(url)
+    results, failures = {}, []
+    known = set(digests.values())  # a sample's bits, whatever id a forged record gives it
+    for name, fn in runs.items():
+        base = reset_peak_rss()
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(COMMAND_S)
+        t0 = time.perf_counter()
+        try:
+            got, out, err = _captured(fn)
+        finally:
+            signal.alarm(0)
+        took = time.perf_counter() - t0
+        grew = peak_rss_mb() - base
+        r = {"s": round(took, 2), "mb": round(grew, 1)}
+        if isinstance(got, _Alarm):
+            failures.append(f"{name}: hang (over {COMMAND_S} s)")
+        elif name == "epoch":
+            if isinstance(got, BaseException):
+                if not _is_refusal(got):
+                    failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+                r["rc"] = "refused"
+            else:
+                wrong = [sid for sid, dg in got.items() if dg not in known]
+                if wrong:
+                    failures.append(f"{name}: other bits for {wrong[:3]}")
+                r["rc"] = 0
+        elif isinstance(got, BaseException):
+            failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+        else:
+            r["rc"] = got
+            lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln
+                     and not ln.startswith(("WARNING", "INFO", "DEBUG"))]
+            if got == 2 and len(lines) != 1:
+                failures.append(f"{name}: error of {len(lines)} lines: {err[-300:]!r}")
+            if "Traceback" in err:
+                failures.append(f"{name}: traceback printed")
+        if grew > MEMORY_MB:
+            failures.append(f"{name}: memory +{grew:.0f} MB")
+        printed = "" if isinstance(got, BaseException) else out + err
+        if "\x1b" in printed or "\x07" in printed:
+            failures.append(f"{name}: a store's escape sequence printed raw")
+        results[name] = r
+    for name in ("subset", "convert"):  # what they wrote: the original bits, never other ones
+        try:
+            wrong = [sid for sid, dg in _written(str(d / name)).items() if dg not in known]
+        except Exception as e:  # noqa: BLE001 (a destination that cannot be read back is a failure too)
+            wrong = [f"unreadable ({type(e).__name__}: {e})"]
+        if wrong:
+            failures.append(f"{name}: wrote other bits for {wrong[:3]}")
+    return {"case": case["case"], "results": results, "failures": failures}
+
+
+def _is_refusal(e: BaseException) -> bool:
+    from hsstore.errors import StoreError
+
+    return isinstance(e, (StoreError, ValueError, OSError))
+
+
+def driver_main(cases_file: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    spec = json.loads(Path(cases_file).read_text())
+    out = [drive(c, spec["digests"]) for c in spec["cases"]]
+    Path(cases_file).with_suffix(".out.json").write_text(json.dumps(out))
+
+
+# -- the run ------------------------------------------------------------------------------------------------------
+def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25) -> dict:
+    """Forge ``cases`` stores, drive the commands on each (``per_driver`` cases per driver process), check the
+    sentinel trees; the counts and every failure."""
+    own = work is None
+    w = Path(work or tempfile.mkdtemp(prefix="hsstore-fuzz-"))
+    w.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    base = make_base(w)
+    base_digest = {k: tree_digest(Path(base[k])) for k in ("zarr", "wds")}
+    totals = {"cases": 0, "commands": 0, "refused": 0, "tracebacks": 0, "hangs": 0, "memory": 0, "escapes": 0,
+              "other_bits": 0, "sentinel_changed": 0, "max_mb": 0.0, "max_s": 0.0}
+    failures = []
+    for start in range(0, cases, per_driver):
+        batch = [forge(base, w, c, seed) for c in range(start, min(cases, start + per_driver))]
+        spec = w / f"batch{start:05d}.json"
+        spec.write_text(json.dumps({"cases": batch, "digests": base["digests"]}))
+        budget = (COMMAND_S * 10 + 30) * len(batch)
+        try:
+            subprocess.run([sys.executable, "-m", "tools.fuzz_store", "--driver", str(spec)], timeout=budget,
+                           cwd=Path(__file__).resolve().parents[1], check=False)
+            outs = json.loads(spec.with_suffix(".out.json").read_text())
+        except (subprocess.TimeoutExpired, FileNotFoundError, ValueError) as e:
+            outs = [{"case": c["case"], "results": {}, "failures": [f"driver: {type(e).__name__}"]} for c in batch]
+        for c, o in zip(batch, outs):
+            totals["cases"] += 1
+            if tree_digest(Path(c["dir"]) / "sentinel") != c["sentinel"]:
+                o["failures"].append("sentinel tree changed")
+            for r in o["results"].values():
+                totals["commands"] += 1
+                totals["refused"] += r.get("rc") not in (0, None)
+                totals["max_mb"] = max(totals["max_mb"], r["mb"])
+                totals["max_s"] = max(totals["max_s"], r["s"])
+            for f in o["failures"]:
+                kind = ("hangs" if "hang" in f else "memory" if "memory" in f else "escapes"
+                        if "escape" in f or "sentinel" in f else "other_bits" if "bits" in f else "tracebacks")
+                totals[kind] += 1
+                failures.append({"case": c["case"], "mutations": c["mutations"], "failure": f})
+            if not o["failures"]:
+                shutil.rmtree(c["dir"], ignore_errors=True)
+    for k in ("zarr", "wds"):
+        if tree_digest(Path(base[k])) != base_digest[k]:
+            failures.append({"case": -1, "mutations": [], "failure": f"base {k} store changed"})
+            totals["escapes"] += 1
+    totals["seconds"] = round(time.perf_counter() - t0, 1)
+    if own and not failures:
+        shutil.rmtree(w, ignore_errors=True)
+    return {"totals": totals, "failures": failures, "work": str(w)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.fuzz_store", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", type=int, default=200, help="stores to forge")
+    p.add_argument("--seed", type=int, default=0, help="the run's seed (a case is seed and number)")
+    p.add_argument("--work", default=None, help="folder for the cases (kept when a case fails)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--driver", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.driver:
+        driver_main(args.driver)
+        return 0
+    result = run(args.cases, args.seed, args.work)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        t = result["totals"]
+        print(f"fuzz_store: {t['cases']} cases, {t['commands']} commands ({t['refused']} refused) in {t['seconds']} s; "
+              f"tracebacks {t['tracebacks']}, hangs {t['hangs']}, memory {t['memory']}, escapes {t['escapes']}, "
+              f"other bits {t['other_bits']}; slowest command {t['max_s']} s, most memory +{t['max_mb']} MB")
+        for f in result["failures"][:50]:
+            print(f"  case {f['case']} {f['mutations']}: {f['failure']}")
+    return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
