@@ -10,8 +10,8 @@ Layout under the store prefix (see docs/FORMAT.md)::
     commits/<name>.json            the commit record (format/commit.py), written last
 
 hsstore writes and reads the chunk objects itself (format/codec.py: one copy, checksums checked on the way);
-zarr-python writes the metadata and opens the group for ``verify``'s checks, so any Zarr v3 reader reads
-a shard. Write, read and check live here; ``layout.get("zarr")`` is this module.
+zarr-python writes the metadata (so any Zarr v3 reader reads a shard) and makes what ``verify`` holds each
+shard's metadata to; it never reads a store: a store's codecs are decoded only by hsstore's bounded decoder. Write, read and check live here; ``layout.get("zarr")`` is this module.
 """
 
 from __future__ import annotations
@@ -411,7 +411,7 @@ def samples_in_file(rec: CommitRecord, key: str) -> list[str]:
 def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progress: Callable[[int], None] | None,
                 tails: dict[str, int] | None = None) -> None:
     """``verify``'s checks of one committed shard whose files are in ``(fs, root)``: every listed file (size,
-    CRC32C, chunk bound to its path), then the arrays through zarr-python (shapes, dtypes, every chunk
+    CRC32C, chunk bound to its path), then the arrays' metadata and token arrays (shapes, dtypes, every chunk
     listed, offsets and loss-mask sums against the record; fp8: the scales). ``tails`` (``hsstore
     upgrade``): filled with the CRC32C each intact chunk ends with, read in the same pass."""
     fs, root, _ = src.locate(rec.shard)  # another store's, for a shard merged by reference
