@@ -97,14 +97,23 @@ def _item_digest(item: dict) -> str:
 
 
 def tree_digest(root: Path) -> str:
-    """Every file's name, mode and bytes under ``root`` (links as their target): what must never change."""
+    """Every file's name, mode, size, mtime and bytes under ``root`` (links as their target; of a file over 64 MiB,
+    a sparse one a mutator made, its first and last MiB): what must never change."""
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
         h.update(str(p.relative_to(root)).encode())
         if p.is_symlink():
             h.update(os.readlink(p).encode())
         elif p.is_file():
-            h.update(oct(p.stat().st_mode).encode() + p.read_bytes())
+            st = p.stat()
+            h.update(f"{st.st_mode:o} {st.st_size} {st.st_mtime_ns}".encode())
+            with open(p, "rb") as f:
+                if st.st_size <= 64 << 20:
+                    h.update(f.read())
+                else:
+                    h.update(f.read(1 << 20))
+                    f.seek(st.st_size - (1 << 20))
+                    h.update(f.read())
     return h.hexdigest()
 
 
@@ -188,8 +197,9 @@ def _any_file(rng, store: Path) -> Path:
 def m_link(rng, store: Path, sentinel: Path) -> str:
     """A file or folder replaced by a link: to a sentinel file, to /dev/zero, to an outside copy of itself."""
     p = _any_file(rng, store)
-    if rng.random() < 0.3 and p.parent != store:
-        p = p.parent
+    if rng.random() < 0.3 and p.parent != store and all(
+            f.is_symlink() or not f.is_file() or f.stat().st_size < 16 << 20 for f in p.parent.rglob("*")):
+        p = p.parent  # a folder (never one holding a huge sparse file: its copy would fill the disk)
     outside = sentinel / "copy" / p.relative_to(store)
     outside.parent.mkdir(parents=True, exist_ok=True)
     if not outside.exists():
@@ -437,6 +447,13 @@ def driver_main(cases_file: str) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
+DRIVER_AS = 8 << 30  # the driver's address space (torch and the commands need ~1 GB)
+
+
+def _cap_memory() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (DRIVER_AS, DRIVER_AS))
 def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25) -> dict:
     """Forge ``cases`` stores, drive the commands on each (``per_driver`` cases per driver process), check the
     sentinel trees; the counts and every failure."""
@@ -454,9 +471,9 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
         spec = w / f"batch{start:05d}.json"
         spec.write_text(json.dumps({"cases": batch, "digests": base["digests"]}))
         budget = (COMMAND_S * 10 + 30) * len(batch)
-        try:
+        try:  # the driver's address space capped: a guard that fails is a MemoryError, not a machine out of memory
             subprocess.run([sys.executable, "-m", "tools.fuzz_store", "--driver", str(spec)], timeout=budget,
-                           cwd=Path(__file__).resolve().parents[1], check=False)
+                           cwd=Path(__file__).resolve().parents[1], check=False, preexec_fn=_cap_memory)
             outs = json.loads(spec.with_suffix(".out.json").read_text())
         except (subprocess.TimeoutExpired, FileNotFoundError, ValueError) as e:
             outs = [{"case": c["case"], "results": {}, "failures": [f"driver: {type(e).__name__}"]} for c in batch]
