@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..format import codec
+from ..format import codec, health
 from .. import door, storage
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
@@ -490,6 +490,8 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, larger than its bound of "
                                              f"{file_bound(m, rec, key):,})", key, list(ids)))
         return
+    tally = health.ValueTally(rec, m.all_features, m.dtype)
+    features = {layer_part(l): l for l in m.all_features}
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
             reader = _CrcReader(f, progress)
@@ -518,6 +520,11 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
                                                              "the commit record (corrupted bytes)", key, who))
                         continue
                     _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
+                    feature = features.get(info.name.split(".", 1)[1])
+                    if feature is not None and len(data) == bounds[info.name]:
+                        T = rec.samples["length"][i]
+                        rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
+                        tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
             reader.drain()
     except FileNotFoundError:
         report.problems.append(Problem(name, "file missing", key, list(ids)))
@@ -535,6 +542,7 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
                                        key, list(ids)))
     elif reader.crc != want["crc32c"]:
         report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+    health.report_values(tally, m.hidden_size, report, key)
     missing = sorted(set(members) - seen)
     if missing:
         report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,

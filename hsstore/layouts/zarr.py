@@ -27,7 +27,7 @@ import torch
 import zarr
 from zarr.storage import MemoryStore
 
-from ..format import codec, fp8
+from ..format import codec, fp8, health
 from .. import door, storage
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
@@ -465,6 +465,7 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
     keys = list(rec.files)
     batch: list[str] = []
     size = 0
+    tally = _value_tally(manifest, rec)
     for i, key in enumerate(keys):
         batch.append(key)
         size += rec.files[key]["size"]
@@ -495,11 +496,38 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
                 wrong = check_file(rec, k, data) or (manifest and decoded_size_problem(manifest, k, data))
                 if wrong:
                     report.problems.append(Problem(rec.shard, wrong, k, samples_in_file(rec, k)))
-                elif tails is not None and is_chunk_key(k):
-                    tails[k] = codec.chunk_tail(data)  # checked against its payload just now
+                else:
+                    if tails is not None and is_chunk_key(k):
+                        tails[k] = codec.chunk_tail(data)  # checked against its payload just now
+                    if tally is not None:
+                        _count_values(tally, manifest, rec, k, data)
                 if progress:
                     progress(len(data))
             batch, size = [], 0
+    if tally is not None:
+        health.report_values(tally, manifest.hidden_size, report)
+
+
+def _value_tally(manifest: Manifest | None, rec: CommitRecord) -> health.ValueTally | None:
+    if manifest is None:
+        return None
+    return health.ValueTally(rec, manifest.all_features,
+                             "float8_e4m3fn" if manifest.encoding == fp8.ENCODING else manifest.dtype)
+
+
+def _count_values(tally: health.ValueTally, m: Manifest, rec: CommitRecord, key: str, data) -> None:
+    """A checked feature chunk's rows into ``tally`` (the values decoded by hsstore's bounded codec)."""
+    parts = key.split("/")
+    feature = {layer_array(l): l for l in m.all_features}.get(parts[2]) if is_chunk_key(key) else None
+    if feature is None:
+        return
+    ct, H = m.chunk_tokens, m.hidden_size
+    dtype = codec.storage_dtype(m.dtype, m.encoding)
+    try:
+        vals = codec.ChunkCodec(m.codec).decode(data, dtype, ct * H, where=key)
+    except CorruptionError:
+        return  # named by the file check
+    tally.add(feature, int(parts[4]) * ct, vals.reshape(ct, H))
 
 
 # the fields of an array's zarr.json that say how to read it: each must be what hsstore writes for that array

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..format import codec, commit, fp8, index
+from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
 from .. import destination, memory, storage
 from ..errors import ManifestError, SampleError, StoreError
@@ -153,6 +153,7 @@ class StoreWriter:
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._cols: dict[str, list] = {c: [] for c in commit.SAMPLE_COLUMNS}
+        self._feature_stats: list[np.ndarray] = []  # per sample [features, 5] (health.SUMS)
         self._fill = 0
 
     def add(
@@ -166,13 +167,16 @@ class StoreWriter:
         thinking_tokens: int = 0,
         flags: list[str] | None = None,
         final_hidden: torch.Tensor | np.ndarray | None = None,
+        feature_stats: np.ndarray | None = None,
     ) -> None:
         """Queue one sample. ``hidden_states`` is ``[T, n_layers, H]`` in manifest layer order, or a
         mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16). An fp8 store
         also takes :class:`hsstore.format.fp8.Quantised` (values ``[T, n_layers, H]``, scales ``[T, n_layers]``, or
         one per layer in the mapping) as extraction makes it on the GPU; features in the manifest dtype are
         quantised here, on the host. ``final_hidden`` ``[T, H]`` (the final norm's output) is required exactly
-        when the store's manifest names the ``final_hidden`` feature."""
+        when the store's manifest names the ``final_hidden`` feature. ``feature_stats``: the sample's
+        ``[features, 5]`` statistics (``health.sample_stats``) when the producer computed them (extraction, on
+        the GPU); otherwise they are computed here from the bits written."""
         if self._closed:
             raise StoreError("writer is closed")
         self.raise_background_error()
@@ -216,6 +220,16 @@ class StoreWriter:
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
                 if bad is not None:  # the region is simply overwritten by the next sample
                     raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
+        if health.enabled():
+            if feature_stats is None:
+                sc = self._scales[:, self._fill:self._fill + T] if scales is not None else None
+                feature_stats = health.bits_stats(self._buf[:, self._fill:self._fill + T],
+                                                  "float8_e4m3fn" if self.fp8 else self.manifest.dtype, sc)
+            feature_stats = np.asarray(feature_stats, dtype=np.float64)
+            if feature_stats.shape != (len(self.all_features), len(health.SUMS)):
+                raise SampleError(f"{where}: feature_stats shape {feature_stats.shape}, expected "
+                                  f"[{len(self.all_features)}, {len(health.SUMS)}]")
+            self._feature_stats.append(feature_stats)
         self._ids.append(ids.astype(np.int32))
         self._mask.append(mask.astype(np.uint8))
         c = self._cols
@@ -304,6 +318,7 @@ class StoreWriter:
             return
         n = self._fill
         bufs, ids, mask, cols = (self._buf, self._scales), self._ids, self._mask, self._cols
+        cols = {**cols, "_feature_stats": self._feature_stats}  # travels with the shard to its record
         name = f"{self.tag}-{self.session}-{self._seq:05d}"
         self._seq += 1
         t = time.perf_counter()
@@ -319,8 +334,9 @@ class StoreWriter:
         try:
             features = {layer: buf[j, :n] for j, layer in enumerate(self.all_features)}
             scales = {layer: sbuf[j, :n] for j, layer in enumerate(self.all_features)} if sbuf is not None else None
+            per_sample = cols.pop("_feature_stats", None)
             record = self._write_shard(self.fs, self.root, name, self.tag, self.manifest, features, ids, mask, cols,
-                                       stats=self._stats(cols), scales=scales)
+                                       stats=self._stats(cols, per_sample), scales=scales)
             stamp = commit.publish(self.fs, self.root, record)
             with self._lock:  # writer threads finish concurrently
                 self.committed.append(record)
@@ -342,7 +358,7 @@ class StoreWriter:
         with self._lock:
             self._skipped.setdefault(reason, []).extend(str(s) for s in sample_ids)
 
-    def _stats(self, cols: dict[str, list]) -> dict[str, Any]:
+    def _stats(self, cols: dict[str, list], per_sample: list[np.ndarray] | None = None) -> dict[str, Any]:
         flags = Counter(f for fl in cols["flags"] for f in fl)
         with self._lock:
             skipped, self._skipped = self._skipped, {}
@@ -350,6 +366,8 @@ class StoreWriter:
                "flags": dict(flags)}
         if skipped:
             out["skipped"] = skipped
+        if per_sample and len(per_sample) == len(cols["length"]):
+            out["features"] = health.shard_stats(self.all_features, cols["length"], self.hidden, per_sample)
         return out
 
     def raise_background_error(self) -> None:

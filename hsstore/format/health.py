@@ -1,0 +1,285 @@
+"""Feature health: what the stored values look like, so a store that trains nothing is loud (docs/FORMAT.md,
+"Feature statistics").
+
+Checksums prove the bytes are the bytes written; they say nothing of the values. vLLM's extraction returned
+all-zero hidden states on hybrid targets for months, speculators' older generator wrong ones at batch > 1, and
+drafters trained on them "converged". So every commit record carries, per feature (a tapped layer or
+``final_hidden``), the count, sum, sum of squares, max |x|, exact zeros and non-finite values of the shard, and
+per sample the RMS, zeros and non-finite values: ``sample_stats`` computes them (on the GPU during extraction,
+from the data on import, convert, subset and upgrade), ``shard_stats`` turns a shard's samples into the record's
+``stats["features"]``. The rules read them back: ``record_problems`` (a non-finite value; a feature all zero for a
+sample with loss tokens) for ``verify``, ``train`` and ``import``, ``outliers`` (a shard's RMS 10x from the
+store's median, a zero-dominated feature) for ``info`` and ``report``. ``ValueTally`` counts zeros and non-finite
+values from the bytes ``verify`` reads anyway, so a record's statistics are never taken on trust.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+SUMS = ("sum", "sumsq", "absmax", "zeros", "nonfinite")  # the per-sample columns of ``sample_stats``
+OUTLIER_FACTOR = 10.0  # a shard's feature RMS this far from the store's median, either way, is named
+ZERO_DOMINATED = 0.5  # a feature whose share of exact zeros in a shard exceeds this is named
+# the bit patterns of an exact zero (sign aside) and of a non-finite value (exponent all ones), per storage dtype
+_BITS = {"bfloat16": (np.uint16, 0x7FFF, 0x7F80), "float16": (np.uint16, 0x7FFF, 0x7C00),
+         "float32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "float8_e4m3fn": (np.uint8, 0x7F, 0x7F)}
+
+
+STATS_ENV = "HSSTORE_FEATURE_STATS"  # "0": no statistics written (for paired benchmarks of their cost only)
+
+
+def enabled() -> bool:
+    import os
+
+    return os.environ.get(STATS_ENV, "") != "0"
+
+
+def feature_name(key: str) -> str:
+    """How a feature is named to a person: ``layer 16``, ``final_hidden``."""
+    return f"layer {key}" if str(key).lstrip("-").isdigit() else str(key)
+
+
+def feature_key(feature: int | str) -> str:
+    """A feature's key in a record's statistics: a layer id as text, a named feature as its name."""
+    return str(feature)
+
+
+def sample_stats(values) -> np.ndarray:
+    """``[features, 5]`` float64 (``SUMS``) of one sample's features ``[T, features, H]`` (a torch tensor on any
+    device, or a numpy array of float values). On a GPU the reductions run there, in float32 accumulation
+    without an upcast copy, and only the small result crosses."""
+    import torch
+
+    x = torch.as_tensor(values)
+    finite = torch.isfinite(x)
+    clean = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    out = torch.stack([clean.sum(dim=(0, 2), dtype=torch.float32),
+                       torch.linalg.vector_norm(clean, dim=(0, 2), dtype=torch.float32) ** 2,
+                       torch.linalg.vector_norm(clean, ord=math.inf, dim=(0, 2), dtype=torch.float32),
+                       (x == 0).sum(dim=(0, 2)).to(torch.float32),
+                       (~finite).sum(dim=(0, 2)).to(torch.float32)], dim=1)
+    return out.double().cpu().numpy()
+
+
+def batch_stats(packed, lengths: Sequence[int]):
+    """``sample_stats`` of each sample of a packed batch ``[sum(lengths), features, H]``, on its device: a
+    ``[samples, features, 5]`` float32 tensor, so a batch's statistics cross to the host in one small copy."""
+    import torch
+
+    x = packed
+    finite = torch.isfinite(x)
+    clean = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    per_token = torch.stack([clean.sum(dim=2, dtype=torch.float32),
+                             torch.linalg.vector_norm(clean, dim=2, dtype=torch.float32) ** 2,
+                             torch.linalg.vector_norm(clean, ord=math.inf, dim=2, dtype=torch.float32),
+                             (x == 0).sum(dim=2).to(torch.float32),
+                             (~finite).sum(dim=2).to(torch.float32)], dim=2)  # [tokens, features, 5]
+    parts = torch.split(per_token, list(lengths), dim=0)
+    return torch.stack([torch.cat([p[:, :, :2].sum(0), p[:, :, 2:3].amax(0), p[:, :, 3:].sum(0)], dim=1)
+                        for p in parts])
+
+
+def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None) -> np.ndarray:
+    """``sample_stats`` of one sample's stored bits ``[features, T, H]`` (the writer's buffer region) of storage
+    dtype ``dtype``; fp8 values with their per-row ``scales [features, T]`` are dequantised first."""
+    import torch
+
+    from . import codec, fp8
+
+    if scales is not None:
+        values = [torch.from_numpy(fp8.dequantise_numpy(bits[j], scales[j])) for j in range(bits.shape[0])]
+    else:
+        values = [codec.from_storage(np.ascontiguousarray(bits[j]), dtype) for j in range(bits.shape[0])]
+    return sample_stats(torch.stack(values, dim=1))
+
+
+def shard_stats(features: Sequence[int | str], lengths: Sequence[int], hidden: int,
+                per_sample: Sequence[np.ndarray]) -> dict[str, dict[str, Any]]:
+    """A record's ``stats["features"]``: per feature the shard's totals and each sample's RMS, zeros and
+    non-finite count, from each sample's ``[features, 5]``."""
+    s = np.asarray(per_sample, dtype=np.float64).reshape(len(lengths), len(features), len(SUMS))
+    counts = np.asarray(lengths, dtype=np.float64) * hidden
+    out = {}
+    for j, f in enumerate(features):
+        col = s[:, j]
+        rms = np.sqrt(col[:, 1] / np.maximum(counts, 1))
+        out[feature_key(f)] = {
+            "count": int(counts.sum()), "sum": _num(col[:, 0].sum()), "sumsq": _num(col[:, 1].sum()),
+            "absmax": _num(col[:, 2].max(initial=0.0)), "zeros": int(col[:, 3].sum()),
+            "nonfinite": int(col[:, 4].sum()),
+            "sample_rms": [_num(r) for r in rms], "sample_zeros": [int(z) for z in col[:, 3]],
+            "sample_nonfinite": [int(n) for n in col[:, 4]]}
+    return out
+
+
+def _num(x: float) -> float:
+    """A statistic as JSON keeps it: 7 significant digits (float32's), finite."""
+    x = float(x)
+    return float(f"{x:.7g}") if math.isfinite(x) else 0.0
+
+
+def rms(entry: dict[str, Any]) -> float:
+    """A shard's RMS of one feature, from its record entry."""
+    return math.sqrt(entry["sumsq"] / entry["count"]) if entry.get("count") else 0.0
+
+
+# -- the rules ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Unhealthy:
+    """One sample's feature that trains nothing: ``why`` is ``nonfinite`` or ``zero``."""
+
+    shard: str
+    sample_id: str
+    feature: str
+    why: str
+    count: int  # its non-finite values, or its zeros
+    of: int  # the sample's values of this feature
+
+    @property
+    def what(self) -> str:
+        return (f"non-finite values ({self.count:,} of {self.of:,})" if self.why == "nonfinite"
+                else f"all zero ({self.of:,} values; the sample has loss tokens)")
+
+    def __str__(self) -> str:
+        return f"sample {self.sample_id!r}, {feature_name(self.feature)}: {self.what}"
+
+
+def problems_of(shard: str, ids: Sequence[str], lengths: Sequence[int], loss: Sequence[int], hidden: int,
+                feature: str, zeros: Sequence[int], nonfinite: Sequence[int]) -> list[Unhealthy]:
+    """The unhealthy samples of one feature of one shard, from per-sample zero and non-finite counts."""
+    out = []
+    for i, sid in enumerate(ids):
+        if nonfinite[i]:
+            out.append(Unhealthy(shard, sid, feature, "nonfinite", int(nonfinite[i]), int(lengths[i]) * hidden))
+        elif loss[i] and zeros[i] >= lengths[i] * hidden:
+            out.append(Unhealthy(shard, sid, feature, "zero", int(zeros[i]), int(lengths[i]) * hidden))
+    return out
+
+
+def record_problems(rec, hidden: int) -> list[Unhealthy]:
+    """What a commit record's statistics say is unhealthy (empty when it carries none: an older store)."""
+    feats = (rec.stats or {}).get("features") if isinstance(rec.stats, dict) else None
+    if not isinstance(feats, dict):
+        return []
+    cols = rec.samples
+    out = []
+    for f, e in feats.items():
+        try:
+            out += problems_of(rec.shard, cols["sample_id"], cols["length"], cols["loss_tokens"], hidden, f,
+                               e["sample_zeros"], e["sample_nonfinite"])
+        except (KeyError, TypeError, IndexError):
+            continue  # malformed statistics: verify compares them with the data and names them
+    return out
+
+
+def has_stats(rec) -> bool:
+    return isinstance(rec.stats, dict) and isinstance(rec.stats.get("features"), dict)
+
+
+@dataclass
+class Outliers:
+    """``info``'s and ``report``'s view: per feature, each shard's RMS and zero share, and the shards far from the
+    store's median (``OUTLIER_FACTOR`` either way) or dominated by zeros."""
+
+    rms: dict[str, list[float]] = field(default_factory=dict)  # feature -> RMS per shard (shards with stats)
+    zero_share: dict[str, list[float]] = field(default_factory=dict)
+    shards: list[str] = field(default_factory=list)  # the shards with statistics, in order
+    far: dict[str, list[str]] = field(default_factory=dict)  # feature -> shards whose RMS is far from the median
+    zero_dominated: dict[str, list[str]] = field(default_factory=dict)
+    missing: int = 0  # shards without statistics
+
+
+def outliers(records) -> Outliers:
+    out = Outliers()
+    for rec in records:
+        if not has_stats(rec):
+            out.missing += 1
+            continue
+        out.shards.append(rec.shard)
+        for f, e in rec.stats["features"].items():
+            if not isinstance(e, dict) or not e.get("count"):
+                continue
+            out.rms.setdefault(f, []).append(rms(e))
+            out.zero_share.setdefault(f, []).append(e.get("zeros", 0) / e["count"])
+    for f, values in out.rms.items():
+        med = float(np.median(values))
+        out.far[f] = [s for s, v in zip(out.shards, values)
+                      if med > 0 and (v > med * OUTLIER_FACTOR or v < med / OUTLIER_FACTOR) or med == 0]
+        out.zero_dominated[f] = [s for s, z in zip(out.shards, out.zero_share[f]) if z > ZERO_DOMINATED]
+    return out
+
+
+# -- what verify counts from the bytes it reads ------------------------------------------------------------
+class ValueTally:
+    """Per sample and feature, the exact zeros and non-finite values of a shard, counted from stored bits as
+    ``verify`` reads them (``add``: the rows of one chunk or member), bit tests only (no float conversion)."""
+
+    def __init__(self, rec, features: Sequence[int | str], storage_dtype: str) -> None:
+        self.rec = rec
+        self.keys = [feature_key(f) for f in features]
+        self.offsets = np.asarray(rec.offsets, dtype=np.int64)
+        self.zeros = np.zeros((rec.n_samples, len(self.keys)), np.int64)
+        self.nonfinite = np.zeros_like(self.zeros)
+        self.seen = np.zeros(len(self.keys), np.int64)  # tokens counted per feature
+        self.kind, self.magnitude, self.exponent = _BITS[storage_dtype]
+
+    def add(self, feature: int | str, first_token: int, rows: np.ndarray) -> None:
+        """Rows ``[n, H]`` of stored bits (any view of the storage dtype) starting at token ``first_token``."""
+        j = self.keys.index(feature_key(feature))
+        n = min(rows.shape[0], self.rec.n_tokens - first_token)
+        if n <= 0:
+            return
+        b = np.ascontiguousarray(rows[:n]).view(self.kind).reshape(n, -1)
+        mag = b & self.kind(self.magnitude)
+        zero_rows = (mag == 0).sum(axis=1)
+        bad_rows = ((b & self.kind(self.exponent)) == self.kind(self.exponent)).sum(axis=1)
+        sample = np.searchsorted(self.offsets, np.arange(first_token, first_token + n), side="right") - 1
+        np.add.at(self.zeros[:, j], sample, zero_rows)
+        np.add.at(self.nonfinite[:, j], sample, bad_rows)
+        self.seen[j] += n
+
+    def problems(self, hidden: int) -> list[Unhealthy]:
+        cols = self.rec.samples
+        out = []
+        for j, f in enumerate(self.keys):
+            if self.seen[j] < self.rec.n_tokens:  # not every token read (a chunk unreadable: reported already)
+                continue
+            out += problems_of(self.rec.shard, cols["sample_id"], cols["length"], cols["loss_tokens"], hidden, f,
+                               self.zeros[:, j], self.nonfinite[:, j])
+        return out
+
+    def disagrees(self) -> list[str]:
+        """Features whose record statistics (zeros, non-finite per sample) differ from the counted ones."""
+        if not has_stats(self.rec):
+            return []
+        out = []
+        for j, f in enumerate(self.keys):
+            e = self.rec.stats["features"].get(f)
+            if self.seen[j] < self.rec.n_tokens:
+                continue
+            try:
+                same = (list(map(int, e["sample_zeros"])) == self.zeros[:, j].tolist()
+                        and list(map(int, e["sample_nonfinite"])) == self.nonfinite[:, j].tolist())
+            except (KeyError, TypeError, ValueError):
+                same = False
+            if not same:
+                out.append(f)
+        return out
+
+
+def report_values(tally: ValueTally, hidden: int, report, file: str | None = None) -> None:
+    """``verify``'s health rules on what it counted: each unhealthy sample's feature a FAIL naming it, and a record
+    whose statistics say otherwise than the data a FAIL of its own (statistics are never taken on trust)."""
+    from .report import Problem
+
+    for u in tally.problems(hidden):
+        report.problems.append(Problem(u.shard, f"{feature_name(u.feature)}: {u.what}", file, [u.sample_id]))
+    wrong = tally.disagrees()
+    if wrong:
+        report.problems.append(Problem(tally.rec.shard, f"the commit record's feature statistics of {wrong} disagree "
+                                                        "with the data (zeros or non-finite counts per sample)",
+                                       file))
