@@ -254,7 +254,8 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                        pad_id=None if src.keep_padding else src.pad_token_id,
                        final_hidden=bool(manifest.features), num_rows=src.num_rows)
     r = import_files(files, store.out, manifest, storage_options=store.storage_options,
-                     shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress)
+                     shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress,
+                     keep_unhealthy=src.keep_unhealthy)
     print(f"import {src.format} {src.path} -> {recordable_url(store.out)}: {r.samples} samples, {r.tokens:,} tokens "
           f"written ({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
@@ -263,6 +264,13 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     if r.pad_ambiguous:
         print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
               f"padding_ambiguous): {_some(r.pad_ambiguous)}")
+    if r.unhealthy and src.keep_unhealthy:
+        print(f"  {len(r.unhealthy)} samples with an all-zero or non-finite feature, flagged feature_zero / "
+              f"feature_nonfinite: {_some([str(u) for u in r.unhealthy], 3)}")
+    elif r.unhealthy:
+        raise ValueError(f"{len(r.unhealthy)} of {len(files)} samples have an all-zero or non-finite feature and "
+                         f"were not imported (first: {r.unhealthy[0]}; a capture that returned zeros?); the "
+                         f"{r.samples} healthy ones are in the store; --keep-unhealthy imports the rest, flagged")
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from hsstore.format import fp8
+from hsstore.format import fp8, health
 from hsstore.errors import SampleError
 
 from .capture import run_tapped
@@ -93,13 +93,14 @@ class _Staged:
     finite: torch.Tensor  # [n_tokens] bool on the host: every feature of the token is finite
     event: torch.cuda.Event | None
     slot: int
+    stats: torch.Tensor | None = None  # [samples, features, 5] on the host (health.batch_stats); None: off
 
 
 def extract_batches(
     model: torch.nn.Module,
     layers: list[int],
     batches: Iterable[list[TokenizedSample]],
-    sink: Callable[[TokenizedSample, torch.Tensor], None],
+    sink: Callable[[TokenizedSample, Any, Any], None],
     pad_id: int,
     device: torch.device,
     on_batch: Callable[[list[TokenizedSample]], None] | None = None,
@@ -108,7 +109,8 @@ def extract_batches(
     host_alloc: Callable[[int], torch.Tensor] | None = None,
     final_hidden: bool = False,
 ) -> ExtractStats:
-    """Run the target over ``batches`` and call ``sink(sample, features [T, L, H])`` for every sample, in a
+    """Run the target over ``batches`` and call ``sink(sample, features [T, L, H], feature_stats)`` for every
+    sample (``feature_stats``: its ``[features, 5]`` value statistics from the device, or None), in a
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
     is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
     ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget).
@@ -127,13 +129,13 @@ def extract_batches(
     try:
         for batch in batches:
             _raise_first(errors)
-            parts, finite = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise)
+            parts, finite, values = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise)
             slot = _free_slot(staging.free, stats)
             stats.batches += 1
             stats.tokens += parts[0].shape[0]
             _raise_first(errors)
-            staged.put(staging.stage(batch, parts, finite, slot))
-            del parts, finite
+            staged.put(staging.stage(batch, parts, finite, slot, values))
+            del parts, finite, values
     finally:
         staged.put(None)
         worker.join()
@@ -150,10 +152,12 @@ def _raise_first(errors: list[BaseException]) -> None:
 
 def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,
                     device: torch.device, final_hidden: bool, quantise: bool,
-                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+                    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or fp8
-    ``[values, scales]``) and ``finite [n_tokens]``. Checking finiteness here is one pass at HBM speed instead
-    of one on the host's cores; the consumer refuses NaN/Inf rows from it."""
+    ``[values, scales]``), ``finite [n_tokens]`` and each sample's value statistics ``[samples, features, 5]``
+    (``health.batch_stats``, of the values before any quantisation; None when ``HSSTORE_FEATURE_STATS=0``).
+    Checking finiteness and counting here is a few passes at HBM speed instead of passes on the host's cores;
+    the consumer refuses NaN/Inf rows from it."""
     ids, _ = pad_right(batch, pad_id)
     if device.type == "cuda":
         ids = ids.pin_memory().to(device, non_blocking=True)
@@ -164,7 +168,8 @@ def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[Token
         run_tapped(model, layers, ids, None)
     packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
     finite = torch.isfinite(packed).flatten(1).all(dim=1)
-    return (list(fp8.quantise(packed)) if quantise else [packed]), finite
+    values = health.batch_stats(packed, [s.num_tokens for s in batch]) if health.enabled() else None
+    return (list(fp8.quantise(packed)) if quantise else [packed]), finite, values
 
 
 def _free_slot(free: queue.Queue[int], stats: ExtractStats) -> int:
@@ -197,17 +202,18 @@ class _HostStaging:
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def stage(self, batch: list[TokenizedSample], parts: list[torch.Tensor], finite: torch.Tensor, slot: int
-              ) -> _Staged:
+    def stage(self, batch: list[TokenizedSample], parts: list[torch.Tensor], finite: torch.Tensor, slot: int,
+              values: torch.Tensor | None = None) -> _Staged:
         """Hand a batch to the sink: on the CPU without ``host_alloc`` as it is; else copied into ``slot``'s
-        buffers (on CUDA asynchronously on the copy stream, with an event the sink waits on)."""
+        buffers (on CUDA asynchronously on the copy stream, with an event the sink waits on). ``values``: the
+        samples' statistics, a few hundred bytes, copied beside ``finite``."""
         if not self.cuda and self.host_alloc is None:
-            return _Staged(batch, parts, finite, None, slot)
+            return _Staged(batch, parts, finite, None, slot, values)
         views = self._views(slot, parts)
         if not self.cuda:
             for view, part in zip(views, parts):
                 view.copy_(part)
-            return _Staged(batch, views, finite, None, slot)
+            return _Staged(batch, views, finite, None, slot, values)
         event = torch.cuda.Event()
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
@@ -216,8 +222,11 @@ class _HostStaging:
                 part.record_stream(self.copy_stream)
             finite_host = finite.to("cpu", non_blocking=True)
             finite.record_stream(self.copy_stream)
+            values_host = values.to("cpu", non_blocking=True) if values is not None else None
+            if values is not None:
+                values.record_stream(self.copy_stream)
             event.record(self.copy_stream)
-        return _Staged(batch, views, finite_host, event, slot)
+        return _Staged(batch, views, finite_host, event, slot, values_host)
 
     def _views(self, slot: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Views of ``slot``'s buffers shaped like ``parts``; a buffer is (re)allocated only when too small, sized
@@ -240,7 +249,7 @@ class _HostStaging:
 
 
 def _consume(staged: queue.Queue[_Staged | None], free: queue.Queue[int], errors: list[BaseException],
-             sink: Callable[[TokenizedSample, torch.Tensor], None],
+             sink: Callable[[TokenizedSample, Any, Any], None],
              on_batch: Callable[[list[TokenizedSample]], None] | None, quantise: bool) -> None:
     """The sink thread: deliver each staged batch, then give its slot back; an error is kept for the producer
     (which raises it at its next batch) and the slot still freed, so the producer never waits forever."""
@@ -258,17 +267,18 @@ def _consume(staged: queue.Queue[_Staged | None], free: queue.Queue[int], errors
             free.put(item.slot)
 
 
-def _deliver(item: _Staged, sink: Callable[[TokenizedSample, torch.Tensor], None], quantise: bool) -> None:
+def _deliver(item: _Staged, sink: Callable[[TokenizedSample, Any, Any], None], quantise: bool) -> None:
     """Wait for the batch's copy, then ``sink`` each sample's slice, refusing one with a NaN/Inf feature."""
     if item.event is not None:
         item.event.synchronize()
     off = 0
-    for s in item.batch:
+    for k, s in enumerate(item.batch):
         ok = item.finite[off:off + s.num_tokens]
         if not bool(ok.all()):
             bad = int((~ok).nonzero()[0, 0])
             raise SampleError(f"sample {s.sample_id!r}: the target produced NaN/Inf features "
                               f"(first at token {bad})")
         parts = [h[off:off + s.num_tokens] for h in item.host]
-        sink(s, fp8.Quantised(*parts) if quantise else parts[0])
+        values = item.stats[k].numpy() if item.stats is not None else None
+        sink(s, fp8.Quantised(*parts) if quantise else parts[0], values)
         off += s.num_tokens

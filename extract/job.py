@@ -251,9 +251,9 @@ def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: l
                disable=not cfg.progress, smoothing=0.1)
     t0, compiling0 = time.perf_counter(), compile_seconds()
 
-    def sink(s: TokenizedSample, feats: torch.Tensor) -> None:
+    def sink(s: TokenizedSample, feats: torch.Tensor, feature_stats) -> None:
         writer.add(s.sample_id, s.input_ids, s.loss_mask, feats, source=s.source,
-                   thinking_tokens=s.thinking_tokens, flags=verdict.flags(s))
+                   thinking_tokens=s.thinking_tokens, flags=verdict.flags(s), feature_stats=feature_stats)
         result.samples += 1
         result.tokens += s.num_tokens
 

@@ -350,16 +350,29 @@ class ImportResult:
     padded_rows: int = 0  # rows whose trailing batch padding was trimmed
     pad_tokens: int = 0
     pad_ambiguous: list[str] = field(default_factory=list)  # ids of rows whose padding could not be told apart
+    unhealthy: list = field(default_factory=list)  # health.Unhealthy of samples with a zero or non-finite feature
 
 
 def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage_options: dict | None = None,
                  shard_bytes: int = 1 << 30, missing: list[str] | None = None, progress: bool = True,
-                 ) -> ImportResult:
+                 keep_unhealthy: bool = False) -> ImportResult:
     """Write ``files`` into the store at ``url`` through a StoreWriter, skipping ids already committed. The store
-    is created at the first good sample, so an import that fails on its first file leaves nothing behind."""
-    from tqdm import tqdm
+    is created at the first good sample, so an import that fails on its first file leaves nothing behind. A
+    sample with an all-zero feature (and loss tokens) or a non-finite value (``health``) is left out and named
+    in ``result.unhealthy``, or with ``keep_unhealthy`` written flagged ``feature_zero`` / ``feature_nonfinite``."""
+    from hsstore import destination, storage
 
     options = storage_options or {}
+    destination.refuse_anonymous_write(url, options)
+    fs, root = storage.resolve(url, options)
+    with destination.hold_lock(fs, root, url, "import"):  # one copying command at a time into a destination
+        return _import(files, url, manifest, options, shard_bytes, missing, progress, keep_unhealthy)
+
+
+def _import(files: list[PeerFile], url: str, manifest: Manifest, options: dict, shard_bytes: int,
+            missing: list[str] | None, progress: bool, keep_unhealthy: bool) -> ImportResult:
+    from tqdm import tqdm
+
     done = committed_ids(url, options)
     todo = [f for f in files if f.sample_id not in done]
     result = ImportResult(already=len(files) - len(todo), missing=len(missing or []))
@@ -370,7 +383,7 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
             s = f.load()
             if writer is None:
                 writer = StoreWriter(url, manifest, writer_tag="import", storage_options=options,
-                                     shard_bytes=shard_bytes)
+                                     shard_bytes=shard_bytes, check_finite=not keep_unhealthy)
                 if missing:
                     writer.note_skipped("no_hidden_states", missing)
             if s.pad_ambiguous:
@@ -379,8 +392,14 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
             result.padded_rows += bool(s.pad_tokens)
             result.pad_tokens += s.pad_tokens
             extra = {"final_hidden": s.final_hidden} if manifest.features else {}
-            writer.add(s.sample_id, s.input_ids, s.loss_mask, s.hidden_states, source=s.source,
-                       flags=[PAD_AMBIGUOUS] if s.pad_ambiguous else None, **extra)
+            stats, sick = _health(s, manifest)
+            result.unhealthy += sick
+            if sick and not keep_unhealthy:
+                bar.update(1)
+                continue
+            flags = ([PAD_AMBIGUOUS] if s.pad_ambiguous else []) + sorted({f"feature_{u.why}" for u in sick})
+            writer.add(s.sample_id, s.input_ids, s.loss_mask, s.hidden_states, source=s.source, flags=flags or None,
+                       feature_stats=stats, **extra)
             result.samples += 1
             result.tokens += int(s.input_ids.shape[0])
             bar.update(1)
@@ -394,6 +413,22 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
     finally:
         bar.close()
     return result
+
+
+def _health(s, manifest: Manifest):
+    """(the sample's ``[features, 5]`` statistics, its ``health.Unhealthy`` features) of one peer sample."""
+    from hsstore.format import health
+
+    feats = torch.as_tensor(s.hidden_states)
+    if manifest.features:
+        feats = torch.cat([feats, torch.as_tensor(s.final_hidden)[:, None]], dim=1)
+    stats = health.sample_stats(feats)
+    T, loss = int(s.input_ids.shape[0]), int(torch.as_tensor(s.loss_mask).sum())
+    sick = []
+    for j, f in enumerate(manifest.all_features):
+        sick += health.problems_of("(import)", [s.sample_id], [T], [loss], manifest.hidden_size,
+                                   health.feature_key(f), [stats[j, 3]], [stats[j, 4]])
+    return stats, sick
 
 
 def peer_files(fmt: str, path: str, *, n_layers: int, hidden: int, id_prefix: str = "", source: str | None = None,

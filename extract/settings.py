@@ -375,6 +375,9 @@ class PeerFiles:
                                            "folder name)")
     hidden_states_dir: str | None = option(None, help="speculators: folder of hs_{i}.safetensors (default "
                                                       "PATH/hidden_states)")
+    keep_unhealthy: bool = option(False, help="import samples with an all-zero or non-finite feature, flagged "
+                                              "feature_zero / feature_nonfinite (`hsstore subset --exclude-flag` "
+                                              "drops them); by default they are refused, named and counted")
 
 
 @dataclass

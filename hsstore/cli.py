@@ -206,7 +206,8 @@ def cmd_subset(args) -> int:
 
     options = storage.parse_storage_options(args.storage_option)
     sel = Selection(sources=tuple(args.source), min_tokens=args.min_length, max_tokens=args.max_length,
-                    min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag))
+                    min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag),
+                    exclude_unhealthy=args.exclude_unhealthy)
     r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet)
     if args.json:
         print(json.dumps({"src": recordable_url(args.src), "dst": recordable_url(args.dst), **dataclasses.asdict(r)}, indent=2))
@@ -341,7 +342,9 @@ def add_subset(sub) -> None:
     q.add_argument("--min-loss-tokens", type=int, default=None, metavar="N", help="drop samples whose loss-mask "
                    "sum is below N (stub answers)")
     q.add_argument("--exclude-flag", action="append", default=[], metavar="F",
-                   help="drop samples with this quality flag (stub_answer, empty_thinking, truncated, ...)")
+                   help="drop samples with this quality flag (stub_answer, empty_thinking, truncated, feature_zero, ...)")
+    q.add_argument("--exclude-unhealthy", action="store_true",
+                   help="drop samples whose records' statistics show a non-finite or all-zero feature")
     add_quiet_option(q)
     add_storage_option(q)
     add_json_option(q)

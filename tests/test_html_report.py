@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import hsstore
+
 from hsstore.cli import main
 from hsstore.extract.job import ExtractConfig, run_extract
 from train_helpers import small_input  # noqa: F401  (fixture)
@@ -76,7 +78,8 @@ def test_store_report_renders(stub_store, tmp_path, capsys):
     text = page.read_text()
     assert "stub answers?" in text  # the warning of `hsstore info`, on top
     p = drawn(chromium(page, tmp_path, "--dump-dom"))
-    assert set(p.drawn) == STORE_CHARTS and all(n > 0 for n in p.drawn.values()), p.drawn
+    per_feature = {f"rms_{f}" for f in hsstore.open(str(stub_store)).manifest.all_features}  # RMS per shard
+    assert set(p.drawn) == STORE_CHARTS | per_feature and all(n > 0 for n in p.drawn.values()), p.drawn
     assert p.external == []
     shot = tmp_path / "store.png"
     chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,1100")

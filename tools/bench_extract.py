@@ -7,7 +7,9 @@ synthetic sequences, and times, on the same batches, alternating:
   extract        the real pipeline: hooks, GPU pack, pinned copy, StoreWriter threads, local store;
   extract_process  the same with the writer in a child process fed through shared memory (ProcessWriter);
   extract_memory   the thread writer into ``memory://`` (no disk: separates storage from CPU contention);
-  capture_only   hooks, GPU pack and pinned copy, no writer.
+  capture_only   hooks, GPU pack and pinned copy, no writer;
+  extract_process_nostats  extract_process without the feature statistics (``HSSTORE_FEATURE_STATS=0``):
+                 paired with extract_process, their cost.
 Prints JSON with tokens/s, ratios, MFU, and how long the forward waited on the writer (``slot_wait_s``)
 and the writer on storage (``storage_wait_s``).
 
@@ -35,12 +37,13 @@ from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.tokenize import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, storage
-from hsstore.format import assets
+from hsstore.format import assets, health
 from hsstore.distributed import rank_and_world
 from hsstore.format.taps import default_taps
 from tools.measure import timed
 
-MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only")
+MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only",
+         "extract_process_nostats")
 
 
 def build_model(args):
@@ -157,7 +160,10 @@ def main() -> None:
         url = f"memory://bench-extract-rank{rank}" if mode == "extract_memory" else args.keep if mode == "keep" else out
         if mode != "keep":
             _clear(url)
-        cls = ProcessWriter if mode == "extract_process" or (mode == "keep" and device.type == "cuda") else StoreWriter
+        if mode.endswith("_nostats"):  # off for the forward here and the writer's child (it inherits it)
+            os.environ[health.STATS_ENV] = "0"
+        process = mode.startswith("extract_process") or (mode == "keep" and device.type == "cuda")
+        cls = ProcessWriter if process else StoreWriter
         return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False)  # checked on the device
 
     def extract_into(w, mode: str) -> None:
@@ -165,8 +171,8 @@ def main() -> None:
         last shards is timed separately (in a long run it is paid once), as is starting the writer."""
         proc = isinstance(w, ProcessWriter)
 
-        def sink(s, f):
-            w.add(s.sample_id, s.input_ids, s.loss_mask, f)
+        def sink(s, f, values):
+            w.add(s.sample_id, s.input_ids, s.loss_mask, f, feature_stats=values)
 
         stats = extract_batches(model, layers, batches, sink, 0, device, staging_tokens=args.token_budget,
                                 on_batch=(lambda b: w.sync()) if proc else None,
@@ -179,6 +185,7 @@ def main() -> None:
         t = time.perf_counter()
         w.close()
         close_s.setdefault(mode, []).append(time.perf_counter() - t)
+        os.environ.pop(health.STATS_ENV, None)
         if mode != "keep":
             _clear(w.url)
 
@@ -188,7 +195,7 @@ def main() -> None:
         elif mode == "forward_taps":
             forward_pass(model, batches, layers, full=False)
         elif mode == "capture_only":
-            extract_batches(model, layers, batches, lambda s, f: None, 0, device, staging_tokens=args.token_budget)
+            extract_batches(model, layers, batches, lambda s, f, v: None, 0, device, staging_tokens=args.token_budget)
         else:
             extract_into(w, mode)
 

@@ -142,6 +142,24 @@ class DraftLoss(torch.nn.Module):
                            weight_total=None if not total else total / self.world)
 
 
+def check_healthy(stores: list[hsstore.Store], allow: bool) -> None:
+    """Refuse (one line) a store ``verify`` would fail for its values: a sample with a non-finite or all-zero
+    feature, by the records' statistics (``hsstore.format.health``); ``--allow-unhealthy`` trains anyway."""
+    from hsstore.format import health
+    from hsstore.redaction import recordable_url
+
+    for store in stores:
+        bad = health.unhealthy(store)
+        if not bad:
+            continue
+        msg = (f"store {recordable_url(store.url)!r}: {len(bad)} sample feature(s) that train nothing (first: {bad[0]}); "
+               "`hsstore verify` names them, `hsstore subset --exclude-unhealthy` drops them, --allow-unhealthy "
+               "trains anyway")
+        if not allow:
+            raise hsstore.StoreError(msg)
+        log.warning("%s (training anyway: --allow-unhealthy)", msg)
+
+
 def build_drafter(stores: list[hsstore.Store], cfg: TrainConfig, device: torch.device, rank: int = 0):
     """(drafter on ``device``, cfg): seeded random weights or ``--init``'s, its frozen head from the first
     store; refused before step 1 when the step would not fit the device's memory (on a GPU the anchors per

@@ -120,6 +120,10 @@ class Data:
     gpu_memory_gib: float | None = option(
         None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
                                   "on a larger GPU to check a recipe for an 80 GB one")
+    allow_unhealthy: bool = option(
+        False, help="train on a store whose feature statistics show a non-finite or all-zero feature for a "
+                    "sample (refused by default: such a store trains nothing; `hsstore subset --exclude-unhealthy` "
+                    "drops those samples)")
 
 
 @dataclass

@@ -48,7 +48,7 @@ from hsstore.store.reader import open_shared
 from . import checkpoint as ckpt
 from . import rundir, tracking
 from .budget import with_device_defaults
-from .build import DraftLoss, build_drafter, drafter_meta, settings_line, wrap_ddp
+from .build import DraftLoss, build_drafter, check_healthy, drafter_meta, settings_line, wrap_ddp
 from .checkpoint import Checkpointer
 from .config import RESUME_KEYS, TrainConfig, recordable_config  # noqa: F401  (RESUME_KEYS: its old home)
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
@@ -91,6 +91,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
     # broadcasts them, and the loader reuses these
     stores = [open_shared(u, cfg.storage_options) for u in cfg.stores]
+    check_healthy(stores, cfg.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused before step 1
     drafter, cfg = build_drafter(stores, cfg, device, rank)
     gamma = cfg.gamma if cfg.gamma is not None else default_gamma(drafter.config.block_size)
     model = wrap_ddp(DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl), world, device)

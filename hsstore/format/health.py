@@ -110,7 +110,8 @@ def shard_stats(features: Sequence[int | str], lengths: Sequence[int], hidden: i
         out[feature_key(f)] = {
             "count": int(counts.sum()), "sum": _num(col[:, 0].sum()), "sumsq": _num(col[:, 1].sum()),
             "absmax": _num(col[:, 2].max(initial=0.0)), "zeros": int(col[:, 3].sum()),
-            "nonfinite": int(col[:, 4].sum()),
+            "nonfinite": int(col[:, 4].sum()), "zero_samples": int((col[:, 3] >= counts).sum()),
+            "nonfinite_samples": int((col[:, 4] > 0).sum()),
             "sample_rms": [_num(r) for r in rms], "sample_zeros": [int(z) for z in col[:, 3]],
             "sample_nonfinite": [int(n) for n in col[:, 4]]}
     return out
@@ -176,40 +177,91 @@ def record_problems(rec, hidden: int) -> list[Unhealthy]:
     return out
 
 
+def unhealthy(store) -> list[Unhealthy]:
+    """Every unhealthy sample's feature of an open store by its records' statistics (``train`` and ``import``
+    refuse on them): the columns name the shards that may hold one (a non-finite value, or as many zeros as a
+    sample's values), and only those records are parsed."""
+    t, m = store.table, store.manifest
+    if t.feature_stats is None or not len(t):
+        return []
+    from .records import FEATURE_STATS
+
+    fs = np.nan_to_num(t.feature_stats, nan=0.0)
+    maybe = (fs[:, :, FEATURE_STATS.index("nonfinite_samples")] > 0).any(axis=1) | (
+        fs[:, :, FEATURE_STATS.index("zero_samples")] > 0).any(axis=1)
+    out = []
+    for i in np.flatnonzero(maybe).tolist():
+        out += record_problems(store.commits[i], m.hidden_size)
+    return out
+
+
 def has_stats(rec) -> bool:
     return isinstance(rec.stats, dict) and isinstance(rec.stats.get("features"), dict)
 
 
-@dataclass
-class Outliers:
-    """``info``'s and ``report``'s view: per feature, each shard's RMS and zero share, and the shards far from the
-    store's median (``OUTLIER_FACTOR`` either way) or dominated by zeros."""
+def shard_rms_of(table, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(RMS of feature ``key`` in each shard that has statistics, in table order; which of them lie
+    ``OUTLIER_FACTOR`` or more from the median, either way): ``info``'s warning and ``report``'s red bars."""
+    from .records import FEATURE_STATS
 
-    rms: dict[str, list[float]] = field(default_factory=dict)  # feature -> RMS per shard (shards with stats)
-    zero_share: dict[str, list[float]] = field(default_factory=dict)
-    shards: list[str] = field(default_factory=list)  # the shards with statistics, in order
-    far: dict[str, list[str]] = field(default_factory=dict)  # feature -> shards whose RMS is far from the median
-    zero_dominated: dict[str, list[str]] = field(default_factory=dict)
-    missing: int = 0  # shards without statistics
+    col = table.feature_stats[:, table.slots.index(key)]
+    have = ~np.isnan(col[:, 0]) & (col[:, 0] > 0)
+    rms_ = np.sqrt(col[have, FEATURE_STATS.index("sumsq")] / col[have, 0])
+    med = float(np.median(rms_)) if rms_.size else 0.0
+    far = (rms_ > med * OUTLIER_FACTOR) | (rms_ < med / OUTLIER_FACTOR) if med > 0 else np.ones(rms_.size, bool)
+    return rms_, far
 
 
-def outliers(records) -> Outliers:
-    out = Outliers()
-    for rec in records:
-        if not has_stats(rec):
-            out.missing += 1
+def summary(table, features: Sequence[int | str]) -> dict[str, Any]:
+    """``info``'s view of a store's feature statistics, from the records' columns alone (no record parsed): per
+    feature the totals, mean and RMS, each shard's RMS (min / median / max), the shards whose RMS is
+    ``OUTLIER_FACTOR`` from the median either way, and those dominated by zeros; ``shards_without`` counts the
+    shards whose records carry none (stores written before them: ``hsstore upgrade`` adds them)."""
+    from .records import FEATURE_STATS
+
+    n = len(table)
+    fs = table.feature_stats
+    out: dict[str, Any] = {"features": {}, "shards_without": n, "warnings": []}
+    if fs is None or not n:
+        return out
+    for f in features:
+        key = feature_key(f)
+        if key not in table.slots:
             continue
-        out.shards.append(rec.shard)
-        for f, e in rec.stats["features"].items():
-            if not isinstance(e, dict) or not e.get("count"):
-                continue
-            out.rms.setdefault(f, []).append(rms(e))
-            out.zero_share.setdefault(f, []).append(e.get("zeros", 0) / e["count"])
-    for f, values in out.rms.items():
-        med = float(np.median(values))
-        out.far[f] = [s for s, v in zip(out.shards, values)
-                      if med > 0 and (v > med * OUTLIER_FACTOR or v < med / OUTLIER_FACTOR) or med == 0]
-        out.zero_dominated[f] = [s for s, z in zip(out.shards, out.zero_share[f]) if z > ZERO_DOMINATED]
+        col = fs[:, table.slots.index(key)]  # [shards, FEATURE_STATS]
+        have = ~np.isnan(col[:, 0]) & (col[:, 0] > 0)
+        if not have.any():
+            continue
+        c = {name: col[have, k] for k, name in enumerate(FEATURE_STATS)}
+        count = float(c["count"].sum())
+        shard_rms, off = shard_rms_of(table, key)
+        med = float(np.median(shard_rms))
+        far = [table.shard[i] for i in np.flatnonzero(have)[off]]
+        zero_share = c["zeros"] / c["count"]
+        zero_heavy = [table.shard[i] for i, z in zip(np.flatnonzero(have), zero_share) if z > ZERO_DOMINATED]
+        out["features"][key] = {
+            "count": int(count), "sum": float(c["sum"].sum()), "sumsq": float(c["sumsq"].sum()),
+            "mean": float(c["sum"].sum() / count), "rms": float(np.sqrt(c["sumsq"].sum() / count)),
+            "absmax": float(c["absmax"].max()), "zeros": int(c["zeros"].sum()), "nonfinite": int(c["nonfinite"].sum()),
+            "zero_samples": int(c["zero_samples"].sum()), "nonfinite_samples": int(c["nonfinite_samples"].sum()),
+            "zero_share": float(c["zeros"].sum() / count),
+            "shard_rms": {"min": float(shard_rms.min()), "median": med, "max": float(shard_rms.max())},
+            "outlier_shards": far, "zero_dominated_shards": zero_heavy}
+        name = feature_name(key)
+        if c["nonfinite"].sum():
+            out["warnings"].append(f"{name}: {int(c['nonfinite'].sum()):,} non-finite values in "
+                                   f"{int(c['nonfinite_samples'].sum()):,} sample(s) (hsstore verify names them; "
+                                   "train refuses the store)")
+        if c["zero_samples"].sum():
+            out["warnings"].append(f"{name}: all zero in {int(c['zero_samples'].sum()):,} sample(s) (hsstore verify "
+                                   "names those with loss tokens; train refuses the store)")
+        if far:
+            out["warnings"].append(f"{name}: RMS of {len(far)} shard(s) more than {OUTLIER_FACTOR:g}x from the "
+                                   f"store's median {med:.4g} (first: {far[0]})")
+        if zero_heavy:
+            out["warnings"].append(f"{name}: {len(zero_heavy)} shard(s) more than {ZERO_DOMINATED:.0%} exact zeros "
+                                   f"(first: {zero_heavy[0]}): a capture that returned zeros?")
+        out["shards_without"] = min(out["shards_without"], int(n - have.sum()))
     return out
 
 

@@ -130,6 +130,8 @@ def _concat_strings(parts: list[Strings]) -> Strings:
 # -- the table ------------------------------------------------------------------------------------------------
 SHARD_INTS = ("size", "raw_size", "n_samples", "n_tokens", "stored_bytes", "format_version", "chunk_tokens")
 SAMPLE_INTS = ("length", "loss_tokens", "thinking_tokens")
+# a record's stats["features"] totals; the last two count samples whose feature is all zero / has a non-finite value
+FEATURE_STATS = ("count", "sum", "sumsq", "absmax", "zeros", "nonfinite", "zero_samples", "nonfinite_samples")
 
 
 @dataclass
@@ -156,6 +158,9 @@ class RecordTable:
     blocks: list[bytes]
     block: np.ndarray  # int32 [n]
     offset: np.ndarray  # int64 [n]
+    # per shard and slot the record's feature statistics (``FEATURE_STATS``), NaN where a record has none; None:
+    # a table read from an index segment written before they existed (every record then reads as having none)
+    feature_stats: np.ndarray | None = None  # float64 [n, len(slots), len(FEATURE_STATS)]
     _starts: np.ndarray | None = field(default=None, repr=False)
     # each block's decompressed size, kept by ``take`` and ``concat``: rows taken away (a record gone from
     # commits/) must not shrink the bound a block is decompressed to (None: every row of every block is here)
@@ -247,7 +252,9 @@ class RecordTable:
             self.layer_raw[idx], {where[r]: v for r, v in self.skipped.items() if r in where}, first,
             {k: v[sidx] for k, v in self.samples.items()}, self.sample_id.take(sidx),
             Codes(self.source.codes[sidx], self.source.values), Codes(self.flags.codes[sidx], self.flags.values),
-            self.blocks, self.block[idx], self.offset[idx], _block_sizes=self.block_sizes())
+            self.blocks, self.block[idx], self.offset[idx],
+            feature_stats=None if self.feature_stats is None else self.feature_stats[idx],
+            _block_sizes=self.block_sizes())
 
     def row_of(self, i: int) -> dict[str, Any]:
         """What the columns say of shard row ``i``, in the terms of ``record_row`` (``verify`` compares them)."""
@@ -255,7 +262,10 @@ class RecordTable:
                 "writer": self.writer[i], "manifest_key": self.manifest_key[i], "location": self.location[i],
                 "layers": {s: [int(self.layer_stored[i, j]), int(self.layer_raw[i, j])] for j, s in
                            enumerate(self.slots) if self.layer_stored[i, j] >= 0},
-                "skipped": self.skipped.get(i, {}), "samples": self.sample_columns(i)}
+                "skipped": self.skipped.get(i, {}), "samples": self.sample_columns(i),
+                **({} if self.feature_stats is None else {"feature_stats": {
+                    s: self.feature_stats[i, j].tolist() for j, s in enumerate(self.slots)
+                    if not np.isnan(self.feature_stats[i, j, 0])}})}
 
 
 def record_row(rec: CommitRecord, data: bytes, crc: int, size: int | None = None) -> dict[str, Any]:
@@ -268,13 +278,32 @@ def record_row(rec: CommitRecord, data: bytes, crc: int, size: int | None = None
             "location": rec.location,
             "layers": {k: [int(v["stored_bytes"]), int(v["raw_bytes"])] for k, v in rec.layers.items()},
             "skipped": rec.stats.get("skipped", {}) if isinstance(rec.stats, dict) else {},
-            "samples": {k: [list(x) for x in v] if k == "flags" else list(v) for k, v in rec.samples.items()}}
+            "samples": {k: [list(x) for x in v] if k == "flags" else list(v) for k, v in rec.samples.items()},
+            "feature_stats": record_feature_stats(rec)}
+
+
+def record_feature_stats(rec: CommitRecord) -> dict[str, list[float]]:
+    """A record's per-feature totals (``FEATURE_STATS``) as the columns hold them; {} for a record without any,
+    and for statistics that are not numbers (``verify`` compares them with the data and names them)."""
+    feats = rec.stats.get("features") if isinstance(rec.stats, dict) else None
+    out = {}
+    for k, e in (feats.items() if isinstance(feats, dict) else ()):
+        try:
+            vals = [float(e[f]) for f in FEATURE_STATS]
+        except (KeyError, TypeError, ValueError):
+            continue
+        if all(np.isfinite(vals)):
+            out[str(k)] = vals
+    return out
 
 
 def matches(t: RecordTable, i: int, rec: CommitRecord, raw: bytes) -> bool:
     """Whether row ``i``'s columns say what ``rec`` (parsed from ``raw``, the row's own record bytes) says: an
     index entry's bytes are used only when they do (a block with a valid checksum may still hold junk)."""
-    return t.row_of(i) == record_row(rec, raw, int(t.crc32c[i]), int(t.size[i]))
+    want = record_row(rec, raw, int(t.crc32c[i]), int(t.size[i]))
+    if t.feature_stats is None:  # a segment from before feature statistics: it cannot say them
+        want.pop("feature_stats")
+    return t.row_of(i) == want
 
 
 def matches_object(t: RecordTable, i: int, rec: CommitRecord, data: bytes) -> bool:
@@ -282,6 +311,8 @@ def matches_object(t: RecordTable, i: int, rec: CommitRecord, data: bytes) -> bo
     row = t.row_of(i)
     want = record_row(rec, data, codec.crc32c(data), len(data))
     row.pop("raw_size"), want.pop("raw_size")  # a version-1 segment's row holds the record serialised again
+    if t.feature_stats is None:
+        want.pop("feature_stats")
     return row == want
 
 
@@ -300,6 +331,11 @@ def from_records(items: Sequence[tuple]) -> RecordTable:
         for j, s in enumerate(slots):
             if s in row["layers"]:
                 stored[i, j], raw[i, j] = row["layers"][s]
+    feature_stats = np.full((len(rows), len(slots), len(FEATURE_STATS)), np.nan)
+    for i, row in enumerate(rows):
+        for j, s in enumerate(slots):
+            if s in row["feature_stats"]:
+                feature_stats[i, j] = row["feature_stats"][s]
     first = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([len(r["samples"]["length"]) for r in rows], out=first[1:])
     col = lambda k: [x for r in rows for x in r["samples"][k]]  # noqa: E731
@@ -312,7 +348,7 @@ def from_records(items: Sequence[tuple]) -> RecordTable:
         Codes.of([r["location"] for r in rows]), slots, stored, raw,
         {i: r["skipped"] for i, r in enumerate(rows) if r["skipped"]}, first,
         {k: np.array(col(k), np.int64) for k in SAMPLE_INTS}, Strings.of(col("sample_id")), Codes.of(col("source")),
-        Codes.of([tuple(f) for f in col("flags")]), blocks, block, offset)
+        Codes.of([tuple(f) for f in col("flags")]), blocks, block, offset, feature_stats=feature_stats)
 
 
 def pack(raws: Sequence[bytes]) -> tuple[list[bytes], np.ndarray, np.ndarray]:
@@ -373,6 +409,14 @@ def concat(parts: list[RecordTable]) -> RecordTable:
         block.append(p.block + len(blocks))
         blocks += p.blocks
     cat = lambda f: np.concatenate([f(p) for p in parts])  # noqa: E731
+
+    def widen_stats(p: RecordTable) -> np.ndarray:
+        out = np.full((len(p), len(slots), len(FEATURE_STATS)), np.nan)
+        if p.feature_stats is not None:
+            for j, s in enumerate(p.slots):
+                out[:, slots.index(s)] = p.feature_stats[:, j]
+        return out
+
     return RecordTable(
         _concat_strings([p.shard for p in parts]), _concat_strings([p.stamp for p in parts]), cat(lambda p: p.crc32c),
         {k: cat(lambda p: p.ints[k]) for k in SHARD_INTS}, _concat_codes([p.writer for p in parts]),
@@ -381,6 +425,7 @@ def concat(parts: list[RecordTable]) -> RecordTable:
         {k: cat(lambda p: p.samples[k]) for k in SAMPLE_INTS}, _concat_strings([p.sample_id for p in parts]),
         _concat_codes([p.source for p in parts]), _concat_codes([p.flags for p in parts]), blocks,
         np.concatenate(block).astype(np.int32), cat(lambda p: p.offset),
+        feature_stats=None if all(p.feature_stats is None for p in parts) else cat(widen_stats),
         _block_sizes=np.concatenate([p.block_sizes() for p in parts]))
 
 
@@ -394,7 +439,8 @@ def table_header(t: RecordTable) -> tuple[dict[str, Any], list[np.ndarray]]:
         ("layer_stored", t.layer_stored), ("layer_raw", t.layer_raw), ("first", t.first),
         *((f"sample.{k}", t.samples[k]) for k in SAMPLE_INTS), ("sample_id.blob", t.sample_id.blob),
         ("sample_id.off", t.sample_id.off), ("source", t.source.codes), ("flags", t.flags.codes),
-        ("block", t.block), ("offset", t.offset)]
+        ("block", t.block), ("offset", t.offset),
+        *([("feature_stats", t.feature_stats)] if t.feature_stats is not None else [])]
     desc = {"rows": len(t), "slots": t.slots, "writer": t.writer.values, "manifest_key": t.manifest_key.values,
             "location": t.location.values, "source": t.source.values, "flags": [list(f) for f in t.flags.values],
             "skipped": {str(r): v for r, v in t.skipped.items()},
@@ -434,6 +480,9 @@ def table_from(desc: dict[str, Any], buf: bytes, blocks: list[bytes]) -> RecordT
             raise ValueError(f"{codes} codes out of range")
     if n and (a["block"].min() < 0 or a["block"].max() >= len(blocks)):
         raise ValueError("block numbers out of range")
+    stats = a.get("feature_stats")  # absent in segments written before feature statistics
+    if stats is not None and (stats.dtype != np.float64 or stats.shape != (n, len(slots), len(FEATURE_STATS))):
+        raise ValueError("feature statistics disagree in shape")
     return RecordTable(
         Strings(a["shard.blob"], a["shard.off"]), Strings(a["stamp.blob"], a["stamp.off"]), a["crc32c"],
         {k: a[f"int.{k}"] for k in SHARD_INTS}, Codes(a["writer"], list(desc["writer"])),
@@ -441,7 +490,7 @@ def table_from(desc: dict[str, Any], buf: bytes, blocks: list[bytes]) -> RecordT
         a["layer_stored"], a["layer_raw"], {int(r): v for r, v in desc["skipped"].items()}, first,
         {k: a[f"sample.{k}"] for k in SAMPLE_INTS}, Strings(a["sample_id.blob"], a["sample_id.off"]),
         Codes(a["source"], list(desc["source"])), Codes(a["flags"], [tuple(f) for f in desc["flags"]]), blocks,
-        a["block"], a["offset"])
+        a["block"], a["offset"], feature_stats=stats)
 
 
 # -- records, parsed on access ------------------------------------------------------------------------------

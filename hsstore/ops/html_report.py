@@ -19,7 +19,7 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 W, H = 640, 260
 M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 34, 44
@@ -86,8 +86,9 @@ def _frame(name: str, title: str, body: list[str], y_lo: float, y_hi: float, x_l
 
 
 def bar_chart(name: str, title: str, labels: list[str], values: list[float], mark: int | None = None,
-              note: str = "") -> str:
-    """Vertical bars; the bar at index ``mark`` in red (the stub signature's bin)."""
+              note: str = "", marks: Sequence[int] = ()) -> str:
+    """Vertical bars; the bar at index ``mark`` (the stub signature's bin) and those at ``marks`` (outlier
+    shards) in red."""
     pw, ph = W - M_LEFT - M_RIGHT, H - M_TOP - M_BOTTOM
     peak = max([v for v in values if v is not None and math.isfinite(v)] or [0]) or 1
     n = max(len(values), 1)
@@ -97,7 +98,7 @@ def bar_chart(name: str, title: str, labels: list[str], values: list[float], mar
         v = v if v is not None and math.isfinite(v) else 0
         h = ph * v / peak
         x = M_LEFT + i * pitch + pitch * 0.1
-        color = MARK if mark == i else COLORS[0]
+        color = MARK if mark == i or i in marks else COLORS[0]
         body.append(f'<rect class="mark bar" x="{x:.1f}" y="{M_TOP + ph - h:.1f}" width="{pitch * 0.8:.1f}" '
                     f'height="{max(h, 0.0):.1f}" fill="{color}"><title>{_esc(lab)}: {_esc(_fmt(v))}</title></rect>')
         if n <= 16 or i % math.ceil(n / 16) == 0:
@@ -195,8 +196,25 @@ def store_html(store) -> str:
         bar_chart("bytes_per_layer", "stored bytes per layer", [f"layer {k}" if k.isdigit() else k for k in per_layer],
                   [v["stored_bytes"] for v in per_layer.values()]),
     ]
+    charts += feature_charts(store, s["feature_health"])
     sections.append('<div class="grid">' + "".join(f'<div class="card">{c}</div>' for c in charts) + "</div>")
     return _page(f"hsstore store report: {s['url']}", sections)
+
+
+def feature_charts(store, h: dict[str, Any]) -> list[str]:
+    """Per feature, its RMS in each shard (from the records' statistics); shards 10x from the median in red."""
+    import numpy as np
+
+    from ..format import health
+
+    out = []
+    for key in h["features"]:
+        rms, far = health.shard_rms_of(store.table, key)
+        n = int(far.sum())
+        out.append(bar_chart(f"rms_{key}", f"{health.feature_name(key)}: RMS per shard", [str(i) for i in range(len(rms))],
+                             rms.tolist(), marks=set(np.flatnonzero(far).tolist()),
+                             note=f"{n} shard(s) {health.OUTLIER_FACTOR:g}x from the median" if n else ""))
+    return out
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

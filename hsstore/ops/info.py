@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import codec
+from ..format import codec, health
 from . import stats
 from ..errors import CorruptionError
 from ..store.reader import Store
@@ -81,8 +81,28 @@ def summarize(store: Store) -> dict[str, Any]:
         "index": {"indexed": store.index_use.indexed, "fetched": store.index_use.fetched,
                   "segments": store.index_use.segments, "damaged": len(store.index_use.damaged)},
         "stub_warning": stats.dominated(out["top_loss_sum"], STUB_WARN_MAX_VALUE, STUB_WARN_SHARE),
+        # what the stored values look like (docs/FORMAT.md, "Feature statistics"): a store of zeros trains nothing
+        "feature_health": health.summary(t, m.all_features),
     })
     return out
+
+
+def feature_lines(h: dict[str, Any], shards: int) -> list[str]:
+    """The feature statistics' lines: per feature mean, RMS (and its spread over shards), max |x|, zeros and
+    non-finite values, then a warning line for each rule broken."""
+    lines = []
+    for key, f in h["features"].items():
+        r = f["shard_rms"]
+        lines.append(f"  {health.feature_name(key):>12}: rms {f['rms']:.4g} (shards {r['min']:.4g} / {r['median']:.4g} / "
+                     f"{r['max']:.4g}), mean {f['mean']:.3g}, max |x| {f['absmax']:.4g}, zeros "
+                     f"{100 * f['zero_share']:.2f}%, non-finite {f['nonfinite']:,}")
+    if lines:
+        lines.insert(0, "features   value statistics per feature (rms min / median / max over shards):")
+    if h["shards_without"]:
+        lines.append(f"features   {h['shards_without']} of {shards} shard(s) without value statistics (written "
+                     "before them): `hsstore upgrade URL` adds them")
+    lines += [f"!!! WARNING: {w}" for w in h["warnings"]]
+    return lines
 
 
 def human_bytes(n: float) -> str:
@@ -147,4 +167,5 @@ def format_text(s: dict[str, Any]) -> str:
     for l, b in s["bytes_per_layer"].items():
         lines.append(f"  {'layer ' + format(int(l), '>3') if l.isdigit() else l}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
                      f"({b['ratio']:.2f}x)")
+    lines += feature_lines(s["feature_health"], s["shards"])
     return "\n".join(lines)

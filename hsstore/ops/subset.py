@@ -13,12 +13,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..format import assets, codec
+from ..format import assets, codec, health
 from ..layouts import base as layout
 from .. import destination, storage
 from .stats import SAMPLE_FLAGS
-from ..format.manifest import Manifest, check_compatible
-from ..format.manifest import read_manifest
+from ..format.manifest import Manifest, check_compatible, read_manifest
 from ..store.reader import Store, committed_ids
 from ..redaction import recordable_url
 from ..store.writer import DEFAULT_SHARD_BYTES, StoreWriter
@@ -36,6 +35,7 @@ class Selection:
     max_tokens: int | None = None
     min_loss_tokens: int | None = None
     exclude_flags: tuple[str, ...] = ()
+    exclude_unhealthy: bool = False  # drop samples with a non-finite or all-zero feature (``health.unhealthy``)
 
     def keeps(self, cols: dict[str, list], i: int) -> bool:
         n, loss = cols["length"][i], cols["loss_tokens"][i]
@@ -121,8 +121,9 @@ def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options
     src_url = src.url
     manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": recordable_url(src_url)})
     done = committed_ids(dst_url, dst_options)
-    all_kept = select(src, sel)
-    windows = select(src, sel, skip_ids=done)
+    sick = {u.sample_id for u in health.unhealthy(src)} if sel.exclude_unhealthy else set()
+    all_kept = select(src, sel, skip_ids=sick)
+    windows = select(src, sel, skip_ids=done | sick)
     result = SubsetResult(selected=sum(j - i for _, i, j in all_kept))
     result.already = result.selected - sum(j - i for _, i, j in windows)
     if not windows:

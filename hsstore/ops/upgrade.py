@@ -1,5 +1,6 @@
 """``hsstore upgrade``: rewrite commit records of format version 1 so that their checksums identify every
-chunk (format version 2), then the manifest's version.
+chunk (format version 2), then the manifest's version; and add feature statistics (``format/health.py``) to
+records written before them, computed from the shard's data.
 
 Version 1 records list each chunk object's whole CRC32C, which is the same constant for every valid chunk
 (payload + its own CRC32C), so a valid chunk at the wrong path passed every check. Version 2 lists the
@@ -19,7 +20,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..format import commit, index
+import numpy as np
+
+from ..format import commit, fp8, health, index
 from .. import storage
 from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest
 from ..store.reader import Store
@@ -56,7 +59,7 @@ def upgrade(store: Store, progress: Callable[[int], None] | None = None) -> Upgr
 
 def _upgrade_records(store: Store, result: UpgradeResult, appender: index.SegmentAppender, progress) -> None:
     for rec in store.commits:
-        if rec.binds_chunks:
+        if rec.binds_chunks and health.has_stats(rec):
             result.current += 1
             continue
         report = VerifyReport(shards=1)
@@ -65,11 +68,13 @@ def _upgrade_records(store: Store, result: UpgradeResult, appender: index.Segmen
         if report.problems:
             result.refused += report.problems
             continue
-        files = {k: {**e, "crc32c": tails[k]} if commit.is_chunk_key(k) else e for k, e in rec.files.items()}
-        new = dataclasses.replace(rec, files=files, format_version=FORMAT_VERSION)
+        files = {k: {**e, "crc32c": tails[k]} if commit.is_chunk_key(k) and not rec.binds_chunks else e
+                 for k, e in rec.files.items()}
+        new = dataclasses.replace(rec, files=files, format_version=FORMAT_VERSION,
+                                  stats={**rec.stats, "features": shard_feature_stats(store, rec)})
         (now,) = commit.load_commits(store.fs, store.root, [rec.shard])
         if now != rec:  # replaced since the store was opened (another upgrade, by hand): not ours to overwrite
-            if now.binds_chunks:
+            if now.binds_chunks and health.has_stats(now):
                 result.current += 1
             else:
                 result.refused.append(Problem(rec.shard, "commit record changed while upgrading; run again",
@@ -78,6 +83,20 @@ def _upgrade_records(store: Store, result: UpgradeResult, appender: index.Segmen
         appender.add(new, commit.publish(store.fs, store.root, new))
         result.rewritten += 1
         log.debug("upgraded the commit record of shard %s", rec.shard)
+
+
+def shard_feature_stats(store: Store, rec: commit.CommitRecord) -> dict:
+    """A shard's ``stats["features"]`` computed from its data (every feature of every sample, read and checked)."""
+    m = store.manifest
+    off = rec.offsets
+    is_fp8 = m.encoding == fp8.ENCODING
+    per_sample = []
+    for i in range(rec.n_samples):
+        a, b = int(off[i]), int(off[i + 1])
+        scales = np.empty((len(m.all_features), b - a), fp8.SCALE_DTYPE) if is_fp8 else None
+        _, _, bits = store.read_range(rec.shard, a, b, m.all_features, scales_out=scales)
+        per_sample.append(health.bits_stats(bits, "float8_e4m3fn" if is_fp8 else m.dtype, scales))
+    return health.shard_stats(m.all_features, rec.samples["length"], m.hidden_size, per_sample)
 
 
 def _upgrade_manifest(store: Store) -> bool:

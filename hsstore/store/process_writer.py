@@ -96,9 +96,10 @@ class ProcessWriter:
 
     # -- the StoreWriter surface ----------------------------------------------------------------
     def add(self, sample_id: str, input_ids, loss_mask, hidden_states: torch.Tensor | fp8.Quantised, *,
-            source: str = "", thinking_tokens: int = 0, flags: list[str] | None = None) -> None:
+            source: str = "", thinking_tokens: int = 0, flags: list[str] | None = None,
+            feature_stats: np.ndarray | None = None) -> None:
         """Queue one sample whose ``hidden_states`` ``[T, n_layers, H]`` (or fp8 values and scales) lie in
-        staging buffers."""
+        staging buffers (``feature_stats``: as ``StoreWriter.add`` takes them, a small numpy array)."""
         self._check_open()
         where = f"sample {sample_id!r}"
         self._raise_reported()
@@ -107,7 +108,8 @@ class ProcessWriter:
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
         self._send(("add", parts, str(sample_id), ids, mask,
-                    {"source": source, "thinking_tokens": thinking_tokens, "flags": flags}))
+                    {"source": source, "thinking_tokens": thinking_tokens, "flags": flags,
+                     "feature_stats": None if feature_stats is None else np.asarray(feature_stats, np.float64)}))
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
         self._check_open()
