@@ -23,7 +23,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 import zarr
 from zarr.abc.store import Store as ZarrStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore
@@ -33,7 +32,7 @@ from .. import storage
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_into
+from ..memory import copy_bytes, mapped_reads, pread_into, torch_threads
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -350,7 +349,7 @@ def read_chunk_into(path: str, dest: np.ndarray, where: str, expect: int | None 
             size = os.fstat(f.fileno()).st_size
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            if not mapped_reads() or torch.get_num_threads() == 1:
+            if not mapped_reads() or torch_threads() == 1:
                 tail = bytearray(4)
                 if pread_into(f.fileno(), [flat, tail], 0) != n + 4:
                     raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
