@@ -165,10 +165,12 @@ def run_check(args: argparse.Namespace) -> int:
 
     from hsstore.ops.estimate import format_text
     from .gate_report import gate_inputs
-    from .target import load_tokenizer
+    from .target import load_tokenizer, planned_taps
 
     cfg = from_args(CheckSettings, args)
     est, out, tok = cfg.estimate, cfg.report, cfg.tokenize
+    if cfg.input.model:  # the taps checked against the model's depth before any tokenizing
+        planned_taps(cfg.input.model, est.layers)
     if est.estimate_only:
         if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")

@@ -32,7 +32,7 @@ from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identi
 from .readers import RowShard
 from .settings import ExtractConfig  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
-from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
+from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, planned_taps, text_config
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     when the quality gate fails and ``cfg.force`` is false."""
     rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
     device = resolve_device(cfg.device, local_rank)  # an unusable --device fails before the gate spends any time
+    planned_taps(cfg.model, cfg.layers)  # and so do layer ids the target does not have
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     rows = gated_rows(cfg, tokenizer, result)

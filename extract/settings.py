@@ -29,7 +29,9 @@ COLOR_CHOICES = ("auto", "always", "never")
 
 def parse_layers(value: str | None) -> list[int] | None:
     """``--layers 1,16,31`` as a list of layer ids (None: the default spacing)."""
-    return [int(x) for x in value.split(",")] if value else None
+    from .peer_layers import parse_ids
+
+    return parse_ids(value, "--layers") if value else None
 
 
 def template_kwargs(value: str | None) -> dict:

@@ -17,7 +17,7 @@ import torch
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.devices import route_cpu_kernels
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
-from hsstore.format.taps import text_config
+from hsstore.format.taps import check_taps, default_taps, text_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -37,6 +37,19 @@ def load_tokenizer(model: str):
         return AutoTokenizer.from_pretrained(model, local_files_only=True)
     except Exception as e:  # a damaged tokenizer.json raises whatever its parser raises: name the model
         raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
+
+
+def planned_taps(model_dir: str, layers: list[int] | None) -> list[int] | None:
+    """``--layers`` (else DFlash's spacing) checked against the depth ``model_dir/config.json`` gives, before the
+    tokenizer, the gate or the weights are loaded, so a wrong id costs no time; None: the folder has no config."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    n_layers = int(text_config(json.loads(path.read_text(encoding="utf-8")))["num_hidden_layers"])
+    try:
+        return check_taps(list(layers) if layers else default_taps(n_layers), n_layers)
+    except ValueError as e:
+        raise ValueError(f"--layers {','.join(map(str, layers or []))}: {e} ({path})") from None
 
 
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
