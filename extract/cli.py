@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import fields
 
@@ -212,6 +213,8 @@ def run_show(args: argparse.Namespace) -> int:
         print(format_store_sample(where.input, where.n, where.storage_options, model=where.model, color=color,
                                   max_chars=cfg.output.max_chars))
         return 0
+    if storage.is_local(fs) and not os.path.exists(root):
+        raise ValueError(f"{recordable_url(where.input)} does not exist (neither a store nor an input file)")
     if not where.model:
         raise ValueError(f"{recordable_url(where.input)}: not a store (no manifest.json there); to show a sample of "
                          "an input file, give --model")

@@ -46,3 +46,24 @@ def test_layers_out_of_range_refused_before_anything_loads(capsys, config_only, 
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--layers 1,99: layer ids [99] out of range: the target has 8 decoder layers" in err, err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "index", "report"])
+def test_a_mistyped_store_path_says_it_does_not_exist(capsys, tmp_path, command):
+    from conftest import make_manifest, make_samples, write_samples
+
+    store = tmp_path / "stores" / "run1"
+    write_samples(str(store), make_manifest(), make_samples(2))
+    extra = ["--out", str(tmp_path / "r.html")] if command == "report" else []
+    code, _, err = run(capsys, command, str(tmp_path / "stores" / "rnu1"), *extra)
+    assert code == 2
+    assert "does not exist" in err and f"the nearest folder that exists is {tmp_path / 'stores'}" in err, err
+    assert "manifest.json" not in err
+    (tmp_path / "plain").mkdir()  # a folder that exists and is not a store still says so
+    code, _, err = run(capsys, command, str(tmp_path / "plain"), *extra)
+    assert code == 2 and "is not an hsstore store: no manifest.json there" in err
+
+
+def test_show_of_a_path_that_does_not_exist(capsys, tmp_path):
+    code, _, err = run(capsys, "show", str(tmp_path / "nowhere.jsonl"), "0")
+    assert code == 2 and "does not exist (neither a store nor an input file)" in err, err

@@ -69,7 +69,7 @@ def test_info_reads_no_feature_data(tmp_path, new_manifest, new_samples, write, 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["info", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("hsstore info: error:") and "no manifest.json" in err and "\n" not in err
+    assert err.startswith("hsstore info: error:") and "does not exist" in err and "\n" not in err
 
 
 def test_info_on_s3_with_storage_option(s3_store, new_manifest, new_samples, write, capsys):

@@ -90,6 +90,23 @@ class SampleRef:
     sample_id: str
 
 
+def _missing_path(fs, root: str) -> str | None:
+    """What is missing of a store path that is not there (a mistyped path is told apart from a folder that is
+    not a store): locally the nearest folder above it that exists; on an object store, that nothing is under
+    the prefix. None when the path exists (or the filesystem cannot tell)."""
+    try:
+        if storage.is_local(fs):
+            if os.path.exists(root):
+                return None
+            above = os.path.dirname(os.path.abspath(root))
+            while not os.path.isdir(above):
+                above = os.path.dirname(above)
+            return f"no such file or folder (the nearest folder that exists is {above})"
+        return None if fs.exists(root) else "no object under that prefix"
+    except Exception:
+        return None
+
+
 def read_manifest(fs, root: str, url: str) -> Manifest:
     path = storage.join(root, MANIFEST_FILE)
     try:
@@ -97,6 +114,9 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
     except FileNotFoundError as e:
         if storage.missing_bucket(fs, root):
             raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+        missing = _missing_path(fs, root)
+        if missing:
+            raise ManifestError(f"store {url!r} does not exist: {missing}") from None
         raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
     except Exception as e:
         raise StoreError(storage.explain(e, url, "read", fs, root)) from None
