@@ -188,3 +188,29 @@ def test_store_commands_never_import_torch(tmp_path, encoding):
         if encoding == "fp8":
             assert torch.equal(a["hidden_scales"], b["hidden_scales"])
 
+
+def test_info_ratios_agree_with_the_figures_beside_them(tmp_path, capsys):
+    """#38.12: each ratio `info` prints is the quotient of the two figures printed beside it, labelled (it used
+    to divide raw features by the features' stored bytes while printing every file's bytes beside it)."""
+    import re
+
+    from conftest import make_manifest, make_samples, write_samples
+
+    from hsstore.ops.info import human_bytes, summarize
+
+    store = tmp_path / "s"
+    write_samples(str(store), make_manifest(codec="zstd"), make_samples(30))
+    assert main(["info", str(store)]) == 0
+    out = capsys.readouterr().out
+    s = summarize(hsstore.open(str(store)))
+    assert s["stored_bytes"] > s["feature_stored_bytes"]  # ids, masks and metadata are files too
+    every = re.search(r"bytes +(\S+ \S+) stored in all: features (\S+ \S+), token ids, masks and metadata (\S+ \S+)", out)
+    assert every.groups() == (human_bytes(s["stored_bytes"]), human_bytes(s["feature_stored_bytes"]),
+                              human_bytes(s["stored_bytes"] - s["feature_stored_bytes"]))
+    lines = re.findall(r"(\d+\.\d) (KB|MB) raw / (\d+\.\d) (KB|MB) stored = (\d+\.\d\d)x", out)
+    assert len(lines) == 1 + 3  # the features in all, then each layer
+    unit = {"KB": 1e3, "MB": 1e6}
+    for raw, ru, stored, su, ratio in lines:  # the ratio is what the figures beside it give, to their rounding
+        assert float(ratio) == pytest.approx(float(raw) * unit[ru] / (float(stored) * unit[su]), rel=0.02)
+    assert float(lines[0][4]) == pytest.approx(s["raw_feature_bytes"] / s["feature_stored_bytes"], abs=0.005)
+    assert "raw / stored" in out
