@@ -232,7 +232,7 @@ def cmd_report(args) -> int:
     from .ops.html_report import write_report
 
     kind = write_report(args.path, args.out, storage.parse_storage_options(args.storage_option))
-    print(f"report of {kind} {args.path}: {args.out}")
+    print(f"report of {kind} {recordable_url(args.path)}: {args.out}")
     return 0
 
 
