@@ -71,8 +71,11 @@ def register_eval(subparsers) -> None:
         "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
         "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
         "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau is the mean over "
-        "prompts of each prompt's mean per step, as there. The target is re-run over the whole sequence each "
-        "step (no KV cache), for the target-only baseline and the speculative run alike: slow for long generations.",
+        "prompts of each prompt's mean per step, as there. The target-only baseline and the speculative run both "
+        "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
+        "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
+        "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
+        "one thread (HSSTORE_EVAL_THREADS=N to choose).",
     )
     e.add_argument("--store", required=True, help="without --model: the store to evaluate on; with it: the store "
                    "the drafter was trained on (frozen head, taps)")
