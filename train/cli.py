@@ -40,7 +40,7 @@ def register_train(subparsers) -> None:
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
     add_config_option(t)
-    t.set_defaults(func=run_train)
+    t.set_defaults(func=run_train, announce=announce_train)
 
 
 def register_export(subparsers) -> None:
@@ -111,6 +111,16 @@ def register_eval(subparsers) -> None:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def announce_train(args: argparse.Namespace) -> None:
+    """``train``'s first line, which the CLI prints before anything heavy (torch for --device, the trainer, the
+    stores: ~25 s on a busy machine), so that a start is never silent."""
+    from hsstore.redaction import recordable_url
+
+    logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
+    logging.getLogger(__name__).info("train: loading torch and the trainer, then reading %s into %s",
+                                     ", ".join(recordable_url(u) for u in args.store or []), args.out)
+
+
 def train_config(args: argparse.Namespace):
     """The TrainConfig of parsed ``hsstore train`` flags (the schema's, plus -q and -S)."""
     return from_settings(from_args(TrainSettings, args, progress=not args.quiet,
@@ -123,7 +133,6 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
     cfg = train_config(args)
     result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
