@@ -208,9 +208,10 @@ def run_show(args: argparse.Namespace) -> int:
 
     cfg = from_args(ShowSettings, args, **shared_overrides(args))
     where, tok, color = cfg.input, cfg.tokenize, _use_color(cfg.output.color)
-    fs, root = storage.resolve(where.input, where.storage_options)  # bad URL or options: their own error
+    options = storage.interactive_options(where.input, where.storage_options)  # a person waits for it
+    fs, root = storage.resolve(where.input, options)  # bad URL or options: their own error
     if storage.store_exists(fs, root, where.input):
-        print(format_store_sample(where.input, where.n, where.storage_options, model=where.model, color=color,
+        print(format_store_sample(where.input, where.n, options, model=where.model, color=color,
                                   max_chars=cfg.output.max_chars))
         return 0
     if storage.is_local(fs) and not os.path.exists(root):

@@ -47,11 +47,16 @@ def add_json_option(p: argparse.ArgumentParser, what: str = "the summary") -> No
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout")
 
 
+def interactive_options(url: str, args) -> dict:
+    """The storage options of a command a person waits for (``storage.interactive_options``)."""
+    return storage.interactive_options(url, storage.parse_storage_options(args.storage_option))
+
+
 def cmd_info(args) -> int:
     from .ops.info import format_text, summarize
     from .store.reader import open_store
 
-    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    store = open_store(args.url, **interactive_options(args.url, args))
     s = summarize(store)
     print(json.dumps(s, indent=2) if args.json else format_text(s))
     return 0
@@ -98,7 +103,7 @@ def cmd_index(args) -> int:
     from .format.index import compact
     from .store.reader import read_manifest
 
-    fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
+    fs, root = storage.resolve(args.url, interactive_options(args.url, args))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
     r = compact(fs, root, grace_s=args.grace)
     if args.json:
@@ -231,7 +236,7 @@ def cmd_merge(args) -> int:
 def cmd_report(args) -> int:
     from .ops.html_report import write_report
 
-    kind = write_report(args.path, args.out, storage.parse_storage_options(args.storage_option))
+    kind = write_report(args.path, args.out, interactive_options(args.path, args))
     print(f"report of {kind} {recordable_url(args.path)}: {args.out}")
     return 0
 

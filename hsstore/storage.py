@@ -82,10 +82,14 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root path without trailing slash) for a store URL."""
     register({**(storage_options or {}), "url": url})  # its secrets are masked in every message from now on
+    options = dict(storage_options or {})
+    interactive = options.pop(INTERACTIVE, False)
     try:
-        fs, root = url_to_fs(url, **with_retry_defaults(url, storage_options or {}))
+        fs, root = url_to_fs(url, **with_retry_defaults(url, options))
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
         raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
+    if interactive and hasattr(fs, "retries"):  # s3fs's own rounds around botocore's attempts
+        fs.retries = S3FS_INTERACTIVE_RETRIES
     return fs, root.rstrip("/")
 
 
@@ -300,6 +304,29 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(config, dict):
         config.setdefault("retries", dict(S3_RETRIES))
         config.setdefault("max_pool_connections", max(10, metadata_concurrency()))
+    return out
+
+
+# Interactive commands (info, index, report, show) answer in seconds or fail saying why: a short connect
+# timeout, botocore's one retry and no second round from s3fs (S3_RETRIES and s3fs's 5 rounds are for jobs
+# that read or write for hours: a closed endpoint took 29 s to be reported, an unreachable one 45-59 s).
+S3_INTERACTIVE = {"connect_timeout": 3, "read_timeout": 15, "retries": {"mode": "standard", "total_max_attempts": 2}}
+S3FS_INTERACTIVE_RETRIES = 1
+INTERACTIVE = "hsstore_interactive"  # the option that asks ``resolve`` for s3fs's interactive retries (not passed on)
+
+
+def interactive_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus ``S3_INTERACTIVE`` (botocore's timeouts and retries, as ``config_kwargs``, each only where
+    the user did not set it) for ``s3://`` URLs, and the mark that gives the filesystem s3fs's interactive
+    ``retries`` (an attribute of the filesystem, not an option s3fs takes)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    out = copy.deepcopy(options)
+    config = out.setdefault("config_kwargs", {})
+    if isinstance(config, dict):
+        for key, value in S3_INTERACTIVE.items():
+            config.setdefault(key, copy.deepcopy(value))
+    out[INTERACTIVE] = True
     return out
 
 

@@ -67,3 +67,68 @@ def test_a_mistyped_store_path_says_it_does_not_exist(capsys, tmp_path, command)
 def test_show_of_a_path_that_does_not_exist(capsys, tmp_path):
     code, _, err = run(capsys, "show", str(tmp_path / "nowhere.jsonl"), "0")
     assert code == 2 and "does not exist (neither a store nor an input file)" in err, err
+
+
+def test_interactive_commands_size_s3_timeouts_and_retries(monkeypatch):
+    """#38.6: info, index, report and show give an object store a short connect timeout, one retry and no second
+    round from s3fs (where the user set none); jobs keep the long-haul retries. Asserted on the botocore client
+    the filesystem ends up with."""
+    import fsspec.asyn
+    import s3fs
+
+    from hsstore import storage
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    url = "s3://bucket/store"
+    fs, _ = storage.resolve(url, storage.interactive_options(url, {}))
+    client = fsspec.asyn.sync(fs.loop, fs.set_session)
+    assert (client.meta.config.connect_timeout, client.meta.config.read_timeout) == (3, 15)
+    assert client.meta.config.retries == {"mode": "standard", "total_max_attempts": 2}  # one try, one retry
+    assert fs.retries == storage.S3FS_INTERACTIVE_RETRIES == 1
+    mine = storage.interactive_options(url, storage.parse_storage_options(["config_kwargs.connect_timeout=30"]))
+    assert mine["config_kwargs"]["connect_timeout"] == 30 and mine["config_kwargs"]["read_timeout"] == 15
+    job, _ = storage.resolve(url, {})  # extract, train, verify ...: hsstore's retry policy, s3fs's own rounds
+    assert job.config_kwargs["retries"] == storage.S3_RETRIES and job.retries == 5
+    assert storage.interactive_options("/local/store", {}) == {}
+
+
+def _s3_env(port: int) -> dict:
+    import os
+
+    return {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
+            "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def test_info_against_a_closed_port_is_one_line_naming_the_url():
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    p = subprocess.run([sys.executable, "-m", "hsstore", "info", "s3://bucket/x"], env=_s3_env(free_port()),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "cannot reach store 's3://bucket/x'" in p.stderr
+
+
+def test_info_says_what_it_waits_for():
+    """An endpoint that accepts connections and never answers: a line says what is awaited (the endpoint, the
+    timeouts in force) while it waits, then the error is one line naming the URL."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections complete in the kernel's backlog; nothing ever reads them
+        port = silent.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "hsstore", "info", "s3://bucket/x", "-S",
+                            "config_kwargs.read_timeout=4"], env=_s3_env(port), capture_output=True, text=True,
+                           timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 2, p.stderr
+    assert lines[0].startswith("WARNING") and f"waiting for s3://bucket/x: no answer yet from http://127.0.0.1:{port}" in lines[0]
+    assert "3 s to connect, 4 s to answer" in lines[0]
+    assert lines[1].startswith("hsstore info: error: cannot read store 's3://bucket/x'")

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..layouts import base as layout
 from .. import memory, storage
 from ..format.commit import CommitRecord
 from ..errors import CorruptionError, ManifestError, StoreError
+from ..redaction import recordable_url
 from .items import make_item
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
@@ -107,8 +109,34 @@ def _missing_path(fs, root: str) -> str | None:
         return None
 
 
+WAIT_NOTICE_S = 2.0  # a first request to an object store unanswered this long: say what is awaited
+
+
+def _endpoint(fs) -> str:
+    """The endpoint an object-store filesystem talks to, as a person would check it."""
+    given = (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or getattr(fs, "endpoint_url", None)
+    env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return recordable_url(given or env or "the AWS default endpoint")
+
+
+def _waiting_notice(fs, url: str) -> threading.Timer | None:
+    """A timer that logs, once the first request of a remote store has waited ``WAIT_NOTICE_S``, what it waits
+    for (the endpoint, the timeouts in force): credentials lookups and unreachable endpoints are otherwise silent."""
+    if storage.is_local(fs):
+        return None
+    config = getattr(fs, "config_kwargs", None) or {}
+    limits = (f"; each try gives up after {config['connect_timeout']} s to connect, {config['read_timeout']} s "
+              "to answer" if "connect_timeout" in config and "read_timeout" in config else "")
+    timer = threading.Timer(WAIT_NOTICE_S, log.warning, ("waiting for %s: no answer yet from %s (credentials, "
+                            "network, endpoint?)%s", recordable_url(url), _endpoint(fs), limits))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def read_manifest(fs, root: str, url: str) -> Manifest:
     path = storage.join(root, MANIFEST_FILE)
+    notice = _waiting_notice(fs, url)
     try:
         data = fs.cat_file(path)
     except FileNotFoundError as e:
@@ -120,6 +148,9 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
         raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
     except Exception as e:
         raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+    finally:
+        if notice is not None:
+            notice.cancel()
     return Manifest.from_json(data, where=f"{url}/{MANIFEST_FILE}")
 
 
