@@ -66,12 +66,12 @@ def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _inputs() -> Any:
-    return option(flag="--input", dest="input", nargs="+", required=True,
+    return option(flag="--input", dest="input", nargs="+", required=True, path=True,
                   help="JSONL/Parquet/Arrow files or directories")
 
 
 def _store_url() -> Any:
-    return option(required=True, help="store URL (local path or s3://bucket/prefix)")
+    return option(required=True, path=True, help="store URL (local path or s3://bucket/prefix)")
 
 
 def _shard_bytes() -> Any:
@@ -169,7 +169,7 @@ class Forward:
 class Gate:
     force: bool = option(False, help="extract even when the quality gate fails")
     gate_report: str | None = option(
-        None, metavar="FILE",
+        None, metavar="FILE", path=True,
         help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, tokenizer "
              "and settings match (refused naming what differs), so each rank tokenizes only its own rows; "
              "without it every rank runs the gate over the whole input")

@@ -8,17 +8,24 @@ given on the command line (and the other members of their mutually exclusive gro
 overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
 against the flag's type and choices; a key under ``options`` whose flag has since moved into a group is read as
 that flag. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
-version, store identities, resolved values) is read past.
+version, store identities, resolved values) is read past. Paths (flags marked ``Option.path``) that are
+relative in a file are relative to the file's folder, and are recorded absolute (URLs as they are), so a
+``run.yaml`` runs again from any folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .redaction import is_secret_key, scrub
+from .schema import PATH_ATTR
+
+log = logging.getLogger(__name__)
 
 CONFIG_DEST = "config"
 PARSER_KEY = "_config_parser"  # the namespace holds the parser that has --config (for sections / dump)
@@ -137,7 +144,35 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
                          f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")
-    return values
+    return _against_file(values, {k: a for actions in known.values() for k, a in actions.items()}, Path(path))
+
+
+def is_relative_path(value: Any) -> bool:
+    """A local path that is not absolute (URLs, ``~`` paths and absolute paths are taken as they are)."""
+    return isinstance(value, str) and bool(value) and "://" not in value and not value.startswith(("/", "~"))
+
+
+def _against_file(values: dict[str, Any], actions: dict[str, argparse.Action], path: Path) -> dict[str, Any]:
+    """The file's relative paths (flags marked ``Option.path``) made relative to the file's folder, where a
+    person reading the file expects them, not to wherever the command runs; said when that is another folder."""
+    base = path.resolve().parent
+    moved = []
+
+    def fix(key: str, v: Any) -> Any:
+        if not is_relative_path(v):
+            return v
+        moved.append(f"{key} {v}")
+        return str(base / v)
+
+    out = {}
+    for key, v in values.items():
+        if getattr(actions.get(key), PATH_ATTR, False):
+            v = [fix(key, x) for x in v] if isinstance(v, list) else fix(key, v)
+        out[key] = v
+    if moved and base != Path.cwd().resolve():
+        log.warning("--config %s: relative paths are read from the file's folder %s (%s)", path, base,
+                    ", ".join(moved))
+    return out
 
 
 def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -211,9 +246,17 @@ def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     parser = getattr(args, PARSER_KEY)
     out: dict[str, dict[str, Any]] = {}
     for sec, actions in sections(parser).items():
-        for dest in actions:
-            out.setdefault(sec, {})[dest] = _public(dest, getattr(args, dest, None))
+        for dest, action in actions.items():
+            value = getattr(args, dest, None)
+            if getattr(action, PATH_ATTR, False):  # recorded absolute: the file works from any folder
+                value = [absolute_path(v) for v in value] if isinstance(value, list) else absolute_path(value)
+            out.setdefault(sec, {})[dest] = _public(dest, value)
     return out
+
+
+def absolute_path(value: Any) -> Any:
+    """A relative local path made absolute (against the current folder); URLs and the rest as they are."""
+    return os.path.abspath(value) if is_relative_path(value) else value
 
 
 def _public(dest: str, v: Any) -> Any:

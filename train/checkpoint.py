@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config
+from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config, recordable_stores
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -561,6 +561,9 @@ def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, ra
     saved = read_trainer_state(path)
     now = recordable_config(cfg)  # as it was saved
     before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
+    for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
+        if key in before and before[key]:
+            before[key] = recordable_stores(before[key])
     diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
     saved_cfg, _ = read_drafter_config(path)
     mine = dataclasses.replace(drafter.config, attn_impl=saved_cfg.attn_impl)
