@@ -404,8 +404,37 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+def unknown_word(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """One line for a mistyped command or flag, naming the nearest real one (argparse's own message for an
+    unknown flag comes after the top-level usage and suggests nothing); None when every word is known."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    words = [w for w in argv if not w.startswith("-")]
+    if not words:
+        return None
+    if words[0] not in sub.choices:
+        guess = config.near(words[0], list(sub.choices))
+        return (f"hsstore: error: unknown command {words[0]!r}" + (f" (did you mean {guess}?)" if guess else "")
+                + "; `hsstore --help` lists the commands")
+    cmd = sub.choices[words[0]]
+    flags = [o for a in cmd._actions for o in a.option_strings]
+    for word in argv[argv.index(words[0]) + 1:]:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if not name.startswith("--") or name in flags or len([f for f in flags if f.startswith(name)]) == 1:
+            continue  # a value, a flag, or an abbreviation argparse takes
+        guess = config.near(name, [f for f in flags if f.startswith("--")])
+        return (f"{cmd.prog}: error: unknown flag {name}" + (f" (did you mean {guess}?)" if guess else "")
+                + f"; `{cmd.prog} --help` lists the flags")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    problem = unknown_word(parser, list(sys.argv[1:] if argv is None else argv))
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     config.apply(parser, argv)  # a sub-command's --config FILE: its values become that parser's defaults
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

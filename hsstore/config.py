@@ -131,20 +131,37 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
         if sec == RECORDED:
             continue
         if sec not in known and sec != DEFAULT_SECTION:
-            unknown.append(str(sec))
+            unknown.append(_with_near(str(sec), list(known)))
             continue
         if not isinstance(body, dict):
             raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
         for key, value in body.items():
             where = sec if key in known.get(sec, {}) else _moved(known, sec, key)
             if where is None:
-                unknown.append(f"{sec}.{key}")
+                unknown.append(_with_near(f"{sec}.{key}", [f"{s_}.{k}" for s_, keys in known.items() for k in keys]))
                 continue
             values[key] = _check_value(known[where][key], value, f"--config {path}: {sec}.{key}")
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
                          f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")
     return _against_file(values, {k: a for actions in known.values() for k, a in actions.items()}, Path(path))
+
+
+def near(word: str, names: list[str]) -> str | None:
+    """The name ``word`` most likely meant (a typo, a plural, a key in another section), or None."""
+    import difflib
+
+    tail = word.rsplit(".", 1)[-1]
+    same_key = [n for n in names if n.rsplit(".", 1)[-1] == tail]  # the right key in another section
+    if same_key:
+        return same_key[0]
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _with_near(word: str, names: list[str]) -> str:
+    guess = near(word, names)
+    return f"{word} (did you mean {guess}?)" if guess else word
 
 
 def is_relative_path(value: Any) -> bool:
@@ -219,8 +236,9 @@ def apply(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
         return
     try:
         values = load(path, sub)
-    except (OSError, ValueError) as e:
-        sub.error(str(e))
+    except (OSError, ValueError) as e:  # one line, as every other error (not the command's usage first)
+        print(f"{sub.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     given = _explicit(sub, rest)
     for group in sub._mutually_exclusive_groups:  # a flag given overrides the file's value of its rivals
         dests = {a.dest for a in group._group_actions}

@@ -132,3 +132,26 @@ def test_info_says_what_it_waits_for():
     assert lines[0].startswith("WARNING") and f"waiting for s3://bucket/x: no answer yet from http://127.0.0.1:{port}" in lines[0]
     assert "3 s to connect, 4 s to answer" in lines[0]
     assert lines[1].startswith("hsstore info: error: cannot read store 's3://bucket/x'")
+
+
+def test_a_mistyped_flag_or_command_is_one_line_naming_the_near_one(capsys):
+    """#38.10: `train --stpes 3` printed the top-level usage and suggested nothing."""
+    code, _, err = run(capsys, "train", "--store", "s", "--out", "o", "--stpes", "3")
+    assert code == 2 and err.strip() == ("hsstore train: error: unknown flag --stpes (did you mean --steps?); "
+                                         "`hsstore train --help` lists the flags")
+    code, _, err = run(capsys, "trian", "--store", "s")
+    assert code == 2 and "unknown command 'trian' (did you mean train?)" in err and len(err.splitlines()) == 1
+    code, _, err = run(capsys, "info", "--jsn", "somewhere")
+    assert code == 2 and "unknown flag --jsn (did you mean --json?)" in err
+
+
+def test_an_unknown_config_key_is_one_line_naming_the_near_one(tmp_path, capsys):
+    """#38.10: an unknown key printed 20 lines of usage before the error, and no near name."""
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  stores: [s]\n  stpes: 3\ntrainin:\n  lr: 0.1\n")
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(f), "--out", "o"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage" not in err
+    assert "run.stores (did you mean run.store?)" in err and "run.stpes (did you mean run.steps?)" in err
+    assert "trainin (did you mean training?)" in err
