@@ -556,6 +556,10 @@ def checkpoint_errors(tmp: Path, step: int):
                       "before are kept (free space, then run the same command again to resume)") from e
 
 
+def _length(steps: int | None, epochs: float | None) -> str:
+    return f"--steps {steps}" if steps is not None else f"--epochs {epochs}" if epochs is not None else "the default"
+
+
 def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = read_trainer_state(path)
@@ -572,6 +576,10 @@ def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, ra
     if diffs:
         raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
                          "or --no-resume to start over")
+    length = {k: saved["config"].get(k) for k in ("steps", "epochs")}
+    if rank == 0 and length != {"steps": cfg.steps, "epochs": cfg.epochs}:  # allowed, but never silent
+        log.warning("resuming %s with another length: %s before, %s now (the learning-rate schedule follows the "
+                    "new length from here)", path, _length(**length), _length(cfg.steps, cfg.epochs))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
     if saved["world"] == [world, cfg.workers] and rank in states:

@@ -139,15 +139,17 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     last = result.last
     if args.json:
-        print(json.dumps({"steps": result.steps, "epochs_done": result.epochs_done, "seconds": result.seconds,
+        print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
+                          "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
                           "last": last}, indent=2))
         return 0
-    if result.resumed_from is not None:
-        print(f"resumed from {result.resumed_from}")
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
-    print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
+    resumed = ("" if result.resumed_from is None else
+               f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
+    print(f"trained {result.steps_this_run} steps{resumed} ({result.epochs_done} epoch(s) complete) in "
+          f"{result.seconds:.1f}s; "
           f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
           f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
     if "val_tau" in last:
