@@ -254,6 +254,11 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     src, store = cfg.files, cfg.store
     manifest = import_manifest(src.format, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
                                **dataclasses.asdict(cfg.identity))
+    files_of_target = None
+    if cfg.identity.model:  # what train and show use instead of the target, read before any sample is written
+        from .target import DTYPES, model_dir_assets
+
+        files_of_target = model_dir_assets(cfg.identity.model, DTYPES[cfg.identity.dtype])
     missing: list[str] = []
     files = peer_files(src.format, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=src.id_prefix, source=src.source, hs_dir=src.hidden_states_dir, missing=missing,
@@ -261,6 +266,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                        final_hidden=bool(manifest.features), num_rows=src.num_rows)
     r = import_files(files, store.out, manifest, storage_options=store.storage_options,
                      shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress)
+    assets_note = import_assets(store.out, store.storage_options, files_of_target)
     print(f"import {src.format} {src.path} -> {recordable_url(store.out)}: {r.samples} samples, {r.tokens:,} tokens "
           f"written ({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
@@ -269,7 +275,27 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     if r.pad_ambiguous:
         print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
               f"padding_ambiguous): {_some(r.pad_ambiguous)}")
+    if assets_note:
+        print(f"  {assets_note}")
     return 0
+
+
+def import_assets(url: str, options: dict, files: dict[str, bytes] | None) -> str:
+    """Write the target's files (``--model``) as the store's assets unless it has them; what to tell the user."""
+    from hsstore import storage
+    from hsstore.format import assets
+
+    fs, root = storage.resolve(url, options)
+    if not storage.store_exists(fs, root, url):
+        return ""
+    if assets.has_assets(fs, root):
+        return "assets: the store has them (config, tokenizer, embedding, lm_head)"
+    if files is None:
+        return ("note: the store has no assets (the target's config, tokenizer, embedding and lm_head), which "
+                "`hsstore train` and `hsstore show` need: run this import again with --model DIR (the target's "
+                "folder), which writes them and nothing else")
+    assets.write_assets(fs, root, files, url=url)
+    return "assets: the target's config, tokenizer, embedding and lm_head written from --model"
 
 
 def _some(ids: list[str], n: int = 10) -> str:
