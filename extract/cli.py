@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import fields
 
-from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
+from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
 from hsstore.schema import add_arguments, from_args
@@ -149,7 +149,7 @@ def add_regenerate(subparsers) -> None:
 
 def add_demo(subparsers) -> None:
     d = subparsers.add_parser(
-        "demo",
+        "demo", formatter_class=DefaultsHelpFormatter,
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
         "check, extract, info, verify, train a drafter, eval on held-out prompts (about 80 s on 2 CPU cores)",
     )

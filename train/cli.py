@@ -52,8 +52,9 @@ def register_export(subparsers) -> None:
         "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
         "OUT must not exist or be empty.",
     )
-    x.add_argument("ckpt", metavar="CKPT")
-    x.add_argument("out", metavar="OUT")
+    x.add_argument("ckpt", metavar="CKPT", help="a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a "
+                   "training run (its drafter/ or latest checkpoint)")
+    x.add_argument("out", metavar="OUT", help="the new drafter directory (must not exist or be empty)")
     x.set_defaults(func=run_export)
 
 
