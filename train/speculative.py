@@ -95,7 +95,8 @@ class TargetCache:
         out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep, output_hidden_states=taps is not None,
                          **({self.kwarg: self.cache} if self.cache is not None else {}))
         if self.cache is None:  # the model made its cache in the prefill
-            self.cache = getattr(out, "cache", None) or out.past_key_values
+            made = getattr(out, "cache", None)
+            self.cache = made if made is not None else out.past_key_values
         feats = None if taps is None else torch.stack([out.hidden_states[l + 1][0] for l in taps], dim=1)
         return out.logits[0, -keep:], feats
 
