@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import fields
 
-from hsstore.cli import add_json_option, add_quiet_option, add_storage_option
+from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
 from hsstore.schema import add_arguments, from_args
@@ -148,7 +149,7 @@ def add_regenerate(subparsers) -> None:
 
 def add_demo(subparsers) -> None:
     d = subparsers.add_parser(
-        "demo",
+        "demo", formatter_class=DefaultsHelpFormatter,
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
         "check, extract, info, verify, train a drafter, eval on held-out prompts (about 80 s on 2 CPU cores)",
     )
@@ -165,10 +166,12 @@ def run_check(args: argparse.Namespace) -> int:
 
     from hsstore.ops.estimate import format_text
     from .gate_report import gate_inputs
-    from .target import load_tokenizer
+    from .target import load_tokenizer, planned_taps
 
     cfg = from_args(CheckSettings, args)
     est, out, tok = cfg.estimate, cfg.report, cfg.tokenize
+    if cfg.input.model:  # the taps checked against the model's depth before any tokenizing
+        planned_taps(cfg.input.model, est.layers)
     if est.estimate_only:
         if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")
@@ -205,11 +208,14 @@ def run_show(args: argparse.Namespace) -> int:
 
     cfg = from_args(ShowSettings, args, **shared_overrides(args))
     where, tok, color = cfg.input, cfg.tokenize, _use_color(cfg.output.color)
-    fs, root = storage.resolve(where.input, where.storage_options)  # bad URL or options: their own error
+    options = storage.interactive_options(where.input, where.storage_options)  # a person waits for it
+    fs, root = storage.resolve(where.input, options)  # bad URL or options: their own error
     if storage.store_exists(fs, root, where.input):
-        print(format_store_sample(where.input, where.n, where.storage_options, model=where.model, color=color,
+        print(format_store_sample(where.input, where.n, options, model=where.model, color=color,
                                   max_chars=cfg.output.max_chars))
         return 0
+    if storage.is_local(fs) and not os.path.exists(root):
+        raise ValueError(f"{recordable_url(where.input)} does not exist (neither a store nor an input file)")
     if not where.model:
         raise ValueError(f"{recordable_url(where.input)}: not a store (no manifest.json there); to show a sample of "
                          "an input file, give --model")
@@ -248,6 +254,11 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     src, store = cfg.files, cfg.store
     manifest = import_manifest(src.format, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
                                **dataclasses.asdict(cfg.identity))
+    files_of_target = None
+    if cfg.identity.model:  # what train and show use instead of the target, read before any sample is written
+        from .target import DTYPES, model_dir_assets
+
+        files_of_target = model_dir_assets(cfg.identity.model, DTYPES[cfg.identity.dtype])
     missing: list[str] = []
     files = peer_files(src.format, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=src.id_prefix, source=src.source, hs_dir=src.hidden_states_dir, missing=missing,
@@ -256,6 +267,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     r = import_files(files, store.out, manifest, storage_options=store.storage_options,
                      shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress,
                      keep_unhealthy=src.keep_unhealthy)
+    assets_note = import_assets(store.out, store.storage_options, files_of_target)
     print(f"import {src.format} {src.path} -> {recordable_url(store.out)}: {r.samples} samples, {r.tokens:,} tokens "
           f"written ({r.bytes_written / 1e9:.2f} GB); {r.already} already in the store"
           + (f"; {r.missing} rows without a hidden-state file skipped ({_some(missing)})" if r.missing else "")
@@ -264,6 +276,8 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     if r.pad_ambiguous:
         print(f"  {len(r.pad_ambiguous)} rows whose padding cannot be told from real tokens (trimmed, flagged "
               f"padding_ambiguous): {_some(r.pad_ambiguous)}")
+    if assets_note:
+        print(f"  {assets_note}")
     if r.unhealthy and src.keep_unhealthy:
         print(f"  {len(r.unhealthy)} samples with an all-zero or non-finite feature, flagged feature_zero / "
               f"feature_nonfinite: {_some([str(u) for u in r.unhealthy], 3)}")
@@ -272,6 +286,24 @@ def run_import_cmd(args: argparse.Namespace) -> int:
                          f"were not imported (first: {r.unhealthy[0]}; a capture that returned zeros?); the "
                          f"{r.samples} healthy ones are in the store; --keep-unhealthy imports the rest, flagged")
     return 0
+
+
+def import_assets(url: str, options: dict, files: dict[str, bytes] | None) -> str:
+    """Write the target's files (``--model``) as the store's assets unless it has them; what to tell the user."""
+    from hsstore import storage
+    from hsstore.format import assets
+
+    fs, root = storage.resolve(url, options)
+    if not storage.store_exists(fs, root, url):
+        return ""
+    if assets.has_assets(fs, root):
+        return "assets: the store has them (config, tokenizer, embedding, lm_head)"
+    if files is None:
+        return ("note: the store has no assets (the target's config, tokenizer, embedding and lm_head), which "
+                "`hsstore train` and `hsstore show` need: run this import again with --model DIR (the target's "
+                "folder), which writes them and nothing else")
+    assets.write_assets(fs, root, files, url=url)
+    return "assets: the target's config, tokenizer, embedding and lm_head written from --model"
 
 
 def _some(ids: list[str], n: int = 10) -> str:

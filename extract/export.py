@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore import destination, storage
+from hsstore import destination
 from hsstore.store.reader import Store
 from hsstore.redaction import recordable_url
 
@@ -173,9 +173,14 @@ def export_store(fmt: str, url: str, out: str, **kw) -> ExportResult:
     raise ValueError(f"unknown peer format {fmt!r} (specforge or speculators)")
 
 
+def export_sidecar(root: Path) -> dict | None:
+    """What ``hsstore export`` recorded beside its files (store, layers, identity, sample ids), or None for the
+    peers' own files."""
+    p = root / SIDECAR
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
 def exported_ids(root: Path) -> list[str] | None:
     """The store's sample ids of an ``hsstore export`` folder (its sidecar), or None for the peers' own files."""
-    p = root / SIDECAR
-    if not p.is_file():
-        return None
-    return list(json.loads(p.read_text())["sample_ids"])
+    sidecar = export_sidecar(root)
+    return None if sidecar is None else list(sidecar["sample_ids"])

@@ -10,8 +10,6 @@ pass; under torchrun: every rank gates the whole input, then tokenizes its rows)
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +30,8 @@ from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identi
 from .readers import RowShard
 from .settings import ExtractConfig  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
-from .target import DTYPES, build_manifest, load_target, load_tokenizer, model_name, text_config
+from .target import (DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps,
+                     text_config)
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
@@ -82,17 +81,8 @@ def dist_env(rank: int | None, world: int | None) -> tuple[int, int, int]:
 
 def export_assets(fs, root: str, model, tokenizer) -> None:
     """The embedding, lm_head, config and tokenizer files the trainer uses instead of the target."""
-    files = {
-        assets.EMBED: assets.tensors_bytes({"weight": model.get_input_embeddings().weight}),
-        assets.LM_HEAD: assets.tensors_bytes({"weight": model.get_output_embeddings().weight}),
-        assets.CONFIG: model.config.to_json_string().encode(),
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), "rb") as f:
-                files[f"{assets.TOKENIZER_DIR}/{name}"] = f.read()
-    assets.write_assets(fs, root, files)
+    assets.write_assets(fs, root, asset_files(model.get_input_embeddings().weight,
+                                              model.get_output_embeddings().weight, model.config, tokenizer))
 
 
 def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult:
@@ -100,6 +90,7 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     when the quality gate fails and ``cfg.force`` is false."""
     rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
     device = resolve_device(cfg.device, local_rank)  # an unusable --device fails before the gate spends any time
+    planned_taps(cfg.model, cfg.layers)  # and so do layer ids the target does not have
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     rows = gated_rows(cfg, tokenizer, result)

@@ -23,10 +23,17 @@ PEER_CONVENTION = {"specforge": "specforge (output of decoder layer k, as hsstor
 
 
 def parse_ids(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
+    """Comma-separated layer ids; an error names the flag and the item that is not an integer."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {x!r} is not a layer id (expected comma-separated integers, "
+                             "e.g. 1,16,31)") from None
+    return out
 
 
 def vllm_launch_ids(num_layers: int, include_last: bool = True) -> list[int]:

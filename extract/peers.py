@@ -294,13 +294,20 @@ def import_manifest(fmt: str, layers: str | None = None, *, peer_layers: str | N
     the given values, which the peers' files cannot supply. Layer ids: ``layers`` (hsstore's) or ``peer_layers``
     (the peer's own), see :func:`import_layers`. ``final_hidden``: a SpecForge folder at ``path`` whose files
     carry the final-norm output (``hidden_state``) gives a store with the ``final_hidden`` feature."""
+    from .export import export_sidecar
+
+    need = {"--model-name": model_name, "--num-layers": num_layers, "--hidden-size": hidden_size,
+            "--config-hash": config_hash, "--tokenizer-hash": tokenizer_hash}
+    sidecar = export_sidecar(Path(path)) if path else None
     if model:
         target, tokenizer = identity_from_model_dir(model)
         if hidden_size is not None and hidden_size != target.hidden_size:
             raise ValueError(f"--hidden-size {hidden_size} contradicts {model} (hidden size {target.hidden_size})")
+    elif sidecar is not None and all(v is None for v in need.values()):  # hsstore's own export says it all
+        target, tokenizer = TargetIdentity(**sidecar["target"]), TokenizerIdentity(**sidecar["tokenizer"])
+        log.info("%s: target and tokenizer identity from its %s (store %s)", path, "hsstore_export.json",
+                 sidecar.get("store"))
     else:
-        need = {"--model-name": model_name, "--num-layers": num_layers, "--hidden-size": hidden_size,
-                "--config-hash": config_hash, "--tokenizer-hash": tokenizer_hash}
         absent = [k for k, v in need.items() if v is None]
         if absent:
             raise ValueError(f"give --model DIR, or the identity flags ({', '.join(absent)} missing)")
@@ -308,6 +315,8 @@ def import_manifest(fmt: str, layers: str | None = None, *, peer_layers: str | N
                                 config_hash=config_hash)
         tokenizer = TokenizerIdentity(name=tokenizer_name or model_name, vocab_hash=tokenizer_hash,
                                       chat_template_hash=chat_template_hash)
+    if sidecar is not None and layers is None and peer_layers is None:  # the export's taps, in hsstore's ids
+        layers, hsstore_ids = ",".join(map(str, sidecar["layers"])), True
     ids, extra = import_layers(fmt, layers, peer_layers, target.num_layers, hsstore_ids=hsstore_ids)
     final = fmt == "specforge" and final_hidden and path is not None and first_file_has_final_hidden(Path(path))
     return Manifest(target=target, tokenizer=tokenizer, layers=tuple(ids), dtype=dtype, codec=codec,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,17 @@ class TokenRecord:
 
 
 Record = ChatRecord | TokenRecord
+
+
+@dataclass
+class Malformed:
+    """A JSONL row that is not a record (not JSON, not an object, neither chat nor tokens): a caller that counts
+    skipped rows (``load_samples``) is handed it instead of an error; ``sample_id`` is ``file:line`` (no id of
+    the row can be trusted), ``where`` names file, line and column."""
+
+    sample_id: str
+    reason: str  # "malformed_json" or "invalid_row" (tokenize.SKIP_REASONS)
+    message: str
 
 
 @dataclass(frozen=True)
@@ -160,9 +171,14 @@ def engine_answer_ids(row: dict, where: str) -> tuple[list, list] | None:
     return prompt, gen
 
 
-def read_jsonl(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int = 0) -> Iterator[Record]:
+OnMalformed = Callable[[Malformed], None] | None
+
+
+def read_jsonl(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int = 0,
+               on_malformed: OnMalformed = None) -> Iterator[Record]:
     """Records of the rows ``shard`` owns (``start``: global index of the file's first row); returns the
-    global index after its last row. Other ranks' lines are read as bytes, never decoded or parsed."""
+    global index after its last row. Other ranks' lines are read as bytes, never decoded or parsed. A row that
+    is not a record is an error naming ``file:line:column``, or, with ``on_malformed``, handed to it and left out."""
     row = start
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -173,15 +189,29 @@ def read_jsonl(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int =
                 continue
             where = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON (not UTF-8: {e.reason} at byte {e.start})") from None
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            yield record_from_row(value, where, source)
+                yield record_from_row(_json_row(raw, where), where, source)
+            except ValueError as e:
+                if on_malformed is None:
+                    raise
+                malformed = "malformed JSON" in str(e)
+                on_malformed(Malformed(f"{path.name}:{lineno}", "malformed_json" if malformed else "invalid_row",
+                                       str(e)))
     return row
+
+
+def _json_row(raw: bytes, where: str) -> Any:
+    """One JSONL line parsed; an error names the line's column (the character, counted from 1)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        column = len(raw[:e.start].decode("utf-8", "replace")) + 1
+        raise ValueError(f"{where}:{column}: malformed JSON (not UTF-8: {e.reason})") from None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        column = e.pos - line.rfind("\n", 0, e.pos)  # characters, not bytes; the line has no newline inside
+        what = e.msg[:-3] + " here" if e.msg.endswith(" at") else e.msg  # "Unterminated string starting at"
+        raise ValueError(f"{where}:{column}: malformed JSON ({what})") from None
 
 
 def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
@@ -302,8 +332,8 @@ def input_files(path: str | Path) -> list[Path]:
     return files
 
 
-def read_records(path: str | Path, source: str | None = None, shard: RowShard = ALL_ROWS, start: int = 0
-                 ) -> Iterator[Record]:
+def read_records(path: str | Path, source: str | None = None, shard: RowShard = ALL_ROWS, start: int = 0,
+                 on_malformed: OnMalformed = None) -> Iterator[Record]:
     """Yield records from a file or directory (JSONL, Parquet, Arrow, or a ``datasets.save_to_disk`` dir).
 
     ``source`` defaults to the row's ``source`` column, else the file (or directory) stem. With ``shard``
@@ -325,7 +355,7 @@ def read_records(path: str | Path, source: str | None = None, shard: RowShard = 
         if f.suffix == ".jsonl":
             if f.stat().st_size == 0:  # an empty input is a mistake (a failed export), not zero samples
                 raise ValueError(f"{f}: empty file (no samples)")
-            start = yield from read_jsonl(f, default, shard, start)
+            start = yield from read_jsonl(f, default, shard, start, on_malformed)
         elif f.suffix == ".parquet":
             start = yield from read_parquet(f, default, shard, start)
         elif f.suffix == ".arrow":
@@ -335,9 +365,10 @@ def read_records(path: str | Path, source: str | None = None, shard: RowShard = 
     return start
 
 
-def read_inputs(paths: Iterable[str | Path], shard: RowShard = ALL_ROWS) -> Iterator[Record]:
+def read_inputs(paths: Iterable[str | Path], shard: RowShard = ALL_ROWS, on_malformed: OnMalformed = None
+                ) -> Iterator[Record]:
     """Records of several inputs in order, row indices running on across them (so ``shard`` splits the
     whole input, not each file)."""
     start = 0
     for path in paths:
-        start = yield from read_records(path, shard=shard, start=start)
+        start = yield from read_records(path, shard=shard, start=start, on_malformed=on_malformed)

@@ -29,7 +29,9 @@ COLOR_CHOICES = ("auto", "always", "never")
 
 def parse_layers(value: str | None) -> list[int] | None:
     """``--layers 1,16,31`` as a list of layer ids (None: the default spacing)."""
-    return [int(x) for x in value.split(",")] if value else None
+    from .peer_layers import parse_ids
+
+    return parse_ids(value, "--layers") if value else None
 
 
 def template_kwargs(value: str | None) -> dict:
@@ -64,12 +66,12 @@ def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _inputs() -> Any:
-    return option(flag="--input", dest="input", nargs="+", required=True,
+    return option(flag="--input", dest="input", nargs="+", required=True, path=True,
                   help="JSONL/Parquet/Arrow files or directories")
 
 
 def _store_url() -> Any:
-    return option(required=True, help="store URL (local path or s3://bucket/prefix)")
+    return option(required=True, path=True, help="store URL (local path or s3://bucket/prefix)")
 
 
 def _shard_bytes() -> Any:
@@ -167,7 +169,7 @@ class Forward:
 class Gate:
     force: bool = option(False, help="extract even when the quality gate fails")
     gate_report: str | None = option(
-        None, metavar="FILE",
+        None, metavar="FILE", path=True,
         help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, tokenizer "
              "and settings match (refused naming what differs), so each rank tokenizes only its own rows; "
              "without it every rank runs the gate over the whole input")

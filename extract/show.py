@@ -100,6 +100,7 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
 
     import hsstore
     from hsstore.format import assets
+    from hsstore.redaction import recordable_url
 
     from .target import load_tokenizer
 
@@ -113,6 +114,10 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
     if model:
         tokenizer = load_tokenizer(model)
     else:
+        if not any(a.startswith(assets.TOKENIZER_DIR + "/") for a in assets.asset_names(store.fs, store.root)):
+            raise ValueError(f"store {recordable_url(url)} holds no tokenizer (assets/{assets.TOKENIZER_DIR}/: "
+                             "written by extract, and by import --model DIR): give --model DIR to decode with "
+                             "that model's tokenizer")
         with tempfile.TemporaryDirectory() as tmp:
             assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=url)
             tokenizer = load_tokenizer(tmp)

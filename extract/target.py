@@ -17,7 +17,7 @@ import torch
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.devices import route_cpu_kernels
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
-from hsstore.format.taps import text_config
+from hsstore.format.taps import check_taps, default_taps, text_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -39,6 +39,19 @@ def load_tokenizer(model: str):
         raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
 
 
+def planned_taps(model_dir: str, layers: list[int] | None) -> list[int] | None:
+    """``--layers`` (else DFlash's spacing) checked against the depth ``model_dir/config.json`` gives, before the
+    tokenizer, the gate or the weights are loaded, so a wrong id costs no time; None: the folder has no config."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    n_layers = int(text_config(json.loads(path.read_text(encoding="utf-8")))["num_hidden_layers"])
+    try:
+        return check_taps(list(layers) if layers else default_taps(n_layers), n_layers)
+    except ValueError as e:
+        raise ValueError(f"--layers {','.join(map(str, layers or []))}: {e} ({path})") from None
+
+
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
     """The target model from a local directory, in ``dtype`` on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -55,6 +68,69 @@ def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progr
 def model_name(model_dir: str) -> str:
     """The name a store records for the model at ``model_dir``: its folder's name."""
     return model_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+# -- assets: what a store keeps instead of the target ---------------------------------------------------------
+def asset_files(embed: torch.Tensor, lm_head: torch.Tensor, config, tokenizer) -> dict[str, bytes]:
+    """The files ``hsstore.format.assets`` keeps (embedding, lm_head, config, tokenizer): what ``train`` and ``show``
+    use instead of the target, from ``extract`` and ``import --model`` alike."""
+    import os
+    import tempfile
+
+    from hsstore.format import assets
+
+    files = {assets.EMBED: assets.tensors_bytes({"weight": embed}),
+             assets.LM_HEAD: assets.tensors_bytes({"weight": lm_head}),
+             assets.CONFIG: config.to_json_string().encode()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                files[f"{assets.TOKENIZER_DIR}/{name}"] = f.read()
+    return files
+
+
+def model_dir_assets(model_dir: str, dtype: torch.dtype) -> dict[str, bytes]:
+    """``asset_files`` of a local model folder without loading the model: the embedding and lm_head read out of its
+    safetensors files alone (the one tensor of shape [vocab, hidden] named ``...embed_tokens.weight``, and
+    ``lm_head.weight``, or the embedding again when the config ties them), in ``dtype`` as extract stores them."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tc = text_config(config)
+    shape = [int(tc.vocab_size), int(tc.hidden_size)]
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    where = (json.loads(index.read_text())["weight_map"] if index.is_file()
+             else {k: "model.safetensors" for k in _keys(root / "model.safetensors")})
+
+    def tensor(suffix: str) -> torch.Tensor | None:
+        for key in sorted((k for k in where if k.endswith(suffix)), key=len):  # the shortest name: the text model's
+            with safe_open(str(root / where[key]), framework="pt") as f:
+                if list(f.get_slice(key).get_shape()) == shape:
+                    return f.get_tensor(key).to(dtype)
+        return None
+
+    embed = tensor("embed_tokens.weight")
+    head = tensor("lm_head.weight")
+    tied = getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)
+    head = head if head is not None else (embed if tied else None)
+    if embed is None or head is None:
+        missing = " and ".join(n for n, t in (("embed_tokens.weight", embed), ("lm_head.weight", head)) if t is None)
+        raise ValueError(f"{model_dir}: no {missing} of shape {shape} in its safetensors files: the store's assets "
+                         "(what train and show use instead of the target) cannot be written from it")
+    config.dtype = dtype  # as the config of a model loaded in that dtype says (extract's assets)
+    return asset_files(embed, head, config, load_tokenizer(model_dir))
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent}: no model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
 
 
 # -- identity --------------------------------------------------------------------------------------------------

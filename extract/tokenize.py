@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from .readers import (  # noqa: F401 (re-export)
-    ALL_ROWS, ChatRecord, Record, RowShard, TokenRecord, derive_id, read_inputs, read_records,
+    ALL_ROWS, ChatRecord, Malformed, Record, RowShard, TokenRecord, derive_id, read_inputs, read_records,
 )
 from .response import THINK_END, THINK_START, ResponseMarkers, response_stats
 
@@ -70,8 +70,8 @@ _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")
 
 
 #: Why a row was skipped (see :class:`RowError`), in the order reports list them.
-SKIP_REASONS = ("invalid_row", "tool_arguments", "template_error", "prompt_mismatch", "no_end_of_turn",
-                "engine_prompt_mismatch")
+SKIP_REASONS = ("malformed_json", "invalid_row", "tool_arguments", "template_error", "prompt_mismatch",
+                "no_end_of_turn", "engine_prompt_mismatch")
 #: Where an assistant turn records the serving engine's own ids (``hsstore regenerate`` writes the first
 #: spelling; ``output_ids`` is SGLang's native name for the generated ids). See docs/FORMAT.md.
 PROMPT_IDS_KEY = "prompt_token_ids"
@@ -748,7 +748,12 @@ def load_samples(
     paths = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
     chat: ChatTokenizer | None = None
     markers = ResponseMarkers.from_tokenizer(tokenizer) if tokenizer is not None else None
-    for record in read_inputs(paths, shard):
+
+    def malformed(row: Malformed) -> None:  # a row that is not JSON, or not a record: skipped as any other
+        stats.rows += 1
+        skip_row(stats, row.reason, row.sample_id, row.message)
+
+    for record in read_inputs(paths, shard, on_malformed=malformed):
         stats.rows += 1
         if isinstance(record, TokenRecord):
             samples = [sample_from_tokens(record, markers)]
@@ -764,12 +769,7 @@ def load_samples(
             try:
                 samples = chat.tokenize(record, expand=expand, stats=stats)
             except RowError as e:
-                stats.skip(e.reason, record.sample_id, str(e))
-                n = len(stats.skipped[e.reason])
-                if n <= _LOGGED_PER_REASON:
-                    logger.warning("skipped row (%s): %s", e.reason, e)
-                elif n == _LOGGED_PER_REASON + 1:
-                    logger.warning("more rows skipped for %s; the count is in the report", e.reason)
+                skip_row(stats, e.reason, record.sample_id, str(e))
                 continue
             stats.expanded += len(samples) - 1
         for sample in samples:
@@ -788,6 +788,16 @@ def load_samples(
 
 
 _LOGGED_PER_REASON = 5
+
+
+def skip_row(stats: TokenizeStats, reason: str, sample_id: str, message: str) -> None:
+    """Count a row left out (``stats.skip``) and log it, the first few of each reason."""
+    stats.skip(reason, sample_id, message)
+    n = len(stats.skipped[reason])
+    if n <= _LOGGED_PER_REASON:
+        logger.warning("skipped row (%s): %s", reason, message)
+    elif n == _LOGGED_PER_REASON + 1:
+        logger.warning("more rows skipped for %s; the count is in the report", reason)
 
 
 def tokenize_conversation(

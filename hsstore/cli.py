@@ -48,11 +48,16 @@ def add_json_option(p: argparse.ArgumentParser, what: str = "the summary") -> No
     p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout")
 
 
+def interactive_options(url: str, args) -> dict:
+    """The storage options of a command a person waits for (``storage.interactive_options``)."""
+    return storage.interactive_options(url, storage.parse_storage_options(args.storage_option))
+
+
 def cmd_info(args) -> int:
     from .ops.info import format_text, summarize
     from .store.reader import open_store
 
-    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    store = open_store(args.url, **interactive_options(args.url, args))
     s = summarize(store)
     print(json.dumps(s, indent=2) if args.json else format_text(s))
     return 0
@@ -99,7 +104,7 @@ def cmd_index(args) -> int:
     from .format.index import compact
     from .format.manifest import read_manifest
 
-    fs, root = storage.resolve(args.url, storage.parse_storage_options(args.storage_option))
+    fs, root = storage.resolve(args.url, interactive_options(args.url, args))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
     r = compact(fs, root, grace_s=args.grace)
     if args.json:
@@ -233,22 +238,25 @@ def cmd_merge(args) -> int:
 def cmd_report(args) -> int:
     from .ops.html_report import write_report
 
-    kind = write_report(args.path, args.out, storage.parse_storage_options(args.storage_option))
-    print(f"report of {kind} {args.path}: {args.out}")
+    kind = write_report(args.path, args.out, interactive_options(args.path, args))
+    print(f"report of {kind} {recordable_url(args.path)}: {args.out}")
     return 0
+
+
+STORE_URL_HELP = "store URL: a local path or s3://bucket/prefix (any fsspec URL)"
 
 
 def add_info(sub) -> None:
     q = sub.add_parser("info", help="what a store holds (from commit records; fast)")
-    q.add_argument("url")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("url", help=STORE_URL_HELP)
+    add_json_option(q, "the summary")
     add_storage_option(q)
     q.set_defaults(func=cmd_info)
 
 
 def add_verify(sub) -> None:
     q = sub.add_parser("verify", help="re-read every byte, check checksums, shapes and offsets")
-    q.add_argument("url")
+    q.add_argument("url", help=STORE_URL_HELP)
     add_quiet_option(q)
     add_json_option(q, "the report (exit status as without it: 1 when a problem was found)")
     add_storage_option(q)
@@ -258,7 +266,7 @@ def add_verify(sub) -> None:
 def add_index(sub) -> None:
     q = sub.add_parser("index", help="gather the commit records into one index segment (opening then reads a "
                                      "handful of objects, not one per shard); safe while writers add shards")
-    q.add_argument("url")
+    q.add_argument("url", help=STORE_URL_HELP)
     q.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="remove index segments superseded by a segment at least this old (readers that listed "
                         "them before may still be reading them); 0: also those this run supersedes")
@@ -270,7 +278,7 @@ def add_index(sub) -> None:
 def add_upgrade(sub) -> None:
     q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
                                        "chunks apart (each shard verified first; safe to interrupt and re-run)")
-    q.add_argument("url")
+    q.add_argument("url", help=STORE_URL_HELP)
     add_quiet_option(q)
     add_storage_option(q)
     q.set_defaults(func=cmd_upgrade)
@@ -278,9 +286,9 @@ def add_upgrade(sub) -> None:
 
 def add_convert(sub) -> None:
     q = sub.add_parser("convert", help="copy a store into a new store of another layout (zarr <-> wds), bit-exact")
-    q.add_argument("src")
+    q.add_argument("src", help="the store to copy (" + STORE_URL_HELP + ")")
     q.add_argument("dst", help="destination store (created, or resumed when it already holds some shards)")
-    q.add_argument("--layout", required=True, choices=["zarr", "wds"])
+    q.add_argument("--layout", required=True, choices=["zarr", "wds"], help="the destination's shard layout")
     q.add_argument("--codec", default=None, help="zarr destination: chunk codec (default: the source's)")
     q.add_argument("--dst-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="storage options of the destination only (default: those of -S)")
@@ -293,11 +301,12 @@ def add_bench(sub) -> None:
     q = sub.add_parser("bench", help="store write/read and loader throughput against raw reads/writes of the "
                                      "same bytes")
     q.add_argument("url", help="scratch location (a store is written under URL/bench-<random>, then removed)")
-    q.add_argument("--size-mb", type=int, default=512)
-    q.add_argument("--hidden", type=int, default=5120)
+    q.add_argument("--size-mb", type=int, default=512, help="feature megabytes of the synthetic store")
+    q.add_argument("--hidden", type=int, default=5120, help="hidden size of the synthetic features")
     q.add_argument("--num-taps", type=int, default=5, metavar="N", help="tapped layers of the synthetic store")
     q.add_argument("--layers", dest="num_taps", type=int, action=Deprecated, new="--num-taps")
-    q.add_argument("--codec", default="none")
+    q.add_argument("--codec", default="none", help="chunk codec of the synthetic store (none, zstd[:level], "
+                   "blosc-zstd[:level], lz4)")
     q.add_argument("--layout", default="zarr", help="zarr, wds, or both (zarr,wds: one after the other, compared)")
     q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
@@ -332,7 +341,7 @@ def add_bench(sub) -> None:
 
 def add_subset(sub) -> None:
     q = sub.add_parser("subset", help="copy the samples that pass per-sample filters into another store")
-    q.add_argument("src")
+    q.add_argument("src", help="the store to select from (" + STORE_URL_HELP + ")")
     q.add_argument("dst", help="created with the source's manifest, or an existing compatible store (resumed)")
     q.add_argument("--source", action="append", default=[], metavar="S", help="keep this source (repeatable)")
     q.add_argument("--min-length", type=int, default=None, metavar="N", help="drop samples shorter than N tokens")
@@ -354,7 +363,8 @@ def add_subset(sub) -> None:
 def add_merge(sub) -> None:
     q = sub.add_parser("merge", help="add the committed shards of compatible stores to DST, by copy or by reference")
     q.add_argument("dst", help="created from the first source's manifest when it does not exist")
-    q.add_argument("src", nargs="+")
+    q.add_argument("src", nargs="+", help="the stores whose committed shards are added (same target, tokenizer, "
+                   "taps, dtype, encoding, layout, chunking)")
     q.add_argument("--by", choices=["copy", "reference"], default="copy",
                    help="copy: shard files are copied (CRC-checked); reference: DST's commit records point at "
                         "the source stores, nothing else is copied")
@@ -371,25 +381,39 @@ def add_report(sub) -> None:
                        "directory of `hsstore train` (loss, tau, accuracy and acceptance curves, val against "
                        "train, tokens/s, lr). Inline SVG: opens from disk, no server, no network.")
     q.add_argument("path", metavar="PATH", help="store URL or run directory (OUT of hsstore train)")
-    q.add_argument("--out", required=True, metavar="FILE.html")
+    q.add_argument("--out", required=True, metavar="FILE.html",
+                   help="the page to write: a new file, or a page `hsstore report` wrote before (replaced)")
     add_storage_option(q)
     q.set_defaults(func=cmd_report)
 
 
-STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_merge, add_report)  # in --help order; extract's and train's come through entry points
+STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_merge, add_report)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
     p.add_argument("--version", action="version", version=f"hsstore {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="one of these, in the order of the work (`hsstore COMMAND --help` for its flags)")
 
     for add in STORE_COMMANDS:
         add(sub)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)
+    in_workflow_order(sub)
     return p
+
+
+# --help lists the commands as the work runs: try it, make the data, check it, extract, look at the store, train,
+# evaluate, then what shares and maintains stores; commands of other packages come after these
+WORKFLOW_ORDER = ("demo", "regenerate", "check", "show", "extract", "info", "verify", "report", "train", "eval",
+                  "export-drafter", "subset", "merge", "export", "import", "convert", "index", "upgrade", "bench")
+
+
+def in_workflow_order(sub: argparse._SubParsersAction) -> None:
+    rank = {name: i for i, name in enumerate(WORKFLOW_ORDER)}
+    sub._choices_actions.sort(key=lambda a: rank.get(a.dest, len(rank)))  # what --help lists, in this order
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -403,8 +427,37 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+def unknown_word(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """One line for a mistyped command or flag, naming the nearest real one (argparse's own message for an
+    unknown flag comes after the top-level usage and suggests nothing); None when every word is known."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    words = [w for w in argv if not w.startswith("-")]
+    if not words:
+        return None
+    if words[0] not in sub.choices:
+        guess = config.near(words[0], list(sub.choices))
+        return (f"hsstore: error: unknown command {words[0]!r}" + (f" (did you mean {guess}?)" if guess else "")
+                + "; `hsstore --help` lists the commands")
+    cmd = sub.choices[words[0]]
+    flags = [o for a in cmd._actions for o in a.option_strings]
+    for word in argv[argv.index(words[0]) + 1:]:
+        if word == "--":
+            break
+        name = word.split("=", 1)[0]
+        if not name.startswith("--") or name in flags or len([f for f in flags if f.startswith(name)]) == 1:
+            continue  # a value, a flag, or an abbreviation argparse takes
+        guess = config.near(name, [f for f in flags if f.startswith("--")])
+        return (f"{cmd.prog}: error: unknown flag {name}" + (f" (did you mean {guess}?)" if guess else "")
+                + f"; `{cmd.prog} --help` lists the flags")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    problem = unknown_word(parser, list(sys.argv[1:] if argv is None else argv))
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     config.apply(parser, argv)  # a sub-command's --config FILE: its values become that parser's defaults
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -419,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:
         config.check_applied(args)
+        if getattr(args, "announce", None) is not None:  # a command's first line, before any heavy import
+            args.announce(args)
         if getattr(args, "device", None) is not None:  # every command with --device: refused before any work
             from .devices import resolve_device
 

@@ -8,17 +8,24 @@ given on the command line (and the other members of their mutually exclusive gro
 overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
 against the flag's type and choices; a key under ``options`` whose flag has since moved into a group is read as
 that flag. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
-version, store identities, resolved values) is read past.
+version, store identities, resolved values) is read past. Paths (flags marked ``Option.path``) that are
+relative in a file are relative to the file's folder, and are recorded absolute (URLs as they are), so a
+``run.yaml`` runs again from any folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from .redaction import is_secret_key, scrub
+from .schema import PATH_ATTR
+
+log = logging.getLogger(__name__)
 
 CONFIG_DEST = "config"
 PARSER_KEY = "_config_parser"  # the namespace holds the parser that has --config (for sections / dump)
@@ -124,20 +131,65 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
         if sec == RECORDED:
             continue
         if sec not in known and sec != DEFAULT_SECTION:
-            unknown.append(str(sec))
+            unknown.append(_with_near(str(sec), list(known)))
             continue
         if not isinstance(body, dict):
             raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
         for key, value in body.items():
             where = sec if key in known.get(sec, {}) else _moved(known, sec, key)
             if where is None:
-                unknown.append(f"{sec}.{key}")
+                unknown.append(_with_near(f"{sec}.{key}", [f"{s_}.{k}" for s_, keys in known.items() for k in keys]))
                 continue
             values[key] = _check_value(known[where][key], value, f"--config {path}: {sec}.{key}")
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
                          f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")
-    return values
+    return _against_file(values, {k: a for actions in known.values() for k, a in actions.items()}, Path(path))
+
+
+def near(word: str, names: list[str]) -> str | None:
+    """The name ``word`` most likely meant (a typo, a plural, a key in another section), or None."""
+    import difflib
+
+    tail = word.rsplit(".", 1)[-1]
+    same_key = [n for n in names if n.rsplit(".", 1)[-1] == tail]  # the right key in another section
+    if same_key:
+        return same_key[0]
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _with_near(word: str, names: list[str]) -> str:
+    guess = near(word, names)
+    return f"{word} (did you mean {guess}?)" if guess else word
+
+
+def is_relative_path(value: Any) -> bool:
+    """A local path that is not absolute (URLs, ``~`` paths and absolute paths are taken as they are)."""
+    return isinstance(value, str) and bool(value) and "://" not in value and not value.startswith(("/", "~"))
+
+
+def _against_file(values: dict[str, Any], actions: dict[str, argparse.Action], path: Path) -> dict[str, Any]:
+    """The file's relative paths (flags marked ``Option.path``) made relative to the file's folder, where a
+    person reading the file expects them, not to wherever the command runs; said when that is another folder."""
+    base = path.resolve().parent
+    moved = []
+
+    def fix(key: str, v: Any) -> Any:
+        if not is_relative_path(v):
+            return v
+        moved.append(f"{key} {v}")
+        return str(base / v)
+
+    out = {}
+    for key, v in values.items():
+        if getattr(actions.get(key), PATH_ATTR, False):
+            v = [fix(key, x) for x in v] if isinstance(v, list) else fix(key, v)
+        out[key] = v
+    if moved and base != Path.cwd().resolve():
+        log.warning("--config %s: relative paths are read from the file's folder %s (%s)", path, base,
+                    ", ".join(moved))
+    return out
 
 
 def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
@@ -184,8 +236,9 @@ def apply(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
         return
     try:
         values = load(path, sub)
-    except (OSError, ValueError) as e:
-        sub.error(str(e))
+    except (OSError, ValueError) as e:  # one line, as every other error (not the command's usage first)
+        print(f"{sub.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     given = _explicit(sub, rest)
     for group in sub._mutually_exclusive_groups:  # a flag given overrides the file's value of its rivals
         dests = {a.dest for a in group._group_actions}
@@ -211,9 +264,17 @@ def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     parser = getattr(args, PARSER_KEY)
     out: dict[str, dict[str, Any]] = {}
     for sec, actions in sections(parser).items():
-        for dest in actions:
-            out.setdefault(sec, {})[dest] = _public(dest, getattr(args, dest, None))
+        for dest, action in actions.items():
+            value = getattr(args, dest, None)
+            if getattr(action, PATH_ATTR, False):  # recorded absolute: the file works from any folder
+                value = [absolute_path(v) for v in value] if isinstance(value, list) else absolute_path(value)
+            out.setdefault(sec, {})[dest] = _public(dest, value)
     return out
+
+
+def absolute_path(value: Any) -> Any:
+    """A relative local path made absolute (against the current folder); URLs and the rest as they are."""
+    return os.path.abspath(value) if is_relative_path(value) else value
 
 
 def _public(dest: str, v: Any) -> Any:

@@ -19,11 +19,12 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import get_worker_info
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: store commands that read bytes never load it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +52,23 @@ def check_fits(nbytes: int, what: str) -> None:
 PARALLEL_COPY_BYTES = 4 << 20  # below this, one thread copies faster than handing out work to several
 
 
+def torch_threads() -> int:
+    """torch's intra-op threads when this process has loaded torch, else 1: a store command that has not
+    (``verify``, ``subset``) copies on one thread rather than load torch for it."""
+    torch = sys.modules.get("torch")
+    return 1 if torch is None else torch.get_num_threads()
+
+
 def copy_bytes(dest: np.ndarray, src: np.ndarray) -> None:
     """``dest[:] = src`` for flat uint8 arrays, on torch's intra-op threads when large (``np.copyto`` is one
     thread: out of the page cache that was the loader's limit, while the peers' ``torch.load(mmap=True)`` +
     ``clone`` copies with all of them). ``src`` is only read; torch wraps only writable arrays (map files
     with ``ACCESS_COPY``: private, and never written, so no page is ever copied)."""
-    if dest.nbytes < PARALLEL_COPY_BYTES or torch.get_num_threads() == 1 or not src.flags.writeable:
+    if dest.nbytes < PARALLEL_COPY_BYTES or torch_threads() == 1 or not src.flags.writeable:
         np.copyto(dest, src)
         return
+    import torch
+
     torch.from_numpy(dest).copy_(torch.from_numpy(src))
 
 
@@ -103,6 +113,9 @@ def empty_host(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = False, s
     from torch's caching host allocator (it recycles a block once its copy to the device is done), outside
     DataLoader workers and when an accelerator exists (else a warning, once). Otherwise from ``pool`` when
     given, else from torch. ``pool`` also sizes a worker's ``SharedRing``."""
+    import torch
+    from torch.utils.data import get_worker_info
+
     numel = 1
     for s in shape:
         numel *= int(s)
@@ -127,6 +140,8 @@ _PIN_WARNED = False
 def can_pin() -> bool:
     """Whether pinned memory is available (an accelerator exists); warns once when it is not."""
     global _PIN_WARNED
+    import torch
+
     ok = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
     if not ok and not _PIN_WARNED:
         log.warning("pin_memory=True but no accelerator is available: items are not pinned")
@@ -186,15 +201,21 @@ class BufferPool:
 
 def _new_segment(nbytes: int) -> torch.Tensor:
     """A fresh shared-memory segment as a flat uint8 tensor (torch's sharing strategy decides its kind)."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 
 def _counters(control: torch.UntypedStorage) -> np.ndarray:
     """The control segment as ``[segments, 2]`` int64: per segment number, copies handed over and copies released."""
+    import torch
+
     return torch.empty(0, dtype=torch.uint8).set_(control).view(torch.int64).numpy().reshape(-1, 2)
 
 
 def _use_count(storage: torch.UntypedStorage) -> int | None:
+    import torch
+
     fn = getattr(torch._C, "_storage_Use_Count", None)
     return None if fn is None else int(fn(storage._cdata))
 
@@ -224,6 +245,8 @@ class SharedRing:
     MAX_SEGMENTS = 512
 
     def __init__(self, max_bytes: int) -> None:
+        import torch
+
         self.max_bytes, self.pid = int(max_bytes), os.getpid()
         self.control = torch.UntypedStorage._new_shared(self.MAX_SEGMENTS * 16)
         self.counts = _counters(self.control)
@@ -242,6 +265,8 @@ class SharedRing:
         """``nbytes`` of shared memory as a flat uint8 tensor: a free segment when there is one."""
         # size classes: 1 MiB steps below GRAIN, powers of two above (units vary in size from epoch to epoch,
         # and a larger segment costs no memory for pages never written)
+        import torch
+
         size = max(1, -(-nbytes // (1 << 20))) << 20 if nbytes < self.GRAIN else 1 << (nbytes - 1).bit_length()
         with self.lock:
             best = None
@@ -272,6 +297,8 @@ class SharedRing:
 
     def leases(self, item: dict[str, Any]) -> list[tuple[int, str]]:
         """(segment number, key of a tensor viewing it) for each ring segment that ``item``'s tensors view."""
+        import torch
+
         out: dict[int, str] = {}
         for k, v in item.items():
             if isinstance(v, torch.Tensor) and v.device.type == "cpu":

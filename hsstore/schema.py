@@ -55,7 +55,8 @@ class Option:
     parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually exclusive group of the
     section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share.
     ``negate`` (a bool): the flag's key holds the opposite of the setting, as its spelling says (``--no-resume``
-    with key ``no_resume``, so config files written with that key keep their meaning). ``type``: what the flag
+    with key ``no_resume``, so config files written with that key keep their meaning). ``path``: the value is a
+    local path or a URL (``hsstore.config``: relative in a file means relative to the file; recorded absolute). ``type``: what the flag
     reads where the setting is another type (``--layers 1,16,31`` is a str, ``convert`` makes the list). A bool
     defaulting to None is a ``--x/--no-x`` pair (unset: decided later)."""
 
@@ -75,6 +76,10 @@ class Option:
     cli: bool = True  # False: a setting of the API only (no flag)
     negate: bool = False
     type: Any = None  # the flag's value type where the setting's differs (then made by ``convert``)
+    path: bool = False  # a local path or URL: resolved against a --config file's folder, recorded absolute
+
+
+PATH_ATTR = "names_a_path"  # on a flag's argparse action: ``Option.path`` (read by ``hsstore.config``)
 
 
 def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:
@@ -200,7 +205,8 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
         flags = [how.flag or "--" + s.name.replace("_", "-")] + ([how.short] if how.short else [])
         if how.required:
             kw["required"] = True
-        target.add_argument(*flags, dest=s.dest, **kw)
+        action = target.add_argument(*flags, dest=s.dest, **kw)
+        setattr(action, PATH_ATTR, how.path)
         for old in how.old:
             extra = {"nargs": 0} if kw.get("action") in ("store_true", "store_false") else {}
             if "type" in kw:

@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -22,6 +23,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.core import url_to_fs
 
 from .errors import StoreError
+from . import redaction
 from .redaction import redact, register  # noqa: F401  (redact: storage.redact is the public name)
 
 log = logging.getLogger(__name__)
@@ -82,10 +84,14 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root path without trailing slash) for a store URL."""
     register({**(storage_options or {}), "url": url})  # its secrets are masked in every message from now on
+    options = dict(storage_options or {})
+    interactive = options.pop(INTERACTIVE, False)
     try:
-        fs, root = url_to_fs(url, **with_retry_defaults(url, storage_options or {}))
+        fs, root = url_to_fs(url, **with_retry_defaults(url, options))
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
         raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
+    if interactive and hasattr(fs, "retries"):  # s3fs's own rounds around botocore's attempts
+        fs.retries = S3FS_INTERACTIVE_RETRIES
     return fs, root.rstrip("/")
 
 
@@ -116,6 +122,29 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Interactive commands (info, index, report, show) answer in seconds or fail saying why: a short connect
+# timeout, botocore's one retry and no second round from s3fs (S3_RETRIES and s3fs's 5 rounds are for jobs
+# that read or write for hours: a closed endpoint took 29 s to be reported, an unreachable one 45-59 s).
+S3_INTERACTIVE = {"connect_timeout": 3, "read_timeout": 15, "retries": {"mode": "standard", "total_max_attempts": 2}}
+S3FS_INTERACTIVE_RETRIES = 1
+INTERACTIVE = "hsstore_interactive"  # the option that asks ``resolve`` for s3fs's interactive retries (not passed on)
+
+
+def interactive_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus ``S3_INTERACTIVE`` (botocore's timeouts and retries, as ``config_kwargs``, each only where
+    the user did not set it) for ``s3://`` URLs, and the mark that gives the filesystem s3fs's interactive
+    ``retries`` (an attribute of the filesystem, not an option s3fs takes)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return options
+    out = copy.deepcopy(options)
+    config = out.setdefault("config_kwargs", {})
+    if isinstance(config, dict):
+        for key, value in S3_INTERACTIVE.items():
+            config.setdefault(key, copy.deepcopy(value))
+    out[INTERACTIVE] = True
+    return out
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p != "")
 
@@ -123,6 +152,48 @@ def join(*parts: str) -> str:
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
+
+
+def missing_path(fs, root: str) -> str | None:
+    """What is missing of a store path that is not there (a mistyped path is told apart from a folder that is
+    not a store): locally the nearest folder above it that exists; on an object store, that nothing is under
+    the prefix. None when the path exists (or the filesystem cannot tell)."""
+    try:
+        if is_local(fs):
+            if os.path.exists(root):
+                return None
+            above = os.path.dirname(os.path.abspath(root))
+            while not os.path.isdir(above):
+                above = os.path.dirname(above)
+            return f"no such file or folder (the nearest folder that exists is {above})"
+        return None if fs.exists(root) else "no object under that prefix"
+    except Exception:
+        return None
+
+
+WAIT_NOTICE_S = 2.0  # a first request to an object store unanswered this long: say what is awaited
+
+
+def endpoint_of(fs) -> str:
+    """The endpoint an object-store filesystem talks to, as a person would check it."""
+    given = (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url") or getattr(fs, "endpoint_url", None)
+    env = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return redaction.recordable_url(given or env or "the AWS default endpoint")
+
+
+def waiting_notice(fs, url: str) -> threading.Timer | None:
+    """A timer that logs, once the first request of a remote store has waited ``WAIT_NOTICE_S``, what it waits
+    for (the endpoint, the timeouts in force): credentials lookups and unreachable endpoints are otherwise silent."""
+    if is_local(fs):
+        return None
+    config = getattr(fs, "config_kwargs", None) or {}
+    limits = (f"; each try gives up after {config['connect_timeout']} s to connect, {config['read_timeout']} s "
+              "to answer" if "connect_timeout" in config and "read_timeout" in config else "")
+    timer = threading.Timer(WAIT_NOTICE_S, log.warning, ("waiting for %s: no answer yet from %s (credentials, "
+                            "network, endpoint?)%s", redaction.recordable_url(url), endpoint_of(fs), limits))
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def missing_bucket(fs: fsspec.AbstractFileSystem, root: str) -> str | None:

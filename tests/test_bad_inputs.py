@@ -30,14 +30,14 @@ def good_line(i: int = 0) -> str:
 
 
 BAD_INPUTS = {  # name -> (file content, what the error must name)
-    "malformed_jsonl": (good_line() + '\n{"id": "x", "messages": [\n', r"bad\.jsonl:2: malformed JSON"),
+    "malformed_jsonl": (good_line() + '\n{"id": "x", "messages": [\n', r"bad\.jsonl:2:\d+: malformed JSON"),
     "wrong_types": (good_line() + '\n{"id": "x", "messages": 5}\n', r"bad\.jsonl:2.*messages must be a list"),
     "unknown_role": (json.dumps({"id": "r", "messages": [{"role": "user", "content": "hi"},
                                                          {"role": "robot", "content": "beep"}]}) + "\n",
                      r"bad\.jsonl:1.*unknown role 'robot'"),
-    "huge_line": ('{"id": "h", "messages": "' + "x" * (8 << 20) + "\n", r"bad\.jsonl:1: malformed JSON"),
+    "huge_line": ('{"id": "h", "messages": "' + "x" * (8 << 20) + "\n", r"bad\.jsonl:1:\d+: malformed JSON"),
     "empty_file": ("", r"bad\.jsonl.*no samples"),
-    "not_json_lines": ("\x00\xff binary junk\n", r"bad\.jsonl:1: malformed JSON"),
+    "not_json_lines": ("\x00\xff binary junk\n", r"bad\.jsonl:1:\d+: malformed JSON"),
 }
 
 
@@ -238,3 +238,34 @@ def test_missing_bucket_is_named(tmp_path, capsys, s3_endpoint):
     bucket = f"no-such-bucket-{uuid.uuid4().hex[:6]}"
     one_line_error(capsys, main(["info", f"s3://{bucket}/store", "-S", f"endpoint_url={s3_endpoint}"]),
                    rf"bucket '{bucket}' does not exist")
+
+
+def test_a_malformed_line_and_a_bad_role_are_skipped_alike(tiny_dir, tmp_path, capsys):
+    """#38.8: one malformed JSONL line stopped check and extract (naming the wrong column) while a bad role in the
+    same file was skipped and counted. Both are now skipped and counted, the malformed one named by
+    file:line:column, within the same --max-skipped-share."""
+    good = demo_conversations_path().read_text().splitlines()
+    line = good[5]
+    at = line.index('"role"')
+    broken = line[:at] + "role" + line[at + 6:]  # an unquoted key: the error is at its first character
+    role = json.loads(good[7])
+    role["messages"][0]["role"] = "robot"
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(good[:5] + [broken] + good[6:7] + [json.dumps(role)] + good[8:]) + "\n")
+    n = len(good)
+    code = main(["check", "--model", str(tiny_dir), "--input", str(data), "--json", "--max-skipped-share", "0.1"])
+    report = json.loads(capsys.readouterr().out)
+    skipped = report["input"]["skipped"]
+    assert code == 0, report["failures"]
+    assert {r: v["count"] for r, v in skipped.items()} == {"malformed_json": 1, "invalid_row": 1}
+    assert skipped["malformed_json"]["first"] == (f"{data}:6:{at + 1}: malformed JSON (Expecting property name "
+                                                  "enclosed in double quotes)")
+    assert skipped["malformed_json"]["ids"] == ["in.jsonl:6"]
+    assert main(["check", "--model", str(tiny_dir), "--input", str(data), "--max-skipped-share", "0.05"]) == 1
+    assert f"skipped (invalid_row 1, malformed_json 1): 2 of {n}" in capsys.readouterr().err
+    out = tmp_path / "store"
+    assert main(["extract", "--model", str(tiny_dir), "--input", str(data), "--out", str(out), "--device", "cpu",
+                 "--max-skipped-share", "0.1", "-q"]) == 0
+    assert f"wrote {report['samples']} samples" in capsys.readouterr().out  # every sample of the other rows
+    assert main(["info", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == {"malformed_json": 1, "invalid_row": 1}

@@ -119,3 +119,25 @@ def test_extract_flags_make_its_config():
     assert cfg.thresholds.max_stub_share == 0.5 and cfg.thresholds.small_loss_sum == 32
     assert cfg.compile is False and cfg.progress is False and cfg.token_budget == 512 and cfg.encoding == "fp8"
     assert cfg.rank is None and cfg.world_size is None and cfg.dtype == "bfloat16" and cfg.writer == "auto"
+
+
+def test_help_lists_commands_in_workflow_order_and_every_argument_says_what_it_is(capsys):
+    """#38.13: `hsstore --help` lists the commands as the work runs (regenerate -> check -> extract -> info/verify
+    -> train -> eval -> sharing), every positional and flag of every command has help text, and `demo --help`
+    shows --out's default."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = re.findall(r"^    (\S+)", capsys.readouterr().out, re.M)
+    assert set(_commands()) <= set(listed)
+    at = {name: listed.index(name) for name in _commands()}
+    chain = ["regenerate", "check", "extract", "info", "verify", "train", "eval", "subset", "merge"]
+    assert [at[c] for c in chain] == sorted(at[c] for c in chain), listed
+    missing = [f"{name} {a.option_strings[0] if a.option_strings else a.dest}"
+               for name, p in _commands().items() for a in p._actions
+               if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS and not (a.help or "").strip()]
+    assert missing == []
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "(default: hsstore-demo)" in " ".join(capsys.readouterr().out.split())

@@ -282,3 +282,11 @@ def test_wds_layout_refuses_fp8(tmp_path, new_manifest):
     raw.write_text(json.dumps({**json.loads(new_manifest().to_json()), "layout": "wds", "encoding": "fp8"}))
     with pytest.raises(hsstore.ManifestError, match="layout 'wds' holds raw features only"):
         hsstore.Manifest.from_json(raw.read_text(), "m.json")  # a hand-edited manifest too
+
+
+def test_numpy_decode_table_equals_torch_conversion():
+    """The 256-entry table the numpy form decodes with (made without torch, so that reading commands need none)
+    is torch's own float8_e4m3fn -> float32 conversion of every bit pattern, NaN included."""
+    ref = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(fp8.decode_bits(np.arange(256, dtype=np.uint8)), ref, equal_nan=True)
+    assert fp8.FP8_DTYPE is torch.float8_e4m3fn

@@ -172,10 +172,10 @@ def test_cli_check_exit_codes(capsys, tiny_dir, stub_file):
 
 def test_cli_errors_are_one_line_and_exit_2(capsys, tiny_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [}\n')
+    bad.write_text("")
     code, out, err = run_cli(capsys, "check", "--model", str(tiny_dir), "--input", str(bad))
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and "bad.jsonl:1: malformed JSON" in err
+    assert err.count("\n") == 1 and "bad.jsonl: empty file" in err
     code, _, err = run_cli(capsys, "check", "--model", str(tmp_path / "nope"), "--input", str(bad))
     assert code == 2 and "model directory not found" in err
 

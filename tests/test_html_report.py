@@ -108,3 +108,93 @@ def test_report_refuses_what_is_neither(tmp_path, capsys):
     assert main(["report", str(tmp_path / "x"), "--out", str(tmp_path / "r.html")]) == 2
     assert "not an hsstore store" in capsys.readouterr().err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_report_refuses_a_file_it_did_not_write(tmp_path, capsys):
+    """#38.1: --out follows every writing command's destination rule: a file of the user's is refused (one
+    line, left as it was, before the store is read); a page `report` wrote before is replaced."""
+    from conftest import make_manifest, make_samples, write_samples
+
+    store = tmp_path / "s"
+    write_samples(str(store), make_manifest(), make_samples(4))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    assert main(["report", str(store), "--out", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a report hsstore wrote" in err and len(err.strip().splitlines()) == 1
+    assert notes.read_text() == "my notes\n"
+    (tmp_path / "folder").mkdir()
+    assert main(["report", str(store), "--out", str(tmp_path / "folder")]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    page = tmp_path / "r.html"
+    assert main(["report", str(store), "--out", str(page)]) == 0
+    first = page.stat().st_mtime_ns
+    assert main(["report", str(store), "--out", str(page)]) == 0  # its own page: replaced
+    assert page.stat().st_mtime_ns >= first and "hsstore store report" in page.read_text()
+
+
+def _charts(page: Path) -> dict[str, str]:
+    text = page.read_text()
+    return {re.search(r'data-chart="([^"]+)"', svg).group(1): svg for svg in re.findall(r"<svg.*?</svg>", text, re.S)}
+
+
+def _texts(svg: str, cls: str) -> list[str]:
+    return re.findall(rf'class="{cls}"[^>]*>([^<]*)<', svg)
+
+
+def _store_with_loss_sums(path: Path, sums: list[int]) -> None:
+    import torch
+
+    from conftest import make_manifest, write_samples
+
+    samples = []
+    for i, n in enumerate(sums):
+        T = n + 20
+        mask = torch.zeros(T, dtype=torch.bool)
+        mask[20:] = True
+        samples.append({"sample_id": f"s{i}", "input_ids": torch.arange(T) % 500, "loss_mask": mask,
+                        "hidden_states": torch.randn(T, 3, 48).to(torch.bfloat16)})
+    write_samples(str(path), make_manifest(), samples)
+
+
+def test_store_charts_have_readable_axes_and_red_only_for_a_dominating_value(tmp_path, capsys):
+    """#38.14: 4-7 round ticks per axis (5-6 where steps of 1, 2, 2.5, 5 allow), in the header's units (bytes as
+    KB/MB, never 7.34e+06); the top loss-sum bin in red only when one value dominates (the stub signature)."""
+    healthy, stubs = tmp_path / "healthy", tmp_path / "stubs"
+    _store_with_loss_sums(healthy, [40 + (i * 7) % 90 for i in range(60)])  # top value ~3%: healthy
+    _store_with_loss_sums(stubs, [6] * 50 + [80 + i for i in range(10)])   # 83% exactly 6: stubs
+    for store in (healthy, stubs):
+        assert main(["report", str(store), "--out", str(tmp_path / f"{store.name}.html")]) == 0
+    good, bad = _charts(tmp_path / "healthy.html"), _charts(tmp_path / "stubs.html")
+    for name, svg in good.items():
+        ticks = _texts(svg, "ytick")
+        assert 4 <= len(ticks) <= 7, (name, ticks)
+        assert not any("e+" in t or "e-" in t for t in ticks), (name, ticks)
+    assert all(t.endswith((" KB", " MB", " B")) for t in _texts(good["bytes_per_layer"], "ytick"))
+    assert "#d62728" not in good["loss_sum_histogram"] and "stub answers?" not in (tmp_path / "healthy.html").read_text()
+    assert 'stroke="#222"' in good["loss_sum_histogram"]  # the top value's bin is still marked, not alarmed
+    assert bad["loss_sum_histogram"].count('fill="#d62728"') == 1 and "stub answers?" in (tmp_path / "stubs.html").read_text()
+
+
+def test_run_charts_have_step_ticks_and_a_legend_for_two_series(tmp_path, capsys):
+    """#38.14: step numbers along the x axis (round ones), and a legend naming train and val where both are
+    drawn in one chart; a chart of one series needs none."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 4.0 / s ** 0.3, "tau": 1 + s / 100, "acc": s / 1000, "lr": 3e-3 * (1 - s / 600),
+             "tokens_per_s": 20000 + 10 * s} for s in range(50, 501, 50)]
+    for r in rows[4::5]:
+        r.update(val_loss=r["loss"] * 1.1, val_tau=r["tau"] - 0.2, val_acc=r["acc"] * 0.9)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = tmp_path / "run.html"
+    assert main(["report", str(run), "--out", str(page)]) == 0
+    charts = _charts(page)
+    for name in ("loss", "tau", "acc", "lr", "tokens_per_s"):
+        steps = [int(t.replace(",", "")) for t in _texts(charts[name], "xtick")]
+        assert 4 <= len(steps) <= 7 and all(50 <= s <= 500 and s % 50 == 0 for s in steps), (name, steps)
+        assert "step" in _texts(charts[name], "xtitle")
+        ticks = _texts(charts[name], "ytick")
+        assert 4 <= len(ticks) <= 7 and not any("e-" in t or "e+" in t for t in ticks), (name, ticks)
+    legend = re.findall(r'<g class="legend">.*?<text[^>]*>([^<]*)</text></g>', charts["loss"])
+    assert legend == ["train", "val"]
+    assert "legend" not in charts["lr"]

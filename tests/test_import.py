@@ -475,3 +475,34 @@ def test_speculators_export_is_what_it_reads_and_imports_back_bit_exact(tmp_path
     write(str(tmp_path / "no-last"), new_manifest(), new_samples(2))
     assert main(["export", "speculators", str(tmp_path / "no-last"), str(tmp_path / "x")]) != 0
     assert "last hidden state" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_export_then_import_gives_a_store_train_and_show_use(tiny_dir, tmp_path, capsys):
+    """#38.2: `export specforge` then `import specforge ... --model TARGET` gave bit-exact features but a store
+    train and show refused (no assets; show named a temporary folder with an empty reason), and importing
+    hsstore's own export asked for the identity its hsstore_export.json records. Now the identity and taps come
+    from that file, --model writes the target's config, tokenizer, embedding and lm_head as the store's assets
+    (the same bytes extract writes), and without it the summary says how to add them."""
+    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.tiny import demo_conversations_path
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
+    src, exp = tmp_path / "src", tmp_path / "exp"
+    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu", progress=False))
+    assert main(["export", "specforge", str(src), str(exp), "-q"]) == 0
+    back = tmp_path / "back"
+    assert main(["import", "specforge", str(exp), "--out", str(back), "-q"]) == 0  # no identity flags needed
+    out = capsys.readouterr().out
+    assert "note: the store has no assets" in out and "run this import again with --model DIR" in out
+    assert_same_store(str(src), str(back))
+    assert main(["show", str(back), "0"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no tokenizer" in err and "give --model DIR" in err and len(err.strip().splitlines()) == 1
+    assert main(["import", "specforge", str(exp), "--out", str(back), "--model", str(tiny_dir), "-q"]) == 0
+    assert "written from --model" in capsys.readouterr().out
+    for name in ("embed_tokens.safetensors", "lm_head.safetensors", "config.json", "index.json"):
+        assert (back / "assets" / name).read_bytes() == (src / "assets" / name).read_bytes(), name
+    assert main(["show", str(back), "0"]) == 0 and "<|im_start|>" in capsys.readouterr().out
+    assert main(["train", "--store", str(back), "--out", str(tmp_path / "run"), "--steps", "1", "--token-budget",
+                 "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--device", "cpu", "-q"]) == 0

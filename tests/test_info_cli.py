@@ -69,7 +69,7 @@ def test_info_reads_no_feature_data(tmp_path, new_manifest, new_samples, write, 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["info", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("hsstore info: error:") and "no manifest.json" in err and "\n" not in err
+    assert err.startswith("hsstore info: error:") and "does not exist" in err and "\n" not in err
 
 
 def test_info_on_s3_with_storage_option(s3_store, new_manifest, new_samples, write, capsys):
@@ -148,3 +148,69 @@ def test_verify_checks_assets_and_says_when_there_are_none(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL shard (assets), file assets/config.json" in out and "does not match its checksum" in out
     assert "FAIL shard (assets), file assets/tokenizer/tokenizer.json: listed in assets/index.json but missing" in out
+
+
+NO_TORCH_RUNNER = ("import sys\nfrom hsstore.cli import main\nrc = main(sys.argv[1:])\n"
+                   "print('torch imported' if 'torch' in sys.modules else 'no torch', rc)")
+
+
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_store_commands_never_import_torch(tmp_path, encoding):
+    """#38.5: info, verify, index, subset, merge and report read metadata or copy stored bits: each runs, in a
+    fresh interpreter, to its end without torch (17 of the 17.6 s that `info` took to start on a busy machine)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from conftest import make_manifest, make_samples, write_samples
+
+    from hsstore.format import assets
+
+    store = tmp_path / "s"
+    write_samples(str(store), dataclasses.replace(make_manifest(), encoding=encoding), make_samples(6))
+    s = hsstore.open(str(store))
+    assets.write_assets(s.fs, s.root, {"config.json": b'{"a": 1}'})  # subset and merge copy them
+    runs = [["info", str(store)], ["verify", str(store), "-q"], ["index", str(store)],
+            ["subset", str(store), str(tmp_path / "sub"), "--min-length", "50", "-q"],
+            ["merge", str(tmp_path / "merged"), str(store), "-q"],
+            ["report", str(store), "--out", str(tmp_path / "r.html")]]
+    for argv in runs:
+        p = subprocess.run([sys.executable, "-c", NO_TORCH_RUNNER, *argv], capture_output=True, text=True,
+                           timeout=300)
+        assert p.stdout.strip().splitlines()[-1] == "no torch 0", (argv, p.stdout[-500:], p.stderr[-2000:])
+    sub, src = hsstore.open(str(tmp_path / "sub")), hsstore.open(str(store))
+    assert 0 < len(sub) < len(src)
+    for i in range(len(sub)):  # subset copied the stored bits: values (and fp8 scales) bit for bit
+        a = sub.read(i, dequantise=False)
+        b = src.read(src.sample_ids().index(a["sample_id"]), dequantise=False)
+        assert torch.equal(a["hidden_states"].contiguous().view(torch.uint8),
+                           b["hidden_states"].contiguous().view(torch.uint8))
+        if encoding == "fp8":
+            assert torch.equal(a["hidden_scales"], b["hidden_scales"])
+
+
+def test_info_ratios_agree_with_the_figures_beside_them(tmp_path, capsys):
+    """#38.12: each ratio `info` prints is the quotient of the two figures printed beside it, labelled (it used
+    to divide raw features by the features' stored bytes while printing every file's bytes beside it)."""
+    import re
+
+    from conftest import make_manifest, make_samples, write_samples
+
+    from hsstore.ops.info import human_bytes, summarize
+
+    store = tmp_path / "s"
+    write_samples(str(store), make_manifest(codec="zstd"), make_samples(30))
+    assert main(["info", str(store)]) == 0
+    out = capsys.readouterr().out
+    s = summarize(hsstore.open(str(store)))
+    assert s["stored_bytes"] > s["feature_stored_bytes"]  # ids, masks and metadata are files too
+    every = re.search(r"bytes +(\S+ \S+) stored in all: features (\S+ \S+), token ids, masks and metadata (\S+ \S+)", out)
+    assert every.groups() == (human_bytes(s["stored_bytes"]), human_bytes(s["feature_stored_bytes"]),
+                              human_bytes(s["stored_bytes"] - s["feature_stored_bytes"]))
+    lines = re.findall(r"(\d+\.\d) (KB|MB) raw / (\d+\.\d) (KB|MB) stored = (\d+\.\d\d)x", out)
+    assert len(lines) == 1 + 3  # the features in all, then each layer
+    unit = {"KB": 1e3, "MB": 1e6}
+    for raw, ru, stored, su, ratio in lines:  # the ratio is what the figures beside it give, to their rounding
+        assert float(ratio) == pytest.approx(float(raw) * unit[ru] / (float(stored) * unit[su]), rel=0.02)
+    assert float(lines[0][4]) == pytest.approx(s["raw_feature_bytes"] / s["feature_stored_bytes"], abs=0.005)
+    assert "raw / stored" in out

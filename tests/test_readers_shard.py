@@ -76,7 +76,7 @@ def test_shard_keeps_row_positions_in_errors(tmp_path):
     lines[3] = '{"id": "broken", "messages": ['
     path.write_text("\n".join(lines) + "\n")
     assert [r.sample_id for r in read_inputs([path], RowShard(0, 2))] == ["c0", "c2", "c4"]  # line 4 not parsed
-    with pytest.raises(ValueError, match=r"x\.jsonl:4: malformed JSON"):
+    with pytest.raises(ValueError, match=r"x\.jsonl:4:\d+: malformed JSON"):
         list(read_inputs([path], RowShard(1, 2)))
     pq.write_table(pa.Table.from_pylist([chat(i) for i in range(6)]), tmp_path / "y.parquet")
     assert [r.where.rsplit(" ", 1)[1] for r in read_inputs([tmp_path / "y.parquet"], RowShard(2, 4))] == ["2"]

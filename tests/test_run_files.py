@@ -157,3 +157,29 @@ def test_extract_config(tmp_path):
 def test_config_abbreviated_flag_is_read(tmp_path):
     f = write_yaml(tmp_path / "c.yaml", {"run": {"store": ["/s"], "out": "/o"}, "training": {"lr": 0.5}})
     assert parse(["train", "--conf", f]).lr == 0.5 and parse(["train", f"--config={f}"]).lr == 0.5
+
+
+def test_run_yaml_runs_again_from_another_folder(store32, tmp_path, monkeypatch, caplog):  # noqa: F811
+    """#38.3: run.yaml recorded the store as the relative path it was given, so `train --config OUT/run.yaml`
+    failed from any other folder. Paths are recorded absolute (URLs as they are); a relative path written in a
+    config file is read from the file's folder, and the command says so."""
+    import shutil
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copytree(store32, work / "store")
+    monkeypatch.chdir(work)
+    assert main(["train", "--store", "store", "--out", "run", "--steps", "2", *FAST_FLAGS]) == 0
+    recorded = yaml.safe_load((work / "run" / "run.yaml").read_text())
+    assert recorded["run"]["store"] == [str(work / "store")] and recorded["run"]["out"] == str(work / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--config", str(work / "run" / "run.yaml"), "--out", "again"]) == 0
+    assert [r["loss"] for r in rows(elsewhere / "again")] == [r["loss"] for r in rows(work / "run")]
+    # written by hand next to the store: relative to the file, wherever the command runs
+    f = write_yaml(work / "mine.yaml", {"run": {"store": ["store"], "out": "mine", "steps": 1}})
+    with caplog.at_level("WARNING", logger="hsstore.config"):
+        assert main(["train", "--config", f, *FAST_FLAGS]) == 0
+    assert (work / "mine" / "metrics.jsonl").exists() and not (elsewhere / "mine").exists()
+    assert f"relative paths are read from the file's folder {work}" in caplog.text and "store store" in caplog.text

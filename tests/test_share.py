@@ -272,7 +272,7 @@ def test_merge_requires_sources(tmp_path):
 
     with pytest.raises(ValueError, match="at least one source"):
         merge(str(tmp_path / "d"), [], progress=False)
-    with pytest.raises(ManifestError, match="not an hsstore store"):
+    with pytest.raises(ManifestError, match="does not exist"):
         merge(str(tmp_path / "d"), [str(tmp_path / "nothing")], progress=False)
     assert not (tmp_path / "d").exists()
 

@@ -57,7 +57,7 @@ def test_incompatible_second_writer_refused(tmp_path, new_manifest, new_samples,
 
 
 def test_manifest_errors(tmp_path, new_manifest, new_samples, write):
-    with pytest.raises(hsstore.ManifestError, match="no manifest.json"):
+    with pytest.raises(hsstore.ManifestError, match="does not exist"):
         hsstore.open(str(tmp_path / "nothing-here"))
     write(str(tmp_path), new_manifest(), new_samples(2))
     path = tmp_path / "manifest.json"

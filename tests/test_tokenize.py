@@ -306,12 +306,19 @@ def test_chat_rows_from_parquet(tmp_path, tok):
         ChatTokenizer(tok).tokenize(next(read_records(tmp_path / "z.parquet")))
 
 
-def test_malformed_jsonl_names_file_and_line(tmp_path, tok):
+def test_malformed_jsonl_is_skipped_naming_file_line_and_column(tmp_path, tok):
+    """#38.8: a line that is not JSON is skipped and counted like a row the template cannot render, named by
+    file:line:column (the column of the error in that line, counted in characters)."""
     good = {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(good) + "\n\n" + '{"id": "b", "messages": [\n' + json.dumps(good) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
-        list(load_samples(path, tok))
+    broken = '{"id": "b", "messages": [{"role": "user", "content": "é"}, }'  # column 60: the "}" after ", "
+    path.write_text(json.dumps(good) + "\n\n" + broken + "\n" + json.dumps({**good, "id": "c"}) + "\n")
+    stats = TokenizeStats()
+    assert [s.sample_id for s in load_samples(path, tok, stats=stats)] == ["a", "c"]
+    assert stats.skipped == {"malformed_json": ["bad.jsonl:3"]} and stats.rows == 3
+    assert stats.first_skipped["malformed_json"] == f"{path}:3:{broken.index(', }') + 3}: malformed JSON (Expecting value)"
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3:60: malformed JSON"):  # readers without a counter: an error
+        list(read_records(path))
 
 
 @pytest.mark.parametrize(

@@ -265,3 +265,47 @@ def test_cpu_defaults_and_a_step_too_big_for_this_machine_is_refused(store32, tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "GiB available: lower --token-budget and --anchors" in err[0], err
     assert not (tmp_path / "b" / "checkpoints").exists()  # refused before any step
+
+
+def test_train_says_what_it_starts_before_the_heavy_imports(store32, tmp_path):  # noqa: F811
+    """#38.5: `train` printed nothing for ~25 s (torch, the trainer, the stores): its first line now comes before
+    torch is imported, naming the stores and the output."""
+    code = textwrap.dedent("""
+        import logging, sys
+        first = []
+        class First(logging.Handler):
+            def emit(self, record):
+                if record.name.startswith("hsstore") and not first:
+                    first.append((record.getMessage(), "torch" in sys.modules))
+        logging.getLogger().addHandler(First())
+        from hsstore.cli import main
+        rc = main(sys.argv[1:])
+        print(rc, repr(first[0]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code, "train", "--store", store32, "--out", str(tmp_path / "run"),
+                          "--steps", "1", "--draft-layers", "1", "--token-budget", "1024", "--anchors", "8", "-q",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    rc, first = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    message, torch_loaded = ast.literal_eval(first)
+    assert rc == "0", out.stderr[-2000:]
+    assert message.startswith("train: loading torch") and store32 in message and str(tmp_path / "run") in message
+    assert torch_loaded is False
+
+
+def test_a_resume_with_another_length_says_so_and_counts_this_runs_steps(store32, tmp_path, capsys, caplog):  # noqa: F811
+    """#38.11: resuming with a different --steps was silent, and the summary counted every step of the run
+    ('trained 8 steps ... in 24.4s' for a run that did 3)."""
+    from hsstore.cli import main
+
+    flags = ["train", "--store", store32, "--out", str(tmp_path / "run"), "--token-budget", "1024", "--draft-layers", "1",
+             "--block-size", "8", "--anchors", "32", "--device", "cpu", "-q"]
+    assert main([*flags, "--steps", "3"]) == 0
+    assert "trained 3 steps (" in capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="hsstore.train"):
+        assert main([*flags, "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "with another length: --steps 3 before, --steps 5 now" in caplog.text
+    assert "trained 2 steps in this run, resumed from " in out and "at step 3 (5 in all)" in out
+    assert main([*flags, "--steps", "5", "--json"]) == 0  # nothing left to do: 0 this run
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["steps"], summary["steps_this_run"], summary["start_step"]) == (5, 0, 5)

@@ -134,3 +134,84 @@ def test_prompts_thinking_setting(tok, small_input):  # noqa: F811
     for (_, a), (_, b) in zip(on, off):
         assert not tok.decode(a).endswith("</think>\n\n") and tok.decode(b).endswith("<think>\n\n</think>\n\n")
         assert b[:len(a)] == a
+
+
+def no_cache_greedy(model, prompt, max_new, eos) -> list[int]:
+    """Greedy decoding with no cache at all: the whole sequence through the target for every token (what
+    `hsstore eval` did before it kept the target's cache), the reference the cached paths must equal."""
+    out: list[int] = []
+    with torch.inference_mode():
+        while True:
+            logits = model(input_ids=torch.tensor([list(prompt) + out]), use_cache=False).logits[0, -1]
+            out.append(int(logits.argmax()))
+            if out[-1] in eos or len(out) >= max_new:
+                return out
+
+
+def test_cached_decoding_equals_decoding_without_any_cache(target, tok, eos, small_input):  # noqa: F811
+    """#38.4: the target decodes from its own cache (attention keys/values, Gated DeltaNet conv and recurrent
+    states) and, after a rejected draft suffix, from the state saved before the verification: on a random tiny
+    Qwen3.5 target, over several prompts, with steps that accept every draft and steps that reject at every
+    block position, both greedy and speculative output equal a reference that never caches anything."""
+    prompts = [p for _, p in load_prompts([str(small_input)], tok, limit=4)]
+    new, taps, accepted = 40, [1, 2, 3, 4, 5], set()
+    for prompt in prompts:
+        reference = no_cache_greedy(target, prompt, new, eos)
+        assert greedy_generate(target, prompt, new, eos).tokens == reference
+        steps = []
+
+        def propose(ctx, seq):  # the reference continuation, its draft k (step-dependent) made wrong; k = S-1: none
+            done, k = len(seq) - len(prompt), len(steps) % S
+            steps.append(k)
+            block = list(reference[done:done + S - 1]) + [0] * S
+            return [t if i != k else (t + 1) % 1000 for i, t in enumerate(block[:S - 1])]
+
+        spec = speculative_generate(target, propose, prompt, taps, S, new, eos)
+        assert spec.tokens == reference
+        accepted |= set(spec.accepted)
+    assert S in accepted and len(accepted & set(range(1, S))) >= 4, accepted  # both kinds of step happened
+
+
+def test_drafter_context_drafts_what_the_whole_context_drafts(tiny_dir):
+    """The drafter's context kept between steps (DraftContext: each position projected once) gives the states
+    ``draft_hidden`` computes over the whole context, in a sliding-window and a full-attention layer, for anchors
+    before and past the window."""
+    from transformers import AutoModelForCausalLM
+
+    from hsstore.train.model import DFlashDrafter, DrafterConfig
+    from hsstore.train.speculative import DraftContext
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    embed, head = model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+    cfg = DrafterConfig.from_target_config(model.config, mask_token_id=3, target_layers=[1, 3, 5], num_layers=2,
+                                           sliding_window=[6, None], block_size=8)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg, embed, head).eval()
+    T = 40
+    feats, ids = torch.randn(T, 3, cfg.hidden_size), torch.randint(5, 900, (T,))
+    ctx = DraftContext(drafter)
+    for p in (3, 4, 11, 12, 25, 39):  # the context grown a few positions at a time, as decoding grows it
+        ctx(feats[:p], ids[:p + 1])
+        hs = torch.zeros(1, p + 1, 3, cfg.hidden_size)
+        hs[0, :p] = feats[:p]
+        want = drafter.draft_hidden(hs, ids[None, :p + 1], torch.tensor([[p]]))[0, 0, 1:]
+        torch.testing.assert_close(ctx.block_hidden(int(ids[p]), p), want, rtol=1e-4, atol=1e-5)
+
+
+def test_decoding_runs_each_token_through_the_target_about_once(target, prompts, eos):
+    """#38.4: with the cache, greedy decoding feeds the prompt once and then one token per forward, its lm_head
+    only at that token; speculative decoding feeds each step's block and, after a rejection, the accepted part
+    again, never the sequence so far (what made a 2,048-token generation quadratic)."""
+    fed, rows = [], []
+    h1 = target.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    h2 = target.get_output_embeddings().register_forward_hook(lambda m, a, out: rows.append(out.shape[1]))
+    try:
+        prompt = prompts[0]
+        base = greedy_generate(target, prompt, NEW, eos)
+        assert fed == [len(prompt)] + [1] * (len(base.tokens) - 1) and rows == [1] * len(base.tokens)
+        fed.clear(), rows.clear()
+        spec = speculative_generate(target, oracle(prompt, base.tokens, 2), prompt, [1, 2, 3, 4, 5], S, NEW, eos)
+        assert fed[0] == len(prompt) and max(fed[1:]) == S  # block tokens, then the 3 accepted ones again
+        assert fed[1:] == [S, 3] * (spec.forwards - 1) and rows[1:] == [S, 1] * (spec.forwards - 1)
+    finally:
+        h1.remove(), h2.remove()

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import hashlib
-import io
 import json
 import os
 import random

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config
+from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config, recordable_stores
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -556,11 +556,18 @@ def checkpoint_errors(tmp: Path, step: int):
                       "before are kept (free space, then run the same command again to resume)") from e
 
 
+def _length(steps: int | None, epochs: float | None) -> str:
+    return f"--steps {steps}" if steps is not None else f"--epochs {epochs}" if epochs is not None else "the default"
+
+
 def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = read_trainer_state(path)
     now = recordable_config(cfg)  # as it was saved
     before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
+    for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
+        if key in before and before[key]:
+            before[key] = recordable_stores(before[key])
     diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
     saved_cfg, _ = read_drafter_config(path)
     mine = dataclasses.replace(drafter.config, attn_impl=saved_cfg.attn_impl)
@@ -569,6 +576,10 @@ def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, ra
     if diffs:
         raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
                          "or --no-resume to start over")
+    length = {k: saved["config"].get(k) for k in ("steps", "epochs")}
+    if rank == 0 and length != {"steps": cfg.steps, "epochs": cfg.epochs}:  # allowed, but never silent
+        log.warning("resuming %s with another length: %s before, %s now (the learning-rate schedule follows the "
+                    "new length from here)", path, _length(**length), _length(cfg.steps, cfg.epochs))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
     if saved["world"] == [world, cfg.workers] and rank in states:

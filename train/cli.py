@@ -40,7 +40,7 @@ def register_train(subparsers) -> None:
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
     add_config_option(t)
-    t.set_defaults(func=run_train)
+    t.set_defaults(func=run_train, announce=announce_train)
 
 
 def register_export(subparsers) -> None:
@@ -52,8 +52,9 @@ def register_export(subparsers) -> None:
         "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
         "OUT must not exist or be empty.",
     )
-    x.add_argument("ckpt", metavar="CKPT")
-    x.add_argument("out", metavar="OUT")
+    x.add_argument("ckpt", metavar="CKPT", help="a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a "
+                   "training run (its drafter/ or latest checkpoint)")
+    x.add_argument("out", metavar="OUT", help="the new drafter directory (must not exist or be empty)")
     x.set_defaults(func=run_export)
 
 
@@ -71,8 +72,11 @@ def register_eval(subparsers) -> None:
         "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
         "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
         "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau is the mean over "
-        "prompts of each prompt's mean per step, as there. The target is re-run over the whole sequence each "
-        "step (no KV cache), for the target-only baseline and the speculative run alike: slow for long generations.",
+        "prompts of each prompt's mean per step, as there. The target-only baseline and the speculative run both "
+        "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
+        "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
+        "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
+        "one thread (HSSTORE_EVAL_THREADS=N to choose).",
     )
     e.add_argument("--store", required=True, help="without --model: the store to evaluate on; with it: the store "
                    "the drafter was trained on (frozen head, taps)")
@@ -108,6 +112,16 @@ def register_eval(subparsers) -> None:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def announce_train(args: argparse.Namespace) -> None:
+    """``train``'s first line, which the CLI prints before anything heavy (torch for --device, the trainer, the
+    stores: ~25 s on a busy machine), so that a start is never silent."""
+    from hsstore.redaction import recordable_url
+
+    logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
+    logging.getLogger(__name__).info("train: loading torch and the trainer, then reading %s into %s",
+                                     ", ".join(recordable_url(u) for u in args.store or []), args.out)
+
+
 def train_config(args: argparse.Namespace):
     """The TrainConfig of parsed ``hsstore train`` flags (the schema's, plus -q and -S)."""
     return from_settings(from_args(TrainSettings, args, progress=not args.quiet,
@@ -120,22 +134,23 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
     cfg = train_config(args)
     result = train(cfg, settings=settings(args))
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last
     if args.json:
-        print(json.dumps({"steps": result.steps, "epochs_done": result.epochs_done, "seconds": result.seconds,
+        print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
+                          "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
                           "last": last}, indent=2))
         return 0
-    if result.resumed_from is not None:
-        print(f"resumed from {result.resumed_from}")
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
-    print(f"trained {result.steps} steps ({result.epochs_done} epoch(s) complete) in {result.seconds:.1f}s; "
+    resumed = ("" if result.resumed_from is None else
+               f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
+    print(f"trained {result.steps_this_run} steps{resumed} ({result.epochs_done} epoch(s) complete) in "
+          f"{result.seconds:.1f}s; "
           f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
           f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
     if "val_tau" in last:

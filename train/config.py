@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hsstore.config import absolute_path
 from hsstore.redaction import recordable_url
 from hsstore.schema import flat, flat_class, option, resume_keys, section
 
@@ -30,9 +31,9 @@ DEFAULT_EPOCHS = 6
 
 @dataclass
 class Run:
-    stores: list[str] = option(flag="--store", dest="store", required=True, metavar="URL", resume=True,
+    stores: list[str] = option(flag="--store", dest="store", required=True, metavar="URL", resume=True, path=True,
                                help="store URL (repeatable)")
-    out: str = option(required=True, help="run directory (metrics, checkpoints, drafter)")
+    out: str = option(required=True, path=True, help="run directory (metrics, checkpoints, drafter)")
     steps: int | None = option(None, exclusive="length", help="optimizer steps")
     epochs: int | None = option(None, exclusive="length", help=f"passes over the data (default {DEFAULT_EPOCHS})")
     device: str | None = option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: "
@@ -61,7 +62,7 @@ class Drafter:
         True, flag="--non-causal-sliding", dest="non_causal_sliding", negate=True, resume=True,
         help="sliding layers see their whole block (exported as is_causal: false); default: causal inside the "
              "block, as SpecForge trains and SGLang/vLLM serve")
-    init: str | None = option(None, metavar="DIR",
+    init: str | None = option(None, metavar="DIR", path=True,
                               help="start from this drafter (DFlash format: ours, SpecForge's, z-lab's); refused "
                                    "unless its taps, hidden size, vocabulary and block size fit the store")
     mask_token_id: int | None = option(None, resume=True,
@@ -105,7 +106,7 @@ class Data:
     prefetch: int = option(2, help="batches read (and copied to the GPU) ahead")
     cpu_threads: int | None = option(
         None, help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
-    cache_dir: str | None = option(None, help="local chunk cache for remote stores")
+    cache_dir: str | None = option(None, path=True, help="local chunk cache for remote stores")
     cache_bytes: int | None = option(
         None, metavar="N",
         help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
@@ -146,7 +147,7 @@ class Output:
 @dataclass
 class Validation:
     val_stores: list[str] | None = option(
-        None, flag="--val-store", dest="val_store", metavar="URL",
+        None, flag="--val-store", dest="val_store", metavar="URL", path=True,
         help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every valid "
              "anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
     val_every: int | None = option(
@@ -213,5 +214,11 @@ def recordable_config(cfg: TrainConfig) -> dict[str, Any]:
     d = {**dataclasses.asdict(cfg), "storage_options": None}
     for key in ("stores", "val_stores"):
         if d.get(key):
-            d[key] = [recordable_url(u) for u in d[key]]
+            d[key] = recordable_stores(d[key])
     return d
+
+
+def recordable_stores(urls: list[str]) -> list[str]:
+    """Store URLs as records keep them: no user info, local paths absolute (a record read from another folder,
+    or a resume started from one, means the same stores)."""
+    return [recordable_url(absolute_path(u)) for u in urls]

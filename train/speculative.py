@@ -4,19 +4,29 @@ One step, with the anchor x_p = the last token emitted (the target has not run o
 
     1. the drafter reads the target's tapped features of positions < p and the block
        [x_p, MASK, ...] and proposes d_1 .. d_{S-1} (its argmax at each block position);
-    2. the target runs on prefix + x_p + d_1 .. d_{S-1} and gives its own greedy token g_k at every
-       draft position (g_k is what it would emit after x_p, d_1 .. d_{k-1});
+    2. the target runs on x_p, d_1 .. d_{S-1} after its cached prefix and gives its own greedy token g_k at
+       every draft position (g_k is what it would emit after x_p, d_1 .. d_{k-1});
     3. accept the longest prefix with d_k == g_k (n tokens), then the target's g_{n+1} as a bonus:
        n + 1 tokens for one target forward. tau (acceptance length) = n + 1, between 1 and S.
 
 The same forward also yields the features of every accepted position for the next step (the target
 is causal: features at positions <= p + n depend only on accepted tokens).
 
-Deliberately simple: the target re-runs the whole sequence every step (no KV cache). With Gated
-DeltaNet layers a cache would have to be rolled back to the accepted prefix, which a recurrent state
-cannot do without snapshots. It is correct and fine for small models and short generations; the
-target-only baseline runs the same way, so the speedup measures what tau buys, not a serving stack.
-The output must equal target-only greedy decoding token for token: that is the test of this code.
+Caches. The target decodes with its own Hugging Face cache (``past_key_values``): attention keys/values and,
+for Qwen3.5/3.6 hybrids, each Gated DeltaNet layer's conv and recurrent state. A verification forward
+advances that cache over all S block tokens; when a suffix is rejected the cache must go back to p + n + 1
+tokens. Attention keys could be cropped, but a recurrent state cannot be un-applied, and the cache classes'
+rollback API differs between transformers 5.x releases. So each step copies the cache before verifying
+(``copy.deepcopy``: its tensors, O(context) bytes, no compute), and after a rejection restores the copy and
+runs only the accepted tokens x_p, d_1 .. d_n through it: correct for every cache kind (pure attention,
+hybrid, sliding), at the price of a second, shorter forward on steps that reject (none when all S are
+accepted). The drafter keeps its own context: the projection of each position's features (``fc``, norm)
+and every draft layer's keys and values of it are computed once, when the position is accepted
+(``DraftContext``), instead of over the whole context at every step. Logits are computed only where they
+are read (``logits_to_keep``: 1 token when decoding alone, the S block positions when verifying).
+
+The output must equal target-only greedy decoding token for token (``tests/test_train_eval.py``, also
+against a reference that re-runs the whole sequence without any cache).
 
 Settings comparable with published acceptance lengths (DFlash's benchmark, z-lab ``dflash/benchmark.py``):
 greedy (temperature 0; the only mode here), up to 2048 new tokens (``hsstore eval`` default), prompts
@@ -28,8 +38,11 @@ step), then the mean over prompts. The teacher-forced estimate that needs no tar
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +53,13 @@ import torch.nn.functional as F
 
 from hsstore.devices import resolve_device, route_cpu_kernels
 
+from .masks import attend, block_attention_mask
+from .model import apply_rope, rope_cos_sin
+
 log = logging.getLogger(__name__)
 
-# propose(context features [p, L, H], tokens [p + 1] (the anchor last)) -> S - 1 draft tokens
+# propose(context features [p, L, H], tokens [p + 1] (the anchor last)) -> S - 1 draft tokens. A proposer with
+# a ``reset()`` method has it called before each generation (``DraftContext`` keeps state per generation).
 Proposer = Callable[[torch.Tensor, torch.Tensor], list[int]]
 
 
@@ -50,7 +67,7 @@ Proposer = Callable[[torch.Tensor, torch.Tensor], list[int]]
 class Generation:
     tokens: list[int]  # the generated tokens (prompt excluded)
     accepted: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
-    forwards: int = 0  # target forward passes
+    forwards: int = 0  # target forward passes (a verification and its re-run after a rejection count once)
     seconds: float = 0.0
 
     @property
@@ -58,13 +75,36 @@ class Generation:
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
 
 
-@torch.inference_mode()
-def target_step(model, ids: torch.Tensor, taps: Sequence[int], keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tapped features [T, L, H], logits of the last ``keep`` positions [keep, V]) for tokens ``ids`` [T].
-    Layer id l is HF ``hidden_states[l + 1]`` (index 0 is the embeddings)."""
-    out = model(input_ids=ids[None], output_hidden_states=True, logits_to_keep=keep, use_cache=False)
-    feats = torch.stack([out.hidden_states[l + 1][0] for l in taps], dim=1)
-    return feats, out.logits[0, -keep:]
+class TargetCache:
+    """One generation's target state: the model's own cache (``past_key_values``) over the tokens committed so
+    far, advanced by ``forward``; ``save``/``restore`` bracket a verification whose suffix may be rejected."""
+
+    def __init__(self, model):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self.cache = None
+        self.saved = None
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], keep: int, taps: Sequence[int] | None = None):
+        """(logits of the last ``keep`` of ``ids`` [keep, V], tapped features of ``ids`` [len, L, H] or None),
+        the cache advanced over ``ids``. Layer id l is HF ``hidden_states[l + 1]`` (index 0: the embeddings)."""
+        dev = next(self.model.parameters()).device
+        x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+        out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep, output_hidden_states=taps is not None,
+                         **({self.kwarg: self.cache} if self.cache is not None else {}))
+        if self.cache is None:  # the model made its cache in the prefill
+            made = getattr(out, "cache", None)
+            self.cache = made if made is not None else out.past_key_values
+        feats = None if taps is None else torch.stack([out.hidden_states[l + 1][0] for l in taps], dim=1)
+        return out.logits[0, -keep:], feats
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.cache)
+
+    def restore(self) -> None:
+        self.cache, self.saved = self.saved, None
 
 
 def _finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], bool]:
@@ -77,21 +117,18 @@ def _finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], 
 
 @torch.inference_mode()
 def greedy_generate(model, prompt: Sequence[int], max_new: int, eos: set[int]) -> Generation:
-    """Target-only greedy decoding, re-running the full sequence each token (the baseline)."""
+    """Target-only greedy decoding with the target's cache, one token per forward (the baseline)."""
     t0 = time.perf_counter()
-    dev = next(model.parameters()).device
-    ids = torch.tensor(list(prompt), dtype=torch.long, device=dev)
-    out: list[int] = []
-    gen = Generation(out)
-    while True:
-        logits = model(input_ids=ids[None], logits_to_keep=1, use_cache=False).logits[0, -1]
+    target = TargetCache(model)
+    logits, _ = target.forward(prompt, keep=1)
+    out = [int(logits[-1].argmax())]
+    gen = Generation(out, forwards=1)
+    out[:], done = _finish(out, eos, max_new)
+    while not done:
+        logits, _ = target.forward(out[-1:], keep=1)
         gen.forwards += 1
-        tok = int(logits.argmax())
-        out.append(tok)
-        ids = torch.cat([ids, ids.new_tensor([tok])])
+        out.append(int(logits[-1].argmax()))
         out[:], done = _finish(out, eos, max_new)
-        if done:
-            break
     gen.seconds = time.perf_counter() - t0
     return gen
 
@@ -101,45 +138,134 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
                          max_new: int, eos: set[int]) -> Generation:
     """Greedy speculative decoding (see the module doc); lossless: equals ``greedy_generate``."""
     t0 = time.perf_counter()
-    dev = next(model.parameters()).device
     S = block_size
-    seq = torch.tensor(list(prompt), dtype=torch.long, device=dev)
-    feats, logits = target_step(model, seq, taps, keep=1)  # prefill: the first token, features of the prompt
+    if hasattr(propose, "reset"):
+        propose.reset()
+    target = TargetCache(model)
+    logits, feats = target.forward(prompt, keep=1, taps=taps)  # prefill: the first token, the prompt's features
+    # every committed position's features, in one buffer (the proposer reads a view of its first p rows)
+    buf = feats.new_empty((len(prompt) + max_new + S, *feats.shape[1:]))
+    buf[:len(prompt)] = feats
     out = [int(logits[-1].argmax())]
     gen = Generation(out, forwards=1)
     out[:], done = _finish(out, eos, max_new)
     while not done:
-        seq = torch.tensor(list(prompt) + out, dtype=torch.long, device=dev)
-        p = len(seq) - 1  # the anchor's position
-        draft = propose(feats[:p], seq)[: S - 1]
-        cand = torch.cat([seq, seq.new_tensor(draft)])
-        feats, logits = target_step(model, cand, taps, keep=len(draft) + 1)
+        p = len(prompt) + len(out) - 1  # the anchor's position: committed tokens < p are in the target's cache
+        seq = torch.tensor(list(prompt) + out, dtype=torch.long, device=buf.device)
+        draft = [int(t) for t in propose(buf[:p], seq)[: S - 1]]
+        target.save()
+        logits, feats = target.forward([out[-1], *draft], keep=len(draft) + 1, taps=taps)
         gen.forwards += 1
-        target = logits.argmax(-1).tolist()  # target[k]: its token after x_p, d_1 .. d_k
+        verdict = logits.argmax(-1).tolist()  # verdict[k]: the target's token after x_p, d_1 .. d_k
         n = 0
-        while n < len(draft) and draft[n] == target[n]:
+        while n < len(draft) and draft[n] == verdict[n]:
             n += 1
+        if n < len(draft):  # a rejected suffix: back to the saved cache, then only x_p, d_1 .. d_n through it
+            target.restore()
+            target.forward([out[-1], *draft[:n]], keep=1)
+        buf[p:p + n + 1] = feats[:n + 1]  # causal: the accepted positions' features are final
         gen.accepted.append(n + 1)
-        out.extend(draft[:n] + [target[n]])
+        out.extend(draft[:n] + [verdict[n]])
         out[:], done = _finish(out, eos, max_new)
     gen.seconds = time.perf_counter() - t0
     return gen
 
 
-def drafter_proposer(drafter) -> Proposer:
-    """A Proposer from a DFlashDrafter: its argmax at block positions 1 .. S-1 for the anchor at p."""
+class DraftContext:
+    """A DFlash drafter proposing for one generation at a time, its context kept between steps: per position,
+    once, the context vector (``fc`` of the concatenated features, then ``hidden_norm``) and every draft layer's
+    keys (RoPE at the position) and values of it. A step then runs only the S block tokens, attending to those
+    keys under the training mask (``masks.block_attention_mask``, one anchor), so it drafts what
+    ``DFlashDrafter.draft_hidden`` drafts over the whole context (tests/test_train_eval.py)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * len(self.drafter.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(self.drafter.layers)
+        self.n = 0  # context positions held
 
     @torch.inference_mode()
-    def propose(ctx: torch.Tensor, seq: torch.Tensor) -> list[int]:
-        p = seq.shape[0] - 1
-        L, H = ctx.shape[1], ctx.shape[2]
-        hs = torch.zeros(1, p + 1, L, H, dtype=ctx.dtype, device=ctx.device)
-        hs[0, :p] = ctx  # position p (the anchor) has no features yet; the mask never reads it
-        h = drafter.draft_hidden(hs, seq[None], torch.tensor([[p]], device=seq.device))
-        logits = F.linear(h[0, 0, 1:].to(drafter.lm_head.dtype), drafter.lm_head)
-        return logits.argmax(-1).tolist()
+    def extend(self, feats: torch.Tensor) -> None:
+        """Add the features [t, L, H] of the next t positions."""
+        d, c = self.drafter, self.drafter.config
+        t = feats.shape[0]
+        ctx = d.context(feats[None])  # [1, t, H]
+        rope = rope_cos_sin(torch.arange(self.n, self.n + t, device=ctx.device)[None], c.head_dim, c.rope_theta,
+                            ctx.dtype)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            k = apply_rope(a.k_norm(a.k_proj(ctx).view(1, t, c.num_kv_heads, c.head_dim)), *rope)
+            v = a.v_proj(ctx).view(1, t, c.num_kv_heads, c.head_dim)
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=1)
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=1)
+        self.n += t
 
-    return propose
+    @torch.inference_mode()
+    def __call__(self, ctx: torch.Tensor, seq: torch.Tensor) -> list[int]:
+        """The Proposer: ``ctx`` the features of positions < p (those not yet held are added), ``seq`` the
+        tokens with the anchor last."""
+        p = seq.shape[0] - 1
+        if ctx.shape[0] != p or self.n > p:
+            raise ValueError(f"drafter context: {ctx.shape[0]} feature rows for anchor {p}, {self.n} held "
+                             "(call reset() between generations)")
+        if self.n < p:
+            self.extend(ctx[self.n:p])
+        h = self.block_hidden(int(seq[-1]), p)
+        return F.linear(h.to(self.drafter.lm_head.dtype), self.drafter.lm_head).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def block_hidden(self, anchor: int, p: int) -> torch.Tensor:
+        """The drafter's final-normed states [S-1, H] at block positions 1 .. S-1 for ``anchor`` at position ``p``
+        (the context held: positions < p); ``draft_hidden``'s ``[0, 0, 1:]`` for the same anchor."""
+        d, c = self.drafter, self.drafter.config
+        S, nh, nkv, hd = c.block_size, c.num_heads, c.num_kv_heads, c.head_dim
+        dev = d.lm_head.device
+        ids = torch.full((1, S), c.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = anchor
+        x = F.embedding(ids, d.embed_tokens).to(d.fc.weight.dtype)
+        rope = rope_cos_sin(torch.arange(p, p + S, device=dev)[None], hd, c.rope_theta, x.dtype)
+        anchors = torch.tensor([[p]], device=dev)
+        valid = torch.ones(1, p, dtype=torch.bool, device=dev)
+        masks = {}
+        for i, layer in enumerate(d.layers):
+            w = c.window(i)
+            if w not in masks:
+                masks[w] = block_attention_mask(anchors, valid, S, w, c.sliding_causal)
+            a, h = layer.self_attn, layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(1, S, nh, hd)), *rope)
+            k_blk = apply_rope(a.k_norm(a.k_proj(h).view(1, S, nkv, hd)), *rope)
+            v_blk = a.v_proj(h).view(1, S, nkv, hd)
+            k = k_blk if self.keys[i] is None else torch.cat([self.keys[i][:, :p], k_blk], dim=1)
+            v = v_blk if self.values[i] is None else torch.cat([self.values[i][:, :p], v_blk], dim=1)
+            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), masks[w])
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, S, nh * hd))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)[0, 1:]
+
+
+def drafter_proposer(drafter) -> DraftContext:
+    """A Proposer from a DFlashDrafter: its argmax at block positions 1 .. S-1 for the anchor at p, with the
+    context kept between steps (``DraftContext``)."""
+    return DraftContext(drafter)
+
+
+def eval_threads(model) -> int:
+    """torch threads for decoding with ``model`` on the CPU: a small model's ops are too small to split (on a
+    busy machine extra threads only wait on each other: the tiny target fell from ~50 to 1-2 tokens/s), a large
+    one's matmuls use every core. ``HSSTORE_EVAL_THREADS`` overrides."""
+    env = os.environ.get("HSSTORE_EVAL_THREADS", "").strip()
+    if env:
+        return max(1, int(env))
+    params = sum(p.numel() for p in model.parameters())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, SMALL_MODEL_THREADS) if params < SMALL_MODEL_PARAMS else cores
+
+
+SMALL_MODEL_PARAMS = 50_000_000
+SMALL_MODEL_THREADS = 1
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -228,7 +354,7 @@ class EvalReport:
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
              eos: set[int], progress: bool = False) -> EvalReport:
-    """Each prompt twice (target alone, then speculative); slow without a KV cache, so a bar shows tau so far."""
+    """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far."""
     from tqdm import tqdm
 
     propose = drafter_proposer(drafter)
@@ -297,5 +423,14 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     eos = {int(x) for x in ([eos_ids] if isinstance(eos_ids, int) else (eos_ids or []))}
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
-                    progress=progress)
+    before = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(eval_threads(model))
+        log.info("eval: decoding on %d CPU thread(s) (%s; HSSTORE_EVAL_THREADS to choose)", torch.get_num_threads(),
+                 "a small target's ops are too small to split" if torch.get_num_threads() < os.cpu_count()
+                 else "every core")
+    try:
+        return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
+                        progress=progress)
+    finally:
+        torch.set_num_threads(before)

@@ -76,6 +76,11 @@ class TrainResult:
     drafter_dir: Path | None
     last: dict[str, Any]
     resumed_from: Path | None = None
+    start_step: int = 0  # the step this run started at (0, or the resumed checkpoint's)
+
+    @property
+    def steps_this_run(self) -> int:
+        return self.steps - self.start_step
 
 
 def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None) -> TrainResult:
@@ -137,7 +142,7 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
         metrics.close()
     if world > 1:
         dist.barrier()
-    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest)
+    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step)
 
 
 def store_batches(stores, layers, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> StoreBatches:

@@ -11,14 +11,16 @@ import json
 import os
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import fsspec
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from . import codec, names
 from .. import door, storage
 from ..errors import CorruptionError, StoreError
+
+if TYPE_CHECKING:
+    import torch
 
 ASSETS_DIR = "assets"
 INDEX = "index.json"
@@ -78,6 +80,8 @@ def write_assets(fs, root: str, files: dict[str, bytes], url: str = "") -> None:
 
 
 def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save as st_save  # torch only where tensors are (de)serialised
+
     return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
 
@@ -131,6 +135,8 @@ def _names_code(doc: Any) -> bool:
 
 
 def load_tensors(fs, root: str, name: str, url: str = "") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load as st_load
+
     return st_load(read_asset(fs, root, name, url))
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import google_crc32c
 import numcodecs
 import numpy as np
-import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 try:  # releases the GIL on buffers of 32 KiB and more; google_crc32c holds it (see crc32c below)
@@ -28,11 +28,12 @@ except ImportError:  # a platform without its wheel: the same values, with the G
 from . import fp8
 from ..errors import CorruptionError, StoreError
 
+if TYPE_CHECKING:
+    import torch
+
 assert sys.byteorder == "little", "hsstore writes little-endian chunks by direct encoding"
 
 STORAGE_DTYPE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
-TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DTYPE_NAME = {v: k for k, v in TORCH_DTYPE.items()}
 CODECS = ("none", "zstd", "blosc-zstd", "lz4")
 
 
@@ -49,12 +50,35 @@ def token_bytes(dtype: str, encoding: str, n_layers: int, hidden: int) -> int:
     return n_layers * per_row
 
 
+@functools.cache
+def _torch_dtypes() -> dict:
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@functools.cache
+def _dtype_names() -> dict:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
+def __getattr__(name: str):
+    """``TORCH_DTYPE`` (manifest name -> torch dtype) and ``DTYPE_NAME`` (its inverse), made on first use:
+    commands that only read metadata (info, verify, index, ...) never import torch."""
+    if name == "TORCH_DTYPE":
+        return _torch_dtypes()
+    if name == "DTYPE_NAME":
+        return _dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def dtype_name(x: torch.Tensor | np.ndarray) -> str:
     """The manifest dtype name of a tensor or array ('bfloat16', 'float16', 'float32')."""
-    if isinstance(x, torch.Tensor):
-        if x.dtype not in DTYPE_NAME:
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.dtype not in _dtype_names():
             raise StoreError(f"unsupported feature dtype {x.dtype}")
-        return DTYPE_NAME[x.dtype]
+        return _dtype_names()[x.dtype]
     if x.dtype == np.float16:
         return "float16"
     if x.dtype == np.float32:
@@ -64,6 +88,8 @@ def dtype_name(x: torch.Tensor | np.ndarray) -> str:
 
 def from_storage(a: np.ndarray, dtype: str) -> torch.Tensor:
     """A torch tensor in the manifest dtype viewing stored bits (bit-exact)."""
+    import torch
+
     t = torch.from_numpy(a)
     if dtype == "bfloat16":
         return t.view(torch.bfloat16)
@@ -78,6 +104,8 @@ EXPONENT_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000}
 
 def bits_view(x: torch.Tensor | np.ndarray) -> torch.Tensor:
     """A CPU torch view of features' raw bits as a signed integer tensor (no copy when already on CPU)."""
+    import torch
+
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x)
     x = x.detach()

@@ -17,16 +17,26 @@ decodes bits through a 256-entry table.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ENCODING = "fp8"
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 VALUE_DTYPE = np.dtype("|u1")   # stored bits of the values
 SCALE_DTYPE = np.dtype("<f4")   # stored scales
+
+
+def __getattr__(name: str):
+    """``FP8_DTYPE`` (torch's float8_e4m3fn), looked up on first use: reading metadata never imports torch."""
+    if name == "FP8_DTYPE":
+        import torch
+
+        return torch.float8_e4m3fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Quantised(NamedTuple):
@@ -39,21 +49,26 @@ class Quantised(NamedTuple):
 def quantise(x: torch.Tensor) -> Quantised:
     """Per-row (last dimension) e4m3 quantisation, on ``x``'s device. NaN/Inf rows give a NaN/Inf scale
     (callers check finiteness before, as for raw features; :func:`first_bad_row` finds them after)."""
+    import torch
+
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    values = (xf / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    values = (xf / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return Quantised(values, scales)
 
 
-def dequantise(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``values * scales`` in ``dtype``, on the tensors' device (the trainer's GPU)."""
+def dequantise(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``values * scales`` in ``dtype`` (default bfloat16), on the tensors' device (the trainer's GPU)."""
+    import torch
+
     if values.dtype == torch.uint8:
-        values = values.view(FP8_DTYPE)
+        values = values.view(torch.float8_e4m3fn)
+    dtype = torch.bfloat16 if dtype is None else dtype
     return (values.float() * scales.float().unsqueeze(-1)).to(dtype)
 
 
-def dequantise_batch(batch: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def dequantise_batch(batch: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, Any]:
     """A batch or item whose ``hidden_states`` are dequantised into ``dtype`` (``hidden_scales`` removed);
     batches without ``hidden_scales`` (raw stores) are returned unchanged."""
     if batch.get("hidden_scales") is None:
@@ -64,7 +79,17 @@ def dequantise_batch(batch: dict[str, Any], dtype: torch.dtype = torch.bfloat16)
 
 
 # -- numpy-bit form: the stored uint8 bits ---------------------------------------------------------------
-_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float().numpy()
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of every e4m3fn bit pattern: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+    is subnormal, ``x111 1111`` NaN, no Inf (tests check it against torch's own conversion)."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    return np.where((b & 0x7F) == 0x7F, np.nan, sign * mag).astype(np.float32)
+
+
+_TABLE = _e4m3fn_table()
 
 
 def decode_bits(bits: np.ndarray) -> np.ndarray:
@@ -79,6 +104,8 @@ def dequantise_numpy(bits: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def as_bits(values: torch.Tensor) -> np.ndarray:
     """The uint8 bits of fp8 values as a numpy array (a view when already on the CPU)."""
+    import torch
+
     v = values.detach()
     if v.device.type != "cpu":
         v = v.cpu()

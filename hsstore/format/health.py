@@ -16,7 +16,7 @@ values from the bytes ``verify`` reads anyway, so a record's statistics are neve
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np

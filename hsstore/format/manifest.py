@@ -255,16 +255,23 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
     """The manifest of the store at ``root`` (through ``door``: a regular file of at most ``door.JSON_CAP``
     bytes); a missing one says so, naming the URL, and whether the path exists at all."""
     where = f"{url}/{MANIFEST_FILE}"
+    notice = storage.waiting_notice(fs, url)  # an unreachable object store is otherwise silent for a while
     try:
         data = door.read(fs, root, MANIFEST_FILE, bound=door.JSON_CAP, where=f"store {url!r}")
     except FileNotFoundError as e:
         if storage.missing_bucket(fs, root):
             raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+        missing = storage.missing_path(fs, root)
+        if missing:
+            raise ManifestError(f"store {url!r} does not exist: {missing}") from None
         raise ManifestError(f"{url!r} is not an hsstore store: no {MANIFEST_FILE} there") from None
     except StoreError:
         raise
     except Exception as e:
         raise StoreError(storage.explain(e, url, "read", fs, root)) from None
+    finally:
+        if notice is not None:
+            notice.cancel()
     return Manifest.from_json(data, where=where)
 
 

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import mmap
-import os
 import posixpath
 import tarfile
 import time

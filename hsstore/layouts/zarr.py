@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
 import zarr
 from zarr.storage import MemoryStore
 
@@ -32,7 +30,7 @@ from .. import door, storage
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_into
+from ..memory import copy_bytes, mapped_reads, pread_into, torch_threads
 from ..format.report import Problem, VerifyReport
 from ..terminal import escape, shown
 
@@ -372,7 +370,7 @@ def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: i
         with door.opened(root, key) as (fd, size):
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            if not mapped_reads() or torch.get_num_threads() == 1:
+            if not mapped_reads() or torch_threads() == 1:
                 tail = bytearray(4)
                 if pread_into(fd, [flat, tail], 0) != n + 4:
                     raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")

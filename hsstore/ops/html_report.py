@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 W, H = 640, 260
-M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 34, 44
+M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 46, 44  # the top holds the title and a legend row
 COLORS = ("#3b6fd4", "#e0662b", "#2f9e58", "#9b59b6")
 MARK = "#d62728"
+# in the head of every page: what tells a page this command may replace from a file of the user's
+GENERATOR = '<meta name="generator" content="hsstore report">'
 
 _SCRIPT = """
 document.querySelectorAll('svg.chart').forEach(function (svg) {
@@ -56,62 +58,118 @@ def _fmt(v: float) -> str:
     if v == 0:
         return "0"
     a = abs(v)
-    if a >= 1e6 or a < 1e-3:
-        return f"{v:.2e}"
+    if a < 1e-3:
+        return f"{v:.1e}"
     if a >= 100:
         return f"{v:,.0f}"
     return f"{v:.3g}"
 
 
-def _frame(name: str, title: str, body: list[str], y_lo: float, y_hi: float, x_labels: list[str]) -> str:
+def count_fmt(v: float) -> str:
+    """Counts (samples, tokens) on an axis: whole numbers with thousands separators."""
+    return f"{v:,.0f}"
+
+
+def nice_ticks(lo: float, hi: float, *, from_zero: bool = False) -> tuple[list[float], float, float]:
+    """(ticks, axis low, axis high): round values (steps of 1, 2, 2.5 or 5 x 10^k), as near 5-6 of them as such
+    steps allow (4-7), so an axis reads at a glance. ``from_zero`` (bars): the axis runs from 0 to the tick at
+    or above ``hi``; else it is the data's range with the ticks inside it."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
+        lo = lo if math.isfinite(lo) else 0.0
+        hi = lo + 1
+    mag = 10.0 ** math.floor(math.log10((hi - lo) / 6))
+    best = None
+    for step in (m * mag * 10 ** k for k in range(3) for m in (1, 2, 2.5, 5)):
+        first = math.ceil(lo / step - 1e-9) * step
+        top = math.ceil(hi / step - 1e-9) * step if from_zero else hi
+        n = int(math.floor((top - first) / step + 1e-9)) + 1
+        if n > 7:
+            continue
+        miss = max(5 - n, n - 6, 0)
+        if best is None or miss < best[0]:
+            best = (miss, [round(first + i * step, 12) for i in range(n)], top)
+        if n < 5:
+            break
+    ticks, top = best[1], best[2]
+    return ticks, (0.0 if from_zero else lo), (top if from_zero else hi)
+
+
+def step_fmt(ticks: list[float]):
+    """Plain numbers for the ticks of one axis, all with the decimals their step needs (0.0005, 0.0010, ...),
+    never exponents (a reader compares ticks by their digits)."""
+    step = min((b - a for a, b in zip(ticks, ticks[1:])), default=1.0) or 1.0
+    exp = math.floor(math.log10(step) + 1e-9)
+    decimals = max(0, -exp + (1 if round(step / 10 ** exp, 6) == 2.5 else 0))  # 2.5 x 10^k needs one more
+    return lambda v: f"{v:,.{decimals}f}"
+
+
+def _frame(name: str, title: str, body: list[str], y_lo: float, y_hi: float, y_ticks: list[float],
+           y_fmt=_fmt, x_ticks: list[tuple[float, str]] = (), x_title: str = "",
+           legend: list[tuple[str, str, bool]] = ()) -> str:
+    """The chart around ``body``: title, axes, y ticks (values in the units ``y_fmt`` writes), x ticks
+    ((x in pixels, label)), an x-axis title, and a legend ((label, color, dots)) under the title."""
     pw, ph = W - M_LEFT - M_RIGHT, H - M_TOP - M_BOTTOM
     out = [f'<svg class="chart" data-chart="{_esc(name)}" xmlns="http://www.w3.org/2000/svg" width="{W}" '
            f'height="{H}" viewBox="0 0 {W} {H}" role="img" aria-label="{_esc(title)}">',
            f'<text class="title" x="{M_LEFT}" y="18">{_esc(title)}</text>',
            f'<line x1="{M_LEFT}" y1="{M_TOP + ph}" x2="{M_LEFT + pw}" y2="{M_TOP + ph}" stroke="#999"/>',
            f'<line x1="{M_LEFT}" y1="{M_TOP}" x2="{M_LEFT}" y2="{M_TOP + ph}" stroke="#999"/>']
-    for frac in (0.0, 0.5, 1.0):
-        y = M_TOP + ph * (1 - frac)
-        out.append(f'<text x="{M_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(y_lo + frac * (y_hi - y_lo))}'
-                   "</text>")
-        if frac:
+    span = (y_hi - y_lo) or 1.0
+    y_fmt = step_fmt(y_ticks) if y_fmt is _fmt else y_fmt
+    for v in y_ticks:
+        y = M_TOP + ph * (1 - (v - y_lo) / span)
+        out.append(f'<text class="ytick" x="{M_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_esc(y_fmt(v))}</text>')
+        if v != y_lo:
             out.append(f'<line x1="{M_LEFT}" y1="{y:.1f}" x2="{M_LEFT + pw}" y2="{y:.1f}" stroke="#eee"/>')
     out += body
-    for i, lab in enumerate(x_labels):
-        if lab:
-            x = M_LEFT + pw * (i / max(len(x_labels) - 1, 1))
-            out.append(f'<text x="{x:.1f}" y="{M_TOP + ph + 16}" text-anchor="middle">{_esc(lab)}</text>')
+    for x, lab in x_ticks:
+        out.append(f'<line x1="{x:.1f}" y1="{M_TOP + ph}" x2="{x:.1f}" y2="{M_TOP + ph + 4}" stroke="#999"/>')
+        out.append(f'<text class="xtick" x="{x:.1f}" y="{M_TOP + ph + 16}" text-anchor="middle">{_esc(lab)}</text>')
+    if x_title:
+        out.append(f'<text class="xtitle" x="{M_LEFT + pw / 2:.1f}" y="{H - 6}" text-anchor="middle">'
+                   f'{_esc(x_title)}</text>')
+    x = M_LEFT
+    for label, color, dots in legend:
+        mark = (f'<circle cx="{x + 8}" cy="32" r="3.5" fill="{color}"/>' if dots else
+                f'<line x1="{x}" y1="32" x2="{x + 16}" y2="32" stroke="{color}" stroke-width="2"/>')
+        out.append(f'<g class="legend">{mark}<text x="{x + 22}" y="36">{_esc(label)}</text></g>')
+        x += 30 + 7 * len(label)
     out.append("</svg>")
     return "\n".join(out)
 
 
 def bar_chart(name: str, title: str, labels: list[str], values: list[float], mark: int | None = None,
-              note: str = "", marks: Sequence[int] = ()) -> str:
-    """Vertical bars; the bar at index ``mark`` (the stub signature's bin) and those at ``marks`` (outlier
-    shards) in red."""
+              note: str = "", warn: bool = False, y_fmt=_fmt, marks: Sequence[int] = ()) -> str:
+    """Vertical bars; the bar at index ``mark`` outlined, and in red with its ``note`` only when ``warn`` (the
+    stub signature: one small value dominates); those at ``marks`` (outlier shards) in red. ``y_fmt``: the axis's
+    units (``human_bytes``, counts)."""
     pw, ph = W - M_LEFT - M_RIGHT, H - M_TOP - M_BOTTOM
     peak = max([v for v in values if v is not None and math.isfinite(v)] or [0]) or 1
+    ticks, _, top = nice_ticks(0, peak, from_zero=True)
     n = max(len(values), 1)
     pitch = pw / n
-    body = []
+    body, x_ticks = [], []
     for i, (lab, v) in enumerate(zip(labels, values)):
         v = v if v is not None and math.isfinite(v) else 0
-        h = ph * v / peak
+        h = ph * v / top
         x = M_LEFT + i * pitch + pitch * 0.1
-        color = MARK if mark == i or i in marks else COLORS[0]
+        color = MARK if (warn and mark == i) or i in marks else COLORS[0]
+        outline = ' stroke="#222" stroke-width="1.5"' if mark == i else ""
         body.append(f'<rect class="mark bar" x="{x:.1f}" y="{M_TOP + ph - h:.1f}" width="{pitch * 0.8:.1f}" '
-                    f'height="{max(h, 0.0):.1f}" fill="{color}"><title>{_esc(lab)}: {_esc(_fmt(v))}</title></rect>')
+                    f'height="{max(h, 0.0):.1f}" fill="{color}"{outline}><title>{_esc(lab)}: {_esc(y_fmt(v))}'
+                    '</title></rect>')
         if n <= 16 or i % math.ceil(n / 16) == 0:
-            body.append(f'<text x="{x + pitch * 0.4:.1f}" y="{M_TOP + ph + 14}" text-anchor="middle">'
-                        f'{_esc(lab)}</text>')
+            x_ticks.append((x + pitch * 0.4, lab))
     if note:
-        body.append(f'<text x="{W - M_RIGHT}" y="18" text-anchor="end" style="fill:{MARK}">{_esc(note)}</text>')
-    return _frame(name, title, body, 0, peak, [])
+        style = f' style="fill:{MARK}"' if warn else ""
+        body.append(f'<text class="note" x="{W - M_RIGHT}" y="18" text-anchor="end"{style}>{_esc(note)}</text>')
+    return _frame(name, title, body, 0, top, ticks, y_fmt, x_ticks)
 
 
 def line_chart(name: str, title: str, series: list[tuple[str, list[tuple[float, float]]]],
-               points_only: Iterable[str] = ()) -> str:
-    """Lines over steps; the series named in ``points_only`` as dots (validation every N steps)."""
+               points_only: Iterable[str] = (), y_fmt=_fmt) -> str:
+    """Lines over steps; the series named in ``points_only`` as dots (validation every N steps). Step numbers
+    on the x axis; a legend once two series have data."""
     pw, ph = W - M_LEFT - M_RIGHT, H - M_TOP - M_BOTTOM
     pts = [(x, y) for _, s in series for x, y in s if y is not None and math.isfinite(y)]
     if not pts:
@@ -121,24 +179,29 @@ def line_chart(name: str, title: str, series: list[tuple[str, list[tuple[float, 
     if y_hi == y_lo:
         y_lo, y_hi = y_lo - 0.5, y_hi + 0.5
     x_hi = x_hi if x_hi > x_lo else x_lo + 1
+    pad = 0.05 * (y_hi - y_lo)  # lines clear of the axes
+    y_ticks, y_lo, y_hi = nice_ticks(y_lo - pad, y_hi + pad)
+    steps, _, _ = nice_ticks(x_lo, x_hi)
 
     def xy(x, y):
         return M_LEFT + pw * (x - x_lo) / (x_hi - x_lo), M_TOP + ph * (1 - (y - y_lo) / (y_hi - y_lo))
 
-    body, dots = [], set(points_only)
+    body, dots, legend = [], set(points_only), []
     for k, (label, s) in enumerate(series):
         color = COLORS[k % len(COLORS)]
         good = [xy(x, y) for x, y in s if y is not None and math.isfinite(y)]
         if not good:
             continue
-        if label in dots or len(good) == 1:
+        as_dots = label in dots or len(good) == 1
+        if as_dots:
             body += [f'<circle class="mark point" cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}"/>' for x, y in good]
         else:
             d = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{y:.1f}" for i, (x, y) in enumerate(good))
             body.append(f'<path class="mark series" d="{d}" fill="none" stroke="{color}" stroke-width="2"/>')
-        body.append(f'<text x="{W - M_RIGHT - 110 * (len(series) - k) + 10}" y="18" style="fill:{color}">'
-                    f'&#9632; {_esc(label)}</text>')
-    return _frame(name, title, body, y_lo, y_hi, [_fmt(x_lo), "", f"step {_fmt(x_hi)}"])
+        legend.append((label, color, as_dots))
+    x_ticks = [(xy(t, y_lo)[0], f"{t:,.0f}") for t in steps if t == int(t)]
+    return _frame(name, title, body, y_lo, y_hi, y_ticks, y_fmt, x_ticks, "step",
+                  legend if len(legend) > 1 else [])
 
 
 def _hist_labels(hist: list[dict]) -> list[str]:
@@ -146,8 +209,8 @@ def _hist_labels(hist: list[dict]) -> list[str]:
 
 
 def _page(title: str, sections: list[str]) -> str:
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>\n<h1>{_esc(title)}</h1>\n"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">" + GENERATOR
+            + f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>\n<h1>{_esc(title)}</h1>\n"
             + "\n".join(sections) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n")
 
 
@@ -185,16 +248,17 @@ def store_html(store) -> str:
     per_layer = s["bytes_per_layer"]
     charts = [
         bar_chart("loss_sum_histogram", "loss-mask sum per sample (samples per log2 bin)", _hist_labels(hist),
-                  [h["count"] for h in hist], mark=mark,
+                  [h["count"] for h in hist], mark=mark, warn=s["stub_warning"], y_fmt=count_fmt,
                   note=f"top value {top['value']}: {100 * top['share']:.1f}% of samples"),
         bar_chart("length_histogram", "sample length in tokens (samples per log2 bin)", _hist_labels(lhist),
-                  [h["count"] for h in lhist]),
+                  [h["count"] for h in lhist], y_fmt=count_fmt),
         bar_chart("response_fraction", f"response tokens {100 * s['response_fraction']:.1f}% of all tokens",
                   ["response (loss) tokens", "prompt / other tokens"],
-                  [s["loss_tokens"], s["tokens"] - s["loss_tokens"]]),
-        bar_chart("flags", "samples per quality flag ((none): no flag)", list(flags), list(flags.values())),
+                  [s["loss_tokens"], s["tokens"] - s["loss_tokens"]], y_fmt=count_fmt),
+        bar_chart("flags", "samples per quality flag ((none): no flag)", list(flags), list(flags.values()),
+                  y_fmt=count_fmt),
         bar_chart("bytes_per_layer", "stored bytes per layer", [f"layer {k}" if k.isdigit() else k for k in per_layer],
-                  [v["stored_bytes"] for v in per_layer.values()]),
+                  [v["stored_bytes"] for v in per_layer.values()], y_fmt=human_bytes),
     ]
     charts += feature_charts(store, s["feature_health"])
     sections.append('<div class="grid">' + "".join(f'<div class="card">{c}</div>' for c in charts) + "</div>")
@@ -262,15 +326,39 @@ def run_html(run_dir: str | Path) -> str:
         acc = val[-1]["val_acceptance"]
         charts.append(bar_chart("val_acceptance", f"val acceptance per draft position (step {val[-1]['step']})",
                                 [str(i) for i in range(1, len(acc) + 1)], acc))
-    charts += [line_chart("tokens_per_s", "tokens/s (all ranks)", [("tokens/s", series("tokens_per_s"))]),
+    charts += [line_chart("tokens_per_s", "tokens/s (all ranks)", [("tokens/s", series("tokens_per_s"))],
+                          y_fmt=count_fmt),
                line_chart("lr", "learning rate", [("lr", series("lr"))])]
     sections = [_table(info),
                 '<div class="grid">' + "".join(f'<div class="card">{c}</div>' for c in charts) + "</div>"]
     return _page(f"hsstore run report: {Path(run_dir).name}", sections)
 
 
+def check_report_destination(out: Path) -> None:
+    """The destination rule of every writing command, for one file: a new path, or a page this command wrote
+    before (its generator tag in the first bytes) is replaced; anything else is the user's and is refused,
+    before the store or run is read."""
+    from ..storage import DestinationError
+
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir():
+        raise DestinationError(f"report --out {out}: is a folder; give a file name such as {out / 'report.html'} "
+                               "(nothing was written)")
+    try:
+        with open(out, "rb") as f:
+            head = f.read(512)
+    except OSError as e:
+        raise DestinationError(f"report --out {out}: exists and cannot be read ({e}); nothing was written") from None
+    if GENERATOR.encode() not in head:
+        raise DestinationError(f"report --out {out}: exists and is not a report hsstore wrote; give a new file "
+                               "name, or move it away (nothing was written)")
+
+
 def write_report(path: str, out: str | Path, storage_options: dict[str, Any] | None = None) -> str:
     """``hsstore report``: PATH a run directory (has metrics.jsonl) or a store URL; returns what it was."""
+    out = Path(out)
+    check_report_destination(out)
     local = Path(path)
     if local.is_dir() and (local / "metrics.jsonl").is_file():
         text, kind = run_html(local), "run"
@@ -278,7 +366,6 @@ def write_report(path: str, out: str | Path, storage_options: dict[str, Any] | N
         from ..store.reader import open_store
 
         text, kind = store_html(open_store(path, **(storage_options or {}))), "store"
-    out = Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
     tmp.write_text(text)
     tmp.replace(out)

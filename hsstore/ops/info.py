@@ -70,7 +70,8 @@ def summarize(store: Store) -> dict[str, Any]:
         "bytes_per_layer": layers,
         "stored_bytes": stored_total,
         "raw_feature_bytes": raw_total,
-        "compression_ratio": raw_total / feature_stored if raw_total else None,
+        "feature_stored_bytes": feature_stored,  # of stored_bytes, the features' chunks (the rest: ids, masks, metadata)
+        "compression_ratio": raw_total / feature_stored if raw_total else None,  # raw features / their stored bytes
         # stored feature bytes (all taps; fp8: values + scales) per token, and the same in the target's dtype
         "bytes_per_token": feature_stored / n_tokens if n_tokens else None,
         "dtype_bytes_per_token": codec.token_bytes(m.dtype, "raw", len(m.all_features), m.hidden_size),
@@ -160,12 +161,18 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append("flags      " + ", ".join(f"{k}={v}" for k, v in sorted(s["flags"].items())))
     if s["skipped"]:
         lines.append("skipped    " + ", ".join(f"{k}={v}" for k, v in sorted(s["skipped"].items())))
-    lines.append(f"bytes      {human_bytes(s['stored_bytes'])} stored, {human_bytes(s['raw_feature_bytes'])} raw features "
-                 f"(ratio {s['compression_ratio']:.2f}x)")
-    lines.append(f"per token  {s['bytes_per_token']:,.1f} B stored ({s['encoding']}), {s['dtype_bytes_per_token']:,} B "
-                 f"as {s['dtype']} ({s['dtype_bytes_per_token'] / s['bytes_per_token']:.2f}x)")
+    # every ratio is raw / stored, printed beside the two figures it divides: above 1x the codec saves space,
+    # below 1x chunk padding and checksums cost more than it saves
+    other = s["stored_bytes"] - s["feature_stored_bytes"]
+    lines.append(f"bytes      {human_bytes(s['stored_bytes'])} stored in all: features {human_bytes(s['feature_stored_bytes'])}, "
+                 f"token ids, masks and metadata {human_bytes(other)}")
+    lines.append(f"features   {human_bytes(s['raw_feature_bytes'])} raw / {human_bytes(s['feature_stored_bytes'])} stored "
+                 f"= {s['compression_ratio']:.2f}x (raw / stored: above 1x the codec saves space, below 1x chunk padding "
+                 "and checksums cost more)")
+    lines.append(f"per token  {s['dtype_bytes_per_token']:,} B as {s['dtype']} / {s['bytes_per_token']:,.1f} B stored "
+                 f"({s['encoding']}) = {s['dtype_bytes_per_token'] / s['bytes_per_token']:.2f}x")
     for l, b in s["bytes_per_layer"].items():
-        lines.append(f"  {'layer ' + format(int(l), '>3') if l.isdigit() else l}: {human_bytes(b['stored_bytes'])} stored / {human_bytes(b['raw_bytes'])} raw "
-                     f"({b['ratio']:.2f}x)")
+        lines.append(f"  {'layer ' + format(int(l), '>3') if l.isdigit() else l}: {human_bytes(b['raw_bytes'])} raw / "
+                     f"{human_bytes(b['stored_bytes'])} stored = {b['ratio']:.2f}x")
     lines += feature_lines(s["feature_health"], s["shards"])
     return "\n".join(lines)

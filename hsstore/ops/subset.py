@@ -135,11 +135,11 @@ def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options
     with tqdm(total=total, unit="tok", unit_scale=True, desc="subset", disable=not progress) as bar:
         try:
             copy_assets_if_missing(src, writer.fs, writer.root)
-            for item, (cols, k) in zip(src.iter_windows(windows), _columns(src, windows)):
-                T = int(item["input_ids"].shape[0])
-                writer.add(item["sample_id"], item["input_ids"], item["loss_mask"], item["hidden_states"],
-                           source=cols["source"][k], thinking_tokens=cols["thinking_tokens"][k],
-                           flags=cols["flags"][k], final_hidden=item.get("final_hidden"))
+            stored = src.iter_stored(windows, src.manifest.all_features)  # the stored bits: bit-exact, no torch
+            for (sample_id, ids, mask, feats, scales), (cols, k) in zip(stored, _columns(src, windows)):
+                T = int(ids.shape[0])
+                writer.add_stored(sample_id, ids, mask, feats, scales, source=cols["source"][k],
+                                  thinking_tokens=cols["thinking_tokens"][k], flags=cols["flags"][k])
                 result.written += 1
                 result.tokens += T
                 bar.update(T)

@@ -8,10 +8,12 @@ concatenation); ``final_hidden`` ``[T, H]`` when the store's named feature was r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from ..format import codec, fp8
 
@@ -23,6 +25,8 @@ def make_item(sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: torch.Te
     with ``scales`` ``[n_layers, T]``); ``final_hidden``: its last feature is the final norm's output
     (raw stores only: the manifest refuses it with fp8). ``dequantise`` (fp8): into ``dtype``, on the host.
     ``pin``: ids and mask pinned too (the features are already)."""
+    import torch
+
     item: dict[str, Any] = {"sample_id": sample_id, "input_ids": torch.from_numpy(ids.astype(np.int64)),
                             "loss_mask": torch.from_numpy(mask.astype(bool))}
     if final_hidden:

@@ -17,11 +17,10 @@ import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import fsspec.spec
 import numpy as np
-import torch
 
 from ..format import codec, commit, fp8, index, names, records
 from ..layouts import base as layout
@@ -31,6 +30,9 @@ from ..errors import CorruptionError, ManifestError, StoreError
 from .items import make_item
 from ..format.manifest import MANIFEST_FILE, Manifest, read_manifest
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it
+    import torch
 
 
 log = logging.getLogger(__name__)
@@ -332,6 +334,8 @@ class Store:
         if scales is None:
             t, sc = codec.from_storage(feats, self.manifest.dtype), None
         else:
+            import torch
+
             t, sc = torch.from_numpy(feats).view(fp8.FP8_DTYPE), torch.from_numpy(scales)
         return make_item(sample_id, ids, mask, t, sc, dtype=self.manifest.dtype, final_hidden=final_hidden,
                          dequantise=dequantise)
@@ -358,8 +362,16 @@ class Store:
         """Samples of the given windows in order; the next ``prefetch`` windows are read in a background
         thread while this one is consumed (on object stores, I/O overlaps decoding). ``dequantise``: see
         :meth:`read`."""
+        final = self._with_features(layers)[-1] == "final_hidden"
+        for sample_id, ids, mask, feats, scales in self.iter_stored(windows, layers, prefetch):
+            yield self.sample_dict(sample_id, ids, mask, feats, scales, dequantise, final)
+
+    def iter_stored(self, windows: Sequence[tuple[int, int, int]], layers: Sequence[int] | None = None,
+                    prefetch: int = 1) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]]:
+        """``iter_windows`` as the store holds each sample: (sample_id, ids, mask, features ``[n_layers, T, H]``
+        in the storage dtype, fp8 scales or None), numpy views, no torch: what a copy into another store
+        (``StoreWriter.add_stored``) needs."""
         layers = self._with_features(layers)
-        final = layers[-1] == "final_hidden"
         carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
         def load(w):
@@ -385,8 +397,8 @@ class Store:
                 base = int(self._first[s])
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
-                    yield self.sample_dict(ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],
-                                           None if scales is None else scales[:, a:b], dequantise, final)
+                    yield (ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],
+                           None if scales is None else scales[:, a:b])
 
     def iter_shard(self, shard_index: int, layers: Sequence[int] | None = None,
                    window_bytes: int = 512 << 20) -> Iterator[dict[str, Any]]:
@@ -422,6 +434,8 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
     one rank) the group's first rank reads the manifest and the records and broadcasts them (JSON, never
     pickle); the others read nothing. Every rank of ``group`` must call it, in the same order (a collective).
     Without a process group it is ``Store(url, storage_options)``."""
+    import torch
+
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return Store(url, storage_options)
@@ -465,6 +479,8 @@ def _shared_payload(store: Store) -> bytes:
 
 def _broadcast_bytes(data: bytes | None, src: int, group, device: torch.device) -> bytes:
     """``data`` from rank ``src`` to every rank of ``group`` (a length, then a uint8 tensor)."""
+    import torch
+
     dist = torch.distributed
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
     dist.broadcast(n, src, group=group)

@@ -22,10 +22,9 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import torch
 
 from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
@@ -33,6 +32,9 @@ from .. import destination, memory, storage
 from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso, read_manifest
 from ..version import __version__
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,13 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         raise ManifestError(f"store {url!r} exists with layout {existing.layout!r}; {manifest.layout!r} was asked "
                             "for (give another destination, or the store's layout)")
     return existing
+
+
+def _flat_array(x) -> np.ndarray:
+    """Token ids or a loss mask (list, numpy array, or torch tensor on any device) as a flat numpy array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).reshape(-1)
 
 
 def _safe_tag(tag: str) -> str:
@@ -177,14 +186,38 @@ class StoreWriter:
         when the store's manifest names the ``final_hidden`` feature. ``feature_stats``: the sample's
         ``[features, 5]`` statistics (``health.sample_stats``) when the producer computed them (extraction, on
         the GPU); otherwise they are computed here from the bits written."""
+        sample_id, ids, mask = self._check_sample(sample_id, input_ids, loss_mask)
+        layers, scales = self._layer_views(f"sample {sample_id!r}", hidden_states, ids.shape[0], final_hidden)
+        self._queue(sample_id, ids, mask, layers, scales, source, thinking_tokens, flags, feature_stats)
+
+    def add_stored(self, sample_id: str, input_ids, loss_mask, features: np.ndarray,
+                   scales: np.ndarray | None = None, *, source: str = "", thinking_tokens: int = 0,
+                   flags: list[str] | None = None) -> None:
+        """Queue one sample given as a store holds it: ``features`` ``[n_features, T, H]`` in the storage dtype
+        (every feature of the manifest in ``all_features`` order, as ``Store.read_range`` returns them) and, for
+        fp8 stores, their ``scales`` ``[n_features, T]``. A copy between stores of one manifest (``subset``)
+        is then bit-exact by construction and needs no torch."""
+        sample_id, ids, mask = self._check_sample(sample_id, input_ids, loss_mask)
+        T, where = ids.shape[0], f"sample {sample_id!r}"
+        want = (len(self.all_features), T, self.hidden)
+        if features.shape != want or features.dtype != self.storage_dtype:
+            raise SampleError(f"{where}: stored features {features.dtype} {tuple(features.shape)}, expected "
+                              f"{self.storage_dtype} {want}")
+        if self.fp8 and (scales is None or scales.shape != want[:2]):
+            raise SampleError(f"{where}: an fp8 store needs scales of shape {want[:2]}")
+        bits = features if self.fp8 else features.view(codec.BITS_NUMPY[self.manifest.dtype])
+        self._queue(sample_id, ids, mask, list(bits), list(scales) if self.fp8 else None, source,
+                    thinking_tokens, flags)
+
+    def _check_sample(self, sample_id, input_ids, loss_mask) -> tuple[str, np.ndarray, np.ndarray]:
+        """(id, ids, mask) of a sample about to be added, checked: not added before, ids and mask alike."""
         if self._closed:
             raise StoreError("writer is closed")
         self.raise_background_error()
         sample_id = str(sample_id)
         if sample_id in self._seen:  # readers would serve it twice; resume and merge key on ids
             raise SampleError(f"sample {sample_id!r}: added twice to this writer (sample ids are unique in a store)")
-        ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
-        mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
+        ids, mask = _flat_array(input_ids), _flat_array(loss_mask)
         T = ids.shape[0]
         where = f"sample {sample_id!r}"
         if T == 0:
@@ -197,7 +230,14 @@ class StoreWriter:
             raise SampleError(f"{where}: input_ids out of int32 range")
         if not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_) or mask.min() < 0 or mask.max() > 1:
             raise SampleError(f"{where}: loss_mask must hold 0/1 values")
-        layers, scales = self._layer_views(where, hidden_states, T, final_hidden)
+        return sample_id, ids, mask
+
+    def _queue(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, layers: list[np.ndarray],
+               scales: list[np.ndarray] | None, source, thinking_tokens, flags,
+               feature_stats: np.ndarray | None = None) -> None:
+        """Copy a checked sample's feature bits into the shard buffer (NaN/Inf refused), its columns and feature
+        statistics beside."""
+        T, where = ids.shape[0], f"sample {sample_id!r}"
         if T > self._buf.shape[1] - self._fill:
             if self._fill:
                 self._submit()
@@ -303,6 +343,8 @@ class StoreWriter:
                 if not self.fp8:
                     out.append(codec.bits_view(x).numpy())
                     continue
+                import torch
+
                 q = fp8.quantise(torch.as_tensor(x))
             if q.values.dtype != fp8.FP8_DTYPE or tuple(q.scales.shape) != (T,):
                 raise SampleError(f"{where}: layer {layer}: fp8 values must be {fp8.FP8_DTYPE} with scales [{T}], "
