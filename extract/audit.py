@@ -211,7 +211,8 @@ class AuditReport:
                          "max_rel_err": max((f.figures.rel_err for f in found), default=float("nan")),
                          "samples_ok": len(found) - len(failed), "samples": len(found),
                          "diagnosis": first.diagnosis if first else None, "detail": first.detail if first else None,
-                         "diagnosed_samples": common[0][1] if common else 0}
+                         "diagnosed_samples": common[0][1] if common else 0,
+                         "first_sample": first.sample_id if first else None}
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,7 +229,7 @@ class AuditReport:
         for feat, v in self.verdicts().items():
             if not v["ok"]:
                 lines.append(f"{feature_name(feat)}: {v['diagnosis']}: {v['detail']} ({v['diagnosed_samples']} of "
-                             f"{v['samples']} samples; worst cosine {v['min_cosine']:.4f}, relative error "
+                             f"{v['samples']} samples, first {v['first_sample']!r}; worst cosine {v['min_cosine']:.4f}, relative error "
                              f"{v['max_rel_err']:.4f})")
         return lines
 
