@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -174,6 +175,17 @@ def stored_features(item: dict[str, Any], features: Sequence[int | str]) -> list
     return [item["final_hidden"] if f == "final_hidden" else hs[:, j] for j, f in enumerate(features)]
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with its non-finite floats as None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 # -- the report ------------------------------------------------------------------------------------------------
 @dataclass
 class AuditReport:
@@ -216,12 +228,13 @@ class AuditReport:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"url": recordable_url(self.url), "model": self.model, "ok": self.ok,
+        """The report as JSON values (a figure that could not be computed, NaN, as null)."""
+        return json_safe({"url": recordable_url(self.url), "model": self.model, "ok": self.ok,
                 "bound": {"cosine": self.bound.cosine, "rel_err": self.bound.rel_err, "why": self.bound.why},
                 "dtype": self.dtype, "encoding": self.encoding, "store_samples": self.store_samples,
                 "notes": self.notes, "samples": self.samples,
                 "features": {feature_name(k): v for k, v in self.verdicts().items()},
-                "results": [f.as_dict(self.n_layers) for f in self.findings]}
+                "results": [f.as_dict(self.n_layers) for f in self.findings]})
 
     def failures(self) -> list[str]:
         """One line per failing feature: its name, what it looks like, the figures."""

@@ -248,7 +248,7 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
     report = audit(a.url, a.model, samples=a.samples, device=a.device, storage_options=a.storage_options,
                    progress=cfg.run.progress)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
         print(report.format_text(), end="")
     if not report.ok:
