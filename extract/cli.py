@@ -1,5 +1,5 @@
-"""The extraction family's commands: ``check``, ``show``, ``extract``, ``import``, ``export``, ``regenerate``
-and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
+"""The extraction family's commands: ``check``, ``show``, ``audit``, ``extract``, ``import``, ``export``,
+``regenerate`` and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
 
 Every command's flags come from its schema in ``settings.py`` (one argument group per section; the flags all
 families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, are added by their helpers into
@@ -21,9 +21,10 @@ from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
 from hsstore.schema import add_arguments, from_args
+from hsstore.terminal import escape
 
 from .gate import GateThresholds
-from .settings import (CheckSettings, DemoSettings, ExportSettings, ExtractSettings, ImportSettings,
+from .settings import (AuditSettings, CheckSettings, DemoSettings, ExportSettings, ExtractSettings, ImportSettings,
                        RegenerateSettings, ShowSettings, add_shard_mb_flag, extract_config, regen_config,
                        shared_overrides)
 
@@ -57,7 +58,7 @@ def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
 
 def register(subparsers) -> None:
     """Add the family's subcommands; each sets ``func=handler(args) -> int``."""
-    for add in (add_check, add_show, add_extract, add_import, add_export, add_regenerate, add_demo):
+    for add in (add_check, add_show, add_audit, add_extract, add_import, add_export, add_regenerate, add_demo):
         add(subparsers)
 
 
@@ -82,6 +83,23 @@ def add_show(subparsers) -> None:
     groups = add_arguments(s, ShowSettings)
     add_storage_option(groups["input"])
     s.set_defaults(func=run_show)
+
+
+def add_audit(subparsers) -> None:
+    a = subparsers.add_parser(
+        "audit",
+        help="recompute a few stored samples with the target and compare every feature",
+        description="Re-run the target's eager reference forward on N stored samples (chosen from their input_ids, "
+        "the same in every copy of the store) and compare each stored feature with the recomputed one against the "
+        "bound of the store's dtype and encoding. Exit 0 when every feature holds it, 1 naming the feature and what "
+        "it looks like (zeros, a different layer, a different target, different tokens) when one does not, 2 on "
+        "errors.",
+    )
+    groups = add_arguments(a, AuditSettings)
+    add_storage_option(groups["input"])
+    add_quiet_option(groups["run"])
+    add_json_option(groups["run"], "the report")
+    a.set_defaults(func=run_audit_cmd)
 
 
 def add_extract(subparsers) -> None:
@@ -224,6 +242,24 @@ def run_show(args: argparse.Namespace) -> int:
                           chat_template_kwargs=tok.chat_template_kwargs, trust_engine_ids=tok.trust_engine_ids)
     print(format_input_sample(sample, tokenizer, color=color, max_chars=cfg.output.max_chars))
     return 0
+
+
+def run_audit_cmd(args: argparse.Namespace) -> int:
+    import json
+
+    from .audit import audit
+
+    cfg = from_args(AuditSettings, args, **shared_overrides(args))
+    a = cfg.input
+    report = audit(a.url, a.model, samples=a.samples, device=a.device, storage_options=a.storage_options,
+                   progress=cfg.run.progress)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(report.format_text(), end="")
+    if not report.ok:
+        print(f"hsstore audit: {escape(report.failures()[0])}", file=sys.stderr)
+    return 0 if report.ok else 1
 
 
 def run_extract_cmd(args: argparse.Namespace) -> int:

@@ -280,6 +280,38 @@ class ShowSettings:
     output: ShowOutput = section(ShowOutput, "output")
 
 
+# --- audit --------------------------------------------------------------------------------------------------
+
+
+def audit_samples(value: float | None) -> int:
+    """``audit --samples N``: a whole number (read as a float, as ``check --samples 9.14e5`` is: one flag, one type;
+    unset: 8). ``audit`` itself refuses one below 1."""
+    if value is None:
+        return 8
+    if value != int(value):
+        raise ValueError(f"--samples must be a whole number, got {value:g}")
+    return int(value)
+
+
+@dataclass
+class AuditInput:
+    url: str = option(positional=True, help="store URL (local path or s3://bucket/prefix); any store, imported ones "
+                                            "included")
+    model: str = option(required=True, help="the target model directory to recompute the features with")
+    samples: int = option(8, type=float, convert=audit_samples,
+                          help="samples to recompute: the N whose input_ids hash lowest, the same in every copy of "
+                               "the store (default 8)")
+    device: str | None = option(None, help="cpu, cuda or cuda:N for the reference forward (default: the GPU when "
+                                           "there is one)")
+    storage_options: dict[str, Any] = _storage_options()
+
+
+@dataclass
+class AuditSettings:
+    input: AuditInput = section(AuditInput, "input")
+    run: Progress = section(Progress, "run")
+
+
 
 # --- regenerate ---------------------------------------------------------------------------------------------
 

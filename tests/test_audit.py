@@ -1,0 +1,184 @@
+"""`hsstore audit`: a store's features recomputed by the target's eager forward on a few samples (issue #37).
+
+Planted faults, each of which checksums and feature statistics pass: a store audited against another target of
+the same architecture (other random weights), a peer import whose layer ids are one off, a feature zeroed in one
+sample. The stores are real: extracted from the tiny target by ``run_extract``, exported and imported through the
+CLI, or rewritten from a real store's samples with ``StoreWriter``; what each should give follows from how it was
+made, not from the audit code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hsstore
+from hsstore import StoreWriter
+from hsstore.cli import main
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
+
+LAYERS = [1, 4, 7]  # 7: the tiny target's last layer (speculators' export needs it)
+N = 6
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("audit-in") / "in.jsonl"
+    path.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:N]) + "\n")
+    return path
+
+
+def extracted(tmp_path_factory, rows, **kw) -> str:
+    out = str(tmp_path_factory.mktemp("audit-store") / "store")
+    run_extract(ExtractConfig(model=str(tiny_target_dir()), inputs=[str(rows)], out=out, device="cpu",
+                              dtype="bfloat16", layers=LAYERS, progress=False, **kw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory, rows):
+    return extracted(tmp_path_factory, rows)
+
+
+def audit_cli(capsys, url, model, *extra) -> tuple[int, str, str]:
+    rc = main(["audit", url, "--model", str(model), "--device", "cpu", "-q", *extra])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def line_with(text: str, *words: str) -> str:
+    """The one line of ``text`` holding every word (the test's failure shows the whole text otherwise)."""
+    found = [ln for ln in text.splitlines() if all(w in ln for w in words)]
+    assert len(found) == 1, text
+    return found[0]
+
+
+def within(text: str, layer: int) -> str:
+    """The 'within the bound' column of a feature's row in the human report."""
+    found = [ln.split()[-1] for ln in text.splitlines() if ln.startswith(f"layer {layer} ")]
+    assert len(found) == 1, text
+    return found[0]
+
+
+def test_own_target_passes_another_target_of_the_same_architecture_fails(store_url, capsys):
+    rc, out, err = audit_cli(capsys, store_url, tiny_target_dir())
+    assert rc == 0, out + err
+    assert out.splitlines()[-1].startswith("audit: OK")
+    for layer in LAYERS:  # one line per feature, every audited sample within the bound
+        assert within(out, layer) == f"{N}/{N}"  # the default of 8 is more than the store's 6
+    other = tiny_target_dir(seed=1)  # same config and tokenizer, other random weights
+    rc, out, err = audit_cli(capsys, store_url, other)
+    assert rc == 1, out + err
+    for layer in LAYERS:
+        assert "a different target" in line_with(out, "FAIL", f"layer {layer}:")
+    assert "other weights" in line_with(out, "note:", "weights_hash")
+    assert out.splitlines()[-1] == f"audit: FAILED, {len(LAYERS)} of {len(LAYERS)} features"
+    assert err.startswith("hsstore audit: layer 1: a different target") and len(err.splitlines()) == 1
+
+
+def test_import_with_layer_ids_one_off_names_the_shift(store_url, tmp_path, capsys):
+    # the store's taps (hsstore ids 1, 4, 7) go out in speculators' layout and come back read as vLLM ids
+    # (--peer-layers: id i is the output of layer i-1): the store then claims layers 0, 3, 6 and holds 1, 4, 7
+    assert main(["export", "speculators", store_url, str(tmp_path / "spec"), "-q"]) == 0
+    imported = str(tmp_path / "imported")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", imported, "--model",
+                 str(tiny_target_dir()), "--peer-layers", ",".join(map(str, LAYERS)), "-q"]) == 0
+    assert hsstore.open(imported).manifest.layers == (0, 3, 6)
+    capsys.readouterr()
+    rc, out, err = audit_cli(capsys, imported, tiny_target_dir(), "--json")
+    assert rc == 1, out + err
+    report = json.loads(out)
+    assert not report["ok"]
+    for claimed, held in ((0, 1), (3, 4), (6, 7)):
+        v = report["features"][f"layer {claimed}"]
+        assert v["diagnosis"] == "a different layer" and v["diagnosed_samples"] == v["samples"] == N
+        assert f"stored layer {claimed} matches the target's layer {held} " in v["detail"]
+        assert "off-by-one" in v["detail"]
+    rc, out, err = audit_cli(capsys, imported, tiny_target_dir())
+    assert rc == 1
+    assert "matches the target's layer 1 " in line_with(out, "FAIL", "layer 0:")
+
+
+def test_a_feature_zeroed_in_one_sample_is_named_zeros(store_url, tmp_path, capsys):
+    src = hsstore.open(store_url)
+    zeroed = src.sample_ids()[2]
+    url = str(tmp_path / "zeroed")
+    with StoreWriter(url, src.manifest, check_finite=True) as w:
+        for i in range(len(src)):
+            item = src.read(i)
+            hs = item["hidden_states"].clone()
+            if item["sample_id"] == zeroed:
+                hs[:, 1] = 0  # layer 4, what vLLM gave on hybrid targets
+            w.add(item["sample_id"], item["input_ids"], item["loss_mask"], hs)
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--samples", str(N))  # every sample: the zeroed one too
+    assert rc == 1, out + err
+    fail = line_with(out, "FAIL layer")
+    assert fail.startswith(f"FAIL layer 4: zeros: stored layer 4 is all zeros (1 of {N} samples, first {zeroed!r}")
+    assert (within(out, 1), within(out, 4), within(out, 7)) == (f"{N}/{N}", f"{N - 1}/{N}", f"{N}/{N}")
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--samples", str(N), "--json")
+    bad = [r for r in json.loads(out)["results"] if not r["ok"]]
+    assert [(r["sample_id"], r["feature"], r["diagnosis"]) for r in bad] == [(zeroed, "layer 4", "zeros")]
+
+
+def test_an_fp8_store_holds_its_bound(tmp_path_factory, rows, capsys):
+    url = extracted(tmp_path_factory, rows, encoding="fp8")
+    assert hsstore.open(url).manifest.encoding == "fp8"
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--json")
+    assert rc == 0, out + err
+    report = json.loads(out)
+    assert report["encoding"] == "fp8" and "fp8" in report["bound"]["why"]
+    for v in report["features"].values():
+        assert v["ok"] and v["samples_ok"] == N
+        # e4m3 keeps 3 mantissa bits: the stored values are not the recomputed ones bit for bit, yet far closer than
+        # a neighbour layer (cosine <= 0.99 on this target)
+        assert 0.995 < v["min_cosine"] < 1 - 1e-6 and 1e-4 < v["max_rel_err"] < 0.1
+
+
+def digest(ids) -> bytes:
+    """The documented rule: BLAKE2b-64 of the ids as little-endian int32."""
+    return hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=8).digest()
+
+
+def audited_ids(capsys, url, n) -> list[str]:
+    capsys.readouterr()  # what the commands before printed
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--samples", str(n), "--json")
+    assert rc == 0, out + err
+    return [s["sample_id"] for s in json.loads(out)["samples"]]
+
+
+def test_the_samples_are_chosen_by_content_in_every_copy(store_url, tmp_path, capsys):
+    src = hsstore.open(store_url)
+    by_digest = sorted((digest(src.read(i)["input_ids"]), src.sample_ids()[i]) for i in range(len(src)))
+    want = {sid for _, sid in by_digest[:3]}
+    assert set(audited_ids(capsys, store_url, 3)) == want
+    wds = str(tmp_path / "wds")  # another layout, other shards: the same samples
+    assert main(["convert", store_url, wds, "--layout", "wds", "-q"]) == 0
+    assert set(audited_ids(capsys, wds, 3)) == want
+    # `hsstore subset` without the shortest sample: the three lowest of those left
+    lengths = [len(src.read(i)["input_ids"]) for i in range(len(src))]
+    sub = str(tmp_path / "sub")
+    assert main(["subset", store_url, sub, "--min-length", str(min(lengths) + 1), "-q"]) == 0
+    left = [(d, sid) for d, sid in by_digest if lengths[src.sample_ids().index(sid)] > min(lengths)]
+    assert len(left) == len(src) - 1
+    assert set(audited_ids(capsys, sub, 3)) == {sid for _, sid in left[:3]}
+    # a copy written in reverse order: the same samples (ties aside, store order plays no part)
+    rev = str(tmp_path / "reversed")
+    with StoreWriter(rev, src.manifest) as w:
+        for i in reversed(range(len(src))):
+            item = src.read(i)
+            w.add(item["sample_id"], item["input_ids"], item["loss_mask"], item["hidden_states"])
+    assert set(audited_ids(capsys, rev, 3)) == want
+
+
+def test_bad_input_is_one_line_exit_2(store_url, tmp_path, capsys):
+    for args, words in (([store_url, "--model", str(tiny_target_dir()), "--samples", "0"], "--samples"),
+                        ([store_url, "--model", str(tmp_path / "nope")], "nope"),
+                        ([str(tmp_path / "no-store"), "--model", str(tiny_target_dir())], "no-store")):
+        assert main(["audit", *args, "-q"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith("hsstore audit: error:") and words in err, err
