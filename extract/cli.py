@@ -36,8 +36,14 @@ def thresholds_from_args(args: argparse.Namespace) -> GateThresholds:
     return GateThresholds(**{f.name: getattr(args, f.name) for f in fields(GateThresholds)})
 
 
+class EstimateUnavailable(ValueError):
+    """The estimate cannot choose taps for the target (too shallow for DFlash's default count): ``check`` prints
+    this one line and leaves the estimate out, the gate's verdict standing; ``--estimate-only`` fails with it."""
+
+
 def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
-    """``hsstore.ops.estimate`` for ``check``: taps and hidden size from the flags, else the model's config."""
+    """``hsstore.ops.estimate`` for ``check``: taps and hidden size from the flags, else the model's config.
+    Raises :class:`EstimateUnavailable`, saying what it needs, when the config's depth gives no default taps."""
     import json
     from pathlib import Path
 
@@ -49,7 +55,10 @@ def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
     if model and (hidden is None or layers is None):
         target = text_config(json.loads((Path(model) / "config.json").read_text()))
         hidden = hidden or target["hidden_size"]
-        layers = layers or default_taps(target["num_hidden_layers"])
+        try:
+            layers = layers or default_taps(target["num_hidden_layers"])
+        except ValueError as e:  # "a 4-layer target has too few layers for 5 DFlash taps (...); give the ..."
+            raise EstimateUnavailable(f"{str(e).split(';')[0]}; give --layers L,L to estimate") from None
     if hidden is None or layers is None:
         raise ValueError("the estimate needs --hidden and --layers (or --model, whose config has them)")
     return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=est.final_hidden,
@@ -205,12 +214,16 @@ def run_check(args: argparse.Namespace) -> int:
                          truncate=tok.truncate, expand=tok.expand, report_url=out.report,
                          trust_engine_ids=tok.trust_engine_ids)
     kept = [s for s in report.samples if tok.truncate or "over_length" not in s.flags]
-    figures = cost_estimate(cfg, len(kept), sum(s.tokens for s in kept))
+    try:  # optional: what it cannot do is one line, never the gate's verdict
+        figures, omitted = cost_estimate(cfg, len(kept), sum(s.tokens for s in kept)), None
+    except EstimateUnavailable as e:
+        figures, omitted = None, str(e)
     if out.json:
-        print(json.dumps({**report.to_dict(), "estimate": figures}, indent=2, ensure_ascii=False))
+        print(json.dumps({**report.to_dict(), "estimate": figures,
+                          **({"estimate_omitted": omitted} if omitted else {})}, indent=2, ensure_ascii=False))
     else:
         print(report.format_text(tokenizer, n_examples=out.examples, color=_use_color(out.color)), end="")
-        print(format_text(figures), end="")
+        print(format_text(figures) if figures else f"estimate omitted: {omitted}\n", end="")
     if report.ok:
         return 0
     more = f" (+{len(report.failures) - 1} more in the report)" if len(report.failures) > 1 else ""

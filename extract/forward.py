@@ -158,6 +158,16 @@ def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[Token
     (``health.batch_stats``, of the values before any quantisation; None when ``HSSTORE_FEATURE_STATS=0``).
     Checking finiteness and counting here is a few passes at HBM speed instead of passes on the host's cores;
     the consumer refuses NaN/Inf rows from it."""
+    packed = packed_features(model, layers, batch, pad_id, device, final_hidden)
+    finite = torch.isfinite(packed).flatten(1).all(dim=1)
+    values = health.batch_stats(packed, [s.num_tokens for s in batch]) if health.enabled() else None
+    return (list(fp8.quantise(packed)) if quantise else [packed]), finite, values
+
+
+def packed_features(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,
+                    device: torch.device, final_hidden: bool = False) -> torch.Tensor:
+    """One batch's features on the device, ``[tokens, taps (+ final_hidden), H]``, the samples' real tokens
+    one after another (padding dropped): extraction's forward, and the compile check's eager reference."""
     ids, _ = pad_right(batch, pad_id)
     if device.type == "cuda":
         ids = ids.pin_memory().to(device, non_blocking=True)
@@ -166,10 +176,7 @@ def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[Token
     # causal kernel and the recurrent layers skip their masking pass (6.8% faster at 27B scale, equal features)
     feats = run_tapped(model, layers, ids, None, final_hidden=True) if final_hidden else \
         run_tapped(model, layers, ids, None)
-    packed = torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
-    finite = torch.isfinite(packed).flatten(1).all(dim=1)
-    values = health.batch_stats(packed, [s.num_tokens for s in batch]) if health.enabled() else None
-    return (list(fp8.quantise(packed)) if quantise else [packed]), finite, values
+    return torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)
 
 
 def _free_slot(free: queue.Queue[int], stats: ExtractStats) -> int:

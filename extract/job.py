@@ -9,6 +9,7 @@ pass; under torchrun: every rank gates the whole input, then tokenizes its rows)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from hsstore.store.reader import committed_ids
 from hsstore.format.taps import check_taps, default_taps
 
 from .capture import decoder_layers
+from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
@@ -60,6 +62,7 @@ class ExtractResult:
     rows: int = 0  # input rows this rank read (its share: row i belongs to rank i % world size)
     gate: GateReport | None = None  # None when the verdict came from --gate-report
     compiled: bool = False  # the forward was compiled (extract/speed.py: choose_compile)
+    compile_check: CompileCheck | None = None  # a compiled forward's first batch against the eager one
     warmup_s: float = 0.0  # of ``seconds``, spent compiling (torch.compile's own timer)
 
     @property
@@ -97,7 +100,8 @@ def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult
     todo = not_yet_stored(cfg, rows.samples, result)
     model = prepare_target(cfg, model, device, todo, result)
     layers = target_taps(cfg, model)
-    writer = open_writer(cfg, model, tokenizer, layers, rows, device, rank)
+    check_compiled(cfg, model, layers, todo, tokenizer, device, result)
+    writer = open_writer(cfg, model, tokenizer, layers, rows, device, rank, result.compile_check)
     write_features(cfg, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
     return result
 
@@ -207,17 +211,45 @@ def target_taps(cfg: ExtractConfig, model) -> list[int]:
     return check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
 
 
+def extraction_batches(cfg: ExtractConfig, todo: list[TokenizedSample], device: torch.device
+                       ) -> tuple[int, list[list[TokenizedSample]]]:
+    """(token budget, the batches of ``todo`` in the order extraction runs them)."""
+    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
+    return budget, token_budget_batches(todo, budget)
+
+
+def check_compiled(cfg: ExtractConfig, model, layers: list[int], todo: list[TokenizedSample], tokenizer,
+                   device: torch.device, result: ExtractResult) -> None:
+    """A compiled forward's first batch against the eager forward (``compile_check.check_first_batch``), before
+    the writer is opened: beyond bf16 rounding it raises ``CompileMismatch`` naming the tap, nothing written."""
+    if not result.compiled or not todo:
+        return
+    batch = extraction_batches(cfg, todo, device)[1][0]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    compiling0 = compile_seconds()
+    result.compile_check = check_first_batch(model, layers, batch, pad_id, device, cfg.final_hidden)
+    result.seconds += result.compile_check.seconds  # the run's time: the first shape's compile is paid here
+    result.warmup_s += compile_seconds() - compiling0
+    log.info("rank %d: compiled forward checked against the eager one on the first batch (%d tokens): min per-token "
+             "cosine %.6f, max relative error %.4f (bounds %s)", result.rank, result.compile_check.tokens,
+             result.compile_check.min_cos, result.compile_check.max_rel, result.compile_check.bound)
+
+
 def open_writer(cfg: ExtractConfig, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
-                rank: int):
+                rank: int, compile_check: CompileCheck | None = None):
     """This rank's store writer, with the manifest of the target and taps; rank 0 exports the assets the trainer
     uses instead of the target. Each rank records what it left out of its rows in its commit records, so
-    ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs)."""
+    ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs),
+    and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag."""
+    tag = f"rank{rank:05d}"
     manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
                               codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding,
                               features=("final_hidden",) if cfg.final_hidden else ())
+    if compile_check is not None:
+        manifest = dataclasses.replace(manifest, extra={EXTRA_KEY: {tag: compile_check.record()}})
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = (ProcessWriter if uses_process_writer(cfg, device) else StoreWriter)(
-        cfg.out, manifest, writer_tag=f"rank{rank:05d}", storage_options=cfg.storage_options,
+        cfg.out, manifest, writer_tag=tag, storage_options=cfg.storage_options,
         shard_bytes=cfg.shard_bytes, check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
@@ -235,8 +267,7 @@ def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: l
     from tqdm import tqdm
 
     use_process = uses_process_writer(cfg, device)
-    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
-    batches = token_budget_batches(todo, budget)
+    budget, batches = extraction_batches(cfg, todo, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank {result.rank}",
                disable=not cfg.progress, smoothing=0.1)
@@ -269,6 +300,6 @@ def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: l
         raise
     finally:
         bar.close()
-    result.seconds = time.perf_counter() - t0
-    result.warmup_s = compile_seconds() - compiling0
+    result.seconds += time.perf_counter() - t0  # (+=: after the compile check's seconds)
+    result.warmup_s += compile_seconds() - compiling0
     result.bytes_written = writer.bytes_written

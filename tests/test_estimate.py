@@ -56,3 +56,46 @@ def test_estimate_only_flag(capsys):
     text = capsys.readouterr().out
     assert "99.4" in text and "47.0 GPU-hours" in text and f"{H200_27B_TOKENS_PER_S:,.0f}" in text
     assert main(["check", "--estimate-only", "--tokens", "10"]) == 2
+
+
+@pytest.fixture(scope="module")
+def shallow_dir():
+    """A real tiny Qwen3.5 target of 4 layers: too shallow for DFlash's 5 default taps."""
+    from hsstore.extract.tiny import tiny_target_dir
+
+    return tiny_target_dir(num_layers=4)
+
+
+@pytest.mark.parametrize("data", ["small_input", "stub_file"])
+def test_check_on_a_shallow_target_keeps_the_gate_verdict(shallow_dir, data, request, capsys):
+    """The estimate cannot choose 5 taps of 4 layers: it says so in one line naming --layers and is left out; the
+    gate's report is printed and its verdict is the exit code (0 for the demo rows, 1 for the stub-dominated ones)."""
+    from transformers import AutoTokenizer
+
+    from hsstore.extract.gate import GateThresholds
+    from hsstore.extract.gate_report import gate_inputs
+
+    path = str(request.getfixturevalue(data))
+    gate_ok = gate_inputs([path], AutoTokenizer.from_pretrained(shallow_dir), thresholds=GateThresholds()).ok
+    assert gate_ok == (data == "small_input")
+    rc = main(["check", "--model", str(shallow_dir), "--input", path])
+    out, err = capsys.readouterr()
+    assert rc == (0 if gate_ok else 1)
+    assert f"hsstore quality gate: {'PASS' if gate_ok else 'FAIL'}" in out and "loss-mask sum" in out
+    lines = [line for line in out.splitlines() if line.startswith("estimate")]
+    assert lines == ["estimate omitted: a 4-layer target has too few layers for 5 DFlash taps (evenly spaced over "
+                     "1..1); give --layers L,L to estimate"]
+    assert "cost estimate" not in out and "error" not in err
+    assert ("gate failed" in err) == (not gate_ok)
+
+    rc = main(["check", "--model", str(shallow_dir), "--input", path, "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == (0 if gate_ok else 1) and d["ok"] == gate_ok
+    assert d["estimate"] is None and "give --layers" in d["estimate_omitted"]
+
+    rc = main(["check", "--model", str(shallow_dir), "--input", path, "--json", "--layers", "1,2"])  # what it needs
+    d = json.loads(capsys.readouterr().out)
+    assert rc == (0 if gate_ok else 1) and d["estimate"]["layers"] == [1, 2] and "estimate_omitted" not in d
+    # --estimate-only has nothing but the estimate: there the missing taps stay an error (exit 2)
+    assert main(["check", "--estimate-only", "--model", str(shallow_dir), "--tokens", "10", "--samples", "1"]) == 2
+    assert "give --layers" in capsys.readouterr().err

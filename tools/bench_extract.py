@@ -222,6 +222,7 @@ def main() -> None:
     measure("")
     compiled: dict = {}
     if args.compile:
+        from hsstore.extract.compile_check import compare_taps
         from hsstore.extract.speed import compile_forward
 
         ids, mask = pad_right(batches[0], 0)
@@ -244,11 +245,13 @@ def main() -> None:
 
         c = cosines(ref[keep], new[keep])
         floor = cosines(ref[0, :n0], alone[0])
+        worst = compare_taps(ref[keep], new[keep], [str(l) for l in layers])  # what extraction's own check bounds
         compiled["cosine_min"], compiled["cosine_mean"] = float(c.min()), float(c.mean())
         compiled["per_tap"] = {str(l): {"compiled_vs_eager_min": float(c[:, j].min()),
                                         "compiled_vs_eager_mean": float(c[:, j].mean()),
                                         "eager_alone_vs_in_batch_min": float(floor[:, j].min()),
-                                        "eager_alone_vs_in_batch_mean": float(floor[:, j].mean())}
+                                        "eager_alone_vs_in_batch_mean": float(floor[:, j].mean()),
+                                        "compiled_vs_eager_max_rel": worst[str(l)]["max_rel"]}
                                for j, l in enumerate(layers)}
         compiled["max_abs_diff"] = float((ref[keep] - new[keep]).abs().max())
         compiled["batch_shapes"] = len({(len(b), max(s.num_tokens for s in b)) for b in batches})

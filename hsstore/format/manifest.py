@@ -26,6 +26,10 @@ LAYOUTS = ("zarr", "wds")
 # stored features that are not a layer's output: ``final_hidden`` is the final norm's output (what the lm_head
 # reads, EAGLE-3's training target). Named in the manifest's ``features``; absent from stores without them.
 FEATURES = ("final_hidden",)
+# keys of ``extra`` whose value is an object keyed by writer tag (``rank00000``), each writer adding its own entry to
+# the manifest in force (``StoreWriter``: ``merge_writer_extra``): ``compile_check``, a compiled extraction's check
+# of its first batch against the eager forward (extract/compile_check.py; docs/FORMAT.md)
+PER_WRITER_EXTRA = ("compile_check",)
 
 
 def sha256_hex(data: bytes | str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -30,7 +31,7 @@ from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
 from .. import destination, memory, storage
 from ..errors import ManifestError, SampleError, StoreError
-from ..format.manifest import MANIFEST_FILE, Manifest, check_compatible, now_iso, read_manifest
+from ..format.manifest import MANIFEST_FILE, PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
 from ..version import __version__
 
 if TYPE_CHECKING:
@@ -71,6 +72,43 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
     if existing.layout != manifest.layout:  # a resumed job must not write another layout than it asks for
         raise ManifestError(f"store {url!r} exists with layout {existing.layout!r}; {manifest.layout!r} was asked "
                             "for (give another destination, or the store's layout)")
+    return merge_writer_extra(fs, root, url, existing, manifest)
+
+
+def _missing_entries(existing: Manifest, manifest: Manifest) -> dict[str, dict]:
+    """The per-writer ``extra`` entries (``PER_WRITER_EXTRA``) of ``manifest`` that ``existing`` lacks or holds
+    otherwise."""
+    out = {}
+    for key in PER_WRITER_EXTRA:
+        mine, theirs = manifest.extra.get(key), existing.extra.get(key)
+        theirs = theirs if isinstance(theirs, dict) else {}
+        if isinstance(mine, dict) and any(theirs.get(tag) != v for tag, v in mine.items()):
+            out[key] = mine
+    return out
+
+
+def merge_writer_extra(fs, root: str, url: str, existing: Manifest, manifest: Manifest, tries: int = 5) -> Manifest:
+    """Add this writer's per-writer ``extra`` entries (``PER_WRITER_EXTRA``: e.g. ``compile_check`` of rank 3) to
+    the manifest in force, keeping every other writer's, and return the manifest then in force. Only ``extra``
+    changes (no shard's key covers it). Writers racing to rewrite it read it back after a random pause and write
+    again while their entry is missing: the last writer's rewrite holds everyone's that it read."""
+    for _ in range(tries):
+        missing = _missing_entries(existing, manifest)
+        if not missing:
+            return existing
+        extra = dict(existing.extra)
+        for key, mine in missing.items():
+            theirs = extra.get(key)
+            extra[key] = {**(theirs if isinstance(theirs, dict) else {}), **mine}
+        try:
+            storage.put_atomic(fs, storage.join(root, MANIFEST_FILE),
+                               dataclasses.replace(existing, extra=extra).to_json().encode())
+        except Exception as e:
+            raise StoreError(storage.explain(e, url, "write", fs, root)) from None
+        time.sleep(random.uniform(0.02, 0.2))
+        existing = read_manifest(fs, root, url)
+    log.warning("store %r: could not record %s in the manifest (other writers kept rewriting it)", url,
+                sorted(_missing_entries(existing, manifest)))
     return existing
 
 

@@ -1,0 +1,127 @@
+"""A compiled extraction checks its first batch against the eager forward (extract/compile_check.py): on the real
+tiny Qwen3.5 target compiled on the CPU it passes and is recorded in the manifest per rank; a compiled forward made
+to disagree at one layer stops the run before anything is written, naming the tap, and the store stays resumable."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import hsstore
+from hsstore.extract import job
+from hsstore.extract.capture import decoder_layers
+from hsstore.extract.compile_check import MAX_REL, MIN_COS, CompileMismatch, check_first_batch, eager_modules
+from hsstore.extract.forward import packed_features, token_budget_batches
+from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.speed import compile_forward
+from hsstore.extract.target import load_target
+from hsstore.extract.tokenize import load_samples
+from hsstore.ops.verify import verify
+from conftest import make_manifest, make_samples, write_samples
+from train_helpers import small_input  # noqa: F401  (fixture)
+
+
+def manifest_extra(url) -> dict:
+    with open(f"{url}/manifest.json") as f:
+        return json.load(f)["extra"]
+
+
+def commit_names(url) -> list[str]:
+    return sorted(p.name for p in (url / "commits").iterdir()) if (url / "commits").exists() else []
+
+
+def test_eager_modules_is_the_eager_forward_and_the_check_passes(tiny_dir, tok, small_input):  # noqa: F811
+    model = load_target(str(tiny_dir), torch.bfloat16, torch.device("cpu"))
+    batch = token_budget_batches(list(load_samples(small_input, tok)), 4096)[0]
+    layers = [1, 3, 5]
+    before = packed_features(model, layers, batch, 0, torch.device("cpu"))
+    compile_forward(model, mixers=True)  # what `extract --compile` runs
+    with eager_modules(model):
+        assert torch.equal(packed_features(model, layers, batch, 0, torch.device("cpu")), before)
+    assert all(m._compiled_call_impl is not None for m in decoder_layers(model)[0].modules()
+               if type(m).__name__.endswith("MLP"))  # put back after the block
+    check = check_first_batch(model, layers, batch, 0, torch.device("cpu"))
+    assert check.passed and check.tokens == before.shape[0] and set(check.per_tap) == {"1", "3", "5"}
+    assert MIN_COS <= check.min_cos < 1 and 0 < check.max_rel <= MAX_REL  # compiled: close, not bit-equal
+
+
+def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, tmp_path):  # noqa: F811
+    out = tmp_path / "s"
+    cfg = dict(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu", progress=False,
+               force=True)
+    res = run_extract(ExtractConfig(**cfg, compile=True, rank=0, world_size=2))
+    assert res.compiled and res.compile_check.passed and res.warmup_s > 0
+    rec = manifest_extra(out)["compile_check"]["rank00000"]
+    assert rec["compiled"] and rec["passed"] and rec["bound"] == {"min_cos": MIN_COS, "max_rel": MAX_REL}
+    assert rec["tokens"] == res.compile_check.tokens > 0 and MIN_COS <= rec["min_cos"] < 1
+    assert set(rec["per_tap"]) == {str(l) for l in hsstore.open(str(out)).layers}
+    run_extract(ExtractConfig(**cfg, compile=False, rank=1, world_size=2))  # an eager rank records nothing
+    assert list(manifest_extra(out)["compile_check"]) == ["rank00000"]
+    res = run_extract(ExtractConfig(**cfg, compile=True, rank=1, world_size=2))
+    assert res.samples == 0 and res.compile_check is None  # nothing left to extract: nothing to check
+    assert verify(hsstore.open(str(out))).ok and len(hsstore.open(str(out))) == 8
+    assert "compile_check" not in manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
+
+
+def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811
+    out = tmp_path / "eager"
+    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
+                              progress=False, force=True, compile=False))
+    return out
+
+
+def test_writers_merge_their_entries_into_the_manifest(tmp_path):
+    """Each writer adds its own ``compile_check`` entry to the manifest in force, keeping the others' and the rest
+    of ``extra``; a writer without one changes nothing."""
+    url = tmp_path / "s"
+    base = make_manifest()
+    for i, tag in enumerate(("rank00000", "rank00001")):
+        m = dataclasses.replace(base, extra={"note": "x", "compile_check": {tag: {"passed": True}}})
+        write_samples(str(url), m, make_samples(2, seed=i, prefix=tag), writer_tag=tag)
+    write_samples(str(url), base, make_samples(2, seed=2, prefix="eager"), writer_tag="rank00002")
+    extra = manifest_extra(url)
+    assert extra == {"note": "x", "compile_check": {"rank00000": {"passed": True}, "rank00001": {"passed": True}}}
+    assert verify(hsstore.open(str(url))).ok
+
+
+def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_input, tmp_path, monkeypatch):  # noqa: F811
+    """Fault injection: after compiling, the compiled call of decoder layer 2's MLP adds noise (the eager call, and
+    the model, stay as they are). The first tap at or after layer 2 is named, and nothing of the run is written."""
+    out = tmp_path / "s"
+    half = tmp_path / "half.jsonl"
+    half.write_text("".join(small_input.read_text().splitlines(keepends=True)[:4]))
+    cfg = dict(model=str(tiny_dir), out=str(out), device="cpu", progress=False, force=True, layers=[1, 3, 5])
+    run_extract(ExtractConfig(**cfg, inputs=[str(half)], compile=False))  # 4 samples committed earlier
+    before = commit_names(out)
+    real_compile = job.compile_forward
+
+    def compile_with_fault(model, **kw):
+        report = real_compile(model, **kw)
+        mlp = decoder_layers(model)[2].mlp
+        compiled = mlp._compiled_call_impl
+
+        def noisy(*a, **k):
+            y = compiled(*a, **k)
+            g = torch.Generator().manual_seed(0)
+            return y + 0.02 * a[0].float().std() * torch.randn(y.shape, generator=g).to(y.dtype)  # of its input
+
+        mlp._compiled_call_impl = noisy
+        return report
+
+    monkeypatch.setattr(job, "compile_forward", compile_with_fault)
+    with pytest.raises(CompileMismatch, match=r"beyond bf16 rounding at tap 3 on the first batch .*nothing was "
+                                              r"written.*--no-compile") as e:
+        run_extract(ExtractConfig(**cfg, inputs=[str(small_input)], compile=True))
+    assert "\n" not in str(e.value)
+    assert commit_names(out) == before and len(hsstore.open(str(out))) == 4  # no shard of that batch
+    assert "compile_check" not in manifest_extra(out) and verify(hsstore.open(str(out))).ok
+    monkeypatch.undo()
+    res = run_extract(ExtractConfig(**cfg, inputs=[str(small_input)], compile=False))  # resumes
+    assert res.skipped_done == 4 and res.samples == 4 and len(hsstore.open(str(out))) == 8
+
+    fresh = tmp_path / "fresh"  # a new store: not even its folder is made
+    monkeypatch.setattr(job, "compile_forward", compile_with_fault)
+    with pytest.raises(CompileMismatch, match="at tap 3"):
+        run_extract(ExtractConfig(**{**cfg, "out": str(fresh)}, inputs=[str(small_input)], compile=True))
+    assert not fresh.exists()
