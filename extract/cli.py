@@ -197,8 +197,8 @@ def run_check(args: argparse.Namespace) -> int:
 
     cfg = from_args(CheckSettings, args)
     est, out, tok = cfg.estimate, cfg.report, cfg.tokenize
-    if cfg.input.model:  # the taps checked against the model's depth before any tokenizing
-        planned_taps(cfg.input.model, est.layers)
+    if cfg.input.model and est.layers:  # given taps checked against the model's depth before any tokenizing
+        planned_taps(cfg.input.model, est.layers)  # (DFlash's default ones only matter to the estimate: see below)
     if est.estimate_only:
         if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")

@@ -405,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# --help lists the commands as the work runs: try it, make the data, check it, extract, look at the store, train,
+# --help lists the commands as the work runs: try it, make the data, check it, extract, look at (and audit) the store, train,
 # evaluate, then what shares and maintains stores; commands of other packages come after these
-WORKFLOW_ORDER = ("demo", "regenerate", "check", "show", "extract", "info", "verify", "report", "train", "eval",
+WORKFLOW_ORDER = ("demo", "regenerate", "check", "show", "extract", "info", "verify", "audit", "report", "train", "eval",
                   "export-drafter", "subset", "merge", "export", "import", "convert", "index", "upgrade", "bench")
 
 

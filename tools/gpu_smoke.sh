@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The path a user follows on one GPU, end to end, as a table: the demo, then extract with each --device
-# spelling, verify, info, train with the GPU defaults, eval (teacher-forced and speculative), export-drafter,
+# spelling (the compiled one checking itself against eager), verify, info, audit against the target (GPU and CPU),
+# train with the GPU defaults, eval (teacher-forced and speculative), export-drafter,
 # the fp8 and --final-hidden extractions, and an unusable --device (must exit 2 in one line).
 #
 #   bash tools/gpu_smoke.sh [WORKDIR]        # needs `hsstore` importable (pip install -e '.[gpu]'); ~7 min on an H200
@@ -64,11 +65,14 @@ row "extract (default device)" 0 "[0-9,]+ tokens/s[^,]*" -- $HS extract --model 
 row "extract --device cuda" 0 "[0-9,]+ tokens/s[^,]*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-cuda" --device cuda -q
 row "extract --device cuda:0" 0 "[0-9,]+ tokens/s[^,]*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-cuda0" --device cuda:0 -q
 row "extract --device cpu" 0 "[0-9,]+ tokens/s[^,]*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-cpu" --device cpu -q
-row "extract --compile" 0 "[0-9,]+ tokens/s after [0-9.]+s of compile warm-up" -- \
-  $HS extract --model "$T" --input "$IN" --out "$W/s-compiled" --compile -q
+row "extract --compile" 0 "[0-9,]+ tokens/s after [0-9.]+s of compile warm-up|min per-token cosine [0-9.]+" -- \
+  $HS -v extract --model "$T" --input "$IN" --out "$W/s-compiled" --compile -q
 row "extract --device cuda:7 (refused)" 2 "error: .*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-bad" --device cuda:7
 row "verify" 0 "OK.*|[0-9]+ problems?.*" -- $HS verify "$W/s-cuda" --quiet
 row "info" 0 "samples *[0-9,]+|[0-9,]+ samples" -- $HS info "$W/s-cuda"
+row "audit (8 samples, default device)" 0 "audit: .*|device *: [^()]*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8
+row "audit --device cpu (8 samples)" 0 "audit: .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8 --device cpu
+row "audit (compiled store)" 0 "audit: .*" -- $HS audit "$W/s-compiled" --model "$T" --samples 8
 row "train (GPU defaults, $STEPS steps)" 0 "[0-9,.]+ ?tok(ens)?/s|tau [0-9.]+" -- \
   $HS train --store "$W/s-cuda" --out "$W/run" --steps "$STEPS" --log-every 50 -q
 row "eval (teacher-forced)" 0 "\"tau\": [0-9.]+" -- $HS eval --store "$W/s-cuda" --drafter "$W/run" --json
@@ -79,6 +83,7 @@ row "export-drafter" 0 "drafter: .*" -- $HS export-drafter "${CKPT:-$W/run}" "$W
 row "extract --encoding fp8" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-fp8" --encoding fp8 -q
 row "verify (fp8)" 0 "OK.*" -- $HS verify "$W/s-fp8" --quiet
+row "audit (fp8)" 0 "audit: .*" -- $HS audit "$W/s-fp8" --model "$T" --samples 8
 row "extract --final-hidden" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-final" --final-hidden -q
 row "verify (final-hidden)" 0 "OK.*" -- $HS verify "$W/s-final" --quiet

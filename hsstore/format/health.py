@@ -83,18 +83,32 @@ def batch_stats(packed, lengths: Sequence[int]):
                         for p in parts])
 
 
+def _float32_of_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of stored bits of a float ``dtype`` (bf16 as the high half of a float32), numpy only."""
+    if dtype == "bfloat16":
+        return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    if dtype == "float32":
+        return bits.view(np.float32)
+    raise ValueError(f"no statistics for stored dtype {dtype!r}")
+
+
 def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None) -> np.ndarray:
     """``sample_stats`` of one sample's stored bits ``[features, T, H]`` (the writer's buffer region) of storage
-    dtype ``dtype``; fp8 values with their per-row ``scales [features, T]`` are dequantised first."""
-    import torch
+    dtype ``dtype``; fp8 values with their per-row ``scales [features, T]`` are dequantised first. numpy only:
+    copying commands (subset, upgrade, import of stored bits) never load torch."""
+    from . import fp8
 
-    from . import codec, fp8
-
-    if scales is not None:
-        values = [torch.from_numpy(fp8.dequantise_numpy(bits[j], scales[j])) for j in range(bits.shape[0])]
-    else:
-        values = [codec.from_storage(np.ascontiguousarray(bits[j]), dtype) for j in range(bits.shape[0])]
-    return sample_stats(torch.stack(values, dim=1))
+    out = np.empty((bits.shape[0], len(SUMS)), dtype=np.float64)
+    for j in range(bits.shape[0]):
+        b = np.ascontiguousarray(bits[j])
+        v = fp8.dequantise_numpy(b, scales[j]) if scales is not None else _float32_of_bits(b, dtype)
+        finite = np.isfinite(v)
+        clean = np.where(finite, v, np.float32(0)).ravel()
+        out[j] = (clean.sum(dtype=np.float64), float(np.dot(clean, clean)),
+                  float(np.abs(clean).max(initial=0)), np.count_nonzero(v == 0), v.size - np.count_nonzero(finite))
+    return out
 
 
 def shard_stats(features: Sequence[int | str], lengths: Sequence[int], hidden: int,

@@ -338,7 +338,7 @@ def check_report_destination(out: Path) -> None:
     """The destination rule of every writing command, for one file: a new path, or a page this command wrote
     before (its generator tag in the first bytes) is replaced; anything else is the user's and is refused,
     before the store or run is read."""
-    from ..storage import DestinationError
+    from ..destination import DestinationError
 
     if not out.exists() and not out.is_symlink():
         return
