@@ -155,13 +155,17 @@ def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[Token
                     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or fp8
     ``[values, scales]``), ``finite [n_tokens]`` and each sample's value statistics ``[samples, features, 5]``
-    (``health.batch_stats``, of the values before any quantisation; None when ``HSSTORE_FEATURE_STATS=0``).
-    Checking finiteness and counting here is a few passes at HBM speed instead of passes on the host's cores;
-    the consumer refuses NaN/Inf rows from it."""
+    (``health.batch_stats`` of what the store will hold: for fp8 the quantised values, whose small entries
+    round to zero; None when ``HSSTORE_FEATURE_STATS=0``). Checking finiteness and counting here is a few passes
+    at HBM speed instead of passes on the host's cores; the consumer refuses NaN/Inf rows from it."""
     packed = packed_features(model, layers, batch, pad_id, device, final_hidden)
     finite = torch.isfinite(packed).flatten(1).all(dim=1)
-    values = health.batch_stats(packed, [s.num_tokens for s in batch]) if health.enabled() else None
-    return (list(fp8.quantise(packed)) if quantise else [packed]), finite, values
+    parts = list(fp8.quantise(packed)) if quantise else [packed]
+    lengths = [s.num_tokens for s in batch]
+    values = None
+    if health.enabled():
+        values = health.batch_stats(parts[0], lengths, parts[1] if quantise else None)
+    return parts, finite, values
 
 
 def packed_features(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,

@@ -205,3 +205,32 @@ def test_report_draws_rms_per_shard_with_the_outlier_red(tmp_path):
     assert bars == [bars[0], bars[0], MARK] and bars[0] != MARK, bars
     other = re.search(r'<svg class="chart" data-chart="rms_1".*?</svg>', page, re.S).group(0)
     assert MARK not in re.findall(r'<rect class="mark bar"[^>]*fill="([^"]+)"', other)
+
+
+def test_device_statistics_of_an_fp8_batch_count_what_the_store_holds(tmp_path, capsys):
+    """Extraction's statistics of an fp8 batch (``batch_stats`` with the scales) agree with what ``verify`` counts in
+    the stored e4m3 values: a token with one large entry gets a large scale, and its small entries round to zero
+    there (an H200 extraction's store failed verify when the statistics were taken before quantising)."""
+    from hsstore.format import fp8, health
+
+    m = dataclasses.replace(make_manifest(), encoding="fp8")
+    samples = make_samples(4, max_len=40)
+    lengths = [s["hidden_states"].shape[0] for s in samples]
+    packed = torch.cat([s["hidden_states"].float() for s in samples])  # [tokens, layers, H]
+    packed[::3, :, 0] = 1e4  # every third token: scale 1e4 / 448, so entries below ~0.04 store as 0
+    q = fp8.quantise(packed)
+    want_zeros = (q.values.float() == 0).sum(dim=(0, 2))  # what the store will hold, counted independently
+    assert int(want_zeros.sum()) > 0 and int((packed == 0).sum()) == 0
+    stats = health.batch_stats(q.values, lengths, q.scales)
+    assert torch.equal(stats[:, :, 3].sum(0), want_zeros.float())
+    deq = q.values.float() * q.scales.unsqueeze(-1)
+    assert torch.allclose(stats[:, :, 1].sum(0).double(), deq.double().square().sum(dim=(0, 2)), rtol=1e-4)
+    url = str(tmp_path / "fp8")
+    w = hsstore.StoreWriter(url, m)
+    start = 0
+    for s, n, st in zip(samples, lengths, stats):
+        w.add(s["sample_id"], s["input_ids"], s["loss_mask"],
+              fp8.Quantised(q.values[start:start + n], q.scales[start:start + n]), feature_stats=st.numpy())
+        start += n
+    w.close()
+    assert main(["verify", url, "-q"]) == 0, capsys.readouterr().out

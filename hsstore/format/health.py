@@ -65,12 +65,15 @@ def sample_stats(values) -> np.ndarray:
     return out.double().cpu().numpy()
 
 
-def batch_stats(packed, lengths: Sequence[int]):
+def batch_stats(packed, lengths: Sequence[int], scales=None):
     """``sample_stats`` of each sample of a packed batch ``[sum(lengths), features, H]``, on its device: a
-    ``[samples, features, 5]`` float32 tensor, so a batch's statistics cross to the host in one small copy."""
+    ``[samples, features, 5]`` float32 tensor, so a batch's statistics cross to the host in one small copy.
+    With ``scales`` ``[sum(lengths), features]``, ``packed`` holds fp8 values and the statistics are those of
+    ``values * scales``, what the store holds (values that round to zero in e4m3 are zeros there too), without
+    making that product: each token's sums are scaled by its scale (sum), its square (sum of squares)."""
     import torch
 
-    x = packed
+    x = packed.to(torch.bfloat16) if scales is not None else packed  # e4m3 -> bf16 is exact
     finite = torch.isfinite(x)
     clean = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
     per_token = torch.stack([clean.sum(dim=2, dtype=torch.float32),
@@ -78,6 +81,11 @@ def batch_stats(packed, lengths: Sequence[int]):
                              torch.linalg.vector_norm(clean, ord=math.inf, dim=2, dtype=torch.float32),
                              (x == 0).sum(dim=2).to(torch.float32),
                              (~finite).sum(dim=2).to(torch.float32)], dim=2)  # [tokens, features, 5]
+    if scales is not None:
+        s = scales.to(torch.float32)
+        per_token[:, :, 0] *= s
+        per_token[:, :, 1] *= s * s
+        per_token[:, :, 2] *= s
     parts = torch.split(per_token, list(lengths), dim=0)
     return torch.stack([torch.cat([p[:, :, :2].sum(0), p[:, :, 2:3].amax(0), p[:, :, 3:].sum(0)], dim=1)
                         for p in parts])
