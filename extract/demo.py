@@ -210,7 +210,8 @@ def print_eval(r: dict) -> None:
     print(f"  {'target alone':18} {1.0:6.2f}  {r['target_forwards']:15,}  {r['target_tokens_per_s']:9.1f}")
     print(f"  {'target + drafter':18} {r['tau']:6.2f}  {r['spec_forwards']:15,}  {r['spec_tokens_per_s']:9.1f}")
     print(f"  per prompt: {' '.join(f'{t:.2f}' for t in r['tau_per_sample'])}")
-    print(f"  speculative output == target greedy output: {r['identical']}/{r['samples']}")
+    print(f"  speculative output == target greedy output: {r['identical']}/{r['samples']}"
+          + (f" ({r['divergence_note']})" if r.get("divergence_note") else ""))
 
 
 def print_guide(out: Path, r: dict) -> None:
@@ -226,7 +227,10 @@ What the numbers mean
          for 1 token as for 16, and a step that rejects part of the block pays a second, shorter forward to
          bring the Gated DeltaNet state back to the accepted tokens, so tokens/s shows little of what fewer
          target forwards buy here: the forward counts show it, not what a serving engine gets.
-  equal  speculative decoding is lossless: every output must equal the target's own greedy output.
+  equal  speculative decoding is lossless: every output must equal the target's own greedy output. In
+         bf16 (on a GPU) two forwards of different shapes may break a near-tie of the target's two best
+         tokens differently; the line says how many outputs first differ at such a tie (logit margin
+         within rounding) and how many beyond it (a decoding error).
 Where things are
   target   {out / 'target'}   (a from_pretrained folder)
   data     {out / 'data'}   (conversations.jsonl: extraction input; heldout.jsonl: eval prompts)

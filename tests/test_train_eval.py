@@ -215,3 +215,35 @@ def test_decoding_runs_each_token_through_the_target_about_once(target, prompts,
         assert fed[1:] == [S, 3] * (spec.forwards - 1) and rows[1:] == [S, 1] * (spec.forwards - 1)
     finally:
         h1.remove(), h2.remove()
+
+
+def test_a_difference_is_weighed_by_the_targets_own_logits(tiny_dir, prompts):
+    """On a GPU in bf16 the cached 1-token and S-token forwards may break a near-tie of the target's two best
+    tokens differently (an H200 demo: 13 of 16 outputs identical). ``divergence`` finds where two outputs first
+    differ and calls it a tie only when the target's logits of the two tokens there are within the dtype's
+    rounding; a token far below is a decoding error. Expected logits from a forward of the test's own."""
+    from transformers import AutoModelForCausalLM
+
+    from hsstore.train.speculative import TIE_SHARE, divergence, divergence_note
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).eval()
+    prompt = prompts[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    best = int(logits.argmax())
+    others = (logits - logits[best]).abs()
+    others[best] = float("inf")
+    near, far = int(others.argmin()), int(logits.argmin())
+    share = TIE_SHARE[torch.bfloat16]
+    near_is_tie = float(others[near]) <= share * max(abs(float(logits[best])), abs(float(logits[near])))
+
+    d = divergence(model, prompt, [best, 7], [near, 7], block=8)
+    assert d["position"] == 0 and d["tie"] == near_is_tie
+    assert d["margin"] == pytest.approx(float(others[near]), abs=1e-6)
+    d = divergence(model, prompt, [best, 3], [far, 3], block=8)
+    assert not d["tie"] and d["margin"] == pytest.approx(float(logits[best] - logits[far]), abs=1e-6)
+    d = divergence(model, prompt, [best, 5, 6], [best, 5], block=8)  # one output ended where the other goes on
+    assert d["position"] == 2 and not d["tie"]
+    tie = {"tie": True, "margin": 0.0625, "dtype": "bfloat16", "block": 16, "position": 44}
+    assert "1 first differs at a near-tie" in divergence_note([tie])
+    assert "1 differs beyond rounding: a decoding error" in divergence_note([tie, d])

@@ -324,6 +324,13 @@ class EvalReport:
     identical: int  # samples whose speculative output equals target-only greedy output
     target_forwards: int
     spec_forwards: int
+    # per sample that is not identical: where the outputs first differ and the target's logit margin there
+    # between the two tokens (``divergence``); ``ties`` of them are within the dtype's rounding
+    divergences: list[dict] = field(default_factory=list)
+
+    @property
+    def ties(self) -> int:
+        return sum(d["tie"] for d in self.divergences)
 
     @property
     def target_tps(self) -> float:
@@ -335,7 +342,7 @@ class EvalReport:
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(target_tokens_per_s=self.target_tps, spec_tokens_per_s=self.spec_tps,
+        d.update(ties=self.ties, divergence_note=divergence_note(self.divergences), target_tokens_per_s=self.target_tps, spec_tokens_per_s=self.spec_tps,
                  speedup=self.spec_tps / self.target_tps if self.target_tps else float("nan"))
         return d
 
@@ -348,8 +355,50 @@ class EvalReport:
             f"  speculative : {self.spec_tokens:,} tokens in {self.spec_seconds:.2f}s = "
             f"{self.spec_tps:,.1f} tokens/s ({self.spec_forwards} target forwards) -> {speed:.2f}x",
             f"  tau (mean acceptance length, 1..{self.block_size}): {self.tau:.2f}",
-            f"  speculative output == target greedy output: {self.identical}/{self.samples}",
+            f"  speculative output == target greedy output: {self.identical}/{self.samples}"
+            + (f" ({divergence_note(self.divergences)})" if self.divergences else ""),
         ])
+
+
+def divergence_note(divergences: list[dict]) -> str:
+    """What the samples whose outputs differ look like: ties of the target's two best tokens within rounding
+    (two forwards of different shapes may break them differently) or real differences (a decoding error)."""
+    ties = [d for d in divergences if d["tie"]]
+    real = len(divergences) - len(ties)
+    parts = []
+    if ties:
+        parts.append(f"{len(ties)} first differ{'s' if len(ties) == 1 else ''} at a near-tie of the target's two candidate tokens (logit margin "
+                     + ", ".join(f"{d['margin']:.3g}" for d in ties[:5]) + (", ..." if len(ties) > 5 else "")
+                     + f", within {ties[0]['dtype']} rounding): the cached 1-token and {ties[0]['block']}-token "
+                     "forwards round differently, not a decoding error")
+    if real:
+        parts.append(f"{real} differ{'s' if real == 1 else ''} beyond rounding: a decoding error")
+    return "; ".join(parts)
+
+
+# a tie: the two tokens' logits closer than this share of the larger |logit| (bf16 keeps 8 significant bits; the
+# cached 1-token and S-token forwards take different kernels through every layer, so a few of its roundings)
+TIE_SHARE = {torch.bfloat16: 2 ** -5, torch.float16: 2 ** -8, torch.float32: 2 ** -16}
+
+
+@torch.inference_mode()
+def divergence(model, prompt: Sequence[int], base: list[int], spec: list[int], block: int) -> dict:
+    """Where greedy output ``base`` and speculative output ``spec`` first differ, and the target's logits of
+    the two tokens there, from one forward without any cache over the prompt and the common prefix: a margin
+    within the dtype's rounding is a tie that the two decodings' forwards broke differently."""
+    i = next((k for k, (a, b) in enumerate(zip(base, spec)) if a != b), min(len(base), len(spec)))
+    dtype = next(model.parameters()).dtype
+    out = {"position": i, "dtype": str(dtype).removeprefix("torch."), "block": block, "margin": float("nan"),
+           "tie": False}
+    if i >= min(len(base), len(spec)):  # one output ended (eos) where the other goes on: no two tokens to weigh
+        return out
+    dev = next(model.parameters()).device
+    x = torch.tensor([list(prompt) + base[:i]], dtype=torch.long, device=dev)
+    logits = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    a, b = float(logits[base[i]]), float(logits[spec[i]])
+    margin = abs(a - b)
+    out.update(margin=margin, logit=max(a, b), tie=margin <= TIE_SHARE.get(dtype, 2 ** -16) * max(abs(a), abs(b)))
+    return out
 
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
@@ -360,19 +409,23 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
     propose = drafter_proposer(drafter)
     S = drafter.config.block_size
     taus, identical = [], 0
+    divergences = []
     tt = ts = 0.0
     nt = ns = ft = fs = 0
     if prompts:  # warm up both models so the first timing is not the allocator's
         speculative_generate(model, propose, prompts[0], taps, S, 2, eos)
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
-    for prompt in bar:
+    for k, prompt in enumerate(bar):
         base = greedy_generate(model, prompt, max_new, eos)
         spec = speculative_generate(model, propose, prompt, taps, S, max_new, eos)
         identical += int(base.tokens == spec.tokens)
         if base.tokens != spec.tokens:
-            log.warning("speculative output differs from greedy output (first %d tokens agree)",
-                        next((i for i, (a, b) in enumerate(zip(base.tokens, spec.tokens)) if a != b),
-                             min(len(base.tokens), len(spec.tokens))))
+            d = divergence(model, prompt, base.tokens, spec.tokens, S)
+            divergences.append({"sample": k, **d})
+            (log.info if d["tie"] else log.warning)(
+                "speculative output differs from greedy output after %d equal tokens: target logit margin %.3g "
+                "between the two tokens (%s)", d["position"], d["margin"],
+                f"a tie within {d['dtype']} rounding" if d["tie"] else "beyond rounding: a decoding error")
         if spec.accepted:
             taus.append(spec.tau)
         tt, nt, ft = tt + base.seconds, nt + len(base.tokens), ft + base.forwards
@@ -380,7 +433,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
         bar.set_postfix(tau=f"{sum(taus) / max(len(taus), 1):.2f}", target_tok_s=f"{nt / max(tt, 1e-9):.1f}",
                         spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
     tau = sum(taus) / len(taus) if taus else float("nan")
-    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs)
+    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs, divergences)
 
 
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
