@@ -7,6 +7,7 @@ tokenizer itself, never from hsstore's tokenization."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 import shutil
 
@@ -292,9 +293,13 @@ def test_engine_answer_dumps_are_read_as_token_rows(tok, tmp_path):
     assert [s.sample_id for s in samples] == ["vllm", "sglang", "flat"]
     for s in samples:
         assert s.input_ids.tolist() == p + g and s.loss_mask.tolist() == [0] * 4 + [1] * 4
-    path.write_text(json.dumps({"id": "x", "prompt_token_ids": p, "choices": [{"message": {}}]}) + "\n")
-    with pytest.raises(ValueError, match=r"dump\.jsonl:1: an engine answer needs"):
-        list(load_samples(path, tok))
+    # an answer without its ids is a row that cannot be tokenized as the engine did: skipped and counted, named
+    path.write_text(json.dumps({"id": "x", "prompt_token_ids": p, "choices": [{"message": {}}]}) + "\n"
+                    + json.dumps(rows[2]) + "\n")
+    stats = TokenizeStats()
+    assert [s.sample_id for s in load_samples(path, tok, stats=stats)] == ["flat"]
+    assert stats.skipped == {"invalid_row": ["dump.jsonl:1"]}
+    assert re.search(r"dump\.jsonl:1.*an engine answer needs", stats.first_skipped["invalid_row"])
 
 
 @pytest.fixture(scope="module")

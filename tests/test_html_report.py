@@ -131,6 +131,14 @@ def test_report_refuses_a_file_it_did_not_write(tmp_path, capsys):
     first = page.stat().st_mtime_ns
     assert main(["report", str(store), "--out", str(page)]) == 0  # its own page: replaced
     assert page.stat().st_mtime_ns >= first and "hsstore store report" in page.read_text()
+    fifo = tmp_path / "pipe.html"  # read through the door: refused at once, never waited on
+    os.mkfifo(fifo)
+    assert main(["report", str(store), "--out", str(fifo)]) == 2
+    assert "a FIFO, not a regular file" in capsys.readouterr().err
+    link = tmp_path / "link.html"  # a link to a page of its own is not followed either
+    link.symlink_to(page)
+    assert main(["report", str(store), "--out", str(link)]) == 2
+    assert "symbolic link" in capsys.readouterr().err and "hsstore store report" in page.read_text()
 
 
 def _charts(page: Path) -> dict[str, str]:

@@ -18,8 +18,11 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from .. import door
 
 W, H = 640, 260
 M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 46, 44  # the top holds the title and a legend row
@@ -345,9 +348,11 @@ def check_report_destination(out: Path) -> None:
     if out.is_dir():
         raise DestinationError(f"report --out {out}: is a folder; give a file name such as {out / 'report.html'} "
                                "(nothing was written)")
-    try:
-        with open(out, "rb") as f:
-            head = f.read(512)
+    try:  # through the door: a FIFO there is refused, not waited on; a link is not followed
+        with door.opened(str(out.parent), out.name, where="report --out") as (fd, _):
+            head = os.pread(fd, 512, 0)
+    except door.Refused as e:
+        raise DestinationError(f"report --out {out}: {e.why}; give a new file name (nothing was written)") from None
     except OSError as e:
         raise DestinationError(f"report --out {out}: exists and cannot be read ({e}); nothing was written") from None
     if GENERATOR.encode() not in head:
