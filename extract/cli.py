@@ -178,7 +178,7 @@ def add_demo(subparsers) -> None:
     d = subparsers.add_parser(
         "demo", formatter_class=DefaultsHelpFormatter,
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
-        "check, extract, info, verify, train a drafter, eval on held-out prompts (about 80 s on 2 CPU cores)",
+        "check, extract, info, verify, train a drafter, eval on held-out prompts (about 2 minutes on 2 CPU cores)",
     )
     add_arguments(d, DemoSettings)
     d.set_defaults(func=run_demo_cmd)

@@ -1,4 +1,4 @@
-"""``hsstore demo``: the main job, end to end, on a tiny trained target, in about 80 s on 2 idle CPU cores; on a
+"""``hsstore demo``: the main job, end to end, on a tiny trained target, in about 2 minutes on 2 CPU cores; on a
 GPU machine every step runs on the GPU (``--device`` chooses).
 
 The target is the tiny Qwen3.5-architecture model shipped with the package, trained by
@@ -35,7 +35,7 @@ from .tiny import build_trained_target, trained_files
 MARKER = ".hsstore-demo"
 CREATED = ("target", "data", "store", "run", ".target-hidden", "store.html", "run.html")
 
-# Drafter training and eval: about 80 s for the whole demo on 2 idle CPU cores. Two draft layers: with one, whose
+# Drafter training and eval: most of the whole demo's 2 minutes on 2 CPU cores. Two draft layers: with one, whose
 # block queries are all the same mask token, draft accuracy was 0.2 after 1,000 steps on this target, with two 0.65
 # after 500. The 32-position window of the first layer (the last one sees the whole context) learns a little faster.
 TRAIN_STEPS = 500
