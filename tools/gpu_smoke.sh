@@ -70,9 +70,9 @@ row "extract --compile" 0 "[0-9,]+ tokens/s after [0-9.]+s of compile warm-up|mi
 row "extract --device cuda:7 (refused)" 2 "error: .*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-bad" --device cuda:7
 row "verify" 0 "OK.*|[0-9]+ problems?.*" -- $HS verify "$W/s-cuda" --quiet
 row "info" 0 "samples *[0-9,]+|[0-9,]+ samples" -- $HS info "$W/s-cuda"
-row "audit (8 samples, default device)" 0 "audit: .*|device *: [^()]*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8
-row "audit --device cpu (8 samples)" 0 "audit: .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8 --device cpu
-row "audit (compiled store)" 0 "audit: .*" -- $HS audit "$W/s-compiled" --model "$T" --samples 8
+row "audit (8 samples, default device)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8
+row "audit --device cpu (8 samples)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8 --device cpu
+row "audit (compiled store)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-compiled" --model "$T" --samples 8
 row "train (GPU defaults, $STEPS steps)" 0 "[0-9,.]+ ?tok(ens)?/s|tau [0-9.]+" -- \
   $HS train --store "$W/s-cuda" --out "$W/run" --steps "$STEPS" --log-every 50 -q
 row "eval (teacher-forced)" 0 "\"tau\": [0-9.]+" -- $HS eval --store "$W/s-cuda" --drafter "$W/run" --json
@@ -83,7 +83,7 @@ row "export-drafter" 0 "drafter: .*" -- $HS export-drafter "${CKPT:-$W/run}" "$W
 row "extract --encoding fp8" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-fp8" --encoding fp8 -q
 row "verify (fp8)" 0 "OK.*" -- $HS verify "$W/s-fp8" --quiet
-row "audit (fp8)" 0 "audit: .*" -- $HS audit "$W/s-fp8" --model "$T" --samples 8
+row "audit (fp8)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-fp8" --model "$T" --samples 8
 row "extract --final-hidden" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-final" --final-hidden -q
 row "verify (final-hidden)" 0 "OK.*" -- $HS verify "$W/s-final" --quiet
