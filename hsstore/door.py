@@ -35,7 +35,9 @@ from .memory import pread_into
 
 JSON_CAP = 1 << 20  # a manifest, the asset index, a lock, a zarr.json: small objects read whole
 RECORD_CAP = 256 << 20  # one commit record (a 1e4-sample shard's is a few MB)
-SEGMENT_CAP = 4 << 30  # one index segment (all records of a 1e5-shard store: ~1 GB in version 1)
+SEGMENT_CAP = 4 << 30  # a zarr object whose record is not at hand (verify without a manifest)
+INDEX_SEGMENT_CAP = 512 << 20  # one index segment (version 2: ~1.5 KB a record at 27B scale, 1e5 shards ~150 MB)
+INDEX_TOTAL_CAP = 1 << 30  # every segment listed, together: over it the index is ignored, records read
 ASSET_CAP = 16 << 30  # one asset file (an embedding of 248K x 5120 bf16 is 2.5 GB)
 JSON_DEPTH = 64  # nesting deeper than any object hsstore writes (the manifest's ``extra`` included)
 

@@ -515,3 +515,39 @@ def test_v2_segment_whose_header_agrees_with_a_512_mb_frame_is_refused_in_small_
     assert isinstance(store, hsstore.Store) and len(store) == 4 and peak < SMALL, (store, peak)
     assert store.index_use.damaged == [seg.name]
     assert "at most" in store.index_use.why[seg.name], store.index_use.why
+
+
+@pytest.mark.parametrize("size", [3 << 30, 700 << 20])
+def test_a_huge_index_segment_costs_no_memory(tmp_path, size):
+    """Found by the 3,000-case fuzz run (seed 2): a segment made sparse-huge (3 GiB) was read whole (+6 GB in
+    info, verify, show, subset...). A segment over ``door.INDEX_SEGMENT_CAP`` (700 MB: refused alone), or
+    segments over ``INDEX_TOTAL_CAP`` together (3 GiB: not read at all), leave the index aside: records are read."""
+    from test_hostile_limits import peak_bytes
+
+    url = small(tmp_path / "s", n=4)
+    seg = next(Path(url, "index").iterdir())
+    os.truncate(seg, size)
+    store, peak = peak_bytes(lambda: hsstore.open(url))
+    assert isinstance(store, hsstore.Store) and len(store) == 4 and peak < SMALL, (store, peak)
+    assert store.index_use.damaged == [seg.name]
+    r = cli("info", url)
+    assert r.returncode == 0 and "samples" in r.stdout, r.stderr[-500:]
+
+
+def test_an_index_segment_whose_value_lists_are_not_text_is_ignored(tmp_path):
+    """Found by the same run: a segment's writer values forged into an object (checksum fixed) ended `info` in a
+    TypeError traceback; now the segment is damaged, ignored, and the records are read."""
+    url = small(tmp_path / "s", n=4)
+    seg = next(Path(url, "index").iterdir())
+    data = seg.read_bytes()
+    (hl,) = struct.unpack("<I", data[len(index.MAGIC):len(index.MAGIC) + 4])
+    header = json.loads(data[len(index.MAGIC) + 4:len(index.MAGIC) + 4 + hl])
+    header["table"]["writer"][0] = {"a": 1}
+    hb = json.dumps(header).encode()
+    body = index.MAGIC + struct.pack("<I", len(hb)) + hb + data[len(index.MAGIC) + 4 + hl:-4]
+    seg.write_bytes(body + struct.pack("<I", codec.crc32c(body)))
+    store = hsstore.open(url)
+    assert len(store) == 4 and store.index_use.damaged == [seg.name], store.index_use
+    assert "text" in store.index_use.why[seg.name]
+    r = cli("info", url)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-800:]

@@ -240,7 +240,11 @@ def _decode_v1(name: str, data: bytes) -> Segment:
 
 
 def write_segment(fs, root: str, name: str, data: bytes) -> str | None:
-    """Publish a segment (atomic: a rename on local disk, one PUT on object stores); returns its stamp."""
+    """Publish a segment (atomic: a rename on local disk, one PUT on object stores); returns its stamp. One
+    larger than readers take (``door.INDEX_SEGMENT_CAP``) is refused: they would ignore it."""
+    if len(data) > door.INDEX_SEGMENT_CAP:
+        raise StoreError(f"index segment {INDEX_DIR}/{name}: {len(data):,} bytes, over the {door.INDEX_SEGMENT_CAP:,} "
+                         "readers take; not written (readers read the commit records)")
     return storage.put_atomic(fs, storage.join(root, INDEX_DIR, name), data)
 
 
@@ -296,9 +300,17 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
                if b.endswith(SUFFIXES) and not b.startswith(".")}
     stamps = {b: storage.stamp(e) for b, e in listing.items()}
     names = sorted(listing)
+    total = sum(int(e.get("size") or 0) for e in listing.values())
+    if total > door.INDEX_TOTAL_CAP:  # read at once, they would take that much memory: a hostile index costs none
+        log.warning("index segments of %s: %d listed, %s bytes in all, over the bound of %s; ignored (records are "
+                    "read from commits/; `hsstore index` compacts the index)", root, len(names), f"{total:,}",
+                    f"{door.INDEX_TOTAL_CAP:,}")
+        use.damaged.extend(names)
+        use.why.update({b: f"the index's {total:,} bytes exceed {door.INDEX_TOTAL_CAP:,}" for b in names})
+        return {}, stamps
     keys = [f"{INDEX_DIR}/{b}" for b in names]
     blobs = door.read_many(fs, root, keys, sizes={k: listing[b].get("size") or None for k, b in zip(keys, names)},
-                           bound=door.SEGMENT_CAP)
+                           bound=door.INDEX_SEGMENT_CAP)
     segments = {}
     for b, k in zip(names, keys):
         data = blobs[k]

@@ -476,8 +476,21 @@ def table_from(desc: dict[str, Any], buf: bytes, blocks: list[bytes]) -> RecordT
         raise ValueError("per-sample columns disagree in length")
     for codes, values in (("writer", "writer"), ("manifest_key", "manifest_key"), ("location", "location"),
                           ("source", "source"), ("flags", "flags")):
+        if not isinstance(desc[values], list):
+            raise ValueError(f"{values} values are not a list")
         if len(a[codes]) and (a[codes].min() < 0 or a[codes].max() >= len(desc[values])):
             raise ValueError(f"{codes} codes out of range")
+    # the values a record would hold there: text (or none, for a location), flag sets of text
+    for values in ("writer", "manifest_key", "location", "source"):
+        if not all(v is None or isinstance(v, str) for v in desc[values]):
+            raise ValueError(f"{values} values must be text")
+    if not all(isinstance(f, list) and all(isinstance(x, str) for x in f) for f in desc["flags"]):
+        raise ValueError("flags values must be lists of text")
+    if not isinstance(desc["slots"], list) or not all(isinstance(s, (int, str)) and not isinstance(s, bool)
+                                                      for s in desc["slots"]):
+        raise ValueError("slots must be layer ids or feature names")
+    if not isinstance(desc["skipped"], dict):
+        raise ValueError("skipped must be an object")
     if n and (a["block"].min() < 0 or a["block"].max() >= len(blocks)):
         raise ValueError("block numbers out of range")
     stats = a.get("feature_stats")  # absent in segments written before feature statistics
