@@ -551,3 +551,17 @@ def test_an_index_segment_whose_value_lists_are_not_text_is_ignored(tmp_path):
     assert "text" in store.index_use.why[seg.name]
     r = cli("info", url)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+def test_a_record_layer_entry_without_its_byte_counts_is_one_line(tmp_path):
+    """Found by the 1,000-case fuzz run of seed 3: a record whose layer entry held other keys than its byte
+    counts passed the type check and ended every command in a KeyError traceback; now one line naming it."""
+    url = small(tmp_path / "s", n=4)
+    rec_path, rec = first_record(url)
+    rec["layers"][next(iter(rec["layers"]))] = {"a": 1}
+    rec_path.write_text(json.dumps(rec))
+    shutil.rmtree(Path(url, "index"), ignore_errors=True)  # else the index serves the record as it was
+    for cmd in ("info", "verify"):
+        r = cli(cmd, url)
+        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr[-800:]
+        assert "byte counts" in r.stdout + r.stderr

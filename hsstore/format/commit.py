@@ -167,8 +167,9 @@ def _type_problem(rec: CommitRecord) -> str | None:
             for e in rec.files.values()):
         return "files must map each key to {size, crc32c} integers"
     if not isinstance(rec.layers, dict) or not all(
-            isinstance(e, dict) and all(_count(v) for v in e.values()) for e in rec.layers.values()):
-        return "layers must map each feature to its byte counts"
+            isinstance(e, dict) and {"stored_bytes", "raw_bytes"} <= set(e) and all(_count(v) for v in e.values())
+            for e in rec.layers.values()):
+        return "layers must map each feature to its byte counts (stored_bytes, raw_bytes)"
     cols = rec.samples
     kinds = {"sample_id": _text, "source": _text, "length": _count, "loss_tokens": _count,
              "thinking_tokens": _count,
