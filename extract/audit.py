@@ -161,7 +161,7 @@ def diagnose(stored: torch.Tensor, ref: torch.Tensor, own: int, bound: Bound, to
                 return ("shifted tokens", f"stored {name} at position t holds the target's position {what}, cosine "
                         f"{shifted.cosine:.6f}", None)
     if tokens_differ:
-        return ("different tokens", f"the store's tokenizer is not the model's: its input_ids are other tokens to "
+        return ("different tokens", "the store's tokenizer is not the model's: its input_ids are other tokens to "
                 "this target", None)
     c = max(range(n_layers + 1), key=lambda k: figures[k].cosine)
     return ("a different target", f"no feature of the target matches stored {name} (closest: the target's "
@@ -307,9 +307,10 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     chosen = chosen_samples(store, samples, progress)
     log.info("audit: %d samples chosen; loading %s on %s", len(chosen), model_dir, describe(dev))
     model = load_target(model_dir, DTYPES[m.dtype], dev, progress=progress)
-    if m.target.weights_hash and m.target.weights_hash != weights_hash(model):
+    mine = weights_hash(model)
+    if m.target.weights_hash and m.target.weights_hash != mine:
         notes.append(f"the store was extracted from other weights than {model_dir}'s (weights_hash "
-                     f"{m.target.weights_hash[:12]} vs {weights_hash(model)[:12]})")
+                     f"{m.target.weights_hash[:12]} vs {mine[:12]})")
     vocab = model.get_input_embeddings().weight.shape[0]
     for i in tqdm(chosen, desc="audit: reference forwards", unit="sample", disable=not progress):
         item = store.read(i)

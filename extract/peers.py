@@ -428,10 +428,9 @@ def _health(s, manifest: Manifest):
     """(the sample's ``[features, 5]`` statistics, its ``health.Unhealthy`` features) of one peer sample."""
     from hsstore.format import health
 
-    feats = torch.as_tensor(s.hidden_states)
+    stats = health.sample_stats(s.hidden_states)  # then final_hidden's row: no copy of the features together
     if manifest.features:
-        feats = torch.cat([feats, torch.as_tensor(s.final_hidden)[:, None]], dim=1)
-    stats = health.sample_stats(feats)
+        stats = np.concatenate([stats, health.sample_stats(torch.as_tensor(s.final_hidden)[:, None])])
     T, loss = int(s.input_ids.shape[0]), int(torch.as_tensor(s.loss_mask).sum())
     sick = []
     for j, f in enumerate(manifest.all_features):

@@ -50,19 +50,12 @@ def feature_key(feature: int | str) -> str:
 
 def sample_stats(values) -> np.ndarray:
     """``[features, 5]`` float64 (``SUMS``) of one sample's features ``[T, features, H]`` (a torch tensor on any
-    device, or a numpy array of float values). On a GPU the reductions run there, in float32 accumulation
-    without an upcast copy, and only the small result crosses."""
+    device, or a numpy array of float values): ``batch_stats`` of a batch of one, only the small result crossing
+    to the host."""
     import torch
 
     x = torch.as_tensor(values)
-    finite = torch.isfinite(x)
-    clean = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    out = torch.stack([clean.sum(dim=(0, 2), dtype=torch.float32),
-                       torch.linalg.vector_norm(clean, dim=(0, 2), dtype=torch.float32) ** 2,
-                       torch.linalg.vector_norm(clean, ord=math.inf, dim=(0, 2), dtype=torch.float32),
-                       (x == 0).sum(dim=(0, 2)).to(torch.float32),
-                       (~finite).sum(dim=(0, 2)).to(torch.float32)], dim=1)
-    return out.double().cpu().numpy()
+    return batch_stats(x, [x.shape[0]])[0].double().cpu().numpy()
 
 
 def batch_stats(packed, lengths: Sequence[int], scales=None):
