@@ -292,11 +292,11 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     docstring); raises ValueError for a model that is not the store's target's shape."""
     from tqdm import tqdm
 
-    from hsstore.store.reader import open_store
+    from hsstore.store import reader
 
     if samples < 1:
         raise ValueError(f"--samples must be at least 1, got {samples}")
-    store = open_store(url, **(storage_options or {}))
+    store = reader.open(url, **(storage_options or {}))
     m = store.manifest
     notes, tokens_differ = identity_notes(m, model_dir)
     dev = resolve_device(device)

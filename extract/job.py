@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from hsstore import ProcessWriter, StoreWriter
+from hsstore.store.process_writer import ProcessWriter
+from hsstore.store.writer import StoreWriter
 from hsstore.format import assets
 from hsstore.devices import describe, resolve_device, route_cpu_kernels
 from hsstore.distributed import local_rank, rank_and_world

@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
+from hsstore.store.writer import StoreWriter
 from hsstore.errors import SampleError
 from hsstore.store.reader import committed_ids
 

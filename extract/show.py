@@ -98,13 +98,13 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
     unless ``model`` names one, its loss mask marked, after a header line from its commit record."""
     import tempfile
 
-    import hsstore
     from hsstore.format import assets
     from hsstore.redaction import recordable_url
+    from hsstore.store import reader
 
     from .target import load_tokenizer
 
-    store = hsstore.open(url, **(storage_options or {}))
+    store = reader.open(url, **(storage_options or {}))
     ids = store.sample_ids()
     index = int(n) if n.isdigit() else (ids.index(n) if n in ids else None)
     if index is None or not 0 <= index < len(store):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hsstore import Manifest, TargetIdentity, TokenizerIdentity
+from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.devices import route_cpu_kernels
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
 from hsstore.format.taps import check_taps, default_taps, text_config

@@ -8,30 +8,47 @@ Public API::
 
 The package by concern (each subpackage's doc says what it may import): ``format`` (what a store is on
 disk), ``layouts`` (how a shard is laid out), ``store`` (open, write, commit), ``loader`` (streaming, plans,
-resume, batches), ``ops`` (info, verify, subset, merge, convert, upgrade, bench); beside them the core that
-all use: ``storage`` (filesystems and URLs), ``redaction``, ``errors``, ``memory``, ``devices``,
-``distributed``, ``schema`` and ``config`` (settings), ``cli``.
+resume, batches), ``ops`` (info, verify, subset, merge, convert, upgrade, bench), ``testing`` (the layout
+contract suite and test helpers, shipped); beside them the core that all use: ``storage`` (filesystems and
+URLs), ``redaction``, ``errors``, ``memory``, ``devices``, ``distributed``, ``schema`` and ``config``
+(settings), ``cli``. Code inside the package imports each name from its defining module, never from here.
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
-from . import _moved
 from .version import __version__
 
-_moved.install()
+# The public names, each from its defining module. Static tools (type checkers, IDEs) read the real imports
+# below; at run time the same names load on first use (PEP 562) from ``_PUBLIC``, because `hsstore --help` and
+# the store commands (info, verify, ...) must not pay for torch and zarr. tests/test_architecture.py checks
+# that the two lists are one.
+if TYPE_CHECKING:
+    from .errors import CorruptionError, FetchError, ManifestError, SampleError, StoreError
+    from .format.manifest import FORMAT_VERSION, Manifest, TargetIdentity, TokenizerIdentity
+    from .loader.batching import TokenBatches, collate_packed, collate_padded, count_token_batches, token_batches
+    from .loader.dataset import HiddenStateDataset
+    from .loader.options import Planning, Reading, Selection
+    from .loader.resume import LoaderStateError, merge_states
+    from .store.process_writer import ProcessWriter
+    from .store.reader import Store, open
+    from .store.writer import StoreWriter
+    from .distributed import World
 
-# The public names and where they live. They load on first use (PEP 562): `hsstore --help` and commands that
-# never read a store must not pay for torch and zarr. `hsstore.open` mirrors zarr.open / webdataset.
 _PUBLIC = {
     "CorruptionError": "errors", "FetchError": "errors", "ManifestError": "errors", "SampleError": "errors",
     "StoreError": "errors",
     "FORMAT_VERSION": "format.manifest", "Manifest": "format.manifest", "TargetIdentity": "format.manifest",
     "TokenizerIdentity": "format.manifest",
-    "Store": "store.reader", "open_store": "store.reader", "open": "store.reader", "StoreWriter": "store.writer",
-    "ProcessWriter": "store.process_writer",
-    "HiddenStateDataset": "loader.dataset", "LoaderStateError": "loader.resume", "merge_states": "loader.resume",
     "TokenBatches": "loader.batching", "collate_packed": "loader.batching", "collate_padded": "loader.batching",
     "count_token_batches": "loader.batching", "token_batches": "loader.batching",
+    "HiddenStateDataset": "loader.dataset",
+    "Planning": "loader.options", "Reading": "loader.options", "Selection": "loader.options",
+    "LoaderStateError": "loader.resume", "merge_states": "loader.resume",
+    "ProcessWriter": "store.process_writer",
+    "Store": "store.reader", "open": "store.reader",
+    "StoreWriter": "store.writer",
+    "World": "distributed",
 }
 __all__ = sorted(["__version__", *_PUBLIC])
 
@@ -39,9 +56,7 @@ __all__ = sorted(["__version__", *_PUBLIC])
 def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
-        if name in _moved.MOVED:  # `import hsstore; hsstore.reader` of the flat layout
-            return import_module(f".{name}", __name__)
         raise AttributeError(f"module 'hsstore' has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), "open_store" if name == "open" else name)
+    value = getattr(import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

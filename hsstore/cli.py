@@ -55,9 +55,9 @@ def interactive_options(url: str, args) -> dict:
 
 def cmd_info(args) -> int:
     from .ops.info import format_text, summarize
-    from .store.reader import open_store
+    from .store import reader
 
-    store = open_store(args.url, **interactive_options(args.url, args))
+    store = reader.open(args.url, **interactive_options(args.url, args))
     s = summarize(store)
     print(json.dumps(s, indent=2) if args.json else format_text(s))
     return 0
@@ -66,10 +66,10 @@ def cmd_info(args) -> int:
 def cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .store.reader import open_store
+    from .store import reader
     from .ops.verify import verify
 
-    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    store = reader.open(args.url, **storage.parse_storage_options(args.storage_option))
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
@@ -119,10 +119,10 @@ def cmd_index(args) -> int:
 def cmd_upgrade(args) -> int:
     from tqdm import tqdm
 
-    from .store.reader import open_store
+    from .store import reader
     from .ops.upgrade import upgrade
 
-    store = open_store(args.url, **storage.parse_storage_options(args.storage_option))
+    store = reader.open(args.url, **storage.parse_storage_options(args.storage_option))
     total = sum(f["size"] for c in store.commits if not c.binds_chunks for f in c.files.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="upgrade", disable=args.quiet) as bar:
         r = upgrade(store, progress=bar.update)

@@ -4,12 +4,15 @@ Extraction, training and the loader each split work by rank; reading the rank th
 environment in one place, the process group in another, the environment with other defaults in a third)
 lets two of them disagree about who does what. Order: what the caller passes, then an initialised
 ``torch.distributed`` process group, then torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``),
-then a single process.
+then a single process. ``World`` is the value that carries all of it (with the node and the DataLoader
+worker) to the loader.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass, replace
 
 
 def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -57,3 +60,68 @@ def node_of(rank: int, world_size: int, ranks_per_node: int | None = None, node:
         raise ValueError(f"rank {rank} is on node {node}, but with {ranks_per_node} ranks per node it should be on "
                          f"node {expected}: ranks must be numbered node by node (as torchrun numbers them)")
     return expected, world_size // ranks_per_node, ranks_per_node
+
+
+@dataclass(frozen=True)
+class World:
+    """Where one reader sits in a job, every coordinate named once: ``rank`` of ``world`` ranks, on ``node`` of
+    ``nodes`` (ranks numbered node by node, as torchrun numbers them), DataLoader ``worker`` of ``workers`` on its
+    rank (0 of 1 outside a worker). The loader's plan, its resume state and its slot are all cut by this value,
+    so they cannot disagree about who reads what (the convention of MosaicML Streaming's ``World``)."""
+
+    rank: int = 0
+    world: int = 1
+    node: int = 0
+    nodes: int = 1
+    worker: int = 0
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} out of range for world size {self.world}")
+        if self.nodes < 1 or self.world % self.nodes or self.node != self.rank // (self.world // self.nodes):
+            raise ValueError(f"rank {self.rank} of {self.world} is not on node {self.node} of {self.nodes} "
+                             "(ranks are numbered node by node, the same count on every node)")
+        if self.workers < 1 or not 0 <= self.worker < self.workers:
+            raise ValueError(f"no worker {self.worker} of {self.workers}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world // self.nodes
+
+    @property
+    def slot(self) -> int:
+        """This reader's index among all ``world * workers`` readers: ``rank * workers + worker``."""
+        return self.rank * self.workers + self.worker
+
+    @classmethod
+    def detect(cls, rank: int | None = None, world: int | None = None, ranks_per_node: int | None = None,
+               node: int | None = None, by_node: bool = True) -> World:
+        """This process's world (``rank_and_world``, ``node_of``; values given win) and, inside a DataLoader
+        worker, its worker. ``by_node=False``: the whole world counts as one node (a plan that does not split
+        by node reads no node variables)."""
+        rank, world = rank_and_world(rank, world)
+        node, nodes, _ = node_of(rank, world, ranks_per_node, node) if by_node else (0, 1, world)
+        return cls(rank, world, node, nodes).in_worker()
+
+    @classmethod
+    def of_slot(cls, slot: int, world: int, workers: int, nodes: int = 1) -> World:
+        """The reader of ``slot`` in a world of ``world`` ranks x ``workers`` workers (a saved state's slots)."""
+        return cls(0, world, 0, nodes).at(slot // workers, slot % workers, workers)
+
+    def at(self, rank: int | None = None, worker: int | None = None, workers: int | None = None) -> World:
+        """Another reader of this world: ``rank`` (default: this one), DataLoader ``worker`` of ``workers``
+        (default: this one's); its node follows from its rank."""
+        rank = self.rank if rank is None else int(rank)
+        workers = self.workers if workers is None else int(workers)
+        worker = (self.worker if workers == self.workers else 0) if worker is None else int(worker)
+        node = rank // self.ranks_per_node if 0 <= rank < self.world else -1  # out of range: __post_init__ says so
+        return replace(self, rank=rank, node=node, worker=worker, workers=workers)
+
+    def in_worker(self) -> World:
+        """This world seen from the calling process: the DataLoader worker it is (torch's ``get_worker_info``),
+        or worker 0 of 1 outside one."""
+        torch_data = sys.modules.get("torch.utils.data")  # not loaded: no DataLoader worker can be running
+        info = torch_data.get_worker_info() if torch_data is not None else None
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return replace(self, worker=worker, workers=workers)

@@ -1,22 +1,16 @@
 """Shared fixtures: a real S3 endpoint on loopback (moto's server, as s3fs's own tests do) and
-small synthetic stores."""
+small synthetic stores (``hsstore.testing.stores``, whose helpers tests also import from here)."""
 
 from __future__ import annotations
 
 import json
-import socket
 import uuid
 
 import pytest
-import torch
 
-from hsstore import Manifest, TargetIdentity, TokenizerIdentity
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hsstore.format.manifest import Manifest
+from hsstore.testing.ports import free_port
+from hsstore.testing.stores import make_manifest, make_samples, write_samples  # noqa: F401  (tests import them here)
 
 
 @pytest.fixture(scope="session")
@@ -59,31 +53,6 @@ def manifest() -> Manifest:
     return make_manifest()
 
 
-def make_manifest(layers=(1, 3, 5), hidden=48, dtype="bfloat16", codec="none", chunk_tokens=64,
-                  config_hash="cfg-a", vocab_hash="vocab-a") -> Manifest:
-    return Manifest(
-        target=TargetIdentity(name="tiny-target", num_layers=8, hidden_size=hidden, config_hash=config_hash,
-                              model_type="qwen3_5_text"),
-        tokenizer=TokenizerIdentity(name="tiny-tok", vocab_hash=vocab_hash, chat_template_hash="tmpl"),
-        layers=tuple(layers), dtype=dtype, codec=codec, chunk_tokens=chunk_tokens)
-
-
-def make_samples(n: int, n_layers: int = 3, hidden: int = 48, seed: int = 0, dtype=torch.bfloat16,
-                 min_len: int = 3, max_len: int = 200, prefix: str = "s"):
-    """Deterministic random samples: list of dicts with sample_id, input_ids, loss_mask, hidden_states."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        T = int(torch.randint(min_len, max_len, (1,), generator=g))
-        out.append({
-            "sample_id": f"{prefix}{i}",
-            "input_ids": torch.randint(0, 5000, (T,), generator=g),
-            "loss_mask": torch.rand(T, generator=g) > 0.4,
-            "hidden_states": (torch.randn(T, n_layers, hidden, generator=g) * 3).to(dtype),
-        })
-    return out
-
-
 @pytest.fixture
 def samples():
     return make_samples(25)
@@ -99,15 +68,6 @@ def new_samples():
 def new_manifest():
     """Factory: ``new_manifest(**kw)`` -> a small Manifest (see make_manifest)."""
     return make_manifest
-
-
-def write_samples(url, manifest, samples, **kw):
-    from hsstore import StoreWriter
-
-    with StoreWriter(url, manifest, **kw) as w:
-        for s in samples:
-            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
-    return w
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hsstore": ("hsstore", ROOT / "hsstore"), "extract": ("hsstore.extract", ROOT / "extract"),
             "train": ("hsstore.train", ROOT / "train")}
 CORE = "core"  # hsstore's top-level modules, which every subpackage may use
-TOP = {"__init__", "__main__", "cli", "_moved"}  # the entry points, above everything
+TOP = {"__init__", "__main__", "cli"}  # the entry points, above everything
 
 
 def _type_checking_only(node: ast.If) -> bool:
@@ -125,11 +125,12 @@ def group_of(module: str, subpackages: set[str]) -> str:
 
 
 def allowed_imports(doc: str | None) -> set[str]:
-    """The groups named on the ``Imports:`` line of a subpackage's doc (``hsstore core`` -> ``core``)."""
+    """The groups named on the ``Imports:`` line of a subpackage's doc (``hsstore core`` -> ``core``; ``cli``, the
+    entry points' group, for ``hsstore.testing``, which runs commands as a user does)."""
     for line in (doc or "").splitlines():
         if line.startswith("Imports:"):
             names = [w.strip(" .") for w in line[len("Imports:"):].split(",")]
-            return {CORE if n == "hsstore core" else n for n in names if n}
+            return {CORE if n == "hsstore core" else "top" if n == "cli" else n for n in names if n}
     return set()
 
 
@@ -211,50 +212,119 @@ def test_layouts_implement_the_protocol(name):
 
 
 def test_public_names_resolve_to_their_modules():
-    """``import hsstore`` exposes every name of ``__all__``, each the object defined at its new home."""
+    """``import hsstore`` exposes every name of ``__all__``, each the object defined in its module."""
     import importlib
 
     import hsstore
 
-    assert {"open", "Store", "StoreWriter", "HiddenStateDataset", "Manifest", "StoreError"} <= set(hsstore.__all__)
+    assert {"open", "Store", "StoreWriter", "HiddenStateDataset", "Manifest", "StoreError", "World"} <= set(
+        hsstore.__all__)
     for name in hsstore.__all__:
         assert getattr(hsstore, name) is not None, name
     assert hsstore.Store is importlib.import_module("hsstore.store.reader").Store
-    assert hsstore.open is importlib.import_module("hsstore.store.reader").open_store
+    assert hsstore.open is importlib.import_module("hsstore.store.reader").open
     assert hsstore.HiddenStateDataset is importlib.import_module("hsstore.loader.dataset").HiddenStateDataset
+    assert not hasattr(importlib.import_module("hsstore.store.reader"), "open_store")  # one name per function
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         hsstore.nope  # noqa: B018
 
 
-def test_flat_paths_of_earlier_releases_import_with_a_warning():
-    """The module paths of the flat layout import for one release: a DeprecationWarning naming the new path, and
-    the very module object there (private names and monkeypatching as before); unknown paths still fail."""
+def type_checking_names(tree: ast.Module) -> dict[str, str]:
+    """Name -> defining module (relative to the package) of the ``from .x import name`` lines inside the
+    module's ``if TYPE_CHECKING:`` blocks."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1, ast.unparse(imp)
+                out.update({a.asname or a.name: imp.module for a in imp.names})
+    return out
+
+
+def test_namespace_static_tools_see_is_the_one_resolved_at_run_time():
+    """hsstore/__init__.py lists its public names twice, of necessity: real imports under TYPE_CHECKING (what
+    type checkers and IDEs read) and the lazy table that keeps `import hsstore` free of torch and zarr. The two
+    are one list: same names, same modules, each name defined (not re-exported) by its module."""
+    import importlib
+
+    import hsstore
+
+    static = type_checking_names(ast.parse((ROOT / "hsstore" / "__init__.py").read_text()))
+    assert static == hsstore._PUBLIC
+    assert set(hsstore.__all__) == set(static) | {"__version__"}
+    for name, module in static.items():
+        value = getattr(importlib.import_module(f"hsstore.{module}"), name)
+        if hasattr(value, "__module__") and not isinstance(value, (int, str)):
+            assert value.__module__ == f"hsstore.{module}", f"{name} is defined in {value.__module__}, not {module}"
+
+
+def test_import_hsstore_installs_no_meta_path_finder():
+    """No module path is aliased: importing the package leaves ``sys.meta_path`` as it was, and no source file
+    of the package touches it."""
+    import importlib
     import subprocess
     import sys
 
-    script = (
-        "import warnings, importlib\n"
-        "warnings.simplefilter('error')\n"
-        "import hsstore.store.reader as new\n"  # the new paths import without a warning
-        "import hsstore.layouts.zarr, hsstore.loader.plan\n"
-        "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    import hsstore.reader as old\n"
-        "    from hsstore.zarr_layout import read_into\n"
-        "    from hsstore.plan import Planner\n"
-        "assert old is new, (old, new)\n"
-        "assert read_into is hsstore.layouts.zarr.read_into and Planner is hsstore.loader.plan.Planner\n"
-        "said = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
-        "assert said == ['hsstore.reader moved to hsstore.store.reader; the old path goes in the next release',\n"
-        "    'hsstore.zarr_layout moved to hsstore.layouts.zarr; the old path goes in the next release',\n"
-        "    'hsstore.plan moved to hsstore.loader.plan; the old path goes in the next release'], said\n"
-        "try:\n"
-        "    import hsstore.nosuchmodule\n"
-        "except ModuleNotFoundError:\n"
-        "    print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT.parent)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    code = ("import sys\nbefore = list(sys.meta_path)\nimport hsstore, hsstore.cli\n"
+            "print(len(sys.meta_path) - len(before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr
+    bad = [str(p.relative_to(ROOT)) for d in ("hsstore", "extract", "train") for p in sorted((ROOT / d).rglob("*.py"))
+           if "meta_path" in p.read_text()]
+    assert not bad, f"files touching sys.meta_path: {bad}"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("hsstore.reader")  # the flat paths of the first layout are gone
+
+
+def facade_imports(tree: ast.Module, package_dir: Path, absolute: str, name: str, is_init: bool) -> list[str]:
+    """Imports in ``tree`` that go through ``hsstore/__init__.py`` for a name it re-exports: ``import hsstore``
+    (then ``hsstore.X``) or ``from hsstore import X`` / ``from .. import X`` where X is not a module. Imports
+    of modules (``from hsstore import storage``) are direct."""
+    hs = ROOT / "hsstore"
+    package = name.split(".") if is_init and name != "__init__" else name.split(".")[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [f"line {node.lineno}: import hsstore" for a in node.names if a.name == "hsstore"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module == "hsstore":
+                names = [a.name for a in node.names]
+            elif node.level and absolute == "hsstore" and not node.module and node.level == len(package) + 1:
+                names = [a.name for a in node.names]
+            else:
+                continue
+            out += [f"line {node.lineno}: from hsstore import {n}" for n in names
+                    if not ((hs / f"{n}.py").exists() or (hs / n / "__init__.py").exists())]
+    return out
+
+
+def test_internal_code_imports_from_defining_modules():
+    """hsstore/, extract/ and train/ import each name from the module that defines it, never through the
+    package's public namespace (which would hide the edge from the import checks above)."""
+    bad = []
+    for package, (absolute, path) in PACKAGES.items():
+        for m, p in modules_of(path).items():
+            if package == "hsstore" and m == "__init__":
+                continue
+            found = facade_imports(ast.parse(p.read_text()), path, absolute, m, p.name == "__init__.py")
+            bad += [f"{package}/{p.relative_to(path)} {f}" for f in found]
+    assert not bad, "imports through hsstore/__init__.py:\n" + "\n".join(bad)
+
+
+def test_tools_never_import_tests_nor_edit_sys_path():
+    """tools/ share helpers with tests through the package (``hsstore.testing``) or tools/ itself: a tool that
+    imports tests/ or edits ``sys.path`` runs only from a checkout laid out as the author's."""
+    bad = []
+    for p in sorted((ROOT / "tools").rglob("*.py")):
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            bad += [f"{p.name}:{node.lineno}: imports {m}" for m in mods
+                    if m.split(".")[0] in {"tests", "conftest", "faultproxy", "layout_contract", "engine_server"}]
+            if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+                bad.append(f"{p.name}:{node.lineno}: sys.path")
+    assert not bad, "\n".join(bad)
 
 
 # -- the one door (issue #36): no module but hsstore/door.py and hsstore/storage.py reads a store object itself

@@ -220,7 +220,7 @@ def test_bench_unknown_codec(tmp_path, capsys):
 @pytest.mark.parametrize("command", ["info", "extract"])
 def test_access_denied_says_what_to_check(tiny_dir, tmp_path, capsys, s3_store, command):
     """A 403 from the endpoint names the store, whether it was a read or a write, and what to check."""
-    from faultproxy import FaultProxy
+    from hsstore.testing.faultproxy import FaultProxy
 
     url, options = s3_store
     if command == "info":

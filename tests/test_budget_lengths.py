@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import hsstore
-from hsstore import HiddenStateDataset, TokenBatches
+from hsstore import HiddenStateDataset, Planning, TokenBatches
 from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step, store_lengths
 from hsstore.train.model import DrafterConfig
 
@@ -27,7 +27,7 @@ def _largest_batch(store, max_tokens, seeds=range(12)) -> int:
     """The most samples in one batch the loader made, over several shuffles."""
     most = 0
     for seed in seeds:
-        ds = HiddenStateDataset(store, seed=seed)
+        ds = HiddenStateDataset(store, planning=Planning(seed=seed))
         most = max(most, max(len(b["sample_id"]) for b in TokenBatches(ds, max_tokens=max_tokens)))
     return most
 

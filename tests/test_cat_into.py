@@ -17,8 +17,8 @@ import s3fs
 
 from hsstore import storage
 
-from conftest import free_port
-from faultproxy import FaultProxy
+from hsstore.testing.ports import free_port
+from hsstore.testing.faultproxy import FaultProxy
 
 
 @pytest.fixture

@@ -105,7 +105,7 @@ def test_info_against_a_closed_port_is_one_line_naming_the_url():
     import subprocess
     import sys
 
-    from conftest import free_port
+    from hsstore.testing.ports import free_port
 
     p = subprocess.run([sys.executable, "-m", "hsstore", "info", "s3://bucket/x"], env=_s3_env(free_port()),
                        capture_output=True, text=True, timeout=300)

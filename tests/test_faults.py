@@ -16,7 +16,7 @@ import hsstore
 from hsstore import storage
 from hsstore.ops.verify import verify
 
-from faultproxy import ALL_FAULTS, FaultProxy
+from hsstore.testing.faultproxy import ALL_FAULTS, FaultProxy
 from test_loader import bits, dataset, write_store
 from test_loader_s3 import s3_samples, s3_url  # noqa: F401  (fixtures: one store for the read tests)
 

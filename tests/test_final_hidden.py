@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hsstore
-from hsstore import HiddenStateDataset, Manifest, StoreWriter
+from hsstore import HiddenStateDataset, Manifest, Planning, Selection, StoreWriter
 from hsstore.loader.batching import collate_packed, collate_padded
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
@@ -62,18 +62,19 @@ def test_loader_serves_final_hidden_when_asked(tmp_path, new_manifest, new_sampl
             w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"][:, :3],
                   final_hidden=s["hidden_states"][:, 3])
     by_id = {s["sample_id"]: s for s in samples}
-    ds = HiddenStateDataset(url, shuffle=False, final_hidden=True)
+    ds = HiddenStateDataset(url, planning=Planning(shuffle=False), selection=Selection(final_hidden=True))
     items = list(ds)
     assert len(items) == 12
     for it in items:
         s = by_id[it["sample_id"]]
         assert torch.equal(it["final_hidden"].view(torch.int16), s["hidden_states"][:, 3].view(torch.int16))
         assert torch.equal(it["hidden_states"].view(torch.int16), s["hidden_states"][:, :3].view(torch.int16))
-    ds_sel = HiddenStateDataset(url, layers=[3], shuffle=False, final_hidden=True)
+    ds_sel = HiddenStateDataset(url, layers=[3], planning=Planning(shuffle=False),
+                                selection=Selection(final_hidden=True))
     it = next(iter(ds_sel))
     assert it["hidden_states"].shape[1] == 1 and torch.equal(
         it["final_hidden"].view(torch.int16), by_id[it["sample_id"]]["hidden_states"][:, 3].view(torch.int16))
-    plain = next(iter(HiddenStateDataset(url, shuffle=False)))
+    plain = next(iter(HiddenStateDataset(url, planning=Planning(shuffle=False))))
     assert "final_hidden" not in plain and plain["hidden_states"].shape[1] == 3
     padded, packed = collate_padded(items[:3]), collate_packed(items[:3])
     n0 = int(padded["lengths"][0])
@@ -110,7 +111,7 @@ def test_store_without_it_is_unchanged_and_refuses_the_ask(tmp_path, new_manifes
     write(url, m, new_samples(3))
     assert "final_hidden" not in hsstore.open(url).read(0)
     with pytest.raises(StoreError, match="does not hold it"):
-        HiddenStateDataset(url, final_hidden=True)
+        HiddenStateDataset(url, selection=Selection(final_hidden=True))
     # a store with it names it in the manifest, which older hsstore refuses ("unknown fields") instead of misreading
     with_it = Manifest(**{**m.__dict__, "features": ("final_hidden",)})
     assert json.loads(with_it.to_json())["features"] == ["final_hidden"]

@@ -205,7 +205,7 @@ def test_loader_items_and_batches(tmp_path):
         for s in samples:
             w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
     by_id = {s["sample_id"]: fp8.quantise(s["hidden_states"][:, [0, 2]]) for s in samples}
-    ds = hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5], seed=0)
+    ds = hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5])
     items = list(ds)
     assert sorted(x["sample_id"] for x in items) == sorted(by_id)
     for x in items:
@@ -223,7 +223,7 @@ def test_loader_items_and_batches(tmp_path):
     packed = hsstore.collate_packed(items[:3])
     assert torch.equal(fp8.dequantise_batch(packed)["hidden_states"],
                        torch.cat([fp8.dequantise(x["hidden_states"], x["hidden_scales"]) for x in items[:3]]))
-    host = list(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5], seed=0, dequantise=True))
+    host = list(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5], reading=hsstore.Reading(dequantise=True)))
     assert [x["sample_id"] for x in host] == [x["sample_id"] for x in items]
     assert all("hidden_scales" not in h and torch.equal(h["hidden_states"], fp8.dequantise(
         x["hidden_states"], x["hidden_scales"])) for h, x in zip(host, items))

@@ -510,6 +510,7 @@ def corrupt_first_layer_chunk(url: str, opts: dict | None = None) -> str:
 def test_flipped_payload_byte_is_a_checksum_error(where, spec, path, tmp_path, request):
     """Through ``Store.read`` and the loader (on S3 also through its chunk cache), each read names the checksum."""
     from hsstore.loader.dataset import HiddenStateDataset
+    from hsstore.loader.options import Reading
 
     opts = {}
     if where == "s3":
@@ -525,4 +526,4 @@ def test_flipped_payload_byte_is_a_checksum_error(where, spec, path, tmp_path, r
     else:
         cache = str(tmp_path / "cache") if path == "loader+cache" else None
         with pytest.raises(CorruptionError, match="checksum mismatch"):
-            list(HiddenStateDataset(url, storage_options=opts, cache_dir=cache))
+            list(HiddenStateDataset(url, storage_options=opts, reading=Reading(cache_dir=cache)))

@@ -261,6 +261,7 @@ def _s3_store_by_location(tmp_path, s3_store, location_of):
 
 def test_chunk_cache_never_writes_outside_cache_dir(tmp_path, s3_store, monkeypatch):
     from hsstore.loader.dataset import HiddenStateDataset
+    from hsstore.loader.options import Planning, Reading
 
     target = tmp_path / "target"
     target.mkdir()
@@ -269,7 +270,8 @@ def test_chunk_cache_never_writes_outside_cache_dir(tmp_path, s3_store, monkeypa
     for allow in (None, f"s3://{bucket}"):  # allowing the bucket does not allow climbing out of it
         if allow:
             monkeypatch.setenv(ALLOW_ENV, allow)
-        ds = HiddenStateDataset(b, storage_options=opts, cache_dir=str(tmp_path / "cache"), shuffle=False)
+        ds = HiddenStateDataset(b, storage_options=opts, reading=Reading(cache_dir=str(tmp_path / "cache")),
+                                planning=Planning(shuffle=False))
         with pytest.raises(StoreError, match=r"location '.*\.\./.*' refused") as e:
             list(ds)
         assert len(str(e.value).splitlines()) == 1

@@ -28,7 +28,7 @@ from hsstore.ops.subset import Selection, subset
 from hsstore.ops.verify import verify
 
 from conftest import make_manifest, make_samples, write_samples
-from faultproxy import FaultProxy
+from hsstore.testing.faultproxy import FaultProxy
 
 N_SHARDS = 12
 
@@ -263,7 +263,7 @@ def _rank_main(rank, world, init, url, endpoint, out):
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     ds = hsstore.HiddenStateDataset(url, storage_options={"endpoint_url": endpoint}, share_metadata=True,
-                                    shuffle_bytes=1 << 12)
+                                    planning=hsstore.Planning(shuffle_bytes=1 << 12))
     items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
     with open(f"{out}.{rank}", "w") as f:
         json.dump(sorted(x["sample_id"] for x in items), f)
@@ -360,7 +360,7 @@ def test_open_info_and_the_catalog_parse_no_record_and_a_record_parsed_later_is_
     store = hsstore.open(url)
     assert store.index_use.indexed == N_SHARDS
     summary = summarize(store)
-    ds = hsstore.HiddenStateDataset(store, shuffle=False)
+    ds = hsstore.HiddenStateDataset(store, planning=hsstore.Planning(shuffle=False))
     assert len(ds.catalog) == N_SHARDS
     assert len(store.commits._parsed) == 0  # opening, info and the loader's catalog read the columns only
     direct = hsstore.Store(url, {}, use_index=False)  # every record read from commits/

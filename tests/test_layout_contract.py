@@ -1,4 +1,4 @@
-"""Every registered shard layout runs the layout contract (tests/layout_contract.py): one subclass per layout,
+"""Every registered shard layout runs the layout contract (hsstore.testing.layout_contract): one subclass per layout,
 each saying only where a feature byte lies in its files; a layout registered without one fails here."""
 
 from __future__ import annotations
@@ -10,17 +10,9 @@ import pytest
 from hsstore.layouts import base as layout, wds, zarr as zarr_layout
 from hsstore.format.commit import layer_array
 
-from layout_contract import LayoutContract
+from hsstore.testing.layout_contract import LayoutContract
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-
-
-def pytest_generate_tests(metafunc):
-    """Each test that takes ``variant`` runs once per manifest variant its layout class lists."""
-    if "variant" in metafunc.fixturenames:
-        variants = metafunc.cls.variants
-        metafunc.parametrize("variant", variants, ids=[",".join(f"{k}={v}" for k, v in v.items()) or "default"
-                                                       for v in variants])
 
 
 class TestZarrLayout(LayoutContract):

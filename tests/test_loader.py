@@ -15,37 +15,10 @@ import hsstore
 from hsstore import HiddenStateDataset, merge_states
 from hsstore.errors import CorruptionError, ManifestError, StoreError
 from hsstore.loader.dataset import LoaderStateError
-
-from conftest import make_manifest, make_samples
+from hsstore.testing.loading import StatefulDataLoader, collect, dataset, grouped, ids_of
+from hsstore.testing.stores import SOURCES, TOKEN_BYTES, make_manifest, make_samples, write_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
-
-TOKEN_BYTES = 3 * 48 * 2  # the test manifest: layers (1, 3, 5), hidden 48, bf16
-SOURCES = ("chat", "code", "math")
-
-
-def StatefulDataLoader(*args, **kwargs):
-    """torchdata's loader (the resume convention); its tests skip where torchdata is not installed."""
-    return pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader(*args, **kwargs)
-
-
-def write_store(url, samples, manifest=None, shard_tokens=1500, sources=True, storage_options=None):
-    """Several shards of ~shard_tokens tokens; chunk grid of 64 tokens; sources cycle through SOURCES."""
-    manifest = manifest or make_manifest(chunk_tokens=64)
-    with hsstore.StoreWriter(url, manifest, shard_bytes=TOKEN_BYTES * shard_tokens,
-                             storage_options=storage_options) as w:
-        for i, s in enumerate(samples):
-            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"],
-                  source=SOURCES[i % 3] if sources else "")
-    return url
-
-
-def dataset(url, **kw):
-    """Small units (2 chunks) and a small shuffle pool, so the tiny stores have many units."""
-    kw.setdefault("unit_bytes", TOKEN_BYTES * 128)
-    kw.setdefault("shuffle_bytes", TOKEN_BYTES * 500)
-    return HiddenStateDataset(url, **kw)
-
 
 @pytest.fixture(scope="module")
 def samples():
@@ -55,10 +28,6 @@ def samples():
 @pytest.fixture(scope="module")
 def store_url(tmp_path_factory, samples):
     return write_store(str(tmp_path_factory.mktemp("store")), samples)
-
-
-def ids_of(items):
-    return [x["sample_id"] for x in items]
 
 
 def bits(t):
@@ -93,19 +62,6 @@ def test_order_seeded_new_each_epoch_and_unshuffled(store_url, samples):
     assert sorted(e1) == sorted(e0) and e1 != e0  # new order per epoch
     assert ids_of(dataset(store_url, seed=2)) != e0
     assert ids_of(dataset(store_url, shuffle=False)) == hsstore.open(store_url).sample_ids()
-
-
-def collect(url, world, workers, ctx="fork", **kw):
-    """Sample ids per rank through a real DataLoader."""
-    out = []
-    for r in range(world):
-        ds = dataset(url, rank=r, world_size=world, **kw)
-        loader = DataLoader(ds, batch_size=None, num_workers=workers,
-                            multiprocessing_context=ctx if workers else None)
-        got = ids_of(loader)
-        assert len(got) == len(ds)
-        out.append(got)
-    return out
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -237,8 +193,8 @@ def test_resume_with_another_world_size(store_url, samples):
 
 
 def slot_ids(ds, world, workers, slot):
-    assert ds.world_size == world
-    return ds.planned_ids(ds.epoch, slot // workers, num_workers=workers, worker=slot % workers)
+    assert ds.world.world == world
+    return ds.planned_ids(ds.epoch, ds.world.at(slot // workers, slot % workers, workers))
 
 
 def round_robin(streams):
@@ -331,15 +287,17 @@ def test_plan_api_is_what_iteration_yields(store_url, samples):
         ds = dataset(store_url, rank=rank, world_size=2, seed=5)
         ds.set_epoch(2)
         got = ids_of(ds)
-        assert ds.planned_ids(2) == got == ds.planned_ids(2, rank)
+        assert ds.planned_ids(2) == got == ds.planned_ids(2, ds.world.at(rank))
         assert ds.planned_lengths(2).tolist() == [length[i] for i in got]
         assert count_token_batches(ds.planned_lengths(2), 300) == len(list(token_batches(iter(ds), 300)))
-        workers = [ds.planned_ids(2, num_workers=2, worker=w) for w in range(2)]
+        workers = [ds.planned_ids(2, ds.world.at(worker=w, workers=2)) for w in range(2)]
         dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         assert ids_of(dl) == round_robin(workers)
-    assert sorted(ds.planned_ids(2, 0) + ds.planned_ids(2, 1)) == sorted(length)
-    with pytest.raises(ValueError, match="no slot for rank 2 of 2"):
-        ds.planned_lengths(0, 2)
+    assert sorted(ds.planned_ids(2, ds.world.at(0)) + ds.planned_ids(2, ds.world.at(1))) == sorted(length)
+    with pytest.raises(ValueError, match="rank 2 out of range for world size 2"):
+        ds.planned_lengths(0, ds.world.at(2))
+    with pytest.raises(ValueError, match="is not a reader of this dataset's world"):
+        ds.planned_lengths(0, hsstore.World(0, 3))
 
 
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
@@ -445,7 +403,7 @@ def test_len_and_rank_defaults(store_url, monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 2)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
     ds = dataset(store_url)
-    assert (ds.rank, ds.world_size) == (2, 3)
+    assert (ds.world.rank, ds.world.world) == (2, 3)
     with pytest.raises(ValueError, match="rank 3 out of range"):
         dataset(store_url, rank=3, world_size=3)
 
@@ -453,7 +411,7 @@ def test_len_and_rank_defaults(store_url, monkeypatch):
 def test_plan_is_metadata_only_and_units_are_contiguous(store_url):
     """The shuffle keeps reads large: every slot's emission draws from a few loaded units at a time."""
     ds = dataset(store_url)
-    plan = ds.planner.slot_plan(0, None, 0, 1, 1, 0)
+    plan = ds.planner.slot_plan(0, None, 0, hsstore.World())
     assert sorted(plan.rows.tolist()) == list(range(70))
     # at any point, the items handed out so far come from few open units (pool of ~500 tokens)
     open_units, last = set(), {g: i for i, g in enumerate(plan.units.tolist())}

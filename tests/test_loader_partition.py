@@ -4,6 +4,7 @@ node and of the node count; and what it saves: remote bytes per epoch counted by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 
@@ -86,7 +87,7 @@ def test_plan_api_and_len_agree_with_iteration(store_url):
     for r in range(NODES * PER_NODE):
         ds = node_ds(store_url, r)
         ds.set_epoch(2)
-        stream = [ds.planned_ids(2, r, num_workers=1)]
+        stream = [ds.planned_ids(2, ds.world.at(r, 0, 1))]
         assert ids_of(ds) == stream[0] and len(ds) == len(stream[0]) == ds.rank_counts()[r]
 
 
@@ -175,7 +176,7 @@ def s3_small(s3_endpoint):
 
 def remote_bytes_per_epoch(url, endpoint, tmp_path, partition, epochs=2):
     """Chunk bytes 2 nodes (1 rank each, own cache_dir sized to hold 1.5 x a node's share) fetch per epoch."""
-    from faultproxy import FaultProxy
+    from hsstore.testing.faultproxy import FaultProxy
 
     with FaultProxy(endpoint, faults=[], limit=0) as proxy:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -186,7 +187,8 @@ def remote_bytes_per_epoch(url, endpoint, tmp_path, partition, epochs=2):
         chunks = sum(v["size"] for c in sets[0].stores[0].commits for k, v in c.files.items() if "/c/" in k)
         per_epoch, seen = [], 0
         for r, ds in enumerate(sets):
-            ds.cache_dir, ds.cache_bytes = str(tmp_path / partition / f"node{r}"), int(1.5 * share)
+            ds.reading = dataclasses.replace(ds.reading, cache_dir=str(tmp_path / partition / f"node{r}"),
+                                             cache_bytes=int(1.5 * share))
         for e in range(epochs):
             proxy.reset_counts()
             for ds in sets:

@@ -180,7 +180,7 @@ def test_fork_never_finalises_parent_filesystems():
 def test_s3_chunk_reads_are_one_ranged_get_each(s3_url, s3_endpoint, s3_samples, tmp_path, cached):
     """The commit record lists every chunk's size, so a read is one ranged GET per chunk, no HEAD first: half
     the requests of a first batch (issue #17's budget of requests)."""
-    from faultproxy import FaultProxy
+    from hsstore.testing.faultproxy import FaultProxy
 
     url, _ = s3_url
     with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:

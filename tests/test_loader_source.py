@@ -30,7 +30,7 @@ def test_read_ahead_units_is_littles_law():
 def test_remote_read_ahead_grows_with_latency(s3_endpoint, tmp_path):
     """Behind a 50 ms proxy every request takes >= 50 ms, so the read-ahead must grow past ``prefetch`` to keep
     the rate; the order and the items are those of a fixed read-ahead."""
-    from faultproxy import FaultProxy
+    from hsstore.testing.faultproxy import FaultProxy
 
     s3fs.S3FileSystem.clear_instance_cache()
     bucket = f"hs-ra-{uuid.uuid4().hex[:8]}"
@@ -57,7 +57,7 @@ def test_run_buffers_are_recycled_across_epochs(tmp_path):
     faults in page by page, which cost as much as the read (the pool was bypassed from #28's read-ahead change
     on: 2.8x the GB/s and 0.34x the CPU-s/GB with it, one thread, alternated in one run)."""
     url = write_store(str(tmp_path / "s"), make_samples(30, min_len=40, max_len=120))
-    ds = HiddenStateDataset(url, seed=0)  # default pool size (the tests' small one holds no 16 MiB buffer)
+    ds = HiddenStateDataset(url)  # default pool size (the tests' small one holds no 16 MiB buffer)
     per_epoch = []
     for epoch in range(3):
         ds.set_epoch(epoch)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from hsstore.testing.ports import free_port
 
 from hsstore.extract.readers import read_records
 from hsstore.extract.regenerate import RegenConfig, RegenerateError, assistant_turn, build_prompt, resume_output, run_regenerate

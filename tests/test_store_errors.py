@@ -237,7 +237,7 @@ def test_loader_on_commit_without_data_raises_or_skips_and_counts(tmp_path, new_
     shutil.rmtree(tmp_path / "shards" / gone.shard)
     with pytest.raises(hsstore.CorruptionError, match=rf"shard '{gone.shard}'.*missing"):
         list(hsstore.HiddenStateDataset(str(tmp_path)))
-    ds = hsstore.HiddenStateDataset(str(tmp_path), skip_corrupt=True)
+    ds = hsstore.HiddenStateDataset(str(tmp_path), reading=hsstore.Reading(skip_corrupt=True))
     got = [item["sample_id"] for item in ds]
     assert sorted(got) == sorted(set(store.sample_ids()) - set(gone.samples["sample_id"]))
     assert sum(ds.state_dict()["skipped"].values()) == gone.n_samples > 0

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from hsstore.distributed import World
 from hsstore.loader.plan import Catalog, Planner, node_units
 
 
@@ -41,11 +42,10 @@ def synthetic_catalog(samples: int, per_shard: int, mean_tokens: int, unit_token
 def measure(cat: Catalog, planner: Planner, nodes: int, ranks: int, epochs: int, batch: int) -> dict[str, float]:
     world = nodes * ranks
     owner = node_units(cat, [1.0], 0, nodes)
-    use_nodes = nodes if planner.partition == "node" else None
     node_seen = [np.zeros(len(cat), bool) for _ in range(nodes)]
     units, shares_batch, shares_step = [], [], []
     for e in range(epochs):
-        streams = [planner.slot_plan(e, None, 0, world, 1, r, use_nodes).rows for r in range(world)]
+        streams = [planner.slot_plan(e, None, 0, World.of_slot(r, world, 1, nodes)).rows for r in range(world)]
         for r, rows in enumerate(streams):
             node_seen[r // ranks][rows] = True
         steps = min(len(s) for s in streams) // batch

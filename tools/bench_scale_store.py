@@ -48,7 +48,7 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
     if op == "first_item":
         store = Store(url, opts, use_index=use_index)
         t1 = time.perf_counter()
-        ds = hsstore.HiddenStateDataset(store, shuffle=False)
+        ds = hsstore.HiddenStateDataset(store, planning=hsstore.Planning(shuffle=False))
         t2 = time.perf_counter()
         item = next(iter(ds))
         assert item["input_ids"].numel() > 0
@@ -80,6 +80,7 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
 
     from hsstore.format import records
     from hsstore.format.commit import CommitRecord
+    from hsstore.distributed import World
     from hsstore.loader.plan import Filters, Planner, build_catalog
 
     per = samples // shards
@@ -103,7 +104,7 @@ def plan_child(samples: int, shards: int, world: int, workers: int) -> dict:
     t1 = time.perf_counter()
     planner = Planner(cat, [1.0], seed=0, shuffle=True, even=None, unit_tokens=4096, token_bytes=51200,
                       shuffle_bytes=1 << 30)
-    n = sum(len(planner.slot_plan(0, None, 0, world, workers, s)) for s in range(world * workers))
+    n = sum(len(planner.slot_plan(0, None, 0, World.of_slot(s, world, workers))) for s in range(world * workers))
     t2 = time.perf_counter()
     assert n == samples
     return {"samples": samples, "shards": shards, "world": world, "workers": workers, "catalog_s": t1 - t0,
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             if where == "s3":
                 from moto.server import ThreadedMotoServer
 
-                from tests.conftest import free_port
+                from hsstore.testing.ports import free_port
 
                 for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
                              "AWS_DEFAULT_REGION": "us-east-1"}.items():
@@ -288,7 +289,7 @@ def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], 
         for lat in latencies:
             for op in ops:
                 if where == "s3":
-                    from tests.faultproxy import FaultProxy
+                    from hsstore.testing.faultproxy import FaultProxy
 
                     with FaultProxy(endpoint, faults=["latency"], persistent=True, delay=lat, replay=replay) as proxy:
                         if replay:  # the same reads once, to fill the proxy's answers

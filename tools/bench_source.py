@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import tempfile
 import uuid
 
@@ -42,8 +41,7 @@ def emulated_s3(latency: float = 0.0, bandwidth: float | None = None):
     """(endpoint moto serves on, proxy in front of it): a fresh bucket name comes with it. The proxy replays
     repeated reads from memory; ``proxy.latency`` / ``proxy.bandwidth`` give it an object store's shape, and
     its answers to ranged GETs carry no object checksum, as AWS S3's do not."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from faultproxy import FaultProxy
+    from hsstore.testing.faultproxy import FaultProxy
     from moto.server import ThreadedMotoServer
     import s3fs
 

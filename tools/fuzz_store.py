@@ -349,7 +349,8 @@ def _captured(fn) -> tuple[Any, str, str]:
 def _epoch(url: str) -> dict[str, str]:
     import hsstore
 
-    ds = hsstore.HiddenStateDataset(url, shuffle=False, prefetch=1)
+    ds = hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False),
+                                    reading=hsstore.Reading(prefetch=1))
     return {item["sample_id"]: _item_digest(item) for item in ds}
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 from pathlib import Path
 
 from hsstore.ops.bench import drop_page_cache, timed
+from hsstore.testing.ports import free_port
 
 __all__ = ["timed", "drop_page_cache", "drop_tree_cache", "rss_mb", "peak_rss_mb", "reset_peak_rss", "free_port"]
 
@@ -52,10 +52,3 @@ def reset_peak_rss() -> float:
 def drop_tree_cache(root: str | Path) -> None:
     """``drop_page_cache`` of every file under ``root`` (a store on local disk), for a cold read."""
     drop_page_cache([str(f) for f in Path(root).rglob("*") if f.is_file()])
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (for a server started next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

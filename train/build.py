@@ -25,9 +25,12 @@ from typing import Any
 
 import torch
 
-import hsstore
+from hsstore.errors import StoreError
 from hsstore.format import assets
+from hsstore.format.manifest import Manifest
 from hsstore.format.taps import text_config
+from hsstore.store.reader import Store
+from hsstore.version import __version__
 
 from . import checkpoint as ckpt
 from .budget import check_cpu_memory, check_gpu_memory
@@ -38,7 +41,7 @@ from .objective import dflash_loss
 log = logging.getLogger(__name__)
 
 
-def load_frozen(store: hsstore.Store, device="cpu", dtype: torch.dtype | None = None):
+def load_frozen(store: Store, device="cpu", dtype: torch.dtype | None = None):
     """(target config dict, embedding [V, H], lm_head [V, H]) from the store's assets."""
     cfg = json.loads(assets.read_asset(store.fs, store.root, assets.CONFIG, store.url))
     embed = assets.load_tensors(store.fs, store.root, assets.EMBED, store.url)["weight"]
@@ -48,7 +51,7 @@ def load_frozen(store: hsstore.Store, device="cpu", dtype: torch.dtype | None = 
     return cfg, embed.to(device), head.to(device)
 
 
-def pick_mask_token(target_cfg: dict[str, Any], manifest: hsstore.Manifest, vocab_rows: int,
+def pick_mask_token(target_cfg: dict[str, Any], manifest: Manifest, vocab_rows: int,
                     requested: int | None = None) -> int:
     """See the module doc: requested > first unused embedding row > pad token."""
     if requested is not None:
@@ -65,7 +68,7 @@ def pick_mask_token(target_cfg: dict[str, Any], manifest: hsstore.Manifest, voca
                      "pad_token_id; pass --mask-token-id")
 
 
-def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab_rows: int, cfg: TrainConfig,
+def drafter_config(manifest: Manifest, target_cfg: dict[str, Any], vocab_rows: int, cfg: TrainConfig,
                    device: torch.device) -> DrafterConfig:
     tc = text_config(target_cfg)
     if tc.get("hidden_size") != manifest.hidden_size:
@@ -88,7 +91,7 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
 SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
 
 
-def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, cfg: TrainConfig, attn: str) -> DrafterConfig:
+def init_config(path: str, manifest: Manifest, vocab_rows: int, cfg: TrainConfig, attn: str) -> DrafterConfig:
     """The config of the drafter at ``path`` (``--init``), refused in one line when it does not fit the store:
     its taps must be among the store's layers, its hidden size, vocabulary, target depth and block size
     those of the store and flags; explicit shape flags must agree with it."""
@@ -142,7 +145,7 @@ class DraftLoss(torch.nn.Module):
                            weight_total=None if not total else total / self.world)
 
 
-def check_healthy(stores: list[hsstore.Store], allow: bool) -> None:
+def check_healthy(stores: list[Store], allow: bool) -> None:
     """Refuse (one line) a store ``verify`` would fail for its values: a sample with a non-finite or all-zero
     feature, by the records' statistics (``hsstore.format.health``); ``--allow-unhealthy`` trains anyway."""
     from hsstore.format import health
@@ -156,11 +159,11 @@ def check_healthy(stores: list[hsstore.Store], allow: bool) -> None:
                "`hsstore verify` names them, `hsstore subset --exclude-unhealthy` drops them, --allow-unhealthy "
                "trains anyway")
         if not allow:
-            raise hsstore.StoreError(msg)
+            raise StoreError(msg)
         log.warning("%s (training anyway: --allow-unhealthy)", msg)
 
 
-def build_drafter(stores: list[hsstore.Store], cfg: TrainConfig, device: torch.device, rank: int = 0):
+def build_drafter(stores: list[Store], cfg: TrainConfig, device: torch.device, rank: int = 0):
     """(drafter on ``device``, cfg): seeded random weights or ``--init``'s, its frozen head from the first
     store; refused before step 1 when the step would not fit the device's memory (on a GPU the anchors per
     sequence may be lowered to fit, planned from the stores' sample lengths: the returned cfg says so)."""
@@ -182,10 +185,10 @@ def build_drafter(stores: list[hsstore.Store], cfg: TrainConfig, device: torch.d
     return drafter, cfg
 
 
-def drafter_meta(manifest: hsstore.Manifest) -> dict[str, Any]:
+def drafter_meta(manifest: Manifest) -> dict[str, Any]:
     """What every saved drafter of a run records of its store: target, taps, tokenizer, version."""
     return {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
-            "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": hsstore.__version__}
+            "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": __version__}
 
 
 def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn.Module:

@@ -27,8 +27,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-import hsstore
-from hsstore import HiddenStateDataset, TokenBatches, count_token_batches, merge_states
+from hsstore.loader.batching import TokenBatches, count_token_batches
+from hsstore.distributed import World
+from hsstore.loader.dataset import HiddenStateDataset
+from hsstore.loader.options import Planning, Reading, Selection
+from hsstore.loader.resume import merge_states
+from hsstore.store.reader import Store
 
 from .objective import block_targets, sample_anchors, selected_positions
 
@@ -93,15 +97,17 @@ class StoreBatches:
     DataLoader pins them on its own thread); in-process batches are collated into pinned memory, and what is
     not pinned yet is pinned by ``read_ahead``."""
 
-    def __init__(self, urls: Sequence[str | hsstore.Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
+    def __init__(self, urls: Sequence[str | Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
                  world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False,
                  partition: str = "global", cache_bytes: int | None = None):
         extra = {} if cache_bytes is None else {"cache_bytes": int(cache_bytes)}
-        self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
-                                          world_size=world_size, weights=weights, storage_options=storage_options,
-                                          partition=partition, **extra,  # node: ranks per node from torchrun
-                                          cache_dir=cache_dir,  # items are copied into batches: pin those
+        self.dataset = HiddenStateDataset(list(urls), layers=list(layers), selection=Selection(weights=weights),
+                                          planning=Planning(seed=seed, partition=partition),
+                                          reading=Reading(cache_dir=cache_dir, **extra),
+                                          # node: ranks per node from torchrun
+                                          world=World.detect(rank, world_size, by_node=partition == "node"),
+                                          storage_options=storage_options,
                                           share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
@@ -142,8 +148,8 @@ class StoreBatches:
         ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(epochs):
-            total += max(sum(count_token_batches(ds.planned_lengths(e, r, num_workers=W, worker=w), self.max_tokens)
-                             for w in range(W)) for r in range(ds.world_size))
+            total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.max_tokens)
+                             for w in range(W)) for r in range(ds.world.world))
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
         return total
 

@@ -41,11 +41,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hsstore import HiddenStateDataset, Manifest, TokenBatches, storage
+from hsstore import storage
+from hsstore.loader.batching import TokenBatches
+from hsstore.distributed import World
+from hsstore.loader.dataset import HiddenStateDataset
+from hsstore.loader.options import Planning, Reading
 from hsstore.format import codec, fp8
 from hsstore.devices import resolve_device
-from hsstore.format.manifest import check_compatible
-from hsstore.format.manifest import read_manifest
+from hsstore.format.manifest import Manifest, check_compatible, read_manifest
 
 from .data import read_ahead
 from .metrics import val_metrics
@@ -113,9 +116,9 @@ def eval_source(urls: str | Sequence[str], layers: Sequence[int], max_tokens: in
     """This rank's share of the stores, in store order (no shuffle: the same batches every pass),
     exactly once, in token-budget batches. Iterate it again for another pass."""
     urls = [urls] if isinstance(urls, str) else list(urls)
-    ds = HiddenStateDataset(urls, layers=list(layers), shuffle=False, rank=rank, world_size=world,
-                            storage_options=storage_options, cache_dir=cache_dir,
-                            share_metadata=world > 1)  # DDP: rank 0 reads the records once
+    ds = HiddenStateDataset(urls, layers=list(layers), planning=Planning(shuffle=False),
+                            reading=Reading(cache_dir=cache_dir), world=World(rank, world),
+                            storage_options=storage_options, share_metadata=world > 1)  # DDP: rank 0 reads the records once
     return TokenBatches(ds, max_tokens=max_tokens, pin_memory=pin_memory)
 
 
@@ -195,14 +198,15 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
                    progress: bool = False) -> StoreEval:
     """``hsstore eval`` without a target: the drafter at ``drafter_dir`` over every valid anchor of the store at
     ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training."""
-    import hsstore
+
+    from hsstore.store import reader
 
     from .checkpoint import load_drafter
     from .build import load_frozen
 
     dev = resolve_device(device)
     options = storage_options or {}
-    store = hsstore.open(url, **options)
+    store = reader.open(url, **options)
     # as in training: the frozen head in its stored dtype on CUDA
     _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
     drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)

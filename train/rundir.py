@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import hsstore
 from hsstore import destination
+from hsstore.version import __version__
 
 RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
 RUN_FILE = "run.yaml"
@@ -43,7 +43,7 @@ def write_run_file(path: Path, settings: dict[str, Any], stores, resolved: dict[
     from hsstore.config import dump
     from hsstore.redaction import scrub
 
-    recorded = {"hsstore_version": hsstore.__version__,
+    recorded = {"hsstore_version": __version__,
                 "stores": [{"url": scrub(s.url), "samples": len(s), "layers": list(s.manifest.layers),
                             "dtype": s.manifest.dtype, "encoding": s.manifest.encoding,
                             "target": dataclasses.asdict(s.manifest.target),

@@ -445,14 +445,14 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     drafter's frozen embedding and head come from the store."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hsstore
+    from hsstore.store import reader
 
     from .checkpoint import load_drafter, read_drafter_config
     from .build import load_frozen
 
     dev = resolve_device(device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    store = hsstore.open(store_url, **(storage_options or {}))
+    store = reader.open(store_url, **(storage_options or {}))
     dcfg, _ = read_drafter_config(drafter_dir)
     if list(dcfg.target_layers) != list(store.manifest.layers):
         raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")

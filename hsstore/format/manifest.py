@@ -98,8 +98,6 @@ class Manifest:
         (``features``: ``final_hidden``)."""
         return list(self.layers) + list(self.features)
 
-    slots = all_features  # its former name, kept for callers (the index's ``slots`` key is the same list)
-
     def compat_key(self) -> dict[str, Any]:
         """What must be equal for two writers to share a store or a loader to mix stores."""
         t, k = self.target, self.tokenizer

@@ -33,7 +33,7 @@ in global order, are cut for the new world. Every entry is still handed out exac
 
 Use in a DDP trainer::
 
-    ds = hsstore.HiddenStateDataset(url, layers=[1, 16, 31], seed=0)      # rank/world from torch.distributed
+    ds = hsstore.HiddenStateDataset(url, layers=[1, 16, 31], planning=hsstore.Planning(seed=0))  # World.detect()
     loader = StatefulDataLoader(hsstore.TokenBatches(ds, max_tokens=16384), batch_size=None, num_workers=2)
     for epoch in range(start_epoch, epochs):
         ds.set_epoch(epoch)                      # every epoch, before iterating (persistent workers too)
@@ -74,21 +74,16 @@ from .. import storage
 from .cache import ChunkCache
 from ..errors import CorruptionError, StoreError
 from ..store.items import make_item
-from ..distributed import node_of, rank_and_world
+from ..distributed import World
 from ..format.manifest import check_compatible
 from ..memory import BufferPool, empty_host, hand_over
-from .plan import EVEN_MODES, PARTITIONS, Filters, Planner, SlotPlan, build_catalog
-from ..store.reader import Store, open_shared, open_store
-from .resume import LoaderState, LoaderStateError, merge_states  # noqa: F401  (merge_states: public here too)
+from .options import Planning, Reading, Selection
+from .plan import Filters, Planner, SlotPlan, build_catalog
+from ..store import reader
+from ..store.reader import Store, open_shared
+from .resume import LoaderState, LoaderStateError
 
 log = logging.getLogger(__name__)
-
-DEFAULT_UNIT_BYTES = 256 << 20
-DEFAULT_SHUFFLE_BYTES = 1 << 30
-DEFAULT_CACHE_BYTES = 64 << 30
-DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: one H200's drafter step
-DEFAULT_READ_AHEAD_BYTES = 4 << 30  # at most this much read ahead per slot, however slow the requests
-
 
 def read_ahead_units(rate: float, request_s: float, request_bytes: float, requests_per_unit: float,
                      concurrency: int, floor: int, cap: int) -> int:
@@ -109,9 +104,8 @@ class _SlotProgress:
     epoch: int
     done: str | None
     phase: int
-    world: tuple[int, int]
-    slot: int
-    nodes: int | None = None
+    world: World
+    nodes: int | None = None  # the plan's node count (None: a global plan)
     count: int = 0
     skipped: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
@@ -123,8 +117,9 @@ class _SlotProgress:
             if pending > len(self.recent):
                 raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
             count = self.recent[-pending]
-        return LoaderState(config, self.epoch, self.done, self.phase, self.world, {self.slot: count},
-                           {self.slot: self.skipped} if self.skipped else {}, self.nodes)
+        slot = self.world.slot
+        return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
+                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes)
 
 
 class _ReadSample(NamedTuple):
@@ -138,6 +133,7 @@ class _ReadSample(NamedTuple):
 
 
 def _as_sources(url_or_urls, weights, storage_options, share: bool = False) -> tuple[list[Store], list[float]]:
+    """The stores to read, opened (``share``: ``open_shared``), and their weights."""
     if isinstance(url_or_urls, (str, os.PathLike, Store)):
         items: list = [url_or_urls]
     elif isinstance(url_or_urls, Mapping):
@@ -158,7 +154,7 @@ def _as_sources(url_or_urls, weights, storage_options, share: bool = False) -> t
     else:
         options = [dict(o or {}) for o in storage_options]
     # shared: one rank reads the metadata and broadcasts it (every rank builds the dataset, as under DDP)
-    stores = [x if isinstance(x, Store) else open_shared(os.fspath(x), o) if share else open_store(os.fspath(x), **o)
+    stores = [x if isinstance(x, Store) else open_shared(os.fspath(x), o) if share else reader.open(os.fspath(x), **o)
               for x, o in zip(items, options)]
     return stores, weights
 
@@ -170,81 +166,61 @@ class HiddenStateDataset(IterableDataset):
     ``hidden_states`` ``[T, n_layers, H]`` (a view of layer-major memory; with ``pin_memory`` that memory
     is pinned, in DataLoader workers it is shared memory, so handing an item over copies nothing).
 
-    Arguments beyond the obvious:
-      layers          tapped layer ids to read (default: all); only their bytes are fetched.
-      weights         per store; 2.0 = each sample twice per epoch, 0.5 = a seeded half each epoch.
-      rank, world_size  default: torch.distributed when initialised, else torchrun's RANK/WORLD_SIZE (at build).
-      even            None (default: exactly once, rank counts may differ by one), "drop" (each rank
-                      gets N // world entries; up to world - 1 entries are skipped that epoch) or
-                      "repeat" (each rank gets ceil(N / world); up to world - 1 entries seen twice).
-                      ``True`` means "drop". For equal *step* counts with token batching, also stop all
-                      ranks at the minimum step count.
-      unit_bytes      size of one read (bytes of the requested layers), rounded to whole chunks.
-      shuffle_bytes   shuffle-buffer size per slot in bytes of loaded units (memory per worker).
-      prefetch        units read ahead, concurrently, per slot (on remote stores, at least: see remote_rate).
-      remote_rate     remote stores: the read-ahead grows until ``remote_rate`` bytes/s per slot can arrive,
-                      sized from the fastest request time seen (latency + transfer at one connection's
-                      bandwidth) by ``read_ahead_units``, so a 30 ms object store gives the rate of a near one
-                      once the pipeline is full; capped by ``read_ahead_bytes`` and the connections a read may
-                      use (``HSSTORE_METADATA_CONCURRENCY``). 0: a fixed ``prefetch``.
-      cache_dir, cache_bytes   local LRU disk cache of chunks for remote stores (shared by workers).
-      skip_corrupt    skip samples whose chunks fail their checksum or are gone (counted in ``state_dict()``
-                      and logged) instead of raising ``CorruptionError`` naming store, shard and sample.
-                      A read that fails after retries (``FetchError``: the network, not the bytes) is
-                      always raised, so an epoch is never silently short.
-      dequantise      fp8 stores: items carry e4m3fn ``hidden_states`` plus float32 ``hidden_scales``
-                      ``[T, n_layers]`` (half the bytes to move; the trainer dequantises on the GPU with
-                      ``hsstore.format.fp8.dequantise_batch``); ``True`` dequantises here, on the host, into the
-                      manifest dtype. No effect on raw stores.
-      partition       "global" (default): every epoch is one global permutation cut into rank ranges, so a
-                      node reads a different part of the stores every epoch. "node": each node is given a
-                      fixed share of the read units for the whole run (a function of ``seed`` and the node
-                      count, not of the epoch) and shuffles within it every epoch; the node's ranks and
-                      workers split that share as in a global plan. With ``cache_dir``/``cache_bytes`` holding
-                      the node's share, epochs 2.. fetch nothing remote. Exactly once per epoch still holds
-                      over all ranks; a resume with another node count re-partitions what is left.
-      ranks_per_node  ranks per node for ``partition="node"`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else
-                      the whole world is one node); ranks are numbered node by node, as torchrun does.
-      share_metadata  under torch.distributed, the first rank reads the stores' commit records and
-                      broadcasts them (``hsstore.store.reader.open_shared``) instead of every rank reading them:
-                      a collective, so every rank must build the dataset (as DDP code does). DataLoader
-                      workers never re-read them: they get the opened stores with the dataset.
+    ``layers``: tapped layer ids to read (default: all); only their bytes are fetched. The options come in
+    groups (``loader.options``): ``selection`` (which samples and features), ``planning`` (order, rank cut,
+    units, shuffle pool; a resume state must agree on it) and ``reading`` (read-ahead, memory, cache,
+    corruption). ``world``: who reads (``hsstore.distributed.World``; default ``World.detect()``: torch.distributed
+    when initialised, else torchrun's variables, at build; DataLoader workers are found at iteration).
+    ``storage_options``: fsspec options, one mapping for all stores or one per store. ``share_metadata``: under
+    torch.distributed, the first rank reads the stores' commit records and broadcasts them
+    (``hsstore.store.reader.open_shared``): a collective, so every rank must build the dataset (as DDP code does).
+    DataLoader workers never re-read them: they get the opened stores with the dataset.
     """
 
     def __init__(
         self,
         url_or_urls: str | Store | Sequence[str | Store] | Mapping[str, float],
         layers: Sequence[int] | None = None,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
         *,
-        weights: Sequence[float] | None = None,
-        even: bool | str | None = None,
-        sources: Iterable[str] | None = None,
-        min_loss_tokens: int = 0,
-        min_length: int = 0,
-        max_length: int | None = None,
-        where: Callable[[dict[str, Any]], bool] | None = None,
-        unit_bytes: int = DEFAULT_UNIT_BYTES,
-        shuffle_bytes: int = DEFAULT_SHUFFLE_BYTES,
-        prefetch: int = 4,
-        pin_memory: bool = False,
-        cache_dir: str | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        skip_corrupt: bool = False,
-        dequantise: bool = False,
+        selection: Selection = Selection(),
+        planning: Planning = Planning(),
+        reading: Reading = Reading(),
+        world: World | None = None,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        final_hidden: bool = False,
         share_metadata: bool = False,
-        partition: str = "global",
-        ranks_per_node: int | None = None,
-        remote_rate: float = DEFAULT_REMOTE_RATE,
-        read_ahead_bytes: int = DEFAULT_READ_AHEAD_BYTES,
     ) -> None:
         super().__init__()
-        self.stores, self.weights = _as_sources(url_or_urls, weights, storage_options, share=share_metadata)
+        self.selection, self.planning, self.reading = selection, planning, reading
+        self.stores, self.weights = _as_sources(url_or_urls, selection.weights, storage_options,
+                                                share=share_metadata)
+        self._check_stores(layers)
+        m = self.stores[0].manifest
+        # what is read per token: the layers, then the final norm's output when asked for
+        self._features = list(self.layers) + (["final_hidden"] if selection.final_hidden else [])
+        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
+        self.fp8 = m.encoding == fp8.ENCODING
+        self.unit_tokens = planning.unit_tokens(self.token_bytes, m.chunk_tokens)
+        self.catalog = build_catalog(self.stores, selection.filters(), self.unit_tokens)
+        if len(self.catalog) == 0:
+            raise StoreError(f"no samples left after filters {selection.filters().describe()} in "
+                             + ", ".join(repr(s.url) for s in self.stores))
+        self.filters = Filters(**{**selection.filters().__dict__, "where": None})  # applied; unpicklable (spawn)
+        self.world = (world or World.detect(by_node=planning.partition == "node")).at(worker=0, workers=1)
+        self.max_prefetch = reading.max_prefetch(self.unit_tokens * self.token_bytes)
+        self.planner = Planner(self.catalog, self.weights, seed=planning.seed, shuffle=planning.shuffle,
+                               even=planning.even, unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
+                               shuffle_bytes=planning.shuffle_bytes, partition=planning.partition)
+        if self.nodes is not None:
+            self._log_share()
+        self._epoch_box = _shared_int(0)
+        self._epoch_plain = 0
+        self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
+        self._resume: LoaderState | None = None
+        self._live: _SlotProgress | None = None
+
+    def _check_stores(self, layers: Sequence[int] | None) -> None:
+        """The stores agree (one manifest's compatibility key), hold samples and the layers asked for
+        (``self.layers``), and the final norm's output when it is asked for."""
         first = self.stores[0]
         for store in self.stores[1:]:
             check_compatible(first.manifest, store.manifest, f"store {first.url!r}", f"store {store.url!r}")
@@ -255,55 +231,15 @@ class HiddenStateDataset(IterableDataset):
         self.layers = first.check_layers(layers)
         for store in self.stores[1:]:
             store.check_layers(self.layers)
-        m = first.manifest
-        self.final_hidden = bool(final_hidden)
-        if self.final_hidden and "final_hidden" not in m.features:
+        if self.selection.final_hidden and "final_hidden" not in first.manifest.features:
             raise StoreError(f"final_hidden asked for, store {first.url!r} does not hold it (written without "
                              "hsstore extract --final-hidden, or imported from files without hidden_state)")
-        # what is read per token: the layers, then the final norm's output when asked for
-        self._features = list(self.layers) + (["final_hidden"] if self.final_hidden else [])
-        self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
-        self.fp8, self.dequantise = m.encoding == fp8.ENCODING, bool(dequantise)
-        ct = m.chunk_tokens
-        self.unit_tokens = max(1, -(-max(1, unit_bytes // self.token_bytes) // ct)) * ct
-        if even is True:
-            even = "drop"
-        if even not in (None, False) and even not in EVEN_MODES:
-            raise ValueError(f"even must be None, True or one of {EVEN_MODES}, got {even!r}")
-        self.even = even or None
-        if isinstance(sources, str):
-            sources = [sources]
-        self.filters = Filters(frozenset(sources) if sources is not None else None, int(min_loss_tokens),
-                               int(min_length), max_length, where)
-        self.catalog = build_catalog(self.stores, self.filters, self.unit_tokens)
-        if len(self.catalog) == 0:
-            raise StoreError(f"no samples left after filters {self.filters.describe()} in "
-                             + ", ".join(repr(s.url) for s in self.stores))
-        self.filters = Filters(**{**self.filters.__dict__, "where": None})  # applied; not picklable (spawn)
-        self.shuffle, self.seed = bool(shuffle), int(seed)
-        self.rank, self.world_size = rank_and_world(rank, world_size)
-        if partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
-        self.partition = partition
-        # a global plan is one part over the whole world; nodes is None there (states carry no node count)
-        self.node, self.nodes, self.ranks_per_node = (node_of(self.rank, self.world_size, ranks_per_node)
-                                                      if partition == "node" else (0, None, self.world_size))
-        self.shuffle_bytes, self.prefetch = int(shuffle_bytes), max(1, int(prefetch))
-        self.remote_rate, self.read_ahead_bytes = float(remote_rate), int(read_ahead_bytes)
-        unit = self.unit_tokens * self.token_bytes
-        self.max_prefetch = max(self.prefetch, self.read_ahead_bytes // max(1, unit))
-        self.pin_memory, self.skip_corrupt = bool(pin_memory), bool(skip_corrupt)
-        self.cache_dir, self.cache_bytes = cache_dir, int(cache_bytes)
-        self.planner = Planner(self.catalog, self.weights, seed=self.seed, shuffle=self.shuffle, even=self.even,
-                               unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=self.shuffle_bytes, partition=partition)
-        if self.nodes is not None:
-            self._log_share()
-        self._epoch_box = _shared_int(0)
-        self._epoch_plain = 0
-        self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
-        self._resume: LoaderState | None = None
-        self._live: _SlotProgress | None = None
+
+    @property
+    def nodes(self) -> int | None:
+        """The plan's node count: the world's with ``partition="node"``; None for a global plan (one part over
+        the whole world: its states carry no node count)."""
+        return self.world.nodes if self.planning.partition == "node" else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -333,50 +269,48 @@ class HiddenStateDataset(IterableDataset):
             self._resume = None
 
     def _log_share(self) -> None:
-        units, nbytes = self.planner.node_share(self.nodes, self.node)
+        units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)
         log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
-                 self.node, self.nodes, units, self.catalog.n_units, nbytes / 1e9)
+                 self.world.node, self.world.nodes, units, self.catalog.n_units, nbytes / 1e9)
         remote = [s for s in self.stores if not storage.is_local(s.fs)]
-        if remote and self.cache_dir is not None and self.cache_bytes < nbytes:
+        cache_bytes = self.reading.cache_bytes
+        if remote and self.reading.cache_dir is not None and cache_bytes < nbytes:
             log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
-                        "fetch part of it again", self.cache_bytes / 1e9, nbytes / 1e9)
+                        "fetch part of it again", cache_bytes / 1e9, nbytes / 1e9)
 
     def _resumed(self) -> LoaderState | None:
         """The loaded resume state when it is for the current epoch."""
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
 
-    def _fresh_plan(self, epoch: int, rank: int | None, num_workers: int, worker: int) -> SlotPlan:
-        rank = self.rank if rank is None else int(rank)
-        if not (0 <= rank < self.world_size and 0 <= worker < num_workers):
-            raise ValueError(f"no slot for rank {rank} of {self.world_size}, worker {worker} of {num_workers}")
-        return self.planner.slot_plan(int(epoch), None, 0, self.world_size, num_workers,
-                                      rank * num_workers + worker, self.nodes)
+    def _fresh_plan(self, epoch: int, world: World | None) -> SlotPlan:
+        world = self.world if world is None else world
+        if (world.world, world.nodes) != (self.world.world, self.world.nodes):
+            raise ValueError(f"{world} is not a reader of this dataset's world {self.world}")
+        return self.planner.slot_plan(int(epoch), None, 0, world)
 
-    def planned_lengths(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
-                        worker: int = 0) -> np.ndarray:
+    def planned_lengths(self, epoch: int, world: World | None = None) -> np.ndarray:
         """Token counts of the samples one slot hands out in ``epoch``, in order, from the epoch's start.
 
-        A slot is DataLoader worker ``worker`` of ``num_workers`` (in-process iteration: 0 of 1) on
-        ``rank`` (default: this dataset's). Metadata only, so cheap: with ``hsstore.count_token_batches``
+        A slot is one reader of this dataset's world (default: this rank, in-process: worker 0 of 1; another:
+        ``ds.world.at(rank, worker, workers)``). Metadata only, so cheap: with ``hsstore.count_token_batches``
         it gives the steps of every epoch before any is read."""
-        rows = self._fresh_plan(epoch, rank, num_workers, worker).rows
+        rows = self._fresh_plan(epoch, world).rows
         return (self.catalog.stop - self.catalog.start)[rows]
 
-    def planned_ids(self, epoch: int, rank: int | None = None, *, num_workers: int = 1,
-                    worker: int = 0) -> list[str]:
+    def planned_ids(self, epoch: int, world: World | None = None) -> list[str]:
         """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
-        return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, rank, num_workers, worker).rows]
+        return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, world).rows]
 
     def rank_counts(self) -> list[int]:
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
         resume = self._resumed()
         done, phase = (resume.done, resume.phase) if resume else (None, 0)
-        return self.planner.rank_counts(self.epoch, done, phase, self.world_size, self.nodes)
+        return self.planner.rank_counts(self.epoch, done, phase, self.world)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
         resumed phase, i.e. not less what was consumed in it)."""
-        return self.rank_counts()[self.rank]
+        return self.rank_counts()[self.world.rank]
 
     # -- resume state ---------------------------------------------------------------------------------------
     def state_dict(self, pending: int = 0) -> dict[str, Any]:
@@ -396,8 +330,9 @@ class HiddenStateDataset(IterableDataset):
         resume = LoaderState.find(state)
         diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in self.planner.config.items()
                  if resume.config.get(k) != v]
-        if resume.config.get("partition", "global") != self.partition and "partition" not in self.planner.config:
-            diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {self.partition!r}")
+        partition = self.planning.partition
+        if resume.config.get("partition", "global") != partition and "partition" not in self.planner.config:
+            diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {partition!r}")
         if diffs:
             raise LoaderStateError("resume state was made by a differently configured dataset (state vs this): "
                                    + "; ".join(diffs))
@@ -407,10 +342,7 @@ class HiddenStateDataset(IterableDataset):
 
     # -- iteration ----------------------------------------------------------------------------------------
     def _position(self) -> tuple[_SlotProgress, SlotPlan]:
-        info = get_worker_info()
-        W, w = (info.num_workers, info.id) if info is not None else (1, 0)
-        R, r = self.world_size, self.rank
-        slot = r * W + w
+        world = self.world.in_worker()
         resume = self._resumed()
         done, phase, count, skipped = None, 0, 0, 0
         if resume is not None:
@@ -420,25 +352,25 @@ class HiddenStateDataset(IterableDataset):
                     log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
                              "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
                              resume.nodes)
-            elif resume.world == (R, W) and resume.nodes == self.nodes:
-                if slot not in resume.counts:
+            elif resume.world == (world.world, world.workers) and resume.nodes == self.nodes:
+                if world.slot not in resume.counts:
                     raise LoaderStateError(
-                        f"resume state has no position for rank {r} worker {w} (it covers slots "
-                        f"{sorted(resume.counts)}); load each worker's own state (StatefulDataLoader does) "
+                        f"resume state has no position for rank {world.rank} worker {world.worker} (it covers "
+                        f"slots {sorted(resume.counts)}); load each worker's own state (StatefulDataLoader does) "
                         "or a merge of all of them")
-                count, skipped = resume.counts[slot], resume.skipped.get(slot, 0)
+                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
             else:
                 if resume.nodes != self.nodes:
                     log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
                              "remaining samples over the nodes (node shares, and so what local caches hold, "
                              "change)", self.epoch, self.nodes, resume.nodes)
                 log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
-                         "re-cutting the remaining samples", self.epoch, R, W, *resume.world)
+                         "re-cutting the remaining samples", self.epoch, world.world, world.workers, *resume.world)
                 done, phase = self.planner.fold(resume), phase + 1
-        plan = self.planner.slot_plan(self.epoch, done, phase, R, W, slot, self.nodes)
+        plan = self.planner.slot_plan(self.epoch, done, phase, world)
         if count > len(plan):
             raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return _SlotProgress(self.epoch, done, phase, (R, W), slot, self.nodes, count, skipped), plan
+        return _SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         progress, plan = self._position()
@@ -447,31 +379,32 @@ class HiddenStateDataset(IterableDataset):
 
     # -- reading ------------------------------------------------------------------------------------------
     def _attach_cache(self) -> None:
-        if self.cache_dir is None:
+        cache_dir = self.reading.cache_dir
+        if cache_dir is None:
             return
         for store in self.stores:  # one cache object per process: a forked child must not share its lock
             cache = store.chunk_cache
             if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
-                store.use_chunk_cache(ChunkCache(self.cache_dir, self.cache_bytes))
+                store.use_chunk_cache(ChunkCache(cache_dir, self.reading.cache_bytes))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a token range's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when
         asked in the main process, else recycled from this process's pool (numpy's allocator asks for
         huge pages: fresh memory faults in several times faster than torch's)."""
-        return empty_host(shape, dtype, pin=self.pin_memory, shared=self.share_memory, pool=self._pool())
+        return empty_host(shape, dtype, pin=self.reading.pin_memory, shared=self.share_memory, pool=self._pool())
 
     def _pool(self) -> BufferPool:
         pool = self.__dict__.get("_buffers")
         if pool is None or pool.pid != os.getpid():
             # about what a slot holds at its peak: the shuffle pool plus the units read ahead
             pool = self.__dict__["_buffers"] = BufferPool(
-                self.shuffle_bytes + (self.prefetch + 2) * self.unit_tokens * self.token_bytes)
+                self.planning.shuffle_bytes + (self.reading.prefetch + 2) * self.unit_tokens * self.token_bytes)
         return pool
 
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
         from measured request times), else None."""
-        if self.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
+        if self.reading.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
             return None
         ct, n = self.stores[0].manifest.chunk_tokens, len(self._features)
         return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request
@@ -514,8 +447,6 @@ class HiddenStateDataset(IterableDataset):
                                                     f"sample {self._sample_id(int(row))!r}: {e1}")
         return out
 
-    read_group = read_unit  # its former name, kept for callers
-
     def _read_range(self, store: Store, commit, rows: np.ndarray, out: dict[int, Any]) -> None:
         """Catalog rows whose tokens are one contiguous range of a shard: one ``read_range``."""
         cat = self.catalog
@@ -541,14 +472,14 @@ class HiddenStateDataset(IterableDataset):
 
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
         item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
-                         dtype=self.stores[0].manifest.dtype, final_hidden=self.final_hidden,
-                         dequantise=self.dequantise,
-                         pin=self.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
+                         dtype=self.stores[0].manifest.dtype, final_hidden=self.selection.final_hidden,
+                         dequantise=self.reading.dequantise,
+                         pin=self.reading.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
         return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
         return (f"HiddenStateDataset({[s.url for s in self.stores]}, samples={len(self.catalog)}, layers={self.layers}, "
-                f"rank={self.rank}/{self.world_size}, epoch={self.epoch})")
+                f"rank={self.world.rank}/{self.world.world}, epoch={self.epoch})")
 
 
 def _shared_int(value: int):
@@ -587,7 +518,7 @@ class _SlotReader:
             self.order = sorted(firsts, key=firsts.__getitem__)
             self.rank_of = {g: i for i, g in enumerate(self.order)}
         self.futures: dict[int, Future] = {}
-        self.depth = ds.prefetch  # units read ahead: grows on remote stores (read_ahead_units)
+        self.depth = ds.reading.prefetch  # units read ahead: grows on remote stores (read_ahead_units)
         self.remote = ds.remote_read()
         self.request_s = math.inf  # the fastest request time seen (remote stores)
         self.next_submit = 0
@@ -600,7 +531,7 @@ class _SlotReader:
     def _submit_through(self, idx: int) -> None:
         if self.pool is None:
             self.ds._attach_cache()
-            workers = self.ds.max_prefetch if self.remote else self.ds.prefetch
+            workers = self.ds.max_prefetch if self.remote else self.ds.reading.prefetch
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
         while self.next_submit < len(self.order) and self.next_submit <= idx:
             g = self.order[self.next_submit]
@@ -618,8 +549,8 @@ class _SlotReader:
         requests = max(1.0, float((cat.stop[rows] - cat.start[rows]).sum()) * ds.token_bytes / request)
         rounds = math.ceil(requests / storage.metadata_concurrency())
         self.request_s = min(self.request_s, took / rounds)
-        self.depth = read_ahead_units(ds.remote_rate, self.request_s, request, per_unit,
-                                      storage.metadata_concurrency(), ds.prefetch, ds.max_prefetch)
+        self.depth = read_ahead_units(ds.reading.remote_rate, self.request_s, request, per_unit,
+                                      storage.metadata_concurrency(), ds.reading.prefetch, ds.max_prefetch)
         return out
 
     def __next__(self) -> dict[str, Any]:
@@ -634,7 +565,7 @@ class _SlotReader:
                     del self.futures[g]
                 self.pos = progress.count = p + 1
                 if isinstance(sample, Exception):
-                    if ds.skip_corrupt and isinstance(sample, CorruptionError):
+                    if ds.reading.skip_corrupt and isinstance(sample, CorruptionError):
                         progress.skipped += 1
                         log.warning("skipping corrupt sample (%d skipped so far): %s", progress.skipped, sample)
                         continue

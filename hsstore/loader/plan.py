@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..distributed import World
 from ..format.commit import SAMPLE_COLUMNS
 from ..store.reader import Store
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
@@ -360,23 +361,23 @@ class Planner:
             self._memo[key] = slot_streams(eo, unpack_done(done, len(eo)), world, workers, self.even)
         return self._memo[key]
 
-    def slot_plan(self, epoch: int, done: str | None, phase: int, world: int, workers: int,
-                  slot: int, nodes: int | None = None) -> SlotPlan:
-        """The exact emission order of slot ``rank * workers + worker`` (metadata only; cheap)."""
+    def slot_plan(self, epoch: int, done: str | None, phase: int, world: World) -> SlotPlan:
+        """The exact emission order of ``world``'s reader, slot ``rank * workers + worker`` (metadata only;
+        cheap). The world's node count matters to a node-partitioned plan only."""
+        ranks, workers, slot, nodes = world.world, world.workers, world.slot, world.nodes
         eo = self.epoch_order(epoch, nodes)
-        ent, unit = self._streams(epoch, done, phase, world, workers, nodes)[slot]
+        ent, unit = self._streams(epoch, done, phase, ranks, workers, nodes)[slot]
         if self.shuffle and len(ent):
             tokens = (self.catalog.stop - self.catalog.start)[eo.entry_cat[ent]]
             starts = np.flatnonzero(np.r_[True, unit[1:] != unit[:-1]])
             ubytes = np.add.reduceat(tokens, starts) * self.token_bytes
-            pos = pool_shuffle(unit, ubytes, self.shuffle_bytes, _rng(self.seed, epoch, 3, phase, world, workers, slot))
+            pos = pool_shuffle(unit, ubytes, self.shuffle_bytes, _rng(self.seed, epoch, 3, phase, ranks, workers, slot))
             ent, unit = ent[pos], unit[pos]
         return SlotPlan(ent, unit, eo.entry_cat[ent])
 
-    def rank_counts(self, epoch: int, done: str | None, phase: int, world: int,
-                    nodes: int | None = None) -> list[int]:
-        """Entries each rank hands out in the phase (rank ranges do not depend on the worker count)."""
-        return [len(e) for e, _ in self._streams(epoch, done, phase, world, 1, nodes)]
+    def rank_counts(self, epoch: int, done: str | None, phase: int, world: World) -> list[int]:
+        """Entries each rank of ``world`` hands out in the phase (rank ranges do not depend on the workers)."""
+        return [len(e) for e, _ in self._streams(epoch, done, phase, world.world, 1, world.nodes)]
 
     def fold(self, state: LoaderState) -> str | None:
         """``done`` after the phase recorded in ``state``: earlier phases plus every old slot's consumed prefix."""
@@ -391,6 +392,6 @@ class Planner:
         done = unpack_done(state.done, len(eo))
         done = np.zeros(len(eo), bool) if done is None else done.copy()
         for s in range(R * W):
-            plan = self.slot_plan(state.epoch, state.done, state.phase, R, W, s, state.nodes)
+            plan = self.slot_plan(state.epoch, state.done, state.phase, state.reader(s))
             done[plan.entries[: state.counts[s]]] = True
         return pack_done(done)

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ..distributed import World
 from ..errors import StoreError
 
 STATE_KEY = "hsstore_loader"  # marks a loader state inside a larger checkpoint dict; its value is the version
@@ -49,6 +50,11 @@ class LoaderState:
     counts: dict[int, int] = field(default_factory=dict)  # slot -> entries handed out in this phase
     skipped: dict[int, int] = field(default_factory=dict)  # slot -> corrupt samples skipped
     nodes: int | None = None  # node count of the phase (``partition="node"`` only; None: a global plan)
+
+    def reader(self, slot: int) -> World:
+        """The reader that slot ``slot`` of this state's phase was (its world: ranks x workers, nodes)."""
+        ranks, workers = self.world
+        return World.of_slot(slot, ranks, workers, self.nodes or 1)
 
     def to_dict(self) -> dict[str, Any]:
         """The public, JSON-able form (a fresh dict: the caller may keep or change it)."""

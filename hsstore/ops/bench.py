@@ -73,9 +73,11 @@ def _loader_process(store_url: str, storage_options: dict[str, Any], layers: lis
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from ..distributed import World
     from ..loader.dataset import HiddenStateDataset
+    from ..loader.options import Planning
 
-    ds = HiddenStateDataset(store_url, layers=layers, seed=seed, rank=rank, world_size=world,
+    ds = HiddenStateDataset(store_url, layers=layers, planning=Planning(seed=seed), world=World(rank, world),
                             storage_options=storage_options)
     it = ds if workers == 0 else DataLoader(ds, batch_size=None, num_workers=workers, persistent_workers=True)
     for epoch in range(2):  # epoch 0 warms up (first-touch memory, as a training run's first steps), 1 is timed
@@ -335,9 +337,10 @@ class _LoaderPasses:
 
         from ..loader.batching import TokenBatches
         from ..loader.dataset import HiddenStateDataset
+        from ..loader.options import Reading
 
         s = self.s
-        ds = HiddenStateDataset(self.store, layers=self.sel, seed=0, pin_memory=s.pin)
+        ds = HiddenStateDataset(self.store, layers=self.sel, reading=Reading(pin_memory=s.pin))
         src = TokenBatches(ds, max_tokens=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
         it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=s.pin,
                                                    persistent_workers=True)
@@ -452,12 +455,15 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
     import resource
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from ..loader.dataset import DEFAULT_CACHE_BYTES, HiddenStateDataset
+    from ..distributed import World
+    from ..loader.dataset import HiddenStateDataset
+    from ..loader.options import DEFAULT_CACHE_BYTES, Planning, Reading
 
-    ds = HiddenStateDataset(store_url, seed=0, rank=rank, world_size=world, storage_options=storage_options,
-                            partition=partition, ranks_per_node=1 if partition == "node" else None,
-                            cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
-                            cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
+    reading = Reading(cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
+                      cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
+    ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=reading,
+                            world=World(rank, world, *((rank, world) if partition == "node" else (0, 1))),
+                            storage_options=storage_options)
     for epoch in range(epochs):
         ds.set_epoch(epoch)
         start.wait()

@@ -368,9 +368,9 @@ def write_report(path: str, out: str | Path, storage_options: dict[str, Any] | N
     if local.is_dir() and (local / "metrics.jsonl").is_file():
         text, kind = run_html(local), "run"
     else:
-        from ..store.reader import open_store
+        from ..store import reader
 
-        text, kind = store_html(open_store(path, **(storage_options or {}))), "store"
+        text, kind = store_html(reader.open(path, **(storage_options or {}))), "store"
     tmp = out.with_name(f".tmp-{out.name}")
     tmp.write_text(text)
     tmp.replace(out)

@@ -423,9 +423,10 @@ def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> se
     return set(Store(url, storage_options).sample_ids())
 
 
-def open_store(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:
-    """Open a store read-only. ``storage_options`` go to fsspec (e.g. ``anon=True``, ``endpoint_url=...``);
-    ``allow_locations``: see :class:`Store`."""
+def open(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:  # noqa: A001
+    """Open a store read-only (``hsstore.open``, named as ``zarr.open``; this module never uses the builtin).
+    ``storage_options`` go to fsspec (e.g. ``anon=True``, ``endpoint_url=...``); ``allow_locations``: see
+    :class:`Store`."""
     return Store(url, storage_options, allow_locations=allow_locations)
 
 

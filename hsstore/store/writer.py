@@ -333,11 +333,6 @@ class StoreWriter:
         np.bitwise_and(region, mask, out=scratch)
         return int(scratch.max()) == mask
 
-    @property
-    def slots(self) -> list:
-        """Former name of ``all_features``, kept for callers."""
-        return self.all_features
-
     def _layer_views(self, where: str, hs, T: int, final_hidden=None,
                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
         """Per feature (layers, then final_hidden): the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""

@@ -3,7 +3,8 @@
 A layout's test class subclasses :class:`LayoutContract`, names its layout, lists the manifest variants worth
 running (``variants``) and says where one feature byte of a sample lies on disk (``feature_byte``); it then
 gets every test below (the pattern of zarr-python's store test base class: one subclass per backend).
-``tests/test_layout_contract.py`` holds the subclasses and refuses a registered layout without one.
+hsstore's own subclasses are in tests/test_layout_contract.py, which refuses a registered layout without one; a
+layout outside the package subclasses it the same way in its own tests.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ import numpy as np
 import pytest
 import torch
 
-import hsstore
-from hsstore.format import commit
-from hsstore.layouts import base as layout
-from hsstore.cli import main
-from hsstore.errors import CorruptionError, StoreError
-from hsstore.ops.verify import verify
+from ..cli import main
+from ..errors import CorruptionError, StoreError
+from ..format import commit
+from ..layouts import base as layout
+from ..ops.verify import verify
+from ..store import reader
+from ..store.writer import StoreWriter
+from .loading import StatefulDataLoader, collect, dataset, ids_of
+from .stores import TOKEN_BYTES, make_manifest, make_samples, write_samples, write_store
 
-from conftest import make_manifest, make_samples, write_samples
-from test_loader import StatefulDataLoader, collect, dataset, ids_of, write_store
-
-TOKEN_BYTES = 3 * 48 * 2  # the test manifest: layers (1, 3, 5), hidden 48, bf16
 SMALL_SHARD = TOKEN_BYTES * 400  # ~400 tokens per shard: several shards from a few samples
 DTYPES = [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")]
 
@@ -64,6 +64,13 @@ class LayoutContract:
     layout: str = ""
     variants: list[dict] = [{}]
 
+    def pytest_generate_tests(self, metafunc) -> None:
+        """Each test that takes ``variant`` runs once per manifest variant the subclass lists (pytest calls a
+        test class's own hook)."""
+        if "variant" in metafunc.fixturenames:
+            metafunc.parametrize("variant", self.variants,
+                                 ids=[",".join(f"{k}={v}" for k, v in v.items()) or "default" for v in self.variants])
+
     # -- what a subclass provides -------------------------------------------------------------------
     def feature_byte(self, store, shard_index: int, local: int, layer: int) -> tuple[str, int, str, list[str]]:
         """(local file path, byte offset, the file's or member's name as errors give it, sample ids whose
@@ -85,7 +92,7 @@ class LayoutContract:
         url = str(tmp_path)
         write_samples(url, self.manifest(variant, dtype=name, chunk_tokens=50), samples,
                       shard_bytes=SMALL_SHARD * dtype.itemsize // 2)
-        store = hsstore.open(url)
+        store = reader.open(url)
         assert store.manifest.layout == self.layout and len(store.commits) > 2
         assert_same(store, samples)
         assert_same(store, samples, layers=[5, 1])  # a subset, in the order asked
@@ -97,7 +104,7 @@ class LayoutContract:
     def test_read_range_across_samples_and_chunks(self, tmp_path):
         samples = make_samples(12)
         write_samples(str(tmp_path), self.manifest(chunk_tokens=50), samples, shard_bytes=SMALL_SHARD)
-        store = hsstore.open(str(tmp_path))
+        store = reader.open(str(tmp_path))
         rec = store.commits[0]
         assert rec.n_samples > 2 and rec.n_tokens > 2 * 50
         tokens = slice(3, rec.n_tokens - 2)  # starts and stops inside samples, crosses chunk boundaries
@@ -117,7 +124,7 @@ class LayoutContract:
         url, opts = s3_store
         samples = make_samples(10)
         write_samples(url, self.manifest(chunk_tokens=50), samples, shard_bytes=SMALL_SHARD, storage_options=opts)
-        store = hsstore.open(url, **opts)
+        store = reader.open(url, **opts)
         assert len(store.commits) > 1
         assert_same(store, samples)
         assert_same(store, samples, layers=[3])
@@ -133,7 +140,7 @@ class LayoutContract:
             t.start()
         for t in threads:
             t.join()
-        store = hsstore.open(str(tmp_path))
+        store = reader.open(str(tmp_path))
         assert sorted(store.sample_ids()) == sorted(s["sample_id"] for s in a + b)
         assert len({c.shard for c in store.commits}) == len(store.commits)
         assert_same(store, a + b)
@@ -143,7 +150,7 @@ class LayoutContract:
         samples = make_samples(4, min_len=10, max_len=20) + make_samples(1, min_len=900, max_len=901, prefix="big")
         w = write_samples(str(tmp_path), self.manifest(), samples, shard_bytes=TOKEN_BYTES * 100, max_pending=1)
         assert len(w.committed) >= 2
-        store = hsstore.open(str(tmp_path))
+        store = reader.open(str(tmp_path))
         assert any(c.samples["sample_id"] == ["big0"] for c in store.commits)
         assert_same(store, samples)
 
@@ -153,11 +160,11 @@ class LayoutContract:
         m = self.manifest()
         write_samples(url, m, make_samples(5, prefix="done"))
         with pytest.raises(RuntimeError):  # a writer that dies mid-way: its buffered shard is not committed
-            with hsstore.StoreWriter(url, m) as w:
+            with StoreWriter(url, m) as w:
                 for s in make_samples(5, prefix="lost", seed=9):
                     w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
                 raise RuntimeError("crash")
-        w = hsstore.StoreWriter(url, m)  # a shard whose files are written, its record not (crash between)
+        w = StoreWriter(url, m)  # a shard whose files are written, its record not (crash between)
         for s in make_samples(3, prefix="orphan", seed=7):
             w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
         real_publish = commit.publish
@@ -168,7 +175,7 @@ class LayoutContract:
             commit.publish = real_publish
         on_disk = {layout.get(self.layout).shard_of(e) for e in os.listdir(tmp_path / "shards")} - {None}
         assert len(on_disk) == 2  # both shards' files are on disk
-        store = hsstore.open(url)
+        store = reader.open(url)
         assert sorted(store.sample_ids()) == [f"done{i}" for i in range(5)]
         report = verify(store)
         assert report.ok and len(report.uncommitted) == 1
@@ -181,7 +188,7 @@ class LayoutContract:
     def test_flipped_feature_byte_detected_and_named(self, tmp_path):
         samples = make_samples(40, max_len=120)
         url = self.loader_store(str(tmp_path / "s"), samples)
-        store = hsstore.open(url)
+        store = reader.open(url)
         rec = store.commits[1]
         path, offset, name, hit = self.feature_byte(store, 1, 1, 5)
         assert rec.samples["sample_id"][1] in hit
@@ -189,14 +196,14 @@ class LayoutContract:
         data[offset] ^= 0xFF
         open(path, "wb").write(bytes(data))
         with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}', .*{name}.*checksum"):
-            hsstore.open(url).read(store.commits[0].n_samples + 1)
+            reader.open(url).read(store.commits[0].n_samples + 1)
         with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}', sample '({'|'.join(hit)})'.*checksum"):
             list(dataset(url))
         ds = dataset(url, skip_corrupt=True)
         assert sorted(ids_of(ds)) == sorted({s["sample_id"] for s in samples} - set(hit))
         assert sum(ds.state_dict()["skipped"].values()) == len(hit)
         assert len(ids_of(dataset(url, layers=[1, 3]))) == len(samples)  # other layers untouched
-        report = verify(hsstore.open(url))
+        report = verify(reader.open(url))
         assert not report.ok and any(name in str(p) and set(hit) & set(p.samples) for p in report.problems)
 
     @pytest.mark.parametrize("mapped", [False, True], ids=["preadv", "mapped"])
@@ -204,7 +211,7 @@ class LayoutContract:
         """Local reads go by ``preadv`` into the destination (default) or by mapping and copying on torch's
         threads (``HSSTORE_MAPPED_READS=1``): both give the written bits through ``read`` and the loader, and a
         feature file cut short is one ``CorruptionError`` naming the shard under both."""
-        from hsstore.memory import MAPPED_READS_ENV
+        from ..memory import MAPPED_READS_ENV
 
         monkeypatch.setenv(MAPPED_READS_ENV, "1" if mapped else "0")
         threads = torch.get_num_threads()
@@ -212,7 +219,7 @@ class LayoutContract:
         try:
             samples = make_samples(24, max_len=150)
             url = self.loader_store(str(tmp_path / "s"), samples)
-            store = hsstore.open(url)
+            store = reader.open(url)
             assert len(store.commits) > 1
             assert_same(store, samples)
             by_id = {s["sample_id"]: s for s in samples}
@@ -225,14 +232,14 @@ class LayoutContract:
             path, offset, _, _ = self.feature_byte(store, 1, 1, 5)
             os.truncate(path, offset)
             with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}'"):
-                hsstore.open(url).read(store.commits[0].n_samples + 1)
+                reader.open(url).read(store.commits[0].n_samples + 1)
         finally:
             torch.set_num_threads(threads)
 
     def test_missing_shard_named(self, tmp_path):
         samples = make_samples(12)
         write_samples(str(tmp_path), self.manifest(chunk_tokens=50), samples, shard_bytes=SMALL_SHARD)
-        store = hsstore.open(str(tmp_path))
+        store = reader.open(str(tmp_path))
         rec = store.commits[1]
         gone = glob.glob(os.path.join(str(tmp_path), "shards", glob.escape(rec.shard))) + glob.glob(
             os.path.join(str(tmp_path), "shards", glob.escape(rec.shard) + ".*"))

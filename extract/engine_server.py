@@ -1,5 +1,6 @@
-"""A small OpenAI-compatible server for the tests: a real tiny HF model sampled token by token, answered in
-vLLM's wire format (field names and semantics from vLLM's code, not from hsstore's).
+"""A small OpenAI-compatible server for tests and tools (test_engine_ids, tools/engine_ids_report.py): a real
+tiny HF model sampled token by token, answered in vLLM's wire format (field names and semantics from vLLM's
+code, not from hsstore's).
 
 What it does, as vLLM's ``/v1/chat/completions`` does (vllm/entrypoints/openai/chat_completion/serving.py):
 - renders the chat template over the request's messages (tool-call ``arguments`` strings parsed to objects)
