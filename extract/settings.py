@@ -19,6 +19,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from hsstore.format import layout_spec
 from hsstore.schema import flat, flat_class, from_args, option, section
 
 from .gate import GateThresholds
@@ -129,8 +130,8 @@ class StoreOutput:
     """Where and how the features are written (``--shard-mb`` and ``--storage-option`` join this group)."""
 
     out: str = _store_url()
-    layout: str = option("zarr", choices=["zarr", "wds"],
-                         help="shard layout: zarr (chunked arrays, codecs) or wds (WebDataset tars of .npy members)")
+    layout: str = option(layout_spec.DEFAULT, choices=list(layout_spec.names()),
+                         help="shard layout: " + "; ".join(f"{s.name} ({s.help})" for s in layout_spec.SPECS.values()))
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
     encoding: str = option("raw", choices=["raw", "fp8"],
                            help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, "

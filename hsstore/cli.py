@@ -18,6 +18,7 @@ import sys
 from importlib.metadata import entry_points
 
 from . import config, storage
+from .format import layout_spec
 from .errors import StoreError
 from .redaction import RedactingFilter, recordable_url, scrub
 from .terminal import EscapingFilter, escape
@@ -285,10 +286,11 @@ def add_upgrade(sub) -> None:
 
 
 def add_convert(sub) -> None:
-    q = sub.add_parser("convert", help="copy a store into a new store of another layout (zarr <-> wds), bit-exact")
+    q = sub.add_parser("convert", help="copy a store into a new store of another layout ("
+                                       + " <-> ".join(layout_spec.names()) + "), bit-exact")
     q.add_argument("src", help="the store to copy (" + STORE_URL_HELP + ")")
     q.add_argument("dst", help="destination store (created, or resumed when it already holds some shards)")
-    q.add_argument("--layout", required=True, choices=["zarr", "wds"], help="the destination's shard layout")
+    q.add_argument("--layout", required=True, choices=layout_spec.names(), help="the destination's shard layout")
     q.add_argument("--codec", default=None, help="zarr destination: chunk codec (default: the source's)")
     q.add_argument("--dst-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="storage options of the destination only (default: those of -S)")
@@ -307,7 +309,9 @@ def add_bench(sub) -> None:
     q.add_argument("--layers", dest="num_taps", type=int, action=Deprecated, new="--num-taps")
     q.add_argument("--codec", default="none", help="chunk codec of the synthetic store (none, zstd[:level], "
                    "blosc-zstd[:level], lz4)")
-    q.add_argument("--layout", default="zarr", help="zarr, wds, or both (zarr,wds: one after the other, compared)")
+    names = layout_spec.names()
+    q.add_argument("--layout", default=layout_spec.DEFAULT,
+                   help=f"{', '.join(names)}, or several ({','.join(names)}: one after the other, compared)")
     q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
                         "--procs ranks read one epoch after another at once (--cold: page cache dropped before "

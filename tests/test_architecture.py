@@ -6,6 +6,7 @@ transformers; extract/ and train/ never import each other; every shard layout im
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def test_extract_and_train_never_import_each_other(package, other):
     assert not bad, f"{package}/ modules importing hsstore.{other}: {bad}"
 
 
-@pytest.mark.parametrize("name", sorted(layout.LAYOUTS))
+@pytest.mark.parametrize("name", sorted(layout.names()))
 def test_layouts_implement_the_protocol(name):
     """Every registered layout has each function of :class:`hsstore.layouts.base.Layout`, with its parameters."""
     impl = layout.get(name)
@@ -209,6 +210,24 @@ def test_layouts_implement_the_protocol(name):
         assert list(inspect.signature(fn).parameters) == want, f"layout {name!r}: {attr} parameters"
     with pytest.raises(ValueError, match="unknown shard layout 'tar'"):
         layout.get("tar")
+
+
+def test_layout_names_come_from_the_registry():
+    """Only the registry (format/layout_spec.py) and the layouts' own modules name a layout: the manifest's rules,
+    the CLI's choices, convert's codec and extract's --layout ask ``layout_spec``, so a layout registered from
+    outside the package is a choice and a rule everywhere at once."""
+    from hsstore.format import layout_spec
+
+    names = set(layout_spec.names())
+    assert {"zarr", "wds"} <= names
+    for rel in ("hsstore/format/manifest.py", "hsstore/cli.py", "hsstore/ops/convert.py", "extract/settings.py",
+                "hsstore/loader/dataset.py"):
+        tree = ast.parse((ROOT / rel).read_text())
+        named = [f"line {n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and n.value in names]
+        assert not named, f"{rel} names a layout itself: {named}"
+    with pytest.raises(ValueError, match="registered already"):
+        layout_spec.register(dataclasses.replace(layout_spec.get("wds"), chunk_cache=True))
 
 
 def test_public_names_resolve_to_their_modules():

@@ -42,4 +42,4 @@ class TestWdsLayout(LayoutContract):
 
 def test_every_registered_layout_runs_the_contract():
     covered = {cls.layout for cls in LayoutContract.__subclasses__()}
-    assert covered == set(layout.LAYOUTS), f"layouts without a contract test class: {set(layout.LAYOUTS) - covered}"
+    assert covered == set(layout.names()), f"layouts without a contract test class: {set(layout.names()) - covered}"

@@ -22,7 +22,7 @@ from conftest import make_manifest, make_samples, write_samples
 PACKAGE = Path(hsstore.__file__).parent
 
 
-@pytest.mark.parametrize("name", sorted(layout.LAYOUTS))
+@pytest.mark.parametrize("name", sorted(layout.names()))
 def test_layouts_import_neither_the_reader_nor_the_loader(name):
     """A layout gets a ShardSource; the Store (store/reader.py) and the loader are beyond the seam."""
     mod = layout.get(name)

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import layout_spec
 from .. import door, storage
 from ..errors import ManifestError, StoreError
 from ..storage import MANIFEST_FILE
@@ -22,7 +23,6 @@ FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)
 DTYPES = ("bfloat16", "float16", "float32")
 ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/format/fp8.py)
-LAYOUTS = ("zarr", "wds")
 # stored features that are not a layer's output: ``final_hidden`` is the final norm's output (what the lm_head
 # reads, EAGLE-3's training target). Named in the manifest's ``features``; absent from stores without them.
 FEATURES = ("final_hidden",)
@@ -74,7 +74,7 @@ class Manifest:
     layers: tuple[int, ...]
     dtype: str = "bfloat16"
     encoding: str = "raw"
-    layout: str = "zarr"
+    layout: str = layout_spec.DEFAULT
     codec: str = "none"
     chunk_tokens: int | None = None  # None: the writer picks ~16 MiB per layer chunk
     format: str = FORMAT_NAME
@@ -217,12 +217,9 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"dtype {m.dtype!r} not supported (one of {DTYPES})")
     if m.encoding not in ENCODINGS:
         raise ManifestError(f"encoding {m.encoding!r} not supported (one of {ENCODINGS})")
-    if m.layout not in LAYOUTS:
-        raise ManifestError(f"layout {m.layout!r} not supported (one of {LAYOUTS})")
-    if m.layout == "wds" and m.codec != "none":  # members are plain .npy files, readable with numpy alone
-        raise ManifestError(f"layout 'wds' stores plain .npy members: codec must be 'none', got {m.codec!r}")
-    if m.layout == "wds" and m.encoding != "raw":  # readers of plain .npy members expect the values themselves
-        raise ManifestError(f"layout 'wds' holds raw features only: encoding {m.encoding!r} needs layout 'zarr'")
+    refused = layout_spec.refusal(m.layout, m.codec, m.encoding)  # each layout's own rules (its LayoutSpec)
+    if refused:
+        raise ManifestError(refused)
     bad = [f for f in m.features if f not in FEATURES]
     if bad or len(set(m.features)) != len(m.features):
         raise ManifestError(f"features {list(m.features)!r} not supported (each at most once, of {FEATURES})")

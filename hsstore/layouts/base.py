@@ -1,4 +1,4 @@
-"""Shard layouts (the manifest's ``layout``): the protocol every layout follows, and the registry.
+"""Shard layouts (the manifest's ``layout``): the protocol every layout follows, and the modules implementing it.
 
 Manifest, commit records (format/commit.py), the sample index, the loader and ``info`` are shared by all layouts;
 a layout only says how one shard's samples become objects, how a token range of a shard is read back, and
@@ -6,16 +6,20 @@ how ``verify`` checks a shard. A layout reads through a ``ShardSource`` (layouts
 manifest, chunk cache, checked shard locations), never the ``Store``. Each layout is one module that implements :class:`Layout` with plain
 functions (as zarr-python's stores implement its ``Store`` ABC, one class per backend): ``zarr``
 (layouts/zarr.py: one Zarr v3 group of chunked arrays per shard; the default, compressible, chunk cache) and
-``wds`` (layouts/wds.py: one WebDataset tar of ``.npy`` members per shard).
+``wds`` (layouts/wds.py: one WebDataset tar of ``.npy`` members per shard). What the rest of the package asks of
+a layout without its code (its name, manifest rules, whether the chunk cache serves it) is its declaration in
+the registry, ``format.layout_spec``; ``get`` gives the module a declaration names.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from . import wds, zarr as zarr_layout
+from ..format import layout_spec
 from ..format.commit import CommitRecord
 from ..format.manifest import Manifest
 from ..format.report import VerifyReport
@@ -64,17 +68,20 @@ class Layout(Protocol):
         """The shard an entry of ``shards/`` belongs to (None: not a shard), for verify's debris listing."""
 
 
-LAYOUTS: dict[str, Layout] = {"zarr": zarr_layout, "wds": wds}
+BUILT_IN = (zarr_layout, wds)  # imported here, so that the import checks see the edges
 
 
 def get(name: str) -> Layout:
-    try:
-        return LAYOUTS[name]
-    except KeyError:
-        raise ValueError(f"unknown shard layout {name!r}") from None
+    """The module implementing layout ``name`` (its ``format.layout_spec`` declaration names it)."""
+    return importlib.import_module(layout_spec.get(name).module)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered layout: the built-in ones (``BUILT_IN``) and any registered from outside."""
+    return layout_spec.names()
 
 
 def own_objects() -> dict[str, bytes]:
     """Every layout's root objects (``store_objects``): what a store folder may hold before its manifest
     (``destination.check_destination``)."""
-    return {k: v for lay in LAYOUTS.values() for k, v in lay.store_objects().items()}
+    return {k: v for name in names() for k, v in get(name).store_objects().items()}

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..format import codec, fp8
+from ..format import codec, fp8, layout_spec
 from .. import storage
 from .cache import ChunkCache
 from ..errors import CorruptionError, StoreError
@@ -384,7 +384,8 @@ class HiddenStateDataset(IterableDataset):
             return
         for store in self.stores:  # one cache object per process: a forked child must not share its lock
             cache = store.chunk_cache
-            if (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
+            serves = layout_spec.get(store.manifest.layout).chunk_cache
+            if serves and (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
                 store.use_chunk_cache(ChunkCache(cache_dir, self.reading.cache_bytes))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..format import codec, commit, index
+from ..format import codec, commit, index, layout_spec
 from ..layouts import base as layout
 from .. import destination
 from ..errors import ManifestError, StoreError
@@ -51,8 +51,9 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
              progress: bool) -> ConvertResult:
     from tqdm import tqdm
 
-    if chunk_codec is None:
-        chunk_codec = "none" if to_layout == "wds" or src.manifest.layout == "wds" else src.manifest.codec
+    if chunk_codec is None:  # the source's, where the destination's layout stores it
+        codecs = layout_spec.get(to_layout).codecs
+        chunk_codec = src.manifest.codec if codecs is None or src.manifest.codec in codecs else codecs[0]
     codec.ChunkCodec(chunk_codec).zarr_compressors()  # an unknown codec fails here, before any write
     want = dataclasses.replace(src.manifest, layout=to_layout, codec=chunk_codec)
     dst_manifest = ensure_manifest(fs, root, dst_url, want)
