@@ -478,8 +478,6 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
                                              f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
         return
     ids = rec.samples["sample_id"]
-    dtype = codec.STORAGE_DTYPE[m.dtype]
-    seen: set[str] = set()
     try:
         bounds = _member_bounds(rec, m)
     except CorruptionError as e:
@@ -489,42 +487,9 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, larger than its bound of "
                                              f"{file_bound(m, rec, key):,})", key, list(ids)))
         return
-    tally = health.ValueTally(rec, m.all_features, m.dtype)
-    features = {layer_part(l): l for l in m.all_features}
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
-            reader = _CrcReader(f, progress)
-            with tarfile.open(fileobj=reader, mode="r|") as tf:
-                for info in tf:
-                    try:
-                        check_member(info, name)
-                    except StoreError as e:
-                        report.problems.append(Problem(name, str(e), key))
-                        continue
-                    entry = members.get(info.name)
-                    if entry is None:
-                        report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
-                        continue
-                    i = int(info.name.split(".", 1)[0])
-                    who = [ids[i]]
-                    if info.size != bounds[info.name]:  # its header's size, before reading a byte of it
-                        report.problems.append(Problem(name, f"member {info.name!r}: {info.size:,} bytes, "
-                                                             f"{bounds[info.name]:,} expected (refused unread)",
-                                                       key, who))
-                        continue
-                    data = tf.extractfile(info).read()
-                    seen.add(info.name)
-                    if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
-                        report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
-                                                             "the commit record (corrupted bytes)", key, who))
-                        continue
-                    _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
-                    feature = features.get(info.name.split(".", 1)[1])
-                    if feature is not None and len(data) == bounds[info.name]:
-                        T = rec.samples["length"][i]
-                        rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
-                        tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
-            reader.drain()
+            reader, seen, tally = _scan_members(f, progress, rec, m, bounds, report)
     except FileNotFoundError:
         report.problems.append(Problem(name, "file missing", key, list(ids)))
         return
@@ -546,6 +511,50 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     if missing:
         report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,
                                        sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
+
+
+def _scan_members(f, progress: Callable[[int], None] | None, rec: CommitRecord, m: Manifest,
+                  bounds: dict[str, int], report: VerifyReport) -> tuple[_CrcReader, set[str], health.ValueTally]:
+    """``check_shard``'s one pass over the tar stream ``f``: each member's name, header size (before a byte of
+    it is read), bytes against the record and content; returns the stream's reader (size, CRC32C), the members
+    seen whole and the features' value tally."""
+    name, key, members, ids = rec.shard, tar_path(rec.shard), rec.members or {}, rec.samples["sample_id"]
+    dtype = codec.STORAGE_DTYPE[m.dtype]
+    tally = health.ValueTally(rec, m.all_features, m.dtype)
+    features = {layer_part(l): l for l in m.all_features}
+    seen: set[str] = set()
+    reader = _CrcReader(f, progress)
+    with tarfile.open(fileobj=reader, mode="r|") as tf:
+        for info in tf:
+            try:
+                check_member(info, name)
+            except StoreError as e:
+                report.problems.append(Problem(name, str(e), key))
+                continue
+            entry = members.get(info.name)
+            if entry is None:
+                report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
+                continue
+            i = int(info.name.split(".", 1)[0])
+            who = [ids[i]]
+            if info.size != bounds[info.name]:  # its header's size, before reading a byte of it
+                report.problems.append(Problem(name, f"member {info.name!r}: {info.size:,} bytes, "
+                                                     f"{bounds[info.name]:,} expected (refused unread)", key, who))
+                continue
+            data = tf.extractfile(info).read()
+            seen.add(info.name)
+            if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
+                report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
+                                                     "the commit record (corrupted bytes)", key, who))
+                continue
+            _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
+            feature = features.get(info.name.split(".", 1)[1])
+            if feature is not None and len(data) == bounds[info.name]:
+                T = rec.samples["length"][i]
+                rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
+                tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
+    reader.drain()
+    return reader, seen, tally
 
 
 JSON_MEMBER_CAP = 64 << 10  # a sample's .json member: its ids and columns

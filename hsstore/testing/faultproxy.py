@@ -130,132 +130,134 @@ class FaultProxy:
             self.events.append((method, path, kind))
             return kind
 
-    def _handler(self):
-        proxy = self
+    def _handler(self) -> type:
+        return type("Handler", (_Handler,), {"proxy": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, *a) -> None:  # quiet
-                pass
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a ``FaultProxy`` (``proxy``, set on the subclass each proxy makes): forwarded, or faulted."""
 
-            def _body(self) -> bytes:
-                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                    parts = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                        if size == 0:
-                            while self.rfile.readline().strip():
-                                pass
-                            return b"".join(parts)
-                        parts.append(self.rfile.read(size))
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
+    proxy: "FaultProxy"
+    protocol_version = "HTTP/1.1"
 
-            def _rst(self) -> None:
-                """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to a client."""
-                try:
-                    self.wfile.flush()
-                except OSError:
-                    pass
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.close_connection = True
-                self.connection.close()
+    def log_message(self, *a) -> None:  # quiet
+        pass
 
-            def _forward(self, body: bytes):
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                conn.close()
-                return resp.status, resp.reason, resp.getheaders(), data
+    def _body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline().strip():
+                        pass
+                    return b"".join(parts)
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
 
-            def _send(self, status, reason, headers, data: bytes, length: int | None = None) -> None:
-                self.send_response_only(status, reason)
-                drop = ("content-length", "transfer-encoding", "connection")
-                if not proxy.range_checksums and self.headers.get("Range"):
-                    drop += ("x-amz-checksum-",)
-                for k, v in headers:
-                    if not k.lower().startswith(drop):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data) if length is None else length))
-                self.end_headers()
-                if self.command == "HEAD":
-                    return
-                with proxy._lock:
-                    proxy.sent[self.path.split("?")[0]] += len(data)
-                if not proxy.bandwidth:
-                    self.wfile.write(data)
-                    return
-                t0, step = time.perf_counter(), 64 << 10
-                for i in range(0, len(data), step):  # paced: this connection's share of the link
-                    self.wfile.write(data[i:i + step])
-                    ahead = t0 + (i + step) / proxy.bandwidth - time.perf_counter()
-                    if ahead > 0:
-                        time.sleep(ahead)
+    def _rst(self) -> None:
+        """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to a client."""
+        try:
+            self.wfile.flush()
+        except OSError:
+            pass
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
 
-            def _error(self, status: int, code: str, msg: str) -> None:
-                data = _XML.format(code=code, msg=msg).encode()
-                self._send(status, "Error", [("Content-Type", "application/xml")], data)
+    def _forward(self, body: bytes):
+        conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+        if body or self.command in ("PUT", "POST"):
+            headers["Content-Length"] = str(len(body))
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        return resp.status, resp.reason, resp.getheaders(), data
 
-            def _serve(self) -> None:
-                with proxy._lock:
-                    proxy.in_flight += 1
-                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
-                try:
-                    self._serve_one()
-                finally:
-                    with proxy._lock:
-                        proxy.in_flight -= 1
+    def _send(self, status, reason, headers, data: bytes, length: int | None = None) -> None:
+        self.send_response_only(status, reason)
+        drop = ("content-length", "transfer-encoding", "connection")
+        if not self.proxy.range_checksums and self.headers.get("Range"):
+            drop += ("x-amz-checksum-",)
+        for k, v in headers:
+            if not k.lower().startswith(drop):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data) if length is None else length))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        with self.proxy._lock:
+            self.proxy.sent[self.path.split("?")[0]] += len(data)
+        if not self.proxy.bandwidth:
+            self.wfile.write(data)
+            return
+        t0, step = time.perf_counter(), 64 << 10
+        for i in range(0, len(data), step):  # paced: this connection's share of the link
+            self.wfile.write(data[i:i + step])
+            ahead = t0 + (i + step) / self.proxy.bandwidth - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
 
-            def _serve_one(self) -> None:
-                body = self._body()
-                has_body = self.command == "GET"
-                kind = proxy._pick(self.command, self.path, has_body)
-                if kind == "reset":
-                    return self._rst()
-                if kind == "500":
-                    return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
-                if kind == "403":
-                    return self._error(403, "AccessDenied", "Access Denied")
-                if kind == "503":
-                    return self._error(503, "SlowDown", "Please reduce your request rate.")
-                if kind == "latency":
-                    time.sleep(proxy.delay)
-                if proxy.latency:
-                    time.sleep(proxy.latency)
-                key = (self.command, self.path, self.headers.get("Range", ""))
-                answer = proxy._answers.get(key) if proxy.replay and self.command in ("GET", "HEAD") else None
-                if answer is not None:
-                    with proxy._lock:
-                        proxy.replayed += 1
-                    status, reason, headers, data = answer
-                else:
-                    status, reason, headers, data = self._forward(body)
-                    if proxy.replay and self.command in ("GET", "HEAD") and status in (200, 206):
-                        proxy._answers[key] = (status, reason, headers, data)
-                if kind == "reset_after":
-                    return self._rst()
-                if kind in BODY_FAULTS and len(data) < 2:  # nothing to cut: drop the connection instead
-                    kind = "reset_mid"
-                    data = b""
-                if kind == "reset_mid":
-                    self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
-                    return self._rst()
-                if kind == "truncate":
-                    self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
-                    self.close_connection = True
-                    return
-                if kind == "short":
-                    cut = data[: len(data) // 2]
-                    headers = [(k, v) for k, v in headers if not k.lower().startswith(("etag", "x-amz-checksum"))]
-                    return self._send(status, reason, headers, cut)
-                self._send(status, reason, headers, data)
+    def _error(self, status: int, code: str, msg: str) -> None:
+        data = _XML.format(code=code, msg=msg).encode()
+        self._send(status, "Error", [("Content-Type", "application/xml")], data)
 
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
+    def _serve(self) -> None:
+        with self.proxy._lock:
+            self.proxy.in_flight += 1
+            self.proxy.max_in_flight = max(self.proxy.max_in_flight, self.proxy.in_flight)
+        try:
+            self._serve_one()
+        finally:
+            with self.proxy._lock:
+                self.proxy.in_flight -= 1
 
-        return Handler
+    def _serve_one(self) -> None:
+        body = self._body()
+        has_body = self.command == "GET"
+        kind = self.proxy._pick(self.command, self.path, has_body)
+        if kind == "reset":
+            return self._rst()
+        if kind == "500":
+            return self._error(500, "InternalError", "We encountered an internal error. Please try again.")
+        if kind == "403":
+            return self._error(403, "AccessDenied", "Access Denied")
+        if kind == "503":
+            return self._error(503, "SlowDown", "Please reduce your request rate.")
+        if kind == "latency":
+            time.sleep(self.proxy.delay)
+        if self.proxy.latency:
+            time.sleep(self.proxy.latency)
+        key = (self.command, self.path, self.headers.get("Range", ""))
+        answer = self.proxy._answers.get(key) if self.proxy.replay and self.command in ("GET", "HEAD") else None
+        if answer is not None:
+            with self.proxy._lock:
+                self.proxy.replayed += 1
+            status, reason, headers, data = answer
+        else:
+            status, reason, headers, data = self._forward(body)
+            if self.proxy.replay and self.command in ("GET", "HEAD") and status in (200, 206):
+                self.proxy._answers[key] = (status, reason, headers, data)
+        if kind == "reset_after":
+            return self._rst()
+        if kind in BODY_FAULTS and len(data) < 2:  # nothing to cut: drop the connection instead
+            kind = "reset_mid"
+            data = b""
+        if kind == "reset_mid":
+            self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
+            return self._rst()
+        if kind == "truncate":
+            self._send(status, reason, headers, data[: len(data) // 2], length=len(data))
+            self.close_connection = True
+            return
+        if kind == "short":
+            cut = data[: len(data) // 2]
+            headers = [(k, v) for k, v in headers if not k.lower().startswith(("etag", "x-amz-checksum"))]
+            return self._send(status, reason, headers, cut)
+        self._send(status, reason, headers, data)
+
+    do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
