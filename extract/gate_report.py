@@ -21,7 +21,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hsstore import storage
+from hsstore import storage, transfer
 
 from .gate import GateReport, GateThresholds, check, is_stub
 from .readers import _hf_dataset_dir, input_files
@@ -135,7 +135,7 @@ def write_gate_report(url: str, report: GateReport, identity: dict) -> None:
         "repeated_ids": report.repeated_ids,
     }
     fs, path = storage.resolve(url)
-    storage.put_atomic(fs, path, json.dumps(doc, ensure_ascii=False).encode("utf-8"))
+    transfer.put_atomic(fs, path, json.dumps(doc, ensure_ascii=False).encode("utf-8"))
 
 
 def read_gate_report(url: str) -> dict:

@@ -10,8 +10,8 @@ The package by concern (each subpackage's doc says what it may import): ``format
 disk), ``layouts`` (how a shard is laid out), ``store`` (open, write, commit), ``loader`` (streaming, plans,
 resume, batches), ``ops`` (info, verify, subset, merge, convert, upgrade, bench), ``testing`` (the layout
 contract suite and test helpers, shipped); beside them the core that all use: ``storage`` (filesystems and
-URLs), ``redaction``, ``errors``, ``memory``, ``devices``, ``distributed``, ``schema`` and ``config``
-(settings), ``cli``. Code inside the package imports each name from its defining module, never from here.
+URLs), ``listing`` and ``transfer`` (listing and moving a store's objects, under ``door``), ``redaction``,
+``errors``, ``memory``, ``devices``, ``distributed`` (``World``), ``schema`` and ``config`` (settings), ``cli``. Code inside the package imports each name from its defining module, never from here.
 """
 
 from importlib import import_module

@@ -29,7 +29,7 @@ import os
 import stat
 from typing import Any, Callable, Iterator
 
-from . import storage
+from . import storage, transfer
 from .errors import CorruptionError
 from .memory import pread_into
 
@@ -177,7 +177,7 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
     if size is not None:
-        data = storage.cat_many(fs, [path], [size])[path]
+        data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
         try:
             data = fs.cat_file(path, start=0, end=bound + 1)
@@ -200,7 +200,7 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
     None: unknown, as an HTTP listing may give) and within ``bound`` (a number, or a function of the key): key ->
     bytes, or the exception that stopped it (``FileNotFoundError``, ``Refused``, a failed request). Concurrent on
     object stores, where an object that arrives but fails ``ok(key, bytes)`` is fetched again
-    (``storage.cat_verified``)."""
+    (``transfer.cat_verified``)."""
     limit = bound if callable(bound) else (lambda _k, b=bound: b)
     out: dict[str, Any] = {}
     todo = []
@@ -223,7 +223,7 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
             return out
     paths = {storage.join(root, k): k for k in todo if sizes.get(k) is not None}
     check = (lambda p, b: ok(paths[p], b)) if ok is not None else (lambda p, b: True)
-    got = storage.cat_verified(fs, list(paths), check, sizes={p: sizes[k] for p, k in paths.items()})
+    got = transfer.cat_verified(fs, list(paths), check, sizes={p: sizes[k] for p, k in paths.items()})
     for p, k in paths.items():
         data = got.get(p)
         if isinstance(data, (bytes, bytearray)) and len(data) != sizes[k]:
@@ -235,12 +235,12 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
 def fill(fs, root: str, targets: dict[str, list[Any]], check: Callable[[str], str | None] | None = None,
          where: str = "") -> dict[str, Exception | str | None]:
     """Objects straight into the caller's buffers: object ``key`` fills ``targets[key]`` in turn, and must be
-    exactly their size (``storage.cat_into`` on object stores; ``preadv`` beneath the root locally). Returns
+    exactly their size (``transfer.cat_into`` on object stores; ``preadv`` beneath the root locally). Returns
     key -> None (filled and passed ``check(key)``), what is wrong with the bytes, or the read's exception."""
     if not storage.is_local(fs):
         by_path = {storage.join(root, k): k for k in targets}
         checked = (lambda p: check(by_path[p])) if check is not None else None
-        got = storage.cat_into(fs, {p: targets[k] for p, k in by_path.items()}, checked)
+        got = transfer.cat_into(fs, {p: targets[k] for p, k in by_path.items()}, checked)
         return {by_path[p]: r for p, r in got.items()}
     out: dict[str, Exception | str | None] = {}
     for k, bufs in targets.items():

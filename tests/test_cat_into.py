@@ -1,4 +1,4 @@
-"""``storage.cat_into``: remote objects streamed straight into the reader's buffers, against moto's S3 server
+"""``transfer.cat_into``: remote objects streamed straight into the reader's buffers, against moto's S3 server
 on loopback (through the fault proxy where a fault is the point). Expected bytes are the objects as written."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import s3fs
 
-from hsstore import storage
+from hsstore import transfer
 
 from hsstore.testing.ports import free_port
 from hsstore.testing.faultproxy import FaultProxy
@@ -45,11 +45,11 @@ def split(size: int, tail: int = 4):
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "cat_many"])
 def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, monkeypatch, streamed):
     if not streamed:
-        monkeypatch.setenv(storage.STREAM_READS_ENV, "0")
+        monkeypatch.setenv(transfer.STREAM_READS_ENV, "0")
     name, blobs = bucket
     pa, ta = split(len(blobs["a"]))
     pb, tb = split(len(blobs["b"]), tail=3)
-    got = storage.cat_into(s3(s3_endpoint), {f"{name}/a": [pa, ta], f"{name}/b": [pb, tb]})
+    got = transfer.cat_into(s3(s3_endpoint), {f"{name}/a": [pa, ta], f"{name}/b": [pb, tb]})
     assert got == {f"{name}/a": None, f"{name}/b": None}
     assert pa.tobytes() + bytes(ta) == blobs["a"]
     assert pb.tobytes() + bytes(tb) == blobs["b"]
@@ -60,29 +60,29 @@ def test_missing_short_and_failing_objects_are_told_apart(s3_endpoint, bucket, m
     """A missing object is its FileNotFoundError; one shorter than its buffers, or failing ``check``, is a message
     (the bytes are wrong, not the path to them) after FETCH_ATTEMPTS fetches."""
     if not streamed:
-        monkeypatch.setenv(storage.STREAM_READS_ENV, "0")
+        monkeypatch.setenv(transfer.STREAM_READS_ENV, "0")
     name, blobs = bucket
-    monkeypatch.setattr(storage, "FETCH_BACKOFF_S", 0.0)
+    monkeypatch.setattr(transfer, "FETCH_BACKOFF_S", 0.0)
     with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:
         fs = s3(proxy.url)
         targets = {f"{name}/missing": [bytearray(8)], f"{name}/b": [bytearray(16)], f"{name}/a": list(split(len(blobs["a"])))}
-        got = storage.cat_into(fs, targets, check=lambda p: "bad" if p.endswith("/a") else None)
+        got = transfer.cat_into(fs, targets, check=lambda p: "bad" if p.endswith("/a") else None)
     assert isinstance(got[f"{name}/missing"], FileNotFoundError)
     assert got[f"{name}/b"] == "object ended early (10 of 16 bytes)"
     assert got[f"{name}/a"] == "bad"
     gets = [p for m, p in proxy.log if m == "GET"]
-    assert sum(p.endswith("/a") for p in gets) == sum(p.endswith("/b") for p in gets) == storage.FETCH_ATTEMPTS
+    assert sum(p.endswith("/a") for p in gets) == sum(p.endswith("/b") for p in gets) == transfer.FETCH_ATTEMPTS
 
 
 def test_a_body_cut_in_transit_is_fetched_again(s3_endpoint, bucket, monkeypatch):
     """Faults the HTTP layer sees (reset mid-body, a body cut before its Content-Length) and the one it cannot
     see (a short body with a matching Content-Length, caught by the size) all end in the right bytes."""
     name, blobs = bucket
-    monkeypatch.setattr(storage, "FETCH_BACKOFF_S", 0.0)
+    monkeypatch.setattr(transfer, "FETCH_BACKOFF_S", 0.0)
     for kind in ("reset_mid", "truncate", "short"):
         with FaultProxy(s3_endpoint, faults=[kind], persistent=False, every=1, limit=1) as proxy:
             payload, tail = split(len(blobs["a"]))
-            got = storage.cat_into(s3(proxy.url), {f"{name}/a": [payload, tail]})
+            got = transfer.cat_into(s3(proxy.url), {f"{name}/a": [payload, tail]})
             assert proxy.injected[kind] == 1
         assert got == {f"{name}/a": None}, kind
         assert payload.tobytes() + bytes(tail) == blobs["a"], kind
@@ -122,12 +122,12 @@ def test_streamed_reads_hold_no_whole_body(moto_process, monkeypatch):
     dest = np.zeros(size, np.uint8)
     peaks = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv(storage.STREAM_READS_ENV, mode)
+        monkeypatch.setenv(transfer.STREAM_READS_ENV, mode)
         client = s3(s3_endpoint)
-        storage.cat_into(client, {f"{name}/big": [dest[:1 << 20]]})  # the client is set up outside the trace
+        transfer.cat_into(client, {f"{name}/big": [dest[:1 << 20]]})  # the client is set up outside the trace
         tracemalloc.start()
         try:
-            assert storage.cat_into(client, {f"{name}/big": [dest]}) == {f"{name}/big": None}
+            assert transfer.cat_into(client, {f"{name}/big": [dest]}) == {f"{name}/big": None}
             peaks[mode] = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hsstore
-from hsstore import storage
+from hsstore import transfer
 from hsstore.ops.verify import verify
 
 from hsstore.testing.faultproxy import ALL_FAULTS, FaultProxy
@@ -112,7 +112,7 @@ def test_short_body_fetched_again_then_called_corrupt(s3_endpoint, written):
                            match=rf"{direct.commits[0].shard}.*{victim}.*(checksum|ended early)"):
             store.read(0)
     report("short persistent", proxy)
-    assert proxy.injected["short"] == storage.FETCH_ATTEMPTS
+    assert proxy.injected["short"] == transfer.FETCH_ATTEMPTS
 
 
 @pytest.mark.parametrize("kind", ["reset", "503"])

@@ -20,7 +20,7 @@ import torch
 
 import hsstore
 from hsstore.format import codec, commit, index, records
-from hsstore import storage
+from hsstore import listing, storage, transfer
 from hsstore.cli import main
 from hsstore.ops.convert import convert
 from hsstore.ops.merge import merge
@@ -414,7 +414,7 @@ def test_a_version_2_segment_cut_anywhere_is_detected(tmp_path, cut):
 
 # -- listing commits/ in concurrent ranges ----------------------------------------------------------------------
 def _keys(fs, root, names):
-    storage.put_many(fs, {storage.join(root, "commits", n): b"x" * (len(n) % 7) for n in names})
+    transfer.put_many(fs, {storage.join(root, "commits", n): b"x" * (len(n) % 7) for n in names})
 
 
 def test_split_listing_equals_the_serial_listing(s3_store):
@@ -423,22 +423,22 @@ def test_split_listing_equals_the_serial_listing(s3_store):
     names = [f"k{i:05d}.json" for i in range(0, 2400, 2)]  # 1,200 keys: one range spans more than a page
     _keys(fs, root, names + ["a.tmp", "zz"])
     path = storage.join(root, "commits")
-    serial = storage.list_detail(fs, path)
+    serial = listing.list_detail(fs, path)
     splits_cases = [
         ["k00010.json", "k00020.json", "k01999.json"],  # exactly at keys; one range (k00020, k01999] > 1,000 keys
         ["k00011.json", "k00011x.json", "k00012.json"],  # between keys; an empty range
         ["a", "k99999.json", "zzz"],  # before every key, after every key
     ]
     for splits in splits_cases:
-        got = storage.list_detail_split(fs, path, splits)
+        got = listing.list_detail_split(fs, path, splits)
         assert list(sorted(got)) == sorted(serial)
-        assert {k: (v["size"], storage.stamp(v)) for k, v in got.items()} == \
-               {k: (v["size"], storage.stamp(v)) for k, v in serial.items()}
+        assert {k: (v["size"], listing.stamp(v)) for k, v in got.items()} == \
+               {k: (v["size"], listing.stamp(v)) for k, v in serial.items()}
     # keys added after the split points were chosen (shards committed after the index): found
     _keys(fs, root, ["k00011.json", "k00010a.json", "k01999z.json", "k00000.json"])
-    got = storage.list_detail_split(fs, path, splits_cases[0] + splits_cases[1])
-    assert sorted(got) == sorted(storage.list_detail(fs, path))
-    assert storage.list_detail_split(fs, storage.join(root, "nothing"), ["k"]) == {}
+    got = listing.list_detail_split(fs, path, splits_cases[0] + splits_cases[1])
+    assert sorted(got) == sorted(listing.list_detail(fs, path))
+    assert listing.list_detail_split(fs, storage.join(root, "nothing"), ["k"]) == {}
     # the split listing parses timestamps as text on a session of its own: the store's filesystem keeps datetimes
     assert isinstance(fs.ls(path, detail=True, refresh=True)[0]["LastModified"], datetime.datetime)
 

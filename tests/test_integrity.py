@@ -18,7 +18,7 @@ import torch
 
 import hsstore
 from hsstore.format import commit
-from hsstore import storage
+from hsstore import storage, transfer
 from hsstore.layouts import wds
 from hsstore.cli import main
 from hsstore.errors import CorruptionError
@@ -312,7 +312,7 @@ def test_upgrade_interrupted_loses_nothing_and_resumes(tmp_path, monkeypatch):
     downgrade(url)
     before = record_bytes(url)
     assert len(before) >= 3
-    real, calls = storage.put_atomic, []
+    real, calls = transfer.put_atomic, []
 
     def dies_on_third(fs, path, data):
         calls.append(path)
@@ -322,10 +322,10 @@ def test_upgrade_interrupted_loses_nothing_and_resumes(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         real(fs, path, data)
 
-    monkeypatch.setattr(storage, "put_atomic", dies_on_third)
+    monkeypatch.setattr(transfer, "put_atomic", dies_on_third)
     with pytest.raises(KeyboardInterrupt):
         upgrade_mod.upgrade(hsstore.open(url))
-    monkeypatch.setattr(storage, "put_atomic", real)
+    monkeypatch.setattr(transfer, "put_atomic", real)
     mid = record_bytes(url)
     assert sorted(mid) == sorted(before)  # no record lost, the debris is not a record
     versions = [json.loads(b)["format_version"] for b in mid.values()]

@@ -118,7 +118,7 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
     """A store of ``shards`` shards: one real tiny shard's record cloned; the first ``WITH_FILES`` have files."""
     import torch
 
-    from hsstore import StoreWriter, storage
+    from hsstore import StoreWriter, storage, transfer
     from hsstore.format.commit import commit_path
     from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 
@@ -149,7 +149,7 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
         batch[storage.join(root, commit_path(name))] = dataclasses.replace(rec, shard=name, files=files,
                                                                          samples=samples).to_json()
         if len(batch) >= 2000 or i == shards - 1:
-            storage.put_many(fs, batch)
+            transfer.put_many(fs, batch)
             batch = {}
     shutil.rmtree(local)
 

@@ -24,7 +24,7 @@ import os
 import tempfile
 import uuid
 
-from hsstore import storage
+from hsstore import storage, transfer
 from hsstore.ops.bench import _per_rank_row, _split_by_size, format_source, run_source_bench
 from tools.measure import free_port
 
@@ -68,7 +68,7 @@ def warm_through(proxy, prefix: str, latency: float, bandwidth: float | None) ->
     ranged GET of its listed size: the proxy replays by path and Range), then the latency and cap."""
     fs, root = storage.resolve(prefix, {"endpoint_url": proxy.url})
     sizes = {p: int(i["size"]) for p, i in fs.find(root, detail=True).items() if "/shards/" in p}
-    storage.cat_many(fs, list(sizes), list(sizes.values()))
+    transfer.cat_many(fs, list(sizes), list(sizes.values()))
     proxy.latency, proxy.bandwidth = latency, bandwidth
     proxy.reset_counts()
 
@@ -140,7 +140,7 @@ def _serve_emulation(conn) -> None:
 
 def _raw_s3_reader(endpoint: str, objects: list[tuple[str, int]], rank: int, start, results) -> None:
     """One process of the raw S3 baseline: its objects with plain concurrent ranged GETs through s3fs, each body
-    streamed into a buffer reused batch after batch (``storage.cat_into``, one GET per object with its listed
+    streamed into a buffer reused batch after batch (``transfer.cat_into``, one GET per object with its listed
     size, as the loader asks for a chunk; ``HSSTORE_STREAM_READS=0``: fetched whole as bytes), timed from a
     barrier shared with the others; CPU-seconds of the process."""
     import resource
@@ -154,13 +154,13 @@ def _raw_s3_reader(endpoint: str, objects: list[tuple[str, int]], rank: int, sta
     for b in bufs:
         b.fill(0)  # faulted in before the clock starts, as the loader's recycled buffers are after epoch 0
     if objects:  # the client made (botocore's models loaded) before the clock starts, as the loader's is
-        storage.cat_into(fs, {objects[0][0]: [bufs[0][:1]]})
+        transfer.cat_into(fs, {objects[0][0]: [bufs[0][:1]]})
     start.wait()
     ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     bad, nbytes = [], 0
     for i in range(0, len(objects), batch):
         part = objects[i:i + batch]
-        got = storage.cat_into(fs, {p: [bufs[j][:n]] for j, (p, n) in enumerate(part)})
+        got = transfer.cat_into(fs, {p: [bufs[j][:n]] for j, (p, n) in enumerate(part)})
         bad += [f"{p}: {r}" for p, r in got.items() if r is not None]
         nbytes += sum(n for p, n in part if got[p] is None)
     secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)

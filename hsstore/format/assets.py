@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from . import codec, names
-from .. import door, storage
+from .. import door, storage, transfer
 from ..errors import CorruptionError, StoreError
 
 if TYPE_CHECKING:
@@ -73,10 +73,10 @@ def asset_path(fs, root: str, name, url: str = "") -> str:
 def write_assets(fs, root: str, files: dict[str, bytes], url: str = "") -> None:
     """Write asset files (store-relative names under ``assets/``), then the index that lists them."""
     for name, data in files.items():
-        storage.put_atomic(fs, asset_path(fs, root, name, url), data)
+        transfer.put_atomic(fs, asset_path(fs, root, name, url), data)
     index = _index(fs, root)
     index["files"].update({n: {"size": len(d), "crc32c": codec.crc32c(d)} for n, d in files.items()})
-    storage.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode())
+    transfer.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode())
 
 
 def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import codec
-from .. import door, storage
+from .. import door, listing, storage, transfer
 from ..errors import CorruptionError, StoreError
 from .manifest import FORMAT_VERSION, MAX_TEXT, is_int
 
@@ -212,8 +212,8 @@ def same_files(a: CommitRecord, b: CommitRecord) -> bool:
 
 def publish(fs, root: str, record: CommitRecord) -> str | None:
     """Make a written shard visible to readers: the commit record is the last object written. Returns the
-    record object's stamp (``storage.stamp``) when the filesystem tells, for the store's index."""
-    return storage.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
+    record object's stamp (``listing.stamp``) when the filesystem tells, for the store's index."""
+    return transfer.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
 
 
 def resolve_location(store_url: str, location: str) -> str:
@@ -246,13 +246,13 @@ def list_committed(fs, root: str) -> list[str]:
 
 
 def list_records(fs, root: str) -> dict[str, dict[str, Any]]:
-    """Shard name -> listing entry (size, stamp: ``storage.stamp``) of its commit record: one paged LIST."""
-    return {base[: -len(".json")]: e for base, e in storage.list_detail(fs, storage.join(root, COMMITS_DIR)).items()
+    """Shard name -> listing entry (size, stamp: ``listing.stamp``) of its commit record: one paged LIST."""
+    return {base[: -len(".json")]: e for base, e in listing.list_detail(fs, storage.join(root, COMMITS_DIR)).items()
             if base.endswith(".json") and not base.startswith(".")}
 
 
 def load_commits(fs, root: str, names: list[str], sizes: list[int] | None = None) -> list[CommitRecord]:
-    """The commit records of shards ``names``, read concurrently (``storage.cat_many``; ``sizes`` from a
+    """The commit records of shards ``names``, read concurrently (``transfer.cat_many``; ``sizes`` from a
     listing make each one a single ranged GET)."""
     return [CommitRecord.from_json(data, where=f"commit record of shard {n!r}")
             for n, data in zip(names, read_records(fs, root, names, sizes))]

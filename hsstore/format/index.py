@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import codec, names, records
-from .. import door, storage
+from .. import door, listing, storage, transfer
 from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso
@@ -245,7 +245,7 @@ def write_segment(fs, root: str, name: str, data: bytes) -> str | None:
     if len(data) > door.INDEX_SEGMENT_CAP:
         raise StoreError(f"index segment {INDEX_DIR}/{name}: {len(data):,} bytes, over the {door.INDEX_SEGMENT_CAP:,} "
                          "readers take; not written (readers read the commit records)")
-    return storage.put_atomic(fs, storage.join(root, INDEX_DIR, name), data)
+    return transfer.put_atomic(fs, storage.join(root, INDEX_DIR, name), data)
 
 
 class SegmentAppender:
@@ -282,25 +282,25 @@ class SegmentAppender:
 def listed_records(fs, root: str, known: list[str] | None = None) -> dict[str, Listed]:
     """Shard name -> size and stamp of its commit record, from one listing of ``commits/``. ``known`` (sorted
     shard names, from the index) lets an object store list ranges of it concurrently
-    (``storage.list_detail_split``); the listing is the same either way."""
+    (``listing.list_detail_split``); the listing is the same either way."""
     splits = None
     if known and not storage.is_local(fs):
         splits = [f"{n}.json" for n in known[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # ranges of LIST_SPLIT keys: a page each
     if splits:
-        listing = storage.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)
-        listing = {b[: -len(".json")]: e for b, e in listing.items() if b.endswith(".json") and not b.startswith(".")}
+        listed = listing.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)
+        listed = {b[: -len(".json")]: e for b, e in listed.items() if b.endswith(".json") and not b.startswith(".")}
     else:
-        listing = list_records(fs, root)
-    return {name: Listed(int(e.get("size") or 0), storage.stamp(e)) for name, e in listing.items()}
+        listed = list_records(fs, root)
+    return {name: Listed(int(e.get("size") or 0), listing.stamp(e)) for name, e in listed.items()}
 
 
 def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dict[str, str | None]]:
     """(readable segments by name, stamp of every segment object listed). Damaged ones are named in ``use``."""
-    listing = {b: e for b, e in storage.list_detail(fs, storage.join(root, INDEX_DIR)).items()
+    listed = {b: e for b, e in listing.list_detail(fs, storage.join(root, INDEX_DIR)).items()
                if b.endswith(SUFFIXES) and not b.startswith(".")}
-    stamps = {b: storage.stamp(e) for b, e in listing.items()}
-    names = sorted(listing)
-    total = sum(int(e.get("size") or 0) for e in listing.values())
+    stamps = {b: listing.stamp(e) for b, e in listed.items()}
+    names = sorted(listed)
+    total = sum(int(e.get("size") or 0) for e in listed.values())
     if total > door.INDEX_TOTAL_CAP:  # read at once, they would take that much memory: a hostile index costs none
         log.warning("index segments of %s: %d listed, %s bytes in all, over the bound of %s; ignored (records are "
                     "read from commits/; `hsstore index` compacts the index)", root, len(names), f"{total:,}",
@@ -309,7 +309,7 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
         use.why.update({b: f"the index's {total:,} bytes exceed {door.INDEX_TOTAL_CAP:,}" for b in names})
         return {}, stamps
     keys = [f"{INDEX_DIR}/{b}" for b in names]
-    blobs = door.read_many(fs, root, keys, sizes={k: listing[b].get("size") or None for k, b in zip(keys, names)},
+    blobs = door.read_many(fs, root, keys, sizes={k: listed[b].get("size") or None for k, b in zip(keys, names)},
                            bound=door.INDEX_SEGMENT_CAP)
     segments = {}
     for b, k in zip(names, keys):

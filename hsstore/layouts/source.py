@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..format import names
-from .. import storage
+from .. import redaction, storage
 from ..format.commit import SHARDS_DIR
 from ..errors import StoreError
 from ..format.manifest import Manifest, canonical_json_hash
@@ -109,7 +109,7 @@ class ShardSource:
 
     def cache_namespace(self) -> str:
         """Key of this store in a shared chunk cache: URL plus endpoint (secrets excluded)."""
-        return canonical_json_hash({"url": self.url, "options": storage.redact(dict(self.storage_options))})[:20]
+        return canonical_json_hash({"url": self.url, "options": redaction.redact(dict(self.storage_options))})[:20]
 
     def __getstate__(self) -> dict:
         # for spawned DataLoader workers: the filesystem is resolved there on first use; a cache is per process

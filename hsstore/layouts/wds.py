@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..format import codec, health
-from .. import door, storage
+from .. import door, storage, transfer
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
@@ -187,7 +187,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         for l in manifest.all_features:
             layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
     obj = tar.finish()
-    storage.put_many(fs, {storage.join(root, tar_path(name)): obj})
+    transfer.put_many(fs, {storage.join(root, tar_path(name)): obj})
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
         layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}
@@ -383,26 +383,26 @@ def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, 
 
 def _read_remote(fs, root: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitRecord, url: str) -> None:
     """Fetch the spans by byte range and finish their members. A span whose bytes fail a check (length, tar
-    header, CRC32C) is fetched again, with backoff, up to ``storage.FETCH_ATTEMPTS`` times in all before it
+    header, CRC32C) is fetched again, with backoff, up to ``transfer.FETCH_ATTEMPTS`` times in all before it
     is called corrupt: a body cut or damaged in transit looks complete to the HTTP client. A request that
     fails after the client's retries is a ``FetchError`` (never skipped as corrupt by the loader)."""
     todo = list(spans)
-    for attempt in range(1, storage.FETCH_ATTEMPTS + 1):
+    for attempt in range(1, transfer.FETCH_ATTEMPTS + 1):
         blobs = _fetch(fs, root, todo, rec, url)
         failed = []
         for span, blob in zip(todo, blobs):
             try:
                 _finish_span(span, blob, rec)
             except CorruptionError as e:
-                if attempt == storage.FETCH_ATTEMPTS or isinstance(blob, FileNotFoundError):
+                if attempt == transfer.FETCH_ATTEMPTS or isinstance(blob, FileNotFoundError):
                     raise
                 failed.append(span)
                 first = e
         if not failed:
             return
         log.warning("%d range(s) of %s failed their checks, fetching again (attempt %d of %d): %s",
-                    len(failed), tar_path(rec.shard), attempt + 1, storage.FETCH_ATTEMPTS, first)
-        time.sleep(storage.FETCH_BACKOFF_S * 2 ** (attempt - 1))
+                    len(failed), tar_path(rec.shard), attempt + 1, transfer.FETCH_ATTEMPTS, first)
+        time.sleep(transfer.FETCH_BACKOFF_S * 2 ** (attempt - 1))
         todo = failed
 
 
@@ -412,7 +412,7 @@ def _fetch(fs, root: str, spans: list[tuple[int, int, list[_Job]]], rec: CommitR
     except Exception as e:
         raise FetchError(f"shard {rec.shard!r} of store {url!r}: read failed: {type(e).__name__}: {e}") from None
     for blob in blobs:
-        failure = storage.fetch_failure(blob)
+        failure = transfer.fetch_failure(blob)
         if failure:
             raise FetchError(f"shard {rec.shard!r} of store {url!r}, file {tar_path(rec.shard)}: read failed after "
                              f"retries ({failure})")

@@ -26,7 +26,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from ..format import codec, fp8, health
-from .. import door, storage
+from .. import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
@@ -139,7 +139,7 @@ def write_shard(
     objects: dict[str, Any] = {k: v for k, v in zarr_metadata(build).items() if k.startswith(base + "/")}
     for arr_name, data, chunk, chunk_codec, _ in arrays:
         objects.update(encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec))
-    storage.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
+    transfer.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}
@@ -223,7 +223,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             key = chunk_key(array_path, k, 1 if width == 1 else 2)
             jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
                          direct))
-    if carry is None and not direct and feature_codec.spec == "none" and storage.stream_reads():
+    if carry is None and not direct and feature_codec.spec == "none" and transfer.stream_reads():
         return _stream_into(src, rec, fs, root, jobs, ct)
     carried = carry or {}
     fetch = [j[0] for j in jobs if not j[5] and j[0] not in carried]
@@ -247,7 +247,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             raise FetchError(f"shard {shard_name!r} of store {src.url!r}: read failed: "
                              f"{type(e).__name__}: {e}") from None
         for k in fetch:
-            failure = storage.fetch_failure(blobs.get(k))
+            failure = transfer.fetch_failure(blobs.get(k))
             if failure and not isinstance(blobs.get(k), CorruptionError):
                 # the path to the store failed (after retries), not the bytes: never "corrupt"
                 raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {k}: read failed after "
@@ -286,7 +286,7 @@ def chunk_bound(nbytes: int) -> int:
 
 def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list, ct: int) -> None:
     """``read_into``'s remote path for uncompressed chunks: each chunk's bytes go straight into the output (a
-    whole chunk) or a reused scratch buffer (part of one), its 4-byte tail beside (``storage.cat_into``, or the
+    whole chunk) or a reused scratch buffer (part of one), its 4-byte tail beside (``transfer.cat_into``, or the
     loader's chunk cache when attached), and are checked there: no bytes object per chunk, no fresh memory to
     fault in."""
     shard_name = rec.shard
@@ -481,7 +481,7 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
                     why = data.why if isinstance(data, door.WrongSize) else f"refused ({data.why})"
                     report.problems.append(Problem(rec.shard, why, k, samples_in_file(rec, k)))
                     continue
-                failure = storage.fetch_failure(data)
+                failure = transfer.fetch_failure(data)
                 if failure:  # unreachable is not "missing": verify cannot tell, so it stops
                     raise FetchError(f"shard {rec.shard}, file {k}: read failed after retries ({failure})")
                 if data is None or isinstance(data, Exception):

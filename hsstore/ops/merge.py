@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ..format import commit, index, names
 from ..layouts import base as layout
-from .. import destination, door, storage
+from .. import destination, door, storage, transfer
 from ..errors import CorruptionError, ManifestError, StoreError
 from ..format.manifest import check_compatible
 from ..store.reader import Store
@@ -112,7 +112,7 @@ def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
                 raise CorruptionError(f"{where}: does not match its commit record ({wrong}); run "
                                       f"`hsstore verify {src.url}`")
             out[storage.join(root, k)] = data
-        storage.put_many(fs, out)
+        transfer.put_many(fs, out)
         copied += sum(len(v) for v in out.values())
         keys, size = [], 0
     record = dataclasses.replace(rec, location=None)

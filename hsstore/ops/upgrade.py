@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ..format import commit, fp8, health, index
-from .. import storage
+from .. import storage, transfer
 from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest
 from ..store.reader import Store
 from ..format.report import Problem, VerifyReport
@@ -109,5 +109,5 @@ def _upgrade_manifest(store: Store) -> bool:
     now = read_manifest(store.fs, store.root, store.url)
     if now.to_json() != store.manifest.to_json():
         return False
-    storage.put_atomic(store.fs, path, dataclasses.replace(now, format_version=FORMAT_VERSION).to_json().encode())
+    transfer.put_atomic(store.fs, path, dataclasses.replace(now, format_version=FORMAT_VERSION).to_json().encode())
     return True

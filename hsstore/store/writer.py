@@ -29,7 +29,7 @@ import numpy as np
 
 from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
-from .. import destination, memory, storage
+from .. import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import MANIFEST_FILE, PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
 from ..version import __version__
@@ -63,8 +63,8 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         try:
             # each one atomic: a second writer starting at once must see all of an object or none of it
             for key, data in layout.get(manifest.layout).store_objects().items():
-                storage.put_atomic(fs, storage.join(root, key), data)
-            storage.put_atomic(fs, path, manifest.to_json().encode())
+                transfer.put_atomic(fs, storage.join(root, key), data)
+            transfer.put_atomic(fs, path, manifest.to_json().encode())
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
     existing = read_manifest(fs, root, url)
@@ -101,7 +101,7 @@ def merge_writer_extra(fs, root: str, url: str, existing: Manifest, manifest: Ma
             theirs = extra.get(key)
             extra[key] = {**(theirs if isinstance(theirs, dict) else {}), **mine}
         try:
-            storage.put_atomic(fs, storage.join(root, MANIFEST_FILE),
+            transfer.put_atomic(fs, storage.join(root, MANIFEST_FILE),
                                dataclasses.replace(existing, extra=extra).to_json().encode())
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
