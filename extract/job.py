@@ -23,7 +23,7 @@ from hsstore.format import assets
 from hsstore.devices import describe, resolve_device, route_cpu_kernels
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids
-from hsstore.format.taps import check_taps, default_taps
+from hsstore.format.taps import check_taps, default_taps, text_config
 
 from .capture import decoder_layers
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
@@ -33,8 +33,7 @@ from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identi
 from .readers import RowShard
 from .settings import ExtractConfig  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
-from .target import (DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps,
-                     text_config)
+from .target import DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps
 from .tokenize import TokenizedSample, TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from .format import layout_spec
 from .errors import StoreError
 from .redaction import RedactingFilter, recordable_url, scrub
 from .terminal import EscapingFilter, escape
-from .schema import Deprecated  # noqa: F401  (the commands' modules import it from here)
+from .schema import Deprecated
 from .version import __version__
 
 log = logging.getLogger("hsstore")

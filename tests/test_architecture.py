@@ -330,6 +330,42 @@ def test_internal_code_imports_from_defining_modules():
     assert not bad, "imports through hsstore/__init__.py:\n" + "\n".join(bad)
 
 
+def defined_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments, in ``if``/``try`` too), not
+    the names it imports."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(sub.name)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                for target in sub.targets if isinstance(sub, ast.Assign) else [sub.target]:
+                    out |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return out
+
+
+def test_names_are_imported_from_their_defining_module():
+    """``from M import name`` inside hsstore/, extract/ and train/ names the module that defines ``name`` (or a
+    submodule of M): no module serves as another's re-export, so every import edge is the real one."""
+    files = {}
+    for absolute, path in PACKAGES.values():
+        files.update({(f"{absolute}.{m}" if m != "__init__" else absolute): p for m, p in modules_of(path).items()})
+    bad = []
+    for mod, p in files.items():
+        package = mod.split(".") if p.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package[:len(package) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            if source not in files or source == "hsstore":  # outside packages; the facade: the test above
+                continue
+            defined = defined_names(files[source])
+            bad += [f"{p.relative_to(ROOT)}:{node.lineno}: from {source} import {a.name}" for a in node.names
+                    if a.name not in defined and f"{source}.{a.name}" not in files]
+    assert not bad, "names imported from a module that does not define them:\n" + "\n".join(bad)
+
+
 def test_tools_never_import_tests_nor_edit_sys_path():
     """tools/ share helpers with tests through the package (``hsstore.testing``) or tools/ itself: a tool that
     imports tests/ or edits ``sys.path`` runs only from a checkout laid out as the author's."""

@@ -12,7 +12,8 @@ import json
 import math
 
 from hsstore.config import add_config_option, settings
-from hsstore.cli import Deprecated, DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
+from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
+from hsstore.schema import Deprecated
 from hsstore.schema import add_arguments, from_args
 from hsstore.storage import parse_storage_options
 

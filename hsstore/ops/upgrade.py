@@ -24,7 +24,8 @@ import numpy as np
 
 from ..format import commit, fp8, health, index
 from .. import storage, transfer
-from ..format.manifest import FORMAT_VERSION, MANIFEST_FILE, read_manifest
+from ..format.manifest import FORMAT_VERSION, read_manifest
+from ..storage import MANIFEST_FILE
 from ..store.reader import Store
 from ..format.report import Problem, VerifyReport
 from .verify import check_committed_shard

@@ -28,7 +28,8 @@ from .. import memory, storage
 from ..format.commit import CommitRecord
 from ..errors import CorruptionError, ManifestError, StoreError
 from .items import make_item
-from ..format.manifest import MANIFEST_FILE, Manifest, read_manifest
+from ..format.manifest import Manifest, read_manifest
+from ..storage import MANIFEST_FILE
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it

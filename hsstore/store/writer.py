@@ -31,7 +31,8 @@ from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
 from .. import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
-from ..format.manifest import MANIFEST_FILE, PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
+from ..format.manifest import PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
+from ..storage import MANIFEST_FILE
 from ..version import __version__
 
 if TYPE_CHECKING:
