@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import shutil
 
 import pytest
@@ -340,6 +341,8 @@ def test_filters(store_url, samples):
         lambda i, s, n, l: l >= 60 and 20 <= n <= 150)
     assert sorted(ids_of(dataset(store_url, where=lambda r: r["sample_id"].endswith("7")))) == expect(
         lambda i, s, n, l: i.endswith("7"))
+    ds = dataset(store_url, where=lambda r: r["sample_id"].endswith("7"))  # applied at build: spawned workers
+    assert sorted(ids_of(pickle.loads(pickle.dumps(ds)))) == sorted(ids_of(ds))  # get a dataset without it
     with pytest.raises(StoreError, match="no samples left after filters"):
         dataset(store_url, sources=["poetry"])
 

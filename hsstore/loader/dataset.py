@@ -62,7 +62,7 @@ import time
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -204,7 +204,8 @@ class HiddenStateDataset(IterableDataset):
         if len(self.catalog) == 0:
             raise StoreError(f"no samples left after filters {selection.filters().describe()} in "
                              + ", ".join(repr(s.url) for s in self.stores))
-        self.filters = Filters(**{**selection.filters().__dict__, "where": None})  # applied; unpicklable (spawn)
+        self.selection = replace(selection, where=None)  # applied; a lambda does not pickle (spawn)
+        self.filters = self.selection.filters()
         self.world = (world or World.detect(by_node=planning.partition == "node")).at(worker=0, workers=1)
         self.max_prefetch = reading.max_prefetch(self.unit_tokens * self.token_bytes)
         self.planner = Planner(self.catalog, self.weights, seed=planning.seed, shuffle=planning.shuffle,
