@@ -131,7 +131,7 @@ class StoreOutput:
 
     out: str = _store_url()
     layout: str = option(layout_spec.DEFAULT, choices=list(layout_spec.names()),
-                         help="shard layout: " + "; ".join(f"{s.name} ({s.help})" for s in layout_spec.SPECS.values()))
+                         help="shard layout: " + " or ".join(f"{s.name} ({s.help})" for s in layout_spec.SPECS.values()))
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
     encoding: str = option("raw", choices=["raw", "fp8"],
                            help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, "

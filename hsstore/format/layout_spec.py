@@ -63,6 +63,6 @@ def refusal(layout: str, codec: str, encoding: str) -> str | None:
     return None
 
 
-register(LayoutSpec("zarr", "chunked arrays, codecs (the default)", "hsstore.layouts.zarr", chunk_cache=True))
+register(LayoutSpec("zarr", "chunked arrays, codecs", "hsstore.layouts.zarr", chunk_cache=True))
 register(LayoutSpec("wds", "WebDataset tars of .npy members", "hsstore.layouts.wds", chunk_cache=False,
                     codecs=("none",), encodings=("raw",), why="stores plain .npy members"))
