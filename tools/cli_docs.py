@@ -21,6 +21,8 @@ HEADER = """# Command reference
 
 Every `hsstore` command with every flag, in the groups `hsstore COMMAND --help` shows them. Generated from the
 parsers by `python -m tools.cli_docs`; do not edit by hand (`tests/test_cli_docs.py` fails when it is stale).
+In a `--config FILE.yaml` (train, extract) the groups are the sections (`gate_thresholds`, `drafter_shape`, ...;
+ungrouped flags under `options`) and the keys are the flags' names with `_` for `-`.
 """
 
 
