@@ -22,7 +22,7 @@ from hsstore.format import fp8, health
 from hsstore.errors import SampleError
 
 from .capture import run_tapped
-from .tokenize import TokenizedSample
+from .sample import TokenizedSample
 
 log = logging.getLogger(__name__)
 

@@ -311,7 +311,8 @@ def add_bench(sub) -> None:
                    "blosc-zstd[:level], lz4)")
     names = layout_spec.names()
     q.add_argument("--layout", default=layout_spec.DEFAULT,
-                   help=f"{', '.join(names)}, or several ({','.join(names)}: one after the other, compared)")
+                   help=f"{', '.join(names)}, or {'both' if len(names) == 2 else 'several'} ({','.join(names)}: one "
+                        "after the other, compared)")
     q.add_argument("--what", choices=["store", "loader", "all", "source"], default="store",
                    help="store: write/read; loader: HiddenStateDataset vs raw reads and the peers' layout; source: "
                         "--procs ranks read one epoch after another at once (--cold: page cache dropped before "

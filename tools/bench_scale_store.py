@@ -5,7 +5,7 @@ Stores are built by writing commit records directly (one real tiny shard is writ
 its record cloned under new shard names; only the first 16 shards have files, all that the loader's first item and
 its read-ahead touch with ``shuffle=False``). Each measurement runs in a fresh child process (peak RSS is its own; the
 figure after imports is reported as ``base``). On ``s3`` the store lives on moto's S3 server behind the fault
-proxy (``tests/faultproxy.py``), which delays every request by ``--latency`` seconds and counts requests.
+proxy (``hsstore.testing.faultproxy``), which delays every request by ``--latency`` seconds and counts requests.
 
     python -m tools.bench_scale_store --shards 1000,10000 --where s3 --latency 0.03,0.1
     python -m tools.bench_scale_store --shards 100000 --where s3 --latency 0.05 --index yes --s3-like-listing --replay
