@@ -258,7 +258,7 @@ def check_applied(args: argparse.Namespace) -> None:
         raise ValueError(f"--config {path} was not read (spell it --config FILE or --config=FILE)")
 
 
-def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The command's effective settings by section (secret storage options left out, URL passwords masked):
     what ``run.yaml`` records and ``--config`` reads back."""
     parser = getattr(args, PARSER_KEY)
@@ -287,10 +287,10 @@ def _public(dest: str, v: Any) -> Any:
     return v
 
 
-def dump(settings_: dict[str, dict[str, Any]], recorded: dict[str, Any] | None = None, header: str = "") -> str:
+def dump(flags: dict[str, dict[str, Any]], recorded: dict[str, Any] | None = None, header: str = "") -> str:
     import yaml
 
-    body = yaml.safe_dump(settings_, sort_keys=False, default_flow_style=False)
+    body = yaml.safe_dump(flags, sort_keys=False, default_flow_style=False)
     if recorded:
         body += yaml.safe_dump({RECORDED: recorded}, sort_keys=False, default_flow_style=False)
     return "".join(f"# {ln}\n" for ln in header.splitlines()) + body

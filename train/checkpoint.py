@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainConfig, recordable_config, recordable_stores
+from .config import LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, saved_config, recordable_stores
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -501,7 +501,7 @@ class Checkpointer:
     drafter: DFlashDrafter
     opt: Any
     sched: Any
-    cfg: TrainConfig
+    settings: TrainSettings
     config_json: dict[str, Any]  # the run's settings as saved (no storage options: they may hold secrets)
     extra: dict[str, Any]  # target, taps, tokenizer: written into the drafter's meta
     device: torch.device
@@ -524,18 +524,18 @@ class Checkpointer:
         if rank == 0:
             with checkpoint_errors(tmp, step):
                 write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
-                                      config=self.config_json, world=[world, self.cfg.workers], extra=self.extra)
-                publish(tmp, final, self.cfg.keep, best)
+                                      config=self.config_json, world=[world, self.settings.data.workers], extra=self.extra)
+                publish(tmp, final, self.settings.output.keep, best)
         if world > 1:
             dist.barrier()
 
     def resume_latest(self, source) -> tuple[int, int, Path | None]:
         """(step, epoch, checkpoint) to continue from: OUT's latest checkpoint (``resume``) unless the config
         says to start over; (0, 0, None) when there is none."""
-        latest = latest_checkpoint(self.out) if self.cfg.resume else None
+        latest = latest_checkpoint(self.out) if self.settings.output.resume else None
         if latest is None:
             return 0, 0, None
-        step, epoch = resume(latest, self.cfg, self.drafter, self.opt, self.sched, source, self.device, self.rank,
+        step, epoch = resume(latest, self.settings, self.drafter, self.opt, self.sched, source, self.device, self.rank,
                              self.world)
         log.info("rank %d: resumed from %s (step %d, epoch %d)", self.rank, latest, step, epoch)
         return step, epoch, latest
@@ -560,10 +560,10 @@ def _length(steps: int | None, epochs: float | None) -> str:
     return f"--steps {steps}" if steps is not None else f"--epochs {epochs}" if epochs is not None else "the default"
 
 
-def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, rank: int, world: int):
+def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, device, rank: int, world: int):
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = read_trainer_state(path)
-    now = recordable_config(cfg)  # as it was saved
+    now = recordable_config(settings)  # as it was saved
     before = {k: saved["config"].get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
     for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
         if key in before and before[key]:
@@ -574,19 +574,19 @@ def resume(path: Path, cfg: TrainConfig, drafter, opt, sched, source, device, ra
     diffs += [f"drafter {f.name}: {getattr(saved_cfg, f.name)!r} -> {getattr(mine, f.name)!r}"
               for f in dataclasses.fields(mine) if getattr(saved_cfg, f.name) != getattr(mine, f.name)]
     if diffs:
-        raise ValueError(f"{cfg.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
+        raise ValueError(f"{settings.run.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
                          "or --no-resume to start over")
     length = {k: saved["config"].get(k) for k in ("steps", "epochs")}
-    if rank == 0 and length != {"steps": cfg.steps, "epochs": cfg.epochs}:  # allowed, but never silent
+    if rank == 0 and length != {"steps": settings.run.steps, "epochs": settings.run.epochs}:  # allowed, but never silent
         log.warning("resuming %s with another length: %s before, %s now (the learning-rate schedule follows the "
-                    "new length from here)", path, _length(**length), _length(cfg.steps, cfg.epochs))
+                    "new length from here)", path, _length(**length), _length(settings.run.steps, settings.run.epochs))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
-    if saved["world"] == [world, cfg.workers] and rank in states:
+    if saved["world"] == [world, settings.data.workers] and rank in states:
         if states[rank] is not None:
             source.load_state_dict(states[rank])
     elif any(s is not None for s in states.values()):
         log.info("resuming a run of %s rank(s) x workers on %d x %d: re-cutting the rest of the epoch",
-                 saved["world"], world, cfg.workers)
+                 saved["world"], world, settings.data.workers)
         source.load_merged([s for s in states.values() if s is not None])
     return int(state["step"]), int(state["epoch"])

@@ -29,6 +29,7 @@ import torch
 
 import hsstore
 from hsstore import HiddenStateDataset, TokenBatches, count_token_batches, merge_states
+from hsstore.loader.batching import deprecated_budget
 
 from .objective import block_targets, sample_anchors, selected_positions
 
@@ -93,10 +94,11 @@ class StoreBatches:
     DataLoader pins them on its own thread); in-process batches are collated into pinned memory, and what is
     not pinned yet is pinned by ``read_ahead``."""
 
-    def __init__(self, urls: Sequence[str | hsstore.Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
-                 world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
+    def __init__(self, urls: Sequence[str | hsstore.Store], *, layers: Sequence[int], token_budget: int | None = None,
+                 seed: int, rank: int, world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False,
-                 partition: str = "global", cache_bytes: int | None = None):
+                 partition: str = "global", cache_bytes: int | None = None, max_tokens: int | None = None):
+        token_budget = deprecated_budget(token_budget, max_tokens, "StoreBatches")
         extra = {} if cache_bytes is None else {"cache_bytes": int(cache_bytes)}
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), seed=seed, rank=rank,
                                           world_size=world_size, weights=weights, storage_options=storage_options,
@@ -105,8 +107,8 @@ class StoreBatches:
                                           share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
-        self.batches = TokenBatches(self.dataset, max_tokens=max_tokens, pin_memory=pin_memory and workers == 0)
-        self.max_tokens, self.workers = int(max_tokens), int(workers)
+        self.batches = TokenBatches(self.dataset, token_budget=token_budget, pin_memory=pin_memory and workers == 0)
+        self.token_budget, self.workers = token_budget, int(workers)
         self.loader = None
         if workers > 0:
             try:
@@ -142,7 +144,7 @@ class StoreBatches:
         ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(epochs):
-            total += max(sum(count_token_batches(ds.planned_lengths(e, r, num_workers=W, worker=w), self.max_tokens)
+            total += max(sum(count_token_batches(ds.planned_lengths(e, r, num_workers=W, worker=w), self.token_budget)
                              for w in range(W)) for r in range(ds.world_size))
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
         return total
