@@ -222,6 +222,7 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
     settings that have no flag or come from elsewhere (a section's name: that whole section, e.g.
     ``thresholds=GateThresholds(...)``)."""
     by_section: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for s in settings_of(schema):
         if s.name in overrides:
             value = overrides.pop(s.name)
@@ -231,6 +232,9 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
                 value = not value
             if s.how.convert is not None:
                 value = s.how.convert(value)
+        elif s.field.default is MISSING and s.field.default_factory is MISSING:
+            missing.append(s.name)
+            continue
         else:
             value = s.default
         by_section.setdefault(s.section, {})[s.name] = value
@@ -238,21 +242,16 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
     whole = {sec: overrides.pop(sec) for sec in list(overrides) if sec in hints}
     if overrides:
         raise TypeError(f"{schema.__name__}: no settings named {sorted(overrides)}")
+    if missing:
+        raise TypeError(f"{schema.__name__}: settings without a default need a value: {', '.join(missing)}")
     return schema(**{sec: whole[sec] if sec in whole else hints[sec](**by_section.get(sec, {})) for sec in
                      (f.name for f in dataclasses.fields(schema))})
 
 
-def flat(config: Any, whole: tuple[str, ...] = ()) -> dict[str, Any]:
-    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare);
-    the sections named in ``whole`` as one value each, under the section's name."""
-    out: dict[str, Any] = {}
-    for sec in dataclasses.fields(config):
-        part = getattr(config, sec.name)
-        if sec.name in whole:
-            out[sec.name] = part
-        else:
-            out.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
-    return out
+def flat(config: Any) -> dict[str, Any]:
+    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare)."""
+    return {f.name: getattr(getattr(config, sec.name), f.name)
+            for sec in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, sec.name))}
 
 
 def build(schema: type, **by_name: Any) -> Any:
