@@ -18,6 +18,7 @@ import hsstore
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.cli import main as hsstore_cli
 from hsstore.train import checkpoint as ckpt
+from hsstore.train import drafter_format
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.build import drafter_config, load_frozen
 from hsstore.train.trainer import TrainSettings, train
@@ -59,7 +60,7 @@ def manifest_for(text_cfg, layers, vocab_size=None):
 def test_default_shape_is_the_published_qwen36_27b_drafter():
     cfg = drafter_config(manifest_for(QWEN36_27B_TEXT, [1, 16, 31, 46, 61]), {"text_config": QWEN36_27B_TEXT},
                          248320, build(TrainSettings, stores=["x"], out="x", mask_token_id=248070), torch.device("cpu"))
-    got = ckpt.hf_config(cfg)
+    got = drafter_format.hf_config(cfg)
     for key, want in PUBLISHED_27B.items():
         assert got[key] == want, key
     assert got["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
@@ -73,7 +74,7 @@ def test_default_shape_is_the_published_qwen3_8b_drafter():
     cfg = drafter_config(manifest_for(qwen3_8b, [1, 9, 17, 25, 33]), qwen3_8b, 151936,
                          build(TrainSettings, stores=["x"], out="x", mask_token_id=151669, sliding_window=0),
                          torch.device("cpu"))
-    got = ckpt.hf_config(cfg)
+    got = drafter_format.hf_config(cfg)
     published = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "head_dim": 128, "num_hidden_layers": 5, "layer_types": ["full_attention"] * 5,
                  "use_sliding_window": False, "sliding_window": None, "num_target_layers": 36, "rope_theta": 1000000,
@@ -146,7 +147,7 @@ def reference_tensors(n_layers=2, H=H, taps=L, heads=4, kv=2, hd=16, ffn=96):
 def test_exported_config_loads_in_transformers(tmp_path):
     from transformers import AutoConfig, Qwen3Config
 
-    ckpt.save_drafter(tmp_path / "d", tiny_drafter(), {"taps": [1, 3, 5]})
+    drafter_format.save_drafter(tmp_path / "d", tiny_drafter(), {"taps": [1, 3, 5]})
     c = AutoConfig.from_pretrained(tmp_path / "d")
     assert isinstance(c, Qwen3Config) and c.architectures == ["DFlashDraftModel"]
     assert c.sliding_window == 32 and c.use_sliding_window is True  # kept: transformers drops it otherwise
@@ -157,15 +158,15 @@ def test_exported_config_loads_in_transformers(tmp_path):
     assert c.block_size == 8 and c.num_target_layers == 8
     assert c.dflash_config == {"target_layer_ids": [1, 3, 5], "mask_token_id": V - 1}
     assert getattr(c, "is_causal", None) is None  # the engines' default: sliding causal, full non-causal
-    meta = json.loads((tmp_path / "d" / ckpt.META).read_text())
+    meta = json.loads((tmp_path / "d" / drafter_format.META).read_text())
     assert meta["taps"] == [1, 3, 5] and meta["attn_impl"] == "sdpa"
 
-    ckpt.save_drafter(tmp_path / "nc", tiny_drafter(sliding_causal=False))
+    drafter_format.save_drafter(tmp_path / "nc", tiny_drafter(sliding_causal=False))
     assert AutoConfig.from_pretrained(tmp_path / "nc").is_causal is False
 
 
 def test_exported_weights_have_the_reference_names_in_bf16(tmp_path):
-    ckpt.save_drafter(tmp_path, tiny_drafter())
+    drafter_format.save_drafter(tmp_path, tiny_drafter())
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in tensors.items()} == reference_tensors()
     assert {v.dtype for v in tensors.values()} == {torch.bfloat16}
@@ -175,7 +176,7 @@ def test_exported_weights_have_the_reference_names_in_bf16(tmp_path):
 
 def test_export_round_trips_into_load_drafter(tmp_path):
     model = tiny_drafter()
-    ckpt.save_drafter(tmp_path, model)
+    drafter_format.save_drafter(tmp_path, model)
     back = ckpt.load_drafter(tmp_path, model.embed_tokens, model.lm_head)
     assert dataclasses.asdict(back.config) == dataclasses.asdict(model.config)
     for k, v in model.state_dict().items():
@@ -188,19 +189,19 @@ def test_export_round_trips_into_load_drafter(tmp_path):
 
 def test_reads_the_published_config():
     d = {**PUBLISHED_27B, "rope_scaling": None, "dtype": "bfloat16", "use_cache": True, "max_window_layers": 5}
-    cfg = ckpt.config_from_hf(d)
+    cfg = drafter_format.config_from_hf(d)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (32, 8, 128, 5)
     assert cfg.sliding_window == [2048, 2048, 2048, 2048, None] and cfg.sliding_causal
     assert (cfg.target_layers, cfg.mask_token_id, cfg.block_size, cfg.rope_theta) == \
         ([1, 16, 31, 46, 61], 248070, 16, 1e7)
-    assert ckpt.config_from_hf({**d, "is_causal": False}).sliding_causal is False
+    assert drafter_format.config_from_hf({**d, "is_causal": False}).sliding_causal is False
     for bad, match in (({"attention_bias": True}, "attention_bias"), ({"is_causal": True}, "is_causal"),
                        ({"partial_rotary_factor": 0.25}, "partial rotary"),
                        ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "RoPE scaling"),
                        ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
                        ({"dflash_config": {"target_layer_ids": [1]}}, "mask_token_id")):
         with pytest.raises(ValueError, match=match):
-            ckpt.config_from_hf({**d, **bad})
+            drafter_format.config_from_hf({**d, **bad})
 
 
 def write_legacy(path: Path, model: DFlashDrafter) -> None:

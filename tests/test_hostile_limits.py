@@ -429,14 +429,14 @@ def huge_config_drafter(tmp_path):
     """A drafter directory whose config.json says intermediate_size 4M while its weights are a tiny model's."""
     import torch
 
-    from hsstore.train import checkpoint as ckpt
+    from hsstore.train import drafter_format
     from hsstore.train.model import DrafterConfig, DFlashDrafter
 
     cfg = DrafterConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=24,
                         intermediate_size=64, vocab_size=5000, target_layers=[1, 3, 5], block_size=8,
                         mask_token_id=4999, num_target_layers=8)
     head = torch.zeros(5000, 48)
-    path = ckpt.save_drafter(tmp_path / "drafter", DFlashDrafter(cfg, head, head))
+    path = drafter_format.save_drafter(tmp_path / "drafter", DFlashDrafter(cfg, head, head))
     d = json.loads((path / "config.json").read_text())
     d["intermediate_size"] = 4 << 20
     (path / "config.json").write_text(json.dumps(d))

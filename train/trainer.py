@@ -52,10 +52,12 @@ from .build import DraftLoss, build_drafter, check_healthy, drafter_meta, settin
 from .checkpoint import Checkpointer
 from .config import RESUME_KEYS, TrainSettings, recordable_config  # noqa: F401  (RESUME_KEYS: its old home)
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .drafter_format import save_drafter
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
 from .metrics import BestTracker, Meter, MetricsLog
+from .moved import moved_getattr
 from .objective import default_gamma
 from .optim import build_optimizer, build_scheduler, clip_grad
 
@@ -138,7 +140,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     # -- the drafter
     drafter_dir = None
     if rank == 0:
-        drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, checkpoints.extra)
+        drafter_dir = save_drafter(out / ckpt.DRAFTER_DIR, drafter, checkpoints.extra)
         metrics.close()
     if world > 1:
         dist.barrier()
@@ -328,12 +330,4 @@ _MOVED = {"load_frozen": "build", "pick_mask_token": "build", "drafter_config": 
           "write_run_file": "rundir"}
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        where = f"hsstore.train.{_MOVED[name]}"
-        warnings.warn(f"hsstore.train.trainer.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_getattr(__name__, _MOVED)
