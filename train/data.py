@@ -202,6 +202,32 @@ class ReadAheadStats:
         return out
 
 
+def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None
+                        ) -> tuple[dict[str, Any], Any]:
+    """(``batch`` on ``device``, the event its copies end with), the non-blocking copies issued on ``stream`` so
+    that they overlap the consumer's step; with ``stats``, timed by CUDA events."""
+    with torch.cuda.stream(stream):
+        begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
+        if begin is not None:
+            begin.record(stream)
+        batch = to_device(batch, device, non_blocking=True)
+        event = torch.cuda.Event(enable_timing=stats is not None)
+        event.record(stream)
+    if stats is not None:
+        stats.events.append((begin, event))
+    return batch, event
+
+
+def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
+    """The consumer's stream waits for the batch's copies, and its tensors are recorded on that stream, so their
+    memory is not reused before the step is done with them."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    for v in batch.values():
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            v.record_stream(current)
+
+
 def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
                stats: ReadAheadStats | None = None, threads: int | None = None,
                ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -245,17 +271,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 state = source.state_dict()
                 batch = prepare(batch)
                 t2 = time.perf_counter()
-                event = None
-                if cuda:
-                    with torch.cuda.stream(stream):
-                        begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
-                        if begin is not None:
-                            begin.record(stream)
-                        batch = to_device(batch, device, non_blocking=True)
-                        event = torch.cuda.Event(enable_timing=stats is not None)
-                        event.record(stream)
-                    if stats is not None:
-                        stats.events.append((begin, event))
+                batch, event = copy_on_side_stream(batch, device, stream, stats) if cuda else (batch, None)
                 if stats is not None:
                     stats.read.append(t1 - t0)
                     stats.prep.append(t2 - t1)
@@ -285,11 +301,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 stats.ready.append(ready)
             batch, state, event = item
             if event is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(event)
-                for v in batch.values():
-                    if isinstance(v, torch.Tensor) and v.is_cuda:
-                        v.record_stream(current)
+                hand_over_copy(batch, event, device)
             yield batch, state
     finally:
         stop.set()
