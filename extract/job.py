@@ -92,7 +92,7 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
     when the quality gate fails and ``settings.gate.force`` is false."""
     rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
-    device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate spends any time
+    device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
     planned_taps(settings.input.model, settings.capture.layers)  # and so do layer ids the target does not have
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(settings.input.model)
@@ -117,25 +117,25 @@ class GatedRows:
 
 
 def tokenize_settings(settings: ExtractSettings) -> dict[str, Any]:
-    """The tokenization settings the gate and this rank's rows share (the gate report records them too)."""
-    return dict(chat_template_kwargs=settings.tokenize.chat_template_kwargs, max_length=settings.tokenize.max_length, truncate=settings.tokenize.truncate,
-                expand=settings.tokenize.expand, trust_engine_ids=settings.tokenize.trust_engine_ids)
+    """The tokenization settings the gate and this rank's rows share (the gate report records them too): the
+    tokenize section, as keywords."""
+    return {f.name: getattr(settings.tokenize, f.name) for f in dataclasses.fields(settings.tokenize)}
 
 
 def gated_rows(settings: ExtractSettings, tokenizer, result: ExtractResult) -> GatedRows:
     """The gate's verdict, then this rank's tokenized rows; refuses before the model is loaded. The verdict comes
     from ``--gate-report`` (this rank tokenizes only its rows), from the same pass (one process: every row is
     this rank's) or from gating the whole input on every rank (torchrun without a report)."""
-    rank, world = result.rank, result.world_size
+    rank, world, inputs = result.rank, result.world_size, settings.input.inputs
     stats, tokenize_kw = TokenizeStats(), tokenize_settings(settings)
 
     def my_rows() -> list[TokenizedSample]:
-        return list(load_samples(settings.input.inputs, tokenizer, keep_over_length=True, stats=stats,
+        return list(load_samples(inputs, tokenizer, keep_over_length=True, stats=stats,
                                  shard=RowShard(rank, world), **tokenize_kw))
 
     samples = None
     if settings.gate.gate_report:
-        identity = run_identity(settings.input.inputs, tokenizer, thresholds=settings.thresholds, hash_content=False, **tokenize_kw)
+        identity = run_identity(inputs, tokenizer, thresholds=settings.thresholds, hash_content=False, **tokenize_kw)
         verdict = reuse_gate_report(settings.gate.gate_report, identity)
     elif world == 1:
         samples = my_rows()
@@ -145,7 +145,7 @@ def gated_rows(settings: ExtractSettings, tokenizer, result: ExtractResult) -> G
         log.warning("rank %d of %d: no --gate-report, so this rank runs the quality gate over the whole input (as "
                     "every rank does); run `hsstore check --report FILE` once and pass --gate-report FILE so that "
                     "each rank tokenizes only its own rows", rank, world)
-        result.gate = gate_inputs(settings.input.inputs, tokenizer, thresholds=settings.thresholds, **tokenize_kw)
+        result.gate = gate_inputs(inputs, tokenizer, thresholds=settings.thresholds, **tokenize_kw)
         verdict = GateVerdict.from_report(result.gate)
     refuse_unless_passed(settings, verdict, tokenizer)
     if samples is None:
@@ -185,7 +185,9 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("rank %d: extracting on %s", rank, describe(device))
-    model = model if model is not None else load_target(settings.input.model, DTYPES[settings.forward.dtype], device, progress=settings.run.progress)
+    if model is None:
+        model = load_target(settings.input.model, DTYPES[settings.forward.dtype], device,
+                            progress=settings.run.progress)
     route_cpu_kernels(model)
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
@@ -242,15 +244,16 @@ def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], 
     ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs),
     and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag."""
     tag = f"rank{rank:05d}"
+    store, features = settings.store, ("final_hidden",) if settings.capture.final_hidden else ()
     manifest = build_manifest(model, tokenizer, name=model_name(settings.input.model), layers=layers,
-                              codec=settings.store.codec, dtype=settings.forward.dtype, layout=settings.store.layout, encoding=settings.store.encoding,
-                              features=("final_hidden",) if settings.capture.final_hidden else ())
+                              codec=store.codec, dtype=settings.forward.dtype, layout=store.layout,
+                              encoding=store.encoding, features=features)
     if compile_check is not None:
         manifest = dataclasses.replace(manifest, extra={EXTRA_KEY: {tag: compile_check.record()}})
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = (ProcessWriter if uses_process_writer(settings, device) else StoreWriter)(
-        settings.store.out, manifest, writer_tag=tag, storage_options=settings.store.storage_options,
-        shard_bytes=settings.store.shard_bytes, check_finite=False)
+        store.out, manifest, writer_tag=tag, storage_options=store.storage_options, shard_bytes=store.shard_bytes,
+        check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
     if rows.over_length:
@@ -289,7 +292,8 @@ def write_features(settings: ExtractSettings, model, layers: list[int], writer, 
     try:
         stats = extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch,
                                 staging_tokens=token_budget, quantise=writer.fp8,
-                                host_alloc=writer.staging if use_process else None, final_hidden=settings.capture.final_hidden)
+                                host_alloc=writer.staging if use_process else None,
+                                final_hidden=settings.capture.final_hidden)
         writer.close()
         result.gpu_wait_s = stats.slot_wait_s
     except BaseException as e:

@@ -187,11 +187,12 @@ class ChatClient:
         self.want_ids = settings.server.extra_body.get("return_token_ids", True) is not False
         self._noted: set[str] = set()
         self._lock = threading.Lock()
-        headers = {"Authorization": f"Bearer {settings.server.api_key}"} if settings.server.api_key else {}
+        server = settings.server
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         self.http = httpx.Client(
-            base_url=api_base(settings.server.server), headers=headers,
-            timeout=httpx.Timeout(settings.server.timeout_s, connect=min(10.0, settings.server.timeout_s)),
-            limits=httpx.Limits(max_connections=settings.server.concurrency, max_keepalive_connections=settings.server.concurrency),
+            base_url=api_base(server.server), headers=headers,
+            timeout=httpx.Timeout(server.timeout_s, connect=min(10.0, server.timeout_s)),
+            limits=httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency),
         )
 
     def close(self) -> None:
@@ -202,12 +203,14 @@ class ChatClient:
         data = self._call("GET", "/models", None, "model list")["data"]
         names = [m["id"] for m in data]
         if len(names) != 1:
-            raise ValueError(f"{self.settings.server.server} serves {len(names)} models ({', '.join(names)}): pass --model")
+            raise ValueError(f"{self.settings.server.server} serves {len(names)} models ({', '.join(names)}): pass "
+                             "--model")
         return names[0]
 
     def complete(self, messages: list[dict], tools, what: str) -> dict:
-        body = {"model": self.settings.server.model, "messages": messages, "max_tokens": self.settings.generation.max_tokens,
-                "temperature": self.settings.generation.temperature}
+        generation = self.settings.generation
+        body = {"model": self.settings.server.model, "messages": messages, "max_tokens": generation.max_tokens,
+                "temperature": generation.temperature}
         if tools:
             body["tools"] = tools
         body.update(self.settings.server.extra_body)
@@ -223,8 +226,9 @@ class ChatClient:
                 raise
             with self._lock:
                 self.want_ids = False
-            self.note("refused", f"{api_base(self.settings.server.server)} refuses return_token_ids ({str(e)[-200:]}); asking "
-                                 "without it: rows record no engine ids and check/extract re-tokenize their text")
+            self.note("refused", f"{api_base(self.settings.server.server)} refuses return_token_ids "
+                                 f"({str(e)[-200:]}); asking without it: rows record no engine ids and check/extract "
+                                 "re-tokenize their text")
             body.pop("return_token_ids")
             return self._call("POST", "/chat/completions", body, what)
 
@@ -244,7 +248,8 @@ class ChatClient:
     def _call(self, method: str, path: str, body: dict | None, what: str) -> dict:
         import httpx
 
-        attempts = self.settings.server.retries + 1
+        server = self.settings.server
+        attempts = server.retries + 1
         for attempt in range(1, attempts + 1):
             retry_after = None
             try:
@@ -264,12 +269,12 @@ class ChatClient:
                 retry_after = _seconds(resp.headers.get("retry-after"))
             if attempt == attempts:
                 break
-            delay = min(self.settings.server.backoff_max_s, self.settings.server.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            delay = min(server.backoff_max_s, server.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
             delay = max(delay, retry_after or 0.0)
-            logger.warning("%s: %s; retry %d/%d in %.1fs", what, problem, attempt, self.settings.server.retries, delay)
+            logger.warning("%s: %s; retry %d/%d in %.1fs", what, problem, attempt, server.retries, delay)
             if self.stop.wait(delay):
                 raise RegenerateError(f"{what}: stopped while waiting to retry ({problem})")
-        raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(self.settings.server.server)} ({problem})")
+        raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(server.server)} ({problem})")
 
 
 def _seconds(value: str | None) -> float | None:
@@ -304,9 +309,9 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
         if ids is None:
             ids_missing.append(k)
             if client.want_ids:
-                client.note("missing", f"{api_base(client.settings.server.server)} returned no prompt_token_ids/token_ids "
-                                       "(vLLM >= 0.10.2 and SGLang return them for return_token_ids): rows record "
-                                       "no engine ids and check/extract re-tokenize their text")
+                client.note("missing", f"{api_base(client.settings.server.server)} returned no prompt_token_ids/"
+                                       "token_ids (vLLM >= 0.10.2 and SGLang return them for return_token_ids): rows "
+                                       "record no engine ids and check/extract re-tokenize their text")
             recorded.append(turn)
         else:
             recorded.append({**turn, "prompt_token_ids": ids[0], "token_ids": ids[1]})
@@ -318,8 +323,9 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
     if prompt.tools:
         row["tools"] = prompt.tools
     row["chat_template_kwargs"] = client.template_kwargs
+    generation = client.settings.generation
     row["generation"] = {"model": client.settings.server.model, "finish_reasons": finish, "completion_tokens": tokens,
-                         "max_tokens": client.settings.generation.max_tokens, "temperature": client.settings.generation.temperature,
+                         "max_tokens": generation.max_tokens, "temperature": generation.temperature,
                          # "engine": every generated turn records the engine's ids; else why not
                          "token_ids": "engine" if not ids_missing else client.why_no_ids()}
     return row, tokens
@@ -388,8 +394,9 @@ class RowWriter:
 
 
 def run_regenerate(settings: RegenerateSettings) -> RegenResult:
-    """Answer every prompt not yet in ``settings.data.out``, ``settings.server.concurrency`` at a time. On a failure the prompts in
-    flight are finished and written, then :class:`RegenerateError` names the prompt; re-run to resume."""
+    """Answer every prompt not yet in ``settings.data.out``, ``settings.server.concurrency`` at a time. On a
+    failure the prompts in flight are finished and written, then :class:`RegenerateError` names the prompt; re-run
+    to resume."""
     from tqdm.auto import tqdm
 
     if settings.generation.turns not in TURN_MODES:

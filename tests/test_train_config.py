@@ -88,6 +88,22 @@ def test_old_run_yaml_keys_keep_their_meaning(tmp_path):
     assert cfg.drafter.sliding_causal is True and cfg.output.resume is True and cfg.run.epochs == 6
 
 
+def test_old_and_flat_config_keys_load(tmp_path, caplog):
+    """A --config file with the old flag's key (max_tokens, under its section or under the flat ``options`` of
+    older releases) sets today's token_budget, with a warning; a key no flag ever had is still refused."""
+    f = tmp_path / "old.yaml"
+    f.write_text(yaml.safe_dump({"run": {"store": ["/s"], "out": "/o"}, "batch": {"max_tokens": 321}}))
+    with caplog.at_level("WARNING", logger="hsstore"):
+        assert train_config(parse(["train", "--config", str(f)])).batch.token_budget == 321
+    assert "max_tokens is the old name of token_budget" in caplog.text
+    f.write_text(yaml.safe_dump({"options": {"store": ["/s"], "out": "/o", "max_tokens": 5, "lr": 0.5}}))
+    settings = train_config(parse(["train", "--config", str(f)]))
+    assert settings.batch.token_budget == 5 and settings.schedule.lr == 0.5 and settings.run.stores == ["/s"]
+    f.write_text(yaml.safe_dump({"batch": {"max_tokenz": 5}}))
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", str(f)])
+
+
 def test_resume_keys_are_the_hand_written_ones():
     """The settings a resumed run may not change, as the tuple was written before the schema."""
     before = ("stores", "weights", "seed", "token_budget", "anchors", "block_size", "draft_layers",

@@ -27,7 +27,8 @@ def with_device_defaults(settings: TrainSettings, device: torch.device) -> Train
     """``settings`` with unset (None) ``token_budget`` and ``anchors`` set to ``device``'s defaults
     (``hsstore.devices.DEVICE_DEFAULTS``)."""
     row = defaults_for(device)
-    unset = {f.name: getattr(row, f.name) for f in dataclasses.fields(row) if getattr(settings.batch, f.name) is None}
+    unset = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)
+             if getattr(settings.batch, f.name) is None}
     return dataclasses.replace(settings, batch=dataclasses.replace(settings.batch, **unset)) if unset else settings
 
 
@@ -74,12 +75,13 @@ def check_cpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
     """Refuse (ValueError, one line with what to lower) a CPU step estimated above the available memory;
     returns the estimate."""
     need, have = step_bytes(dcfg, settings, trainable_params, frozen_params), available_bytes()
+    batch, cpu = settings.batch, DEVICE_DEFAULTS["cpu"]
     if have is not None and need > have:
         raise ValueError(
-            f"a training step of {settings.batch.token_budget:,} tokens with {settings.batch.anchors} anchors per sequence and "
+            f"a training step of {batch.token_budget:,} tokens with {batch.anchors} anchors per sequence and "
             f"{dcfg.num_layers} draft layers needs about {need / 2**30:.1f} GiB, and this machine has "
             f"{have / 2**30:.1f} GiB available: lower --token-budget and --anchors (CPU defaults "
-            f"{DEVICE_DEFAULTS['cpu'].token_budget} and {DEVICE_DEFAULTS['cpu'].anchors}) or --draft-layers, or train on a GPU")
+            f"{cpu.token_budget} and {cpu.anchors}) or --draft-layers, or train on a GPU")
     return need
 
 
@@ -201,24 +203,26 @@ GPU_USABLE = 0.93  # of the device's memory: the CUDA context, cuBLAS workspaces
 
 def plan_gpu_step(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, have: int, stores=None,
                   ) -> tuple[int, int, int | None]:
-    """(anchors, estimated bytes, sequences per batch at most or None) of ``settings``'s step within ``have`` bytes
-    (``fit_gpu_step``, which warns when it lowers anchors). ``stores``: the training stores, whose samples'
+    """(anchors, estimated bytes, sequences per batch at most or None) of the settings' step within ``have``
+    bytes (``fit_gpu_step``, which warns when it lowers anchors). ``stores``: the training stores, whose samples'
     lengths (``store_lengths``) bound the sequences per batch (``max_sequences``); without them (or samples) up
     to ``token_budget / ASSUMED_MIN_SEQUENCE`` are assumed."""
     lengths = store_lengths(stores) if stores else None
     seqs = None if lengths is None else max_sequences(lengths, settings.batch.token_budget)
     longest = None if seqs is None else int(np.max(lengths))
-    anchors, need = fit_gpu_step(dcfg, settings.batch.token_budget, settings.batch.anchors, trainable_params, frozen_params, have=have,
-                                 sequences=seqs, longest=longest, ce_chunk=settings.schedule.ce_chunk,
+    anchors, need = fit_gpu_step(dcfg, settings.batch.token_budget, settings.batch.anchors, trainable_params,
+                                 frozen_params, have=have, sequences=seqs, longest=longest,
+                                 ce_chunk=settings.schedule.ce_chunk,
                                  checkpoint_layers=settings.data.checkpoint_layers)
     return anchors, need, seqs
 
 
-def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, device: torch.device, stores=None):
+def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, device: torch.device,
+                     stores=None) -> TrainSettings:
     """``settings`` with anchors that fit the GPU (``plan_gpu_step``; logged when lowered), or ValueError.
 
-    ``settings.data.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to it
-    (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
+    ``settings.data.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to
+    it (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
     import logging
     import warnings
 
@@ -234,7 +238,8 @@ def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
     for w in caught:
         log.warning("%s", w.message)
     per_batch = (f"at most {seqs} sequences per batch (the stores' lengths)" if seqs is not None else
-                 f"up to {max(1, -(-settings.batch.token_budget // ASSUMED_MIN_SEQUENCE))} sequences per batch (assumed)")
+                 f"up to {max(1, -(-settings.batch.token_budget // ASSUMED_MIN_SEQUENCE))} sequences per batch "
+                 "(assumed)")
     log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence, %s%s)", need / 2**30,
              limit * GPU_USABLE / 2**30, anchors, per_batch,
              ", draft layers recomputed in backward" if settings.data.checkpoint_layers else "")

@@ -71,28 +71,32 @@ def drafter_config(manifest: hsstore.Manifest, target_cfg: dict[str, Any], vocab
     if tc.get("hidden_size") != manifest.hidden_size:
         raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
                          f"{manifest.hidden_size}")
-    attn = settings.schedule.attn if settings.schedule.attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
-    if settings.drafter.init is not None:
-        return init_config(settings.drafter.init, manifest, vocab_rows, settings, attn)
-    window = settings.drafter.sliding_window or None
-    windows = [window] * (settings.drafter.draft_layers - 1) + [None] if window else None
+    attn = settings.schedule.attn
+    attn = attn if attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
+    drafter = settings.drafter
+    if drafter.init is not None:
+        return init_config(drafter.init, manifest, vocab_rows, settings, attn)
+    window = drafter.sliding_window or None
+    windows = [window] * (drafter.draft_layers - 1) + [None] if window else None
     shape = {k: getattr(settings.shape, k) for k in SHAPE_KEYS if getattr(settings.shape, k) is not None}
     return DrafterConfig.from_target_config(
         SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
-        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, settings.drafter.mask_token_id),
-        target_layers=list(manifest.layers), num_layers=settings.drafter.draft_layers, block_size=settings.drafter.block_size,
-        sliding_window=windows, sliding_causal=settings.drafter.sliding_causal, attn_impl=attn,
+        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, drafter.mask_token_id),
+        target_layers=list(manifest.layers), num_layers=drafter.draft_layers, block_size=drafter.block_size,
+        sliding_window=windows, sliding_causal=drafter.sliding_causal, attn_impl=attn,
         num_target_layers=manifest.target.num_layers, **shape)
 
 
 SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
 
 
-def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, settings: TrainSettings, attn: str) -> DrafterConfig:
+def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, settings: TrainSettings,
+                attn: str) -> DrafterConfig:
     """The config of the drafter at ``path`` (``--init``), refused in one line when it does not fit the store:
     its taps must be among the store's layers, its hidden size, vocabulary, target depth and block size
     those of the store and flags; explicit shape flags must agree with it."""
     dcfg, _ = ckpt.read_drafter_config(path)
+    drafter, shape = settings.drafter, settings.shape
     problems = []
     missing = [t for t in dcfg.target_layers if t not in manifest.layers]
     if missing:
@@ -105,19 +109,19 @@ def init_config(path: str, manifest: hsstore.Manifest, vocab_rows: int, settings
         problems.append(f"hidden size {dcfg.hidden_size} != the store's {manifest.hidden_size}")
     if dcfg.vocab_size != vocab_rows:
         problems.append(f"vocabulary {dcfg.vocab_size} != the store's embedding rows {vocab_rows}")
-    if dcfg.block_size != settings.drafter.block_size:
-        problems.append(f"block size {dcfg.block_size} != --block-size {settings.drafter.block_size}")
-    if settings.drafter.mask_token_id is not None and settings.drafter.mask_token_id != dcfg.mask_token_id:
-        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {settings.drafter.mask_token_id}")
+    if dcfg.block_size != drafter.block_size:
+        problems.append(f"block size {dcfg.block_size} != --block-size {drafter.block_size}")
+    if drafter.mask_token_id is not None and drafter.mask_token_id != dcfg.mask_token_id:
+        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {drafter.mask_token_id}")
     mine = {"num_heads": dcfg.num_heads, "num_kv_heads": dcfg.num_kv_heads, "head_dim": dcfg.head_dim,
             "intermediate_size": dcfg.intermediate_size, "rope_theta": dcfg.rope_theta}
-    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(settings.shape, k)}" for k in SHAPE_KEYS
-                 if getattr(settings.shape, k) is not None and getattr(settings.shape, k) != mine[k]]
+    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(shape, k)}" for k in SHAPE_KEYS
+                 if getattr(shape, k) is not None and getattr(shape, k) != mine[k]]
     if problems:
         raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
     ckpt.check_weights_file(path, dcfg)  # its config describes its weights: checked before any is built
-    if dcfg.num_layers != settings.drafter.draft_layers or dcfg.sliding_window != (
-            [settings.drafter.sliding_window] * (settings.drafter.draft_layers - 1) + [None] if settings.drafter.sliding_window else None):
+    if dcfg.num_layers != drafter.draft_layers or dcfg.sliding_window != (
+            [drafter.sliding_window] * (drafter.draft_layers - 1) + [None] if drafter.sliding_window else None):
         log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
                  path, dcfg.num_layers, dcfg.sliding_window)
     return dataclasses.replace(dcfg, attn_impl=attn, num_target_layers=manifest.target.num_layers)
@@ -203,9 +207,10 @@ def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: i
     """What this run will do, in one line at its start: device, drafter shape, batch and schedule."""
     windows = sorted({w for w in (dcfg.sliding_window or [None])}, key=lambda w: (w is None, w or 0))
     kind = ", ".join("full" if w is None else f"window {w}" for w in windows)
-    steps = f"{settings.run.steps} steps" if settings.run.steps is not None else f"{settings.run.epochs} epochs"
+    run, batch = settings.run, settings.batch
+    steps = f"{run.steps} steps" if run.steps is not None else f"{run.epochs} epochs"
     return (f"training on {device} x {world}: drafter {dcfg.num_layers} layers ({kind}), {dcfg.num_heads} heads x "
             f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
-            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {settings.batch.token_budget:,} tokens "
-            f"per batch and rank, {settings.batch.anchors} anchors per sequence, {steps}, lr {settings.schedule.lr:g}, attention "
-            f"{dcfg.attn_impl}")
+            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {batch.token_budget:,} "
+            f"tokens per batch and rank, {batch.anchors} anchors per sequence, {steps}, lr "
+            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}")

@@ -346,7 +346,7 @@ class Checkpointer:
         if rank == 0:
             with checkpoint_errors(tmp, step):
                 write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
-                                      config=self.config_json, world=[world, self.settings.data.workers], extra=self.extra)
+                                 config=self.config_json, world=[world, self.settings.data.workers], extra=self.extra)
                 publish(tmp, final, self.settings.output.keep, best)
         if world > 1:
             dist.barrier()
@@ -397,12 +397,12 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
     diffs += [f"drafter {f.name}: {getattr(saved_cfg, f.name)!r} -> {getattr(mine, f.name)!r}"
               for f in dataclasses.fields(mine) if getattr(saved_cfg, f.name) != getattr(mine, f.name)]
     if diffs:
-        raise ValueError(f"{settings.run.out} holds a run with other settings ({'; '.join(diffs)}): use another --out, "
-                         "or --no-resume to start over")
-    length = {k: recorded.get(k) for k in ("steps", "epochs")}
-    if rank == 0 and length != {"steps": settings.run.steps, "epochs": settings.run.epochs}:  # allowed, but never silent
+        raise ValueError(f"{settings.run.out} holds a run with other settings ({'; '.join(diffs)}): use another "
+                         "--out, or --no-resume to start over")
+    length, run = {k: recorded.get(k) for k in ("steps", "epochs")}, settings.run
+    if rank == 0 and length != {"steps": run.steps, "epochs": run.epochs}:  # allowed, but never silent
         log.warning("resuming %s with another length: %s before, %s now (the learning-rate schedule follows the "
-                    "new length from here)", path, _length(**length), _length(settings.run.steps, settings.run.epochs))
+                    "new length from here)", path, _length(**length), _length(run.steps, run.epochs))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
     if saved["world"] == [world, settings.data.workers] and rank in states:

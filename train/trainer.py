@@ -98,11 +98,12 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
     # broadcasts them, and the loader reuses these
     stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.stores]
-    check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused before step 1
+    check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
     drafter, settings = build_drafter(stores, settings, device, rank)
-    gamma = settings.schedule.gamma if settings.schedule.gamma is not None else default_gamma(drafter.config.block_size)
-    model = wrap_ddp(DraftLoss(drafter, gamma, settings.schedule.ce_chunk, world, settings.schedule.ce_impl), world, device)
-    opt = build_optimizer(drafter, lr=settings.schedule.lr)
+    schedule = settings.schedule
+    gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)
+    model = wrap_ddp(DraftLoss(drafter, gamma, schedule.ce_chunk, world, schedule.ce_impl), world, device)
+    opt = build_optimizer(drafter, lr=schedule.lr)
     if rank == 0:
         log.info("%s", settings_line(drafter.config, settings, device, world, drafter.num_trainable_parameters()))
 
@@ -110,7 +111,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     if source is None:
         source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device)
     total = settings.run.steps if settings.run.steps is not None else source.planned_steps(settings.run.epochs)
-    sched = build_scheduler(opt, total, settings.schedule.warmup, settings.schedule.min_lr_ratio)
+    sched = build_scheduler(opt, total, schedule.warmup, schedule.min_lr_ratio)
 
     # -- resume, and what the run logs
     checkpoints = Checkpointer(out=out, drafter=drafter, opt=opt, sched=sched, settings=settings,
@@ -147,31 +148,34 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step)
 
 
-def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device) -> StoreBatches:
+def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device
+                  ) -> StoreBatches:
     """This rank's share of the stores (their ``layers``), in token-budget batches."""
+    data = settings.data
     remote = [s.url for s in stores if not storage.is_local(s.fs)]
-    if remote and settings.data.workers == 0 and device.type == "cuda" and rank == 0:
+    if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
         # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
         # thread that launches the step's kernels; in workers it does not
         log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
                  "the S3 client off the thread that launches the step", recordable_url(remote[0]))
-    return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed, rank=rank,
-                        world_size=world, workers=settings.data.workers, weights=settings.data.weights,
-                        storage_options=settings.storage.storage_options, cache_dir=settings.data.cache_dir,
-                        pin_memory=device.type == "cuda", partition=settings.data.partition, cache_bytes=settings.data.cache_bytes)
+    return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed,
+                        rank=rank, world_size=world, workers=data.workers, weights=data.weights,
+                        storage_options=settings.storage.storage_options, cache_dir=data.cache_dir,
+                        pin_memory=device.type == "cuda", partition=data.partition, cache_bytes=data.cache_bytes)
 
 
-def validation_for(settings: TrainSettings, manifest, drafter, gamma: float, device: torch.device, rank: int, world: int,
-                   group) -> Validation | None:
+def validation_for(settings: TrainSettings, manifest, drafter, gamma: float, device: torch.device, rank: int,
+                   world: int, group) -> Validation | None:
     """``--val-store``: the evaluation during training, over this rank's share of the validation stores
     (refused first unless they come from the training store's target and tokenizer)."""
-    if not settings.validation.val_stores:
+    val, options = settings.validation, settings.storage.storage_options
+    if not val.val_stores:
         return None
-    check_val_stores(manifest, settings.validation.val_stores, settings.storage.storage_options)
-    source = eval_source(settings.validation.val_stores, drafter.config.target_layers, settings.batch.token_budget, rank, world,
-                         settings.storage.storage_options, settings.data.cache_dir, pin_memory=device.type == "cuda")
-    return Validation(drafter, source, settings.validation.val_every or settings.output.save_every, device, gamma, settings.batch.anchors, settings.schedule.ce_chunk,
-                      world, group, settings.data.prefetch)
+    check_val_stores(manifest, val.val_stores, options)
+    source = eval_source(val.val_stores, drafter.config.target_layers, settings.batch.token_budget, rank, world,
+                         options, settings.data.cache_dir, pin_memory=device.type == "cuda")
+    return Validation(drafter, source, val.val_every or settings.output.save_every, device, gamma,
+                      settings.batch.anchors, settings.schedule.ce_chunk, world, group, settings.data.prefetch)
 
 
 def best_tracker(out: Path, resumed: bool, rank: int) -> BestTracker:
@@ -248,12 +252,12 @@ class Loop:
         self.source.set_epoch(epoch)
 
         def prepare(batch):
-            return add_anchors(batch, settings.schedule.seed, epoch, settings.batch.anchors, self.drafter.config.block_size, self.gamma,
-                               self.drafter.key_lengths)
+            return add_anchors(batch, settings.schedule.seed, epoch, settings.batch.anchors,
+                               self.drafter.config.block_size, self.gamma, self.drafter.key_lengths)
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
-        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads), self.world,
-                          self.group, interrupt)
+        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
+                          self.world, self.group, interrupt)
         finished = True
         t_wait = time.perf_counter()
         for batch, state in stream:
@@ -276,7 +280,8 @@ class Loop:
         # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
         batch = fp8.dequantise_batch(batch, self.stored_dtype)
         lr = self.sched.get_last_lr()[0]  # the rate this step uses
-        _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip, self.amp)
+        _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip,
+                                     self.amp)
         self.step += 1
         step = self.step
         self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
