@@ -88,6 +88,34 @@ def test_token_batches_resume(store_url, workers):  # noqa: F811
     assert head + ids(dl2) == full
 
 
+def test_old_budget_keyword_still_works_with_a_warning(store_url):  # noqa: F811
+    """``max_tokens=``, the budget's old keyword, makes the same batches as ``token_budget=`` (scripts keep
+    working), said as deprecated; both at once, or neither, is an error naming the keyword."""
+    new = [b["sample_id"] for b in TokenBatches(dataset(store_url, seed=2), token_budget=300)]
+    with pytest.warns(DeprecationWarning, match="use token_budget="):
+        old = [b["sample_id"] for b in TokenBatches(dataset(store_url, seed=2), max_tokens=300)]
+    assert old == new and len(new) > 1
+    with pytest.raises(TypeError, match="not both"):
+        TokenBatches(dataset(store_url), token_budget=300, max_tokens=300)
+    with pytest.raises(TypeError, match="token_budget is required"):
+        TokenBatches(dataset(store_url))
+
+
+def test_extraction_batches_follow_the_loaders_rule():
+    """extract's forward batches (longest first) obey the same rule as the loader's: sequences x longest <=
+    token_budget unless alone, at most max_batch."""
+    import numpy as np
+
+    from hsstore.extract.forward import token_budget_batches
+    from hsstore.extract.tokenize import TokenizedSample
+
+    samples = [TokenizedSample(f"s{i}", np.ones(n, np.int32), np.ones(n, np.uint8))
+               for i, n in enumerate([5, 90, 40, 40, 300, 7, 7])]
+    batches = token_budget_batches(samples, token_budget=100, max_batch=3)
+    assert [[s.num_tokens for s in b] for b in batches] == [[300], [90], [40, 40], [7, 7, 5]]
+    assert count_token_batches([300, 90, 40, 40, 7, 7, 5], 100, max_items=3) == len(batches)
+
+
 def test_padded_batch_fits_the_trainer_format(store_url):  # noqa: F811
     b = next(iter(TokenBatches(dataset(store_url), token_budget=512)))
     B, T = b["input_ids"].shape
