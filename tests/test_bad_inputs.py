@@ -17,9 +17,9 @@ import pytest
 import hsstore
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
+from hsstore.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
-from hsstore.schema import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -73,7 +73,8 @@ def edited_store(tiny_dir, tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text(good_line(0) + "\n" + good_line(1) + "\n")
     path = tmp_path / "edited"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(path), device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(path), device="cpu",
+                      progress=False))
     d = json.loads((path / "manifest.json").read_text())
     d["dtype"] = "float16"
     (path / "manifest.json").write_text(json.dumps(d))

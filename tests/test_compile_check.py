@@ -18,9 +18,9 @@ from hsstore.extract.speed import compile_forward
 from hsstore.extract.target import load_target
 from hsstore.extract.tokenize import load_samples
 from hsstore.ops.verify import verify
+from hsstore.schema import build
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import small_input  # noqa: F401  (fixture)
-from hsstore.schema import build
 
 
 def manifest_extra(url) -> dict:
@@ -68,7 +68,7 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
 def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811
     out = tmp_path / "eager"
     run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
-                              progress=False, force=True, compile=False))
+                      progress=False, force=True, compile=False))
     return out
 
 

@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 import hsstore
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train import checkpoint as ckpt
 from hsstore.train import drafter_format
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.build import drafter_config, load_frozen
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
-from hsstore.schema import build
 
 # Qwen/Qwen3.6-27B's text_config (the fields the drafter reads): 64 layers, 24 heads x 256, 4 KV heads,
 # partial rotary 0.25 with rope_theta 1e7
@@ -300,7 +300,8 @@ def edited(released, tmp_path, **changes) -> str:
 def test_init_refuses_a_drafter_that_does_not_fit(store32, released, tmp_path, change, flags, match):  # noqa: F811
     path = edited(released, tmp_path, **change) if change else str(released)
     with pytest.raises(ValueError, match=match):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST, **flags}))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST,
+                    **flags}))
     assert ckpt.latest_checkpoint(tmp_path / "run") is None
 
 

@@ -45,8 +45,8 @@ def prompts(path, n, start=0, **extra):
 
 
 def regenerate(url, inp, out, **kw):
-    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, temperature=1.0, max_tokens=200, concurrency=1, progress=False,
-                      backoff_s=0.01, **kw)
+    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, temperature=1.0, max_tokens=200,
+                concurrency=1, progress=False, backoff_s=0.01, **kw)
     return run_regenerate(cfg)
 
 
@@ -96,8 +96,8 @@ def test_sampled_ids_survive_regenerate_check_extract_read(target, tok, tmp_path
     assert rep["input"]["skipped_rows"] == 0
 
     store_url = str(tmp_path / "store")
-    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu", dtype="float32",
-                              layers=[1, 4], progress=False, force=True))
+    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu",
+                      dtype="float32", layers=[1, 4], progress=False, force=True))
     store = hsstore.open(store_url)
     assert len(store) == len(rows)
     for i in range(len(store)):
@@ -185,8 +185,8 @@ def test_prompt_mismatch_is_counted_named_and_trusted_on_request(target, tok, tm
     store_url = str(tmp_path / "store")
     from hsstore.extract.gate import GateThresholds
 
-    run_extract(build(ExtractSettings, out=store_url, thresholds=GateThresholds(max_skipped_share=0.5, max_truncated_share=1),
-                              **base))
+    lenient = GateThresholds(max_skipped_share=0.5, max_truncated_share=1)
+    run_extract(build(ExtractSettings, out=store_url, thresholds=lenient, **base))
     assert main(["info", store_url, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["skipped"] == {"engine_prompt_mismatch": 2} and info["samples"] == 2

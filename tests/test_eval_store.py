@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train.checkpoint import latest_checkpoint, load_drafter
 from hsstore.train.evaluate import eval_source, evaluate
 from hsstore.train.model import DFlashDrafter, DrafterConfig
@@ -19,7 +20,6 @@ from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 from conftest import make_manifest, write_samples
-from hsstore.schema import build
 
 H, V, MASK, C, S, GAMMA = 48, 32, 31, 5, 8, 4.0  # C: the token the constant drafter always drafts
 
@@ -210,7 +210,7 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
 
 def test_train_logs_validation(store32, tmp_path):  # noqa: F811
     result = train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=3, val_stores=[store32], val_every=2,
-                               **{**FAST, "log_every": 10}))
+                         **{**FAST, "log_every": 10}))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 3]  # the val steps are logged (and the last)
     assert all(r["loss"] is not None and r["val_tau"] >= 1 and len(r["val_acceptance"]) == 7 for r in rows)
@@ -229,4 +229,5 @@ def test_train_refuses_a_validation_store_of_another_target(store32, controlled_
     from hsstore.errors import ManifestError
 
     with pytest.raises(ManifestError, match="validation store"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, val_stores=[controlled_store[0]], **FAST))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, val_stores=[controlled_store[0]],
+                    **FAST))

@@ -32,8 +32,8 @@ def test_extract_final_hidden_is_the_norm_output_hf_and_lm_head_read(tiny_dir, t
                                                                       writer):
     out = str(tmp_path / "store")
     r = run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
-                                  dtype="float32", layers=[1, 4], progress=False, token_budget=700, writer=writer,
-                                  shard_bytes=60_000, final_hidden=True))
+                          dtype="float32", layers=[1, 4], progress=False, token_budget=700, writer=writer,
+                          shard_bytes=60_000, final_hidden=True))
     store = hsstore.open(out)
     assert r.samples == len(store) > 0 and len(store.commits) > 1
     assert store.manifest.layers == (1, 4) and store.manifest.features == ("final_hidden",)

@@ -19,9 +19,9 @@ from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError
 from hsstore.ops.info import summarize
 from hsstore.ops.verify import verify
+from hsstore.schema import build
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST
-from hsstore.schema import build
 
 
 def fp8_manifest(**kw):
@@ -242,7 +242,7 @@ def two_stores(tiny_dir, tmp_path_factory):
     path.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:8]) + "\n")
     bf16, f8 = str(root / "bf16"), str(root / "fp8")
     run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
-                              token_budget=700, progress=False))
+                      token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
                       "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "-q",
                       "--writer", "process"])  # fp8 values and scales through the shared-memory staging too

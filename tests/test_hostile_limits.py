@@ -32,10 +32,10 @@ from hsstore.format import codec, commit, index
 from hsstore import destination, storage
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
+from hsstore.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
-from hsstore.schema import build
 
 REPO = Path(__file__).resolve().parents[1]
 USER, PASSWORD = "alice", "pw-Zq81-secret"
@@ -168,7 +168,7 @@ def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
     from hsstore.train.config import TrainSettings, recordable_config
 
     cfg = build(TrainSettings, stores=[f"https://{USER}:{PASSWORD}@h/s"], val_stores=[f"s3://{USER}:{PASSWORD}@b/v"],
-                      out=str(tmp_path), storage_options={"secret": "x"})
+                out=str(tmp_path), storage_options={"secret": "x"})
     saved = json.dumps(recordable_config(cfg))
     assert PASSWORD not in saved and '"https://h/s"' in saved and '"s3://b/v"' in saved
     assert json.loads(saved)["storage_options"] is None
@@ -182,7 +182,7 @@ def test_train_from_a_store_url_with_password(store32_http, tmp_path):
     url, bare = store32_http
     out = tmp_path / "run"
     train(build(TrainSettings, stores=[url], out=str(out), steps=2, save_every=1, keep=0, cache_dir=str(tmp_path / "c"),
-                      **FAST))
+                **FAST))
     files = [out / "train_config.json", *out.glob("checkpoints/*/trainer.json")]
     assert len(files) >= 3
     for f in files:
@@ -198,8 +198,8 @@ def store32_http(tiny_dir, tmp_path_factory):
     served = tmp_path_factory.mktemp("served")
     inp = served / "in.jsonl"
     inp.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"), dtype="float32",
-                              device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"),
+                      dtype="float32", device="cpu", progress=False))
     srv = serve_with_basic_auth(str(served))
     base = f"127.0.0.1:{srv.server_address[1]}/store"
     yield f"http://{USER}:{PASSWORD}@{base}", f"http://{base}"

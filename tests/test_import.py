@@ -16,8 +16,8 @@ import hsstore
 from hsstore.cli import main
 from hsstore.errors import SampleError
 from hsstore.format.manifest import check_compatible
-from hsstore.store.reader import committed_ids
 from hsstore.schema import build
+from hsstore.store.reader import committed_ids
 
 LAYERS, HIDDEN = (1, 3, 5), 48
 IDENTITY = ["--layers", "1,3,5", "--model-name", "peer-target", "--num-layers", "8", "--hidden-size", str(HIDDEN),
@@ -490,7 +490,8 @@ def test_export_then_import_gives_a_store_train_and_show_use(tiny_dir, tmp_path,
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
     src, exp = tmp_path / "src", tmp_path / "exp"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu",
+                      progress=False))
     assert main(["export", "specforge", str(src), str(exp), "-q"]) == 0
     back = tmp_path / "back"
     assert main(["import", "specforge", str(exp), "--out", str(back), "-q"]) == 0  # no identity flags needed

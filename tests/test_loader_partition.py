@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader
 from hsstore import merge_states
 from hsstore.distributed import node_of
 from hsstore.loader.dataset import LoaderStateError
+from hsstore.schema import build
 
 from test_loader import StatefulDataLoader, dataset, ids_of, samples, store_url, write_store  # noqa: F401
 from conftest import make_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
-from hsstore.schema import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader
 import hsstore
 from hsstore.loader.cache import ChunkCache
 from hsstore.errors import StoreError
+from hsstore.schema import build
 
 from conftest import make_samples
 from test_loader import bits, dataset, ids_of, write_store
-from hsstore.schema import build
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -214,7 +214,7 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
 
     def said(stores, workers=0, device=cuda):
         cfg = build(TrainSettings, stores=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
-                          token_budget=1024)
+                    token_budget=1024)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hsstore.train.trainer"):
             try:

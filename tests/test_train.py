@@ -17,11 +17,11 @@ import hsstore
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import build_tiny_target
 from hsstore.extract.tokenize import load_samples
+from hsstore.schema import build
 from hsstore.train import checkpoint as ckpt
 from hsstore.train.build import drafter_config, load_frozen, pick_mask_token
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, REPO, small_input, store32  # noqa: F401  (fixtures)
-from hsstore.schema import build
 
 
 def losses(run_dir) -> list[float]:
@@ -145,7 +145,7 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     target = build_tiny_target(tmp_path / "target")
     store = tmp_path / "store"
     run_extract(build(ExtractSettings, model=str(target), inputs=[str(small_input)], out=str(store), device="cpu",
-                              progress=False))
+                      progress=False))
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
         import sys

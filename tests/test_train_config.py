@@ -13,12 +13,12 @@ import yaml
 
 from hsstore import config
 from hsstore.cli import build_parser
+from hsstore.schema import build
 from hsstore.storage import parse_storage_options
 from hsstore.train.cli import command_settings
 from hsstore.train.config import RESUME_KEYS, TrainSettings, recordable_config, saved_config
 from hsstore.train.metrics import Meter
 from hsstore.schema import settings_of
-from hsstore.schema import build
 
 
 def parse(argv):
@@ -35,7 +35,8 @@ def old_cli_config(args) -> TrainSettings:
     """What train/cli.py built before the schema, field by field (copied from its last hand-written version)."""
     return build(TrainSettings, 
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
-        token_budget=args.token_budget, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
+        token_budget=args.token_budget, anchors=args.anchors, block_size=args.block_size,
+        draft_layers=args.draft_layers,
         sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
@@ -80,8 +81,8 @@ def test_old_run_yaml_keys_keep_their_meaning(tmp_path):
         "data": {"weight": [2.0]}, "storage": {"storage_option": ["anon=true"]}}))
     cfg = train_config(parse(["train", "--config", str(f)]))
     assert cfg == build(TrainSettings, stores=["/s/a"], out="/o", epochs=2, token_budget=123, sliding_window=None,
-                              sliding_causal=False, resume=False, progress=False, weights=[2.0],
-                              storage_options={"anon": True})
+                        sliding_causal=False, resume=False, progress=False, weights=[2.0],
+                        storage_options={"anon": True})
     f.write_text(yaml.safe_dump({"run": {"store": ["/s/a"], "out": "/o"},
                                  "drafter": {"non_causal_sliding": False}, "output": {"no_resume": False}}))
     cfg = train_config(parse(["train", "--config", str(f)]))

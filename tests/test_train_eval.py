@@ -6,12 +6,12 @@ import torch
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
 from hsstore.train.build import load_frozen
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
-from hsstore.schema import build
 
 S, NEW = 8, 24
 

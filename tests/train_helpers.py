@@ -26,5 +26,5 @@ def store32(tiny_dir, small_input, tmp_path_factory):
     the same sample gives bit-identical features."""
     out = tmp_path_factory.mktemp("store") / "s"
     run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), dtype="float32",
-                              device="cpu", token_budget=1, progress=False))
+                      device="cpu", token_budget=1, progress=False))
     return str(out)

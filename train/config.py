@@ -28,6 +28,11 @@ from . import tracking
 DEFAULT_EPOCHS = 6
 
 
+def _device() -> Any:
+    return option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when "
+                             "there is one)")
+
+
 @dataclass
 class Run:
     stores: list[str] = option(flag="--store", dest="store", required=True, metavar="URL", resume=True, path=True,
@@ -35,8 +40,7 @@ class Run:
     out: str = option(required=True, path=True, help="run directory (metrics, checkpoints, drafter)")
     steps: int | None = option(None, exclusive="length", help="optimizer steps")
     epochs: int | None = option(None, exclusive="length", help=f"passes over the data (default {DEFAULT_EPOCHS})")
-    device: str | None = option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: "
-                                "the GPU when there is one)")
+    device: str | None = _device()
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -240,8 +244,7 @@ class Speculative:
 
 @dataclass
 class EvalRun:
-    device: str | None = option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: "
-                                           "the GPU when there is one)")
+    device: str | None = _device()
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
 
 
