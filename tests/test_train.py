@@ -115,6 +115,19 @@ def test_resume_refuses_other_settings(store32, tmp_path):
         train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **{**FAST, "anchors": 16}))
 
 
+def test_resume_reads_a_checkpoint_that_names_the_budget_max_tokens(store32, tmp_path):
+    """A checkpoint whose trainer.json records the budget under its old name resumes with the same budget, and
+    refuses another one, naming it."""
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    state_file = ckpt.latest_checkpoint(tmp_path) / "trainer.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["max_tokens"] = state["config"].pop("token_budget")
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=f"token_budget: {FAST['token_budget']} -> 512"):
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **{**FAST, "token_budget": 512}))
+    assert train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST)).start_step == 1
+
+
 def test_checkpoints_are_pickle_free_and_optimizer_roundtrips(store32, tmp_path):
     train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST))
     last = ckpt.latest_checkpoint(tmp_path)
