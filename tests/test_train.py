@@ -162,6 +162,7 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
         import sys
+        from hsstore.schema import build
         from hsstore.train.trainer import TrainSettings, train
         r = train(build(TrainSettings, stores=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
         assert r.steps == 2 and r.drafter_dir is not None
