@@ -57,7 +57,7 @@ class Bound:
 
 # Measured on the tiny targets (trained and random, 8 layers, hidden 64; `python -m tools.audit_bounds`), each
 # store extracted in token-budget batches (right padding) and its features compared per sample with a batch-1
-# eager forward in the store's dtype (worst of 8 samples x taps 1-5; docs/ARCHITECTURE.md "Audit bounds"):
+# eager forward in the store's dtype (worst of 8 samples x taps 1-5; docs/PERFORMANCE.md "Audit"):
 #   float32   true layer: 1 - cosine 3e-14, rel. error 2.4e-7
 #   float16   true layer: 1 - cosine 1e-8,  rel. error 1.5e-4
 #   bfloat16  true layer: 1 - cosine 4e-7,  rel. error 8.8e-4

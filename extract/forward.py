@@ -23,7 +23,7 @@ from hsstore.errors import SampleError
 from hsstore.loader.batching import TokenBudget
 
 from .capture import run_tapped
-from .tokenize import TokenizedSample
+from .sample import TokenizedSample
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ import numpy as np
 from .show import format_sample
 from hsstore.schema import option
 from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, top_values
-from .tokenize import TokenizedSample, TokenizeStats
+from .sample import TokenizedSample
+from .tokenize import TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
 FLAG_ORDER = SAMPLE_FLAGS

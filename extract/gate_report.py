@@ -25,7 +25,8 @@ from hsstore import storage
 
 from .gate import GateReport, GateThresholds, check, is_stub
 from .readers import _hf_dataset_dir, input_files
-from .tokenize import TokenizedSample, TokenizeStats, load_samples
+from .sample import TokenizedSample
+from .tokenize import TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,12 @@ from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
+from .sample import TokenizedSample
 from .settings import ExtractSettings  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
 from .target import (DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps,
                      text_config)
-from .tokenize import TokenizedSample, TokenizeStats, load_samples
+from .tokenize import TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ class Malformed:
     the row can be trusted), ``where`` names file, line and column."""
 
     sample_id: str
-    reason: str  # "malformed_json" or "invalid_row" (tokenize.SKIP_REASONS)
+    reason: str  # "malformed_json" or "invalid_row" (messages.SKIP_REASONS)
     message: str
 
 

@@ -49,8 +49,8 @@ from pathlib import Path
 from hsstore.schema import replace
 
 from .readers import ChatRecord, input_files, read_records
+from .messages import parse_message_list, role_and_content, split_reasoning
 from .settings import RegenerateSettings
-from .tokenize import parse_message_list, role_and_content, split_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def assistant_turn(message: dict, finish_reason: str | None) -> dict:
 
     Reasoning comes from the server's reasoning parser (``reasoning_content``; newer vLLM says ``reasoning``),
     and the content is then kept whole; only without such a field is an inline ``<think>...</think>`` split
-    out of the content (``tokenize.split_reasoning``, the rule extraction applies too). A think block left
+    out of the content (``messages.split_reasoning``, the rule extraction applies too). A think block left
     open means the generation stopped inside the reasoning: recorded as ``finish_reason: "length"`` whatever
     the server said.
     """

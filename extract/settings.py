@@ -37,7 +37,7 @@ def parse_layers(value: str | None) -> list[int] | None:
 
 def template_kwargs(value: str | None) -> dict:
     """``--chat-template-kwargs`` JSON as a dict (an error names the flag)."""
-    from .tokenize import template_kwargs_of
+    from .messages import template_kwargs_of
 
     return template_kwargs_of(value, "--chat-template-kwargs")
 

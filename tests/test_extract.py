@@ -99,7 +99,7 @@ def test_prefill_equals_token_by_token_generation(model32, demo_samples):
 
 
 def test_token_budget_batches():
-    from hsstore.extract.tokenize import TokenizedSample
+    from hsstore.extract.sample import TokenizedSample
     import numpy as np
 
     samples = [TokenizedSample(f"s{i}", np.zeros(n, np.int32), np.ones(n, np.uint8)) for i, n in

@@ -14,7 +14,8 @@ from hsstore.cli import main as hsstore_main
 from hsstore.extract.gate import GateThresholds, check
 from hsstore.extract.show import format_sample
 from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
-from hsstore.extract.tokenize import TokenizedSample, TokenizeStats, load_samples
+from hsstore.extract.sample import TokenizedSample
+from hsstore.extract.tokenize import TokenizeStats, load_samples
 
 
 def demo_report(tok, thresholds=None):

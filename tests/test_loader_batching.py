@@ -107,7 +107,7 @@ def test_extraction_batches_follow_the_loaders_rule():
     import numpy as np
 
     from hsstore.extract.forward import token_budget_batches
-    from hsstore.extract.tokenize import TokenizedSample
+    from hsstore.extract.sample import TokenizedSample
 
     samples = [TokenizedSample(f"s{i}", np.ones(n, np.int32), np.ones(n, np.uint8))
                for i, n in enumerate([5, 90, 40, 40, 300, 7, 7])]

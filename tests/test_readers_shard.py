@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from hsstore.extract.readers import RowShard, read_inputs
-from hsstore.extract.tokenize import ChatTokenizer, TokenizeStats, load_samples
+from hsstore.extract.chat_tokenizer import ChatTokenizer
+from hsstore.extract.tokenize import TokenizeStats, load_samples
 
 
 def chat(i: int) -> dict:

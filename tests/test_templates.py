@@ -14,7 +14,9 @@ from transformers import AutoTokenizer
 from chat_templates import QWEN3_LIKE, QWEN35_LIKE, QWEN35_SMALL_LIKE, QWEN36_LIKE
 from hsstore.extract.readers import ChatRecord
 from hsstore.extract.tiny import tiny_target_dir
-from hsstore.extract.tokenize import ChatTokenizer, RowError, TokenizeStats, load_samples, split_reasoning
+from hsstore.extract.chat_tokenizer import ChatTokenizer
+from hsstore.extract.messages import RowError, split_reasoning
+from hsstore.extract.tokenize import TokenizeStats, load_samples
 
 SYS = "<|im_start|>system\nYou are terse.<|im_end|>\n"
 USER = "<|im_start|>user\nWhat is 2+3?<|im_end|>\n"

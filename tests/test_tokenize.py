@@ -13,7 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from hsstore.extract.readers import derive_id, read_records
 from hsstore.extract.response import masked_spans
 from hsstore.extract.tiny import CHAT_TEMPLATE, demo_conversations_path, tiny_target_dir
-from hsstore.extract.tokenize import ChatRecord, ChatTokenizer, RowError, TemplateError, TokenizeStats, load_samples, split_inline_think, tokenize_conversation
+from hsstore.extract.chat_tokenizer import ChatTokenizer
+from hsstore.extract.messages import RowError, TemplateError, split_inline_think
+from hsstore.extract.readers import ChatRecord
+from hsstore.extract.tokenize import TokenizeStats, load_samples, tokenize_conversation
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 

@@ -35,7 +35,7 @@ import torch
 
 from hsstore.extract.capture import base_model, decoder_layers, run_tapped
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
-from hsstore.extract.tokenize import TokenizedSample
+from hsstore.extract.sample import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, storage
 from hsstore.format import assets, health
 from hsstore.distributed import rank_and_world
