@@ -25,7 +25,7 @@ from hsstore.terminal import escape
 
 from .gate import GateThresholds
 from .settings import (AuditSettings, CheckSettings, DemoSettings, ExportSettings, ExtractSettings, ImportSettings,
-                       RegenerateSettings, ShowSettings, add_shard_mb_flag, extract_config, regen_config,
+                       RegenerateSettings, ShowSettings, add_shard_mb_flag, regenerate_settings,
                        shared_overrides)
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class EstimateUnavailable(ValueError):
     this one line and leaves the estimate out, the gate's verdict standing; ``--estimate-only`` fails with it."""
 
 
-def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
+def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
     """``hsstore.ops.estimate`` for ``check``: taps and hidden size from the flags, else the model's config.
     Raises :class:`EstimateUnavailable`, saying what it needs, when the config's depth gives no default taps."""
     import json
@@ -50,7 +50,7 @@ def cost_estimate(cfg: CheckSettings, samples: int, tokens: int) -> dict:
     from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
     from hsstore.format.taps import default_taps, text_config
 
-    est, model = cfg.estimate, cfg.input.model
+    est, model = settings.estimate, settings.input.model
     hidden, layers = est.hidden, est.layers
     if model and (hidden is None or layers is None):
         target = text_config(json.loads((Path(model) / "config.json").read_text()))
@@ -195,27 +195,27 @@ def run_check(args: argparse.Namespace) -> int:
     from .gate_report import gate_inputs
     from .target import load_tokenizer, planned_taps
 
-    cfg = from_args(CheckSettings, args)
-    est, out, tok = cfg.estimate, cfg.report, cfg.tokenize
-    if cfg.input.model and est.layers:  # given taps checked against the model's depth before any tokenizing
-        planned_taps(cfg.input.model, est.layers)  # (DFlash's default ones only matter to the estimate: see below)
+    settings = from_args(CheckSettings, args)
+    est, out, tok = settings.estimate, settings.report, settings.tokenize
+    if settings.input.model and est.layers:  # given taps checked against the model's depth before any tokenizing
+        planned_taps(settings.input.model, est.layers)  # (DFlash's default ones only matter to the estimate: see below)
     if est.estimate_only:
         if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")
-        figures = cost_estimate(cfg, int(est.samples), int(est.tokens))
+        figures = cost_estimate(settings, int(est.samples), int(est.tokens))
         print(json.dumps({"estimate": figures}, indent=2) if out.json else format_text(figures),
               end="\n" if out.json else "")
         return 0
-    if not cfg.input.model or not cfg.input.inputs:
+    if not settings.input.model or not settings.input.inputs:
         raise ValueError("check needs --model and --input (or --estimate-only with counts)")
-    tokenizer = load_tokenizer(cfg.input.model)
-    report = gate_inputs(cfg.input.inputs, tokenizer, thresholds=cfg.thresholds,
+    tokenizer = load_tokenizer(settings.input.model)
+    report = gate_inputs(settings.input.inputs, tokenizer, thresholds=settings.thresholds,
                          chat_template_kwargs=tok.chat_template_kwargs, max_length=tok.max_length,
                          truncate=tok.truncate, expand=tok.expand, report_url=out.report,
                          trust_engine_ids=tok.trust_engine_ids)
     kept = [s for s in report.samples if tok.truncate or "over_length" not in s.flags]
     try:  # optional: what it cannot do is one line, never the gate's verdict
-        figures, omitted = cost_estimate(cfg, len(kept), sum(s.tokens for s in kept)), None
+        figures, omitted = cost_estimate(settings, len(kept), sum(s.tokens for s in kept)), None
     except EstimateUnavailable as e:
         figures, omitted = None, str(e)
     if out.json:
@@ -237,13 +237,13 @@ def run_show(args: argparse.Namespace) -> int:
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
 
-    cfg = from_args(ShowSettings, args, **shared_overrides(args))
-    where, tok, color = cfg.input, cfg.tokenize, _use_color(cfg.output.color)
+    settings = from_args(ShowSettings, args, **shared_overrides(args))
+    where, tok, color = settings.input, settings.tokenize, _use_color(settings.output.color)
     options = storage.interactive_options(where.input, where.storage_options)  # a person waits for it
     fs, root = storage.resolve(where.input, options)  # bad URL or options: their own error
     if storage.store_exists(fs, root, where.input):
         print(format_store_sample(where.input, where.n, options, model=where.model, color=color,
-                                  max_chars=cfg.output.max_chars))
+                                  max_chars=settings.output.max_chars))
         return 0
     if storage.is_local(fs) and not os.path.exists(root):
         raise ValueError(f"{recordable_url(where.input)} does not exist (neither a store nor an input file)")
@@ -253,7 +253,7 @@ def run_show(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(where.model)
     sample = input_sample(where.input, where.n, tokenizer, expand=tok.expand,
                           chat_template_kwargs=tok.chat_template_kwargs, trust_engine_ids=tok.trust_engine_ids)
-    print(format_input_sample(sample, tokenizer, color=color, max_chars=cfg.output.max_chars))
+    print(format_input_sample(sample, tokenizer, color=color, max_chars=settings.output.max_chars))
     return 0
 
 
@@ -262,10 +262,10 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
 
     from .audit import audit
 
-    cfg = from_args(AuditSettings, args, **shared_overrides(args))
-    a = cfg.input
+    settings = from_args(AuditSettings, args, **shared_overrides(args))
+    a = settings.input
     report = audit(a.url, a.model, samples=a.samples, device=a.device, storage_options=a.storage_options,
-                   progress=cfg.run.progress)
+                   progress=settings.run.progress)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
@@ -278,9 +278,9 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
 def run_extract_cmd(args: argparse.Namespace) -> int:
     from .job import GateRefused, run_extract
 
-    cfg = extract_config(from_args(ExtractSettings, args, **shared_overrides(args)))
+    settings = from_args(ExtractSettings, args, **shared_overrides(args))
     try:
-        result = run_extract(cfg)
+        result = run_extract(settings)
     except GateRefused as e:
         print(e.text, end="")
         print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)
@@ -299,22 +299,22 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
 def run_import_cmd(args: argparse.Namespace) -> int:
     from .peers import import_files, import_manifest, peer_files
 
-    cfg = from_args(ImportSettings, args, **shared_overrides(args))
-    src, store = cfg.files, cfg.store
+    settings = from_args(ImportSettings, args, **shared_overrides(args))
+    src, store = settings.files, settings.store
     manifest = import_manifest(src.format, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
-                               **dataclasses.asdict(cfg.identity))
+                               **dataclasses.asdict(settings.identity))
     files_of_target = None
-    if cfg.identity.model:  # what train and show use instead of the target, read before any sample is written
+    if settings.identity.model:  # what train and show use instead of the target, read before any sample is written
         from .target import DTYPES, model_dir_assets
 
-        files_of_target = model_dir_assets(cfg.identity.model, DTYPES[cfg.identity.dtype])
+        files_of_target = model_dir_assets(settings.identity.model, DTYPES[settings.identity.dtype])
     missing: list[str] = []
     files = peer_files(src.format, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=src.id_prefix, source=src.source, hs_dir=src.hidden_states_dir, missing=missing,
                        pad_id=None if src.keep_padding else src.pad_token_id,
                        final_hidden=bool(manifest.features), num_rows=src.num_rows)
     r = import_files(files, store.out, manifest, storage_options=store.storage_options,
-                     shard_bytes=store.shard_bytes, missing=missing, progress=cfg.run.progress,
+                     shard_bytes=store.shard_bytes, missing=missing, progress=settings.run.progress,
                      keep_unhealthy=src.keep_unhealthy)
     assets_note = import_assets(store.out, store.storage_options, files_of_target)
     print(f"import {src.format} {src.path} -> {recordable_url(store.out)}: {r.samples} samples, {r.tokens:,} tokens "
@@ -364,9 +364,9 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 
     from .export import export_store
 
-    cfg = from_args(ExportSettings, args, **shared_overrides(args))
-    x = cfg.export
-    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=cfg.run.progress)
+    settings = from_args(ExportSettings, args, **shared_overrides(args))
+    x = settings.export
+    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=settings.run.progress)
     where = f"{recordable_url(x.url)} -> {recordable_url(x.out)}"
     if args.json:
         print(json.dumps({"format": x.format, "url": recordable_url(x.url), "out": recordable_url(x.out),
@@ -382,7 +382,7 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 def run_regenerate_cmd(args: argparse.Namespace) -> int:
     from .regenerate import run_regenerate
 
-    res = run_regenerate(regen_config(args))
+    res = run_regenerate(regenerate_settings(args))
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in "
           f"{recordable_url(args.out)}) in {res.seconds:.1f}s: {res.completion_tokens:,} tokens "
           f"({res.tokens_per_s:,.0f} tokens/s), {res.truncated} cut by --max-tokens")

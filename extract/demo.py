@@ -119,17 +119,11 @@ def prepare_out(out: Path) -> None:
     _OUT[:] = [out]
 
 
-def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,
-             eval_samples: int = EVAL_SAMPLES, device: str | None = None) -> int:
-    """``device``: what every step runs on (default: the GPU when there is one, else the CPU)."""
-    t0 = time.perf_counter()
-    out = Path(out)
-    dev = str(resolve_device(device))
-    prepare_out(out)
+def demo_target_and_data(out: Path, dev: str) -> tuple[Path, Path, Path]:
+    """Step 1: the shipped tiny target built under OUT/target, its conversations and held-out prompts copied
+    under OUT/data, and what they are, said; returns (target, conversations, held-out)."""
     shipped = trained_files()
     meta = json.loads((shipped / "target.json").read_text(encoding="utf-8"))
-
-    step("1/7 the tiny trained Qwen3.5-architecture target and its data")
     target = build_trained_target(out / "target")
     data = out / "data"
     data.mkdir()
@@ -148,7 +142,18 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     print(f"data   : {convs} ({n_conv} prompts the target answered itself, greedily, thinking on)")
     print(f"         {heldout} ({n_held} held-out prompts for eval: in neither the target's nor the drafter's "
           "training data)")
+    return target, convs, heldout
 
+
+def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,
+             eval_samples: int = EVAL_SAMPLES, device: str | None = None) -> int:
+    """``device``: what every step runs on (default: the GPU when there is one, else the CPU)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    dev = str(resolve_device(device))
+    prepare_out(out)
+    step("1/7 the tiny trained Qwen3.5-architecture target and its data")
+    target, convs, heldout = demo_target_and_data(out, dev)
     store = str(out / "store")
     step("2/7 quality gate on the conversations (hsstore check)")
     rc = run(["check", "--model", str(target), "--input", str(convs)])

@@ -20,6 +20,7 @@ import torch
 
 from hsstore.format import fp8, health
 from hsstore.errors import SampleError
+from hsstore.loader.batching import TokenBudget
 
 from .capture import run_tapped
 from .sample import TokenizedSample
@@ -27,24 +28,20 @@ from .sample import TokenizedSample
 log = logging.getLogger(__name__)
 
 
-def token_budget_batches(samples: Sequence[TokenizedSample], max_tokens: int, max_batch: int = 256,
+def token_budget_batches(samples: Sequence[TokenizedSample], token_budget: int, max_batch: int = 256,
                          ) -> list[list[TokenizedSample]]:
-    """Batches of length-sorted samples whose padded size (batch x longest) stays within ``max_tokens``.
+    """Batches of length-sorted samples within ``token_budget`` (the loader's rule, ``TokenBudget``: batch x
+    longest, padding counted), at most ``max_batch`` each.
 
     Longest first, so an out-of-memory shows up in the first batch rather than hours in. A sample longer
     than the budget gets a batch of its own.
     """
-    order = sorted(samples, key=lambda s: (-s.num_tokens, s.sample_id))
+    budget = TokenBudget(token_budget, "pad", max_batch)
     batches: list[list[TokenizedSample]] = []
-    current: list[TokenizedSample] = []
-    for s in order:
-        longest = current[0].num_tokens if current else s.num_tokens
-        if current and ((len(current) + 1) * longest > max_tokens or len(current) >= max_batch):
-            batches.append(current)
-            current = []
-        current.append(s)
-    if current:
-        batches.append(current)
+    for s in sorted(samples, key=lambda s: (-s.num_tokens, s.sample_id)):
+        if budget.add(s.num_tokens):
+            batches.append([])
+        batches[-1].append(s)
     return batches
 
 

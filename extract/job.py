@@ -20,7 +20,7 @@ import torch
 from hsstore.store.process_writer import ProcessWriter
 from hsstore.store.writer import StoreWriter
 from hsstore.format import assets
-from hsstore.devices import describe, resolve_device, route_cpu_kernels
+from hsstore.devices import defaults_for, describe, resolve_device, route_cpu_kernels
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids
 from hsstore.format.taps import check_taps, default_taps, text_config
@@ -32,7 +32,7 @@ from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
 from .readers import RowShard
 from .sample import TokenizedSample
-from .settings import ExtractConfig  # callers import it from here too
+from .settings import ExtractSettings  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps
 from .tokenize import TokenizeStats, load_samples
@@ -89,21 +89,21 @@ def export_assets(fs, root: str, model, tokenizer) -> None:
                                               model.get_output_embeddings().weight, model.config, tokenizer))
 
 
-def run_extract(cfg: ExtractConfig, tokenizer=None, model=None) -> ExtractResult:
+def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> ExtractResult:
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
-    when the quality gate fails and ``cfg.force`` is false."""
-    rank, world, local_rank = dist_env(cfg.rank, cfg.world_size)
-    device = resolve_device(cfg.device, local_rank)  # an unusable --device fails before the gate spends any time
-    planned_taps(cfg.model, cfg.layers)  # and so do layer ids the target does not have
+    when the quality gate fails and ``settings.gate.force`` is false."""
+    rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
+    device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
+    planned_taps(settings.input.model, settings.capture.layers)  # and so do layer ids the target does not have
     result = ExtractResult(rank, world)
-    tokenizer = tokenizer or load_tokenizer(cfg.model)
-    rows = gated_rows(cfg, tokenizer, result)
-    todo = not_yet_stored(cfg, rows.samples, result)
-    model = prepare_target(cfg, model, device, todo, result)
-    layers = target_taps(cfg, model)
-    check_compiled(cfg, model, layers, todo, tokenizer, device, result)
-    writer = open_writer(cfg, model, tokenizer, layers, rows, device, rank, result.compile_check)
-    write_features(cfg, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
+    tokenizer = tokenizer or load_tokenizer(settings.input.model)
+    rows = gated_rows(settings, tokenizer, result)
+    todo = not_yet_stored(settings, rows.samples, result)
+    model = prepare_target(settings, model, device, todo, result)
+    layers = target_taps(settings, model)
+    check_compiled(settings, model, layers, todo, tokenizer, device, result)
+    writer = open_writer(settings, model, tokenizer, layers, rows, device, rank, result.compile_check)
+    write_features(settings, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
     return result
 
 
@@ -117,38 +117,38 @@ class GatedRows:
     stats: TokenizeStats  # its ``skipped``: rows not tokenized faithfully, by reason
 
 
-def tokenize_settings(cfg: ExtractConfig) -> dict[str, Any]:
-    """The tokenization settings the gate and this rank's rows share (the gate report records them too)."""
-    return dict(chat_template_kwargs=cfg.chat_template_kwargs, max_length=cfg.max_length, truncate=cfg.truncate,
-                expand=cfg.expand, trust_engine_ids=cfg.trust_engine_ids)
+def tokenize_settings(settings: ExtractSettings) -> dict[str, Any]:
+    """The tokenization settings the gate and this rank's rows share (the gate report records them too): the
+    tokenize section, as keywords."""
+    return {f.name: getattr(settings.tokenize, f.name) for f in dataclasses.fields(settings.tokenize)}
 
 
-def gated_rows(cfg: ExtractConfig, tokenizer, result: ExtractResult) -> GatedRows:
+def gated_rows(settings: ExtractSettings, tokenizer, result: ExtractResult) -> GatedRows:
     """The gate's verdict, then this rank's tokenized rows; refuses before the model is loaded. The verdict comes
     from ``--gate-report`` (this rank tokenizes only its rows), from the same pass (one process: every row is
     this rank's) or from gating the whole input on every rank (torchrun without a report)."""
-    rank, world = result.rank, result.world_size
-    stats, settings = TokenizeStats(), tokenize_settings(cfg)
+    rank, world, inputs = result.rank, result.world_size, settings.input.inputs
+    stats, tokenize_kw = TokenizeStats(), tokenize_settings(settings)
 
     def my_rows() -> list[TokenizedSample]:
-        return list(load_samples(cfg.inputs, tokenizer, keep_over_length=True, stats=stats,
-                                 shard=RowShard(rank, world), **settings))
+        return list(load_samples(inputs, tokenizer, keep_over_length=True, stats=stats,
+                                 shard=RowShard(rank, world), **tokenize_kw))
 
     samples = None
-    if cfg.gate_report:
-        identity = run_identity(cfg.inputs, tokenizer, thresholds=cfg.thresholds, hash_content=False, **settings)
-        verdict = reuse_gate_report(cfg.gate_report, identity)
+    if settings.gate.gate_report:
+        identity = run_identity(inputs, tokenizer, thresholds=settings.thresholds, hash_content=False, **tokenize_kw)
+        verdict = reuse_gate_report(settings.gate.gate_report, identity)
     elif world == 1:
         samples = my_rows()
-        result.gate = check(samples, cfg.thresholds, stats=stats)
+        result.gate = check(samples, settings.thresholds, stats=stats)
         verdict = GateVerdict.from_report(result.gate)
     else:
         log.warning("rank %d of %d: no --gate-report, so this rank runs the quality gate over the whole input (as "
                     "every rank does); run `hsstore check --report FILE` once and pass --gate-report FILE so that "
                     "each rank tokenizes only its own rows", rank, world)
-        result.gate = gate_inputs(cfg.inputs, tokenizer, thresholds=cfg.thresholds, **settings)
+        result.gate = gate_inputs(inputs, tokenizer, thresholds=settings.thresholds, **tokenize_kw)
         verdict = GateVerdict.from_report(result.gate)
-    refuse_unless_passed(cfg, verdict, tokenizer)
+    refuse_unless_passed(settings, verdict, tokenizer)
     if samples is None:
         samples = my_rows()
     over = [s.sample_id for s in samples if "over_length" in s.flags]
@@ -158,19 +158,19 @@ def gated_rows(cfg: ExtractConfig, tokenizer, result: ExtractResult) -> GatedRow
     return GatedRows([s for s in samples if "over_length" not in s.flags], verdict, over, stats)
 
 
-def refuse_unless_passed(cfg: ExtractConfig, verdict: GateVerdict, tokenizer) -> None:
+def refuse_unless_passed(settings: ExtractSettings, verdict: GateVerdict, tokenizer) -> None:
     """A failed gate stops the run (unless ``--force``), and so do repeated sample ids: resume matches by id."""
-    if not verdict.ok and not cfg.force:
+    if not verdict.ok and not settings.gate.force:
         raise GateRefused(verdict, verdict.format_text(tokenizer))
     if verdict.repeated_ids:
         raise ValueError(f"sample id {verdict.repeated_ids[0]!r} occurs more than once in the input: ids must be "
                          "unique for resume")
 
 
-def not_yet_stored(cfg: ExtractConfig, samples: list[TokenizedSample], result: ExtractResult
+def not_yet_stored(settings: ExtractSettings, samples: list[TokenizedSample], result: ExtractResult
                    ) -> list[TokenizedSample]:
     """Resume: the samples whose ids the store has not committed yet."""
-    done = committed_ids(cfg.out, cfg.storage_options)
+    done = committed_ids(settings.store.out, settings.store.storage_options)
     todo = [s for s in samples if s.sample_id not in done]
     result.skipped_done = len(samples) - len(todo)
     if result.skipped_done:
@@ -179,56 +179,58 @@ def not_yet_stored(cfg: ExtractConfig, samples: list[TokenizedSample], result: E
     return todo
 
 
-def prepare_target(cfg: ExtractConfig, model, device: torch.device, todo: list[TokenizedSample],
+def prepare_target(settings: ExtractSettings, model, device: torch.device, todo: list[TokenizedSample],
                    result: ExtractResult):
     """The target on ``device`` (loaded unless given), compiled where the expected saving pays for the warm-up."""
     rank = result.rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("rank %d: extracting on %s", rank, describe(device))
-    model = model if model is not None else load_target(cfg.model, DTYPES[cfg.dtype], device, progress=cfg.progress)
+    if model is None:
+        model = load_target(settings.input.model, DTYPES[settings.forward.dtype], device,
+                            progress=settings.run.progress)
     route_cpu_kernels(model)
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
-    choice = choose_compile(cfg.compile, device, decoder_params, sum(s.num_tokens for s in todo))
+    choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
     result.compiled = choice.compile
     if choice.compile:
         log.info("rank %d: compiling the target's norms, MLPs, attention blocks and recurrent mixers around their "
                  "kernels (%s; %s); the first batch of each new shape pays the compile time (~40 s at 27B scale on "
                  "an H200)", rank, compile_forward(model, mixers=True), choice.reason)
-    elif cfg.compile is None and device.type == "cuda":
+    elif settings.forward.compile is None and device.type == "cuda":
         log.info("rank %d: not compiling the forward (%s; --compile to compile anyway)", rank, choice.reason)
     return model
 
 
-def uses_process_writer(cfg: ExtractConfig, device: torch.device) -> bool:
+def uses_process_writer(settings: ExtractSettings, device: torch.device) -> bool:
     """The writer runs in a child process on CUDA (``auto``): encoding and uploads then never take the GIL
     from the thread that feeds the GPU."""
-    return cfg.writer == "process" or (cfg.writer == "auto" and device.type == "cuda")
+    return settings.store.writer == "process" or (settings.store.writer == "auto" and device.type == "cuda")
 
 
-def target_taps(cfg: ExtractConfig, model) -> list[int]:
+def target_taps(settings: ExtractSettings, model) -> list[int]:
     """``--layers``, else DFlash's spacing for the target's depth; checked against that depth."""
     n_layers = int(text_config(model.config).num_hidden_layers)
-    return check_taps(list(cfg.layers) if cfg.layers else default_taps(n_layers), n_layers)
+    return check_taps(list(settings.capture.layers) if settings.capture.layers else default_taps(n_layers), n_layers)
 
 
-def extraction_batches(cfg: ExtractConfig, todo: list[TokenizedSample], device: torch.device
+def extraction_batches(settings: ExtractSettings, todo: list[TokenizedSample], device: torch.device
                        ) -> tuple[int, list[list[TokenizedSample]]]:
     """(token budget, the batches of ``todo`` in the order extraction runs them)."""
-    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
-    return budget, token_budget_batches(todo, budget)
+    token_budget = settings.forward.token_budget or defaults_for(device).token_budget
+    return token_budget, token_budget_batches(todo, token_budget)
 
 
-def check_compiled(cfg: ExtractConfig, model, layers: list[int], todo: list[TokenizedSample], tokenizer,
+def check_compiled(settings: ExtractSettings, model, layers: list[int], todo: list[TokenizedSample], tokenizer,
                    device: torch.device, result: ExtractResult) -> None:
     """A compiled forward's first batch against the eager forward (``compile_check.check_first_batch``), before
     the writer is opened: beyond bf16 rounding it raises ``CompileMismatch`` naming the tap, nothing written."""
     if not result.compiled or not todo:
         return
-    batch = extraction_batches(cfg, todo, device)[1][0]
+    batch = extraction_batches(settings, todo, device)[1][0]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     compiling0 = compile_seconds()
-    result.compile_check = check_first_batch(model, layers, batch, pad_id, device, cfg.final_hidden)
+    result.compile_check = check_first_batch(model, layers, batch, pad_id, device, settings.capture.final_hidden)
     result.seconds += result.compile_check.seconds  # the run's time: the first shape's compile is paid here
     result.warmup_s += compile_seconds() - compiling0
     log.info("rank %d: compiled forward checked against the eager one on the first batch (%d tokens): min per-token "
@@ -236,22 +238,23 @@ def check_compiled(cfg: ExtractConfig, model, layers: list[int], todo: list[Toke
              result.compile_check.min_cos, result.compile_check.max_rel, result.compile_check.bound)
 
 
-def open_writer(cfg: ExtractConfig, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
+def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
                 rank: int, compile_check: CompileCheck | None = None):
     """This rank's store writer, with the manifest of the target and taps; rank 0 exports the assets the trainer
     uses instead of the target. Each rank records what it left out of its rows in its commit records, so
     ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs),
     and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag."""
     tag = f"rank{rank:05d}"
-    manifest = build_manifest(model, tokenizer, name=model_name(cfg.model), layers=layers,
-                              codec=cfg.codec, dtype=cfg.dtype, layout=cfg.layout, encoding=cfg.encoding,
-                              features=("final_hidden",) if cfg.final_hidden else ())
+    store, features = settings.store, ("final_hidden",) if settings.capture.final_hidden else ()
+    manifest = build_manifest(model, tokenizer, name=model_name(settings.input.model), layers=layers,
+                              codec=store.codec, dtype=settings.forward.dtype, layout=store.layout,
+                              encoding=store.encoding, features=features)
     if compile_check is not None:
         manifest = dataclasses.replace(manifest, extra={EXTRA_KEY: {tag: compile_check.record()}})
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
-    writer = (ProcessWriter if uses_process_writer(cfg, device) else StoreWriter)(
-        cfg.out, manifest, writer_tag=tag, storage_options=cfg.storage_options,
-        shard_bytes=cfg.shard_bytes, check_finite=False)
+    writer = (ProcessWriter if uses_process_writer(settings, device) else StoreWriter)(
+        store.out, manifest, writer_tag=tag, storage_options=store.storage_options, shard_bytes=store.shard_bytes,
+        check_finite=False)
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
     if rows.over_length:
@@ -261,17 +264,17 @@ def open_writer(cfg: ExtractConfig, model, tokenizer, layers: list[int], rows: G
     return writer
 
 
-def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: list[TokenizedSample],
+def write_features(settings: ExtractSettings, model, layers: list[int], writer, todo: list[TokenizedSample],
                    verdict: GateVerdict, tokenizer, device: torch.device, result: ExtractResult) -> None:
     """The forward over token-budget batches into the writer, with a progress bar; the writer commits on
     success, and on any error (Ctrl-C included) drops its open shard and keeps the committed ones."""
     from tqdm import tqdm
 
-    use_process = uses_process_writer(cfg, device)
-    budget, batches = extraction_batches(cfg, todo, device)
+    use_process = uses_process_writer(settings, device)
+    token_budget, batches = extraction_batches(settings, todo, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank {result.rank}",
-               disable=not cfg.progress, smoothing=0.1)
+               disable=not settings.run.progress, smoothing=0.1)
     t0, compiling0 = time.perf_counter(), compile_seconds()
 
     def sink(s: TokenizedSample, feats: torch.Tensor, feature_stats) -> None:
@@ -289,8 +292,9 @@ def write_features(cfg: ExtractConfig, model, layers: list[int], writer, todo: l
 
     try:
         stats = extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch,
-                                staging_tokens=budget, quantise=writer.fp8,
-                                host_alloc=writer.staging if use_process else None, final_hidden=cfg.final_hidden)
+                                staging_tokens=token_budget, quantise=writer.fp8,
+                                host_alloc=writer.staging if use_process else None,
+                                final_hidden=settings.capture.final_hidden)
         writer.close()
         result.gpu_wait_s = stats.slot_wait_s
     except BaseException as e:

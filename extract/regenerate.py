@@ -43,12 +43,14 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
+from hsstore.schema import replace
+
 from .readers import ChatRecord, input_files, read_records
-from .settings import RegenConfig
 from .messages import parse_message_list, role_and_content, split_reasoning
+from .settings import RegenerateSettings
 
 logger = logging.getLogger(__name__)
 
@@ -174,22 +176,23 @@ class ChatClient:
     """``/v1/chat/completions`` with retries: exponential backoff (with jitter, honouring ``Retry-After``)
     on connection errors, timeouts, 429 and 5xx; other answers fail at once with the server's message."""
 
-    def __init__(self, cfg: RegenConfig, stop: threading.Event):
+    def __init__(self, settings: RegenerateSettings, stop: threading.Event):
         import httpx
 
-        self.cfg, self.stop = cfg, stop
+        self.settings, self.stop = settings, stop
         #: what every request's chat_template_kwargs holds (``--extra-body`` may add to it); recorded in each row
-        self.template_kwargs = {"enable_thinking": True, **cfg.chat_template_kwargs,
-                                **(cfg.extra_body.get("chat_template_kwargs") or {})}
+        self.template_kwargs = {"enable_thinking": True, **settings.generation.chat_template_kwargs,
+                                **(settings.server.extra_body.get("chat_template_kwargs") or {})}
         #: ask for the engine's ids (vLLM >= 0.10.2 and SGLang spell it so); off once the server refuses the field
-        self.want_ids = cfg.extra_body.get("return_token_ids", True) is not False
+        self.want_ids = settings.server.extra_body.get("return_token_ids", True) is not False
         self._noted: set[str] = set()
         self._lock = threading.Lock()
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        server = settings.server
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         self.http = httpx.Client(
-            base_url=api_base(cfg.server), headers=headers,
-            timeout=httpx.Timeout(cfg.timeout_s, connect=min(10.0, cfg.timeout_s)),
-            limits=httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency),
+            base_url=api_base(server.server), headers=headers,
+            timeout=httpx.Timeout(server.timeout_s, connect=min(10.0, server.timeout_s)),
+            limits=httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency),
         )
 
     def close(self) -> None:
@@ -200,15 +203,17 @@ class ChatClient:
         data = self._call("GET", "/models", None, "model list")["data"]
         names = [m["id"] for m in data]
         if len(names) != 1:
-            raise ValueError(f"{self.cfg.server} serves {len(names)} models ({', '.join(names)}): pass --model")
+            raise ValueError(f"{self.settings.server.server} serves {len(names)} models ({', '.join(names)}): pass "
+                             "--model")
         return names[0]
 
     def complete(self, messages: list[dict], tools, what: str) -> dict:
-        body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_tokens,
-                "temperature": self.cfg.temperature}
+        generation = self.settings.generation
+        body = {"model": self.settings.server.model, "messages": messages, "max_tokens": generation.max_tokens,
+                "temperature": generation.temperature}
         if tools:
             body["tools"] = tools
-        body.update(self.cfg.extra_body)
+        body.update(self.settings.server.extra_body)
         body["chat_template_kwargs"] = self.template_kwargs
         if not self.want_ids:
             body.pop("return_token_ids", None)
@@ -221,8 +226,9 @@ class ChatClient:
                 raise
             with self._lock:
                 self.want_ids = False
-            self.note("refused", f"{api_base(self.cfg.server)} refuses return_token_ids ({str(e)[-200:]}); asking "
-                                 "without it: rows record no engine ids and check/extract re-tokenize their text")
+            self.note("refused", f"{api_base(self.settings.server.server)} refuses return_token_ids "
+                                 f"({str(e)[-200:]}); asking without it: rows record no engine ids and check/extract "
+                                 "re-tokenize their text")
             body.pop("return_token_ids")
             return self._call("POST", "/chat/completions", body, what)
 
@@ -242,7 +248,8 @@ class ChatClient:
     def _call(self, method: str, path: str, body: dict | None, what: str) -> dict:
         import httpx
 
-        attempts = self.cfg.retries + 1
+        server = self.settings.server
+        attempts = server.retries + 1
         for attempt in range(1, attempts + 1):
             retry_after = None
             try:
@@ -262,12 +269,12 @@ class ChatClient:
                 retry_after = _seconds(resp.headers.get("retry-after"))
             if attempt == attempts:
                 break
-            delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            delay = min(server.backoff_max_s, server.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
             delay = max(delay, retry_after or 0.0)
-            logger.warning("%s: %s; retry %d/%d in %.1fs", what, problem, attempt, self.cfg.retries, delay)
+            logger.warning("%s: %s; retry %d/%d in %.1fs", what, problem, attempt, server.retries, delay)
             if self.stop.wait(delay):
                 raise RegenerateError(f"{what}: stopped while waiting to retry ({problem})")
-        raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(self.cfg.server)} ({problem})")
+        raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(server.server)} ({problem})")
 
 
 def _seconds(value: str | None) -> float | None:
@@ -302,9 +309,9 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
         if ids is None:
             ids_missing.append(k)
             if client.want_ids:
-                client.note("missing", f"{api_base(client.cfg.server)} returned no prompt_token_ids/token_ids "
-                                       "(vLLM >= 0.10.2 and SGLang return them for return_token_ids): rows record "
-                                       "no engine ids and check/extract re-tokenize their text")
+                client.note("missing", f"{api_base(client.settings.server.server)} returned no prompt_token_ids/"
+                                       "token_ids (vLLM >= 0.10.2 and SGLang return them for return_token_ids): rows "
+                                       "record no engine ids and check/extract re-tokenize their text")
             recorded.append(turn)
         else:
             recorded.append({**turn, "prompt_token_ids": ids[0], "token_ids": ids[1]})
@@ -316,8 +323,9 @@ def answer(client: ChatClient, prompt: Prompt) -> tuple[dict, int]:
     if prompt.tools:
         row["tools"] = prompt.tools
     row["chat_template_kwargs"] = client.template_kwargs
-    row["generation"] = {"model": client.cfg.model, "finish_reasons": finish, "completion_tokens": tokens,
-                         "max_tokens": client.cfg.max_tokens, "temperature": client.cfg.temperature,
+    generation = client.settings.generation
+    row["generation"] = {"model": client.settings.server.model, "finish_reasons": finish, "completion_tokens": tokens,
+                         "max_tokens": generation.max_tokens, "temperature": generation.temperature,
                          # "engine": every generated turn records the engine's ids; else why not
                          "token_ids": "engine" if not ids_missing else client.why_no_ids()}
     return row, tokens
@@ -385,33 +393,34 @@ class RowWriter:
 # ---------------------------------------------------------------------------------------------- the job
 
 
-def run_regenerate(cfg: RegenConfig) -> RegenResult:
-    """Answer every prompt not yet in ``cfg.out``, ``cfg.concurrency`` at a time. On a failure the prompts in
-    flight are finished and written, then :class:`RegenerateError` names the prompt; re-run to resume."""
+def run_regenerate(settings: RegenerateSettings) -> RegenResult:
+    """Answer every prompt not yet in ``settings.data.out``, ``settings.server.concurrency`` at a time. On a
+    failure the prompts in flight are finished and written, then :class:`RegenerateError` names the prompt; re-run
+    to resume."""
     from tqdm.auto import tqdm
 
-    if cfg.turns not in TURN_MODES:
-        raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, got {cfg.turns!r}")
-    if cfg.concurrency < 1 or cfg.retries < 0 or cfg.max_tokens < 1:
+    if settings.generation.turns not in TURN_MODES:
+        raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, got {settings.generation.turns!r}")
+    if settings.server.concurrency < 1 or settings.server.retries < 0 or settings.generation.max_tokens < 1:
         raise ValueError("concurrency and max_tokens must be >= 1, retries >= 0")
-    out = Path(cfg.out)
-    if out.exists() and any(out.resolve() == f.resolve() for path in cfg.inputs for f in input_files(path)):
+    out = Path(settings.data.out)
+    if out.exists() and any(out.resolve() == f.resolve() for path in settings.data.inputs for f in input_files(path)):
         raise ValueError(f"{out}: the output is also an input (a re-run would read its own answers as prompts)")
-    ids = scan_prompts(cfg.inputs, cfg.turns)
+    ids = scan_prompts(settings.data.inputs, settings.generation.turns)
     done = resume_output(out)
     todo = len(set(ids) - done)
     stop = threading.Event()
-    client = ChatClient(cfg, stop)
+    client = ChatClient(settings, stop)
     writer = None
     t0 = time.perf_counter()
     generated = tokens = truncated = 0
     failure: BaseException | None = None
     try:
-        if cfg.model is None and todo:
-            client.cfg = cfg = replace(cfg, model=client.served_model())
+        if settings.server.model is None and todo:
+            client.settings = settings = replace(settings, model=client.served_model())
         writer = RowWriter(out)
         bar = tqdm(total=len(ids), initial=len(set(ids) & done), unit="prompt", desc="regenerate",
-                   disable=not cfg.progress, dynamic_ncols=True)
+                   disable=not settings.run.progress, dynamic_ncols=True)
         pending: set[Future] = set()
 
         def collect(finished) -> None:
@@ -433,12 +442,12 @@ def run_regenerate(cfg: RegenConfig) -> RegenResult:
             bar.update(len(rows))
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
 
-        with ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="regenerate") as pool:
+        with ThreadPoolExecutor(settings.server.concurrency, thread_name_prefix="regenerate") as pool:
             try:
-                for prompt in iter_prompts(cfg.inputs, cfg.turns):
+                for prompt in iter_prompts(settings.data.inputs, settings.generation.turns):
                     if prompt.sample_id in done:
                         continue
-                    while len(pending) >= 2 * cfg.concurrency:
+                    while len(pending) >= 2 * settings.server.concurrency:
                         finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                         collect(finished)
                     if failure is not None:

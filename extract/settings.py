@@ -4,8 +4,9 @@ Each setting is written once, below, with its flag, help and default. From a com
 in their ``--help`` groups (``cli.py``), the sections of its ``--config`` file (``hsstore.config``: the groups'
 titles, the flags' keys) and the object its handler reads. ``check``, ``show`` and ``extract`` share the
 sections they have in common (how rows are tokenized, the gate's thresholds); a section whose help differs
-by command is a subclass that restates only that field. ``ExtractConfig`` is ``ExtractSettings`` in one
-namespace (``cfg.model``, ``cfg.thresholds``), what ``run_extract`` and the API callers use.
+by command is a subclass that restates only that field. Handlers and API callers read the sections as
+written (``settings.forward.token_budget``, ``settings.thresholds``); ``hsstore.schema.build`` makes settings
+from field names (``build(ExtractSettings, model=..., inputs=[...], out=...)``).
 
 Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are added by their shared
 helpers into the groups named here, and reach the settings through ``from_args`` overrides
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsstore.format import layout_spec
-from hsstore.schema import flat, flat_class, from_args, option, section
+from hsstore.schema import from_args, option, section
 
 from .gate import GateThresholds
 
@@ -203,14 +204,6 @@ class ExtractSettings:
     run: Run = section(Run, "run")
 
 
-ExtractConfig = flat_class(ExtractSettings, "ExtractConfig", __name__, whole=("thresholds",), __doc__=(
-    "One rank's extraction settings in one namespace (``ExtractSettings``' fields; ``thresholds`` whole)."))
-
-
-def extract_config(settings: ExtractSettings) -> ExtractConfig:
-    return ExtractConfig(**flat(settings, whole=("thresholds",)))
-
-
 # --- check and show -----------------------------------------------------------------------------------------
 
 
@@ -372,17 +365,13 @@ class RegenerateSettings:
     run: Progress = section(Progress, "run")
 
 
-RegenConfig = flat_class(RegenerateSettings, "RegenConfig", __name__, __doc__=(
-    "``regenerate``'s settings in one namespace (``RegenerateSettings``' fields)."))
-
-
-def regen_config(args: argparse.Namespace) -> RegenConfig:
-    """The parsed flags as a :class:`RegenConfig`, the API key read from the variable ``--api-key-env`` names."""
+def regenerate_settings(args: argparse.Namespace) -> RegenerateSettings:
+    """The parsed flags as settings, the API key read from the variable ``--api-key-env`` names."""
     import os
 
-    cfg = from_args(RegenerateSettings, args, **shared_overrides(args))
-    cfg.server.api_key = os.environ.get(cfg.server.api_key_env) or None
-    return RegenConfig(**flat(cfg))
+    settings = from_args(RegenerateSettings, args, **shared_overrides(args))
+    settings.server.api_key = os.environ.get(settings.server.api_key_env) or None
+    return settings
 
 
 # --- import, export, demo -----------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ flag > file > default: the file's values become the parser's defaults before par
 given on the command line (and the other members of their mutually exclusive group: ``--steps`` given
 overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
 against the flag's type and choices; a key under ``options`` whose flag has since moved into a group is read as
-that flag. A top-level ``recorded`` section (what ``run.yaml`` notes for people:
-version, store identities, resolved values) is read past. Paths (flags marked ``Option.path``) that are
+that flag, and the key of an old flag spelling (``max_tokens``: ``--max-tokens``) as today's flag. A top-level
+``recorded`` section (what ``run.yaml`` notes for people: version, store identities, resolved values) is read
+past. Paths (flags marked ``Option.path``) that are
 relative in a file are relative to the file's folder, and are recorded absolute (URLs as they are), so a
 ``run.yaml`` runs again from any folder.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .redaction import is_secret_key, scrub
-from .schema import PATH_ATTR
+from .schema import PATH_ATTR, Deprecated
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
     known = sections(parser)
+    renamed = old_keys(parser)
     unknown, values = [], {}
     for sec, body in data.items():
         if sec == RECORDED:
@@ -136,6 +138,9 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
         for key, value in body.items():
+            if key in renamed and key not in known.get(sec, {}):
+                log.warning("--config %s: %s.%s is the old name of %s (same meaning)", path, sec, key, renamed[key])
+                key = renamed[key]
             where = sec if key in known.get(sec, {}) else _moved(known, sec, key)
             if where is None:
                 unknown.append(_with_near(f"{sec}.{key}", [f"{s_}.{k}" for s_, keys in known.items() for k in keys]))
@@ -145,6 +150,13 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
                          f"{', '.join(known)}; `hsstore {parser.prog.split()[-1]} --help` lists the flags)")
     return _against_file(values, {k: a for actions in known.values() for k, a in actions.items()}, Path(path))
+
+
+def old_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{old key: today's key} from the parser's hidden old spellings (``schema.Deprecated``: ``--max-tokens`` is
+    ``token_budget``'s), so a file written with an old flag's key still loads, with a warning."""
+    return {opt.lstrip("-").replace("-", "_"): a.dest for a in parser._actions if isinstance(a, Deprecated)
+            for opt in a.option_strings if opt.startswith("--")}
 
 
 def near(word: str, names: list[str]) -> str | None:
@@ -258,7 +270,7 @@ def check_applied(args: argparse.Namespace) -> None:
         raise ValueError(f"--config {path} was not read (spell it --config FILE or --config=FILE)")
 
 
-def settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The command's effective settings by section (secret storage options left out, URL passwords masked):
     what ``run.yaml`` records and ``--config`` reads back."""
     parser = getattr(args, PARSER_KEY)
@@ -287,10 +299,10 @@ def _public(dest: str, v: Any) -> Any:
     return v
 
 
-def dump(settings_: dict[str, dict[str, Any]], recorded: dict[str, Any] | None = None, header: str = "") -> str:
+def dump(flags: dict[str, dict[str, Any]], recorded: dict[str, Any] | None = None, header: str = "") -> str:
     import yaml
 
-    body = yaml.safe_dump(settings_, sort_keys=False, default_flow_style=False)
+    body = yaml.safe_dump(flags, sort_keys=False, default_flow_style=False)
     if recorded:
         body += yaml.safe_dump({RECORDED: recorded}, sort_keys=False, default_flow_style=False)
     return "".join(f"# {ln}\n" for ln in header.splitlines()) + body

@@ -19,10 +19,31 @@ import functools
 import inspect
 import os
 import sys
+from dataclasses import dataclass
 
 # torch is imported where it is used: `hsstore --help` must not load it
 
 SPELLINGS = "cpu, cuda (this process's GPU) or cuda:N"
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What an unset batch setting becomes on a kind of device (train, extract and eval read this one table)."""
+
+    token_budget: int  # padded tokens per batch (sequences x longest)
+    anchors: int  # training anchors per sequence, at most
+
+
+# the published recipe on a GPU; a quarter of its tokens and anchors on a CPU, whose step would otherwise grow
+# until the kernel kills the process
+DEVICE_DEFAULTS = {"cuda": DeviceDefaults(token_budget=16384, anchors=512),
+                   "cpu": DeviceDefaults(token_budget=4096, anchors=128)}
+
+
+def defaults_for(device) -> DeviceDefaults:
+    """The table's row for ``device`` (a ``torch.device`` or its spelling): CUDA, else the CPU's."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return DEVICE_DEFAULTS["cuda" if kind == "cuda" else "cpu"]
 
 
 class DeviceError(ValueError):

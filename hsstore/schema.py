@@ -15,7 +15,9 @@ across sections, so a flag's ``dest`` names one setting wherever it is read.
     class TrainSettings:
         schedule: Schedule = section(Schedule, "training")
 
-    add_arguments(parser, TrainSettings); cfg = from_args(TrainSettings, parser.parse_args())
+    add_arguments(parser, TrainSettings); settings = from_args(TrainSettings, parser.parse_args())
+
+Code reads ``settings.schedule.lr``: the sections are the written types, passed through as they are.
 """
 
 from __future__ import annotations
@@ -217,8 +219,10 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
 
 def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
     """The schema's object from parsed flags (``convert`` applied); ``overrides`` by field name win, for
-    settings that have no flag or come from elsewhere."""
+    settings that have no flag or come from elsewhere (a section's name: that whole section, e.g.
+    ``thresholds=GateThresholds(...)``)."""
     by_section: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for s in settings_of(schema):
         if s.name in overrides:
             value = overrides.pop(s.name)
@@ -228,52 +232,46 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
                 value = not value
             if s.how.convert is not None:
                 value = s.how.convert(value)
+        elif s.field.default is MISSING and s.field.default_factory is MISSING:
+            missing.append(s.name)
+            continue
         else:
             value = s.default
         by_section.setdefault(s.section, {})[s.name] = value
+    hints = typing.get_type_hints(schema)
+    whole = {sec: overrides.pop(sec) for sec in list(overrides) if sec in hints}
     if overrides:
         raise TypeError(f"{schema.__name__}: no settings named {sorted(overrides)}")
-    hints = typing.get_type_hints(schema)
-    return schema(**{sec: hints[sec](**by_section.get(sec, {})) for sec in
+    if missing:
+        raise TypeError(f"{schema.__name__}: settings without a default need a value: {', '.join(missing)}")
+    return schema(**{sec: whole[sec] if sec in whole else hints[sec](**by_section.get(sec, {})) for sec in
                      (f.name for f in dataclasses.fields(schema))})
 
 
-def flat(config: Any, whole: tuple[str, ...] = ()) -> dict[str, Any]:
-    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare);
-    the sections named in ``whole`` as one value each, under the section's name."""
-    out: dict[str, Any] = {}
-    for sec in dataclasses.fields(config):
-        part = getattr(config, sec.name)
-        if sec.name in whole:
-            out[sec.name] = part
-        else:
-            out.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
-    return out
+def flat(config: Any) -> dict[str, Any]:
+    """{setting name: value} over all sections (what ``train_config.json`` and the resume check compare)."""
+    return {f.name: getattr(getattr(config, sec.name), f.name)
+            for sec in dataclasses.fields(config) for f in dataclasses.fields(getattr(config, sec.name))}
 
 
-def flat_class(schema: type, name: str, module: str, whole: tuple[str, ...] = (), **namespace: Any) -> type:
-    """A dataclass with every option of ``schema`` as its own field (same names, types, defaults, in order):
-    the one-namespace view code reads (``cfg.lr``), made from the schema, so no field is written twice.
-    ``whole``: sections kept as one field holding the section's object (``cfg.thresholds``), for code that
-    takes them as one value. ``namespace``: methods such as ``__post_init__``. ``flat_class(S, ...)(**flat(cfg))``
-    converts (``flat(cfg, whole)`` with ``whole``)."""
-    fields = []
-    for s in settings_of(schema):
-        if s.section in whole:
-            continue
-        f = s.field
-        kw: dict[str, Any] = {"metadata": f.metadata}
-        if f.default is not MISSING:
-            kw["default"] = f.default
-        if f.default_factory is not MISSING:
-            kw["default_factory"] = f.default_factory
-        fields.append((s.name, s.type, dataclasses.field(**kw)))
-    hints = typing.get_type_hints(schema)
-    fields += [(name, hints[name], dataclasses.field(default_factory=hints[name])) for name in whole]  # last:
-    # they have defaults, and the settings before them may not
-    cls = dataclasses.make_dataclass(name, fields, namespace=namespace)
-    cls.__module__ = module  # where it is defined: pickle and repr find it there
-    return cls
+def build(schema: type, **by_name: Any) -> Any:
+    """The schema's object from settings given by field name (unique across sections), the rest at their
+    defaults: how API callers and tests write settings without naming sections (``build(TrainSettings,
+    stores=[...], out=..., lr=1e-3)``)."""
+    return from_args(schema, argparse.Namespace(), **by_name)
+
+
+def replace(config: Any, **by_name: Any) -> Any:
+    """``config`` with the named settings changed, each in its own section (``dataclasses.replace`` on the
+    sections that change, so their checks run again)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for s in settings_of(type(config)):
+        if s.name in by_name:
+            changes.setdefault(s.section, {})[s.name] = by_name.pop(s.name)
+    if by_name:
+        raise TypeError(f"{type(config).__name__}: no settings named {sorted(by_name)}")
+    return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
+                                          for sec, kw in changes.items()})
 
 
 def resume_keys(schema: type) -> tuple[str, ...]:

@@ -435,3 +435,65 @@ def test_every_store_read_goes_through_the_door():
                 "train/evaluate.py", "train/speculative.py", "train/data.py"):
         bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse((ROOT / rel).read_text()))]
     assert not bad, "reads that bypass hsstore.door:\n" + "\n".join(bad)
+
+
+# --- settings: written types, one per command -------------------------------------------------------------
+
+GENERATORS = {"make_dataclass", "flat_class"}  # what built settings classes at import time before #39
+
+
+def test_no_settings_class_is_generated_at_import():
+    """Settings are read where they are written: no ``dataclasses.make_dataclass`` (or the schema's old
+    ``flat_class``) anywhere in hsstore/, extract/ or train/, so go-to-definition and type checkers reach a line."""
+    bad = []
+    for absolute, path in PACKAGES.values():
+        for m, p in modules_of(path).items():
+            for node in ast.walk(ast.parse(p.read_text())):
+                name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else (
+                    node.name if isinstance(node, (ast.FunctionDef, ast.alias)) else None)
+                if name in GENERATORS:
+                    bad.append(f"{absolute}.{m}:{getattr(node, 'lineno', '?')} {name}")
+    assert not bad, f"settings classes generated instead of written: {bad}"
+
+
+def command_schemas() -> dict[str, type]:
+    """{handler module.Name: the schema class} of every ``add_arguments(parser, Schema)`` in the commands'
+    modules."""
+    import importlib
+
+    out = {}
+    for absolute, path in (PACKAGES["extract"], PACKAGES["train"]):
+        for m, p in modules_of(path).items():
+            for node in ast.walk(ast.parse(p.read_text())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "add_arguments"
+                        and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
+                    module = importlib.import_module(f"{absolute}.{m}")
+                    out[f"{absolute}.{m}.{node.args[1].id}"] = getattr(module, node.args[1].id)
+    return out
+
+
+def test_each_commands_settings_type_is_a_class_statement():
+    """Every command's schema, and each of its sections, is a ``class`` statement at the top of the module it
+    names as its home (not a class built by a call), and eval's flags come from one too."""
+    import typing
+
+    schemas = command_schemas()
+    names = {cls.__name__ for cls in schemas.values()}
+    assert {"TrainSettings", "EvalSettings", "ExtractSettings", "RegenerateSettings", "CheckSettings"} <= names
+    bad = []
+    for cls in {*schemas.values(), *(t for s in schemas.values() for t in typing.get_type_hints(s).values())}:
+        source = Path(inspect.getsourcefile(inspect.getmodule(cls)))
+        written = {n.name for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
+        if cls.__name__ not in written:
+            bad.append(f"{cls.__module__}.{cls.__name__}")
+    assert not bad, f"settings types without a class statement: {sorted(bad)}"
+
+
+def test_the_token_budget_rule_is_written_once():
+    """"sequences x longest <= token_budget" lives in hsstore.loader.batching.TokenBudget; extraction's batcher
+    uses it (no second copy of the comparison in extract/forward.py)."""
+    from hsstore.extract import forward
+    from hsstore.loader import batching
+
+    src = inspect.getsource(forward.token_budget_batches)
+    assert "TokenBudget(" in src and "* longest" not in src and forward.TokenBudget is batching.TokenBudget

@@ -19,8 +19,9 @@ import torch
 import hsstore
 from hsstore import StoreWriter
 from hsstore.cli import main
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
+from hsstore.schema import build
 
 LAYERS = [1, 4, 7]  # 7: the tiny target's last layer (speculators' export needs it)
 N = 6
@@ -35,8 +36,8 @@ def rows(tmp_path_factory):
 
 def extracted(tmp_path_factory, rows, **kw) -> str:
     out = str(tmp_path_factory.mktemp("audit-store") / "store")
-    run_extract(ExtractConfig(model=str(tiny_target_dir()), inputs=[str(rows)], out=out, device="cpu",
-                              dtype="bfloat16", layers=LAYERS, progress=False, **kw))
+    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), inputs=[str(rows)], out=out, device="cpu",
+                      dtype="bfloat16", layers=LAYERS, progress=False, **kw))
     return out
 
 

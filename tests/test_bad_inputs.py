@@ -17,6 +17,7 @@ import pytest
 import hsstore
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
+from hsstore.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
 
@@ -67,12 +68,13 @@ def synthetic_store(tmp_path_factory):
 @pytest.fixture
 def edited_store(tiny_dir, tmp_path):
     """An extracted store (two conversations) whose manifest was edited by hand afterwards (dtype)."""
-    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractSettings, run_extract
 
     data = tmp_path / "in.jsonl"
     data.write_text(good_line(0) + "\n" + good_line(1) + "\n")
     path = tmp_path / "edited"
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(data)], out=str(path), device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(path), device="cpu",
+                      progress=False))
     d = json.loads((path / "manifest.json").read_text())
     d["dtype"] = "float16"
     (path / "manifest.json").write_text(json.dumps(d))

@@ -3,13 +3,14 @@ batches the real loader makes of real tiny stores, and against the plan for an 8
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 import hsstore
 from hsstore import HiddenStateDataset, Planning, TokenBatches
+from hsstore.schema import build
 from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step, store_lengths
+from hsstore.train.config import TrainSettings
 from hsstore.train.model import DrafterConfig
 
 
@@ -23,12 +24,12 @@ def _store(tmp_path, name, lengths, write, new_manifest, new_samples):
     return hsstore.open(url)
 
 
-def _largest_batch(store, max_tokens, seeds=range(12)) -> int:
+def _largest_batch(store, token_budget, seeds=range(12)) -> int:
     """The most samples in one batch the loader made, over several shuffles."""
     most = 0
     for seed in seeds:
         ds = HiddenStateDataset(store, planning=Planning(seed=seed))
-        most = max(most, max(len(b["sample_id"]) for b in TokenBatches(ds, max_tokens=max_tokens)))
+        most = max(most, max(len(b["sample_id"]) for b in TokenBatches(ds, token_budget=token_budget)))
     return most
 
 
@@ -54,7 +55,7 @@ PARAMS, FROZEN = 1_250_000_000, 2 * 248320 * 5120
 
 
 def _cfg(**kw):
-    return SimpleNamespace(**{"max_tokens": 16384, "anchors": 512, "ce_chunk": 1024, "checkpoint_layers": False, **kw})
+    return build(TrainSettings, stores=["x"], out="x", **{"token_budget": 16384, "anchors": 512, **kw})
 
 
 def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifest, new_samples):
@@ -74,7 +75,7 @@ def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifes
 
 def test_a_sample_over_the_budget_is_planned_for(tmp_path, write, new_manifest, new_samples):
     store = _store(tmp_path, "over", [1000, 1000, 3000], write, new_manifest, new_samples)
-    cfg = _cfg(max_tokens=2048, checkpoint_layers=True)
+    cfg = _cfg(token_budget=2048, checkpoint_layers=True)
     _, need, seqs = plan_gpu_step(PUBLISHED, cfg, PARAMS, FROZEN, 1 << 50, [store])
     assert seqs == 2  # the two of 1000 tokens fit one batch (2 x 1000 <= 2048); the one of 3000 is a batch alone
     assert need == max(gpu_step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers=True),

@@ -103,7 +103,7 @@ def test_train_json_summary_and_the_old_budget_flag(store32, tmp_path, capsys, c
 def test_extract_flags_make_its_config():
     """The handler's config comes from the schema: every flag lands in its setting, converted."""
     from hsstore.config import apply
-    from hsstore.extract.settings import ExtractSettings, extract_config, shared_overrides
+    from hsstore.extract.settings import ExtractSettings, shared_overrides
     from hsstore.schema import from_args
 
     argv = ["extract", "--model", "m", "--input", "a.jsonl", "b.jsonl", "--out", "s3://b/x", "--layers", "1,3",
@@ -112,13 +112,16 @@ def test_extract_flags_make_its_config():
     p = build_parser()
     apply(p, argv)
     args = p.parse_args(argv)
-    cfg = extract_config(from_args(ExtractSettings, args, **shared_overrides(args)))
-    assert (cfg.model, cfg.inputs, cfg.out, cfg.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x", [1, 3])
-    assert cfg.shard_bytes == 2 * 1024 * 1024 and cfg.storage_options == {"anon": True}
-    assert cfg.expand is False and cfg.chat_template_kwargs == {"enable_thinking": False}
-    assert cfg.thresholds.max_stub_share == 0.5 and cfg.thresholds.small_loss_sum == 32
-    assert cfg.compile is False and cfg.progress is False and cfg.token_budget == 512 and cfg.encoding == "fp8"
-    assert cfg.rank is None and cfg.world_size is None and cfg.dtype == "bfloat16" and cfg.writer == "auto"
+    settings = from_args(ExtractSettings, args, **shared_overrides(args))
+    inp, store, tok, fwd = settings.input, settings.store, settings.tokenize, settings.forward
+    assert (inp.model, inp.inputs, store.out, settings.capture.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x",
+                                                                          [1, 3])
+    assert store.shard_bytes == 2 * 1024 * 1024 and store.storage_options == {"anon": True}
+    assert tok.expand is False and tok.chat_template_kwargs == {"enable_thinking": False}
+    assert settings.thresholds.max_stub_share == 0.5 and settings.thresholds.small_loss_sum == 32
+    assert fwd.compile is False and settings.run.progress is False and fwd.token_budget == 512
+    assert store.encoding == "fp8" and store.writer == "auto" and fwd.dtype == "bfloat16"
+    assert settings.run.rank is None and settings.run.world_size is None
 
 
 def test_help_lists_commands_in_workflow_order_and_every_argument_says_what_it_is(capsys):

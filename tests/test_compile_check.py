@@ -13,11 +13,12 @@ from hsstore.extract import job
 from hsstore.extract.capture import decoder_layers
 from hsstore.extract.compile_check import MAX_REL, MIN_COS, CompileMismatch, check_first_batch, eager_modules
 from hsstore.extract.forward import packed_features, token_budget_batches
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.speed import compile_forward
 from hsstore.extract.target import load_target
 from hsstore.extract.tokenize import load_samples
 from hsstore.ops.verify import verify
+from hsstore.schema import build
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import small_input  # noqa: F401  (fixture)
 
@@ -50,15 +51,15 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
     out = tmp_path / "s"
     cfg = dict(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu", progress=False,
                force=True)
-    res = run_extract(ExtractConfig(**cfg, compile=True, rank=0, world_size=2))
+    res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=0, world_size=2))
     assert res.compiled and res.compile_check.passed and res.warmup_s > 0
     rec = manifest_extra(out)["compile_check"]["rank00000"]
     assert rec["compiled"] and rec["passed"] and rec["bound"] == {"min_cos": MIN_COS, "max_rel": MAX_REL}
     assert rec["tokens"] == res.compile_check.tokens > 0 and MIN_COS <= rec["min_cos"] < 1
     assert set(rec["per_tap"]) == {str(l) for l in hsstore.open(str(out)).layers}
-    run_extract(ExtractConfig(**cfg, compile=False, rank=1, world_size=2))  # an eager rank records nothing
+    run_extract(build(ExtractSettings, **cfg, compile=False, rank=1, world_size=2))  # an eager rank records nothing
     assert list(manifest_extra(out)["compile_check"]) == ["rank00000"]
-    res = run_extract(ExtractConfig(**cfg, compile=True, rank=1, world_size=2))
+    res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=1, world_size=2))
     assert res.samples == 0 and res.compile_check is None  # nothing left to extract: nothing to check
     assert verify(hsstore.open(str(out))).ok and len(hsstore.open(str(out))) == 8
     assert "compile_check" not in manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
@@ -66,8 +67,8 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
 
 def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811
     out = tmp_path / "eager"
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
-                              progress=False, force=True, compile=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
+                      progress=False, force=True, compile=False))
     return out
 
 
@@ -92,7 +93,7 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
     half = tmp_path / "half.jsonl"
     half.write_text("".join(small_input.read_text().splitlines(keepends=True)[:4]))
     cfg = dict(model=str(tiny_dir), out=str(out), device="cpu", progress=False, force=True, layers=[1, 3, 5])
-    run_extract(ExtractConfig(**cfg, inputs=[str(half)], compile=False))  # 4 samples committed earlier
+    run_extract(build(ExtractSettings, **cfg, inputs=[str(half)], compile=False))  # 4 samples committed earlier
     before = commit_names(out)
     real_compile = job.compile_forward
 
@@ -112,16 +113,16 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
     monkeypatch.setattr(job, "compile_forward", compile_with_fault)
     with pytest.raises(CompileMismatch, match=r"beyond bf16 rounding at tap 3 on the first batch .*nothing was "
                                               r"written.*--no-compile") as e:
-        run_extract(ExtractConfig(**cfg, inputs=[str(small_input)], compile=True))
+        run_extract(build(ExtractSettings, **cfg, inputs=[str(small_input)], compile=True))
     assert "\n" not in str(e.value)
     assert commit_names(out) == before and len(hsstore.open(str(out))) == 4  # no shard of that batch
     assert "compile_check" not in manifest_extra(out) and verify(hsstore.open(str(out))).ok
     monkeypatch.undo()
-    res = run_extract(ExtractConfig(**cfg, inputs=[str(small_input)], compile=False))  # resumes
+    res = run_extract(build(ExtractSettings, **cfg, inputs=[str(small_input)], compile=False))  # resumes
     assert res.skipped_done == 4 and res.samples == 4 and len(hsstore.open(str(out))) == 8
 
     fresh = tmp_path / "fresh"  # a new store: not even its folder is made
     monkeypatch.setattr(job, "compile_forward", compile_with_fault)
     with pytest.raises(CompileMismatch, match="at tap 3"):
-        run_extract(ExtractConfig(**{**cfg, "out": str(fresh)}, inputs=[str(small_input)], compile=True))
+        run_extract(build(ExtractSettings, **{**cfg, "out": str(fresh)}, inputs=[str(small_input)], compile=True))
     assert not fresh.exists()

@@ -15,21 +15,22 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import trained_files, trained_target_dir
+from hsstore.schema import build
 from hsstore.train import objective, trainer
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.model import DFlashDrafter
 from hsstore.train.speculative import drafter_proposer, load_prompts, speculative_generate
 from hsstore.train.build import drafter_config, load_frozen
-from hsstore.train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainSettings, train
 
 # Between what a drafter without usable features or labels reaches on this target (it still learns the fixed
 # phrasing from the anchor token: ~1.2) and what the working pipeline reaches with the same steps (~2.1).
 FLOOR = 1.6
 PROMPTS = 8  # held-out prompts evaluated
 MAX_NEW = 128
-CFG = dict(steps=200, draft_layers=2, sliding_window=32, anchors=16, max_tokens=4096, lr=3e-3, log_every=50,
+CFG = dict(steps=200, draft_layers=2, sliding_window=32, anchors=16, token_budget=4096, lr=3e-3, log_every=50,
            device="cpu", progress=False)
 
 
@@ -42,8 +43,8 @@ def trained_dir():
 def store(trained_dir, tmp_path_factory):
     """The demo's store: the shipped conversations, bfloat16 features (extract's default, as in ``hsstore demo``)."""
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(ExtractConfig(model=str(trained_dir), inputs=[str(trained_files() / "conversations.jsonl")],
-                              out=str(out), device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(trained_dir), inputs=[str(trained_files() / "conversations.jsonl")],
+                      out=str(out), device="cpu", progress=False))
     return str(out)
 
 
@@ -71,7 +72,7 @@ def speculative_tau(drafter, target, prompts, taps) -> float:
 
 
 def trained_tau(store, out, target, prompts) -> float:
-    train(TrainConfig(stores=[store], out=str(out), **CFG))
+    train(build(TrainSettings, stores=[store], out=str(out), **CFG))
     s = hsstore.open(store)
     _, embed, head = load_frozen(s)
     return speculative_tau(load_drafter(out, embed, head), target, prompts, s.layers)
@@ -102,7 +103,8 @@ def test_training_raises_tau_above_the_floor(store, target, prompts, tmp_path):
     s = hsstore.open(store)
     cfg, embed, head = load_frozen(s)
     torch.manual_seed(0)  # what train() starts from
-    untrained = DFlashDrafter(drafter_config(s.manifest, cfg, embed.shape[0], TrainConfig(stores=[store], out="-", **CFG),
+    untrained = DFlashDrafter(drafter_config(s.manifest, cfg, embed.shape[0], build(TrainSettings, stores=[store],
+                                                                                    out="-", **CFG),
                                              torch.device("cpu")), embed, head)
     before = speculative_tau(untrained, target, prompts, s.layers)
     after = trained_tau(store, tmp_path, target, prompts)

@@ -17,10 +17,12 @@ from safetensors.torch import load_file, save_file
 import hsstore
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train import checkpoint as ckpt
+from hsstore.train import drafter_format
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.build import drafter_config, load_frozen
-from hsstore.train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 # Qwen/Qwen3.6-27B's text_config (the fields the drafter reads): 64 layers, 24 heads x 256, 4 KV heads,
@@ -57,8 +59,8 @@ def manifest_for(text_cfg, layers, vocab_size=None):
 
 def test_default_shape_is_the_published_qwen36_27b_drafter():
     cfg = drafter_config(manifest_for(QWEN36_27B_TEXT, [1, 16, 31, 46, 61]), {"text_config": QWEN36_27B_TEXT},
-                         248320, TrainConfig(stores=["x"], out="x", mask_token_id=248070), torch.device("cpu"))
-    got = ckpt.hf_config(cfg)
+                         248320, build(TrainSettings, stores=["x"], out="x", mask_token_id=248070), torch.device("cpu"))
+    got = drafter_format.hf_config(cfg)
     for key, want in PUBLISHED_27B.items():
         assert got[key] == want, key
     assert got["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
@@ -70,9 +72,9 @@ def test_default_shape_is_the_published_qwen3_8b_drafter():
                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
                 "rms_norm_eps": 1e-6, "rope_theta": 1000000}
     cfg = drafter_config(manifest_for(qwen3_8b, [1, 9, 17, 25, 33]), qwen3_8b, 151936,
-                         TrainConfig(stores=["x"], out="x", mask_token_id=151669, sliding_window=0),
+                         build(TrainSettings, stores=["x"], out="x", mask_token_id=151669, sliding_window=0),
                          torch.device("cpu"))
-    got = ckpt.hf_config(cfg)
+    got = drafter_format.hf_config(cfg)
     published = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
                  "head_dim": 128, "num_hidden_layers": 5, "layer_types": ["full_attention"] * 5,
                  "use_sliding_window": False, "sliding_window": None, "num_target_layers": 36, "rope_theta": 1000000,
@@ -87,7 +89,7 @@ def test_shape_flags_override_the_rule():
     base = dict(stores=["x"], out="x", mask_token_id=248070)
 
     def shape(**kw):
-        c = drafter_config(m, QWEN36_27B_TEXT, 248320, TrainConfig(**base, **kw), torch.device("cpu"))
+        c = drafter_config(m, QWEN36_27B_TEXT, 248320, build(TrainSettings, **base, **kw), torch.device("cpu"))
         return c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rope_theta, c.num_layers
 
     assert shape() == (32, 8, 128, 17408, 1e7, 5)
@@ -102,7 +104,7 @@ def test_shape_flags_override_the_rule():
 def test_tiny_target_keeps_its_shape(store32):
     store = hsstore.open(store32)
     target_cfg, embed, _ = load_frozen(store)
-    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], TrainConfig(stores=[store32], out="x"),
+    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], build(TrainSettings, stores=[store32], out="x"),
                          torch.device("cpu"))
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 2, 32)
     assert cfg.num_target_layers == store.manifest.target.num_layers
@@ -145,7 +147,7 @@ def reference_tensors(n_layers=2, H=H, taps=L, heads=4, kv=2, hd=16, ffn=96):
 def test_exported_config_loads_in_transformers(tmp_path):
     from transformers import AutoConfig, Qwen3Config
 
-    ckpt.save_drafter(tmp_path / "d", tiny_drafter(), {"taps": [1, 3, 5]})
+    drafter_format.save_drafter(tmp_path / "d", tiny_drafter(), {"taps": [1, 3, 5]})
     c = AutoConfig.from_pretrained(tmp_path / "d")
     assert isinstance(c, Qwen3Config) and c.architectures == ["DFlashDraftModel"]
     assert c.sliding_window == 32 and c.use_sliding_window is True  # kept: transformers drops it otherwise
@@ -156,15 +158,15 @@ def test_exported_config_loads_in_transformers(tmp_path):
     assert c.block_size == 8 and c.num_target_layers == 8
     assert c.dflash_config == {"target_layer_ids": [1, 3, 5], "mask_token_id": V - 1}
     assert getattr(c, "is_causal", None) is None  # the engines' default: sliding causal, full non-causal
-    meta = json.loads((tmp_path / "d" / ckpt.META).read_text())
+    meta = json.loads((tmp_path / "d" / drafter_format.META).read_text())
     assert meta["taps"] == [1, 3, 5] and meta["attn_impl"] == "sdpa"
 
-    ckpt.save_drafter(tmp_path / "nc", tiny_drafter(sliding_causal=False))
+    drafter_format.save_drafter(tmp_path / "nc", tiny_drafter(sliding_causal=False))
     assert AutoConfig.from_pretrained(tmp_path / "nc").is_causal is False
 
 
 def test_exported_weights_have_the_reference_names_in_bf16(tmp_path):
-    ckpt.save_drafter(tmp_path, tiny_drafter())
+    drafter_format.save_drafter(tmp_path, tiny_drafter())
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert {k: tuple(v.shape) for k, v in tensors.items()} == reference_tensors()
     assert {v.dtype for v in tensors.values()} == {torch.bfloat16}
@@ -174,7 +176,7 @@ def test_exported_weights_have_the_reference_names_in_bf16(tmp_path):
 
 def test_export_round_trips_into_load_drafter(tmp_path):
     model = tiny_drafter()
-    ckpt.save_drafter(tmp_path, model)
+    drafter_format.save_drafter(tmp_path, model)
     back = ckpt.load_drafter(tmp_path, model.embed_tokens, model.lm_head)
     assert dataclasses.asdict(back.config) == dataclasses.asdict(model.config)
     for k, v in model.state_dict().items():
@@ -187,19 +189,19 @@ def test_export_round_trips_into_load_drafter(tmp_path):
 
 def test_reads_the_published_config():
     d = {**PUBLISHED_27B, "rope_scaling": None, "dtype": "bfloat16", "use_cache": True, "max_window_layers": 5}
-    cfg = ckpt.config_from_hf(d)
+    cfg = drafter_format.config_from_hf(d)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (32, 8, 128, 5)
     assert cfg.sliding_window == [2048, 2048, 2048, 2048, None] and cfg.sliding_causal
     assert (cfg.target_layers, cfg.mask_token_id, cfg.block_size, cfg.rope_theta) == \
         ([1, 16, 31, 46, 61], 248070, 16, 1e7)
-    assert ckpt.config_from_hf({**d, "is_causal": False}).sliding_causal is False
+    assert drafter_format.config_from_hf({**d, "is_causal": False}).sliding_causal is False
     for bad, match in (({"attention_bias": True}, "attention_bias"), ({"is_causal": True}, "is_causal"),
                        ({"partial_rotary_factor": 0.25}, "partial rotary"),
                        ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "RoPE scaling"),
                        ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
                        ({"dflash_config": {"target_layer_ids": [1]}}, "mask_token_id")):
         with pytest.raises(ValueError, match=match):
-            ckpt.config_from_hf({**d, **bad})
+            drafter_format.config_from_hf({**d, **bad})
 
 
 def write_legacy(path: Path, model: DFlashDrafter) -> None:
@@ -234,7 +236,7 @@ def test_legacy_directories_load_and_export(tmp_path, capsys):
 
 
 def test_export_a_run_and_refuse_mismatched_weights(store32, tmp_path):  # noqa: F811
-    train(TrainConfig(stores=[store32], out=str(tmp_path / "run"), steps=2, save_every=1, keep=0, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=2, save_every=1, keep=0, **FAST))
     first = ckpt.list_checkpoints(tmp_path / "run")[0]
     out = ckpt.export_drafter(first, tmp_path / "step1")
     master = load_file(str(first / ckpt.MASTER))
@@ -258,18 +260,18 @@ def test_export_a_run_and_refuse_mismatched_weights(store32, tmp_path):  # noqa:
 def released(store32, tmp_path_factory):  # noqa: F811
     """A drafter directory trained on the store: what a released drafter for this target looks like."""
     run = tmp_path_factory.mktemp("released")
-    train(TrainConfig(stores=[store32], out=str(run), steps=2, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(run), steps=2, **FAST))
     return run / "drafter"
 
 
 def test_init_starts_from_the_given_weights(store32, released, tmp_path):  # noqa: F811
-    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, lr=0.0, init=str(released), **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, lr=0.0, init=str(released), **FAST))
     start = load_file(str(released / "model.safetensors"))
     master = load_file(str(ckpt.latest_checkpoint(tmp_path) / ckpt.MASTER))  # after one step at lr 0
     assert master.keys() == start.keys()
     assert all(torch.equal(master[k], start[k].float()) for k in start)
     # and with a learning rate the run moves away from them
-    train(TrainConfig(stores=[store32], out=str(tmp_path / "lr"), steps=1, init=str(released), **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "lr"), steps=1, init=str(released), **FAST))
     moved = load_file(str(ckpt.latest_checkpoint(tmp_path / "lr") / ckpt.MASTER))
     assert any(not torch.equal(moved[k], start[k].float()) for k in start)
 
@@ -298,7 +300,8 @@ def edited(released, tmp_path, **changes) -> str:
 def test_init_refuses_a_drafter_that_does_not_fit(store32, released, tmp_path, change, flags, match):  # noqa: F811
     path = edited(released, tmp_path, **change) if change else str(released)
     with pytest.raises(ValueError, match=match):
-        train(TrainConfig(stores=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST, **flags}))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST,
+                    **flags}))
     assert ckpt.latest_checkpoint(tmp_path / "run") is None
 
 
@@ -311,16 +314,16 @@ def test_init_refusal_is_one_line_on_the_cli(store32, released, tmp_path, capsys
 
 
 def test_resume_refuses_another_drafter_shape(store32, tmp_path):  # noqa: F811
-    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
     with pytest.raises(ValueError, match="num_heads: None -> 8"):
-        train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, num_heads=8, num_kv_heads=2, **FAST))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, num_heads=8, num_kv_heads=2, **FAST))
     with pytest.raises(ValueError, match="sliding_causal: True -> False"):
-        train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, sliding_causal=False, **FAST))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, sliding_causal=False, **FAST))
 
 
 def test_checkpoints_load_their_exact_weights(store32, tmp_path):  # noqa: F811
     """A checkpoint loads its fp32 master weights (what was trained); OUT/drafter, for serving, its bf16 ones."""
-    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
     _, embed, head = load_frozen(hsstore.open(store32), dtype=torch.float32)
     master = load_file(str(ckpt.latest_checkpoint(tmp_path) / ckpt.MASTER))
     exact = ckpt.load_drafter(ckpt.latest_checkpoint(tmp_path), embed, head).state_dict()

@@ -16,10 +16,11 @@ from hsstore.extract.engine_server import EngineServer
 
 import hsstore
 from hsstore.cli import main
-from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
-from hsstore.extract.regenerate import RegenConfig, run_regenerate
+from hsstore.extract.job import ExtractSettings, GateRefused, run_extract
+from hsstore.extract.regenerate import RegenerateSettings, run_regenerate
 from hsstore.extract.tiny import CHAT_TEMPLATE, trained_files, trained_target_dir
 from hsstore.extract.tokenize import TokenizeStats, load_samples, tokenize_conversation
+from hsstore.schema import build
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def prompts(path, n, start=0, **extra):
 
 
 def regenerate(url, inp, out, **kw):
-    cfg = RegenConfig([str(inp)], str(out), url, temperature=1.0, max_tokens=200, concurrency=1, progress=False,
-                      backoff_s=0.01, **kw)
+    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, temperature=1.0, max_tokens=200,
+                concurrency=1, progress=False, backoff_s=0.01, **kw)
     return run_regenerate(cfg)
 
 
@@ -95,8 +96,8 @@ def test_sampled_ids_survive_regenerate_check_extract_read(target, tok, tmp_path
     assert rep["input"]["skipped_rows"] == 0
 
     store_url = str(tmp_path / "store")
-    run_extract(ExtractConfig(model=str(target), inputs=[str(out)], out=store_url, device="cpu", dtype="float32",
-                              layers=[1, 4], progress=False, force=True))
+    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu",
+                      dtype="float32", layers=[1, 4], progress=False, force=True))
     store = hsstore.open(store_url)
     assert len(store) == len(rows)
     for i in range(len(store)):
@@ -180,12 +181,12 @@ def test_prompt_mismatch_is_counted_named_and_trusted_on_request(target, tok, tm
 
     base = dict(model=str(target), inputs=[str(out)], device="cpu", dtype="float32", layers=[1], progress=False)
     with pytest.raises(GateRefused):
-        run_extract(ExtractConfig(out=str(tmp_path / "refused"), **base))
+        run_extract(build(ExtractSettings, out=str(tmp_path / "refused"), **base))
     store_url = str(tmp_path / "store")
     from hsstore.extract.gate import GateThresholds
 
-    run_extract(ExtractConfig(out=store_url, thresholds=GateThresholds(max_skipped_share=0.5, max_truncated_share=1),
-                              **base))
+    lenient = GateThresholds(max_skipped_share=0.5, max_truncated_share=1)
+    run_extract(build(ExtractSettings, out=store_url, thresholds=lenient, **base))
     assert main(["info", store_url, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["skipped"] == {"engine_prompt_mismatch": 2} and info["samples"] == 2

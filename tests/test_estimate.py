@@ -9,7 +9,8 @@ import pytest
 import hsstore
 from hsstore.cli import main
 from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
+from hsstore.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
 
 
@@ -33,8 +34,8 @@ def test_check_estimate_matches_the_extracted_stores(tiny_dir, small_input, tmp_
     assert est["gpu_hours"] == pytest.approx(est["tokens"] / 1000 / 3600)
     for encoding, key in (("raw", "bf16"), ("fp8", "fp8")):
         out = tmp_path / encoding
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), layers=[1, 3, 5],
-                                  device="cpu", encoding=encoding, progress=False, force=True))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), layers=[1, 3,
+                          5], device="cpu", encoding=encoding, progress=False, force=True))
         store = hsstore.open(str(out))
         assert len(store) == est["samples"]
         # what the store holds for each sample, read back as stored (fp8: e4m3 values + float32 scales)

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train.checkpoint import latest_checkpoint, load_drafter
 from hsstore.train.evaluate import eval_source, evaluate
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.build import load_frozen
-from hsstore.train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 from conftest import make_manifest, write_samples
@@ -108,7 +109,7 @@ def test_store_eval_equals_hand_computation(controlled_store):
     expect = hand_eval(samples, z)
     assert 0.2 < expect["acceptance"][1] < expect["acceptance"][0] < 0.9  # a case where the prefix rule matters
     # small batches and anchor chunks: padding rows, rows that run out of anchors, many chunks
-    got = evaluate(drafter, eval_source(url, [1, 3, 5], max_tokens=200), torch.device("cpu"), gamma=GAMMA,
+    got = evaluate(drafter, eval_source(url, [1, 3, 5], token_budget=200), torch.device("cpu"), gamma=GAMMA,
                    anchor_chunk=5)
     assert got.samples == len(samples) and got.anchors == expect["anchors"]
     assert got.acceptance == pytest.approx(expect["acceptance"], abs=1e-12)
@@ -123,7 +124,7 @@ def test_store_eval_equals_hand_computation(controlled_store):
 def test_store_eval_is_deterministic_and_monotone(controlled_store):
     url, _ = controlled_store
     drafter, _ = constant_drafter()
-    runs = [evaluate(drafter, eval_source(url, [1, 3, 5], max_tokens=m), torch.device("cpu"), gamma=GAMMA,
+    runs = [evaluate(drafter, eval_source(url, [1, 3, 5], token_budget=m), torch.device("cpu"), gamma=GAMMA,
                      anchor_chunk=c) for m, c in [(200, 5), (200, 5), (4096, 512)]]
     assert runs[0].to_dict() | {"seconds": 0} == runs[1].to_dict() | {"seconds": 0}
     # another batching: the same anchors, counts and (up to float summation order) loss
@@ -168,7 +169,7 @@ def per_anchor_reference(drafter, store, gamma):
 @pytest.fixture(scope="module")
 def trained(store32, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("run")
-    train(TrainConfig(stores=[store32], out=str(out), steps=4, lr=3e-3, warmup=0.0, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(out), steps=4, lr=3e-3, warmup=0.0, **FAST))
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store, dtype=torch.float32)
     return out, load_drafter(out, embed, head).eval()
@@ -179,7 +180,7 @@ def test_store_eval_equals_one_anchor_at_a_time(store32, trained):  # noqa: F811
     store = hsstore.open(store32)
     gamma = 4.0  # block 8
     expect = per_anchor_reference(drafter, store, gamma)
-    got = evaluate(drafter, eval_source(store32, store.layers, max_tokens=700), torch.device("cpu"), anchor_chunk=64)
+    got = evaluate(drafter, eval_source(store32, store.layers, token_budget=700), torch.device("cpu"), anchor_chunk=64)
     assert got.anchors == expect["anchors"] and got.samples == len(store)
     assert got.loss == pytest.approx(expect["loss"], rel=1e-5)
     assert got.acceptance == pytest.approx(expect["acceptance"], abs=1e-12)
@@ -195,7 +196,7 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
     text = capsys.readouterr().out
     assert rc == 0, text
     got = json.loads(text)
-    ref = evaluate(drafter, eval_source(store32, hsstore.open(store32).layers, max_tokens=16384), torch.device("cpu"))
+    ref = evaluate(drafter, eval_source(store32, hsstore.open(store32).layers, token_budget=16384), torch.device("cpu"))
     assert got["anchors"] == ref.anchors and got["acceptance"] == ref.acceptance and got["tau"] == ref.tau
     assert got["loss"] == pytest.approx(ref.loss, rel=1e-6)
     assert len(got["acceptance"]) == drafter.config.block_size - 1 and got["samples"] == len(hsstore.open(store32))
@@ -208,8 +209,8 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
 
 
 def test_train_logs_validation(store32, tmp_path):  # noqa: F811
-    result = train(TrainConfig(stores=[store32], out=str(tmp_path), steps=3, val_stores=[store32], val_every=2,
-                               **{**FAST, "log_every": 10}))
+    result = train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=3, val_stores=[store32], val_every=2,
+                         **{**FAST, "log_every": 10}))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 3]  # the val steps are logged (and the last)
     assert all(r["loss"] is not None and r["val_tau"] >= 1 and len(r["val_acceptance"]) == 7 for r in rows)
@@ -218,7 +219,7 @@ def test_train_logs_validation(store32, tmp_path):  # noqa: F811
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store, dtype=torch.float32)
     drafter = load_drafter(latest_checkpoint(tmp_path), embed, head)  # its fp32 master weights, as trained
-    ref = evaluate(drafter, eval_source(store32, store.layers, FAST["max_tokens"]))
+    ref = evaluate(drafter, eval_source(store32, store.layers, FAST["token_budget"]))
     assert rows[-1]["val_tau"] == ref.tau and rows[-1]["val_anchors"] == ref.anchors
     assert rows[-1]["val_loss"] == pytest.approx(ref.loss, rel=1e-6)
     assert result.last["val_tau"] == ref.tau
@@ -228,4 +229,5 @@ def test_train_refuses_a_validation_store_of_another_target(store32, controlled_
     from hsstore.errors import ManifestError
 
     with pytest.raises(ManifestError, match="validation store"):
-        train(TrainConfig(stores=[store32], out=str(tmp_path), steps=1, val_stores=[controlled_store[0]], **FAST))
+        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, val_stores=[controlled_store[0]],
+                    **FAST))

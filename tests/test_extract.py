@@ -10,12 +10,13 @@ from transformers import AutoModelForCausalLM
 import hsstore
 from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
-from hsstore.extract.job import ExtractConfig, GateRefused, run_extract
+from hsstore.extract.job import ExtractSettings, GateRefused, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore.extract.tokenize import load_samples
 from hsstore.format import assets
 from hsstore.cli import main as hsstore_cli
 from hsstore.ops.verify import verify
+from hsstore.schema import build
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,8 @@ def test_token_budget_batches():
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32, writer):
     out = str(tmp_path / "store")
-    cfg = ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",
-                        layers=[1, 4], progress=False, token_budget=700, writer=writer, shard_bytes=50_000)
+    cfg = build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",
+                layers=[1, 4], progress=False, token_budget=700, writer=writer, shard_bytes=50_000)
     r = run_extract(cfg)
     samples = {s.sample_id: s for s in load_samples(small_input, tok)}
     store = hsstore.open(out)
@@ -158,24 +159,24 @@ def test_resume_after_crash_exactly_once(tiny_dir, small_input, tmp_path, monkey
 
     monkeypatch.setattr(fwd, "run_tapped", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_extract(ExtractConfig(**base))
+        run_extract(build(ExtractSettings, **base))
     partial = hsstore.open(out)
     assert 0 < len(partial) < 10
     monkeypatch.setattr(fwd, "run_tapped", real)
-    r = run_extract(ExtractConfig(**base))
+    r = run_extract(build(ExtractSettings, **base))
     assert r.skipped_done == len(partial)
     store = hsstore.open(out)
     ids = store.sample_ids()
     assert len(ids) == len(set(ids)) == r.skipped_done + r.samples
     assert verify(store).ok
-    again = run_extract(ExtractConfig(**base))
+    again = run_extract(build(ExtractSettings, **base))
     assert again.samples == 0 and len(hsstore.open(out)) == len(ids)
 
 
 def test_two_ranks_write_disjoint_shards(tiny_dir, small_input, tmp_path, tok):
     out = str(tmp_path / "store")
-    results = [run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
-                                         progress=False, rank=r, world_size=2)) for r in (0, 1)]
+    results = [run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                                 progress=False, rank=r, world_size=2)) for r in (0, 1)]
     store = hsstore.open(out)
     assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
     ids = store.sample_ids()
@@ -190,8 +191,8 @@ def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkey
     monkeypatch.setattr(job, "load_target", lambda *a, **k: pytest.fail("model loaded despite the gate"))
     out = tmp_path / "store"
     with pytest.raises(GateRefused):
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(stub_file)], out=str(out), device="cpu",
-                                  progress=False))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(stub_file)], out=str(out), device="cpu",
+                          progress=False))
     assert not out.exists()
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(stub_file), "--out", str(out)])
     assert rc == 1 and not out.exists()
@@ -200,18 +201,19 @@ def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkey
 
 def test_store_of_another_model_refused(tiny_dir, small_input, tmp_path):
     out = str(tmp_path / "store")
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                      progress=False))
     other = build_tiny_target(tmp_path / "other", seed=1)  # same config, other weights
     with pytest.raises(hsstore.ManifestError, match="weights_hash"):
-        run_extract(ExtractConfig(model=str(other), inputs=[str(small_input)], out=out, device="cpu",
-                                  progress=False))
+        run_extract(build(ExtractSettings, model=str(other), inputs=[str(small_input)], out=out, device="cpu",
+                          progress=False))
 
 
 def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, capsys):
     out = str(tmp_path / "store")
     with pytest.raises(ValueError, match=r"layer ids \[8\] out of range.*8 decoder layers"):
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
-                                  layers=[1, 8], progress=False))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                          layers=[1, 8], progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
                       "--max-length", "200", "--device", "cpu", "-q", "--max-over-length-share", "1"])
     assert rc == 0
@@ -262,8 +264,8 @@ def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_pat
     out = str(tmp_path / "store")
     with pytest.raises(hsstore.SampleError, match=r"sample '.+': the target produced NaN/Inf features "
                                                   r"\(first at token 3\)"):
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
-                                  progress=False))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                          progress=False))
     assert len(hsstore.open(out)) == 0
 
 

@@ -14,11 +14,12 @@ from hsstore.loader.batching import collate_packed, collate_padded
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
 from hsstore.extract.forward import pad_right
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
 from train_helpers import small_input  # noqa: F401  (fixture)
 from hsstore.extract.tokenize import load_samples
 from hsstore.format.manifest import canonical_json_hash
 from hsstore.ops.verify import verify
+from hsstore.schema import build
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,9 @@ def model32(tiny_dir):
 def test_extract_final_hidden_is_the_norm_output_hf_and_lm_head_read(tiny_dir, tok, small_input, tmp_path, model32,
                                                                       writer):
     out = str(tmp_path / "store")
-    r = run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
-                                  dtype="float32", layers=[1, 4], progress=False, token_budget=700, writer=writer,
-                                  shard_bytes=60_000, final_hidden=True))
+    r = run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+                          dtype="float32", layers=[1, 4], progress=False, token_budget=700, writer=writer,
+                          shard_bytes=60_000, final_hidden=True))
     store = hsstore.open(out)
     assert r.samples == len(store) > 0 and len(store.commits) > 1
     assert store.manifest.layers == (1, 4) and store.manifest.features == ("final_hidden",)

@@ -10,8 +10,9 @@ import hsstore
 from hsstore.cli import main as hsstore_cli
 from hsstore.extract.gate import GateThresholds
 from hsstore.extract.gate_report import GateReportMismatch
-from hsstore.extract.job import ExtractConfig, run_extract
 from hsstore.extract.chat_tokenizer import ChatTokenizer
+from hsstore.extract.job import ExtractSettings, run_extract
+from hsstore.schema import build
 
 LENIENT = {"max_stub_share": 1.0, "max_duplicate_share": 1.0, "max_top_share": 1.0, "max_empty_thinking_share": 1.0}
 
@@ -58,14 +59,14 @@ def test_ranks_reuse_the_report_and_tokenize_only_their_rows(tiny_dir, data, tmp
     out = str(tmp_path / "store")
     base = dict(model=str(tiny_dir), inputs=[str(data)], device="cpu", progress=False, world_size=2,
                 thresholds=GateThresholds(**LENIENT))
-    results = [run_extract(ExtractConfig(out=out, rank=r, gate_report=str(report), **base)) for r in (0, 1)]
+    results = [run_extract(build(ExtractSettings, out=out, rank=r, gate_report=str(report), **base)) for r in (0, 1)]
     assert seen == ["r0", "r2", "r4", "r6", "r8"] + ["r1", "r3", "r5", "r7", "r2-copy"]  # row i -> rank i % 2
     assert all(r.gate is None and r.rows == 5 for r in results)  # no rank re-ran the gate
 
     # the store is what one process without a report writes, gate flags (stub_answer, duplicate) included
     seen.clear()
     ref = str(tmp_path / "ref")
-    run_extract(ExtractConfig(out=ref, **{**base, "world_size": 1}))
+    run_extract(build(ExtractSettings, out=ref, **{**base, "world_size": 1}))
     assert len(seen) == 10
     flags = {}
     for url in (out, ref):
@@ -77,14 +78,14 @@ def test_ranks_reuse_the_report_and_tokenize_only_their_rows(tiny_dir, data, tmp
     assert "duplicate" not in flags[out]["r2"]
 
     # resume by id works across ranks and with the report
-    again = run_extract(ExtractConfig(out=out, rank=1, gate_report=str(report), **base))
+    again = run_extract(build(ExtractSettings, out=out, rank=1, gate_report=str(report), **base))
     assert again.samples == 0 and again.skipped_done == results[1].samples
 
 
 def test_without_a_report_every_rank_gates_the_whole_input(tiny_dir, data, tmp_path, monkeypatch):
     seen = counted_tokenize(monkeypatch)
-    r = run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(data)], out=str(tmp_path / "s"), device="cpu",
-                                  progress=False, rank=1, world_size=2, thresholds=GateThresholds(**LENIENT)))
+    r = run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(tmp_path / "s"),
+                          device="cpu", progress=False, rank=1, world_size=2, thresholds=GateThresholds(**LENIENT)))
     assert r.gate is not None and r.gate.n_samples == 10  # the whole input was gated
     assert r.rows == 5 and r.samples == 5
     assert len(seen) == 15  # the gate's pass over all rows, then this rank's rows
@@ -162,8 +163,8 @@ def test_a_report_of_other_input_or_settings_is_refused_naming_the_difference(ti
     assert f"input file {data} changed (size: report {len(text):,} bytes" in line
 
     with pytest.raises(GateReportMismatch, match="number of --input paths differs"):
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(data), str(data)], out=str(tmp_path / "x"),
-                                  gate_report=str(report), max_length=4096, thresholds=GateThresholds(**LENIENT)))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data), str(data)], out=str(tmp_path / "x"),
+                          gate_report=str(report), max_length=4096, thresholds=GateThresholds(**LENIENT)))
 
 
 def test_repeated_ids_fail_the_gate(tiny_dir, tmp_path, capsys):
@@ -175,6 +176,6 @@ def test_repeated_ids_fail_the_gate(tiny_dir, tmp_path, capsys):
     assert report["repeated_ids"] == {"count": 1, "ids": ["r3"]}
     assert any("occur more than once, e.g. 'r3'" in f for f in report["failures"])
     with pytest.raises(ValueError, match="sample id 'r3' occurs more than once"):
-        run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(path)], out=str(tmp_path / "s"), device="cpu",
-                                  progress=False, force=True))
+        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(path)], out=str(tmp_path / "s"),
+                          device="cpu", progress=False, force=True))
 

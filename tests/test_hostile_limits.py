@@ -32,6 +32,7 @@ from hsstore.format import codec, commit, index
 from hsstore import destination, storage
 from hsstore.cli import main
 from hsstore.errors import CorruptionError, StoreError
+from hsstore.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
@@ -164,10 +165,10 @@ def test_url_user_info_never_recorded_or_printed(http_store, tmp_path, capsys):
 
 
 def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
-    from hsstore.train.config import TrainConfig, recordable_config
+    from hsstore.train.config import TrainSettings, recordable_config
 
-    cfg = TrainConfig(stores=[f"https://{USER}:{PASSWORD}@h/s"], val_stores=[f"s3://{USER}:{PASSWORD}@b/v"],
-                      out=str(tmp_path), storage_options={"secret": "x"})
+    cfg = build(TrainSettings, stores=[f"https://{USER}:{PASSWORD}@h/s"], val_stores=[f"s3://{USER}:{PASSWORD}@b/v"],
+                out=str(tmp_path), storage_options={"secret": "x"})
     saved = json.dumps(recordable_config(cfg))
     assert PASSWORD not in saved and '"https://h/s"' in saved and '"s3://b/v"' in saved
     assert json.loads(saved)["storage_options"] is None
@@ -175,13 +176,13 @@ def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
 
 def test_train_from_a_store_url_with_password(store32_http, tmp_path):
     """train_config.json and every checkpoint's trainer.json, from a real run over HTTP with basic auth."""
-    from hsstore.train.trainer import TrainConfig, train
+    from hsstore.train.trainer import TrainSettings, train
 
 
     url, bare = store32_http
     out = tmp_path / "run"
-    train(TrainConfig(stores=[url], out=str(out), steps=2, save_every=1, keep=0, cache_dir=str(tmp_path / "c"),
-                      **FAST))
+    train(build(TrainSettings, stores=[url], out=str(out), steps=2, save_every=1, keep=0, cache_dir=str(tmp_path / "c"),
+                **FAST))
     files = [out / "train_config.json", *out.glob("checkpoints/*/trainer.json")]
     assert len(files) >= 3
     for f in files:
@@ -191,14 +192,14 @@ def test_train_from_a_store_url_with_password(store32_http, tmp_path):
 
 @pytest.fixture(scope="module")
 def store32_http(tiny_dir, tmp_path_factory):
-    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path
 
     served = tmp_path_factory.mktemp("served")
     inp = served / "in.jsonl"
     inp.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"), dtype="float32",
-                              device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"),
+                      dtype="float32", device="cpu", progress=False))
     srv = serve_with_basic_auth(str(served))
     base = f"127.0.0.1:{srv.server_address[1]}/store"
     yield f"http://{USER}:{PASSWORD}@{base}", f"http://{base}"
@@ -428,14 +429,14 @@ def huge_config_drafter(tmp_path):
     """A drafter directory whose config.json says intermediate_size 4M while its weights are a tiny model's."""
     import torch
 
-    from hsstore.train import checkpoint as ckpt
+    from hsstore.train import drafter_format
     from hsstore.train.model import DrafterConfig, DFlashDrafter
 
     cfg = DrafterConfig(hidden_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=24,
                         intermediate_size=64, vocab_size=5000, target_layers=[1, 3, 5], block_size=8,
                         mask_token_id=4999, num_target_layers=8)
     head = torch.zeros(5000, 48)
-    path = ckpt.save_drafter(tmp_path / "drafter", DFlashDrafter(cfg, head, head))
+    path = drafter_format.save_drafter(tmp_path / "drafter", DFlashDrafter(cfg, head, head))
     d = json.loads((path / "config.json").read_text())
     d["intermediate_size"] = 4 << 20
     (path / "config.json").write_text(json.dumps(d))
@@ -454,11 +455,11 @@ def test_drafter_config_checked_before_any_weight_is_built(huge_config_drafter):
 def test_train_init_with_a_huge_config_is_one_line(huge_config_drafter, tmp_path):
     from hsstore.train import checkpoint as ckpt
     from hsstore.train.build import init_config
-    from hsstore.train.config import TrainConfig
+    from hsstore.train.config import TrainSettings
 
     path, _ = huge_config_drafter
     manifest = make_manifest()
-    cfg = TrainConfig(stores=["unused"], out=str(tmp_path / "o"), block_size=8, init=str(path))
+    cfg = build(TrainSettings, stores=["unused"], out=str(tmp_path / "o"), block_size=8, init=str(path))
     err, peak = peak_bytes(lambda: init_config(str(path), manifest, 5000, cfg, "sdpa"))
     assert isinstance(err, ValueError) and "does not match its config" in str(err), err
     assert peak < SMALL

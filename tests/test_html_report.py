@@ -14,7 +14,8 @@ import pytest
 import hsstore
 
 from hsstore.cli import main
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
+from hsstore.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -66,8 +67,8 @@ def stub_store(tiny_dir, small_input, tmp_path_factory):  # noqa: F811
     src = tmp_path_factory.mktemp("stubs") / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(src)], out=str(out), device="cpu", progress=False,
-                              force=True))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(src)], out=str(out), device="cpu",
+                      progress=False, force=True))
     return out
 
 

@@ -16,6 +16,7 @@ import hsstore
 from hsstore.cli import main
 from hsstore.errors import SampleError
 from hsstore.format.manifest import check_compatible
+from hsstore.schema import build
 from hsstore.store.reader import committed_ids
 
 LAYERS, HIDDEN = (1, 3, 5), 48
@@ -483,13 +484,14 @@ def test_export_then_import_gives_a_store_train_and_show_use(tiny_dir, tmp_path,
     hsstore's own export asked for the identity its hsstore_export.json records. Now the identity and taps come
     from that file, --model writes the target's config, tokenizer, embedding and lm_head as the store's assets
     (the same bytes extract writes), and without it the summary says how to add them."""
-    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path
 
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
     src, exp = tmp_path / "src", tmp_path / "exp"
-    run_extract(ExtractConfig(model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu", progress=False))
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu",
+                      progress=False))
     assert main(["export", "specforge", str(src), str(exp), "-q"]) == 0
     back = tmp_path / "back"
     assert main(["import", "specforge", str(exp), "--out", str(back), "-q"]) == 0  # no identity flags needed

@@ -26,7 +26,7 @@ def fake(n, seed=0):
 @pytest.mark.parametrize("mode", ["pad", "pack"])
 def test_budget_kept_nothing_lost(mode):
     items = fake(200)
-    batches = list(token_batches(items, max_tokens=256, mode=mode))
+    batches = list(token_batches(items, token_budget=256, mode=mode))
     assert [x["sample_id"] for b in batches for x in b] == [x["sample_id"] for x in items]
     for b in batches:
         lens = [x["input_ids"].shape[0] for x in b]
@@ -34,7 +34,7 @@ def test_budget_kept_nothing_lost(mode):
         assert cost <= 256 or len(b) == 1
     assert [len(b) for b in token_batches(items[:10], 10_000, max_items=4)] == [4, 4, 2]
     # a sample longer than the budget is a batch of its own, never dropped
-    assert [len(b) for b in token_batches(items[:3], max_tokens=1, mode=mode)] == [1, 1, 1]
+    assert [len(b) for b in token_batches(items[:3], token_budget=1, mode=mode)] == [1, 1, 1]
     # counted from lengths alone (a schedule planned before reading), the same batches
     lengths = [int(x["input_ids"].shape[0]) for x in items]
     for budget, most in ((256, None), (100, 3), (1, None)):
@@ -72,7 +72,7 @@ def ids(batches):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_token_batches_resume(store_url, workers):  # noqa: F811
     def loader():
-        tb = TokenBatches(dataset(store_url, seed=5), max_tokens=400, mode="pad")
+        tb = TokenBatches(dataset(store_url, seed=5), token_budget=400, mode="pad")
         return StatefulDataLoader(tb, batch_size=None, num_workers=workers,
                                   multiprocessing_context="fork" if workers else None)
 
@@ -88,8 +88,23 @@ def test_token_batches_resume(store_url, workers):  # noqa: F811
     assert head + ids(dl2) == full
 
 
+def test_extraction_batches_follow_the_loaders_rule():
+    """extract's forward batches (longest first) obey the same rule as the loader's: sequences x longest <=
+    token_budget unless alone, at most max_batch."""
+    import numpy as np
+
+    from hsstore.extract.forward import token_budget_batches
+    from hsstore.extract.sample import TokenizedSample
+
+    samples = [TokenizedSample(f"s{i}", np.ones(n, np.int32), np.ones(n, np.uint8))
+               for i, n in enumerate([5, 90, 40, 40, 300, 7, 7])]
+    batches = token_budget_batches(samples, token_budget=100, max_batch=3)
+    assert [[s.num_tokens for s in b] for b in batches] == [[300], [90], [40, 40], [7, 7, 5]]
+    assert count_token_batches([300, 90, 40, 40, 7, 7, 5], 100, max_items=3) == len(batches)
+
+
 def test_padded_batch_fits_the_trainer_format(store_url):  # noqa: F811
-    b = next(iter(TokenBatches(dataset(store_url), max_tokens=512)))
+    b = next(iter(TokenBatches(dataset(store_url), token_budget=512)))
     B, T = b["input_ids"].shape
     assert b["hidden_states"].shape[:2] == (B, T) and b["hidden_states"].shape[2:] == (3, 48)
     assert b["attention_mask"].dtype == torch.bool and b["loss_mask"].shape == (B, T)
@@ -101,8 +116,8 @@ def test_padded_batch_fits_the_trainer_format(store_url):  # noqa: F811
 def test_pin_memory_gives_the_same_batches(store_url, mode):  # noqa: F811
     """Pinned collation (the trainer's in-process path) changes where batches live, never what they hold;
     without an accelerator it falls back to plain memory."""
-    plain = list(TokenBatches(dataset(store_url, seed=3), max_tokens=400, mode=mode))
-    pinned = list(TokenBatches(dataset(store_url, seed=3), max_tokens=400, mode=mode, pin_memory=True))
+    plain = list(TokenBatches(dataset(store_url, seed=3), token_budget=400, mode=mode))
+    pinned = list(TokenBatches(dataset(store_url, seed=3), token_budget=400, mode=mode, pin_memory=True))
     assert ids(pinned) == ids(plain)
     for a, b in zip(plain, pinned):
         assert torch.equal(bits(a["hidden_states"]), bits(b["hidden_states"]))
@@ -116,7 +131,7 @@ def test_worker_batches_held_stay_intact(store_url):  # noqa: F811
 
     ref = {x["sample_id"]: bits(x["hidden_states"]).clone() for x in dataset(store_url)}
     for mode in ("pack", "pad"):
-        loader = DataLoader(TokenBatches(dataset(store_url, seed=1), max_tokens=300, mode=mode), batch_size=None,
+        loader = DataLoader(TokenBatches(dataset(store_url, seed=1), token_budget=300, mode=mode), batch_size=None,
                             num_workers=2, multiprocessing_context="fork")
         held = list(loader)
         for _ in loader:  # another epoch while the first is held: its memory must come from elsewhere

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from hsstore import merge_states
 from hsstore.distributed import node_of
 from hsstore.loader.dataset import LoaderStateError
+from hsstore.schema import build
 
 from test_loader import StatefulDataLoader, dataset, ids_of, samples, store_url, write_store  # noqa: F401
 from conftest import make_samples
@@ -218,11 +219,11 @@ def test_train_partition_node_saves_and_resumes_node_states(store32, tmp_path): 
     import shutil
 
     from hsstore.train import checkpoint as ckpt
-    from hsstore.train.trainer import TrainConfig, train
+    from hsstore.train.trainer import TrainSettings, train
 
     cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, partition="node", **FAST)
     full = tmp_path / "full"
-    train(TrainConfig(out=str(full), **cfg))
+    train(build(TrainSettings, out=str(full), **cfg))
     first = ckpt.list_checkpoints(full)[0]
     state = json.loads((first / "loader.rank00000.json").read_text())
     found = [s for s in _states(state)]
@@ -232,7 +233,7 @@ def test_train_partition_node_saves_and_resumes_node_states(store32, tmp_path): 
     for p in ckpt.list_checkpoints(cut)[1:]:
         shutil.rmtree(p)
     shutil.rmtree(cut / "drafter")
-    train(TrainConfig(out=str(cut), **cfg))
+    train(build(TrainSettings, out=str(cut), **cfg))
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     again = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and [r["loss"] for r in rows] == [r["loss"] for r in again]

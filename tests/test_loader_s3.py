@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 import hsstore
 from hsstore.loader.cache import ChunkCache
 from hsstore.errors import StoreError
+from hsstore.schema import build
 
 from conftest import make_samples
 from test_loader import bits, dataset, ids_of, write_store
@@ -204,7 +205,7 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
     off the launching thread); a local store, or workers already set, or a CPU run: nothing said."""
     import logging
 
-    from hsstore.train.config import TrainConfig
+    from hsstore.train.config import TrainSettings
     from hsstore.train.trainer import store_batches
 
     url, opts = s3_url
@@ -212,8 +213,8 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def said(stores, workers=0, device=cuda):
-        cfg = TrainConfig(stores=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
-                          max_tokens=1024)
+        cfg = build(TrainSettings, stores=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
+                    token_budget=1024)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hsstore.train.trainer"):
             try:

@@ -18,9 +18,11 @@ import pytest
 from hsstore.testing.ports import free_port
 
 from hsstore.extract.readers import read_records
-from hsstore.extract.regenerate import RegenConfig, RegenerateError, assistant_turn, build_prompt, resume_output, run_regenerate
+from hsstore.extract.regenerate import (RegenerateError, RegenerateSettings, assistant_turn, build_prompt, resume_output,
+                                        run_regenerate)
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.cli import main
+from hsstore.schema import build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,8 +155,8 @@ def test_all_turns_are_regenerated_in_order(server, tmp_path):
         {"role": "user", "content": "And a number?"}, {"role": "assistant", "content": "OLD-ANSWER-2"}]}
     inp = write_jsonl(tmp_path / "in.jsonl", [conv, demo_rows(1)[0]])
     out = tmp_path / "out.jsonl"
-    res = run_regenerate(RegenConfig(inputs=[str(inp)], out=str(out), server=server, max_tokens=6, turns="all",
-                                     concurrency=2, progress=False))
+    res = run_regenerate(build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=server, max_tokens=6,
+                               turns="all", concurrency=2, progress=False))
     assert (res.prompts, res.generated) == (2, 2)
     row = next(r for r in read_out(out) if r["id"] == "two-exchanges")
     msgs = row["messages"]
@@ -201,8 +203,8 @@ def test_server_refusal_names_the_prompt(server, tmp_path):
     prompt, and nothing is written for it."""
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
     out = tmp_path / "out.jsonl"
-    cfg = RegenConfig(inputs=[str(inp)], out=str(out), server=server, max_tokens=4, retries=5,
-                      extra_body={"no_such_field": 1}, progress=False)
+    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=server, max_tokens=4, retries=5,
+                extra_body={"no_such_field": 1}, progress=False)
     with pytest.raises(RegenerateError, match=r"prompt demo-math-001 \(.*in\.jsonl:1\): the server refused the "
                                               r"request \(HTTP 422"):
         run_regenerate(cfg)
@@ -216,8 +218,8 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     url = f"http://127.0.0.1:{port}"
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(3))
     out = tmp_path / "out.jsonl"
-    cfg = RegenConfig(inputs=[str(inp)], out=str(out), server=url, max_tokens=4, concurrency=2, retries=60,
-                      backoff_s=0.2, backoff_max_s=1.0, progress=False)
+    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, max_tokens=4, concurrency=2,
+                retries=60, backoff_s=0.2, backoff_max_s=1.0, progress=False)
     result: dict = {}
 
     def client():
@@ -309,14 +311,14 @@ def test_build_prompt_modes_and_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"in\.jsonl:3 \(id=no-user\): no user message"):
         build_prompt(recs[2], "last")
     with pytest.raises(ValueError, match=r"in\.jsonl:3 \(id=no-user\): no user message"):  # before any request
-        run_regenerate(RegenConfig(inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "o.jsonl"),
-                                   server="http://127.0.0.1:9", progress=False))
+        run_regenerate(build(RegenerateSettings, inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "o.jsonl"),
+                             server="http://127.0.0.1:9", progress=False))
     tokens = write_jsonl(tmp_path / "tok.jsonl", [{"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1]}])
     with pytest.raises(ValueError, match=r"tok\.jsonl:1: a pre-tokenized row"):
-        run_regenerate(RegenConfig(inputs=[str(tokens)], out=str(tmp_path / "o.jsonl"), server="http://127.0.0.1:9",
-                                   progress=False))
+        run_regenerate(build(RegenerateSettings, inputs=[str(tokens)], out=str(tmp_path / "o.jsonl"),
+                             server="http://127.0.0.1:9", progress=False))
     assert not (tmp_path / "o.jsonl").exists()
     (tmp_path / "o.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"o\.jsonl: the output is also an input"):
-        run_regenerate(RegenConfig(inputs=[str(tmp_path)], out=str(tmp_path / "o.jsonl"), server="http://127.0.0.1:9",
-                                   progress=False))
+        run_regenerate(build(RegenerateSettings, inputs=[str(tmp_path)], out=str(tmp_path / "o.jsonl"),
+                             server="http://127.0.0.1:9", progress=False))

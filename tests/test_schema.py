@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from hsstore import config
-from hsstore.schema import add_arguments, flat, from_args, option, resume_keys, section, settings_of
+from hsstore.schema import (add_arguments, build, flat, from_args, option, replace, resume_keys, section,
+                            settings_of)
 
 
 @dataclass
@@ -117,19 +118,17 @@ class Negated:
     out: Out = section(Out, "output")
 
 
-def test_negated_flags_keep_their_key_and_flat_class_mirrors_the_schema():
+def test_negated_flags_keep_their_key_and_build_uses_the_schemas_defaults():
     """``negate``: the key (and so a config file) says what the flag says (``no_cache: true`` = --no-cache given),
-    the setting is its opposite; ``flat_class`` has every setting as a field, with the schema's defaults."""
-    from hsstore.schema import flat_class
-
+    the setting is its opposite; ``build`` by field name gives the schema's defaults for the rest."""
     p = argparse.ArgumentParser(prog="t")
     groups = add_arguments(p, Negated)
     assert set(groups) == {"out"} and groups["out"].title == "output"
     assert from_args(Negated, p.parse_args([])).out.cache is True
     args = p.parse_args(["--no-cache"])
     assert args.no_cache is True and from_args(Negated, args).out.cache is False
-    Flat = flat_class(Negated, "Flat", __name__)
-    assert Flat() == Flat(cache=True, steps=3) and Flat(**flat(from_args(Negated, args))).cache is False
+    assert build(Negated) == build(Negated, cache=True, steps=3) == from_args(Negated, p.parse_args([]))
+    assert flat(from_args(Negated, args)) == {"cache": False, "steps": 3}
 
 
 @dataclass
@@ -163,9 +162,10 @@ def test_flag_type_tristate_bool_group_description_and_whole_sections():
     assert unset.taps.layers is None and unset.taps.compile is None
     assert from_args(Grouped, p.parse_args(["--compile"])).taps.compile is True
 
-    from hsstore.schema import flat_class
-    View = flat_class(Grouped, "View", __name__, whole=("limits",))
-    view = View(**flat(cfg, whole=("limits",)))
-    assert view.layers == [1, 16, 31] and view.limits == Limits(small=32)
-    assert [f for f in View.__dataclass_fields__] == ["layers", "compile", "limits"]
-    assert View(limits=Limits(small=1)).limits.small == 1
+    # a whole section by its name; replace changes settings by name, each in its section
+    whole = build(Grouped, layers=[1], limits=Limits(small=1))
+    assert whole.limits.small == 1 and whole.taps.layers == [1]
+    changed = replace(cfg, small=5, compile=True)
+    assert changed.limits == Limits(small=5) and changed.taps.compile is True and cfg.limits.small == 32
+    with pytest.raises(TypeError, match="no settings named"):
+        replace(cfg, smal=5)

@@ -1,12 +1,10 @@
 """The trainer's one settings schema (train/config.py): the flags, run.yaml sections, RESUME_KEYS and the flat
-TrainConfig it generates mean what the hand-written ones did; train/'s old names still import; the metrics
+TrainSettings it generates mean what the hand-written ones did; train/'s old names still import; the metrics
 meter's named sums."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
 
 import pytest
 import torch
@@ -14,9 +12,10 @@ import yaml
 
 from hsstore import config
 from hsstore.cli import build_parser
+from hsstore.schema import build
 from hsstore.storage import parse_storage_options
-from hsstore.train.cli import train_config
-from hsstore.train.config import RESUME_KEYS, TrainConfig, TrainSettings
+from hsstore.train.cli import command_settings
+from hsstore.train.config import RESUME_KEYS, TrainSettings, recordable_config, saved_config
 from hsstore.train.metrics import Meter
 from hsstore.schema import settings_of
 
@@ -27,11 +26,16 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def old_cli_config(args) -> TrainConfig:
+def train_config(args) -> TrainSettings:
+    return command_settings(TrainSettings, args)
+
+
+def old_cli_config(args) -> TrainSettings:
     """What train/cli.py built before the schema, field by field (copied from its last hand-written version)."""
-    return TrainConfig(
+    return build(TrainSettings, 
         stores=args.store, out=args.out, steps=args.steps, epochs=args.epochs, device=args.device,
-        max_tokens=args.token_budget, anchors=args.anchors, block_size=args.block_size, draft_layers=args.draft_layers,
+        token_budget=args.token_budget, anchors=args.anchors, block_size=args.block_size,
+        draft_layers=args.draft_layers,
         sliding_window=args.sliding_window or None, sliding_causal=not args.non_causal_sliding,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         intermediate_size=args.intermediate_size, rope_theta=args.rope_theta, init=args.init,
@@ -75,51 +79,61 @@ def test_old_run_yaml_keys_keep_their_meaning(tmp_path):
         "output": {"no_resume": True, "quiet": True, "report_to": "none"},
         "data": {"weight": [2.0]}, "storage": {"storage_option": ["anon=true"]}}))
     cfg = train_config(parse(["train", "--config", str(f)]))
-    assert cfg == TrainConfig(stores=["/s/a"], out="/o", epochs=2, max_tokens=123, sliding_window=None,
-                              sliding_causal=False, resume=False, progress=False, weights=[2.0],
-                              storage_options={"anon": True})
+    assert cfg == build(TrainSettings, stores=["/s/a"], out="/o", epochs=2, token_budget=123, sliding_window=None,
+                        sliding_causal=False, resume=False, progress=False, weights=[2.0],
+                        storage_options={"anon": True})
     f.write_text(yaml.safe_dump({"run": {"store": ["/s/a"], "out": "/o"},
                                  "drafter": {"non_causal_sliding": False}, "output": {"no_resume": False}}))
     cfg = train_config(parse(["train", "--config", str(f)]))
-    assert cfg.sliding_causal is True and cfg.resume is True and cfg.epochs == 6
+    assert cfg.drafter.sliding_causal is True and cfg.output.resume is True and cfg.run.epochs == 6
+
+
+def test_old_and_flat_config_keys_load(tmp_path, caplog):
+    """A --config file with the old flag's key (max_tokens, under its section or under the flat ``options`` of
+    older releases) sets today's token_budget, with a warning; a key no flag ever had is still refused."""
+    f = tmp_path / "old.yaml"
+    f.write_text(yaml.safe_dump({"run": {"store": ["/s"], "out": "/o"}, "batch": {"max_tokens": 321}}))
+    with caplog.at_level("WARNING", logger="hsstore"):
+        assert train_config(parse(["train", "--config", str(f)])).batch.token_budget == 321
+    assert "max_tokens is the old name of token_budget" in caplog.text
+    f.write_text(yaml.safe_dump({"options": {"store": ["/s"], "out": "/o", "max_tokens": 5, "lr": 0.5}}))
+    settings = train_config(parse(["train", "--config", str(f)]))
+    assert settings.batch.token_budget == 5 and settings.schedule.lr == 0.5 and settings.run.stores == ["/s"]
+    f.write_text(yaml.safe_dump({"batch": {"max_tokenz": 5}}))
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", str(f)])
 
 
 def test_resume_keys_are_the_hand_written_ones():
     """The settings a resumed run may not change, as the tuple was written before the schema."""
-    before = ("stores", "weights", "seed", "max_tokens", "anchors", "block_size", "draft_layers",
+    before = ("stores", "weights", "seed", "token_budget", "anchors", "block_size", "draft_layers",
               "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
               "rope_theta", "mask_token_id", "gamma", "workers")
     assert sorted(RESUME_KEYS) == sorted(before) and len(RESUME_KEYS) == len(before)
 
 
-def test_the_flat_config_is_the_schema():
-    """TrainConfig's fields are the schema's settings, in order, with their defaults; the ones without a flag
-    are said so in the schema (cli=False) and come from elsewhere in the CLI (-q, -S) or the API only."""
-    names = [s.name for s in settings_of(TrainSettings)]
-    assert [f.name for f in dataclasses.fields(TrainConfig)] == names
+def test_old_recorded_keys_are_read_by_todays_names():
+    """A train_config.json / trainer.json written when the budget was named max_tokens means the same budget."""
+    now = recordable_config(build(TrainSettings, stores=["/s"], out="/o", token_budget=512))
+    old = {("max_tokens" if k == "token_budget" else k): v for k, v in now.items()}
+    assert "token_budget" not in old and saved_config(old) == now
+
+
+def test_settings_by_name_are_the_schema():
+    """``build`` puts each setting named in its section, with the schema's defaults for the rest; the ones
+    without a flag are said so in the schema (cli=False) and come from elsewhere in the CLI (-q, -S) or the API
+    only; the sections' checks run."""
+    settings = build(TrainSettings, stores=["/s"], out="/o", lr=1e-3, token_budget=77)
+    assert settings.schedule.lr == 1e-3 and settings.batch.token_budget == 77 and settings.run.epochs == 6
+    assert settings.drafter == type(settings.drafter)()  # untouched sections: their defaults
+    with pytest.raises(TypeError, match="no settings named"):
+        build(TrainSettings, stores=["/s"], out="/o", max_tokens=1)  # the old name is the loader's, not the API's
     assert {s.name for s in settings_of(TrainSettings) if not s.how.cli} == {"ce_chunk", "ce_impl", "progress",
                                                                              "storage_options"}
     with pytest.raises(ValueError, match="--steps or --epochs"):
-        TrainConfig(stores=["/s"], out="/o", steps=1, epochs=1)
+        build(TrainSettings, stores=["/s"], out="/o", steps=1, epochs=1)
     with pytest.raises(TypeError):
-        TrainConfig(out="/o")  # stores has no default
-
-
-def test_moved_names_still_import_with_a_warning():
-    from hsstore.train import build, masks, metrics, model, trainer
-
-    with pytest.warns(DeprecationWarning, match="moved to hsstore.train.build.load_frozen"):
-        assert trainer.load_frozen is build.load_frozen
-    with pytest.warns(DeprecationWarning, match="hsstore.train.metrics.val_metrics"):
-        assert trainer.val_metrics is metrics.val_metrics
-    with pytest.warns(DeprecationWarning, match="hsstore.train.masks.block_plan"):
-        assert model.block_plan is masks.block_plan
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # names that did not move: no warning
-        assert trainer.TrainConfig is TrainConfig and callable(trainer.train) and trainer.RESUME_KEYS == RESUME_KEYS
-        assert trainer.Meter is metrics.Meter and trainer.DraftLoss is build.DraftLoss  # still imported there
-    with pytest.raises(AttributeError):
-        trainer.no_such_name
+        build(TrainSettings, out="/o")  # stores has no default
 
 
 def test_meter_sums_by_name():

@@ -37,7 +37,7 @@ def test_torchrun_two_ranks_see_every_sample_once_per_epoch(store32, tmp_path): 
         assert per_rank[0] and per_rank[1] and not per_rank[0] & per_rank[1]  # both ranks trained, disjoint
 
     # the schedule's length was planned from metadata alone and matches the steps the ranks really ran
-    planned = StoreBatches([store32], layers=hsstore.open(store32).layers, max_tokens=600, seed=0, rank=0,
+    planned = StoreBatches([store32], layers=hsstore.open(store32).layers, token_budget=600, seed=0, rank=0,
                            world_size=2).planned_steps(2)
     assert planned == len(logs[0])
 

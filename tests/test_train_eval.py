@@ -6,10 +6,11 @@ import torch
 
 import hsstore
 from hsstore.cli import main as hsstore_cli
+from hsstore.schema import build
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
 from hsstore.train.build import load_frozen
-from hsstore.train.trainer import TrainConfig, train
+from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
 
 S, NEW = 8, 24
@@ -59,7 +60,7 @@ def test_speculative_equals_greedy_for_any_proposer(target, prompts, eos, right)
 
 
 def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_path):  # noqa: F811
-    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=3, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=3, **FAST))
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store)
     drafter = load_drafter(tmp_path, embed, head).eval()
@@ -72,7 +73,7 @@ def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_pat
 
 
 def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
-    train(TrainConfig(stores=[store32], out=str(tmp_path), steps=2, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST))
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path), "--model", str(tiny_dir),
                       "--input", str(small_input), "--num-samples", "2", "--max-new-tokens", "12", "--device", "cpu"])
     captured = capsys.readouterr()
@@ -86,7 +87,7 @@ def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F
     from hsstore.extract.tiny import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", seed=1)
-    train(TrainConfig(stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
+    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path / "run"), "--model", str(other),
                       "--input", str(small_input), "--num-samples", "1", "--device", "cpu"])
     assert rc == 2

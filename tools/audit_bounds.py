@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hsstore.schema import build
+
 
 def other_weights(model_dir: str, out: Path, seed: int = 12345) -> str:
     """A target of ``model_dir``'s config and tokenizer with random weights (seed ``seed``)."""
@@ -59,7 +61,7 @@ def figures(store_url: str, model_dir: str, other_dir: str, samples: int) -> dic
 
 
 def main() -> None:
-    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir, trained_files, trained_target_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -75,8 +77,8 @@ def main() -> None:
             other = other_weights(model_dir, Path(tmp) / f"{name}-other")
             for dtype, encoding in (("float32", "raw"), ("float16", "raw"), ("bfloat16", "raw"), ("bfloat16", "fp8")):
                 url = str(Path(tmp) / f"{name}-{dtype}-{encoding}")
-                run_extract(ExtractConfig(model=model_dir, inputs=[str(rows)], out=url, dtype=dtype, encoding=encoding,
-                                          device="cpu", progress=False, force=True))
+                run_extract(build(ExtractSettings, model=model_dir, inputs=[str(rows)], out=url, dtype=dtype,
+                                  encoding=encoding, device="cpu", progress=False, force=True))
                 out[f"{name} {dtype} {encoding}"] = figures(url, model_dir, other, args.samples)
                 print(json.dumps({f"{name} {dtype} {encoding}": out[f"{name} {dtype} {encoding}"]}), flush=True)
 

@@ -226,7 +226,7 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
     drafter.checkpoint_layers = args.checkpoint_layers
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gamma = default_gamma(args.block)
-    source = StoreBatches([store_url], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0, rank=0,
+    source = StoreBatches([store_url], layers=list(range(args.taps)), token_budget=args.max_tokens, seed=0, rank=0,
                           world_size=1, workers=args.workers, pin_memory=device.type == "cuda",
                           storage_options=storage_options)
 
@@ -363,7 +363,7 @@ def launch_probe(args, store: Path, device: torch.device) -> None:
         return n / (time.perf_counter() - t0)
 
     def streamed(threads: int) -> tuple[float, float]:  # (ops/s, batches/s) while the read-ahead streams
-        source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0,
+        source = StoreBatches([str(store)], layers=list(range(args.taps)), token_budget=args.max_tokens, seed=0,
                               rank=0, world_size=1, pin_memory=device.type == "cuda")
         done, batches, rate = threading.Event(), [0], [0.0]
 
@@ -434,7 +434,7 @@ def loader_only(args, store: Path, device: torch.device) -> None:
         for pin, threads in settings:
             name = f"{pin}/threads={threads}"
             torch.set_num_threads(threads)
-            source = StoreBatches([str(store)], layers=list(range(args.taps)), max_tokens=args.max_tokens, seed=0,
+            source = StoreBatches([str(store)], layers=list(range(args.taps)), token_budget=args.max_tokens, seed=0,
                                   rank=rank, world_size=world, pin_memory=pin == "pinned" and device.type == "cuda")
             source.set_epoch(epoch)
             stream = read_ahead(source, lambda b, e=epoch: add_anchors(b, 0, e, args.anchors, args.block, gamma),

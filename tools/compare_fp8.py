@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 import hsstore
-from hsstore.extract.job import ExtractConfig, run_extract
+from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore.format import fp8
 from hsstore.cli import main as hsstore_main
 from hsstore.ops.info import summarize
-from hsstore.train.trainer import TrainConfig, train
+from hsstore.schema import build
+from hsstore.train.trainer import TrainSettings, train
 
 ELEMENT_PCTS = (50, 90, 99, 99.9, 100)
 ROW_PCTS = (50, 90, 99, 100)
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for enc in ("raw", "fp8"):
         url = urls[enc] = str(out / f"store-{enc}")
         t0 = time.perf_counter()
-        run_extract(ExtractConfig(model=model, inputs=inputs, out=url, layers=layers, device=args.device,
-                                  token_budget=args.token_budget, encoding=enc, force=args.force, progress=False))
+        run_extract(build(ExtractSettings, model=model, inputs=inputs, out=url, layers=layers, device=args.device,
+                          token_budget=args.token_budget, encoding=enc, force=args.force, progress=False))
         s = summarize(hsstore.open(url))
         result["stores"][enc] = {"url": url, "extract_s": time.perf_counter() - t0, "tokens": s["tokens"],
                                  "bytes_per_token": s["bytes_per_token"], "stored_bytes": s["stored_bytes"],
@@ -127,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     for enc, url in urls.items():
         run = out / f"run-{enc}"
         t0 = time.perf_counter()
-        train(TrainConfig(stores=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
-                          draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
-                          max_tokens=args.max_tokens, lr=args.lr, log_every=max(1, args.steps // 20),
-                          save_every=args.steps, progress=False))
+        train(build(TrainSettings, stores=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
+                    draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
+                    token_budget=args.max_tokens, lr=args.lr, log_every=max(1, args.steps // 20),
+                    save_every=args.steps, progress=False))
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         last, tail = rows[-1], rows[-max(1, len(rows) // 5):]  # the last fifth of the logged steps: less noise
         st = result["stores"][enc]

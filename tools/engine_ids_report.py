@@ -19,6 +19,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from hsstore.schema import build
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,9 +36,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     import hsstore
-    from hsstore.extract.job import ExtractConfig, run_extract
+    from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.gate import GateThresholds
-    from hsstore.extract.regenerate import RegenConfig, run_regenerate
+    from hsstore.extract.regenerate import RegenerateSettings, run_regenerate
     from hsstore.extract.tiny import trained_files, trained_target_dir
     from hsstore.extract.tokenize import TokenizeStats, load_samples
 
@@ -53,8 +55,9 @@ def main(argv=None) -> int:
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = work / "regenerated.jsonl"
     with EngineServer(target, seed=args.seed) as url:
-        regen = run_regenerate(RegenConfig([str(inp)], str(out), url, temperature=args.temperature,
-                                           max_tokens=args.max_tokens, concurrency=1, progress=False))
+        regen = run_regenerate(build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url,
+                                     temperature=args.temperature,
+                                     max_tokens=args.max_tokens, concurrency=1, progress=False))
     answered = [json.loads(line) for line in out.read_text().splitlines()]
 
     # each turn: engine ids vs re-tokenizing its own decoded text vs what the text rule gives
@@ -84,9 +87,9 @@ def main(argv=None) -> int:
             causes["text re-rendered differently (parser split + template trim)"] += 1
 
     store_url = str(work / "store")
-    run_extract(ExtractConfig(model=str(target), inputs=[str(out)], out=store_url, device="cpu", dtype="float32",
-                              layers=[1], progress=False,
-                              thresholds=GateThresholds(max_truncated_share=1.0, max_stub_share=1.0,
+    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu",
+                      dtype="float32", layers=[1], progress=False,
+                      thresholds=GateThresholds(max_truncated_share=1.0, max_stub_share=1.0,
                                                         max_empty_thinking_share=1.0, small_loss_sum=0)))
     store = hsstore.open(store_url)
     recorded = {r["id"]: r["messages"][-1] for r in answered}

@@ -15,19 +15,24 @@ from typing import Sequence
 import numpy as np
 import torch
 
-# the published recipe on a GPU; a quarter of its tokens and anchors on a CPU
-DEFAULTS = {"cuda": {"max_tokens": 16384, "anchors": 512}, "cpu": {"max_tokens": 4096, "anchors": 128}}
+from hsstore.devices import DEVICE_DEFAULTS, defaults_for
+from hsstore.schema import replace
+
+from .config import TrainSettings
+
 ASSUMED_MIN_SEQUENCE = 2048  # for the estimate: sequences per batch at most budget / this (anchors count per sequence)
 
 
-def with_device_defaults(cfg, device: torch.device):
-    """``cfg`` with unset (None) ``max_tokens`` and ``anchors`` set to ``device``'s defaults."""
-    table = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
-    unset = {k: v for k, v in table.items() if getattr(cfg, k) is None}
-    return dataclasses.replace(cfg, **unset) if unset else cfg
+def with_device_defaults(settings: TrainSettings, device: torch.device) -> TrainSettings:
+    """``settings`` with unset (None) ``token_budget`` and ``anchors`` set to ``device``'s defaults
+    (``hsstore.devices.DEVICE_DEFAULTS``)."""
+    row = defaults_for(device)
+    unset = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)
+             if getattr(settings.batch, f.name) is None}
+    return dataclasses.replace(settings, batch=dataclasses.replace(settings.batch, **unset)) if unset else settings
 
 
-def step_bytes(dcfg, cfg, trainable_params: int, frozen_params: int, element_bytes: int = 4) -> int:
+def step_bytes(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, element_bytes: int = 4) -> int:
     """A rough upper estimate of one training step's peak memory, in bytes.
 
     Parameters: weights, gradients and AdamW's two moments of the drafter (fp32), the frozen embedding and
@@ -38,16 +43,16 @@ def step_bytes(dcfg, cfg, trainable_params: int, frozen_params: int, element_byt
     e = element_bytes
     H, I, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers
     kv = dcfg.num_kv_heads * dcfg.head_dim
-    T = int(cfg.max_tokens)
-    sequences = max(1, -(-T // ASSUMED_MIN_SEQUENCE))
-    queries = min(int(cfg.anchors) * sequences, T) * dcfg.block_size
+    token_budget = int(settings.batch.token_budget)
+    sequences = max(1, -(-token_budget // ASSUMED_MIN_SEQUENCE))
+    queries = min(int(settings.batch.anchors) * sequences, token_budget) * dcfg.block_size
     windows = dcfg.sliding_window or [None] * L
     total = 16 * trainable_params + e * frozen_params
-    total += e * T * (len(dcfg.target_layers) * H + 2 * H)
+    total += e * token_budget * (len(dcfg.target_layers) * H + 2 * H)
     for w in windows:
-        keys = (min(w, T) if w else T) + dcfg.block_size
-        total += e * (2 * T * kv + queries * (12 * H + 3 * I) + 2 * queries * dcfg.num_heads * keys)
-    total += 3 * e * int(cfg.ce_chunk) * dcfg.vocab_size
+        keys = (min(w, token_budget) if w else token_budget) + dcfg.block_size
+        total += e * (2 * token_budget * kv + queries * (12 * H + 3 * I) + 2 * queries * dcfg.num_heads * keys)
+    total += 3 * e * int(settings.schedule.ce_chunk) * dcfg.vocab_size
     return int(total * 1.25)  # allocator slack and temporaries
 
 
@@ -66,16 +71,17 @@ def available_bytes() -> int | None:
         return None
 
 
-def check_cpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int) -> int:
+def check_cpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int) -> int:
     """Refuse (ValueError, one line with what to lower) a CPU step estimated above the available memory;
     returns the estimate."""
-    need, have = step_bytes(dcfg, cfg, trainable_params, frozen_params), available_bytes()
+    need, have = step_bytes(dcfg, settings, trainable_params, frozen_params), available_bytes()
+    batch, cpu = settings.batch, DEVICE_DEFAULTS["cpu"]
     if have is not None and need > have:
         raise ValueError(
-            f"a training step of {cfg.max_tokens:,} tokens with {cfg.anchors} anchors per sequence and "
+            f"a training step of {batch.token_budget:,} tokens with {batch.anchors} anchors per sequence and "
             f"{dcfg.num_layers} draft layers needs about {need / 2**30:.1f} GiB, and this machine has "
             f"{have / 2**30:.1f} GiB available: lower --token-budget and --anchors (CPU defaults "
-            f"{DEFAULTS['cpu']['max_tokens']} and {DEFAULTS['cpu']['anchors']}) or --draft-layers, or train on a GPU")
+            f"{cpu.token_budget} and {cpu.anchors}) or --draft-layers, or train on a GPU")
     return need
 
 
@@ -112,7 +118,7 @@ GPU_ROW_SLACK = 2.85
 MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
 
 
-def gpu_step_bytes(dcfg, max_tokens: int, anchors: int, trainable_params: int, frozen_params: int, *,
+def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *,
                    sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool = False) -> int:
     """Estimated CUDA peak of one training step under bf16 autocast, in bytes (see ``fit_gpu_step``).
 
@@ -125,11 +131,11 @@ def gpu_step_bytes(dcfg, max_tokens: int, anchors: int, trainable_params: int, f
     ``ASSUMED_MIN_SEQUENCE``)."""
     H, I, L, S = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers, dcfg.block_size
     q_w, kv_w = dcfg.num_heads * dcfg.head_dim, dcfg.num_kv_heads * dcfg.head_dim
-    T = int(max_tokens)
-    seqs = sequences if sequences is not None else max(1, -(-T // ASSUMED_MIN_SEQUENCE))
-    rows = min(int(anchors) * seqs, T) * S
+    token_budget = int(token_budget)
+    seqs = sequences if sequences is not None else max(1, -(-token_budget // ASSUMED_MIN_SEQUENCE))
+    rows = min(int(anchors) * seqs, token_budget) * S
     fixed = 16 * trainable_params + 2 * frozen_params
-    data = T * (2 * len(dcfg.target_layers) * H + 6 * H) + L * T * 2 * kv_w * 2
+    data = token_budget * (2 * len(dcfg.target_layers) * H + 6 * H) + L * token_budget * 2 * kv_w * 2
     per_row_layer = GPU_ROW_SLACK * 2 * (6 * H + 3 * I + 2 * q_w + 2 * kv_w)
     kept = rows * (L * 2 * H + per_row_layer) if checkpoint_layers else rows * L * per_row_layer
     ce = 3 * 4 * int(ce_chunk) * dcfg.vocab_size
@@ -143,30 +149,30 @@ def store_lengths(stores) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def max_sequences(lengths: Sequence[int] | np.ndarray, max_tokens: int) -> int | None:
+def max_sequences(lengths: Sequence[int] | np.ndarray, token_budget: int) -> int | None:
     """The most sequences one padded token-budget batch can hold for samples of these lengths, whatever the
-    shuffle: a batch of B samples costs B x its longest <= ``max_tokens`` (``hsstore.loader.batching``), and its
+    shuffle: a batch of B samples costs B x its longest <= ``token_budget`` (``hsstore.loader.batching``), and its
     longest is at least the B-th shortest length, so B is at most the largest B with ``sorted[B-1] * B <=
-    max_tokens`` (at least 1: a sample over the budget is a batch of its own). None when no lengths are known."""
+    token_budget`` (at least 1: a sample over the budget is a batch of its own). None when no lengths are known."""
     ls = np.sort(np.asarray(lengths, dtype=np.int64))
     if ls.size == 0:
         return None
-    fits = ls * np.arange(1, ls.size + 1) <= int(max_tokens)  # a prefix: sorted lengths times a growing count
+    fits = ls * np.arange(1, ls.size + 1) <= int(token_budget)  # a prefix: sorted lengths times a growing count
     return max(1, int(fits.sum()))
 
 
-def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
+def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
                  sequences: int | None = None, longest: int | None = None, ce_chunk: int = 1024,
                  checkpoint_layers: bool = False) -> tuple[int, int]:
     """(anchors, estimated bytes) of a step that fits in ``have`` bytes of GPU memory: ``anchors`` as asked when
     it fits, else halved until it does (a warning says so and what would keep them), else ValueError (one
     line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in.
     ``sequences``: sequences per batch at most (``max_sequences``; None: assumed from ``ASSUMED_MIN_SEQUENCE``);
-    ``longest``: the longest sample, which is a batch of its own when over ``max_tokens``."""
+    ``longest``: the longest sample, which is a batch of its own when over ``token_budget``."""
     def need(a: int, ckpt: bool) -> int:
-        est = gpu_step_bytes(dcfg, max_tokens, a, trainable_params, frozen_params, sequences=sequences,
+        est = gpu_step_bytes(dcfg, token_budget, a, trainable_params, frozen_params, sequences=sequences,
                              ce_chunk=ce_chunk, checkpoint_layers=ckpt)
-        if longest is not None and longest > max_tokens:  # the one batch that exceeds the budget
+        if longest is not None and longest > token_budget:  # the one batch that exceeds the budget
             est = max(est, gpu_step_bytes(dcfg, longest, a, trainable_params, frozen_params, sequences=1,
                                           ce_chunk=ce_chunk, checkpoint_layers=ckpt))
         return est
@@ -182,12 +188,12 @@ def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, fro
         if need(a, checkpoint_layers) <= have:
             import warnings
 
-            msg = (f"a step of {max_tokens:,} tokens with {anchors} anchors per sequence needs about "
+            msg = (f"a step of {token_budget:,} tokens with {anchors} anchors per sequence needs about "
                    f"{est / 2**30:.1f} GiB of the GPU's {have / 2**30:.1f} GiB: lowering anchors to {a} per "
                    f"sequence ({need(a, checkpoint_layers) / 2**30:.1f} GiB){hint}")
             warnings.warn(msg, UserWarning, stacklevel=2)
             return a, need(a, checkpoint_layers)
-    raise ValueError(f"a step of {max_tokens:,} tokens with {anchors} anchors per sequence needs about "
+    raise ValueError(f"a step of {token_budget:,} tokens with {anchors} anchors per sequence needs about "
                      f"{est / 2**30:.1f} GiB of the GPU's {have / 2**30:.1f} GiB, and {MIN_ANCHORS} anchors still "
                      f"do not fit: lower --token-budget{'' if checkpoint_layers else ' or add --checkpoint-layers'}")
 
@@ -195,43 +201,46 @@ def fit_gpu_step(dcfg, max_tokens: int, anchors: int, trainable_params: int, fro
 GPU_USABLE = 0.93  # of the device's memory: the CUDA context, cuBLAS workspaces and the allocator's fragmentation
 
 
-def plan_gpu_step(dcfg, cfg, trainable_params: int, frozen_params: int, have: int, stores=None,
+def plan_gpu_step(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, have: int, stores=None,
                   ) -> tuple[int, int, int | None]:
-    """(anchors, estimated bytes, sequences per batch at most or None) of ``cfg``'s step within ``have`` bytes
-    (``fit_gpu_step``, which warns when it lowers anchors). ``stores``: the training stores, whose samples'
+    """(anchors, estimated bytes, sequences per batch at most or None) of the settings' step within ``have``
+    bytes (``fit_gpu_step``, which warns when it lowers anchors). ``stores``: the training stores, whose samples'
     lengths (``store_lengths``) bound the sequences per batch (``max_sequences``); without them (or samples) up
-    to ``max_tokens / ASSUMED_MIN_SEQUENCE`` are assumed."""
+    to ``token_budget / ASSUMED_MIN_SEQUENCE`` are assumed."""
     lengths = store_lengths(stores) if stores else None
-    seqs = None if lengths is None else max_sequences(lengths, cfg.max_tokens)
+    seqs = None if lengths is None else max_sequences(lengths, settings.batch.token_budget)
     longest = None if seqs is None else int(np.max(lengths))
-    anchors, need = fit_gpu_step(dcfg, cfg.max_tokens, cfg.anchors, trainable_params, frozen_params, have=have,
-                                 sequences=seqs, longest=longest, ce_chunk=cfg.ce_chunk,
-                                 checkpoint_layers=cfg.checkpoint_layers)
+    anchors, need = fit_gpu_step(dcfg, settings.batch.token_budget, settings.batch.anchors, trainable_params,
+                                 frozen_params, have=have, sequences=seqs, longest=longest,
+                                 ce_chunk=settings.schedule.ce_chunk,
+                                 checkpoint_layers=settings.data.checkpoint_layers)
     return anchors, need, seqs
 
 
-def check_gpu_memory(dcfg, cfg, trainable_params: int, frozen_params: int, device: torch.device, stores=None):
-    """``cfg`` with anchors that fit the GPU (``plan_gpu_step``; logged when lowered), or ValueError.
+def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, device: torch.device,
+                     stores=None) -> TrainSettings:
+    """``settings`` with anchors that fit the GPU (``plan_gpu_step``; logged when lowered), or ValueError.
 
-    ``cfg.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to it
-    (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
+    ``settings.data.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to
+    it (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
     import logging
     import warnings
 
     total = torch.cuda.get_device_properties(device).total_memory
-    limit = total if cfg.gpu_memory_gib is None else min(total, int(cfg.gpu_memory_gib * 2**30))
+    limit = total if settings.data.gpu_memory_gib is None else min(total, int(settings.data.gpu_memory_gib * 2**30))
     if limit < total:
         torch.cuda.set_per_process_memory_fraction(limit / total, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        anchors, need, seqs = plan_gpu_step(dcfg, cfg, trainable_params, frozen_params, int(limit * GPU_USABLE),
+        anchors, need, seqs = plan_gpu_step(dcfg, settings, trainable_params, frozen_params, int(limit * GPU_USABLE),
                                             stores)
     log = logging.getLogger("hsstore.train")
     for w in caught:
         log.warning("%s", w.message)
     per_batch = (f"at most {seqs} sequences per batch (the stores' lengths)" if seqs is not None else
-                 f"up to {max(1, -(-cfg.max_tokens // ASSUMED_MIN_SEQUENCE))} sequences per batch (assumed)")
+                 f"up to {max(1, -(-settings.batch.token_budget // ASSUMED_MIN_SEQUENCE))} sequences per batch "
+                 "(assumed)")
     log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence, %s%s)", need / 2**30,
              limit * GPU_USABLE / 2**30, anchors, per_batch,
-             ", draft layers recomputed in backward" if cfg.checkpoint_layers else "")
-    return cfg if anchors == cfg.anchors else dataclasses.replace(cfg, anchors=anchors)
+             ", draft layers recomputed in backward" if settings.data.checkpoint_layers else "")
+    return settings if anchors == settings.batch.anchors else replace(settings, anchors=anchors)

@@ -34,7 +34,7 @@ from hsstore.version import __version__
 
 from . import checkpoint as ckpt
 from .budget import check_cpu_memory, check_gpu_memory
-from .config import TrainConfig
+from .config import TrainSettings
 from .model import DFlashDrafter, DrafterConfig
 from .objective import dflash_loss
 
@@ -68,34 +68,38 @@ def pick_mask_token(target_cfg: dict[str, Any], manifest: Manifest, vocab_rows: 
                      "pad_token_id; pass --mask-token-id")
 
 
-def drafter_config(manifest: Manifest, target_cfg: dict[str, Any], vocab_rows: int, cfg: TrainConfig,
+def drafter_config(manifest: Manifest, target_cfg: dict[str, Any], vocab_rows: int, settings: TrainSettings,
                    device: torch.device) -> DrafterConfig:
     tc = text_config(target_cfg)
     if tc.get("hidden_size") != manifest.hidden_size:
         raise ValueError(f"store assets' config has hidden_size {tc.get('hidden_size')}, the store's features "
                          f"{manifest.hidden_size}")
-    attn = cfg.attn if cfg.attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
-    if cfg.init is not None:
-        return init_config(cfg.init, manifest, vocab_rows, cfg, attn)
-    window = cfg.sliding_window or None
-    windows = [window] * (cfg.draft_layers - 1) + [None] if window else None
-    shape = {k: getattr(cfg, k) for k in SHAPE_KEYS if getattr(cfg, k) is not None}
+    attn = settings.schedule.attn
+    attn = attn if attn != "auto" else "blocks"  # equal to sdpa, faster (tests/test_attention_blocks.py)
+    drafter = settings.drafter
+    if drafter.init is not None:
+        return init_config(drafter.init, manifest, vocab_rows, settings, attn)
+    window = drafter.sliding_window or None
+    windows = [window] * (drafter.draft_layers - 1) + [None] if window else None
+    shape = {k: getattr(settings.shape, k) for k in SHAPE_KEYS if getattr(settings.shape, k) is not None}
     return DrafterConfig.from_target_config(
         SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
-        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, cfg.mask_token_id),
-        target_layers=list(manifest.layers), num_layers=cfg.draft_layers, block_size=cfg.block_size,
-        sliding_window=windows, sliding_causal=cfg.sliding_causal, attn_impl=attn,
+        mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, drafter.mask_token_id),
+        target_layers=list(manifest.layers), num_layers=drafter.draft_layers, block_size=drafter.block_size,
+        sliding_window=windows, sliding_causal=drafter.sliding_causal, attn_impl=attn,
         num_target_layers=manifest.target.num_layers, **shape)
 
 
 SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
 
 
-def init_config(path: str, manifest: Manifest, vocab_rows: int, cfg: TrainConfig, attn: str) -> DrafterConfig:
+def init_config(path: str, manifest: Manifest, vocab_rows: int, settings: TrainSettings,
+                attn: str) -> DrafterConfig:
     """The config of the drafter at ``path`` (``--init``), refused in one line when it does not fit the store:
     its taps must be among the store's layers, its hidden size, vocabulary, target depth and block size
     those of the store and flags; explicit shape flags must agree with it."""
     dcfg, _ = ckpt.read_drafter_config(path)
+    drafter, shape = settings.drafter, settings.shape
     problems = []
     missing = [t for t in dcfg.target_layers if t not in manifest.layers]
     if missing:
@@ -108,19 +112,19 @@ def init_config(path: str, manifest: Manifest, vocab_rows: int, cfg: TrainConfig
         problems.append(f"hidden size {dcfg.hidden_size} != the store's {manifest.hidden_size}")
     if dcfg.vocab_size != vocab_rows:
         problems.append(f"vocabulary {dcfg.vocab_size} != the store's embedding rows {vocab_rows}")
-    if dcfg.block_size != cfg.block_size:
-        problems.append(f"block size {dcfg.block_size} != --block-size {cfg.block_size}")
-    if cfg.mask_token_id is not None and cfg.mask_token_id != dcfg.mask_token_id:
-        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {cfg.mask_token_id}")
+    if dcfg.block_size != drafter.block_size:
+        problems.append(f"block size {dcfg.block_size} != --block-size {drafter.block_size}")
+    if drafter.mask_token_id is not None and drafter.mask_token_id != dcfg.mask_token_id:
+        problems.append(f"mask token {dcfg.mask_token_id} != --mask-token-id {drafter.mask_token_id}")
     mine = {"num_heads": dcfg.num_heads, "num_kv_heads": dcfg.num_kv_heads, "head_dim": dcfg.head_dim,
             "intermediate_size": dcfg.intermediate_size, "rope_theta": dcfg.rope_theta}
-    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(cfg, k)}" for k in SHAPE_KEYS
-                 if getattr(cfg, k) is not None and getattr(cfg, k) != mine[k]]
+    problems += [f"{k} {mine[k]} != --{k.replace('_', '-')} {getattr(shape, k)}" for k in SHAPE_KEYS
+                 if getattr(shape, k) is not None and getattr(shape, k) != mine[k]]
     if problems:
         raise ValueError(f"--init {path} does not fit: {'; '.join(problems)}")
     ckpt.check_weights_file(path, dcfg)  # its config describes its weights: checked before any is built
-    if dcfg.num_layers != cfg.draft_layers or dcfg.sliding_window != (
-            [cfg.sliding_window] * (cfg.draft_layers - 1) + [None] if cfg.sliding_window else None):
+    if dcfg.num_layers != drafter.draft_layers or dcfg.sliding_window != (
+            [drafter.sliding_window] * (drafter.draft_layers - 1) + [None] if drafter.sliding_window else None):
         log.info("--init %s: %d layers, windows %s (its own; --draft-layers/--sliding-window do not apply)",
                  path, dcfg.num_layers, dcfg.sliding_window)
     return dataclasses.replace(dcfg, attn_impl=attn, num_target_layers=manifest.target.num_layers)
@@ -163,26 +167,26 @@ def check_healthy(stores: list[Store], allow: bool) -> None:
         log.warning("%s (training anyway: --allow-unhealthy)", msg)
 
 
-def build_drafter(stores: list[Store], cfg: TrainConfig, device: torch.device, rank: int = 0):
-    """(drafter on ``device``, cfg): seeded random weights or ``--init``'s, its frozen head from the first
+def build_drafter(stores: list[Store], settings: TrainSettings, device: torch.device, rank: int = 0):
+    """(drafter on ``device``, settings): seeded random weights or ``--init``'s, its frozen head from the first
     store; refused before step 1 when the step would not fit the device's memory (on a GPU the anchors per
-    sequence may be lowered to fit, planned from the stores' sample lengths: the returned cfg says so)."""
+    sequence may be lowered to fit, planned from the stores' sample lengths: the returned settings says so)."""
     store = stores[0]
     head_dtype = None if device.type == "cuda" else torch.float32
     target_cfg, embed, head = load_frozen(store, device, head_dtype)
-    dcfg = drafter_config(store.manifest, target_cfg, embed.shape[0], cfg, device)
-    torch.manual_seed(cfg.seed)
+    dcfg = drafter_config(store.manifest, target_cfg, embed.shape[0], settings, device)
+    torch.manual_seed(settings.schedule.seed)
     drafter = DFlashDrafter(dcfg, embed, head).to(device)
-    if cfg.init is not None:  # a resumed run then loads its checkpoint over these
-        drafter.load_state_dict(ckpt.read_weights(cfg.init, dcfg))
-        log.info("rank %d: drafter initialised from %s", rank, cfg.init)
-    drafter.checkpoint_layers = cfg.checkpoint_layers
+    if settings.drafter.init is not None:  # a resumed run then loads its checkpoint over these
+        drafter.load_state_dict(ckpt.read_weights(settings.drafter.init, dcfg))
+        log.info("rank %d: drafter initialised from %s", rank, settings.drafter.init)
+    drafter.checkpoint_layers = settings.data.checkpoint_layers
     params, frozen = drafter.num_trainable_parameters(), embed.numel() + head.numel()
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
-        check_cpu_memory(dcfg, cfg, params, frozen)
+        check_cpu_memory(dcfg, settings, params, frozen)
     elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
-        cfg = check_gpu_memory(dcfg, cfg, params, frozen, device, stores)
-    return drafter, cfg
+        settings = check_gpu_memory(dcfg, settings, params, frozen, device, stores)
+    return drafter, settings
 
 
 def drafter_meta(manifest: Manifest) -> dict[str, Any]:
@@ -202,13 +206,14 @@ def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn
     return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def settings_line(dcfg: DrafterConfig, cfg: TrainConfig, device, world: int, params: int) -> str:
+def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: int, params: int) -> str:
     """What this run will do, in one line at its start: device, drafter shape, batch and schedule."""
     windows = sorted({w for w in (dcfg.sliding_window or [None])}, key=lambda w: (w is None, w or 0))
     kind = ", ".join("full" if w is None else f"window {w}" for w in windows)
-    steps = f"{cfg.steps} steps" if cfg.steps is not None else f"{cfg.epochs} epochs"
+    run, batch = settings.run, settings.batch
+    steps = f"{run.steps} steps" if run.steps is not None else f"{run.epochs} epochs"
     return (f"training on {device} x {world}: drafter {dcfg.num_layers} layers ({kind}), {dcfg.num_heads} heads x "
             f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
-            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {cfg.max_tokens:,} tokens "
-            f"per batch and rank, {cfg.anchors} anchors per sequence, {steps}, lr {cfg.lr:g}, attention "
-            f"{dcfg.attn_impl}")
+            f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {batch.token_budget:,} "
+            f"tokens per batch and rank, {batch.anchors} anchors per sequence, {steps}, lr "
+            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}")

@@ -11,13 +11,12 @@ import logging
 import json
 import math
 
-from hsstore.config import add_config_option, settings
+from hsstore.config import add_config_option, flag_values
 from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
-from hsstore.schema import Deprecated
 from hsstore.schema import add_arguments, from_args
 from hsstore.storage import parse_storage_options
 
-from .config import TrainSettings, from_settings
+from .config import EvalSettings, TrainSettings
 
 
 def register(subparsers) -> None:
@@ -79,31 +78,10 @@ def register_eval(subparsers) -> None:
         "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
         "one thread (HSSTORE_EVAL_THREADS=N to choose).",
     )
-    e.add_argument("--store", required=True, help="without --model: the store to evaluate on; with it: the store "
-                   "the drafter was trained on (frozen head, taps)")
-    e.add_argument("--drafter", required=True, help="drafter dir, or a training OUT dir (its drafter/ or latest "
-                   "checkpoint)")
-    e.add_argument("--model", default=None, help="target model directory: speculative decoding instead of the "
-                   "teacher-forced evaluation")
-    e.add_argument("--input", nargs="+", default=None, help="with --model: JSONL with 'messages' (prompt = before "
-                   "the last assistant turn) or 'prompt'")
-    e.add_argument("--num-samples", type=int, default=8, help="with --model: prompts to decode")
-    e.add_argument("--max-new-tokens", type=int, default=2048, help="with --model (DFlash's benchmark: 2048)")
-    e.add_argument("--no-thinking", dest="thinking", action="store_false",
-                   help="with --model: render prompts with enable_thinking=False (default: thinking on)")
-    e.add_argument("--token-budget", dest="token_budget", type=int, default=16384, metavar="N",
-                   help="without --model: padded tokens per batch, as in training")
-    e.add_argument("--max-tokens", dest="token_budget", type=int, action=Deprecated, new="--token-budget")
-    e.add_argument("--anchor-chunk", type=int, default=512,
-                   help="without --model: anchors per sequence per forward (memory; the training default)")
-    e.add_argument("--device", default=None,
-                   help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when there is one)")
-    e.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="with --model: default bfloat16 on CUDA, float32 on CPU")
-    e.add_argument("--cache-dir", default=None, help="local chunk cache for remote stores")
-    add_quiet_option(e)
-    add_json_option(e, "the report")
-    add_storage_option(e)
+    groups = add_arguments(e, EvalSettings)
+    add_quiet_option(groups["run"])
+    add_json_option(groups["run"], "the report")
+    add_storage_option(groups["storage"])
     e.set_defaults(func=run_eval)
 
 
@@ -123,10 +101,9 @@ def announce_train(args: argparse.Namespace) -> None:
                                      ", ".join(recordable_url(u) for u in args.store or []), args.out)
 
 
-def train_config(args: argparse.Namespace):
-    """The TrainConfig of parsed ``hsstore train`` flags (the schema's, plus -q and -S)."""
-    return from_settings(from_args(TrainSettings, args, progress=not args.quiet,
-                                   storage_options=parse_storage_options(args.storage_option)))
+def command_settings(schema: type, args: argparse.Namespace):
+    """The settings of parsed ``hsstore train`` or ``eval`` flags (the schema's, plus -q and -S)."""
+    return from_args(schema, args, progress=not args.quiet, storage_options=parse_storage_options(args.storage_option))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -135,8 +112,7 @@ def run_train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    cfg = train_config(args)
-    result = train(cfg, settings=settings(args))
+    result = train(command_settings(TrainSettings, args), flags=flag_values(args))
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last
@@ -169,28 +145,32 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    if args.model is None:
-        if args.input:
+    settings = command_settings(EvalSettings, args)
+    spec = settings.speculative
+    if spec.model is None:
+        if spec.inputs:
             raise ValueError("--input needs --model (without it the evaluation reads the store's own samples)")
-        return run_store_eval(args)
-    if not args.input:
+        return run_store_eval(settings, args.json)
+    if not spec.inputs:
         raise ValueError("--model needs --input (the prompts to decode)")
     from .speculative import evaluate_target
 
-    report = evaluate_target(args.store, args.drafter, args.model, args.input,
-                             storage_options=parse_storage_options(args.storage_option), device=args.device,
-                             dtype=args.dtype, num_samples=args.num_samples, thinking=args.thinking,
-                             max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+    report = evaluate_target(settings.input.store, settings.input.drafter, spec.model, spec.inputs,
+                             storage_options=settings.storage.storage_options, device=settings.run.device,
+                             dtype=spec.dtype, num_samples=spec.num_samples, thinking=spec.thinking,
+                             max_new_tokens=spec.max_new_tokens, progress=settings.run.progress)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0
 
 
-def run_store_eval(args: argparse.Namespace) -> int:
+def run_store_eval(settings: EvalSettings, as_json: bool) -> int:
     """``hsstore eval`` without a target: teacher-forced, over every valid anchor of the store."""
     from .evaluate import evaluate_store
 
-    report = evaluate_store(args.store, args.drafter, storage_options=parse_storage_options(args.storage_option),
-                            device=args.device, max_tokens=args.token_budget, anchor_chunk=args.anchor_chunk,
-                            cache_dir=args.cache_dir, progress=not args.quiet)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
+    report = evaluate_store(settings.input.store, settings.input.drafter,
+                            storage_options=settings.storage.storage_options, device=settings.run.device,
+                            token_budget=settings.store_eval.token_budget,
+                            anchor_chunk=settings.store_eval.anchor_chunk, cache_dir=settings.store_eval.cache_dir,
+                            progress=settings.run.progress)
+    print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
     return 0

@@ -1,32 +1,36 @@
-"""The trainer's settings: one schema (``TrainSettings``, grouped by section) and the flat ``TrainConfig`` made
-from it.
+"""The trainer's settings: ``TrainSettings``, written by section, which is what the trainer reads
+(``settings.schedule.lr``, ``settings.batch.token_budget``).
 
 Every setting is written once, below, with its flag, help and default; from the schema come the
 ``hsstore train`` flags in their ``--help`` groups (``cli.py``), the sections of ``--config`` files and
-``run.yaml`` (``hsstore.config``: the groups' titles, the flags' keys), ``RESUME_KEYS`` (``resume=True``: the
+``run.yaml`` (``hsstore.config``: the groups' titles, the flags' keys) and ``RESUME_KEYS`` (``resume=True``: the
 settings a resumed run must share with the run it continues, or the weights or the data order would not
-match) and ``TrainConfig``, the same fields in one namespace, which is what the trainer reads
-(``cfg.lr``). ``recordable_config`` is the config as ``train_config.json`` and every checkpoint's
-``trainer.json`` hold it (no secrets).
+match). ``recordable_config`` is the settings as ``train_config.json`` and every checkpoint's ``trainer.json``
+hold them (flat, by setting name; no secrets); ``saved_config`` reads such a record back, old names included.
 
-Keys of run.yaml files are the flags' (``token_budget`` for ``max_tokens``, ``no_resume`` for ``resume``,
-``non_causal_sliding`` for ``sliding_causal``, ``store`` for ``stores``): files written before this schema
-load unchanged.
+Keys of run.yaml files are the flags' (``no_resume`` for ``resume``, ``non_causal_sliding`` for
+``sliding_causal``, ``store`` for ``stores``; ``max_tokens``, the old spelling of ``token_budget``, is read as
+it): files written before this schema load unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from hsstore.config import absolute_path
 from hsstore.redaction import recordable_url
-from hsstore.schema import flat, flat_class, option, resume_keys, section
+from hsstore.devices import DEVICE_DEFAULTS
+from hsstore.schema import flat, option, resume_keys, section
 
 from . import tracking
 
 DEFAULT_EPOCHS = 6
+
+
+def _device() -> Any:
+    return option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when "
+                             "there is one)")
 
 
 @dataclass
@@ -36,18 +40,30 @@ class Run:
     out: str = option(required=True, path=True, help="run directory (metrics, checkpoints, drafter)")
     steps: int | None = option(None, exclusive="length", help="optimizer steps")
     epochs: int | None = option(None, exclusive="length", help=f"passes over the data (default {DEFAULT_EPOCHS})")
-    device: str | None = option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: "
-                                "the GPU when there is one)")
+    device: str | None = _device()
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give --steps or --epochs, not both")
+        if self.steps is None and self.epochs is None:
+            self.epochs = DEFAULT_EPOCHS
+        if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
+            raise ValueError("steps / epochs must be >= 1")
+        if not self.stores:
+            raise ValueError("at least one --store is needed")
+        self.stores = [str(s) for s in self.stores]
 
 
 @dataclass
 class Batch:
-    max_tokens: int | None = option(
-        None, flag="--token-budget", dest="token_budget", old="--max-tokens", metavar="N", resume=True,
-        help="padded tokens per batch and rank (default: 16384 on a GPU, the published recipe; 4096 on a CPU; a "
-             "CPU step estimated above the available memory is refused)")
+    token_budget: int | None = option(
+        None, old="--max-tokens", metavar="N", resume=True,
+        help=f"padded tokens per batch and rank (default: {DEVICE_DEFAULTS['cuda'].token_budget} on a GPU, the "
+             f"published recipe; {DEVICE_DEFAULTS['cpu'].token_budget} on a CPU; a CPU step estimated above the "
+             "available memory is refused)")
     anchors: int | None = option(None, metavar="N", resume=True,
-                                 help="anchors per sequence, at most (default: 512 on a GPU, 128 on a CPU)")
+                                 help=f"anchors per sequence, at most (default: {DEVICE_DEFAULTS['cuda'].anchors} "
+                                      f"on a GPU, {DEVICE_DEFAULTS['cpu'].anchors} on a CPU)")
 
 
 @dataclass
@@ -143,6 +159,9 @@ class Output:
              "(comma-separated; OUT/tensorboard, OUT/wandb, OUT/mlruns unless their environment says otherwise; "
              "WANDB_MODE=offline works without a network; pip install 'hsstore[track]')")
 
+    def __post_init__(self) -> None:
+        self.report_to = tracking.parse_report_to(self.report_to) or None
+
 
 @dataclass
 class Validation:
@@ -153,6 +172,11 @@ class Validation:
     val_every: int | None = option(
         None, metavar="N", help="steps between evaluations on --val-store (default: --save-every); always at the "
                                 "end too")
+
+    def __post_init__(self) -> None:
+        self.val_stores = [str(s) for s in self.val_stores] if self.val_stores else None
+        if self.val_every is not None and self.val_every < 1:
+            raise ValueError("val_every must be >= 1")
 
 
 @dataclass
@@ -177,41 +201,82 @@ class TrainSettings:
     storage: Storage = section(Storage, "storage")
 
 
+# --- eval ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalInput:
+    store: str = option(required=True, help="without --model: the store to evaluate on; with it: the store the "
+                                            "drafter was trained on (frozen head, taps)")
+    drafter: str = option(required=True, help="drafter dir, or a training OUT dir (its drafter/ or latest "
+                                              "checkpoint)")
+
+
+@dataclass
+class StoreEval:
+    """Without --model: teacher-forced, from the store alone."""
+
+    token_budget: int | None = option(
+        None, old="--max-tokens", metavar="N",
+        help=f"without --model: padded tokens per batch, as in training (default: "
+             f"{DEVICE_DEFAULTS['cuda'].token_budget} on a GPU, {DEVICE_DEFAULTS['cpu'].token_budget} on a CPU)")
+    anchor_chunk: int = option(512, help="without --model: anchors per sequence per forward (memory; the training "
+                                         "default)")
+    cache_dir: str | None = option(None, help="local chunk cache for remote stores")
+
+
+@dataclass
+class Speculative:
+    """With --model: greedy speculative decoding against the target."""
+
+    model: str | None = option(None, help="target model directory: speculative decoding instead of the "
+                                          "teacher-forced evaluation")
+    inputs: list[str] | None = option(None, flag="--input", dest="input", nargs="+",
+                                      help="with --model: JSONL with 'messages' (prompt = before the last "
+                                           "assistant turn) or 'prompt'")
+    num_samples: int = option(8, help="with --model: prompts to decode")
+    max_new_tokens: int = option(2048, help="with --model (DFlash's benchmark: 2048)")
+    thinking: bool = option(True, flag="--no-thinking",
+                            help="with --model: render prompts with enable_thinking=False (default: thinking on)")
+    dtype: str | None = option(None, choices=["bfloat16", "float16", "float32"],
+                               help="with --model: default bfloat16 on CUDA, float32 on CPU")
+
+
+@dataclass
+class EvalRun:
+    device: str | None = _device()
+    progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
+
+
+@dataclass
+class EvalSettings:
+    """``hsstore eval``'s settings by section (``--help`` shows the same groups)."""
+
+    input: EvalInput = section(EvalInput, "input")
+    store_eval: StoreEval = section(StoreEval, "store evaluation")
+    speculative: Speculative = section(Speculative, "speculative decoding")
+    run: EvalRun = section(EvalRun, "run")
+    storage: Storage = section(Storage, "storage")
+
+
 RESUME_KEYS = resume_keys(TrainSettings)
 # what a run saved before a key existed did (sliding layers were non-causal; shapes followed the target)
 LEGACY_RESUME_VALUES = {"sliding_causal": False}
 
 
-def _check(self) -> None:
-    if self.steps is not None and self.epochs is not None:
-        raise ValueError("give --steps or --epochs, not both")
-    if self.steps is None and self.epochs is None:
-        self.epochs = DEFAULT_EPOCHS
-    if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
-        raise ValueError("steps / epochs must be >= 1")
-    if not self.stores:
-        raise ValueError("at least one --store is needed")
-    self.stores = [str(s) for s in self.stores]
-    self.val_stores = [str(s) for s in self.val_stores] if self.val_stores else None
-    if self.val_every is not None and self.val_every < 1:
-        raise ValueError("val_every must be >= 1")
-    self.report_to = tracking.parse_report_to(self.report_to) or None
+# settings recorded under another name before (train_config.json, trainer.json): read as the new one
+RENAMED = {"max_tokens": "token_budget"}
 
 
-TrainConfig = flat_class(TrainSettings, "TrainConfig", __name__, __post_init__=_check, __doc__=(
-    "Every setting of ``TrainSettings`` as one flat dataclass (``TrainConfig(stores=[...], out=..., lr=...)``); "
-    "steps and epochs are exclusive (neither: DEFAULT_EPOCHS epochs)."))
+def saved_config(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config (``recordable_config``'s dict, from this or an older release) by today's names."""
+    return {RENAMED.get(k, k): v for k, v in recorded.items()}
 
 
-def from_settings(settings: TrainSettings) -> "TrainConfig":
-    """The flat config of a parsed ``TrainSettings`` (``schema.from_args``)."""
-    return TrainConfig(**flat(settings))
-
-
-def recordable_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The training config as ``train_config.json`` and every checkpoint's ``trainer.json`` record it: no storage
-    options (they may hold secrets) and store URLs in their recordable form (no ``user:password@``)."""
-    d = {**dataclasses.asdict(cfg), "storage_options": None}
+def recordable_config(settings: TrainSettings) -> dict[str, Any]:
+    """The settings as ``train_config.json`` and every checkpoint's ``trainer.json`` record them, by setting name:
+    no storage options (they may hold secrets) and store URLs in their recordable form (no ``user:password@``)."""
+    d = {**flat(settings), "storage_options": None}
     for key in ("stores", "val_stores"):
         if d.get(key):
             d[key] = recordable_stores(d[key])

@@ -97,8 +97,8 @@ class StoreBatches:
     DataLoader pins them on its own thread); in-process batches are collated into pinned memory, and what is
     not pinned yet is pinned by ``read_ahead``."""
 
-    def __init__(self, urls: Sequence[str | Store], *, layers: Sequence[int], max_tokens: int, seed: int, rank: int,
-                 world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
+    def __init__(self, urls: Sequence[str | Store], *, layers: Sequence[int], token_budget: int | None = None,
+                 seed: int, rank: int, world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False,
                  partition: str = "global", cache_bytes: int | None = None):
         extra = {} if cache_bytes is None else {"cache_bytes": int(cache_bytes)}
@@ -111,8 +111,8 @@ class StoreBatches:
                                           share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
-        self.batches = TokenBatches(self.dataset, max_tokens=max_tokens, pin_memory=pin_memory and workers == 0)
-        self.max_tokens, self.workers = int(max_tokens), int(workers)
+        self.batches = TokenBatches(self.dataset, token_budget=token_budget, pin_memory=pin_memory and workers == 0)
+        self.token_budget, self.workers = token_budget, int(workers)
         self.loader = None
         if workers > 0:
             try:
@@ -148,7 +148,7 @@ class StoreBatches:
         ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(epochs):
-            total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.max_tokens)
+            total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
                              for w in range(W)) for r in range(ds.world.world))
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
         return total
@@ -206,6 +206,32 @@ class ReadAheadStats:
         return out
 
 
+def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None
+                        ) -> tuple[dict[str, Any], Any]:
+    """(``batch`` on ``device``, the event its copies end with), the non-blocking copies issued on ``stream`` so
+    that they overlap the consumer's step; with ``stats``, timed by CUDA events."""
+    with torch.cuda.stream(stream):
+        begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
+        if begin is not None:
+            begin.record(stream)
+        batch = to_device(batch, device, non_blocking=True)
+        event = torch.cuda.Event(enable_timing=stats is not None)
+        event.record(stream)
+    if stats is not None:
+        stats.events.append((begin, event))
+    return batch, event
+
+
+def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
+    """The consumer's stream waits for the batch's copies, and its tensors are recorded on that stream, so their
+    memory is not reused before the step is done with them."""
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+    for v in batch.values():
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            v.record_stream(current)
+
+
 def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
                stats: ReadAheadStats | None = None, threads: int | None = None,
                ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -249,17 +275,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 state = source.state_dict()
                 batch = prepare(batch)
                 t2 = time.perf_counter()
-                event = None
-                if cuda:
-                    with torch.cuda.stream(stream):
-                        begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
-                        if begin is not None:
-                            begin.record(stream)
-                        batch = to_device(batch, device, non_blocking=True)
-                        event = torch.cuda.Event(enable_timing=stats is not None)
-                        event.record(stream)
-                    if stats is not None:
-                        stats.events.append((begin, event))
+                batch, event = copy_on_side_stream(batch, device, stream, stats) if cuda else (batch, None)
                 if stats is not None:
                     stats.read.append(t1 - t0)
                     stats.prep.append(t2 - t1)
@@ -289,11 +305,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 stats.ready.append(ready)
             batch, state, event = item
             if event is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(event)
-                for v in batch.values():
-                    if isinstance(v, torch.Tensor) and v.is_cuda:
-                        v.record_stream(current)
+                hand_over_copy(batch, event, device)
             yield batch, state
     finally:
         stop.set()

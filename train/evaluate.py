@@ -24,7 +24,7 @@ and decoding started a block at every position; real decoding jumps over accepte
 positions differently, and a sampled response is not what greedy decoding would say: for the real number,
 ``hsstore eval --model``.
 
-Memory: batches of at most ``max_tokens`` (the training budget) and at most ``anchor_chunk`` anchors per
+Memory: batches of at most ``token_budget`` (the training budget) and at most ``anchor_chunk`` anchors per
 sequence per forward (512, the training default), logits ``ce_chunk`` rows at a time: no forward needs
 more than a training step's. The context projection is recomputed per anchor chunk (cheap next to the layers).
 """
@@ -47,7 +47,7 @@ from hsstore.distributed import World
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.options import Planning, Reading
 from hsstore.format import codec, fp8
-from hsstore.devices import resolve_device
+from hsstore.devices import defaults_for, resolve_device
 from hsstore.format.manifest import Manifest, check_compatible, read_manifest
 
 from .data import read_ahead
@@ -56,7 +56,7 @@ from .objective import batch_anchors, default_gamma, dflash_loss
 
 log = logging.getLogger(__name__)
 
-ANCHOR_CHUNK = 512  # anchors per sequence in one forward: the training default (TrainConfig.anchors)
+ANCHOR_CHUNK = 512  # anchors per sequence in one forward: the training default (TrainSettings.batch.anchors)
 _KEYS = ("input_ids", "loss_mask", "attention_mask", "hidden_states")
 
 
@@ -110,7 +110,7 @@ class StoreEval:
         ])
 
 
-def eval_source(urls: str | Sequence[str], layers: Sequence[int], max_tokens: int, rank: int = 0, world: int = 1,
+def eval_source(urls: str | Sequence[str], layers: Sequence[int], token_budget: int, rank: int = 0, world: int = 1,
                 storage_options: dict | None = None, cache_dir: str | None = None,
                 pin_memory: bool = False) -> TokenBatches:
     """This rank's share of the stores, in store order (no shuffle: the same batches every pass),
@@ -119,7 +119,7 @@ def eval_source(urls: str | Sequence[str], layers: Sequence[int], max_tokens: in
     ds = HiddenStateDataset(urls, layers=list(layers), planning=Planning(shuffle=False),
                             reading=Reading(cache_dir=cache_dir), world=World(rank, world),
                             storage_options=storage_options, share_metadata=world > 1)  # DDP: rank 0 reads the records once
-    return TokenBatches(ds, max_tokens=max_tokens, pin_memory=pin_memory)
+    return TokenBatches(ds, token_budget=token_budget, pin_memory=pin_memory)
 
 
 @torch.no_grad()
@@ -194,10 +194,11 @@ def evaluate(drafter, source, device: torch.device | None = None, *, gamma: floa
 
 
 def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None = None, device: str | None = None,
-                   max_tokens: int = 16384, anchor_chunk: int = ANCHOR_CHUNK, cache_dir: str | None = None,
+                   token_budget: int | None = None, anchor_chunk: int = ANCHOR_CHUNK, cache_dir: str | None = None,
                    progress: bool = False) -> StoreEval:
     """``hsstore eval`` without a target: the drafter at ``drafter_dir`` over every valid anchor of the store at
-    ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training."""
+    ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training;
+    ``token_budget`` unset: the device's, as in training (``hsstore.devices.DEVICE_DEFAULTS``)."""
 
     from hsstore.store import reader
 
@@ -211,7 +212,8 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
     drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)
     drafter.eval()
-    source = eval_source(url, drafter.config.target_layers, max_tokens, storage_options=options,
+    token_budget = token_budget or defaults_for(dev).token_budget
+    source = eval_source(url, drafter.config.target_layers, token_budget, storage_options=options,
                          cache_dir=cache_dir, pin_memory=dev.type == "cuda")
     return evaluate(drafter, source, dev, anchor_chunk=anchor_chunk, progress=progress)
 

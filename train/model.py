@@ -46,7 +46,6 @@ from torch import nn
 
 from hsstore.format.taps import default_taps
 
-from . import masks as _masks
 from .masks import attend, layer_mask, plan_key_lengths
 
 
@@ -364,19 +363,3 @@ class DFlashDrafter(nn.Module):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
-
-# the attention-mask code lived here before masks.py; its old names keep working (with a warning) for a release
-_MOVED_TO_MASKS = ("context_visible", "own_block_visible", "blocks_visible", "block_attention_mask",
-                   "ATTN_CHUNK_ROWS", "FULL_LAYER_GROUPS", "BlockPlan", "block_plan", "attend_blocks",
-                   "_flex_block_mask")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_MASKS:
-        import warnings
-
-        warnings.warn(f"hsstore.train.model.{name} moved to hsstore.train.masks.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(_masks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,7 +48,7 @@ def write_run_file(path: Path, settings: dict[str, Any], stores, resolved: dict[
                             "dtype": s.manifest.dtype, "encoding": s.manifest.encoding,
                             "target": dataclasses.asdict(s.manifest.target),
                             "tokenizer": dataclasses.asdict(s.manifest.tokenizer)} for s in stores],
-                "resolved": {k: v for k, v in resolved.items() if k in ("device", "max_tokens", "anchors",
+                "resolved": {k: v for k, v in resolved.items() if k in ("device", "token_budget", "anchors",
                                                                          "epochs", "steps")}}
     header = ("hsstore train settings of this run. `hsstore train --config run.yaml --out NEW` runs it again\n"
               "(flags given with --config win); secret storage options are not recorded: pass them with -S.")

@@ -23,12 +23,12 @@ import importlib.util
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name -> module to import
 EXTRA = "pip install 'hsstore[track]'"
 PERF = ("tokens_per_s", "wait_frac", "gpu_mem_gib", "tokens", "samples", "val_seconds")
 SKIP = ("step",)
@@ -38,15 +38,15 @@ def parse_report_to(text: str | list[str] | None) -> list[str]:
     """``"tensorboard,wandb"`` -> ["tensorboard", "wandb"]; "none" or empty -> []; unknown names refused."""
     items = text if isinstance(text, list) else (text or "").split(",")
     names = [t.strip().lower() for t in items if t.strip() and t.strip().lower() != "none"]
-    bad = [n for n in names if n not in BACKENDS]
+    bad = [n for n in names if n not in TRACKERS]
     if bad:
-        raise ValueError(f"--report-to {','.join(bad)}: unknown (one or more of {', '.join(BACKENDS)}, or none)")
+        raise ValueError(f"--report-to {','.join(bad)}: unknown (one or more of {', '.join(TRACKERS)}, or none)")
     return list(dict.fromkeys(names))
 
 
 def check_available(names: list[str]) -> None:
     """One line naming the pip extra when a chosen backend's package is not installed."""
-    missing = [n for n in names if importlib.util.find_spec(BACKENDS[n]) is None]
+    missing = [n for n in names if importlib.util.find_spec(TRACKERS[n].package) is None]
     if missing:
         raise ValueError(f"--report-to {','.join(missing)}: the {' and '.join(missing)} package(s) are not "
                          f"installed; {EXTRA}")
@@ -87,81 +87,110 @@ def flatten_params(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]
     return out
 
 
+class Tracker:
+    """One backend: ``open`` at the start of a run, ``log`` each row's numbers, ``close`` at the end."""
+
+    name = ""
+    package = ""  # the module whose absence is refused up front
+
+    def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
+        raise NotImplementedError
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def close(self, failed: bool) -> None:
+        raise NotImplementedError
+
+
+class TensorBoard(Tracker):
+    name = package = "tensorboard"
+
+    def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        for summary in hparams(params, {}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in params.items()))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandB(Tracker):
+    name = package = "wandb"
+
+    def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "hsstore"), dir=str(out), name=run_name,
+                              config=params, reinit="finish_previous")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MLflow(Tracker):
+    name = package = "mlflow"
+
+    def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
+        import mlflow
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (out / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "hsstore")
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+TRACKERS: dict[str, type[Tracker]] = {t.name: t for t in (TensorBoard, WandB, MLflow)}  # --report-to's names
+
+
 class Trackers:
     """The chosen backends, opened at the start of a run (rank 0 only), fed each logged row, closed at the end."""
 
     def __init__(self, names: list[str], out: Path, params: dict[str, Any], run_name: str | None = None):
         check_available(names)
-        self.out, self.params, self.run_name = Path(out), flatten_params(params), run_name or Path(out).name
-        self._sinks: list[tuple[str, Any]] = []
-        for n in names:
-            self._sinks.append((n, getattr(self, f"_open_{n}")()))
-
-    def _open_tensorboard(self):
-        from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
-
-        w = SummaryWriter(log_dir=str(self.out / "tensorboard"))
-        exp, ssi, sei = hparams(self.params, {})
-        for s in (exp, ssi, sei):
-            w.file_writer.add_summary(s)
-        w.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in self.params.items()))
-        return w
-
-    def _open_wandb(self):
-        import wandb
-
-        return wandb.init(project=os.environ.get("WANDB_PROJECT", "hsstore"), dir=str(self.out),
-                          name=self.run_name, config=self.params, reinit="finish_previous")
-
-    def _open_mlflow(self):
-        import mlflow
-
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            uri = (self.out / "mlruns").resolve().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        client = mlflow.MlflowClient(tracking_uri=uri)
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "hsstore")
-        exp = client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(name)
-        run = client.create_run(exp_id, run_name=self.run_name)
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)[:6000]) for k, v in self.params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(run.info.run_id, params=items[i:i + 100])
-        return client, run.info.run_id
+        flat_params, name = flatten_params(params), run_name or Path(out).name
+        self._open = [TRACKERS[n](Path(out), flat_params, name) for n in names]
 
     def log(self, row: dict[str, Any], step: int) -> None:
         values = flatten_row(row)
-        if not values:
-            return
-        for name, sink in self._sinks:
-            if name == "tensorboard":
-                for k, v in values.items():
-                    sink.add_scalar(k, v, global_step=step)
-                sink.flush()
-            elif name == "wandb":
-                sink.log(values, step=step)
-            else:
-                from mlflow.entities import Metric
-                import time
-
-                client, run_id = sink
-                ms = int(time.time() * 1000)
-                client.log_batch(run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+        if values:
+            for tracker in self._open:
+                tracker.log(values, step)
 
     def close(self, failed: bool = False) -> None:
-        for name, sink in self._sinks:
+        for tracker in self._open:
             try:
-                if name == "tensorboard":
-                    sink.close()
-                elif name == "wandb":
-                    sink.finish(exit_code=1 if failed else 0)
-                else:
-                    client, run_id = sink
-                    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+                tracker.close(failed)
             except Exception as e:  # a tracker failing at the end must not hide the run's own outcome
-                log.warning("closing %s failed: %s", name, e)
-        self._sinks = []
+                log.warning("closing %s failed: %s", tracker.name, e)
+        self._open = []

@@ -8,7 +8,7 @@ train on a machine that has only the store.
 resume if OUT has a checkpoint -> for each epoch, for each token-budget batch: loss -> backward -> clip ->
 AdamW -> cosine schedule -> log -> checkpoint -> the drafter. The pieces, one module each:
 
-    config.py      the settings (TrainConfig), RESUME_KEYS
+    config.py      the settings (TrainSettings, by section), RESUME_KEYS
     launch.py      rank, device, process group, CPU threads
     build.py       the drafter from the store (frozen head, config, --init) and its loss module (DraftLoss)
     data.py        token-budget batches, anchors, read-ahead, DDP lockstep
@@ -50,8 +50,9 @@ from . import rundir, tracking
 from .budget import with_device_defaults
 from .build import DraftLoss, build_drafter, check_healthy, drafter_meta, settings_line, wrap_ddp
 from .checkpoint import Checkpointer
-from .config import RESUME_KEYS, TrainConfig, recordable_config  # noqa: F401  (RESUME_KEYS: its old home)
+from .config import TrainSettings, recordable_config
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .drafter_format import save_drafter
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
@@ -83,49 +84,50 @@ class TrainResult:
         return self.steps - self.start_step
 
 
-def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None) -> TrainResult:
+def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = None) -> TrainResult:
     """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features);
-    ``settings`` (the command's flags by section, ``hsstore.config.settings``) go into OUT/run.yaml."""
+    ``flags`` (the command's flags by section, ``hsstore.config.flag_values``) go into OUT/run.yaml."""
     t_start = time.perf_counter()
-    tracking.check_available(cfg.report_to or [])  # before any work: a missing package is one line
-    rank, world, device, group = init_distributed(cfg.device)
-    share_cpu_threads(cfg.cpu_threads, device)
-    cfg = with_device_defaults(cfg, device)
-    out = rundir.prepare(cfg.out, rank)
+    tracking.check_available(settings.output.report_to or [])  # before any work: a missing package is one line
+    rank, world, device, group = init_distributed(settings.run.device)
+    share_cpu_threads(settings.data.cpu_threads, device)
+    settings = with_device_defaults(settings, device)
+    out = rundir.prepare(settings.run.out, rank)
 
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
     # broadcasts them, and the loader reuses these
-    stores = [open_shared(u, cfg.storage_options) for u in cfg.stores]
-    check_healthy(stores, cfg.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused before step 1
-    drafter, cfg = build_drafter(stores, cfg, device, rank)
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(drafter.config.block_size)
-    model = wrap_ddp(DraftLoss(drafter, gamma, cfg.ce_chunk, world, cfg.ce_impl), world, device)
-    opt = build_optimizer(drafter, lr=cfg.lr)
+    stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.stores]
+    check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
+    drafter, settings = build_drafter(stores, settings, device, rank)
+    schedule = settings.schedule
+    gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)
+    model = wrap_ddp(DraftLoss(drafter, gamma, schedule.ce_chunk, world, schedule.ce_impl), world, device)
+    opt = build_optimizer(drafter, lr=schedule.lr)
     if rank == 0:
-        log.info("%s", settings_line(drafter.config, cfg, device, world, drafter.num_trainable_parameters()))
+        log.info("%s", settings_line(drafter.config, settings, device, world, drafter.num_trainable_parameters()))
 
     # -- the data: this rank's share of the stores, in token-budget batches
     if source is None:
-        source = store_batches(stores, drafter.config.target_layers, cfg, rank, world, device)
-    total = cfg.steps if cfg.steps is not None else source.planned_steps(cfg.epochs)
-    sched = build_scheduler(opt, total, cfg.warmup, cfg.min_lr_ratio)
+        source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device)
+    total = settings.run.steps if settings.run.steps is not None else source.planned_steps(settings.run.epochs)
+    sched = build_scheduler(opt, total, schedule.warmup, schedule.min_lr_ratio)
 
     # -- resume, and what the run logs
-    checkpoints = Checkpointer(out=out, drafter=drafter, opt=opt, sched=sched, cfg=cfg,
-                               config_json=recordable_config(cfg), extra=drafter_meta(stores[0].manifest),
+    checkpoints = Checkpointer(out=out, drafter=drafter, opt=opt, sched=sched, settings=settings,
+                               config_json=recordable_config(settings), extra=drafter_meta(stores[0].manifest),
                                device=device, rank=rank, world=world)
     step, epoch, latest = checkpoints.resume_latest(source)
     best = best_tracker(out, resumed=latest is not None, rank=rank)
-    validation = validation_for(cfg, stores[0].manifest, drafter, gamma, device, rank, world, group)
-    metrics = MetricsLog(out, rank, device, cfg.log_samples)
+    validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
+    metrics = MetricsLog(out, rank, device, settings.output.log_samples)
     metrics.truncate(step)
     if rank == 0:
-        rundir.record(out, checkpoints.config_json, settings, stores, device)
-        if cfg.report_to:
-            metrics.trackers = tracking.Trackers(cfg.report_to, out, settings or checkpoints.config_json)
+        rundir.record(out, checkpoints.config_json, flags, stores, device)
+        if settings.output.report_to:
+            metrics.trackers = tracking.Trackers(settings.output.report_to, out, flags or checkpoints.config_json)
 
     # -- the loop
-    loop = Loop(cfg=cfg, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
+    loop = Loop(settings=settings, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
                 stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype])
@@ -138,38 +140,41 @@ def train(cfg: TrainConfig, source=None, settings: dict[str, Any] | None = None)
     # -- the drafter
     drafter_dir = None
     if rank == 0:
-        drafter_dir = ckpt.save_drafter(out / ckpt.DRAFTER_DIR, drafter, checkpoints.extra)
+        drafter_dir = save_drafter(out / ckpt.DRAFTER_DIR, drafter, checkpoints.extra)
         metrics.close()
     if world > 1:
         dist.barrier()
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step)
 
 
-def store_batches(stores, layers, cfg: TrainConfig, rank: int, world: int, device: torch.device) -> StoreBatches:
+def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device
+                  ) -> StoreBatches:
     """This rank's share of the stores (their ``layers``), in token-budget batches."""
+    data = settings.data
     remote = [s.url for s in stores if not storage.is_local(s.fs)]
-    if remote and cfg.workers == 0 and device.type == "cuda" and rank == 0:
+    if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
         # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
         # thread that launches the step's kernels; in workers it does not
         log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
                  "the S3 client off the thread that launches the step", recordable_url(remote[0]))
-    return StoreBatches(stores, layers=layers, max_tokens=cfg.max_tokens, seed=cfg.seed, rank=rank,
-                        world_size=world, workers=cfg.workers, weights=cfg.weights,
-                        storage_options=cfg.storage_options, cache_dir=cfg.cache_dir,
-                        pin_memory=device.type == "cuda", partition=cfg.partition, cache_bytes=cfg.cache_bytes)
+    return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed,
+                        rank=rank, world_size=world, workers=data.workers, weights=data.weights,
+                        storage_options=settings.storage.storage_options, cache_dir=data.cache_dir,
+                        pin_memory=device.type == "cuda", partition=data.partition, cache_bytes=data.cache_bytes)
 
 
-def validation_for(cfg: TrainConfig, manifest, drafter, gamma: float, device: torch.device, rank: int, world: int,
-                   group) -> Validation | None:
+def validation_for(settings: TrainSettings, manifest, drafter, gamma: float, device: torch.device, rank: int,
+                   world: int, group) -> Validation | None:
     """``--val-store``: the evaluation during training, over this rank's share of the validation stores
     (refused first unless they come from the training store's target and tokenizer)."""
-    if not cfg.val_stores:
+    val, options = settings.validation, settings.storage.storage_options
+    if not val.val_stores:
         return None
-    check_val_stores(manifest, cfg.val_stores, cfg.storage_options)
-    source = eval_source(cfg.val_stores, drafter.config.target_layers, cfg.max_tokens, rank, world,
-                         cfg.storage_options, cfg.cache_dir, pin_memory=device.type == "cuda")
-    return Validation(drafter, source, cfg.val_every or cfg.save_every, device, gamma, cfg.anchors, cfg.ce_chunk,
-                      world, group, cfg.prefetch)
+    check_val_stores(manifest, val.val_stores, options)
+    source = eval_source(val.val_stores, drafter.config.target_layers, settings.batch.token_budget, rank, world,
+                         options, settings.data.cache_dir, pin_memory=device.type == "cuda")
+    return Validation(drafter, source, val.val_every or settings.output.save_every, device, gamma,
+                      settings.batch.anchors, settings.schedule.ce_chunk, world, group, settings.data.prefetch)
 
 
 def best_tracker(out: Path, resumed: bool, rank: int) -> BestTracker:
@@ -199,7 +204,7 @@ class Loop:
     configured epochs): what changes as it runs is here (``step``, ``epoch``, the loader position, the
     interval's ``meter``, the ``last`` metrics row)."""
 
-    cfg: TrainConfig
+    settings: TrainSettings
     model: torch.nn.Module  # DraftLoss, in DDP under torchrun
     drafter: Any
     opt: Any
@@ -221,7 +226,7 @@ class Loop:
     def __post_init__(self):
         from tqdm import tqdm
 
-        cfg, dev = self.cfg, self.device
+        settings, dev = self.settings, self.device
         self.val_step = self.step  # the step of the last evaluation
         self.loader_state = None
         self.last: dict[str, Any] = {}
@@ -229,11 +234,11 @@ class Loop:
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
         self.feat_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         self.bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=self.checkpoints.rank != 0 or not cfg.progress)
+                        disable=self.checkpoints.rank != 0 or not settings.output.progress)
 
     def run(self, interrupt: StopOnInterrupt) -> None:
         """Epochs until ``total`` steps (or the configured epochs), or until interrupted."""
-        epochs_limit = self.cfg.epochs if self.cfg.steps is None else math.inf
+        epochs_limit = self.settings.run.epochs if self.settings.run.steps is None else math.inf
         while self.step < self.total and self.epoch < epochs_limit:
             if self.run_epoch(interrupt):
                 self.epoch += 1
@@ -242,16 +247,16 @@ class Loop:
 
     def run_epoch(self, interrupt: StopOnInterrupt) -> bool:
         """One pass over this rank's share (lockstep with the others); True when it ran to the epoch's end."""
-        cfg, epoch = self.cfg, self.epoch
+        settings, epoch = self.settings, self.epoch
         self.source.set_epoch(epoch)
 
         def prepare(batch):
-            return add_anchors(batch, cfg.seed, epoch, cfg.anchors, self.drafter.config.block_size, self.gamma,
-                               self.drafter.key_lengths)
+            return add_anchors(batch, settings.schedule.seed, epoch, settings.batch.anchors,
+                               self.drafter.config.block_size, self.gamma, self.drafter.key_lengths)
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
-        stream = lockstep(read_ahead(self.source, prepare, self.device, cfg.prefetch, threads=threads), self.world,
-                          self.group, interrupt)
+        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
+                          self.world, self.group, interrupt)
         finished = True
         t_wait = time.perf_counter()
         for batch, state in stream:
@@ -259,7 +264,7 @@ class Loop:
             self.loader_state = state if state is not None else self.loader_state
             self.train_on(batch)
             # the planned steps done, or Ctrl-C: stop here, at a step boundary, with a checkpoint
-            if (cfg.steps is not None and self.step >= self.total) or interrupt.stopping(self.world):
+            if (settings.run.steps is not None and self.step >= self.total) or interrupt.stopping(self.world):
                 finished = False
                 break
             t_wait = time.perf_counter()
@@ -268,19 +273,20 @@ class Loop:
 
     def train_on(self, batch) -> None:
         """One step on ``batch``, then its bookkeeping: metrics row, validation, checkpoint when due."""
-        cfg, dcfg = self.cfg, self.drafter.config
+        settings, dcfg = self.settings, self.drafter.config
         if batch is None:  # this rank's share of the epoch is done; others are not
             batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype, self.device)
         # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
         batch = fp8.dequantise_batch(batch, self.stored_dtype)
         lr = self.sched.get_last_lr()[0]  # the rate this step uses
-        _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, cfg.clip, self.amp)
+        _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip,
+                                     self.amp)
         self.step += 1
         step = self.step
         self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
         self.metrics.samples(step, self.epoch, batch)
         val_due = self.validation is not None and self.validation.due(step, self.total)
-        if step % cfg.log_every == 0 or step == self.total or val_due:
+        if step % settings.output.log_every == 0 or step == self.total or val_due:
             row = {"step": step, "epoch": self.epoch, **self.meter.summary(self.world, self.group), "lr": lr,
                    "grad_norm": float(grad_norm)}
             if val_due:
@@ -293,13 +299,13 @@ class Loop:
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
                                  tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
         self.bar.update(1)
-        if step % cfg.save_every == 0 or step == self.total or self.best.pending:
+        if step % settings.output.save_every == 0 or step == self.total or self.best.pending:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
 
     def stop(self) -> None:
         """After Ctrl-C: a checkpoint at this step (unless it has one), then KeyboardInterrupt."""
         self.bar.close()
-        if self.step % self.cfg.save_every and self.step != self.total:  # not saved at this step yet
+        if self.step % self.settings.output.save_every and self.step != self.total:  # not saved at this step yet
             self.checkpoints.save(self.step, self.epoch, self.loader_state)
         log.warning("stopped at step %d: checkpoint %s; re-run the same command to resume", self.step,
                     ckpt.checkpoint_dir(self.checkpoints.out, self.step))
@@ -315,25 +321,9 @@ class Loop:
                          **self.validation.run(step)}
             self.metrics.row(self.last)
             self.best.offer(step, self.last)
-        if (step % self.cfg.save_every and step != self.total) or self.best.pending:
+        if (step % self.settings.output.save_every and step != self.total) or self.best.pending:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
 
 
 # names that lived here before train/ was split by concept and that this module no longer uses itself: they
 # keep working, with a warning, for a release (the ones it imports, e.g. Meter or DraftLoss, import as before)
-_MOVED = {"load_frozen": "build", "pick_mask_token": "build", "drafter_config": "build", "init_config": "build",
-          "SHAPE_KEYS": "build", "val_metrics": "metrics", "truncate_jsonl": "metrics",
-          "checkpoint_errors": "checkpoint", "resume": "checkpoint", "DEFAULT_EPOCHS": "config",
-          "LEGACY_RESUME_VALUES": "config", "RUN_MARKER": "rundir", "RUN_FILE": "rundir",
-          "write_run_file": "rundir"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        where = f"hsstore.train.{_MOVED[name]}"
-        warnings.warn(f"hsstore.train.trainer.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Samples vary from a few hundred to several thousand tokens, so a fixed batch *count* either wastes the
 GPU on short batches or overflows it on long ones; a token budget keeps the step cost roughly constant.
 
-    loader = StatefulDataLoader(TokenBatches(dataset, max_tokens=16384), batch_size=None, num_workers=2)
+    loader = StatefulDataLoader(TokenBatches(dataset, token_budget=16384), batch_size=None, num_workers=2)
 
 ``TokenBatches`` keeps the dataset's resume state exact: items it holds for the next batch are reported
 as not consumed, so a resumed run rebuilds the same batches.
@@ -21,33 +21,33 @@ from ..memory import can_pin, empty_host, hand_over
 MODES = ("pad", "pack")
 
 
-class _Budget:
-    """The token-budget rule of ``token_batches``, fed one sample length at a time."""
+class TokenBudget:
+    """The token-budget rule, fed one sample length at a time: ``pad``, sequences x longest <= ``token_budget``
+    (padding counts); ``pack``, the sum of lengths <= ``token_budget``; at most ``max_items`` per batch. A sample
+    longer than the budget is a batch of its own (never dropped). The one copy of the rule: the loader's
+    batches, their count before an epoch, and extraction's forward batches (``extract.forward``) all use it."""
 
-    def __init__(self, max_tokens: int, mode: str, max_items: int | None) -> None:
+    def __init__(self, token_budget: int, mode: str = "pad", max_items: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.max_tokens, self.mode, self.max_items = max_tokens, mode, max_items
+        self.token_budget, self.mode, self.max_items = int(token_budget), mode, max_items
         self.items = self.longest = self.total = 0
 
-    def add(self, T: int) -> bool:
-        """Count a sample of ``T`` tokens in; True when it starts a new batch (the first, or the last is full)."""
-        cost = (self.items + 1) * max(self.longest, T) if self.mode == "pad" else self.total + T
-        new = not self.items or cost > self.max_tokens or (self.max_items is not None and self.items >= self.max_items)
+    def add(self, length: int) -> bool:
+        """Count a sample of ``length`` tokens in; True when it starts a new batch (the first, or the last is full)."""
+        cost = (self.items + 1) * max(self.longest, length) if self.mode == "pad" else self.total + length
+        new = (not self.items or cost > self.token_budget
+               or (self.max_items is not None and self.items >= self.max_items))
         if new:
             self.items = self.longest = self.total = 0
-        self.items, self.longest, self.total = self.items + 1, max(self.longest, T), self.total + T
+        self.items, self.longest, self.total = self.items + 1, max(self.longest, length), self.total + length
         return new
 
 
-def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = "pad",
+def token_batches(items: Iterable[dict[str, Any]], token_budget: int, mode: str = "pad",
                   max_items: int | None = None) -> Iterator[list[dict[str, Any]]]:
-    """Group items greedily, in arrival order, into lists within a token budget.
-
-    ``pad``: batch size x longest sample <= max_tokens (padding counts); ``pack``: sum of lengths <=
-    max_tokens. A sample longer than the budget forms a batch of its own (it is never dropped).
-    """
-    budget = _Budget(max_tokens, mode, max_items)
+    """Group items greedily, in arrival order, into lists within a token budget (:class:`TokenBudget`)."""
+    budget = TokenBudget(token_budget, mode, max_items)
     batch: list[dict[str, Any]] = []
     for item in items:
         if budget.add(int(item["input_ids"].shape[0])) and batch:
@@ -58,11 +58,11 @@ def token_batches(items: Iterable[dict[str, Any]], max_tokens: int, mode: str = 
         yield batch
 
 
-def count_token_batches(lengths: Iterable[int], max_tokens: int, mode: str = "pad",
+def count_token_batches(lengths: Iterable[int], token_budget: int, mode: str = "pad",
                         max_items: int | None = None) -> int:
     """How many batches ``token_batches`` makes of samples with these token counts, in this order (with
     ``HiddenStateDataset.planned_lengths``: an epoch's steps, before reading it)."""
-    budget = _Budget(max_tokens, mode, max_items)
+    budget = TokenBudget(token_budget, mode, max_items)
     return sum(budget.add(int(T)) for T in lengths)
 
 
@@ -139,11 +139,11 @@ class TokenBatches(IterableDataset):
     ``pin_memory``: in-process iteration collates features straight into pinned memory (the batch copy
     is then the only host copy before the GPU); DataLoader workers ignore it (use the DataLoader's)."""
 
-    def __init__(self, dataset, max_tokens: int, mode: str = "pad", max_items: int | None = None,
+    def __init__(self, dataset, token_budget: int, mode: str = "pad", max_items: int | None = None,
                  pad_id: int = 0, pin_memory: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.dataset, self.max_tokens, self.mode = dataset, int(max_tokens), mode
+        self.dataset, self.token_budget, self.mode = dataset, int(token_budget), mode
         self.max_items, self.pad_id, self.pin_memory = max_items, pad_id, bool(pin_memory)
         self._held = 0
 
@@ -168,10 +168,10 @@ class TokenBatches(IterableDataset):
         elif self.pin_memory:
             pin = can_pin()
         self._held = 0
-        for batch in token_batches(self._counted(self.dataset), self.max_tokens, self.mode, self.max_items):
+        for batch in token_batches(self._counted(self.dataset), self.token_budget, self.mode, self.max_items):
             self._held -= len(batch)  # what is still held: the item that did not fit, if any
             out = collate_packed(batch, pin) if self.mode == "pack" else collate_padded(batch, self.pad_id, pin)
             yield hand_over(out)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
-        return f"TokenBatches({self.dataset!r}, max_tokens={self.max_tokens}, mode={self.mode!r})"
+        return f"TokenBatches({self.dataset!r}, token_budget={self.token_budget}, mode={self.mode!r})"

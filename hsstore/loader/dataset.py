@@ -34,7 +34,7 @@ in global order, are cut for the new world. Every entry is still handed out exac
 Use in a DDP trainer::
 
     ds = hsstore.HiddenStateDataset(url, layers=[1, 16, 31], planning=hsstore.Planning(seed=0))  # World.detect()
-    loader = StatefulDataLoader(hsstore.TokenBatches(ds, max_tokens=16384), batch_size=None, num_workers=2)
+    loader = StatefulDataLoader(hsstore.TokenBatches(ds, token_budget=16384), batch_size=None, num_workers=2)
     for epoch in range(start_epoch, epochs):
         ds.set_epoch(epoch)                      # every epoch, before iterating (persistent workers too)
         for batch in loader: ...

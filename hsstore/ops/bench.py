@@ -341,7 +341,7 @@ class _LoaderPasses:
 
         s = self.s
         ds = HiddenStateDataset(self.store, layers=self.sel, reading=Reading(pin_memory=s.pin))
-        src = TokenBatches(ds, max_tokens=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
+        src = TokenBatches(ds, token_budget=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
         it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=s.pin,
                                                    persistent_workers=True)
 
