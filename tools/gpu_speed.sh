@@ -7,7 +7,7 @@
 # $REPO on the path for tools/). Results: SCRATCH/results/*.json and *.log, and the table on stdout.
 #  1. 8 ranks reading a 4 GB store at once, warm page cache, 3 epochs (epoch 0 faults the buffers in), with the
 #     plain-read baseline the bench prints (loader/raw): the chunk CRC32C folded in per 1 MB block as it is read
-#     (now), then read whole and checked after (HSSTORE_READ_BLOCK=0, before), then now again (~40 s each).
+#     (now), then read whole and checked after (HSSTORE_READ_BLOCK=0, before), then now again (~40 s each, 70 s at most).
 #  2. extraction, 27B architecture, 5 taps, writer process, eager then compiled: the Gated DeltaNet short
 #     convolution on fla's Triton kernel (extract_process) vs transformers' PyTorch path
 #     (extract_process_torchconv), alternating in every round; the compiled forward's features against the eager
@@ -25,9 +25,9 @@ run() {  # name, seconds, command...
     timeout "$t" "$@" >"$R/$name.json" 2>"$R/$name.log" || echo "   (exit $?; see $R/$name.log)" >&2
 }
 SRC=(python3 -m hsstore bench "$S" --what source --procs 8 --size-mb 4096 --epochs 3 --quiet --json)
-run source8 60 "${SRC[@]}"
-run source8_before 60 env HSSTORE_READ_BLOCK=0 "${SRC[@]}"
-run source8_again 60 "${SRC[@]}"
+run source8 70 "${SRC[@]}"
+run source8_before 70 env HSSTORE_READ_BLOCK=0 "${SRC[@]}"
+run source8_again 70 "${SRC[@]}"
 LEFT=$((530 - (SECONDS - T0)))
 run extract_conv $((LEFT < 330 ? LEFT : 330)) python3 -m tools.bench_extract --out "$S/bench-extract" --samples 20 \
     --rounds 2 --modes extract_process,extract_process_torchconv --compile
