@@ -24,7 +24,7 @@ run() {  # name, seconds, command...
     echo "== $name ($t s): $*" >&2
     timeout "$t" "$@" >"$R/$name.json" 2>"$R/$name.log" || echo "   (exit $?; see $R/$name.log)" >&2
 }
-SRC=(python3 -m hsstore bench "$S" --what source --procs 8 --size-mb 4096 --epochs 3 --quiet --json)
+SRC=(python3 -m hsstore bench "$S" --what source --procs "${PROCS:-8}" --size-mb "${SIZE_MB:-4096}" --epochs 3 --quiet --json)
 run source8 70 "${SRC[@]}"
 run source8_before 70 env HSSTORE_READ_BLOCK=0 "${SRC[@]}"
 run source8_again 70 "${SRC[@]}"
