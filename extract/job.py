@@ -27,6 +27,7 @@ from hsstore.format.taps import check_taps, default_taps, text_config
 
 from .capture import decoder_layers
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
+from .conv import use_fla_conv
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
@@ -190,6 +191,7 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
         model = load_target(settings.input.model, DTYPES[settings.forward.dtype], device,
                             progress=settings.run.progress)
     route_cpu_kernels(model)
+    use_fla_conv(model, device)  # a target given already loaded too (once per process: load_target's is kept)
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
     result.compiled = choice.compile

@@ -19,6 +19,8 @@ from hsstore.devices import route_cpu_kernels
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
 from hsstore.format.taps import check_taps, default_taps, text_config
 
+from .conv import use_fla_conv
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Config fields that say where/how a model was loaded, not what it computes.
@@ -62,6 +64,7 @@ def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progr
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True,
                                                  trust_remote_code=False)
     route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
+    use_fla_conv(model, device)  # on CUDA: the short convolution on fla's Triton kernel, not PyTorch's fallback
     return model.to(device).eval()
 
 

@@ -13,6 +13,7 @@ consumer reports through counters in a small shared control segment (see ``Share
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -103,6 +104,58 @@ def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
         if views and got:
             views[0] = views[0][got:]
     return total
+
+
+READ_BLOCK_ENV = "HSSTORE_READ_BLOCK"  # bytes per block of pread_fold; "0": the whole read, then checked (before #40)
+
+
+def read_block() -> int:
+    """Bytes ``pread_fold`` reads before folding them in (``HSSTORE_READ_BLOCK``, default 1 MiB: well inside a
+    core's L2 cache; 0 reads all at once and checks after, the former path, for paired benchmarks)."""
+    try:
+        return max(0, int(os.environ.get(READ_BLOCK_ENV, "") or (1 << 20)))
+    except ValueError:
+        return 1 << 20
+
+
+def pread_fold(fd: int, flat: np.ndarray, offset: int, fold, state=None):
+    """``pread_into`` of the contiguous bytes ``flat``, ``read_block()`` bytes at a time, with ``state = fold(block,
+    state)`` after each block (a CRC32C of the bytes): the check reads each block while it is still in cache
+    instead of reading a whole chunk back from memory. Returns (bytes read, state); fewer bytes only where the
+    file ends first.
+
+    Measured (issue #40, one core, warm page cache, 16 MB chunks): read then checksum 0.13 CPU-s/GB, read and
+    checksum per 1 MB block 0.105; the checksum alone runs at 12 GB/s on a 128 MB buffer, 28 GB/s on 1 MB."""
+    got, n = 0, flat.nbytes
+    block = read_block() or max(n, 1)
+    while got < n:
+        k = pread_into(fd, [flat[got:got + block]], offset + got)
+        if k == 0:
+            break
+        state = fold(flat[got:got + k], state)
+        got += k
+    return got, state
+
+
+_SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
+_SCRATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def scratch(nbytes: int):
+    """A byte buffer for one partial chunk or tar member, reused across threads and the loader's per-epoch thread
+    pools (both layouts' read paths): fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a
+    VM), so none is dropped."""
+    with _SCRATCH_LOCK:
+        fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
+        buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None
+    if buf is None:
+        buf = np.empty(nbytes, np.uint8)
+    try:
+        yield buf[:nbytes]
+    finally:
+        with _SCRATCH_LOCK:
+            _SCRATCH.append(buf)
 
 
 def empty_host(shape: Sequence[int], dtype: torch.dtype, *, pin: bool = False, shared: bool | None = None,

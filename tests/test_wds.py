@@ -134,9 +134,9 @@ def test_only_requested_layers_bytes_read_local(tmp_path, loader_samples, monkey
     read, tar = [], threading.local()
     real, real_local = wds._read_at, wds._read_local
 
-    def spy(src, offset, buf):
+    def spy(src, offset, buf, crc=None):
         read.append((tar.name, offset, offset + buf.nbytes))
-        return real(src, offset, buf)
+        return real(src, offset, buf, crc)
 
     def spy_local(root, rec, jobs):  # which tar this thread's reads that follow are of
         tar.name = f"{rec.shard}.tar"

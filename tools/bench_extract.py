@@ -10,6 +10,9 @@ synthetic sequences, and times, on the same batches, alternating:
   capture_only   hooks, GPU pack and pinned copy, no writer;
   extract_process_nostats  extract_process without the feature statistics (``HSSTORE_FEATURE_STATS=0``):
                  paired with extract_process, their cost.
+  extract_process_torchconv  extract_process with the Gated DeltaNet short convolution on transformers' PyTorch
+                 path instead of fla's Triton kernel (``extract/conv.py``; what ``HSSTORE_CONV=torch`` keeps):
+                 paired with extract_process, the kernel's gain.
 Prints JSON with tokens/s, ratios, MFU, and how long the forward waited on the writer (``slot_wait_s``)
 and the writer on storage (``storage_wait_s``).
 
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from hsstore.extract.capture import base_model, decoder_layers, run_tapped
+from hsstore.extract.conv import restore_conv, torch_conv, use_fla_conv
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.sample import TokenizedSample
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, storage
@@ -43,7 +47,8 @@ from hsstore.format.taps import default_taps
 from tools.measure import timed
 
 MODES = ("forward_full", "extract", "extract_process", "extract_memory", "forward_taps", "capture_only",
-         "extract_process_nostats")
+         "extract_process_nostats", "extract_process_torchconv")
+TORCH_CONV = "_torchconv"  # mode suffix: the short convolution on PyTorch's path for that mode
 
 
 def build_model(args):
@@ -144,6 +149,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_model(args)
     build_s = time.perf_counter() - t0
+    conv_hooked = use_fla_conv(model, device)  # as load_target does for extraction (HSSTORE_CONV=torch: not)
     layers = default_taps(args.layers_total)
     samples = synthetic(args.samples, args.min_len, args.max_len, args.vocab)[rank::world]
     batches = token_budget_batches(samples, args.token_budget)
@@ -189,12 +195,26 @@ def main() -> None:
         if mode != "keep":
             _clear(w.url)
 
+    def on_torch_conv(fn):
+        """``fn()`` with the short convolution on transformers' PyTorch path (the fla hook undone meanwhile)."""
+        undone = torch_conv(model)
+        try:
+            return fn()
+        finally:
+            restore_conv(undone)
+
     def run_mode(mode: str, w) -> None:
-        if mode == "forward_full":
+        if mode.endswith(TORCH_CONV):
+            return on_torch_conv(lambda: run_base(mode, w))
+        return run_base(mode, w)
+
+    def run_base(mode: str, w) -> None:
+        base = mode.removesuffix(TORCH_CONV)
+        if base == "forward_full":
             forward_pass(model, batches, layers, full=True)
-        elif mode == "forward_taps":
+        elif base == "forward_taps":
             forward_pass(model, batches, layers, full=False)
-        elif mode == "capture_only":
+        elif base == "capture_only":
             extract_batches(model, layers, batches, lambda s, f, v: None, 0, device, staging_tokens=args.token_budget)
         else:
             extract_into(w, mode)
@@ -205,6 +225,9 @@ def main() -> None:
 
     forward_pass(model, batches[:1], layers, full=True)  # warm-up: kernels, autotuning
     forward_pass(model, batches[:1], layers, full=False)
+    torch_modes = any(m.endswith(TORCH_CONV) for m in modes)
+    if torch_modes:
+        on_torch_conv(lambda: forward_pass(model, batches[:1], layers, full=False))
     best: dict[str, float] = {}
 
     def measure(suffix: str) -> None:
@@ -227,13 +250,22 @@ def main() -> None:
 
         ids, mask = pad_right(batches[0], 0)
         ids, mask = ids.to(device), mask.to(device)
-        ref = run_tapped(model, layers, ids, mask).float()
+        # the reference: the eager forward with transformers' own PyTorch convolution, whatever extraction runs
+        ref = on_torch_conv(lambda: run_tapped(model, layers, ids, mask).float())
         n0 = batches[0][0].num_tokens  # the batch's first sample, alone: the eager forward at another shape
-        alone = run_tapped(model, layers, ids[:1, :n0], mask[:1, :n0]).float()
+        alone = on_torch_conv(lambda: run_tapped(model, layers, ids[:1, :n0], mask[:1, :n0]).float())
+        if conv_hooked:  # the eager forward on fla's convolution against the same reference
+            eager_fla = run_tapped(model, layers, ids, mask).float()
+            c = torch.nn.functional.cosine_similarity(ref[mask.bool()], eager_fla[mask.bool()], dim=-1)
+            compiled["fla_conv_eager_vs_torch_eager"] = {
+                str(l): {"min": float(c[:, j].min()), "mean": float(c[:, j].mean())} for j, l in enumerate(layers)}
+            del eager_fla, c
         report = compile_forward(model, emulate_casts=not args.no_emulate_casts, mixers=True)
         t = time.perf_counter()
         forward_pass(model, batches, layers, full=True)  # every batch shape once: the compile time, up front
         forward_pass(model, batches, layers, full=False)
+        if torch_modes:  # the mixers' graphs again for the other convolution (dynamo guards on the function)
+            on_torch_conv(lambda: forward_pass(model, batches, layers, full=False))
         compiled["warm_up_s"] = time.perf_counter() - t
         compiled["modules"] = str(report)
         compiled["emulate_casts"] = not args.no_emulate_casts
@@ -275,7 +307,7 @@ def main() -> None:
         "rank": rank, "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
         "tokens": tokens, "samples": len(samples), "batches": len(batches),
         "layers_total": args.layers_total, "hidden": args.hidden, "taps": layers, "build_model_s": build_s,
-        "fla": _fla_available(),
+        "fla": _fla_available(), "conv_on_fla": conv_hooked,
         "tokens_per_s": {m: tokens / v for m, v in best.items()},
         "tflops": {m: tflops(m) for m in best},
         "compile": compiled,
@@ -288,6 +320,10 @@ def main() -> None:
         for m in modes:
             if base in best and m.startswith(("extract", "capture")):
                 res[f"ratio_{m}_vs_{base}"] = best[base] / best[m]
+    for suffix in ("", "+compile"):  # the pair of convolutions, same batches, alternating
+        fla_s, torch_s = best.get("extract_process" + suffix), best.get("extract_process" + TORCH_CONV + suffix)
+        if fla_s and torch_s:
+            res["fla_conv_speedup" + suffix] = torch_s / fla_s
     if args.compile and "extract_process+compile" in best:
         res["extract_process+compile_vs_eager_forward_full"] = best.get("forward_full", np.nan) / best[
             "extract_process+compile"]

@@ -167,7 +167,12 @@ def chunk_ok(blob: bytes, expect: int | None = None) -> bool:
 def payload_problem(payload, tail: int, expect: int | None = None) -> str | None:
     """What is wrong with a chunk whose payload and 4-byte tail (its CRC32C) were read apart, or None:
     the tail must be the payload's CRC32C and, with ``expect`` (the commit record's value), that value."""
-    if crc32c(payload) != tail:
+    return checksum_problem(crc32c(payload), tail, expect)
+
+
+def checksum_problem(crc: int, tail: int, expect: int | None = None) -> str | None:
+    """``payload_problem`` of a payload whose CRC32C ``crc`` was computed as it was read (``memory.pread_fold``)."""
+    if crc != tail:
         return "checksum mismatch (corrupted chunk)"
     return MISPLACED if expect is not None and tail != expect else None
 

@@ -19,6 +19,7 @@ one's tar header (name, regular file, size) and CRC32C. Nothing is ever extracte
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import io
 import json
@@ -37,7 +38,7 @@ from .. import door, storage, transfer
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_into
+from ..memory import copy_bytes, mapped_reads, pread_fold, scratch
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -309,21 +310,24 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
         job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
 
 
-def _read_at(src: mmap.mmap | int, offset: int, buf: np.ndarray) -> None:
-    """Copy ``buf.nbytes`` bytes of the tar from ``offset`` into ``buf``; a short file is corruption.
-    ``src``: the open file's descriptor (``preadv`` straight into ``buf``: the kernel's copy out of the page
-    cache is the only one), or its mapping (``memory.mapped_reads``: copied on torch's threads)."""
-    n = buf.nbytes
+def _read_at(src: mmap.mmap | int, offset: int, buf: np.ndarray, crc: int | None = None) -> int:
+    """Copy ``buf.nbytes`` bytes of the tar from ``offset`` into ``buf``; a short file is corruption. Returns the
+    CRC32C of ``crc``'s bytes followed by these (``codec.crc32c``). ``src``: the open file's descriptor
+    (``preadv`` straight into ``buf``: the kernel's copy out of the page cache is the only one, each block
+    checksummed while in cache, ``memory.pread_fold``), or its mapping (``memory.mapped_reads``: copied on torch's
+    threads, then checksummed)."""
+    n, flat = buf.nbytes, buf.reshape(-1).view(np.uint8)
     if isinstance(src, int):
-        got = pread_into(src, [buf.reshape(-1).view(np.uint8)], offset)
+        got, folded = pread_fold(src, flat, offset, codec.crc32c, crc)
         if got != n:
             raise EOFError(f"file ends {n - got} bytes early")
-        return
+        return codec.crc32c(flat, crc) if folded is None else folded  # nothing folded: an empty buffer's
     if offset + n > len(src):
         raise EOFError(f"file ends {offset + n - len(src)} bytes early")
     view = np.frombuffer(src, np.uint8, count=n, offset=offset)
-    copy_bytes(buf.reshape(-1).view(np.uint8), view)
+    copy_bytes(flat, view)
     del view  # release the mapping's buffer before it closes
+    return codec.crc32c(flat, crc)
 
 
 def _read_local(root: str, rec: CommitRecord, jobs: list[_Job]) -> None:
@@ -350,17 +354,17 @@ def _read_jobs(src: mmap.mmap | int, jobs: list[_Job], shard: str) -> None:
     for job in jobs:
         where = f"shard {shard!r}, member {job.name!r}"
         head = np.empty(BLOCK + len(job.header), np.uint8)
-        try:
-            _read_at(src, job.offset - BLOCK, head)
-            check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
-            n_data = job.size - len(job.header)
-            whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
-            data = job.dest if whole else np.empty(n_data, np.uint8)
-            _read_at(src, job.offset + len(job.header), data)
-        except EOFError as e:
-            raise CorruptionError(f"{where}: truncated tar ({e})") from None
-        crc = codec.crc32c(data, codec.crc32c(head[BLOCK:]))
-        _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
+        n_data = job.size - len(job.header)
+        whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
+        with contextlib.ExitStack() as stack:
+            data = job.dest if whole else stack.enter_context(scratch(n_data))  # reused: no fresh pages per read
+            try:
+                _read_at(src, job.offset - BLOCK, head)
+                check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)
+                crc = _read_at(src, job.offset + len(job.header), data, codec.crc32c(head[BLOCK:]))
+            except EOFError as e:
+                raise CorruptionError(f"{where}: truncated tar ({e})") from None
+            _finish(job, head[BLOCK:], None if whole else data.view(np.uint8), crc, shard)
 
 
 def _spans(jobs: list[_Job], feature_starts: list[int]) -> list[tuple[int, int, list[_Job]]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ from .. import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_into, torch_threads
+from ..memory import copy_bytes, mapped_reads, pread_fold, pread_into, scratch, torch_threads
 from ..format.report import Problem, VerifyReport
 from ..terminal import escape, shown
 
@@ -259,7 +258,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             read_chunk_into(root, key, dest, where, expect)
             continue
         if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-            with _scratch(ct * width * dest.itemsize) as buf:
+            with scratch(ct * width * dest.itemsize) as buf:
                 vals = buf.view(dest.dtype)
                 read_chunk_into(root, key, vals, where, expect)
                 dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
@@ -301,7 +300,7 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
             if rows.stop - rows.start == ct and dest.flags.c_contiguous:
                 payload = dest.reshape(-1).view(np.uint8)
             else:
-                payload = stack.enter_context(_scratch(nbytes))
+                payload = stack.enter_context(scratch(nbytes))
                 parts[key] = (dest, rows, width, payload)
             tail = bytearray(4)
             targets[key] = [payload, tail]
@@ -335,33 +334,14 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
             dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
 
 
-_SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
-_SCRATCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _scratch(nbytes: int):
-    """A byte buffer for one partial chunk, reused across threads and the loader's per-epoch thread pools:
-    fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a VM), so none is dropped."""
-    with _SCRATCH_LOCK:
-        fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
-        buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None
-    if buf is None:
-        buf = np.empty(nbytes, np.uint8)
-    try:
-        yield buf[:nbytes]
-    finally:
-        with _SCRATCH_LOCK:
-            _SCRATCH.append(buf)
-
-
 def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
     """Read the uncompressed local chunk file ``key`` under ``root`` into ``dest`` (contiguous) through the door
     (a regular file beneath the root, no link followed, exactly one chunk's size) and check its CRC32C, and that
     it is ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
 
-    The payload is read with ``preadv`` straight into ``dest`` and the 4-byte tail into a small buffer: no
-    mapping to fault in and no second copy; the loader's reader threads read several chunks at once
+    The payload is read with ``preadv`` straight into ``dest``, its CRC32C folded in block by block while each
+    block is in cache (``memory.pread_fold``), and the 4-byte tail into a small buffer: no mapping to fault in,
+    no second copy, no second pass over memory; the loader's reader threads read several chunks at once
     (``memory.mapped_reads``: the former mapped path, for comparison). Committed chunks are never
     rewritten, so the file cannot change under the read."""
     flat = dest.reshape(-1).view(np.uint8)
@@ -370,9 +350,10 @@ def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: i
         with door.opened(root, key) as (fd, size):
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            if not mapped_reads() or torch_threads() == 1:
+            if not mapped_reads() or torch_threads() == 1:  # checked block by block as it is read
                 tail = bytearray(4)
-                if pread_into(fd, [flat, tail], 0) != n + 4:
+                got, crc = pread_fold(fd, flat, 0, codec.crc32c)
+                if got != n or pread_into(fd, [tail], n) != 4:
                     raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
             else:
                 with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
@@ -380,11 +361,13 @@ def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: i
                     copy_bytes(flat, src)
                     tail = m[n:n + 4]
                     del src  # release the buffer before the mapping closes
+                crc = None
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
     except door.Refused as e:  # a link, a FIFO, not a regular file: never read
         raise CorruptionError(f"{where}: refused ({e.why})") from None
-    problem = codec.payload_problem(dest, int.from_bytes(tail, "little"), expect)
+    crc = codec.crc32c(flat) if crc is None else crc  # an empty chunk folds nothing: its CRC32C, computed
+    problem = codec.checksum_problem(crc, int.from_bytes(tail, "little"), expect)
     if problem:
         raise CorruptionError(f"{where}: {problem}")
 
