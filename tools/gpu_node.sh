@@ -51,13 +51,15 @@ PHASES=${PHASES:-"extract kill train loader"}
 T=${T:-900}
 N=$NPROC
 if [[ $DEVICE == cpu ]]; then  # the dry run: a tiny Qwen3.5 target and drafter, the checks unchanged
-  S=${SAMPLES_PER_GPU:-8}
+  S=${SAMPLES_PER_GPU:-16}
   read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---layers-total 8 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 \
---head-dim 16 --linear-v-heads 4 --linear-k-heads 2 --vocab 1000 --min-len 64 --max-len 160 --token-budget 512 \
+--head-dim 16 --linear-v-heads 4 --linear-k-heads 2 --vocab 1000 --min-len 64 --max-len 160 --token-budget 512 --shard-mb 0.5 \
 --rounds 1}"
   read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:---draft-layers 1 --block-size 8 --anchors 16 --token-budget 400}"
   COMPILE=()
   KILL_ROWS=${KILL_ROWS:-48}
+  RESUME_STEPS=${RESUME_STEPS:-80}  # tiny steps: enough of them that Ctrl-C lands mid-run
+  LOADER_TOKENS=${LOADER_TOKENS:-400}  # several batches per rank and epoch, so that the resume is mid-epoch
 else
   S=${SAMPLES_PER_GPU:-12}
   read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---rounds 2}"
@@ -68,7 +70,7 @@ else
   KILL_ROWS=${KILL_ROWS:-400}
 fi
 TRAIN_EPOCHS=${TRAIN_EPOCHS:-3}
-RESUME_STEPS=${RESUME_STEPS:-8}
+RESUME_STEPS=${RESUME_STEPS:-12}
 GOALS=(); [[ $DEVICE == cpu ]] || GOALS=(--goal)  # speed goals fail a row on GPUs only (CPU: no figure)
 mkdir -p "$RESULTS" "$WORK"
 LOG="$RESULTS/log.txt"
@@ -192,6 +194,7 @@ if has train && s3_up; then
   read -r -a CUT <<< "$(train_cmd train-cut "$N" --steps "$RESUME_STEPS")"
   row "train x$N: $RESUME_STEPS steps uninterrupted" "${FULL[@]}"
   row "train x$N: Ctrl-C after step 3" "${CHECK[@]}" interrupt "$WORK/train-cut" --world "$N" --after 3 \
+    --before "$RESUME_STEPS" \
     --log "$WORK/train-cut.err" --json "$RESULTS/interrupt.json" -- "${CUT[@]}"
   row "train x$N: the same command resumes" "${CUT[@]}"
   row "train x$N: resumed = uninterrupted" "${CHECK[@]}" same "$WORK/train-full" "$WORK/train-cut" --world "$N" \

@@ -189,8 +189,18 @@ def s3_serve(args) -> int:
         warm_through(proxy, url, 0.0, None)
 
         def count(*_):
+            by_array = Counter()  # shards/NAME/ARRAY/...: which arrays the bytes were of
+            fetches = Counter()
+            for path, n in list(proxy.sent.items()):
+                parts = path.split("/shards/", 1)[-1].split("/")
+                if "/shards/" in path and len(parts) > 1:
+                    by_array[parts[1]] += n
+            for entry in list(proxy.log):
+                fetches[str(entry)] += 1
+            row = {**shard_counts(proxy), "by_array": dict(by_array.most_common()),
+                   "most_fetched": fetches.most_common(3)}
             with (d / "counts.jsonl").open("a") as f:
-                f.write(json.dumps(shard_counts(proxy)) + "\n")
+                f.write(json.dumps(row) + "\n")
             proxy.reset_counts()
 
         signal.signal(signal.SIGUSR1, count)
@@ -258,7 +268,7 @@ def interrupt(args) -> int:
     logged = [len(x) for x in _sample_logs(run, args.world)]
     fig = {"signal_sent": sent, "exit": code, "stopped_lines": stops, "steps": steps, "checkpoints": ckpts,
            "loader_states": len(loaders), "logged_steps_per_rank": logged}
-    ok = (sent and stops == args.world and step is not None and ckpts == [f"step_{step:08d}"]
+    ok = (sent and stops == args.world and step is not None and step < args.before and ckpts == [f"step_{step:08d}"]
           and len(loaders) == args.world and set(logged) <= {step})
     return _emit(args, ok, f"Ctrl-C: {stops}/{args.world} ranks stopped at step(s) {steps}, exit {code}, "
                            f"checkpoints {ckpts}, {len(loaders)} loader states", fig)
@@ -370,26 +380,28 @@ def loader(args) -> int:
                             world_size=world, workers=args.workers, pin_memory=device.type == "cuda",
                             partition=args.partition, cache_dir=args.cache_dir, storage_options=options)
 
-    def read(src, limit=None):
-        got, nbytes = [], 0
-        for i, batch in enumerate(src):
-            if limit is not None and i == limit:
-                break
+    def read(src):
+        """(sample ids per batch, GB/s of features to the device after the first batch: the workers' start
+        and the first fetches are not the rate)"""
+        got, nbytes, t = [], 0, None
+        for batch in src:
             hs = batch["hidden_states"].to(device, non_blocking=True)
-            nbytes += hs.numel() * hs.element_size()
+            if t is None:
+                t = time.perf_counter()
+            else:
+                nbytes += hs.numel() * hs.element_size()
             got.append(list(batch["sample_id"]))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return got, nbytes
+        return got, nbytes / max(time.perf_counter() - (t or 0), 1e-9) / 1e9 if len(got) > 1 else 0.0
 
     src, rates, per_epoch = source(), [], []
     for e in range(args.epochs):
         src.set_epoch(e)
         if world > 1:
             dist.barrier()
-        t = time.perf_counter()
-        got, nbytes = read(src)
-        rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+        got, gbps = read(src)
+        rates.append(gbps)
         per_epoch.append(got)
     last = args.epochs - 1
     cut = source()
@@ -403,7 +415,7 @@ def loader(args) -> int:
     again.load_state_dict(state)
     tail, _ = read(again)
     mine = {"rank": rank, "epochs": per_epoch, "gbps": rates, "resumed_same": head + tail == per_epoch[last],
-            "cut_at": len(head)}
+            "cut_at": len(head), "mid_epoch": 0 < len(head) < len(per_epoch[last])}
     everyone = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, mine)
@@ -422,7 +434,7 @@ def _loader_verdict(args, everyone: list[dict], wanted: set[str]) -> int:
         epochs.append({"distinct": len(seen), "max_uses": max(seen.values(), default=0),
                        "every_sample": set(seen) == wanted})
     once = all(x["every_sample"] and x["max_uses"] == 1 for x in epochs)
-    resumed = all(r["resumed_same"] for r in everyone)
+    resumed = all(r["resumed_same"] and r["mid_epoch"] for r in everyone)  # a cut at an epoch's end proves nothing
     # epoch 0 fills a node cache (or the page cache); later epochs read from it
     steady = [min(r["gbps"][1:] or r["gbps"]) for r in everyone]
     fig = {"world": len(everyone), "workers": args.workers, "partition": args.partition, "epochs": epochs,
@@ -430,7 +442,7 @@ def _loader_verdict(args, everyone: list[dict], wanted: set[str]) -> int:
            "gbps_per_rank": [r["gbps"] for r in everyone], "steady_gbps_min_rank": min(steady)}
     return _emit(args, once and resumed, f"{len(everyone)} ranks x {args.workers} workers, {args.epochs} epochs: "
                                          f"exactly once per epoch: {once}, same order after a mid-epoch resume: "
-                                         f"{resumed}; slowest rank {min(steady):.2f} GB/s after epoch 0", fig)
+                                         f"{resumed}; slowest rank {min(steady):.3g} GB/s after epoch 0 (after each epoch's first batch)", fig)
 
 
 # ------------------------------------------------------------------------------------------- command line
@@ -456,9 +468,10 @@ def _parser() -> argparse.ArgumentParser:
         p = cmd(name, fn, pos)
         p.add_argument("--timeout", type=float, default=600)
         p.add_argument("--log", default=None, help="the command's stderr")
-        p.add_argument("cmd", nargs=argparse.REMAINDER)
+        p.set_defaults(cmd=[])  # what follows `--`
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--after", type=int, default=3, help="Ctrl-C once metrics.jsonl has this many lines")
+    p.add_argument("--before", type=int, required=True, help="the run's steps: the stop must come before its end")
     cmd("s3-serve", s3_serve, "store").add_argument("--dir", required=True)
     p = cmd("s3-counts", s3_counts)
     p.add_argument("--dir", required=True)
@@ -488,9 +501,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if getattr(args, "cmd", None) and args.cmd[0] == "--":
-        args.cmd = args.cmd[1:]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:cut])
+    if hasattr(args, "cmd"):
+        args.cmd = argv[cut + 1:]
+        if not args.cmd:
+            _parser().error(f"{args.check}: the command to run goes after --")
     return args.fn(args)
 
 
