@@ -53,7 +53,7 @@ N=$NPROC
 if [[ $DEVICE == cpu ]]; then  # the dry run: a tiny Qwen3.5 target and drafter, the checks unchanged
   S=${SAMPLES_PER_GPU:-16}
   read -r -a BENCH_ARGS <<< "${BENCH_ARGS:---layers-total 8 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 \
---head-dim 16 --linear-v-heads 4 --linear-k-heads 2 --vocab 1000 --min-len 64 --max-len 160 --token-budget 512 --shard-mb 0.5 \
+--head-dim 16 --linear-v-heads 4 --linear-k-heads 2 --vocab 1000 --min-len 64 --max-len 160 --token-budget 512 --shard-mb 0.1 \
 --rounds 1}"
   read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:---draft-layers 1 --block-size 8 --anchors 16 --token-budget 400}"
   COMPILE=()
