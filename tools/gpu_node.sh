@@ -79,7 +79,7 @@ TABLE="$RESULTS/node.md"
 printf '| check | exit | seconds | key figure |\n|---|---|---|---|\n' > "$TABLE"
 FAILED=0
 CHECK=(python3 -m tools.node_checks)
-TORCHRUN=(torchrun --standalone --nproc_per_node "$N")
+TORCHRUN=(python3 -m torch.distributed.run --standalone --nproc_per_node "$N")  # no `torchrun` script needed on PATH
 step() { echo "== $(date +%T) $*" | tee -a "$LOG" >&2; }
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 
@@ -171,7 +171,7 @@ train_cmd() {
   local name=$1 gpus=$2
   shift 2
   local launch=(python3)
-  [[ $gpus == 1 ]] || launch=(torchrun --standalone --nproc_per_node "$gpus")
+  [[ $gpus == 1 ]] || launch=(python3 -m torch.distributed.run --standalone --nproc_per_node "$gpus")
   echo "${launch[@]}" -m hsstore train --store "$S3URL" --out "$WORK/$name" --storage-option "endpoint_url=$S3READ" \
     --partition node --cache-dir "$WORK/cache-$name" --mask-token-id 0 --log-every 1 --log-samples \
     --save-every 100000 --device "$DEVICE" -q "${TRAIN_ARGS[@]}" "$@"
