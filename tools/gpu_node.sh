@@ -33,6 +33,11 @@
 #            epoch, the same order after a mid-epoch resume, GB/s per rank; local files, and from the S3
 #            emulation through a node cache when the train phase ran (remote bytes counted)    (~2 min)
 #
+# Sizes at N=8: the kept store is N x SAMPLES_PER_GPU samples of 3-4K tokens, ~0.18 GB each (~17 GB); the S3
+# emulation holds it twice in memory (moto, and the proxy that replays it) and the node cache once on disk.
+# Remote bytes: ranks that need the same chunk before it is in the node cache each fetch it (the cache has no
+# cross-process fetch lock), so a store of few read units per rank reads over 1x in epoch 0: the CPU dry run's
+# store in 6 shards fetched 1.165x (train, 2 ranks) and 1.33x (loader, 2 x 2 workers), in 28 shards 1.006-1.035x.
 # Settings: NPROC (default: the GPUs: nvidia-smi -L, else torch), DEVICE (cuda; cpu: gloo, tiny sizes),
 # BENCH_ARGS (bench_extract's model/batch flags), TRAIN_ARGS (the training recipe's flags), SAMPLES_PER_GPU,
 # TRAIN_EPOCHS, RESUME_STEPS, T (the timeout of one command, seconds), STORE / WORK (scratch folders).
