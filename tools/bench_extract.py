@@ -124,6 +124,8 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--keep", default=None, metavar="URL", help="finally extract into URL (with assets) and keep it")
     p.add_argument("--seed", type=int, default=0, help="model init seed (same on every rank)")
+    p.add_argument("--shard-mb", type=float, default=0, help="the writer's shard size (0: its default); a tiny "
+                   "dry-run store needs small shards to have more chunks than the loader has readers")
     p.add_argument("--no-emulate-casts", action="store_true", help="with --compile: let fused kernels keep fp32 "
                    "intermediates (inductor's default) instead of rounding to bf16 where eager kernels do")
     p.add_argument("--compile", action="store_true",
@@ -170,7 +172,8 @@ def main() -> None:
             os.environ[health.STATS_ENV] = "0"
         process = mode.startswith("extract_process") or (mode == "keep" and device.type == "cuda")
         cls = ProcessWriter if process else StoreWriter
-        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False)  # checked on the device
+        extra = {"shard_bytes": int(args.shard_mb * 1e6)} if args.shard_mb else {}
+        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False, **extra)  # checked on the device
 
     def extract_into(w, mode: str) -> None:
         """Until every sample is handed to the writer (steady-state pipeline); the final flush of the
