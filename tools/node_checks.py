@@ -376,7 +376,7 @@ def loader(args) -> int:
     store = hsstore.open(args.store, **options)
 
     def source():
-        return StoreBatches([args.store], layers=store.layers, max_tokens=args.token_budget, seed=0, rank=rank,
+        return StoreBatches([args.store], layers=store.layers, token_budget=args.token_budget, seed=0, rank=rank,
                             world_size=world, workers=args.workers, pin_memory=device.type == "cuda",
                             partition=args.partition, cache_dir=args.cache_dir, storage_options=options)
 
