@@ -497,3 +497,36 @@ def test_the_token_budget_rule_is_written_once():
 
     src = inspect.getsource(forward.token_budget_batches)
     assert "TokenBudget(" in src and "* longest" not in src and forward.TokenBudget is batching.TokenBudget
+
+
+MAX_FUNCTION_LINES, MAX_PARAMETERS = 80, 16  # a newcomer reads a function on one screen; options travel grouped
+
+
+def oversized_functions(source: str, where: str) -> list[str]:
+    """Functions of ``source`` longer than MAX_FUNCTION_LINES or with more than MAX_PARAMETERS parameters."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES or params > MAX_PARAMETERS:
+                out.append(f"{where}:{node.lineno} {node.name}: {lines} lines, {params} parameters")
+    return out
+
+
+def test_oversized_functions_are_found():
+    body = "\n".join(f"    x{i} = {i}" for i in range(80))
+    assert oversized_functions(f"def long():\n{body}\n", "m.py") == ["m.py:1 long: 81 lines, 0 parameters"]
+    params = ", ".join(f"p{i}" for i in range(16))
+    assert oversized_functions(f"def f({params}, *, q, **kw):\n    pass\n", "m.py") == [
+        "m.py:1 f: 2 lines, 18 parameters"]
+    assert oversized_functions(f"def f({params}):\n    pass\n", "m.py") == []
+
+
+def test_no_function_over_80_lines_or_16_parameters():
+    found = []
+    for package in ("hsstore", "extract", "train"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found += oversized_functions(path.read_text(), str(path.relative_to(ROOT)))
+    assert not found, "split these (or group their options in a dataclass):\n" + "\n".join(found)
