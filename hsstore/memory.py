@@ -106,7 +106,7 @@ def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
     return total
 
 
-READ_BLOCK_ENV = "HSSTORE_READ_BLOCK"  # bytes per block of pread_fold; "0": the whole read, then checked (before #40)
+READ_BLOCK_ENV = "HSSTORE_READ_BLOCK"  # bytes per block of pread_fold; "0": the whole read, then checked
 
 
 def read_block() -> int:
@@ -122,10 +122,8 @@ def pread_fold(fd: int, flat: np.ndarray, offset: int, fold, state=None):
     """``pread_into`` of the contiguous bytes ``flat``, ``read_block()`` bytes at a time, with ``state = fold(block,
     state)`` after each block (a CRC32C of the bytes): the check reads each block while it is still in cache
     instead of reading a whole chunk back from memory. Returns (bytes read, state); fewer bytes only where the
-    file ends first.
-
-    Measured (issue #40, one core, warm page cache, 16 MB chunks): read then checksum 0.13 CPU-s/GB, read and
-    checksum per 1 MB block 0.105; the checksum alone runs at 12 GB/s on a 128 MB buffer, 28 GB/s on 1 MB."""
+    file ends first. (A checksum over a cold buffer runs at half the speed of one over a hot block: PERFORMANCE.md,
+    "Loader".)"""
     got, n = 0, flat.nbytes
     block = read_block() or max(n, 1)
     while got < n:

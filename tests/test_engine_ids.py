@@ -1,5 +1,5 @@
 """The serving engine's own token ids, end to end against a real OpenAI-compatible server on loopback
-(extract/engine_server.py: vLLM's wire format, the trained tiny Qwen3.5 target sampling at temperature 1):
+(tools/engine_server.py: vLLM's wire format, the trained tiny Qwen3.5 target sampling at temperature 1):
 regenerate records them, check/show/extract build samples from exactly ``prompt_token_ids + token_ids``,
 and the store gives them back bit-exact. Expected ids come from the server's answers and from the HF
 tokenizer itself, never from hsstore's tokenization."""
@@ -12,7 +12,7 @@ import logging
 import shutil
 
 import pytest
-from hsstore.extract.engine_server import EngineServer
+from tools.engine_server import EngineServer
 
 import hsstore
 from hsstore.cli import main

@@ -1,5 +1,5 @@
 """How far re-tokenized text is from what the engine computed, on a set the trained tiny target answers at
-temperature 1 through hsstore.extract.engine_server (vLLM's wire format, real sampling).
+temperature 1 through tools/engine_server.py (vLLM's wire format, real sampling).
 
 Regenerates N prompts with ``hsstore regenerate`` (engine ids recorded), runs ``check`` and ``extract`` on
 them, reads the store back and prints: the share of turns whose engine ids differ from re-tokenizing their
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from hsstore.extract.engine_server import EngineServer
+    from tools.engine_server import EngineServer
     from transformers import AutoTokenizer
 
     import hsstore

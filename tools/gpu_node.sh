@@ -40,7 +40,7 @@
 # store in 6 shards fetched 1.165x (train, 2 ranks) and 1.33x (loader, 2 x 2 workers), in 28 shards 1.006-1.035x.
 # Settings: NPROC (default: the GPUs: nvidia-smi -L, else torch), DEVICE (cuda; cpu: gloo, tiny sizes),
 # BENCH_ARGS (bench_extract's model/batch flags), TRAIN_ARGS (the training recipe's flags), SAMPLES_PER_GPU,
-# TRAIN_EPOCHS, RESUME_STEPS, T (the timeout of one command, seconds), STORE / WORK (scratch folders).
+# TRAIN_EPOCHS, RESUME_STEPS, T (the timeout of one command, seconds), WORK (its scratch folder; the store is WORK/store).
 # Results in $RESULTS: log.txt (every command's output), a JSON per check, node.md (the table).
 # Exit status: the number of failed rows.
 set -u
@@ -51,7 +51,7 @@ if [[ -z ${NPROC:-} ]]; then
 fi
 RESULTS=${RESULTS:-/tmp/hsstore-node}
 WORK=${WORK:-/tmp/hsstore-node-work}
-STORE=${STORE:-$WORK/store}
+STORE=$WORK/store  # removed and remade by the extract phase: always under WORK, never a path from outside
 PHASES=${PHASES:-"extract kill train loader"}
 T=${T:-900}
 N=$NPROC

@@ -3,7 +3,7 @@
 #
 #   cd /tmp && PYTHONPATH=/tmp/site:$REPO bash $REPO/tools/gpu_speed.sh [SCRATCH]     # SCRATCH default /tmp/hs40
 #
-# (the wheels, hsstore's built from a tree with extract/conv.py among them, installed into /tmp/site first;
+# (the wheels, hsstore's among them, installed into /tmp/site first;
 # $REPO on the path for tools/). Results: SCRATCH/results/*.json and *.log, and the table on stdout.
 #  1. 8 ranks reading a 4 GB store at once, warm page cache, 3 epochs (epoch 0 faults the buffers in), with the
 #     plain-read baseline the bench prints (loader/raw): the chunk CRC32C folded in per 1 MB block as it is read
@@ -18,7 +18,7 @@ S=${1:-/tmp/hs40}
 R=$S/results
 mkdir -p "$S" "$R"
 T0=$SECONDS
-python3 -c "import hsstore.extract.conv" || { echo "hsstore in /tmp/site lacks extract/conv.py (build its wheel from branch i40)" >&2; exit 2; }
+python3 -c "import hsstore.extract.conv" || { echo "hsstore in /tmp/site lacks extract/conv.py (rebuild the wheel: pip wheel --no-deps -w .whl .)" >&2; exit 2; }
 run() {  # name, seconds, command...
     local name=$1 t=$2; shift 2
     echo "== $name ($t s): $*" >&2

@@ -1,4 +1,4 @@
-"""A small OpenAI-compatible server for tests and tools (test_engine_ids, tools/engine_ids_report.py): a real
+"""A small OpenAI-compatible server for tests and tools (tests/test_engine_ids.py, tools/engine_ids_report.py; not installed): a real
 tiny HF model sampled token by token, answered in vLLM's wire format (field names and semantics from vLLM's
 code, not from hsstore's).
 
