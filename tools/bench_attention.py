@@ -40,9 +40,10 @@ from hsstore.train import masks as masks_mod
 from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
 from hsstore.train.masks import own_block_visible
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
+from hsstore.train.optim import build_optimizer, clip_grad
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args
-from tools.measure import peak_rss_mb, reset_peak_rss
+from tools.measure import device_profile, peak_rss_mb, reset_peak_rss
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
             steps=3, warmup=1)
@@ -103,6 +104,33 @@ def step_flops(cfg: DrafterConfig, batch) -> float:
     return 3 * fwd + 2 * (fc + head)
 
 
+# operators of one drafter step by class, first match wins (``--profile``; eager code launches generic kernels, so
+# the time is given to the operator that launched them)
+OP_CLASSES = (
+    ("attention", r"attention|flash|fmha|sdpa|flex"),
+    ("gemm", r"aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
+    ("cross entropy", r"softmax|aten::exp_?$|scatter|argmax|nll_loss"),
+    ("gather, copy, cast", r"copy|index|gather|aten::cat$|pad|clone|repeat|masked_fill|fill_|zero_|where|embedding"),
+    ("elementwise", r"aten::(mul|add|sub|div|rsqrt|pow|mean|silu|neg|sum|sigmoid|rsub|sqrt|reciprocal)"),
+    ("optimizer", r"foreach|adam"),
+)
+
+
+def phases_ms(model, batch, ce, ce_chunk) -> dict:
+    """Forward (the loss) and backward of one step, timed apart (the device synchronised between them)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    loss, _ = dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk)
+    sync()
+    t1 = time.perf_counter()
+    loss.backward()
+    sync()
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return {"forward": round((t1 - t0) * 1e3, 1), "backward": round((t2 - t1) * 1e3, 1)}
+
+
 def step(model, batch, ce="fused", ce_chunk=1024):
     loss, _ = dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk)
     loss.backward()
@@ -150,17 +178,47 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t) / args.steps
+        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_mb() * 2**20
+        if args.profile:
+            res["phases_ms"] = phases_ms(model, batch, ce, args.ce_chunk)
+
+            def one():
+                step(model, batch, ce, args.ce_chunk)
+                model.zero_grad(set_to_none=True)
+            res["profile"] = device_profile(one, OP_CLASSES, by="op", top=args.profile)
     except torch.OutOfMemoryError as e:
         res["error"] = f"out of memory: {str(e).splitlines()[0]}"
         return res
     res.update(ms_per_step=dt * 1e3, tokens_per_s=seq * args.batch / dt,
                mfu=res["tflop_per_step"] / dt / args.peak_tflops)
     if device.type == "cuda":
-        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["peak_gib"] = peak / 2**30
     else:
-        peak = peak_rss_mb() * 2**20
         res.update(peak_rss_gib=peak / 2**30, step_rss_gib=(peak - base) / 2**30)
     return res
+
+
+def optimizer_steps(args) -> dict:
+    """The trainer's update alone (clip to 1.0, then AdamW) on the drafter's fp32 master weights with random
+    gradients: PyTorch's default (foreach) vs ``fused=True``, alternating for ``--steps`` rounds; ms each (best)."""
+    device = torch.device(args.device)
+    model = make("blocks", args, args.seq[0], device, torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    kinds = {"foreach": {}, "fused": {"fused": True}} if device.type == "cuda" else {"foreach": {}}
+    opts = {k: build_optimizer(model, **kw) for k, kw in kinds.items()}
+    best = {k: float("inf") for k in opts}
+    for _ in range(args.warmup + args.steps):
+        for k, opt in opts.items():
+            sync()
+            t = time.perf_counter()
+            clip_grad(params, 1.0)
+            opt.step()
+            sync()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return {"params": sum(p.numel() for p in params), **{f"{k}_ms": round(v * 1e3, 1) for k, v in best.items()}}
 
 
 def _child(impl, seq, args, ce, ckpt, queue):
@@ -198,8 +256,14 @@ def show(r: dict) -> str:
     mem += f", kept for backward {1024 * r['saved_gib']:.0f} MiB"
     if "estimate_gib" in r:
         mem += f", train's estimate {r['estimate_gib']:.1f} GiB"
-    return (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
+    line = (f"{head}: {r['ms_per_step']:9.1f} ms/step {r['tokens_per_s']:9.0f} tokens/s  {mem}  "
             f"{r['tflop_per_step']:.2f} TFLOP/step  MFU {100 * r['mfu']:.1f}%")
+    if "profile" in r:
+        pr = r["profile"]
+        line += (f"\n    forward {r['phases_ms']['forward']} ms, backward {r['phases_ms']['backward']} ms; profiled step "
+                 f"{pr['ms']} ms: " + ", ".join(f"{k} {v}%" for k, v in pr["by_class_pct"].items()))
+        line += "".join(f"\n      {t['ms']:8.2f} ms {t['pct']:5.1f}%  {t['class']:18s} {t['name']}" for t in pr["top"])
+    return line
 
 
 def check(args, device, dtype):
@@ -254,6 +318,10 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (989: H200 dense bf16)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="after the timed steps, one step's device time by operator class and its TOP operators, "
+                         "and its forward and backward timed apart")
+    ap.add_argument("--optim", action="store_true", help="time the optimizer update alone instead (foreach vs fused)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -266,6 +334,9 @@ def main():
         masks_mod.FULL_LAYER_GROUPS = args.full_groups
     if args.check:
         check(args, torch.device(args.device), getattr(torch, args.dtype))
+        return
+    if args.optim:
+        print(json.dumps(optimizer_steps(args)), flush=True)
         return
     results = []
     for seq in args.seq:

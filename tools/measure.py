@@ -9,13 +9,16 @@ parent's peak; ``reset_peak_rss`` clears it where the kernel allows).
 from __future__ import annotations
 
 import os
+import re
 import resource
+from collections import defaultdict
 from pathlib import Path
 
 from hsstore.ops.bench import drop_page_cache, timed
 from hsstore.testing.ports import free_port
 
-__all__ = ["timed", "drop_page_cache", "drop_tree_cache", "rss_mb", "peak_rss_mb", "reset_peak_rss", "free_port"]
+__all__ = ["timed", "drop_page_cache", "drop_tree_cache", "rss_mb", "peak_rss_mb", "reset_peak_rss", "free_port",
+           "class_of", "device_profile"]
 
 
 def _status(key: str) -> int | None:
@@ -52,3 +55,54 @@ def reset_peak_rss() -> float:
 def drop_tree_cache(root: str | Path) -> None:
     """``drop_page_cache`` of every file under ``root`` (a store on local disk), for a cold read."""
     drop_page_cache([str(f) for f in Path(root).rglob("*") if f.is_file()])
+
+
+def class_of(name: str, classes) -> str:
+    """The first class of ``classes`` ((class, regex) pairs) whose pattern matches ``name``; "other" if none."""
+    for cls, pattern in classes:
+        if re.search(pattern, name, re.I):
+            return cls
+    return "other"
+
+
+def device_profile(fn, classes, *, by: str = "kernel", top: int = 20) -> dict:
+    """Where one call of ``fn`` spends device time, by class: ``{"ms", "by_class_pct", "by_class_ms", "top"}``.
+
+    ``by="kernel"``: CUDA kernels by their own names (what inductor and fla launch); ``by="op"``: each kernel's
+    time given to the operator that launched it (self device time: ``aten::mm``, ``aten::_efficient_attention
+    _backward``, ...), which names eager code's generic elementwise kernels. Without CUDA, operators' self CPU
+    time (a CPU smoke test of the same table). Call ``fn`` once before: compiling and first-touch allocations
+    are not what this measures."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)  # microseconds
+    for ev in prof.events():
+        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if cuda and by == "kernel" and on_device:
+            times[ev.name] += ev.device_time_total
+        elif cuda and by == "op" and not on_device:
+            times[ev.name] += ev.self_device_time_total
+        elif not cuda and not on_device:
+            times[ev.name] += ev.self_cpu_time_total
+    times = {k: v for k, v in times.items() if v > 0}
+    total = sum(times.values()) or 1.0
+    per_class: dict[str, float] = defaultdict(float)
+    for name, us in times.items():
+        per_class[class_of(name, classes)] += us
+    ranked = sorted(per_class.items(), key=lambda kv: -kv[1])
+    return {
+        "ms": round(total / 1e3, 2),
+        "by_class_pct": {k: round(100 * v / total, 2) for k, v in ranked},
+        "by_class_ms": {k: round(v / 1e3, 2) for k, v in ranked},
+        "top": [{"name": n[:120], "class": class_of(n, classes), "ms": round(us / 1e3, 2),
+                 "pct": round(100 * us / total, 2)} for n, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]],
+    }

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
@@ -33,6 +31,7 @@ from hsstore.extract.capture import run_tapped
 from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.format.taps import default_taps
 from tools.bench_extract import add_model_args, build_model, synthetic, sync
+from tools.measure import device_profile
 
 VARIANTS = ("eager", "nomask", "compiled", "mixers")
 KINDS = (  # first match wins
@@ -44,13 +43,6 @@ KINDS = (  # first match wins
     ("copy", r"copy|cat|Memcpy|memset|fill"),
     ("elementwise", r"elementwise|vectorized|reduce|unrolled|index"),
 )
-
-
-def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
-        if re.search(pattern, name, re.I):
-            return kind
-    return "other"
 
 
 @torch.inference_mode()
@@ -72,27 +64,8 @@ def cosines(a: torch.Tensor, b: torch.Tensor, lengths: list[int]) -> dict:
 
 
 def profile(model, layers, batch, mask: bool, top: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     tapped(model, layers, batch, mask)
-    sync()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        tapped(model, layers, batch, mask)
-        sync()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-    total = sum(per_kernel.values())
-    by_kind: dict[str, float] = defaultdict(float)
-    for name, us in per_kernel.items():
-        by_kind[kind_of(name)] += us
-    return {
-        "gpu_ms": total / 1e3,
-        "by_kind_pct": {k: round(100 * v / total, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top": [{"kernel": n[:120], "kind": kind_of(n), "ms": round(us / 1e3, 2), "pct": round(100 * us / total, 2)}
-                for n, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]],
-    }
+    return device_profile(lambda: tapped(model, layers, batch, mask), KINDS, top=top)
 
 
 def main() -> None:
