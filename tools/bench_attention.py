@@ -42,7 +42,7 @@ from hsstore.train.masks import own_block_visible
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.optim import build_optimizer, clip_grad
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
-from tools.bench_train import add_drafter_size_args
+from tools.bench_train import add_drafter_size_args, sync
 from tools.measure import device_profile, peak_rss_mb, reset_peak_rss
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
@@ -118,14 +118,14 @@ OP_CLASSES = (
 
 def phases_ms(model, batch, ce, ce_chunk) -> dict:
     """Forward (the loss) and backward of one step, timed apart (the device synchronised between them)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
+    device = next(model.parameters()).device
+    sync(device)
     t0 = time.perf_counter()
     loss, _ = dflash_loss(model, batch, ce_impl=ce, ce_chunk=ce_chunk)
-    sync()
+    sync(device)
     t1 = time.perf_counter()
     loss.backward()
-    sync()
+    sync(device)
     t2 = time.perf_counter()
     model.zero_grad(set_to_none=True)
     return {"forward": round((t1 - t0) * 1e3, 1), "backward": round((t2 - t1) * 1e3, 1)}
@@ -206,17 +206,16 @@ def optimizer_steps(args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     kinds = {"foreach": {}, "fused": {"fused": True}} if device.type == "cuda" else {"foreach": {}}
     opts = {k: build_optimizer(model, **kw) for k, kw in kinds.items()}
     best = {k: float("inf") for k in opts}
     for _ in range(args.warmup + args.steps):
         for k, opt in opts.items():
-            sync()
+            sync(device)
             t = time.perf_counter()
             clip_grad(params, 1.0)
             opt.step()
-            sync()
+            sync(device)
             best[k] = min(best[k], time.perf_counter() - t)
     return {"params": sum(p.numel() for p in params), **{f"{k}_ms": round(v * 1e3, 1) for k, v in best.items()}}
 
