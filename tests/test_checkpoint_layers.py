@@ -29,11 +29,12 @@ def batch(T=96, B=2, A=12):
                 anchors=batch_anchors(mask, A, torch.Generator().manual_seed(4)))
 
 
+@pytest.mark.parametrize("policy", ["full", "mlp"])
 @pytest.mark.parametrize("impl", ["blocks", "sdpa"])
-def test_checkpointed_layers_give_the_same_loss_and_gradients(impl):
+def test_checkpointed_layers_give_the_same_loss_and_gradients(impl, policy):
     model, b = tiny(impl), batch()
     out = []
-    for on in (False, True):
+    for on in ("off", policy):
         model.checkpoint_layers = on
         model.zero_grad(set_to_none=True)
         loss, _ = dflash_loss(model, b, gamma=4.0)
@@ -53,8 +54,17 @@ def test_checkpointed_layers_keep_less_for_backward():
         return n
 
     full = kept()
-    model.checkpoint_layers = True
+    model.checkpoint_layers = "mlp"
+    mlp = kept()
+    model.checkpoint_layers = True  # the former flag: the whole layer
     ckpt = kept()
+    # the MLP half's own saved tensors, counted here: per layer and query row, the norm's input and output (fp32:
+    # H each), gate and up outputs and SwiGLU's product (I each; silu's output is recomputed inside the fused
+    # function or kept by eager: at least 3 I); "mlp" keeps none of them but the block's input
+    rows = b["input_ids"].shape[0] * 12 * 4
+    I = model.config.intermediate_size
+    assert mlp <= full - model.config.num_layers * rows * (3 * I + H) * 4, (mlp, full)
+    assert ckpt < mlp
     # what checkpointing still holds outside autograd's saved tensors: each layer's input and the shared context
     B, T = b["input_ids"].shape
     inputs = model.config.num_layers * B * 12 * 4 * H * 4 + B * T * H * 4
@@ -69,6 +79,13 @@ def test_gpu_budget_refuses_or_lowers_anchors_and_says_so():
     big = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4)
     small = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers=True)
     assert small < big
+    mlp = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="mlp")
+    assert small < mlp < big
+    # what "mlp" saves over no recompute: each layer but one keeps no MLP half ([rows, 2 H + 3 I] bf16 x slack)
+    rows, slack = 4 * 512 * 16, 2.85
+    assert big - mlp == pytest.approx(4 * rows * slack * 2 * (2 * 5120 + 3 * 17408) - 5 * rows * 2 * 5120, rel=1e-6)
+    with pytest.raises(ValueError, match="checkpoint_layers 'some'"):
+        gpu_step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers="some")
     # fits as asked: unchanged
     assert fit_gpu_step(cfg, 16384, 512, params, frozen, have=big * 2, sequences=4) == (512, big)
     # too big: anchors halved until it fits, with the reason and the way out in the message

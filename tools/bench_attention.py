@@ -6,12 +6,12 @@ for each attention implementation x lm_head/cross-entropy implementation side by
     python -m tools.bench_attention --tiny --impl sdpa blocks --ce full fused      # CPU smoke test
     python -m tools.bench_attention --check --impl blocks flex                      # == sdpa on this device
     python -m tools.bench_attention --published --seq 4096 --batch 4 --anchors 512 --impl blocks \
-        --ckpt off on                                       # 4 x 4096 tokens, 2,048 anchors: with/without
-                                                            # activation checkpointing of the draft layers
+        --ckpt off mlp full                                 # 4 x 4096 tokens, 2,048 anchors: no, MLP-half and
+                                                            # whole-layer recompute of the draft layers
 
 ``--published``: the Qwen3.6-27B drafter (5 layers: 4 sliding-window 2048 + 1 full; hidden 5120, FFN 17408,
 32 heads x 128, 8 KV heads, 5 taps, vocab 248320). ``--batch`` sequences (default 1) of ``--seq`` tokens, every
-position a response token, ``--anchors`` anchors each; ``--ckpt on`` recomputes each draft layer in backward
+position a response token, ``--anchors`` anchors each; ``--ckpt mlp``/``full`` recomputes each draft layer's MLP half / the whole layer in backward
 (``hsstore train --checkpoint-layers``), and every row prints ``train``'s GPU estimate beside the measured peak. ``--ce``: how the lm_head + cross entropy run (objective.CE_IMPLS:
 full = all logits at once, the unchunked reference; checkpoint = ``--ce-chunk`` rows at a time, recomputed
 in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward). Prints ms/step, tokens/s
@@ -37,9 +37,10 @@ import time
 import torch
 
 from hsstore.train import masks as masks_mod
+from hsstore.train import pointwise as pointwise_mod
 from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
 from hsstore.train.masks import own_block_visible
-from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
+from hsstore.train.model import ATTN_IMPLS, CHECKPOINT_POLICIES, DFlashDrafter, DrafterConfig
 from hsstore.train.optim import build_optimizer, clip_grad
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args, sync
@@ -144,22 +145,24 @@ def saved_bytes(model, batch, ce="fused", ce_chunk=1024) -> int:
     return n
 
 
-def bench_one(impl, seq, args, ce="fused", ckpt="off") -> dict:
+def bench_one(impl, seq, args, ce="fused", ckpt="off", pointwise="fused") -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "batch": args.batch, "ckpt": ckpt}
+    res = {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "batch": args.batch, "ckpt": ckpt,
+           "pointwise": pointwise}
+    pointwise_mod.FUSE = pointwise == "fused"
     if args.chunk_rows:  # set here: a spawned process imports the model afresh
         masks_mod.ATTN_CHUNK_ROWS = args.chunk_rows
     if args.full_groups:
         masks_mod.FULL_LAYER_GROUPS = args.full_groups
     try:
         model = make(impl, args, seq, device, dtype)
-        model.checkpoint_layers = ckpt == "on"
+        model.checkpoint_layers = ckpt
         batch = make_batch(args, seq, device, dtype, B=args.batch)
         frozen = model.embed_tokens.numel() + model.lm_head.numel()
         res["estimate_gib"] = gpu_step_bytes(model.config, seq * args.batch, args.anchors,
                                              model.num_trainable_parameters(), frozen, sequences=args.batch,
-                                             ce_chunk=args.ce_chunk, checkpoint_layers=ckpt == "on") / 2**30
+                                             ce_chunk=args.ce_chunk, checkpoint_layers=ckpt) / 2**30
         res["tflop_per_step"] = step_flops(model.config, batch) / 1e12
         res["saved_gib"] = saved_bytes(model, batch, ce, args.ce_chunk) / 2**30
         gc.collect()  # nothing of that measurement's graph may count in the timed steps' peak
@@ -206,7 +209,8 @@ def optimizer_steps(args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    kinds = {"foreach": {}, "fused": {"fused": True}} if device.type == "cuda" else {"foreach": {}}
+    kinds = {"foreach": {"fused": False, "foreach": True}, "fused": {"fused": True}} if device.type == "cuda" \
+        else {"foreach": {}}
     opts = {k: build_optimizer(model, **kw) for k, kw in kinds.items()}
     best = {k: float("inf") for k in opts}
     for _ in range(args.warmup + args.steps):
@@ -220,15 +224,15 @@ def optimizer_steps(args) -> dict:
     return {"params": sum(p.numel() for p in params), **{f"{k}_ms": round(v * 1e3, 1) for k, v in best.items()}}
 
 
-def _child(impl, seq, args, ce, ckpt, queue):
+def _child(impl, seq, args, ce, ckpt, pointwise, queue):
     try:
-        queue.put(bench_one(impl, seq, args, ce, ckpt))
+        queue.put(bench_one(impl, seq, args, ce, ckpt, pointwise))
     except Exception as e:  # noqa: BLE001 -- reported in the parent's table
-        queue.put({"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "ckpt": ckpt,
+        queue.put({"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors, "ckpt": ckpt, "pointwise": pointwise,
                    "error": f"{type(e).__name__}: {e}"})
 
 
-def bench(impl, seq, args, ce="fused", ckpt="off") -> dict:
+def bench(impl, seq, args, ce="fused", ckpt="off", pointwise="fused") -> dict:
     """In a fresh process: its peak (RSS on CPU, allocated memory on CUDA) is this case's alone (on the H200, cases
     run one after another in one process read 18-24 GiB higher each, whatever held the earlier cases' memory)."""
     # glibc keeps freed blocks below its (growing) mmap threshold for reuse, so the RSS would keep the peak of
@@ -237,17 +241,17 @@ def bench(impl, seq, args, ce="fused", ckpt="off") -> dict:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(impl, seq, args, ce, ckpt, queue))
+    proc = ctx.Process(target=_child, args=(impl, seq, args, ce, ckpt, pointwise, queue))
     proc.start()
     res = queue.get()  # before join: a large result must not block the child's exit
     proc.join()
     return res if proc.exitcode == 0 else {"impl": impl, "ce": ce, "seq": seq, "anchors": args.anchors,
-                                           "ckpt": ckpt, "error": f"exit code {proc.exitcode}"}
+                                           "ckpt": ckpt, "pointwise": pointwise, "error": f"exit code {proc.exitcode}"}
 
 
 def show(r: dict) -> str:
     head = (f"{r['impl']:6s} ce={r.get('ce', 'fused'):10s} T={r['seq']:6d}x{r.get('batch', 1)} A={r['anchors']} "
-            f"ckpt={r.get('ckpt', 'off')}")
+            f"ckpt={r.get('ckpt', 'off')} pointwise={r.get('pointwise', 'fused')}")
     if "error" in r:
         return f"{head}: {r['error']}"
     mem = (f"peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r
@@ -297,8 +301,12 @@ def main():
     ap.add_argument("--seq", type=int, nargs="+", default=[4096], help="sequence lengths (--batch sequences per step)")
     ap.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (each --seq long)")
-    ap.add_argument("--ckpt", nargs="+", default=["off"], choices=["off", "on"],
-                    help="activation checkpointing of draft layers (train --checkpoint-layers); 'off on' compares")
+    ap.add_argument("--ckpt", nargs="+", default=["off"], choices=list(CHECKPOINT_POLICIES),
+                    help="what each draft layer recomputes in backward (train --checkpoint-layers): off, mlp (its MLP "
+                         "half), full (the whole layer); 'off mlp full' compares")
+    ap.add_argument("--pointwise", nargs="+", default=["fused"], choices=["eager", "fused"],
+                    help="the layers' norms, RoPE and SwiGLU: fused (compiled on CUDA, the trainer's) or eager; "
+                         "'eager fused' compares")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--window", type=int, default=0, help="sliding window of the layers (0: full attention)")
@@ -342,8 +350,9 @@ def main():
         for impl in args.impl:
             for ce in args.ce:
                 for ckpt in args.ckpt:
-                    results.append(bench(impl, seq, args, ce, ckpt))
-                    print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
+                    for pointwise in args.pointwise:
+                        results.append(bench(impl, seq, args, ce, ckpt, pointwise))
+                        print(json.dumps(results[-1]) if args.json else show(results[-1]), flush=True)
     if not args.json:
         print(summary(results))
 
@@ -356,7 +365,7 @@ def summary(results) -> str:
         if len(rs) < 2:
             continue
         base, key = rs[0], "peak_gib" if "peak_gib" in rs[0] else "step_rss_gib"
-        name = lambda r: f"{r['impl']}/{r['ce']}/ckpt-{r.get('ckpt', 'off')}"  # noqa: E731
+        name = lambda r: f"{r['impl']}/{r['ce']}/ckpt-{r.get('ckpt', 'off')}/{r.get('pointwise', 'fused')}"  # noqa: E731
         lines.append(f"T={seq}, against {name(base)}: " + ", ".join(
             f"{name(r)} {base['ms_per_step'] / r['ms_per_step']:.2f}x speed, "
             f"{1024 * (r[key] - base[key]):+.0f} MiB peak" for r in rs[1:]))

@@ -1,23 +1,35 @@
 #!/usr/bin/env bash
-# Issue #40 on one H200, in one call of <= 540 s: where the time goes, by operator class.
+# Issue #40 on one H200: where the time goes, by operator class, each change paired with its baseline in one run.
 #
-#   cd /tmp && PYTHONPATH=/tmp/site:$REPO bash $REPO/tools/gpu_profile.sh [SCRATCH]    # SCRATCH default /tmp/hsprof
+#   cd /tmp && PYTHONPATH=/tmp/site:$REPO bash $REPO/tools/gpu_profile.sh [SCRATCH] [PARTS]
 #
-#  1. the drafter step (published 5 layers, 1 x 16,384 tokens, 512 anchors, blocks attention, fused CE): forward
-#     and backward apart, one step's device time by operator class (tools/bench_attention --profile);
-#  2. the optimizer update alone on the drafter's fp32 masters: AdamW foreach (PyTorch's default) vs fused;
-#  3. the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled with the
-#     mixers, CUDA kernel time by kind (tools/profile_extract).
+# SCRATCH default /tmp/hsprof; PARTS (comma-separated, default drafter,ckpt) picks what runs:
+#   drafter  the drafter step (published 5 layers, 1 x 16,384 tokens, 512 anchors, blocks attention, fused CE),
+#            the layers' pointwise math eager vs fused, each with forward and backward apart and one step's
+#            device time by operator class (tools/bench_attention --pointwise eager fused --profile); ~300 s
+#   ckpt     4 x 4,096 tokens: no recompute vs --checkpoint-layers mlp and full (time and peak); ~200 s
+#   fed      the trainer fed by the loader vs resident, published recipe (4 x 4,096, 512 anchors), cold page
+#            cache, 2 rounds of 5 steps (tools/bench_train); ~180 s
+#   optim    the optimizer update alone on the drafter's fp32 masters: AdamW foreach vs fused; ~60 s
+#   extract  the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled
+#            with the mixers, CUDA kernel time by kind (tools/profile_extract); ~280 s
 set -u
 S=${1:-/tmp/hsprof}
+PARTS=${2:-drafter,ckpt}
 mkdir -p "$S"
 run() {  # name, seconds, command...
     local name=$1 t=$2; shift 2
+    [[ ,$PARTS, == *,$name,* ]] || return 0
     echo "== $name ($t s): $*" >&2
     timeout "$t" "$@" >"$S/$name.out" 2>"$S/$name.log" || echo "   (exit $?; see $S/$name.log)" >&2
     grep -v "USDT\|profiler_st" "$S/$name.out"
 }
-run drafter 170 python3 -m tools.bench_attention --published --seq 16384 --anchors 512 --impl blocks --profile 20
+run drafter 330 python3 -m tools.bench_attention --published --seq 16384 --anchors 512 --impl blocks \
+    --pointwise eager fused --profile 20
+run ckpt 240 python3 -m tools.bench_attention --published --seq 4096 --batch 4 --anchors 512 --impl blocks \
+    --ckpt off mlp full
+run fed 200 python3 -m tools.bench_train --dir "$S/fed" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
+    --anchors 512 --cold --rounds 2 --steps 5 --warmup 2 --json
 run optim 60 python3 -m tools.bench_attention --published --optim --steps 3 --warmup 1
 run extract 280 python3 -m tools.profile_extract --layers-total 16 --variants eager,mixers --samples 8 \
     --min-len 4096 --max-len 4096 --rounds 1 --top 25

@@ -19,6 +19,7 @@ from hsstore.devices import DEVICE_DEFAULTS, defaults_for
 from hsstore.schema import replace
 
 from .config import TrainSettings
+from .model import checkpoint_policy
 
 ASSUMED_MIN_SEQUENCE = 2048  # for the estimate: sequences per batch at most budget / this (anchors count per sequence)
 
@@ -119,14 +120,15 @@ MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
 
 
 def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *,
-                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool = False) -> int:
+                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool | str = False) -> int:
     """Estimated CUDA peak of one training step under bf16 autocast, in bytes (see ``fit_gpu_step``).
 
     fp32 weights, gradients and AdamW moments (16 B per trainable parameter), the bf16 frozen embedding and
     head; the batch's features, context and each layer's context keys/values; per query row (sequences x
     anchors x block, at most tokens x block) and draft layer the bf16 activations kept for backward (input,
-    norms, q/k/v/attention out, o_proj, residual, gate/up/act/product, down); with ``checkpoint_layers`` only
-    each layer's input is kept, plus one layer's activations while it is recomputed; one fp32 logits chunk of
+    norms, q/k/v/attention out, o_proj, residual, gate/up/act/product, down); with ``checkpoint_layers`` "full"
+    (or True) only each layer's input is kept, plus one layer's activations while it is recomputed; with "mlp" each
+    layer's attention half and MLP input, plus one MLP half; one fp32 logits chunk of
     the cross entropy and its gradient. ``sequences``: sequences per batch at most (default: tokens /
     ``ASSUMED_MIN_SEQUENCE``)."""
     H, I, L, S = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers, dcfg.block_size
@@ -136,8 +138,15 @@ def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int,
     rows = min(int(anchors) * seqs, token_budget) * S
     fixed = 16 * trainable_params + 2 * frozen_params
     data = token_budget * (2 * len(dcfg.target_layers) * H + 6 * H) + L * token_budget * 2 * kv_w * 2
-    per_row_layer = GPU_ROW_SLACK * 2 * (6 * H + 3 * I + 2 * q_w + 2 * kv_w)
-    kept = rows * (L * 2 * H + per_row_layer) if checkpoint_layers else rows * L * per_row_layer
+    attn_half = GPU_ROW_SLACK * 2 * (4 * H + 2 * q_w + 2 * kv_w)  # input, norm, q/k/v, attention out, o_proj
+    mlp_half = GPU_ROW_SLACK * 2 * (2 * H + 3 * I)  # norm, gate/up/act/product, down
+    policy = checkpoint_policy(checkpoint_layers)
+    if policy == "full":
+        kept = rows * (L * 2 * H + attn_half + mlp_half)
+    elif policy == "mlp":  # a model, not yet measured: the attention halves stay, one MLP half is recomputed at a time
+        kept = rows * (L * (attn_half + 2 * H) + mlp_half)
+    else:
+        kept = rows * L * (attn_half + mlp_half)
     ce = 3 * 4 * int(ce_chunk) * dcfg.vocab_size
     return int(fixed + data + kept + ce)
 

@@ -47,6 +47,7 @@ from torch import nn
 from hsstore.format.taps import default_taps
 
 from .masks import attend, layer_mask, plan_key_lengths
+from .pointwise import apply_rope, rms_norm, swiglu
 
 
 ATTN_IMPLS = ("sdpa", "blocks", "flex")
@@ -181,10 +182,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -195,13 +193,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x, cos, sin):
-    """x [B, N, heads, hd]; cos/sin [B, N, hd]."""
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -210,7 +201,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -252,9 +243,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, mask):
+    def forward(self, x, ctx, rope_blk, rope_ctx, mask, recompute_mlp: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if recompute_mlp:  # the [rows, ffn] activations are most of the layer's bytes, the cheapest to redo
+            return x + torch.utils.checkpoint.checkpoint(self._mlp_block, x, use_reentrant=False)
+        return x + self._mlp_block(x)
+
+    def _mlp_block(self, x):
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+CHECKPOINT_POLICIES = ("off", "mlp", "full")
+
+
+def checkpoint_policy(value) -> str:
+    """``checkpoint_layers`` as one of ``CHECKPOINT_POLICIES`` (True, the former flag, is "full"; False "off")."""
+    if isinstance(value, bool):
+        return "full" if value else "off"
+    if value not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoint_layers {value!r}: expected one of {', '.join(CHECKPOINT_POLICIES)}")
+    return value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,9 +278,10 @@ class DFlashDrafter(nn.Module):
             if tuple(w.shape) != (c.vocab_size, c.hidden_size):
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, expected ({c.vocab_size}, {c.hidden_size})")
         self.config = c
-        # a training setting, not the model's: recompute each draft layer in backward instead of keeping its
-        # activations (torch.utils.checkpoint); only each layer's input stays (trainer --checkpoint-layers)
-        self.checkpoint_layers = False
+        # a training setting, not the model's (trainer --checkpoint-layers): what each draft layer recomputes in
+        # backward instead of keeping (torch.utils.checkpoint). "full": the whole layer, only its input stays;
+        # "mlp": its MLP half (norm, gate/up, SwiGLU, down), the attention half's activations stay; "off"
+        self.checkpoint_layers = "off"
         self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
@@ -327,7 +336,9 @@ class DFlashDrafter(nn.Module):
         p = anchors.clamp(min=0)  # padding anchors run as harmless dummies at position 0
 
         # padding features are never attended, but 0 * NaN = NaN (forward and backward): zero them
-        feats = hidden_states.reshape(B, T, -1).to(self.fc.weight.dtype)
+        # in the dtype fc computes in: under autocast with fp32 weights, no fp32 copy of [B, T, L*H]
+        amp = torch.is_autocast_enabled(dev.type)
+        feats = hidden_states.reshape(B, T, -1).to(torch.get_autocast_dtype(dev.type) if amp else self.fc.weight.dtype)
         if feats.shape[-1] != c.num_taps * c.hidden_size:
             raise ValueError(f"hidden_states {tuple(hidden_states.shape)}: expected L*H = "
                              f"{c.num_taps} x {c.hidden_size} features per position")
@@ -350,10 +361,11 @@ class DFlashDrafter(nn.Module):
             if w not in masks:
                 masks[w] = layer_mask(c.attn_impl, anchors, valid, S, w, c.sliding_causal,
                                       None if key_lengths is None else key_lengths[w])
-            if self.checkpoint_layers and torch.is_grad_enabled():
+            policy = checkpoint_policy(self.checkpoint_layers) if torch.is_grad_enabled() else "off"
+            if policy == "full":
                 x = torch.utils.checkpoint.checkpoint(layer, x, ctx, rope_blk, rope_ctx, masks[w], use_reentrant=False)
             else:
-                x = layer(x, ctx, rope_blk, rope_ctx, masks[w])
+                x = layer(x, ctx, rope_blk, rope_ctx, masks[w], recompute_mlp=policy == "mlp")
         return self.norm(x).view(B, A, S, -1)
 
     def forward(self, hidden_states, input_ids, anchors, attention_mask=None) -> torch.Tensor:

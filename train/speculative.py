@@ -54,7 +54,8 @@ import torch.nn.functional as F
 from hsstore.devices import resolve_device, route_cpu_kernels
 
 from .masks import attend, block_attention_mask
-from .model import apply_rope, rope_cos_sin
+from .model import rope_cos_sin
+from .pointwise import apply_rope
 
 log = logging.getLogger(__name__)
 
