@@ -94,6 +94,8 @@ def _check_value(a: argparse.Action, value: Any, where: str) -> Any:
             bad(f"expected one of {list(a.choices)}")
         return v
 
+    if a.nargs == "?" and a.const is not None and isinstance(value, bool):  # a flag with an optional value
+        return a.const if value else a.default  # true: the bare flag; false: as if not given
     if a.nargs == 0 or isinstance(a, argparse.BooleanOptionalAction):  # store_true / --x/--no-x
         if not (isinstance(value, bool) or (value is None and isinstance(a, argparse.BooleanOptionalAction))):
             bad("expected true or false")

@@ -71,6 +71,7 @@ class Option:
     required: bool = False
     positional: bool = False
     nargs: str | int | None = None  # lists: "+"/"*" on one flag; default: the flag repeated (append)
+    const: Any = None  # with nargs="?": the value of the bare flag (a config file's true means the same)
     convert: Callable[[Any], Any] | None = None
     exclusive: str | None = None
     old: tuple[str, ...] = ()
@@ -195,6 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
                     kw["nargs"] = how.nargs
             elif how.nargs is not None:
                 kw["nargs"] = how.nargs
+            if how.const is not None:
+                kw["const"] = how.const
             if how.choices is not None:
                 kw["choices"] = list(how.choices)
             if how.metavar:

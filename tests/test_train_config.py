@@ -152,3 +152,29 @@ def test_meter_sums_by_name():
     assert s["acc"] == 4 / 7 and s["tokens"] == 60 and s["samples"] == 3 and m.sums["steps"] == 3
     m.reset()
     assert math.isnan(m.summary(1, None)["loss"])
+
+
+@pytest.mark.parametrize("given, want", [([], "off"), (["--checkpoint-layers"], "mlp"),
+                                         (["--checkpoint-layers", "full"], "full"),
+                                         (["--checkpoint-layers", "mlp"], "mlp")])
+def test_checkpoint_layers_flag(given, want):
+    """The bare flag (all that existed before the policies) is the MLP-half recompute; ``full`` the whole layer."""
+    assert train_config(parse(["train", "--store", "/s", "--out", "/o", *given])).data.checkpoint_layers == want
+
+
+@pytest.mark.parametrize("value, want", [(True, "mlp"), (False, "off"), ("full", "full"), ("off", "off")])
+def test_checkpoint_layers_in_a_config_file(tmp_path, value, want):
+    """A file written when the setting was a bool keeps its meaning: true is the bare flag, false its absence."""
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"run": {"store": ["/s"], "out": "/o"}, "data": {"checkpoint_layers": value}}))
+    assert train_config(parse(["train", "--config", str(f)])).data.checkpoint_layers == want
+
+
+def test_checkpoint_layers_refuses_an_unknown_policy(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse(["train", "--store", "/s", "--out", "/o", "--checkpoint-layers", "attention"])
+    assert "invalid choice: 'attention'" in capsys.readouterr().err
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"run": {"store": ["/s"], "out": "/o"}, "data": {"checkpoint_layers": "some"}}))
+    with pytest.raises((SystemExit, ValueError)):
+        train_config(parse(["train", "--config", str(f)]))

@@ -53,7 +53,7 @@ import torch
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
-from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
+from hsstore.train.model import ATTN_IMPLS, CHECKPOINT_POLICIES, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
 from hsstore.train.optim import build_optimizer, build_scheduler
 from hsstore.train.trainer import DraftLoss, train_step
@@ -160,7 +160,8 @@ def main() -> None:
                          "memory) with --s3-latency per request and --s3-bandwidth-mb per connection")
     ap.add_argument("--s3-latency", type=float, default=0.03)
     ap.add_argument("--s3-bandwidth-mb", type=float, default=100.0, help="MB/s per connection (0: no cap)")
-    ap.add_argument("--checkpoint-layers", action="store_true", help="recompute draft layers in backward")
+    ap.add_argument("--checkpoint-layers", nargs="?", const="mlp", default="off", choices=CHECKPOINT_POLICIES,
+                    help="recompute draft layers in backward: mlp (the bare flag) their MLP halves, full whole layers")
     ap.add_argument("--sync-debug", action="store_true",
                     help="after the rounds, one more loader-fed pass under torch's CUDA sync debug mode: how many "
                          "times per step the launching thread waits for the GPU, and where (syncs_per_step)")

@@ -172,13 +172,13 @@ def max_sequences(lengths: Sequence[int] | np.ndarray, token_budget: int) -> int
 
 def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
                  sequences: int | None = None, longest: int | None = None, ce_chunk: int = 1024,
-                 checkpoint_layers: bool = False) -> tuple[int, int]:
+                 checkpoint_layers: bool | str = False) -> tuple[int, int]:
     """(anchors, estimated bytes) of a step that fits in ``have`` bytes of GPU memory: ``anchors`` as asked when
     it fits, else halved until it does (a warning says so and what would keep them), else ValueError (one
     line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in.
     ``sequences``: sequences per batch at most (``max_sequences``; None: assumed from ``ASSUMED_MIN_SEQUENCE``);
     ``longest``: the longest sample, which is a batch of its own when over ``token_budget``."""
-    def need(a: int, ckpt: bool) -> int:
+    def need(a: int, ckpt: str) -> int:
         est = gpu_step_bytes(dcfg, token_budget, a, trainable_params, frozen_params, sequences=sequences,
                              ce_chunk=ce_chunk, checkpoint_layers=ckpt)
         if longest is not None and longest > token_budget:  # the one batch that exceeds the budget
@@ -186,11 +186,14 @@ def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, f
                                           ce_chunk=ce_chunk, checkpoint_layers=ckpt))
         return est
 
+    checkpoint_layers = checkpoint_policy(checkpoint_layers)
     est = need(anchors, checkpoint_layers)
     if est <= have:
         return int(anchors), est
-    hint = ("" if checkpoint_layers else f"; --checkpoint-layers would need {need(anchors, True) / 2**30:.1f} GiB "
-            f"with all {anchors}")
+    hint = {"off": f"; --checkpoint-layers would need {need(anchors, 'mlp') / 2**30:.1f} GiB with all {anchors} "
+                   f"(--checkpoint-layers full {need(anchors, 'full') / 2**30:.1f} GiB)",
+            "mlp": f"; --checkpoint-layers full would need {need(anchors, 'full') / 2**30:.1f} GiB with all {anchors}",
+            "full": ""}[checkpoint_layers]
     a = int(anchors)
     while a > MIN_ANCHORS:
         a = max(MIN_ANCHORS, a // 2)
@@ -204,7 +207,8 @@ def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, f
             return a, need(a, checkpoint_layers)
     raise ValueError(f"a step of {token_budget:,} tokens with {anchors} anchors per sequence needs about "
                      f"{est / 2**30:.1f} GiB of the GPU's {have / 2**30:.1f} GiB, and {MIN_ANCHORS} anchors still "
-                     f"do not fit: lower --token-budget{'' if checkpoint_layers else ' or add --checkpoint-layers'}")
+                     f"do not fit: lower --token-budget"
+                     f"{dict(off=' or add --checkpoint-layers', mlp=' or use --checkpoint-layers full').get(checkpoint_layers, '')}")
 
 
 GPU_USABLE = 0.93  # of the device's memory: the CUDA context, cuBLAS workspaces and the allocator's fragmentation
@@ -251,5 +255,6 @@ def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
                  "(assumed)")
     log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence, %s%s)", need / 2**30,
              limit * GPU_USABLE / 2**30, anchors, per_batch,
-             ", draft layers recomputed in backward" if settings.data.checkpoint_layers else "")
+             {"mlp": ", the draft layers' MLP halves recomputed in backward",
+              "full": ", draft layers recomputed in backward"}.get(checkpoint_policy(settings.data.checkpoint_layers), ""))
     return settings if anchors == settings.batch.anchors else replace(settings, anchors=anchors)

@@ -25,6 +25,8 @@ from hsstore.schema import flat, option, resume_keys, section
 
 from . import tracking
 
+CHECKPOINT_POLICIES = ("off", "mlp", "full")  # --checkpoint-layers: what each draft layer recomputes in backward
+
 DEFAULT_EPOCHS = 6
 
 
@@ -131,9 +133,11 @@ class Data:
         help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
              "GROUP_RANK, LOCAL_WORLD_SIZE) reads one fixed share every epoch, shuffled within, so a --cache-dir "
              "that holds the share serves epochs 2.. without remote reads")
-    checkpoint_layers: bool = option(
-        False, help="recompute each draft layer in backward instead of keeping its activations (about a third "
-                    "more layer compute, a fraction of the memory: the published recipe on an 80 GB GPU)")
+    checkpoint_layers: str = option(
+        "off", choices=CHECKPOINT_POLICIES, nargs="?", const="mlp", metavar="{mlp,full}",
+        help="recompute draft layers in backward instead of keeping their activations: mlp (the bare flag) each "
+             "layer's MLP half, the largest part of its activations and the cheapest to redo; full the whole "
+             "layer (least memory, about a third more layer compute)")
     gpu_memory_gib: float | None = option(
         None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
                                   "on a larger GPU to check a recipe for an 80 GB one")

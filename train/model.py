@@ -46,6 +46,7 @@ from torch import nn
 
 from hsstore.format.taps import default_taps
 
+from .config import CHECKPOINT_POLICIES
 from .masks import attend, layer_mask, plan_key_lengths
 from .pointwise import apply_rope, rms_norm, swiglu
 
@@ -251,9 +252,6 @@ class DecoderLayer(nn.Module):
 
     def _mlp_block(self, x):
         return self.mlp(self.post_attention_layernorm(x))
-
-
-CHECKPOINT_POLICIES = ("off", "mlp", "full")
 
 
 def checkpoint_policy(value) -> str:
