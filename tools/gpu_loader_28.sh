@@ -59,7 +59,7 @@ run fed_cold_t1 python -m tools.bench_train --dir "$S" --device cuda --draft-lay
 run launch_probe python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --max-tokens 16384 --launch-probe \
     --rounds 2 --probe-seconds 5 --keep-store --json
 run fed_cold_ckpt python -m tools.bench_train --dir "$S" --device cuda --draft-layers 5 --seq 4096 \
-    --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --checkpoint-layers --keep-store --json
+    --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 5 --warmup 1 --checkpoint-layers full --keep-store --json
 # 5. ... and from the S3 emulation (30 ms, 100 MB/s per connection; 16 samples, one epoch a round; moto and the
 #    proxy in a process of their own), read in the trainer's process and by 2 DataLoader workers (the S3 client's Python off the launching thread's GIL;
 #    needs torchdata: bash tools/gpu_wheels.sh)
@@ -72,7 +72,7 @@ run fed_s3_w2 python -m tools.bench_train --dir "$S" --device cuda --draft-layer
 #    so; with --checkpoint-layers it keeps 512
 STORE=; [[ -z $ONLY || " $ONLY " == *" train80"* ]] && STORE=$(timeout "$T" python -m tools.bench_train --dir "$S" --device cuda --seq 4096 --samples 24 --steps 1 --warmup 1 --store-only \
     2>>"$R/store.log" | tail -1)
-for ck in "" "--checkpoint-layers"; do
+for ck in "" "--checkpoint-layers full"; do
     name=train80${ck:+_ckpt}
     rm -rf "$S/$name"
     run "$name" hsstore train --store "$STORE" --out "$S/$name" --steps 3 --device cuda --gpu-memory-gib 80 \
