@@ -111,10 +111,10 @@ def saved_activation_bytes(fn, exclude=()) -> tuple[int, object]:
 # bytes kept per query row and draft layer beyond the formula's tensors (autocast copies, attention and
 # backward temporaries). Measured on the H200 for the published drafter (tools/bench_attention.py, which prints
 # this estimate beside each peak): 1 x 16,384 tokens, 512 anchors 42.8 GiB; 4 x 4,096 tokens, 512 anchors each
-# 115.6 GiB, with --checkpoint-layers full 31.5 GiB (2026-12-01; the mlp policy is modelled, not yet measured).
-# 2.85 meets the largest of them and overestimates the others (55 and 53 GiB): the estimate is there to refuse a
-# step before it runs out of memory, so it errs high. The peak does not grow linearly in query rows alone (the first point would give 1.11): a better model
-# needs more measured shapes.
+# 115.6 GiB, with --checkpoint-layers full 31.5 GiB (2026-12-01); mlp 51.0 GiB against an estimate of 74.1
+# (2026-12-03). 2.85 meets the largest of them and overestimates the others (55 and 53 GiB): the estimate is
+# there to refuse a step before it runs out of memory, so it errs high. The peak does not grow linearly in query
+# rows alone (the first point would give 1.11): a better model needs more measured shapes.
 GPU_ROW_SLACK = 2.85
 MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
 
@@ -143,7 +143,7 @@ def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int,
     policy = checkpoint_policy(checkpoint_layers)
     if policy == "full":
         kept = rows * (L * 2 * H + attn_half + mlp_half)
-    elif policy == "mlp":  # a model, not yet measured: the attention halves stay, one MLP half is recomputed at a time
+    elif policy == "mlp":  # the attention halves stay, one MLP half is recomputed at a time
         kept = rows * (L * (attn_half + 2 * H) + mlp_half)
     else:
         kept = rows * L * (attn_half + mlp_half)
