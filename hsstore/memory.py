@@ -18,11 +18,12 @@ import copy
 import logging
 import os
 import sys
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+from .locks import ProcessLock
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: store commands that read bytes never load it
     import torch
@@ -136,7 +137,7 @@ def pread_fold(fd: int, flat: np.ndarray, offset: int, fold, state=None):
 
 
 _SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
-_SCRATCH_LOCK = threading.Lock()
+_SCRATCH_LOCK = ProcessLock()
 
 
 @contextlib.contextmanager
@@ -216,7 +217,7 @@ class BufferPool:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes, self.pid = int(max_bytes), os.getpid()
         self.buffers: list[np.ndarray] = []
-        self.lock = threading.Lock()
+        self.lock = ProcessLock()
         self.reused = self.allocated = 0
         self._unused = 0
         for probe in [np.empty(1, np.uint8)]:  # calibrate: references of an unviewed buffer, seen as in take
@@ -304,7 +305,7 @@ class SharedRing:
         self.counts[:] = 0
         self.segments: dict[int, tuple[torch.UntypedStorage, int]] = {}  # segment number -> (storage, idle use count)
         self.seg_of: dict[int, int] = {}  # segment address -> segment number
-        self.lock = threading.Lock()
+        self.lock = ProcessLock()
         self.reused = self.allocated = 0
         self.usable = _use_count(self.control) is not None
 
@@ -360,7 +361,7 @@ class SharedRing:
 
 
 _RING: SharedRing | None = None
-_RING_LOCK = threading.Lock()
+_RING_LOCK = ProcessLock()
 DEFAULT_RING_BYTES = 1 << 30
 
 
@@ -410,7 +411,7 @@ class _Leased(dict):
         return (_received, (dict(self), ring.control, self._leases))
 
 
-_RELEASE_LOCK = threading.Lock()
+_RELEASE_LOCK = ProcessLock()
 
 
 def _received(item: dict[str, Any], control: torch.UntypedStorage, leases: list[tuple[int, str]]) -> dict[str, Any]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from typing import Any
+
+from .locks import ProcessLock
 
 SECRET_OPTION_WORDS = ("secret", "token", "password", "key", "credential", "session")
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")  # the key id is not a secret
@@ -21,7 +22,7 @@ _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s:]+:[^/@\s]
 _ANY_USERINFO = re.compile(r"^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 _QUERY_SECRET = re.compile(r"(?P<key>[?&][^=&#\s]+)=(?P<value>[^&#\s]*)")
 _known: set[str] = set()
-_lock = threading.Lock()
+_lock = ProcessLock()
 
 
 def is_secret_key(key: str) -> bool:

@@ -530,3 +530,23 @@ def test_no_function_over_80_lines_or_16_parameters():
         for path in sorted((ROOT / package).rglob("*.py")):
             found += oversized_functions(path.read_text(), str(path.relative_to(ROOT)))
     assert not found, "split these (or group their options in a dataclass):\n" + "\n".join(found)
+
+
+FORK_UNSAFE = {"Lock", "RLock"}
+# locks no forked DataLoader worker inherits: the writer's (a writing process never forks loaders), the
+# lock type itself, and test helpers (servers of the test process)
+PLAIN_LOCKS_ALLOWED = {"locks", "store.writer"}
+
+
+def test_locks_a_forked_loader_inherits_are_process_locks():
+    """A thread lock copied by a fork while a parent thread holds it stays held in the child for good; every
+    lock hsstore/ shares between threads is a ``locks.ProcessLock`` (see tests/test_locks.py)."""
+    bad = []
+    for m, p in modules_of(PACKAGES["hsstore"][1]).items():
+        if m in PLAIN_LOCKS_ALLOWED or m.startswith("testing"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and f.attr in FORK_UNSAFE and getattr(f.value, "id", "") == "threading":
+                bad.append(f"{m}:{node.lineno}")
+    assert not bad, f"plain thread locks a forked worker may inherit held: {bad}"

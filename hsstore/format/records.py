@@ -11,7 +11,6 @@ segment's blocks as they were read, records read one by one compressed here), de
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -22,6 +21,7 @@ from numcodecs import Zstd
 from . import codec
 from .commit import CommitRecord
 from ..errors import CorruptionError
+from ..locks import ProcessLock
 
 BLOCK_RECORDS = 256  # records per compressed block at most, and about BLOCK_BYTES of them: what one lazy parse
 BLOCK_BYTES = 1 << 20  # decompresses (~1 ms)
@@ -537,7 +537,7 @@ class Records(Sequence[CommitRecord]):
         self.table, self.where, self.fallback = table, where, fallback
         self._parsed: OrderedDict[int, CommitRecord] = OrderedDict()
         self._blocks = BlockCache()
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
 
     def __len__(self) -> int:
         return len(self.table)

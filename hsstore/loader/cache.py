@@ -27,7 +27,6 @@ import logging
 import os
 import secrets
 import stat
-import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -38,6 +37,7 @@ from ..format import codec, names
 from ..memory import pread_into
 from .. import door, storage
 from ..errors import CorruptionError, StoreError
+from ..locks import ProcessLock
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ChunkCache:
         self.root = os.path.abspath(root)
         self.max_bytes = int(max_bytes)
         self.hits = self.misses = self.evicted = 0
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
         self._index: dict[str, tuple[float, int]] | None = None  # path -> (mtime, size)
         self._total = 0
         self._last = 0.0
