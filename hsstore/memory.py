@@ -119,20 +119,23 @@ def read_block() -> int:
         return 1 << 20
 
 
-def pread_fold(fd: int, flat: np.ndarray, offset: int, fold, state=None):
-    """``pread_into`` of the contiguous bytes ``flat``, ``read_block()`` bytes at a time, with ``state = fold(block,
-    state)`` after each block (a CRC32C of the bytes): the check reads each block while it is still in cache
-    instead of reading a whole chunk back from memory. Returns (bytes read, state); fewer bytes only where the
-    file ends first. (A checksum over a cold buffer runs at half the speed of one over a hot block: PERFORMANCE.md,
-    "Loader".)"""
-    got, n = 0, flat.nbytes
-    block = read_block() or max(n, 1)
-    while got < n:
-        k = pread_into(fd, [flat[got:got + block]], offset + got)
-        if k == 0:
-            break
-        state = fold(flat[got:got + k], state)
-        got += k
+def pread_fold(fd: int, flat: "np.ndarray | Sequence[np.ndarray]", offset: int, fold, state=None):
+    """``pread_into`` of the contiguous bytes ``flat`` (or of several such parts in turn: the file's bytes in
+    order), ``read_block()`` bytes at a time, with ``state = fold(block, state)`` after each block (a CRC32C of
+    the bytes): the check reads each block while it is still in cache instead of reading a whole chunk back from
+    memory. Returns (bytes read, state); fewer bytes only where the file ends first. (A checksum over a cold
+    buffer runs at half the speed of one over a hot block: PERFORMANCE.md, "Loader".)"""
+    got = 0
+    for part in [flat] if isinstance(flat, np.ndarray) else flat:
+        done, n = 0, part.nbytes
+        block = read_block() or max(n, 1)
+        while done < n:
+            k = pread_into(fd, [part[done:done + block]], offset + got + done)
+            if k == 0:
+                return got + done, state
+            state = fold(part[done:done + k], state)
+            done += k
+        got += done
     return got, state
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 import s3fs
 
@@ -81,8 +82,32 @@ def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
         assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
         # the raw baseline: the store's files (features, ids, masks, metadata) by as many plain readers
         raw = e["raw"]
-        assert set(raw) == {"read", "mmap"} and raw["read"]["bytes"] == raw["mmap"]["bytes"] > e["bytes"]
+        assert set(raw) == {"read", "mmap", "kept", "checked"}
+        assert len({x["bytes"] for x in raw.values()}) == 1 and raw["read"]["bytes"] > e["bytes"]
         assert raw["read"]["bytes"] == r["stored_bytes"]  # every object the records list, edge chunks full-size
         assert all(len(x["per_rank_gbps"]) == 2 for x in raw.values())
         assert e["vs_raw"]["read"]["total"] == pytest.approx(e["total_gbps"] / raw["read"]["total_gbps"])
     assert list(tmp_path.iterdir()) == []  # the scratch store is removed
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_kept_raw_reads_land_in_the_destination_and_wrap(tmp_path, check):
+    """The kept baseline really reads each file into the next bytes of its destination (from the start again
+    when a file does not fit; a file larger than it in pieces): it times reads, not skipped work."""
+    from hsstore.ops.bench import _read_kept
+
+    rng = np.random.default_rng(0)
+    data = {n: rng.integers(0, 256, n, dtype=np.uint8) for n in (300, 500, 1500)}
+    dest = np.zeros(600, np.uint8)
+    pos = 0
+    for n, want in data.items():
+        with open(tmp_path / f"f{n}", "wb") as f:
+            f.write(want.tobytes())
+        with open(tmp_path / f"f{n}", "rb", buffering=0) as f:
+            pos = _read_kept(f.fileno(), n, dest, pos, check)
+        if n == 300:
+            assert pos == 300 and np.array_equal(dest[:300], want)
+        elif n == 500:  # 300 + 500 > 600: from the start
+            assert pos == 500 and np.array_equal(dest[:500], want)
+        else:  # 600, 600, then the last 300 at the start
+            assert pos == 300 and np.array_equal(dest[:300], want[1200:]) and np.array_equal(dest[300:], want[900:1200])

@@ -254,14 +254,9 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
     for key, dest, rows, chunk_codec, width, local in jobs:
         where = f"shard {shard_name!r}, file {key}"
         expect = rec.chunk_checksum(key)  # compared with the tail checked anyway: no extra pass
-        if local and rows.stop - rows.start == ct:  # the whole chunk: read straight into the output
-            read_chunk_into(root, key, dest, where, expect)
-            continue
-        if local:  # part of a chunk: whole chunk into a reused per-thread buffer (checked), copy the rows
-            with scratch(ct * width * dest.itemsize) as buf:
-                vals = buf.view(dest.dtype)
-                read_chunk_into(root, key, vals, where, expect)
-                dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+        if local:  # the rows wanted straight into the output; the rest of a partial chunk into scratch
+            row_bytes = width * dest.itemsize
+            read_chunk_into(root, key, dest, where, expect, skip=(rows.start * row_bytes, (ct - rows.stop) * row_bytes))
             continue
         blob = blobs.get(key)
         if isinstance(blob, door.Refused):
@@ -334,42 +329,59 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
             dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
 
 
-def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: int | None = None) -> None:
+_NO_BYTES = np.empty(0, np.uint8)
+
+
+def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: int | None = None,
+                    skip: tuple[int, int] = (0, 0)) -> None:
     """Read the uncompressed local chunk file ``key`` under ``root`` into ``dest`` (contiguous) through the door
     (a regular file beneath the root, no link followed, exactly one chunk's size) and check its CRC32C, and that
     it is ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
+    ``skip``: the payload bytes before and after ``dest``'s part of the chunk (rows of a partial chunk that are
+    not wanted), read into a reused scratch buffer and checked with the rest.
 
     The payload is read with ``preadv`` straight into ``dest``, its CRC32C folded in block by block while each
     block is in cache (``memory.pread_fold``), and the 4-byte tail into a small buffer: no mapping to fault in,
     no second copy, no second pass over memory; the loader's reader threads read several chunks at once
     (``memory.mapped_reads``: the former mapped path, for comparison). Committed chunks are never
     rewritten, so the file cannot change under the read."""
-    flat = dest.reshape(-1).view(np.uint8)
-    n = flat.nbytes
+    if not dest.flags.c_contiguous:
+        raise ValueError(f"{where}: the destination of a chunk read must be contiguous")
+    head, tail_skip = skip
+    with scratch(head + tail_skip) if head + tail_skip else contextlib.nullcontext(_NO_BYTES) as extra:
+        parts = [p for p in (extra[:head], dest.reshape(-1).view(np.uint8), extra[head:]) if p.nbytes]
+        crc, tail = _read_parts(root, key, parts, where)
+    problem = codec.checksum_problem(crc, int.from_bytes(tail, "little"), expect)
+    if problem:
+        raise CorruptionError(f"{where}: {problem}")
+
+
+def _read_parts(root: str, key: str, parts: list[np.ndarray], where: str) -> tuple[int, bytes]:
+    """(CRC32C of the payload, its 4-byte tail) of chunk file ``key``, whose payload is read into ``parts`` in
+    turn (flat uint8 views; ``read_chunk_into``)."""
+    n = sum(p.nbytes for p in parts)
     try:
         with door.opened(root, key) as (fd, size):
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
             if not mapped_reads() or torch_threads() == 1:  # checked block by block as it is read
                 tail = bytearray(4)
-                got, crc = pread_fold(fd, flat, 0, codec.crc32c)
+                got, crc = pread_fold(fd, parts, 0, codec.crc32c)
                 if got != n or pread_into(fd, [tail], n) != 4:
                     raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
-            else:
-                with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
-                    src = np.frombuffer(m, np.uint8, count=n)
-                    copy_bytes(flat, src)
-                    tail = m[n:n + 4]
+                return (codec.crc32c(b"") if crc is None else crc), bytes(tail)
+            with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
+                crc, at = None, 0
+                for p in parts:
+                    src = np.frombuffer(m, np.uint8, count=p.nbytes, offset=at)
+                    copy_bytes(p, src)
                     del src  # release the buffer before the mapping closes
-                crc = None
+                    crc, at = codec.crc32c(p, crc), at + p.nbytes
+                return (codec.crc32c(b"") if crc is None else crc), m[n:n + 4]
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
     except door.Refused as e:  # a link, a FIFO, not a regular file: never read
         raise CorruptionError(f"{where}: refused ({e.why})") from None
-    crc = codec.crc32c(flat) if crc is None else crc  # an empty chunk folds nothing: its CRC32C, computed
-    problem = codec.checksum_problem(crc, int.from_bytes(tail, "little"), expect)
-    if problem:
-        raise CorruptionError(f"{where}: {problem}")
 
 
 # -- checking (verify) --------------------------------------------------------------------------------

@@ -476,38 +476,66 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
 
 
 RAW_BLOCK = 8 << 20  # bytes per plain read of the raw baseline
-RAW_MODES = ("read", "mmap")
+RAW_KEPT_BYTES = 256 << 20  # a kept reader's destination: past a last-level cache, as the loader's recycled buffers
+RAW_MODES = ("read", "mmap", "kept", "checked")
+
+
+def _read_kept(fd: int, size: int, dest: np.ndarray, pos: int, check: bool) -> int:
+    """One file read with ``preadv`` into ``dest`` from ``pos`` on (wrapping to 0 when it does not fit), each
+    block folded into a CRC32C as it lands when ``check`` (the loader's ``pread_fold``); the next position."""
+    from ..format import codec
+    from ..memory import pread_fold, pread_into
+
+    done = 0
+    while done < size:
+        n = min(size - done, dest.nbytes)
+        if pos + n > dest.nbytes:
+            pos = 0
+        view = dest[pos:pos + n]
+        if check:
+            pread_fold(fd, view, done, codec.crc32c)
+        else:
+            pread_into(fd, [view], done)
+        pos, done = pos + n, done + n
+    return pos
 
 
 def _raw_reader(paths: list[str], mode: str, rank: int, start, results) -> None:
-    """One reader of the source bench's raw baseline (a thread: both reads below release the GIL): its files
+    """One reader of the source bench's raw baseline (a thread: every read below releases the GIL): its files
     read start to end, timed from a barrier shared with the others. ``read``: unbuffered ``readinto`` of
-    ``RAW_BLOCK`` bytes at a time into one reused buffer (what the disk gives a plain sequential reader);
-    ``mmap``: each file mapped and copied out block by block, the way the loader reads a chunk when it has
-    several intra-op threads (page faults read the file)."""
+    ``RAW_BLOCK`` bytes at a time into one reused buffer (what the disk gives a plain sequential reader: the
+    buffer stays in cache); ``mmap``: each file mapped and copied out block by block, the way the loader reads a
+    chunk when it has several intra-op threads (page faults read the file). ``kept``: ``preadv`` of each file
+    into the next bytes of a ``RAW_KEPT_BYTES`` destination, written before the barrier (a loader keeps what it
+    reads until the trainer takes it: its writes go to memory, not to cache); ``checked``: ``kept`` with each
+    block's CRC32C folded in as it lands (the loader's read primitive alone). plain -> kept -> checked -> loader
+    splits the loader's cost per GB into the destination's memory traffic, the check and the rest."""
     import mmap
     import resource
 
-    buf = np.empty(RAW_BLOCK, np.uint8)
-    view = memoryview(buf)
+    kept = mode in ("kept", "checked")
+    mine = max(1, sum(os.path.getsize(p) for p in paths))  # a small store needs no more
+    buf = np.ones(min(RAW_KEPT_BYTES, mine) if kept else RAW_BLOCK, np.uint8)  # faulted in before the clock
+    view, pos = memoryview(buf), 0
     start.wait()
     ru, t = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
     got = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:
-            if mode == "read":
-                while n := f.readinto(view):
-                    got += n
-                continue
             size = os.fstat(f.fileno()).st_size
-            if size:
+            got += size
+            if kept:
+                pos = _read_kept(f.fileno(), size, buf, pos, mode == "checked")
+            elif mode == "read":
+                while f.readinto(view):
+                    pass
+            elif size:
                 with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
                     for off in range(0, size, RAW_BLOCK):
                         n = min(RAW_BLOCK, size - off)
                         src = np.frombuffer(m, np.uint8, count=n, offset=off)
                         buf[:n] = src
                         del src  # the mapping cannot close while a view of it exists
-                got += size
     secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_THREAD)
     results.put((rank, got, secs, (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)))
 
