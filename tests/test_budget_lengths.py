@@ -70,13 +70,13 @@ def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifes
     # the estimate is the one for four sequences (the shape measured on the H200: 4 x 4096, 512 anchors each)
     assert need_known == gpu_step_bytes(PUBLISHED, 16384, known, PARAMS, FROZEN, sequences=4)
     # with checkpointing all 512 fit either way, and no warning
-    assert plan_gpu_step(PUBLISHED, _cfg(checkpoint_layers=True), PARAMS, FROZEN, have, [store])[0] == 512
+    assert plan_gpu_step(PUBLISHED, _cfg(checkpoint_layers="full"), PARAMS, FROZEN, have, [store])[0] == 512
 
 
 def test_a_sample_over_the_budget_is_planned_for(tmp_path, write, new_manifest, new_samples):
     store = _store(tmp_path, "over", [1000, 1000, 3000], write, new_manifest, new_samples)
-    cfg = _cfg(token_budget=2048, checkpoint_layers=True)
+    cfg = _cfg(token_budget=2048, checkpoint_layers="full")
     _, need, seqs = plan_gpu_step(PUBLISHED, cfg, PARAMS, FROZEN, 1 << 50, [store])
     assert seqs == 2  # the two of 1000 tokens fit one batch (2 x 1000 <= 2048); the one of 3000 is a batch alone
-    assert need == max(gpu_step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers=True),
-                       gpu_step_bytes(PUBLISHED, 3000, 512, PARAMS, FROZEN, sequences=1, checkpoint_layers=True))
+    assert need == max(gpu_step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers="full"),
+                       gpu_step_bytes(PUBLISHED, 3000, 512, PARAMS, FROZEN, sequences=1, checkpoint_layers="full"))

@@ -56,7 +56,7 @@ def test_checkpointed_layers_keep_less_for_backward():
     full = kept()
     model.checkpoint_layers = "mlp"
     mlp = kept()
-    model.checkpoint_layers = True  # the former flag: the whole layer
+    model.checkpoint_layers = "full"
     ckpt = kept()
     # the MLP half's own saved tensors, counted here: per layer and query row, the norm's input and output (fp32:
     # H each), gate and up outputs and SwiGLU's product (I each; silu's output is recomputed inside the fused
@@ -77,7 +77,7 @@ def test_gpu_budget_refuses_or_lowers_anchors_and_says_so():
                         sliding_window=[2048] * 4 + [None])
     params, frozen = 1_250_000_000, 2 * 248320 * 5120
     big = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4)
-    small = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers=True)
+    small = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="full")
     assert small < big
     mlp = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="mlp")
     assert small < mlp < big
@@ -86,6 +86,10 @@ def test_gpu_budget_refuses_or_lowers_anchors_and_says_so():
     assert big - mlp == pytest.approx(4 * rows * slack * 2 * (2 * 5120 + 3 * 17408) - 5 * rows * 2 * 5120, rel=1e-6)
     with pytest.raises(ValueError, match="checkpoint_layers 'some'"):
         gpu_step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers="some")
+    # a bool meant the whole layer before there were policies and "mlp" for the bare flag now: refused, named
+    for flag in (True, False):
+        with pytest.raises(ValueError, match=rf"checkpoint_layers {flag}: name a policy, one of off, mlp, full"):
+            gpu_step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers=flag)
     # fits as asked: unchanged
     assert fit_gpu_step(cfg, 16384, 512, params, frozen, have=big * 2, sequences=4) == (512, big)
     # too big: anchors halved until it fits, with the reason and the way out in the message

@@ -120,7 +120,7 @@ MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
 
 
 def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *,
-                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: bool | str = False) -> int:
+                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: str = "off") -> int:
     """Estimated CUDA peak of one training step under bf16 autocast, in bytes (see ``fit_gpu_step``).
 
     fp32 weights, gradients and AdamW moments (16 B per trainable parameter), the bf16 frozen embedding and
@@ -172,7 +172,7 @@ def max_sequences(lengths: Sequence[int] | np.ndarray, token_budget: int) -> int
 
 def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *, have: int,
                  sequences: int | None = None, longest: int | None = None, ce_chunk: int = 1024,
-                 checkpoint_layers: bool | str = False) -> tuple[int, int]:
+                 checkpoint_layers: str = "off") -> tuple[int, int]:
     """(anchors, estimated bytes) of a step that fits in ``have`` bytes of GPU memory: ``anchors`` as asked when
     it fits, else halved until it does (a warning says so and what would keep them), else ValueError (one
     line: what to change). Decided before step 1, so a run never dies of out-of-memory hours in.

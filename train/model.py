@@ -255,9 +255,12 @@ class DecoderLayer(nn.Module):
 
 
 def checkpoint_policy(value) -> str:
-    """``checkpoint_layers`` as one of ``CHECKPOINT_POLICIES`` (True, the former flag, is "full"; False "off")."""
+    """``checkpoint_layers`` as one of ``CHECKPOINT_POLICIES``. A bool is refused: ``True`` meant the whole layer
+    before there were policies, while the bare flag and a config file's ``true`` now mean "mlp"; a caller says
+    which."""
     if isinstance(value, bool):
-        return "full" if value else "off"
+        raise ValueError(f"checkpoint_layers {value!r}: name a policy, one of {', '.join(CHECKPOINT_POLICIES)} "
+                         f"(True was the whole-layer recompute, now \"full\"; the bare --checkpoint-layers is \"mlp\")")
     if value not in CHECKPOINT_POLICIES:
         raise ValueError(f"checkpoint_layers {value!r}: expected one of {', '.join(CHECKPOINT_POLICIES)}")
     return value
