@@ -227,28 +227,31 @@ def attend_blocks(q, k, v, plan: BlockPlan):
 
     Query heads of one KV group are folded into the query rows ([B*n, nkv, g*R, hd]), so SDPA sees plain
     multi-head attention with a mask: the fused CPU/CUDA kernels take that, while ``enable_gqa`` with a
-    mask falls back to the math kernel (all scores in memory)."""
+    mask falls back to the math kernel (all scores in memory). Nothing is padded but the last group's queries
+    (to whole chunks): the padded rows' own keys are any real key (only padded rows see them, and their outputs
+    are dropped, so no gradient reaches those keys from them), and one group's output is not concatenated."""
     B, nh, N, hd = q.shape
     nkv = k.shape[1]
     g = nh // nkv
     if not plan.groups:
         return q.new_zeros(B, nh, N, hd)
-    Np = plan.padded_rows
-    q = F.pad(q, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, N', nh, hd]
-    k = F.pad(k, (0, 0, 0, Np - N)).transpose(1, 2)  # [B, T+N', nkv, hd]
-    v = F.pad(v, (0, 0, 0, Np - N)).transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # token-major: [B, rows, heads, hd]
     b = torch.arange(B, device=q.device)[:, None, None]
     outs = []
     for gi, (r0, r1, idx, mask) in enumerate(plan.groups):
         n, R, K = mask.shape[1], mask.shape[2], idx.shape[-1]
-        qg = q[:, r0:r1].reshape(B, n, R, nkv, g, hd).permute(0, 1, 3, 4, 2, 5)
-        qg = qg.reshape(B * n, nkv, g * R, hd)
-        kg = k[b, idx].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)  # [B, n, K, nkv, hd] -> heads first
-        vg = v[b, idx].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)
+        qs = q[:, r0:min(r1, N)]
+        if r1 > N:  # the last chunk's rows past the last anchor
+            qs = F.pad(qs, (0, 0, 0, 0, 0, r1 - max(r0, N)))
+        qg = qs.reshape(B, n, R, nkv, g, hd).permute(0, 1, 3, 4, 2, 5).reshape(B * n, nkv, g * R, hd)
+        rows = idx.clamp(max=k.shape[1] - 1)
+        kg = k[b, rows].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)  # [B, n, K, nkv, hd] -> heads first
+        vg = v[b, rows].permute(0, 1, 3, 2, 4).reshape(B * n, nkv, K, hd)
         bias = plan.bias(gi, q.dtype, g)  # row r*R + i of the fold is query row i
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=bias)  # [B*n, nkv, g*R, hd]
         outs.append(o.view(B, n, nkv, g, R, hd).permute(0, 1, 4, 2, 3, 5).reshape(B, n * R, nh, hd))
-    return torch.cat(outs, dim=1)[:, :N].transpose(1, 2)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out[:, :N].transpose(1, 2)
 
 
 def _flex_block_mask(anchors, valid, block_size, window, causal=True):
