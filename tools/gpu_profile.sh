@@ -11,6 +11,9 @@
 #   fed      the trainer fed by the loader vs resident, published recipe (4 x 4,096, 512 anchors), cold page
 #            cache, 2 rounds of 5 steps (tools/bench_train); ~180 s
 #   optim    the optimizer update alone on the drafter's fp32 masters: AdamW foreach vs fused; ~60 s
+#   ab       the drafter step (as in drafter, fused, no profile) under the hsstore installed in $BASE_SITE (the
+#            wheel of an earlier commit: pip install --no-deps --target $BASE_SITE) and under the current one,
+#            alternating, 2 rounds: a code change paired with its baseline in one run; ~240 s
 #   extract  the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled
 #            with the mixers, CUDA kernel time by kind (tools/profile_extract); ~280 s
 set -u
@@ -30,6 +33,17 @@ run ckpt 240 python3 -m tools.bench_attention --published --seq 4096 --batch 4 -
     --ckpt off mlp full
 run fed 200 python3 -m tools.bench_train --dir "$S/fed" --device cuda --draft-layers 5 --seq 4096 --max-tokens 16384 \
     --anchors 512 --cold --rounds 2 --steps 5 --warmup 2 --json
+# ab: the step under the base wheel, then under the current one, twice (BASE_SITE first on the path: its hsstore)
+AB='[[ -n ${BASE_SITE:-} ]] || { echo "ab: set BASE_SITE to a --target folder holding the base wheel" >&2; exit 2; }
+for r in 1 2; do
+    for side in base current; do
+        echo "-- round $r, $side"
+        site=$([[ $side == base ]] && echo "$BASE_SITE:")
+        PYTHONPATH="$site$PYTHONPATH" python3 -m tools.bench_attention --published --seq 16384 --anchors 512 \
+            --impl blocks --steps 5 --warmup 2
+    done
+done'
+run ab 260 bash -c "$AB"
 run optim 60 python3 -m tools.bench_attention --published --optim --steps 3 --warmup 1
 run extract 280 python3 -m tools.profile_extract --layers-total 16 --variants eager,mixers --samples 8 \
     --min-len 4096 --max-len 4096 --rounds 1 --top 25
