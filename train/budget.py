@@ -127,7 +127,7 @@ def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int,
     head; the batch's features, context and each layer's context keys/values; per query row (sequences x
     anchors x block, at most tokens x block) and draft layer the bf16 activations kept for backward (input,
     norms, q/k/v/attention out, o_proj, residual, gate/up/act/product, down); with ``checkpoint_layers`` "full"
-    (or True) only each layer's input is kept, plus one layer's activations while it is recomputed; with "mlp" each
+    only each layer's input is kept, plus one layer's activations while it is recomputed; with "mlp" each
     layer's attention half and MLP input, plus one MLP half; one fp32 logits chunk of
     the cross entropy and its gradient. ``sequences``: sequences per batch at most (default: tokens /
     ``ASSUMED_MIN_SEQUENCE``)."""
