@@ -155,7 +155,8 @@ def cmd_bench(args) -> int:
     if args.what == "source":
         result = run_source_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps,
                                   procs=args.procs, epochs=args.epochs, cold=args.cold, partition=args.partition,
-                                  cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, progress=not args.quiet)
+                                  cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, progress=not args.quiet,
+                                  prefetch=args.prefetch)
         print(json.dumps(result, indent=2) if args.json else format_source(result["source"]))
         return 0
     layouts = args.layout.split(",")
@@ -336,6 +337,9 @@ def add_bench(sub) -> None:
                    help="source: the ranks' plan (node: each rank as its own node, keeping one share every epoch)")
     q.add_argument("--cache-dir", default=None, help="source: local chunk cache for remote stores (one per rank)")
     q.add_argument("--cache-bytes", type=int, default=None, help="source: cap of each rank's cache")
+    q.add_argument("--prefetch", type=int, default=None, metavar="N",
+                   help="source: units each rank reads ahead at once (the loader's prefetch: on local disk, its "
+                        "read threads; default the loader's)")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
     q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")
     add_quiet_option(q)

@@ -449,7 +449,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], settings: Loader
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
-                 partition: str, cache_dir: str | None, cache_bytes: int | None, start, done, results) -> None:
+                 partition: str, reading: dict[str, Any], start, done, results) -> None:
     """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
     the parent (which drops the page cache and reads the proxy's counters in between), then reads its share."""
     import resource
@@ -459,9 +459,11 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
     from ..loader.dataset import HiddenStateDataset
     from ..loader.options import DEFAULT_CACHE_BYTES, Planning, Reading
 
-    reading = Reading(cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
-                      cache_bytes=cache_bytes or DEFAULT_CACHE_BYTES)
-    ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=reading,
+    cache_dir, prefetch = reading.get("cache_dir"), reading.get("prefetch")
+    options = Reading(cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
+                      cache_bytes=reading.get("cache_bytes") or DEFAULT_CACHE_BYTES,
+                      **({} if prefetch is None else {"prefetch": prefetch}))
+    ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=options,
                             world=World(rank, world, *((rank, world) if partition == "node" else (0, 1))),
                             storage_options=storage_options)
     for epoch in range(epochs):
@@ -586,7 +588,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      cache_dir: str | None = None, cache_bytes: int | None = None, progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES) -> dict[str, Any]:
+                     raw_modes: tuple[str, ...] = RAW_MODES, prefetch: int | None = None) -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
 
     Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
@@ -621,8 +623,9 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         ctx = mp.get_context("spawn")
         start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
         opts = storage_options if read_options is None else read_options
-        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, cache_dir,
-                                                    cache_bytes, start, done, results)) for r in range(procs)]
+        reading = {"cache_dir": cache_dir, "cache_bytes": cache_bytes, "prefetch": prefetch}
+        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading, start,
+                                                    done, results)) for r in range(procs)]
         for p in ps:
             p.start()
         rows = []
@@ -653,15 +656,16 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
     finally:
         _remove(fs, storage.join(root, run))
-    return {"source": {"url": url, "procs": procs, "cold": cold, "partition": partition, "bytes": nbytes,
-                       "stored_bytes": stored, "hidden": hidden, "layers": layers, "cache_dir": cache_dir,
-                       "epochs": rows}}
+    return {"source": {"url": url, "procs": procs, "prefetch": prefetch, "cold": cold, "partition": partition,
+                       "bytes": nbytes, "stored_bytes": stored, "hidden": hidden, "layers": layers,
+                       "cache_dir": cache_dir, "epochs": rows}}
 
 
 def format_source(r: dict[str, Any]) -> str:
     """The source bench as a compact table, one row per epoch."""
     stored = f" ({r['stored_bytes'] / 1e9:.2f} GB stored)" if "stored_bytes" in r else ""
-    lines = [f"{r['procs']} ranks at once, {r['bytes'] / 1e9:.2f} GB{stored}, {'cold' if r['cold'] else 'warm'}, "
+    ahead = f", prefetch {r['prefetch']}" if r.get("prefetch") else ""
+    lines = [f"{r['procs']} ranks at once{ahead}, {r['bytes'] / 1e9:.2f} GB{stored}, {'cold' if r['cold'] else 'warm'}, "
              f"partition {r['partition']}, {r['url']}",
              f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
              f"{'in flight':>9}"]
