@@ -149,14 +149,16 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .loader.options import Reading
     from .ops.bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
     if args.what == "source":
+        reading = {k: v for k, v in (("cache_dir", args.cache_dir), ("cache_bytes", args.cache_bytes),
+                                     ("prefetch", args.prefetch)) if v is not None}
         result = run_source_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps,
                                   procs=args.procs, epochs=args.epochs, cold=args.cold, partition=args.partition,
-                                  cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, progress=not args.quiet,
-                                  prefetch=args.prefetch)
+                                  reading=Reading(**reading), progress=not args.quiet)
         print(json.dumps(result, indent=2) if args.json else format_source(result["source"]))
         return 0
     layouts = args.layout.split(",")

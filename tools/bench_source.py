@@ -25,6 +25,7 @@ import tempfile
 import uuid
 
 from hsstore import storage, transfer
+from hsstore.loader.options import Reading
 from hsstore.ops.bench import _per_rank_row, _split_by_size, format_source, run_source_bench
 from tools.measure import free_port
 
@@ -206,9 +207,10 @@ def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_b
             if raw_baseline and args.raw:
                 raw.update(raw_s3_pass(proxy, url, args.procs))
 
+        cache_cap = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
         out = run_source_bench(url, {"endpoint_url": endpoint}, size_mb=args.size_mb, hidden=args.hidden,
                                layers=args.num_taps, procs=args.procs, epochs=args.epochs, cold=False,
-                               partition=partition, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                               partition=partition, reading=Reading(cache_dir=cache_dir, **cache_cap),
                                read_options={"endpoint_url": proxy.url}, counters=counters,
                                before_ranks=before_ranks)["source"]
         if raw:  # once per store, shown beside every epoch as the local rows are

@@ -7,6 +7,7 @@ the store's own files. Rounds alternate (raw, store, raw, store) and the best of
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -22,6 +23,7 @@ from .. import storage, transfer
 from ..layouts import wds
 from ..format.commit import layer_array
 from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
+from ..loader.options import Reading
 from ..store.reader import Store
 from ..store.writer import StoreWriter, default_chunk_tokens
 
@@ -449,7 +451,7 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], settings: Loader
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
-                 partition: str, reading: dict[str, Any], start, done, results) -> None:
+                 partition: str, reading: Reading, start, done, results) -> None:
     """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
     the parent (which drops the page cache and reads the proxy's counters in between), then reads its share."""
     import resource
@@ -457,13 +459,11 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from ..distributed import World
     from ..loader.dataset import HiddenStateDataset
-    from ..loader.options import DEFAULT_CACHE_BYTES, Planning, Reading
+    from ..loader.options import Planning
 
-    cache_dir, prefetch = reading.get("cache_dir"), reading.get("prefetch")
-    options = Reading(cache_dir=cache_dir and os.path.join(cache_dir, f"node{rank}"),
-                      cache_bytes=reading.get("cache_bytes") or DEFAULT_CACHE_BYTES,
-                      **({} if prefetch is None else {"prefetch": prefetch}))
-    ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=options,
+    if reading.cache_dir:  # one cache per rank
+        reading = dataclasses.replace(reading, cache_dir=os.path.join(reading.cache_dir, f"node{rank}"))
+    ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=reading,
                             world=World(rank, world, *((rank, world) if partition == "node" else (0, 1))),
                             storage_options=storage_options)
     for epoch in range(epochs):
@@ -586,14 +586,15 @@ def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict
 
 def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
-                     cache_dir: str | None = None, cache_bytes: int | None = None, progress: bool = False,
+                     reading: Reading = Reading(), progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES, prefetch: int | None = None) -> dict[str, Any]:
+                     raw_modes: tuple[str, ...] = RAW_MODES) -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
 
     Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
     CPU-seconds per GB (user + system time of the rank processes over their bytes). Local stores are dropped from
     the page cache before every epoch when ``cold`` (``posix_fadvise(DONTNEED)`` per file: read-once NVMe).
+    ``reading``: how each rank reads (the loader's ``Reading``; a ``cache_dir`` gets one subfolder per rank).
     ``read_options``: how the ranks reach the store (default ``storage_options``, which wrote it), e.g. through
     a proxy with latency and a bandwidth cap; ``counters()``, called between epochs, returns cumulative
     ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
@@ -623,7 +624,6 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         ctx = mp.get_context("spawn")
         start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
         opts = storage_options if read_options is None else read_options
-        reading = {"cache_dir": cache_dir, "cache_bytes": cache_bytes, "prefetch": prefetch}
         ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading, start,
                                                     done, results)) for r in range(procs)]
         for p in ps:
@@ -656,9 +656,9 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
     finally:
         _remove(fs, storage.join(root, run))
-    return {"source": {"url": url, "procs": procs, "prefetch": prefetch, "cold": cold, "partition": partition,
-                       "bytes": nbytes, "stored_bytes": stored, "hidden": hidden, "layers": layers,
-                       "cache_dir": cache_dir, "epochs": rows}}
+    return {"source": {"url": url, "procs": procs, "prefetch": reading.prefetch, "cold": cold,
+                       "partition": partition, "bytes": nbytes, "stored_bytes": stored, "hidden": hidden,
+                       "layers": layers, "cache_dir": reading.cache_dir, "epochs": rows}}
 
 
 def format_source(r: dict[str, Any]) -> str:
