@@ -1,8 +1,8 @@
 """A thread lock that a forked child receives unlocked.
 
 A DataLoader with the ``fork`` context copies the parent's memory while the parent's read-ahead threads may be
-inside a lock (a records read from S3 holds one for its whole request). The child's copy of that lock then stays
-locked for good and its first read waits forever. Every lock the read path shares between threads is a
+inside a lock (the records' lock while a block of commit records is decompressed, the chunk cache's while it
+scans its folder). The child's copy of that lock then stays locked for good and its first read waits forever. Every lock the read path shares between threads is a
 ``ProcessLock``: after a fork the child's copies are fresh locks (``os.register_at_fork``), as the standard
 library does for ``logging``'s handler locks. What a parent thread was doing at fork time is not resumed in the
 child; the state each lock guards is a cache the child reads again.

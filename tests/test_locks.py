@@ -69,7 +69,7 @@ def test_child_reads_records_while_a_parent_thread_is_inside_a_records_read(tmp_
     parent, release, inside = os.getpid(), threading.Event(), threading.Event()
     raw = records.RecordTable.raw
 
-    def slow_raw(self, i, cache=None):  # the parent's read of row 0 waits on the network, holding the lock
+    def slow_raw(self, i, cache=None):  # the parent's read of row 0 is slow (a large block), holding the lock
         if os.getpid() == parent and i == 0:
             inside.set()
             release.wait(30)
