@@ -13,6 +13,11 @@ from hsstore.testing.ports import free_port
 from hsstore.testing.stores import make_manifest, make_samples, write_samples  # noqa: F401  (tests import them here)
 
 
+# the patience below as storage options, for spawned DataLoader workers and ranks: a fresh interpreter has s3fs's
+# 5 s connect timeout back (the class attribute is patched in this process only)
+PATIENT_S3 = {"config_kwargs": {"connect_timeout": 60}}
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """URL of a moto S3 server on 127.0.0.1, with dummy credentials in the environment."""

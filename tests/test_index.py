@@ -27,7 +27,7 @@ from hsstore.ops.merge import merge
 from hsstore.ops.subset import Selection, subset
 from hsstore.ops.verify import verify
 
-from conftest import make_manifest, make_samples, write_samples
+from conftest import PATIENT_S3, make_manifest, make_samples, write_samples
 from hsstore.testing.faultproxy import FaultProxy
 
 N_SHARDS = 12
@@ -262,7 +262,8 @@ def _rank_main(rank, world, init, url, endpoint, out):
     from torch.utils.data import DataLoader
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    ds = hsstore.HiddenStateDataset(url, storage_options={"endpoint_url": endpoint}, share_metadata=True,
+    ds = hsstore.HiddenStateDataset(url, storage_options={"endpoint_url": endpoint, **PATIENT_S3},
+                                    share_metadata=True,
                                     planning=hsstore.Planning(shuffle_bytes=1 << 12))
     items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
     with open(f"{out}.{rank}", "w") as f:

@@ -18,7 +18,7 @@ from hsstore.loader.cache import ChunkCache
 from hsstore.errors import StoreError
 from hsstore.schema import build
 
-from conftest import make_samples
+from conftest import PATIENT_S3, make_samples
 from test_loader import bits, dataset, ids_of, write_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -33,7 +33,7 @@ def s3_samples():
 def s3_url(s3_endpoint, s3_samples):
     """One store for the read-only tests (writing to moto is the slow part)."""
     s3fs.S3FileSystem.clear_instance_cache()
-    opts = {"endpoint_url": s3_endpoint}
+    opts = {"endpoint_url": s3_endpoint, **PATIENT_S3}  # spawned workers read with these options
     bucket = f"hs-loader-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(**opts).mkdir(bucket)
     url = f"s3://{bucket}/stores/a"
