@@ -142,3 +142,28 @@ def test_worker_batches_held_stay_intact(store_url):  # noqa: F811
             if mode == "pad":  # the real rows of each padded sample, in order
                 b = {"hidden_states": torch.cat([h[:n] for h, n in zip(b["hidden_states"], b["lengths"])])}
             assert torch.equal(bits(b["hidden_states"]), want)
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_in_process_batches_reuse_memory_and_held_ones_stay_intact(store_url, mode):  # noqa: F811
+    """Unpinned batches of the main process come from recycled memory once the consumer drops them (fresh
+    memory faults in page by page), never from a batch still held; the batches equal a fresh collate's."""
+    import pickle
+
+    ref = {x["sample_id"]: bits(x["hidden_states"]).clone() for x in dataset(store_url)}
+    tb = TokenBatches(dataset(store_url, seed=1), token_budget=300, mode=mode)
+    dropped = [b["hidden_states"].data_ptr() for b in tb]  # the consumer drops each batch after use
+    assert tb._buffers.reused > 0 and len(set(dropped)) < len(dropped)
+    tb.set_epoch(1)
+    reused = tb._buffers.reused
+    held = list(tb)  # every batch of an epoch held at once: the first from the pool, then fresh memory
+    assert tb._buffers.reused > reused
+    assert len({b["hidden_states"].data_ptr() for b in held}) == len(held)  # no two held batches share memory
+    assert sorted(i for b in held for i in b["sample_id"]) == sorted(ref)
+    for b in held:
+        want = torch.cat([ref[i] for i in b["sample_id"]])
+        if mode == "pad":
+            assert all(not h[n:].any() for h, n in zip(b["hidden_states"], b["lengths"]))  # padding zeroed
+            b = {"hidden_states": torch.cat([h[:n] for h, n in zip(b["hidden_states"], b["lengths"])])}
+        assert torch.equal(bits(b["hidden_states"]), want)
+    assert len(pickle.dumps(tb)) < 100_000  # what a spawned worker gets: no pooled memory

@@ -11,14 +11,16 @@ as not consumed, so a resumed run rebuilds the same batches.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..memory import can_pin, empty_host, hand_over
+from ..memory import BufferPool, can_pin, empty_host, hand_over
 
 MODES = ("pad", "pack")
+POOLED_BATCHES = 4  # unpinned batches recycled in the main process: the one in use and those read ahead
 
 
 class TokenBudget:
@@ -66,20 +68,23 @@ def count_token_batches(lengths: Iterable[int], token_budget: int, mode: str = "
     return sum(budget.add(int(T)) for T in lengths)
 
 
-def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory: bool = False) -> dict[str, Any]:
+def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory: bool = False,
+                   pool: BufferPool | None = None) -> dict[str, Any]:
     """Right-padded batch: ``input_ids``/``loss_mask``/``attention_mask`` ``[B, T]``, ``hidden_states``
     ``[B, T, L, H]`` (padding zeroed), ``lengths`` ``[B]``, ``sample_id`` list; items of fp8 stores add
     ``hidden_scales`` ``[B, T, L]`` (padding 1). Right padding: left padding would change nothing here,
     but the drafter's masks assume real tokens come first. ``pin_memory``: features go straight into
-    pinned memory (outside DataLoader workers), ready for an asynchronous copy to the GPU."""
+    pinned memory (outside DataLoader workers), ready for an asynchronous copy to the GPU; else ``pool``
+    (a ``memory.BufferPool``) recycles the features' memory of batches no longer held."""
     B = len(items)
     lengths = torch.tensor([int(x["input_ids"].shape[0]) for x in items], dtype=torch.int64)
     T = int(lengths.max())
     hs0 = items[0]["hidden_states"]
     ids = torch.full((B, T), pad_id, dtype=torch.int64)
     mask = torch.zeros((B, T), dtype=torch.bool)
-    hidden = empty_host((B, T) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory)
-    scales = empty_host((B, T, hs0.shape[1]), torch.float32, pin=pin_memory) if "hidden_scales" in items[0] else None
+    hidden = empty_host((B, T) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory, pool=pool)
+    scales = (empty_host((B, T, hs0.shape[1]), torch.float32, pin=pin_memory, pool=pool)
+              if "hidden_scales" in items[0] else None)
     for b, x in enumerate(items):
         n = int(lengths[b])
         ids[b, :n] = x["input_ids"]
@@ -94,7 +99,7 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory:
     out = {"sample_id": [x["sample_id"] for x in items], "input_ids": ids, "loss_mask": mask,
            "attention_mask": attention, "hidden_states": hidden, "lengths": lengths}
     if "final_hidden" in items[0]:  # the final norm's output [B, T, H], padding zeroed
-        final = empty_host((B, T, hs0.shape[-1]), hs0.dtype, pin=pin_memory)
+        final = empty_host((B, T, hs0.shape[-1]), hs0.dtype, pin=pin_memory, pool=pool)
         for b, x in enumerate(items):
             final[b, :int(lengths[b])].copy_(x["final_hidden"])
             final[b, int(lengths[b]):].zero_()
@@ -104,18 +109,20 @@ def collate_padded(items: Sequence[dict[str, Any]], pad_id: int = 0, pin_memory:
     return out
 
 
-def collate_packed(items: Sequence[dict[str, Any]], pin_memory: bool = False) -> dict[str, Any]:
+def collate_packed(items: Sequence[dict[str, Any]], pin_memory: bool = False,
+                   pool: BufferPool | None = None) -> dict[str, Any]:
     """Packed batch for varlen attention: ``input_ids``/``loss_mask``/``position_ids`` ``[N]``,
     ``hidden_states`` ``[N, L, H]`` (fp8 stores: and ``hidden_scales`` ``[N, L]``), ``cu_seqlens`` int32
     ``[B + 1]`` (sample b is ``cu_seqlens[b]:cu_seqlens[b + 1]``), ``max_seqlen`` int, ``sample_id`` list.
-    ``pin_memory`` as in ``collate_padded``."""
+    ``pin_memory`` and ``pool`` as in ``collate_padded``."""
     lengths = [int(x["input_ids"].shape[0]) for x in items]
     cu = torch.zeros(len(items) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     N = int(cu[-1])
     hs0 = items[0]["hidden_states"]
-    hidden = empty_host((N,) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory)
-    scales = empty_host((N, hs0.shape[1]), torch.float32, pin=pin_memory) if "hidden_scales" in items[0] else None
+    hidden = empty_host((N,) + tuple(hs0.shape[1:]), hs0.dtype, pin=pin_memory, pool=pool)
+    scales = (empty_host((N, hs0.shape[1]), torch.float32, pin=pin_memory, pool=pool)
+              if "hidden_scales" in items[0] else None)
     for b, x in enumerate(items):
         hidden[int(cu[b]):int(cu[b + 1])].copy_(x["hidden_states"])
         if scales is not None:
@@ -137,7 +144,9 @@ class TokenBatches(IterableDataset):
 
     Resumable: ``state_dict`` is the dataset's, minus the items held for the next batch.
     ``pin_memory``: in-process iteration collates features straight into pinned memory (the batch copy
-    is then the only host copy before the GPU); DataLoader workers ignore it (use the DataLoader's)."""
+    is then the only host copy before the GPU); DataLoader workers ignore it (use the DataLoader's). Unpinned
+    batches of the main process reuse the memory of batches no longer held (``POOLED_BATCHES`` of them): a
+    fresh batch is faulted in page by page, which cost three times the collate itself."""
 
     def __init__(self, dataset, token_budget: int, mode: str = "pad", max_items: int | None = None,
                  pad_id: int = 0, pin_memory: bool = False) -> None:
@@ -146,6 +155,18 @@ class TokenBatches(IterableDataset):
         self.dataset, self.token_budget, self.mode = dataset, int(token_budget), mode
         self.max_items, self.pad_id, self.pin_memory = max_items, pad_id, bool(pin_memory)
         self._held = 0
+        self._buffers: BufferPool | None = None
+
+    def _pool(self, item: dict[str, Any]) -> BufferPool:
+        """This process's pool of batch memory, sized for ``POOLED_BATCHES`` batches of ``item``'s kind."""
+        if self._buffers is None or self._buffers.pid != os.getpid():
+            per_token = sum(item[k][0].nbytes for k in ("hidden_states", "hidden_scales", "final_hidden") if k in item)
+            grain = BufferPool.GRAIN  # the pool's size classes
+            self._buffers = BufferPool(POOLED_BATCHES * -(-self.token_budget * per_token // grain) * grain)
+        return self._buffers
+
+    def __getstate__(self) -> dict[str, Any]:  # a worker's copy: its own memory, never this process's pool
+        return {**self.__dict__, "_buffers": None}
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -170,7 +191,9 @@ class TokenBatches(IterableDataset):
         self._held = 0
         for batch in token_batches(self._counted(self.dataset), self.token_budget, self.mode, self.max_items):
             self._held -= len(batch)  # what is still held: the item that did not fit, if any
-            out = collate_packed(batch, pin) if self.mode == "pack" else collate_padded(batch, self.pad_id, pin)
+            pool = None if pin or get_worker_info() is not None else self._pool(batch[0])
+            out = (collate_packed(batch, pin, pool) if self.mode == "pack"
+                   else collate_padded(batch, self.pad_id, pin, pool))
             yield hand_over(out)  # in a worker: its shared segment is reused once the consumer drops it
 
     def __repr__(self) -> str:
