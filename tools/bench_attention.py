@@ -44,7 +44,7 @@ from hsstore.train.model import ATTN_IMPLS, CHECKPOINT_POLICIES, DFlashDrafter, 
 from hsstore.train.optim import build_optimizer, clip_grad
 from hsstore.train.objective import CE_IMPLS, batch_anchors, block_targets, dflash_loss
 from tools.bench_train import add_drafter_size_args, sync
-from tools.measure import device_profile, peak_rss_mb, reset_peak_rss
+from tools.measure import device_profile, ops_by_shape, peak_rss_mb, reset_peak_rss
 
 TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, taps=3, seq=[1024], anchors=64,
             steps=3, warmup=1)
@@ -115,6 +115,8 @@ OP_CLASSES = (
     ("elementwise", r"aten::(mul|add|sub|div|rsqrt|pow|mean|silu|neg|sum|sigmoid|rsub|sqrt|reciprocal)"),
     ("optimizer", r"foreach|adam"),
 )
+COPY_OPS = {"aten::copy_", "aten::cat", "aten::index", "aten::_index_put_impl_", "aten::index_select", "aten::gather",
+            "aten::clone", "aten::fill_", "aten::zero_", "aten::constant_pad_nd", "aten::where"}  # by shape, --profile
 
 
 def phases_ms(model, batch, ce, ce_chunk) -> dict:
@@ -189,6 +191,7 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off", pointwise="fused") -> dic
                 step(model, batch, ce, args.ce_chunk)
                 model.zero_grad(set_to_none=True)
             res["profile"] = device_profile(one, OP_CLASSES, by="op", top=args.profile)
+            res["profile"]["copies"] = ops_by_shape(one, COPY_OPS, top=args.profile)
     except torch.OutOfMemoryError as e:
         res["error"] = f"out of memory: {str(e).splitlines()[0]}"
         return res
@@ -266,6 +269,8 @@ def show(r: dict) -> str:
         line += (f"\n    forward {r['phases_ms']['forward']} ms, backward {r['phases_ms']['backward']} ms; profiled step "
                  f"{pr['ms']} ms: " + ", ".join(f"{k} {v}%" for k, v in pr["by_class_pct"].items()))
         line += "".join(f"\n      {t['ms']:8.2f} ms {t['pct']:5.1f}%  {t['class']:18s} {t['name']}" for t in pr["top"])
+        line += "\n    gather, copy, cast by shape:" + "".join(
+            f"\n      {c['ms']:8.2f} ms {c['calls']:4d}x  {c['op']} {c['shapes']}" for c in pr.get("copies", []))
     return line
 
 

@@ -14,8 +14,11 @@
 #   ab       the drafter step (as in drafter, fused, no profile) under the hsstore installed in $BASE_SITE (the
 #            wheel of an earlier commit: pip install --no-deps --target $BASE_SITE) and under the current one,
 #            alternating, 2 rounds: a code change paired with its baseline in one run; ~240 s
+#   cold     4 ranks reading a 4 GB zarr store at once, page cache dropped before every epoch, beside plain reads
+#            of the same files (loader/raw: the disk's limit); ~90 s
 #   extract  the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled
-#            with the mixers, CUDA kernel time by kind (tools/profile_extract); ~280 s
+#            with the mixers and on fla's convolution (what extract --compile runs), CUDA kernel time by kind, the
+#            GEMMs by shape beside each alone (tools/profile_extract); ~200 s
 set -u
 S=${1:-/tmp/hsprof}
 PARTS=${2:-drafter,ckpt}
@@ -45,5 +48,6 @@ for r in 1 2; do
 done'
 run ab 260 bash -c "$AB"
 run optim 60 python3 -m tools.bench_attention --published --optim --steps 3 --warmup 1
-run extract 280 python3 -m tools.profile_extract --layers-total 16 --variants eager,mixers --samples 8 \
-    --min-len 4096 --max-len 4096 --rounds 1 --top 25
+run cold 120 python3 -m hsstore bench "$S/cold" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
+run extract 240 python3 -m tools.profile_extract --layers-total 16 --variants nomask,mixers,flaconv --samples 16 \
+    --min-len 4096 --max-len 4096 --rounds 2 --top 25

@@ -25,7 +25,8 @@ printf '| command | exit | seconds | key figure |\n|---|---|---|---|\n' > "$TABL
 FAILED=0
 
 # row LABEL EXPECTED_EXIT KEY_REGEX -- COMMAND...: run it, log its output, add a table row (the last line of
-# output matching KEY_REGEX is the key figure)
+# output matching KEY_REGEX is the key figure). NEEDS="PATH|ROW" before it: the row reads what ROW writes at PATH,
+# and shows as skipped, not failed, when PATH is absent (ROW left out by ROWS, or failed and counted already)
 row() {
   local label=$1 want=$2 key=$3
   shift 4
@@ -35,6 +36,10 @@ row() {
   fi
   if [[ -n ${NO_DEMO:-} ]]; then  # every later row runs on the demo's target and data
     printf '| `%s` | - | - | skipped (no demo in %s: add demo to ROWS) |\n' "$label" "$DEMO" >> "$TABLE"
+    return 0
+  fi
+  if [[ -n ${NEEDS:-} && ! -e ${NEEDS%%|*} ]]; then
+    printf '| `%s` | - | - | skipped (needs the row `%s`) |\n' "$label" "${NEEDS#*|}" >> "$TABLE"
     return 0
   fi
   local out="$W/.row.out" t0 t1 rc fig
@@ -68,25 +73,25 @@ row "extract --device cpu" 0 "[0-9,]+ tokens/s[^,]*" -- $HS extract --model "$T"
 row "extract --compile" 0 "[0-9,]+ tokens/s after [0-9.]+s of compile warm-up|min per-token cosine [0-9.]+" -- \
   $HS -v extract --model "$T" --input "$IN" --out "$W/s-compiled" --compile -q
 row "extract --device cuda:7 (refused)" 2 "error: .*" -- $HS extract --model "$T" --input "$IN" --out "$W/s-bad" --device cuda:7
-row "verify" 0 "OK.*|[0-9]+ problems?.*" -- $HS verify "$W/s-cuda" --quiet
-row "info" 0 "samples *[0-9,]+|[0-9,]+ samples" -- $HS info "$W/s-cuda"
-row "audit (8 samples, default device)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8
-row "audit --device cpu (8 samples)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8 --device cpu
-row "audit (compiled store)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-compiled" --model "$T" --samples 8
-row "train (GPU defaults, $STEPS steps)" 0 "[0-9,.]+ ?tok(ens)?/s|tau [0-9.]+" -- \
+NEEDS="$W/s-cuda|extract --device cuda" row "verify" 0 "OK.*|[0-9]+ problems?.*" -- $HS verify "$W/s-cuda" --quiet
+NEEDS="$W/s-cuda|extract --device cuda" row "info" 0 "samples *[0-9,]+|[0-9,]+ samples" -- $HS info "$W/s-cuda"
+NEEDS="$W/s-cuda|extract --device cuda" row "audit (8 samples, default device)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8
+NEEDS="$W/s-cuda|extract --device cuda" row "audit --device cpu (8 samples)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-cuda" --model "$T" --samples 8 --device cpu
+NEEDS="$W/s-compiled|extract --compile" row "audit (compiled store)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-compiled" --model "$T" --samples 8
+NEEDS="$W/s-cuda|extract --device cuda" row "train (GPU defaults, $STEPS steps)" 0 "[0-9,.]+ ?tok(ens)?/s|tau [0-9.]+" -- \
   $HS train --store "$W/s-cuda" --out "$W/run" --steps "$STEPS" --log-every 50 -q
-row "eval (teacher-forced)" 0 "\"tau\": [0-9.]+" -- $HS eval --store "$W/s-cuda" --drafter "$W/run" --json
-row "eval --model (speculative)" 0 "\"tau\": [0-9.]+|\"identical\": [0-9]+|\"samples\": [0-9]+" -- \
+NEEDS="$W/run|train (GPU defaults, $STEPS steps)" row "eval (teacher-forced)" 0 "\"tau\": [0-9.]+" -- $HS eval --store "$W/s-cuda" --drafter "$W/run" --json
+NEEDS="$W/run|train (GPU defaults, $STEPS steps)" row "eval --model (speculative)" 0 "\"tau\": [0-9.]+|\"identical\": [0-9]+|\"samples\": [0-9]+" -- \
   $HS eval --store "$W/s-cuda" --drafter "$W/run" --model "$T" --input "$HELD" --num-samples 4 --json
 CKPT=$( (ls -d "$W/run/checkpoints/"*/ || ls -d "$DEMO/run/checkpoints/"*/) 2>/dev/null | tail -1)  # the demo's run when train was skipped
 row "export-drafter" 0 "drafter: .*" -- $HS export-drafter "${CKPT:-$W/run}" "$W/drafter-export"
 row "extract --encoding fp8" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-fp8" --encoding fp8 -q
-row "verify (fp8)" 0 "OK.*" -- $HS verify "$W/s-fp8" --quiet
-row "audit (fp8)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-fp8" --model "$T" --samples 8
+NEEDS="$W/s-fp8|extract --encoding fp8" row "verify (fp8)" 0 "OK.*" -- $HS verify "$W/s-fp8" --quiet
+NEEDS="$W/s-fp8|extract --encoding fp8" row "audit (fp8)" 0 "audit: OK.*|FAIL .*" -- $HS audit "$W/s-fp8" --model "$T" --samples 8
 row "extract --final-hidden" 0 "[0-9,]+ tokens/s[^,]*|[0-9.]+ GB" -- \
   $HS extract --model "$T" --input "$IN" --out "$W/s-final" --final-hidden -q
-row "verify (final-hidden)" 0 "OK.*" -- $HS verify "$W/s-final" --quiet
+NEEDS="$W/s-final|extract --final-hidden" row "verify (final-hidden)" 0 "OK.*" -- $HS verify "$W/s-final" --quiet
 
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" >> "$TABLE" 2>&1
 python3 -c "import fla; print('fla', fla.__version__)" >> "$TABLE" 2>&1 || echo "fla not installed" >> "$TABLE"

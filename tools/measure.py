@@ -18,7 +18,7 @@ from hsstore.ops.bench import drop_page_cache, timed
 from hsstore.testing.ports import free_port
 
 __all__ = ["timed", "drop_page_cache", "drop_tree_cache", "rss_mb", "peak_rss_mb", "reset_peak_rss", "free_port",
-           "class_of", "device_profile"]
+           "class_of", "device_profile", "ops_by_shape", "gemm_profile", "gemm_rate"]
 
 
 def _status(key: str) -> int | None:
@@ -106,3 +106,75 @@ def device_profile(fn, classes, *, by: str = "kernel", top: int = 20) -> dict:
         "top": [{"name": n[:120], "class": class_of(n, classes), "ms": round(us / 1e3, 2),
                  "pct": round(100 * us / total, 2)} for n, us in sorted(times.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def ops_by_shape(fn, ops, *, top: int = 12) -> list[dict]:
+    """One call of ``fn``'s operators named in ``ops`` grouped by name and input shapes, each with its own device
+    time: ``[{"op", "shapes", "calls", "ms"}]``, most time first (without CUDA, CPU time: a smoke test of the same
+    table). Names which of many calls of one operator (``aten::copy_``, ``aten::mm``) the time goes to. Call
+    ``fn`` once before."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=True) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows: dict[tuple, dict] = {}
+    for ev in prof.events():
+        if ev.name not in ops or ev.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        shapes = tuple(tuple(x) if isinstance(x, (list, tuple)) else () for x in (ev.input_shapes or []))
+        r = rows.setdefault((ev.name, shapes), {"op": ev.name, "shapes": [list(x) for x in shapes],
+                                                "calls": 0, "us": 0.0})
+        r["calls"] += 1
+        r["us"] += ev.self_device_time_total if cuda else ev.self_cpu_time_total
+    out = [{"op": r["op"], "shapes": r["shapes"], "calls": r["calls"], "ms": round(r["us"] / 1e3, 3)}
+           for r in rows.values()]
+    return sorted(out, key=lambda r: -r["ms"])[:top]
+
+
+GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2)}  # operator -> the positions of its two matrices
+
+
+def gemm_profile(fn, *, top: int = 12) -> list[dict]:
+    """One call of ``fn``'s GEMMs (``aten::mm``/``addmm``, eager or as inductor's extern kernels) grouped by shape:
+    ``[{"m", "k", "n", "calls", "ms", "flop", "tflops"}]``, most device time first. Call ``fn`` once before."""
+    rows: dict[tuple, dict] = {}
+    for r in ops_by_shape(fn, GEMM_OPS, top=10**6):
+        where = GEMM_OPS[r["op"]]
+        shapes = r["shapes"]
+        if len(shapes) <= max(where):
+            continue
+        a, b = shapes[where[0]], shapes[where[1]]
+        if len(a) != 2 or len(b) != 2:
+            continue
+        g = rows.setdefault((a[0], a[1], b[1]), {"m": a[0], "k": a[1], "n": b[1], "calls": 0, "ms": 0.0})
+        g["calls"] += r["calls"]
+        g["ms"] += r["ms"]
+    for g in rows.values():
+        g["flop"] = 2.0 * g["m"] * g["k"] * g["n"] * g["calls"]
+        g["tflops"] = round(g["flop"] / g["ms"] / 1e9, 1) if g["ms"] else 0.0
+        g["ms"] = round(g["ms"], 3)
+    return sorted(rows.values(), key=lambda g: -g["ms"])[:top]
+def gemm_rate(m: int, k: int, n: int, *, reps: int = 20, dtype=None) -> float:
+    """TFLOP/s of ``F.linear`` (x [m, k] by a weight [n, k], as a layer computes) alone on the GPU: the rate
+    cuBLAS reaches on that shape without the rest of the forward around it."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        torch.nn.functional.linear(x, w)
+    end.record()
+    torch.cuda.synchronize()
+    return 2.0 * m * k * n * reps / (start.elapsed_time(end) / 1e3) / 1e12
