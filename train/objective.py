@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import pointwise
+
 IGNORE = -100
 
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -85,7 +87,7 @@ def block_targets(input_ids, loss_mask, anchors, block_size: int, gamma: float):
     return labels, weights
 
 
-CE_IMPLS = ("fused", "checkpoint", "full")
+CE_IMPLS = ("fused", "checkpoint", "full", "onepass")
 
 
 def _ce_and_argmax(h, w, y):
@@ -94,13 +96,36 @@ def _ce_and_argmax(h, w, y):
     return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
 
 
-def _fused_chunks(h, w, y, chunk: int, want_grad: bool):
+@pointwise.fused(without_grad=True)
+def _softmax_grad(logits, y):
+    """One chunk's CE [c], top-1 [c] and dCE/dlogits [c, V] in the logits' dtype (softmax - onehot, 0 on IGNORE
+    rows), the softmax in >= fp32: the math of the fused path's loop body, written so that compiled it is one
+    reduction over each row's logits (max, exp-sum, argmax) and one pass writing the gradient in the logits'
+    dtype (the label's - 1 taken in fp32 first), instead of the eager casts, log-softmax, exp, scatter and
+    multiply, each a full read and write of the chunk."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, -1)
+    keep = y != IGNORE
+    yc = y.clamp(min=0)
+    ce = torch.where(keep, lse - x.gather(1, yc[:, None]).squeeze(1), 0.0)
+    pred = logits.argmax(-1)
+    if torch.compiler.is_compiling():  # one pass: the onehot is an index compare inside the kernel
+        label = torch.arange(x.shape[1], device=x.device)[None, :] == yc[:, None]
+        g = torch.where(label, torch.exp(x - lse[:, None]) - 1, torch.exp(x - lse[:, None])) * keep[:, None]
+        return ce, pred, g.to(logits.dtype)
+    g = x.sub(lse[:, None]).exp_().mul_(keep[:, None])  # eager: in place, one fp32 chunk held
+    g.scatter_add_(1, yc[:, None], -keep[:, None].to(g.dtype))
+    return ce, pred, g.to(logits.dtype)
+
+
+def _fused_chunks(h, w, y, chunk: int, want_grad: bool, one_pass: bool = False):
     """CE [N], top-1 [N] and, with ``want_grad``, dCE_i/dh_i [N, H], one chunk of logits at a time.
 
     The CE is what ``F.cross_entropy`` computes (log-softmax in >= fp32, then the label's entry; rows
     labelled IGNORE give 0); its gradient with respect to the logits is softmax - onehot, which the
     log-softmax of the forward already holds, so the gradient with respect to h costs one matmul here and
-    none in backward (the checkpointed path recomputes the logits there: one V x H matmul more per row)."""
+    none in backward (the checkpointed path recomputes the logits there: one V x H matmul more per row).
+    ``one_pass``: each chunk's softmax, gradient, CE and argmax by ``_softmax_grad`` (compiled on the GPU)."""
     N = h.shape[0]
     ct = torch.promote_types(torch.promote_types(h.dtype, w.dtype), torch.float32)
     ce = h.new_empty(N, dtype=ct)
@@ -108,6 +133,11 @@ def _fused_chunks(h, w, y, chunk: int, want_grad: bool):
     dh = torch.empty_like(h) if want_grad else None
     for s in range(0, N, chunk):
         logits = F.linear(h[s:s + chunk].to(w.dtype), w)
+        if one_pass and want_grad:
+            ce[s:s + chunk], pred[s:s + chunk], g = _softmax_grad(logits, y[s:s + chunk])
+            del logits
+            dh[s:s + chunk] = (g @ w).to(h.dtype)
+            continue
         pred[s:s + chunk] = logits.argmax(-1)
         lsm = F.log_softmax(logits, -1, dtype=ct)  # == log_softmax(logits.to(ct)): no fp32 copy of the logits
         del logits
@@ -128,8 +158,8 @@ class _FusedLinearCE(torch.autograd.Function):
     """Rows' CE of h @ w.T with the gradient taken in the forward pass; w is frozen (no gradient)."""
 
     @staticmethod
-    def forward(ctx, h, w, y, chunk):
-        ce, pred, dh = _fused_chunks(h, w, y, chunk, want_grad=True)
+    def forward(ctx, h, w, y, chunk, one_pass=False):
+        ce, pred, dh = _fused_chunks(h, w, y, chunk, want_grad=True, one_pass=one_pass)
         ctx.save_for_backward(dh)
         ctx.mark_non_differentiable(pred)
         return ce, pred
@@ -137,7 +167,7 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_pred):
         (dh,) = ctx.saved_tensors
-        return dh * grad_ce[:, None].to(dh.dtype), None, None, None
+        return dh * grad_ce[:, None].to(dh.dtype), None, None, None, None
 
 
 def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 1024,
@@ -150,7 +180,10 @@ def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.
         so backward only scales it: one chunk's logits live at any time, and no logits are recomputed;
       * "checkpoint": ``chunk`` rows at a time under activation checkpointing: the same peak for the
         logits, but backward recomputes each chunk's logits (one V x H matmul per row more);
-      * "full": all N x V logits at once, kept for backward by autograd (the reference; memory N x V).
+      * "full": all N x V logits at once, kept for backward by autograd (the reference; memory N x V);
+      * "onepass": "fused" with each chunk's softmax, gradient, CE and argmax in one compiled pass on the GPU
+        (``_softmax_grad``; eager elsewhere). Not yet a ``train`` choice: ``tools.bench_attention --ce fused
+        onepass`` pairs it with "fused" on the H200 first.
     Rows labelled IGNORE get CE 0 and no gradient, as in ``F.cross_entropy``.
     """
     if impl not in CE_IMPLS:
@@ -162,12 +195,12 @@ def chunked_cross_entropy(h: torch.Tensor, lm_head: torch.Tensor, labels: torch.
     want_grad = torch.is_grad_enabled() and h.requires_grad
     if impl == "full":
         return _ce_and_argmax(h, lm_head, labels)
-    if impl == "fused":
+    if impl in ("fused", "onepass"):
         if lm_head.requires_grad:
             raise ValueError("the fused cross entropy treats lm_head as frozen, but it requires grad; "
                              "use impl='checkpoint' to train it")
         if want_grad:
-            return _FusedLinearCE.apply(h, lm_head, labels, chunk)
+            return _FusedLinearCE.apply(h, lm_head, labels, chunk, impl == "onepass")
         ce, pred, _ = _fused_chunks(h, lm_head, labels, chunk, want_grad=False)
         return ce, pred
     ces, preds = [], []

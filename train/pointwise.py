@@ -33,15 +33,20 @@ def reset() -> None:
     _compiled.clear()
 
 
-def fused(fn):
+def fused(fn=None, *, without_grad: bool = False):
     """``fn(x, ...)`` compiled when ``x`` lives on one of ``DEVICES``, ``FUSE`` holds and gradients are on (training
     steps; evaluation and decoding run small blocks, where each shape would cost a graph and little time is won);
-    eager otherwise, and inside a graph being compiled (which traces the eager body). ``.eager``: the plain one."""
+    eager otherwise, and inside a graph being compiled (which traces the eager body). ``.eager``: the plain one.
+    ``without_grad``: compiled with gradients off too (math that a training step runs inside an autograd
+    Function's forward, where they are always off)."""
+    if fn is None:
+        return functools.partial(fused, without_grad=without_grad)
     name = fn.__name__
 
     @functools.wraps(fn)
     def call(x, *args):
-        if not FUSE or x.device.type not in DEVICES or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not FUSE or x.device.type not in DEVICES or not (without_grad or torch.is_grad_enabled()) \
+                or torch.compiler.is_compiling():
             return fn(x, *args)
         if name not in _compiled:
             _compiled[name] = torch.compile(fn, dynamic=True, backend=BACKEND)
