@@ -89,12 +89,18 @@ PROBE = textwrap.dedent("""
         tripped = None
     except RuntimeError as e:
         tripped = str(e)
+    try:  # the stand-in itself, called directly: on the path, and raising
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        chunk_gated_delta_rule(ids, ids, ids, ids, ids)
+        direct = None
+    except RuntimeError as e:
+        direct = str(e)
     from hsstore.extract.target import load_target
     model = load_target(target, torch.float32, torch.device("cpu"), progress=False)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
     np.save(out, torch.stack(hs).numpy())
-    print(json.dumps({"tripped": tripped}))
+    print(json.dumps({"tripped": tripped, "direct": direct}))
 """)
 
 
@@ -104,16 +110,28 @@ def _tripwire_env() -> dict:
     return env
 
 
+def _transformers_routes_cpu_itself() -> bool:
+    """transformers >= 5.25: its kernel wrapper checks the inputs' device against the package's (fla: GPUs)."""
+    import transformers.integrations.hub_kernels as hub
+
+    return hasattr(hub, "_PACKAGE_SUPPORTED_DEVICES")
+
+
 def test_cpu_forward_never_reaches_fla(tiny_dir, tmp_path):
     """With a kernel package on the path that raises when called (as fla's Triton kernels fail on CPU tensors),
-    a plain transformers CPU forward trips it; the target as hsstore loads it does not, and computes what the torch
-    path computes."""
+    a plain transformers CPU forward trips it where transformers sends CPU tensors to an installed fla (up to 5.24;
+    from 5.25 its kernel wrapper sends them to the torch path itself, and the stand-in is shown to be on the path by
+    calling it); the target as hsstore loads it never does, and computes what the torch path computes."""
     out = tmp_path / "hs.npy"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(tiny_dir), str(out)], env=_tripwire_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["tripped"] and "tripwire" in result["tripped"], "the stand-in kernels were not picked up"
+    assert result["direct"] and "tripwire" in result["direct"], "the stand-in kernels are not on the path"
+    if _transformers_routes_cpu_itself():
+        assert result["tripped"] is None, result["tripped"]
+    else:
+        assert result["tripped"] and "tripwire" in result["tripped"], "the stand-in kernels were not picked up"
 
     from hsstore.extract.target import load_target
 
