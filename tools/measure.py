@@ -65,6 +65,23 @@ def class_of(name: str, classes) -> str:
     return "other"
 
 
+def _profiled(fn, record_shapes: bool = False):
+    """torch.profiler over one call of ``fn`` (CPU operators, and CUDA kernels where there is a GPU), the device
+    synchronised before and after so that only this call's kernels count."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=record_shapes) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof
+
+
 def device_profile(fn, classes, *, by: str = "kernel", top: int = 20) -> dict:
     """Where one call of ``fn`` spends device time, by class: ``{"ms", "by_class_pct", "by_class_ms", "top"}``.
 
@@ -74,16 +91,9 @@ def device_profile(fn, classes, *, by: str = "kernel", top: int = 20) -> dict:
     time (a CPU smoke test of the same table). Call ``fn`` once before: compiling and first-touch allocations
     are not what this measures."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = _profiled(fn)
     times: dict[str, float] = defaultdict(float)  # microseconds
     for ev in prof.events():
         on_device = ev.device_type == torch.autograd.DeviceType.CUDA
@@ -114,16 +124,9 @@ def ops_by_shape(fn, ops, *, top: int = 12) -> list[dict]:
     table). Names which of many calls of one operator (``aten::copy_``, ``aten::mm``) the time goes to. Call
     ``fn`` once before."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
-                 record_shapes=True) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = _profiled(fn, record_shapes=True)
     rows: dict[tuple, dict] = {}
     for ev in prof.events():
         if ev.name not in ops or ev.device_type == torch.autograd.DeviceType.CUDA:
@@ -161,6 +164,8 @@ def gemm_profile(fn, *, top: int = 12) -> list[dict]:
         g["tflops"] = round(g["flop"] / g["ms"] / 1e9, 1) if g["ms"] else 0.0
         g["ms"] = round(g["ms"], 3)
     return sorted(rows.values(), key=lambda g: -g["ms"])[:top]
+
+
 def gemm_rate(m: int, k: int, n: int, *, reps: int = 20, dtype=None) -> float:
     """TFLOP/s of ``F.linear`` (x [m, k] by a weight [n, k], as a layer computes) alone on the GPU: the rate
     cuBLAS reaches on that shape without the rest of the forward around it."""

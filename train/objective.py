@@ -111,7 +111,8 @@ def _softmax_grad(logits, y):
     pred = logits.argmax(-1)
     if torch.compiler.is_compiling():  # one pass: the onehot is an index compare inside the kernel
         label = torch.arange(x.shape[1], device=x.device)[None, :] == yc[:, None]
-        g = torch.where(label, torch.exp(x - lse[:, None]) - 1, torch.exp(x - lse[:, None])) * keep[:, None]
+        p = torch.exp(x - lse[:, None])
+        g = torch.where(label, p - 1, p) * keep[:, None]
         return ce, pred, g.to(logits.dtype)
     g = x.sub(lse[:, None]).exp_().mul_(keep[:, None])  # eager: in place, one fp32 chunk held
     g.scatter_add_(1, yc[:, None], -keep[:, None].to(g.dtype))
