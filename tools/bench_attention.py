@@ -14,8 +14,8 @@ for each attention implementation x lm_head/cross-entropy implementation side by
 position a response token, ``--anchors`` anchors each; ``--ckpt mlp``/``full`` recomputes each draft layer's MLP half / the whole layer in backward
 (``hsstore train --checkpoint-layers``), and every row prints ``train``'s GPU estimate beside the measured peak. ``--ce``: how the lm_head + cross entropy run (objective.CE_IMPLS:
 full = all logits at once, the unchunked reference; checkpoint = ``--ce-chunk`` rows at a time, recomputed
-in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward; onepass = fused with each chunk's
-softmax, gradient, CE and argmax in one compiled pass, paired here before ``train`` offers it). Prints ms/step, tokens/s
+in backward; fused = ``--ce-chunk`` rows at a time, gradient taken in forward, each chunk's softmax, gradient, CE
+and argmax one compiled pass under ``--pointwise fused``). Prints ms/step, tokens/s
 (context tokens), peak memory over the timed steps (CUDA: ``torch.cuda.max_memory_allocated`` after a reset,
 weights included; CPU: each case runs in its own process with glibc returning large blocks to the system
 at once, and reports its peak RSS since a reset of the high-water mark, and that peak less the RSS at the
@@ -311,7 +311,8 @@ def main():
                     help="what each draft layer recomputes in backward (train --checkpoint-layers): off, mlp (its MLP "
                          "half), full (the whole layer); 'off mlp full' compares")
     ap.add_argument("--pointwise", nargs="+", default=["fused"], choices=["eager", "fused"],
-                    help="the layers' norms, RoPE and SwiGLU: fused (compiled on CUDA, the trainer's) or eager; "
+                    help="the layers' norms, RoPE and SwiGLU and the fused CE's chunk math: fused (compiled on CUDA, "
+                         "the trainer's) or eager; "
                          "'eager fused' compares")
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--layers", type=int, default=1)

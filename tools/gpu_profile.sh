@@ -5,13 +5,11 @@
 #
 # SCRATCH default /tmp/hsprof; PARTS (comma-separated, default drafter,ckpt) picks what runs:
 #   drafter  the drafter step (published 5 layers, 1 x 16,384 tokens, 512 anchors, blocks attention, fused CE),
-#            the layers' pointwise math eager vs fused, each with forward and backward apart and one step's
+#            the layers' pointwise math and the CE's chunk math eager vs fused, each with forward and backward apart and one step's
 #            device time by operator class (tools/bench_attention --pointwise eager fused --profile); ~300 s
 #   ckpt     4 x 4,096 tokens: no recompute vs --checkpoint-layers mlp and full (time and peak); ~200 s
 #   fed      the trainer fed by the loader vs resident, published recipe (4 x 4,096, 512 anchors), cold page
 #            cache, 2 rounds of 5 steps (tools/bench_train); ~180 s
-#   ce       the drafter step (as in drafter, no profile) with the fused cross entropy vs its one-pass form
-#            (--ce fused onepass: each chunk's softmax, gradient, CE and argmax in one compiled pass); ~150 s
 #   optim    the optimizer update alone on the drafter's fp32 masters: AdamW foreach vs fused; ~60 s
 #   ab       the drafter step (as in drafter, fused, no profile) under the hsstore installed in $BASE_SITE (the
 #            wheel of an earlier commit: pip install --no-deps --target $BASE_SITE) and under the current one,
@@ -49,8 +47,6 @@ for r in 1 2; do
     done
 done'
 run ab 260 bash -c "$AB"
-run ce 180 python3 -m tools.bench_attention --published --seq 16384 --anchors 512 --impl blocks --ce fused onepass \
-    --steps 5 --warmup 2
 run optim 60 python3 -m tools.bench_attention --published --optim --steps 3 --warmup 1
 run cold 120 python3 -m hsstore bench "$S/cold" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
 run extract 240 python3 -m tools.profile_extract --layers-total 16 --variants nomask,mixers,flaconv --samples 16 \
