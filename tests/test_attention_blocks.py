@@ -212,3 +212,35 @@ def test_layers_of_one_window_share_one_attention_mask():
     mask_bytes = sum(plan.bias(i, torch.float32, 2).nbytes for i in range(len(plan.groups)))
     assert two - one == three - two  # every layer after the first adds the same
     assert (two - one) + mask_bytes <= one  # and not its own mask: the first layer's mask is kept once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_equals_indexing_and_its_gradient(dtype):
+    """The keys' gather: the values of x[b, rows], and a gradient that sums every place a row was gathered (rows
+    repeat across chunks), as autograd's indexing gives."""
+    from hsstore.train.masks import gather_rows
+
+    g = torch.Generator().manual_seed(5)
+    B, Lk, n, K, h, d = 2, 11, 3, 7, 2, 4
+    x = torch.randn(B, Lk, h, d, generator=g).to(dtype)
+    rows = torch.randint(0, Lk, (B, n, K), generator=g)
+    rows[0, 1] = rows[0, 0]  # a whole chunk gathered twice
+    up = torch.randn(B, n, K, h, d, generator=g).to(dtype)
+    b = torch.arange(B)[:, None, None]
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = gather_rows(x1, rows)
+    (got * up).sum().backward()
+    (x2[b, rows] * up).sum().backward()
+    assert torch.equal(got, x[b, rows])
+    want = torch.zeros(B, Lk, h, d, dtype=torch.float64)
+    for bi in range(B):
+        for c in range(n):
+            for j in range(K):
+                want[bi, rows[bi, c, j]] += up[bi, c, j].double()
+    assert x1.grad.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -6  # bf16 on CPU: each repeat's sum rounded
+    assert torch.allclose(x1.grad.double(), want, rtol=tol, atol=1e-7)
+    assert torch.allclose(x1.grad.double(), x2.grad.double(), rtol=tol, atol=1e-7)
+    untouched = torch.ones(B, Lk, dtype=torch.bool)
+    untouched[b.expand_as(rows), rows] = False
+    assert (x1.grad[untouched] == 0).all() and (x1.grad[~untouched] != 0).any()
