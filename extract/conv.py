@@ -4,9 +4,11 @@ transformers looks for the ``causal-conv1d`` package for the 48 Gated DeltaNet l
 Qwen3.5/3.6 target; without it every layer runs a generic depthwise ``F.conv1d`` plus a separate SiLU (and logs
 "``causal_conv1d_fn`` is falling back to its reference PyTorch implementation"). flash-linear-attention, which
 extraction needs anyway for the gated delta rule, ships a Triton causal convolution with the activation fused.
-:func:`use_fla_conv` puts it behind the modeling module's ``causal_conv1d_fn`` (looked up at call time by the
-mixer's forward in transformers 5.17 and 5.24 alike), for CUDA tensors only: CPU tensors, a ``seq_idx`` and
-``HSSTORE_CONV=torch`` keep the function that was there (transformers' torch path, or the CPU router's).
+:func:`use_fla_conv` puts it behind the modeling module's ``causal_conv1d_fn``, looked up at call time: by the
+mixer's forward in transformers 5.17 and 5.24; in 5.25 by the module's ``causal_conv1d_forward`` (which the mixer
+calls, and which also reads the conv state from the cache; the global there is a ``kernels`` layer, called like the
+function). For CUDA tensors only: CPU tensors, a ``seq_idx`` and ``HSSTORE_CONV=torch`` keep whatever was there
+(transformers' torch path, or the CPU router's).
 
 Layouts: transformers calls ``fn(x [batch, dim, time], weight [dim, width], bias, activation=..., **kwargs)``;
 fla's ``causal_conv1d(x [batch, time, dim], weight [dim, width], bias, activation=...)`` returns
@@ -28,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV = "HSSTORE_CONV"  # "torch": keep transformers' PyTorch convolution on CUDA too (to compare, or to rule it out)
-HOOKED = "causal_conv1d_fn"  # the modeling module's global that the Gated DeltaNet mixer calls
+HOOKED = "causal_conv1d_fn"  # the modeling module's global the mixer calls (5.25: through causal_conv1d_forward)
 MIXER = "GatedDeltaNet"  # class-name ending of the mixers whose module is hooked
 
 

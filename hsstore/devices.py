@@ -9,8 +9,11 @@ resolves every command's ``--device`` before running it.
 transformers picks a Gated DeltaNet's kernels when its modeling module is imported: with flash-linear-attention
 installed, fla's Triton kernels, whatever device the model is later moved to; a CPU forward then fails inside
 Triton. :func:`route_cpu_kernels` puts a device check in front of each such kernel, so CPU tensors take
-transformers' own torch path (the kernel's ``__wrapped__`` reference) and CUDA tensors the kernel as before. It
-works on the modules' names only, so this package still never imports transformers.
+transformers' own torch path (the kernel wrapper's ``__wrapped__`` reference) and CUDA tensors the kernel as before.
+From 5.25 transformers' wrapper sends CPU tensors to that path itself, but only for the packages it lists
+(``hub_kernels._PACKAGE_SUPPORTED_DEVICES``: fla, causal-conv1d, mamba-ssm), and its modeling globals are
+``kernels`` layers around the wrapper (so are 5.24's where ``kernels`` is installed): both shapes are routed, on
+every version. It works on the modules' names only, so this package still never imports transformers.
 """
 
 from __future__ import annotations
@@ -90,17 +93,40 @@ def describe(dev) -> str:
 
 
 # -- CPU forwards around GPU-only kernels -------------------------------------------------------------------
-def _reference(fn):
-    """The torch reference behind a transformers kernel wrapper (``use_kernel_func_from_hub_with_fallback``:
-    the wrapper's code lives in transformers' hub_kernels module, ``__wrapped__`` is the modeling file's torch
-    function), else None."""
+def _closure(fn) -> dict:
+    """``fn``'s closure variables by name (empty cells left out)."""
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    found = {}
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:
+            pass
+    return found
+
+
+def _is_wrapper(fn) -> bool:
+    """Whether ``fn`` is transformers' kernel wrapper (``use_kernel_func_from_hub_with_fallback``'s function, in 5.24
+    and 5.25 alike): its ``__wrapped__`` is the modeling file's torch function, which it also holds as its
+    ``torch_function``, and its code lives in transformers' hub_kernels module (either sign is enough)."""
+    if not inspect.isfunction(fn) or getattr(fn, "_hsstore_cpu_safe", False):
+        return False
     ref = getattr(fn, "__wrapped__", None)
-    code = getattr(fn, "__code__", None)
-    if ref is None or code is None or not callable(ref) or getattr(fn, "_hsstore_cpu_safe", False):
-        return None
-    if not code.co_filename.replace("\\", "/").endswith("integrations/hub_kernels.py"):
-        return None
-    return ref
+    if not callable(ref):
+        return False
+    return (_closure(fn).get("torch_function") is ref
+            or fn.__code__.co_filename.replace("\\", "/").endswith("integrations/hub_kernels.py"))
+
+
+def _kernel_wrapper(fn):
+    """The transformers kernel wrapper that the modeling module's global ``fn`` is or calls, else None. With the
+    ``kernels`` package installed (a dependency of transformers from 5.25, optional before) the global is a
+    ``kernels`` layer instead: an ``nn.Module`` instance whose class has ``kernel_layer_name`` and whose ``forward``
+    calls the wrapper, which it holds in its closure."""
+    if getattr(type(fn), "kernel_layer_name", None) is None:
+        return fn if _is_wrapper(fn) else None
+    held = _closure(getattr(type(fn), "forward", None)).values()
+    return next((f for f in held if _is_wrapper(f)), None)
 
 
 def _first_tensor(args, kwargs):
@@ -112,11 +138,13 @@ def _first_tensor(args, kwargs):
     return None
 
 
-def _cpu_safe(kernel, reference):
+def _cpu_safe(kernel, wrapper):
+    """``kernel`` (the global as found) for tensors off the CPU, ``wrapper``'s torch reference for CPU tensors."""
+    reference = wrapper.__wrapped__
     params = inspect.signature(reference).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-    @functools.wraps(kernel)
+    @functools.wraps(wrapper)  # not the kernels layer itself: an nn.Module's __dict__ is no function's
     def dispatch(*args, **kwargs):
         t = _first_tensor(args, kwargs)
         if t is not None and t.device.type == "cpu":
@@ -141,8 +169,8 @@ def route_cpu_kernels(model) -> list[str]:
             continue
         scope = vars(module)
         for attr, fn in list(scope.items()):
-            ref = _reference(fn) if callable(fn) else None
-            if ref is not None:
-                scope[attr] = _cpu_safe(fn, ref)
+            wrapper = _kernel_wrapper(fn) if callable(fn) else None
+            if wrapper is not None:
+                scope[attr] = _cpu_safe(fn, wrapper)
                 routed.append(f"{name.rsplit('.', 1)[-1]}.{attr}")
     return routed

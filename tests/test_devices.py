@@ -141,9 +141,36 @@ def test_cpu_forward_never_reaches_fla(tiny_dir, tmp_path):
     np.testing.assert_allclose(np.load(out), ref.numpy(), rtol=0, atol=1e-5)
 
 
+# what route_cpu_kernels puts a device check in front of in the tiny target's modeling module, on every version
+ROUTED = [f"modeling_qwen3_5.{f}" for f in ("causal_conv1d_fn", "causal_conv1d_update",
+                                            "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")]
+
+EVAL_PROBE = textwrap.dedent("""
+    import importlib.util, json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from hsstore.devices import route_cpu_kernels
+    m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+    routed = route_cpu_kernels(m)
+    with torch.no_grad():  # the cached decode path too
+        out = m.generate(torch.arange(3, 20).reshape(1, -1), max_new_tokens=4, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    print(json.dumps({"routed": routed, "fla": getattr(importlib.util.find_spec("fla"), "origin", None) or "",
+                      "tokens": out.sequences[0].tolist(), "scores": torch.stack(out.scores).flatten().tolist()}))
+""")
+
+
+def _eval_probe(tiny_dir, env) -> dict:
+    """What ``eval --model`` runs on the target (load, route_cpu_kernels, a greedy cached decode), in ``env``."""
+    proc = subprocess.run([sys.executable, "-c", EVAL_PROBE, str(tiny_dir)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_extract_and_speculative_eval_on_cpu_with_fla_installed(tiny_dir, tmp_path):
     """The CLI path a user runs on a GPU machine with ``.[gpu]`` installed but ``--device cpu``: extract (whose
-    default device is the GPU elsewhere) and ``eval --model`` (the target decoding on CPU)."""
+    default device is the GPU elsewhere) and ``eval --model`` (the target decoding on CPU), whose greedy tokens and
+    scores with the stand-in on the path equal those without it."""
     rows = tmp_path / "in.jsonl"
     rows.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
     store = tmp_path / "store"
@@ -156,19 +183,74 @@ def test_extract_and_speculative_eval_on_cpu_with_fla_installed(tiny_dir, tmp_pa
 
     assert len(hsstore.open(str(store))) == 4
 
-    code = textwrap.dedent("""
-        import sys, torch
-        from transformers import AutoModelForCausalLM
-        from hsstore.devices import route_cpu_kernels
-        m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-        assert route_cpu_kernels(m), "nothing routed"
-        with torch.no_grad():
-            m.generate(torch.arange(3, 20).reshape(1, -1), max_new_tokens=4, do_sample=False)  # cached decode path
-        print("ok")
-    """)
-    proc = subprocess.run([sys.executable, "-c", code, str(tiny_dir)], env=_tripwire_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    plain = _eval_probe(tiny_dir, dict(os.environ))  # this process's environment: no stand-in
+    tripwired = _eval_probe(tiny_dir, _tripwire_env())  # raises wherever CPU tensors reach the stand-in
+    assert Path(tripwired["fla"]).is_relative_to(TRIPWIRE), "the stand-in kernels are not on the path"
+    assert set(tripwired["routed"]) >= set(ROUTED), tripwired["routed"]
+    assert tripwired["tokens"] == plain["tokens"]
+    np.testing.assert_allclose(tripwired["scores"], plain["scores"], rtol=0, atol=1e-5)
+
+
+PROBE_MODULE = "transformers.models.hsstore_probe.modeling_hsstore_probe"
+PROBE_SOURCE = textwrap.dedent("""
+    import functools
+    import torch
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+
+    @use_kernel_func_from_hub_with_fallback("tripwire_kernel", "hsstore_tripwire_kernel")
+    def torch_kernel(x, scale=2.0, **kwargs):
+        return x * scale
+
+
+    def plus_one(f):
+        @functools.wraps(f)
+        def inner(*args, **kwargs):
+            return f(*args, **kwargs) + 1
+        return inner
+
+
+    @plus_one
+    def not_a_kernel(x):  # wrapped, but by no kernel decorator: never routed
+        return x
+
+
+    class Mixer(torch.nn.Module):
+        def forward(self, x):
+            return not_a_kernel(torch_kernel(x))
+""")
+
+
+def test_route_cpu_kernels_on_the_installed_wrappers(monkeypatch):
+    """A modeling module built with the installed transformers' kernel decorator (a plain wrapper function; where
+    the ``kernels`` package is installed, as 5.25 requires, a ``kernels`` layer around it) for a package that 5.25's
+    device table does not list, so its wrapper sends it CPU tensors on every version. Routed, CPU tensors take the
+    torch function, others still reach the kernel, and a function wrapped by anything else is left alone."""
+    import types
+
+    import transformers.integrations.hub_kernels as hub
+
+    if not hasattr(hub, "use_kernel_func_from_hub_with_fallback"):
+        pytest.skip("this transformers has no use_kernel_func_from_hub_with_fallback")
+    from hsstore.devices import route_cpu_kernels
+
+    def tripwire_kernel(x, scale=2.0, **kwargs):
+        raise RuntimeError(f"tripwire: kernel called with tensors on {x.device}")
+
+    package = types.ModuleType("hsstore_tripwire_kernel")
+    package.tripwire_kernel = tripwire_kernel
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    modeling = types.ModuleType(PROBE_MODULE)
+    monkeypatch.setitem(sys.modules, PROBE_MODULE, modeling)
+    exec(compile(PROBE_SOURCE, "<hsstore probe modeling module>", "exec"), vars(modeling))
+    mixer, x = modeling.Mixer(), torch.arange(6.0)
+    with pytest.raises(RuntimeError, match="tripwire"):  # unrouted, CPU tensors reach the kernel
+        mixer(x)
+    assert route_cpu_kernels(mixer) == ["modeling_hsstore_probe.torch_kernel"]
+    torch.testing.assert_close(mixer(x), x * 2 + 1, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="tripwire"):  # other devices still get the kernel
+        mixer(x.to("meta"))
+    assert route_cpu_kernels(mixer) == []  # once
 
 
 # -- --compile by cost ------------------------------------------------------------------------------------
