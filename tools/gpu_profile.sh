@@ -5,8 +5,9 @@
 #
 # SCRATCH default /tmp/hsprof; PARTS (comma-separated, default drafter,ckpt) picks what runs:
 #   drafter  the drafter step (published 5 layers, 1 x 16,384 tokens, 512 anchors, blocks attention, fused CE),
-#            the layers' pointwise math and the CE's chunk math eager vs fused, each with forward and backward apart and one step's
-#            device time by operator class (tools/bench_attention --pointwise eager fused --profile); ~300 s
+#            the layers' pointwise math and the CE's chunk math eager vs fused, each with forward and backward
+#            apart and one step's device time by operator class (tools/bench_attention --pointwise eager fused
+#            --profile); ~300 s
 #   ckpt     4 x 4,096 tokens: no recompute vs --checkpoint-layers mlp and full (time and peak); ~200 s
 #   fed      the trainer fed by the loader vs resident, published recipe (4 x 4,096, 512 anchors), cold page
 #            cache, 2 rounds of 5 steps (tools/bench_train); ~180 s
