@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .engine_ids import engine_ids_of, engine_samples
-from .messages import RowError, TemplateError, normalize_messages, template_kwargs_of
+from .messages import RowError, TemplateError, normalize_messages, not_generated_turns, template_kwargs_of
 from .readers import ChatRecord
 from .response import ResponseMarkers
 from .sample import MaskedIds, TokenizedSample, annotate
@@ -74,11 +74,13 @@ class ChatTokenizer:
     """A tokenizer plus what exact masking needs: its template, end-of-turn id and response markers.
 
     ``template_kwargs`` are passed to every render (``enable_thinking``, ``preserve_thinking``, ...);
-    a row's own ``chat_template_kwargs`` override them.
+    a row's own ``chat_template_kwargs`` override them. Assistant turns marked ``"generated": false`` are
+    context, never in the loss, unless ``learn_not_generated`` (their samples are then flagged ``not_generated``).
     """
 
     def __init__(self, tokenizer, end_of_turn: str | None = None, markers: ResponseMarkers | None = None,
-                 template_kwargs: dict | None = None, trust_engine_ids: bool = False):
+                 template_kwargs: dict | None = None, trust_engine_ids: bool = False,
+                 learn_not_generated: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {_name(tokenizer)} has no chat template")
         self.tokenizer = tokenizer
@@ -86,6 +88,7 @@ class ChatTokenizer:
         self.template_kwargs = dict(template_kwargs or {})
         self.eot_text = tokenizer.convert_ids_to_tokens(self.markers.end_of_turn)
         self.trust_engine_ids = trust_engine_ids
+        self.learn_not_generated = learn_not_generated
         self._marker_ids: dict[str, int | None] = {}
         self.vocab_size = len(tokenizer)
         self._check_control_tokens()
@@ -210,9 +213,10 @@ class ChatTokenizer:
             pending = [t for t in pending if t not in stable]
         return sorted(groups, key=lambda g: g[-1]), renders
 
-    def build(self, group: list[int], renders: dict[int, TurnRender], cut: set[int]
+    def build(self, group: list[int], renders: dict[int, TurnRender], cut: set[int], context: set[int] = frozenset()
               ) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
-        """Samples of one text group: [(masked turns, ids, loss_mask)].
+        """Samples of one text group: [(turns, ids, loss_mask)]; the turns in ``context`` are in the ids, never in
+        the loss.
 
         Ids are ``encode(prompt of the first turn)``, then per turn ``encode(generated)`` and the encoded
         text up to the next turn's prompt. Before each later turn the ids so far must equal ``encode`` of
@@ -230,7 +234,7 @@ class ChatTokenizer:
             if out[-1].turns and out[-1].ids + gaps[k] != prompts[k]:
                 out.append(MaskedIds())  # the ids so far are not what the engine saw: a new sample
             gen = gens[k]
-            learnt = len(gen) - (1 if t in cut and gen and gen[-1] == eot else 0)
+            learnt = 0 if t in context else len(gen) - (1 if t in cut and gen and gen[-1] == eot else 0)
             out[-1].add_turn(t, gaps[k] if out[-1].turns else prompts[k], gen, learnt)
         for s in out:
             if s.turns[-1] in cut and s.ids and s.ids[-1] == eot and not s.mask[-1]:
@@ -250,6 +254,9 @@ class ChatTokenizer:
         kwargs = {**self.template_kwargs, **template_kwargs_of(record.template_kwargs, label)}
         engine = engine_ids_of(record.messages, self.vocab_size, label)
         flags: dict[int, list[str]] = {}
+        # turns the target did not write: context (the engine rule learns only turns with ids anyway)
+        hand = not_generated_turns(record.messages, label)
+        context = set() if self.learn_not_generated else hand
         if engine:
             built, counts, flags = engine_samples(self, messages, engine, cut, record.tools, kwargs, label)
             if stats is not None:
@@ -259,14 +266,19 @@ class ChatTokenizer:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             messages = messages[: last + 1]  # trailing user/tool messages have no response to learn from
             groups, renders = self.plan(messages, record.tools, label, kwargs)
-            built = [s for g in groups for s in self.build(g, renders, cut)]
+            built = [s for g in groups for s in self.build(g, renders, cut, context) if set(s[0]) - context]
+            if not built:
+                raise RowError("invalid_row", f"{label}: no assistant turn the target generated (each one is marked "
+                                              "generated: false; --learn-not-generated learns them)")
+            for t in hand - context:
+                flags[t] = ["not_generated"]
         ordinal = {j: k for k, j in enumerate(i for i, m in enumerate(messages) if m["role"] == "assistant")}
         samples = []
         for turns, ids, mask in built if expand else built[-1:]:
             sample_id = record.sample_id if len(built) == 1 else f"{record.sample_id}#t{ordinal[turns[-1]]}"
             sample = TokenizedSample(sample_id, ids, mask, record.source)
             annotate(sample, self.markers)
-            if cut.intersection(turns):
+            if cut.intersection(set(turns) - context):
                 sample.add_flag("truncated")
             for t in turns:
                 for f in flags.get(t, ()):

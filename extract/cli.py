@@ -212,7 +212,7 @@ def run_check(args: argparse.Namespace) -> int:
     report = gate_inputs(settings.input.inputs, tokenizer, thresholds=settings.thresholds,
                          chat_template_kwargs=tok.chat_template_kwargs, max_length=tok.max_length,
                          truncate=tok.truncate, expand=tok.expand, report_url=out.report,
-                         trust_engine_ids=tok.trust_engine_ids)
+                         trust_engine_ids=tok.trust_engine_ids, learn_not_generated=tok.learn_not_generated)
     kept = [s for s in report.samples if tok.truncate or "over_length" not in s.flags]
     try:  # optional: what it cannot do is one line, never the gate's verdict
         figures, omitted = cost_estimate(settings, len(kept), sum(s.tokens for s in kept)), None
@@ -252,7 +252,8 @@ def run_show(args: argparse.Namespace) -> int:
                          "an input file, give --model")
     tokenizer = load_tokenizer(where.model)
     sample = input_sample(where.input, where.n, tokenizer, expand=tok.expand,
-                          chat_template_kwargs=tok.chat_template_kwargs, trust_engine_ids=tok.trust_engine_ids)
+                          chat_template_kwargs=tok.chat_template_kwargs, trust_engine_ids=tok.trust_engine_ids,
+                          learn_not_generated=tok.learn_not_generated)
     print(format_input_sample(sample, tokenizer, color=color, max_chars=settings.output.max_chars))
     return 0
 
@@ -380,12 +381,14 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 
 
 def run_regenerate_cmd(args: argparse.Namespace) -> int:
-    from .regenerate import run_regenerate
+    from .regenerate import run_regenerate, skipped_text
 
     res = run_regenerate(regenerate_settings(args))
     print(f"regenerated {res.generated} of {res.prompts} prompts ({res.done_before} already in "
           f"{recordable_url(args.out)}) in {res.seconds:.1f}s: {res.completion_tokens:,} tokens "
           f"({res.tokens_per_s:,.0f} tokens/s), {res.truncated} cut by --max-tokens")
+    if res.skipped:
+        print(f"skipped {skipped_text(res.skipped)} that cannot be prompted (the log names the first of each)")
     return 0
 
 

@@ -278,6 +278,9 @@ def _verdict(report: GateReport) -> None:
     if trusted:
         report.warnings.append(f"{trusted} turns' recorded prompt ids differ from this tokenizer's render of the "
                                "template; kept as the engine computed them (--trust-engine-ids)")
+    if report.flag_counts.get("not_generated"):
+        report.warnings.append(f"{report.flag_counts['not_generated']} samples learn assistant turns the target did not "
+                               "generate (marked generated: false; --learn-not-generated)")
     if report.flag_counts.get("no_loss"):
         report.warnings.append(f"{report.flag_counts['no_loss']} samples have an empty loss mask (nothing to learn)")
     if report.response_fraction < t.min_response_fraction:

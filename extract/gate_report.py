@@ -110,7 +110,7 @@ def input_identity(inputs: list[str], hash_content: bool = True) -> list[dict]:
 
 def run_identity(inputs: list[str], tokenizer, *, chat_template_kwargs: dict | None, max_length: int | None,
                  truncate: bool, expand: bool, thresholds: GateThresholds, hash_content: bool = True,
-                 trust_engine_ids: bool = False) -> dict:
+                 trust_engine_ids: bool = False, learn_not_generated: bool = False) -> dict:
     """Everything a gate verdict depends on besides the gate's code."""
     from .target import tokenizer_identity
 
@@ -120,7 +120,8 @@ def run_identity(inputs: list[str], tokenizer, *, chat_template_kwargs: dict | N
         "tokenizer": {"vocab_hash": tid.vocab_hash, "chat_template_hash": tid.chat_template_hash},
         "settings": {"chat_template_kwargs": dict(chat_template_kwargs or {}), "max_length": max_length,
                      "truncate": bool(truncate), "expand": bool(expand),
-                     **({"trust_engine_ids": True} if trust_engine_ids else {})},
+                     **({"trust_engine_ids": True} if trust_engine_ids else {}),
+                     **({"learn_not_generated": True} if learn_not_generated else {})},
         "thresholds": asdict(thresholds),
     }
 
@@ -209,18 +210,20 @@ def reuse_gate_report(url: str, identity: dict) -> GateVerdict:
 
 def gate_inputs(inputs: list[str], tokenizer, *, thresholds: GateThresholds, chat_template_kwargs: dict | None = None,
                 max_length: int | None = None, truncate: bool = False, expand: bool = True,
-                report_url: str | None = None, trust_engine_ids: bool = False) -> GateReport:
+                report_url: str | None = None, trust_engine_ids: bool = False,
+                learn_not_generated: bool = False) -> GateReport:
     """The gate over the whole input, streamed (``hsstore check``); with ``report_url`` also its report file.
 
     Memory: the gate's per-sample records (id, counts, flags, a 16-byte hash), not the samples' tokens.
     """
     settings = dict(chat_template_kwargs=chat_template_kwargs, max_length=max_length, truncate=truncate,
-                    expand=expand, thresholds=thresholds, trust_engine_ids=trust_engine_ids)
+                    expand=expand, thresholds=thresholds, trust_engine_ids=trust_engine_ids,
+                    learn_not_generated=learn_not_generated)
     before = run_identity(inputs, tokenizer, hash_content=False, **settings) if report_url else None
     stats = TokenizeStats()
     samples = load_samples(inputs, tokenizer, max_length=max_length, truncate=truncate, keep_over_length=True,
                            expand=expand, stats=stats, chat_template_kwargs=chat_template_kwargs,
-                           trust_engine_ids=trust_engine_ids)
+                           trust_engine_ids=trust_engine_ids, learn_not_generated=learn_not_generated)
     report = check(samples, thresholds, stats=stats)
     if report_url:
         identity = run_identity(inputs, tokenizer, **settings)

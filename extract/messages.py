@@ -192,6 +192,25 @@ def normalize_messages(raw, where: str) -> tuple[list[dict], set[int]]:
     return out, cut
 
 
+#: An assistant message's field saying who wrote it: ``false`` marks a turn the target did not generate (hand-written,
+#: or another model's; ``regenerate --turns last`` marks the earlier turns it keeps so): context, never learnt unless
+#: asked (``--learn-not-generated``, which flags the sample ``not_generated``).
+GENERATED_KEY = "generated"
+
+
+def not_generated_turns(raw, where: str) -> set[int]:
+    """Indices of the assistant messages marked ``"generated": false`` (any other value than a bool is refused)."""
+    out = set()
+    for i, m in enumerate(parse_message_list(raw, where)):
+        if not isinstance(m, dict) or m.get(GENERATED_KEY) is None:
+            continue
+        if not isinstance(m[GENERATED_KEY], bool):
+            raise RowError("invalid_row", f"{where}: message {i} {GENERATED_KEY} must be true or false")
+        if m[GENERATED_KEY] is False and role_and_content(m, where, i)[0] == "assistant":
+            out.add(i)
+    return out
+
+
 def template_kwargs_of(value, where: str) -> dict:
     """A row's (or the command line's) ``chat_template_kwargs``: an object, or a JSON string of one."""
     if value is None:

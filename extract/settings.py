@@ -101,6 +101,9 @@ class Rendering:
         False, help="use the token ids a row recorded from the serving engine (prompt_token_ids + token_ids) even "
                     "where the prompt ids differ from this tokenizer's render of the chat template (default: such "
                     "rows are skipped as engine_prompt_mismatch)")
+    learn_not_generated: bool = option(
+        False, help="also learn the assistant turns marked \"generated\": false (hand-written ones that regenerate "
+                    "--turns last kept as context); their samples are flagged not_generated (default: context only)")
 
 
 @dataclass

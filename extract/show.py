@@ -61,7 +61,7 @@ def format_sample(tokenizer, input_ids, loss_mask, color: bool = False, max_char
 
 
 def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_template_kwargs: dict | None = None,
-                 trust_engine_ids: bool = False):
+                 trust_engine_ids: bool = False, learn_not_generated: bool = False):
     """Sample ``n`` of input files (0-based position after multi-turn expansion, or a sample id), tokenized as
     extract would; a row that was skipped, or a position past the end, is refused saying which and why."""
     from .tokenize import TokenizeStats, load_samples
@@ -70,7 +70,8 @@ def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_templat
     count = 0
     stats = TokenizeStats()
     for sample in load_samples(inputs, tokenizer, keep_over_length=True, expand=expand, stats=stats,
-                               chat_template_kwargs=chat_template_kwargs or {}, trust_engine_ids=trust_engine_ids):
+                               chat_template_kwargs=chat_template_kwargs or {}, trust_engine_ids=trust_engine_ids,
+                               learn_not_generated=learn_not_generated):
         if count == index or sample.sample_id == n:
             return sample
         count += 1

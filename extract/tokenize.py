@@ -76,6 +76,7 @@ def load_samples(
     chat_template_kwargs: dict | None = None,
     shard: RowShard = ALL_ROWS,
     trust_engine_ids: bool = False,
+    learn_not_generated: bool = False,
 ) -> Iterator[TokenizedSample]:
     """Stream samples from input files/directories (only the rows ``shard`` owns: one rank's share).
 
@@ -104,7 +105,8 @@ def load_samples(
             if chat is None:
                 try:
                     chat = ChatTokenizer(tokenizer, markers=markers, template_kwargs=chat_template_kwargs,
-                                         trust_engine_ids=trust_engine_ids)
+                                         trust_engine_ids=trust_engine_ids,
+                                         learn_not_generated=learn_not_generated)
                 except ValueError as e:
                     raise ValueError(f"{record.where} (id={record.sample_id}): {e}") from e
             try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hsstore.testing.ports import free_port
 
+from hsstore.extract.messages import RowError
 from hsstore.extract.readers import read_records
 from hsstore.extract.regenerate import (RegenerateError, RegenerateSettings, assistant_turn, build_prompt, resume_output,
                                         run_regenerate)
@@ -306,19 +307,146 @@ def test_build_prompt_modes_and_refusals(tmp_path):
     every = build_prompt(recs[0], "all")
     assert [m["content"] for m in every.messages] == ["s", "u1", "u2", "u3"] and every.points == [1, 3]
     assert [m["content"] for m in build_prompt(recs[1], "last").messages] == ["u"]
-    with pytest.raises(ValueError, match=r"id=tools\): tool results answer the original tool calls"):
+    with pytest.raises(RowError, match=r"id=tools\): tool results answer the original tool calls") as e:
         build_prompt(recs[1], "all")
-    with pytest.raises(ValueError, match=r"in\.jsonl:3 \(id=no-user\): no user message"):
+    assert e.value.reason == "tool_results"
+    with pytest.raises(RowError, match=r"in\.jsonl:3 \(id=no-user\): no user message"):
         build_prompt(recs[2], "last")
-    with pytest.raises(ValueError, match=r"in\.jsonl:3 \(id=no-user\): no user message"):  # before any request
-        run_regenerate(build(RegenerateSettings, inputs=[str(tmp_path / "in.jsonl")], out=str(tmp_path / "o.jsonl"),
-                             server="http://127.0.0.1:9", progress=False))
-    tokens = write_jsonl(tmp_path / "tok.jsonl", [{"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1]}])
-    with pytest.raises(ValueError, match=r"tok\.jsonl:1: a pre-tokenized row"):
-        run_regenerate(build(RegenerateSettings, inputs=[str(tokens)], out=str(tmp_path / "o.jsonl"),
-                             server="http://127.0.0.1:9", progress=False))
+    # rows none of which can be prompted: the run fails before any request, counting them by reason
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[2]) + "\n" + json.dumps({"id": "t", "input_ids": [1, 2], "loss_mask": [0, 1]})
+                   + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"no row to answer: 3 row\(s\) \(invalid_row 1, malformed_json 1, "
+                                         r"pre_tokenized 1\) skipped; first: .*bad\.jsonl:1 \(id=no-user\)"):
+        run_regenerate(build(RegenerateSettings, inputs=[str(bad)], out=str(tmp_path / "o.jsonl"),
+                             server="http://127.0.0.1:9", retries=0, progress=False))
     assert not (tmp_path / "o.jsonl").exists()
     (tmp_path / "o.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"o\.jsonl: the output is also an input"):
         run_regenerate(build(RegenerateSettings, inputs=[str(tmp_path)], out=str(tmp_path / "o.jsonl"),
                              server="http://127.0.0.1:9", progress=False))
+
+
+# ------------------------------------------------------------------ the rows that showed it (tools/engine_server.py)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from hsstore.extract.tiny import trained_target_dir
+
+    return trained_target_dir()
+
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Think step by step before you answer."}
+
+
+def engine_regenerate(url: str, inp: Path, out: Path, capsys, *extra: str) -> str:
+    """``hsstore regenerate`` through the CLI; its stdout."""
+    assert main(["regenerate", "--server", url, "--input", str(inp), "--out", str(out), "--max-tokens", "120",
+                 "--temperature", "0", "--concurrency", "2", "-q", *extra]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_rows_own_template_arguments_win(trained, tmp_path, capsys):
+    """Thinking-off rows (their own chat_template_kwargs) are asked with thinking off and recorded so, the other
+    rows with the run's; check renders each with what was sent (no prompt_mismatch) and the engine's prompt ids
+    agree with it."""
+    from tools.engine_server import EngineServer
+
+    off = {"enable_thinking": False}
+    rows = [{"id": f"off-{i}", "chat_template_kwargs": off,
+             "messages": [SYSTEM, {"role": "user", "content": q}]} for i, q in enumerate(["What is 2 + 3?",
+                                                                                         "Count from 3 to 6."])]
+    rows.append({"id": "on-0", "messages": [SYSTEM, {"role": "user", "content": "What is 4 + 4?"}]})
+    inp, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    server = EngineServer(trained, script={"2 + 3": "5.", "3 to 6": "3, 4, 5, 6."})  # the tiny model always thinks
+    with server as url:
+        engine_regenerate(url, inp, out, capsys, "--chat-template-kwargs", '{"preserve_thinking": true}')
+    sent = {r["messages"][-1]["content"]: r["chat_template_kwargs"] for r in server.requests}
+    assert sent["What is 2 + 3?"] == sent["Count from 3 to 6."] == {"enable_thinking": False,
+                                                                     "preserve_thinking": True}
+    assert sent["What is 4 + 4?"] == {"enable_thinking": True, "preserve_thinking": True}
+    got = {r["id"]: r for r in read_out(out)}
+    for i in range(2):
+        row = got[f"off-{i}"]
+        assert row["chat_template_kwargs"] == {"enable_thinking": False, "preserve_thinking": True}
+        turn = row["messages"][-1]
+        assert turn["reasoning_content"] == "" and turn["finish_reason"] == "stop"  # thinking off: no reasoning
+    assert got["on-0"]["chat_template_kwargs"] == {"enable_thinking": True, "preserve_thinking": True}
+    main(["check", "--model", str(trained), "--input", str(out), "--json"])  # the short answers may fail the gate
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 3 and report["input"]["skipped_rows"] == 0
+    assert report["input"]["engine_turns"] == 3  # each recorded prompt equals the render with the row's arguments
+
+
+def test_hand_written_turns_are_context_unless_asked(trained, tmp_path, capsys):
+    """--turns last keeps a multi-turn row's hand-written earlier answer as context, marked generated: false.
+    With a server that gives no ids (it refuses return_token_ids, as transformers serve does), check and
+    extract re-tokenize the text: by default only the regenerated turn is learnt (one sample, the row's id);
+    --learn-not-generated learns the hand-written one too, flagged not_generated, which info counts and
+    subset --exclude-flag drops."""
+    import hsstore
+    from tools.engine_server import EngineServer
+
+    multi = {"id": "my-multi-1", "messages": [
+        SYSTEM, {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "HAND-WRITTEN: it is five.", "reasoning_content": "I wrote this myself."},
+        {"role": "user", "content": "What is 4 + 4?"}]}
+    single = {"id": "single", "messages": [SYSTEM, {"role": "user", "content": "Count from 3 to 6."}]}
+    inp, out = write_jsonl(tmp_path / "in.jsonl", [multi, single]), tmp_path / "out.jsonl"
+    with EngineServer(trained, strict=True) as url:
+        engine_regenerate(url, inp, out, capsys)
+    row = next(r for r in read_out(out) if r["id"] == "my-multi-1")
+    assert row["generation"]["token_ids"] == "refused by the server"
+    assert row["messages"][2]["content"] == "HAND-WRITTEN: it is five." and row["messages"][2]["generated"] is False
+    assert "generated" not in row["messages"][-1]
+
+    main(["check", "--model", str(trained), "--input", str(out), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 2 and "not_generated" not in report["flag_counts"]
+    main(["check", "--model", str(trained), "--input", str(out), "--json", "--learn-not-generated"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 3 and report["flag_counts"]["not_generated"] == 1
+    assert report["flagged_ids"]["not_generated"] == ["my-multi-1#t0"]
+    assert any("did not generate" in w for w in report["warnings"])
+
+    for name, extra in (("default", []), ("asked", ["--learn-not-generated"])):
+        assert main(["extract", "--model", str(trained), "--input", str(out), "--out", str(tmp_path / name),
+                     "--device", "cpu", "--dtype", "float32", "--layers", "1,4", "-q", "--force", *extra]) == 0
+        capsys.readouterr()
+    store = hsstore.open(str(tmp_path / "default"))
+    ids = sorted(store.read(i, layers=store.layers[:1])["sample_id"] for i in range(len(store)))
+    assert ids == ["my-multi-1", "single"]
+    mine = next(store.read(i, layers=store.layers[:1]) for i in range(len(store))
+                if store.read(i, layers=store.layers[:1])["sample_id"] == "my-multi-1")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(trained))
+    learnt = tok.decode(mine["input_ids"][mine["loss_mask"]])
+    assert "HAND-WRITTEN" not in learnt and "HAND-WRITTEN" in tok.decode(mine["input_ids"])  # context only
+    assert main(["info", str(tmp_path / "asked"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["flags"]["not_generated"] == 1
+    assert main(["subset", str(tmp_path / "asked"), str(tmp_path / "generated-only"), "--exclude-flag",
+                 "not_generated", "-q", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["written"] == 2
+    assert main(["subset", str(tmp_path / "default"), str(tmp_path / "x"), "--exclude-flag", "not_generated",
+                 "-q"]) == 0  # a flag name writers record, though this store has none of it
+    capsys.readouterr()
+
+
+def test_a_tool_row_is_skipped_and_counted_with_turns_all(trained, tmp_path, capsys):
+    """--turns all on a file with a tool-call row whose tool results answer the original calls: that row is
+    skipped and counted (its reason named), every other row regenerated."""
+    from tools.engine_server import EngineServer
+
+    tool = {"id": "tool-row", "messages": [
+        SYSTEM, {"role": "user", "content": "Add 2 and 3 with the tool."},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}, {"role": "assistant", "content": "5."}]}
+    rows = [tool] + [{"id": f"plain-{i}", "messages": [SYSTEM, {"role": "user", "content": f"What is {i} + 1?"},
+                                                       {"role": "assistant", "content": "OLD"}]} for i in range(3)]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    with EngineServer(trained) as url:
+        text = engine_regenerate(url, inp, out, capsys, "--turns", "all")
+    assert "regenerated 3 of 3 prompts" in text and "skipped 1 row(s) (tool_results 1)" in text
+    assert sorted(r["id"] for r in read_out(out)) == ["plain-0", "plain-1", "plain-2"]

@@ -94,6 +94,26 @@ def test_multi_turn_expansion_keeps_every_reasoning_block(tok, chat):
     assert np.array_equal(last.input_ids, samples[-1].input_ids)
 
 
+def test_turns_marked_not_generated_are_context(tok, chat):
+    """An assistant turn marked generated: false (hand-written) is in the ids, never in the loss; a row with no
+    other turn is skipped (invalid_row); ChatTokenizer(learn_not_generated=True) learns it, flagged."""
+    messages = [SYSTEM, {"role": "user", "content": "Q1?"},
+                {"role": "assistant", "content": "A-hand", "reasoning_content": "R-hand", "generated": False},
+                {"role": "user", "content": "Q2?"},
+                {"role": "assistant", "content": "A-gen", "reasoning_content": "R-gen"}]
+    [s] = chat.tokenize(ChatRecord("conv", "src", messages))
+    assert s.sample_id == "conv" and spans_text(tok, s) == [turn("R-gen", "A-gen")] and s.flags == []
+    assert "A-hand" in unmasked_text(tok, s)
+    asked = ChatTokenizer(tok, learn_not_generated=True).tokenize(ChatRecord("conv", "src", messages))
+    assert [(x.sample_id, x.flags) for x in asked] == [("conv#t0", ["not_generated"]), ("conv#t1", [])]
+    assert spans_text(tok, asked[0]) == [turn("R-hand", "A-hand")]
+    with pytest.raises(RowError, match="no assistant turn the target generated") as e:
+        chat.tokenize(ChatRecord("hand", "src", messages[:3]))
+    assert e.value.reason == "invalid_row"
+    with pytest.raises(RowError, match="generated must be true or false"):
+        chat.tokenize(ChatRecord("bad", "src", [*messages[:2], {**messages[2], "generated": "no"}]))
+
+
 def test_tool_turns_are_context_not_loss(tok, chat):
     messages = [
         {"role": "user", "content": "Weather in Oslo?"},

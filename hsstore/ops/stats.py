@@ -17,9 +17,10 @@ PERCENTILES = (0, 10, 50, 90, 99, 100)
 #: Per-sample quality flags that extraction records (commit records' ``flags`` column), worst first:
 #: ``stub_answer`` (final answer under the gate's stub limit), ``empty_thinking``, ``truncated`` (cut off:
 #: no end of turn), ``over_length``, ``duplicate`` (the same tokens as an earlier sample), ``no_loss``;
-#: ``feature_zero`` / ``feature_nonfinite``: a feature all zero / not finite, kept by ``import --keep-unhealthy``.
+#: ``feature_zero`` / ``feature_nonfinite``: a feature all zero / not finite, kept by ``import --keep-unhealthy``;
+#: ``not_generated``: the loss covers an assistant turn marked ``"generated": false`` (``--learn-not-generated``).
 SAMPLE_FLAGS = ("stub_answer", "empty_thinking", "truncated", "over_length", "duplicate", "no_loss", "feature_zero",
-                "feature_nonfinite")
+                "feature_nonfinite", "not_generated")
 
 
 def percentiles(values: Iterable[int]) -> dict[str, float]:
