@@ -38,7 +38,9 @@ RECORD_CAP = 256 << 20  # one commit record (a 1e4-sample shard's is a few MB)
 SEGMENT_CAP = 4 << 30  # a zarr object whose record is not at hand (verify without a manifest)
 INDEX_SEGMENT_CAP = 512 << 20  # one index segment (version 2: ~1.5 KB a record at 27B scale, 1e5 shards ~150 MB)
 INDEX_TOTAL_CAP = 1 << 30  # every segment listed, together: over it the index is ignored, records read
-ASSET_CAP = 16 << 30  # one asset file (an embedding of 248K x 5120 bf16 is 2.5 GB)
+ASSET_CAP = 16 << 30  # one tensor asset (an embedding of 248K x 5120 bf16 is 2.5 GB)
+TOKENIZER_ASSET_CAP = 256 << 20  # one tokenizer file (Qwen's tokenizer.json is ~11 MB)
+OTHER_ASSET_CAP = 16 << 20  # any other asset (config.json: a few kB)
 JSON_DEPTH = 64  # nesting deeper than any object hsstore writes (the manifest's ``extra`` included)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from . import codec, names
-from .. import door, storage, transfer
+from .. import door, memory, storage, transfer
 from ..errors import CorruptionError, StoreError
 
 if TYPE_CHECKING:
@@ -79,19 +79,58 @@ def write_assets(fs, root: str, files: dict[str, bytes], url: str = "") -> None:
     transfer.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode())
 
 
+def check_asset(fs, root: str, name: str, url: str = "") -> int:
+    """``verify``'s check of one asset: its name, bound and size, and its CRC32C, a tensor file's computed in one
+    streaming pass (an embedding of gigabytes is never held whole); returns its size. Raises as ``read_asset``
+    does (which checks the other, small, files: their content too)."""
+    if not name.endswith(".safetensors"):
+        return len(read_asset(fs, root, name, url))
+    entry = _entry(fs, root, name, url)
+    crc = None
+    with door.stream(fs, root, f"{ASSETS_DIR}/{name}", size=entry["size"], where=f"store {url or root!r}") as f:
+        n = 0
+        while n < entry["size"]:
+            piece = f.read(min(16 << 20, entry["size"] - n))
+            if not piece:
+                break
+            crc, n = codec.crc32c(piece, crc), n + len(piece)
+    if n != entry["size"] or (crc if crc is not None else codec.crc32c(b"")) != entry["crc32c"]:
+        raise CorruptionError(f"store {url or root!r}: asset {name!r} does not match its checksum")
+    return n
+
+
 def tensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save as st_save  # torch only where tensors are (de)serialised
 
     return st_save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
 
 
-def read_asset(fs, root: str, name: str, url: str = "") -> bytes:
+def asset_bound(name: str) -> int:
+    """The most bytes asset ``name`` may hold, by its kind: a tensor file ``door.ASSET_CAP``, a tokenizer file
+    ``door.TOKENIZER_ASSET_CAP``, anything else (the config) ``door.OTHER_ASSET_CAP``."""
+    if name.endswith(".safetensors"):
+        return door.ASSET_CAP
+    return door.TOKENIZER_ASSET_CAP if name.startswith(TOKENIZER_DIR + "/") else door.OTHER_ASSET_CAP
+
+
+def _entry(fs, root: str, name: str, url: str) -> dict[str, int]:
+    """The index entry of asset ``name``, its name checked, and its listed size within its bound and this
+    machine's memory (one line naming the file, before anything is read or allocated)."""
     entry = _index(fs, root, url)["files"].get(name)
     if entry is None:
         raise StoreError(f"store {url or root!r} has no asset {name!r} (was it written by `hsstore extract`?)")
     asset_path(fs, root, name, url)  # the name's rules (never the index, never outside assets/)
     refuse_code(name, url or root)
-    data = door.read(fs, root, f"{ASSETS_DIR}/{name}", bound=door.ASSET_CAP, size=entry["size"],
+    if entry["size"] > asset_bound(name):
+        raise door.Refused(f"store {url or root!r}", f"{ASSETS_DIR}/{name}", f"{entry['size']:,} bytes listed in "
+                           f"{ASSETS_DIR}/{INDEX}, larger than its bound of {asset_bound(name):,}")
+    return entry
+
+
+def read_asset(fs, root: str, name: str, url: str = "") -> bytes:
+    entry = _entry(fs, root, name, url)
+    memory.check_fits(entry["size"], f"store {url or root!r}, asset {name!r}")
+    data = door.read(fs, root, f"{ASSETS_DIR}/{name}", bound=asset_bound(name), size=entry["size"],
                      where=f"store {url or root!r}")  # missing: FileNotFoundError, as before
     refuse_code(name, url or root, data)
     if len(data) != entry["size"] or codec.crc32c(data) != entry["crc32c"]:

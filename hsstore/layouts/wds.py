@@ -235,25 +235,49 @@ def _tar_size(rec: CommitRecord) -> int:
 
 
 def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
-    """The tar's bound: its members' ends (each member's size is checked against its array as read) plus the
-    end-of-archive blocks and the padding to a tar record; nothing else belongs to a wds shard."""
+    """The tar's bound: the size a tar of the record's members takes (``tar_layout``, from the samples' lengths,
+    never from the offsets the record lists); 0 when the record cannot say (nothing of it may be read)."""
     if key != tar_path(rec.shard):
         return 0
-    ends = [o + n for o, n, *_ in (rec.members or {}).values() if isinstance(o, int) and isinstance(n, int)]
-    return max(ends, default=0) + BLOCK + 2 * BLOCK + tarfile.RECORDSIZE
+    try:
+        return tar_layout(rec, manifest)[1]
+    except CorruptionError:
+        return 0
 
 
-def _check_jobs(rec: CommitRecord, jobs: list["_Job"]) -> None:
-    """Refuse, before any buffer is sized or byte read, a member whose listed size is not what its ``.npy``
-    array of the record's length takes, or that lies outside the tar's listed size (a forged record)."""
+def tar_layout(rec: CommitRecord, m: Manifest) -> tuple[dict[str, tuple[int, int]], int]:
+    """(member name -> (data offset, size) in tar order, the tar's size) of the tar the writer makes for ``rec``
+    (``TarBuilder``: one ustar header block per member, data padded to blocks, two end blocks, padding to a tar
+    record): computed from the samples' lengths and the manifest (``_member_bounds``), so a member offset or a
+    header size forged to a terabyte never sizes a read. Kept on the record (parsed once per shard)."""
+    got = getattr(rec, "_tar_layout", None)
+    if got is not None and got[0] is m:
+        return got[1]
+    sizes = _member_bounds(rec, m)
+    out, pos = {}, 0
+    for name in expected_members(rec, m.all_features):
+        size = sizes[name]
+        out[name] = (pos + BLOCK, size)
+        pos += BLOCK + size + (-size % BLOCK)
+    end = 2 * BLOCK
+    end += -(pos + end) % tarfile.RECORDSIZE
+    rec._tar_layout = (m, (out, pos + end))
+    return out, pos + end
+
+
+def _check_jobs(rec: CommitRecord, m: Manifest, jobs: list["_Job"]) -> None:
+    """Refuse, before any buffer is sized or byte read, a member whose listed offset and size are not where and
+    what the writer's tar puts it (``tar_layout``), or a tar of another listed size (a forged record)."""
+    layout, total = tar_layout(rec, m)
     tar_size = _tar_size(rec)
     for job in jobs:
         want = len(job.header) + int(np.prod(job.shape)) * np.dtype(job.descr).itemsize
-        if job.size != want or job.offset < BLOCK or job.offset + job.size > tar_size:
+        if (job.offset, job.size) != layout.get(job.name) or job.size != want or tar_size != total:
+            at, n = layout.get(job.name, (0, want))
             raise CorruptionError(f"shard {rec.shard!r}, member {job.name!r}: the commit record lists {job.size:,} "
-                                  f"bytes at offset {job.offset:,}; a {job.descr} {list(job.shape)} array takes "
-                                  f"{want:,}, inside a tar of {tar_size:,} (forged or damaged record; run "
-                                  "hsstore verify)")
+                                  f"bytes at offset {job.offset:,} of a {tar_size:,}-byte tar; its samples' tar "
+                                  f"holds it as {n:,} bytes at offset {at:,} of {total:,} (forged or damaged record; "
+                                  "run hsstore verify)")
 
 
 def check_extent(src: ShardSource, rec: CommitRecord) -> None:
@@ -288,7 +312,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
         feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
-    _check_jobs(rec, jobs)
+    _check_jobs(rec, m, jobs)
     fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
     if storage.is_local(fs):
         _read_local(root, rec, jobs)
@@ -461,6 +485,17 @@ class _CrcReader:
                 self.progress(len(data))
         return data
 
+    def read_exact(self, n: int) -> bytes:
+        """``n`` bytes (fewer only at the end of the stream), in pieces of at most 16 MiB."""
+        parts, got = [], 0
+        while got < n:
+            piece = self.read(min(n - got, 16 << 20))
+            if not piece:
+                break
+            parts.append(piece)
+            got += len(piece)
+        return b"".join(parts)
+
     def drain(self) -> None:
         while self.read(16 << 20):
             pass
@@ -483,24 +518,32 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         return
     ids = rec.samples["sample_id"]
     try:
-        bounds = _member_bounds(rec, m)
+        layout, total = tar_layout(rec, m)
     except CorruptionError as e:
         report.problems.append(Problem(name, str(e), key, list(ids)))
         return
-    if want["size"] > file_bound(m, rec, key):  # more than its members and tar's framing: never streamed
-        report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, larger than its bound of "
-                                             f"{file_bound(m, rec, key):,})", key, list(ids)))
+    moved = [n for n, (at, size) in layout.items() if members[n][:2] != [at, size]]
+    if moved:  # the record's offsets are not where the writer's tar puts them: never followed
+        n = moved[0]
+        report.problems.append(Problem(name, f"member {n!r}: the commit record lists {members[n][1]:,} bytes at "
+                                             f"offset {members[n][0]:,}, its samples' tar holds it as "
+                                             f"{layout[n][1]:,} at {layout[n][0]:,} ({len(moved)} member(s) "
+                                             "moved; forged or damaged record, the tar is not read)", key, list(ids)))
+        return
+    if want["size"] != total:  # another size than its members and tar's framing take: never streamed
+        report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, a tar of its members is "
+                                             f"{total:,})", key, list(ids)))
         return
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
-            reader, seen, tally = _scan_members(f, progress, rec, m, bounds, report)
+            reader, seen, tally = _scan_members(f, progress, rec, m, layout, report)
     except FileNotFoundError:
         report.problems.append(Problem(name, "file missing", key, list(ids)))
         return
     except door.Refused as e:
         report.problems.append(Problem(name, f"refused ({e.why})", key, list(ids)))
         return
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except OSError as e:
         report.problems.append(Problem(name, f"tar unreadable: {type(e).__name__}: {e}", key, list(ids)))
         return
     report.files += 1
@@ -511,52 +554,54 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     elif reader.crc != want["crc32c"]:
         report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
     health.report_values(tally, m.hidden_size, report, key)
-    missing = sorted(set(members) - seen)
+    missing = [n for n in layout if n not in seen]
     if missing:
-        report.problems.append(Problem(name, f"members missing from the tar: {missing[:5]}", key,
+        report.problems.append(Problem(name, f"members missing or unreadable from {missing[0]!r} on "
+                                             f"({len(missing)} of {len(layout)}): {missing[:5]}", key,
                                        sorted({ids[int(n.split('.', 1)[0])] for n in missing})))
 
 
 def _scan_members(f, progress: Callable[[int], None] | None, rec: CommitRecord, m: Manifest,
-                  bounds: dict[str, int], report: VerifyReport) -> tuple[_CrcReader, set[str], health.ValueTally]:
-    """``check_shard``'s one pass over the tar stream ``f``: each member's name, header size (before a byte of
-    it is read), bytes against the record and content; returns the stream's reader (size, CRC32C), the members
-    seen whole and the features' value tally."""
+                  layout: dict[str, tuple[int, int]], report: VerifyReport,
+                  ) -> tuple[_CrcReader, set[str], health.ValueTally]:
+    """``check_shard``'s one pass over the tar stream ``f``, member by member where ``layout`` (``tar_layout``)
+    puts them: each one's tar header (a regular file, its name, the size its array takes: what a header
+    declares never sizes a read), its bytes against the record's CRC32C and its content; then the end of the
+    archive, up to the tar's listed size. A header that is not the expected one ends the pass (what follows it
+    is reported unread). Returns the stream's reader (size, CRC32C), the members seen whole and the features'
+    value tally."""
     name, key, members, ids = rec.shard, tar_path(rec.shard), rec.members or {}, rec.samples["sample_id"]
     dtype = codec.STORAGE_DTYPE[m.dtype]
     tally = health.ValueTally(rec, m.all_features, m.dtype)
     features = {layer_part(l): l for l in m.all_features}
     seen: set[str] = set()
     reader = _CrcReader(f, progress)
-    with tarfile.open(fileobj=reader, mode="r|") as tf:
-        for info in tf:
-            try:
-                check_member(info, name)
-            except StoreError as e:
-                report.problems.append(Problem(name, str(e), key))
-                continue
-            entry = members.get(info.name)
-            if entry is None:
-                report.problems.append(Problem(name, f"member {info.name!r} is not in the commit record", key))
-                continue
-            i = int(info.name.split(".", 1)[0])
-            who = [ids[i]]
-            if info.size != bounds[info.name]:  # its header's size, before reading a byte of it
-                report.problems.append(Problem(name, f"member {info.name!r}: {info.size:,} bytes, "
-                                                     f"{bounds[info.name]:,} expected (refused unread)", key, who))
-                continue
-            data = tf.extractfile(info).read()
-            seen.add(info.name)
-            if [info.offset_data, len(data)] != entry[:2] or codec.crc32c(data) != entry[2]:
-                report.problems.append(Problem(name, f"member {info.name!r}: offset/size/CRC32C differ from "
-                                                     "the commit record (corrupted bytes)", key, who))
-                continue
-            _check_member_content(rec, info.name, data, i, dtype, m.hidden_size, key, report)
-            feature = features.get(info.name.split(".", 1)[1])
-            if feature is not None and len(data) == bounds[info.name]:
-                T = rec.samples["length"][i]
-                rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
-                tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
+    for member, (at, size) in layout.items():
+        i = int(member.split(".", 1)[0])
+        who = [ids[i]]
+        head = reader.read_exact(BLOCK)
+        try:
+            if len(head) < BLOCK:
+                raise CorruptionError(f"shard {name!r}, member {member!r}: the tar ends before its header")
+            check_header(head, member, size, name)
+        except CorruptionError as e:
+            report.problems.append(Problem(name, f"{e} (refused; the members after it are not checked)", key, who))
+            break
+        data = reader.read_exact(size)
+        reader.read_exact(-size % BLOCK)
+        if len(data) < size:
+            break
+        seen.add(member)
+        if codec.crc32c(data) != members[member][2]:
+            report.problems.append(Problem(name, f"member {member!r}: CRC32C differs from the commit record "
+                                                 "(corrupted bytes)", key, who))
+            continue
+        _check_member_content(rec, member, data, i, dtype, m.hidden_size, key, report)
+        feature = features.get(member.split(".", 1)[1])
+        if feature is not None:
+            T = rec.samples["length"][i]
+            rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
+            tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
     reader.drain()
     return reader, seen, tally
 

@@ -412,23 +412,34 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     _check_arrays(src, rec, report)
 
 
-def decoded_size_problem(m: Manifest, key: str, blob) -> str | None:
-    """Why a layer chunk's payload would not decode to one chunk of the manifest's shape (None: it would): an
-    uncompressed payload must be that size, a compressed one must declare it (``codec.decode_bounded``), so
-    ``verify`` refuses what readers would refuse, without decoding."""
-    if not is_chunk_key(key) or key.split("/")[2] not in {layer_array(l) for l in m.all_features}:  # others: plain
+def chunk_decoding(m: Manifest, rec: CommitRecord, key: str) -> tuple[codec.ChunkCodec, np.dtype, int] | None:
+    """(codec, dtype, values) that readers decode chunk file ``key`` of a shard with (``read_into``, the
+    token-array readers): a feature chunk with the manifest's codec into one chunk of rows, every other array
+    uncompressed. None for a file that is not a chunk of an array readers read."""
+    if not is_chunk_key(key):
         return None
-    nbytes = m.chunk_tokens * m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
-    c = codec.ChunkCodec(m.codec)._numcodec()
-    payload = memoryview(blob)[:-4]
-    if c is None:
-        got = len(payload)
-    else:
-        blosc = m.codec.split(":")[0] in ("lz4", "blosc-zstd")
-        got = codec.blosc_content_size(payload) if blosc else codec.zstd_content_size(payload)
-    if got != nbytes:
-        return f"chunk decodes to {'an undeclared size' if got is None else f'{got:,} bytes'}, one chunk is {nbytes:,}"
-    return None
+    array, ct, H = key.split("/")[2], m.chunk_tokens, m.hidden_size
+    plain = codec.ChunkCodec("none")
+    if array in {layer_array(l) for l in m.all_features}:
+        return codec.ChunkCodec(m.codec), codec.storage_dtype(m.dtype, m.encoding), ct * H
+    if m.encoding == fp8.ENCODING and array in {scale_array(l) for l in m.all_features}:
+        return plain, fp8.SCALE_DTYPE, ct
+    return {"input_ids": (plain, np.dtype("<i4"), ct), "loss_mask": (plain, np.dtype("|u1"), ct),
+            "offsets": (plain, np.dtype("<i8"), rec.n_samples + 1)}.get(array)
+
+
+def decoded(m: Manifest, rec: CommitRecord, key: str, blob) -> tuple[np.ndarray | None, str | None]:
+    """(values, None) of a chunk whose object passed its checksums, decoded exactly as readers decode it; (None,
+    why) when readers would refuse it (another size, a frame that declares another size or does not decode).
+    ``verify`` calls a chunk OK only when this decodes it: what ``show`` and the loader refuse never passes."""
+    how = chunk_decoding(m, rec, key)
+    if how is None:
+        return None, None
+    chunk_codec, dtype, count = how
+    try:
+        return chunk_codec.decode(blob, dtype, count, where=key), None
+    except CorruptionError as e:
+        return None, str(e)[len(key) + 2:] if str(e).startswith(f"{key}: ") else str(e)
 
 
 def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
@@ -486,14 +497,17 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
                     continue
                 report.files += 1
                 report.bytes += len(data)
-                wrong = check_file(rec, k, data) or (manifest and decoded_size_problem(manifest, k, data))
+                wrong = check_file(rec, k, data)
+                vals = None
+                if not wrong and manifest is not None:
+                    vals, wrong = decoded(manifest, rec, k, data)
                 if wrong:
                     report.problems.append(Problem(rec.shard, wrong, k, samples_in_file(rec, k)))
                 else:
                     if tails is not None and is_chunk_key(k):
                         tails[k] = codec.chunk_tail(data)  # checked against its payload just now
-                    if tally is not None:
-                        _count_values(tally, manifest, rec, k, data)
+                    if tally is not None and vals is not None:
+                        _count_values(tally, manifest, k, vals)
                 if progress:
                     progress(len(data))
             batch, size = [], 0
@@ -508,19 +522,13 @@ def _value_tally(manifest: Manifest | None, rec: CommitRecord) -> health.ValueTa
                              "float8_e4m3fn" if manifest.encoding == fp8.ENCODING else manifest.dtype)
 
 
-def _count_values(tally: health.ValueTally, m: Manifest, rec: CommitRecord, key: str, data) -> None:
-    """A checked feature chunk's rows into ``tally`` (the values decoded by hsstore's bounded codec)."""
+def _count_values(tally: health.ValueTally, m: Manifest, key: str, vals: np.ndarray) -> None:
+    """A checked feature chunk's decoded values (``decoded``) into ``tally``."""
     parts = key.split("/")
-    feature = {layer_array(l): l for l in m.all_features}.get(parts[2]) if is_chunk_key(key) else None
-    if feature is None:
-        return
-    ct, H = m.chunk_tokens, m.hidden_size
-    dtype = codec.storage_dtype(m.dtype, m.encoding)
-    try:
-        vals = codec.ChunkCodec(m.codec).decode(data, dtype, ct * H, where=key)
-    except CorruptionError:
-        return  # named by the file check
-    tally.add(feature, int(parts[4]) * ct, vals.reshape(ct, H))
+    feature = {layer_array(l): l for l in m.all_features}.get(parts[2])
+    if feature is not None:
+        ct = m.chunk_tokens
+        tally.add(feature, int(parts[4]) * ct, vals.reshape(ct, m.hidden_size))
 
 
 # the fields of an array's zarr.json that say how to read it: each must be what hsstore writes for that array

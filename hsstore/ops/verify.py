@@ -142,7 +142,7 @@ def check_assets(store: Store, report: VerifyReport) -> None:
     for name in assets.asset_names(store.fs, store.root):
         key = f"{assets.ASSETS_DIR}/{name}"
         try:
-            data = assets.read_asset(store.fs, store.root, name, store.url)
+            size = assets.check_asset(store.fs, store.root, name, store.url)
         except FileNotFoundError:
             report.problems.append(Problem("(assets)", "listed in assets/index.json but missing", key))
             continue
@@ -151,7 +151,7 @@ def check_assets(store: Store, report: VerifyReport) -> None:
             continue
         report.assets += 1
         report.files += 1
-        report.bytes += len(data)
+        report.bytes += size
 
 
 def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport, progress=None,
