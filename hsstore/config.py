@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import door
 from .redaction import is_secret_key, scrub
 from .schema import PATH_ATTR, Deprecated
 
@@ -118,13 +119,12 @@ def _moved(known: dict[str, dict[str, argparse.Action]], sec: str, key: str) -> 
 
 def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """{dest: value} from a config file, checked against ``parser``'s flags."""
-    import yaml
-
-    text = Path(path).read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    where = f"--config {path}"
+    try:  # a file from elsewhere: a regular file of settings size, YAML of bounded depth and aliases
+        text = door.read_file(path, bound=door.YAML_CAP, where=where)
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    data = door.load_yaml(text, where)
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")

@@ -22,7 +22,7 @@ import fsspec
 
 from .errors import StoreError
 from .terminal import escape, shown
-from . import door, storage
+from . import door, sinks, storage
 from .storage import MANIFEST_FILE, explain, is_local, join, resolve
 
 log = logging.getLogger(__name__)
@@ -124,21 +124,15 @@ class LockHeld(StoreError):
     """Another job holds the lock of a destination (two writers would duplicate its samples)."""
 
 
-def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
-    """Create a small object only when nothing is at ``path`` (False: something is). Local disk: ``O_EXCL``;
-    S3: a conditional PUT (``If-None-Match: *``, which S3 applies atomically: of two racing PUTs one fails).
-    Another object store that cannot say so raises ``StoreError`` rather than guess."""
+def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes, root: str | None = None) -> bool:
+    """Create a small object only when nothing is at ``path`` (False: something is). Local disk: ``O_EXCL``,
+    no folder below ``root`` (the store's) followed when it is a link (``sinks``); S3: a conditional PUT
+    (``If-None-Match: *``, which S3 applies atomically: of two racing PUTs one fails). Another object store
+    that cannot say so raises ``StoreError`` rather than guess."""
     if is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
+        if root and path.startswith(root.rstrip("/") + "/"):
+            return sinks.write_new(root, path[len(root.rstrip("/")) + 1:], data, what=f"creating {path}")
+        return sinks.write_new(os.path.dirname(path) or ".", os.path.basename(path), data, what=f"creating {path}")
     try:
         fs.pipe_file(path, data, mode="create")
     except FileExistsError:
@@ -177,7 +171,7 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
         """Replace the dead holder's lock, as the one taker of it (its token names the takeover marker)."""
         token = str(other.get("token", ""))
         marker = f"{path}.{token if token.isalnum() else 'x'}.takeover"
-        if not create_exclusive(fs, marker, json.dumps(me).encode()):
+        if not create_exclusive(fs, marker, json.dumps(me).encode(), root):
             time.sleep(0.2)  # another process is taking it over: look again at who holds it then
             return
         try:
@@ -193,7 +187,7 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
     @contextlib.contextmanager
     def held():
         for _ in range(3):
-            if create_exclusive(fs, path, json.dumps(me).encode()):
+            if create_exclusive(fs, path, json.dumps(me).encode(), root):
                 break
             other = _read_lock(fs, root, rel)
             if other is None:

@@ -337,3 +337,123 @@ def read_json(fs, root: str, key: str, *, where: str, bound: int = JSON_CAP, siz
     """``read`` + ``load_json``: a small JSON object of a store."""
     return load_json(read(fs, root, key, bound=bound, size=size, where=where), f"{where}" if where else key,
                      error=error)
+
+
+# -- inputs that are not a store: drafter, checkpoint, run and peer folders, config files ------------------------
+# They pass the same door: regular files only, a size bound before reading, JSON and YAML with depth and alias
+# limits, no link out of the folder the user named (the folder itself, or a file the user named, may be a link).
+YAML_CAP = 1 << 20  # a --config file or a run.yaml: settings, a few KB
+YAML_NODES = 100_000  # nodes of a YAML document once its aliases are expanded (a run.yaml has a few hundred)
+
+
+def open_file(path: str | os.PathLike, where: str = "") -> tuple[int, os.stat_result]:
+    """(descriptor, ``fstat``) of a regular file the user named (it may be a link, as the user's own); a FIFO, a
+    device or a folder is refused before any read (``Refused``)."""
+    fd = os.open(os.fspath(path), _FILE_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(where, os.fspath(path), f"{_kind(st.st_mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_file(path: str | os.PathLike, *, bound: int, where: str = "") -> bytes:
+    """The whole regular file the user named, at most ``bound`` bytes (larger: refused unread)."""
+    fd, st = open_file(path, where)
+    try:
+        _check_size(st.st_size, None, bound, os.fspath(path), where)
+        return _read_fd(fd, st.st_size, os.fspath(path), where)
+    finally:
+        os.close(fd)
+
+
+def read_beneath(folder: str | os.PathLike, key: str, *, bound: int, where: str = "") -> bytes:
+    """File ``key`` of a local folder from elsewhere (a drafter, a checkpoint, a run, a peer's files), opened
+    beneath it without following a link; at most ``bound`` bytes."""
+    with opened(os.fspath(folder), key, bound=bound, where=where) as (fd, n):
+        return _read_fd(fd, n, key, where)
+
+
+def is_file_beneath(folder: str | os.PathLike, key: str) -> bool:
+    """Whether ``key`` under ``folder`` is there as anything at all without following a link (a link or a FIFO
+    counts: reading it is refused then, naming it, rather than silently passed by)."""
+    try:
+        os.stat(os.path.join(os.fspath(folder), key), follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def path_beneath(folder: str | os.PathLike, key: str, *, bound: int | None = None,
+                 where: str = "") -> Iterator[str]:
+    """A path naming exactly the regular file ``key`` under ``folder`` as the door opened it, for a library that
+    opens files by name (safetensors): ``/proc/self/fd/N`` where the system has it, so nothing swapped after
+    the check is read; else the checked path."""
+    with opened(os.fspath(folder), key, bound=bound, where=where) as (fd, _):
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else os.path.join(os.fspath(folder), key)
+
+
+def load_yaml(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, nodes: int = YAML_NODES,
+              error=ValueError) -> Any:
+    """YAML from a file the user did not write (a ``--config``, a ``run.yaml`` received): plain data only
+    (``SafeLoader``: no tag builds an object), nested at most ``depth`` deep and at most ``nodes`` nodes once its
+    aliases are expanded, both checked on the composed graph before anything is built (an alias bomb of a few
+    hundred bytes expands to billions of nodes). Anything else is one ``error`` naming ``where``."""
+    import yaml
+
+    loader = yaml.SafeLoader(data)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_yaml_graph(root, where, depth, nodes, error)
+        return loader.construct_document(root)
+    except RecursionError:
+        raise error(f"{where}: YAML nested too deep (more than {depth} levels)") from None
+    except yaml.YAMLError as e:
+        raise error(f"{where}: not valid YAML ({(str(e).splitlines() or [''])[0][:200]})") from None
+    finally:
+        loader.dispose()
+
+
+def _check_yaml_graph(root, where: str, depth: int, nodes: int, error) -> None:
+    """Nodes and depth of a composed YAML document as if its aliases were expanded, in one pass over its distinct
+    nodes (an alias is the same node object again); a node that contains itself is refused."""
+    import yaml
+
+    def children(n) -> list:
+        if isinstance(n, yaml.SequenceNode):
+            return n.value
+        if isinstance(n, yaml.MappingNode):
+            return [x for pair in n.value for x in pair]
+        return []
+
+    size: dict[int, int] = {}
+    deep: dict[int, int] = {}
+    busy: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        n, finished = stack.pop()
+        i = id(n)
+        if finished:
+            kids = children(n)
+            size[i] = 1 + sum(size[id(k)] for k in kids)
+            deep[i] = 1 + max((deep[id(k)] for k in kids), default=0)
+            busy.discard(i)
+            if size[i] > nodes:
+                raise error(f"{where}: YAML expands to more than {nodes:,} nodes (repeated aliases); refused")
+            if deep[i] > depth + 1:
+                raise error(f"{where}: YAML nested too deep (more than {depth} levels)")
+            continue
+        if i in size:
+            continue
+        if i in busy:
+            raise error(f"{where}: YAML holds a node that contains itself (a recursive alias); refused")
+        busy.add(i)
+        stack.append((n, True))
+        stack.extend((k, False) for k in children(n) if id(k) not in size)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
+from . import sinks
 from .listing import stamp
 from .storage import is_local, metadata_concurrency
 
@@ -26,37 +26,40 @@ FETCH_ATTEMPTS = 3
 FETCH_BACKOFF_S = 0.2
 
 
-def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> str | None:
+def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, root: str | None = None) -> str | None:
     """Write a small object so that readers see all of it or none of it; return its stamp (``stamp``), as a
     listing will show it, when the filesystem tells (None: unknown).
 
-    Object stores give this for free (a PUT is atomic); on local disk write a temporary file
-    beside it and rename.
+    Object stores give this for free (a PUT is atomic); on local disk a temporary file beside it is renamed
+    over it, every folder below ``root`` (the store's) opened without following a link (``sinks``).
     """
     if is_local(fs):
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return stamp({"mtime": os.stat(path).st_mtime})
+        base, rel = _beneath(path, root)
+        return stamp({"mtime": sinks.write_atomic(base, rel, data, what=f"writing {path}").st_mtime})
     response = fs.pipe_file(path, data)
     return stamp(response) if isinstance(response, dict) else None
 
 
-def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any]) -> None:
+def _beneath(path: str, root: str | None) -> tuple[str, str]:
+    """(folder, relative name) of a local ``path``: below ``root`` when it is under it (its folders are then
+    checked for links), else below the path's own folder (the name itself is still never followed)."""
+    if root and path.startswith(root.rstrip("/") + "/"):
+        return root, path[len(root.rstrip("/")) + 1:]
+    return os.path.dirname(path) or ".", os.path.basename(path)
+
+
+def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any], root: str | None = None) -> None:
     """Write many objects, each ``bytes`` or something with ``parts()`` (written without joining on
-    local disk). Concurrent on async filesystems; parent folders are made on local disk."""
+    local disk). Concurrent on async filesystems; parent folders are made on local disk, none below ``root``
+    (the store's) followed when it is a link."""
     if not objects:
         return
     if is_local(fs):
-        for path in {os.path.dirname(p) for p in objects}:
-            os.makedirs(path, exist_ok=True)
+        folders = {(base, os.path.dirname(rel)): p for p in objects for base, rel in [_beneath(p, root)]}
+        for (base, folder), p in folders.items():
+            os.close(sinks.open_folder(base, folder, what=f"writing {p}"))
         # several files in flight: a disk (NVMe above all) needs queue depth, and each fsync waits
-        list(_local_pool().map(lambda item: _write_local(*item), objects.items()))
+        list(_local_pool().map(lambda item: _write_local(*_beneath(item[0], root), item[1]), objects.items()))
     else:
         fs.pipe({p: d.tobytes() if hasattr(d, "tobytes") and not isinstance(d, bytes) else d
                  for p, d in objects.items()})
@@ -73,14 +76,10 @@ def _local_pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _write_local(path: str, data: Any) -> None:
-    with open(path, "wb") as f:
-        for part in (data.parts() if hasattr(data, "parts") else (data,)):
-            f.write(part)
-        # durable before the commit record that points at it: a power loss must not leave a committed
-        # shard whose chunks never reached the disk
-        f.flush()
-        os.fsync(f.fileno())
+def _write_local(base: str, rel: str, data: Any) -> None:
+    # durable before the commit record that points at it: a power loss must not leave a committed
+    # shard whose chunks never reached the disk
+    sinks.write_file(base, rel, list(data.parts()) if hasattr(data, "parts") else data, what=f"writing {rel}")
 
 
 def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] | None = None,

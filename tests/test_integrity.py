@@ -314,13 +314,13 @@ def test_upgrade_interrupted_loses_nothing_and_resumes(tmp_path, monkeypatch):
     assert len(before) >= 3
     real, calls = transfer.put_atomic, []
 
-    def dies_on_third(fs, path, data):
+    def dies_on_third(fs, path, data, root=None):
         calls.append(path)
         if len(calls) == 3:  # as if killed after writing the temporary file, before the rename
             tmp = os.path.join(os.path.dirname(path), f".tmp-deadbeef-{os.path.basename(path)}")
             open(tmp, "wb").write(data[: len(data) // 2])
             raise KeyboardInterrupt
-        real(fs, path, data)
+        real(fs, path, data, root)
 
     monkeypatch.setattr(transfer, "put_atomic", dies_on_third)
     with pytest.raises(KeyboardInterrupt):

@@ -73,10 +73,10 @@ def asset_path(fs, root: str, name, url: str = "") -> str:
 def write_assets(fs, root: str, files: dict[str, bytes], url: str = "") -> None:
     """Write asset files (store-relative names under ``assets/``), then the index that lists them."""
     for name, data in files.items():
-        transfer.put_atomic(fs, asset_path(fs, root, name, url), data)
+        transfer.put_atomic(fs, asset_path(fs, root, name, url), data, root)
     index = _index(fs, root)
     index["files"].update({n: {"size": len(d), "crc32c": codec.crc32c(d)} for n, d in files.items()})
-    transfer.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode())
+    transfer.put_atomic(fs, storage.join(root, ASSETS_DIR, INDEX), json.dumps(index, indent=1).encode(), root)
 
 
 def check_asset(fs, root: str, name: str, url: str = "") -> int:

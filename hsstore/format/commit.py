@@ -213,7 +213,7 @@ def same_files(a: CommitRecord, b: CommitRecord) -> bool:
 def publish(fs, root: str, record: CommitRecord) -> str | None:
     """Make a written shard visible to readers: the commit record is the last object written. Returns the
     record object's stamp (``listing.stamp``) when the filesystem tells, for the store's index."""
-    return transfer.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json())
+    return transfer.put_atomic(fs, storage.join(root, commit_path(record.shard)), record.to_json(), root)
 
 
 def resolve_location(store_url: str, location: str) -> str:

@@ -245,7 +245,7 @@ def write_segment(fs, root: str, name: str, data: bytes) -> str | None:
     if len(data) > door.INDEX_SEGMENT_CAP:
         raise StoreError(f"index segment {INDEX_DIR}/{name}: {len(data):,} bytes, over the {door.INDEX_SEGMENT_CAP:,} "
                          "readers take; not written (readers read the commit records)")
-    return transfer.put_atomic(fs, storage.join(root, INDEX_DIR, name), data)
+    return transfer.put_atomic(fs, storage.join(root, INDEX_DIR, name), data, root)
 
 
 class SegmentAppender:

@@ -188,7 +188,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
         for l in manifest.all_features:
             layer_bytes[l] += tar.add_npy(member_name(i, layer_part(l)), features[l][a:b])
     obj = tar.finish()
-    transfer.put_many(fs, {storage.join(root, tar_path(name)): obj})
+    transfer.put_many(fs, {storage.join(root, tar_path(name)): obj}, root)
     return CommitRecord(
         shard=name, writer=writer, n_samples=len(offsets) - 1, n_tokens=int(offsets[-1]), samples=samples,
         layers={str(l): {"stored_bytes": layer_bytes[l], "raw_bytes": int(features[l].nbytes)}

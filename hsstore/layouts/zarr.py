@@ -138,7 +138,7 @@ def write_shard(
     objects: dict[str, Any] = {k: v for k, v in zarr_metadata(build).items() if k.startswith(base + "/")}
     for arr_name, data, chunk, chunk_codec, _ in arrays:
         objects.update(encode_array(f"{base}/{arr_name}", data, chunk, chunk_codec))
-    transfer.put_many(fs, {storage.join(root, k): v for k, v in objects.items()})
+    transfer.put_many(fs, {storage.join(root, k): v for k, v in objects.items()}, root)
     files = {k: {"size": len(v), "crc32c": v.crc32c if isinstance(v, codec.EncodedChunk) else codec.crc32c(v)}
              for k, v in sorted(objects.items())}
     layers = {}

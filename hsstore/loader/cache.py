@@ -60,7 +60,20 @@ class ChunkCache:
         self._total = 0
         self._last = 0.0
         self.pid = os.getpid()
-        self._key = _private_key(self.root)
+        # the folder as checked, held open: every read, write and removal goes through this descriptor
+        # (``/proc/self/fd/N``), so a folder swapped for a link later is never written or emptied
+        self._fd = _open_cache_folder(self.root)
+        proc = f"/proc/self/fd/{self._fd}"
+        self._base = proc if os.path.isdir(proc) else self.root
+        self._key = _private_key(self.root, self._base)
+
+    def __del__(self) -> None:
+        fd, self._fd = getattr(self, "_fd", -1), -1
+        if fd >= 0 and getattr(self, "pid", None) == os.getpid():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __getstate__(self) -> dict[str, Any]:
         return {"root": self.root, "max_bytes": self.max_bytes}
@@ -88,18 +101,18 @@ class ChunkCache:
         CRC32C the commit record lists) the chunk the store holds there now; otherwise it is dropped."""
         key = self.cache_key(namespace, path)
         try:
-            blob = door.read(_LOCAL, self.root, key, bound=(bound or self.max_bytes) + DIGEST)
+            blob = door.read(_LOCAL, self._base, key, bound=(bound or self.max_bytes) + DIGEST)
         except FileNotFoundError:
             return None
         except (CorruptionError, OSError) as e:
             log.warning("chunk cache: %s; dropped", e)
-            self._remove(os.path.join(self.root, key))
+            self._remove(os.path.join(self._base, key))
             return None
         data, mac = memoryview(blob)[:-DIGEST], blob[-DIGEST:]
         if len(blob) < DIGEST + 4 or not hmac.compare_digest(mac, self._digest(key, [data])) \
                 or not codec.chunk_ok(data, expect):
             log.warning("chunk cache: dropping damaged, stale or foreign copy %s", key)
-            self._remove(os.path.join(self.root, key))
+            self._remove(os.path.join(self._base, key))
             return None
         self._touch(key, len(blob))
         return bytes(data)
@@ -147,7 +160,7 @@ class ChunkCache:
                 continue
             if got is not None:
                 log.warning("chunk cache: dropping damaged, stale or foreign copy %s", key)
-                self._remove(os.path.join(self.root, key))
+                self._remove(os.path.join(self._base, key))
             missing[k] = bufs
         self.hits += len(out)
         self.misses += len(missing)
@@ -163,7 +176,7 @@ class ChunkCache:
         want = sum(memoryview(b).nbytes for b in bufs)
         mac = bytearray(DIGEST)
         try:
-            with door.opened(self.root, key) as (fd, n):
+            with door.opened(self._base, key) as (fd, n):
                 if n != want + DIGEST or pread_into(fd, [*bufs, mac], 0) != n:
                     return False
         except FileNotFoundError:
@@ -174,7 +187,7 @@ class ChunkCache:
 
     def _touch(self, key: str, size: int) -> None:
         """A hit refreshes the copy's place in the LRU order (its mtime, for other processes too)."""
-        local = os.path.join(self.root, key)
+        local = os.path.join(self._base, key)
         try:
             os.utime(local, follow_symlinks=False)
         except (FileNotFoundError, NotImplementedError):
@@ -191,10 +204,10 @@ class ChunkCache:
         size = sum(memoryview(b).nbytes for b in parts) + DIGEST
         if size > self.max_bytes:
             return
-        local = os.path.join(self.root, key)
+        local = os.path.join(self._base, key)
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            _makedirs_private(self.root, os.path.dirname(key))
+            _makedirs_private(self._base, os.path.dirname(key))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 for b in parts:
@@ -202,7 +215,7 @@ class ChunkCache:
                 f.write(self._digest(key, parts))
             os.replace(tmp, local)
         except OSError as e:  # a full or read-only disk must not stop training: the read still succeeds
-            log.warning("chunk cache: cannot write %s (%s)", local, e)
+            log.warning("chunk cache: cannot write %s (%s)", os.path.join(self.root, key), e)
             self._remove(tmp)
             return
         with self._lock:
@@ -220,7 +233,9 @@ class ChunkCache:
 
     def _scan(self) -> dict[str, tuple[float, int]]:
         index: dict[str, tuple[float, int]] = {}
-        for dirpath, _, files in os.walk(self.root):
+        for dirpath, _, files in os.walk(self._base):
+            if dirpath == self._base:  # only copies, under a namespace folder: never the key, nor anything else
+                continue
             for name in files:
                 if ".tmp-" in name or name.startswith("."):
                     continue
@@ -269,16 +284,62 @@ class ChunkCache:
         return f"ChunkCache({self.root!r}, max_bytes={self.max_bytes}, hits={self.hits}, misses={self.misses})"
 
 
-def _check_owned(path: str) -> None:
-    """Refuse a cache folder that is a link or belongs to another user; make one of ours private (0700)."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise StoreError(f"chunk cache {path!r}: refused (a link or not a folder; give a folder of your own)")
-    if st.st_uid != os.geteuid():
-        raise StoreError(f"chunk cache {path!r}: refused (owned by uid {st.st_uid}, not by this user: another "
-                         "user could read or plant the cached hidden states)")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
+def _open_cache_folder(path: str) -> int:
+    """A descriptor of the cache folder ``path``, made (0700) when missing, after the checks a private folder
+    needs: itself not a link and the user's own (made 0700), every folder above it safe from other users (none
+    owned by another user but root, none writable by others without the sticky bit: there another user could
+    swap the cache folder for a link), and a folder that holds anything is a cache already (its key file there):
+    eviction must never delete a user's files."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    _check_parents(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise StoreError(f"chunk cache {path!r}: refused (a link or not a folder; give a folder of your own)") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise StoreError(f"chunk cache {path!r}: refused (owned by uid {st.st_uid}, not by this user: another "
+                             "user could read or plant the cached hidden states)")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+        entries = [e for e in os.listdir(fd) if ".tmp-" not in e]
+        if entries and KEY_FILE not in entries:
+            shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+            raise StoreError(f"chunk cache {path!r}: refused (a folder holding other files ({shown}) and no "
+                             f"{KEY_FILE}: not a chunk cache, and eviction would delete them; give a new or empty "
+                             "folder)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_parents(path: str) -> None:
+    """Refuse a cache below a folder that another user could change: owned by someone else than this user or root,
+    or writable by everyone without the sticky bit (``/tmp`` itself, sticky, is fine)."""
+    me = os.geteuid()
+    parent = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if st.st_uid not in (me, 0):
+                raise StoreError(f"chunk cache {path!r}: refused ({parent} belongs to uid {st.st_uid}: that user "
+                                 "could swap the cache folder for a link; give a folder of your own)")
+            if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+                raise StoreError(f"chunk cache {path!r}: refused ({parent} is writable by other users without the "
+                                 "sticky bit: they could swap the cache folder for a link; give a folder of your own)")
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        parent = up
 
 
 def _makedirs_private(root: str, rel: str) -> None:
@@ -295,15 +356,10 @@ def _makedirs_private(root: str, rel: str) -> None:
                 raise OSError(f"{path} is not a folder (a link?)") from None
 
 
-def _private_key(root: str) -> bytes:
-    """The cache's digest key: read from ``root/.hsstore-cache-key`` (0600, made once, exclusively)."""
-    os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
-    _check_owned(root)
-    path = os.path.join(root, KEY_FILE)
+def _private_key(root: str, base: str) -> bytes:
+    """The cache's digest key: read from ``.hsstore-cache-key`` in the cache folder (``base``: the folder as
+    opened; 0600, made once, exclusively). Its presence marks the folder as a cache."""
+    path = os.path.join(base, KEY_FILE)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
@@ -313,7 +369,7 @@ def _private_key(root: str) -> bytes:
             f.write(secrets.token_bytes(32))
     for _ in range(50):  # another process may be writing it this instant
         try:
-            fd, st = door.open_beneath(root, KEY_FILE, f"chunk cache {root!r}")
+            fd, st = door.open_beneath(base, KEY_FILE, f"chunk cache {root!r}")
         except CorruptionError as e:
             raise StoreError(str(e)) from None
         try:

@@ -16,13 +16,12 @@ the chart), so a headless browser's DOM dump tells whether every chart was drawn
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .. import door
+from .. import door, sinks
 
 W, H = 640, 260
 M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 46, 44  # the top holds the title and a legend row
@@ -30,6 +29,7 @@ COLORS = ("#3b6fd4", "#e0662b", "#2f9e58", "#9b59b6")
 MARK = "#d62728"
 # in the head of every page: what tells a page this command may replace from a file of the user's
 GENERATOR = '<meta name="generator" content="hsstore report">'
+METRICS_CAP = 512 << 20  # a run's metrics.jsonl (about 400 bytes a logged step)
 
 _SCRIPT = """
 document.querySelectorAll('svg.chart').forEach(function (svg) {
@@ -286,14 +286,12 @@ def feature_charts(store, h: dict[str, Any]) -> list[str]:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
+    text = door.read_beneath(run_dir, path.name, bound=METRICS_CAP, where=str(run_dir)).decode("utf-8", "replace")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise ValueError(f"{path}: line {n} is not JSON") from None
+        row = door.load_json(line, f"{path}: line {n}", error=ValueError)
         if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
             raise ValueError(f"{path}: line {n} has no step")
         rows.append(row)
@@ -371,7 +369,6 @@ def write_report(path: str, out: str | Path, storage_options: dict[str, Any] | N
         from ..store import reader
 
         text, kind = store_html(reader.open(path, **(storage_options or {}))), "store"
-    tmp = out.with_name(f".tmp-{out.name}")
-    tmp.write_text(text)
-    tmp.replace(out)
+    # a fresh temporary name renamed over OUT: a link planted at a fixed temporary name is never written through
+    sinks.write_atomic(out.parent, out.name, text.encode("utf-8"), what=f"report --out {out}")
     return kind

@@ -112,7 +112,7 @@ def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
                 raise CorruptionError(f"{where}: does not match its commit record ({wrong}); run "
                                       f"`hsstore verify {src.url}`")
             out[storage.join(root, k)] = data
-        transfer.put_many(fs, out)
+        transfer.put_many(fs, out, root)
         copied += sum(len(v) for v in out.values())
         keys, size = [], 0
     record = dataclasses.replace(rec, location=None)

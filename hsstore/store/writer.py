@@ -64,8 +64,8 @@ def ensure_manifest(fs, root: str, url: str, manifest: Manifest) -> Manifest:
         try:
             # each one atomic: a second writer starting at once must see all of an object or none of it
             for key, data in layout.get(manifest.layout).store_objects().items():
-                transfer.put_atomic(fs, storage.join(root, key), data)
-            transfer.put_atomic(fs, path, manifest.to_json().encode())
+                transfer.put_atomic(fs, storage.join(root, key), data, root)
+            transfer.put_atomic(fs, path, manifest.to_json().encode(), root)
         except Exception as e:
             raise StoreError(storage.explain(e, url, "write", fs, root)) from None
     existing = read_manifest(fs, root, url)
