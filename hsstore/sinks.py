@@ -89,6 +89,17 @@ def open_folder(root: str | os.PathLike, rel: str = "", *, create: bool = True, 
             os.close(fd)
 
 
+def open_exact_folder(path: str | os.PathLike) -> int:
+    """A descriptor of folder ``path`` itself, refused (``LinkRefused``) when it is a link or not a folder: for a
+    folder that must be the one checked (the chunk cache's), not wherever a link there points."""
+    try:
+        return os.open(os.fspath(path), _DIR)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise LinkRefused(f"{os.fspath(path)}: a link or not a folder") from None
+        raise
+
+
 def _split(rel: str) -> tuple[str, str]:
     parts = _parts(rel)
     if not parts:

@@ -35,7 +35,7 @@ import fsspec
 
 from ..format import codec, names
 from ..memory import pread_into
-from .. import door, storage
+from .. import door, sinks, storage
 from ..errors import CorruptionError, StoreError
 from ..locks import ProcessLock
 
@@ -297,7 +297,7 @@ def _open_cache_folder(path: str) -> int:
     except FileExistsError:
         pass
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = sinks.open_exact_folder(path)
     except OSError:
         raise StoreError(f"chunk cache {path!r}: refused (a link or not a folder; give a folder of your own)") from None
     try:
