@@ -39,7 +39,7 @@ from hsstore.format.health import feature_name
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from .capture import base_model, decoder_layers
+from hsstore.target import base_model, decoder_layers
 from .compare import Agreement, Bound, agreement, bound_of
 from .target import DTYPES, identity_from_model_dir, load_target, weights_hash
 

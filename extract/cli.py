@@ -21,6 +21,7 @@ from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option
 from hsstore.config import add_config_option
 from hsstore.redaction import recordable_url
 from hsstore.schema import add_arguments, from_args
+from hsstore.schema import replace as schema_replace
 from hsstore.terminal import escape
 
 from .gate import GateThresholds
@@ -48,7 +49,8 @@ def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
     from pathlib import Path
 
     from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
-    from hsstore.format.taps import default_taps, text_config
+    from hsstore.format.taps import default_taps
+    from hsstore.target import text_config
 
     est, model = settings.estimate, settings.input.model
     hidden, layers = est.hidden, est.layers
@@ -63,6 +65,16 @@ def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
         raise ValueError("the estimate needs --hidden and --layers (or --model, whose config has them)")
     return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=est.final_hidden,
                     tokens_per_s=est.tokens_per_s or H200_27B_TOKENS_PER_S)
+
+
+def taps_json(taps) -> dict:
+    """A tap plan (``hsstore.format.serving.TapPlan``) as ``check --json`` reports it."""
+    from hsstore.format.serving import TAP_TENSOR
+
+    sv = taps.serving
+    return {"layers": taps.layers, "final_hidden": taps.final_hidden, "tap_tensor": TAP_TENSOR,
+            "serves": sv.served, "not_served": {n: sv.reasons[n] for n in sv.unserved},
+            "warnings": sv.engine_warnings()}
 
 
 def register(subparsers) -> None:
@@ -197,8 +209,17 @@ def run_check(args: argparse.Namespace) -> int:
 
     settings = from_args(CheckSettings, args)
     est, out, tok = settings.estimate, settings.report, settings.tokenize
-    if settings.input.model and est.layers:  # given taps checked against the model's depth before any tokenizing
-        planned_taps(settings.input.model, est.layers)  # (DFlash's default ones only matter to the estimate: see below)
+    taps = None
+    if settings.input.model and (est.layers or est.serve):  # given taps checked before any tokenizing
+        taps = planned_taps(settings.input.model, est.layers, est.serve, est.final_hidden)
+    elif settings.input.model:  # DFlash's default taps, when the target is deep enough for them
+        try:
+            taps = planned_taps(settings.input.model, None, None, est.final_hidden)
+        except ValueError:
+            taps = None  # the estimate says what it needs (EstimateUnavailable)
+    if taps is not None:
+        settings = schema_replace(settings, layers=taps.layers, final_hidden=taps.final_hidden)
+        est = settings.estimate
     if est.estimate_only:
         if est.tokens is None or est.samples is None:
             raise ValueError("--estimate-only needs --tokens and --samples")
@@ -220,10 +241,13 @@ def run_check(args: argparse.Namespace) -> int:
         figures, omitted = None, str(e)
     if out.json:
         print(json.dumps({**report.to_dict(), "estimate": figures,
-                          **({"estimate_omitted": omitted} if omitted else {})}, indent=2, ensure_ascii=False))
+                          **({"estimate_omitted": omitted} if omitted else {}),
+                          **({"taps": taps_json(taps)} if taps else {})}, indent=2, ensure_ascii=False))
     else:
         print(report.format_text(tokenizer, n_examples=out.examples, color=_use_color(out.color)), end="")
         print(format_text(figures) if figures else f"estimate omitted: {omitted}\n", end="")
+        if taps:
+            print("\n".join(taps.lines()))
     if report.ok:
         return 0
     more = f" (+{len(report.failures) - 1} more in the report)" if len(report.failures) > 1 else ""
@@ -279,7 +303,13 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
 def run_extract_cmd(args: argparse.Namespace) -> int:
     from .job import GateRefused, run_extract
 
+    from .target import planned_taps
+
     settings = from_args(ExtractSettings, args, **shared_overrides(args))
+    cap = settings.capture
+    taps = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
+    if taps is not None:  # who the store will serve, before the gate and the GPU hours (a refusal: its one line)
+        print(f"hsstore extract: {taps.lines()[0]}", file=sys.stderr)
     try:
         result = run_extract(settings)
     except GateRefused as e:

@@ -30,6 +30,7 @@ import torch
 
 from hsstore import destination
 from hsstore.store.reader import Store
+from hsstore.format.serving import TAP_TENSOR, serving
 from hsstore.redaction import recordable_url
 
 from . import peer_layers
@@ -60,7 +61,7 @@ def _out_dir(out: str) -> Path:
 def _sidecar(out: Path, fmt: str, store: Store, layout: str, ids: list[str], extra: dict) -> None:
     m = store.manifest
     doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(m.layers),
-           "features": list(m.features), "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
+           "features": list(m.features), "tap_tensor": TAP_TENSOR, "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
            "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
     (out / SIDECAR).write_text(json.dumps(doc, indent=1))
 
@@ -110,10 +111,11 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
     store.check_manifest()
     m = store.manifest
     n = m.target.num_layers
-    if m.layers[-1] != n - 1:
+    if m.layers[-1] != n - 1 or not serving(m.layers, n).serves("speculators"):
         raise ValueError(f"store {url!r} has layers {list(m.layers)}: speculators' trainer takes the last slot as "
                          f"the verifier's last hidden state (vLLM id {n}, hsstore layer {n - 1}, the last decoder "
-                         f"layer's output before the norm), which the store does not hold")
+                         f"layer's output before the norm), which the store does not hold (extract with --serve "
+                         "speculators to store it)")
     root = _out_dir(out)
     hs_dir = root / "hidden_states"
     hs_dir.mkdir()

@@ -20,14 +20,14 @@ import torch
 from hsstore.store.process_writer import ProcessWriter
 from hsstore.store.writer import StoreWriter
 from hsstore.format import assets
-from hsstore.devices import defaults_for, describe, resolve_device, route_cpu_kernels
+from hsstore.devices import defaults_for, describe, resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids
-from hsstore.format.taps import check_taps, default_taps, text_config
+from hsstore import schema
+from hsstore.format.serving import TapPlan, plan
+from hsstore.target import decoder_layers, text_config, to_device
 
-from .capture import decoder_layers
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
-from .conv import use_fla_conv
 from .forward import extract_batches, token_budget_batches
 from .gate import GateReport, check
 from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identity
@@ -66,6 +66,7 @@ class ExtractResult:
     compiled: bool = False  # the forward was compiled (extract/speed.py: choose_compile)
     compile_check: CompileCheck | None = None  # a compiled forward's first batch against the eager one
     warmup_s: float = 0.0  # of ``seconds``, spent compiling (torch.compile's own timer)
+    taps: TapPlan | None = None  # the stored taps and features, and who they serve
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,13 +96,20 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     when the quality gate fails and ``settings.gate.force`` is false."""
     rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
     device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
-    planned_taps(settings.input.model, settings.capture.layers)  # and so do layer ids the target does not have
+    cap = settings.capture  # and so do taps the target does not have or the asked engines cannot serve
+    early = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
+    if early is not None:
+        warn_engines(early)
     result = ExtractResult(rank, world)
     tokenizer = tokenizer or load_tokenizer(settings.input.model)
     rows = gated_rows(settings, tokenizer, result)
     todo = not_yet_stored(settings, rows.samples, result)
     model = prepare_target(settings, model, device, todo, result)
-    layers = target_taps(settings, model)
+    result.taps = target_taps(settings, model)
+    if early is None:
+        warn_engines(result.taps)
+    settings = schema.replace(settings, layers=result.taps.layers, final_hidden=result.taps.final_hidden)
+    layers = result.taps.layers
     check_compiled(settings, model, layers, todo, tokenizer, device, result)
     writer = open_writer(settings, model, tokenizer, layers, rows, device, rank, result.compile_check)
     write_features(settings, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
@@ -190,8 +198,7 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
     if model is None:
         model = load_target(settings.input.model, DTYPES[settings.forward.dtype], device,
                             progress=settings.run.progress)
-    route_cpu_kernels(model)
-    use_fla_conv(model, device)  # a target given already loaded too (once per process: load_target's is kept)
+    model = to_device(model, device)  # a target given already loaded too gets the kernels (once per process)
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
     result.compiled = choice.compile
@@ -210,10 +217,17 @@ def uses_process_writer(settings: ExtractSettings, device: torch.device) -> bool
     return settings.store.writer == "process" or (settings.store.writer == "auto" and device.type == "cuda")
 
 
-def target_taps(settings: ExtractSettings, model) -> list[int]:
-    """``--layers``, else DFlash's spacing for the target's depth; checked against that depth."""
-    n_layers = int(text_config(model.config).num_hidden_layers)
-    return check_taps(list(settings.capture.layers) if settings.capture.layers else default_taps(n_layers), n_layers)
+def target_taps(settings: ExtractSettings, model) -> TapPlan:
+    """``--layers`` (else DFlash's spacing for the target's depth) with what ``--serve`` needs, checked against that
+    depth, and whether ``final_hidden`` is stored (asked, or needed by ``--serve``)."""
+    cap = settings.capture
+    return plan(int(text_config(model.config).num_hidden_layers), cap.layers, cap.serve or (), cap.final_hidden)
+
+
+def warn_engines(taps: TapPlan) -> None:
+    """One warning per tap that an engine cannot serve, naming the engines that can (before any GPU work)."""
+    for line in taps.serving.engine_warnings():
+        log.warning("%s", line)
 
 
 def extraction_batches(settings: ExtractSettings, todo: list[TokenizedSample], device: torch.device

@@ -5,7 +5,7 @@ differently, and the same list of numbers means different layers in each:
 
 * **SpecForge** (its ``aux_hidden_state_layer_ids`` / ``dflash_config.target_layer_ids``) names layer *outputs*
   as hsstore does; SGLang then captures at ``id + 1`` (the residual entering the next layer, the same tensor).
-  Default EAGLE-3 taps ``[1, N//2 - 1, N - 4]``. Offset 0.
+  Default EAGLE-3 taps ``[1, N//2 - 1, N - 4]`` (``hsstore.format.serving.specforge_eagle3_ids``). Offset 0.
 * **speculators / vLLM** (``eagle_aux_hidden_state_layer_ids``): id ``i`` is the residual stream *entering*
   decoder layer ``i``, i.e. after layer ``i - 1`` (id 0 is the embedding output, id ``N`` the last layer's
   output before the final norm). ``launch_vllm.py`` defaults to ``[2, N//2, N-3]`` plus ``N`` (the slot its
@@ -41,12 +41,6 @@ def vllm_launch_ids(num_layers: int, include_last: bool = True) -> list[int]:
     default), ``N``."""
     n = num_layers
     return [2, n // 2, n - 3] + ([n] if include_last else [])
-
-
-def specforge_eagle3_ids(num_layers: int) -> list[int]:
-    """SpecForge's default EAGLE-3 capture layers ``[1, N//2 - 1, N - 4]`` (its own ids = hsstore ids)."""
-    n = num_layers
-    return [1, n // 2 - 1, n - 4]
 
 
 def to_hsstore(peer: str, peer_ids: list[int], num_layers: int) -> list[int]:

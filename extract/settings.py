@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsstore.format import layout_spec
+from hsstore.format.serving import parse_serve
 from hsstore.schema import from_args, option, section
 
 from .gate import GateThresholds
@@ -34,6 +35,11 @@ def parse_layers(value: str | None) -> list[int] | None:
     from .peer_layers import parse_ids
 
     return parse_ids(value, "--layers") if value else None
+
+
+SERVE_HELP = ("engines, trainers and exports the store must serve, comma-separated: taps are added so that all "
+              "of them can (train, specforge-dflash, specforge-eagle3, speculators, sglang, vllm, dflash); "
+              "refused where no tap set serves them all")
 
 
 def template_kwargs(value: str | None) -> dict:
@@ -154,6 +160,7 @@ class Capture:
     final_hidden: bool = option(
         False, help="also store the final norm's output (what the lm_head reads; EAGLE-3's training target) as "
                     "the feature final_hidden, captured in the same forward (which then runs to the norm)")
+    serve: list[str] | None = option(None, type=str, metavar="NAME,NAME", convert=parse_serve, help=SERVE_HELP)
 
 
 @dataclass
@@ -233,6 +240,8 @@ class CheckEstimate:
     layers: list[int] | None = option(None, type=str, metavar="L,L", convert=parse_layers,
                                       help="taps to estimate for (default: DFlash spacing)")
     final_hidden: bool = option(False, help="extract would add the final norm's output")
+    serve: list[str] | None = option(None, type=str, metavar="NAME,NAME", convert=parse_serve,
+                              help="as extract's --serve: the taps that serve these")
     tokens_per_s: float | None = option(
         None, metavar="X", help="extraction throughput per GPU (default: this project's H200 figure for a 27B-scale "
                                 "Qwen3.5 target, 11,049; other targets differ)")

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
-from hsstore.devices import route_cpu_kernels
+from hsstore import target as shared_target
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
-from hsstore.format.taps import check_taps, default_taps, text_config
-
-from .conv import use_fla_conv
+from hsstore.format.serving import TapPlan, plan
+from hsstore.target import text_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -41,31 +40,31 @@ def load_tokenizer(model: str):
         raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
 
 
-def planned_taps(model_dir: str, layers: list[int] | None) -> list[int] | None:
-    """``--layers`` (else DFlash's spacing) checked against the depth ``model_dir/config.json`` gives, before the
-    tokenizer, the gate or the weights are loaded, so a wrong id costs no time; None: the folder has no config."""
+def planned_taps(model_dir: str, layers: list[int] | None, serve: list[str] | None = None,
+                 final_hidden: bool = False) -> TapPlan | None:
+    """``--layers`` (else DFlash's spacing) with what ``--serve`` needs, checked against the depth
+    ``model_dir/config.json`` gives, before the tokenizer, the gate or the weights are loaded, so a wrong id costs
+    no time (``hsstore.format.serving.plan``); None: the folder has no config."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
     n_layers = int(text_config(json.loads(path.read_text(encoding="utf-8")))["num_hidden_layers"])
     try:
-        return check_taps(list(layers) if layers else default_taps(n_layers), n_layers)
+        return plan(n_layers, layers, serve or (), final_hidden)
     except ValueError as e:
-        raise ValueError(f"--layers {','.join(map(str, layers or []))}: {e} ({path})") from None
+        given = f"--layers {','.join(map(str, layers))}: " if layers else ""
+        raise ValueError(f"{given}{e} ({path})") from None
 
 
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode."""
+    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode: ``hsstore.target``'s
+    loader (the one eval uses too), without transformers' weight-loading bar unless ``progress``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if not progress:
         hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True,
-                                                 trust_remote_code=False)
-    route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
-    use_fla_conv(model, device)  # on CUDA: the short convolution on fla's Triton kernel, not PyTorch's fallback
-    return model.to(device).eval()
+    return shared_target.load_target(AutoModelForCausalLM, model_path, dtype, device)
 
 
 def model_name(model_dir: str) -> str:

@@ -10,7 +10,7 @@ import torch
 
 import hsstore
 from hsstore.extract import job
-from hsstore.extract.capture import decoder_layers
+from hsstore.target import decoder_layers
 from hsstore.extract.compile_check import MAX_REL, MIN_COS, CompileMismatch, check_first_batch, eager_modules
 from hsstore.extract.forward import packed_features, token_budget_batches
 from hsstore.extract.job import ExtractSettings, run_extract

@@ -299,7 +299,8 @@ def test_peer_layer_ids_out_of_range_or_doubled_are_refused(tmp_path, new_sample
 
 
 def test_specforge_peer_layers_are_hsstore_ids():
-    from hsstore.extract.peer_layers import specforge_eagle3_ids, to_hsstore, vllm_launch_ids
+    from hsstore.extract.peer_layers import to_hsstore, vllm_launch_ids
+    from hsstore.format.serving import specforge_eagle3_ids
 
     # SpecForge names layer outputs (SGLang captures at id + 1, the residual entering the next layer)
     assert to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]

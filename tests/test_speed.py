@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsstore.extract.capture import decoder_layers, run_tapped
+from hsstore.extract.capture import run_tapped
+from hsstore.target import decoder_layers
 from hsstore.extract.speed import compile_forward, compiled_parts
 
 

@@ -8,7 +8,8 @@ drafters' configs: Qwen3.6-27B (64 layers) [1, 16, 31, 46, 61], Qwen3-8B (36 lay
 
 import pytest
 
-from hsstore.format.taps import check_taps, default_taps, text_config
+from hsstore.format.taps import check_taps, default_taps
+from hsstore.target import text_config
 
 
 @pytest.mark.parametrize("layers, taps, want", [
@@ -30,7 +31,9 @@ def test_extract_and_train_use_the_one_rule():
     from hsstore.extract import job
     from hsstore.train import model
 
-    assert job.default_taps is default_taps
+    from hsstore.format import serving
+
+    assert serving.default_taps is default_taps and job.plan is serving.plan
     assert model.default_target_layers is default_taps
     from transformers import Qwen3Config
 

@@ -28,7 +28,8 @@ import torch
 from hsstore.errors import StoreError
 from hsstore.format import assets
 from hsstore.format.manifest import Manifest
-from hsstore.format.taps import text_config
+from hsstore.format.serving import serving
+from hsstore.target import text_config
 from hsstore.store.reader import Store
 from hsstore.version import __version__
 
@@ -193,6 +194,12 @@ def drafter_meta(manifest: Manifest) -> dict[str, Any]:
     """What every saved drafter of a run records of its store: target, taps, tokenizer, version."""
     return {"target": dataclasses.asdict(manifest.target), "taps": list(manifest.layers),
             "tokenizer": dataclasses.asdict(manifest.tokenizer), "hsstore_version": __version__}
+
+
+def serving_warnings(taps, num_target_layers: int | None) -> list[str]:
+    """One line per drafter tap that an engine cannot serve, with the engines that can
+    (``hsstore.format.serving``); none for a drafter that does not say its target's depth."""
+    return [] if num_target_layers is None else serving(list(taps), int(num_target_layers)).engine_warnings()
 
 
 def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn.Module:

@@ -10,6 +10,7 @@ import argparse
 import logging
 import json
 import math
+import sys
 
 from hsstore.config import add_config_option, flag_values
 from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
@@ -138,9 +139,15 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .checkpoint import export_drafter
+    from .build import serving_warnings
+    from .checkpoint import export_drafter, read_drafter_config
 
-    print(f"drafter: {export_drafter(args.ckpt, args.out)}")
+    out = export_drafter(args.ckpt, args.out)
+    cfg, _ = read_drafter_config(out)
+    print(f"drafter: {out} (taps {','.join(map(str, cfg.target_layers))}: each its target layer's output, before "
+          "the final norm)")
+    for line in serving_warnings(cfg.target_layers, cfg.num_target_layers):
+        print(f"hsstore export-drafter: warning: drafter {line}", file=sys.stderr)
     return 0
 
 

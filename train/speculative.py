@@ -38,6 +38,7 @@ step), then the mean over prompts. The teacher-forced estimate that needs no tar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -51,7 +52,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsstore.devices import resolve_device, route_cpu_kernels
+from hsstore.devices import resolve_device
+from hsstore.target import load_target, tapped
 
 from .masks import attend, block_attention_mask
 from .model import rope_cos_sin
@@ -90,15 +92,18 @@ class TargetCache:
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], keep: int, taps: Sequence[int] | None = None):
         """(logits of the last ``keep`` of ``ids`` [keep, V], tapped features of ``ids`` [len, L, H] or None),
-        the cache advanced over ``ids``. Layer id l is HF ``hidden_states[l + 1]`` (index 0: the embeddings)."""
+        the cache advanced over ``ids``. Tap l is captured as extraction captures it (``hsstore.target.tapped``):
+        the output of decoder layer l before the final norm, the last layer's too (HF's last ``hidden_states``
+        entry is the norm's output, which the drafter was not trained on)."""
         dev = next(self.model.parameters()).device
         x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
-        out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep, output_hidden_states=taps is not None,
-                         **({self.kwarg: self.cache} if self.cache is not None else {}))
+        with tapped(self.model, list(taps or [])) if taps else contextlib.nullcontext({}) as captured:
+            out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep,
+                             **({self.kwarg: self.cache} if self.cache is not None else {}))
         if self.cache is None:  # the model made its cache in the prefill
             made = getattr(out, "cache", None)
             self.cache = made if made is not None else out.past_key_values
-        feats = None if taps is None else torch.stack([out.hidden_states[l + 1][0] for l in taps], dim=1)
+        feats = None if not taps else torch.stack([captured[l][0] for l in taps], dim=1)
         return out.logits[0, -keep:], feats
 
     def save(self) -> None:
@@ -445,6 +450,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
     drafter's frozen embedding and head come from the store."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from hsstore.store import reader
 
@@ -460,9 +466,11 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     _, embed, head = load_frozen(store)  # in the dtype extraction ran in
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dt, local_files_only=True, trust_remote_code=False)
-    route_cpu_kernels(model)  # on CPU, transformers' torch paths even where fla is installed
-    model = model.to(dev).eval()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    model = load_target(AutoModelForCausalLM, model_dir, dt, dev)  # extraction's loader: the same kernels
+    log.info("eval: the drafter is fed taps %s, each its target layer's output before the final norm (as "
+             "extracted)", dcfg.target_layers)
     mine = model.get_input_embeddings().weight.detach()
     if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
         raise ValueError(f"{model_dir} is not the target the store {store_url} was extracted from "

@@ -48,7 +48,8 @@ from hsstore.store.reader import open_shared
 from . import checkpoint as ckpt
 from . import rundir, tracking
 from .budget import with_device_defaults
-from .build import DraftLoss, build_drafter, check_healthy, drafter_meta, settings_line, wrap_ddp
+from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, serving_warnings, settings_line,
+                    wrap_ddp)
 from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
 from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
@@ -98,6 +99,9 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     # broadcasts them, and the loader reuses these
     stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.stores]
     check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
+    if rank == 0:  # a drafter tap an engine cannot serve is named now, not at serving time
+        for line in serving_warnings(stores[0].manifest.layers, stores[0].manifest.target.num_layers):
+            log.warning("drafter %s", line)
     drafter, settings = build_drafter(stores, settings, device, rank)
     schedule = settings.schedule
     gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)

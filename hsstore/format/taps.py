@@ -1,14 +1,14 @@
 """A target's tapped layers as hsstore names them, shared by extraction and training.
 
-Layer id ``l`` is the output of decoder layer ``l`` (0-based), which is Hugging Face ``hidden_states[l + 1]``
-(index 0 is the embeddings): DFlash's and SpecForge's convention. Extraction picks the taps and training
+Layer id ``l`` is the output of decoder layer ``l`` (0-based) before the final norm, for the last layer too: Hugging
+Face ``hidden_states[l + 1]`` (index 0 is the embeddings) for every layer but the last, whose entry transformers
+replaces by the norm's output (DFlash's and SpecForge's convention; which engines serve which taps:
+``serving.py``). Extraction picks the taps and training
 builds a drafter for them, and neither may import the other, so the default spacing lives here, once: two
 copies had drifted apart (64 layers, 1 tap: one said [61], the other [1]; DFlash says [32]).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 DEFAULT_NUM_TAPS = 5  # the published DFlash drafters tap five target layers
 
@@ -39,14 +39,7 @@ def check_taps(layers: list[int], num_layers: int) -> list[int]:
     bad = [l for l in layers if not 0 <= l < num_layers]
     if bad:
         raise ValueError(f"layer ids {bad} out of range: the target has {num_layers} decoder layers "
-                         f"(valid ids 0..{num_layers - 1}; id l = output of decoder layer l)")
+                         f"(valid ids 0..{num_layers - 1}; id l = output of decoder layer l, before the final norm)")
     if sorted(set(layers)) != list(layers):
         raise ValueError(f"layer ids must be strictly increasing, got {layers}")
     return list(layers)
-
-
-def text_config(config: Any) -> Any:
-    """The decoder's part of a target config, a transformers config or its dict (multimodal configs such as
-    ``qwen3_5`` nest it as ``text_config``; others are their own)."""
-    inner = config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
-    return inner or config

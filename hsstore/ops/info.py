@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format import codec, health
+from ..format import codec, health, serving
 from . import stats
 from ..errors import CorruptionError
 from ..store.reader import Store
@@ -62,6 +62,8 @@ def summarize(store: Store) -> dict[str, Any]:
         "skipped": dict(skipped),
         "layers": list(m.layers),
         "features": list(m.features),
+        "tap_tensor": serving.TAP_TENSOR,
+        "serving": serving.serving(m.layers, m.target.num_layers, m.features).summary(),
         "hidden_size": m.hidden_size,
         "dtype": m.dtype,
         "encoding": m.encoding,
@@ -134,8 +136,10 @@ def format_text(s: dict[str, Any]) -> str:
     lines.append(f"target     {t['name']}  type={t['model_type']} layers={t['num_layers']} hidden={t['hidden_size']} "
                  f"revision={t['revision']} config={t['config_hash'][:12]}")
     lines.append(f"tokenizer  {k['name']}  vocab={k['vocab_hash'][:12]} template={(k['chat_template_hash'] or '-')[:12]}")
-    lines.append(f"taps       layers {s['layers']} (layer l = output of decoder layer l = HF hidden_states[l+1])"
+    lines.append(f"taps       layers {s['layers']} (layer l = {s['tap_tensor']}; for the last layer not HF's last "
+                 "hidden_states entry, which is the norm's)"
                  + ("; + final_hidden (the final norm's output)" if s["features"] else ""))
+    lines.append(f"serving    {s['serving']}")
     lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer(s)")
     ix = s["index"]
     if ix["fetched"] and s["shards"] > 100:  # opening paid a request per record not indexed

@@ -1,0 +1,109 @@
+"""The target model as extraction, audit and eval load and read it: one loader, one way to find its decoder layers,
+one capture of a tap.
+
+Extraction and eval must compute the same tensor for a tap, with the same kernels: a drafter is fed at
+evaluation what it was trained on, and the audit compares the roundings extraction made. So :func:`load_target`
+routes CPU forwards to transformers' torch paths (``devices.route_cpu_kernels``) and, on CUDA, the Gated DeltaNet
+short convolution to fla's kernel (``conv.use_fla_conv``) for every caller; and :func:`tapped` captures tap ``l``
+as the output of decoder layer ``l`` (before the final norm, the last layer's too) with a forward hook, never as
+HF's ``hidden_states[l + 1]`` (whose last entry transformers replaces by the norm's output).
+
+This package never imports transformers: the caller passes the auto class (``AutoModelForCausalLM``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .conv import use_fla_conv
+from .devices import route_cpu_kernels
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's part of a target config, a transformers config or its dict (multimodal configs such as
+    ``qwen3_5`` nest it as ``text_config``; others are their own)."""
+    inner = config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
+    return inner or config
+
+
+def load_target(auto_class: Any, model_path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The target from a local directory (nothing downloaded, no remote code), in ``dtype`` on ``device``, in eval
+    mode, with the kernels every command runs (module docstring)."""
+    model = auto_class.from_pretrained(model_path, dtype=dtype, local_files_only=True, trust_remote_code=False)
+    return to_device(model, device)
+
+
+def to_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """A loaded target on ``device`` with the kernels :func:`load_target` gives (for a model built in process)."""
+    route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
+    use_fla_conv(model, device)  # on CUDA: the short convolution on fla's Triton kernel, not PyTorch's fallback
+    return model.to(device).eval()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder layers: the ModuleList with ``num_hidden_layers`` entries
+    (``model.model.layers`` for most causal LMs, ``...language_model.layers`` for multimodal ones)."""
+    n = text_config(model.config).num_hidden_layers
+    candidates = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    # prefer the language model's stack over a vision tower of the same depth
+    candidates.sort(key=lambda nm: ("visual" in nm[0] or "vision" in nm[0], nm[0].count(".")))
+    if not candidates:
+        raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+    return candidates[0][1]
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm applied after the last decoder layer: the ``norm`` beside the decoder-layer list
+    (``model.model.norm``, ``...language_model.norm``)."""
+    stack = decoder_layers(model)
+    for name, m in model.named_modules():
+        if m is stack:
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            norm = getattr(parent, "norm", None)
+            if isinstance(norm, nn.Module):
+                return norm
+    raise ValueError(f"cannot find the final norm of {type(model).__name__} (a 'norm' beside its decoder layers)")
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder without the lm_head (calling it skips the vocabulary projection entirely)."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+class StopForward(Exception):
+    """Raised by the last tap's hook when the rest of the forward is wasted work (``tapped(stop=True)``)."""
+
+
+@contextmanager
+def tapped(model: nn.Module, layers: list[int], final_hidden: bool = False, stop: bool = False,
+           ) -> Iterator[dict[int | str, torch.Tensor]]:
+    """Within the block, a forward fills the yielded dict ``{layer_id: [B, T, H]}``: each tap the output of its
+    decoder layer (``final_hidden``: also the final norm's output, as ``"final_hidden"``). ``stop``: the hook of
+    the last capture raises :class:`StopForward` (the caller catches it), so nothing after it runs."""
+    stack = decoder_layers(model)
+    captured: dict[int | str, torch.Tensor] = {}
+    last = "final_hidden" if final_hidden else max(layers)
+    handles = []
+
+    def make_hook(layer_id: int | str):
+        def hook(_module, _inputs, output):
+            captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+            if stop and layer_id == last:
+                raise StopForward
+
+        return hook
+
+    try:
+        for l in layers:
+            handles.append(stack[l].register_forward_hook(make_hook(l)))
+        if final_hidden:
+            handles.append(final_norm(model).register_forward_hook(make_hook("final_hidden")))
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
