@@ -161,10 +161,12 @@ def add_export(subparsers) -> None:
         "export",
         help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + Arrow)",
         description="The peers' current on-disk formats, so their trainers read a store: SpecForge's "
-        "rows_A-B/data_{i}.ckpt (EAGLE-3 keys aux_hidden_state + hidden_state when the store holds final_hidden, "
-        "else DFlash's hidden_states), or speculators' Arrow dataset with hidden_states/hs_{i}.safetensors (the "
-        "store must hold the last layer, which speculators' trainer takes as the verifier's last hidden state). "
-        "OUT must be new or empty. hsstore import of the result gives back the store bit-exact.",
+        "rows_A-B/data_{i}.ckpt (--layout dflash: hidden_states with every tap, leaving out the samples without two "
+        "consecutive loss tokens, which its DFlash reader refuses; --layout eagle3: aux_hidden_state with three taps "
+        "+ hidden_state, from a store with final_hidden), or speculators' Arrow dataset with "
+        "hidden_states/hs_{i}.safetensors (the store must hold the last layer, which speculators' trainer takes as "
+        "the verifier's last hidden state). OUT must be new or empty. hsstore import of the result gives back the "
+        "exported samples and layers bit-exact.",
     )
     groups = add_arguments(x, ExportSettings)
     add_quiet_option(groups["run"])
@@ -397,14 +399,15 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 
     settings = from_args(ExportSettings, args, **shared_overrides(args))
     x = settings.export
-    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=settings.run.progress)
+    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=settings.run.progress,
+                     layout=x.layout, layers=x.layers)
     where = f"{recordable_url(x.url)} -> {recordable_url(x.out)}"
     if args.json:
         print(json.dumps({"format": x.format, "url": recordable_url(x.url), "out": recordable_url(x.out),
                           **dataclasses.asdict(r)}, indent=2))
         return 0
     print(f"export {x.format} ({r.layout}) {where}: {r.samples} samples, {r.tokens:,} tokens "
-          f"({r.bytes_written / 1e9:.2f} GB)")
+          f"({r.bytes_written / 1e9:.2f} GB)" + (f", {r.skipped} left out" if r.skipped else ""))
     for note in r.notes:
         print(f"  {note}")
     return 0

@@ -1,19 +1,22 @@
 """``hsstore export``: a store -> the peers' one-file-per-sample layouts, so their trainers read it as their own.
 
 * **specforge** -- what ``scripts/prepare_hidden_states.py`` writes: ``rows_{g}-{g+2000}/data_{i}.ckpt``, one
-  ``torch.save`` dict per sample: ``input_ids`` [T] int64, ``loss_mask`` [T] int64, then the EAGLE-3 layout
-  (``aux_hidden_state`` [1, T, L*H] + ``hidden_state`` [1, T, H], the final-norm output) when the store holds
-  ``final_hidden``, else the DFlash one (``hidden_states`` [1, T, L*H]). No padding (one row per batch).
+  ``torch.save`` dict per sample: ``input_ids`` [T] int64, ``loss_mask`` [T] int64, then the layout ``--layout``
+  names: ``dflash`` (the default) ``hidden_states`` [1, T, L*H], every tap; ``eagle3`` ``aux_hidden_state``
+  [1, T, 3*H], the three taps SpecForge's EAGLE-3 model takes, + ``hidden_state`` [1, T, H], the final-norm output
+  (the store must hold ``final_hidden``). No padding (one row per batch). SpecForge's offline DFlash reader
+  refuses a sample without two consecutive supervised tokens: such samples are left out, counted, and named in
+  the sidecar.
 * **speculators** -- what ``prepare_data.py`` + ``data_generation_offline.py`` write: an Arrow dataset as
   ``datasets.save_to_disk`` lays it out (``input_ids``/``loss_mask`` int64 lists, ``seq_len``; torch format) and
   ``hidden_states/hs_{i}.safetensors`` with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64. Its trainer
   splits the last slot off as the verifier's last hidden state (vLLM id N, before the final norm), so the store
   must hold layer N - 1; the slots are the store's layers in order, vLLM ids = hsstore ids + 1.
 
-Sample ``i`` is the store's ``i``-th sample. ``hsstore_export.json`` beside the files (ignored by both peers, who
-only list their own suffixes) records the store, its layers in both conventions and the sample ids, so
-``hsstore import`` of an export gives back the same ids and skips padding detection (an export holds none).
-OUT must not exist or be empty: nothing is overwritten.
+File ``i`` is the ``i``-th exported sample. ``hsstore_export.json`` beside the files (ignored by both peers, who
+only list their own suffixes) records the store, the exported layers in both conventions, the sample ids and
+the ids left out, so ``hsstore import`` of an export gives back the same ids and skips padding detection (an
+export holds none). OUT must not exist or be empty: nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hsstore import destination
 from hsstore.store.reader import Store
 from hsstore.format.serving import TAP_TENSOR, serving
 from hsstore.redaction import recordable_url
+from hsstore.tensorfiles import save_safetensors
 
 from . import peer_layers
 
@@ -48,6 +52,7 @@ class ExportResult:
     tokens: int = 0
     bytes_written: int = 0
     layout: str = ""
+    skipped: int = 0  # samples left out: the peer's loader would refuse them
     notes: list[str] = field(default_factory=list)
 
 
@@ -58,35 +63,73 @@ def _out_dir(out: str) -> Path:
     return p
 
 
-def _sidecar(out: Path, fmt: str, store: Store, layout: str, ids: list[str], extra: dict) -> None:
+def _sidecar(out: Path, fmt: str, store: Store, layout: str, layers: list[int], ids: list[str], extra: dict,
+             ) -> None:
     m = store.manifest
-    doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(m.layers),
-           "features": list(m.features), "tap_tensor": TAP_TENSOR, "peer_layer_ids": peer_layers.from_hsstore(fmt, list(m.layers)),
+    doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(layers),
+           "features": list(m.features) if layout == "eagle3" else [], "tap_tensor": TAP_TENSOR,
+           "peer_layer_ids": peer_layers.from_hsstore(fmt, list(layers)),
            "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
     (out / SIDECAR).write_text(json.dumps(doc, indent=1))
 
 
+SPECFORGE_LAYOUTS = ("dflash", "eagle3")
+
+
+def consecutive_loss(loss_mask: torch.Tensor) -> bool:
+    """Whether two neighbouring tokens are both in the loss: SpecForge's offline DFlash reader refuses a sample
+    without (``has_consecutive_supervised_tokens``), as no DFlash anchor fits in it."""
+    m = loss_mask.to(torch.bool)
+    return bool((m[1:] & m[:-1]).any())
+
+
+def specforge_taps(store: Store, layout: str, layers: list[int] | None) -> tuple[list[int], str | None]:
+    """(the store layers a SpecForge ``layout`` export writes, a note naming a choice made for the user)."""
+    m = store.manifest
+    if layout not in SPECFORGE_LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: SpecForge's layouts are {', '.join(SPECFORGE_LAYOUTS)}")
+    if layout == "dflash":
+        if layers is not None and list(layers) != list(m.layers):
+            raise ValueError("--layers chooses EAGLE-3's three taps; the dflash layout writes every tap of the store "
+                             f"({list(m.layers)})")
+        return list(m.layers), None
+    if "final_hidden" not in m.features:
+        raise ValueError(f"store {recordable_url(store.url)!r} holds no final_hidden: SpecForge's EAGLE-3 layout "
+                         "needs the final norm's output as its target (extract --final-hidden), or use --layout dflash")
+    return peer_layers.eagle3_taps(list(m.layers), m.target.num_layers, layers)
+
+
 def export_specforge(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
-                     file_group_size: int = FILE_GROUP_SIZE) -> ExportResult:
+                     file_group_size: int = FILE_GROUP_SIZE, layout: str | None = None,
+                     layers: list[int] | None = None) -> ExportResult:
     from tqdm import tqdm
 
     store = Store(url, storage_options or {})
     store.check_manifest()
-    final = "final_hidden" in store.manifest.features
+    layout = layout or "dflash"
+    taps, chosen = specforge_taps(store, layout, layers)
+    pick = [list(store.manifest.layers).index(l) for l in taps]
     root = _out_dir(out)
-    r = ExportResult(layout="eagle3" if final else "dflash")
-    if not final:
-        r.notes.append("the store holds no final_hidden: DFlash layout (hidden_states), no EAGLE-3 target")
-    ids = []
-    for i, item in enumerate(tqdm(store, total=len(store), unit="sample", desc="export", disable=not progress)):
+    r = ExportResult(layout=layout)
+    if chosen:
+        r.notes.append(chosen)
+    if layout == "dflash" and store.manifest.features:
+        r.notes.append("final_hidden not exported: the DFlash layout has no target state (--layout eagle3 writes "
+                       "SpecForge's EAGLE-3 one)")
+    ids, left_out = [], []
+    for item in tqdm(store, total=len(store), unit="sample", desc="export", disable=not progress):
         T = int(item["input_ids"].shape[0])
-        hs = item["hidden_states"].reshape(1, T, -1)  # taps concatenated along hidden, in tap order
+        if layout == "dflash" and not consecutive_loss(item["loss_mask"]):
+            left_out.append(item["sample_id"])
+            continue
+        hs = item["hidden_states"][:, pick].reshape(1, T, -1)  # taps concatenated along hidden, in tap order
         rec = {"input_ids": item["input_ids"].clone(), "loss_mask": item["loss_mask"].to(torch.int64)}
-        if final:
+        if layout == "eagle3":
             rec["aux_hidden_state"] = hs.clone()
             rec["hidden_state"] = item["final_hidden"].reshape(1, T, -1).clone()
         else:
             rec["hidden_states"] = hs.clone()
+        i = len(ids)
         g = i // file_group_size * file_group_size
         sub = root / f"rows_{g}-{g + file_group_size}"
         sub.mkdir(exist_ok=True)
@@ -98,15 +141,23 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
         r.samples += 1
         r.tokens += T
         r.bytes_written += path.stat().st_size
-    _sidecar(root, "specforge", store, r.layout, ids, {"file_group_size": file_group_size})
+    if left_out:
+        shown = ", ".join(left_out[:5]) + (f", ... ({len(left_out) - 5} more)" if len(left_out) > 5 else "")
+        r.notes.append(f"{len(left_out)} samples left out: no two consecutive loss tokens, which SpecForge's offline "
+                       f"DFlash reader refuses ({shown}; all listed in {SIDECAR})")
+    r.skipped = len(left_out)
+    _sidecar(root, "specforge", store, layout, taps, ids,
+             {"file_group_size": file_group_size, "skipped": {"no_consecutive_loss": left_out}})
     return r
 
 
 def export_speculators(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
-                       ) -> ExportResult:
-    from safetensors.torch import save_file
+                       layout: str | None = None, layers: list[int] | None = None) -> ExportResult:
     from tqdm import tqdm
 
+    if layout is not None or layers is not None:
+        raise ValueError("--layout and --layers choose among SpecForge's layouts; speculators has one (every tap, "
+                         "the last as the verifier's hidden state)")
     store = Store(url, storage_options or {})
     store.check_manifest()
     m = store.manifest
@@ -130,8 +181,8 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
                                   total=len(store), unit="sample", desc="export", disable=not progress)):
         T = int(item["input_ids"].shape[0])
         path = hs_dir / f"hs_{i}.safetensors"
-        save_file({"hidden_states": item["hidden_states"].contiguous(), "token_ids": item["input_ids"].clone()},
-                  str(path))
+        save_safetensors({"hidden_states": item["hidden_states"].contiguous(),
+                          "token_ids": item["input_ids"].clone()}, path)
         rows["input_ids"].append(item["input_ids"].numpy())
         rows["loss_mask"].append(item["loss_mask"].numpy().astype(np.int64))
         rows["seq_len"].append(T)
@@ -141,7 +192,7 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
         r.bytes_written += path.stat().st_size
     _write_arrow_dataset(root, rows)
     aux = peer_layers.from_hsstore("speculators", list(m.layers))
-    _sidecar(root, "speculators", store, r.layout, ids, {"target_layer_ids": aux[:-1]})
+    _sidecar(root, "speculators", store, r.layout, list(m.layers), ids, {"target_layer_ids": aux[:-1]})
     r.notes.append(f"train with the aux layer ids {aux[:-1]} (vLLM ids; the last slot, {aux[-1]}, is the verifier's "
                    "last hidden state)")
     return r

@@ -17,6 +17,8 @@ launch defaults, or the id ``N`` that only the peer has) is refused unless the u
 
 from __future__ import annotations
 
+from hsstore.format.serving import CONSUMERS
+
 PEER_OFFSET = {"specforge": 0, "speculators": 1}  # hsstore id = peer id - offset
 PEER_CONVENTION = {"specforge": "specforge (output of decoder layer k, as hsstore; SGLang captures at k+1)",
                    "speculators": "vllm (residual stream entering decoder layer i = output of layer i-1)"}
@@ -41,6 +43,39 @@ def vllm_launch_ids(num_layers: int, include_last: bool = True) -> list[int]:
     default), ``N``."""
     n = num_layers
     return [2, n // 2, n - 3] + ([n] if include_last else [])
+
+
+EAGLE3 = CONSUMERS["specforge-eagle3"]  # the registry's SpecForge EAGLE-3: its default taps, and their count
+EAGLE3_TAPS = EAGLE3.min_taps  # its model concatenates exactly three target layers (fc takes 3 x hidden)
+
+
+def eagle3_taps(store_layers: list[int], num_layers: int, chosen: list[int] | None = None,
+                ) -> tuple[list[int], str | None]:
+    """(the three store layers an EAGLE-3 export feeds SpecForge, a note saying which were chosen, or None).
+
+    ``chosen`` (hsstore ids) must be three of the store's layers. Without it a store of exactly three gives them;
+    one of more gives, for each of SpecForge's default capture layers ``[1, N//2 - 1, N - 4]`` in turn, the
+    nearest store layer not taken yet (ties: the lower), and the note names them and the flag that chooses
+    others."""
+    if chosen is not None:
+        chosen = list(chosen)
+        if len(chosen) != EAGLE3_TAPS or len(set(chosen)) != EAGLE3_TAPS or set(chosen) - set(store_layers):
+            raise ValueError(f"--layers {chosen}: EAGLE-3 takes exactly {EAGLE3_TAPS} distinct layers of the store "
+                             f"({store_layers})")
+        return sorted(chosen), None
+    if len(store_layers) < EAGLE3_TAPS:
+        raise ValueError(f"the store taps {store_layers}: SpecForge's EAGLE-3 model takes exactly {EAGLE3_TAPS} "
+                         "target layers")
+    if len(store_layers) == EAGLE3_TAPS:
+        return list(store_layers), None
+    default = EAGLE3.needs(num_layers)
+    taps: list[int] = []
+    for d in default:
+        taps.append(min((l for l in store_layers if l not in taps), key=lambda l: (abs(l - d), l)))
+    taps.sort()
+    return taps, (f"EAGLE-3 takes 3 of the store's {len(store_layers)} taps {store_layers}: {taps} (nearest to "
+                  f"SpecForge's defaults {default}; --layers A,B,C chooses others); train with "
+                  f"aux_hidden_state_layer_ids {taps}")
 
 
 def to_hsstore(peer: str, peer_ids: list[int], num_layers: int) -> list[int]:

@@ -291,26 +291,10 @@ def _hf_dataset_dir(path: Path) -> bool:
     return (path / "state.json").exists() or (path / "dataset_dict.json").exists()
 
 
-def _read_with_datasets(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int = 0) -> Iterator[Record]:
-    import datasets
-
-    loaded = datasets.load_from_disk(str(path))
-    splits = (
-        [(name, loaded[name]) for name in sorted(loaded)]
-        if isinstance(loaded, datasets.DatasetDict)
-        else [("", loaded)]
-    )
-    for name, ds in splits:
-        if getattr(ds, "_indices", None) is not None:
-            ds = ds.flatten_indices()
-        label = f"{path}[{name}]" if name else str(path)
-        start = yield from read_table_batches(ds.data.table.to_batches(max_chunksize=1024), label, source, shard,
-                                              start)
-    return start
-
-
 def _arrow_files_of_dataset_dir(path: Path) -> list[Path]:
-    """Shard order of a ``save_to_disk`` directory read without ``datasets``: state.json's list, else sorted."""
+    """Shard order of a ``save_to_disk`` directory: state.json's list, else sorted. Read with pyarrow whether or
+    not ``datasets`` is installed, so a folder reads the same on every machine (``save_to_disk`` writes its rows
+    flattened: no indices mapping to apply)."""
     state = path / "state.json"
     if state.exists():
         files = json.loads(state.read_text()).get("_data_files") or []
@@ -342,13 +326,8 @@ def read_records(path: str | Path, source: str | None = None, shard: RowShard = 
     p = Path(path)
     if p.is_dir() and _hf_dataset_dir(p):
         default = source or p.name
-        try:
-            import datasets  # noqa: F401
-        except ImportError:
-            for f in _arrow_files_of_dataset_dir(p):
-                start = yield from read_arrow(f, default, shard, start)
-        else:
-            start = yield from _read_with_datasets(p, default, shard, start)
+        for f in _arrow_files_of_dataset_dir(p):
+            start = yield from read_arrow(f, default, shard, start)
         return start
     for f in input_files(p):
         default = source or (p.name if p.is_dir() else f.stem)

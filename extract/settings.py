@@ -466,6 +466,14 @@ class ExportFiles:
     format: str = option(positional=True, choices=PEER_FORMATS, help="the peer whose files to write")
     url: str = option(positional=True, help="store URL")
     out: str = option(positional=True, help="output folder (local; must not exist or be empty)")
+    layout: str | None = option(None, choices=["dflash", "eagle3"],
+                                help="specforge only: dflash (default; hidden_states, every tap) or eagle3 "
+                                     "(aux_hidden_state with the three taps its EAGLE-3 model takes + hidden_state, "
+                                     "the final norm's output: the store must hold final_hidden)")
+    layers: list[int] | None = option(None, type=str, metavar="A,B,C", convert=parse_layers,
+                                      help="--layout eagle3: the three store layers to export (hsstore ids; default: "
+                                           "all of a 3-tap store, else the taps nearest SpecForge's defaults "
+                                           "[1, N//2-1, N-4], named in the summary)")
     storage_options: dict[str, Any] = _storage_options()
 
 

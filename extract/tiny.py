@@ -252,12 +252,10 @@ def target_config(
 
 def save_weights(path: Path, state: dict) -> Path:
     """safetensors directly (not save_pretrained): no progress bars or volatile metadata, same bytes each time."""
-    from safetensors.torch import save_file
+    from hsstore.tensorfiles import save_safetensors
 
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    save_file(state, str(path), metadata={"format": "pt"})
-    path.chmod(0o644)  # save_file creates it private; the cache may be shared
-    return path
+    return save_safetensors(state, path, metadata={"format": "pt"})
 
 
 def save_target(out: Path, state: dict | None, config, tokenizer) -> Path:
@@ -328,8 +326,7 @@ def build_trained_target(out_dir: str | os.PathLike) -> Path:
     config = target_config(tokenizer, **meta["sizes"])
     config.dtype = "float32"
     out = save_target(Path(out_dir), None, config, tokenizer)
-    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
-    (out / "model.safetensors").chmod(0o644)
+    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")  # a new file: the umask's mode
     return out
 
 

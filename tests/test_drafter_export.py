@@ -242,8 +242,9 @@ def test_export_a_run_and_refuse_mismatched_weights(store32, tmp_path):  # noqa:
     master = load_file(str(first / ckpt.MASTER))
     served = load_file(str(out / "model.safetensors"))
     assert served.keys() == master.keys() and all(torch.equal(served[k], master[k].bfloat16()) for k in master)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "hsstore_drafter.json", "model.safetensors",
-                                                     "model.safetensors.index.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "hsstore_drafter.json",
+                                                     "model.safetensors", "model.safetensors.index.json",
+                                                     "modeling_dflash.py"]
 
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)

@@ -421,7 +421,7 @@ def test_specforge_export_is_what_its_writer_writes_and_imports_back_bit_exact(t
             w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"][:, :3],
                   final_hidden=s["hidden_states"][:, 3])
     out = tmp_path / "sf"
-    assert main(["export", "specforge", src, str(out), "-q"]) == 0
+    assert main(["export", "specforge", src, str(out), "--layout", "eagle3", "-q"]) == 0
     assert "(eagle3)" in capsys.readouterr().out
     store = hsstore.open(src)
     for i in range(len(store)):

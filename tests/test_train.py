@@ -133,6 +133,7 @@ def test_checkpoints_are_pickle_free_and_optimizer_roundtrips(store32, tmp_path)
     last = ckpt.latest_checkpoint(tmp_path)
     names = {p.name for p in last.iterdir()}
     assert names == {"config.json", "model.safetensors", "model.safetensors.index.json", "hsstore_drafter.json",
+                     "README.md", "modeling_dflash.py",
                      "master_weights.safetensors", "optimizer.safetensors", "trainer.json",
                      "rank00000.safetensors", "loader.rank00000.json"}
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.bin"))

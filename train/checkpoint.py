@@ -41,7 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from hsstore.tensorfiles import save_safetensors
 
 from .config import (LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, recordable_stores,
                      saved_config)
@@ -220,7 +222,7 @@ def staging_dir(out: str | os.PathLike, step: int) -> Path:
 
 def write_rank_files(tmp: Path, rank: int, loader_state: dict[str, Any] | None, device: torch.device) -> None:
     """What every rank writes into the staging directory: its loader position and RNG states."""
-    save_file(rng_tensors(device), str(tmp / f"rank{rank:05d}.safetensors"))
+    save_safetensors(rng_tensors(device), tmp / f"rank{rank:05d}.safetensors")
     (tmp / f"loader.rank{rank:05d}.json").write_text(json.dumps(loader_state))
 
 
@@ -229,10 +231,10 @@ def write_main_files(tmp: Path, model: DFlashDrafter, opt: torch.optim.Optimizer
     """What rank 0 writes: drafter, fp32 master weights, optimizer, and ``trainer.json`` last (its presence
     marks the rest)."""
     save_drafter(tmp, model, extra)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / MASTER),
-              metadata={"format": "pt"})
+    save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp / MASTER,
+                     metadata={"format": "pt"})
     tensors, opt_meta = optimizer_to_safetensors(opt)
-    save_file(tensors, str(tmp / "optimizer.safetensors"))
+    save_safetensors(tensors, tmp / "optimizer.safetensors")
     state = {"step": step, "epoch": epoch, "world": world, "scheduler": sched.state_dict(), "optimizer": opt_meta,
              "config": config, "python_rng": python_rng()}
     (tmp / "trainer.json").write_text(json.dumps(state))

@@ -141,6 +141,7 @@ def run_train(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from .build import serving_warnings
     from .checkpoint import export_drafter, read_drafter_config
+    from .drafter_format import serving_notes
 
     out = export_drafter(args.ckpt, args.out)
     cfg, _ = read_drafter_config(out)
@@ -148,6 +149,8 @@ def run_export(args: argparse.Namespace) -> int:
           "the final norm)")
     for line in serving_warnings(cfg.target_layers, cfg.num_target_layers):
         print(f"hsstore export-drafter: warning: drafter {line}", file=sys.stderr)
+    for note in serving_notes(cfg):
+        print(f"  {note}")
     return 0
 
 

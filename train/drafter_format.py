@@ -9,6 +9,11 @@ pickle (safetensors for tensors, JSON for the rest):
                                   lm_head: the engines use the target's)
     model.safetensors.index.json  lists model.safetensors only, so engines skip any other *.safetensors here
     hsstore_drafter.json          this project's metadata: store/target identity, taps, tokenizer, attn_impl
+    modeling_dflash.py            what config.json's ``auto_map`` names, as in z-lab's released drafters: it
+                                  imports z-lab's ``dflash`` package's DFlashDraftModel, so
+                                  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds that drafter
+                                  or fails naming ``dflash`` -- never a plain Qwen3 model without fc and norms
+    README.md                     the model card: shape, taps, how SGLang, vLLM and dflash serve it
 
 Directories written before this format (config.json ``{"architecture": "DFlashDrafter", "drafter": {...}}``
 with fp32 model.safetensors) still read. A config is checked against its weights file's header before any
@@ -25,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+
+from hsstore.tensorfiles import save_safetensors
 
 from .model import DFlashDrafter, DrafterConfig
 
@@ -36,6 +42,20 @@ META = "hsstore_drafter.json"
 ARCHITECTURE = "DFlashDraftModel"
 LEGACY_ARCHITECTURE = "DFlashDrafter"  # this project's format before the DFlash HF one
 FULL, SLIDING = "full_attention", "sliding_attention"
+MODELING = "modeling_dflash.py"
+MODEL_CARD = "README.md"
+# model_type stays qwen3: SGLang, vLLM and dflash build their Qwen3Config from it (an unknown type fails there)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+MODELING_SOURCE = '''"""Loads this folder as z-lab's DFlash drafter: AutoModel.from_pretrained(dir, trust_remote_code=True).
+
+Written by hsstore. The model is the one in z-lab's published `dflash` package (pip install dflash);
+without it, loading fails here instead of building a plain Qwen3 model without fc, hidden_norm and norm.
+"""
+
+from dflash.model import DFlashDraftModel
+
+__all__ = ["DFlashDraftModel"]
+'''
 
 
 def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
@@ -46,6 +66,7 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
     window = windows[0] if windows else None
     out = {
         "architectures": [ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP),
         "model_type": "qwen3",
         "dtype": "bfloat16",
         "hidden_size": cfg.hidden_size,
@@ -78,6 +99,52 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
     if window is not None and not cfg.sliding_causal:
         out["is_causal"] = False  # SGLang and vLLM then run every layer non-causally (their default: sliding causal)
     return out
+
+
+def mixes_attention(cfg: DrafterConfig) -> bool:
+    """Whether the drafter has both sliding-window and full-attention layers."""
+    kinds = {cfg.window(i) is None for i in range(cfg.num_layers)}
+    return len(kinds) == 2
+
+
+def serving_notes(cfg: DrafterConfig) -> list[str]:
+    """What an engine needs beyond the folder: vLLM serves a drafter that mixes sliding and full layers only with
+    its V2 model runner (vllm/model_executor/models/qwen3_dflash.py raises NotImplementedError otherwise)."""
+    if not mixes_attention(cfg):
+        return []
+    kinds = ["sliding" if cfg.window(i) is not None else "full" for i in range(cfg.num_layers)]
+    return [f"vLLM: this drafter mixes sliding-window and full-attention layers ({', '.join(kinds)}); vLLM serves "
+            "it only with its V2 model runner: set VLLM_USE_V2_MODEL_RUNNER=1 (SGLang and dflash need nothing)"]
+
+
+def model_card(cfg: DrafterConfig, meta: dict[str, Any]) -> str:
+    """README.md of a drafter folder: what it is and how the engines serve it (their commands, in their terms)."""
+    target = (meta.get("target") or {}).get("name") or "the target model"
+    kinds = [("sliding " + str(cfg.window(i))) if cfg.window(i) is not None else "full"
+             for i in range(cfg.num_layers)]
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixes_attention(cfg) else ""
+    lines = [
+        "---", "library_name: transformers", "tags: [dflash, speculative-decoding, hsstore]", "---", "",
+        f"# DFlash drafter for {target}", "",
+        f"- {cfg.num_layers} draft layers ({', '.join(kinds)}), hidden {cfg.hidden_size}, {cfg.num_heads} heads x "
+        f"{cfg.head_dim}, {cfg.num_kv_heads} KV heads; block size {cfg.block_size}, mask token {cfg.mask_token_id}.",
+        f"- Target layers {list(cfg.target_layers)} (`dflash_config.target_layer_ids`: the output of decoder layer "
+        "l, as SpecForge and z-lab's dflash count). The drafter uses the target's embedding and lm_head.",
+        "- Trained by hsstore; `hsstore_drafter.json` records the store, target and tokenizer identity.", "",
+        "## Serving", "",
+        f"- SGLang: `python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path THIS_DIR`",
+        f"- vLLM: `{v2}vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": "
+        f"\"THIS_DIR\", \"num_speculative_tokens\": {cfg.block_size - 1}}}'`",
+        *(f"  ({n})" for n in serving_notes(cfg)),
+        "- Transformers: `pip install dflash`, then `AutoModel.from_pretrained(THIS_DIR, trust_remote_code=True)` "
+        "builds dflash's `DFlashDraftModel` (`modeling_dflash.py` imports it). Without `trust_remote_code` "
+        "transformers reads `model_type: qwen3` and builds a plain Qwen3 model that is not this drafter.",
+        "- speculators: `speculators convert` takes this folder as a z-lab DFlash checkpoint. Its trainer (0.9.0) "
+        "lets sliding layers see context from p - W for every block row, where SGLang, vLLM, dflash, SpecForge and "
+        "hsstore use p + i - (W - 1) (row i of the block at anchor p); fine-tuning there changes the window edge.",
+        ""]
+    return "\n".join(lines)
 
 
 def config_from_hf(d: dict[str, Any], attn_impl: str = "sdpa", source: str = CONFIG) -> DrafterConfig:
@@ -178,11 +245,13 @@ def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str
         cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
     check_tensors(cfg, tensors, "drafter weights")
     bf16 = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in tensors.items()}
-    save_file(bf16, str(path / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(bf16, path / WEIGHTS, metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in bf16.values())},
              "weight_map": {k: WEIGHTS for k in sorted(bf16)}}
     (path / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
     (path / META).write_text(json.dumps({"format": "hsstore-drafter", "attn_impl": cfg.attn_impl, **meta}, indent=2))
+    (path / MODELING).write_text(MODELING_SOURCE)
+    (path / MODEL_CARD).write_text(model_card(cfg, meta))
     (path / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
     return path
 
