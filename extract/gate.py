@@ -18,7 +18,7 @@ import numpy as np
 
 from .show import format_sample
 from hsstore.schema import option
-from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, top_values
+from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, percentiles, top_values
 from .sample import TokenizedSample
 from .tokenize import TokenizeStats
 
@@ -211,9 +211,7 @@ def check(
     report.loss_tokens = int(sums.sum())
     report.response_fraction = report.loss_tokens / report.total_tokens if report.total_tokens else 0.0
     report.loss_sum_mean = float(sums.mean())
-    report.loss_sum_percentiles = {
-        f"p{q}": int(v) for q, v in zip(PERCENTILES, np.percentile(sums, PERCENTILES, method="nearest"), strict=True)
-    }
+    report.loss_sum_percentiles = percentiles(sums, PERCENTILES)
     report.loss_sum_histogram = log2_histogram(sums)
     report.top_values = top_values(sums, 10)
     report.top_loss_sum = dict(report.top_values[0])

@@ -401,8 +401,16 @@ def add_report(sub) -> None:
 STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_merge, add_report)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
 
 
+class Parser(argparse.ArgumentParser):
+    """A parser that takes no abbreviated flags (argparse's default would read ``--step`` as ``--steps``); the
+    sub-commands' parsers are of this class too (``add_subparsers`` makes its own kind)."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
+    p = Parser(prog="hsstore", description="Hidden-state store for speculative-decoding drafters")
     p.add_argument("--version", action="version", version=f"hsstore {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
@@ -455,9 +463,12 @@ def unknown_word(parser: argparse.ArgumentParser, argv: list[str]) -> str | None
         if word == "--":
             break
         name = word.split("=", 1)[0]
-        if not name.startswith("--") or name in flags or len([f for f in flags if f.startswith(name)]) == 1:
-            continue  # a value, a flag, or an abbreviation argparse takes
-        guess = config.near(name, [f for f in flags if f.startswith("--")])
+        if not name.startswith("--") or name in flags:
+            continue  # a value or a flag
+        # flags are never abbreviated (``--step 300`` is not ``--steps``): a prefix is refused naming the flag
+        longer = [f for f in flags if f.startswith(name)]
+        guess = (longer[0] if len(longer) == 1 else config.near(name, longer)
+                 or config.near(name, [f for f in flags if f.startswith("--")]))
         return (f"{cmd.prog}: error: unknown flag {name}" + (f" (did you mean {guess}?)" if guess else "")
                 + f"; `{cmd.prog} --help` lists the flags")
     return None

@@ -144,3 +144,22 @@ def test_help_lists_commands_in_workflow_order_and_every_argument_says_what_it_i
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "(default: hsstore-demo)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_abbreviated_flags_are_refused_naming_the_flag(capsys):
+    """argparse would take ``--step 300`` as ``--steps 300``: every command refuses a prefix of any of its flags,
+    in one line naming the flag meant, before any work."""
+    assert main(["train", "--store", "s", "--out", "o", "--step", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hsstore train: error: unknown flag --step (did you mean --steps?)"), err
+    assert main(["info", "store", "--js"]) == 2
+    assert "unknown flag --js (did you mean --json?)" in capsys.readouterr().err
+    for name, p in _commands().items():  # whatever the words before it, a prefix is never taken
+        flags = {f for a in p._actions for f in a.option_strings}
+        for flag in sorted(f for f in flags if f.startswith("--") and len(f) > 4):
+            cut = flag[:-1]
+            if cut not in flags:
+                assert main([name, cut, "1"]) == 2, (name, cut)
+                assert "unknown flag " + cut in capsys.readouterr().err
+    for name, p in _commands().items():
+        assert p.allow_abbrev is False, name  # argparse itself too (a --config file's keys, parse_known_args)

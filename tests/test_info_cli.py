@@ -8,6 +8,7 @@ import torch
 import hsstore
 from hsstore.cli import main
 from hsstore.storage import parse_storage_options
+from train_helpers import small_input, store32  # noqa: F401  (fixtures)
 
 
 def test_info_empty_store(tmp_path, new_manifest, capsys):
@@ -214,3 +215,35 @@ def test_info_ratios_agree_with_the_figures_beside_them(tmp_path, capsys):
         assert float(ratio) == pytest.approx(float(raw) * unit[ru] / (float(stored) * unit[su]), rel=0.02)
     assert float(lines[0][4]) == pytest.approx(s["raw_feature_bytes"] / s["feature_stored_bytes"], abs=0.005)
     assert "raw / stored" in out
+
+
+def test_info_counts_the_writer_sessions_of_a_merge(tmp_path, new_manifest, new_samples, write, capsys):
+    """Two extractions (each rank tagged rank00000, as extract tags them) merged into one store: info says two
+    writers, not one."""
+    m = new_manifest()
+    write(str(tmp_path / "a"), m, new_samples(4, prefix="a"), writer_tag="rank00000")
+    write(str(tmp_path / "b"), m, new_samples(4, prefix="b", seed=1), writer_tag="rank00000")
+    assert main(["merge", str(tmp_path / "both"), str(tmp_path / "a"), str(tmp_path / "b"), "-q"]) == 0
+    capsys.readouterr()
+    for url, n in ((tmp_path / "a", 1), (tmp_path / "both", 2)):
+        assert main(["info", str(url), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["writers"] == n
+    assert main(["info", str(tmp_path / "both")]) == 0
+    assert "in 2 shards from 2 writer session(s)" in capsys.readouterr().out
+
+
+def test_check_and_info_give_the_same_percentiles(tiny_dir, store32, small_input, capsys):  # noqa: F811
+    """The store extracted from an input and `check` of that input: the same loss-mask sums, so the same
+    percentiles, each a value some sample has (one function computes both)."""
+    assert main(["info", store32, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    main(["check", "--model", str(tiny_dir), "--input", str(small_input), "--json"])
+    check = json.loads(capsys.readouterr().out)
+    assert info["samples"] == check["samples"] == 8
+    ours, theirs = info["loss_sum_percentiles"], check["loss_sum"]["percentiles"]
+    assert {k: ours[k] for k in theirs if k in ours} == {k: theirs[k] for k in ours if k in theirs}
+    assert set(ours) & set(theirs) >= {"p0", "p10", "p50", "p90", "p99", "p100"}
+    store = hsstore.open(store32)
+    sums = set(store.table.samples["loss_tokens"].tolist())
+    lengths = set(store.table.samples["length"].tolist())
+    assert set(ours.values()) <= sums and set(info["length_percentiles"].values()) <= lengths

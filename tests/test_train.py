@@ -250,6 +250,45 @@ def test_ctrl_c_checkpoints_at_a_step_boundary_and_resumes(store32, tmp_path):
     assert rc.returncode == 0 and f"resumed from" in rc.stdout and f"step_{step:08d}" in rc.stdout
 
 
+def test_metrics_lines_cover_every_step_across_a_ctrl_c_and_the_summary_adds_them_up(store32, tmp_path):
+    """Ctrl-C between two metrics lines: the steps since the last line are logged before the checkpoint (they
+    were logged nowhere), so the lines of the two runs cover every step once, each saying how many steps and
+    seconds it covers; each run's summary is its lines' tokens over their seconds, not the last line's rate."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hsstore", "train", "--store", store32, "--out", str(out), "--steps", "400",
+           "--save-every", "1000", "--log-every", "1000", "--log-samples", "--draft-layers", "1", "--block-size", "8",
+           "--anchors", "8", "--token-budget", "1024", "--device", "cpu", "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps_log = out / "samples.rank00000.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not steps_log.exists() or len(steps_log.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    step = int(err.split("stopped at step ")[1].split(":")[0])
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["interval_steps"]) for r in lines] == [(step, step)]  # no line was due before the stop
+    more = cmd[:cmd.index("--steps") + 1] + [str(step + 3)] + cmd[cmd.index("--steps") + 2:] + ["--json"]
+    done = subprocess.run(more, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["interval_steps"]) for r in lines] == [(step, step), (step + 3, 3)]
+    store = hsstore.open(store32)
+    length = dict(zip(store.table.sample_id.tolist(), store.table.samples["length"].tolist()))
+    stepped = [json.loads(x) for x in steps_log.read_text().splitlines()]
+    assert [r["step"] for r in stepped] == list(range(1, step + 4))  # every step once
+    assert sum(r["tokens"] for r in lines) == sum(length[i] for r in stepped for i in r["samples"])
+    this_run = lines[-1]
+    assert summary["tokens"] == this_run["tokens"] > 0 and summary["step_seconds"] == this_run["interval_seconds"]
+    assert summary["tokens_per_s"] == pytest.approx(this_run["tokens"] / this_run["interval_seconds"])
+    assert summary["step_seconds"] <= summary["seconds"]
+
+
 def test_train_help_shows_the_defaults(capsys):
     from hsstore.cli import main
 

@@ -64,7 +64,7 @@ def main() -> None:
     from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir, trained_files, trained_target_dir
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=8)
     args = p.parse_args()
     out = {}

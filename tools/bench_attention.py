@@ -299,7 +299,7 @@ def check(args, device, dtype):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--impl", nargs="+", default=["sdpa", "blocks"], choices=ATTN_IMPLS)
     ap.add_argument("--ce", nargs="+", default=["fused"], choices=CE_IMPLS,
                     help="lm_head + cross entropy: full (all logits at once), checkpoint, fused (the default)")

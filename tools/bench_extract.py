@@ -119,7 +119,7 @@ def forward_pass(model, batches, layers, full: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False, )
     p.add_argument("--out", default="/tmp/bench-extract-store")
     add_model_args(p)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")

@@ -64,7 +64,8 @@ def measure(cat: Catalog, planner: Planner, nodes: int, ranks: int, epochs: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=8, help="ranks per node")
     ap.add_argument("--epochs", type=int, default=6)

@@ -161,7 +161,8 @@ SECTIONS = {"tokenize": bench_tokenize, "store": bench_store}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--sections", nargs="+", default=["tokenize"], choices=sorted(SECTIONS))
     ap.add_argument("--sizes", nargs="+", default=["1e5"], help="conversations per synthetic input (1e5 1e6)")
     ap.add_argument("--worlds", nargs="+", type=int, default=[1, 8], help="world sizes to simulate")

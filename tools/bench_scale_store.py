@@ -198,7 +198,8 @@ def run_child(args: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--shards", default="1000,10000", help="comma-separated shard counts")
     p.add_argument("--where", default="local,s3", help="local, s3 (moto behind the delaying proxy), or both")
     p.add_argument("--latency", default="0.03,0.1", help="s3: seconds added to every request (comma-separated)")

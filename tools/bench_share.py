@@ -44,7 +44,7 @@ def copy_fsync(src: Path, dst: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=int, default=256)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--layers", type=int, default=5)

@@ -222,7 +222,8 @@ def s3_rows(args, latency: float, partition: str, cache_dir: str | None, cache_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--procs", type=int, default=4, help="ranks at once")
     ap.add_argument("--size-mb", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=5120)

@@ -131,7 +131,7 @@ def add_drafter_size_args(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True, help="scratch directory for the store (reused if its settings match)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke test")

@@ -110,7 +110,8 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.cli_docs", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.cli_docs", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/CLI.md is stale, writing nothing")
     args = ap.parse_args(argv)
     text = render()

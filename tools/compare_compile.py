@@ -56,7 +56,7 @@ def compare(a_url: str, b_url: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None)
     p.add_argument("--input", default=None)

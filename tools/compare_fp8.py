@@ -82,7 +82,8 @@ def eval_tau(store: str, drafter: str, model: str, inputs: list[str], n: int, ma
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--out", required=True, help="working folder (replaced)")
     p.add_argument("--model", default=None, help="target directory (default: build the tiny demo target)")
     p.add_argument("--input", nargs="+", default=None, help="conversations (default: the bundled demo data)")

@@ -29,7 +29,7 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add_model_args(p)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2)

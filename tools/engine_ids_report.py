@@ -23,7 +23,7 @@ from hsstore.schema import build
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=200, help="prompts (one generated turn each)")
     ap.add_argument("--out", default="/tmp/engine_ids", help="work folder (replaced)")
     ap.add_argument("--temperature", type=float, default=1.0)

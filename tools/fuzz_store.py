@@ -503,7 +503,8 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.fuzz_store", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.fuzz_store", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--cases", type=int, default=200, help="stores to forge")
     p.add_argument("--seed", type=int, default=0, help="the run's seed (a case is seed and number)")
     p.add_argument("--work", default=None, help="folder for the cases (kept when a case fails)")

@@ -449,7 +449,8 @@ def _loader_verdict(args, everyone: list[dict], wanted: set[str]) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     sub = ap.add_subparsers(dest="check", required=True)
 
     def cmd(name, fn, *positional):

@@ -89,7 +89,8 @@ def gemms(model, layers, batch, mask: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"in order, each on top of the last: {VARIANTS}")
     add_model_args(p)
     p.add_argument("--top", type=int, default=25, help="kernels listed in the profile")

@@ -153,7 +153,7 @@ def split_response(text: str) -> tuple[str, str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="extract/data/tiny_trained", help="folder for the shipped files")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-examples", type=int, default=16000)

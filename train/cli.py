@@ -120,6 +120,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
                           "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
+                          "tokens": result.tokens, "step_seconds": result.step_seconds,
+                          "tokens_per_s": result.tokens_per_s,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
                           "last": last}, indent=2))
@@ -128,9 +130,10 @@ def run_train(args: argparse.Namespace) -> int:
     resumed = ("" if result.resumed_from is None else
                f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
     print(f"trained {result.steps_this_run} steps{resumed} ({result.epochs_done} epoch(s) complete) in "
-          f"{result.seconds:.1f}s; "
+          f"{result.seconds:.1f}s: {result.tokens:,} tokens in {result.step_seconds:.1f}s of steps, "
+          f"{result.tokens_per_s:,.0f} tokens/s (the sums of metrics.jsonl's lines of this run); "
           f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
-          f"{fmt(last.get('tau'))}, {last.get('tokens_per_s', 0):,.0f} tokens/s")
+          f"{fmt(last.get('tau'))}")
     if "val_tau" in last:
         print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
               f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")

@@ -2,7 +2,9 @@
 
 One line per logged step: step, epoch, loss (weighted CE over all ranks), acc, acc_k (draft positions
 1..S-1), tau (teacher-forced acceptance estimate on the training anchors), lr, grad_norm, tokens,
-tokens_per_s, samples, wait_frac (share of the time spent waiting for data), gpu_mem_gib on CUDA. With
+tokens_per_s, samples, wait_frac (share of the time spent waiting for data), interval_steps and
+interval_seconds (the steps the line covers, ending at ``step``, and their wall time: the lines of a run sum to
+its steps, tokens and step time, a Ctrl-C logging the steps since the last line), gpu_mem_gib on CUDA. With
 validation stores, every ``val_every`` steps and at the end the line also has val_loss, val_acc, val_tau,
 val_acceptance (per draft position), val_anchors, val_seconds (``evaluate.py``).
 """
@@ -74,7 +76,13 @@ class Meter:
                 "acc": float(hits.sum() / counts.sum()) if counts.sum() > 0 else nan,
                 "acc_k": acc_k, "tau": s["tau_sum"] / s["anchors"] if s["anchors"] > 0 else nan,
                 "tokens": int(s["tokens"]), "samples": int(s["samples"]),
-                "tokens_per_s": s["tokens"] / dt if dt > 0 else nan, "wait_frac": self.wait / dt if dt > 0 else 0.0}
+                "tokens_per_s": s["tokens"] / dt if dt > 0 else nan, "wait_frac": self.wait / dt if dt > 0 else 0.0,
+                "interval_steps": int(s["steps"]), "interval_seconds": dt}
+
+    @property
+    def pending(self) -> bool:
+        """Steps taken since the last line (a line is due before stopping)."""
+        return self.sums["steps"] > 0
 
 
 class MetricsLog:

@@ -30,7 +30,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 EXTRA = "pip install 'hsstore[track]'"
-PERF = ("tokens_per_s", "wait_frac", "gpu_mem_gib", "tokens", "samples", "val_seconds")
+PERF = ("tokens_per_s", "wait_frac", "gpu_mem_gib", "tokens", "samples", "val_seconds", "interval_steps",
+        "interval_seconds")
 SKIP = ("step",)
 
 

@@ -79,6 +79,13 @@ class TrainResult:
     last: dict[str, Any]
     resumed_from: Path | None = None
     start_step: int = 0  # the step this run started at (0, or the resumed checkpoint's)
+    tokens: int = 0  # trained by this run: the sum of its metrics.jsonl lines' tokens (all ranks)
+    step_seconds: float = 0.0  # wall time of this run's steps: the sum of its lines' interval_seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """This run's throughput: its tokens over its steps' wall time (what metrics.jsonl sums to)."""
+        return self.tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
     @property
     def steps_this_run(self) -> int:
@@ -148,7 +155,8 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
         metrics.close()
     if world > 1:
         dist.barrier()
-    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step)
+    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step,
+                       loop.run_tokens, loop.run_seconds)
 
 
 def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device
@@ -234,6 +242,8 @@ class Loop:
         self.val_step = self.step  # the step of the last evaluation
         self.loader_state = None
         self.last: dict[str, Any] = {}
+        self.run_tokens, self.run_seconds = 0, 0.0  # this run's lines, summed
+        self.lr = self.grad_norm = None  # the last step's, for its line
         self.meter = Meter(self.drafter.config.block_size)
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
         self.feat_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -290,24 +300,35 @@ class Loop:
         self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
         self.metrics.samples(step, self.epoch, batch)
         val_due = self.validation is not None and self.validation.due(step, self.total)
+        self.lr, self.grad_norm = lr, grad_norm  # the norm stays on the device until a line reads it
         if step % settings.output.log_every == 0 or step == self.total or val_due:
-            row = {"step": step, "epoch": self.epoch, **self.meter.summary(self.world, self.group), "lr": lr,
-                   "grad_norm": float(grad_norm)}
-            if val_due:
-                row.update(self.validation.run(step))
-                self.val_step = step
-                self.best.offer(step, row)
-            self.meter.reset()  # after the evaluation: its time is not the next interval's
-            self.last = row
-            self.metrics.row(row)
-            self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}",
-                                 tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            self.log_row(val_due)
         self.bar.update(1)
         if step % settings.output.save_every == 0 or step == self.total or self.best.pending:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
 
+    def log_row(self, val_due: bool = False) -> None:
+        """The metrics line of the steps since the last one (with an evaluation when due)."""
+        step = self.step
+        row = {"step": step, "epoch": self.epoch, **self.meter.summary(self.world, self.group), "lr": self.lr,
+               "grad_norm": None if self.grad_norm is None else float(self.grad_norm)}
+        if val_due:
+            row.update(self.validation.run(step))
+            self.val_step = step
+            self.best.offer(step, row)
+        self.meter.reset()  # after the evaluation: its time is not the next interval's
+        self.run_tokens += row["tokens"]
+        self.run_seconds += row["interval_seconds"]
+        self.last = row
+        self.metrics.row(row)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                             refresh=False)
+
     def stop(self) -> None:
-        """After Ctrl-C: a checkpoint at this step (unless it has one), then KeyboardInterrupt."""
+        """After Ctrl-C: the steps since the last metrics line logged, a checkpoint at this step (unless it has one),
+        then KeyboardInterrupt."""
+        if self.meter.pending:  # else a resumed run's first line would cover only its own steps of the interval
+            self.log_row()
         self.bar.close()
         if self.step % self.settings.output.save_every and self.step != self.total:  # not saved at this step yet
             self.checkpoints.save(self.step, self.epoch, self.loader_state)
@@ -318,13 +339,10 @@ class Loop:
 
     def finish(self) -> None:
         """The epochs ended: a last evaluation and checkpoint unless the last step had them."""
-        self.bar.close()
         step = self.step
-        if self.validation is not None and self.val_step != step:  # the epochs ended before the planned steps
-            self.last = {"step": step, "epoch": self.epoch, **self.meter.summary(self.world, self.group),
-                         **self.validation.run(step)}
-            self.metrics.row(self.last)
-            self.best.offer(step, self.last)
+        if (self.validation is not None and self.val_step != step) or self.meter.pending:
+            self.log_row(val_due=self.validation is not None and self.val_step != step)  # the epochs ended early
+        self.bar.close()
         if (step % self.settings.output.save_every and step != self.total) or self.best.pending:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
 

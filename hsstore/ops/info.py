@@ -56,7 +56,7 @@ def summarize(store: Store) -> dict[str, Any]:
         "url": recordable_url(store.url),
         "format_version": m.format_version,
         "shards": len(t),
-        "writers": len({t.writer.values[c] for c in np.unique(t.writer.codes)}),
+        "writers": writer_sessions(t.shard.tolist()),
         "thinking_tokens": thinking,
         "flags": dict(flags),
         "skipped": dict(skipped),
@@ -88,6 +88,12 @@ def summarize(store: Store) -> dict[str, Any]:
         "feature_health": health.summary(t, m.all_features),
     })
     return out
+
+
+def writer_sessions(shards) -> int:
+    """Writer sessions that made the shards: a shard is named ``<writer tag>-<session>-<sequence>`` (FORMAT.md), so
+    two extractions (each rank tagged ``rank00000`` ...) merged into one store count as two, as does a resumed run."""
+    return len({str(name).rsplit("-", 1)[0] for name in shards})
 
 
 def feature_lines(h: dict[str, Any], shards: int) -> list[str]:
@@ -140,7 +146,7 @@ def format_text(s: dict[str, Any]) -> str:
                  "hidden_states entry, which is the norm's)"
                  + ("; + final_hidden (the final norm's output)" if s["features"] else ""))
     lines.append(f"serving    {s['serving']}")
-    lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer(s)")
+    lines.append(f"samples    {s['samples']:,} in {s['shards']} shards from {s['writers']} writer session(s)")
     ix = s["index"]
     if ix["fetched"] and s["shards"] > 100:  # opening paid a request per record not indexed
         lines.append(f"index      {ix['indexed']:,} records indexed, {ix['fetched']:,} read one by one: "

@@ -23,11 +23,14 @@ SAMPLE_FLAGS = ("stub_answer", "empty_thinking", "truncated", "over_length", "du
                 "feature_nonfinite", "not_generated")
 
 
-def percentiles(values: Iterable[int]) -> dict[str, float]:
-    v = np.asarray(list(values), dtype=np.float64)
+def percentiles(values: Iterable[int], qs: Iterable[int] = PERCENTILES) -> dict[str, int]:
+    """``{"p90": v, ...}``: the one rule ``info`` and ``check`` both print. Each is a value some sample has
+    (numpy's ``nearest``), never an interpolation between two, so a count stays a count."""
+    v = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=np.int64)
     if v.size == 0:
         return {}
-    return {f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES}
+    qs = tuple(qs)
+    return {f"p{q}": int(x) for q, x in zip(qs, np.percentile(v, qs, method="nearest"), strict=True)}
 
 
 def log2_histogram(values: Iterable[int]) -> list[dict]:
