@@ -42,7 +42,8 @@ TRAIN_STEPS = 500
 TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--token-budget", "4096", "--lr", "3e-3",
                "--log-every", "50", "-q"]
 EVAL_SAMPLES = 16
-EVAL_FLAGS = ["--max-new-tokens", "160"]
+EVAL_MAX_NEW_TOKENS = 160
+EVAL_FLAGS = ["--max-new-tokens", str(EVAL_MAX_NEW_TOKENS)]
 
 
 def step(title: str) -> None:
@@ -228,10 +229,10 @@ What the numbers mean
          near 1.0; on this target a working pipeline gives about 3.4 with these settings (this run: {r['tau']:.2f}),
          while shuffled features or labels shifted by one give 1.1-1.3 (tests/test_demo_learns.py). Published
          DFlash drafters reach about 6.5 on Qwen3-8B (GSM8K, greedy): 5 layers, hours of GPU training.
-  speed  both rows decode with the target's own cache. On this tiny CPU target a forward costs about the same
-         for 1 token as for 16, and a step that rejects part of the block pays a second, shorter forward to
-         bring the Gated DeltaNet state back to the accepted tokens, so tokens/s shows little of what fewer
-         target forwards buy here: the forward counts show it, not what a serving engine gets.
+  speed  both rows decode with the target's own cache; a verification keeps its Gated DeltaNet states, so
+         a rejected suffix costs no second forward. On this tiny target a 16-token forward costs little more
+         than a 1-token one, but the drafter's own step costs about as much again, so tokens/s shows less of
+         what fewer target forwards buy than a large target would: the forward counts show that.
   equal  speculative decoding is lossless: every output must equal the target's own greedy output. In
          bf16 (on a GPU) two forwards of different shapes may break a near-tie of the target's two best
          tokens differently; the line says how many outputs first differ at such a tie (logit margin

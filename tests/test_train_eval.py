@@ -212,10 +212,73 @@ def test_decoding_runs_each_token_through_the_target_about_once(target, prompts,
         assert fed == [len(prompt)] + [1] * (len(base.tokens) - 1) and rows == [1] * len(base.tokens)
         fed.clear(), rows.clear()
         spec = speculative_generate(target, oracle(prompt, base.tokens, 2), prompt, [1, 2, 3, 4, 5], S, NEW, eos)
+        assert fed[0] == len(prompt) and fed[1:] == [S] * (spec.forwards - 1)  # each block once: states kept
+        assert rows[1:] == [S] * (spec.forwards - 1) and spec.reruns == 0
+        fed.clear(), rows.clear()
+        spec = speculative_generate(target, oracle(prompt, base.tokens, 2), prompt, [1, 2, 3, 4, 5], S, NEW, eos,
+                                    keep_states=False)
         assert fed[0] == len(prompt) and max(fed[1:]) == S  # block tokens, then the 3 accepted ones again
         assert fed[1:] == [S, 3] * (spec.forwards - 1) and rows[1:] == [S, 1] * (spec.forwards - 1)
+        assert spec.reruns == spec.forwards - 1
     finally:
         h1.remove(), h2.remove()
+
+
+def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a Qwen3.5 cache that the next forward reads, named by layer."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "conv_states", None):
+            out += [(f"{i}.conv", layer.conv_states[0]), (f"{i}.recurrent", layer.recurrent_states[0])]
+        else:
+            out += [(f"{i}.keys", layer.keys), (f"{i}.values", layer.values)]
+    return out
+
+
+@pytest.mark.parametrize("accepted", [1, 2, 5, S - 1, S])
+def test_kept_block_states_equal_the_recompute_path(target, prompts, accepted):
+    """After a verified block whose first ``accepted`` tokens stay, the cache the states path leaves (the Gated
+    DeltaNet states replayed from what the verification recorded, attention cut back: no second forward) holds
+    what the general path's copy + forward over the accepted tokens holds, within fp32 rounding: every conv and
+    recurrent state, every key and value, the cached length, and the logits and features of the next forward."""
+    from hsstore.train.speculative import TargetCache
+
+    prompt = prompts[0]
+    block = [int(t) for t in torch.randint(5, 900, (S,), generator=torch.Generator().manual_seed(accepted))]
+    caches, nexts = [], []
+    for keep in (True, False):
+        t = TargetCache(target, keep_states=keep)
+        t.forward(prompt, keep=1)
+        t.verify(block, taps=[1, 2, 3])
+        t.accept(accepted)
+        assert (t.reruns == 0) == (keep or accepted == S) and bool(t.states) == keep
+        caches.append(([(n, x.clone()) for n, x in cache_tensors(t.cache)], int(t.cache.get_seq_length())))
+        nexts.append(t.forward([7, 8, 9], keep=3, taps=[1, 2, 3, 4, 5]))
+    (kept, kept_len), (redone, redone_len) = caches
+    assert kept_len == redone_len == len(prompt) + accepted
+    assert [n for n, _ in kept] == [n for n, _ in redone] and any(n.endswith("recurrent") for n, _ in kept)
+    for (name, a), (_, b) in zip(kept, redone):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for a, b in zip(nexts[0], nexts[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_without_gated_deltanet_layers_takes_the_general_path(tmp_path, tok):
+    """A pure-attention target (tiny random Qwen3) has no Gated DeltaNet state to keep: its verifications copy the
+    cache and re-run the accepted tokens, and speculative output still equals greedy output."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hsstore.train import block_states
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    assert block_states.gdn_mixers(model) == []
+    prompt = list(range(10, 30))
+    base = greedy_generate(model, prompt, NEW, set())
+    spec = speculative_generate(model, oracle(prompt, base.tokens, 2), prompt, [0, 1], S, NEW, set())
+    assert spec.tokens == base.tokens and spec.reruns == spec.forwards - 1 > 0
 
 
 def test_a_difference_is_weighed_by_the_targets_own_logits(tiny_dir, prompts):

@@ -15,12 +15,13 @@ is causal: features at positions <= p + n depend only on accepted tokens).
 Caches. The target decodes with its own Hugging Face cache (``past_key_values``): attention keys/values and,
 for Qwen3.5/3.6 hybrids, each Gated DeltaNet layer's conv and recurrent state. A verification forward
 advances that cache over all S block tokens; when a suffix is rejected the cache must go back to p + n + 1
-tokens. Attention keys could be cropped, but a recurrent state cannot be un-applied, and the cache classes'
-rollback API differs between transformers 5.x releases. So each step copies the cache before verifying
-(``copy.deepcopy``: its tensors, O(context) bytes, no compute), and after a rejection restores the copy and
-runs only the accepted tokens x_p, d_1 .. d_n through it: correct for every cache kind (pure attention,
-hybrid, sliding), at the price of a second, shorter forward on steps that reject (none when all S are
-accepted). The drafter keeps its own context: the projection of each position's features (``fc``, norm)
+tokens. Attention keys can be cut, but a recurrent state cannot be un-applied: as serving engines do for
+hybrid targets, the verification keeps what each GDN layer needs to give its state at any block position
+(``block_states``), and after the verdict the accepted one is put back in the cache by one delta-rule call per
+GDN layer over the same block, its rejected tokens switched off: no copy of the cache, no second forward. A
+cache of another layout (``block_states.for_model`` says which) takes the general path: a copy of the cache
+before verifying (``copy.deepcopy``), restored after a rejection and advanced over x_p, d_1 .. d_n by a second,
+shorter forward. The drafter keeps its own context: the projection of each position's features (``fc``, norm)
 and every draft layer's keys and values of it are computed once, when the position is accepted
 (``DraftContext``), instead of over the whole context at every step. Logits are computed only where they
 are read (``logits_to_keep``: 1 token when decoding alone, the S block positions when verifying).
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 from hsstore.devices import resolve_device
 from hsstore.target import load_target, tapped
 
+from . import block_states
 from .masks import attend, block_attention_mask
 from .model import rope_cos_sin
 from .pointwise import apply_rope
@@ -71,6 +73,7 @@ class Generation:
     tokens: list[int]  # the generated tokens (prompt excluded)
     accepted: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
     forwards: int = 0  # target forward passes (a verification and its re-run after a rejection count once)
+    reruns: int = 0  # of them, forwards over accepted tokens again after a rejection (the general path only)
     seconds: float = 0.0
 
     @property
@@ -80,14 +83,21 @@ class Generation:
 
 class TargetCache:
     """One generation's target state: the model's own cache (``past_key_values``) over the tokens committed so
-    far, advanced by ``forward``; ``save``/``restore`` bracket a verification whose suffix may be rejected."""
+    far, advanced by ``forward``; ``verify`` runs a block whose suffix may be rejected and ``accept`` keeps its
+    first tokens. A Gated DeltaNet hybrid keeps them from what the verification recorded (``block_states``:
+    no copy of the cache, no second forward); any other cache is copied before the block and, after a rejection,
+    restored and advanced over the accepted tokens again (``keep_states=False`` forces that general path)."""
 
-    def __init__(self, model):
+    def __init__(self, model, keep_states: bool = True):
         self.model = model
         params = inspect.signature(model.forward).parameters
         self.kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.cache = None
         self.saved = None
+        self.block: list[int] = []
+        self.states = None if keep_states else False  # BlockStates, False: the general path, None: not yet known
+        self.proven = False  # a verification recorded every GDN layer: no copy needed as a safety net
+        self.reruns = 0  # forwards over accepted tokens again (the general path's rejections)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], keep: int, taps: Sequence[int] | None = None):
@@ -106,11 +116,39 @@ class TargetCache:
         feats = None if not taps else torch.stack([captured[l][0] for l in taps], dim=1)
         return out.logits[0, -keep:], feats
 
-    def save(self) -> None:
-        self.saved = copy.deepcopy(self.cache)
+    @torch.inference_mode()
+    def verify(self, ids: Sequence[int], taps: Sequence[int] | None = None):
+        """``forward`` over a block (logits at every block position), ready for ``accept``."""
+        self.block = list(ids)
+        if self.states is None:
+            self.states = block_states.for_model(self.model, self.cache) or False
+        if not self.states or not self.proven:  # the first recorded block keeps a copy until it proves complete
+            self.saved = copy.deepcopy(self.cache)
+        if not self.states:
+            return self.forward(ids, keep=len(ids), taps=taps)
+        with self.states.recording(self.cache, len(ids)):
+            out = self.forward(ids, keep=len(ids), taps=taps)
+        if self.states.complete():
+            self.proven = True
+        elif self.saved is not None:
+            log.info("eval: the target's Gated DeltaNet layers were not all recorded; rejected drafts are undone "
+                     "by running the accepted tokens again")
+            self.states = False
+        else:
+            raise RuntimeError("a verified block's Gated DeltaNet states were not all recorded")
+        return out
 
-    def restore(self) -> None:
-        self.cache, self.saved = self.saved, None
+    @torch.inference_mode()
+    def accept(self, n: int) -> None:
+        """Keep the first ``n`` tokens of the block just verified in the cache."""
+        if n < len(self.block):
+            if self.states:
+                self.states.keep(self.cache, n)
+            else:
+                self.cache = self.saved
+                self.forward(self.block[:n], keep=1)
+                self.reruns += 1
+        self.saved = None
 
 
 def _finish(tokens: list[int], eos: set[int], max_new: int) -> tuple[list[int], bool]:
@@ -141,13 +179,14 @@ def greedy_generate(model, prompt: Sequence[int], max_new: int, eos: set[int]) -
 
 @torch.inference_mode()
 def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: Sequence[int], block_size: int,
-                         max_new: int, eos: set[int]) -> Generation:
-    """Greedy speculative decoding (see the module doc); lossless: equals ``greedy_generate``."""
+                         max_new: int, eos: set[int], keep_states: bool = True) -> Generation:
+    """Greedy speculative decoding (see the module doc); lossless: equals ``greedy_generate``. ``keep_states``:
+    see ``TargetCache``."""
     t0 = time.perf_counter()
     S = block_size
     if hasattr(propose, "reset"):
         propose.reset()
-    target = TargetCache(model)
+    target = TargetCache(model, keep_states)
     logits, feats = target.forward(prompt, keep=1, taps=taps)  # prefill: the first token, the prompt's features
     # every committed position's features, in one buffer (the proposer reads a view of its first p rows)
     buf = feats.new_empty((len(prompt) + max_new + S, *feats.shape[1:]))
@@ -159,20 +198,18 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
         p = len(prompt) + len(out) - 1  # the anchor's position: committed tokens < p are in the target's cache
         seq = torch.tensor(list(prompt) + out, dtype=torch.long, device=buf.device)
         draft = [int(t) for t in propose(buf[:p], seq)[: S - 1]]
-        target.save()
-        logits, feats = target.forward([out[-1], *draft], keep=len(draft) + 1, taps=taps)
+        logits, feats = target.verify([out[-1], *draft], taps=taps)
         gen.forwards += 1
         verdict = logits.argmax(-1).tolist()  # verdict[k]: the target's token after x_p, d_1 .. d_k
         n = 0
         while n < len(draft) and draft[n] == verdict[n]:
             n += 1
-        if n < len(draft):  # a rejected suffix: back to the saved cache, then only x_p, d_1 .. d_n through it
-            target.restore()
-            target.forward([out[-1], *draft[:n]], keep=1)
+        target.accept(n + 1)  # x_p, d_1 .. d_n stay in the cache; a rejected suffix leaves it
         buf[p:p + n + 1] = feats[:n + 1]  # causal: the accepted positions' features are final
         gen.accepted.append(n + 1)
         out.extend(draft[:n] + [verdict[n]])
         out[:], done = _finish(out, eos, max_new)
+    gen.reruns = target.reruns
     gen.seconds = time.perf_counter() - t0
     return gen
 
@@ -333,6 +370,7 @@ class EvalReport:
     # per sample that is not identical: where the outputs first differ and the target's logit margin there
     # between the two tokens (``divergence``); ``ties`` of them are within the dtype's rounding
     divergences: list[dict] = field(default_factory=list)
+    spec_reruns: int = 0  # of spec_forwards, re-runs of accepted tokens after a rejection (the general path)
 
     @property
     def ties(self) -> int:
@@ -408,8 +446,9 @@ def divergence(model, prompt: Sequence[int], base: list[int], spec: list[int], b
 
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
-             eos: set[int], progress: bool = False) -> EvalReport:
-    """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far."""
+             eos: set[int], progress: bool = False, keep_states: bool = True) -> EvalReport:
+    """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far.
+    ``keep_states``: see ``TargetCache``."""
     from tqdm import tqdm
 
     propose = drafter_proposer(drafter)
@@ -417,13 +456,14 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
     taus, identical = [], 0
     divergences = []
     tt = ts = 0.0
-    nt = ns = ft = fs = 0
+    nt = ns = ft = fs = reruns = 0
     if prompts:  # warm up both models so the first timing is not the allocator's
-        speculative_generate(model, propose, prompts[0], taps, S, 2, eos)
+        speculative_generate(model, propose, prompts[0], taps, S, 2, eos, keep_states)
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
     for k, prompt in enumerate(bar):
         base = greedy_generate(model, prompt, max_new, eos)
-        spec = speculative_generate(model, propose, prompt, taps, S, max_new, eos)
+        spec = speculative_generate(model, propose, prompt, taps, S, max_new, eos, keep_states)
+        reruns += spec.reruns
         identical += int(base.tokens == spec.tokens)
         if base.tokens != spec.tokens:
             d = divergence(model, prompt, base.tokens, spec.tokens, S)
@@ -439,13 +479,13 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
         bar.set_postfix(tau=f"{sum(taus) / max(len(taus), 1):.2f}", target_tok_s=f"{nt / max(tt, 1e-9):.1f}",
                         spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
     tau = sum(taus) / len(taus) if taus else float("nan")
-    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs, divergences)
+    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs, divergences, reruns)
 
 
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
                     storage_options: dict | None = None, device: str | None = None, dtype: str | None = None,
                     num_samples: int | None = None, thinking: bool = True, max_new_tokens: int = 2048,
-                    progress: bool = False) -> EvalReport:
+                    progress: bool = False, keep_states: bool = True) -> EvalReport:
     """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
     drafter's frozen embedding and head come from the store."""
@@ -493,6 +533,6 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
                  else "every core")
     try:
         return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
-                        progress=progress)
+                        progress=progress, keep_states=keep_states)
     finally:
         torch.set_num_threads(before)
