@@ -489,7 +489,8 @@ class Demo:
                       help="working folder (target, data, store, run); created if missing. A non-empty folder the "
                            "demo did not create is refused; on a re-run only what the demo created there is replaced")
     device: str | None = option(None, help="cpu, cuda or cuda:N for extraction, training and eval (default: the "
-                                           "GPU when there is one)")
+                                           "device the demo runs fastest on, said with why: the CPU, also beside "
+                                           "a GPU, for its tiny models)")
 
 
 @dataclass

@@ -13,7 +13,10 @@ This package never imports transformers: the caller passes the auto class (``Aut
 
 from __future__ import annotations
 
+import logging
+import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -21,6 +24,8 @@ from torch import nn
 
 from .conv import use_fla_conv
 from .devices import route_cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 def text_config(config: Any) -> Any:
@@ -41,7 +46,38 @@ def to_device(model: nn.Module, device: torch.device) -> nn.Module:
     """A loaded target on ``device`` with the kernels :func:`load_target` gives (for a model built in process)."""
     route_cpu_kernels(model)  # a CPU forward never reaches fla's Triton kernels, installed or not
     use_fla_conv(model, device)  # on CUDA: the short convolution on fla's Triton kernel, not PyTorch's fallback
+    note_kernel_compiles(model, device)
     return model.to(device).eval()
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels and autotuning results between processes (``TRITON_CACHE_DIR``, else
+    ``~/.triton/cache``)."""
+    env = os.environ.get("TRITON_CACHE_DIR", "").strip()
+    return Path(env) if env else Path.home() / ".triton" / "cache"
+
+
+def note_kernel_compiles(model: nn.Module, device: torch.device) -> bool:
+    """Say, once per process, that fla's Triton kernels will compile and autotune on their first use when this
+    machine has none compiled yet (an empty Triton cache): the first forward of a Gated DeltaNet target on CUDA
+    then waits about a minute, whatever the model's size, and later processes reuse the cache. Returns whether
+    it said so."""
+    if torch.device(device).type != "cuda" or _NOTED or not any(
+            type(m).__name__.endswith("GatedDeltaNet") for m in model.modules()):
+        return False
+    cache = triton_cache_dir()
+    try:
+        empty = not cache.is_dir() or next(cache.iterdir(), None) is None
+    except OSError:
+        empty = True
+    if empty:
+        log.warning("fla's Triton kernels compile and autotune on their first use on this machine (about a minute "
+                    "before the first batch; later runs reuse %s)", cache)
+        _NOTED.append(True)
+    return empty
+
+
+_NOTED: list[bool] = []
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

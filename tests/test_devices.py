@@ -265,3 +265,29 @@ def test_compile_chosen_by_cost():
     assert not choose_compile(None, torch.device("cpu"), int(25e9), int(1e9)).compile
     assert choose_compile(True, torch.device("cpu"), 1, 1).compile  # asked for: as asked
     assert not choose_compile(False, cuda, int(25e9), int(1e9)).compile
+
+
+def test_first_use_kernel_compiles_are_said_on_a_machine_without_compiled_kernels(tiny_dir, tmp_path, monkeypatch,
+                                                                                   caplog):
+    """A Gated DeltaNet target bound for CUDA on a machine whose Triton cache is empty gets one warning that fla's
+    kernels compile on first use (a fresh GPU machine's first extraction waited about a minute); never on the CPU,
+    for a cache that holds kernels, or twice in a process."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    import hsstore.target as target
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    monkeypatch.setattr(target, "_NOTED", [])
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    cuda = torch.device("cuda", 0)
+    assert not target.note_kernel_compiles(model, torch.device("cpu"))
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "kernel").mkdir()
+    assert not target.note_kernel_compiles(model, cuda)
+    (tmp_path / "triton" / "kernel").rmdir()
+    with caplog.at_level(logging.WARNING, logger="hsstore.target"):
+        assert target.note_kernel_compiles(model, cuda)
+    assert "compile and autotune on their first use" in caplog.text and str(tmp_path / "triton") in caplog.text
+    assert not target.note_kernel_compiles(model, cuda)  # said once

@@ -17,10 +17,28 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert "speculative output == target greedy output: 2/2" in text
     assert "$ hsstore extract --model" in text and "$ hsstore train --store" in text  # the commands it ran
     assert "What the numbers mean" in text and str(out / "store") in text
+    assert "[extract: " in text and "[train: " in text and ", eval " in text.split("demo done in")[1]  # step times
     assert (out / "target" / "model.safetensors").exists()  # put back after training
     assert json.loads((out / MARKER).read_text())["created"]
     for page, chart in (("store.html", 'data-chart="loss_sum_histogram"'), ("run.html", 'data-chart="tau"')):
         assert chart in (out / page).read_text()  # hsstore report's pages (tests/test_html_report.py renders them)
+
+
+def test_demo_device_is_chosen_and_said(monkeypatch):
+    """``--device`` is taken as given; left out, the CPU without a GPU, and beside a GPU the device whose measured
+    demo ran faster, with the figures in the reason (as ``extract`` says why it compiles or not)."""
+    import torch
+
+    from hsstore.extract import demo
+
+    assert demo.choose_device("cpu") == ("cpu", "--device")
+    monkeypatch.setattr(demo, "resolve_device", lambda spec=None: torch.device(spec or "cuda", 0 if not spec else None))
+    monkeypatch.setattr(demo, "describe", lambda dev: "cuda:0 (a GPU)")
+    dev, why = demo.choose_device(None)
+    assert dev == "cpu" and "289s" in why and "119s" in why and "--device cuda" in why
+    monkeypatch.setitem(demo.MEASURED_SECONDS, "cuda", 60.0)
+    dev, why = demo.choose_device(None)
+    assert dev == "cuda:0" and "60s on a GPU machine" in why
 
 
 def test_demo_refuses_a_folder_it_did_not_create(tmp_path, capsys):

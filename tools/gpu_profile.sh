@@ -17,6 +17,13 @@
 #            alternating, 2 rounds: a code change paired with its baseline in one run; ~240 s
 #   cold     4 ranks reading a 4 GB zarr store at once, page cache dropped before every epoch, beside plain reads
 #            of the same files (loader/raw: the disk's limit); ~90 s
+#   demo     `hsstore demo` as a user runs it on a fresh machine (the device it picks, said, and each step's
+#            seconds); its folder is part eval's input; ~120 s
+#   eval     speculative decoding on the GPU, the demo's target and drafter: Gated DeltaNet states kept vs the
+#            cache copied and the accepted tokens run again, alternating, beside the target alone
+#            (tools/bench_eval, 8 held-out prompts, 2 rounds; runs part demo's step on the CPU first when its
+#            folder is missing); ~200 s
+#   demogpu  `hsstore demo --device cuda`: every step on the GPU, each step's seconds; ~250 s
 #   extract  the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled
 #            with the mixers and on fla's convolution (what extract --compile runs), CUDA kernel time by kind, the
 #            GEMMs by shape beside each alone (tools/profile_extract); ~200 s
@@ -29,7 +36,7 @@ run() {  # name, seconds, command...
     [[ ,$PARTS, == *,$name,* ]] || return 0
     echo "== $name ($t s): $*" >&2
     timeout "$t" "$@" >"$S/$name.out" 2>"$S/$name.log" || echo "   (exit $?; see $S/$name.log)" >&2
-    grep -v "USDT\|profiler_st" "$S/$name.out"
+    grep -E -- "${KEEP:-.}" "$S/$name.out" | grep -v "USDT\|profiler_st"  # KEEP: a regex of the lines to show
 }
 run drafter 330 python3 -m tools.bench_attention --published --seq 16384 --anchors 512 --impl blocks \
     --pointwise eager fused --profile 20
@@ -50,5 +57,11 @@ done'
 run ab 260 bash -c "$AB"
 run optim 60 python3 -m tools.bench_attention --published --optim --steps 3 --warmup 1
 run cold 120 python3 -m hsstore bench "$S/cold" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
+DEMO_KEEP='^device :|^\[[a-z]+: [0-9.]+s\]|target alone|target \+ drafter|greedy output|^demo done'
+KEEP=$DEMO_KEEP run demo 200 python3 -m hsstore demo --out "$S/demo"
+EVAL='[[ -e $0/demo/run/drafter ]] || python3 -m hsstore demo --out "$0/demo" --device cpu >"$0/demo-eval.log" 2>&1
+python3 -m tools.bench_eval "$0/demo" --device cuda --samples 8 --rounds 2'
+run eval 330 bash -c "$EVAL" "$S"
+KEEP=$DEMO_KEEP run demogpu 330 python3 -m hsstore demo --out "$S/demo-gpu" --device cuda
 run extract 240 python3 -m tools.profile_extract --layers-total 16 --variants nomask,mixers,flaconv --samples 16 \
     --min-len 4096 --max-len 4096 --rounds 2 --top 25

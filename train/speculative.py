@@ -457,7 +457,8 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
     divergences = []
     tt = ts = 0.0
     nt = ns = ft = fs = reruns = 0
-    if prompts:  # warm up both models so the first timing is not the allocator's
+    if prompts:  # warm up both models and both paths so the first timing is not the allocator's (or a compile)
+        greedy_generate(model, prompts[0], 2, eos)
         speculative_generate(model, propose, prompts[0], taps, S, 2, eos, keep_states)
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
     for k, prompt in enumerate(bar):
