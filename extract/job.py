@@ -111,7 +111,8 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     settings = schema.replace(settings, layers=result.taps.layers, final_hidden=result.taps.final_hidden)
     layers = result.taps.layers
     check_compiled(settings, model, layers, todo, tokenizer, device, result)
-    writer = open_writer(settings, model, tokenizer, layers, rows, device, rank, result.compile_check)
+    writer = open_writer(settings, model, tokenizer, layers, rows, device, rank, result.compile_check,
+                         world=world, todo=todo)
     write_features(settings, model, layers, writer, todo, rows.verdict, tokenizer, device, result)
     return result
 
@@ -255,11 +256,14 @@ def check_compiled(settings: ExtractSettings, model, layers: list[int], todo: li
 
 
 def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
-                rank: int, compile_check: CompileCheck | None = None):
+                rank: int, compile_check: CompileCheck | None = None, world: int = 1,
+                todo: list[TokenizedSample] | None = None):
     """This rank's store writer, with the manifest of the target and taps; rank 0 exports the assets the trainer
     uses instead of the target. Each rank records what it left out of its rows in its commit records, so
     ``hsstore info`` shows what never reached the store (counted once per id over all ranks and resumed runs),
-    and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag."""
+    and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag. Its session record
+    names every rank's tag and what this rank still plans to write (``todo``), so a trainer that follows the store
+    (``train --follow``) waits for every rank and can estimate its schedule."""
     tag = f"rank{rank:05d}"
     store, features = settings.store, ("final_hidden",) if settings.capture.final_hidden else ()
     manifest = build_manifest(model, tokenizer, name=model_name(settings.input.model), layers=layers,
@@ -270,7 +274,9 @@ def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], 
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = (ProcessWriter if uses_process_writer(settings, device) else StoreWriter)(
         store.out, manifest, writer_tag=tag, storage_options=store.storage_options, shard_bytes=store.shard_bytes,
-        check_finite=False)
+        check_finite=False, expects=[f"rank{r:05d}" for r in range(world)],
+        planned_samples=None if todo is None else len(todo),
+        planned_tokens=None if todo is None else sum(s.num_tokens for s in todo))
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):
         export_assets(writer.fs, writer.root, model, tokenizer)
     if rows.over_length:

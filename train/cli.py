@@ -98,6 +98,7 @@ def announce_train(args: argparse.Namespace) -> None:
     from hsstore.redaction import recordable_url
 
     logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes
+    logging.getLogger("hsstore.loader.follow").setLevel(logging.INFO)  # --follow: arrivals, and what epoch 0 waits for
     logging.getLogger(__name__).info("train: loading torch and the trainer, then reading %s into %s",
                                      ", ".join(recordable_url(u) for u in args.store or []), args.out)
 

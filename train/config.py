@@ -145,6 +145,12 @@ class Data:
         False, help="train on a store whose feature statistics show a non-finite or all-zero feature for a "
                     "sample (refused by default: such a store trains nothing; `hsstore subset --exclude-unhealthy` "
                     "drops those samples)")
+    follow: bool = option(
+        False, resume=True,
+        help="train while the stores are written: epoch 0 takes shards as they commit (waiting, with a backoff, for "
+             "more) and ends when every writer of every store has finished (a killed writer is waited for: re-run "
+             "its extraction); epochs 1.. are ordinary epochs of all of it. An arrival whose features train nothing "
+             "stops the run (unless --allow-unhealthy); metrics.jsonl shows the arrivals beside the loss")
 
 
 @dataclass
@@ -265,7 +271,7 @@ class EvalSettings:
 
 RESUME_KEYS = resume_keys(TrainSettings)
 # what a run saved before a key existed did (sliding layers were non-causal; shapes followed the target)
-LEGACY_RESUME_VALUES = {"sliding_causal": False}
+LEGACY_RESUME_VALUES = {"sliding_causal": False, "follow": False}
 
 
 # settings recorded under another name before (train_config.json, trainer.json): read as the new one

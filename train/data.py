@@ -30,6 +30,7 @@ import torch
 from hsstore.loader.batching import TokenBatches, count_token_batches
 from hsstore.distributed import World
 from hsstore.loader.dataset import HiddenStateDataset
+from hsstore.loader.follow import Follow, FollowStopped
 from hsstore.loader.options import Planning, Reading, Selection
 from hsstore.loader.resume import merge_states
 from hsstore.store.reader import Store
@@ -100,14 +101,14 @@ class StoreBatches:
     def __init__(self, urls: Sequence[str | Store], *, layers: Sequence[int], token_budget: int | None = None,
                  seed: int, rank: int, world_size: int, workers: int = 0, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, cache_dir: str | None = None, pin_memory: bool = False,
-                 partition: str = "global", cache_bytes: int | None = None):
+                 partition: str = "global", cache_bytes: int | None = None, follow: Follow | None = None):
         extra = {} if cache_bytes is None else {"cache_bytes": int(cache_bytes)}
         self.dataset = HiddenStateDataset(list(urls), layers=list(layers), selection=Selection(weights=weights),
                                           planning=Planning(seed=seed, partition=partition),
                                           reading=Reading(cache_dir=cache_dir, **extra),
                                           # node: ranks per node from torchrun
                                           world=World.detect(rank, world_size, by_node=partition == "node"),
-                                          storage_options=storage_options,
+                                          storage_options=storage_options, follow=follow,
                                           share_metadata=world_size > 1)  # DDP: rank 0 reads URLs' records once
         # in-process batches are collated straight into pinned memory; worker batches are pinned by the
         # DataLoader's own thread
@@ -141,16 +142,16 @@ class StoreBatches:
         """Resume from the states of another world size / worker count: exactly once, new cut."""
         self.batches.load_state_dict(merge_states(states))
 
-    def planned_steps(self, epochs: int) -> int:
-        """Optimizer steps for ``epochs`` epochs, from metadata only: per epoch, the batch count of the rank
-        with the most batches (the others run empty steps, see the module doc)."""
+    def planned_steps(self, epochs: int, first: int = 0) -> int:
+        """Optimizer steps for epochs ``first`` .. ``epochs - 1``, from metadata only: per epoch, the batch count of
+        the rank with the most batches (the others run empty steps, see the module doc)."""
         t0 = time.perf_counter()
         ds, W = self.dataset, max(1, self.workers)
         total = 0
-        for e in range(epochs):
+        for e in range(first, epochs):
             total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
                              for w in range(W)) for r in range(ds.world.world))
-        log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs, time.perf_counter() - t0)
+        log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs - first, time.perf_counter() - t0)
         return total
 
 
@@ -312,31 +313,51 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
         thread.join(timeout=30)
 
 
+@dataclass
+class Proposal:
+    """A value rank 0 decides and every rank takes at the same step (the followed run's length): ``lockstep``
+    carries ``value`` of the ``lead`` rank in its all-reduce (the others add 0) and sets ``agreed`` on all."""
+
+    lead: bool
+    value: float | None = None
+    agreed: float | None = None
+
+
 def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None, interrupt=None,
-             ) -> Iterator[tuple[dict | None, dict | None]]:
+             proposal: Proposal | None = None) -> Iterator[tuple[dict | None, dict | None]]:
     """Under DDP, yield until *every* rank is out of batches; a rank that is out yields ``(None, last state)``.
     One tiny all-reduce per step (on ``group``: a CPU/gloo group, so it never waits for the GPU); it also sums
-    the batches' ``weight_sum`` (``add_anchors``) over the ranks into ``batch["global_weight_sum"]``, and sets
-    ``interrupt.agreed`` on every rank when any rank's ``interrupt.requested`` (a stop at the same step)."""
+    the batches' ``weight_sum`` (``add_anchors``) over the ranks into ``batch["global_weight_sum"]``, sets
+    ``interrupt.agreed`` on every rank when any rank's ``interrupt.requested`` (a stop at the same step) and
+    ``proposal.agreed`` to the lead rank's ``proposal.value``. A stream that stops with ``FollowStopped`` (a
+    followed store's unhealthy arrival: every rank's stops at the same place) is out of batches; the error is
+    raised once every rank is, so all of them stop at one step."""
     it = iter(stream)
-    state = None
+    state, stopped = None, None
     try:
         while True:
-            item = next(it, None)
+            try:
+                item = next(it, None) if stopped is None else None
+            except FollowStopped as e:
+                item, stopped = None, e
             total = 0.0 if item is None else float(item[0].get("weight_sum", 0.0))  # 0 for an empty step
+            offer = proposal.value if proposal is not None and proposal.lead and proposal.value is not None else 0.0
             if world_size > 1:
                 import torch.distributed as dist
 
                 asked = float(interrupt is not None and interrupt.requested)
-                t = torch.tensor([0.0 if item is None else 1.0, total, asked], dtype=torch.float64)
-                dist.all_reduce(t, group=group)  # [ranks with a batch, their weight sum, ranks asked to stop]
+                t = torch.tensor([0.0 if item is None else 1.0, total, asked, offer], dtype=torch.float64)
+                dist.all_reduce(t, group=group)  # [ranks with a batch, their weight sum, ranks asked to stop, offer]
                 if t[2] > 0 and interrupt is not None:
                     interrupt.agreed = True
+                offer = float(t[3])
                 if t[0] == 0:
-                    return
+                    break
                 total = float(t[1])
             elif item is None:
-                return
+                break
+            if proposal is not None and offer > 0:
+                proposal.agreed = offer
             if item is None:
                 yield None, state
             else:
@@ -345,3 +366,5 @@ def lockstep(stream: Iterable[tuple[dict, dict]], world_size: int, group=None, i
     finally:
         if hasattr(it, "close"):
             it.close()  # stops the read-ahead thread now, not at garbage collection
+    if stopped is not None:
+        raise stopped

@@ -34,6 +34,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_f
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup_frac, min_ratio))
 
 
+def set_total_steps(scheduler: LambdaLR, total_steps: int, warmup_frac: float = 0.04, min_ratio: float = 0.0) -> None:
+    """The schedule's length changed (a followed store's epoch 0 was estimated, and is now known): the steps from
+    here follow the new length (``scheduler.last_epoch`` stays)."""
+    scheduler.lr_lambdas = [lambda step: lr_factor(step, total_steps, warmup_frac, min_ratio)
+                            for _ in scheduler.lr_lambdas]
+
+
 def clip_grad(model_or_params, max_norm: float = 1.0) -> torch.Tensor:
     """Clip the global grad norm in place; returns the norm before clipping (log it)."""
     params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from hsstore import storage
 from hsstore.format import codec, fp8
+from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.redaction import recordable_url
 from hsstore.store.reader import open_shared
 
@@ -52,14 +53,15 @@ from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, servi
                     wrap_ddp)
 from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
-from .data import StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
+from .follow import FollowSchedule, arrival_columns, follow_options, open_journal, start_leader, wait_for_stores
 from .drafter_format import save_drafter
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
 from .metrics import BestTracker, Meter, MetricsLog
 from .objective import default_gamma
-from .optim import build_optimizer, build_scheduler, clip_grad
+from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,10 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     out = rundir.prepare(settings.run.out, rank)
 
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
-    # broadcasts them, and the loader reuses these
+    # broadcasts them, and the loader reuses these (--follow: once each store has its first shard)
+    follow = settings.data.follow and source is None
+    if follow:
+        wait_for_stores(settings.run.stores, settings.storage.storage_options, poll_seconds())
     stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.stores]
     check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
     if rank == 0:  # a drafter tap an engine cannot serve is named now, not at serving time
@@ -117,10 +122,22 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     if rank == 0:
         log.info("%s", settings_line(drafter.config, settings, device, world, drafter.num_trainable_parameters()))
 
-    # -- the data: this rank's share of the stores, in token-budget batches
+    # -- the data: this rank's share of the stores, in token-budget batches (--follow: epoch 0 from the journal
+    # that rank 0's leader writes as shards commit; the length estimated until epoch 0 ends)
+    journal = leader = length = None
+    if follow:
+        journal = open_journal(out, stores, rank, world)
+        options = follow_options(out, settings.data.allow_unhealthy)
+        leader = start_leader(journal, stores, options, rank)
     if source is None:
-        source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device)
-    total = settings.run.steps if settings.run.steps is not None else source.planned_steps(settings.run.epochs)
+        source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device,
+                               follow=options if follow else None)
+    if follow and settings.run.steps is None:
+        length = FollowSchedule(source, journal, settings.run.epochs, settings.batch.token_budget, world,
+                                settings.data.workers)
+    total = (settings.run.steps if settings.run.steps is not None else
+             length.agreed_start(rank, world, group) if length is not None else
+             source.planned_steps(settings.run.epochs))
     sched = build_scheduler(opt, total, schedule.warmup, schedule.min_lr_ratio)
 
     # -- resume, and what the run logs
@@ -141,9 +158,13 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop = Loop(settings=settings, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
-                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype])
-    with StopOnInterrupt() as interrupt:
-        loop.run(interrupt)
+                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length, journal=journal)
+    try:
+        with StopOnInterrupt() as interrupt:
+            loop.run(interrupt)
+    finally:
+        if leader is not None:
+            leader.stop()
     if interrupt.stopping(world):
         loop.stop()  # raises KeyboardInterrupt, after a checkpoint
     loop.finish()
@@ -159,9 +180,10 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
                        loop.run_tokens, loop.run_seconds)
 
 
-def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device
-                  ) -> StoreBatches:
-    """This rank's share of the stores (their ``layers``), in token-budget batches."""
+def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device,
+                  follow=None) -> StoreBatches:
+    """This rank's share of the stores (their ``layers``), in token-budget batches (``follow``: the loader's
+    ``Follow`` options of a --follow run)."""
     data = settings.data
     remote = [s.url for s in stores if not storage.is_local(s.fs)]
     if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
@@ -172,7 +194,8 @@ def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int
     return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed,
                         rank=rank, world_size=world, workers=data.workers, weights=data.weights,
                         storage_options=settings.storage.storage_options, cache_dir=data.cache_dir,
-                        pin_memory=device.type == "cuda", partition=data.partition, cache_bytes=data.cache_bytes)
+                        pin_memory=device.type == "cuda", partition=data.partition, cache_bytes=data.cache_bytes,
+                        follow=follow)
 
 
 def validation_for(settings: TrainSettings, manifest, drafter, gamma: float, device: torch.device, rank: int,
@@ -234,6 +257,8 @@ class Loop:
     best: BestTracker
     validation: Validation | None
     stored_dtype: torch.dtype  # what fp8 features dequantise into, as Store.read does
+    length: FollowSchedule | None = None  # --follow without --steps: the run's length, estimated until epoch 0 ends
+    journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
 
     def __post_init__(self):
         from tqdm import tqdm
@@ -245,6 +270,7 @@ class Loop:
         self.run_tokens, self.run_seconds = 0, 0.0  # this run's lines, summed
         self.lr = self.grad_norm = None  # the last step's, for its line
         self.meter = Meter(self.drafter.config.block_size)
+        self.proposal = Proposal(lead=self.checkpoints.rank == 0) if self.length is not None else None
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
         self.feat_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         self.bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
@@ -254,7 +280,14 @@ class Loop:
         """Epochs until ``total`` steps (or the configured epochs), or until interrupted."""
         epochs_limit = self.settings.run.epochs if self.settings.run.steps is None else math.inf
         while self.step < self.total and self.epoch < epochs_limit:
-            if self.run_epoch(interrupt):
+            try:
+                finished = self.run_epoch(interrupt)
+            except FollowStopped:  # every rank stopped at this step: keep it, then say why (one line)
+                self.halt()
+                raise
+            if finished and self.epoch == 0 and self.length is not None:
+                self.retotal(self.length.total())  # exact now, and the same on every rank (the journal says it)
+            if finished:
                 self.epoch += 1
             if interrupt.stopping(self.world):
                 break
@@ -270,12 +303,16 @@ class Loop:
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
         stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
-                          self.world, self.group, interrupt)
+                          self.world, self.group, interrupt, self.proposal)
         finished = True
         t_wait = time.perf_counter()
         for batch, state in stream:
             self.meter.wait += time.perf_counter() - t_wait
             self.loader_state = state if state is not None else self.loader_state
+            if self.proposal is not None:  # the length rank 0 proposed, taken at this step by every rank
+                if self.proposal.agreed is not None and int(self.proposal.agreed) != self.total:
+                    self.retotal(self.proposal.agreed)
+                self.proposal.value = float(self.length.total()) if self.proposal.lead else None
             self.train_on(batch)
             # the planned steps done, or Ctrl-C: stop here, at a step boundary, with a checkpoint
             if (settings.run.steps is not None and self.step >= self.total) or interrupt.stopping(self.world):
@@ -312,6 +349,8 @@ class Loop:
         step = self.step
         row = {"step": step, "epoch": self.epoch, **self.meter.summary(self.world, self.group), "lr": self.lr,
                "grad_norm": None if self.grad_norm is None else float(self.grad_norm)}
+        if self.journal is not None:  # --follow: what had arrived, beside the loss
+            row.update(arrival_columns(self.journal))
         if val_due:
             row.update(self.validation.run(step))
             self.val_step = step
@@ -323,6 +362,27 @@ class Loop:
         self.metrics.row(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                              refresh=False)
+
+    def retotal(self, total: float) -> None:
+        """The run's length changed (``FollowSchedule``): the schedule and the progress bar follow it."""
+        total = max(int(total), self.step)
+        if total == self.total:
+            return
+        if self.checkpoints.rank == 0:
+            log.info("--follow: the run is now planned at %d steps (was %d)", total, self.total)
+        schedule = self.settings.schedule
+        set_total_steps(self.sched, total, schedule.warmup, schedule.min_lr_ratio)
+        self.total = self.bar.total = total
+        self.bar.refresh()
+
+    def halt(self) -> None:
+        """A followed store's arrival stopped epoch 0: a checkpoint at this step (unless it has one)."""
+        if self.meter.pending:
+            self.log_row()
+        self.bar.close()
+        if self.step % self.settings.output.save_every and self.step != self.total:
+            self.checkpoints.save(self.step, self.epoch, self.loader_state)
+        self.metrics.close(failed=True)
 
     def stop(self) -> None:
         """After Ctrl-C: the steps since the last metrics line logged, a checkpoint at this step (unless it has one),

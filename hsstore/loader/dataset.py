@@ -77,6 +77,7 @@ from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
 from ..memory import BufferPool, empty_host, hand_over
+from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
 from .plan import Filters, Planner, SlotPlan, build_catalog
 from ..store import reader
@@ -108,6 +109,7 @@ class _SlotProgress:
     nodes: int | None = None  # the plan's node count (None: a global plan)
     count: int = 0
     skipped: int = 0
+    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset (``LoaderState.follow``)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
 
     def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
@@ -119,7 +121,8 @@ class _SlotProgress:
             count = self.recent[-pending]
         slot = self.world.slot
         return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
-                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes)
+                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
+                           dict(self.follow) if self.follow is not None else None)
 
 
 class _ReadSample(NamedTuple):
@@ -174,7 +177,9 @@ class HiddenStateDataset(IterableDataset):
     ``storage_options``: fsspec options, one mapping for all stores or one per store. ``share_metadata``: under
     torch.distributed, the first rank reads the stores' commit records and broadcasts them
     (``hsstore.store.reader.open_shared``): a collective, so every rank must build the dataset (as DDP code does).
-    DataLoader workers never re-read them: they get the opened stores with the dataset.
+    DataLoader workers never re-read them: they get the opened stores with the dataset. ``follow``: epoch 0 takes
+    the stores' shards as they commit and ends when every writer finished (``loader.follow``); epochs 1.. are
+    ordinary epochs of what it took.
     """
 
     def __init__(
@@ -188,9 +193,15 @@ class HiddenStateDataset(IterableDataset):
         world: World | None = None,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         share_metadata: bool = False,
+        follow: Follow | None = None,
     ) -> None:
         super().__init__()
-        self.selection, self.planning, self.reading = selection, planning, reading
+        if follow is not None and selection.where is not None:
+            raise ValueError("follow: where= is applied once, when the dataset is built, so it cannot filter what "
+                             "arrives later; use sources, min_loss_tokens or the length bounds")
+        if follow is not None and planning.even:
+            raise ValueError("follow: even is not supported (epoch 0's size is not known ahead)")
+        self.selection, self.planning, self.reading, self.follow = selection, planning, reading, follow
         self.stores, self.weights = _as_sources(url_or_urls, selection.weights, storage_options,
                                                 share=share_metadata)
         self._check_stores(layers)
@@ -201,16 +212,17 @@ class HiddenStateDataset(IterableDataset):
         self.fp8 = m.encoding == fp8.ENCODING
         self.unit_tokens = planning.unit_tokens(self.token_bytes, m.chunk_tokens)
         self.catalog = build_catalog(self.stores, selection.filters(), self.unit_tokens)
-        if len(self.catalog) == 0:
+        if len(self.catalog) == 0 and follow is None:
             raise StoreError(f"no samples left after filters {selection.filters().describe()} in "
                              + ", ".join(repr(s.url) for s in self.stores))
         self.selection = replace(selection, where=None)  # applied; a lambda does not pickle (spawn)
         self.filters = self.selection.filters()
         self.world = (world or World.detect(by_node=planning.partition == "node")).at(worker=0, workers=1)
         self.max_prefetch = reading.max_prefetch(self.unit_tokens * self.token_bytes)
-        self.planner = Planner(self.catalog, self.weights, seed=planning.seed, shuffle=planning.shuffle,
-                               even=planning.even, unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=planning.shuffle_bytes, partition=planning.partition)
+        self._plan_stores()
+        self._final = False  # following: whether the stores are those epoch 0 took (``_finalize``)
+        if follow is not None and follow.lead and self.world.rank == 0:  # the leader's journal, before any reader
+            Journal.create(follow.journal, [s.url for s in self.stores])
         if self.nodes is not None:
             self._log_share()
         self._epoch_box = _shared_int(0)
@@ -218,6 +230,13 @@ class HiddenStateDataset(IterableDataset):
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
         self._resume: LoaderState | None = None
         self._live: _SlotProgress | None = None
+
+    def _plan_stores(self) -> None:
+        """The planner of ``self.catalog`` (every epoch but a follower's epoch 0)."""
+        p = self.planning
+        self.planner = Planner(self.catalog, self.weights, seed=p.seed, shuffle=p.shuffle, even=p.even,
+                               unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
+                               shuffle_bytes=p.shuffle_bytes, partition=p.partition)
 
     def _check_stores(self, layers: Sequence[int] | None) -> None:
         """The stores agree (one manifest's compatibility key), hold samples and the layers asked for
@@ -227,7 +246,7 @@ class HiddenStateDataset(IterableDataset):
             check_compatible(first.manifest, store.manifest, f"store {first.url!r}", f"store {store.url!r}")
         for store in self.stores:
             store.check_manifest()
-            if len(store) == 0:
+            if len(store) == 0 and self.follow is None:
                 raise StoreError(f"store {store.url!r} has no committed samples (nothing to load)")
         self.layers = first.check_layers(layers)
         for store in self.stores[1:]:
@@ -246,6 +265,7 @@ class HiddenStateDataset(IterableDataset):
         state = dict(self.__dict__)
         state["_live"] = None
         state.pop("_buffers", None)
+        state.pop("_follow", None)  # a follower's plan is read from its journal again where it is used
         if self._epoch_box is not None and multiprocessing.context.get_spawning_popen() is None:
             state["_epoch_box"], state["_epoch_plain"] = None, self.epoch  # plain pickling: a snapshot
         return state
@@ -264,10 +284,70 @@ class HiddenStateDataset(IterableDataset):
         self._epoch_plain = int(value)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (a new order per epoch). A loaded resume state for another epoch is dropped."""
+        """Select the epoch (a new order per epoch). A loaded resume state for another epoch is dropped. A
+        follower's epochs after the first need its epoch 0 ended (every writer finished)."""
+        if self.follow is not None and int(epoch) > 0:
+            self._finalize()
         self.epoch = int(epoch)
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None
+
+    # -- following ------------------------------------------------------------------------------------------
+    def _following(self) -> bool:
+        """Whether the current epoch is a follower's epoch 0 (planned from the journal)."""
+        return self.follow is not None and self.epoch == 0
+
+    def follow_plan(self) -> FollowPlan:
+        """This process's plan of epoch 0 from the journal (a follower only)."""
+        got = self.__dict__.get("_follow")
+        if got is None or got[0] != os.getpid():
+            got = self.__dict__["_follow"] = (os.getpid(), FollowPlan(self, Journal.wait_for(self.follow.journal)))
+        return got[1]
+
+    def _finalize(self) -> None:
+        """Epochs 1..: the stores as epoch 0 took them (every joined shard), planned as any store."""
+        if self._final:
+            return
+        journal = self.follow_plan().journal
+        out = journal.outcome()
+        if out is None or out.kind != "end":
+            raise StoreError(f"epoch 0 of {', '.join(repr(s.url) for s in self.stores)} has not ended (follow journal "
+                             f"{journal.path}: {'stopped: ' + str(out.why) if out else 'writers still writing'}); "
+                             "epochs after it read every shard")
+        self.stores = final_stores(self, journal)
+        self.catalog = build_catalog(self.stores, self.filters, self.unit_tokens)
+        if len(self.catalog) == 0:
+            raise StoreError(f"no samples left after filters {self.filters.describe()} in what epoch 0 followed")
+        self._plan_stores()
+        self._final = True
+
+    def _config(self) -> dict[str, Any]:
+        return self.follow_plan().config() if self._following() else self.planner.config
+
+    def _follow_start(self) -> tuple[_SlotProgress, FollowReader]:
+        """Where this slot's epoch 0 starts (as ``_position``, over the journal's joins), and its reader; the
+        reader of rank 0, worker 0 leads when the follow options say so."""
+        world = self.world.in_worker()
+        plan = self.follow_plan()
+        resume = self._resumed()
+        done, phase, count, skipped = None, 0, 0, 0
+        follow = {"journal": plan.journal.id, "joins": 0, "done_joins": 0}
+        if resume is not None:
+            done, phase, follow = resume.done, resume.phase, dict(resume.follow)
+            if resume.world is not None and resume.world == (world.world, world.workers) and resume.nodes == self.nodes:
+                if world.slot not in resume.counts:
+                    raise LoaderStateError(f"resume state has no position for rank {world.rank} worker {world.worker} "
+                                           f"(it covers slots {sorted(resume.counts)})")
+                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
+            elif resume.world is not None:
+                log.info("resuming epoch 0 (following) on %d rank(s) x %d worker(s) from a state of %d x %d: "
+                         "re-cutting the remaining samples of every join", world.world, world.workers, *resume.world)
+                done, span = plan.fold(resume)
+                phase, follow = phase + 1, {**follow, "joins": span, "done_joins": span}
+        progress = _SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
+        leader = Leader(plan.journal, self.stores, self.follow).start() if (
+            self.follow.lead and world.slot == 0) else None
+        return progress, FollowReader(self, plan, progress, leader)
 
     def _log_share(self) -> None:
         units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)
@@ -294,16 +374,31 @@ class HiddenStateDataset(IterableDataset):
 
         A slot is one reader of this dataset's world (default: this rank, in-process: worker 0 of 1; another:
         ``ds.world.at(rank, worker, workers)``). Metadata only, so cheap: with ``hsstore.count_token_batches``
-        it gives the steps of every epoch before any is read."""
+        it gives the steps of every epoch before any is read. A follower's epoch 0: what joined so far."""
+        if self.follow is not None and int(epoch) == 0:
+            parts = epoch0_lengths(self.follow_plan(), self.world if world is None else world)
+            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if self.follow is not None:
+            self._finalize()
         rows = self._fresh_plan(epoch, world).rows
         return (self.catalog.stop - self.catalog.start)[rows]
 
     def planned_ids(self, epoch: int, world: World | None = None) -> list[str]:
         """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
+        if self.follow is not None and int(epoch) == 0:
+            plan, world = self.follow_plan(), self.world if world is None else world
+            return [plan.part(k).view._sample_id(int(r)) for k in plan.joins()
+                    for r in plan.slot_plan(k, None, 0, 0, world).rows]
+        if self.follow is not None:
+            self._finalize()
         return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, world).rows]
 
     def rank_counts(self) -> list[int]:
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
+        if self._following():  # what joined so far, from the start of epoch 0
+            plan = self.follow_plan()
+            return [sum(len(plan.slot_plan(k, None, 0, 0, self.world.at(r))) for k in plan.joins())
+                    for r in range(self.world.world)]
         resume = self._resumed()
         done, phase = (resume.done, resume.phase) if resume else (None, 0)
         return self.planner.rank_counts(self.epoch, done, phase, self.world)
@@ -323,16 +418,28 @@ class HiddenStateDataset(IterableDataset):
         live = self._live
         if live is None or live.epoch != self.epoch:
             resume = self._resumed()
-            return (resume or LoaderState(self.planner.config, self.epoch, nodes=self.nodes)).to_dict()
-        return live.state(self.planner.config, pending).to_dict()
+            if resume is not None:
+                return resume.to_dict()
+            fresh = {"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0} if self._following() else None
+            return LoaderState(self._config(), self.epoch, nodes=self.nodes, follow=fresh).to_dict()
+        return live.state(self._config(), pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the epoch recorded in ``state`` (from ``state_dict`` or ``merge_states``) at its position."""
         resume = LoaderState.find(state)
-        diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in self.planner.config.items()
+        if resume.follow is not None:
+            if self.follow is None:
+                raise LoaderStateError("resume state is of a following dataset's epoch 0 (follow journal "
+                                       f"{resume.follow['journal']}); this dataset does not follow")
+            config = self.follow_plan().config()
+        else:
+            if self.follow is not None and resume.epoch > 0:
+                self._finalize()
+            config = self.planner.config
+        diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in config.items()
                  if resume.config.get(k) != v]
         partition = self.planning.partition
-        if resume.config.get("partition", "global") != partition and "partition" not in self.planner.config:
+        if resume.config.get("partition", "global") != partition and "partition" not in config:
             diffs.append(f"partition: {resume.config.get('partition', 'global')!r} vs {partition!r}")
         if diffs:
             raise LoaderStateError("resume state was made by a differently configured dataset (state vs this): "
@@ -374,6 +481,10 @@ class HiddenStateDataset(IterableDataset):
         return _SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._following():
+            progress, reader = self._follow_start()
+            self._live = progress
+            return reader
         progress, plan = self._position()
         self._live = progress
         return _SlotReader(self, plan, progress)
@@ -496,11 +607,12 @@ class _SlotReader:
     """Iterator over one slot's plan: reads units ahead on threads, hands out items in plan order.
 
     Units are submitted in order of first use, up to ``prefetch`` units beyond the one being handed
-    out; a unit's data is released after its last item is handed out (the shuffle pool's memory)."""
+    out; a unit's data is released after its last item is handed out (the shuffle pool's memory). ``offset``:
+    where the plan starts in the slot's stream (a follower's epoch 0 is one plan per join, one after another)."""
 
-    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress) -> None:
-        self.ds, self.plan, self.progress = ds, plan, progress
-        self.pos = progress.count
+    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress, offset: int = 0) -> None:
+        self.ds, self.plan, self.progress, self.offset = ds, plan, progress, offset
+        self.pos = progress.count - offset
         self.rows = plan.rows
         self.unit_rows: dict[int, np.ndarray] = {}
         self.last_use: dict[int, int] = {}
@@ -565,14 +677,15 @@ class _SlotReader:
                 sample = self.futures[g].result()[int(self.rows[p])]
                 if p == self.last_use[g]:
                     del self.futures[g]
-                self.pos = progress.count = p + 1
+                self.pos = p + 1
+                progress.count = self.offset + p + 1
                 if isinstance(sample, Exception):
                     if ds.reading.skip_corrupt and isinstance(sample, CorruptionError):
                         progress.skipped += 1
                         log.warning("skipping corrupt sample (%d skipped so far): %s", progress.skipped, sample)
                         continue
                     raise sample
-                progress.recent.append(p)
+                progress.recent.append(self.offset + p)
                 return ds._item(sample)
         except BaseException:
             self.close()

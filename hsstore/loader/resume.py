@@ -10,7 +10,10 @@ reads version 1 as it was first written::
      "counts": {"0": 5}, "skipped": {}}
 
 A node-partitioned dataset (``partition="node"``) adds ``"nodes": N``, the node count of the phase (its
-config then holds ``"partition": "node"``); a state without it is a global plan's.
+config then holds ``"partition": "node"``); a state without it is a global plan's. Epoch 0 of a following
+dataset (``loader.follow``) adds ``"follow": {"journal": ID, "joins": K, "done_joins": J}``: its counts are over
+the joins of that journal in order (K of them entered), ``done`` covers the entries of its first J joins, and its
+config names the journal instead of a catalog.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class LoaderState:
     counts: dict[int, int] = field(default_factory=dict)  # slot -> entries handed out in this phase
     skipped: dict[int, int] = field(default_factory=dict)  # slot -> corrupt samples skipped
     nodes: int | None = None  # node count of the phase (``partition="node"`` only; None: a global plan)
+    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset: journal id, joins entered, joins done covers
 
     def reader(self, slot: int) -> World:
         """The reader that slot ``slot`` of this state's phase was (its world: ranks x workers, nodes)."""
@@ -63,6 +67,8 @@ class LoaderState:
                "counts": dict(self.counts), "skipped": dict(self.skipped)}
         if self.nodes is not None:  # written only by node-partitioned plans: older readers see what they know
             out["nodes"] = self.nodes
+        if self.follow is not None:
+            out["follow"] = dict(self.follow)
         return out
 
     @classmethod
@@ -75,7 +81,8 @@ class LoaderState:
                    phase=int(state["phase"]), world=(int(world[0]), int(world[1])) if world else None,
                    counts={int(k): int(v) for k, v in (state.get("counts") or {}).items()},
                    skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()},
-                   nodes=int(state["nodes"]) if state.get("nodes") is not None else None)
+                   nodes=int(state["nodes"]) if state.get("nodes") is not None else None,
+                   follow=_follow_of(state.get("follow")))
 
     @classmethod
     def find(cls, obj: Any) -> "LoaderState":
@@ -85,6 +92,14 @@ class LoaderState:
         if not found:
             raise LoaderStateError(f"not an hsstore loader state (no {STATE_KEY!r} key found)")
         return found[0] if len(found) == 1 else _merge(found)
+
+
+def _follow_of(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("journal"), str):
+        raise LoaderStateError(f"loader state: malformed follow position {value!r}")
+    return {"journal": value["journal"], "joins": int(value.get("joins", 0)), "done_joins": int(value.get("done_joins", 0))}
 
 
 def _find_states(obj: Any) -> Iterator[Mapping[str, Any]]:
@@ -102,11 +117,19 @@ def _find_states(obj: Any) -> Iterator[Mapping[str, Any]]:
 def _merge(found: list[LoaderState]) -> LoaderState:
     live = [s for s in found if s.world is not None] or found[:1]
     base = live[0]
+    follow = dict(base.follow) if base.follow is not None else None
     for s in live[1:]:
         for k in ("config", "epoch", "done", "phase", "world", "nodes"):
             if getattr(s, k) != getattr(base, k):
                 raise LoaderStateError(f"states disagree on {k!r} ({getattr(s, k)!r} vs {getattr(base, k)!r}): "
                                        "they are not from one run at one step")
+        theirs = s.follow or {}
+        if (follow is None) != (s.follow is None) or (follow is not None and any(
+                theirs.get(k) != follow.get(k) for k in ("journal", "done_joins"))):
+            raise LoaderStateError(f"states disagree on 'follow' ({s.follow!r} vs {base.follow!r}): they are not "
+                                   "from one run at one step")
+        if follow is not None:  # slots enter joins at their own pace
+            follow["joins"] = max(follow["joins"], theirs["joins"])
     counts: dict[int, int] = {}
     skipped: dict[int, int] = {}
     for s in live:
@@ -115,7 +138,7 @@ def _merge(found: list[LoaderState]) -> LoaderState:
                 raise LoaderStateError(f"two states give slot {slot} different positions ({counts[slot]} vs {c})")
             counts[slot] = c
         skipped.update(s.skipped)
-    return dataclasses.replace(base, counts=counts, skipped=skipped)
+    return dataclasses.replace(base, counts=counts, skipped=skipped, follow=follow)
 
 
 def merge_states(states: Iterable[Any]) -> dict[str, Any]:

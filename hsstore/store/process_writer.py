@@ -217,8 +217,10 @@ def _serve(conn, url: str, manifest_json: bytes, storage_options: dict, writer_k
                 return
     except BaseException as e:  # reported to the parent, which raises it there
         if writer is not None:
+            why = ("its producer process ended without closing it" if isinstance(e, EOFError)
+                   else f"{type(e).__name__}: {e}")
             try:
-                writer.close(commit=False)
+                writer.close(commit=False, why=why)
             except BaseException:
                 pass
         try:

@@ -34,6 +34,7 @@ from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
 from ..storage import MANIFEST_FILE
 from ..version import __version__
+from .session import WriterSession
 
 if TYPE_CHECKING:
     import torch
@@ -143,7 +144,13 @@ class StoreWriter:
         check_finite: bool = True,
         storage_options: dict[str, Any] | None = None,
         index_every: int = 64,
+        expects: list[str] | None = None,
+        planned_samples: int | None = None,
+        planned_tokens: int | None = None,
     ) -> None:
+        """``expects``: the writer tags of this writer's job (extraction: every rank's), so a follower of the store
+        waits for all of them; ``planned_samples``/``planned_tokens``: what this session means to write, which a
+        follower's schedule is estimated from (``format/sessions.py``)."""
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = destination.open_destination(url, self.storage_options, layout.own_objects())
@@ -182,6 +189,14 @@ class StoreWriter:
         self.bytes_written = 0
         self.wait_s = 0.0  # time add() spent blocked on storage (back-pressure): storage too slow if large
         self._new_buffer(self.capacity)
+        # the session record (and its heartbeat) before any shard: followers wait for a writer that has not ended
+        self._session = WriterSession(self.fs, self.root, self.tag, self.session, expects=expects,
+                                      planned_samples=planned_samples, planned_tokens=planned_tokens)
+        try:
+            self._session.start()
+        except Exception as e:
+            self._pool.shutdown(wait=False)
+            raise StoreError(storage.explain(e, url, "write", self.fs, self.root)) from None
 
     # -- filling ---------------------------------------------------------------------------------
     def _new_buffer(self, capacity: int) -> None:
@@ -417,6 +432,7 @@ class StoreWriter:
             with self._lock:  # writer threads finish concurrently
                 self.committed.append(record)
                 self._index.add(record, stamp)
+                self._session.committed(len(self.committed))
                 self.bytes_written += sum(f["size"] for f in record.files.values())
             log.debug("committed shard %s: %d samples, %d tokens", name, record.n_samples, record.n_tokens)
             return record
@@ -466,22 +482,33 @@ class StoreWriter:
         if errors:
             raise errors[0]
 
-    def close(self, commit: bool = True) -> None:
-        """Commit what is buffered (``commit=True``) or drop it, then stop the threads."""
+    def close(self, commit: bool = True, why: str | None = None) -> None:
+        """Commit what is buffered (``commit=True``) or drop it, then stop the threads. The session's end record is
+        written only after a clean commit; otherwise its record says it stopped (``why``: the error)."""
         if self._closed:
             return
+        ended = False
         try:
             if commit:
                 self.flush()
+                ended = True
             else:
                 self._new_buffer(1)
                 for f in self._futures:
                     f.exception()
+        except BaseException as e:
+            why = why or f"{type(e).__name__}: {e}"
+            raise
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
             with self._lock:
                 self._index.flush()  # this session's records, as one index segment
+            if ended:
+                self._session.end(len(self.committed), sum(r.n_samples for r in self.committed),
+                                  sum(r.n_tokens for r in self.committed))
+            else:
+                self._session.fail(why or "closed without committing")
 
     def __enter__(self) -> "StoreWriter":
         return self
@@ -489,4 +516,4 @@ class StoreWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         # On an exception the half-filled shard is not committed: it would hide the failure and a
         # resumed run re-extracts those samples anyway. Shards already submitted do complete.
-        self.close(commit=exc_type is None)
+        self.close(commit=exc_type is None, why=None if exc_type is None else f"{exc_type.__name__}: {exc}")

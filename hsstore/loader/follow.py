@@ -1,0 +1,616 @@
+"""Following stores while they are written: epoch 0 takes shards as they commit (``HiddenStateDataset(...,
+follow=Follow(journal))``; ``hsstore train --follow``).
+
+Why a journal: every rank and DataLoader worker must hand out one epoch-0 plan, and what has arrived depends on
+when one looks. So one reader, the *leader* (rank 0), looks: it polls each store with a backoff (a listing of
+``writers/``, then one of ``commits/``, and GETs of the new records only), checks the new shards' feature health
+(``format/health.py``, the rule ``train`` has for a store) and appends what joins epoch 0 to the journal, a folder
+every reader can read (the trainer's OUT, which its checkpoints need shared anyway). Entries, in order:
+
+- ``join``: the new shards' commit records (an index segment per store);
+- ``stop``: a shard whose features train nothing, named with the feature (nothing after it is planned unless
+  the readers allow unhealthy data);
+- ``end``: every writer of every store finished (``format/sessions.py``): no shard will come.
+
+Readers plan from the journal alone. Join k is planned as an epoch of its own (its samples, weights applied, in a
+seeded order of read units, cut over nodes, ranks and workers, a shuffle pool within each slot), and a slot's
+epoch 0 is its part of join 0, then of join 1, ...: every sample that joins is handed out exactly once whatever
+the timing. A resume state is the slot counts over that concatenation plus the journal's id; another world size
+folds what was consumed into ``done`` and re-cuts the rest of every join, as for any epoch. Epochs 1.. are
+ordinary epochs of the store the journal holds (every joined shard, in store order): the plan of a run started on
+the finished store. Join 0 of an already finished store is the whole store with the ordinary seed: following a
+finished store is training on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from .. import door, storage, transfer
+from ..errors import CorruptionError, StoreError
+from ..format import codec, commit, health, index, records, sessions
+from ..format.commit import CommitRecord
+from ..format.manifest import now_iso
+from ..redaction import recordable_url
+from ..store.reader import Store
+from .plan import Planner, SlotPlan, build_catalog
+from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
+
+if TYPE_CHECKING:
+    from ..distributed import World
+    from .dataset import HiddenStateDataset
+
+log = logging.getLogger(__name__)
+
+FORMAT = "hsstore-follow"
+VERSION = 1
+JOURNAL_FILE = "journal.json"
+KINDS = ("join", "stop", "end")
+POLL_ENV = "HSSTORE_FOLLOW_POLL_S"  # the longest pause between two looks at the stores (default 30)
+DEFAULT_POLL = (1.0, 30.0)  # seconds: first pause after an arrival, longest pause while nothing arrives
+READ_POLL = (0.05, 1.0)  # readers waiting for the journal's next entry (a local stat)
+REPORT_S = 60.0  # while nothing arrives, what epoch 0 waits for is said this often
+
+
+class FollowStopped(StoreError):
+    """A following reader reached the journal's stop entry: an arrived shard's features train nothing."""
+
+
+def poll_seconds() -> tuple[float, float]:
+    try:
+        longest = float(os.environ.get(POLL_ENV, DEFAULT_POLL[1]))
+    except ValueError:
+        longest = DEFAULT_POLL[1]
+    longest = max(0.01, longest)
+    return min(DEFAULT_POLL[0], longest), longest
+
+
+@dataclass(frozen=True)
+class Follow:
+    """How a dataset follows its stores. ``journal``: a folder every reader of the job can read (created by the
+    leader); ``lead``: the reader of rank 0, worker 0 polls the stores and writes the journal (False: someone else
+    runs the ``Leader``, as the trainer does in rank 0's own process); ``allow_unhealthy``: a shard whose features
+    train nothing joins anyway (logged) instead of stopping epoch 0; ``poll_s``: (first, longest) pause between
+    looks at the stores, doubling while nothing arrives."""
+
+    journal: str
+    lead: bool = True
+    allow_unhealthy: bool = False
+    poll_s: tuple[float, float] = field(default_factory=poll_seconds)
+    report_s: float = REPORT_S
+
+
+def join_seed(seed: int, k: int) -> int:
+    """The plan seed of join ``k`` (join 0: the run's own, so a finished store's single join is its epoch 0)."""
+    if k == 0:
+        return int(seed)
+    return int.from_bytes(hashlib.blake2b(f"{seed}/follow/{k}".encode(), digest_size=4).digest(), "little")
+
+
+# -- the journal ---------------------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """One journal entry (``<k>.json``; a join's records in ``<k>.s<store>.idx``)."""
+
+    index: int
+    kind: str
+    t: float  # when the leader wrote it (Unix time)
+    stores: list[int] = field(default_factory=list)  # stores with a segment (joins)
+    shards: int = 0
+    samples: int = 0
+    tokens: int = 0
+    expected_tokens: int | None = None  # what the stores will hold once finished (writers' plans), if known
+    why: str | None = None  # stop: the one line naming the shard and the feature
+
+    @classmethod
+    def parse(cls, d: Any, where: str) -> "Entry":
+        if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("kind") not in KINDS:
+            raise CorruptionError(f"{where}: not a follow journal entry")
+        try:
+            e = cls(**{k: v for k, v in d.items() if k != "format"})
+        except TypeError as err:
+            raise CorruptionError(f"{where}: malformed journal entry ({err})") from None
+        ints = [e.index, e.shards, e.samples, e.tokens, *e.stores]
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints) or not isinstance(
+                e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)):
+            raise CorruptionError(f"{where}: malformed journal entry (a field of the wrong type)")
+        return e
+
+
+class Journal:
+    """The epoch-0 journal of a following job: a local (or shared) folder, append-only, one writer (the leader)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.fs = storage.resolve(self.path)[0]
+        head = door.read_json(self.fs, self.path, JOURNAL_FILE, where=f"follow journal {self.path}")
+        if not isinstance(head, dict) or head.get("format") != FORMAT or not isinstance(head.get("id"), str):
+            raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: not a follow journal")
+        if not isinstance(head.get("version"), int) or head["version"] > VERSION:
+            raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: journal version {head.get('version')!r}, this "
+                                  f"hsstore reads {VERSION}")
+        self.id: str = head["id"]
+        self.stores: list[str] = [str(u) for u in head.get("stores", [])]
+        self._entries: list[Entry] = []
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, stores: Sequence[str]) -> "Journal":
+        """The journal at ``path`` for these store URLs: a new one, or the one there (refused when it follows other
+        stores: its joins name their shards)."""
+        path = os.path.abspath(os.fspath(path))
+        urls = [recordable_url(str(u)) for u in stores]
+        if os.path.exists(os.path.join(path, JOURNAL_FILE)):
+            j = cls(path)
+            if j.stores != urls:
+                raise StoreError(f"{path} holds the follow journal of stores {j.stores}, not {urls}: give another "
+                                 "folder (for the trainer: another --out)")
+            return j
+        fs = storage.resolve(path)[0]
+        head = {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex, "stores": urls, "created": now_iso()}
+        transfer.put_atomic(fs, os.path.join(path, JOURNAL_FILE), json.dumps(head, indent=1).encode())
+        return cls(path)
+
+    @classmethod
+    def wait_for(cls, path: str | os.PathLike, timeout_s: float = 600.0) -> "Journal":
+        """The journal at ``path`` once its leader has created it (other ranks and workers may look first)."""
+        head = os.path.join(os.path.abspath(os.fspath(path)), JOURNAL_FILE)
+        deadline, delay = time.monotonic() + timeout_s, READ_POLL[0]
+        while not os.path.exists(head):
+            if time.monotonic() > deadline:
+                raise StoreError(f"no follow journal at {path} after {timeout_s:.0f}s (its leader, rank 0, creates it)")
+            time.sleep(delay)
+            delay = min(READ_POLL[1], delay * 2)
+        return cls(path)
+
+    @staticmethod
+    def _name(k: int) -> str:
+        return f"{k:06d}.json"
+
+    def entry(self, k: int) -> Entry | None:
+        """Entry ``k``, or None while it is not written."""
+        if k < len(self._entries):
+            return self._entries[k]
+        if k > len(self._entries):  # entries are read in order
+            if self.entry(k - 1) is None:
+                return None
+        name = self._name(k)
+        try:
+            data = door.read(self.fs, self.path, name, bound=door.JSON_CAP, where=f"follow journal {self.path}")
+        except FileNotFoundError:
+            return None
+        e = Entry.parse(door.load_json(data, f"{self.path}/{name}"), f"{self.path}/{name}")
+        if e.index != k:
+            raise CorruptionError(f"{self.path}/{name}: holds entry {e.index}")
+        self._entries.append(e)
+        return e
+
+    def entries(self) -> list[Entry]:
+        """Every entry written so far."""
+        k = len(self._entries)
+        while self.entry(k) is not None:
+            k += 1
+        return list(self._entries)
+
+    def wait(self, k: int, stop: threading.Event | None = None) -> Entry | None:
+        """Entry ``k``, waiting for it (a stat with a backoff); None when ``stop`` is set first."""
+        delay = READ_POLL[0]
+        while True:
+            e = self.entry(k)
+            if e is not None:
+                return e
+            if stop is not None and stop.is_set():
+                return None
+            time.sleep(delay)
+            delay = min(READ_POLL[1], delay * 2)
+
+    def tables(self, e: Entry) -> dict[int, records.RecordTable]:
+        """A join's records by store index, sorted by shard name."""
+        out = {}
+        for si in e.stores:
+            name = f"{e.index:06d}.s{si}.idx"
+            data = door.read(self.fs, self.path, name, bound=door.INDEX_SEGMENT_CAP, where=f"follow journal {self.path}")
+            out[si] = index.decode_segment(name, data).table
+        return out
+
+    def append(self, kind: str, tables: dict[int, records.RecordTable] | None = None, **fields) -> Entry:
+        """Write the next entry (a join's segments first, then the entry: a reader that sees it can read them)."""
+        k = len(self.entries())
+        for si, t in (tables or {}).items():
+            transfer.put_atomic(self.fs, os.path.join(self.path, f"{k:06d}.s{si}.idx"),
+                                index.encode_segment("follow", f"join {k}", t))
+        e = Entry(k, kind, time.time(), sorted(tables or {}), **fields)
+        body = {"format": FORMAT, **e.__dict__}
+        transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode())
+        self._entries.append(e)
+        return e
+
+    def outcome(self) -> Entry | None:
+        """The end or stop entry that ends epoch 0 so far (None while it goes on)."""
+        return next((e for e in reversed(self.entries()) if e.kind in ("end", "stop")), None)
+
+
+# -- the leader ------------------------------------------------------------------------------------------------
+def _stop_line(url: str, rec: CommitRecord, bad: list[health.Unhealthy]) -> str:
+    return (f"store {recordable_url(url)!r}: shard {rec.shard!r} arrived with features that train nothing ({bad[0]}; "
+            f"{len(bad)} in the shard): is the extraction going wrong? Epoch 0 stopped; the checkpoints so far are "
+            "kept (`hsstore verify` names them; --allow-unhealthy trains on them anyway)")
+
+
+class Leader:
+    """Rank 0's look at the stores: ``poll`` appends what joined epoch 0 to the journal (``run``: every
+    ``poll_s``, doubling while nothing arrives, until the end); what epoch 0 waits for, and since when, is logged
+    every ``report_s`` while nothing arrives, a writer that went silent as soon as it is seen."""
+
+    def __init__(self, journal: Journal, stores: Sequence[Store], follow: Follow) -> None:
+        self.journal, self.follow = journal, follow
+        self.urls = [s.url for s in stores]
+        self.places = [(s.fs, s.root) for s in stores]
+        self.hidden = stores[0].manifest.hidden_size
+        self.known: list[set[str]] = [set() for _ in stores]
+        self.samples = self.tokens = self.shards = 0
+        self.tokens_by_shard: list[dict[str, int]] = [{} for _ in stores]
+        self.expected_tokens: int | None = None
+        self.waiting: list[str] = []
+        self._writer_cache: list[dict] = [{} for _ in stores]
+        self._dead_told: set[str] = set()
+        for e in journal.entries():
+            if e.kind == "join":
+                for si, t in journal.tables(e).items():
+                    names = t.shard.tolist()
+                    self.known[si].update(names)
+                    self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+                self.samples, self.tokens, self.shards = self.samples + e.samples, self.tokens + e.tokens, (
+                    self.shards + e.shards)
+            self.expected_tokens = e.expected_tokens if e.kind == "join" else self.expected_tokens
+        self.last_arrival = time.time()
+        self.since = self.last_arrival
+        self._reported = self.last_arrival
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        out = self.journal.outcome()
+        return out is not None and (out.kind == "end" or not self.follow.allow_unhealthy)
+
+    def poll(self) -> bool:
+        """One look at every store; True when something was appended to the journal."""
+        if self.done:
+            return False
+        tables, finished, stop = {}, True, None
+        samples = tokens = shards = 0
+        expected: int | None = 0
+        for si, (url, (fs, root)) in enumerate(zip(self.urls, self.places)):
+            writers = sessions.read_writers(fs, root, self._writer_cache[si])  # before the listing: see finished
+            listed = commit.list_records(fs, root)
+            new = sorted(set(listed) - self.known[si])
+            items = []
+            if new:
+                blobs = commit.read_records(fs, root, new, [int(listed[n].get("size") or 0) or None for n in new])
+                for name, data in zip(new, blobs):
+                    rec = CommitRecord.from_json(data, where=f"store {recordable_url(url)!r}, commit record of "
+                                                             f"shard {name!r}")
+                    if rec.shard != name:
+                        raise CorruptionError(f"store {url!r}: commit record of shard {name!r} names {rec.shard!r}")
+                    bad = health.record_problems(rec, self.hidden)
+                    if bad and not self.follow.allow_unhealthy:
+                        stop = _stop_line(url, rec, bad)
+                        break
+                    if bad:
+                        log.warning("%s (training anyway: --allow-unhealthy)", _stop_line(url, rec, bad).split(
+                            ": is the")[0])
+                    items.append((rec, data, None, codec.crc32c(data)))
+            if stop is not None:
+                break
+            if items:
+                t = records.from_records(items)
+                tables[si] = t
+                shards += len(items)
+                samples += int(t.n_samples.sum())
+                tokens += int(t.n_tokens.sum())
+                names = t.shard.tolist()
+                self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+            shown = set(listed)
+            exp = writers.expected_tokens(self.tokens_by_shard[si])
+            expected = None if exp is None or expected is None else expected + exp
+            if not writers.finished(shown):
+                finished = False
+                self._tell(url, writers, shown)
+        if stop is not None:
+            self.journal.append("stop", why=stop)
+            log.error("%s", stop)
+            return True
+        appended = False
+        if tables:
+            for si, t in tables.items():
+                self.known[si].update(t.shard.tolist())
+            self.samples, self.tokens, self.shards = self.samples + samples, self.tokens + tokens, self.shards + shards
+            self.expected_tokens = expected
+            e = self.journal.append("join", tables, shards=shards, samples=samples, tokens=tokens,
+                                    expected_tokens=expected)
+            log.info("epoch 0: join %d, %d new shard(s), %d sample(s) (%d so far%s)", e.index, shards, samples,
+                     self.samples, "" if expected is None or not self.tokens else
+                     f", about {min(1.0, self.tokens / max(1, expected)):.0%} of the tokens the writers plan")
+            self.last_arrival = self._reported = time.time()
+            appended = True
+        if finished:
+            self.journal.append("end", shards=self.shards, samples=self.samples, tokens=self.tokens)
+            log.info("epoch 0: every writer finished; %d shard(s), %d sample(s) joined in all", self.shards,
+                     self.samples)
+            return True
+        return appended
+
+    def _tell(self, url: str, writers: sessions.Writers, listed: set[str]) -> None:
+        """What epoch 0 waits for: a newly silent writer at once (a warning), everything every ``report_s``."""
+        now = time.time()
+        self.waiting = writers.waiting_for(listed, now)
+        for s in writers.states(now):
+            if s.state in ("dead", "failed") and s.record.key not in self._dead_told:
+                self._dead_told.add(s.record.key)
+                log.warning("store %r: %s; epoch 0 waits for it", recordable_url(url), s.describe())
+        if now - self._reported >= self.follow.report_s:
+            self._reported = now
+            since = time.strftime("%H:%M:%S", time.localtime(self.last_arrival))
+            log.info("epoch 0 waits for store %r since %s (%.0fs, %d sample(s) joined): %s", recordable_url(url),
+                     since, now - self.last_arrival, self.samples, "; ".join(self.waiting) or "its listing")
+
+    def run(self) -> None:
+        first, longest = self.follow.poll_s
+        delay = first
+        while not self._stop.is_set() and not self.done:
+            try:
+                got = self.poll()
+            except CorruptionError as e:  # a record that will not parse does not heal by waiting
+                self.journal.append("stop", why=str(e))
+                log.error("%s", e)
+                return
+            except Exception as e:  # a network fault: look again later
+                log.warning("epoch 0: looking at the stores failed (%s: %s); trying again in %.0fs",
+                            type(e).__name__, e, delay)
+                got = False
+            delay = first if got else min(longest, delay * 2)
+            self._stop.wait(delay)
+
+    def start(self) -> "Leader":
+        self._thread = threading.Thread(target=self._run_logged, name="hsstore-follow-leader", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run_logged(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # the journal could not be written: readers wait; say why
+            self.error = e
+            log.error("epoch 0's leader stopped: %s: %s", type(e).__name__, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+
+# -- the plan of epoch 0 -------------------------------------------------------------------------------------------
+@dataclass
+class JoinPart:
+    """Join ``k`` as the readers plan it: a view of the dataset over the join's shards alone."""
+
+    k: int
+    view: Any  # HiddenStateDataset: stores, catalog and planner of this join
+    planner: Planner
+    entries: int
+
+
+class FollowPlan:
+    """Epoch 0 of a following dataset, from its journal (one per process; made again in each worker)."""
+
+    def __init__(self, ds: "HiddenStateDataset", journal: Journal) -> None:
+        self.ds, self.journal = ds, journal
+        self._parts: dict[int, JoinPart] = {}
+        self._sizes: dict[int, int] = {}  # join -> entries
+        self._done: dict[tuple, np.ndarray | None] = {}
+
+    def config(self) -> dict[str, Any]:
+        """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
+        cfg = {k: v for k, v in self.ds.planner.config.items() if k != "catalog"}
+        return {"follow": self.journal.id, **cfg}
+
+    def part(self, k: int) -> JoinPart:
+        if k not in self._parts:
+            e = self.journal.entry(k)
+            if e is None or e.kind != "join":
+                raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
+            ds = self.ds
+            tables = self.journal.tables(e)
+            stores = [Store(s.url, s.storage_options, loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()),
+                            allow_locations=s.allow_locations) for si, s in enumerate(ds.stores)]
+            ds._attach_cache()
+            for mine, base in zip(stores, ds.stores):
+                if base.chunk_cache is not None:
+                    mine.use_chunk_cache(base.chunk_cache)
+            catalog = build_catalog(stores, ds.filters, ds.unit_tokens)
+            p = ds.planning
+            planner = Planner(catalog, ds.weights, seed=join_seed(p.seed, k), shuffle=p.shuffle, even=None,
+                              unit_tokens=ds.unit_tokens, token_bytes=ds.token_bytes, shuffle_bytes=p.shuffle_bytes,
+                              partition=p.partition)
+            ds._pool()  # the view shares this process's buffers
+            view = copy.copy(ds)
+            view.stores, view.catalog, view.planner, view.follow = stores, catalog, planner, None
+            n = len(planner.epoch_order(0, ds.nodes)) if len(catalog) else 0
+            self._sizes[k] = n
+            self._parts = {j: v for j, v in self._parts.items() if j >= k - 1}  # the join being read, and the last
+            self._parts[k] = JoinPart(k, view, planner, n)
+        return self._parts[k]
+
+    def entries(self, k: int) -> int:
+        if k not in self._sizes:
+            self.part(k)
+        return self._sizes[k]
+
+    def joins(self) -> list[int]:
+        """Indices of the join entries written so far."""
+        return [e.index for e in self.journal.entries() if e.kind == "join"]
+
+    def base(self, k: int) -> int:
+        """The first epoch-0 entry id of join ``k`` (entries of join 0, then of join 1, ...)."""
+        return sum(self.entries(j) for j in self.joins() if j < k)
+
+    def done_of(self, done: str | None, done_joins: int, k: int) -> str | None:
+        """``done`` (a bitmap over the entries of the joins before ``done_joins``) cut to join ``k``."""
+        if not done or k >= done_joins:
+            return None
+        key = (done, done_joins)
+        if key not in self._done:
+            self._done = {key: unpack_done(done, self.base(done_joins))}
+        bits = self._done[key]
+        a = self.base(k)
+        return pack_done(bits[a:a + self.entries(k)])
+
+    def slot_plan(self, k: int, done: str | None, done_joins: int, phase: int, world: "World") -> SlotPlan:
+        part = self.part(k)
+        if not part.entries:
+            return SlotPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return part.planner.slot_plan(0, self.done_of(done, done_joins, k), phase, world)
+
+    def fold(self, state: LoaderState) -> tuple[str | None, int]:
+        """(done, joins it covers) after the phase recorded in ``state``: what every old slot consumed, joined to
+        what earlier phases did."""
+        R, W = state.world
+        missing = [s for s in range(R * W) if s not in state.counts]
+        if missing:
+            raise LoaderStateError(f"resume state covers slots {sorted(state.counts)} of {R} rank(s) x {W} "
+                                   f"worker(s); slots {missing[:8]} are missing (merge the states of all of them)")
+        follow = state.follow or {}
+        done_joins = int(follow.get("done_joins", 0))
+        reach = max(done_joins, int(follow.get("joins", 0)))
+        joins = [j for j in self.joins() if j < reach]
+        span = reach if not joins else max(joins) + 1
+        total = self.base(span)
+        bits = np.zeros(total, bool)
+        old = unpack_done(state.done, self.base(done_joins)) if state.done else None
+        if old is not None:
+            bits[:len(old)] = old
+        for s in range(R * W):
+            left, reader = state.counts[s], state.reader(s)
+            for j in joins:
+                if left <= 0:
+                    break
+                plan = self.slot_plan(j, state.done, done_joins, state.phase, reader)
+                take = plan.entries[:left]
+                bits[self.base(j) + take] = True
+                left -= len(plan)
+        return pack_done(bits), span
+
+
+def _empty_table() -> records.RecordTable:
+    return records.from_records([])
+
+
+def epoch0_lengths(plan: FollowPlan, world: "World", upto: int | None = None) -> list[np.ndarray]:
+    """Token counts of what ``world``'s slot hands out in epoch 0, join by join (a fresh plan), for the joins
+    before ``upto`` (None: all written so far)."""
+    out = []
+    for k in plan.joins():
+        if upto is not None and k >= upto:
+            break
+        sp = plan.slot_plan(k, None, 0, 0, world)
+        cat = plan.part(k).view.catalog
+        out.append((cat.stop - cat.start)[sp.rows] if len(sp) else np.zeros(0, np.int64))
+    return out
+
+
+# -- reading epoch 0 -------------------------------------------------------------------------------------------
+class FollowReader:
+    """One slot's epoch 0: its part of each join in journal order, waiting for the next entry when it has caught
+    up; the end entry ends it, a stop entry raises ``FollowStopped`` (unless unhealthy data is allowed)."""
+
+    def __init__(self, ds: "HiddenStateDataset", plan: FollowPlan, progress, leader: Leader | None) -> None:
+        self.ds, self.plan, self.progress, self.leader = ds, plan, progress, leader
+        self.k, self.offset, self.reader = 0, 0, None
+        self._stop = threading.Event()
+
+    def __iter__(self) -> "FollowReader":
+        return self
+
+    def _open_next(self) -> None:
+        from .dataset import _SlotReader
+
+        p, follow = self.progress, self.ds.follow
+        while True:
+            e = self.plan.journal.wait(self.k, self._stop)
+            if e is None:
+                raise StopIteration
+            if e.kind == "end":
+                raise StopIteration
+            if e.kind == "stop":
+                if follow.allow_unhealthy and "arrived with features that train nothing" in (e.why or ""):
+                    self.k += 1
+                    continue
+                raise FollowStopped(e.why)
+            p.follow["joins"] = max(p.follow.get("joins", 0), self.k + 1)
+            plan = self.plan.slot_plan(self.k, p.done, p.follow.get("done_joins", 0), p.phase, p.world)
+            if p.count >= self.offset + len(plan):
+                self.offset += len(plan)
+                self.k += 1
+                continue
+            self.reader = _SlotReader(self.plan.part(self.k).view, plan, p, offset=self.offset)
+            self.length = len(plan)
+            return
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            while True:
+                if self.reader is None:
+                    self._open_next()
+                try:
+                    return next(self.reader)
+                except StopIteration:
+                    self.offset += self.length
+                    self.k += 1
+                    self.reader = None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.reader is not None:
+            self.reader.close()
+        if self.leader is not None:
+            self.leader.stop()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def final_stores(ds: "HiddenStateDataset", journal: Journal) -> list[Store]:
+    """The stores as epoch 0 followed them: every joined shard, in store order (what epochs 1.. read)."""
+    parts: list[list[records.RecordTable]] = [[] for _ in ds.stores]
+    for e in journal.entries():
+        if e.kind == "join":
+            for si, t in journal.tables(e).items():
+                parts[si].append(t)
+    out = []
+    for si, s in enumerate(ds.stores):
+        t = records.concat(parts[si]) if parts[si] else _empty_table()
+        names = t.shard.tolist()
+        order = sorted(range(len(names)), key=names.__getitem__)
+        if order != list(range(len(names))):
+            t = t.take(np.array(order, np.int64))
+        out.append(Store(s.url, s.storage_options, loaded=(s.manifest, t, index.IndexUse(shards=len(t))),
+                         allow_locations=s.allow_locations))
+    return out
