@@ -239,7 +239,9 @@ class Writers:
     def waiting_for(self, listed: set[str], now: float | None = None) -> list[str]:
         """One line per thing a follower waits for (empty once ``finished``)."""
         lines = [s.describe() for s in self.states(now) if s.state not in ("ended", "replaced")]
-        lines += [f"writer {t}: expected by its job, not started yet" for t in self.expected_missing()]
+        started = {s.writer for s in self.sessions.values()}
+        lines += [f"writer {t}: expected by its job, not started yet" for t in self.expected_missing()
+                  if t not in started]
         lines += [f"session {k}: ended, its shards not all listed yet" for k in self.unseen(listed)]
         return lines
 

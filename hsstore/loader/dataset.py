@@ -347,7 +347,7 @@ class HiddenStateDataset(IterableDataset):
         progress = _SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
         leader = Leader(plan.journal, self.stores, self.follow).start() if (
             self.follow.lead and world.slot == 0) else None
-        return progress, FollowReader(self, plan, progress, leader)
+        return progress, FollowReader(self, plan, progress, leader, _SlotReader)
 
     def _log_share(self) -> None:
         units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)

@@ -478,10 +478,12 @@ class FollowPlan:
         return pack_done(bits[a:a + self.entries(k)])
 
     def slot_plan(self, k: int, done: str | None, done_joins: int, phase: int, world: "World") -> SlotPlan:
+        """``world``'s part of join ``k``. The slots of a node take the join's cut in an order rotated by ``k``: a
+        join's few samples (the remainder of an even cut) go to other slots each time, never always to the same."""
         part = self.part(k)
         if not part.entries:
             return SlotPlan(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-        return part.planner.slot_plan(0, self.done_of(done, done_joins, k), phase, world)
+        return part.planner.slot_plan(0, self.done_of(done, done_joins, k), phase, rotated(world, k))
 
     def fold(self, state: LoaderState) -> tuple[str | None, int]:
         """(done, joins it covers) after the phase recorded in ``state``: what every old slot consumed, joined to
@@ -513,6 +515,15 @@ class FollowPlan:
         return pack_done(bits), span
 
 
+def rotated(world: "World", k: int) -> "World":
+    """The slot of ``world``'s node whose part of join ``k`` this reader takes: its place among the node's ranks x
+    workers moved on by ``k``."""
+    per = world.ranks_per_node * world.workers
+    place = (world.rank % world.ranks_per_node) * world.workers + world.worker
+    moved = (place + k) % per
+    return world.at(world.node * world.ranks_per_node + moved // world.workers, moved % world.workers)
+
+
 def _empty_table() -> records.RecordTable:
     return records.from_records([])
 
@@ -535,8 +546,10 @@ class FollowReader:
     """One slot's epoch 0: its part of each join in journal order, waiting for the next entry when it has caught
     up; the end entry ends it, a stop entry raises ``FollowStopped`` (unless unhealthy data is allowed)."""
 
-    def __init__(self, ds: "HiddenStateDataset", plan: FollowPlan, progress, leader: Leader | None) -> None:
-        self.ds, self.plan, self.progress, self.leader = ds, plan, progress, leader
+    def __init__(self, ds: "HiddenStateDataset", plan: FollowPlan, progress, leader: Leader | None,
+                 slot_reader) -> None:
+        """``slot_reader(view, plan, progress, offset)``: the reader of one join's part (``dataset._SlotReader``)."""
+        self.ds, self.plan, self.progress, self.leader, self.slot_reader = ds, plan, progress, leader, slot_reader
         self.k, self.offset, self.reader = 0, 0, None
         self._stop = threading.Event()
 
@@ -544,8 +557,6 @@ class FollowReader:
         return self
 
     def _open_next(self) -> None:
-        from .dataset import _SlotReader
-
         p, follow = self.progress, self.ds.follow
         while True:
             e = self.plan.journal.wait(self.k, self._stop)
@@ -564,7 +575,7 @@ class FollowReader:
                 self.offset += len(plan)
                 self.k += 1
                 continue
-            self.reader = _SlotReader(self.plan.part(self.k).view, plan, p, offset=self.offset)
+            self.reader = self.slot_reader(self.plan.part(self.k).view, plan, p, offset=self.offset)
             self.length = len(plan)
             return
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 from ..format import sessions
+from ..locks import ProcessLock
 from ..format.manifest import now_iso
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class WriterSession:
         self.fs, self.root = fs, root
         self.record = sessions.new_session(tag, session, host=socket.gethostname(), pid=os.getpid(), expects=expects,
                                            planned_samples=planned_samples, planned_tokens=planned_tokens)
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False

@@ -1,0 +1,145 @@
+"""``hsstore train --follow`` against a real extraction in another process (the tiny trained target, the demo's 320
+conversations), under torchrun with 2 ranks x 2 loader workers: the first step comes before a quarter of the
+samples are extracted; the extractor is killed and the trainer says so and waits; the trainer is killed mid
+epoch 0 and resumed; a re-run of the extraction completes the store; epoch 0 held every sample exactly once and
+epoch 1 is an ordinary epoch of the finished store. Where the extraction stands when the trainer looks is decided by
+the test (tests/follow_extract.py holds its commits), not by the machine's speed."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hsstore
+from hsstore.distributed import World
+from hsstore.extract.tiny import trained_files, trained_target_dir
+from hsstore.loader.dataset import HiddenStateDataset
+from hsstore.loader.options import Planning
+
+from train_helpers import REPO
+
+SAMPLES = 320
+ENV = {"HSSTORE_WRITER_HEARTBEAT_S": "0.5", "HSSTORE_FOLLOW_POLL_S": "0.5", "OMP_NUM_THREADS": "1"}
+
+
+def start(cmd, log: Path, env=None, started: list | None = None) -> subprocess.Popen:
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True, env={**os.environ, **ENV, **(env or {})})
+    if started is not None:
+        started.append(p)
+    return p
+
+
+def wait_for(cond, what: str, procs=(), timeout=240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for p, log in procs:
+            assert p.poll() is None, f"{what}: {p.args[:6]} exited {p.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def kill(p: subprocess.Popen) -> None:
+    """kill -9 of the process and everything it started (torchrun, its ranks, their loader workers)."""
+    for pid in family(p.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(30)
+
+
+def test_train_follows_an_extraction_through_kills_exactly_once(tmp_path):
+    started: list[subprocess.Popen] = []
+    try:
+        scenario(tmp_path, started)
+    finally:
+        for p in started:
+            if p.poll() is None:
+                kill(p)
+
+
+def scenario(tmp_path: Path, started: list) -> None:
+    store, run, control = tmp_path / "store", tmp_path / "run", tmp_path / "control"
+    control.mkdir()
+    extract = ["extract", "--model", str(trained_target_dir()), "--input", str(trained_files() / "conversations.jsonl"),
+               "--out", str(store), "--device", "cpu", "-q", "--shard-mb", "0.5", "--codec", "zstd"]
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hsstore",
+             "train", "--store", str(store), "--out", str(run), "--follow", "--epochs", "2", "--workers", "2",
+             "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--token-budget", "600",
+             "--save-every", "3", "--log-every", "1", "--log-samples", "--device", "cpu", "-q"]
+    metrics = run / "metrics.jsonl"
+
+    # the extractor holds after its 16th shard (~48 samples) until the trainer's first step, hangs after its 40th
+    e1_log, t1_log = tmp_path / "extract1.log", tmp_path / "train1.log"
+    e1 = start([sys.executable, "tests/follow_extract.py", str(control), "--", *extract], e1_log,
+               {"FOLLOW_HOLD": f"16:{metrics}", "FOLLOW_PAUSE": "40"}, started)
+    t1 = start(train, t1_log, started=started)  # started with the extraction: it waits for the store's first shard
+    procs = [(e1, e1_log), (t1, t1_log)]
+    wait_for(lambda: (control / "released").exists(), "the trainer's first step", procs)
+    assert int((control / "released").read_text()) < SAMPLES // 4  # the first step came before a quarter was in
+
+    # kill -9 of the extractor: the trainer names the dead writer and waits
+    wait_for(lambda: (control / "paused").exists(), "the extractor's 40th shard", procs)
+    kill(e1)
+    wait_for(lambda: "no heartbeat for" in t1_log.read_text(), "the dead writer's report", [(t1, t1_log)])
+    assert "rank00000" in t1_log.read_text() and "re-run its job" in t1_log.read_text()
+    wait_for(lambda: any((run / "checkpoints").glob("step_*/trainer.json")), "a checkpoint", [(t1, t1_log)])
+    time.sleep(1.0)
+    assert t1.poll() is None  # still waiting for the rest of epoch 0
+
+    # kill -9 of the trainer mid epoch 0; the same command resumes, and a re-run extraction completes the store
+    kill(t1)
+    t2_log, e2_log = tmp_path / "train2.log", tmp_path / "extract2.log"
+    t2 = start(train, t2_log, started=started)
+    e2 = start([sys.executable, "-m", "hsstore", *extract], e2_log, started=started)
+    assert e2.wait(300) == 0, e2_log.read_text()[-3000:]
+    assert t2.wait(300) == 0, t2_log.read_text()[-3000:]
+    assert "resumed from" in t2_log.read_text()
+
+    finished = hsstore.open(str(store))
+    everything = set(finished.sample_ids())
+    assert len(everything) == SAMPLES
+    logs = [[json.loads(line) for line in (run / f"samples.rank{r:05d}.jsonl").read_text().splitlines()]
+            for r in range(2)]
+    assert [x["step"] for x in logs[0]] == [x["step"] for x in logs[1]]  # lockstep, through the resume
+    epoch0 = collections.Counter(s for rank in logs for row in rank if row["epoch"] == 0 for s in row["samples"])
+    assert set(epoch0) == everything and set(epoch0.values()) == {1}, epoch0.most_common(3)
+
+    # epoch 1 is an ordinary epoch of the finished store: each rank's samples, each worker's in its planned order
+    for r, rank in enumerate(logs):
+        got = [s for row in rank if row["epoch"] == 1 for s in row["samples"]]
+        ordinary = HiddenStateDataset(str(store), world=World(r, 2), planning=Planning(seed=0))
+        planned = [ordinary.planned_ids(1, ordinary.world.at(r, k, 2)) for k in range(2)]
+        assert sorted(got) == sorted(planned[0] + planned[1])
+        for order in planned:
+            mine = set(order)
+            assert [s for s in got if s in mine] == order
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows[0]["arrived_samples"] < SAMPLES and rows[-1]["arrived_samples"] == SAMPLES
+    assert rows[-1]["arrival_done"] and all(r["loss"] is not None for r in rows)
