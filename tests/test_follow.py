@@ -76,6 +76,12 @@ def test_writer_sessions_say_which_writer_finished(tmp_path):
     # ... unless the listing does not show every shard an ended session committed yet
     assert not w2.finished(listed(url) - {min(listed(url))})
 
+    # an unreadable writer record may be an open writer's: not finished, and named
+    (url / sessions.WRITERS_DIR / "rank00009-0badf00d.json").write_text("{not json")
+    w3 = writers_of(url)
+    assert not w3.finished(listed(url)) and any("rank00009-0badf00d.json" in x for x in w3.waiting_for(listed(url)))
+    (url / sessions.WRITERS_DIR / "rank00009-0badf00d.json").unlink()
+
     # a writer that fails says so (a follower waits for a re-run)
     with pytest.raises(RuntimeError):
         with StoreWriter(str(url), make_manifest(), writer_tag="rank00002") as w:

@@ -143,3 +143,6 @@ def scenario(tmp_path: Path, started: list) -> None:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert rows[0]["arrived_samples"] < SAMPLES and rows[-1]["arrived_samples"] == SAMPLES
     assert rows[-1]["arrival_done"] and all(r["loss"] is not None for r in rows)
+    from hsstore.ops.html_report import run_html
+
+    assert 'data-chart="arrivals"' in run_html(run)  # hsstore report shows the arrival beside the loss

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -82,6 +83,31 @@ def start_leader(journal: Journal, stores, follow: Follow, rank: int) -> Leader 
         return None
     leader.poll()
     return leader.start()
+
+
+@dataclass
+class Following:
+    """A --follow run's journal, the loader's follow options, and rank 0's leader (None on other ranks, or once
+    epoch 0 has ended)."""
+
+    journal: Journal
+    options: Follow
+    leader: Leader | None
+
+    @classmethod
+    def start(cls, out: Path, stores, allow_unhealthy: bool, rank: int, world: int) -> "Following":
+        journal = open_journal(out, stores, rank, world)
+        options = follow_options(out, allow_unhealthy)
+        return cls(journal, options, start_leader(journal, stores, options, rank))
+
+    def schedule(self, source, settings) -> "FollowSchedule":
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return FollowSchedule(source, self.journal, settings.run.epochs, settings.batch.token_budget, world,
+                              settings.data.workers)
+
+    def stop(self) -> None:
+        if self.leader is not None:
+            self.leader.stop()
 
 
 class Epoch0Steps:

@@ -54,7 +54,7 @@ from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, servi
 from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
 from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
-from .follow import FollowSchedule, arrival_columns, follow_options, open_journal, start_leader, wait_for_stores
+from .follow import FollowSchedule, Following, arrival_columns, wait_for_stores
 from .drafter_format import save_drafter
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
@@ -124,17 +124,11 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
 
     # -- the data: this rank's share of the stores, in token-budget batches (--follow: epoch 0 from the journal
     # that rank 0's leader writes as shards commit; the length estimated until epoch 0 ends)
-    journal = leader = length = None
-    if follow:
-        journal = open_journal(out, stores, rank, world)
-        options = follow_options(out, settings.data.allow_unhealthy)
-        leader = start_leader(journal, stores, options, rank)
+    following = Following.start(out, stores, settings.data.allow_unhealthy, rank, world) if follow else None
     if source is None:
         source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device,
-                               follow=options if follow else None)
-    if follow and settings.run.steps is None:
-        length = FollowSchedule(source, journal, settings.run.epochs, settings.batch.token_budget, world,
-                                settings.data.workers)
+                               follow=following.options if following else None)
+    length = following.schedule(source, settings) if following and settings.run.steps is None else None
     total = (settings.run.steps if settings.run.steps is not None else
              length.agreed_start(rank, world, group) if length is not None else
              source.planned_steps(settings.run.epochs))
@@ -158,13 +152,14 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop = Loop(settings=settings, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
-                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length, journal=journal)
+                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length,
+                journal=following.journal if following else None)
     try:
         with StopOnInterrupt() as interrupt:
             loop.run(interrupt)
     finally:
-        if leader is not None:
-            leader.stop()
+        if following is not None:
+            following.stop()
     if interrupt.stopping(world):
         loop.stop()  # raises KeyboardInterrupt, after a checkpoint
     loop.finish()

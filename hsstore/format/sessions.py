@@ -135,12 +135,12 @@ def _parse(cls, d: Any, where: str):
 
 # -- writing --------------------------------------------------------------------------------------------------
 def write_session(fs, root: str, rec: SessionRecord) -> None:
-    transfer.put_atomic(fs, storage.join(root, WRITERS_DIR, rec.key + SESSION_SUFFIX), rec.to_json())
+    transfer.put_atomic(fs, storage.join(root, WRITERS_DIR, rec.key + SESSION_SUFFIX), rec.to_json(), root)
 
 
 def write_end(fs, root: str, rec: EndRecord) -> None:
     transfer.put_atomic(fs, storage.join(root, WRITERS_DIR, session_key(rec.writer, rec.session) + END_SUFFIX),
-                        rec.to_json())
+                        rec.to_json(), root)
 
 
 def new_session(tag: str, session: str, *, host: str, pid: int, expects: list[str] | None = None,
@@ -229,8 +229,10 @@ class Writers:
 
     def finished(self, listed: set[str], now: float | None = None) -> bool:
         """Whether no more shards will come: every session ended or was replaced, every writer its jobs expect
-        ended, and the listing shows every shard the ended sessions committed. A store without writer records
-        (written before they existed) is finished, as readers always took it to be."""
+        ended, the listing shows every shard the ended sessions committed, and no record is unreadable. A store
+        without writer records (written before they existed) is finished, as readers always took it to be."""
+        if self.damaged:  # a record that cannot be read may be an open writer's
+            return False
         if not self.sessions and not self.ends:
             return True
         return (all(s.state in ("ended", "replaced") for s in self.states(now)) and not self.expected_missing()
@@ -243,6 +245,7 @@ class Writers:
         lines += [f"writer {t}: expected by its job, not started yet" for t in self.expected_missing()
                   if t not in started]
         lines += [f"session {k}: ended, its shards not all listed yet" for k in self.unseen(listed)]
+        lines += [f"{WRITERS_DIR}/{n}: {why} (fix or remove it)" for n, why in sorted(self.damaged.items())]
         return lines
 
     def expected_tokens(self, tokens_by_shard: dict[str, int]) -> int | None:

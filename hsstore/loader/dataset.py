@@ -334,10 +334,11 @@ class HiddenStateDataset(IterableDataset):
         follow = {"journal": plan.journal.id, "joins": 0, "done_joins": 0}
         if resume is not None:
             done, phase, follow = resume.done, resume.phase, dict(resume.follow)
-            if resume.world is not None and resume.world == (world.world, world.workers) and resume.nodes == self.nodes:
+            same = resume.world == (world.world, world.workers) and resume.nodes == self.nodes
+            if resume.world is not None and same:
                 if world.slot not in resume.counts:
-                    raise LoaderStateError(f"resume state has no position for rank {world.rank} worker {world.worker} "
-                                           f"(it covers slots {sorted(resume.counts)})")
+                    raise LoaderStateError(f"resume state has no position for rank {world.rank} worker "
+                                           f"{world.worker} (it covers slots {sorted(resume.counts)})")
                 count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
             elif resume.world is not None:
                 log.info("resuming epoch 0 (following) on %d rank(s) x %d worker(s) from a state of %d x %d: "
@@ -420,7 +421,8 @@ class HiddenStateDataset(IterableDataset):
             resume = self._resumed()
             if resume is not None:
                 return resume.to_dict()
-            fresh = {"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0} if self._following() else None
+            fresh = ({"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0} if self._following()
+                     else None)
             return LoaderState(self._config(), self.epoch, nodes=self.nodes, follow=fresh).to_dict()
         return live.state(self._config(), pending).to_dict()
 

@@ -158,7 +158,8 @@ class Journal:
             return j
         fs = storage.resolve(path)[0]
         head = {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex, "stores": urls, "created": now_iso()}
-        transfer.put_atomic(fs, os.path.join(path, JOURNAL_FILE), json.dumps(head, indent=1).encode())
+        transfer.put_atomic(fs, os.path.join(path, JOURNAL_FILE), json.dumps(head, indent=1).encode(),
+                            os.path.dirname(path))
         return cls(path)
 
     @classmethod
@@ -219,7 +220,8 @@ class Journal:
         out = {}
         for si in e.stores:
             name = f"{e.index:06d}.s{si}.idx"
-            data = door.read(self.fs, self.path, name, bound=door.INDEX_SEGMENT_CAP, where=f"follow journal {self.path}")
+            data = door.read(self.fs, self.path, name, bound=door.INDEX_SEGMENT_CAP,
+                             where=f"follow journal {self.path}")
             out[si] = index.decode_segment(name, data).table
         return out
 
@@ -228,10 +230,11 @@ class Journal:
         k = len(self.entries())
         for si, t in (tables or {}).items():
             transfer.put_atomic(self.fs, os.path.join(self.path, f"{k:06d}.s{si}.idx"),
-                                index.encode_segment("follow", f"join {k}", t))
+                                index.encode_segment("follow", f"join {k}", t), os.path.dirname(self.path))
         e = Entry(k, kind, time.time(), sorted(tables or {}), **fields)
         body = {"format": FORMAT, **e.__dict__}
-        transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode())
+        transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode(),
+                            os.path.dirname(self.path))
         self._entries.append(e)
         return e
 
@@ -433,8 +436,9 @@ class FollowPlan:
                 raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
             ds = self.ds
             tables = self.journal.tables(e)
-            stores = [Store(s.url, s.storage_options, loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()),
-                            allow_locations=s.allow_locations) for si, s in enumerate(ds.stores)]
+            stores = [Store(s.url, s.storage_options, allow_locations=s.allow_locations,
+                            loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()))
+                      for si, s in enumerate(ds.stores)]
             ds._attach_cache()
             for mine, base in zip(stores, ds.stores):
                 if base.chunk_cache is not None:

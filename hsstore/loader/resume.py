@@ -99,7 +99,8 @@ def _follow_of(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, Mapping) or not isinstance(value.get("journal"), str):
         raise LoaderStateError(f"loader state: malformed follow position {value!r}")
-    return {"journal": value["journal"], "joins": int(value.get("joins", 0)), "done_joins": int(value.get("done_joins", 0))}
+    return {"journal": value["journal"], "joins": int(value.get("joins", 0)),
+            "done_joins": int(value.get("done_joins", 0))}
 
 
 def _find_states(obj: Any) -> Iterator[Mapping[str, Any]]:

@@ -319,6 +319,15 @@ def run_html(run_dir: str | Path) -> str:
         line_chart("acc", "draft token accuracy", [("train", series("acc")), ("val", series("val_acc"))],
                    points_only=["val"]),
     ]
+    epoch0 = [r for r in rows if isinstance(r.get("arrived_samples"), int) and r.get("epoch") == 0]
+    if epoch0:  # train --follow: the data's arrival beside what was trained, over the steps of epoch 0
+        trained, total = [], 0
+        for r in epoch0:
+            total += r.get("samples") or 0
+            trained.append((r["step"], total))
+        charts.insert(1, line_chart("arrivals", "epoch 0: samples arrived and trained (--follow)",
+                                    [("arrived", [(r["step"], r["arrived_samples"]) for r in epoch0]),
+                                     ("trained", trained)], y_fmt=count_fmt))
     acc_k = last.get("acc_k") or []
     if acc_k:
         charts.append(bar_chart("acc_k", f"train accuracy per draft position (step {last['step']})",
