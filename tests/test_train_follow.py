@@ -22,7 +22,7 @@ from hsstore.extract.tiny import trained_files, trained_target_dir
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.options import Planning
 
-from train_helpers import REPO
+from train_helpers import FAST, REPO, small_input  # noqa: F401  (fixtures)
 
 SAMPLES = 320
 ENV = {"HSSTORE_WRITER_HEARTBEAT_S": "0.5", "HSSTORE_FOLLOW_POLL_S": "0.5", "OMP_NUM_THREADS": "1"}
@@ -146,3 +146,49 @@ def scenario(tmp_path: Path, started: list) -> None:
     from hsstore.ops.html_report import run_html
 
     assert 'data-chart="arrivals"' in run_html(run)  # hsstore report shows the arrival beside the loss
+
+
+def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny_dir, small_input, tmp_path,
+                                                                             monkeypatch):  # noqa: F811
+    """A shard of all-zero features commits while the trainer follows: every step before it is trained and kept
+    (a checkpoint at the step it stopped), and the error is one line naming the shard and the feature."""
+    import threading
+
+    import torch
+
+    from hsstore.extract.job import ExtractSettings, run_extract
+    from hsstore.loader.follow import FollowStopped
+    from hsstore.schema import build
+    from hsstore.store.writer import StoreWriter
+    from hsstore.train.trainer import TrainSettings, train
+
+    monkeypatch.setenv("HSSTORE_FOLLOW_POLL_S", "0.2")
+    store, run = str(tmp_path / "store"), tmp_path / "run"
+    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=store, device="cpu",
+                      progress=False))
+    m = hsstore.open(store).manifest
+    late = StoreWriter(store, m, writer_tag="late")  # an open writer: epoch 0 waits for it
+    errors: list = []
+
+    def trainer():
+        try:
+            train(build(TrainSettings, stores=[store], out=str(run), epochs=2, follow=True, save_every=1000,
+                        **FAST))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    metrics = run / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "the first steps")
+    T = 40
+    late.add("zeros", torch.randint(0, 100, (T,)), torch.ones(T, dtype=torch.bool),
+             torch.zeros(T, len(m.layers), m.hidden_size, dtype=torch.bfloat16))
+    late.close()
+    t.join(120)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], FollowStopped), errors
+    line = str(errors[0])
+    shard = [n for n in (Path(store) / "commits").iterdir() if n.name.startswith("late-")][0].stem
+    assert "\n" not in line and shard in line and "'zeros', layer" in line and "all zero" in line
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert (run / "checkpoints" / f"step_{steps[-1]:08d}" / "trainer.json").exists()  # what was trained is kept

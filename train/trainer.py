@@ -279,7 +279,7 @@ class Loop:
                 finished = self.run_epoch(interrupt)
             except FollowStopped:  # every rank stopped at this step: keep it, then say why (one line)
                 self.halt()
-                raise
+                raise FollowStopped(self.journal.outcome().why) from None  # (a worker's is wrapped in its traceback)
             if finished and self.epoch == 0 and self.length is not None:
                 self.retotal(self.length.total())  # exact now, and the same on every rank (the journal says it)
             if finished:

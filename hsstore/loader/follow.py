@@ -111,7 +111,8 @@ class Entry:
     samples: int = 0
     tokens: int = 0
     expected_tokens: int | None = None  # what the stores will hold once finished (writers' plans), if known
-    why: str | None = None  # stop: the one line naming the shard and the feature
+    why: str | None = None  # stop: the one line naming the shard (and the feature)
+    shard: str | None = None  # stop: the unhealthy shard (None: a fault no option lets through)
 
     @classmethod
     def parse(cls, d: Any, where: str) -> "Entry":
@@ -123,7 +124,8 @@ class Entry:
             raise CorruptionError(f"{where}: malformed journal entry ({err})") from None
         ints = [e.index, e.shards, e.samples, e.tokens, *e.stores]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints) or not isinstance(
-                e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)):
+                e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)) or not all(
+                x is None or isinstance(x, str) for x in (e.why, e.shard)):
             raise CorruptionError(f"{where}: malformed journal entry (a field of the wrong type)")
         return e
 
@@ -286,13 +288,13 @@ class Leader:
     @property
     def done(self) -> bool:
         out = self.journal.outcome()
-        return out is not None and (out.kind == "end" or not self.follow.allow_unhealthy)
+        return out is not None and (out.kind == "end" or not self.follow.allow_unhealthy or out.shard is None)
 
     def poll(self) -> bool:
         """One look at every store; True when something was appended to the journal."""
         if self.done:
             return False
-        tables, finished, stop = {}, True, None
+        tables, finished, stop, bad_shard = {}, True, None, None
         samples = tokens = shards = 0
         expected: int | None = 0
         for si, (url, (fs, root)) in enumerate(zip(self.urls, self.places)):
@@ -309,7 +311,7 @@ class Leader:
                         raise CorruptionError(f"store {url!r}: commit record of shard {name!r} names {rec.shard!r}")
                     bad = health.record_problems(rec, self.hidden)
                     if bad and not self.follow.allow_unhealthy:
-                        stop = _stop_line(url, rec, bad)
+                        stop, bad_shard = _stop_line(url, rec, bad), rec.shard
                         break
                     if bad:
                         log.warning("%s (training anyway: --allow-unhealthy)", _stop_line(url, rec, bad).split(
@@ -332,7 +334,7 @@ class Leader:
                 finished = False
                 self._tell(url, writers, shown)
         if stop is not None:
-            self.journal.append("stop", why=stop)
+            self.journal.append("stop", why=stop, shard=bad_shard)
             log.error("%s", stop)
             return True
         appended = False
@@ -569,7 +571,7 @@ class FollowReader:
             if e.kind == "end":
                 raise StopIteration
             if e.kind == "stop":
-                if follow.allow_unhealthy and "arrived with features that train nothing" in (e.why or ""):
+                if follow.allow_unhealthy and e.shard is not None:  # an unhealthy arrival, allowed now
                     self.k += 1
                     continue
                 raise FollowStopped(e.why)
