@@ -310,7 +310,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     settings = from_args(ExtractSettings, args, **shared_overrides(args))
     cap = settings.capture
     taps = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
-    if taps is not None:  # who the store will serve, before the gate and the GPU hours (a refusal: its one line)
+    if taps is not None and settings.run.progress:  # who the store will serve, before the gate and the GPU hours
         print(f"hsstore extract: {taps.lines()[0]}", file=sys.stderr)
     try:
         result = run_extract(settings)
