@@ -227,7 +227,7 @@ def _config_path(argv: list[str]) -> str | None:
         if tok == "--":
             break
         name, eq, value = tok.partition("=")
-        if len(name) >= 4 and "--config".startswith(name):  # argparse takes unique prefixes (--conf) too
+        if name == "--config":  # flags are never abbreviated: --conf is refused as an unknown flag
             if eq:
                 return value
             return argv[i + 1] if i + 1 < len(argv) else None

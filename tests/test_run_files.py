@@ -154,9 +154,18 @@ def test_extract_config(tmp_path):
         parse(["extract", "--config", f])
 
 
-def test_config_abbreviated_flag_is_read(tmp_path):
+def test_config_abbreviated_flag_is_refused(tmp_path, capsys):
+    """Flags are never abbreviated, --config neither: --conf FILE is refused naming --config (it is not read as
+    the file, nor is the file read); --config=FILE is the other spelling. A file's keys are matched whole."""
     f = write_yaml(tmp_path / "c.yaml", {"run": {"store": ["/s"], "out": "/o"}, "training": {"lr": 0.5}})
-    assert parse(["train", "--conf", f]).lr == 0.5 and parse(["train", f"--config={f}"]).lr == 0.5
+    assert config._config_path(["--conf", f]) is None
+    assert main(["train", "--conf", f]) == 2
+    assert "unknown flag --conf (did you mean --config?)" in capsys.readouterr().err
+    assert parse(["train", f"--config={f}"]).lr == 0.5 and parse(["train", "--config", f]).lr == 0.5
+    short = write_yaml(tmp_path / "s.yaml", {"run": {"store": ["/s"], "out": "/o"}, "training": {"l": 0.5}})
+    with pytest.raises(SystemExit):
+        parse(["train", "--config", short])
+    assert "unknown key(s) training.l (did you mean training.lr?)" in capsys.readouterr().err
 
 
 def test_run_yaml_runs_again_from_another_folder(store32, tmp_path, monkeypatch, caplog):  # noqa: F811
