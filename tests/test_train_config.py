@@ -105,10 +105,11 @@ def test_old_and_flat_config_keys_load(tmp_path, caplog):
 
 
 def test_resume_keys_are_the_hand_written_ones():
-    """The settings a resumed run may not change, as the tuple was written before the schema."""
+    """The settings a resumed run may not change, as the tuple was written before the schema, plus follow (#57:
+    epoch 0's order is the arrivals' order, so a resumed run may not switch it)."""
     before = ("stores", "weights", "seed", "token_budget", "anchors", "block_size", "draft_layers",
               "sliding_window", "sliding_causal", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-              "rope_theta", "mask_token_id", "gamma", "workers")
+              "rope_theta", "mask_token_id", "gamma", "workers", "follow")
     assert sorted(RESUME_KEYS) == sorted(before) and len(RESUME_KEYS) == len(before)
 
 
