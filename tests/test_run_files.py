@@ -77,6 +77,7 @@ def test_run_yaml_reproduces_the_run_and_best_checkpoint(store32, tmp_path, caps
     argv = ["train", "--store", store32, "--out", str(a), "--steps", "4", "--save-every", "2", "--keep", "1",
             "--val-store", store32, "--val-every", "1", "-S", "secret_access_key=hunter2hunter2", *FAST_FLAGS]
     assert main(argv) == 0
+    summary = capsys.readouterr().out
     run = yaml.safe_load((a / "run.yaml").read_text())
     assert run["run"]["store"] == [store32] and run["training"]["seed"] == 0 and run["batch"]["anchors"] == 32
     assert run["recorded"]["hsstore_version"] and run["recorded"]["stores"][0]["samples"] == 8
@@ -95,9 +96,22 @@ def test_run_yaml_reproduces_the_run_and_best_checkpoint(store32, tmp_path, caps
     assert (a / "checkpoints" / pointer["checkpoint"] / "trainer.json").exists()
     assert json.loads((a / "checkpoints" / pointer["checkpoint"] / "trainer.json").read_text())["step"] == best_step
     capsys.readouterr()
+    assert f"best checkpoint (val_tau {taus[best_step]:.4f} at step {best_step}): " in summary
+    assert f"{a}/checkpoints/{pointer['checkpoint']}; hsstore export-drafter {a} NEW --best" in summary
     assert main(["export-drafter", str(a / "checkpoints" / "best"), str(tmp_path / "exp")]) == 0
     cfg, _ = ckpt.read_drafter_config(tmp_path / "exp")
     assert cfg.num_layers == 1 and cfg.block_size == 8
+    # --best on the run: the same checkpoint; without it, the last step (which differs from the best one here)
+    assert main(["export-drafter", str(a), str(tmp_path / "exp_best"), "--best"]) == 0
+    assert main(["export-drafter", str(a), str(tmp_path / "exp_last")]) == 0
+    weights = lambda d: (tmp_path / d / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights("exp_best") == weights("exp")
+    assert (weights("exp_last") == weights("exp")) == (best_step == 4)
+    capsys.readouterr()
+    assert main(["export-drafter", str(tmp_path / "exp"), str(tmp_path / "exp2"), "--best"]) != 0
+    err = capsys.readouterr().err
+    assert "has no checkpoints/best" in err and "--val-store" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "exp2").exists()
 
 
 def test_best_pointer_is_checked(tmp_path):

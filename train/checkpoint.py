@@ -106,13 +106,14 @@ def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch
     return tensors
 
 
-def export_drafter(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+def export_drafter(src: str | os.PathLike, out: str | os.PathLike, best: bool = False) -> Path:
     """``hsstore export-drafter``: any drafter directory, checkpoint or run (either format) into a new drafter
-    directory in the DFlash format. Never writes into a non-empty ``out``."""
+    directory in the DFlash format; with ``best``, a run's checkpoint with the best validation tau (the one
+    OUT/checkpoints/best names) rather than its last step. Never writes into a non-empty ``out``."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty directory; choose a new OUT")
-    src_dir = resolve_drafter_dir(src)
+    src_dir = resolve_drafter_dir(best_pointer(src) if best else src)
     cfg, meta = read_drafter_config(src_dir)
     tensors = read_weights(src_dir, cfg)
     tmp = out.parent / f".tmp-{out.name}"
@@ -122,6 +123,16 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     os.replace(tmp, out)  # onto nothing or an empty directory
     log.info("exported %s -> %s", src_dir, out)
     return out
+
+
+def best_pointer(run: str | os.PathLike) -> Path:
+    """A run's OUT/checkpoints/best (or that file itself), refused in one line where the run has none."""
+    run = Path(run)
+    path = run if run.is_file() and run.name == BEST else best_path(run)
+    if not path.is_file():
+        raise FileNotFoundError(f"{run} has no {CKPT_DIR}/{BEST} (a run trained with --val-store has one: it names "
+                                "the checkpoint with the best val_tau); without --best its last step is exported")
+    return path
 
 
 def resolve_drafter_dir(path: str | os.PathLike) -> Path:

@@ -56,6 +56,9 @@ def register_export(subparsers) -> None:
     x.add_argument("ckpt", metavar="CKPT", help="a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a "
                    "training run (its drafter/ or latest checkpoint)")
     x.add_argument("out", metavar="OUT", help="the new drafter directory (must not exist or be empty)")
+    x.add_argument("--best", action="store_true",
+                   help="export the run's checkpoint with the best validation tau (the one CKPT/checkpoints/best "
+                        "names; a run trained with --val-store has it) rather than its last step (CKPT/drafter)")
     x.set_defaults(func=run_export)
 
 
@@ -111,6 +114,7 @@ def command_settings(schema: type, args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     import sys
 
+    from .checkpoint import read_best
     from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -125,7 +129,7 @@ def run_train(args: argparse.Namespace) -> int:
                           "tokens_per_s": result.tokens_per_s,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
-                          "last": last}, indent=2))
+                          "best": read_best(args.out), "last": last}, indent=2))
         return 0
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
     resumed = ("" if result.resumed_from is None else
@@ -138,7 +142,11 @@ def run_train(args: argparse.Namespace) -> int:
     if "val_tau" in last:
         print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
               f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
-    print(f"drafter: {result.drafter_dir}; metrics: {args.out}/metrics.jsonl")
+    print(f"drafter: {result.drafter_dir} (the last step); metrics: {args.out}/metrics.jsonl")
+    best = read_best(args.out)
+    if best is not None:
+        print(f"best checkpoint (val_tau {fmt(best.get('val_tau'))} at step {best.get('step')}): "
+              f"{args.out}/checkpoints/{best['checkpoint']}; hsstore export-drafter {args.out} NEW --best exports it")
     return 0
 
 
@@ -147,7 +155,7 @@ def run_export(args: argparse.Namespace) -> int:
     from .checkpoint import export_drafter, read_drafter_config
     from .drafter_format import serving_notes
 
-    out = export_drafter(args.ckpt, args.out)
+    out = export_drafter(args.ckpt, args.out, best=args.best)
     cfg, _ = read_drafter_config(out)
     print(f"drafter: {out} (taps {','.join(map(str, cfg.target_layers))}: each its target layer's output, before "
           "the final norm)")
