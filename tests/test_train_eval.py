@@ -311,3 +311,24 @@ def test_a_difference_is_weighed_by_the_targets_own_logits(tiny_dir, prompts):
     tie = {"tie": True, "margin": 0.0625, "dtype": "bfloat16", "block": 16, "position": 44}
     assert "1 first differs at a near-tie" in divergence_note([tie])
     assert "1 differs beyond rounding: a decoding error" in divergence_note([tie, d])
+
+
+def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir, small_input, tmp_path):  # noqa: F811
+    """tools.bench_eval on a demo-shaped folder: one row per mode, both lossless with the same tau and forwards,
+    re-runs only on the recompute path."""
+    from tools.bench_eval import run, table
+
+    demo = tmp_path / "demo"
+    (demo / "data").mkdir(parents=True)
+    train(build(TrainSettings, stores=[store32], out=str(demo / "run"), steps=2, **FAST))
+    (demo / "store").symlink_to(store32)
+    (demo / "target").symlink_to(tiny_dir)
+    (demo / "data" / "heldout.jsonl").symlink_to(small_input)
+    rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12)
+    by = {r["mode"]: r for r in rows}
+    assert sorted(by) == ["recompute", "states"]
+    assert all(r["identical"] == r["samples"] == 1 for r in rows)
+    assert by["states"]["tau"] == by["recompute"]["tau"]
+    assert by["states"]["spec_forwards"] == by["recompute"]["spec_forwards"]
+    assert by["states"]["reruns"] == 0 < by["recompute"]["reruns"]
+    assert "states / recompute" in table(rows)

@@ -50,8 +50,9 @@ def table(rows: list[dict]) -> str:
             f"{'identical':>9} {'forwards':>8} {'reruns':>6} {'seconds':>7}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['round']:>5} {r['mode']:>9} {r['target_tokens_per_s']:>12.1f} {r['spec_tokens_per_s']:>10.1f} "
-                     f"{r['speedup']:>11.2f} {r['tau']:>5.2f} {r['identical']:>4}/{r['samples']:<2}"
+        lines.append(f"{r['round']:>5} {r['mode']:>9} {r['target_tokens_per_s']:>12.1f} "
+                     f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>11.2f} {r['tau']:>5.2f} "
+                     f"{r['identical']:>4}/{r['samples']:<2}"
                      f"{'+' + str(r['ties']) + 't' if r['ties'] else '':>3} {r['spec_forwards']:>8} "
                      f"{r['reruns']:>6} {r['seconds']:>7.1f}")
     by = {m: [r["spec_tokens_per_s"] for r in rows if r["mode"] == m] for m in MODES}

@@ -8,10 +8,10 @@ un-applied, and serving engines (SGLang's and vLLM's verify paths for Mamba/GDN 
 position's state instead of recomputing. Here, while the block is verified, each GDN layer's delta-rule inputs
 (q, k, v, g, beta and the state it started from) are kept; once the verdict is known the layer's delta rule runs
 once more over the same S-token block with the tokens after ``a`` switched off (beta = 0: nothing written,
-g = 0: nothing decayed), whose final state is exactly the state after ``a`` tokens. That is one kernel call
-per GDN layer, no projections, MLPs or attention, and always the block's shape (no new kernel shapes to
-compile); it replaces the copy of the whole cache before every verification and the second, shorter forward
-after every rejection.
+g = 0: nothing decayed), whose final state is exactly the state after ``a`` tokens. That is one delta-rule call
+for all GDN layers (stacked along the batch), no projections, MLPs or attention, and always the block's shape
+(no new kernel shapes to compile); it replaces the copy of the whole cache before every verification and the
+second, shorter forward after every rejection.
 
 It works on the layout transformers' Qwen3.5/3.6 (Qwen3-Next-style) cache has from 5.x: ``cache.layers[i]``
 holding ``conv_states[0]`` / ``recurrent_states[0]`` for a linear-attention layer and ``keys`` / ``values`` for a
@@ -121,15 +121,43 @@ class BlockStates:
             inputs = torch.cat([block.conv_before, block.conv_inputs.transpose(1, 2).to(block.conv_before.dtype)],
                                dim=-1)
             layer.conv_states[0].copy_(inputs[..., a:a + window])
-            fn, args, kwargs = block.call
-            g, beta = kwargs["g"].clone(), kwargs["beta"].clone()
-            g[:, a:] = 0  # no decay after the a-th token
-            beta[:, a:] = 0  # and nothing written
-            _, state = fn(*args, **dict(kwargs, g=g, beta=beta, output_final_state=True))
-            layer.recurrent_states[0].copy_(state)
             if hasattr(layer, "cumulative_length_linear"):  # the layer's own token count (transformers >= 5.2x)
                 layer.cumulative_length_linear.sub_(drop)
+        for members in _replay_groups(self.layers).values():
+            states = _replay([self.layers[i].call for i in members], a)
+            for i, state in zip(members, states):
+                cache.layers[i].recurrent_states[0].copy_(state)
         self.layers = {}
+
+
+def _replay_groups(layers: dict[int, LayerBlock]) -> dict[tuple, list[int]]:
+    """Layers whose delta-rule calls can run as one batched call (same function, shapes and other arguments;
+    a call with tensors beyond q, k, v, g, beta and the state runs alone)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, block in layers.items():
+        fn, args, kwargs = block.call
+        tensors = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        if len(args) != 3 or tensors - {"g", "beta", "initial_state"} or kwargs["initial_state"] is None:
+            key: tuple = ("alone", i)
+        else:
+            rest = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k not in tensors))
+            key = (id(fn), tuple(t.shape for t in args), kwargs["g"].shape, kwargs["initial_state"].shape, rest)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _replay(calls: list[tuple], a: int) -> list[torch.Tensor]:
+    """The recurrent state after the first ``a`` block tokens of each recorded call, from one call of its
+    delta rule over the whole block (the calls stacked along the batch) with the later tokens switched off."""
+    fn, args, kwargs = calls[0]
+    if len(calls) > 1:
+        args = tuple(torch.cat([c[1][j] for c in calls]) for j in range(3))
+        kwargs = dict(kwargs, **{k: torch.cat([c[2][k] for c in calls]) for k in ("g", "beta", "initial_state")})
+    g, beta = kwargs["g"], kwargs["beta"]
+    on = (torch.arange(g.shape[1], device=g.device) < a).view(1, -1, *([1] * (g.dim() - 2)))
+    # g = 0 after the a-th token: no decay; beta = 0: nothing written
+    _, state = fn(*args, **dict(kwargs, g=g * on, beta=beta * on, output_final_state=True))
+    return list(state.split(kwargs["initial_state"].shape[0] // len(calls)))
 
 
 def _chunk(block: int) -> int:

@@ -63,8 +63,9 @@ from .pointwise import apply_rope
 
 log = logging.getLogger(__name__)
 
-# propose(context features [p, L, H], tokens [p + 1] (the anchor last)) -> S - 1 draft tokens. A proposer with
-# a ``reset()`` method has it called before each generation (``DraftContext`` keeps state per generation).
+# propose(context features [p, L, H], tokens [p + 1] on the host (the anchor last)) -> S - 1 draft tokens. A
+# proposer with a ``reset()`` method has it called before each generation (``DraftContext`` keeps state per
+# generation).
 Proposer = Callable[[torch.Tensor, torch.Tensor], list[int]]
 
 
@@ -196,7 +197,7 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
     out[:], done = _finish(out, eos, max_new)
     while not done:
         p = len(prompt) + len(out) - 1  # the anchor's position: committed tokens < p are in the target's cache
-        seq = torch.tensor(list(prompt) + out, dtype=torch.long, device=buf.device)
+        seq = torch.tensor(list(prompt) + out, dtype=torch.long)  # on the host: no copy to the device per step
         draft = [int(t) for t in propose(buf[:p], seq)[: S - 1]]
         logits, feats = target.verify([out[-1], *draft], taps=taps)
         gen.forwards += 1
