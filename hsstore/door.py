@@ -29,7 +29,7 @@ import os
 import stat
 from typing import Any, Callable, Iterator
 
-from . import storage, transfer
+from . import receive, storage, transfer
 from .errors import CorruptionError
 from .memory import pread_into
 
@@ -61,12 +61,20 @@ class WrongSize(Refused):
     """An object of another size than its record lists: truncated or rewritten (data damage, said as such)."""
 
 
-def key_problem(name: Any) -> str | None:
-    """Why ``name`` is not a relative key ``a/b/c`` under a root (None: it is): empty, not a string, absolute,
-    ``.``/``..`` or empty parts, backslashes and NUL are refused (an S3 key ``assets/../../x`` is just a key,
-    but a path joined with it is not under the root)."""
-    if not isinstance(name, str) or not name:
-        return "empty or not a string"
+def percent_decoded(name: str) -> str:
+    """``name`` percent-decoded until nothing changes (at most a few rounds: ``%252e`` is ``%2e`` is ``.``): what an
+    HTTP server or a URL library may make of it before it reaches a path."""
+    from urllib.parse import unquote
+
+    for _ in range(4):
+        got = unquote(name)
+        if got == name:
+            break
+        name = got
+    return name
+
+
+def _part_problem(name: str) -> str | None:
     if "\\" in name or "\x00" in name:
         return "backslash or NUL in a name"
     if name.startswith("/"):
@@ -77,6 +85,21 @@ def key_problem(name: Any) -> str | None:
     if "." in parts or ".." in parts:
         return "a '.' or '..' part"
     return None
+
+
+def key_problem(name: Any) -> str | None:
+    """Why ``name`` is not a relative key ``a/b/c`` under a root (None: it is): empty, not a string, absolute,
+    ``.``/``..`` or empty parts, backslashes and NUL are refused (an S3 key ``assets/../../x`` is just a key,
+    but a path joined with it is not under the root), and so are keys whose percent-decoded form has any of
+    these (``%2e%2e/``: an HTTP server decodes it into ``../``)."""
+    if not isinstance(name, str) or not name:
+        return "empty or not a string"
+    why = _part_problem(name)
+    if why is None and "%" in name:
+        why = _part_problem(percent_decoded(name))
+        if why is not None:
+            why = f"percent-encoded: {why} once decoded"
+    return why
 
 
 def _checked_key(key: str, where: str) -> str:
@@ -182,14 +205,19 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
         data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
         try:
-            data = fs.cat_file(path, start=0, end=bound + 1)
+            data = (receive.get(fs, path, 0, bound + 1) if receive.is_http(fs) or receive.is_s3(fs)
+                    else fs.cat_file(path, start=0, end=bound + 1))
         except FileNotFoundError:
             raise
+        except receive.Refused as e:
+            raise Refused(where, key, e.why) from None
         except OSError as e:
             if "InvalidRange" in str(e) or "416" in str(e):  # an empty object has no byte 0
                 data = b""
             else:
                 raise
+    if isinstance(data, receive.Refused):
+        raise Refused(where, key, data.why)
     if isinstance(data, Exception):
         raise data
     _check_size(len(data), size, bound, key, where)
@@ -230,6 +258,8 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
         data = got.get(p)
         if isinstance(data, (bytes, bytearray)) and len(data) != sizes[k]:
             data = WrongSize(where, k, f"size {len(data)} != committed {sizes[k]} (truncated or rewritten)")
+        elif isinstance(data, receive.Refused):  # what the server sent or declared past the size: the door's refusal
+            data = Refused(where, k, data.why)
         out[k] = data
     return out
 
@@ -268,7 +298,8 @@ def read_ranges(fs, root: str, key: str, ranges: list[tuple[int, int]], *, size:
     if bad:
         raise Refused(where, key, f"range {bad[0]} outside its {size:,} bytes")
     path = storage.join(root, key)
-    return fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges], on_error="return")
+    return receive.get_ranges(fs, [path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges],
+                              [size] * len(ranges), storage.metadata_concurrency())
 
 
 @contextlib.contextmanager
@@ -282,15 +313,15 @@ def stream(fs, root: str, key: str, *, size: int, where: str = "") -> Iterator[A
         return
     _checked_key(key, where)
     path = storage.join(root, key)
-    with fs.open(path, "rb", size=size) if _takes_size(fs) else fs.open(path, "rb") as f:
+    if receive.is_http(fs) or receive.is_s3(fs):  # bounded GETs of the listed size, block by block
+        with receive.RangedFile(fs, path, size) as f:
+            yield f
+        return
+    with fs.open(path, "rb") as f:
         n = getattr(f, "size", None)
         if n is not None:
             _check_size(int(n), size, None, key, where)
         yield f
-
-
-def _takes_size(fs) -> bool:
-    return type(fs).__name__ == "S3FileSystem"  # s3fs takes the size it would otherwise HEAD for
 
 
 def size_of(fs, root: str, key: str, where: str = "") -> int:

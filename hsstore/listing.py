@@ -10,6 +10,7 @@ from typing import Any
 
 import fsspec
 
+from . import receive
 from .storage import is_local, metadata_concurrency
 
 
@@ -42,6 +43,17 @@ def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str,
                 return out
         except (FileNotFoundError, NotADirectoryError):
             return {}
+    if receive.is_http(fs):  # the HTML index page, bounded (sizes unknown: each object's read is bounded instead)
+        from fsspec.asyn import sync
+
+        try:
+            names = sync(fs.loop, receive.http_list, fs, path)
+        except FileNotFoundError:
+            return {}
+        base = path.rstrip("/")
+        return {n: {"name": f"{base}/{n}", "size": None, "type": "file"} for n in names if not n.endswith("/")}
+    if receive.is_s3(fs) and not fs.version_aware:
+        return list_detail_split(fs, path, [], serial=True)
     try:
         entries = fs.ls(path, detail=True, refresh=True)
     except FileNotFoundError:
@@ -49,15 +61,41 @@ def list_detail(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, dict[str,
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries if e.get("type") != "directory"}
 
 
-def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str]) -> dict[str, dict[str, Any]]:
+def list_names(fs, path: str) -> list[str]:
+    """Base names of everything directly under ``path``, folders included (``verify``'s look at ``shards/``),
+    bounded as every listing is."""
+    if is_local(fs):
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    if receive.is_http(fs):
+        from fsspec.asyn import sync
+
+        try:
+            return [n.rstrip("/") for n in sync(fs.loop, receive.http_list, fs, path)]
+        except FileNotFoundError:
+            return []
+    if receive.is_s3(fs) and not fs.version_aware:
+        return sorted(list_detail_split(fs, path, [], serial=True, folders=True))
+    try:
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+
+
+def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str], serial: bool = False,
+                      folders: bool = False) -> dict[str, dict[str, Any]]:
     """``list_detail`` of an S3 prefix as concurrent ranges: base names sorted ``splits`` cut the key space into
     ``(None, s1], (s1, s2], ..., (sn, end)``, each listed (``StartAfter``, paged) up to its end, at most
     ``metadata_concurrency`` at once. Every key falls in exactly one range, so the union is the serial listing
     (a key added or removed meanwhile is seen or not, as in a serial listing). Entries: name, size, ETag (no
-    LastModified: see ``_lister``). Not s3fs (or versioned): serial."""
+    LastModified: see ``_lister``). Not s3fs (or versioned): serial. Every page is one bounded request
+    (``receive``: deadline, size), at most ``receive.LIST_PAGES`` of them per listing. ``serial``: one range
+    (``list_detail`` of S3); ``folders``: the common prefixes too (as entries of type "directory")."""
     from s3fs import S3FileSystem
 
-    if not isinstance(fs, S3FileSystem) or fs.version_aware or not splits:
+    if not isinstance(fs, S3FileSystem) or fs.version_aware or not (splits or serial):
         return list_detail(fs, path)
     import asyncio
 
@@ -68,14 +106,32 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
     fs = _lister(fs)
     bounds = [None, *(prefix + s for s in sorted(set(splits))), None]
 
+    pages = 0
+
     async def one(after: str | None, stop: str | None) -> list[dict[str, Any]]:
+        nonlocal pages
         kw = dict(Bucket=bucket, Prefix=prefix, Delimiter="/", **fs.req_kw)
         if after is not None:
             kw["StartAfter"] = after
-        out = []
+        out: list[dict[str, Any]] = []
+        last: str | None = None
         async with sem:
-            async for page in fs._list_pages("list_objects_v2", **kw):
+            while True:
+                pages += 1
+                if pages > receive.LIST_PAGES:
+                    raise receive.Refused(f"listing of s3://{bucket}/{prefix}", f"more than {receive.LIST_PAGES:,} "
+                                                                                "pages; an endless listing?")
+                page = await fs._call_s3("list_objects_v2", **kw)
+                keys = [c["Key"] for c in page.get("Contents", [])] + [c["Prefix"] for c in
+                                                                       page.get("CommonPrefixes", [])]
+                if last is not None and any(k <= last for k in keys):  # a listing only moves forward
+                    raise receive.Refused(f"listing of s3://{bucket}/{prefix}", "a page repeats or goes back "
+                                                                                "before the last one; an endless listing?")
+                last = max(keys, default=last)
                 done = False
+                if folders:
+                    out += [{"name": f"{bucket}/{c['Prefix'].rstrip('/')}", "size": 0, "type": "directory"}
+                            for c in page.get("CommonPrefixes", [])]
                 for c in page.get("Contents", []):
                     if stop is not None and c["Key"] > stop:
                         done = True
@@ -84,6 +140,11 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
                                 "type": "file"})
                 if done or (stop is not None and out and out[-1]["name"] == f"{bucket}/{stop}"):
                     break
+                token = page.get("NextContinuationToken")
+                if not page.get("IsTruncated") or not token:
+                    break
+                kw.pop("StartAfter", None)
+                kw["ContinuationToken"] = token
         return out
 
     async def run() -> list[list[dict[str, Any]]]:
@@ -101,7 +162,8 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
         raise translate_boto_error(e) from None
     except FileNotFoundError:
         return {}
-    return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part}
+    return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part
+            if folders or e["type"] == "file"}
 
 
 _LISTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

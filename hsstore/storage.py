@@ -101,15 +101,35 @@ def store_exists(fs: fsspec.AbstractFileSystem, root: str, url: str) -> bool:
 
 
 def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus hsstore's botocore retry policy and a connection pool as large as the metadata
-    concurrency for ``s3://`` URLs, unless the user set them."""
+    """``options`` plus hsstore's defaults, each only where the user did not set it: for ``s3://`` URLs botocore's
+    retry policy, a connection pool as large as the metadata concurrency and the session that bounds every
+    request (``receive.session_class``); for ``http(s)://`` URLs no redirects followed, no bodies decoded and a
+    deadline on the requests fsspec itself makes (``HEAD``: ``receive.REQUEST_S``); hsstore's GETs and listings
+    are ``receive``'s, bounded as they are made."""
+    if url.startswith(("http://", "https://")):
+        import aiohttp
+
+        from . import receive
+
+        out = copy.copy(options)
+        out.setdefault("allow_redirects", False)
+        client = dict(out.get("client_kwargs") or {})
+        client.setdefault("auto_decompress", False)
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=receive.REQUEST_S))
+        out["client_kwargs"] = client
+        return out
     if not url.startswith(("s3://", "s3a://")):
         return options
+    from . import receive
+
     out = copy.deepcopy(options)
     config = out.setdefault("config_kwargs", {})
     if isinstance(config, dict):
         config.setdefault("retries", dict(S3_RETRIES))
         config.setdefault("max_pool_connections", max(10, metadata_concurrency()))
+        bounded = receive.session_class()
+        if bounded is not None:
+            config.setdefault("http_session_cls", bounded)
     return out
 
 

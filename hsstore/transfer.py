@@ -14,7 +14,7 @@ from typing import Any, Callable
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from . import sinks
+from . import receive, sinks
 from .listing import stamp
 from .storage import is_local, metadata_concurrency
 
@@ -94,12 +94,16 @@ def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] |
     """
     if not paths:
         return {}
+    n_in_flight = concurrency or metadata_concurrency()
+    if sizes is not None and (receive.is_http(fs) or receive.is_s3(fs)):  # every answer bounded by its size
+        out = receive.get_ranges(fs, paths, [0] * len(paths), list(sizes), list(sizes), n_in_flight)
+        return dict(zip(paths, out))
     starts: list = [None] * len(paths)
     ends: list = [None] * len(paths)
     if sizes is not None and not is_local(fs):
         starts = [0 if n else None for n in sizes]
         ends = [n if n else None for n in sizes]  # an empty object takes no Range
-    kw = {"batch_size": concurrency or metadata_concurrency()} if isinstance(fs, AsyncFileSystem) else {}
+    kw = {"batch_size": n_in_flight} if isinstance(fs, AsyncFileSystem) else {}
     out = fs.cat_ranges(paths, starts, ends, on_error="return", **kw)
     return dict(zip(paths, out))
 
@@ -185,7 +189,7 @@ def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str,
     if not (hasattr(fs, "_call_s3") and stream_reads()):
         sizes = [sum(len(v) for v in vs) for vs in views.values()]
         blobs = cat_many(fs, list(views), sizes, concurrency)
-        return {p: (b if isinstance(b, Exception) else _scatter(b, views[p])) for p, b in blobs.items()}
+        return {p: (b if isinstance(b, Exception) else receive.scatter(b, views[p])) for p, b in blobs.items()}
     from fsspec.asyn import sync
 
     async def run() -> dict[str, int | Exception]:
@@ -196,7 +200,7 @@ def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str,
         async def one(path: str) -> int | Exception:
             async with gate:
                 try:
-                    return await _stream_s3(fs, path, views[path])
+                    return await receive.s3_into(fs, path, views[path])
                 except Exception as e:  # returned, as cat_many returns a failed read
                     return e
 
@@ -204,64 +208,6 @@ def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str,
         return dict(zip(paths, await asyncio.gather(*(one(p) for p in paths))))
 
     return sync(fs.loop, run)
-
-
-def _scatter(blob: bytes, views: list[memoryview]) -> int:
-    """Copy ``blob`` into ``views`` in turn (as much as they hold); the blob's size."""
-    done, src = 0, memoryview(blob).cast("B")
-    for v in views:
-        n = min(len(v), len(src) - done)
-        v[:n] = src[done:done + n]
-        done += n
-    return len(src)
-
-
-async def _stream_s3(fs, path: str, views: list[memoryview]) -> int:
-    """One ranged GET whose body is copied piece by piece into ``views``; a body cut mid-way (connection reset,
-    fewer bytes than its Content-Length) is fetched again, s3fs's retry count and backoff, then raised."""
-    import asyncio
-
-    import aiohttp
-    from s3fs.core import S3_RETRYABLE_ERRORS
-
-    bucket, key, version = fs.split_path(path)
-    want = sum(len(v) for v in views)
-    extra = {"VersionId": version} if version else {}
-    if want:
-        extra["Range"] = f"bytes=0-{want - 1}"  # an empty object takes no Range (it has no byte 0)
-    retryable = S3_RETRYABLE_ERRORS + (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
-    tries = max(1, int(getattr(fs, "retries", 5)))
-    for i in range(tries):
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
-        body = resp["Body"]
-        try:
-            return await _copy_body(body, views)
-        except retryable:
-            if i + 1 >= tries:
-                raise
-            await asyncio.sleep(min(1.7 ** i * 0.1, 15))
-        finally:
-            body.close()
-    raise AssertionError("unreachable")
-
-
-async def _copy_body(body, views: list[memoryview]) -> int:
-    """The body's bytes into ``views`` in turn; bytes beyond them are counted, not stored. aiohttp's pieces are
-    copied as the parser hands them over; another HTTP client's body is read whole, then copied."""
-    stream = getattr(getattr(body, "raw_stream", None), "content", None)
-    if stream is None or not hasattr(stream, "iter_any"):
-        return _scatter(await body.read(), views)
-    k = off = done = 0
-    async for piece in stream.iter_any():
-        done += len(piece)
-        piece, at = memoryview(piece), 0
-        while at < len(piece) and k < len(views):
-            n = min(len(views[k]) - off, len(piece) - at)
-            views[k][off:off + n] = piece[at:at + n]
-            at, off = at + n, off + n
-            if off == len(views[k]):
-                k, off = k + 1, 0
-    return done
 
 
 def _sizes_of(paths: list[str], sizes: dict[str, int] | None) -> list[int] | None:

@@ -14,7 +14,7 @@ import os
 from typing import Iterable, Sequence
 
 from .. import storage
-from ..door import key_problem
+from ..door import key_problem, percent_decoded
 from ..errors import StoreError
 
 ALLOW_ENV = "HSSTORE_ALLOW_LOCATIONS"  # comma-separated prefixes a `location` may point into (--allow-location)
@@ -40,8 +40,8 @@ def key(name, what: str, where: str) -> str:
 def part(name, what: str, where: str) -> str:
     """``name`` as one path part (a shard or segment name): ``key`` and no ``/``."""
     key(name, what, where)
-    if "/" in name:
-        raise _refuse(where, what, name, "a '/' in a single name")
+    if "/" in percent_decoded(name):
+        raise _refuse(where, what, name, "a '/' in a single name (percent-decoded too)")
     return name
 
 
@@ -116,6 +116,25 @@ def _inside(url: str, prefix: str) -> bool:
     return u == p or u.startswith(p + "/")
 
 
+def _location_parts_problem(loc: str, leading_up: bool = True) -> str | None:
+    """Why a ``location`` string's parts are refused (None: they are not): a backslash or NUL, an empty, ``.`` or
+    ``..`` part (``..`` only leading a relative location, and only where ``leading_up``)."""
+    if "\\" in loc or "\x00" in loc:
+        return "a backslash or NUL in it"
+    scheme, sep, rest = loc.partition("://")
+    if sep:
+        parts = rest.rstrip("/").split("/")
+    elif loc.startswith("/"):
+        parts = loc.rstrip("/").split("/")[1:]
+    else:
+        parts = loc.rstrip("/").split("/")
+        while leading_up and parts and parts[0] == "..":
+            parts = parts[1:]
+    if parts and ("" in parts or "." in parts or ".." in parts):
+        return "an empty, '.' or '..' part"
+    return None
+
+
 def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") -> str:
     """The URL of a commit record's ``location``, else ``StoreError``. Relative locations resolve against the
     store's URL (``commit.resolve_location``). Refused: bad parts (``..`` anywhere but leading a relative
@@ -124,19 +143,15 @@ def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") ->
     from .commit import resolve_location
 
     where = where or f"store {store_url!r}"
-    if not isinstance(loc, str) or not loc or "\\" in loc or "\x00" in loc:
-        raise _refuse(where, "location", loc, "empty, not a string, or a backslash or NUL in it")
-    scheme, sep, rest = loc.partition("://")
-    if sep:
-        parts = rest.rstrip("/").split("/")
-    elif loc.startswith("/"):
-        parts = loc.rstrip("/").split("/")[1:]
-    else:
-        parts = loc.rstrip("/").split("/")
-        while parts and parts[0] == "..":
-            parts = parts[1:]
-    if parts and ("" in parts or "." in parts or ".." in parts):
-        raise _refuse(where, "location", loc, "an empty, '.' or '..' part")
+    if not isinstance(loc, str) or not loc:
+        raise _refuse(where, "location", loc, "empty or not a string")
+    why = _location_parts_problem(loc)
+    decoded = percent_decoded(loc)
+    if why is None and decoded != loc:  # as a server or URL library decodes it: no '..' at all
+        why = _location_parts_problem(decoded, leading_up=False)
+        why = why and f"percent-encoded: {why} once decoded"
+    if why:
+        raise _refuse(where, "location", loc, why)
     try:
         url = resolve_location(store_url, loc.rstrip("/") or loc)
     except StoreError as e:

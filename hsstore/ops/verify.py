@@ -18,7 +18,7 @@ import numpy as np
 
 from ..format import assets, codec, commit, index, names, records
 from ..layouts import base as layout
-from .. import storage
+from .. import listing, storage
 from ..format.commit import SHARDS_DIR, CommitRecord
 from ..errors import StoreError
 from ..store.reader import Store
@@ -42,10 +42,7 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
         if rec.weak_checksums:
             report.weak_records.append(rec.shard)
         check_committed_shard(store, rec, report, progress)
-    try:
-        entries = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, SHARDS_DIR), detail=False)]
-    except FileNotFoundError:
-        entries = []
+    entries = listing.list_names(fs, storage.join(root, SHARDS_DIR))
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))

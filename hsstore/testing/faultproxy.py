@@ -15,6 +15,14 @@ every request is forwarded unchanged, except those the schedule picks, which get
   403        ``403 AccessDenied`` with an S3 XML error body (nothing forwarded; not in ``ALL_FAULTS``: no retry
              can cure it, it is for the tests of what a user is told)
 
+A hostile endpoint, for the tests of what hsstore takes (``HOSTILE``; not in ``ALL_FAULTS``, no retry cures them):
+
+  trickle      the upstream's answer, its body one byte a second
+  overrun      the upstream's answer without a length, then bytes forever (a body past what was asked)
+  huge_length  the upstream's answer declaring a ``Content-Length`` of 10^12, the connection then closed
+  endless_list a listing (``list-type=2``) answered as truncated, with a continuation token, for ever (each
+               request's token dropped before it is forwarded: the same first page again)
+
 Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when ``i % every == every - 1``,
 kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
 request that has one), until ``limit`` faults are injected: ``limit / len(faults)`` of each kind. Persistent
@@ -46,6 +54,8 @@ from urllib.parse import urlsplit
 
 BODY_FAULTS = ("reset_mid", "truncate", "short")  # need a response body to cut
 ALL_FAULTS = ("reset", "reset_after", "reset_mid", "500", "503", "truncate", "short", "latency")
+HOSTILE = ("trickle", "overrun", "huge_length", "endless_list")
+FOREVER_S = 120  # how long "forever" lasts (a client not cut off by then has failed anyway)
 
 _XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}</Message>'
         '<RequestId>faultproxy</RequestId></Error>')
@@ -167,12 +177,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self.connection.close()
 
-    def _forward(self, body: bytes):
+    def _forward(self, body: bytes, path: str | None = None):
         conn = http.client.HTTPConnection(*self.proxy.upstream, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
         if body or self.command in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
-        conn.request(self.command, self.path, body=body, headers=headers)
+        conn.request(self.command, path or self.path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
         conn.close()
@@ -239,11 +249,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self.proxy.replayed += 1
             status, reason, headers, data = answer
         else:
-            status, reason, headers, data = self._forward(body)
+            status, reason, headers, data = self._forward(body, _first_page(self.path) if kind == "endless_list"
+                                                          else None)
             if self.proxy.replay and self.command in ("GET", "HEAD") and status in (200, 206):
                 self.proxy._answers[key] = (status, reason, headers, data)
         if kind == "reset_after":
             return self._rst()
+        if kind in HOSTILE:
+            return self._hostile(kind, status, reason, headers, data)
         if kind in BODY_FAULTS and len(data) < 2:  # nothing to cut: drop the connection instead
             kind = "reset_mid"
             data = b""
@@ -260,4 +273,47 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(status, reason, headers, cut)
         self._send(status, reason, headers, data)
 
+    def _hostile(self, kind: str, status, reason, headers, data: bytes) -> None:
+        """One of ``HOSTILE``'s answers built on the upstream's."""
+        self.close_connection = True
+        if kind == "endless_list" and b"<ListBucketResult" in data:
+            token = f"hostile-{time.monotonic_ns()}".encode()
+            data = data.replace(b"<IsTruncated>false</IsTruncated>", b"<IsTruncated>true</IsTruncated>"
+                                b"<NextContinuationToken>" + token + b"</NextContinuationToken>")
+        if kind in ("endless_list",):
+            return self._send(status, reason, headers, data)
+        self.send_response_only(status, reason)
+        for k, v in headers:
+            if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(k, v)
+        if kind == "huge_length":
+            self.send_header("Content-Length", str(10 ** 12))
+        elif kind == "trickle":
+            self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        try:
+            if kind == "trickle":
+                for i in range(len(data)):
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(1)
+                return
+            self.wfile.write(data)
+            if kind == "overrun":
+                end, junk = time.monotonic() + FOREVER_S, b"\0" * 65536
+                while time.monotonic() < end:
+                    self.wfile.write(junk)
+        except OSError:  # the client cut it off, as it should
+            pass
+
     do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
+
+
+def _first_page(path: str) -> str:
+    """A listing request's path without its continuation token: the first page again."""
+    head, _, query = path.partition("?")
+    kept = [q for q in query.split("&") if not q.startswith("continuation-token=")]
+    return head + ("?" + "&".join(kept) if kept else "")
