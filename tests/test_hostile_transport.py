@@ -27,8 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 COMMAND_S = 60  # a command on these tiny stores takes a few seconds; a hostile server would hold it for ever
 RSS_MB = 700  # the most resident memory a command over a hostile server may reach (a plain `info` takes ~150 MB)
 
-RUN = ("import resource, sys\nfrom hsstore.cli import main\nrc = main(sys.argv[1:])\n"
-       "print('PEAK_RSS_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)\n"
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high-water mark (the mm it was forked from), so a
+# large pytest process would be charged to every command it starts
+RUN = ("import sys\nfrom hsstore.cli import main\nrc = main(sys.argv[1:])\n"
+       "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
+       "print('PEAK_RSS_MB', int(hwm) // 1024, file=sys.stderr)\n"
        "sys.exit(rc)\n")
 
 
