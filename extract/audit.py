@@ -15,8 +15,10 @@ The samples are chosen from their content, so every copy of a store (converted, 
 audits the same ones: the ``N`` samples whose ``input_ids`` (little-endian int32 bytes) have the smallest
 BLAKE2b-64 digests, ties in store order. Choosing them reads every sample's ``input_ids`` (4 bytes per token).
 
-Each stored feature of each sample is held to the bound of the store's dtype and encoding (``compare.BOUNDS``);
-one that misses it is diagnosed: ``zeros``, ``non-finite values``, ``a different layer`` (another recomputed
+Each stored feature of each sample is held to the bound of the store's dtype and encoding at the feature's depth
+(``compare.bound_of``: rounding grows with the layers a value went through), and must be closer to its own
+recomputed layer than to the layers beside it (a neighbouring layer drifts least from it, and at depth the two can
+approach); one that misses either is diagnosed: ``zeros``, ``non-finite values``, ``a different layer`` (another recomputed
 feature holds the bound: which one), ``shifted tokens`` (stored position t matches the recomputed t-1 or t+1),
 ``different tokens`` (the store's tokenizer is not the model's), else ``a different target``.
 """
@@ -29,7 +31,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +42,7 @@ from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
 from hsstore.target import base_model, decoder_layers
-from .compare import Agreement, Bound, agreement, bound_of
+from .compare import Agreement, Bound, agreement, bound_of, bound_rule, depth_of
 from .target import DTYPES, identity_from_model_dir, load_target, weights_hash
 
 log = logging.getLogger(__name__)
@@ -137,10 +139,11 @@ def convention(own: int, match: int, n_layers: int) -> str:
     return "taps recorded under the wrong ids"
 
 
-def diagnose(stored: torch.Tensor, ref: torch.Tensor, own: int, bound: Bound, tokens_differ: bool
+def diagnose(stored: torch.Tensor, ref: torch.Tensor, own: int, bound_at: Callable[[int], Bound], tokens_differ: bool
              ) -> tuple[str, str, int | None]:
-    """(diagnosis, detail, matched candidate) of stored ``[T, H]`` that misses ``bound`` against ``ref[:, own]``
-    (``ref``: ``[T, n_layers + 1, H]``)."""
+    """(diagnosis, detail, matched candidate) of stored ``[T, H]`` that misses its bound or is closer to another
+    recomputed feature than to ``ref[:, own]`` (``ref``: ``[T, n_layers + 1, H]``; ``bound_at(c)``: the bound
+    for candidate ``c``)."""
     n_layers = ref.shape[1] - 1
     name = feature_name(own) if own < n_layers else "final_hidden"
     if not bool(torch.isfinite(stored).all()):
@@ -148,25 +151,43 @@ def diagnose(stored: torch.Tensor, ref: torch.Tensor, own: int, bound: Bound, to
     if not bool(stored.any()):
         return "zeros", f"stored {name} is all zeros", None
     figures = [agreement(stored, ref[:, c]) for c in range(n_layers + 1)]
-    held = [c for c in range(n_layers + 1) if c != own and bound.holds(figures[c])]
+    held = [c for c in range(n_layers + 1) if c != own and bound_at(c).holds(figures[c])
+            and figures[c].rel_err < figures[own].rel_err]
     if held:
-        c = max(held, key=lambda k: figures[k].cosine)
+        c = min(held, key=lambda k: figures[k].rel_err)
         return ("a different layer", f"stored {name} matches the target's {candidate_name(c, n_layers)} (cosine "
                 f"{figures[c].cosine:.6f}; its own: {figures[own].cosine:.4f}): {convention(own, c, n_layers)}", c)
+    own_bound = bound_at(own)
     if stored.shape[0] > 1:
         for lag, what in ((1, "t-1 (one token late)"), (-1, "t+1 (one token early)")):
             s, r = (stored[1:], ref[:-1, own]) if lag == 1 else (stored[:-1], ref[1:, own])
             shifted = agreement(s, r)
-            if bound.holds(shifted):
+            if own_bound.holds(shifted):
                 return ("shifted tokens", f"stored {name} at position t holds the target's position {what}, cosine "
                         f"{shifted.cosine:.6f}", None)
     if tokens_differ:
         return ("different tokens", "the store's tokenizer is not the model's: its input_ids are other tokens to "
                 "this target", None)
+    if own_bound.cosine <= figures[own].cosine and figures[own].rel_err > own_bound.rel_err:
+        return ("scaled values", f"stored {name} points the way the target's does (cosine {figures[own].cosine:.6f}) "
+                f"but its size is off: relative error {figures[own].rel_err:.4f}, norm "
+                f"{float(stored.double().norm() / ref[:, own].double().norm().clamp_min(1e-30)):.3f}x the target's",
+                None)
     c = max(range(n_layers + 1), key=lambda k: figures[k].cosine)
     return ("a different target", f"no feature of the target matches stored {name} (closest: the target's "
             f"{candidate_name(c, n_layers)}, cosine {figures[c].cosine:.4f}): another model or other weights made "
             "it", None)
+
+
+def judge(stored: torch.Tensor, ref: torch.Tensor, own: int, bound_at: Callable[[int], Bound]) -> tuple[Agreement, bool]:
+    """The figures of stored ``[T, H]`` against its own recomputed feature ``ref[:, own]``, and whether it is the
+    target's own: within the bound at its depth and closer (relative error) than the recomputed features beside
+    it (``own - 1``, ``own + 1``)."""
+    figures = agreement(stored, ref[:, own])
+    if not bound_at(own).holds(figures):
+        return figures, False
+    beside = [c for c in (own - 1, own + 1) if 0 <= c < ref.shape[1]]
+    return figures, all(figures.rel_err < agreement(stored, ref[:, c]).rel_err for c in beside)
 
 
 def stored_features(item: dict[str, Any], features: Sequence[int | str]) -> list[torch.Tensor]:
@@ -191,7 +212,6 @@ def json_safe(value: Any) -> Any:
 class AuditReport:
     url: str
     model: str
-    bound: Bound
     encoding: str
     dtype: str
     n_layers: int
@@ -204,6 +224,14 @@ class AuditReport:
     @property
     def ok(self) -> bool:
         return all(f.ok for f in self.findings)
+
+    def bound_at(self, candidate: int) -> Bound:
+        """The bound for recomputed feature ``candidate`` (a layer, or ``n_layers``: the final norm's output)."""
+        return bound_of(self.dtype, self.encoding, depth_of("final_hidden" if candidate == self.n_layers
+                                                            else candidate, self.n_layers))
+
+    def bound(self, feature: int | str) -> Bound:
+        return self.bound_at(candidate_of(feature, self.n_layers))
 
     def by_feature(self) -> dict[int | str, list[Finding]]:
         out: dict[int | str, list[Finding]] = {f: [] for f in self.features}
@@ -219,7 +247,9 @@ class AuditReport:
             failed = [f for f in found if not f.ok]
             common = Counter((f.diagnosis, f.matches) for f in failed).most_common(1)
             first = next((f for f in failed if (f.diagnosis, f.matches) == common[0][0]), None) if common else None
-            out[feat] = {"ok": not failed, "min_cosine": min((f.figures.cosine for f in found), default=float("nan")),
+            bound = self.bound(feat)
+            out[feat] = {"ok": not failed, "bound": {"cosine": bound.cosine, "rel_err": bound.rel_err},
+                         "min_cosine": min((f.figures.cosine for f in found), default=float("nan")),
                          "max_rel_err": max((f.figures.rel_err for f in found), default=float("nan")),
                          "samples_ok": len(found) - len(failed), "samples": len(found),
                          "diagnosis": first.diagnosis if first else None, "detail": first.detail if first else None,
@@ -230,7 +260,9 @@ class AuditReport:
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON values (a figure that could not be computed, NaN, as null)."""
         return json_safe({"url": recordable_url(self.url), "model": self.model, "ok": self.ok,
-                "bound": {"cosine": self.bound.cosine, "rel_err": self.bound.rel_err, "why": self.bound.why},
+                "bound": {"rule": "1 - cosine <= floor + per_layer * depth (tap l: depth l + 1; final_hidden: "
+                          "layers + 1); relative error <= rel_margin * sqrt(2 * (1 - cosine bound)); closer to its "
+                          "own layer than to the layers beside it", **bound_rule(self.dtype, self.encoding)},
                 "dtype": self.dtype, "encoding": self.encoding, "store_samples": self.store_samples,
                 "notes": self.notes, "samples": self.samples,
                 "features": {feature_name(k): v for k, v in self.verdicts().items()},
@@ -250,12 +282,14 @@ class AuditReport:
         tokens = sum(s["tokens"] for s in self.samples)
         lines = [f"audit {recordable_url(self.url)} against {self.model}: {len(self.samples)} of "
                  f"{self.store_samples:,} samples ({tokens:,} tokens; the ones whose input_ids hash lowest), "
-                 f"{self.dtype} {self.encoding}: {self.bound}"]
+                 f"{self.dtype} {self.encoding}, held to {self.bound_at(0).why.rsplit(' after ', 1)[0]}, which grows "
+                 "with depth, and to being closer to its own layer than to those beside it"]
         lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"{'feature':<14} {'min cosine':>12} {'max rel. error':>15}  within the bound")
+        lines.append(f"{'feature':<14} {'min cosine':>12} {'(bound)':>10} {'max rel. error':>15} {'(bound)':>8}  "
+                     "within the bound")
         for feat, v in self.verdicts().items():
-            lines.append(f"{feature_name(feat):<14} {v['min_cosine']:>12.6f} {v['max_rel_err']:>15.6f}  "
-                         f"{v['samples_ok']}/{v['samples']}")
+            lines.append(f"{feature_name(feat):<14} {v['min_cosine']:>12.6f} {v['bound']['cosine']:>10.6f} "
+                         f"{v['max_rel_err']:>15.6f} {v['bound']['rel_err']:>8.4f}  {v['samples_ok']}/{v['samples']}")
         lines += [f"FAIL {line}" for line in self.failures()]
         lines.append("audit: OK, every stored feature is the target's own" if self.ok else
                      f"audit: FAILED, {len(self.failures())} of {len(self.features)} features")
@@ -290,8 +324,6 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
           storage_options: dict[str, Any] | None = None, progress: bool = True) -> AuditReport:
     """Compare the features of ``samples`` stored samples with ``model_dir``'s reference forward (module
     docstring); raises ValueError for a model that is not the store's target's shape."""
-    from tqdm import tqdm
-
     from hsstore.store import reader
 
     if samples < 1:
@@ -300,10 +332,6 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     m = store.manifest
     notes, tokens_differ = identity_notes(m, model_dir)
     dev = resolve_device(device)
-    bound = bound_of(m.dtype, m.encoding)
-    features = list(m.all_features)
-    report = AuditReport(url, model_dir, bound, m.encoding, m.dtype, m.target.num_layers, len(store), features,
-                         notes=notes)
     chosen = chosen_samples(store, samples, progress)
     log.info("audit: %d samples chosen; loading %s on %s", len(chosen), model_dir, describe(dev))
     model = load_target(model_dir, DTYPES[m.dtype], dev, progress=progress)
@@ -311,6 +339,20 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     if m.target.weights_hash and m.target.weights_hash != mine:
         notes.append(f"the store was extracted from other weights than {model_dir}'s (weights_hash "
                      f"{m.target.weights_hash[:12]} vs {mine[:12]})")
+    return audit_model(store, model, model_dir, chosen, notes, tokens_differ, progress)
+
+
+def audit_model(store, model, model_name: str, chosen: Sequence[int], notes: list[str] | None = None,
+                tokens_differ: bool = False, progress: bool = True) -> AuditReport:
+    """The audit of ``store``'s samples ``chosen`` against ``model`` as loaded (eager: a compiled model is audited
+    inside ``compile_check.eager_modules``); :func:`audit` opens both, a benchmark at the seeds' depth builds the
+    model in process."""
+    from tqdm import tqdm
+
+    m = store.manifest
+    features = list(m.all_features)
+    report = AuditReport(store.url, model_name, m.encoding, m.dtype,
+                         m.target.num_layers, len(store), features, notes=list(notes or []))
     vocab = model.get_input_embeddings().weight.shape[0]
     for i in tqdm(chosen, desc="audit: reference forwards", unit="sample", disable=not progress):
         item = store.read(i)
@@ -326,9 +368,11 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
         for f, stored in zip(features, stored_features(item, features)):
             stored = stored.to(ref.device)
             own = candidate_of(f, m.target.num_layers)
-            figures = agreement(stored, ref[:, own])
-            finding = Finding(i, item["sample_id"], f, figures, bound.holds(figures))
-            if not finding.ok:
-                finding.diagnosis, finding.detail, finding.matches = diagnose(stored, ref, own, bound, tokens_differ)
+            figures, ok = judge(stored, ref, own, report.bound_at)
+            finding = Finding(i, item["sample_id"], f, figures, ok)
+            if not ok:
+                finding.diagnosis, finding.detail, finding.matches = diagnose(stored, ref, own, report.bound_at,
+                                                                              tokens_differ)
             report.findings.append(finding)
+        del ref
     return report

@@ -112,9 +112,10 @@ def add_audit(subparsers) -> None:
         help="recompute a few stored samples with the target and compare every feature",
         description="Re-run the target's eager reference forward on N stored samples (chosen from their input_ids, "
         "the same in every copy of the store) and compare each stored feature with the recomputed one against the "
-        "bound of the store's dtype and encoding. Exit 0 when every feature holds it, 1 naming the feature and what "
-        "it looks like (zeros, a different layer, a different target, different tokens) when one does not, 2 on "
-        "errors.",
+        "bound of the store's dtype and encoding at the feature's depth (rounding grows with the layers a value went "
+        "through); it must also be closer to its own layer than to those beside it. Exit 0 when every feature holds "
+        "it, 1 naming the feature and what it looks like (zeros, a different layer, shifted tokens, scaled values, a "
+        "different target, different tokens) when one does not, 2 on errors.",
     )
     groups = add_arguments(a, AuditSettings)
     add_storage_option(groups["input"])

@@ -126,6 +126,61 @@ def test_a_feature_zeroed_in_one_sample_is_named_zeros(store_url, tmp_path, caps
     assert [(r["sample_id"], r["feature"], r["diagnosis"]) for r in bad] == [(zeroed, "layer 4", "zeros")]
 
 
+def rewritten(src, url, change) -> str:
+    """A copy of store ``src`` written with ``StoreWriter``, each sample's hidden states passed through
+    ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and checksums, planted values."""
+    with StoreWriter(url, src.manifest, check_finite=True) as w:
+        for i in range(len(src)):
+            item = src.read(i)
+            w.add(item["sample_id"], item["input_ids"], item["loss_mask"], change(item["hidden_states"].clone()))
+    return url
+
+
+def test_features_shifted_by_one_token_are_named_shifted(store_url, tmp_path, capsys):
+    # position t holds what the target computed at t - 1 (an off-by-one between ids and features, as a capture
+    # that drops the first position would give): the first row repeats
+    src = hsstore.open(store_url)
+    url = rewritten(src, str(tmp_path / "shifted"), lambda hs: torch.cat([hs[:1], hs[:-1]]))
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--json")
+    assert rc == 1, out + err
+    for layer in LAYERS:
+        v = json.loads(out)["features"][f"layer {layer}"]
+        assert v["diagnosis"] == "shifted tokens" and v["diagnosed_samples"] == v["samples"] == N, v
+        assert "t-1 (one token late)" in v["detail"]
+
+
+def test_a_feature_scaled_by_2_fails_on_its_relative_error_alone(store_url, tmp_path, capsys):
+    # cosine stays 1 (the direction is the target's): only the relative error (1.0, the bound's ~0.03) sees it
+    src = hsstore.open(store_url)
+
+    def double(hs):
+        hs[:, 2] = hs[:, 2] * 2  # layer 7
+        return hs
+
+    url = rewritten(src, str(tmp_path / "scaled"), double)
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--json")
+    assert rc == 1, out + err
+    report = json.loads(out)
+    v = report["features"]["layer 7"]
+    assert v["diagnosis"] == "scaled values" and v["diagnosed_samples"] == N, v
+    assert v["min_cosine"] > 0.9999 and 0.99 < v["max_rel_err"] < 1.01 and "norm 2.000x" in v["detail"]
+    assert report["features"]["layer 1"]["ok"] and report["features"]["layer 4"]["ok"]
+    assert err.startswith("hsstore audit: layer 7: scaled values") and len(err.splitlines()) == 1
+
+
+def test_the_bound_grows_with_depth_as_documented(store_url, capsys):
+    # docs/ARCHITECTURE.md: 1 - cosine <= floor + per_layer x depth, depth l + 1 for tap l, relative error <=
+    # 1.25 sqrt(2 (1 - cosine bound)); bfloat16 floor 1e-4, per layer 6e-5
+    rc, out, err = audit_cli(capsys, store_url, tiny_target_dir(), "--json")
+    assert rc == 0, out + err
+    report = json.loads(out)
+    assert report["bound"]["floor"] == 1e-4 and report["bound"]["per_layer"] == pytest.approx(6e-5)
+    for layer in LAYERS:
+        gap = 1e-4 + 6e-5 * (layer + 1)
+        b = report["features"][f"layer {layer}"]["bound"]
+        assert b["cosine"] == pytest.approx(1 - gap) and b["rel_err"] == pytest.approx(1.25 * (2 * gap) ** 0.5)
+
+
 def test_an_fp8_store_holds_its_bound(tmp_path_factory, rows, capsys):
     url = extracted(tmp_path_factory, rows, encoding="fp8")
     assert hsstore.open(url).manifest.encoding == "fp8"

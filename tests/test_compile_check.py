@@ -11,7 +11,8 @@ import torch
 import hsstore
 from hsstore.extract import job
 from hsstore.target import decoder_layers
-from hsstore.extract.compile_check import MAX_REL, MIN_COS, CompileMismatch, check_first_batch, eager_modules
+from hsstore.extract.compare import COMPILE_DRIFT
+from hsstore.extract.compile_check import CompileMismatch, check_first_batch, eager_modules
 from hsstore.extract.forward import packed_features, token_budget_batches
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.speed import compile_forward
@@ -44,7 +45,12 @@ def test_eager_modules_is_the_eager_forward_and_the_check_passes(tiny_dir, tok, 
                if type(m).__name__.endswith("MLP"))  # put back after the block
     check = check_first_batch(model, layers, batch, 0, torch.device("cpu"))
     assert check.passed and check.tokens == before.shape[0] and set(check.per_tap) == {"1", "3", "5"}
-    assert MIN_COS <= check.min_cos < 1 and 0 < check.max_rel <= MAX_REL  # compiled: close, not bit-equal
+    assert check.min_cos < 1 and check.max_rel > 0  # compiled: close, not bit-equal
+    for tap, t in check.per_tap.items():  # each tap within the bound at its depth: 1 - cos <= floor + per_layer (l + 1)
+        gap = COMPILE_DRIFT.floor + COMPILE_DRIFT.per_layer * (int(tap) + 1)
+        assert t["bound_cos"] == pytest.approx(1 - gap) and t["min_cos"] >= 1 - gap
+        assert t["bound_rel"] == pytest.approx(1.25 * (2 * gap) ** 0.5) and t["max_rel"] <= t["bound_rel"]
+    assert check.per_tap["1"]["bound_cos"] > check.per_tap["3"]["bound_cos"] > check.per_tap["5"]["bound_cos"]
 
 
 def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, tmp_path):  # noqa: F811
@@ -54,8 +60,10 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
     res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=0, world_size=2))
     assert res.compiled and res.compile_check.passed and res.warmup_s > 0
     rec = manifest_extra(out)["compile_check"]["rank00000"]
-    assert rec["compiled"] and rec["passed"] and rec["bound"] == {"min_cos": MIN_COS, "max_rel": MAX_REL}
-    assert rec["tokens"] == res.compile_check.tokens > 0 and MIN_COS <= rec["min_cos"] < 1
+    assert rec["compiled"] and rec["passed"] and rec["bound"]["floor"] == COMPILE_DRIFT.floor
+    assert rec["bound"]["per_layer"] == COMPILE_DRIFT.per_layer and "tap + 1" in rec["bound"]["rule"]
+    assert rec["tokens"] == res.compile_check.tokens > 0 and rec["min_cos"] < 1
+    assert all(t["min_cos"] >= t["bound_cos"] for t in rec["per_tap"].values())
     assert set(rec["per_tap"]) == {str(l) for l in hsstore.open(str(out)).layers}
     run_extract(build(ExtractSettings, **cfg, compile=False, rank=1, world_size=2))  # an eager rank records nothing
     assert list(manifest_extra(out)["compile_check"]) == ["rank00000"]
@@ -111,8 +119,9 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
         return report
 
     monkeypatch.setattr(job, "compile_forward", compile_with_fault)
-    with pytest.raises(CompileMismatch, match=r"beyond bf16 rounding at tap 3 on the first batch .*nothing was "
-                                              r"written.*--no-compile") as e:
+    with pytest.raises(CompileMismatch, match=r"beyond bf16 rounding at tap 3 on the first batch .*at this depth.*"
+                                              r"[0-9.]+x what rounding allows; nothing was written.*--no-compile to "
+                                              r"use the eager forward") as e:
         run_extract(build(ExtractSettings, **cfg, inputs=[str(small_input)], compile=True))
     assert "\n" not in str(e.value)
     assert commit_names(out) == before and len(hsstore.open(str(out))) == 4  # no shard of that batch

@@ -1,4 +1,4 @@
-"""The figures behind ``extract/compare.py``'s ``BOUNDS``: how close a store's true layer is to the target's
+"""The figures behind ``extract/compare.py``'s bounds on the tiny targets (``tools/deep_bounds.py``: at 64 layers): how close a store's true layer is to the target's
 recomputation, and how far a neighbour layer and another target's layer are, per dtype and encoding.
 
 For each tiny target (the trained one and the random one) and each of float32, float16, bfloat16 and fp8 (over

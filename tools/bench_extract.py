@@ -281,7 +281,7 @@ def main() -> None:
 
         c = cosines(ref[keep], new[keep])
         floor = cosines(ref[0, :n0], alone[0])
-        worst = compare_taps(ref[keep], new[keep], [str(l) for l in layers])  # what extraction's own check bounds
+        worst = compare_taps(ref[keep], new[keep], [str(l) for l in layers], args.layers_total)  # what extraction's own check bounds
         compiled["cosine_min"], compiled["cosine_mean"] = float(c.min()), float(c.mean())
         compiled["per_tap"] = {str(l): {"compiled_vs_eager_min": float(c[:, j].min()),
                                         "compiled_vs_eager_mean": float(c[:, j].mean()),
