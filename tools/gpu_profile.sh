@@ -27,6 +27,9 @@
 #   extract  the extraction forward (27B shapes, 16 of the 64 layers: the same 3:1 pattern), eager and compiled
 #            with the mixers and on fla's convolution (what extract --compile runs), CUDA kernel time by kind, the
 #            GEMMs by shape beside each alone (tools/profile_extract); ~200 s
+#   bounds   the audit's and the compile check's bounds at the seeds' depth: 64 layers, hidden 5,120, an eager and a
+#            compiled store audited, the compile check on 10 first batches, 5 planted faults per tap
+#            (tools/deep_bounds; docs/PERFORMANCE.md "Bounds at the seeds' depth"); ~360 s
 #   follow   the demo's extraction and its drafter training (6 epochs) on this GPU, extract-then-train vs
 #            train --follow started with the extraction: time to the first step and in all (tools/bench_follow); ~240 s
 set -u
@@ -66,5 +69,6 @@ python3 -m tools.bench_eval "$0/demo" --device cuda --samples 8 --rounds 2'
 run eval 330 bash -c "$EVAL" "$S"
 KEEP=$DEMO_KEEP run demogpu 330 python3 -m hsstore demo --out "$S/demo-gpu" --device cuda
 run follow 400 python3 -m tools.bench_follow --dir "$S/follow" --device cuda
+run bounds 420 python3 -m tools.deep_bounds --json "$S/bounds.json"
 run extract 240 python3 -m tools.profile_extract --layers-total 16 --variants nomask,mixers,flaconv --samples 16 \
     --min-len 4096 --max-len 4096 --rounds 2 --top 25
