@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:
         config.check_applied(args)
+        if getattr(args, "preflight", None) is not None:  # refusals that need nothing loaded, before its first line
+            args.preflight(args)
         if getattr(args, "announce", None) is not None:  # a command's first line, before any heavy import
             args.announce(args)
         if getattr(args, "device", None) is not None:  # every command with --device: refused before any work
