@@ -41,8 +41,9 @@ CREATED = ("target", "data", "store", "run", ".target-hidden", "store.html", "ru
 # block queries are all the same mask token, draft accuracy was 0.2 after 1,000 steps on this target, with two 0.65
 # after 500. The 32-position window of the first layer (the last one sees the whole context) learns a little faster.
 TRAIN_STEPS = 500
+# No -q: the steps that take minutes (extract, train) show their progress bars.
 TRAIN_FLAGS = ["--draft-layers", "2", "--sliding-window", "32", "--anchors", "16", "--token-budget", "4096", "--lr", "3e-3",
-               "--log-every", "50", "-q"]
+               "--log-every", "50"]
 EVAL_SAMPLES = 16
 EVAL_MAX_NEW_TOKENS = 160
 EVAL_FLAGS = ["--max-new-tokens", str(EVAL_MAX_NEW_TOKENS)]
@@ -199,7 +200,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
         return rc
     step("3/7 extract hidden states (hsstore extract)")
     rc = timed("extract", run, ["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device",
-                                dev, "-q"])
+                                dev])
     if rc:
         return rc
     step("4/7 what the store holds (hsstore info)")

@@ -23,7 +23,8 @@ from hsstore.format import assets
 from hsstore.devices import defaults_for, describe, resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids
-from hsstore import schema
+from hsstore import destination, schema
+from hsstore.layouts import base as layout
 from hsstore.format.serving import TapPlan, plan
 from hsstore.target import decoder_layers, text_config, to_device
 
@@ -96,6 +97,8 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     when the quality gate fails and ``settings.gate.force`` is false."""
     rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
     device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
+    # and so does a destination that is a user's folder (or an anonymous write): nothing there to resume
+    destination.open_destination(settings.store.out, settings.store.storage_options, layout.own_objects())
     cap = settings.capture  # and so do taps the target does not have or the asked engines cannot serve
     early = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
     if early is not None:

@@ -1,6 +1,6 @@
 """The ``hsstore`` command line.
 
-Store commands (info, verify, index, upgrade, convert, bench, subset, merge, report) live here; the extraction
+Store commands (info, verify, index, upgrade, convert, bench, subset, copy, merge, report) live here; the extraction
 commands (check, show, extract, import, export, regenerate, demo) and the training commands (train, eval,
 export-drafter) are registered by ``hsstore.extract.cli`` and ``hsstore.train.cli`` through the ``hsstore.commands``
 entry-point group (so another installed package can add commands the same way); they import transformers only
@@ -210,6 +210,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def subset_split(args):
+    """The split that ``--fraction``/``--ids`` (and ``--complement``, ``--seed``) ask for, else None."""
+    from .ops.subset import Split, read_ids
+
+    if args.fraction is None and args.ids is None:
+        if args.complement:
+            raise ValueError("--complement goes with --fraction F or --ids FILE: the split it is the other side of")
+        if args.seed is not None:
+            raise ValueError("--seed goes with --fraction F: the share it chooses")
+        return None
+    if args.fraction is not None and args.ids is not None:
+        raise ValueError("--fraction or --ids, not both: a split is chosen one way")
+    if args.ids is not None and args.seed is not None:
+        raise ValueError("--seed goes with --fraction: an --ids list chooses by itself")
+    return Split(fraction=args.fraction, seed=args.seed or 0,
+                 ids=None if args.ids is None else read_ids(args.ids), complement=args.complement)
+
+
 def cmd_subset(args) -> int:
     from .ops.subset import Selection, subset
 
@@ -217,13 +235,41 @@ def cmd_subset(args) -> int:
     sel = Selection(sources=tuple(args.source), min_tokens=args.min_length, max_tokens=args.max_length,
                     min_loss_tokens=args.min_loss_tokens, exclude_flags=tuple(args.exclude_flag),
                     exclude_unhealthy=args.exclude_unhealthy)
-    r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet)
+    split = subset_split(args)
+    r = subset(args.src, args.dst, sel, src_options=options, dst_options=options, progress=not args.quiet,
+               split=split)
+    if r.unmatched_ids:
+        print(f"hsstore subset: warning: {r.unmatched_ids} of the {len(split.ids)} ids of --ids {args.ids} are no "
+              "sample (or conversation) id among the samples the filters keep", file=sys.stderr)
     if args.json:
         print(json.dumps({"src": recordable_url(args.src), "dst": recordable_url(args.dst), **dataclasses.asdict(r)}, indent=2))
         return 0
-    print(f"subset {recordable_url(args.src)} -> {recordable_url(args.dst)}: {r.selected} samples selected, {r.written} written "
-          f"({r.tokens:,} tokens), {r.already} already there")
+    side = "" if split is None else (
+        f" ({'the complement of ' if split.complement else ''}"
+        + (f"--fraction {split.fraction} seed {split.seed}" if split.ids is None else f"--ids {args.ids}")
+        + f", of the {r.kept} samples the filters keep)")
+    print(f"subset {recordable_url(args.src)} -> {recordable_url(args.dst)}: {r.selected} samples selected{side}, "
+          f"{r.written} written ({r.tokens:,} tokens), {r.already} already there")
     return 0
+
+
+def cmd_copy(args) -> int:
+    from .ops.copy import copy
+
+    src_options = storage.parse_storage_options(args.storage_option)
+    dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
+    r = copy(args.src, args.dst, src_options=src_options, dst_options=dst_options, progress=not args.quiet)
+    if args.json:
+        print(json.dumps({"src": recordable_url(args.src), "dst": recordable_url(args.dst), "ok": r.ok,
+                          **dataclasses.asdict(r)}, indent=2))
+        return 0 if r.ok else 1
+    for p in r.problems:
+        print(f"FAIL {p}")
+    status = "OK" if r.ok else f"FAILED ({len(r.problems)} problem(s) above)"
+    print(f"copy {recordable_url(args.src)} -> {recordable_url(args.dst)}: {r.shards} shards, {r.samples} samples, "
+          f"{r.bytes_copied:,} bytes copied ({r.already} shards already there); verify of the copy: {status}, "
+          f"{r.verified_shards} shards, {r.verified_bytes:,} bytes re-read against the source's commit records")
+    return 0 if r.ok else 1
 
 
 def cmd_merge(args) -> int:
@@ -351,7 +397,8 @@ def add_bench(sub) -> None:
 
 
 def add_subset(sub) -> None:
-    q = sub.add_parser("subset", help="copy the samples that pass per-sample filters into another store")
+    q = sub.add_parser("subset", help="copy the samples that pass per-sample filters (or one side of a split) into "
+                                      "another store")
     q.add_argument("src", help="the store to select from (" + STORE_URL_HELP + ")")
     q.add_argument("dst", help="created with the source's manifest, or an existing compatible store (resumed)")
     q.add_argument("--source", action="append", default=[], metavar="S", help="keep this source (repeatable)")
@@ -365,10 +412,38 @@ def add_subset(sub) -> None:
                    help="drop samples with this quality flag (stub_answer, empty_thinking, truncated, feature_zero, ...)")
     q.add_argument("--exclude-unhealthy", action="store_true",
                    help="drop samples whose records' statistics show a non-finite or all-zero feature")
+    q.add_argument("--fraction", type=float, default=None, metavar="F",
+                   help="a split (a validation store): of the conversations the other filters keep, the share F "
+                        "chosen by --seed (by sample id: the same on every copy of the store; a multi-turn row's "
+                        "id#tN samples stay together)")
+    q.add_argument("--seed", type=int, default=None, metavar="N", help="--fraction's choice (default 0)")
+    q.add_argument("--ids", default=None, metavar="FILE",
+                   help="a split by list: the samples whose ids FILE lists, one a line (a conversation's id takes "
+                        "all its id#tN samples)")
+    q.add_argument("--complement", action="store_true",
+                   help="the other side of the --fraction or --ids split: the kept samples it leaves out (the two "
+                        "sides share none and together hold all)")
     add_quiet_option(q)
     add_storage_option(q)
     add_json_option(q)
     q.set_defaults(func=cmd_subset)
+
+
+def add_copy(sub) -> None:
+    q = sub.add_parser("copy", help="copy a store to another place (local disk <-> S3, bucket to bucket), verified "
+                                    "at the end",
+                       description="Every file of every committed shard read, checked against its commit record and "
+                       "written under the same key (as merge --by copy), the assets with them; then every byte of "
+                       "the destination re-read (as verify) and its shards compared with the source's. Exit 1 when "
+                       "that verification fails. Re-running resumes.")
+    q.add_argument("src", help="the store to copy (" + STORE_URL_HELP + ")")
+    q.add_argument("dst", help="the copy: a new or empty place, or an earlier copy of SRC (resumed)")
+    q.add_argument("--dst-storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="storage options of the destination only (default: those of -S)")
+    add_quiet_option(q)
+    add_storage_option(q)
+    add_json_option(q, "the summary (exit status as without it)")
+    q.set_defaults(func=cmd_copy)
 
 
 def add_merge(sub) -> None:
@@ -398,7 +473,8 @@ def add_report(sub) -> None:
     q.set_defaults(func=cmd_report)
 
 
-STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_merge, add_report)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
+STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_copy, add_merge,
+                  add_report)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
 
 
 class Parser(argparse.ArgumentParser):
@@ -427,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
 # --help lists the commands as the work runs: try it, make the data, check it, extract, look at (and audit) the store, train,
 # evaluate, then what shares and maintains stores; commands of other packages come after these
 WORKFLOW_ORDER = ("demo", "regenerate", "check", "show", "extract", "info", "verify", "audit", "report", "train", "eval",
-                  "export-drafter", "subset", "merge", "export", "import", "convert", "index", "upgrade", "bench")
+                  "export-drafter", "subset", "copy", "merge", "export", "import", "convert", "index", "upgrade", "bench")
 
 
 def in_workflow_order(sub: argparse._SubParsersAction) -> None:
@@ -494,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:
         config.check_applied(args)
+        if getattr(args, "preflight", None) is not None:  # refusals that need nothing loaded, before its first line
+            args.preflight(args)
         if getattr(args, "announce", None) is not None:  # a command's first line, before any heavy import
             args.announce(args)
         if getattr(args, "device", None) is not None:  # every command with --device: refused before any work

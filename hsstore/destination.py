@@ -120,6 +120,27 @@ def check_output_folder(path: str | os.PathLike, own: tuple[str, ...], what: str
                                "(nothing was written)")
 
 
+@contextlib.contextmanager
+def removed_if_left_empty(path: str | os.PathLike):
+    """Around a command that makes its local output folder (``train --out``): when it fails, the folder and the
+    parents it made are removed again while they are empty, so a failed run leaves no empty folder behind. What
+    existed before, or holds anything, is kept."""
+    made = []
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        made.append(p)  # deepest first
+        p = os.path.dirname(p)
+    try:
+        yield
+    except BaseException:
+        for d in made:
+            try:
+                os.rmdir(d)  # only an empty folder (never a link, a file or a folder with anything in it)
+            except OSError:
+                break
+        raise
+
+
 class LockHeld(StoreError):
     """Another job holds the lock of a destination (two writers would duplicate its samples)."""
 

@@ -30,6 +30,12 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
     return rank, world_size
 
 
+def launcher_rank() -> int:
+    """This process's rank as its launcher set it (torchrun's ``RANK``; 0 alone), read without torch: for the
+    checks a command makes before it loads anything (``rank_and_world`` once a process group may exist)."""
+    return rank_and_world(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))[0]
+
+
 def local_rank(rank: int, world_size: int) -> int:
     """This process's index on its machine (its GPU): torchrun's ``LOCAL_RANK``; without it, the rank itself
     when the whole world fits on this machine's GPUs (several ranks started by hand on one machine), else 0."""

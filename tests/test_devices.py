@@ -57,12 +57,15 @@ def test_local_rank_past_last_gpu_refused(monkeypatch):
     ["demo", "--out", "o"],
 ])
 @pytest.mark.parametrize("spec", [f"cuda:{max(GPUS, 7)}", "gpu"])
-def test_cli_refuses_unusable_device_in_one_line(argv, spec, capsys, tmp_path, monkeypatch):
+def test_cli_refuses_unusable_device_in_one_line(argv, spec, capsys, tmp_path, monkeypatch, new_manifest, new_samples,
+                                                 write):
     monkeypatch.chdir(tmp_path)
+    if argv[0] == "train":  # train refuses a missing store before it loads torch for --device: give it one
+        write(str(tmp_path / "s"), new_manifest(), new_samples(1))
     assert hsstore_cli([*argv, "--device", spec]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device" in err[0] and spec in err[0], err
-    assert not any(tmp_path.iterdir())  # refused before anything was written
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["s"] if argv[0] == "train" else [])  # nothing written
 
 
 def test_cli_refuses_cuda_without_gpu(capsys, tmp_path):

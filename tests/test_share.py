@@ -145,6 +145,99 @@ def test_subset_into_incompatible_store_is_refused(tmp_path, new_manifest, new_s
     assert committed_ids(dst) == {"d0", "d1"}
 
 
+def test_subset_splits_by_seeded_fraction_or_id_list_with_the_complement(tmp_path, new_manifest, new_samples, capsys):
+    """#53.10: a validation split. --fraction F --seed N takes a seeded share of the conversations the other filters
+    keep and --complement the rest: the two share no sample and together hold all, a multi-turn row's samples
+    (id#tN) on one side; the same flags choose the same samples again; --ids FILE splits by a list."""
+    samples = new_samples(30, min_len=3, max_len=120)
+    for k in range(3):  # one conversation's three turns
+        samples[k]["sample_id"] = f"conv#t{k}"
+    src = str(tmp_path / "src")
+    write_tagged(src, new_manifest(), samples, shard_bytes=20_000)
+    kept = {s["sample_id"] for s in samples if len(s["input_ids"]) >= 10}
+    rows = {sid.split("#")[0] for sid in kept}
+    assert {"conv#t0", "conv#t1", "conv#t2"} <= kept and len(rows) >= 20
+
+    def split(dst: str, *flags: str) -> set[str]:
+        assert main(["subset", src, str(tmp_path / dst), "--min-length", "10", "-q", *flags]) == 0
+        capsys.readouterr()
+        return set(hsstore.open(str(tmp_path / dst)).sample_ids())
+
+    val = split("val", "--fraction", "0.25", "--seed", "7")
+    rest = split("train", "--fraction", "0.25", "--seed", "7", "--complement")
+    assert not val & rest and val | rest == kept
+    assert len({sid.split("#")[0] for sid in val}) == round(0.25 * len(rows))
+    assert {"conv#t0", "conv#t1", "conv#t2"} <= val or not {"conv#t0", "conv#t1", "conv#t2"} & val
+    assert split("val-again", "--fraction", "0.25", "--seed", "7") == val
+    assert split("val-seed-8", "--fraction", "0.25", "--seed", "8") != val
+    assert_same_samples(str(tmp_path / "val"), [s for s in samples if s["sample_id"] in val])
+    assert hsstore.open(str(tmp_path / "train")).manifest.extra["split"] == {"fraction": 0.25, "seed": 7,
+                                                                              "complement": True}
+    assert main(["subset", src, str(tmp_path / "val"), "--min-length", "10", "--fraction", "0.25", "--seed", "7"]) == 0
+    assert f"{len(val)} samples selected (--fraction 0.25 seed 7, of the {len(kept)} samples the filters keep), " \
+           f"0 written" in capsys.readouterr().out  # resumed: nothing left to copy
+
+    plain = sorted(kept - {"conv#t0", "conv#t1", "conv#t2"})[0]
+    ids = tmp_path / "val-ids.txt"
+    ids.write_text(f"conv\n{plain}\n\nnot-a-sample\n")
+    listed = split("by-list", "--ids", str(ids))
+    assert listed == {"conv#t0", "conv#t1", "conv#t2", plain}
+    assert main(["subset", src, str(tmp_path / "by-list-rest"), "--min-length", "10", "--ids", str(ids),
+                 "--complement", "-q"]) == 0
+    assert "1 of the 3 ids of --ids" in capsys.readouterr().err
+    assert set(hsstore.open(str(tmp_path / "by-list-rest")).sample_ids()) == kept - listed
+
+    for flags, said in ((["--complement"], "--complement goes with --fraction F or --ids FILE"),
+                        (["--fraction", "1.5"], "a share between 0 and 1"),
+                        (["--fraction", "0.001"], "is 0: each side of the split needs at least one"),
+                        (["--fraction", "0.5", "--ids", str(ids)], "--fraction or --ids, not both")):
+        assert main(["subset", src, str(tmp_path / "never"), "-q", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "never").exists()
+
+
+# --------------------------------------------------------------------------------------------------- copy
+def test_copy_local_to_s3_and_back_is_verified_at_the_end(tmp_path, s3_store, s3_endpoint, new_manifest, new_samples,
+                                                          capsys):
+    """#53.11: `hsstore copy` moves a store between local disk and S3 (assets included), resumes, and ends with a
+    verification of the copy: every byte re-read against the source's commit records (exit 1 when it fails)."""
+    from hsstore.format import assets
+    from hsstore import storage
+
+    url, opts = s3_store
+    samples = new_samples(14, min_len=3, max_len=120)
+    src, back = str(tmp_path / "src"), str(tmp_path / "back")
+    write_tagged(src, new_manifest(), samples, shard_bytes=20_000)
+    assets.write_assets(*storage.resolve(src), {assets.CONFIG: b'{"hidden_size": 48}'})
+    s3 = ["--dst-storage-option", f"endpoint_url={s3_endpoint}"]
+    assert main(["copy", src, url, *s3, "-q"]) == 0
+    out = capsys.readouterr().out
+    shards = len(hsstore.open(src).commits)
+    assert shards > 1 and f"{shards} shards, 14 samples" in out and "verify of the copy: OK" in out
+    assert_same_samples(url, samples, opts)
+    assert assets.read_asset(*storage.resolve(url, opts), assets.CONFIG) == b'{"hidden_size": 48}'
+    assert main(["copy", url, back, "-S", f"endpoint_url={s3_endpoint}", "--json", "-q"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["shards"] == shards and summary["verified_shards"] == shards
+    assert_same_samples(back, samples)
+    assert main(["copy", url, back, "-S", f"endpoint_url={s3_endpoint}", "-q"]) == 0  # resumed: nothing to copy
+    assert f"0 shards, 0 samples, 0 bytes copied ({shards} shards already there)" in capsys.readouterr().out
+
+    victim = next(p for p in (tmp_path / "back" / "shards").rglob("c/0/0") if "layer_001" in str(p))
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # the copy damaged after the fact: its verification says so
+    assert main(["copy", url, back, "-S", f"endpoint_url={s3_endpoint}", "-q"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL ") and "verify of the copy: FAILED" in out
+    other = str(tmp_path / "other")
+    write_tagged(other, new_manifest(), new_samples(3, prefix="o"))
+    before = sorted(p.name for p in (tmp_path / "back" / "commits").iterdir())
+    assert main(["copy", other, back, "-q"]) == 2  # a place holding another store's shards: refused, nothing written
+    err = capsys.readouterr().err.strip()
+    assert f"holds {shards} shard(s) that {other!r} does not" in err and "hsstore merge" in err
+    assert sorted(p.name for p in (tmp_path / "back" / "commits").iterdir()) == before
+
+
 # -------------------------------------------------------------------------------------------------- merge
 @pytest.fixture
 def two_stores(tmp_path, new_manifest, new_samples, write):

@@ -365,3 +365,65 @@ def test_a_resume_with_another_length_says_so_and_counts_this_runs_steps(store32
     assert main([*flags, "--steps", "5", "--json"]) == 0  # nothing left to do: 0 this run
     summary = json.loads(capsys.readouterr().out)
     assert (summary["steps"], summary["steps_this_run"], summary["start_step"]) == (5, 0, 5)
+
+
+def test_refusals_that_need_nothing_loaded_come_first_and_leave_no_folder(store32, tmp_path):  # noqa: F811
+    """#53.12: a missing store, a user's folder as --out or a missing --val-store is one line before the first
+    (torch, the trainer); a refusal after it (an --init that is no drafter) leaves no OUT behind either."""
+    def train_cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hsstore", "train", *argv, "--steps", "1", "--device", "cpu",
+                               "-q"], capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "new" / "run"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for argv, said in ((["--store", str(tmp_path / "nope"), "--out", str(out)], "does not exist"),
+                       (["--store", store32, "--out", str(mine)], "not empty (notes.txt)"),
+                       (["--store", store32, "--out", str(out), "--val-store", str(tmp_path / "noval")],
+                        "does not exist")):
+        done = train_cli(*argv)
+        err = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1 and err[0].startswith("hsstore train: error: "), done.stderr
+        assert said in err[0]
+        assert not (tmp_path / "new").exists() and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    done = train_cli("--store", store32, "--out", str(out), "--init", str(tmp_path / "mine"))
+    assert done.returncode == 2 and "loading torch" in done.stderr  # refused by the trainer, after the first line
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_cpu_run_says_what_it_will_cost_after_its_first_step(store32, tmp_path, caplog):  # noqa: F811
+    """#53.7: on a CPU the recipe's drafter takes seconds a step; after the first step a line says the run's cost at
+    that pace and the flags that cut it (with -q nothing else would)."""
+    import re
+    from datetime import timedelta
+
+    from hsstore.cli import main
+
+    with caplog.at_level("INFO", logger="hsstore.train"):
+        assert main(["train", "--store", store32, "--out", str(tmp_path / "a"), "--steps", "3", "--draft-layers", "2",
+                     "--block-size", "8", "--anchors", "24", "--token-budget", "1024", "--device", "cpu", "-q"]) == 0
+    [line] = [r.getMessage() for r in caplog.records if "on the CPU: the" in r.getMessage()]
+    m = re.match(r"step 1 took ([0-9.]+)s on the CPU: the 2 step\(s\) left take about (\d+):(\d\d):(\d\d) \(h:mm:ss\)",
+                 line)
+    assert m, line
+    took, (h, mi, s) = float(m.group(1)), map(int, m.groups()[1:])
+    assert abs(timedelta(hours=h, minutes=mi, seconds=s).total_seconds() - 2 * took) <= 1.1  # 2 steps at that pace
+    assert "--anchors, now 24" in line and "--draft-layers, now 2" in line and "--steps N" in line
+
+
+def test_loader_workers_on_a_cpu_say_they_slow_it(store32, tmp_path, caplog):  # noqa: F811
+    """#53.12: --workers 2 on a CPU made training 2.4x slower, silently: the run now says why it may."""
+    pytest.importorskip("torchdata")
+    from hsstore.cli import main
+
+    with caplog.at_level("WARNING", logger="hsstore.train"):
+        assert main(["train", "--store", store32, "--out", str(tmp_path / "a"), "--steps", "1", "--draft-layers", "1",
+                     "--block-size", "8", "--anchors", "8", "--token-budget", "1024", "--device", "cpu", "-q",
+                     "--workers", "1"]) == 0
+    assert "--workers 1 on a CPU: the loader's worker processes take the cores the step computes on" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hsstore.train"):
+        assert main(["train", "--store", store32, "--out", str(tmp_path / "b"), "--steps", "1", "--draft-layers", "1",
+                     "--block-size", "8", "--anchors", "8", "--token-budget", "1024", "--device", "cpu", "-q"]) == 0
+    assert "on a CPU" not in caplog.text

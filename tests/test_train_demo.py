@@ -12,7 +12,10 @@ from hsstore.cli import main as hsstore_cli
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert run_demo(out, train_steps=20, eval_samples=2) == 0  # short: tests/test_demo_learns.py checks learning
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    # #53.8: the steps that take minutes show their progress (train ran with -q: nothing for 577 s)
+    assert "train: 100%" in captured.err and "20/20" in captured.err and "extract rank 0: 100%" in captured.err
     assert "=== 7/7" in text and "trained 20 steps" in text
     assert "speculative output == target greedy output: 2/2" in text
     assert "$ hsstore extract --model" in text and "$ hsstore train --store" in text  # the commands it ran

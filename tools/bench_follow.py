@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                "--codec", "zstd", "-q", *device]
     flags = list(TRAIN_FLAGS)  # the demo's drafter, logging every step (the first row is the first step)
     del flags[flags.index("--log-every"):flags.index("--log-every") + 2]
-    train = ["train", "--epochs", str(args.epochs), *flags, "--log-every", "1", *device]
+    train = ["train", "--epochs", str(args.epochs), *flags, "--log-every", "1", "-q", *device]
     env = {**os.environ, "HSSTORE_FOLLOW_POLL_S": os.environ.get("HSSTORE_FOLLOW_POLL_S", "2")}
 
     shutil.rmtree(d / "warm-store", ignore_errors=True)

@@ -7,6 +7,7 @@ startup and must stay fast for commands that never train.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import json
 import math
@@ -41,7 +42,7 @@ def register_train(subparsers) -> None:
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
     add_config_option(t)
-    t.set_defaults(func=run_train, announce=announce_train)
+    t.set_defaults(func=run_train, preflight=preflight_train, announce=announce_train)
 
 
 def register_export(subparsers) -> None:
@@ -95,6 +96,24 @@ def register_eval(subparsers) -> None:
 SWITCH_INTERVAL_S = 0.0005
 
 
+def preflight_train(args: argparse.Namespace) -> None:
+    """What ``train`` refuses without torch, the trainer or a model: an --out that is a user's folder, a store or
+    --val-store that is not there (a --follow store may not be yet). Before the first line, and before OUT is
+    made."""
+    from hsstore import storage
+    from hsstore.destination import check_output_folder
+    from hsstore.distributed import launcher_rank
+    from hsstore.format.manifest import read_manifest
+
+    from .rundir import RUN_MARKER
+
+    if args.out and launcher_rank() == 0:  # other ranks may already see rank 0's first files
+        check_output_folder(args.out, (RUN_MARKER,), "train --out")
+    options = parse_storage_options(args.storage_option)
+    for url in [*([] if args.follow else args.store or []), *(args.val_store or [])]:
+        read_manifest(*storage.resolve(url, options), url)
+
+
 def announce_train(args: argparse.Namespace) -> None:
     """``train``'s first line, which the CLI prints before anything heavy (torch for --device, the trainer, the
     stores: ~25 s on a busy machine), so that a start is never silent."""
@@ -114,11 +133,17 @@ def command_settings(schema: type, args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     import sys
 
+    from hsstore.destination import removed_if_left_empty
+    from hsstore.distributed import launcher_rank
+
     from .checkpoint import read_best
     from .trainer import train
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    result = train(command_settings(TrainSettings, args), flags=flag_values(args))
+    settings = command_settings(TrainSettings, args)
+    # a run that fails before writing into the OUT it made leaves none behind (rank 0 only: the ranks share OUT)
+    with removed_if_left_empty(settings.run.out) if launcher_rank() == 0 else contextlib.nullcontext():
+        result = train(settings, flags=flag_values(args))
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last

@@ -120,7 +120,8 @@ class Data:
     weights: list[float] | None = option(
         None, flag="--weight", dest="weight", metavar="W", resume=True,
         help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
-    workers: int = option(0, resume=True, help="loader worker processes per rank (needs torchdata)")
+    workers: int = option(0, resume=True, help="loader worker processes per rank (needs torchdata): on a GPU, for "
+                                              "a remote store; on a CPU they take the cores the step computes on")
     prefetch: int = option(2, help="batches read (and copied to the GPU) ahead")
     cpu_threads: int | None = option(
         None, help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")

@@ -508,6 +508,12 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     _, embed, head = load_frozen(store)  # in the dtype extraction ran in
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    # what can be refused without the target (the prompts, the drafter's weights) is, before it loads
+    prompts = load_prompts(inputs, tokenizer, limit=num_samples, enable_thinking=thinking)
+    if not prompts:
+        raise ValueError(f"no prompts in {inputs}")
+    drafter = load_drafter(drafter_dir, embed.to(dev, dt), head.to(dev, dt), attn_impl="sdpa").to(device=dev,
+                                                                                                 dtype=dt).eval()
     if not progress:
         hf_logging.disable_progress_bar()
     model = load_target(AutoModelForCausalLM, model_dir, dt, dev)  # extraction's loader: the same kernels
@@ -517,12 +523,6 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     if mine.shape != embed.shape or not torch.equal(mine.to(embed.dtype).cpu(), embed):
         raise ValueError(f"{model_dir} is not the target the store {store_url} was extracted from "
                          "(its input embedding differs from the store's)")
-    embed, head = embed.to(dev, dt), head.to(dev, dt)
-    drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=dt).eval()
-
-    prompts = load_prompts(inputs, tokenizer, limit=num_samples, enable_thinking=thinking)
-    if not prompts:
-        raise ValueError(f"no prompts in {inputs}")
     eos_ids = model.generation_config.eos_token_id
     eos = {int(x) for x in ([eos_ids] if isinstance(eos_ids, int) else (eos_ids or []))}
     if tokenizer.eos_token_id is not None:

@@ -34,6 +34,7 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,11 @@ def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int
     """This rank's share of the stores (their ``layers``), in token-budget batches (``follow``: the loader's
     ``Follow`` options of a --follow run)."""
     data = settings.data
+    if data.workers and device.type == "cpu" and rank == 0:
+        # measured on 2 cores (docs/PERFORMANCE.md): worker processes take the cores the step computes on
+        log.warning("--workers %d on a CPU: the loader's worker processes take the cores the step computes on (a CPU "
+                    "run is usually slower with them); --workers 0, the default, reads in the trainer's process",
+                    data.workers)
     remote = [s.url for s in stores if not storage.is_local(s.fs)]
     if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
         # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
@@ -260,6 +266,7 @@ class Loop:
 
         settings, dev = self.settings, self.device
         self.val_step = self.step  # the step of the last evaluation
+        self.start_step = self.step  # this run's first step is the next one (a resumed run's too)
         self.loader_state = None
         self.last: dict[str, Any] = {}
         self.run_tokens, self.run_seconds = 0, 0.0  # this run's lines, summed
@@ -325,10 +332,13 @@ class Loop:
         # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
         batch = fp8.dequantise_batch(batch, self.stored_dtype)
         lr = self.sched.get_last_lr()[0]  # the rate this step uses
+        t0 = time.perf_counter()
         _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip,
                                      self.amp)
         self.step += 1
         step = self.step
+        if step == self.start_step + 1:
+            self.say_cost(time.perf_counter() - t0)
         self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
         self.metrics.samples(step, self.epoch, batch)
         val_due = self.validation is not None and self.validation.due(step, self.total)
@@ -338,6 +348,17 @@ class Loop:
         self.bar.update(1)
         if step % settings.output.save_every == 0 or step == self.total or self.best.pending:
             self.checkpoints.save(step, self.epoch, self.loader_state, self.best.take())
+
+    def say_cost(self, seconds: float) -> None:
+        """On a CPU, after this run's first step: what the run will cost at that pace and the flags that cut it (the
+        defaults are the published recipe's drafter, sized for a GPU; with -q nothing else would say so)."""
+        if self.device.type != "cpu" or self.checkpoints.rank != 0:
+            return
+        left = self.total - self.step
+        log.info("step %d took %.1fs on the CPU: the %d step(s) left take about %s (h:mm:ss) at that pace; a CPU "
+                 "step's work follows the anchors (--anchors, now %d) and the draft layers (--draft-layers, now %d): "
+                 "fewer of them cut it, --steps N cuts the run", self.step, seconds, left,
+                 timedelta(seconds=round(left * seconds)), self.settings.batch.anchors, self.drafter.config.num_layers)
 
     def log_row(self, val_due: bool = False) -> None:
         """The metrics line of the steps since the last one (with an evaluation when due)."""

@@ -4,18 +4,25 @@ Selection uses only the commit records' per-sample columns (source, length, loss
 choosing costs no feature reads; the chosen samples are then read in large windows and written
 bit-exact through a :class:`StoreWriter` under the source's manifest identity. Re-running resumes:
 ids already committed in the destination are skipped.
+
+A :class:`Split` cuts the samples the filters keep in two (a validation store and the rest): a seeded
+fraction of them or the ids of a list, or (``complement``) the others. It chooses conversations, not samples:
+the samples of one multi-turn row (``{id}#t{k}``, docs/FORMAT.md) share their earlier turns, so they go to one
+side together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..format import assets, codec, health
 from ..layouts import base as layout
-from .. import destination, storage
+from .. import destination, door, storage
 from .stats import SAMPLE_FLAGS
 from ..format.manifest import Manifest, check_compatible, read_manifest
 from ..store.reader import Store, committed_ids
@@ -36,10 +43,12 @@ class Selection:
     min_loss_tokens: int | None = None
     exclude_flags: tuple[str, ...] = ()
     exclude_unhealthy: bool = False  # drop samples with a non-finite or all-zero feature (``health.unhealthy``)
+    ids: frozenset[str] | None = None  # keep only these sample ids (a split's side, ``Split.side``)
 
     def keeps(self, cols: dict[str, list], i: int) -> bool:
         n, loss = cols["length"][i], cols["loss_tokens"][i]
-        return ((not self.sources or cols["source"][i] in self.sources)
+        return ((self.ids is None or cols["sample_id"][i] in self.ids)
+                and (not self.sources or cols["source"][i] in self.sources)
                 and (self.min_tokens is None or n >= self.min_tokens)
                 and (self.max_tokens is None or n <= self.max_tokens)
                 and (self.min_loss_tokens is None or loss >= self.min_loss_tokens)
@@ -63,6 +72,78 @@ def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> li
                 run = i if run is None else run
                 run_tokens += cols["length"][i]
     return out
+
+
+IDS_CAP = 256 << 20  # an --ids file: one sample id a line (a million ids of ~100 bytes is 100 MB)
+_TURN = re.compile(r"#t[0-9]+$")  # a multi-turn row's sample: ``{id}#t{k}``
+
+
+def conversation_of(sample_id: str) -> str:
+    """The row a sample came from: ``conv#t2`` -> ``conv``; an id without a turn suffix is its own row."""
+    return _TURN.sub("", sample_id)
+
+
+def read_ids(path: str) -> frozenset[str]:
+    """The sample (or conversation) ids of an --ids file: one a line, blank lines ignored."""
+    data = door.read_file(path, bound=IDS_CAP, where="--ids")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--ids {path}: not UTF-8 text (byte {e.start}): one sample id a line") from None
+    ids = frozenset(line.strip() for line in text.splitlines() if line.strip())
+    if not ids:
+        raise ValueError(f"--ids {path}: no ids (one sample id a line)")
+    return ids
+
+
+def _digest(seed: int, conversation: str) -> bytes:
+    return hashlib.blake2b(f"{seed}\0{conversation}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class Split:
+    """One side of a split of the samples the filters keep. ``fraction``: the ``round(fraction x n)`` of their n
+    conversations whose BLAKE2b-64 digest of ``seed`` and conversation id is smallest (the same choice on every
+    copy of a store, whatever its shards or order); ``ids``: the listed sample ids, a listed conversation id taking
+    all its samples; ``complement``: the other samples. The two sides share nothing and hold every kept sample."""
+
+    fraction: float | None = None
+    seed: int = 0
+    ids: frozenset[str] | None = None
+    complement: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.fraction is None) == (self.ids is None):
+            raise ValueError("a split is --fraction F or --ids FILE (one of them)")
+        if self.fraction is not None and not 0 < self.fraction < 1:
+            raise ValueError(f"--fraction {self.fraction}: a share between 0 and 1 (e.g. 0.05)")
+
+    def side(self, kept: list[str]) -> tuple[frozenset[str], int]:
+        """(the sample ids of this side, of ``kept``; how many listed ids matched no kept sample)."""
+        rows: dict[str, list[str]] = {}
+        for sid in kept:
+            rows.setdefault(conversation_of(sid), []).append(sid)
+        unmatched = 0
+        if self.ids is not None:
+            chosen = {sid for sid in kept if sid in self.ids or conversation_of(sid) in self.ids}
+            known = set(kept)
+            unmatched = sum(1 for x in self.ids if x not in known and x not in rows)
+            if not chosen:
+                raise ValueError(f"none of the {len(self.ids)} ids of --ids is a sample (or conversation) id of the "
+                                 f"{len(kept)} samples the filters keep")
+        else:
+            k = round(self.fraction * len(rows))
+            if not 0 < k < len(rows):
+                raise ValueError(f"--fraction {self.fraction} of the {len(rows)} conversation(s) the filters keep is "
+                                 f"{k}: each side of the split needs at least one")
+            picked = sorted(rows, key=lambda c: (_digest(self.seed, c), c))[:k]
+            chosen = {sid for c in picked for sid in rows[c]}
+        return frozenset(set(kept) - chosen if self.complement else chosen), unmatched
+
+    def describe(self) -> dict[str, Any]:
+        """The split as the destination's manifest records it (``extra.split``)."""
+        how = {"fraction": self.fraction, "seed": self.seed} if self.ids is None else {"ids": len(self.ids)}
+        return {**how, "complement": self.complement}
 
 
 def destination_manifest(src: Manifest, fs, root: str, dst_url: str, note: dict) -> Manifest:
@@ -98,12 +179,15 @@ class SubsetResult:
     written: int = 0
     tokens: int = 0
     already: int = 0
+    kept: int = 0  # samples the filters keep, before a split took its side
+    unmatched_ids: int = 0  # --ids: listed ids that are no kept sample's (nor its conversation's)
 
 
 def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = True) -> SubsetResult:
-    """Copy the samples of ``src_url`` that ``sel`` keeps into ``dst_url`` (created, or resumed)."""
+           progress: bool = True, split: Split | None = None) -> SubsetResult:
+    """Copy the samples of ``src_url`` that ``sel`` keeps (``split``: its side of them) into ``dst_url``
+    (created, or resumed)."""
     dst_options = dst_options or {}
     # anon=true and a folder that is not a store refused before any request
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())
@@ -111,20 +195,35 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
     check_flags(src, sel.exclude_flags)
     # one subset at a time into a destination: two would each find no sample committed and copy every one
     with destination.hold_lock(fs, root, dst_url, "subset"):
-        return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress)
+        return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress, split)
+
+
+def kept_ids(store: Store, sel: Selection, skip_ids: set[str]) -> list[str]:
+    """The sample ids ``sel`` keeps, in store order."""
+    t = store.table
+    return [sid for s, i, j in select(store, sel, skip_ids)
+            for sid in t.sample_id.slice(int(t.first[s]) + i, int(t.first[s]) + j)]
 
 
 def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options: dict[str, Any], shard_bytes: int,
-            progress: bool) -> SubsetResult:
+            progress: bool, split: Split | None = None) -> SubsetResult:
     from tqdm import tqdm
 
     src_url = src.url
-    manifest = destination_manifest(src.manifest, fs, root, dst_url, {"subset_of": recordable_url(src_url)})
+    note: dict[str, Any] = {"subset_of": recordable_url(src_url)}
     done = committed_ids(dst_url, dst_options)
     sick = {u.sample_id for u in health.unhealthy(src)} if sel.exclude_unhealthy else set()
+    kept, unmatched = None, 0
+    if split is not None:  # chosen among every kept sample, whatever this destination holds already
+        kept = kept_ids(src, sel, sick)
+        side, unmatched = split.side(kept)
+        sel = dataclasses.replace(sel, ids=side)
+        note["split"] = split.describe()
+    manifest = destination_manifest(src.manifest, fs, root, dst_url, note)
     all_kept = select(src, sel, skip_ids=sick)
     windows = select(src, sel, skip_ids=done | sick)
-    result = SubsetResult(selected=sum(j - i for _, i, j in all_kept))
+    result = SubsetResult(selected=sum(j - i for _, i, j in all_kept), unmatched_ids=unmatched)
+    result.kept = result.selected if kept is None else len(kept)
     result.already = result.selected - sum(j - i for _, i, j in windows)
     if not windows:
         log.info("subset: nothing to copy (%d selected, all already in %s)", result.selected, recordable_url(dst_url))
