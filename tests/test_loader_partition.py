@@ -212,6 +212,54 @@ def test_remote_bytes_per_epoch_node_vs_global(s3_small, s3_endpoint, tmp_path):
     print(f"remote chunk bytes per epoch: node {node}, global {glob}, store {chunks}")
 
 
+def _cached(folder) -> dict[str, int]:
+    """The copies in a chunk cache folder: relative path -> bytes on disk."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def test_node_cache_too_small_keeps_its_first_fill_and_names_the_size(s3_small, s3_endpoint, tmp_path, caplog):
+    """A node cache smaller than the node's part keeps what the first epoch put in it: the second epoch fetches only
+    what it could not hold (least-recently-used would evict each copy before the next epoch came back to it). The
+    dataset names the cache the part needs, which is what a cache that held everything took on disk, and a cache of
+    that size fetches nothing in the second epoch."""
+    from hsstore.testing.faultproxy import FaultProxy
+
+    url, _ = s3_small
+    with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:
+        s3fs.S3FileSystem.clear_instance_cache()
+        opts = {"endpoint_url": proxy.url}
+
+        def epoch(cache, cap, e):
+            ds = node_ds(url, 0, per_node=1, storage_options=opts, cache_dir=str(cache), cache_bytes=cap)
+            ds.set_epoch(e)
+            proxy.reset_counts()
+            assert len(ids_of(ds)) == len(ds)
+            return ds, sum(n for p, n in proxy.sent.items() if "/shards/" in p and "/c/" in p)
+
+        ds, _ = epoch(tmp_path / "all", 1 << 30, 0)
+        need = sum(_cached(tmp_path / "all").values())  # every copy the node's reads left, with its digest
+        assert ds.node_cache_bytes() == need
+
+        caplog.set_level(logging.WARNING, logger="hsstore.loader")
+        small = tmp_path / "small"
+        _, first = epoch(small, need // 2, 0)
+        warned = [r.getMessage() for r in caplog.records if "cache_bytes" in r.getMessage()]
+        assert len(warned) >= 1 and f"cache_bytes {need} " in warned[0], warned
+        kept = _cached(small)
+        assert 0 < sum(kept.values()) <= need // 2
+        _, second = epoch(small, need // 2, 1)
+        assert _cached(small).items() >= kept.items()  # nothing the first epoch kept was evicted
+        held = sum(n - 32 for n in kept.values())  # the chunk bytes of the copies (each with a 32-byte digest)
+        assert 0 < second <= first - held
+
+        caplog.clear()
+        epoch(tmp_path / "enough", need, 0)
+        _, again = epoch(tmp_path / "enough", need, 1)
+        assert again == 0 and not [r for r in caplog.records if "cache_bytes" in r.getMessage()]
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def test_train_partition_node_saves_and_resumes_node_states(store32, tmp_path):  # noqa: F811
     """``hsstore train --partition node``: the loader positions in checkpoints carry the node count, and a
     resumed run continues (the same loss as the uninterrupted run)."""

@@ -143,6 +143,39 @@ def test_chunk_cache_lru(tmp_path):
     assert out[blobs["b"]] == (remote / "b").read_bytes() and cache.hits == 2
 
 
+def test_chunk_cache_keeps_this_runs_copies(tmp_path):
+    """With ``keep_since`` a full cache evicts only copies last used before then (another run's), never one of this
+    run's: a new copy that finds no room is served but not kept, and is fetched again next time."""
+    import fsspec
+    import time
+
+    from hsstore.format.codec import ChunkCodec
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    for name in "abcde":
+        (remote / name).write_bytes(
+            ChunkCodec("none").encode(torch.full((1000,), ord(name), dtype=torch.int16).numpy()).tobytes())
+    fs, root = fsspec.filesystem("file"), str(remote)
+    size = os.path.getsize(remote / "a") + 32
+    ChunkCache(str(tmp_path / "cache"), int(size * 3.5)).cat(fs, root, ["a"], "ns")  # an earlier run's copy
+    old = [p for d, _, fs_ in os.walk(tmp_path / "cache") for p in [os.path.join(d, f) for f in fs_] if p.endswith("a")]
+    os.utime(old[0], (time.time() - 60, time.time() - 60))
+    cache = ChunkCache(str(tmp_path / "cache"), int(size * 3.5), keep_since=time.time() - 1)
+
+    def present():
+        return sorted(os.path.basename(p) for d, _, fs_ in os.walk(tmp_path / "cache") for p in fs_
+                      if not p.startswith("."))
+
+    cache.cat(fs, root, ["b", "c"], "ns")
+    cache.cat(fs, root, ["d"], "ns")  # full: the earlier run's copy goes
+    assert present() == ["b", "c", "d"] and cache.evicted == 1
+    out = cache.cat(fs, root, ["e"], "ns")  # full of this run's copies: e is served, not kept
+    assert out["e"] == (remote / "e").read_bytes() and present() == ["b", "c", "d"] and cache.declined == 1
+    misses = cache.misses
+    cache.cat(fs, root, ["b", "e"], "ns")
+    assert cache.misses == misses + 1 and present() == ["b", "c", "d"] and cache.size() <= cache.max_bytes
+
+
 def test_s3_store_deleted_mid_epoch(s3_store, s3_samples):
     url, opts = s3_store
     write_store(url, s3_samples[:20], shard_tokens=1000, storage_options=opts)

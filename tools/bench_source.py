@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scratch", default=None, help="local directory for the cold rows (default: a temp dir)")
     ap.add_argument("--sections", default="local,s3,node", help="local (cold files), s3 (0 and --latency), "
                     "node (S3 + --partition node with a per-rank cache: remote bytes per epoch)")
+    ap.add_argument("--cache-mb", type=float, default=None, help="node section: each rank's cache cap (default 1.5x "
+                    "a rank's share of the store; a rank that needs more says how much in one log line)")
     ap.add_argument("--no-raw", dest="raw", action="store_false", help="S3 rows: skip the raw baseline (the "
                     "same objects by as many processes with plain concurrent ranged GETs, same latency and cap)")
     ap.add_argument("--json", action="store_true")
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             out[f"s3 latency {a.latency:g}"] = s3_rows(a, a.latency, "global", None, None, raw_baseline=True)
         if "node" in sections:
             share = int(a.size_mb * 1.5 * (1 << 20) / a.procs)  # 1.5x a rank's share: less than the store
+            if a.cache_mb is not None:
+                share = int(a.cache_mb * (1 << 20))
             for part in ("global", "node"):
                 out[f"s3 {part} + cache"] = s3_rows(a, a.latency, part, os.path.join(tmp, f"cache-{part}"), share)
     if a.json:

@@ -47,6 +47,12 @@ class Layout(Protocol):
         shared by consecutive reads of a scan (see ``Store.read_range``). The shard's files are where
         ``src.locate(rec.shard)`` says; remote chunk reads go through ``src.chunk_cache`` when set."""
 
+    def chunk_files(self, manifest: Manifest, rec: CommitRecord, spans: Sequence[tuple[int, int]],
+                    layers: Sequence[int]) -> dict[str, int]:
+        """The objects (key -> listed size) that reading the token ``spans`` of ``layers`` of the shard leaves in
+        a chunk cache, each once (empty for a layout the chunk cache does not serve): a cache's size, sized
+        before it is filled."""
+
     def check_extent(self, src: ShardSource, rec: CommitRecord) -> None:
         """Raise ``CorruptionError`` when the record claims more tokens than its files can hold (checked before
         a reader sizes buffers from it)."""

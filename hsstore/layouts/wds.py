@@ -320,6 +320,12 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         _read_remote(fs, root, _spans(jobs, sorted(feature_starts)), rec, url)
 
 
+def chunk_files(manifest: Manifest, rec: CommitRecord, spans: Sequence[tuple[int, int]], layers: Sequence[int]
+                ) -> dict[str, int]:
+    """None: a chunk cache does not serve tars (``layout_spec``'s declaration), so no read leaves a copy."""
+    return {}
+
+
 def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shard: str) -> None:
     """Check a member read (``npy``: its first bytes, ``data``: its array bytes) and copy the rows."""
     if crc != job.crc:

@@ -272,6 +272,22 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         carry.update({k: blobs[k] for k in last if isinstance(blobs.get(k), (bytes, bytearray))})
 
 
+def chunk_files(manifest: Manifest, rec: CommitRecord, spans: Sequence[tuple[int, int]], layers: Sequence[int]
+                ) -> dict[str, int]:
+    """The chunk objects (key -> the size the record lists) that reading the token ``spans`` of ``layers`` fetches,
+    each once: what a chunk cache keeps of these reads (``read_into`` reads the same arrays)."""
+    ct, base = manifest.chunk_tokens, shard_path(rec.shard)
+    ks: set[int] = set()
+    for a, b in spans:
+        if b > a:
+            ks.update(range(a // ct, (b - 1) // ct + 1))
+    arrays = [("input_ids", 1), ("loss_mask", 1)] + [(layer_array(l), 2) for l in layers]
+    if manifest.encoding == fp8.ENCODING:
+        arrays += [(scale_array(l), 1) for l in layers]
+    keys = (chunk_key(f"{base}/{name}", k, ndim) for name, ndim in arrays for k in sorted(ks))
+    return {k: int(rec.files[k]["size"]) for k in keys if k in rec.files}
+
+
 def chunk_bound(nbytes: int) -> int:
     """The most bytes a chunk object of ``nbytes`` of values may hold: the payload, a compressor's worst-case
     growth on incompressible data (zstd and blosc add well under 1/16), its framing and the 4-byte CRC32C."""

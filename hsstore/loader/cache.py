@@ -17,6 +17,13 @@ Several processes (DataLoader workers, ranks on one node) may share one cache di
 written to a temporary name and renamed, a hit refreshes the file's mtime (the LRU clock), and
 eviction rescans the directory so it sees what other processes added. The cap is kept by whoever
 writes; a file removed under a reader is a miss, never an error.
+
+Which copies stay when the cap is reached: least recently used first, except those made or used since
+``keep_since`` (the loader's: when the dataset was built). A loader reads the same chunks every epoch in a new
+order, so every copy of the run is needed again, and LRU would evict each one before the next epoch comes back
+to it; instead, a copy that finds no room is not kept, the cache holds what the first epoch filled it with,
+and every later epoch fetches only what the cap could not hold (``Reading.cache_bytes``: the loader logs the
+size a node's part needs).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import stat
@@ -42,19 +50,29 @@ from ..locks import ProcessLock
 log = logging.getLogger(__name__)
 
 LOW_WATER = 0.9  # evict down to this fraction of the cap, so eviction (a directory scan) is not per write
+RESCAN_S = 10.0  # a full cache of copies kept since ``keep_since`` is scanned again at most this often
 KEY_FILE = ".hsstore-cache-key"  # the digest key: 32 random bytes, 0600
 DIGEST = 32  # bytes of HMAC-SHA256 after each copy
 _LOCAL = fsspec.filesystem("file")  # the cache's own folder, read through the door as a local root
 
 
+def copy_size(size: int) -> int:
+    """Bytes on disk of the cached copy of an object of ``size`` bytes (its digest follows it)."""
+    return int(size) + DIGEST
+
+
 class ChunkCache:
     """``cat(fs, root, keys, namespace)`` like ``door.read_many``, served from ``root`` when possible.
-    ``max_bytes`` caps the bytes on disk (checked whenever this process writes)."""
+    ``max_bytes`` caps the bytes on disk (checked whenever this process writes). ``keep_since`` (a time): copies
+    made or used since then are never evicted for another; one that finds no room is not kept (``declined``:
+    how many; see the module doc). None: least recently used first, whenever it was used."""
 
-    def __init__(self, root: str, max_bytes: int) -> None:
+    def __init__(self, root: str, max_bytes: int, keep_since: float | None = None) -> None:
         self.root = os.path.abspath(root)
         self.max_bytes = int(max_bytes)
-        self.hits = self.misses = self.evicted = 0
+        self.keep_since = keep_since
+        self.hits = self.misses = self.evicted = self.declined = 0
+        self._full_at = -math.inf  # when a scan last found nothing to evict for a new copy (keep_since)
         self._lock = ProcessLock()
         self._index: dict[str, tuple[float, int]] | None = None  # path -> (mtime, size)
         self._total = 0
@@ -76,10 +94,10 @@ class ChunkCache:
                 pass
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"root": self.root, "max_bytes": self.max_bytes}
+        return {"root": self.root, "max_bytes": self.max_bytes, "keep_since": self.keep_since}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["root"], state["max_bytes"])
+        self.__init__(state["root"], state["max_bytes"], state.get("keep_since"))
 
     def cache_key(self, namespace: str, path: str) -> str:
         """Where (relative to ``root``) the copy of remote object ``path`` is kept (``names.cache_key`` refuses
@@ -201,8 +219,8 @@ class ChunkCache:
         """Keep ``blob`` (bytes, or a list of buffers written in turn) as the copy of ``path``, with its digest."""
         parts = blob if isinstance(blob, list) else [blob]
         key = self.cache_key(namespace, path)
-        size = sum(memoryview(b).nbytes for b in parts) + DIGEST
-        if size > self.max_bytes:
+        size = copy_size(sum(memoryview(b).nbytes for b in parts))
+        if size > self.max_bytes or not self._room(size):
             return
         local = os.path.join(self._base, key)
         tmp = f"{local}.tmp-{uuid.uuid4().hex[:8]}"
@@ -225,6 +243,34 @@ class ChunkCache:
             index[local] = (self._clock(), size)
             if self._total > self.max_bytes:
                 self._evict()
+            if self._total > self.max_bytes and self.keep_since is not None:  # another process filled it meanwhile
+                self._drop_new(local, size)
+
+    def _room(self, size: int) -> bool:
+        """Whether a new copy of ``size`` bytes may be kept: always under LRU (eviction follows the write); with
+        ``keep_since``, only where it fits once copies older than that are evicted (else it is declined)."""
+        if self.keep_since is None:
+            return True
+        with self._lock:
+            if self._index is None:
+                self._scan()
+            if self._total + size <= self.max_bytes:
+                return True
+            if time.monotonic() - self._full_at >= RESCAN_S:  # not on every miss of a full cache
+                self._evict(size)
+                if self._total + size > self.max_bytes:
+                    self._full_at = time.monotonic()
+            if self._total + size <= self.max_bytes:
+                return True
+            self.declined += 1
+            return False
+
+    def _drop_new(self, local: str, size: int) -> None:
+        """Remove the copy just written at ``local`` (lock held): over the cap with nothing older to evict."""
+        if self._remove(local):
+            self._total -= size
+        self._index.pop(local, None)
+        self.declined += 1
 
     def _clock(self) -> float:
         """Wall time, strictly increasing within this process (coarse mtimes must not tie the LRU order)."""
@@ -250,16 +296,17 @@ class ChunkCache:
         self._total = sum(s for _, s in index.values())
         return index
 
-    def _evict(self) -> None:
-        """Drop least recently used files until under the low-water mark (lock held)."""
+    def _evict(self, room: int = 0) -> None:
+        """Drop least recently used files until under the low-water mark with ``room`` bytes more to spare (lock
+        held); with ``keep_since``, only copies last used before it."""
         own = self._index or {}
         index = self._scan()
         for p, (t, s) in own.items():  # our own clock is finer than some filesystems' mtime
             if p in index:
                 index[p] = (max(t, index[p][0]), index[p][1])
-        target = int(self.max_bytes * LOW_WATER)
-        for p, (_, size) in sorted(index.items(), key=lambda kv: kv[1][0]):
-            if self._total <= target:
+        target = int(self.max_bytes * LOW_WATER) - room
+        for p, (t, size) in sorted(index.items(), key=lambda kv: kv[1][0]):
+            if self._total <= target or (self.keep_since is not None and t >= self.keep_since):
                 break
             if self._remove(p):
                 self.evicted += 1

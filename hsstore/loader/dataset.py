@@ -71,7 +71,7 @@ from torch.utils.data import IterableDataset
 
 from ..format import codec, fp8, layout_spec
 from .. import storage
-from .cache import ChunkCache
+from .cache import ChunkCache, copy_size
 from ..errors import CorruptionError, StoreError
 from ..store.items import make_item
 from ..distributed import World
@@ -225,6 +225,7 @@ class HiddenStateDataset(IterableDataset):
             Journal.create(follow.journal, [s.url for s in self.stores])
         if self.nodes is not None:
             self._log_share()
+        self._built = time.time()  # the chunk cache keeps what this run cached since (``cache.ChunkCache``)
         self._epoch_box = _shared_int(0)
         self._epoch_plain = 0
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
@@ -354,11 +355,32 @@ class HiddenStateDataset(IterableDataset):
         units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)
         log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
                  self.world.node, self.world.nodes, units, self.catalog.n_units, nbytes / 1e9)
-        remote = [s for s in self.stores if not storage.is_local(s.fs)]
         cache_bytes = self.reading.cache_bytes
-        if remote and self.reading.cache_dir is not None and cache_bytes < nbytes:
-            log.warning("cache_bytes %.2f GB is less than this node's share (%.2f GB): epochs after the first "
-                        "fetch part of it again", cache_bytes / 1e9, nbytes / 1e9)
+        need = self.node_cache_bytes() if self.reading.cache_dir is not None else 0
+        if need > cache_bytes:
+            log.warning("cache_bytes %s (%.2f GB) holds %.0f%% of this node's part of the store: every epoch after "
+                        "the first fetches the other %.2f GB again; cache_bytes %d (%.2f GB) serves it from the "
+                        "cache alone", cache_bytes, cache_bytes / 1e9, 100 * cache_bytes / need,
+                        (need - cache_bytes) / 1e9, need, need / 1e9)
+
+    def node_cache_bytes(self) -> int:
+        """Bytes of chunk cache this node's part of the stores (``partition="node"``) fills: every remote chunk
+        object its reads fetch, once, with its digest (``cache.copy_size``): with at least this much, epochs after
+        the first fetch nothing. 0 when nothing it reads is cached (local stores, layouts without chunk cache)."""
+        cat = self.catalog
+        rows = self.planner.node_rows(self.world.nodes, self.world.node)
+        total = 0
+        for si, store in enumerate(self.stores):
+            if storage.is_local(store.fs) or not layout_spec.get(store.manifest.layout).chunk_cache:
+                continue
+            mine = rows[cat.store[rows] == si]
+            shards = cat.shard[mine]
+            for sh in np.unique(shards):
+                part = mine[shards == sh]
+                spans = list(zip(cat.start[part].tolist(), cat.stop[part].tolist()))
+                files = store.chunk_files(store.commits[int(sh)].shard, spans, self._features)
+                total += sum(copy_size(n) for n in files.values())
+        return total
 
     def _resumed(self) -> LoaderState | None:
         """The loaded resume state when it is for the current epoch."""
@@ -500,7 +522,7 @@ class HiddenStateDataset(IterableDataset):
             cache = store.chunk_cache
             serves = layout_spec.get(store.manifest.layout).chunk_cache
             if serves and (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
-                store.use_chunk_cache(ChunkCache(cache_dir, self.reading.cache_bytes))
+                store.use_chunk_cache(ChunkCache(cache_dir, self.reading.cache_bytes, keep_since=self._built))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory for a token range's features (``memory.empty_host``): shared (recycled) in DataLoader workers, pinned when

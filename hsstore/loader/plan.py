@@ -353,6 +353,10 @@ class Planner:
         mine = owner[cat.unit] == node
         return int((owner == node).sum()), int(((cat.stop - cat.start)[mine]).sum()) * self.token_bytes
 
+    def node_rows(self, nodes: int, node: int) -> np.ndarray:
+        """The catalog rows node ``node`` of ``nodes`` reads every epoch (``partition="node"``)."""
+        return np.flatnonzero(node_units(self.catalog, self.weights, self.seed, nodes)[self.catalog.unit] == node)
+
     def _streams(self, epoch: int, done: str | None, phase: int, world: int, workers: int, nodes: int | None):
         key = ("streams", epoch, done, phase, world, workers, self._nodes(nodes))
         if key not in self._memo:

@@ -305,6 +305,11 @@ class Store:
                                scales_out if is_fp8 else None)
         return ids, mask, feats
 
+    def chunk_files(self, shard_name: str, spans: Sequence[tuple[int, int]], layers: Sequence[int]) -> dict[str, int]:
+        """The objects (key -> listed size) that ``read_range`` of these token spans of ``layers`` of one shard
+        leaves in a chunk cache, each once (the layout's ``chunk_files``)."""
+        return self._layout.chunk_files(self.manifest, self.record(shard_name), spans, self.check_layers(layers))
+
     def new_scales(self, n_layers: int, T: int) -> np.ndarray | None:
         """A destination for ``read_range``'s ``scales_out`` in an fp8 store (None otherwise)."""
         return np.empty((n_layers, T), fp8.SCALE_DTYPE) if self.manifest.encoding == fp8.ENCODING else None
