@@ -158,7 +158,8 @@ def cmd_bench(args) -> int:
                                      ("prefetch", args.prefetch)) if v is not None}
         result = run_source_bench(args.url, options, size_mb=args.size_mb, hidden=args.hidden, layers=args.num_taps,
                                   procs=args.procs, epochs=args.epochs, cold=args.cold, partition=args.partition,
-                                  reading=Reading(**reading), progress=not args.quiet)
+                                  reading=Reading(pin_memory=args.pin_memory, **reading), progress=not args.quiet,
+                                  batch_tokens=args.batch_tokens)
         print(json.dumps(result, indent=2) if args.json else format_source(result["source"]))
         return 0
     layouts = args.layout.split(",")
@@ -374,7 +375,8 @@ def add_bench(sub) -> None:
     q.add_argument("--workers", type=int, default=0,
                    help="loader: also time N persistent DataLoader workers beside the in-process loader")
     q.add_argument("--batch-tokens", type=int, default=0, metavar="N",
-                   help="loader: time packed TokenBatches of N tokens instead of single samples")
+                   help="loader: time packed TokenBatches of N tokens instead of single samples; source: each rank "
+                        "reads padded TokenBatches of N tokens, the trainer's (features of real tokens counted)")
     q.add_argument("--procs", type=int, default=1, metavar="N",
                    help="loader: also run N in-process loaders at once, each a rank of N on its share of the "
                         "cores (one node's GPUs): per-process and total GB/s")
@@ -389,7 +391,8 @@ def add_bench(sub) -> None:
                    help="source: units each rank reads ahead at once (the loader's prefetch: on local disk, its "
                         "read threads; default the loader's)")
     q.add_argument("--no-peers", action="store_true", help="loader: skip the one-file-per-sample comparison")
-    q.add_argument("--pin-memory", action="store_true", help="loader: deliver items in pinned memory (needs a GPU)")
+    q.add_argument("--pin-memory", action="store_true", help="loader, source: deliver items (source with "
+                                                                "--batch-tokens: batches) in pinned memory (needs a GPU)")
     add_quiet_option(q)
     add_json_option(q, "the results")
     add_storage_option(q)

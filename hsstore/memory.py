@@ -139,6 +139,55 @@ def pread_fold(fd: int, flat: "np.ndarray | Sequence[np.ndarray]", offset: int, 
     return got, state
 
 
+class Rows:
+    """Rows ``0..n`` of one feature's destination held in pieces: ``parts``, arrays of whole rows (``[k, H]``, or
+    ``[k]`` for per-row values), each C-contiguous, one after another. Why: a read range holds several samples,
+    and the loader reads each sample's rows straight into its slot of the batch it belongs to (``TokenBatches``),
+    so the rows of one range land in several places."""
+
+    def __init__(self, parts: Sequence[np.ndarray]) -> None:
+        self.parts = [p for p in parts if len(p)]
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        if not self.parts or any(not p.flags.c_contiguous or p.dtype != self.parts[0].dtype
+                                 or p.shape[1:] != self.parts[0].shape[1:] for p in self.parts):
+            raise ValueError("Rows: parts must be C-contiguous arrays of one dtype and row shape")
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.parts[0].shape[1:]
+
+    def take(self, lo: int, hi: int) -> list[np.ndarray]:
+        """The pieces that hold rows ``lo:hi``, in order (views)."""
+        out = []
+        first = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        for i in range(max(0, first), len(self.parts)):
+            a, b = int(self.starts[i]), int(self.starts[i + 1])
+            if a >= hi:
+                break
+            out.append(self.parts[i][max(lo, a) - a:min(hi, b) - a])
+        return out
+
+
+def row_parts(dest: "np.ndarray | Rows", lo: int, hi: int) -> list[np.ndarray]:
+    """Rows ``lo:hi`` of a destination (an array, or ``Rows``) as contiguous pieces in order."""
+    return dest.take(lo, hi) if isinstance(dest, Rows) else [dest[lo:hi]]
+
+
+def scatter_rows(parts: Sequence[np.ndarray], rows: np.ndarray) -> None:
+    """Copy ``rows`` (in order) into the pieces ``parts`` that hold them (``row_parts``)."""
+    at = 0
+    for p in parts:
+        p[...] = rows[at:at + len(p)]
+        at += len(p)
+
+
 _SCRATCH: list[np.ndarray] = []  # free partial-chunk buffers, shared by all threads of this process
 _SCRATCH_LOCK = ProcessLock()
 

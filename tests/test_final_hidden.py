@@ -9,13 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hsstore
-from hsstore import HiddenStateDataset, Manifest, Planning, Selection, StoreWriter
+from hsstore import HiddenStateDataset, Manifest, Planning, Selection, StoreWriter, TokenBatches
 from hsstore.loader.batching import collate_packed, collate_padded
 from hsstore.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
 from hsstore.extract.forward import pad_right
 from hsstore.extract.job import ExtractSettings, run_extract
 from train_helpers import small_input  # noqa: F401  (fixture)
+from test_loader_batching import assert_same_batches, direct_and_copied
 from hsstore.extract.tokenize import load_samples
 from hsstore.format.manifest import canonical_json_hash
 from hsstore.ops.verify import verify
@@ -54,7 +55,7 @@ def test_extract_final_hidden_is_the_norm_output_hf_and_lm_head_read(tiny_dir, t
     assert hsstore_cli(["info", out, "--json"]) == 0
 
 
-def test_loader_serves_final_hidden_when_asked(tmp_path, new_manifest, new_samples):
+def test_loader_serves_final_hidden_when_asked(tmp_path, new_manifest, new_samples, monkeypatch):
     m = Manifest(**{**new_manifest().__dict__, "features": ("final_hidden",)})
     samples = new_samples(12, n_layers=4)  # the 4th slot plays the final hidden
     url = str(tmp_path / "s")
@@ -82,6 +83,9 @@ def test_loader_serves_final_hidden_when_asked(tmp_path, new_manifest, new_sampl
     assert torch.equal(padded["final_hidden"][0, :n0], items[0]["final_hidden"])
     assert padded["final_hidden"].shape[:2] == padded["input_ids"].shape
     assert torch.equal(packed["final_hidden"][:n0], items[0]["final_hidden"])
+    for mode in ("pad", "pack"):  # read straight into their batch slots, or collated: the same batches
+        assert_same_batches(*direct_and_copied(lambda: TokenBatches(HiddenStateDataset(
+            url, selection=Selection(final_hidden=True)), token_budget=300, mode=mode), monkeypatch))
     assert verify(hsstore.open(url)).ok
 
 

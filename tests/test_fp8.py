@@ -22,6 +22,7 @@ from hsstore.ops.verify import verify
 from hsstore.schema import build
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST
+from test_loader_batching import assert_same_batches, direct_and_copied
 
 
 def fp8_manifest(**kw):
@@ -200,7 +201,7 @@ def test_unknown_encoding_and_mixing_refused(tmp_path):
         hsstore.open(str(tmp_path))
 
 
-def test_loader_items_and_batches(tmp_path):
+def test_loader_items_and_batches(tmp_path, monkeypatch):
     samples = make_samples(12, seed=7)
     with hsstore.StoreWriter(str(tmp_path), fp8_manifest(chunk_tokens=50)) as w:
         for s in samples:
@@ -224,6 +225,9 @@ def test_loader_items_and_batches(tmp_path):
     packed = hsstore.collate_packed(items[:3])
     assert torch.equal(fp8.dequantise_batch(packed)["hidden_states"],
                        torch.cat([fp8.dequantise(x["hidden_states"], x["hidden_scales"]) for x in items[:3]]))
+    for mode in ("pad", "pack"):  # e4m3fn bits and scales read straight into their batch slots, or collated
+        assert_same_batches(*direct_and_copied(lambda: hsstore.TokenBatches(
+            hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5]), token_budget=300, mode=mode), monkeypatch))
     host = list(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5], reading=hsstore.Reading(dequantise=True)))
     assert [x["sample_id"] for x in host] == [x["sample_id"] for x in items]
     assert all("hidden_scales" not in h and torch.equal(h["hidden_states"], fp8.dequantise(

@@ -167,3 +167,98 @@ def test_in_process_batches_reuse_memory_and_held_ones_stay_intact(store_url, mo
             b = {"hidden_states": torch.cat([h[:n] for h, n in zip(b["hidden_states"], b["lengths"])])}
         assert torch.equal(bits(b["hidden_states"]), want)
     assert len(pickle.dumps(tb)) < 100_000  # what a spawned worker gets: no pooled memory
+
+
+def _flip_a_feature_byte(store):
+    """Flip one byte of a feature's stored values (a zarr chunk or a wds member) of the store's second shard."""
+    import os
+
+    rec = store.commits[1]
+    key = next(k for k in sorted(rec.files) if "layer_003" in k) if store.manifest.layout == "zarr" else None
+    if key is None:  # wds: inside sample 1's layer 3 member, past its .npy header
+        from hsstore.layouts import wds
+        key, (off, size, _) = wds.tar_path(rec.shard), rec.members["000001.layer_003.npy"]
+        at = off + size - 7
+    else:
+        at = 200
+    path = os.path.join(store.root, key)
+    data = bytearray(open(path, "rb").read())
+    data[at] ^= 0x40
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("layout", ["zarr", "wds"])
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_direct_batches_check_every_byte_before_use(tmp_path, layout, mode):
+    """Samples are read straight into their slots of the batches: a flipped byte there still stops the epoch
+    before any batch holding the sample is handed out, naming it; with ``skip_corrupt`` the samples it damaged are
+    left out and every batch handed out (those after the skip collated by copy) holds exactly the stored bytes."""
+    import dataclasses
+
+    import hsstore
+    from hsstore.errors import CorruptionError
+    from hsstore.testing.stores import make_manifest, make_samples, write_store
+
+    smp = make_samples(40)
+    url = write_store(str(tmp_path / "s"), smp, manifest=dataclasses.replace(make_manifest(), layout=layout),
+                      shard_tokens=600)
+    store = hsstore.open(url)
+    _flip_a_feature_byte(store)
+    bad = set()
+    for i, sid in enumerate(store.sample_ids()):  # what reading each sample alone refuses (Store.read's path)
+        try:
+            store.read(i)
+        except CorruptionError:
+            bad.add(sid)
+    assert 0 < len(bad) < 5
+    with pytest.raises(CorruptionError, match="sample '(" + "|".join(sorted(bad)) + ")'"):
+        list(TokenBatches(dataset(url, seed=2), token_budget=300, mode=mode))
+    got = list(TokenBatches(dataset(url, seed=2, skip_corrupt=True), token_budget=300, mode=mode))
+    by_id = {s["sample_id"]: s for s in smp}
+    assert sorted(i for b in got for i in b["sample_id"]) == sorted(set(by_id) - bad)
+    for b in got:
+        h = b["hidden_states"]
+        for j, sid in enumerate(b["sample_id"]):
+            if mode == "pad":
+                n = int(b["lengths"][j])
+                rows = h[j, :n]
+                assert not h[j, n:].any()
+            else:
+                rows = h[int(b["cu_seqlens"][j]):int(b["cu_seqlens"][j + 1])]
+            assert torch.equal(bits(rows), bits(by_id[sid]["hidden_states"]))
+
+
+def direct_and_copied(make, monkeypatch) -> tuple[list, list]:
+    """The batches of ``make()`` (a ``TokenBatches``) read straight into their slots, and read into unit buffers and
+    collated (``HSSTORE_DIRECT_BATCHES=0``)."""
+    from hsstore.loader.batching import DIRECT_BATCHES_ENV
+
+    direct = list(make())
+    monkeypatch.setenv(DIRECT_BATCHES_ENV, "0")
+    copied = list(make())
+    monkeypatch.delenv(DIRECT_BATCHES_ENV)
+    return direct, copied
+
+
+def assert_same_batches(direct: list, copied: list) -> None:
+    """Batches equal key for key, value for value (bits for floats); the direct ones' features a dense view of
+    feature-major memory, which ``.to(device)`` copies in one piece (``preserve_format``: the same strides)."""
+    assert ids(direct) == ids(copied) and len(direct) > 1
+    for a, b in zip(direct, copied):
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            if isinstance(v, torch.Tensor):
+                same = torch.equal(v.contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) \
+                    if v.is_floating_point() else torch.equal(v, b[k])
+                assert v.shape == b[k].shape and v.dtype == b[k].dtype and same, k
+            else:
+                assert v == b[k], k
+        h = a["hidden_states"]
+        assert not h.is_contiguous() and torch.empty_like(h).stride() == h.stride()
+
+
+def test_direct_batches_are_the_collated_ones(store_url, monkeypatch):  # noqa: F811
+    """Read straight into their slots or read into unit buffers and collated: the same batches."""
+    for mode in ("pad", "pack"):
+        assert_same_batches(*direct_and_copied(
+            lambda: TokenBatches(dataset(store_url, seed=4), token_budget=350, mode=mode, max_items=5), monkeypatch))

@@ -15,11 +15,13 @@ from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore.loader.cache import ChunkCache
-from hsstore.errors import StoreError
+from hsstore import transfer
+from hsstore.errors import CorruptionError, StoreError
 from hsstore.schema import build
 
 from conftest import PATIENT_S3, make_samples
 from test_loader import bits, dataset, ids_of, write_store
+from test_loader_batching import assert_same_batches, direct_and_copied
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -174,6 +176,55 @@ def test_chunk_cache_keeps_this_runs_copies(tmp_path):
     misses = cache.misses
     cache.cat(fs, root, ["b", "e"], "ns")
     assert cache.misses == misses + 1 and present() == ["b", "c", "d"] and cache.size() <= cache.max_bytes
+
+
+@pytest.mark.parametrize("stream", ["1", "0"])
+def test_s3_batches_read_into_their_slots(s3_url, tmp_path, monkeypatch, stream):
+    """From S3, streamed into the batch slots (or fetched as bytes and copied there), then out of the chunk cache
+    in the second epoch: the same batches as items collated by copy."""
+    url, opts = s3_url
+    monkeypatch.setenv(transfer.STREAM_READS_ENV, stream)
+    for epoch in range(2):
+        def make():
+            ds = dataset(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), seed=1)
+            ds.set_epoch(epoch)
+            return hsstore.TokenBatches(ds, token_budget=300)
+
+        assert_same_batches(*direct_and_copied(make, monkeypatch))
+
+
+def test_s3_batches_refuse_a_flipped_byte(s3_store, s3_samples, tmp_path):
+    """A chunk object damaged in the bucket is fetched again, then refused, before any sample it holds is handed out
+    in a batch (read into its slot, checked there), through the chunk cache too; with ``skip_corrupt`` the batches
+    hold every other sample, bit for bit."""
+    url, opts = s3_store
+    write_store(url, s3_samples[:20], shard_tokens=1000, storage_options=opts)
+    store = hsstore.open(url, **opts)
+    rec = store.commits[0]
+    key = next(k for k in sorted(rec.files) if "layer_003/c/1/" in k)
+    fs = s3fs.S3FileSystem(**opts)
+    path = f"{url.replace('s3://', '')}/{key}"
+    data = bytearray(fs.cat(path))
+    data[100] ^= 0x20
+    fs.pipe(path, bytes(data))
+    bad = set()
+    for i, sid in enumerate(store.sample_ids()):
+        try:
+            store.read(i)
+        except CorruptionError:
+            bad.add(sid)
+    assert bad
+    for cache in (None, str(tmp_path / "cache")):
+        with pytest.raises(CorruptionError, match="sample '(" + "|".join(sorted(bad)) + ")'.*checksum"):
+            list(hsstore.TokenBatches(dataset(url, storage_options=opts, cache_dir=cache), token_budget=300))
+        got = list(hsstore.TokenBatches(dataset(url, storage_options=opts, cache_dir=cache, skip_corrupt=True),
+                                        token_budget=300, mode="pack"))
+        want = {s["sample_id"]: s["hidden_states"] for s in s3_samples[:20]}
+        assert sorted(i for b in got for i in b["sample_id"]) == sorted(set(want) - bad)
+        for b in got:
+            cu = b["cu_seqlens"]
+            for j, sid in enumerate(b["sample_id"]):
+                assert torch.equal(bits(b["hidden_states"][int(cu[j]):int(cu[j + 1])]), bits(want[sid]))
 
 
 def test_s3_store_deleted_mid_epoch(s3_store, s3_samples):

@@ -38,7 +38,7 @@ from .. import door, storage, transfer
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_fold, scratch
+from ..memory import copy_bytes, mapped_reads, pread_fold, row_parts, scatter_rows, scratch
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
 @dataclass
 class _Job:
     name: str
-    dest: np.ndarray  # destination rows (contiguous)
+    dest: list[np.ndarray]  # destination rows: contiguous pieces, filled in turn (``memory.row_parts``)
     rows: slice  # rows of the member's array to take
     descr: str
     shape: tuple[int, ...]
@@ -305,9 +305,10 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             break
         lo, hi = max(start, a), min(stop, b)
         rows, dst = slice(lo - a, hi - a), slice(lo - start, hi - start)
-        parts = [("input_ids.npy", ids[dst], IDS_DTYPE.str, (b - a,)),
-                 ("loss_mask.npy", mask[dst], MASK_DTYPE.str, (b - a,))]
-        parts += [(layer_part(l), feats[j, dst], fdescr, (b - a, H)) for j, l in enumerate(layers)]
+        parts = [("input_ids.npy", [ids[dst]], IDS_DTYPE.str, (b - a,)),
+                 ("loss_mask.npy", [mask[dst]], MASK_DTYPE.str, (b - a,))]
+        parts += [(layer_part(l), row_parts(feats[j], dst.start, dst.stop), fdescr, (b - a, H))
+                  for j, l in enumerate(layers)]
         for part, dest, descr, shape in parts:
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
@@ -334,10 +335,10 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
     if bytes(npy[:len(head)]) != head:
         raise CorruptionError(f"shard {shard!r}, member {job.name!r}: .npy header is not the expected "
                               f"{job.descr} {list(job.shape)} array")
-    if data is not None:
+    if data is not None and job.dest:
         width = job.shape[1] if len(job.shape) > 1 else 1
-        vals = data.view(job.dest.dtype)
-        job.dest[:] = (vals.reshape(-1, width) if width > 1 else vals)[job.rows]
+        vals = data.view(job.dest[0].dtype)
+        scatter_rows(job.dest, (vals.reshape(-1, width) if width > 1 else vals)[job.rows])
 
 
 def _read_at(src: mmap.mmap | int, offset: int, buf: np.ndarray, crc: int | None = None) -> int:
@@ -385,9 +386,9 @@ def _read_jobs(src: mmap.mmap | int, jobs: list[_Job], shard: str) -> None:
         where = f"shard {shard!r}, member {job.name!r}"
         head = np.empty(BLOCK + len(job.header), np.uint8)
         n_data = job.size - len(job.header)
-        whole = job.rows.stop - job.rows.start == job.shape[0] and job.dest.nbytes == n_data
+        whole = job.rows.stop - job.rows.start == job.shape[0] and len(job.dest) == 1 and job.dest[0].nbytes == n_data
         with contextlib.ExitStack() as stack:
-            data = job.dest if whole else stack.enter_context(scratch(n_data))  # reused: no fresh pages per read
+            data = job.dest[0] if whole else stack.enter_context(scratch(n_data))  # reused: no fresh pages per read
             try:
                 _read_at(src, job.offset - BLOCK, head)
                 check_header(head[:BLOCK].tobytes(), job.name, job.size, shard)

@@ -29,7 +29,7 @@ from .. import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_fold, pread_into, scratch, torch_threads
+from ..memory import copy_bytes, mapped_reads, pread_fold, pread_into, row_parts, scatter_rows, scratch, torch_threads
 from ..format.report import Problem, VerifyReport
 from ..terminal import escape, shown
 
@@ -200,8 +200,9 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
               mask: np.ndarray, feats: np.ndarray, carry: dict | None = None, scales: np.ndarray | None = None,
               ) -> None:
     """Tokens ``start:stop`` of a shard into ``ids``, ``mask`` and layer-major ``feats`` (the layout's part of
-    :meth:`hsstore.store.reader.Store.read_range`): the chunks of ``layers`` overlapping the range (and, fp8, of
-    their scale arrays), every one checked against its CRC32C and the commit record."""
+    :meth:`hsstore.store.reader.Store.read_range`; a feature's destination, and a scale array's, may be
+    ``memory.Rows`` pieces): the chunks of ``layers`` overlapping the range (and, fp8, of their scale arrays),
+    every one checked against its CRC32C and the commit record."""
     shard_name = rec.shard
     m = src.manifest
     ct, H = m.chunk_tokens, m.hidden_size
@@ -214,14 +215,15 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         targets += [(f"{base}/{scale_array(l)}", scales[j], plain, 1) for j, l in enumerate(layers)]
     fs, root, _ = src.locate(shard_name)
     direct = storage.is_local(fs) and feature_codec.spec == "none"
-    # (key, destination rows, rows of the chunk to take, codec, width, read directly from a local file)
+    # (key, destination rows in pieces, rows of the chunk to take, codec, width, read directly from a local file,
+    # the destination's dtype)
     jobs = []
     for array_path, out, chunk_codec, width in targets:
         for k in range(k0, k1 + 1):
             lo, hi = max(start, k * ct), min(stop, (k + 1) * ct)
             key = chunk_key(array_path, k, 1 if width == 1 else 2)
-            jobs.append((key, out[lo - start:hi - start], slice(lo - k * ct, hi - k * ct), chunk_codec, width,
-                         direct))
+            jobs.append((key, row_parts(out, lo - start, hi - start), slice(lo - k * ct, hi - k * ct), chunk_codec,
+                         width, direct, out.dtype))
     if carry is None and not direct and feature_codec.spec == "none" and transfer.stream_reads():
         return _stream_into(src, rec, fs, root, jobs, ct)
     carried = carry or {}
@@ -233,7 +235,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             raise CorruptionError(f"shard {shard_name!r}, file {unlisted[0]}: not listed in the commit record")
         # the sizes the record lists, each within a chunk's bound: one ranged GET per chunk on object stores
         sizes = {k: rec.files[k]["size"] for k in fetch}
-        bound = {j[0]: chunk_bound(ct * j[4] * j[1].itemsize) for j in jobs}
+        bound = {j[0]: chunk_bound(ct * j[4] * j[6].itemsize) for j in jobs}
         try:
             if src.chunk_cache is not None and not storage.is_local(fs):
                 blobs.update(src.chunk_cache.cat(fs, root, fetch, namespace=src.cache_namespace(),
@@ -251,11 +253,11 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
                 # the path to the store failed (after retries), not the bytes: never "corrupt"
                 raise FetchError(f"shard {shard_name!r} of store {src.url!r}, file {k}: read failed after "
                                  f"retries ({failure})")
-    for key, dest, rows, chunk_codec, width, local in jobs:
+    for key, dest, rows, chunk_codec, width, local, dtype in jobs:
         where = f"shard {shard_name!r}, file {key}"
         expect = rec.chunk_checksum(key)  # compared with the tail checked anyway: no extra pass
         if local:  # the rows wanted straight into the output; the rest of a partial chunk into scratch
-            row_bytes = width * dest.itemsize
+            row_bytes = width * dtype.itemsize
             read_chunk_into(root, key, dest, where, expect, skip=(rows.start * row_bytes, (ct - rows.stop) * row_bytes))
             continue
         blob = blobs.get(key)
@@ -264,8 +266,8 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         if blob is None or isinstance(blob, Exception):
             detail = f"{type(blob).__name__}: {blob}" if blob is not None else "not returned"
             raise CorruptionError(f"{where}: chunk missing or unreadable ({detail})")
-        vals = chunk_codec.decode(blob, dest.dtype, ct * width, where=where, expect=expect)
-        dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+        vals = chunk_codec.decode(blob, dtype, ct * width, where=where, expect=expect)
+        scatter_rows(dest, (vals.reshape(ct, width) if width > 1 else vals)[rows])
     if carry is not None:
         last = [chunk_key(t[0], k1, 1 if t[3] == 1 else 2) for t in targets]
         carry.clear()
@@ -302,24 +304,27 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
     shard_name = rec.shard
     with contextlib.ExitStack() as stack:
         targets, crcs, parts = {}, {}, {}
-        for key, dest, rows, _codec, width, _local in jobs:
+        for key, dest, rows, _codec, width, _local, dtype in jobs:
             where = f"shard {shard_name!r}, file {key}"
-            nbytes = ct * width * dest.itemsize
+            nbytes = ct * width * dtype.itemsize
             listed = rec.files.get(key, {}).get("size")
             if listed is not None and listed != nbytes + 4:
                 raise CorruptionError(f"{where}: chunk holds {max(0, listed - 4)} bytes, expected {nbytes}")
-            if rows.stop - rows.start == ct and dest.flags.c_contiguous:
-                payload = dest.reshape(-1).view(np.uint8)
+            if rows.stop - rows.start == ct:  # the whole chunk: straight into its rows' places
+                payload = [d.reshape(-1).view(np.uint8) for d in dest]
             else:
-                payload = stack.enter_context(scratch(nbytes))
-                parts[key] = (dest, rows, width, payload)
+                payload = [stack.enter_context(scratch(nbytes))]
+                parts[key] = (dest, rows, width, payload[0], dtype)
             tail = bytearray(4)
-            targets[key] = [payload, tail]
+            targets[key] = [*payload, tail]
             crcs[key] = (payload, tail, rec.chunk_checksum(key), where)
 
         def check(key: str) -> str | None:
             payload, tail, expect, _ = crcs[key]
-            return codec.payload_problem(payload, int.from_bytes(tail, "little"), expect)
+            crc = None
+            for piece in payload:
+                crc = codec.crc32c(piece, crc)
+            return codec.checksum_problem(crc, int.from_bytes(tail, "little"), expect)
 
         try:
             if src.chunk_cache is not None:
@@ -340,32 +345,35 @@ def _stream_into(src: ShardSource, rec: CommitRecord, fs, root: str, jobs: list,
                                  f"read failed after retries ({type(result).__name__}: {result})")
             if result is not None:
                 raise CorruptionError(f"{where}: {result}")
-        for dest, rows, width, payload in parts.values():
-            vals = payload.view(dest.dtype)
-            dest[:] = (vals.reshape(ct, width) if width > 1 else vals)[rows]
+        for dest, rows, width, payload, dtype in parts.values():
+            vals = payload.view(dtype)
+            scatter_rows(dest, (vals.reshape(ct, width) if width > 1 else vals)[rows])
 
 
 _NO_BYTES = np.empty(0, np.uint8)
 
 
-def read_chunk_into(root: str, key: str, dest: np.ndarray, where: str, expect: int | None = None,
-                    skip: tuple[int, int] = (0, 0)) -> None:
-    """Read the uncompressed local chunk file ``key`` under ``root`` into ``dest`` (contiguous) through the door
-    (a regular file beneath the root, no link followed, exactly one chunk's size) and check its CRC32C, and that
-    it is ``expect``, the payload CRC32C the commit record lists for the path (None: the record lists none).
-    ``skip``: the payload bytes before and after ``dest``'s part of the chunk (rows of a partial chunk that are
-    not wanted), read into a reused scratch buffer and checked with the rest.
+def read_chunk_into(root: str, key: str, dest: np.ndarray | Sequence[np.ndarray], where: str,
+                    expect: int | None = None, skip: tuple[int, int] = (0, 0)) -> None:
+    """Read the uncompressed local chunk file ``key`` under ``root`` into ``dest`` (contiguous, or contiguous
+    pieces filled in turn: ``memory.row_parts``) through the door (a regular file beneath the root, no link
+    followed, exactly one chunk's size) and check its CRC32C, and that it is ``expect``, the payload CRC32C the
+    commit record lists for the path (None: the record lists none). ``skip``: the payload bytes before and after
+    ``dest``'s part of the chunk (rows of a partial chunk that are not wanted), read into a reused scratch buffer
+    and checked with the rest.
 
     The payload is read with ``preadv`` straight into ``dest``, its CRC32C folded in block by block while each
     block is in cache (``memory.pread_fold``), and the 4-byte tail into a small buffer: no mapping to fault in,
     no second copy, no second pass over memory; the loader's reader threads read several chunks at once
     (``memory.mapped_reads``: the former mapped path, for comparison). Committed chunks are never
     rewritten, so the file cannot change under the read."""
-    if not dest.flags.c_contiguous:
+    dests = [dest] if isinstance(dest, np.ndarray) else list(dest)
+    if not all(d.flags.c_contiguous for d in dests):
         raise ValueError(f"{where}: the destination of a chunk read must be contiguous")
     head, tail_skip = skip
     with scratch(head + tail_skip) if head + tail_skip else contextlib.nullcontext(_NO_BYTES) as extra:
-        parts = [p for p in (extra[:head], dest.reshape(-1).view(np.uint8), extra[head:]) if p.nbytes]
+        middle = [d.reshape(-1).view(np.uint8) for d in dests]
+        parts = [p for p in (extra[:head], *middle, extra[head:]) if p.nbytes]
         crc, tail = _read_parts(root, key, parts, where)
     problem = codec.checksum_problem(crc, int.from_bytes(tail, "little"), expect)
     if problem:

@@ -47,7 +47,8 @@ Reads run on the dataset's own threads (file reads and copies release the GIL; s
 and unit buffers are recycled once the trainer drops the items viewing them: in-process from a
 ``BufferPool``, in DataLoader workers (fork and spawn) from shared-memory segments that the main process
 releases as it drops the items (``memory.SharedRing``), so handing an item over copies nothing and a
-worker rewrites no memory the trainer still holds.
+worker rewrites no memory the trainer still holds. Under ``TokenBatches`` a sample is read straight into its slot
+of the batch it will be in (``batching.BatchSlots``; ``_SlotReader.place``) instead of a unit buffer.
 
 Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, item and batch memory in
 ``memory``; this module builds the dataset and reads each slot's plan.
@@ -63,7 +64,7 @@ import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -71,12 +72,13 @@ from torch.utils.data import IterableDataset
 
 from ..format import codec, fp8, layout_spec
 from .. import storage
+from .batching import Placed
 from .cache import ChunkCache, copy_size
 from ..errors import CorruptionError, StoreError
 from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
-from ..memory import BufferPool, empty_host, hand_over
+from ..memory import BufferPool, Rows, empty_host, hand_over
 from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
 from .plan import Filters, Planner, SlotPlan, build_catalog
@@ -533,10 +535,12 @@ class HiddenStateDataset(IterableDataset):
     def _pool(self) -> BufferPool:
         pool = self.__dict__.get("_buffers")
         if pool is None or pool.pid != os.getpid():
-            # about what a slot holds at its peak: the shuffle pool plus the units read ahead
-            pool = self.__dict__["_buffers"] = BufferPool(
-                self.planning.shuffle_bytes + (self.reading.prefetch + 2) * self.unit_tokens * self.token_bytes)
+            pool = self.__dict__["_buffers"] = BufferPool(self.window_bytes())
         return pool
+
+    def window_bytes(self) -> int:
+        """About what a slot holds at its peak: the shuffle pool plus the units read ahead."""
+        return self.planning.shuffle_bytes + (self.reading.prefetch + 2) * self.unit_tokens * self.token_bytes
 
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
@@ -556,18 +560,55 @@ class HiddenStateDataset(IterableDataset):
         cat = self.catalog
         return self.stores[int(cat.store[row])].commits[int(cat.shard[row])].samples["sample_id"][int(cat.local[row])]
 
+    def feature_layout(self) -> tuple[int, int, torch.dtype, bool, bool]:
+        """What an item's features are, per token: (features read, hidden size, torch dtype of the features, fp8
+        with row scales, whether the last feature is ``final_hidden``) (``batching.BatchSlots`` sizes batches by it)."""
+        m = self.stores[0].manifest
+        dtype = fp8.FP8_DTYPE if self.fp8 else codec.TORCH_DTYPE[m.dtype]
+        return len(self._features), m.hidden_size, dtype, self.fp8, self.selection.final_hidden
+
+    def can_place(self) -> bool:
+        """Whether items can be read straight into memory the caller places them in (``read_placed``): not when
+        the host dequantises fp8 features (the item is then new memory)."""
+        return not (self.fp8 and self.reading.dequantise)
+
     def read_unit(self, rows: np.ndarray) -> dict[int, _ReadSample | CorruptionError]:
         """Read catalog rows of one shard (one unit): row -> the sample read, or the ``CorruptionError``
         of that sample. Contiguous rows are read with one ``read_range``."""
+        return self._read_rows(np.unique(rows), None)
+
+    def read_placed(self, rows: np.ndarray, positions: np.ndarray, place: Callable[[int], Placed]
+                    ) -> dict[int, _ReadSample | CorruptionError]:
+        """``read_unit`` of the samples at plan ``positions`` (catalog ``rows``, one per position), each read
+        straight into the memory ``place(position)`` gives it (its slot of a batch: ``batching.BatchSlots``), every
+        chunk checked there before this returns: position -> the sample, or its ``CorruptionError``. A row at
+        several positions (weights above 1) is read once and copied to the others."""
+        first: dict[int, int] = {}
+        for r, p in zip(rows.tolist(), positions.tolist()):
+            first.setdefault(r, p)
+        got = self._read_rows(np.array(sorted(first), np.int64), {r: place(p) for r, p in first.items()})
+        out: dict[int, Any] = {}
+        for r, p in zip(rows.tolist(), positions.tolist()):
+            sample = got[r]
+            if p != first[r] and isinstance(sample, _ReadSample):
+                feats, scales = place(p)
+                feats.copy_(sample.feats)
+                if scales is not None:
+                    scales.copy_(sample.scales)
+                sample = sample._replace(feats=feats, scales=scales)
+            out[p] = sample
+        return out
+
+    def _read_rows(self, rows: np.ndarray, places: dict[int, Placed] | None) -> dict[int, _ReadSample | CorruptionError]:
+        """``read_unit`` of sorted unique ``rows``, into ``places`` (row -> its memory) when given."""
         cat = self.catalog
-        rows = np.unique(rows)
         store = self.stores[int(cat.store[rows[0]])]
         commit = store.commits[int(cat.shard[rows[0]])]
         out: dict[int, Any] = {}
         ranges = np.split(rows, np.flatnonzero(cat.start[rows[1:]] != cat.stop[rows[:-1]]) + 1)
         try:
             for contiguous in ranges:
-                self._read_range(store, commit, contiguous, out)
+                self._read_range(store, commit, contiguous, out, places)
         except (CorruptionError, StoreError) as e:
             gone = self._store_gone(store)
             if gone:
@@ -578,33 +619,42 @@ class HiddenStateDataset(IterableDataset):
             out = {}
             for row in rows:  # find the samples at fault, keep the rest
                 try:
-                    self._read_range(store, commit, np.array([row]), out)
+                    self._read_range(store, commit, np.array([row]), out, places)
                 except CorruptionError as e1:
                     out[int(row)] = CorruptionError(f"store {store.url!r}, shard {commit.shard!r}, "
                                                     f"sample {self._sample_id(int(row))!r}: {e1}")
         return out
 
-    def _read_range(self, store: Store, commit, rows: np.ndarray, out: dict[int, Any]) -> None:
-        """Catalog rows whose tokens are one contiguous range of a shard: one ``read_range``."""
+    def _read_range(self, store: Store, commit, rows: np.ndarray, out: dict[int, Any],
+                    places: dict[int, Placed] | None = None) -> None:
+        """Catalog rows whose tokens are one contiguous range of a shard: one ``read_range``, into a unit buffer, or
+        with ``places`` each row's features into its own memory (``memory.Rows``: one piece per sample)."""
         cat = self.catalog
         a, b = int(cat.start[rows[0]]), int(cat.stop[rows[-1]])
         m = store.manifest
+        sid = commit.samples["sample_id"]
+        if places is not None:
+            placed = [places[int(row)] for row in rows]
+            bits = [Rows([_storage_bits(f[j], m.dtype) for f, _ in placed]) for j in range(len(self._features))]
+            scales = ([Rows([sc[j].numpy() for _, sc in placed]) for j in range(len(self._features))]
+                      if self.fp8 else None)
+            ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits, scales_out=scales)
+            for row, (feats, sc) in zip(rows, placed):
+                s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
+                out[int(row)] = _ReadSample(sid[int(cat.local[row])], ids[s:e], mask[s:e], feats, sc)
+            return
         shape = (len(self._features), b - a, m.hidden_size)
         scales = None
         if self.fp8:  # e4m3fn bits, and the rows' scales
-            feats = self._alloc(shape, torch.uint8)
-            bits = feats.numpy()
+            feats = self._alloc(shape, torch.uint8).view(fp8.FP8_DTYPE)
             scales = self._alloc(shape[:2], torch.float32)
-            feats = feats.view(fp8.FP8_DTYPE)
         else:
             feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
-            bits = feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(
-                codec.STORAGE_DTYPE[m.dtype])
-        ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits,
+        ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=_storage_bits(feats, m.dtype),
                                         scales_out=None if scales is None else scales.numpy())
         for row in rows:
             s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
-            out[int(row)] = _ReadSample(commit.samples["sample_id"][int(cat.local[row])], ids[s:e], mask[s:e],
+            out[int(row)] = _ReadSample(sid[int(cat.local[row])], ids[s:e], mask[s:e],
                                         feats[:, s:e], None if scales is None else scales[:, s:e])
 
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
@@ -617,6 +667,13 @@ class HiddenStateDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"HiddenStateDataset({[s.url for s in self.stores]}, samples={len(self.catalog)}, layers={self.layers}, "
                 f"rank={self.world.rank}/{self.world.world}, epoch={self.epoch})")
+
+
+def _storage_bits(feats: torch.Tensor, dtype: str) -> np.ndarray:
+    """The bits of features (an item's dtype, or fp8) as the store's storage dtype, for ``read_range`` to fill."""
+    if feats.dtype == fp8.FP8_DTYPE:
+        return feats.view(torch.uint8).numpy()
+    return feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(codec.STORAGE_DTYPE[dtype])
 
 
 def _shared_int(value: int):
@@ -632,13 +689,16 @@ class _SlotReader:
 
     Units are submitted in order of first use, up to ``prefetch`` units beyond the one being handed
     out; a unit's data is released after its last item is handed out (the shuffle pool's memory). ``offset``:
-    where the plan starts in the slot's stream (a follower's epoch 0 is one plan per join, one after another)."""
+    where the plan starts in the slot's stream (a follower's epoch 0 is one plan per join, one after another).
+    ``place`` (before the first item): each sample is read straight into the memory it gives the sample's plan
+    position (``TokenBatches``: its slot of the batch it will be in), rather than into a unit buffer."""
 
     def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress, offset: int = 0) -> None:
         self.ds, self.plan, self.progress, self.offset = ds, plan, progress, offset
         self.pos = progress.count - offset
         self.rows = plan.rows
         self.unit_rows: dict[int, np.ndarray] = {}
+        self.unit_pos: dict[int, np.ndarray] = {}  # unit -> the plan positions of its rows
         self.last_use: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}  # unit -> index in order of first use
         self.order: list[int] = []
@@ -650,7 +710,8 @@ class _SlotReader:
             firsts = {}
             for c0, c1 in zip(cuts.tolist(), np.r_[cuts[1:], len(srt)].tolist()):
                 g = int(u_sorted[c0])
-                self.unit_rows[g] = self.rows[self.pos + srt[c0:c1]]
+                self.unit_pos[g] = self.pos + srt[c0:c1]
+                self.unit_rows[g] = self.rows[self.unit_pos[g]]
                 self.last_use[g] = self.pos + int(srt[c1 - 1])
                 firsts[g] = int(srt[c0])
             self.order = sorted(firsts, key=firsts.__getitem__)
@@ -661,10 +722,27 @@ class _SlotReader:
         self.request_s = math.inf  # the fastest request time seen (remote stores)
         self.next_submit = 0
         self.pool: ThreadPoolExecutor | None = None
+        self.placer: Callable[[int], Placed] | None = None
         self.closed = False
 
     def __iter__(self) -> "_SlotReader":
         return self
+
+    def lengths(self) -> np.ndarray:
+        """Token counts of the samples still to come, in order (plan positions ``first()`` on)."""
+        cat = self.ds.catalog
+        rows = self.rows[self.pos:]
+        return cat.stop[rows] - cat.start[rows]
+
+    def first(self) -> int:
+        """The plan position of the next sample."""
+        return self.pos
+
+    def place(self, placer: Callable[[int], Placed]) -> None:
+        """Read every sample from now on into ``placer(plan position)`` (see the class doc)."""
+        if self.next_submit:
+            raise RuntimeError("place() comes before the first item")
+        self.placer = placer
 
     def _submit_through(self, idx: int) -> None:
         if self.pool is None:
@@ -673,14 +751,20 @@ class _SlotReader:
             self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hsstore-loader")
         while self.next_submit < len(self.order) and self.next_submit <= idx:
             g = self.order[self.next_submit]
-            rows = self.unit_rows.pop(g)
-            self.futures[g] = self.pool.submit(self._read if self.remote else self.ds.read_unit, rows)
+            rows, positions = self.unit_rows.pop(g), self.unit_pos.pop(g)
+            self.futures[g] = self.pool.submit(self._read if self.remote else self._read_local, rows, positions)
             self.next_submit += 1
 
-    def _read(self, rows: np.ndarray):
+    def _read_local(self, rows: np.ndarray, positions: np.ndarray):
+        """One unit's samples: row -> sample (position -> sample when placed)."""
+        if self.placer is None:
+            return self.ds.read_unit(rows)
+        return self.ds.read_placed(rows, positions, self.placer)
+
+    def _read(self, rows: np.ndarray, positions: np.ndarray):
         """A remote unit read, timed: its per-request time sizes the read-ahead (``read_ahead_units``)."""
         t = time.perf_counter()
-        out = self.ds.read_unit(rows)
+        out = self._read_local(rows, positions)
         took = time.perf_counter() - t
         cat, ds = self.ds.catalog, self.ds
         request, per_unit = self.remote
@@ -698,7 +782,7 @@ class _SlotReader:
                 p = self.pos
                 g = int(plan.units[p])
                 self._submit_through(self.rank_of[g] + self.depth)
-                sample = self.futures[g].result()[int(self.rows[p])]
+                sample = self.futures[g].result()[p if self.placer is not None else int(self.rows[p])]
                 if p == self.last_use[g]:
                     del self.futures[g]
                 self.pos = p + 1

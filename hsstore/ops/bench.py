@@ -450,14 +450,24 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], settings: Loader
     return {"loader": _loader_result(url, best, passes, s, multi)}
 
 
+def feature_bytes(x: dict[str, Any]) -> int:
+    """Bytes of the samples' features in an item or a batch (a padded batch's real tokens, not its padding)."""
+    h = x["hidden_states"]
+    if "lengths" in x:  # padded [B, T, L, H]
+        return int(x["lengths"].sum()) * h[0, 0].numel() * h.element_size()
+    return h.numel() * h.element_size()
+
+
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
-                 partition: str, reading: Reading, start, done, results) -> None:
+                 partition: str, reading: Reading, batch_tokens: int, start, done, results) -> None:
     """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
-    the parent (which drops the page cache and reads the proxy's counters in between), then reads its share."""
+    the parent (which drops the page cache and reads the proxy's counters in between), then reads its share: items,
+    or with ``batch_tokens`` the trainer's padded ``TokenBatches`` (pinned with ``reading.pin_memory``)."""
     import resource
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from ..distributed import World
+    from ..loader.batching import TokenBatches
     from ..loader.dataset import HiddenStateDataset
     from ..loader.options import Planning
 
@@ -466,11 +476,12 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
     ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=reading,
                             world=World(rank, world, *((rank, world) if partition == "node" else (0, 1))),
                             storage_options=storage_options)
+    src = TokenBatches(ds, batch_tokens, pin_memory=reading.pin_memory) if batch_tokens else ds
     for epoch in range(epochs):
         ds.set_epoch(epoch)
         start.wait()
         ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        got = sum(item["hidden_states"].numel() * item["hidden_states"].element_size() for item in ds)
+        got = sum(feature_bytes(x) for x in src)
         secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
         results.put((epoch, rank, got, secs, cpu))
@@ -588,8 +599,10 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      reading: Reading = Reading(), progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES) -> dict[str, Any]:
-    """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would.
+                     raw_modes: tuple[str, ...] = RAW_MODES, batch_tokens: int = 0) -> dict[str, Any]:
+    """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would: items, or
+    with ``batch_tokens`` the padded ``TokenBatches`` of that many tokens a trainer takes (``reading.pin_memory``:
+    pinned, as the trainer's on a GPU; the bytes counted are the samples' features, not the padding).
 
     Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
     CPU-seconds per GB (user + system time of the rank processes over their bytes). Local stores are dropped from
@@ -624,8 +637,8 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         ctx = mp.get_context("spawn")
         start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
         opts = storage_options if read_options is None else read_options
-        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading, start,
-                                                    done, results)) for r in range(procs)]
+        ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading,
+                                                    batch_tokens, start, done, results)) for r in range(procs)]
         for p in ps:
             p.start()
         rows = []
@@ -658,15 +671,18 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         _remove(fs, storage.join(root, run))
     return {"source": {"url": url, "procs": procs, "prefetch": reading.prefetch, "cold": cold,
                        "partition": partition, "bytes": nbytes, "stored_bytes": stored, "hidden": hidden,
-                       "layers": layers, "cache_dir": reading.cache_dir, "epochs": rows}}
+                       "layers": layers, "cache_dir": reading.cache_dir, "batch_tokens": batch_tokens,
+                       "pin_memory": reading.pin_memory, "epochs": rows}}
 
 
 def format_source(r: dict[str, Any]) -> str:
     """The source bench as a compact table, one row per epoch."""
     stored = f" ({r['stored_bytes'] / 1e9:.2f} GB stored)" if "stored_bytes" in r else ""
     ahead = f", prefetch {r['prefetch']}" if r.get("prefetch") else ""
-    lines = [f"{r['procs']} ranks at once{ahead}, {r['bytes'] / 1e9:.2f} GB{stored}, {'cold' if r['cold'] else 'warm'}, "
-             f"partition {r['partition']}, {r['url']}",
+    what = (f", padded batches of {r['batch_tokens']} tokens{' (pinned)' if r.get('pin_memory') else ''}"
+            if r.get("batch_tokens") else ", items")
+    lines = [f"{r['procs']} ranks at once{ahead}{what}, {r['bytes'] / 1e9:.2f} GB{stored}, "
+             f"{'cold' if r['cold'] else 'warm'}, partition {r['partition']}, {r['url']}",
              f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
              f"{'in flight':>9}"]
     for e in r["epochs"]:

@@ -91,6 +91,21 @@ class SampleRef:
     sample_id: str
 
 
+def _fits(dest, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    """Whether ``dest`` (an array, or one ``memory.Rows`` per layer) can take features of ``shape`` (layer-major)."""
+    if isinstance(dest, np.ndarray):
+        return dest.shape == shape and dest.dtype == dtype and dest.flags.c_contiguous
+    return (isinstance(dest, (list, tuple)) and len(dest) == shape[0]
+            and all(isinstance(r, memory.Rows) and len(r) == shape[1] and r.dtype == dtype
+                    and r.row_shape == shape[2:] for r in dest))
+
+
+def _described(dest) -> str:
+    if isinstance(dest, np.ndarray):
+        return f"{dest.dtype} {dest.shape}"
+    return f"{type(dest).__name__} of {len(dest)}" if isinstance(dest, (list, tuple)) else type(dest).__name__
+
+
 class Store:
     """A read-only view of the committed shards of one store, as they were when opened."""
 
@@ -267,12 +282,14 @@ class Store:
         each layer's rows are contiguous, as in the chunk files and members.
 
         ``out`` (optional) is the features destination, ``[n_layers, T, H]`` C-contiguous in the storage
-        dtype: the loader passes pinned or shared memory so items need no further copy.
+        dtype, or one ``memory.Rows`` of ``T`` rows of ``H`` per layer (the rows in pieces: the loader reads each
+        sample straight into its slot of a batch); the loader passes pinned or shared memory so items need no
+        further copy.
         ``carry`` (optional, remote stores): fetched objects shared by consecutive reads of a scan. It is
         consulted before fetching and left holding this read's last chunks, so the chunk that straddles
         two windows crosses the network once.
         ``scales_out`` (required for fp8 stores, whose features are then e4m3fn bits as uint8): the
-        destination of the per-row scales, ``[n_layers, T]`` C-contiguous float32.
+        destination of the per-row scales, ``[n_layers, T]`` C-contiguous float32 (or one ``Rows`` per layer).
         """
         layers = self.check_layers(layers)
         m = self.manifest
@@ -288,15 +305,14 @@ class Store:
         mask = np.empty(T, np.uint8)
         shape, dtype = (len(layers), T, H), codec.storage_dtype(m.dtype, m.encoding)
         is_fp8 = m.encoding == fp8.ENCODING
-        if is_fp8 and (scales_out is None or scales_out.shape != shape[:2] or scales_out.dtype != fp8.SCALE_DTYPE
-                       or not scales_out.flags.c_contiguous):
-            got = "none" if scales_out is None else f"{scales_out.dtype} {scales_out.shape}"
+        if is_fp8 and (scales_out is None or not _fits(scales_out, shape[:2], np.dtype(fp8.SCALE_DTYPE))):
+            got = "none" if scales_out is None else _described(scales_out)
             raise ValueError(f"store {self.url!r} is fp8-encoded: scales_out must be a C-contiguous float32 array of "
                              f"shape {shape[:2]}, got {got}")
         if out is None:
             feats = np.empty(shape, dtype)
-        elif out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}, got {out.dtype} {out.shape}")
+        elif not _fits(out, shape, dtype):
+            raise ValueError(f"out must be a C-contiguous {dtype} array of shape {shape}, got {_described(out)}")
         else:
             feats = out
         if T <= 0:
