@@ -230,33 +230,37 @@ def test_node_cache_too_small_keeps_its_first_fill_and_names_the_size(s3_small, 
         s3fs.S3FileSystem.clear_instance_cache()
         opts = {"endpoint_url": proxy.url}
 
-        def epoch(cache, cap, e):
-            ds = node_ds(url, 0, per_node=1, storage_options=opts, cache_dir=str(cache), cache_bytes=cap)
+        def built(cache, cap):  # one dataset for the run, as a trainer has
+            return node_ds(url, 0, per_node=1, storage_options=opts, cache_dir=str(cache), cache_bytes=cap)
+
+        def epoch(ds, e):
             ds.set_epoch(e)
             proxy.reset_counts()
             assert len(ids_of(ds)) == len(ds)
-            return ds, sum(n for p, n in proxy.sent.items() if "/shards/" in p and "/c/" in p)
+            return sum(n for p, n in proxy.sent.items() if "/shards/" in p and "/c/" in p)
 
-        ds, _ = epoch(tmp_path / "all", 1 << 30, 0)
+        ds = built(tmp_path / "all", 1 << 30)
+        epoch(ds, 0)
         need = sum(_cached(tmp_path / "all").values())  # every copy the node's reads left, with its digest
         assert ds.node_cache_bytes() == need
 
         caplog.set_level(logging.WARNING, logger="hsstore.loader")
         small = tmp_path / "small"
-        _, first = epoch(small, need // 2, 0)
+        ds = built(small, need // 2)
         warned = [r.getMessage() for r in caplog.records if "cache_bytes" in r.getMessage()]
-        assert len(warned) >= 1 and f"cache_bytes {need} " in warned[0], warned
+        assert len(warned) == 1 and f"cache_bytes {need} " in warned[0], warned
+        first = epoch(ds, 0)
         kept = _cached(small)
         assert 0 < sum(kept.values()) <= need // 2
-        _, second = epoch(small, need // 2, 1)
+        second = epoch(ds, 1)
         assert _cached(small).items() >= kept.items()  # nothing the first epoch kept was evicted
         held = sum(n - 32 for n in kept.values())  # the chunk bytes of the copies (each with a 32-byte digest)
         assert 0 < second <= first - held
 
         caplog.clear()
-        epoch(tmp_path / "enough", need, 0)
-        _, again = epoch(tmp_path / "enough", need, 1)
-        assert again == 0 and not [r for r in caplog.records if "cache_bytes" in r.getMessage()]
+        ds = built(tmp_path / "enough", need)
+        epoch(ds, 0)
+        assert epoch(ds, 1) == 0 and not [r for r in caplog.records if "cache_bytes" in r.getMessage()]
     s3fs.S3FileSystem.clear_instance_cache()
 
 

@@ -69,15 +69,18 @@ def test_run_buffers_are_recycled_across_epochs(tmp_path):
     assert per_epoch[0] == per_epoch[1] == per_epoch[2] and len(per_epoch[0]) == 30
 
 
-def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
+@pytest.mark.parametrize("batches", [[], ["--batch-tokens", "700"]])
+def test_source_bench_feeds_ranks_at_once(tmp_path, capsys, batches):
+    """Items, or the trainer's padded batches (each rank's bytes: its samples' features, not the padding)."""
     from hsstore.cli import main
 
     assert main(["bench", str(tmp_path), "--what", "source", "--procs", "2", "--size-mb", "2", "--hidden", "64",
-                 "--num-taps", "2", "--epochs", "2", "--cold", "--prefetch", "1", "--json", "--quiet"]) == 0
+                 "--num-taps", "2", "--epochs", "2", "--cold", "--prefetch", "1", "--json", "--quiet", *batches]) == 0
     import json
 
     r = json.loads(capsys.readouterr().out)["source"]
     assert r["procs"] == 2 and r["prefetch"] == 1 and [e["epoch"] for e in r["epochs"]] == [0, 1]
+    assert r["batch_tokens"] == (700 if batches else 0)
     for e in r["epochs"]:
         assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
         # the raw baseline: the store's files (features, ids, masks, metadata) by as many plain readers

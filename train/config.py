@@ -128,7 +128,9 @@ class Data:
     cache_dir: str | None = option(None, path=True, help="local chunk cache for remote stores")
     cache_bytes: int | None = option(
         None, metavar="N",
-        help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's share")
+        help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's part (the "
+             "loader names that size in one line when the cap is less: later epochs then fetch only what the cap "
+             "could not hold)")
     partition: str = option(
         "global", choices=["global", "node"],
         help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "

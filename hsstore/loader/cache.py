@@ -23,7 +23,8 @@ Which copies stay when the cap is reached: least recently used first, except tho
 order, so every copy of the run is needed again, and LRU would evict each one before the next epoch comes back
 to it; instead, a copy that finds no room is not kept, the cache holds what the first epoch filled it with,
 and every later epoch fetches only what the cap could not hold (``Reading.cache_bytes``: the loader logs the
-size a node's part needs).
+size a node's part needs). After a restart, an earlier process's copies count as this run's once used again, so
+the first epoch may still evict some of them for others, as LRU would.
 """
 
 from __future__ import annotations

@@ -358,7 +358,8 @@ class HiddenStateDataset(IterableDataset):
         log.info("partition=node: node %d of %d reads a fixed %d of %d read unit(s), %.2f GB, every epoch",
                  self.world.node, self.world.nodes, units, self.catalog.n_units, nbytes / 1e9)
         cache_bytes = self.reading.cache_bytes
-        need = self.node_cache_bytes() if self.reading.cache_dir is not None else 0
+        first = self.world.rank % self.world.ranks_per_node == 0  # the node's ranks share its cache: one says it
+        need = self.node_cache_bytes() if self.reading.cache_dir is not None and first else 0
         if need > cache_bytes:
             log.warning("cache_bytes %s (%.2f GB) holds %.0f%% of this node's part of the store: every epoch after "
                         "the first fetches the other %.2f GB again; cache_bytes %d (%.2f GB) serves it from the "
