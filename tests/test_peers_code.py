@@ -101,6 +101,7 @@ def test_automodel_builds_the_dflash_drafter_or_refuses(tmp_path):
     assert "ImportError" in refused.stderr and "dflash" in refused.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # imports speculators and builds a verifier
 def test_speculators_converter_takes_the_export(tmp_path):
     """speculators' DFlashConverter (its path for z-lab checkpoints) converts an export-drafter folder against a
     verifier: the body unchanged, target layer ids moved to vLLM's convention (hsstore l -> l + 1)."""
