@@ -69,6 +69,7 @@ def test_run_buffers_are_recycled_across_epochs(tmp_path):
     assert per_epoch[0] == per_epoch[1] == per_epoch[2] and len(per_epoch[0]) == 30
 
 
+@pytest.mark.slow
 def test_source_bench_feeds_ranks_at_once(tmp_path, capsys):
     from hsstore.cli import main
 

@@ -24,6 +24,8 @@ from hsstore.train import drafter_format
 from test_drafter_export import H, L, V, tiny_drafter
 from test_import import IDENTITY, SPEC_IDENTITY, bits
 
+pytestmark = pytest.mark.slow  # the peers' own packages, imported for seconds each
+
 PEERS = "pip install --no-deps -r tests/peers.txt (.ci/run does)"
 
 
@@ -101,7 +103,6 @@ def test_automodel_builds_the_dflash_drafter_or_refuses(tmp_path):
     assert "ImportError" in refused.stderr and "dflash" in refused.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.slow  # imports speculators and builds a verifier
 def test_speculators_converter_takes_the_export(tmp_path):
     """speculators' DFlashConverter (its path for z-lab checkpoints) converts an export-drafter folder against a
     verifier: the body unchanged, target layer ids moved to vLLM's convention (hsstore l -> l + 1)."""
