@@ -137,8 +137,8 @@ def stub_file(tmp_path):
 #   slow  starts another program (a fresh interpreter imports torch for seconds on a small machine): its code, or a
 #         helper or fixture of tests/ it calls, names subprocess, torch.multiprocessing's spawn, the "spawn" start
 #         method or ProcessWriter; or it is the "spawn" case of a parametrized test
-# Marked by hand: `slow` on whole modules (pytestmark) and on tests that train, compile, serve or run the tiny
-# target for seconds in-process; `browser` (headless Chromium); `gpu` (skipped where CUDA is absent).
+# Marked by hand: `slow` on whole modules (pytestmark) and on tests that train, compile, serve, import the peers'
+# packages or otherwise take seconds in-process; `browser` (headless Chromium); `gpu` (skipped where CUDA is absent).
 
 TIERS = ("slow", "s3", "browser", "gpu")
 STARTS_A_PROGRAM = {"subprocess", "spawn", "ProcessWriter"}
