@@ -1,10 +1,13 @@
 """Shared fixtures: a real S3 endpoint on loopback (moto's server, as s3fs's own tests do) and
-small synthetic stores (``hsstore.testing.stores``, whose helpers tests also import from here)."""
+small synthetic stores (``hsstore.testing.stores``, whose helpers tests also import from here); the test tiers."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import types
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +127,70 @@ def stub_file(tmp_path):
     return path
 
 
+
+
+# --------------------------------------------------------------------------- test tiers
+# `python -m pytest -q` runs every test; `-m fast` runs those of no other tier, the run a developer makes while
+# editing. Most marks come from the rules below, so a new test lands in its tier without being marked by hand:
+#   s3    uses the s3_endpoint fixture (s3_store and the other S3 fixtures start from it), or is the "s3" case of
+#         a parametrized test (one that asks for s3_store by name)
+#   slow  starts another program (a fresh interpreter imports torch for seconds on a small machine): its code, or a
+#         helper or fixture of tests/ it calls, names subprocess, torch.multiprocessing's spawn, the "spawn" start
+#         method or ProcessWriter; or it is the "spawn" case of a parametrized test
+# Marked by hand: `slow` on whole modules (pytestmark) and on tests that train, compile, serve, import the peers'
+# packages or otherwise take seconds in-process; `browser` (headless Chromium); `gpu` (skipped where CUDA is absent).
+
+TIERS = ("slow", "s3", "browser", "gpu")
+STARTS_A_PROGRAM = {"subprocess", "spawn", "ProcessWriter"}
+TESTS = Path(__file__).resolve().parent
+
+
+def _words(code: types.CodeType) -> set[str]:
+    """The names and string constants of a code object and of the functions nested in it."""
+    words = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, str):
+            words.add(const)
+        elif isinstance(const, types.CodeType):
+            words |= _words(const)
+    return words
+
+
+def _starts_a_program(fn, seen: set) -> bool:
+    """Whether ``fn``, or a function of tests/ it names, holds one of STARTS_A_PROGRAM."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen or not Path(code.co_filename).resolve().is_relative_to(TESTS):
+        return False
+    seen.add(code)
+    words = _words(code)
+    return bool(words & STARTS_A_PROGRAM) or any(
+        _starts_a_program(fn.__globals__[w], seen) for w in words if callable(fn.__globals__.get(w)))
+
+
+def tiers_by_rule(item: pytest.Item) -> set[str]:
+    """The tiers ``item`` belongs to by the rules above."""
+    tiers: set[str] = set()
+    if not isinstance(item, pytest.Function):
+        return tiers
+    case = set(item.callspec.id.split("-")) if hasattr(item, "callspec") else set()
+    if "s3_endpoint" in item.fixturenames or "s3" in case:
+        tiers.add("s3")
+    fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    seen: set = set()
+    if "spawn" in case or any(_starts_a_program(f, seen) for f in [item.function, *fixtures]):
+        tiers.add("slow")
+    return tiers
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    for item in items:
+        for tier in tiers_by_rule(item):
+            item.add_marker(tier)
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker("fast")
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -23,6 +23,8 @@ from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
 from hsstore.schema import build
 
+pytestmark = pytest.mark.slow  # the target's eager forward over every store it audits
+
 LAYERS = [1, 4, 7]  # 7: the tiny target's last layer (speculators' export needs it)
 N = 6
 

@@ -146,6 +146,7 @@ def test_help_lists_commands_in_workflow_order_and_every_argument_says_what_it_i
     assert "(default: hsstore-demo)" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.slow  # every flag of every command
 def test_abbreviated_flags_are_refused_naming_the_flag(capsys):
     """argparse would take ``--step 300`` as ``--steps 300``: every command refuses a prefix of any of its flags,
     in one line naming the flag meant, before any work."""

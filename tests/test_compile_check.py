@@ -23,6 +23,8 @@ from hsstore.schema import build
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import small_input  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow  # compiles the tiny target's forward
+
 
 def manifest_extra(url) -> dict:
     with open(f"{url}/manifest.json") as f:

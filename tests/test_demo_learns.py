@@ -25,6 +25,8 @@ from hsstore.train.speculative import drafter_proposer, load_prompts, speculativ
 from hsstore.train.build import drafter_config, load_frozen
 from hsstore.train.trainer import TrainSettings, train
 
+pytestmark = pytest.mark.slow  # trains the tiny target's drafter until it learns
+
 # Between what a drafter without usable features or labels reaches on this target (it still learns the fixed
 # phrasing from the anchor token: ~1.2) and what the working pipeline reaches with the same steps (~2.1).
 FLOOR = 1.6

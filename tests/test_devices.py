@@ -43,9 +43,8 @@ def test_unusable_spellings_refused(spec):
     assert spec in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.gpu  # on a CPU machine 'cuda' is refused before the index is looked at
 def test_local_rank_past_last_gpu_refused(monkeypatch):
-    if not GPUS:
-        pytest.skip("needs a GPU: on a CPU machine 'cuda' is refused before the index is looked at")
     with pytest.raises(DeviceError, match="LOCAL_RANK"):
         resolve_device("cuda", local_rank=GPUS)
 

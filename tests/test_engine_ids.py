@@ -22,6 +22,8 @@ from hsstore.extract.tiny import CHAT_TEMPLATE, trained_files, trained_target_di
 from hsstore.extract.tokenize import TokenizeStats, load_samples, tokenize_conversation
 from hsstore.schema import build
 
+pytestmark = pytest.mark.slow  # the tiny target sampled by a real server for every test
+
 
 @pytest.fixture(scope="module")
 def target():

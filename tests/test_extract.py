@@ -111,7 +111,7 @@ def test_token_budget_batches():
     assert sorted(s.sample_id for b in batches for s in b) == sorted(s.sample_id for s in samples)
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32, writer):
     out = str(tmp_path / "store")
     cfg = build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",

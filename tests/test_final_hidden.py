@@ -28,7 +28,7 @@ def model32(tiny_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_extract_final_hidden_is_the_norm_output_hf_and_lm_head_read(tiny_dir, tok, small_input, tmp_path, model32,
                                                                       writer):
     out = str(tmp_path / "store")

@@ -3,6 +3,8 @@ mutation, every reading command on each, no traceback, hang, memory blow-up, esc
 
 from __future__ import annotations
 
+import pytest
+
 from tools import fuzz_store
 
 
@@ -24,6 +26,7 @@ def test_every_mutator_forges_something(tmp_path):
             assert fuzz_store.tree_digest(store) != before, (name, layout, said)
 
 
+@pytest.mark.slow
 def test_a_short_fuzz_run_finds_nothing(tmp_path):
     result = fuzz_store.run(cases=40, seed=36, work=str(tmp_path / "fuzz"))
     t = result["totals"]

@@ -131,6 +131,7 @@ def test_recordable_url():
     assert recordable_url("/local/path@2") == "/local/path@2" and recordable_url("s3://b/k") == "s3://b/k"
 
 
+@pytest.mark.slow
 def test_url_user_info_never_recorded_or_printed(http_store, tmp_path, capsys):
     url, bare = http_store
     assert len(hsstore.open(url)) == 6  # the password works: the server refuses requests without it

@@ -72,6 +72,7 @@ def stub_store(tiny_dir, small_input, tmp_path_factory):  # noqa: F811
     return out
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_store_report_renders(stub_store, tmp_path, capsys):
     page = tmp_path / "store.html"
@@ -89,6 +90,7 @@ def test_store_report_renders(stub_store, tmp_path, capsys):
         shutil.copy(shot, os.environ["HSSTORE_REPORT_SCREENSHOT"])
 
 
+@pytest.mark.browser
 @needs_chromium
 def test_run_report_renders(stub_store, tmp_path, capsys):
     run = tmp_path / "run"

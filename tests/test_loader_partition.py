@@ -58,6 +58,7 @@ def test_node_coordinates_from_torchrun_and_arguments(monkeypatch):
     assert node_of(5, 8, ranks_per_node=4, node=1) == (1, 2, 4)
 
 
+@pytest.mark.slow
 def test_exactly_once_fixed_node_shares_new_order_each_epoch(store_url, samples):
     everything = sorted(s["sample_id"] for s in samples)
     epochs = [run_epoch(store_url, e) for e in range(3)]

@@ -69,6 +69,7 @@ def test_run_buffers_are_recycled_across_epochs(tmp_path):
     assert per_epoch[0] == per_epoch[1] == per_epoch[2] and len(per_epoch[0]) == 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batches", [[], ["--batch-tokens", "700"]])
 def test_source_bench_feeds_ranks_at_once(tmp_path, capsys, batches):
     """Items, or the trainer's padded batches (each rank's bytes: its samples' features, not the padding)."""

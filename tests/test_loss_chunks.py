@@ -46,7 +46,7 @@ def test_chunked_ce_equals_reference(impl, chunk):
     assert torch.allclose(got_grad, h.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_fused_ce_compiled_equals_eager_in_bf16(backend, monkeypatch):
     """Compiled (as on the GPU; here on CPU tensors), each chunk's one-pass math gives the eager loop's CE, top-1 and
     gradient on bf16 logits, IGNORE rows included, for chunks of two sizes (one graph for both: dynamic rows)."""

@@ -24,6 +24,8 @@ from hsstore.train import drafter_format
 from test_drafter_export import H, L, V, tiny_drafter
 from test_import import IDENTITY, SPEC_IDENTITY, bits
 
+pytestmark = pytest.mark.slow  # the peers' own packages, imported for seconds each
+
 PEERS = "pip install --no-deps -r tests/peers.txt (.ci/run does)"
 
 

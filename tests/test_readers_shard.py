@@ -156,6 +156,7 @@ def parquet_read_peak(path, n: int, length: int = 512) -> int:
     return peak
 
 
+@pytest.mark.slow
 def test_parquet_memory_does_not_grow_with_the_file(tmp_path):
     """Parquet is read a batch at a time: three times the rows, the same peak Arrow memory (pyarrow's default
     pre-buffering kept every row group read so far: 29 MB -> 56 MB for 51 -> 154 MB files)."""

@@ -72,6 +72,7 @@ def test_every_train_flag_has_a_key():
         config.sections(sub))
 
 
+@pytest.mark.slow
 def test_run_yaml_reproduces_the_run_and_best_checkpoint(store32, tmp_path, capsys):  # noqa: F811
     a = tmp_path / "a"
     argv = ["train", "--store", store32, "--out", str(a), "--steps", "4", "--save-every", "2", "--keep", "1",

@@ -13,6 +13,8 @@ from hsstore.extract.capture import run_tapped
 from hsstore.target import decoder_layers
 from hsstore.extract.speed import compile_forward, compiled_parts
 
+pytestmark = pytest.mark.slow  # compiles the tiny target's forward
+
 
 @pytest.fixture(scope="module")
 def model(tiny_dir):

@@ -156,6 +156,7 @@ def test_held_out_prompts_are_in_no_training_set():
     assert [e.prompt for e in examples(meta["seed"], 50)] == [e.prompt for e in target_train[:50]]  # seeded
 
 
+@pytest.mark.slow
 def test_train_tiny_target_is_deterministic(tmp_path):
     """The tool regenerates the same files from the same seed (a short run; the shipped one is longer)."""
     from tools.train_tiny_target import main

@@ -210,6 +210,7 @@ def test_mask_token_rule(manifest):
         pick_mask_token({}, m, 100)
 
 
+@pytest.mark.slow
 def test_resume_exact_with_loader_workers(store32, tmp_path):
     """With worker processes (torchdata's StatefulDataLoader, spawned) the saved state is the loader's own."""
     cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, workers=1, **FAST)

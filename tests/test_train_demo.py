@@ -9,6 +9,7 @@ from hsstore.extract.demo import MARKER, note_created, prepare_out, run_demo
 from hsstore.cli import main as hsstore_cli
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
     assert run_demo(out, train_steps=20, eval_samples=2) == 0  # short: tests/test_demo_learns.py checks learning

@@ -174,6 +174,7 @@ def no_cache_greedy(model, prompt, max_new, eos) -> list[int]:
                 return out
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_decoding_without_any_cache(target, tok, eos, small_input):  # noqa: F811
     """#38.4: the target decodes from its own cache (attention keys/values, Gated DeltaNet conv and recurrent
     states) and, after a rejected draft suffix, from the state saved before the verification: on a random tiny
