@@ -469,14 +469,18 @@ _RELEASE_LOCK = ProcessLock()
 def _received(item: dict[str, Any], control: torch.UntypedStorage, leases: list[tuple[int, str]]) -> dict[str, Any]:
     """Consumer side of a hand-over: release each leased segment when the storage received for it dies."""
     pid = os.getpid()
+    # the counters' numpy view is made here, not in the finalizer: a finalizer may run inside a torch.compile
+    # trace (a collection during tracing), where a torch call fails and the release would be lost
+    counts = _counters(control)
     for seg, key in leases:
-        fin = weakref.finalize(item[key].untyped_storage(), _release, control, seg, pid)
+        fin = weakref.finalize(item[key].untyped_storage(), _release, counts, control, seg, pid)
         fin.atexit = False
     return item
 
 
-def _release(control: torch.UntypedStorage, seg: int, pid: int) -> None:
+def _release(counts: np.ndarray, control: torch.UntypedStorage, seg: int, pid: int) -> None:
+    """One copy of segment ``seg`` released (``control`` is held so that ``counts``' memory stays mapped)."""
     if os.getpid() != pid:  # a forked copy of the consumer dropping its inherited references
         return
     with _RELEASE_LOCK:
-        _counters(control)[seg, 1] += 1
+        counts[seg, 1] += 1

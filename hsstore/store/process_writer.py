@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,9 @@ class ProcessWriter:
         self._buffers: list[tuple[int, int]] = []  # staging buffers: (data_ptr, nbytes)
         self._tensors: list[torch.Tensor] = []
         self._closed = False
+        # one conversation on the pipe at a time: extraction's main thread asks for staging buffers while its
+        # consumer thread adds and syncs, and a reply taken by the other thread is a reply lost
+        self._talk = threading.RLock()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, name="hsstore-writer",
@@ -77,8 +81,9 @@ class ProcessWriter:
             os.close(fd)
         try:
             t = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            self._send(("map", path, nbytes))
-            self._recv()
+            with self._talk:
+                self._send(("map", path, nbytes))
+                self._recv()
         finally:
             os.unlink(path)  # both processes hold a mapping; nothing is left behind if either dies
         self._buffers.append((t.data_ptr(), nbytes))
@@ -102,24 +107,27 @@ class ProcessWriter:
         staging buffers (``feature_stats``: as ``StoreWriter.add`` takes them, a small numpy array)."""
         self._check_open()
         where = f"sample {sample_id!r}"
-        self._raise_reported()
         tensors = list(hidden_states) if isinstance(hidden_states, fp8.Quantised) else [hidden_states]
         parts = [(*self._locate(t, where), tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
-        self._send(("add", parts, str(sample_id), ids, mask,
-                    {"source": source, "thinking_tokens": thinking_tokens, "flags": flags,
-                     "feature_stats": None if feature_stats is None else np.asarray(feature_stats, np.float64)}))
+        with self._talk:
+            self._raise_reported()
+            self._send(("add", parts, str(sample_id), ids, mask,
+                        {"source": source, "thinking_tokens": thinking_tokens, "flags": flags,
+                         "feature_stats": None if feature_stats is None else np.asarray(feature_stats, np.float64)}))
 
     def note_skipped(self, reason: str, sample_ids: list[str]) -> None:
         self._check_open()
-        self._send(("skip", reason, [str(s) for s in sample_ids]))
+        with self._talk:
+            self._send(("skip", reason, [str(s) for s in sample_ids]))
 
     def sync(self) -> None:
         """Return once the child has copied every sample sent so far out of the staging buffers."""
         self._check_open()
-        self._send(("sync",))
-        self._progress(self._recv()[1])
+        with self._talk:
+            self._send(("sync",))
+            self._progress(self._recv()[1])
 
     def close(self, commit: bool = True) -> None:
         """Commit what is buffered (``commit=True``) or drop it; wait for the child to finish."""
@@ -128,8 +136,9 @@ class ProcessWriter:
         self._closed = True
         try:
             if self._proc.is_alive():
-                self._send(("close", commit))
-                self._progress(self._recv()[1])
+                with self._talk:
+                    self._send(("close", commit))
+                    self._progress(self._recv()[1])
         finally:
             self._proc.join(timeout=60)
             if self._proc.is_alive():
