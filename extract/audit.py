@@ -36,12 +36,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from hsstore.devices import describe, resolve_device
+from hsstore.app.devices import describe, resolve_device
 from hsstore.format.health import feature_name
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from hsstore.target import base_model, decoder_layers
+from hsstore.app.target import base_model, decoder_layers
 from .compare import Agreement, Bound, agreement, bound_of, bound_rule, depth_of
 from .target import DTYPES, identity_from_model_dir, load_target, weights_hash
 

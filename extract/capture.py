@@ -1,6 +1,6 @@
 """Capturing tapped layers from a target's forward pass, and nothing more.
 
-Forward hooks on the tapped decoder layers only (``hsstore.target.tapped``, the capture eval shares); the hook of
+Forward hooks on the tapped decoder layers only (``hsstore.app.target.tapped``, the capture eval shares); the hook of
 the last tapped layer stops the forward (the remaining layers, the final norm and the lm_head never run). Layer id
 ``l`` is the output of decoder layer ``l`` (0-based) before the final norm, the last layer's too. With
 ``final_hidden`` the forward runs on to the final norm, whose output (what the lm_head reads; HF's last
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hsstore.target import StopForward, base_model, tapped
+from hsstore.app.target import StopForward, base_model, tapped
 
 
 @torch.inference_mode()

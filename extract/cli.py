@@ -17,11 +17,11 @@ import os
 import sys
 from dataclasses import fields
 
-from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
-from hsstore.config import add_config_option
+from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
+from hsstore.app.config import add_config_option
 from hsstore.redaction import recordable_url
-from hsstore.schema import add_arguments, from_args
-from hsstore.schema import replace as schema_replace
+from hsstore.app.schema import add_arguments, from_args
+from hsstore.app.schema import replace as schema_replace
 from hsstore.terminal import escape
 
 from .gate import GateThresholds
@@ -50,7 +50,7 @@ def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
 
     from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
     from hsstore.format.taps import default_taps
-    from hsstore.target import text_config
+    from hsstore.app.target import text_config
 
     est, model = settings.estimate, settings.input.model
     hidden, layers = est.hidden, est.layers
@@ -259,7 +259,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from hsstore import storage
+    from hsstore.io import storage
 
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
@@ -373,7 +373,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
 
 def import_assets(url: str, options: dict, files: dict[str, bytes] | None) -> str:
     """Write the target's files (``--model``) as the store's assets unless it has them; what to tell the user."""
-    from hsstore import storage
+    from hsstore.io import storage
     from hsstore.format import assets
 
     fs, root = storage.resolve(url, options)

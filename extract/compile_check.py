@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from hsstore.target import decoder_layers
+from hsstore.app.target import decoder_layers
 
 from .compare import COMPILE_DRIFT, REL_MARGIN, compile_bound, depth_of
 from .forward import packed_features

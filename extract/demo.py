@@ -28,8 +28,8 @@ import shutil
 import time
 from pathlib import Path
 
-from hsstore.cli import main as hsstore_main
-from hsstore.devices import describe, resolve_device
+from hsstore.app.cli import main as hsstore_main
+from hsstore.app.devices import describe, resolve_device
 
 from .tiny import build_trained_target, trained_files
 

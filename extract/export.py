@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore import destination
+from hsstore.io import destination
 from hsstore.store.reader import Store
 from hsstore.format.serving import TAP_TENSOR, serving
 from hsstore.redaction import recordable_url

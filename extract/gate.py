@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from .show import format_sample
-from hsstore.schema import option
+from hsstore.app.schema import option
 from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, percentiles, top_values
 from .sample import TokenizedSample
 from .tokenize import TokenizeStats

@@ -21,7 +21,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hsstore import storage, transfer
+from hsstore.io import storage, transfer
 
 from .gate import GateReport, GateThresholds, check, is_stub
 from .readers import _hf_dataset_dir, input_files

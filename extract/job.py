@@ -20,13 +20,14 @@ import torch
 from hsstore.store.process_writer import ProcessWriter
 from hsstore.store.writer import StoreWriter
 from hsstore.format import assets
-from hsstore.devices import defaults_for, describe, resolve_device
+from hsstore.app.devices import defaults_for, describe, resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids
-from hsstore import destination, schema
+from hsstore.io import destination
+from hsstore.app import schema
 from hsstore.layouts import base as layout
 from hsstore.format.serving import TapPlan, plan
-from hsstore.target import decoder_layers, text_config, to_device
+from hsstore.app.target import decoder_layers, text_config, to_device
 
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
 from .forward import extract_batches, token_budget_batches

@@ -370,7 +370,7 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
     is created at the first good sample, so an import that fails on its first file leaves nothing behind. A
     sample with an all-zero feature (and loss tokens) or a non-finite value (``health``) is left out and named
     in ``result.unhealthy``, or with ``keep_unhealthy`` written flagged ``feature_zero`` / ``feature_nonfinite``."""
-    from hsstore import destination, storage
+    from hsstore.io import destination, storage
 
     options = storage_options or {}
     destination.refuse_anonymous_write(url, options)

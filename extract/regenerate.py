@@ -51,7 +51,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsstore.schema import replace
+from hsstore.app.schema import replace
 
 from .readers import ChatRecord, Malformed, input_files, read_records
 from .messages import RowError, parse_message_list, role_and_content, split_reasoning, template_kwargs_of

@@ -1,17 +1,17 @@
 """The extraction commands' settings: one schema per command, built from shared sections.
 
 Each setting is written once, below, with its flag, help and default. From a command's schema come its flags
-in their ``--help`` groups (``cli.py``), the sections of its ``--config`` file (``hsstore.config``: the groups'
+in their ``--help`` groups (``cli.py``), the sections of its ``--config`` file (``hsstore.app.config``: the groups'
 titles, the flags' keys) and the object its handler reads. ``check``, ``show`` and ``extract`` share the
 sections they have in common (how rows are tokenized, the gate's thresholds); a section whose help differs
 by command is a subclass that restates only that field. Handlers and API callers read the sections as
-written (``settings.forward.token_budget``, ``settings.thresholds``); ``hsstore.schema.build`` makes settings
+written (``settings.forward.token_budget``, ``settings.thresholds``); ``hsstore.app.schema.build`` makes settings
 from field names (``build(ExtractSettings, model=..., inputs=[...], out=...)``).
 
 Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are added by their shared
 helpers into the groups named here, and reach the settings through ``from_args`` overrides
 (:func:`shared_overrides`). A config file may also give extract's keys under ``options`` (the one section of
-files from releases without these groups): ``hsstore.config`` reads such a key as the flag of its group.
+files from releases without these groups): ``hsstore.app.config`` reads such a key as the flag of its group.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from hsstore.format import layout_spec
 from hsstore.format.serving import parse_serve
-from hsstore.schema import from_args, option, section
+from hsstore.app.schema import from_args, option, section
 
 from .gate import GateThresholds
 
@@ -61,7 +61,7 @@ def add_shard_mb_flag(group) -> None:
 def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of the shared flags a command has (storage options, progress, shard size), for
     ``from_args``."""
-    from hsstore.storage import parse_storage_options
+    from hsstore.io.storage import parse_storage_options
 
     out: dict[str, Any] = {}
     if hasattr(args, "storage_option"):

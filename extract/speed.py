@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hsstore.target import decoder_layers
+from hsstore.app.target import decoder_layers
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
-from hsstore import target as shared_target
+from hsstore.app import target as shared_target
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
 from hsstore.format.serving import TapPlan, plan
-from hsstore.target import text_config
+from hsstore.app.target import text_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -57,7 +57,7 @@ def planned_taps(model_dir: str, layers: list[int] | None, serve: list[str] | No
 
 
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode: ``hsstore.target``'s
+    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode: ``hsstore.app.target``'s
     loader (the one eval uses too), without transformers' weight-loading bar unless ``progress``."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

@@ -20,7 +20,7 @@ from pathlib import Path
 def main() -> int:
     control = Path(sys.argv[1])
     argv = sys.argv[sys.argv.index("--") + 1:]
-    from hsstore.cli import main as hsstore_main
+    from hsstore.app.cli import main as hsstore_main
     from hsstore.format import commit
 
     hold = os.environ.get("FOLLOW_HOLD")

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hsstore": ("hsstore", ROOT / "hsstore"), "extract": ("hsstore.extract", ROOT / "extract"),
             "train": ("hsstore.train", ROOT / "train")}
 CORE = "core"  # hsstore's top-level modules, which every subpackage may use
-TOP = {"__init__", "__main__", "cli"}  # the entry points, above everything
+TOP = {"__init__", "__main__"}  # the package and `python -m hsstore`, above everything
+APP = "app"  # the applications' floor: above the library, below extract/ and train/
 
 
 def _type_checking_only(node: ast.If) -> bool:
@@ -126,12 +127,11 @@ def group_of(module: str, subpackages: set[str]) -> str:
 
 
 def allowed_imports(doc: str | None) -> set[str]:
-    """The groups named on the ``Imports:`` line of a subpackage's doc (``hsstore core`` -> ``core``; ``cli``, the
-    entry points' group, for ``hsstore.testing``, which runs commands as a user does)."""
+    """The groups named on the ``Imports:`` line of a subpackage's doc (``hsstore core`` -> ``core``)."""
     for line in (doc or "").splitlines():
         if line.startswith("Imports:"):
             names = [w.strip(" .") for w in line[len("Imports:"):].split(",")]
-            return {CORE if n == "hsstore core" else "top" if n == "cli" else n for n in names if n}
+            return {CORE if n == "hsstore core" else n for n in names if n}
     return set()
 
 
@@ -163,7 +163,7 @@ def test_subpackages_import_only_what_their_doc_allows():
     absolute, path = PACKAGES["hsstore"]
     files = modules_of(path)
     subpackages = {m for m, p in files.items() if p.name == "__init__.py" and m != "__init__"}
-    assert {"format", "layouts", "store", "loader", "ops"} <= subpackages
+    assert {"io", "format", "layouts", "store", "loader", "ops", APP} <= subpackages
     allowed = {s: allowed_imports(ast.get_docstring(ast.parse(files[s].read_text()))) | {s} for s in subpackages}
     allowed[CORE] = {CORE}
     bad = []
@@ -177,14 +177,33 @@ def test_subpackages_import_only_what_their_doc_allows():
     assert not bad, f"imports their package's doc does not allow: {bad}"
 
 
-def test_hsstore_never_imports_transformers():
-    """hsstore/ is the library extract/ and train/ share; the target's framework is theirs alone."""
+def test_the_library_never_imports_the_app_floor_nor_transformers():
+    """hsstore/ but its app floor is the library; the app floor (settings, devices, the target loader, the command
+    line) is what the applications share above it: no library package lists it on its ``Imports:`` line, no
+    library module imports it (``hsstore.testing`` runs commands as a user does, and ``__main__`` is the command),
+    and transformers is imported only in the app floor, extract/ and train/."""
     absolute, path = PACKAGES["hsstore"]
     files = modules_of(path)
-    bad = sorted(m for m, p in files.items()
+    subpackages = {m for m, p in files.items() if p.name == "__init__.py" and m != "__init__"}
+    library = {m: p for m, p in files.items() if group_of(m, subpackages) not in (APP, "testing", "top")}
+    up = sorted(f"{m} -> {d}" for m, p in library.items()
+                for d in imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute, set(files))[0]
+                if group_of(d, subpackages) == APP)
+    assert not up, f"library modules importing the app floor: {up}"
+    listed = sorted(s for s in subpackages - {APP, "testing"}
+                    if APP in allowed_imports(ast.get_docstring(ast.parse(files[s].read_text()))))
+    assert not listed, f"library packages allowing the app floor: {listed}"
+    bad = sorted(m for m, p in library.items()
                  if "transformers" in imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute,
                                                set(files))[1])
-    assert not bad, f"hsstore/ modules importing transformers: {bad}"
+    assert not bad, f"library modules importing transformers: {bad}"
+
+
+def test_hsstore_top_holds_at_most_15_modules():
+    """The package's top floor stays small enough to read at a glance: I/O lives in ``io``, what the applications
+    share in ``app``."""
+    top = sorted(p.name for p in (ROOT / "hsstore").glob("*.py"))
+    assert len(top) <= 15, top
 
 
 @pytest.mark.parametrize("package,other", [("extract", "train"), ("train", "extract")])
@@ -220,7 +239,7 @@ def test_layout_names_come_from_the_registry():
 
     names = set(layout_spec.names())
     assert {"zarr", "wds"} <= names
-    for rel in ("hsstore/format/manifest.py", "hsstore/cli.py", "hsstore/ops/convert.py", "extract/settings.py",
+    for rel in ("hsstore/format/manifest.py", "hsstore/app/cli.py", "hsstore/ops/convert.py", "extract/settings.py",
                 "hsstore/loader/dataset.py"):
         tree = ast.parse((ROOT / rel).read_text())
         named = [f"line {n.lineno}: {n.value!r}" for n in ast.walk(tree)
@@ -284,7 +303,7 @@ def test_import_hsstore_installs_no_meta_path_finder():
     import subprocess
     import sys
 
-    code = ("import sys\nbefore = list(sys.meta_path)\nimport hsstore, hsstore.cli\n"
+    code = ("import sys\nbefore = list(sys.meta_path)\nimport hsstore, hsstore.app.cli\n"
             "print(len(sys.meta_path) - len(before))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "0", out.stderr
@@ -382,8 +401,9 @@ def test_tools_never_import_tests_nor_edit_sys_path():
     assert not bad, "\n".join(bad)
 
 
-# -- the one door (issue #36): no module but hsstore/door.py and the storage modules under it reads a store object
-DOOR = {"hsstore/door.py", "hsstore/storage.py", "hsstore/listing.py", "hsstore/transfer.py", "hsstore/receive.py"}
+# -- the one door: no module but hsstore/io/door.py and the storage modules under it reads a store object
+DOOR = {"hsstore/io/door.py", "hsstore/io/storage.py", "hsstore/io/listing.py", "hsstore/io/transfer.py",
+        "hsstore/io/receive.py"}
 # raw baselines that must bypass the door to measure it (they read only stores the bench itself wrote)
 RAW_BASELINES = {"hsstore/ops/bench.py"}
 FS_READS = {"cat_file", "_cat_file", "cat_ranges", "cat", "open", "read_block", "get_file", "cat_many",
@@ -422,7 +442,7 @@ def test_scanner_finds_the_reads_it_looks_for():
 
 
 def test_every_store_read_goes_through_the_door():
-    """Readers, copiers, verify, the loader and the cache read a store's bytes only through ``hsstore.door``
+    """Readers, copiers, verify, the loader and the cache read a store's bytes only through ``hsstore.io.door``
     (which opens each object one guarded way): none calls a filesystem's read or ``open`` on a store path."""
     bad = []
     for package in ("hsstore/store", "hsstore/layouts", "hsstore/loader", "hsstore/format", "hsstore/ops"):
@@ -431,15 +451,15 @@ def test_every_store_read_goes_through_the_door():
             if rel in DOOR | RAW_BASELINES:
                 continue
             bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse(p.read_text()))]
-    for rel in ("hsstore/destination.py", "extract/show.py", "extract/export.py", "train/build.py",
+    for rel in ("hsstore/io/destination.py", "extract/show.py", "extract/export.py", "train/build.py",
                 "train/evaluate.py", "train/speculative.py", "train/data.py"):
         bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse((ROOT / rel).read_text()))]
-    assert not bad, "reads that bypass hsstore.door:\n" + "\n".join(bad)
+    assert not bad, "reads that bypass hsstore.io.door:\n" + "\n".join(bad)
 
 
 # --- settings: written types, one per command -------------------------------------------------------------
 
-GENERATORS = {"make_dataclass", "flat_class"}  # what built settings classes at import time before #39
+GENERATORS = {"make_dataclass", "flat_class"}  # what once built settings classes at import time
 
 
 def test_no_settings_class_is_generated_at_import():

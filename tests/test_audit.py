@@ -18,10 +18,10 @@ import torch
 
 import hsstore
 from hsstore import StoreWriter
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 pytestmark = pytest.mark.slow  # the target's eager forward over every store it audits
 

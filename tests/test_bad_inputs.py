@@ -16,8 +16,8 @@ import pytest
 
 import hsstore
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore.cli import main
-from hsstore.schema import build
+from hsstore.app.cli import main
+from hsstore.app.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
 

@@ -8,7 +8,7 @@ import pytest
 
 import hsstore
 from hsstore import HiddenStateDataset, Planning, TokenBatches
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step, store_lengths
 from hsstore.train.config import TrainSettings
 from hsstore.train.model import DrafterConfig

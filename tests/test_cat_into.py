@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import s3fs
 
-from hsstore import transfer
+from hsstore.io import transfer
 
 from hsstore.testing.ports import free_port
 from hsstore.testing.faultproxy import FaultProxy

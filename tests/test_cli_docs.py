@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from hsstore.cli import build_parser
+from hsstore.app.cli import build_parser
 from tools import cli_docs
 
 

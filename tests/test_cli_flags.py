@@ -8,7 +8,7 @@ import json
 import pytest
 
 import hsstore
-from hsstore.cli import build_parser, main
+from hsstore.app.cli import build_parser, main
 
 from train_helpers import small_input, store32  # noqa: F401  (fixtures)
 
@@ -102,9 +102,9 @@ def test_train_json_summary_and_the_old_budget_flag(store32, tmp_path, capsys, c
 
 def test_extract_flags_make_its_config():
     """The handler's config comes from the schema: every flag lands in its setting, converted."""
-    from hsstore.config import apply
+    from hsstore.app.config import apply
     from hsstore.extract.settings import ExtractSettings, shared_overrides
-    from hsstore.schema import from_args
+    from hsstore.app.schema import from_args
 
     argv = ["extract", "--model", "m", "--input", "a.jsonl", "b.jsonl", "--out", "s3://b/x", "--layers", "1,3",
             "--shard-mb", "2", "-S", "anon=true", "--no-expand", "--chat-template-kwargs", '{"enable_thinking": false}',

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from hsstore.cli import main
+from hsstore.app.cli import main
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -76,7 +76,7 @@ def test_interactive_commands_size_s3_timeouts_and_retries(monkeypatch):
     import fsspec.asyn
     import s3fs
 
-    from hsstore import storage
+    from hsstore.io import storage
 
     for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)

@@ -10,7 +10,7 @@ import torch
 
 import hsstore
 from hsstore.extract import job
-from hsstore.target import decoder_layers
+from hsstore.app.target import decoder_layers
 from hsstore.extract.compare import COMPILE_DRIFT
 from hsstore.extract.compile_check import CompileMismatch, check_first_batch, eager_modules
 from hsstore.extract.forward import packed_features, token_budget_batches
@@ -19,7 +19,7 @@ from hsstore.extract.speed import compile_forward
 from hsstore.extract.target import load_target
 from hsstore.extract.tokenize import load_samples
 from hsstore.ops.verify import verify
-from hsstore.schema import build
+from hsstore.app.schema import build
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import small_input  # noqa: F401  (fixture)
 

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet short convolution routed to a kernel of fla's calling convention (``hsstore/conv.py``).
+"""The Gated DeltaNet short convolution routed to a kernel of fla's calling convention (``hsstore/app/conv.py``).
 
 fla's Triton kernel cannot run on this CPU machine, so the kernel here is a real function with fla's layout
 (``[batch, time, dim]`` in, ``(y, final_state)`` out) written as shifted multiply-adds, not transformers' conv1d:
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hsstore.conv import ENV, conv_adapter, restore_conv, torch_conv, use_fla_conv
+from hsstore.app.conv import ENV, conv_adapter, restore_conv, torch_conv, use_fla_conv
 
 
 def fla_convention(x, weight, bias=None, activation=None, cu_seqlens=None, **kwargs):

@@ -17,7 +17,7 @@ import torch
 import hsstore
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import trained_files, trained_target_dir
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.train import objective, trainer
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.model import DFlashDrafter

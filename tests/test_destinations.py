@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from hsstore import destination
-from hsstore.cli import main
+from hsstore.io import destination
+from hsstore.app.cli import main
 
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)
@@ -137,7 +137,7 @@ def test_demo_rerun_keeps_the_users_files(tmp_path):
 def test_a_store_made_by_another_writer_between_the_two_looks_is_resumed(tmp_path, monkeypatch):
     """Two writers starting one new store at once: the second may find no store on its first look and the first's
     manifest on its listing. That folder is a store now, to resume, not a user's folder to refuse."""
-    from hsstore import storage
+    from hsstore.io import storage
 
     url = str(tmp_path / "s")
     write_samples(url, make_manifest(), make_samples(3))  # the other writer's store, manifest and all
@@ -157,7 +157,7 @@ def test_another_writers_store_objects_in_flight_are_not_a_users_files(tmp_path)
     """A writer creating a store writes its layout's root objects atomically (a ``.tmp-`` file renamed into
     place), before its manifest. A second writer looking then sees zarr's ``shards/`` folder holding a finished
     ``zarr.json`` and another's temporary file: hsstore's own, not a user's folder to refuse."""
-    from hsstore import storage
+    from hsstore.io import storage
     from hsstore.layouts import base as layout
 
     own = layout.own_objects()

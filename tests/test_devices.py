@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from hsstore.cli import main as hsstore_cli
-from hsstore.devices import DeviceError, resolve_device
+from hsstore.app.cli import main as hsstore_cli
+from hsstore.app.devices import DeviceError, resolve_device
 from hsstore.extract.speed import choose_compile
 from hsstore.extract.tiny import demo_conversations_path
 
@@ -150,7 +150,7 @@ ROUTED = [f"modeling_qwen3_5.{f}" for f in ("causal_conv1d_fn", "causal_conv1d_u
 EVAL_PROBE = textwrap.dedent("""
     import importlib.util, json, sys, torch
     from transformers import AutoModelForCausalLM
-    from hsstore.devices import route_cpu_kernels
+    from hsstore.app.devices import route_cpu_kernels
     m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
     routed = route_cpu_kernels(m)
     with torch.no_grad():  # the cached decode path too
@@ -234,7 +234,7 @@ def test_route_cpu_kernels_on_the_installed_wrappers(monkeypatch):
 
     if not hasattr(hub, "use_kernel_func_from_hub_with_fallback"):
         pytest.skip("this transformers has no use_kernel_func_from_hub_with_fallback")
-    from hsstore.devices import route_cpu_kernels
+    from hsstore.app.devices import route_cpu_kernels
 
     def tripwire_kernel(x, scale=2.0, **kwargs):
         raise RuntimeError(f"tripwire: kernel called with tensors on {x.device}")
@@ -278,7 +278,7 @@ def test_first_use_kernel_compiles_are_said_on_a_machine_without_compiled_kernel
 
     from transformers import AutoModelForCausalLM
 
-    import hsstore.target as target
+    import hsstore.app.target as target
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     monkeypatch.setattr(target, "_NOTED", [])
@@ -289,7 +289,7 @@ def test_first_use_kernel_compiles_are_said_on_a_machine_without_compiled_kernel
     (tmp_path / "triton" / "kernel").mkdir()
     assert not target.note_kernel_compiles(model, cuda)
     (tmp_path / "triton" / "kernel").rmdir()
-    with caplog.at_level(logging.WARNING, logger="hsstore.target"):
+    with caplog.at_level(logging.WARNING, logger="hsstore.app.target"):
         assert target.note_kernel_compiles(model, cuda)
     assert "compile and autotune on their first use" in caplog.text and str(tmp_path / "triton") in caplog.text
     assert not target.note_kernel_compiles(model, cuda)  # said once

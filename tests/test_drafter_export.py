@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 import hsstore
 from hsstore import Manifest, TargetIdentity, TokenizerIdentity
-from hsstore.cli import main as hsstore_cli
-from hsstore.schema import build
+from hsstore.app.cli import main as hsstore_cli
+from hsstore.app.schema import build
 from hsstore.train import checkpoint as ckpt
 from hsstore.train import drafter_format
 from hsstore.train.model import DFlashDrafter, DrafterConfig

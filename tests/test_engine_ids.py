@@ -15,12 +15,12 @@ import pytest
 from tools.engine_server import EngineServer
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.extract.job import ExtractSettings, GateRefused, run_extract
 from hsstore.extract.regenerate import RegenerateSettings, run_regenerate
 from hsstore.extract.tiny import CHAT_TEMPLATE, trained_files, trained_target_dir
 from hsstore.extract.tokenize import TokenizeStats, load_samples, tokenize_conversation
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 pytestmark = pytest.mark.slow  # the tiny target sampled by a real server for every test
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
 from hsstore.extract.job import ExtractSettings, run_extract
-from hsstore.schema import build
+from hsstore.app.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import hsstore
-from hsstore.cli import main as hsstore_cli
-from hsstore.schema import build
+from hsstore.app.cli import main as hsstore_cli
+from hsstore.app.schema import build
 from hsstore.train.checkpoint import latest_checkpoint, load_drafter
 from hsstore.train.evaluate import eval_source, evaluate
 from hsstore.train.model import DFlashDrafter, DrafterConfig

@@ -14,9 +14,9 @@ from hsstore.extract.job import ExtractSettings, GateRefused, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore.extract.tokenize import load_samples
 from hsstore.format import assets
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 from hsstore.ops.verify import verify
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hsstore
-from hsstore import transfer
+from hsstore.io import transfer
 from hsstore.ops.verify import verify
 
 from hsstore.testing.faultproxy import ALL_FAULTS, FaultProxy

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import hsstore
 from hsstore import HiddenStateDataset, Manifest, Planning, Selection, StoreWriter, TokenBatches
 from hsstore.loader.batching import collate_packed, collate_padded
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError, StoreError
 from hsstore.extract.forward import pad_right
 from hsstore.extract.job import ExtractSettings, run_extract
@@ -20,7 +20,7 @@ from test_loader_batching import assert_same_batches, direct_and_copied
 from hsstore.extract.tokenize import load_samples
 from hsstore.format.manifest import canonical_json_hash
 from hsstore.ops.verify import verify
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import storage
+from hsstore.io import storage
 from hsstore.distributed import World
 from hsstore.format import commit, sessions
 from hsstore.loader.dataset import HiddenStateDataset

@@ -15,11 +15,11 @@ from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.format import commit, fp8
 from hsstore.layouts import zarr as zarr_layout
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 from hsstore.errors import ManifestError, SampleError
 from hsstore.ops.info import summarize
 from hsstore.ops.verify import verify
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.train.trainer import TrainSettings, train
 from train_helpers import FAST
 from test_loader_batching import assert_same_batches, direct_and_copied

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from hsstore.extract import cli
-from hsstore.cli import main as hsstore_main
+from hsstore.app.cli import main as hsstore_main
 from hsstore.extract.gate import GateThresholds, check
 from hsstore.extract.show import format_sample
 from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
@@ -208,7 +208,7 @@ def test_register_mounts_subcommands_with_threshold_flags():
 
 def test_cli_module_does_not_import_transformers():
     """The `hsstore` CLI mounts extract's commands at startup; transformers must load only when they run."""
-    code = "import sys, hsstore.cli, extract.cli; hsstore.cli.build_parser(); sys.exit(int('transformers' in sys.modules))"
+    code = "import sys, hsstore.app.cli, extract.cli; hsstore.app.cli.build_parser(); sys.exit(int('transformers' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 

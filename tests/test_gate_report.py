@@ -7,12 +7,12 @@ import os
 import pytest
 
 import hsstore
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 from hsstore.extract.gate import GateThresholds
 from hsstore.extract.gate_report import GateReportMismatch
 from hsstore.extract.chat_tokenizer import ChatTokenizer
 from hsstore.extract.job import ExtractSettings, run_extract
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 LENIENT = {"max_stub_share": 1.0, "max_duplicate_share": 1.0, "max_top_share": 1.0, "max_empty_thinking_share": 1.0}
 

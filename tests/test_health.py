@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 
 from conftest import make_manifest, make_samples, write_samples
 from test_import import IDENTITY, write_speculators

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import hsstore
-from hsstore import destination, door, storage
+from hsstore.io import destination, door, storage
 from hsstore.format import codec, commit, index, names
 from hsstore.format.assets import write_assets
 

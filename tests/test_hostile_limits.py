@@ -29,10 +29,10 @@ import s3fs
 
 import hsstore
 from hsstore.format import codec, commit, index
-from hsstore import destination, storage
-from hsstore.cli import main
+from hsstore.io import destination, storage
+from hsstore.app.cli import main
 from hsstore.errors import CorruptionError, StoreError
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 from conftest import make_manifest, make_samples, write_samples
 from train_helpers import FAST, small_input, store32  # noqa: F401  (fixtures)

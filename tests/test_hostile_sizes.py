@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import CorruptionError
 from hsstore.format import codec, commit
 from hsstore.layouts import wds
@@ -167,7 +167,7 @@ def test_verify_fails_a_chunk_that_readers_refuse(tmp_path, capsys, array, spec)
 @pytest.fixture
 def sparse_tokenizer_store(tmp_path, tiny_dir):
     """A store whose tokenizer.json asset is a sparse 6 GiB file, listed at that size in assets/index.json."""
-    from hsstore import storage
+    from hsstore.io import storage
     from hsstore.format.assets import write_assets
 
     url = str(tmp_path / "s")

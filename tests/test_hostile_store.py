@@ -19,7 +19,7 @@ import pytest
 from numcodecs import Zstd
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import StoreError
 from hsstore.ops.verify import verify
 

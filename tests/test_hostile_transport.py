@@ -1,5 +1,5 @@
 """Every remote read is bounded by what hsstore expects to receive, whatever a server declares (docs/RELIABILITY.md,
-"Boundaries"; hsstore/receive.py): a hostile HTTP server (hsstore.testing.hostile_http) and a hostile S3 endpoint
+"Boundaries"; hsstore/io/receive.py): a hostile HTTP server (hsstore.testing.hostile_http) and a hostile S3 endpoint
 (moto's server behind hsstore.testing.faultproxy) on loopback, each command run as a user runs it, in a process of
 its own: one line naming the object and the bound, within a deadline, in bounded memory; no redirect off the
 store's origin, and no key or location that reads outside the store's prefix once percent-decoded."""
@@ -29,7 +29,7 @@ RSS_MB = 700  # the most resident memory a command over a hostile server may rea
 
 # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high-water mark (the mm it was forked from), so a
 # large pytest process would be charged to every command it starts
-RUN = ("import sys\nfrom hsstore.cli import main\nrc = main(sys.argv[1:])\n"
+RUN = ("import sys\nfrom hsstore.app.cli import main\nrc = main(sys.argv[1:])\n"
        "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
        "print('PEAK_RSS_MB', int(hwm) // 1024, file=sys.stderr)\n"
        "sys.exit(rc)\n")

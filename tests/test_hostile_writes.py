@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 
 from conftest import make_manifest, make_samples, write_samples
 

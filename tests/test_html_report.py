@@ -13,9 +13,9 @@ import pytest
 
 import hsstore
 
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.extract.job import ExtractSettings, run_extract
-from hsstore.schema import build
+from hsstore.app.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

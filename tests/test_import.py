@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import SampleError
 from hsstore.format.manifest import check_compatible
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.store.reader import committed_ids
 
 LAYERS, HIDDEN = (1, 3, 5), 48

@@ -20,8 +20,8 @@ import torch
 
 import hsstore
 from hsstore.format import codec, commit, index, records
-from hsstore import listing, storage, transfer
-from hsstore.cli import main
+from hsstore.io import listing, storage, transfer
+from hsstore.app.cli import main
 from hsstore.ops.convert import convert
 from hsstore.ops.merge import merge
 from hsstore.ops.subset import Selection, subset

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import CorruptionError
 from hsstore.format import commit, index, records
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main
-from hsstore.storage import parse_storage_options
+from hsstore.app.cli import main
+from hsstore.io.storage import parse_storage_options
 from train_helpers import small_input, store32  # noqa: F401  (fixtures)
 
 
@@ -119,7 +119,7 @@ def test_help_loads_neither_torch_nor_zarr():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom hsstore.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom hsstore.app.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'zarr', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == "[]"
@@ -133,7 +133,7 @@ def test_verify_checks_assets_and_says_when_there_are_none(tmp_path, capsys):
     from conftest import make_manifest, make_samples, write_samples
 
     from hsstore.format import assets
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     store = tmp_path / "s"
     write_samples(str(store), make_manifest(), make_samples(2))
@@ -151,7 +151,7 @@ def test_verify_checks_assets_and_says_when_there_are_none(tmp_path, capsys):
     assert "FAIL shard (assets), file assets/tokenizer/tokenizer.json: listed in assets/index.json but missing" in out
 
 
-NO_TORCH_RUNNER = ("import sys\nfrom hsstore.cli import main\nrc = main(sys.argv[1:])\n"
+NO_TORCH_RUNNER = ("import sys\nfrom hsstore.app.cli import main\nrc = main(sys.argv[1:])\n"
                    "print('torch imported' if 'torch' in sys.modules else 'no torch', rc)")
 
 

@@ -18,9 +18,9 @@ import torch
 
 import hsstore
 from hsstore.format import commit
-from hsstore import storage, transfer
+from hsstore.io import storage, transfer
 from hsstore.layouts import wds
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import CorruptionError
 from hsstore.ops.verify import verify
 

@@ -304,7 +304,7 @@ def test_plan_api_is_what_iteration_yields(store_url, samples):
 def test_only_requested_layers_read(tmp_path, samples, monkeypatch):
     import threading
 
-    from hsstore import door
+    from hsstore.io import door
 
     url = write_store(str(tmp_path / "s"), samples)  # a store no other test's threads touch
     opened = collections.Counter()
@@ -443,7 +443,7 @@ def test_set_epoch_reaches_persistent_workers(store_url):
 def test_loader_bench_reports_ratios(tmp_path, capsys):
     import json
 
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     assert main(["bench", str(tmp_path), "--what", "loader", "--size-mb", "4", "--hidden", "256", "--num-taps", "3",
                  "--read-layers", "0,2", "--rounds", "1", "--workers", "1", "--json"]) == 0
@@ -455,7 +455,7 @@ def test_loader_bench_reports_ratios(tmp_path, capsys):
 
 
 def test_buffer_pool_reuses_only_unviewed_buffers():
-    from hsstore.memory import BufferPool
+    from hsstore.io.memory import BufferPool
 
     def addr(x):
         return x.__array_interface__["data"][0]
@@ -487,7 +487,7 @@ class RingStats(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         yield from self.ds
-        from hsstore.memory import shared_ring
+        from hsstore.io.memory import shared_ring
         ring = shared_ring()
         yield {"ring": (ring.reused, ring.allocated)}
 

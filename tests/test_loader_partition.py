@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from hsstore import merge_states
 from hsstore.distributed import node_of
 from hsstore.loader.dataset import LoaderStateError
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 from test_loader import StatefulDataLoader, dataset, ids_of, samples, store_url, write_store  # noqa: F401
 from conftest import make_samples

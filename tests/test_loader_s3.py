@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore.loader.cache import ChunkCache
-from hsstore import transfer
+from hsstore.io import transfer
 from hsstore.errors import CorruptionError, StoreError
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 from conftest import PATIENT_S3, make_samples
 from test_loader import bits, dataset, ids_of, write_store

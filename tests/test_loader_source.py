@@ -73,7 +73,7 @@ def test_run_buffers_are_recycled_across_epochs(tmp_path):
 @pytest.mark.parametrize("batches", [[], ["--batch-tokens", "700"]])
 def test_source_bench_feeds_ranks_at_once(tmp_path, capsys, batches):
     """Items, or the trainer's padded batches (each rank's bytes: its samples' features, not the padding)."""
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     assert main(["bench", str(tmp_path), "--what", "source", "--procs", "2", "--size-mb", "2", "--hidden", "64",
                  "--num-taps", "2", "--epochs", "2", "--cold", "--prefetch", "1", "--json", "--quiet", *batches]) == 0

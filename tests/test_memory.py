@@ -7,7 +7,7 @@ import numpy as np
 
 def test_pread_into_fills_buffers_in_turn_and_reports_a_short_file(tmp_path):
     """``pread_into`` reads a real file across several buffers; at the end of the file it returns what it got."""
-    from hsstore.memory import pread_into
+    from hsstore.io.memory import pread_into
 
     data = bytes(range(256)) * 40  # 10,240 bytes
     path = tmp_path / "f"
@@ -26,7 +26,7 @@ def test_pread_fold_checksums_block_by_block_what_one_pass_checksums(tmp_path, m
     """``pread_fold`` reads a file in blocks (a small block here: several of them, the last one short) and folds
     every block into the CRC32C: the bytes and the checksum equal one read and one checksum of the whole; a file
     that ends early gives fewer bytes and the checksum of what was read."""
-    from hsstore import memory
+    from hsstore.io import memory
     from hsstore.format import codec
 
     monkeypatch.setenv(memory.READ_BLOCK_ENV, "1000")

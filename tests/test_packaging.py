@@ -83,7 +83,7 @@ def test_wheel_in_fresh_venv(wheel, tmp_path):
     (user / "tools.py").write_text("raise SystemExit('the user tools.py was imported')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     code = ("import importlib.util, hsstore, hsstore.extract.tokenize, hsstore.train.model\n"
-            "import hsstore.cli as c\n"
+            "import hsstore.app.cli as c\n"
             f"assert hsstore.__file__.startswith({target!r}), hsstore.__file__\n"
             f"assert hsstore.extract.tokenize.__file__.startswith({target!r})\n"
             "assert importlib.util.find_spec('extract') is None\n"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.train import checkpoint as ckpt
 from hsstore.train import drafter_format
 from test_drafter_export import H, L, V, tiny_drafter

@@ -22,8 +22,8 @@ from hsstore.extract.readers import read_records
 from hsstore.extract.regenerate import (RegenerateError, RegenerateSettings, assistant_turn, build_prompt, resume_output,
                                         run_regenerate)
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore.cli import main
-from hsstore.schema import build
+from hsstore.app.cli import main
+from hsstore.app.schema import build
 
 REPO = Path(__file__).resolve().parents[1]
 

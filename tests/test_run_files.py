@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hsstore.cli import build_parser, main
-from hsstore import config
+from hsstore.app.cli import build_parser, main
+from hsstore.app import config
 from hsstore.train import checkpoint as ckpt
 from train_helpers import small_input, store32  # noqa: F401  (fixtures)
 
@@ -203,7 +203,7 @@ def test_run_yaml_runs_again_from_another_folder(store32, tmp_path, monkeypatch,
     assert [r["loss"] for r in rows(elsewhere / "again")] == [r["loss"] for r in rows(work / "run")]
     # written by hand next to the store: relative to the file, wherever the command runs
     f = write_yaml(work / "mine.yaml", {"run": {"store": ["store"], "out": "mine", "steps": 1}})
-    with caplog.at_level("WARNING", logger="hsstore.config"):
+    with caplog.at_level("WARNING", logger="hsstore.app.config"):
         assert main(["train", "--config", f, *FAST_FLAGS]) == 0
     assert (work / "mine" / "metrics.jsonl").exists() and not (elsewhere / "mine").exists()
     assert f"relative paths are read from the file's folder {work}" in caplog.text and "store store" in caplog.text

@@ -1,4 +1,4 @@
-"""hsstore.schema: flags, config sections and resume keys generated from one grouped dataclass schema."""
+"""hsstore.app.schema: flags, config sections and resume keys generated from one grouped dataclass schema."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from hsstore import config
-from hsstore.schema import (add_arguments, build, flat, from_args, option, replace, resume_keys, section,
+from hsstore.app import config
+from hsstore.app.schema import (add_arguments, build, flat, from_args, option, replace, resume_keys, section,
                             settings_of)
 
 

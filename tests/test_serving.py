@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.format import serving
-from hsstore.schema import build
+from hsstore.app.schema import build
 from train_helpers import FAST, small_input  # noqa: F401  (fixtures)
 
 N = 8  # the tiny target's decoder layers

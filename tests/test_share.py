@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.errors import ManifestError, StoreError
 from hsstore.store.reader import committed_ids
 
@@ -203,7 +203,7 @@ def test_copy_local_to_s3_and_back_is_verified_at_the_end(tmp_path, s3_store, s3
     """#53.11: `hsstore copy` moves a store between local disk and S3 (assets included), resumes, and ends with a
     verification of the copy: every byte re-read against the source's commit records (exit 1 when it fails)."""
     from hsstore.format import assets
-    from hsstore import storage
+    from hsstore.io import storage
 
     url, opts = s3_store
     samples = new_samples(14, min_len=3, max_len=120)
@@ -249,7 +249,7 @@ def two_stores(tmp_path, new_manifest, new_samples, write):
 
 def test_merge_by_copy(tmp_path, two_stores, capsys):
     from hsstore.format import assets
-    from hsstore import storage
+    from hsstore.io import storage
 
     a, b, samples = two_stores
     assets.write_assets(*storage.resolve(a), {assets.CONFIG: b'{"hidden_size": 48}'})  # what a trainer needs
@@ -310,7 +310,7 @@ def test_merge_by_reference_from_local_into_s3_is_refused(s3_store, tmp_path, ne
 
 def s3fs_cat(prefix: str, opts) -> bytes:
     """The first object under an S3 prefix."""
-    from hsstore import storage
+    from hsstore.io import storage
 
     fs, root = storage.resolve(prefix, opts)
     return fs.cat_file(fs.find(root)[0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hsstore.extract.capture import run_tapped
-from hsstore.target import decoder_layers
+from hsstore.app.target import decoder_layers
 from hsstore.extract.speed import compile_forward, compiled_parts
 
 pytestmark = pytest.mark.slow  # compiles the tiny target's forward

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.ops.verify import verify
 
 

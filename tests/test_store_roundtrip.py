@@ -39,7 +39,7 @@ def test_layer_subset_reads_only_that_layer(tmp_path, new_manifest, samples, wri
     assert_same(store, samples, layers=[3])
     assert_same(store, samples, layers=[1, 5])
     # only layer_003 chunk files are opened for a layer-3 read (every read goes through the door)
-    from hsstore import door
+    from hsstore.io import door
 
     opened = []
     real_open = door.open_beneath
@@ -168,7 +168,7 @@ def test_partial_chunks_read_straight_into_the_output_and_checked_whole(tmp_path
     """Every token range of a shard (starts and stops inside chunks: the rows wanted land in the output, the
     others in scratch) reads back bit-exact on each local read path, and a byte flipped in rows the range does
     not take is still a CorruptionError: the whole chunk is checked."""
-    from hsstore import memory
+    from hsstore.io import memory
     from hsstore.testing.stores import make_manifest, make_samples, write_store
 
     if path == "preadv-small-blocks":

@@ -9,7 +9,7 @@ drafters' configs: Qwen3.6-27B (64 layers) [1, 16, 31, 46, 61], Qwen3-8B (36 lay
 import pytest
 
 from hsstore.format.taps import check_taps, default_taps
-from hsstore.target import text_config
+from hsstore.app.target import text_config
 
 
 @pytest.mark.parametrize("layers, taps, want", [

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from hsstore import storage
-from hsstore.cli import main
+from hsstore.io import storage
+from hsstore.app.cli import main
 from hsstore.format.assets import write_assets
 from hsstore.terminal import EscapingFilter, escape, shown
 

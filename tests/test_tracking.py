@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hsstore.cli import main
+from hsstore.app.cli import main
 from train_helpers import small_input, store32  # noqa: F401  (fixtures)
 
 pytest.importorskip("tensorboard", reason="needs hsstore[track] (installed by .ci/run through the test extra)")

@@ -17,7 +17,7 @@ import hsstore
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import build_tiny_target
 from hsstore.extract.tokenize import load_samples
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.train import checkpoint as ckpt
 from hsstore.train.build import drafter_config, load_frozen, pick_mask_token
 from hsstore.train.trainer import TrainSettings, train
@@ -163,7 +163,7 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
         import sys
-        from hsstore.schema import build
+        from hsstore.app.schema import build
         from hsstore.train.trainer import TrainSettings, train
         r = train(build(TrainSettings, stores=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
         assert r.steps == 2 and r.drafter_dir is not None
@@ -291,7 +291,7 @@ def test_metrics_lines_cover_every_step_across_a_ctrl_c_and_the_summary_adds_the
 
 
 def test_train_help_shows_the_defaults(capsys):
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -304,8 +304,8 @@ def test_train_help_shows_the_defaults(capsys):
 def test_cpu_defaults_and_a_step_too_big_for_this_machine_is_refused(store32, tmp_path, caplog, capsys):  # noqa: F811
     """On a CPU, unset batch settings are a quarter of the GPU recipe's, said in the settings line; a step whose
     estimate exceeds the memory available is refused in one line before training (the kernel would kill it)."""
-    from hsstore.cli import main
-    from hsstore.devices import DEVICE_DEFAULTS
+    from hsstore.app.cli import main
+    from hsstore.app.devices import DEVICE_DEFAULTS
     from hsstore.train.budget import available_bytes
 
     with caplog.at_level("INFO", logger="hsstore.train"):
@@ -335,7 +335,7 @@ def test_train_says_what_it_starts_before_the_heavy_imports(store32, tmp_path): 
                 if record.name.startswith("hsstore") and not first:
                     first.append((record.getMessage(), "torch" in sys.modules))
         logging.getLogger().addHandler(First())
-        from hsstore.cli import main
+        from hsstore.app.cli import main
         rc = main(sys.argv[1:])
         print(rc, repr(first[0]))
     """)
@@ -352,7 +352,7 @@ def test_train_says_what_it_starts_before_the_heavy_imports(store32, tmp_path): 
 def test_a_resume_with_another_length_says_so_and_counts_this_runs_steps(store32, tmp_path, capsys, caplog):  # noqa: F811
     """#38.11: resuming with a different --steps was silent, and the summary counted every step of the run
     ('trained 8 steps ... in 24.4s' for a run that did 3)."""
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     flags = ["train", "--store", store32, "--out", str(tmp_path / "run"), "--token-budget", "1024", "--draft-layers", "1",
              "--block-size", "8", "--anchors", "32", "--device", "cpu", "-q"]
@@ -399,7 +399,7 @@ def test_a_cpu_run_says_what_it_will_cost_after_its_first_step(store32, tmp_path
     import re
     from datetime import timedelta
 
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     with caplog.at_level("INFO", logger="hsstore.train"):
         assert main(["train", "--store", store32, "--out", str(tmp_path / "a"), "--steps", "3", "--draft-layers", "2",
@@ -416,7 +416,7 @@ def test_a_cpu_run_says_what_it_will_cost_after_its_first_step(store32, tmp_path
 def test_loader_workers_on_a_cpu_say_they_slow_it(store32, tmp_path, caplog):  # noqa: F811
     """#53.12: --workers 2 on a CPU made training 2.4x slower, silently: the run now says why it may."""
     pytest.importorskip("torchdata")
-    from hsstore.cli import main
+    from hsstore.app.cli import main
 
     with caplog.at_level("WARNING", logger="hsstore.train"):
         assert main(["train", "--store", store32, "--out", str(tmp_path / "a"), "--steps", "1", "--draft-layers", "1",

@@ -10,14 +10,14 @@ import pytest
 import torch
 import yaml
 
-from hsstore import config
-from hsstore.cli import build_parser
-from hsstore.schema import build
-from hsstore.storage import parse_storage_options
+from hsstore.app import config
+from hsstore.app.cli import build_parser
+from hsstore.app.schema import build
+from hsstore.io.storage import parse_storage_options
 from hsstore.train.cli import command_settings
 from hsstore.train.config import RESUME_KEYS, TrainSettings, recordable_config, saved_config
 from hsstore.train.metrics import Meter
-from hsstore.schema import settings_of
+from hsstore.app.schema import settings_of
 
 
 def parse(argv):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hsstore.extract.demo import MARKER, note_created, prepare_out, run_demo
-from hsstore.cli import main as hsstore_cli
+from hsstore.app.cli import main as hsstore_cli
 
 
 @pytest.mark.slow

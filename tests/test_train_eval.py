@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.cli import main as hsstore_cli
-from hsstore.schema import build
+from hsstore.app.cli import main as hsstore_cli
+from hsstore.app.schema import build
 from hsstore.train.checkpoint import load_drafter
 from hsstore.train.speculative import drafter_proposer, greedy_generate, load_prompts, speculative_generate
 from hsstore.train.build import load_frozen

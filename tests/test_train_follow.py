@@ -158,7 +158,7 @@ def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny
 
     from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.loader.follow import FollowStopped
-    from hsstore.schema import build
+    from hsstore.app.schema import build
     from hsstore.store.writer import StoreWriter
     from hsstore.train.trainer import TrainSettings, train
 

@@ -19,7 +19,7 @@ import torch
 import hsstore
 from hsstore.format import commit
 from hsstore.layouts import wds
-from hsstore.cli import main
+from hsstore.app.cli import main
 from hsstore.ops.convert import convert
 from hsstore.errors import CorruptionError, ManifestError
 from hsstore.ops.verify import verify
@@ -153,7 +153,7 @@ def test_only_requested_layers_bytes_read_local(tmp_path, loader_samples, monkey
 
 
 def test_only_requested_layers_bytes_read_s3(s3_store, loader_samples, monkeypatch):
-    from hsstore import receive
+    from hsstore.io import receive
 
     url, opts = s3_store
     write_store(url, loader_samples[:20], manifest=wds_manifest(), shard_tokens=600, storage_options=opts)
@@ -228,7 +228,7 @@ def test_unsafe_tar_member_refused_nothing_half_written(tmp_path, how, expect, c
     assert main(["convert", src, dst, "--layout", "zarr", "-q"]) == 2
     err = capsys.readouterr().err
     assert re.search(rf"shard '{rec.shard}', {expect}", err) and len(err.strip().splitlines()) == 1
-    committed = commit.list_committed(*hsstore.storage.resolve(dst))
+    committed = commit.list_committed(*hsstore.io.storage.resolve(dst))
     assert committed == [store.commits[0].shard]
     assert not os.path.exists(os.path.join(dst, "shards", rec.shard))
     assert not any(f.startswith(".") for f in os.listdir(os.path.join(dst, "commits")))

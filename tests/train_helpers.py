@@ -6,7 +6,7 @@ import pytest
 
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 REPO = Path(__file__).resolve().parents[1]
 # small and quick: 8 samples of ~270 tokens, ~3 batches per epoch

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 
 def other_weights(model_dir: str, out: Path, seed: int = 12345) -> str:

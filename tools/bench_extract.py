@@ -11,7 +11,7 @@ synthetic sequences, and times, on the same batches, alternating:
   extract_process_nostats  extract_process without the feature statistics (``HSSTORE_FEATURE_STATS=0``):
                  paired with extract_process, their cost.
   extract_process_torchconv  extract_process with the Gated DeltaNet short convolution on transformers' PyTorch
-                 path instead of fla's Triton kernel (``hsstore/conv.py``; what ``HSSTORE_CONV=torch`` keeps):
+                 path instead of fla's Triton kernel (``hsstore/app/conv.py``; what ``HSSTORE_CONV=torch`` keeps):
                  paired with extract_process, the kernel's gain.
 Prints JSON with tokens/s, ratios, MFU, and how long the forward waited on the writer (``slot_wait_s``)
 and the writer on storage (``storage_wait_s``).
@@ -36,12 +36,13 @@ import time
 import numpy as np
 import torch
 
-from hsstore.conv import restore_conv, torch_conv, use_fla_conv
+from hsstore.app.conv import restore_conv, torch_conv, use_fla_conv
 from hsstore.extract.capture import run_tapped
-from hsstore.target import base_model, decoder_layers
+from hsstore.app.target import base_model, decoder_layers
 from hsstore.extract.forward import extract_batches, pad_right, token_budget_batches
 from hsstore.extract.sample import TokenizedSample
-from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity, storage
+from hsstore.io import storage
+from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.format import assets, health
 from hsstore.distributed import rank_and_world
 from hsstore.format.taps import default_taps

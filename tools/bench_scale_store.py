@@ -118,7 +118,8 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
     """A store of ``shards`` shards: one real tiny shard's record cloned; the first ``WITH_FILES`` have files."""
     import torch
 
-    from hsstore import StoreWriter, storage, transfer
+    from hsstore.io import storage, transfer
+    from hsstore import StoreWriter
     from hsstore.format.commit import commit_path
     from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_one(where: str, n: int, endpoint: str | None, latencies: list[float], ops: list[str], scratch: str,
               modes: tuple[bool, ...] = (False, True), replay: bool = False):
-    from hsstore import storage
+    from hsstore.io import storage
     from hsstore.format.index import compact
 
     if where == "s3":

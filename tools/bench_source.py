@@ -24,7 +24,7 @@ import os
 import tempfile
 import uuid
 
-from hsstore import storage, transfer
+from hsstore.io import storage, transfer
 from hsstore.loader.options import Reading
 from hsstore.ops.bench import _per_rank_row, _split_by_size, format_source, run_source_bench
 from tools.measure import free_port

@@ -82,7 +82,7 @@ def write_target_assets(path: Path, args) -> None:
     from transformers import Qwen3_5TextConfig
 
     from hsstore.format import assets
-    from hsstore import storage
+    from hsstore.io import storage
 
     cfg = Qwen3_5TextConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
                             num_hidden_layers=args.taps + 3, num_attention_heads=args.heads,

@@ -1,4 +1,4 @@
-"""Write docs/CLI.md, the command reference, from the real argparse parsers (``hsstore.cli.build_parser``, with
+"""Write docs/CLI.md, the command reference, from the real argparse parsers (``hsstore.app.cli.build_parser``, with
 the commands extract and train register into it), so the reference cannot drift from ``--help``.
 
 The text is formatted here, not by argparse's help formatter, so it does not depend on the terminal's width:
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hsstore.cli import build_parser
+from hsstore.app.cli import build_parser
 
 CLI_MD = Path(__file__).resolve().parents[1] / "docs" / "CLI.md"
 HEADER = """# Command reference

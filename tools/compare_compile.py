@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import hsstore
-from hsstore.cli import main as hsstore_main
+from hsstore.app.cli import main as hsstore_main
 from hsstore.extract.tiny import demo_conversations_path, trained_target_dir
 
 

@@ -31,9 +31,9 @@ import hsstore
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import build_tiny_target, demo_conversations_path
 from hsstore.format import fp8
-from hsstore.cli import main as hsstore_main
+from hsstore.app.cli import main as hsstore_main
 from hsstore.ops.info import summarize
-from hsstore.schema import build
+from hsstore.app.schema import build
 from hsstore.train.trainer import TrainSettings, train
 
 ELEMENT_PCTS = (50, 90, 99, 99.9, 100)

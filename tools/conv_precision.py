@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from hsstore.conv import torch_conv, use_fla_conv
+from hsstore.app.conv import torch_conv, use_fla_conv
 from tools.bench_extract import add_model_args, build_model
 
 

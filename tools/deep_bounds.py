@@ -83,7 +83,7 @@ def measure(args) -> dict:
     from hsstore.extract.forward import token_budget_batches
     from hsstore.extract.speed import compile_forward
     from hsstore.format.taps import default_taps
-    from hsstore.target import to_device
+    from hsstore.app.target import to_device
 
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     torch.manual_seed(args.seed)

@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from hsstore.schema import build
+from hsstore.app.schema import build
 
 
 def main(argv=None) -> int:

@@ -57,7 +57,7 @@ def make_base(work: Path) -> dict[str, Any]:
     import torch
 
     import hsstore
-    from hsstore import storage
+    from hsstore.io import storage
     from hsstore.extract.tiny import tiny_target_dir
     from hsstore.format.assets import write_assets
     from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
@@ -365,7 +365,7 @@ def _written(url: str) -> dict[str, str]:
 
 def drive(case: dict, digests: dict[str, str]) -> dict:
     """Run every command on one forged store; what each gave and which oracles it broke."""
-    from hsstore.cli import main
+    from hsstore.app.cli import main
     from tools.measure import peak_rss_mb, reset_peak_rss
 
     d = Path(case["dir"])

@@ -172,7 +172,7 @@ def kill(args) -> int:
 def s3_serve(args) -> int:
     """Serve until SIGTERM; SIGUSR1 appends the proxy's shard counts to D/counts.jsonl and resets them."""
     from tools.bench_source import emulated_s3, shard_counts, warm_through
-    from hsstore import storage
+    from hsstore.io import storage
 
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ import time
 import torch
 
 from hsstore.extract.capture import run_tapped
-from hsstore.conv import use_fla_conv
+from hsstore.app.conv import use_fla_conv
 from hsstore.extract.forward import pad_right, token_budget_batches
 from hsstore.format.taps import default_taps
 from tools.bench_extract import add_model_args, build_model, synthetic, sync

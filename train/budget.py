@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hsstore.devices import DEVICE_DEFAULTS, defaults_for
-from hsstore.schema import replace
+from hsstore.app.devices import DEVICE_DEFAULTS, defaults_for
+from hsstore.app.schema import replace
 
 from .config import TrainSettings
 from .model import checkpoint_policy
@@ -26,7 +26,7 @@ ASSUMED_MIN_SEQUENCE = 2048  # for the estimate: sequences per batch at most bud
 
 def with_device_defaults(settings: TrainSettings, device: torch.device) -> TrainSettings:
     """``settings`` with unset (None) ``token_budget`` and ``anchors`` set to ``device``'s defaults
-    (``hsstore.devices.DEVICE_DEFAULTS``)."""
+    (``hsstore.app.devices.DEVICE_DEFAULTS``)."""
     row = defaults_for(device)
     unset = {f.name: getattr(row, f.name) for f in dataclasses.fields(row)
              if getattr(settings.batch, f.name) is None}

@@ -29,7 +29,7 @@ from hsstore.errors import StoreError
 from hsstore.format import assets
 from hsstore.format.manifest import Manifest
 from hsstore.format.serving import serving
-from hsstore.target import text_config
+from hsstore.app.target import text_config
 from hsstore.store.reader import Store
 from hsstore.version import __version__
 

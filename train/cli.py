@@ -13,10 +13,10 @@ import json
 import math
 import sys
 
-from hsstore.config import add_config_option, flag_values
-from hsstore.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
-from hsstore.schema import add_arguments, from_args
-from hsstore.storage import parse_storage_options
+from hsstore.app.config import add_config_option, flag_values
+from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
+from hsstore.app.schema import add_arguments, from_args
+from hsstore.io.storage import parse_storage_options
 
 from .config import EvalSettings, TrainSettings
 
@@ -100,8 +100,8 @@ def preflight_train(args: argparse.Namespace) -> None:
     """What ``train`` refuses without torch, the trainer or a model: an --out that is a user's folder, a store or
     --val-store that is not there (a --follow store may not be yet). Before the first line, and before OUT is
     made."""
-    from hsstore import storage
-    from hsstore.destination import check_output_folder
+    from hsstore.io import storage
+    from hsstore.io.destination import check_output_folder
     from hsstore.distributed import launcher_rank
     from hsstore.format.manifest import read_manifest
 
@@ -133,7 +133,7 @@ def command_settings(schema: type, args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     import sys
 
-    from hsstore.destination import removed_if_left_empty
+    from hsstore.io.destination import removed_if_left_empty
     from hsstore.distributed import launcher_rank
 
     from .checkpoint import read_best

@@ -3,7 +3,7 @@
 
 Every setting is written once, below, with its flag, help and default; from the schema come the
 ``hsstore train`` flags in their ``--help`` groups (``cli.py``), the sections of ``--config`` files and
-``run.yaml`` (``hsstore.config``: the groups' titles, the flags' keys) and ``RESUME_KEYS`` (``resume=True``: the
+``run.yaml`` (``hsstore.app.config``: the groups' titles, the flags' keys) and ``RESUME_KEYS`` (``resume=True``: the
 settings a resumed run must share with the run it continues, or the weights or the data order would not
 match). ``recordable_config`` is the settings as ``train_config.json`` and every checkpoint's ``trainer.json``
 hold them (flat, by setting name; no secrets); ``saved_config`` reads such a record back, old names included.
@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hsstore.config import absolute_path
+from hsstore.app.config import absolute_path
 from hsstore.redaction import recordable_url
-from hsstore.devices import DEVICE_DEFAULTS
-from hsstore.schema import flat, option, resume_keys, section
+from hsstore.app.devices import DEVICE_DEFAULTS
+from hsstore.app.schema import flat, option, resume_keys, section
 
 from . import tracking
 

@@ -41,13 +41,13 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hsstore import storage
+from hsstore.io import storage
 from hsstore.loader.batching import TokenBatches
 from hsstore.distributed import World
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.options import Planning, Reading
 from hsstore.format import codec, fp8
-from hsstore.devices import defaults_for, resolve_device
+from hsstore.app.devices import defaults_for, resolve_device
 from hsstore.format.manifest import Manifest, check_compatible, read_manifest
 
 from .data import read_ahead
@@ -198,7 +198,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
                    progress: bool = False) -> StoreEval:
     """``hsstore eval`` without a target: the drafter at ``drafter_dir`` over every valid anchor of the store at
     ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training;
-    ``token_budget`` unset: the device's, as in training (``hsstore.devices.DEVICE_DEFAULTS``)."""
+    ``token_budget`` unset: the device's, as in training (``hsstore.app.devices.DEVICE_DEFAULTS``)."""
 
     from hsstore.store import reader
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hsstore import storage
+from hsstore.io import storage
 from hsstore.format import assets, commit
 from hsstore.loader.batching import TokenBudget
 from hsstore.loader.follow import Follow, Journal, Leader

@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hsstore.devices import resolve_device
+from hsstore.app.devices import resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 
 

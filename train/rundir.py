@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsstore import destination
+from hsstore.io import destination
 from hsstore.version import __version__
 
 RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
@@ -40,7 +40,7 @@ def record(out: Path, config_json: dict[str, Any], settings: dict[str, Any] | No
 def write_run_file(path: Path, settings: dict[str, Any], stores, resolved: dict[str, Any]) -> None:
     """OUT/run.yaml: the command's settings (``hsstore train --config OUT/run.yaml`` runs it again), and for
     people the version, each store's identity and the values the device chose."""
-    from hsstore.config import dump
+    from hsstore.app.config import dump
     from hsstore.redaction import scrub
 
     recorded = {"hsstore_version": __version__,

@@ -53,8 +53,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsstore.devices import resolve_device
-from hsstore.target import load_target, tapped
+from hsstore.app.devices import resolve_device
+from hsstore.app.target import load_target, tapped
 
 from . import block_states
 from .masks import attend, block_attention_mask
@@ -103,7 +103,7 @@ class TargetCache:
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], keep: int, taps: Sequence[int] | None = None):
         """(logits of the last ``keep`` of ``ids`` [keep, V], tapped features of ``ids`` [len, L, H] or None),
-        the cache advanced over ``ids``. Tap l is captured as extraction captures it (``hsstore.target.tapped``):
+        the cache advanced over ``ids``. Tap l is captured as extraction captures it (``hsstore.app.target.tapped``):
         the output of decoder layer l before the final norm, the last layer's too (HF's last ``hidden_states``
         entry is the norm's output, which the drafter was not trained on)."""
         dev = next(self.model.parameters()).device

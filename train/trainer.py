@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsstore import storage
+from hsstore.io import storage
 from hsstore.format import codec, fp8
 from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.redaction import recordable_url
@@ -97,7 +97,7 @@ class TrainResult:
 
 def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = None) -> TrainResult:
     """Train (or resume) a drafter; ``source`` replaces the store batches (tests feed online features);
-    ``flags`` (the command's flags by section, ``hsstore.config.flag_values``) go into OUT/run.yaml."""
+    ``flags`` (the command's flags by section, ``hsstore.app.config.flag_values``) go into OUT/run.yaml."""
     t_start = time.perf_counter()
     tracking.check_available(settings.output.report_to or [])  # before any work: a missing package is one line
     rank, world, device, group = init_distributed(settings.run.device)

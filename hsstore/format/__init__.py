@@ -6,5 +6,5 @@ index (``index``), the feature codecs and fp8 scaling (``codec``, ``fp8``), tap 
 ``verify`` reports (``report``), and the registry of shard layouts (``layout_spec``: each layout's name and
 manifest rules, as data). Nothing here knows how shards are laid out, read in order or trained on.
 
-Imports: hsstore core.
+Imports: hsstore core, io.
 """

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from . import codec, names
-from .. import door, memory, storage, transfer
+from ..io import door, memory, storage, transfer
 from ..errors import CorruptionError, StoreError
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import codec
-from .. import door, listing, storage, transfer
+from ..io import door, listing, storage, transfer
 from ..errors import CorruptionError, StoreError
 from .manifest import FORMAT_VERSION, MAX_TEXT, is_int
 

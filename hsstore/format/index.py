@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import codec, names, records
-from .. import door, listing, storage, transfer
+from ..io import door, listing, storage, transfer
 from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso

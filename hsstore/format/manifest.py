@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import layout_spec
-from .. import door, storage
+from ..io import door, storage
 from ..errors import ManifestError, StoreError
-from ..storage import MANIFEST_FILE
+from ..io.storage import MANIFEST_FILE
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)

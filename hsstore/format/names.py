@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence
 
-from .. import storage
-from ..door import key_problem, percent_decoded
+from ..io import storage
+from ..io.door import key_problem, percent_decoded
 from ..errors import StoreError
 
 ALLOW_ENV = "HSSTORE_ALLOW_LOCATIONS"  # comma-separated prefixes a `location` may point into (--allow-location)

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import door, listing, storage, transfer
+from ..io import door, listing, storage, transfer
 from ..errors import CorruptionError
 from .manifest import MAX_TEXT, is_int, now_iso
 

@@ -6,5 +6,5 @@ the two layouts. A layout sees only what it is handed for one shard, never a who
 layout passes the one contract test suite (``hsstore.testing.layout_contract``); what the rest of the
 package knows of a layout is its declaration in ``format.layout_spec``.
 
-Imports: hsstore core, format.
+Imports: hsstore core, io, format.
 """

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..format import names
-from .. import redaction, storage
+from ..io import storage
+from .. import redaction
 from ..format.commit import SHARDS_DIR
 from ..errors import StoreError
 from ..format.manifest import Manifest, canonical_json_hash

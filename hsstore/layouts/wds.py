@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..format import codec, health
-from .. import door, storage, transfer
+from ..io import door, storage, transfer
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_fold, row_parts, scatter_rows, scratch
+from ..io.memory import copy_bytes, mapped_reads, pread_fold, row_parts, scatter_rows, scratch
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:

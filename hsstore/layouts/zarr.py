@@ -25,11 +25,11 @@ import zarr
 from zarr.storage import MemoryStore
 
 from ..format import codec, fp8, health
-from .. import door, storage, transfer
+from ..io import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..memory import copy_bytes, mapped_reads, pread_fold, pread_into, row_parts, scatter_rows, scratch, torch_threads
+from ..io.memory import copy_bytes, mapped_reads, pread_fold, pread_into, row_parts, scatter_rows, scratch, torch_threads
 from ..format.report import Problem, VerifyReport
 from ..terminal import escape, shown
 

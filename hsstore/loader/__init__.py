@@ -2,5 +2,5 @@
 (``plan``: shuffled, split over nodes, ranks and workers, exactly once), resumes mid-epoch (``resume``), packs
 samples into token-budget batches (``batching``) and keeps remote chunks in a local cache (``cache``).
 
-Imports: hsstore core, format, layouts, store.
+Imports: hsstore core, io, format, layouts, store.
 """

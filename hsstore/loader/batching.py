@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..locks import ProcessLock
-from ..memory import BufferPool, can_pin, empty_host, hand_over
+from ..io.memory import BufferPool, can_pin, empty_host, hand_over
 
 MODES = ("pad", "pack")
 POOLED_BATCHES = 4  # unpinned batches recycled in the main process: the one in use and those read ahead

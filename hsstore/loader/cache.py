@@ -7,7 +7,7 @@ is also the unit that two reads (neighbouring units, a second epoch) share.
 The cache holds hidden states of stores its user may read and others may not, and what it serves is
 trained on, so it is private and checked:
 - its folder is the user's own (refused when owned by someone else or when it is a link), folders 0700 and
-  files 0600, every file opened through the door (``hsstore.door``: no link followed, regular files only);
+  files 0600, every file opened through the door (``hsstore.io.door``: no link followed, regular files only);
 - each copy ends with a keyed digest (HMAC-SHA256 under a key kept in the cache folder, 0600) of the object's
   name and bytes, written when the copy is made. CRC32C is linear: a planted file with four bytes adjusted
   passes it. A copy is served only when its digest matches (and the chunk's CRC32C the record's), so a file
@@ -43,8 +43,8 @@ from typing import Any, Callable
 import fsspec
 
 from ..format import codec, names
-from ..memory import pread_into
-from .. import door, sinks, storage
+from ..io.memory import pread_into
+from ..io import door, sinks, storage
 from ..errors import CorruptionError, StoreError
 from ..locks import ProcessLock
 

@@ -71,14 +71,14 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ..format import codec, fp8, layout_spec
-from .. import storage
+from ..io import storage
 from .batching import Placed
 from .cache import ChunkCache, copy_size
 from ..errors import CorruptionError, StoreError
 from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
-from ..memory import BufferPool, Rows, empty_host, hand_over
+from ..io.memory import BufferPool, Rows, empty_host, hand_over
 from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
 from .plan import Filters, Planner, SlotPlan, build_catalog

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .. import door, storage, transfer
+from ..io import door, storage, transfer
 from ..errors import CorruptionError, StoreError
 from ..format import codec, commit, health, index, records, sessions
 from ..format.commit import CommitRecord

@@ -2,5 +2,5 @@
 ``convert``, ``upgrade``, ``bench``, ``estimate`` and the HTML ``report`` (``html_report``); ``stats`` is the
 per-sample distributions that ``info`` and the extraction gate show.
 
-Imports: hsstore core, format, layouts, store, loader.
+Imports: hsstore core, io, format, layouts, store, loader.
 """

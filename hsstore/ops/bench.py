@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import storage, transfer
+from ..io import storage, transfer
 from ..layouts import wds
 from ..format.commit import layer_array
 from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
@@ -497,7 +497,7 @@ def _read_kept(fd: int, size: int, dest: np.ndarray, pos: int, check: bool) -> i
     """One file read with ``preadv`` into ``dest`` from ``pos`` on (wrapping to 0 when it does not fit), each
     block folded into a CRC32C as it lands when ``check`` (the loader's ``pread_fold``); the next position."""
     from ..format import codec
-    from ..memory import pread_fold, pread_into
+    from ..io.memory import pread_fold, pread_into
 
     done = 0
     while done < size:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..format import codec, commit, index, layout_spec
 from ..layouts import base as layout
-from .. import destination
+from ..io import destination
 from ..errors import ManifestError, StoreError
 from ..store.reader import Store
 from .subset import copy_assets_if_missing

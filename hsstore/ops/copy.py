@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import storage
+from ..io import storage
 from ..errors import StoreError
 from ..format import commit
 from ..redaction import recordable_url

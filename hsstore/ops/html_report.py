@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .. import door, sinks
+from ..io import door, sinks
 
 W, H = 640, 260
 M_LEFT, M_RIGHT, M_TOP, M_BOTTOM = 64, 16, 46, 44  # the top holds the title and a legend row
@@ -348,7 +348,7 @@ def check_report_destination(out: Path) -> None:
     """The destination rule of every writing command, for one file: a new path, or a page this command wrote
     before (its generator tag in the first bytes) is replaced; anything else is the user's and is refused,
     before the store or run is read."""
-    from ..destination import DestinationError
+    from ..io.destination import DestinationError
 
     if not out.exists() and not out.is_symlink():
         return

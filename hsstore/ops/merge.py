@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ..format import commit, index, names
 from ..layouts import base as layout
-from .. import destination, door, storage, transfer
+from ..io import destination, door, storage, transfer
 from ..errors import CorruptionError, ManifestError, StoreError
 from ..format.manifest import check_compatible
 from ..store.reader import Store

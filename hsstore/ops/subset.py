@@ -22,7 +22,7 @@ from typing import Any
 
 from ..format import assets, codec, health
 from ..layouts import base as layout
-from .. import destination, door, storage
+from ..io import destination, door, storage
 from .stats import SAMPLE_FLAGS
 from ..format.manifest import Manifest, check_compatible, read_manifest
 from ..store.reader import Store, committed_ids

@@ -23,9 +23,9 @@ from typing import Callable
 import numpy as np
 
 from ..format import commit, fp8, health, index
-from .. import storage, transfer
+from ..io import storage, transfer
 from ..format.manifest import FORMAT_VERSION, read_manifest
-from ..storage import MANIFEST_FILE
+from ..io.storage import MANIFEST_FILE
 from ..store.reader import Store
 from ..format.report import Problem, VerifyReport
 from .verify import check_committed_shard

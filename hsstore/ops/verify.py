@@ -18,7 +18,7 @@ import numpy as np
 
 from ..format import assets, codec, commit, index, names, records
 from ..layouts import base as layout
-from .. import listing, storage
+from ..io import listing, storage
 from ..format.commit import SHARDS_DIR, CommitRecord
 from ..errors import StoreError
 from ..store.reader import Store

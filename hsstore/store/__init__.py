@@ -2,5 +2,5 @@
 ``writer`` and ``process_writer`` add samples and commit shards atomically, so a crash loses at most the shard
 being written.
 
-Imports: hsstore core, format, layouts.
+Imports: hsstore core, io, format, layouts.
 """

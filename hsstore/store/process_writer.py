@@ -19,15 +19,15 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..format import fp8
-from .. import storage
+from ..io import storage
 from ..errors import CorruptionError, ManifestError, SampleError, StoreError
+from ..locks import ProcessLock
 from ..format.manifest import Manifest
 from .writer import StoreWriter
 
@@ -58,7 +58,7 @@ class ProcessWriter:
         self._closed = False
         # one conversation on the pipe at a time: extraction's main thread asks for staging buffers while its
         # consumer thread adds and syncs, and a reply taken by the other thread is a reply lost
-        self._talk = threading.RLock()
+        self._talk = ProcessLock()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, name="hsstore-writer",

@@ -24,12 +24,12 @@ import numpy as np
 
 from ..format import codec, commit, fp8, index, names, records
 from ..layouts import base as layout
-from .. import memory, storage
+from ..io import memory, storage
 from ..format.commit import CommitRecord
 from ..errors import CorruptionError, ManifestError, StoreError
 from .items import make_item
 from ..format.manifest import Manifest, read_manifest
-from ..storage import MANIFEST_FILE
+from ..io.storage import MANIFEST_FILE
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it

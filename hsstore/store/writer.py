@@ -29,10 +29,10 @@ import numpy as np
 
 from ..format import codec, commit, fp8, health, index
 from ..layouts import base as layout
-from .. import destination, memory, storage, transfer
+from ..io import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
-from ..storage import MANIFEST_FILE
+from ..io.storage import MANIFEST_FILE
 from ..version import __version__
 from .session import WriterSession
 

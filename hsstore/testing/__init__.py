@@ -4,5 +4,5 @@ shard layout owes, as one base class of tests), ``stores`` (small synthetic mani
 proxy for an S3 endpoint) and ``ports``. Shipped in the package so that tools/ and an outside layout use the
 same helpers as tests/, without importing tests/. Needs the test extras (pytest, torch).
 
-Imports: hsstore core, cli, format, layouts, store, loader, ops.
+Imports: hsstore core, io, app, format, layouts, store, loader, ops.
 """

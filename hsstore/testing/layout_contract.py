@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from ..cli import main
+from ..app.cli import main
 from ..errors import CorruptionError, StoreError
 from ..format import commit
 from ..layouts import base as layout
@@ -211,7 +211,7 @@ class LayoutContract:
         """Local reads go by ``preadv`` into the destination (default) or by mapping and copying on torch's
         threads (``HSSTORE_MAPPED_READS=1``): both give the written bits through ``read`` and the loader, and a
         feature file cut short is one ``CorruptionError`` naming the shard under both."""
-        from ..memory import MAPPED_READS_ENV
+        from ..io.memory import MAPPED_READS_ENV
 
         monkeypatch.setenv(MAPPED_READS_ENV, "1" if mapped else "0")
         threads = torch.get_num_threads()

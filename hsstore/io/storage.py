@@ -17,9 +17,9 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from .errors import StoreError
-from . import redaction
-from .redaction import register
+from ..errors import StoreError
+from .. import redaction
+from ..redaction import register
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import fsspec
 
-from .errors import StoreError
-from .terminal import escape, shown
+from ..errors import StoreError
+from ..terminal import escape, shown
 from . import door, sinks, storage
 from .storage import MANIFEST_FILE, explain, is_local, join, resolve
 

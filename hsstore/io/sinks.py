@@ -24,7 +24,7 @@ import stat
 import uuid
 from typing import Any, Iterable, Iterator
 
-from .errors import StoreError
+from ..errors import StoreError
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

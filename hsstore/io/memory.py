@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .locks import ProcessLock
+from ..locks import ProcessLock
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: store commands that read bytes never load it
     import torch
@@ -45,7 +45,7 @@ def check_fits(nbytes: int, what: str) -> None:
     numpy's ``MemoryError`` traceback, or the kernel's OOM killer for an allocation it overcommitted."""
     limit = machine_bytes()
     if nbytes < 0 or (limit and nbytes > limit):
-        from .errors import StoreError
+        from ..errors import StoreError
 
         raise StoreError(f"{what}: needs {nbytes:,} bytes, more than this machine's {limit:,} bytes of memory "
                          "(the store's metadata claims more than it can hold; run hsstore verify)")

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import door
-from .redaction import is_secret_key, scrub
+from ..io import door
+from ..redaction import is_secret_key, scrub
 from .schema import PATH_ATTR, Deprecated
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import os
 from typing import Any, Callable
 from urllib.parse import unquote, urljoin, urlsplit
 
-from .errors import CorruptionError
+from ..errors import CorruptionError
 
 REQUEST_S = 10.0  # every request: its answer's first byte within this, then ...
 MIN_RATE = 256 << 10  # ... its bytes at least this fast on average (bytes/s); HSSTORE_MIN_RATE overrides

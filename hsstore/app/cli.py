@@ -17,13 +17,14 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from . import config, storage
-from .format import layout_spec
-from .errors import StoreError
-from .redaction import RedactingFilter, recordable_url, scrub
-from .terminal import EscapingFilter, escape
+from . import config
+from ..io import storage
+from ..format import layout_spec
+from ..errors import StoreError
+from ..redaction import RedactingFilter, recordable_url, scrub
+from ..terminal import EscapingFilter, escape
 from .schema import Deprecated
-from .version import __version__
+from ..version import __version__
 
 log = logging.getLogger("hsstore")
 COMMANDS_GROUP = "hsstore.commands"  # entry points: a callable that adds sub-parsers
@@ -55,8 +56,8 @@ def interactive_options(url: str, args) -> dict:
 
 
 def cmd_info(args) -> int:
-    from .ops.info import format_text, summarize
-    from .store import reader
+    from ..ops.info import format_text, summarize
+    from ..store import reader
 
     store = reader.open(args.url, **interactive_options(args.url, args))
     s = summarize(store)
@@ -67,8 +68,8 @@ def cmd_info(args) -> int:
 def cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .store import reader
-    from .ops.verify import verify
+    from ..store import reader
+    from ..ops.verify import verify
 
     store = reader.open(args.url, **storage.parse_storage_options(args.storage_option))
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
@@ -102,8 +103,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from .format.index import compact
-    from .format.manifest import read_manifest
+    from ..format.index import compact
+    from ..format.manifest import read_manifest
 
     fs, root = storage.resolve(args.url, interactive_options(args.url, args))
     read_manifest(fs, root, args.url)  # an hsstore store, or a clear error before anything is written
@@ -120,8 +121,8 @@ def cmd_index(args) -> int:
 def cmd_upgrade(args) -> int:
     from tqdm import tqdm
 
-    from .store import reader
-    from .ops.upgrade import upgrade
+    from ..store import reader
+    from ..ops.upgrade import upgrade
 
     store = reader.open(args.url, **storage.parse_storage_options(args.storage_option))
     total = sum(f["size"] for c in store.commits if not c.binds_chunks for f in c.files.values())
@@ -137,7 +138,7 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .ops.convert import convert
+    from ..ops.convert import convert
 
     src_options = storage.parse_storage_options(args.storage_option)
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
@@ -149,8 +150,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .loader.options import Reading
-    from .ops.bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
+    from ..loader.options import Reading
+    from ..ops.bench import LoaderBench, format_source, run_loader_bench, run_source_bench, run_store_bench
 
     options = storage.parse_storage_options(args.storage_option)
     if args.what == "source":
@@ -213,7 +214,7 @@ def cmd_bench(args) -> int:
 
 def subset_split(args):
     """The split that ``--fraction``/``--ids`` (and ``--complement``, ``--seed``) ask for, else None."""
-    from .ops.subset import Split, read_ids
+    from ..ops.subset import Split, read_ids
 
     if args.fraction is None and args.ids is None:
         if args.complement:
@@ -230,7 +231,7 @@ def subset_split(args):
 
 
 def cmd_subset(args) -> int:
-    from .ops.subset import Selection, subset
+    from ..ops.subset import Selection, subset
 
     options = storage.parse_storage_options(args.storage_option)
     sel = Selection(sources=tuple(args.source), min_tokens=args.min_length, max_tokens=args.max_length,
@@ -255,7 +256,7 @@ def cmd_subset(args) -> int:
 
 
 def cmd_copy(args) -> int:
-    from .ops.copy import copy
+    from ..ops.copy import copy
 
     src_options = storage.parse_storage_options(args.storage_option)
     dst_options = storage.parse_storage_options(args.dst_storage_option) if args.dst_storage_option else src_options
@@ -274,7 +275,7 @@ def cmd_copy(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .ops.merge import merge
+    from ..ops.merge import merge
 
     options = storage.parse_storage_options(args.storage_option)
     r = merge(args.dst, args.src, by=args.by, dst_options=options, progress=not args.quiet)
@@ -287,7 +288,7 @@ def cmd_merge(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .ops.html_report import write_report
+    from ..ops.html_report import write_report
 
     kind = write_report(args.path, args.out, interactive_options(args.path, args))
     print(f"report of {kind} {recordable_url(args.path)}: {args.out}")
@@ -568,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
             handler.addFilter(RedactingFilter())
             handler.addFilter(EscapingFilter())  # store strings in log lines never drive the terminal
     if getattr(args, "allow_location", None):  # every store this command (and its workers) opens
-        from .format.names import ALLOW_ENV
+        from ..format.names import ALLOW_ENV
 
         os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:

@@ -58,7 +58,7 @@ class Option:
     section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share.
     ``negate`` (a bool): the flag's key holds the opposite of the setting, as its spelling says (``--no-resume``
     with key ``no_resume``, so config files written with that key keep their meaning). ``path``: the value is a
-    local path or a URL (``hsstore.config``: relative in a file means relative to the file; recorded absolute). ``type``: what the flag
+    local path or a URL (``hsstore.app.config``: relative in a file means relative to the file; recorded absolute). ``type``: what the flag
     reads where the setting is another type (``--layers 1,16,31`` is a str, ``convert`` makes the list). A bool
     defaulting to None is a ``--x/--no-x`` pair (unset: decided later)."""
 
@@ -82,7 +82,7 @@ class Option:
     path: bool = False  # a local path or URL: resolved against a --config file's folder, recorded absolute
 
 
-PATH_ATTR = "names_a_path"  # on a flag's argparse action: ``Option.path`` (read by ``hsstore.config``)
+PATH_ATTR = "names_a_path"  # on a flag's argparse action: ``Option.path`` (read by ``hsstore.app.config``)
 
 
 def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:

@@ -30,7 +30,7 @@ import stat
 from typing import Any, Callable, Iterator
 
 from . import receive, storage, transfer
-from .errors import CorruptionError
+from ..errors import CorruptionError
 from .memory import pread_into
 
 JSON_CAP = 1 << 20  # a manifest, the asset index, a lock, a zarr.json: small objects read whole

@@ -1,6 +1,6 @@
 """Moving bytes to and from a store: small atomic writes (``put_atomic``), many objects at once (``put_many``),
 concurrent whole-object reads (``cat_many``), reads fetched again when their checksum fails (``cat_verified``) and
-reads straight into the caller's memory (``cat_into``). Only ``hsstore.door`` (and benchmarks of it) read through
+reads straight into the caller's memory (``cat_into``). Only ``hsstore.io.door`` (and benchmarks of it) read through
 these: everything else reads a store through the door's guards."""
 
 from __future__ import annotations
