@@ -120,7 +120,7 @@ def _explain(err: OSError, dir_fd: int, name: str) -> str | None:
     except OSError:
         return None
     if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link (links in a store are never followed)"
+        return "a symbolic link (links in a store or a folder from elsewhere are never followed)"
     return "not a folder" if err.errno == errno.ENOTDIR else None
 
 
@@ -375,6 +375,7 @@ def read_json(fs, root: str, key: str, *, where: str, bound: int = JSON_CAP, siz
 # limits, no link out of the folder the user named (the folder itself, or a file the user named, may be a link).
 YAML_CAP = 1 << 20  # a --config file or a run.yaml: settings, a few KB
 YAML_NODES = 100_000  # nodes of a YAML document once its aliases are expanded (a run.yaml has a few hundred)
+RUN_LOG_CAP = 512 << 20  # a run's metrics.jsonl or samples log (about 400 bytes a logged step)
 
 
 def open_file(path: str | os.PathLike, where: str = "") -> tuple[int, os.stat_result]:
@@ -406,6 +407,38 @@ def read_beneath(folder: str | os.PathLike, key: str, *, bound: int, where: str 
     beneath it without following a link; at most ``bound`` bytes."""
     with opened(os.fspath(folder), key, bound=bound, where=where) as (fd, n):
         return _read_fd(fd, n, key, where)
+
+
+def read_json_beneath(folder: str | os.PathLike, key: str, *, bound: int = JSON_CAP, where: str = "",
+                      error=ValueError) -> Any:
+    """``read_beneath`` + ``load_json``: a JSON file of a folder from elsewhere (a drafter's config, a checkpoint's
+    trainer state), refusals and bad JSON alike one ``error`` naming the file."""
+    where = where or os.fspath(folder)
+    try:
+        data = read_beneath(folder, key, bound=bound, where=where)
+    except Refused as e:
+        raise error(str(e)) from None
+    return load_json(data, os.path.join(os.fspath(folder), key), error=error)
+
+
+def folder_beneath(root: str | os.PathLike, rel: str, where: str = "") -> str:
+    """The path of folder ``rel`` below the local folder ``root`` the user named, refused (``Refused``) when a
+    component below ``root`` is a link or not a folder: a folder from elsewhere (a run, a drafter, a peer's files)
+    is read beneath the folder named, never through a link planted in it. ``FileNotFoundError`` when missing."""
+    path = os.fspath(root)
+    if not rel:
+        return path
+    _checked_key(rel, where)
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused(where, rel, f"{os.path.basename(path)} is a symbolic link (links in a folder from "
+                                      "elsewhere are never followed)")
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+            raise Refused(where, rel, f"{os.path.basename(path)} is {what}, not a folder")
+    return path
 
 
 def is_file_beneath(folder: str | os.PathLike, key: str) -> bool:

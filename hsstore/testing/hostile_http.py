@@ -11,6 +11,9 @@ one misbehaviour each:
   trickle_head  the status line and headers one byte a second
   redirect      ``302`` to the same path on ``redirect_to`` (another server: another host's store)
 
+A ``POST`` (an engine's ``/v1/chat/completions``) is answered as a ``GET`` of the same path is: the file there (a
+canned answer), with the same misbehaviours.
+
 ``faults``: list of (kind, predicate of the request path). ``sent`` counts response bytes by path, ``paths`` every
 path asked for (what a client read, outside the store's prefix too). Threads end when the client goes.
 """
@@ -118,6 +121,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=True)
 
     def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n:
+            self.rfile.read(n)  # the request (a prompt): read and dropped
         self._serve(head=False)
 
     def _serve(self, head: bool) -> None:
