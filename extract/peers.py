@@ -32,6 +32,7 @@ import os
 import pickle
 import re
 import stat
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -142,17 +143,20 @@ def load_ckpt(path: Path, root: Path | None = None) -> dict:
             gzipped = os.pread(fd, 2, 0) == b"\x1f\x8b"
             proc = f"/proc/self/fd/{fd}"
             name = proc if os.path.exists(proc) else str(path)
-            if gzipped:
-                data = door.read_beneath(root, path.relative_to(root).as_posix(), bound=n, where=str(root))
-                obj = torch.load(io.BytesIO(gunzip_bounded(data, where)), map_location="cpu", weights_only=True)
-            else:  # mapped: the tensors are copied once, into the writer's shard buffer
-                obj = torch.load(name, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(name))
+            with warnings.catch_warnings():  # torch's notes on what it refuses are not this command's output
+                warnings.simplefilter("ignore")
+                if gzipped:
+                    data = door.read_beneath(root, path.relative_to(root).as_posix(), bound=n, where=str(root))
+                    obj = torch.load(io.BytesIO(gunzip_bounded(data, where)), map_location="cpu", weights_only=True)
+                else:  # mapped: the tensors are copied once, into the writer's shard buffer
+                    obj = torch.load(name, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(name))
     except door.Refused as e:
         raise SampleError(str(e)) from None
-    except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+    except pickle.UnpicklingError as e:  # (torch's own advice, to load it with weights_only=False, left out)
+        found = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")[:200]
         raise SampleError(f"{where}: refused by torch.load(weights_only=True): it holds objects other than "
-                          f"tensors and plain containers, and is never unpickled here ({first})") from None
+                          f"tensors and plain containers, and is never unpickled here"
+                          + (f" ({found})" if found else "")) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise SampleError(f"{where}: not a readable torch.save file ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:200]})") from None

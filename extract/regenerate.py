@@ -51,6 +51,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hsstore import door
 from hsstore.schema import replace
 
 from .readers import ChatRecord, Malformed, input_files, read_records
@@ -322,10 +323,11 @@ class ChatClient:
             else:
                 text = data.decode("utf-8", "replace")
                 if status < 300:
-                    try:
-                        return json.loads(text)
+                    try:  # an engine's answer is data from elsewhere: JSON of bounded depth
+                        return door.load_json(text, what, error=ValueError)
                     except ValueError:
-                        raise RegenerateError(f"{what}: the server's answer is not JSON: {text[:200]!r}") from None
+                        raise RegenerateError(f"{what}: the server's answer is not JSON of at most "
+                                              f"{door.JSON_DEPTH} levels: {text[:200]!r}") from None
                 problem = f"HTTP {status}: {text[:300].strip()}"
                 if status not in _RETRY_STATUS:
                     raise RegenerateError(f"{what}: the server refused the request ({problem})", status=status)

@@ -201,6 +201,16 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
         with opened(root, key, size=size, bound=bound, where=where) as (fd, n):
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
+    if size is None and bound > receive.UNDECLARED_CAP and receive.is_http(fs):  # an HTTP listing gives no size:
+        try:  # the server's HEAD says one, or the object is read only up to a small bound (a body without end)
+            declared = receive.object_size(fs, path)
+        except receive.Refused as e:
+            raise Refused(where, key, e.why) from None
+        if declared is not None:
+            _check_size(declared, None, bound, key, where)
+            size = declared
+        else:
+            bound = min(bound, receive.UNDECLARED_CAP)
     if size is not None:
         data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
@@ -470,8 +480,9 @@ def load_yaml(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, nodes: 
     hundred bytes expands to billions of nodes). Anything else is one ``error`` naming ``where``."""
     import yaml
 
-    loader = yaml.SafeLoader(data)
+    loader = None
     try:
+        loader = yaml.SafeLoader(data)  # (it reads the first bytes: not UTF-8 is a YAMLError already)
         root = loader.get_single_node()
         if root is None:
             return None
@@ -482,7 +493,8 @@ def load_yaml(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, nodes: 
     except yaml.YAMLError as e:
         raise error(f"{where}: not valid YAML ({(str(e).splitlines() or [''])[0][:200]})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_yaml_graph(root, where: str, depth: int, nodes: int, error) -> None:

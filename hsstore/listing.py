@@ -155,6 +155,9 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
     from botocore.exceptions import ClientError
     from s3fs.errors import translate_boto_error
 
+    import aiohttp
+    from botocore.exceptions import BotoCoreError
+
     sem: Any = None
     try:
         parts = sync(fs.loop, run)
@@ -162,6 +165,9 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
         raise translate_boto_error(e) from None
     except FileNotFoundError:
         return {}
+    except (aiohttp.ClientError, BotoCoreError) as e:  # a page cut short or a connection lost, after the retries
+        raise OSError(f"listing of {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} (after "
+                      "retries)") from None
     return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part
             if folders or e["type"] == "file"}
 

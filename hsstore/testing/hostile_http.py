@@ -32,6 +32,7 @@ from typing import Callable
 
 KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect")
 FOREVER_S = 120  # how long "forever" lasts (a client that was not cut off by then has failed anyway)
+_BOMB: bytes | None = None
 
 
 def gzip_bomb(expanded: int = 1 << 30) -> bytes:
@@ -57,7 +58,6 @@ class HostileHTTPServer:
         self.paths: list[str] = []
         self.injected: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
-        self._bomb: bytes | None = None
         self._stop = threading.Event()
         server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
         self._server = server_class(("127.0.0.1", 0), type("Handler", (_Handler,), {"server_of": self}))
@@ -77,9 +77,10 @@ class HostileHTTPServer:
         return None
 
     def bomb(self) -> bytes:
-        if self._bomb is None:
-            self._bomb = gzip_bomb()
-        return self._bomb
+        global _BOMB
+        if _BOMB is None:  # made once a process (seconds of compression)
+            _BOMB = gzip_bomb()
+        return _BOMB
 
     def __enter__(self) -> "HostileHTTPServer":
         self._thread.start()
