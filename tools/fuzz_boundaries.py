@@ -190,7 +190,10 @@ def _json_edit(rng: random.Random, p: Path) -> str:
                            b"{", b"", os.urandom(64), b'{"a": NaN}'])
         p.write_bytes(body)
         return f"odd json {p.name}"
-    doc = json.loads(p.read_text())
+    try:
+        doc = json.loads(p.read_text())
+    except (ValueError, RecursionError):  # an earlier mutation made it not JSON
+        return f"json {p.name}: not JSON now"
     where = _set_random(rng, doc, rng.choice(HOSTILE_JSON))
     p.write_text(json.dumps(doc))
     return f"json {p.name}:{where}"
@@ -424,7 +427,19 @@ HTTP_PATHS: dict[str, Callable[[str], bool]] = {
 def forge(family: str, rng: random.Random, base: dict, d: Path) -> dict[str, Any]:
     """One case of ``family`` in folder ``d``: what the driver needs to run it."""
     sentinel = plant_sentinel(d)
-    case: dict[str, Any] = {"family": family}
+    case: dict[str, Any] = {"family": family, "mutations": []}
+    try:
+        _forge_family(family, rng, base, d, sentinel, case)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OSError) as e:
+        case["mutations"].append(f"forging stopped: {type(e).__name__}")  # what it forged so far is the case
+    from tools.fuzz_store import tree_digest
+
+    case["sentinel"] = tree_digest(sentinel)
+    case["atimes"] = age_atimes(sentinel)
+    return case
+
+
+def _forge_family(family: str, rng: random.Random, base: dict, d: Path, sentinel: Path, case: dict) -> None:
     if family == "drafter":
         case["mutations"] = forge_drafter(rng, d, base, sentinel)
         case["eval"] = rng.random() < 0.4
@@ -448,12 +463,7 @@ def forge(family: str, rng: random.Random, base: dict, d: Path) -> dict[str, Any
         case["where"] = rng.choice(["manifest", "record", "chunk", "list", "any"])
         case["mutations"] = [f"s3 {case['fault']} on {case['where']}"]
     else:
-        raise ValueError(f"unknown family {family!r}")
-    from tools.fuzz_store import tree_digest
-
-    case["sentinel"] = tree_digest(sentinel)
-    case["atimes"] = age_atimes(sentinel)
-    return case
+        raise KeyError(f"unknown family {family!r}")
 
 
 # -- driving ------------------------------------------------------------------------------------------------------
@@ -518,7 +528,7 @@ def commands(case: dict, base: dict, d: Path, stack: contextlib.ExitStack) -> tu
         return {"train_resume": ["train", "--store", base["run_store"], "--out", str(d / "run"), "--steps", "2",
                                  "--save-every", "1", "--log-samples", *FAST]}, none
     if fam == "peer":
-        return {"import": ["import", case["format"], str(d / "peer"), "--out", str(d / "imported"), "--layers",
+        return {"import": ["import", case.get("format", "specforge"), str(d / "peer"), "--out", str(d / "imported"), "--layers",
                            "1,3,5", "--model-name", "peer", "--num-layers", "8", "--hidden-size", "48",
                            "--config-hash", "c", "--tokenizer-hash", "t", "-q"]}, \
             (lambda: ["a pickle's code ran"] if (d / "pickle-ran").exists() else [])
@@ -529,9 +539,9 @@ def commands(case: dict, base: dict, d: Path, stack: contextlib.ExitStack) -> tu
                                    "--input", str(d / "no-input"), "--out", str(d / "out2"), "-q"]}, none
     if fam == "engine":
         other = stack.enter_context(HostileHTTPServer(str(d / "sentinel")))
-        faults = [(case["fault"], lambda p: "/v1/" in p)] if case["fault"] else []
+        faults = [(case["fault"], lambda p: "/v1/" in p)] if case.get("fault") else []
         srv = stack.enter_context(HostileHTTPServer(str(d / "engine"), faults, redirect_to=other.url))
-        if case["fault"] == "gzip":
+        if case.get("fault") == "gzip":
             srv.bomb()  # made before the command (seconds of compression: not the answer's time)
         return {"regenerate": ["regenerate", "--server", srv.url, "--model", "m", "--input",
                                str(Path(base["dir"]) / "prompts.jsonl"), "--out", str(d / "answers.jsonl"),
@@ -539,9 +549,9 @@ def commands(case: dict, base: dict, d: Path, stack: contextlib.ExitStack) -> tu
             (lambda: [f"asked the redirect's host {other.paths[:2]}"] if other.paths else [])
     if fam == "http":
         other = stack.enter_context(HostileHTTPServer(str(d / "sentinel")))
-        faults = [(case["fault"], HTTP_PATHS[case["where"]])] if case["fault"] else []
+        faults = [(case["fault"], HTTP_PATHS[case.get("where", "any")])] if case.get("fault") else []
         srv = stack.enter_context(HostileHTTPServer(str(d / "served"), faults, redirect_to=other.url))
-        if case["fault"] == "gzip":
+        if case.get("fault") == "gzip":
             srv.bomb()
         url = f"{srv.url}/store"
 

@@ -1,5 +1,6 @@
 """Forge stores at random and run every reading command on each (issue #36): ``python -m tools.fuzz_store
---cases N [--seed S] [--work DIR] [--json]``.
+--cases N [--seed S] [--work DIR] [--json] [--families store,http,s3,engine,drafter,run,peer,config] [--jobs J]``
+(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``).
 
 Each case starts from a copy of a small valid store (zarr or wds, with assets) and applies one to three
 mutators from ``MUTATORS``: fields of the manifest, commit records, zarr.json, asset and index files set to hostile
