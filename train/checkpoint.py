@@ -405,18 +405,29 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def _same_keys(saved: dict[str, Any], ours: dict[str, Any], what: str, where: str) -> None:
-    """A state dict from a file has exactly the keys of the live object's, each of the same kind (a scheduler's
-    ``load_state_dict`` sets whatever keys it is given as attributes)."""
+    """A state dict from a file has exactly the keys of the live object's, each value of the same kind, lists of the
+    same length and kinds (a scheduler's ``load_state_dict`` sets whatever it is given as attributes, and a learning
+    rate that is a string fails the first step, mid-run)."""
     def kind(v: Any) -> str:
         return ("number" if isinstance(v, (int, float)) and not isinstance(v, bool) else "list"
                 if isinstance(v, (list, tuple)) else type(v).__name__)
 
+    def odd(a: Any, b: Any) -> bool:
+        if b is None:
+            return False
+        if kind(a) != kind(b):
+            return True
+        if isinstance(b, (list, tuple)):
+            return len(a) != len(b) or any(odd(x, y) for x, y in zip(a, b))
+        if isinstance(b, dict):
+            return set(a) != set(b) or any(odd(a[k], b[k]) for k in b)
+        return False
+
     if set(saved) != set(ours):
         raise ValueError(f"{where}: {what} keys {sorted(saved)[:8]} differ from this run's {sorted(ours)[:8]}")
-    odd = [k for k in ours if kind(saved[k]) != kind(ours[k]) and ours[k] is not None
-           or kind(ours[k]) == "list" and len(saved[k]) != len(ours[k])]
-    if odd:
-        raise ValueError(f"{where}: {what} entries {odd[:4]} are not of this run's kind")
+    wrong = [k for k in ours if odd(saved[k], ours[k])]
+    if wrong:
+        raise ValueError(f"{where}: {what} entries {wrong[:4]} are not of this run's kind")
 
 
 def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched, device: torch.device,

@@ -306,6 +306,8 @@ def read_config(directory: Path) -> tuple[DrafterConfig, dict[str, Any]]:
         if not isinstance(d, dict) or not isinstance(meta, dict):
             raise TypeError(f"expected JSON objects, got {type(d).__name__} / {type(meta).__name__}")
         cfg, meta = _config_of(d, meta, source)
+        if not isinstance(meta.get("target") or {}, dict):
+            raise TypeError(f"its target is a {type(meta['target']).__name__}, not an object")
     except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
         raise ValueError(f"{source}: not a drafter config ({type(e).__name__}: {str(e)[:200]})") from None
     check_bounds(cfg, source)
