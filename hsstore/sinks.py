@@ -107,6 +107,16 @@ def _split(rel: str) -> tuple[str, str]:
     return "/".join(parts[:-1]), parts[-1]
 
 
+def _write_closing(fd: int, data: Any, durable: bool) -> None:
+    """``data`` (bytes, or a list of buffers in turn) written to ``fd``, synced when ``durable``; ``fd`` closed."""
+    try:
+        _write_all(fd, data if isinstance(data, list) else [data])
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_all(fd: int, chunks: Iterable[Any]) -> None:
     with os.fdopen(fd, "wb", closefd=False) as f:
         for c in chunks:
@@ -140,12 +150,7 @@ def write_atomic(root: str | os.PathLike, rel: str, data: Any, *, what: str = "w
     followed). Returns the new file's ``lstat``."""
     with _in_place_of(root, rel, what) as (dfd, tmp, _):
         fd = os.open(tmp, _NEW, mode, dir_fd=dfd)
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_closing(fd, data, durable)
         st = os.stat(tmp, dir_fd=dfd, follow_symlinks=False)  # the same file once renamed
     return st
 
@@ -164,12 +169,7 @@ def write_file(root: str | os.PathLike, rel: str, data: Any, *, what: str = "wri
             if e.errno == errno.ELOOP:
                 raise _refuse(os.fspath(root), _parts(rel), len(_parts(rel)) - 1, what) from None
             raise
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_closing(fd, data, durable)
     finally:
         os.close(dfd)
 
@@ -185,12 +185,7 @@ def write_new(root: str | os.PathLike, rel: str, data: Any, *, what: str = "writ
             fd = os.open(name, _NEW, mode, dir_fd=dfd)
         except FileExistsError:
             return False
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_closing(fd, data, durable)
         return True
     finally:
         os.close(dfd)
