@@ -31,17 +31,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore.io import destination
+from hsstore.io import destination, door
 from hsstore.store.reader import Store
 from hsstore.format.serving import TAP_TENSOR, serving
 from hsstore.redaction import recordable_url
-from hsstore.tensorfiles import save_safetensors
+from hsstore.io.tensorfiles import save_safetensors
 
 from . import peer_layers
 
 log = logging.getLogger(__name__)
 
 SIDECAR = "hsstore_export.json"
+SIDECAR_CAP = 256 << 20  # its sample ids: ~30 bytes each
 FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
 ARROW_FILE = "data-00000-of-00001.arrow"
 
@@ -229,8 +230,15 @@ def export_store(fmt: str, url: str, out: str, **kw) -> ExportResult:
 def export_sidecar(root: Path) -> dict | None:
     """What ``hsstore export`` recorded beside its files (store, layers, identity, sample ids), or None for the
     peers' own files."""
-    p = root / SIDECAR
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not door.is_file_beneath(root, SIDECAR):
+        return None
+    d = door.read_json_beneath(root, SIDECAR, bound=SIDECAR_CAP)  # a folder from elsewhere: through the door
+    ok = (isinstance(d, dict) and isinstance(d.get("sample_ids"), list) and all(isinstance(x, str) for x in d["sample_ids"])
+          and all(isinstance(d.get(k), dict) for k in ("target", "tokenizer"))
+          and isinstance(d.get("layers"), list) and all(type(x) is int for x in d["layers"]))
+    if not ok:
+        raise ValueError(f"{root / SIDECAR}: not an hsstore export record (sample_ids, layers, target, tokenizer)")
+    return d
 
 
 def exported_ids(root: Path) -> list[str] | None:

@@ -26,12 +26,15 @@ shard holding it is committed. Re-running resumes: sample ids already committed 
 
 from __future__ import annotations
 
-import gzip
 import io
 import logging
+import os
 import pickle
 import re
+import stat
+import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsstore.io import door
 from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
+from hsstore.io.tensorfiles import load_beneath
 from hsstore.store.writer import StoreWriter
 from hsstore.errors import SampleError
 from hsstore.store.reader import committed_ids
@@ -57,6 +62,10 @@ PAD_TOKEN_ID = 0  # SpecForge's collator pads input_ids (and loss_mask, attentio
 PAD_AMBIGUOUS = "padding_ambiguous"  # sample flag: trailing pad-id tokens that may be real (see trailing_padding)
 CKPT_SUFFIXES = (".ckpt", ".ckpt.gz")
 HS_DIR = "hidden_states"
+# a peer's folder comes from elsewhere: every file through the door, each bounded
+SAMPLE_CAP = 16 << 30  # one sample file (32K tokens x 5 taps x 8192 x bf16 is 2.7 GB)
+GZIP_EXPANSION = 16  # a gzip'd sample decompresses to at most this times its size (hidden states: ~1.2x) ...
+GZIP_FLOOR = 64 << 20  # ... or this, whichever is larger
 
 
 @dataclass
@@ -106,21 +115,49 @@ def features(x: Any, T: int, n_layers: int, hidden: int, where: str, key: str) -
     return x
 
 
-def load_ckpt(path: Path) -> dict:
-    """A SpecForge sample file, through ``torch.load(weights_only=True)`` only (gzip allowed)."""
-    where = str(path)
+def gunzip_bounded(data: bytes, where: str) -> bytes:
+    """gzip ``data`` decompressed, refused past ``GZIP_EXPANSION`` times its size (or ``GZIP_FLOOR``): a few MB of
+    gzip can expand to gigabytes."""
+    bound = max(GZIP_FLOOR, GZIP_EXPANSION * len(data))
+    z = zlib.decompressobj(wbits=31)
     try:
-        with open(path, "rb") as f:
-            gzipped = f.read(2) == b"\x1f\x8b"
-        if gzipped:
-            obj = torch.load(io.BytesIO(gzip.decompress(path.read_bytes())), map_location="cpu", weights_only=True)
-        else:  # mapped: the tensors are copied once, into the writer's shard buffer
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        out = z.decompress(data, bound + 1)
+    except zlib.error as e:
+        raise SampleError(f"{where}: not a readable gzip file ({e})") from None
+    if len(out) > bound or z.unconsumed_tail:
+        raise SampleError(f"{where}: refused (gzip expanding past {bound:,} bytes, {GZIP_EXPANSION}x its "
+                          f"{len(data):,}; a sample's hidden states compress ~1.2x)")
+    if not z.eof:
+        raise SampleError(f"{where}: not a readable gzip file (it ends early)")
+    return out
+
+
+def load_ckpt(path: Path, root: Path | None = None) -> dict:
+    """A SpecForge sample file, through ``torch.load(weights_only=True)`` only (gzip allowed, bounded), opened
+    through the door beneath ``root`` (the folder imported; default its own folder): a link, FIFO or device is
+    refused, never read."""
+    where = str(path)
+    root = root if root is not None else path.parent
+    try:
+        with door.opened(str(root), path.relative_to(root).as_posix(), bound=SAMPLE_CAP, where=str(root)) as (fd, n):
+            gzipped = os.pread(fd, 2, 0) == b"\x1f\x8b"
+            proc = f"/proc/self/fd/{fd}"
+            name = proc if os.path.exists(proc) else str(path)
+            with warnings.catch_warnings():  # torch's notes on what it refuses are not this command's output
+                warnings.simplefilter("ignore")
+                if gzipped:
+                    data = door.read_beneath(root, path.relative_to(root).as_posix(), bound=n, where=str(root))
+                    obj = torch.load(io.BytesIO(gunzip_bounded(data, where)), map_location="cpu", weights_only=True)
+                else:  # mapped: the tensors are copied once, into the writer's shard buffer
+                    obj = torch.load(name, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(name))
+    except door.Refused as e:
+        raise SampleError(str(e)) from None
+    except pickle.UnpicklingError as e:  # (torch's own advice, to load it with weights_only=False, left out)
+        found = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")[:200]
         raise SampleError(f"{where}: refused by torch.load(weights_only=True): it holds objects other than "
-                          f"tensors and plain containers, and is never unpickled here ({first})") from None
-    except (RuntimeError, EOFError, OSError, gzip.BadGzipFile, ValueError) as e:
+                          f"tensors and plain containers, and is never unpickled here"
+                          + (f" ({found})" if found else "")) from None
+    except Exception as e:  # noqa: BLE001 (a damaged zip or pickle raises whatever its parser raises: one line)
         raise SampleError(f"{where}: not a readable torch.save file ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:200]})") from None
     if not isinstance(obj, dict):
@@ -161,10 +198,11 @@ def _final_hidden(x: Any, T: int, hidden: int, where: str, key: str) -> torch.Te
 
 
 def specforge_sample(path: Path, sample_id: str, source: str, n_layers: int, hidden: int, *,
-                     pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False) -> PeerSample:
+                     pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False,
+                     root: Path | None = None) -> PeerSample:
     """One SpecForge file; ``pad_id`` None keeps trailing padding; ``final_hidden`` requires and keeps the
     final-norm output."""
-    d, where = load_ckpt(path), str(path)
+    d, where = load_ckpt(path, root), str(path)
     missing = [repr(k) for k in ("input_ids", "loss_mask") if k not in d]
     present = [k for k in FEATURE_KEYS if k in d]
     targets = [k for k in TARGET_KEYS if k in d]
@@ -199,6 +237,20 @@ def _natural(p: Path) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
 
 
+def sample_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Every file under ``root`` whose name ends with one of ``suffixes``, in natural order, found without following
+    a link: a link among them (or a folder that is a link) is refused in one line naming it, never imported."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        for name in dirs + files:
+            p = Path(folder) / name
+            if stat.S_ISLNK(os.lstat(p).st_mode) and (name in dirs or name.endswith(suffixes)):
+                raise ValueError(f"{p}: a symbolic link in the folder imported (links in a peer's folder are never "
+                                 "followed: copy the files themselves)")
+        found += [Path(folder) / n for n in files if n.endswith(suffixes)]
+    return sorted(found, key=_natural)
+
+
 def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidden: int, *,
                     pad_id: int | None = PAD_TOKEN_ID, final_hidden: bool = False, num_rows: int | None = None,
                     missing: list[str] | None = None, ids: list[str] | None = None) -> list[PeerFile]:
@@ -210,7 +262,7 @@ def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidd
     dataset's row count, when given) is listed in ``missing`` by the id it would have had."""
     if not root.is_dir():
         raise FileNotFoundError(f"SpecForge input folder not found: {root}")
-    paths = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(CKPT_SUFFIXES)), key=_natural)
+    paths = sample_files(root, CKPT_SUFFIXES)
     if not paths:
         raise ValueError(f"{root}: no {' or '.join(CKPT_SUFFIXES)} files found")
     out, seen, indices = [], {}, set()
@@ -224,7 +276,8 @@ def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidd
         if m:
             indices.add(int(m.group(1)))
         out.append(PeerFile(sid, p, lambda p=p, sid=sid: specforge_sample(p, sid, source, n_layers, hidden,
-                                                                          pad_id=pad_id, final_hidden=final_hidden)))
+                                                                          pad_id=pad_id, final_hidden=final_hidden,
+                                                                          root=root)))
     if missing is not None and indices:
         end = max(max(indices) + 1, num_rows or 0)
         missing.extend(f"{id_prefix}data_{i}" for i in range(end) if i not in indices)
@@ -233,19 +286,17 @@ def specforge_files(root: Path, id_prefix: str, source: str, n_layers: int, hidd
 
 def first_file_has_final_hidden(path: Path) -> bool:
     """Whether the first SpecForge file carries the final-norm output (``hidden_state`` and kin)."""
-    paths = sorted((p for p in path.rglob("*") if p.is_file() and p.name.endswith(CKPT_SUFFIXES)), key=_natural)
-    return bool(paths) and any(k in load_ckpt(paths[0]) for k in TARGET_KEYS)
+    paths = sample_files(path, CKPT_SUFFIXES)
+    return bool(paths) and any(k in load_ckpt(paths[0], path) for k in TARGET_KEYS)
 
 
 def speculators_sample(path: Path, sample_id: str, record, n_layers: int, hidden: int, source: str) -> PeerSample:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     where = str(path)
     try:
-        d = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise SampleError(f"{where}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        d = load_beneath(path.parent, path.name, bound=SAMPLE_CAP)
+    except (ValueError, OSError) as e:
+        raise SampleError(str(e) if isinstance(e, ValueError) else f"{where}: not a readable safetensors file "
+                          f"({type(e).__name__}: {e})") from None
     if "hidden_states" not in d:
         raise SampleError(f"{where}: missing 'hidden_states' (keys present: {sorted(d)})")
     if "hidden_states_scales" in d:
@@ -275,7 +326,7 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
             raise ValueError(f"{rec.where}: not a pre-tokenized row (needs input_ids and loss_mask)")
         sid = id_prefix + (ids[i] if ids is not None and i < len(ids) else f"hs_{i}")
         path = hs_dir / f"hs_{i}.safetensors"
-        if not path.exists():
+        if not door.is_file_beneath(hs_dir, path.name):
             missing.append(sid)
             continue
         out.append(PeerFile(sid, path, lambda p=path, s=sid, r=rec: speculators_sample(p, s, r, n_layers, hidden,
@@ -305,7 +356,10 @@ def import_manifest(fmt: str, layers: str | None = None, *, peer_layers: str | N
         if hidden_size is not None and hidden_size != target.hidden_size:
             raise ValueError(f"--hidden-size {hidden_size} contradicts {model} (hidden size {target.hidden_size})")
     elif sidecar is not None and all(v is None for v in need.values()):  # hsstore's own export says it all
-        target, tokenizer = TargetIdentity(**sidecar["target"]), TokenizerIdentity(**sidecar["tokenizer"])
+        try:
+            target, tokenizer = TargetIdentity(**sidecar["target"]), TokenizerIdentity(**sidecar["tokenizer"])
+        except TypeError as e:
+            raise ValueError(f"{path}/hsstore_export.json: its target or tokenizer is not an identity ({e})") from None
         log.info("%s: target and tokenizer identity from its %s (store %s)", path, "hsstore_export.json",
                  sidecar.get("store"))
     else:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hsstore.io import door
 
 logger = logging.getLogger(__name__)
 
@@ -295,12 +298,28 @@ def _arrow_files_of_dataset_dir(path: Path) -> list[Path]:
     """Shard order of a ``save_to_disk`` directory: state.json's list, else sorted. Read with pyarrow whether or
     not ``datasets`` is installed, so a folder reads the same on every machine (``save_to_disk`` writes its rows
     flattened: no indices mapping to apply)."""
-    state = path / "state.json"
-    if state.exists():
-        files = json.loads(state.read_text()).get("_data_files") or []
+    if door.is_file_beneath(path, "state.json"):  # a folder from elsewhere: state.json and its files through the door
+        state = door.read_json_beneath(path, "state.json", bound=door.JSON_CAP)
+        files = (state.get("_data_files") if isinstance(state, dict) else None) or []
+        if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+            raise ValueError(f"{path / 'state.json'}: _data_files is not a list of files")
         if files:
-            return [path / f["filename"] for f in files]
-    return sorted(path.rglob("*.arrow"))
+            return [_beneath(path, f.get("filename"), "state.json names") for f in files]
+    return [_beneath(path, p.relative_to(path).as_posix(), "found") for p in sorted(path.rglob("*.arrow"))]
+
+
+def _beneath(folder: Path, name: Any, how: str) -> Path:
+    """``folder/name`` when it is a regular file beneath ``folder`` (a relative name, no link on the way); one
+    ``ValueError`` naming it otherwise (``state.json`` naming ``/etc/x.arrow`` or ``../x.arrow``, a planted link)."""
+    why = door.key_problem(name)
+    if why:
+        raise ValueError(f"{folder}: {how} {name!r}: refused ({why}; files of a dataset folder are read beneath it)")
+    try:
+        fd, _ = door.open_beneath(str(folder), name, where=str(folder))
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    os.close(fd)
+    return folder / name
 
 
 def input_files(path: str | Path) -> list[Path]:

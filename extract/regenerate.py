@@ -51,6 +51,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hsstore.io import door
 from hsstore.app.schema import replace
 
 from .readers import ChatRecord, Malformed, input_files, read_records
@@ -63,6 +64,9 @@ TURN_MODES = ("last", "all")
 #: Message fields passed to the server besides role and content.
 _PASSED_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# an engine's answer is read as it comes, never past this (a chat completion with its token ids is a few MB at most:
+# 128K prompt ids and 32K generated ones as JSON numbers are ~1 MB), and never past --timeout from its request
+ANSWER_CAP = 64 << 20
 
 
 class RegenerateError(OSError):
@@ -243,10 +247,12 @@ class ChatClient:
         self._lock = threading.Lock()
         server = settings.server
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        # no connection is kept for another request: each request's own connection is the one its deadline cuts
         self.http = httpx.Client(
-            base_url=api_base(server.server), headers=headers,
+            base_url=api_base(server.server), headers={**headers, "Accept-Encoding": "identity"},
             timeout=httpx.Timeout(server.timeout_s, connect=min(10.0, server.timeout_s)),
-            limits=httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=server.concurrency),
+            limits=httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=0),
+            follow_redirects=False,
         )
 
     def close(self) -> None:
@@ -311,20 +317,21 @@ class ChatClient:
         for attempt in range(1, attempts + 1):
             retry_after = None
             try:
-                resp = self.http.request(method, path, json=body)
-            except httpx.TransportError as e:  # refused, reset, timed out
+                status, headers, data = bounded_answer(self.http, method, path, body, server.timeout_s, what)
+            except httpx.TransportError as e:  # refused, reset, timed out, cut at the deadline
                 problem = f"{type(e).__name__}: {e or 'no detail'}"
             else:
-                if resp.status_code < 300:
-                    try:
-                        return resp.json()
+                text = data.decode("utf-8", "replace")
+                if status < 300:
+                    try:  # an engine's answer is data from elsewhere: JSON of bounded depth
+                        return door.load_json(text, what, error=ValueError)
                     except ValueError:
-                        raise RegenerateError(f"{what}: the server's answer is not JSON: {resp.text[:200]!r}") from None
-                problem = f"HTTP {resp.status_code}: {resp.text[:300].strip()}"
-                if resp.status_code not in _RETRY_STATUS:
-                    raise RegenerateError(f"{what}: the server refused the request ({problem})",
-                                          status=resp.status_code)
-                retry_after = _seconds(resp.headers.get("retry-after"))
+                        raise RegenerateError(f"{what}: the server's answer is not JSON of at most "
+                                              f"{door.JSON_DEPTH} levels: {text[:200]!r}") from None
+                problem = f"HTTP {status}: {text[:300].strip()}"
+                if status not in _RETRY_STATUS:
+                    raise RegenerateError(f"{what}: the server refused the request ({problem})", status=status)
+                retry_after = _seconds(headers.get("retry-after"))
             if attempt == attempts:
                 break
             delay = min(server.backoff_max_s, server.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
@@ -333,6 +340,64 @@ class ChatClient:
             if self.stop.wait(delay):
                 raise RegenerateError(f"{what}: stopped while waiting to retry ({problem})")
         raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(server.server)} ({problem})")
+
+
+def bounded_answer(http, method: str, path: str, body: dict | None, deadline_s: float, what: str):
+    """(status, headers, body bytes) of one request to an engine, bounded whatever the engine does: the whole
+    exchange within ``deadline_s`` (a deadline, not an idle timeout: an answer sent a byte a second is cut off,
+    headers included; its connection is shut when the time is up), at most ``ANSWER_CAP`` bytes (an answer that
+    never ends is refused), no ``Content-Encoding`` (a gzip bomb is refused unread), no redirect followed.
+    A deadline is an ``httpx.ReadTimeout`` (retried as a timeout); the rest a ``RegenerateError``."""
+    import socket
+
+    import httpx
+
+    streams: list = []
+    expired = threading.Event()
+
+    def trace(event: str, info: dict) -> None:  # the request's own connection (no connection is reused)
+        if event == "connection.connect_tcp.complete" and info.get("return_value") is not None:
+            streams.append(info["return_value"])
+            if expired.is_set():
+                shut()
+
+    def shut() -> None:
+        expired.set()
+        for st in streams:
+            sock = st.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    timer = threading.Timer(deadline_s, shut)
+    timer.daemon = True
+    timer.start()
+    try:
+        with http.stream(method, path, json=body, extensions={"trace": trace}) as resp:
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise RegenerateError(f"{what}: refused: the answer is encoded ({encoding!r}); hsstore asks for "
+                                      "identity and never decodes an engine's answer")
+            declared = resp.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > ANSWER_CAP:
+                raise RegenerateError(f"{what}: refused: the answer declares {int(declared):,} bytes, more than the "
+                                      f"{ANSWER_CAP:,} an answer may take")
+            data = bytearray()
+            for piece in resp.iter_raw():
+                data += piece
+                if len(data) > ANSWER_CAP:
+                    raise RegenerateError(f"{what}: refused: the answer ran past {ANSWER_CAP:,} bytes (cut off)")
+            if expired.is_set():  # an answer without a length ends where its connection was shut: not an answer
+                raise httpx.ReadTimeout("cut off")
+            return resp.status_code, resp.headers, bytes(data)
+    except httpx.TransportError as e:
+        if expired.is_set():
+            raise httpx.ReadTimeout(f"cut off at the {deadline_s:g} s deadline of a request (--timeout)") from None
+        raise e
+    finally:
+        timer.cancel()
 
 
 def _seconds(value: str | None) -> float | None:

@@ -252,7 +252,7 @@ def target_config(
 
 def save_weights(path: Path, state: dict) -> Path:
     """safetensors directly (not save_pretrained): no progress bars or volatile metadata, same bytes each time."""
-    from hsstore.tensorfiles import save_safetensors
+    from hsstore.io.tensorfiles import save_safetensors
 
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
     return save_safetensors(state, path, metadata={"format": "pt"})

@@ -1,5 +1,7 @@
 """A short fixed-seed run of the store fuzzer (``tools/fuzz_store.py``; issue #36): forged stores of every kind of
-mutation, every reading command on each, no traceback, hang, memory blow-up, escape or other bits."""
+mutation, every reading command on each, no traceback, hang, memory blow-up, escape or other bits; and of the
+boundaries beyond a store's files (``tools/fuzz_boundaries.py``; issue #52): hostile HTTP and S3 endpoints, engine
+answers, drafter, run and peer folders, config files, nothing read outside what a command was given."""
 
 from __future__ import annotations
 
@@ -32,4 +34,14 @@ def test_a_short_fuzz_run_finds_nothing(tmp_path):
     t = result["totals"]
     assert t["cases"] == 40 and t["commands"] == 40 * 9
     assert t["refused"] > 0  # the forgeries were refused, not silently read
+    assert not result["failures"], result["failures"][:10]
+
+
+def test_a_short_fuzz_run_of_every_boundary_finds_nothing(tmp_path):
+    from tools import fuzz_boundaries
+
+    result = fuzz_store.run(cases=28, seed=52, work=str(tmp_path / "fuzz"), families=fuzz_boundaries.FAMILIES, jobs=2)
+    t = result["totals"]
+    assert t["cases"] == 28 and set(t["by_family"]) == set(fuzz_boundaries.FAMILIES), t["by_family"]
+    assert t["refused"] > 0
     assert not result["failures"], result["failures"][:10]

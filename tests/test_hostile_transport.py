@@ -86,6 +86,27 @@ def test_an_index_page_that_never_ends_is_one_line(served):
     one_line(rc, lines, peak, "commits/", "more than the 67,108,864 bytes a listing may take")
 
 
+def test_a_listing_whose_headers_trickle_is_cut_at_the_first_bytes_deadline(served):
+    """Found by the boundaries fuzzer: the headers of ``commits/``'s index page a byte a second held ``info`` for
+    the page's whole deadline (64 MiB at 256 KiB/s: 266 s); the status and headers must come within the first byte's."""
+    with HostileHTTPServer(str(served), [("trickle_head", lambda p: p.rstrip("/").endswith("/store/commits"))]) as srv:
+        rc, _, lines, peak, took = hsstore_cmd(["info", f"{srv.url}/store"])
+        assert srv.injected["trickle_head"] >= 1
+    one_line(rc, lines, peak, "commits", "cut off after")
+    assert took < 40, took
+
+
+def test_an_index_segment_that_never_ends_costs_little_memory(served):
+    """Found by the boundaries fuzzer: an HTTP listing gives no sizes, so an index segment was read up to its kind's
+    cap (512 MiB: +1.1 GB); now the length its server's HEAD declares, or at most 64 MiB when it declares none. The
+    segment is then set aside and the records read."""
+    with HostileHTTPServer(str(served), [("ignore_range", lambda p: "/store/index/" in p and p.endswith(".idx"))]) as srv:
+        rc, out, lines, peak, _ = hsstore_cmd(["info", f"{srv.url}/store"])
+        assert srv.injected["ignore_range"] >= 1
+    assert rc == 0 and "samples" in out, (rc, lines)
+    assert 0 < peak < 400, peak
+
+
 def test_a_redirect_to_another_host_is_not_followed(served):
     """Every path of the store redirects to the same path on another host, which holds another store there."""
     with HostileHTTPServer(str(served / "redirected")) as other:

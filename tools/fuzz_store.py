@@ -1,5 +1,6 @@
 """Forge stores at random and run every reading command on each (issue #36): ``python -m tools.fuzz_store
---cases N [--seed S] [--work DIR] [--json]``.
+--cases N [--seed S] [--work DIR] [--json] [--families store,http,s3,engine,drafter,run,peer,config] [--jobs J]``
+(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``).
 
 Each case starts from a copy of a small valid store (zarr or wds, with assets) and applies one to three
 mutators from ``MUTATORS``: fields of the manifest, commit records, zarr.json, asset and index files set to hostile
@@ -306,10 +307,20 @@ def _apply(name: str, rng, store: Path, sentinel: Path) -> str:
         return f"{name}: nothing to change ({type(e).__name__})"
 
 
-def forge(base: dict, work: Path, case: int, seed: int) -> dict:
+FAMILIES = ("store", "http", "s3", "engine", "drafter", "run", "peer", "config")  # store: this module's; the rest:
+# tools/fuzz_boundaries.py
+
+
+def forge(base: dict, work: Path, case: int, seed: int, families: tuple[str, ...] = ("store",)) -> dict:
     rng = random.Random(seed * 1_000_003 + case)
-    layout = rng.choice(["zarr", "wds"])
     d = work / f"case{case:05d}"
+    family = families[0] if len(families) == 1 else random.Random(f"{seed}-{case}").choice(families)
+    if family != "store":
+        from tools import fuzz_boundaries
+
+        d.mkdir(parents=True)
+        return {"case": case, "dir": str(d), **fuzz_boundaries.forge(family, rng, base["boundaries"], d)}
+    layout = rng.choice(["zarr", "wds"])
     store, sentinel = d / "store", d / "sentinel"
     shutil.copytree(base[layout], store, symlinks=True)
     sentinel.mkdir(parents=True)
@@ -363,10 +374,55 @@ def _written(url: str) -> dict[str, str]:
     return {store.ref(i).sample_id: _item_digest(store.read(i)) for i in range(len(store))}
 
 
+def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
+                log_dir: Path | None = None) -> tuple[dict, list[str], Any]:
+    """Run one command (``fn``: ``main(argv)``, or a loader epoch when ``refusals_raise``) under the alarm with its
+    output captured: what it gave (``rc``, seconds, memory growth ``mb`` and absolute peak ``peak_mb``), the
+    oracles it broke (a traceback, a hang, a refusal of more than one line, memory, a raw escape sequence) and what
+    ``fn`` returned (or raised)."""
+    from tools.measure import peak_rss_mb, reset_peak_rss
+
+    base = reset_peak_rss()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(COMMAND_S)
+    t0 = time.perf_counter()
+    try:
+        got, out, err = _captured(fn)
+    finally:
+        signal.alarm(0)
+    peak = peak_rss_mb()
+    r = {"s": round(time.perf_counter() - t0, 2), "mb": round(peak - base, 1), "peak_mb": round(peak, 1)}
+    failures = []
+    if isinstance(got, _Alarm):
+        failures.append(f"{name}: hang (over {COMMAND_S} s)")
+    elif refusals_raise:
+        if isinstance(got, BaseException) and not _is_refusal(got):
+            failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+        r["rc"] = "refused" if isinstance(got, BaseException) else 0
+    elif isinstance(got, BaseException) and not (isinstance(got, SystemExit) and got.code == 2):
+        failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+    else:  # (argparse and --config's refusals end in SystemExit(2), as a user sees them: exit 2)
+        got = 2 if isinstance(got, SystemExit) else got
+        r["rc"] = got
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln
+                 and not ln.startswith(("WARNING", "INFO", "DEBUG"))]
+        if got == 2 and len(lines) != 1:
+            failures.append(f"{name}: error of {len(lines)} lines: {err[-300:]!r}")
+        if "Traceback" in err:
+            failures.append(f"{name}: traceback printed")
+    if r["mb"] > MEMORY_MB:
+        failures.append(f"{name}: memory +{r['mb']:.0f} MB")
+    printed = "" if isinstance(got, BaseException) and not isinstance(got, SystemExit) else out + err
+    if "\x1b" in printed or "\x07" in printed:
+        failures.append(f"{name}: a store's escape sequence printed raw")
+    if failures and log_dir is not None and log_dir.is_dir():  # what it printed, kept with the case
+        (log_dir / f"{name}.output").write_text(f"{got!r}\n-- stdout --\n{out}\n-- stderr --\n{err}")
+    return r, failures, got
+
+
 def drive(case: dict, digests: dict[str, str]) -> dict:
     """Run every command on one forged store; what each gave and which oracles it broke."""
     from hsstore.app.cli import main
-    from tools.measure import peak_rss_mb, reset_peak_rss
 
     d = Path(case["dir"])
     url = str(d / "store")
@@ -376,50 +432,17 @@ def drive(case: dict, digests: dict[str, str]) -> dict:
                 "convert": ["convert", url, str(d / "convert"), "--layout", other, "-q"],
                 "export": ["export", "specforge", url, str(d / "export"), "-q"],
                 "report": ["report", url, "--out", str(d / "report.html")]}
-    runs = {name: (lambda argv=argv: main(argv)) for name, argv in commands.items()}
-    runs["epoch"] = lambda: _epoch(url)
     results, failures = {}, []
     known = set(digests.values())  # a sample's bits, whatever id a forged record gives it
-    for name, fn in runs.items():
-        base = reset_peak_rss()
-        signal.signal(signal.SIGALRM, _alarm)
-        signal.alarm(COMMAND_S)
-        t0 = time.perf_counter()
-        try:
-            got, out, err = _captured(fn)
-        finally:
-            signal.alarm(0)
-        took = time.perf_counter() - t0
-        grew = peak_rss_mb() - base
-        r = {"s": round(took, 2), "mb": round(grew, 1)}
-        if isinstance(got, _Alarm):
-            failures.append(f"{name}: hang (over {COMMAND_S} s)")
-        elif name == "epoch":
-            if isinstance(got, BaseException):
-                if not _is_refusal(got):
-                    failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
-                r["rc"] = "refused"
-            else:
-                wrong = [sid for sid, dg in got.items() if dg not in known]
-                if wrong:
-                    failures.append(f"{name}: other bits for {wrong[:3]}")
-                r["rc"] = 0
-        elif isinstance(got, BaseException):
-            failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
-        else:
-            r["rc"] = got
-            lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln
-                     and not ln.startswith(("WARNING", "INFO", "DEBUG"))]
-            if got == 2 and len(lines) != 1:
-                failures.append(f"{name}: error of {len(lines)} lines: {err[-300:]!r}")
-            if "Traceback" in err:
-                failures.append(f"{name}: traceback printed")
-        if grew > MEMORY_MB:
-            failures.append(f"{name}: memory +{grew:.0f} MB")
-        printed = "" if isinstance(got, BaseException) else out + err
-        if "\x1b" in printed or "\x07" in printed:
-            failures.append(f"{name}: a store's escape sequence printed raw")
-        results[name] = r
+    for name, argv in commands.items():
+        results[name], problems, _ = run_command(name, lambda argv=argv: main(argv), log_dir=d)
+        failures += problems
+    results["epoch"], problems, got = run_command("epoch", lambda: _epoch(url), refusals_raise=True, log_dir=d)
+    failures += problems
+    if results["epoch"].get("rc") == 0:
+        wrong = [sid for sid, dg in got.items() if dg not in known]
+        if wrong:
+            failures.append(f"epoch: other bits for {wrong[:3]}")
     for name in ("subset", "convert"):  # what they wrote: the original bits, never other ones
         try:
             wrong = [sid for sid, dg in _written(str(d / name)).items() if dg not in known]
@@ -441,7 +464,14 @@ def driver_main(cases_file: str) -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(cases_file).read_text())
-    out = [drive(c, spec["digests"]) for c in spec["cases"]]
+    out = []
+    for c in spec["cases"]:
+        if c.get("family", "store") == "store":
+            out.append(drive(c, spec["digests"]))
+        else:
+            from tools import fuzz_boundaries
+
+            out.append(fuzz_boundaries.drive(c, spec["boundaries"]))
     Path(cases_file).with_suffix(".out.json").write_text(json.dumps(out))
 
 
@@ -453,45 +483,80 @@ def _cap_memory() -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (DRIVER_AS, DRIVER_AS))
-def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25) -> dict:
-    """Forge ``cases`` stores, drive the commands on each (``per_driver`` cases per driver process), check the
-    sentinel trees; the counts and every failure."""
+def _kind(failure: str) -> str:
+    return ("escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
+            "hangs" if ": hang (" in failure else "memory" if ": memory +" in failure else
+            "outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
+            else "other_bits" if "bits" in failure else "tracebacks")
+
+
+def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25,
+        families: tuple[str, ...] = ("store",), jobs: int = 1) -> dict:
+    """Forge ``cases`` inputs of ``families``, drive the commands on each (``per_driver`` cases per driver process,
+    ``jobs`` drivers at a time), check the sentinel trees; the counts and every failure."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
     own = work is None
     w = Path(work or tempfile.mkdtemp(prefix="hsstore-fuzz-"))
     w.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     base = make_base(w)
+    if set(families) - {"store"}:
+        from tools import fuzz_boundaries
+
+        base["boundaries"] = fuzz_boundaries.make_base(w, base["zarr"])
     base_digest = {k: tree_digest(Path(base[k])) for k in ("zarr", "wds")}
     totals = {"cases": 0, "commands": 0, "refused": 0, "tracebacks": 0, "hangs": 0, "memory": 0, "escapes": 0,
-              "other_bits": 0, "sentinel_changed": 0, "max_mb": 0.0, "max_s": 0.0}
+              "other_bits": 0, "outside": 0, "over_1gib": 0, "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0,
+              "by_family": {}}
     failures = []
-    for start in range(0, cases, per_driver):
-        batch = [forge(base, w, c, seed) for c in range(start, min(cases, start + per_driver))]
-        spec = w / f"batch{start:05d}.json"
-        spec.write_text(json.dumps({"cases": batch, "digests": base["digests"]}))
+
+    def drive_batch(batch: list[dict], spec: Path) -> list[dict]:
+        spec.write_text(json.dumps({"cases": batch, "digests": base["digests"],
+                                    "boundaries": base.get("boundaries")}))
         budget = (COMMAND_S * 10 + 30) * len(batch)
         try:  # the driver's address space capped: a guard that fails is a MemoryError, not a machine out of memory
             subprocess.run([sys.executable, "-m", "tools.fuzz_store", "--driver", str(spec)], timeout=budget,
                            cwd=Path(__file__).resolve().parents[1], check=False, preexec_fn=_cap_memory)
-            outs = json.loads(spec.with_suffix(".out.json").read_text())
+            return json.loads(spec.with_suffix(".out.json").read_text())
         except (subprocess.TimeoutExpired, FileNotFoundError, ValueError) as e:
-            outs = [{"case": c["case"], "results": {}, "failures": [f"driver: {type(e).__name__}"]} for c in batch]
+            return [{"case": c["case"], "results": {}, "failures": [f"driver: {type(e).__name__}"]} for c in batch]
+
+    def tally(batch: list[dict], outs: list[dict]) -> None:
         for c, o in zip(batch, outs):
             totals["cases"] += 1
-            if tree_digest(Path(c["dir"]) / "sentinel") != c["sentinel"]:
+            fam = totals["by_family"].setdefault(c.get("family", "store"), {"cases": 0, "commands": 0, "refused": 0})
+            fam["cases"] += 1
+            if tree_digest(Path(c["dir"]) / "sentinel") != c["sentinel"] and "sentinel tree changed" not in o["failures"]:
                 o["failures"].append("sentinel tree changed")
             for r in o["results"].values():
                 totals["commands"] += 1
-                totals["refused"] += r.get("rc") not in (0, None)
+                fam["commands"] += 1
+                refused = r.get("rc") not in (0, None)
+                totals["refused"] += refused
+                fam["refused"] += refused
+                totals["over_1gib"] += r.get("peak_mb", 0) > 1024
                 totals["max_mb"] = max(totals["max_mb"], r["mb"])
+                totals["max_peak_mb"] = max(totals["max_peak_mb"], r.get("peak_mb", 0))
                 totals["max_s"] = max(totals["max_s"], r["s"])
             for f in o["failures"]:
-                kind = ("hangs" if "hang" in f else "memory" if "memory" in f else "escapes"
-                        if "escape" in f or "sentinel" in f else "other_bits" if "bits" in f else "tracebacks")
-                totals[kind] += 1
-                failures.append({"case": c["case"], "mutations": c["mutations"], "failure": f})
+                totals[_kind(f)] += 1
+                failures.append({"case": c["case"], "family": c.get("family", "store"), "mutations": c["mutations"],
+                                 "failure": f})
             if not o["failures"]:
                 shutil.rmtree(c["dir"], ignore_errors=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending = {}
+        for start in range(0, cases, per_driver):
+            batch = [forge(base, w, c, seed, families) for c in range(start, min(cases, start + per_driver))]
+            pending[pool.submit(drive_batch, batch, w / f"batch{start:05d}.json")] = batch
+            while len(pending) >= max(1, jobs):
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    tally(pending.pop(fut), fut.result())
+        for fut in list(pending):
+            tally(pending.pop(fut), fut.result())
     for k in ("zarr", "wds"):
         if tree_digest(Path(base[k])) != base_digest[k]:
             failures.append({"case": -1, "mutations": [], "failure": f"base {k} store changed"})
@@ -509,19 +574,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the run's seed (a case is seed and number)")
     p.add_argument("--work", default=None, help="folder for the cases (kept when a case fails)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--families", default="store", help=f"comma-separated, of {','.join(FAMILIES)} (default store)")
+    p.add_argument("--jobs", type=int, default=1, help="driver processes at a time")
     p.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.driver:
         driver_main(args.driver)
         return 0
-    result = run(args.cases, args.seed, args.work)
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown or not families:
+        p.error(f"unknown families {unknown} (known: {', '.join(FAMILIES)})")
+    result = run(args.cases, args.seed, args.work, families=families, jobs=args.jobs)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         t = result["totals"]
         print(f"fuzz_store: {t['cases']} cases, {t['commands']} commands ({t['refused']} refused) in {t['seconds']} s; "
               f"tracebacks {t['tracebacks']}, hangs {t['hangs']}, memory {t['memory']}, escapes {t['escapes']}, "
-              f"other bits {t['other_bits']}; slowest command {t['max_s']} s, most memory +{t['max_mb']} MB")
+              f"other bits {t['other_bits']}, read outside {t['outside']}; slowest command {t['max_s']} s, most "
+              f"memory +{t['max_mb']} MB (peak {t['max_peak_mb']} MB; {t['over_1gib']} commands over 1 GiB)")
+        for fam, f in sorted(t["by_family"].items()):
+            print(f"  {fam}: {f['cases']} cases, {f['commands']} commands, {f['refused']} refused")
         for f in result["failures"][:50]:
             print(f"  case {f['case']} {f['mutations']}: {f['failure']}")
     return 1 if result["failures"] else 0

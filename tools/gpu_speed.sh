@@ -18,7 +18,7 @@ S=${1:-/tmp/hs40}
 R=$S/results
 mkdir -p "$S" "$R"
 T0=$SECONDS
-python3 -c "import hsstore.conv" || { echo "hsstore in /tmp/site lacks hsstore/app/conv.py (rebuild the wheel: pip wheel --no-deps -w .whl .)" >&2; exit 2; }
+python3 -c "import hsstore.app.conv" || { echo "hsstore in /tmp/site lacks hsstore/app/conv.py (rebuild the wheel: pip wheel --no-deps -w .whl .)" >&2; exit 2; }
 run() {  # name, seconds, command...
     local name=$1 t=$2; shift 2
     echo "== $name ($t s): $*" >&2

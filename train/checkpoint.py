@@ -32,7 +32,6 @@ import logging
 import os
 import random
 import re
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +40,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from hsstore.tensorfiles import save_safetensors
+from hsstore.io import door, sinks
+from hsstore.loader.resume import LoaderStateError
+from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
 from .config import (LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, recordable_stores,
                      saved_config)
 from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
-                             write_drafter)
+                             weights_bound, write_drafter)
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,12 @@ MASTER = "master_weights.safetensors"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 BEST = "best"  # OUT/checkpoints/best: names the checkpoint with the best val_tau
 BEST_FORMAT = "hsstore-best-checkpoint"
+TRAINER = "trainer.json"
+OPTIMIZER = "optimizer.safetensors"
+# a run folder being resumed may come from elsewhere: what it holds is read through the door, each file bounded
+STATE_CAP = 16 << 20  # trainer.json (a few kB: the optimizer's param groups, the Python RNG's 625 numbers)
+LOADER_STATE_CAP = 64 << 20  # one loader.rankN.json (its bitmap of consumed entries: ~1 bit an entry, compressed)
+RNG_CAP = 1 << 20  # one rankN.safetensors (the torch and numpy RNG states: ~10 kB)
 
 
 # ---------------------------------------------------------------------------------------------- the drafter of a run
@@ -101,9 +107,15 @@ def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch
     """The weights of the drafter at ``path``, checked against ``cfg``: a checkpoint's fp32 master weights (exactly
     what was trained), else the served model.safetensors (bf16; fp32 in the legacy format)."""
     file = weights_file(path)
-    tensors = load_file(str(file))
+    check_tensors(cfg, file_shapes(file), str(file))  # names and shapes from the header, before any byte of data
+    tensors = load_tensors(file, weights_bound(cfg))
     check_tensors(cfg, tensors, str(file))
     return tensors
+
+
+def load_tensors(file: Path, bound: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file of a drafter or checkpoint, through the door (``tensorfiles.load_beneath``)."""
+    return load_beneath(file.parent, file.name, bound=bound, device=device)
 
 
 def export_drafter(src: str | os.PathLike, out: str | os.PathLike, best: bool = False) -> Path:
@@ -117,8 +129,7 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, best: bool = 
     cfg, meta = read_drafter_config(src_dir)
     tensors = read_weights(src_dir, cfg)
     tmp = out.parent / f".tmp-{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    sinks.remove_tree(out.parent, tmp.name)  # a link there is removed itself, never followed
     write_drafter(tmp, cfg, tensors, meta)
     os.replace(tmp, out)  # onto nothing or an empty directory
     log.info("exported %s -> %s", src_dir, out)
@@ -129,7 +140,7 @@ def best_pointer(run: str | os.PathLike) -> Path:
     """A run's OUT/checkpoints/best (or that file itself), refused in one line where the run has none."""
     run = Path(run)
     path = run if run.is_file() and run.name == BEST else best_path(run)
-    if not path.is_file():
+    if not door.is_file_beneath(path.parent, path.name):
         raise FileNotFoundError(f"{run} has no {CKPT_DIR}/{BEST} (a run trained with --val-store has one: it names "
                                 "the checkpoint with the best val_tau); without --best its last step is exported")
     return path
@@ -140,12 +151,12 @@ def resolve_drafter_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_file() and path.name == BEST:  # OUT/checkpoints/best: the checkpoint it names
         target = path.parent / read_pointer(path)["checkpoint"]
-        if not (target / CONFIG).exists():
+        if not _is_drafter(path.parent, target.name, CONFIG):
             raise FileNotFoundError(f"{path} names {target.name}, which is not there (removed?)")
         return target
-    for cand in (path, path / DRAFTER_DIR):
-        if (cand / CONFIG).exists() and (cand / WEIGHTS).exists():
-            return cand
+    for rel in ("", DRAFTER_DIR):
+        if _is_drafter(path, rel, CONFIG, WEIGHTS):
+            return path / rel if rel else path
     latest = latest_checkpoint(path)
     if latest is not None:
         return latest
@@ -154,6 +165,18 @@ def resolve_drafter_dir(path: str | os.PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- optimizer, RNG
+
+
+def _is_drafter(root: Path, rel: str, *names: str) -> bool:
+    """Whether folder ``rel`` below ``root`` holds ``names`` (as anything: a link or a FIFO there is refused when
+    read, naming it); the folder itself refused (``door.Refused``) when it is a link planted below ``root``."""
+    try:
+        folder = door.folder_beneath(root, rel, where=str(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    return all(door.is_file_beneath(folder, n) for n in names)
 
 
 def optimizer_to_safetensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -214,11 +237,24 @@ def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
 
 
 def list_checkpoints(out: str | os.PathLike) -> list[Path]:
-    root = Path(out) / CKPT_DIR
-    if not root.is_dir():
+    """OUT's published checkpoints, oldest first; a link planted among them (or as ``checkpoints/``) is refused,
+    never followed: a resumed run reads only what is its own."""
+    try:
+        root = Path(door.folder_beneath(out, CKPT_DIR, where=str(out)))
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name))
-             and (p / "trainer.json").exists()]
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name)
+        if not m:
+            continue
+        if (root / name).is_symlink():
+            raise ValueError(f"{root / name}: a symbolic link (links in a run folder are never followed: remove it, "
+                             "or give another --out)")
+        if (root / name).is_dir() and door.is_file_beneath(root / name, TRAINER):
+            found.append((int(m.group(1)), root / name))
     return [p for _, p in sorted(found)]
 
 
@@ -231,10 +267,25 @@ def staging_dir(out: str | os.PathLike, step: int) -> Path:
     return Path(out) / CKPT_DIR / f".tmp-step_{step:08d}"
 
 
+def make_staging(out: Path, step: int) -> Path:
+    """A fresh, empty staging folder of step ``step`` (whatever was at its name removed, a link itself rather than
+    what it names), made beneath OUT without following a link."""
+    tmp = staging_dir(out, step)
+    rel = f"{CKPT_DIR}/{tmp.name}"
+    sinks.remove_tree(out, rel)
+    os.close(sinks.open_folder(out, rel, what=f"checkpoint of step {step}"))
+    return tmp
+
+
+def _write_json(folder: Path, name: str, value: Any, **dumps) -> None:
+    sinks.write_atomic(folder, name, json.dumps(value, **dumps).encode(), what=f"writing {folder / name}",
+                       durable=False)
+
+
 def write_rank_files(tmp: Path, rank: int, loader_state: dict[str, Any] | None, device: torch.device) -> None:
     """What every rank writes into the staging directory: its loader position and RNG states."""
     save_safetensors(rng_tensors(device), tmp / f"rank{rank:05d}.safetensors")
-    (tmp / f"loader.rank{rank:05d}.json").write_text(json.dumps(loader_state))
+    _write_json(tmp, f"loader.rank{rank:05d}.json", loader_state)
 
 
 def write_main_files(tmp: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched, *, step: int,
@@ -245,26 +296,46 @@ def write_main_files(tmp: Path, model: DFlashDrafter, opt: torch.optim.Optimizer
     save_safetensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, tmp / MASTER,
                      metadata={"format": "pt"})
     tensors, opt_meta = optimizer_to_safetensors(opt)
-    save_safetensors(tensors, tmp / "optimizer.safetensors")
+    save_safetensors(tensors, tmp / OPTIMIZER)
     state = {"step": step, "epoch": epoch, "world": world, "scheduler": sched.state_dict(), "optimizer": opt_meta,
              "config": config, "python_rng": python_rng()}
-    (tmp / "trainer.json").write_text(json.dumps(state))
+    _write_json(tmp, TRAINER, state)
 
 
 def publish(tmp: Path, final: Path, keep: int, best: dict[str, Any] | None = None) -> None:
     """Rename the staging directory into place, point ``best`` at it when given (its validation metrics), and
-    drop all but the newest ``keep`` checkpoints, never the best one."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    log.info("saved %s", final)
+    drop all but the newest ``keep`` checkpoints, never the best one. Every name is handled beneath OUT without
+    following a link: a link planted at a checkpoint's name is removed itself, never what it names."""
     out = final.parent.parent
+    sinks.remove_tree(out, f"{CKPT_DIR}/{final.name}")
+    ck = sinks.open_folder(out, CKPT_DIR, create=False, what=f"publishing {final}")
+    try:
+        os.replace(tmp.name, final.name, src_dir_fd=ck, dst_dir_fd=ck)
+    finally:
+        os.close(ck)
+    log.info("saved %s", final)
     if best is not None:
         write_best(out, final.name, best)
     pointer = read_best(out)
     for old in list_checkpoints(out)[:-keep] if keep > 0 else []:
         if pointer is None or old.name != pointer["checkpoint"]:
-            shutil.rmtree(old, ignore_errors=True)
+            sinks.remove_tree(out, f"{CKPT_DIR}/{old.name}")
+
+
+def save_final_drafter(out: Path, model: DFlashDrafter, extra: dict[str, Any]) -> Path:
+    """OUT/drafter: written into a fresh staging folder, then put in place of what was there (a link at its name
+    removed itself, never written through)."""
+    tmp = f".tmp-{DRAFTER_DIR}"
+    sinks.remove_tree(out, tmp)
+    os.close(sinks.open_folder(out, tmp, what=f"writing {out / DRAFTER_DIR}"))
+    save_drafter(out / tmp, model, extra)
+    sinks.remove_tree(out, DRAFTER_DIR)
+    fd = sinks.open_folder(out, what=f"writing {out / DRAFTER_DIR}")
+    try:
+        os.replace(tmp, DRAFTER_DIR, src_dir_fd=fd, dst_dir_fd=fd)
+    finally:
+        os.close(fd)
+    return out / DRAFTER_DIR
 
 
 def best_path(out: str | os.PathLike) -> Path:
@@ -274,23 +345,30 @@ def best_path(out: str | os.PathLike) -> Path:
 def write_best(out: str | os.PathLike, checkpoint: str, metrics: dict[str, Any]) -> None:
     """OUT/checkpoints/best: a small JSON file naming the checkpoint with the best validation tau (a file, not
     a link: it works the same on object stores and on file systems without links)."""
-    path = best_path(out)
-    tmp = path.with_name(f".tmp-{BEST}")
-    tmp.write_text(json.dumps({"format": BEST_FORMAT, "checkpoint": checkpoint, **metrics}, indent=2) + "\n")
-    os.replace(tmp, path)
+    data = json.dumps({"format": BEST_FORMAT, "checkpoint": checkpoint, **metrics}, indent=2) + "\n"
+    sinks.write_atomic(out, f"{CKPT_DIR}/{BEST}", data.encode(), what=f"writing {best_path(out)}")
     log.info("best checkpoint (val_tau %.4f): %s", metrics.get("val_tau", float("nan")), checkpoint)
 
 
 def read_best(out: str | os.PathLike) -> dict[str, Any] | None:
     """The best pointer of a run (None when it has none); refuses one that names anything but a sibling
     ``step_N`` directory."""
-    return read_pointer(best_path(out)) if best_path(out).is_file() else None
+    path = best_path(out)
+    if not door.is_file_beneath(path.parent, BEST):
+        return None
+    try:
+        door.folder_beneath(out, CKPT_DIR, where=str(out))
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    return read_pointer(path)
 
 
 def read_pointer(path: Path) -> dict[str, Any]:
     try:
-        d = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+        d = door.read_json_beneath(path.parent, path.name, bound=door.JSON_CAP)
+    except ValueError as e:
+        if "refused" in str(e):
+            raise
         raise ValueError(f"{path}: not a best-checkpoint pointer (JSON with format {BEST_FORMAT!r})") from None
     if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not _STEP_RE.match(str(d.get("checkpoint"))):
         raise ValueError(f"{path}: not a best-checkpoint pointer (format {BEST_FORMAT!r}, checkpoint step_N)")
@@ -298,29 +376,113 @@ def read_pointer(path: Path) -> dict[str, Any]:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "trainer.json").read_text())
+    """A checkpoint's trainer.json, through the door and checked field by field: a forged one is one line naming
+    it, never a traceback later."""
+    d = door.read_json_beneath(path, TRAINER, bound=STATE_CAP)
+    where = str(path / TRAINER)
+
+    def bad(why: str):
+        raise ValueError(f"{where}: not a trainer state of this project ({why})")
+
+    if not isinstance(d, dict):
+        bad(f"a JSON {type(d).__name__}, not an object")
+    for key in ("step", "epoch"):
+        v = d.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 53:
+            bad(f"{key} {v!r} is not a count")
+    w = d.get("world")
+    if not (isinstance(w, list) and len(w) == 2 and all(type(x) is int and 0 <= x < 1 << 20 for x in w)):
+        bad(f"world {w!r} is not [ranks, workers]")
+    for key in ("scheduler", "optimizer", "config"):
+        if not isinstance(d.get(key), dict):
+            bad(f"{key} is not an object")
+    if not isinstance(d["optimizer"].get("param_groups"), list) or not isinstance(d["optimizer"].get("scalars"), dict):
+        bad("optimizer holds no param_groups list and scalars object")
+    rng = d.get("python_rng")
+    if not (isinstance(rng, list) and len(rng) == 3 and isinstance(rng[1], list)):
+        bad("python_rng is not [version, state, gauss]")
+    return d
+
+
+def _same_keys(saved: dict[str, Any], ours: dict[str, Any], what: str, where: str) -> None:
+    """A state dict from a file has exactly the keys of the live object's, each value of the same kind, lists of the
+    same length and kinds (a scheduler's ``load_state_dict`` sets whatever it is given as attributes, and a learning
+    rate that is a string fails the first step, mid-run)."""
+    def kind(v: Any) -> str:
+        return ("number" if isinstance(v, (int, float)) and not isinstance(v, bool) else "list"
+                if isinstance(v, (list, tuple)) else type(v).__name__)
+
+    def odd(a: Any, b: Any) -> bool:
+        if b is None:
+            return False
+        if kind(a) != kind(b):
+            return True
+        if isinstance(b, (list, tuple)):
+            return len(a) != len(b) or any(odd(x, y) for x, y in zip(a, b))
+        if isinstance(b, dict):
+            return set(a) != set(b) or any(odd(a[k], b[k]) for k in b)
+        return False
+
+    if set(saved) != set(ours):
+        raise ValueError(f"{where}: {what} keys {sorted(saved)[:8]} differ from this run's {sorted(ours)[:8]}")
+    wrong = [k for k in ours if odd(saved[k], ours[k])]
+    if wrong:
+        raise ValueError(f"{where}: {what} entries {wrong[:4]} are not of this run's kind")
 
 
 def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched, device: torch.device,
             rank: int) -> dict[str, Any]:
-    """Load weights, optimizer, scheduler and this rank's RNG from a checkpoint; returns trainer.json."""
+    """Load weights, optimizer, scheduler and this rank's RNG from a checkpoint; returns trainer.json. Every file
+    comes through the door, bounded by what this run's drafter holds; anything that does not fit the run is one
+    ``ValueError`` naming the checkpoint."""
     state = read_trainer_state(path)
-    master = path / MASTER if (path / MASTER).exists() else path / WEIGHTS  # legacy: fp32 model.safetensors
-    model.load_state_dict(load_file(str(master), device=str(device)), strict=True)
-    opt.load_state_dict(optimizer_from_safetensors(load_file(str(path / "optimizer.safetensors")), state["optimizer"]))
-    sched.load_state_dict(state["scheduler"])
-    set_python_rng(state["python_rng"])
+    where = str(path)
+    master = path / MASTER if door.is_file_beneath(path, MASTER) else path / WEIGHTS  # legacy: fp32 model.safetensors
+    bound = weights_bound(model.config)
+    weights = load_tensors(master, bound, device=str(device))
+    moments = load_tensors(path / OPTIMIZER, 2 * bound + RNG_CAP)
     rng_file = path / f"rank{rank:05d}.safetensors"
-    if rng_file.exists():
-        set_rng(load_file(str(rng_file)), device)
+    rng = load_tensors(rng_file, RNG_CAP) if door.is_file_beneath(path, rng_file.name) else None
+    _same_keys(state["scheduler"], sched.state_dict(), "scheduler", f"{where}/{TRAINER}")
+    try:
+        check_tensors(model.config, weights, str(master))
+        model.load_state_dict(weights, strict=True)
+        opt.load_state_dict(optimizer_from_safetensors(moments, state["optimizer"]))
+        check_moments(opt, where)
+        sched.load_state_dict(state["scheduler"])
+        set_python_rng(state["python_rng"])
+        if rng is not None:
+            set_rng(rng, device)
+    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError, OverflowError, ValueError) as e:
+        raise ValueError(f"{where}: its optimizer, scheduler or RNG state does not fit this run "
+                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
     return state
 
 
+def check_moments(opt: torch.optim.Optimizer, where: str) -> None:
+    """Every optimizer state tensor loaded has its parameter's shape (or is a scalar): ``load_state_dict`` does not
+    check, and a forged moment would fail the first step, mid-run."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.ndim and v.shape != p.shape:
+                    raise ValueError(f"{where}/{OPTIMIZER}: {name} of shape {tuple(v.shape)} for a parameter of "
+                                     f"{tuple(p.shape)}")
+
+
+_LOADER_RE = re.compile(r"^loader\.rank(\d{1,9})\.json$")
+
+
 def loader_states(path: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's saved loader state, by rank."""
+    """Every rank's saved loader state, by rank (each file through the door, bounded)."""
     out = {}
-    for f in sorted(path.glob("loader.rank*.json")):
-        out[int(f.stem.split("rank")[-1])] = json.loads(f.read_text())
+    for name in sorted(os.listdir(path)):
+        m = _LOADER_RE.match(name)
+        if m:
+            state = door.read_json_beneath(path, name, bound=LOADER_STATE_CAP)
+            if state is not None and not isinstance(state, dict):
+                raise LoaderStateError(f"{path / name}: not a loader state (a JSON {type(state).__name__})")
+            out[int(m.group(1))] = state
     return out
 
 
@@ -348,7 +510,8 @@ class Checkpointer:
         rank, world = self.rank, self.world
         tmp, final = staging_dir(self.out, step), checkpoint_dir(self.out, step)
         if rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
+            with checkpoint_errors(tmp, step):
+                make_staging(self.out, step)
         if world > 1:
             dist.barrier()
         with checkpoint_errors(tmp, step):
@@ -398,11 +561,15 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
     """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
     saved = read_trainer_state(path)
     now = recordable_config(settings)  # as it was saved
-    recorded = saved_config(saved["config"])  # by today's names (max_tokens: token_budget)
-    before = {k: recorded.get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
-    for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
-        if key in before and before[key]:
-            before[key] = recordable_stores(before[key])
+    try:
+        recorded = saved_config(saved["config"])  # by today's names (max_tokens: token_budget)
+        before = {k: recorded.get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
+        for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
+            if key in before and before[key]:
+                before[key] = recordable_stores(before[key])
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"{path / TRAINER}: its config is not a run's settings ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from None
     diffs = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in RESUME_KEYS if before[k] != now[k]]
     saved_cfg, _ = read_drafter_config(path)
     mine = dataclasses.replace(drafter.config, attn_impl=saved_cfg.attn_impl)
@@ -417,13 +584,16 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
                     "new length from here)", path, _length(**length), _length(run.steps, run.epochs))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
-    if saved["world"] == [world, settings.data.workers] and rank in states:
-        if states[rank] is not None:
-            source.load_state_dict(states[rank])
-    elif any(s is not None for s in states.values()):
-        log.info("resuming a run of %s rank(s) x workers on %d x %d: re-cutting the rest of the epoch",
-                 saved["world"], world, settings.data.workers)
-        source.load_merged([s for s in states.values() if s is not None])
+    try:
+        if saved["world"] == [world, settings.data.workers] and rank in states:
+            if states[rank] is not None:
+                source.load_state_dict(states[rank])
+        elif any(s is not None for s in states.values()):
+            log.info("resuming a run of %s rank(s) x workers on %d x %d: re-cutting the rest of the epoch",
+                     saved["world"], world, settings.data.workers)
+            source.load_merged([s for s in states.values() if s is not None])
+    except LoaderStateError as e:  # said of the files it came from
+        raise LoaderStateError(f"{path}/loader.rank*.json: {e}") from None
     return int(state["step"]), int(state["epoch"])
 
 

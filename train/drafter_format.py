@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from hsstore.tensorfiles import save_safetensors
+from hsstore.io import door, sinks
+from hsstore.io.tensorfiles import save_safetensors
 
 from .model import DFlashDrafter, DrafterConfig
 
@@ -44,6 +45,11 @@ LEGACY_ARCHITECTURE = "DFlashDrafter"  # this project's format before the DFlash
 FULL, SLIDING = "full_attention", "sliding_attention"
 MODELING = "modeling_dflash.py"
 MODEL_CARD = "README.md"
+# a drafter folder comes from elsewhere: its JSON files are small, its shape within what any drafter has (published
+# DFlash drafters have 1-8 layers; a config asking for 2e6 layers would build 2e6 modules before any check)
+JSON_CAP = 1 << 20
+MAX_DRAFT_LAYERS = 256
+MAX_TARGET_LAYERS = 1024
 # model_type stays qwen3: SGLang, vLLM and dflash build their Qwen3Config from it (an unknown type fails there)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 MODELING_SOURCE = '''"""Loads this folder as z-lab's DFlash drafter: AutoModel.from_pretrained(dir, trust_remote_code=True).
@@ -170,7 +176,9 @@ def config_from_hf(d: dict[str, Any], attn_impl: str = "sdpa", source: str = CON
     for key in ("target_layer_ids", "mask_token_id"):
         if dflash.get(key) is None:
             refuse(f"dflash_config.{key} is missing")
-    n = int(d["num_hidden_layers"])
+    n = d.get("num_hidden_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_LAYERS:
+        refuse(f"num_hidden_layers {n!r}: a drafter has 1 to {MAX_DRAFT_LAYERS} layers")
     types = d.get("layer_types") or [FULL] * n
     if len(types) != n or set(types) - {FULL, SLIDING}:
         refuse(f"layer_types {types} must hold {n} entries of {FULL!r} / {SLIDING!r}")
@@ -222,24 +230,51 @@ SAFETENSORS_HEADER_MAX = 100 << 20  # the safetensors format's own limit on its 
 
 def file_shapes(file: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a safetensors file's header alone (8-byte length, then JSON): what a config can
-    be checked against before any weight is built or read."""
-    with open(file, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= SAFETENSORS_HEADER_MAX:
-            raise ValueError(f"{file}: not a safetensors file (header length {n})")
-        try:
-            header = json.loads(f.read(n))
-            return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{file}: malformed safetensors header ({type(e).__name__}: {e})") from None
+    be checked against before any weight is built or read. The file is opened through the door (a regular file
+    beneath its folder, never a link, a FIFO or a device)."""
+    try:
+        with door.opened(str(file.parent), file.name, where=str(file.parent)) as (fd, size):
+            head = os.pread(fd, 8, 0)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(SAFETENSORS_HEADER_MAX, size - 8):
+                raise ValueError(f"{file}: not a safetensors file (header length {n}, file {size:,} bytes)")
+            raw = os.pread(fd, n, 8)
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    try:
+        header = door.load_json(raw, str(file), error=ValueError)
+        return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{file}: malformed safetensors header ({type(e).__name__}: {e})") from None
+
+
+def weights_bound(cfg: DrafterConfig, header_bytes: int = SAFETENSORS_HEADER_MAX) -> int:
+    """The most bytes a weights file of a drafter of ``cfg`` may hold: its header and every tensor at 8 bytes a value
+    (the files hold bf16 or fp32: a larger file is not this drafter's)."""
+    import math
+
+    return 8 + header_bytes + 8 * sum(math.prod(s) for s in expected_shapes(cfg).values())
+
+
+def check_bounds(cfg: DrafterConfig, source: str) -> None:
+    """Refuse a config whose shape no drafter has, before anything is built from it (``expected_shapes`` builds
+    the model's modules, on the meta device)."""
+    if not 1 <= cfg.num_layers <= MAX_DRAFT_LAYERS:
+        raise ValueError(f"{source}: {cfg.num_layers} layers; a drafter has 1 to {MAX_DRAFT_LAYERS}")
+    if not 1 <= len(cfg.target_layers) <= MAX_TARGET_LAYERS:
+        raise ValueError(f"{source}: {len(cfg.target_layers)} target layers; at most {MAX_TARGET_LAYERS}")
+    for name in ("hidden_size", "intermediate_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
+                 "block_size", "max_position"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 31:
+            raise ValueError(f"{source}: {name} {v!r} is not a positive integer below 2^31")
 
 
 def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str, torch.Tensor],
                   meta: dict[str, Any] | None = None) -> Path:
     """A drafter directory (see the module doc) from a config, its weights and this project's metadata."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    os.close(sinks.open_folder(path, what=f"writing drafter {path}"))  # made when missing
     meta = dict(meta or {})
     if cfg.num_target_layers is None and (meta.get("target") or {}).get("num_layers"):
         cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
@@ -248,11 +283,11 @@ def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str
     save_safetensors(bf16, path / WEIGHTS, metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in bf16.values())},
              "weight_map": {k: WEIGHTS for k in sorted(bf16)}}
-    (path / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
-    (path / META).write_text(json.dumps({"format": "hsstore-drafter", "attn_impl": cfg.attn_impl, **meta}, indent=2))
-    (path / MODELING).write_text(MODELING_SOURCE)
-    (path / MODEL_CARD).write_text(model_card(cfg, meta))
-    (path / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2))
+    files = {WEIGHTS_INDEX: json.dumps(index, indent=2),
+             META: json.dumps({"format": "hsstore-drafter", "attn_impl": cfg.attn_impl, **meta}, indent=2),
+             MODELING: MODELING_SOURCE, MODEL_CARD: model_card(cfg, meta), CONFIG: json.dumps(hf_config(cfg), indent=2)}
+    for name, text in files.items():  # a link planted at a name is replaced, never written through
+        sinks.write_atomic(path, name, text.encode(), what=f"writing drafter {path}", durable=False)
     return path
 
 
@@ -264,13 +299,32 @@ def save_drafter(path: str | os.PathLike, model: DFlashDrafter, extra: dict[str,
 def read_config(directory: Path) -> tuple[DrafterConfig, dict[str, Any]]:
     """(config, this project's metadata) of one drafter directory: the DFlash format (with or without
     hsstore_drafter.json: released drafters have none) and the legacy one."""
-    d = json.loads((directory / CONFIG).read_text())
+    source = str(directory / CONFIG)
+    d = door.read_json_beneath(directory, CONFIG, bound=JSON_CAP)
+    meta = door.read_json_beneath(directory, META, bound=JSON_CAP) if door.is_file_beneath(directory, META) else {}
+    try:
+        if not isinstance(d, dict) or not isinstance(meta, dict):
+            raise TypeError(f"expected JSON objects, got {type(d).__name__} / {type(meta).__name__}")
+        cfg, meta = _config_of(d, meta, source)
+        if not isinstance(meta.get("target") or {}, dict):
+            raise TypeError(f"its target is a {type(meta['target']).__name__}, not an object")
+    except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
+        raise ValueError(f"{source}: not a drafter config ({type(e).__name__}: {str(e)[:200]})") from None
+    check_bounds(cfg, source)
+    return cfg, meta
+
+
+def _config_of(d: dict[str, Any], meta: dict[str, Any], source: str) -> tuple[DrafterConfig, dict[str, Any]]:
     if d.get("architecture") == LEGACY_ARCHITECTURE:  # sliding layers were trained non-causally then
         meta = {k: v for k, v in d.items() if k not in ("architecture", "drafter")}
-        cfg = DrafterConfig(**{"sliding_causal": False, **d["drafter"]})
+        legacy = d["drafter"]
+        n = legacy.get("num_layers", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_LAYERS:
+            raise ValueError(f"{source}: num_layers {n!r}: a drafter has 1 to {MAX_DRAFT_LAYERS} layers")
+        cfg = DrafterConfig(**{"sliding_causal": False, **legacy})
         if cfg.num_target_layers is None and (meta.get("target") or {}).get("num_layers"):
             cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
         return cfg, meta
-    meta = json.loads((directory / META).read_text()) if (directory / META).exists() else {}
+    meta = dict(meta)
     meta.pop("format", None)
-    return config_from_hf(d, meta.pop("attn_impl", "sdpa"), str(directory / CONFIG)), meta
+    return config_from_hf(d, meta.pop("attn_impl", "sdpa"), source), meta

@@ -12,6 +12,7 @@ val_acceptance (per draft position), val_anchors, val_seconds (``evaluate.py``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -19,6 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hsstore.io import door, sinks
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -105,14 +110,14 @@ class MetricsLog:
         if self.device.type == "cuda":
             row["gpu_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.rank == 0:
-            with self.path.open("a") as f:
+            with sinks.open_append(self.path.parent, self.path.name) as f:  # a planted link refused, not followed
                 f.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
             if self.trackers is not None:
                 self.trackers.log(row, row["step"])
 
     def samples(self, step: int, epoch: int, batch: dict[str, Any]) -> None:
         if self.samples_path is not None:
-            with self.samples_path.open("a") as f:
+            with sinks.open_append(self.samples_path.parent, self.samples_path.name) as f:
                 f.write(json.dumps({"step": step, "epoch": epoch, "samples": list(batch["sample_id"])}) + "\n")
 
     def close(self, failed: bool = False) -> None:
@@ -149,11 +154,33 @@ def val_metrics(ev) -> dict[str, Any]:
 
 
 def truncate_jsonl(path: Path, after_step: int) -> None:
-    """Drop lines logged after ``after_step`` (a resumed run logs them again)."""
-    if not path.exists():
+    """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that are no log line of
+    a step (torn by a crash mid-write, or not this project's), with a warning. Read through the door (a regular file
+    of bounded size, no link), rewritten in place of it (a link there replaced, never written through)."""
+    if not door.is_file_beneath(path.parent, path.name):
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= after_step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    try:
+        text = door.read_beneath(path.parent, path.name, bound=door.RUN_LOG_CAP, where=str(path.parent))
+    except door.Refused as e:
+        raise ValueError(str(e)) from None
+    keep, odd = [], 0
+    for ln in text.decode("utf-8", "replace").splitlines():
+        step = _step_of(ln)
+        if step is None:
+            odd += bool(ln.strip())
+        elif step <= after_step:
+            keep.append(ln)
+    if odd:
+        log.warning("%s: %d line(s) that are not a step's log line dropped", path, odd)
+    sinks.write_atomic(path.parent, path.name, "".join(ln + "\n" for ln in keep).encode(), what=f"rewriting {path}")
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = door.load_json(line, "log line", error=ValueError).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if type(step) is int else None
 
 
 def json_safe(x):

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hsstore.io import destination
+from hsstore.io import destination, sinks
 from hsstore.version import __version__
 
 RUN_MARKER = "train_config.json"  # what makes a folder a run (``--out`` of an earlier train, resumed)
@@ -32,7 +32,7 @@ def prepare(out: str | os.PathLike, rank: int) -> Path:
 
 def record(out: Path, config_json: dict[str, Any], settings: dict[str, Any] | None, stores, device) -> None:
     """Rank 0, at the start: OUT/train_config.json, and OUT/run.yaml when the command's settings are known."""
-    (out / RUN_MARKER).write_text(json.dumps(config_json, indent=2))
+    sinks.write_atomic(out, RUN_MARKER, json.dumps(config_json, indent=2).encode(), what=f"writing {out / RUN_MARKER}")
     if settings is not None:
         write_run_file(out / RUN_FILE, settings, stores, {**config_json, "device": str(device)})
 
@@ -52,6 +52,5 @@ def write_run_file(path: Path, settings: dict[str, Any], stores, resolved: dict[
                                                                          "epochs", "steps")}}
     header = ("hsstore train settings of this run. `hsstore train --config run.yaml --out NEW` runs it again\n"
               "(flags given with --config win); secret storage options are not recorded: pass them with -S.")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump(settings, recorded, header))
-    os.replace(tmp, path)
+    # under a fresh temporary name, renamed over it: a link planted at either name is never written through
+    sinks.write_atomic(path.parent, path.name, dump(settings, recorded, header).encode(), what=f"writing {path}")

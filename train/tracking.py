@@ -19,6 +19,7 @@ row is flushed as it is logged, so a run that crashes keeps what it reported (it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -26,6 +27,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from hsstore.io import sinks
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class Tracker:
 
     name = ""
     package = ""  # the module whose absence is refused up front
+    folder = ""  # what it writes under OUT (a link planted there is refused: its library would write through it)
 
     def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
         raise NotImplementedError
@@ -105,7 +109,7 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
-    name = package = "tensorboard"
+    name = package = folder = "tensorboard"
 
     def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -126,7 +130,7 @@ class TensorBoard(Tracker):
 
 
 class WandB(Tracker):
-    name = package = "wandb"
+    name = package = folder = "wandb"
 
     def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
         import wandb
@@ -143,6 +147,7 @@ class WandB(Tracker):
 
 class MLflow(Tracker):
     name = package = "mlflow"
+    folder = "mlruns"
 
     def __init__(self, out: Path, params: dict[str, Any], run_name: str) -> None:
         import mlflow
@@ -179,6 +184,9 @@ class Trackers:
 
     def __init__(self, names: list[str], out: Path, params: dict[str, Any], run_name: str | None = None):
         check_available(names)
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.close(sinks.open_folder(out, TRACKERS[n].folder, create=False, what=f"{n} logs"))
         flat_params, name = flatten_params(params), run_name or Path(out).name
         self._open = [TRACKERS[n](Path(out), flat_params, name) for n in names]
 

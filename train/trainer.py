@@ -56,7 +56,6 @@ from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
 from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .follow import FollowSchedule, Following, arrival_columns, wait_for_stores
-from .drafter_format import save_drafter
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
@@ -168,7 +167,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     # -- the drafter
     drafter_dir = None
     if rank == 0:
-        drafter_dir = save_drafter(out / ckpt.DRAFTER_DIR, drafter, checkpoints.extra)
+        drafter_dir = ckpt.save_final_drafter(out, drafter, checkpoints.extra)
         metrics.close()
     if world > 1:
         dist.barrier()

@@ -1,6 +1,7 @@
 """Bytes in and out of a store: storage URLs and filesystems (``storage``), listings (``listing``), the one
 guarded way of reading (``door``) and what it receives from a server (``receive``), batched transfers
-(``transfer``), writes that follow no link (``sinks``, ``destination``) and host buffers (``memory``).
+(``transfer``), writes that follow no link (``sinks``, ``destination``), safetensors files (``tensorfiles``)
+and host buffers (``memory``).
 
 Imports: hsstore core.
 """

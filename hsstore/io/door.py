@@ -120,7 +120,7 @@ def _explain(err: OSError, dir_fd: int, name: str) -> str | None:
     except OSError:
         return None
     if stat.S_ISLNK(st.st_mode):
-        return "a symbolic link (links in a store are never followed)"
+        return "a symbolic link (links in a store or a folder from elsewhere are never followed)"
     return "not a folder" if err.errno == errno.ENOTDIR else None
 
 
@@ -201,6 +201,16 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
         with opened(root, key, size=size, bound=bound, where=where) as (fd, n):
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
+    if size is None and bound > receive.UNDECLARED_CAP and receive.is_http(fs):  # an HTTP listing gives no size:
+        try:  # the server's HEAD says one, or the object is read only up to a small bound (a body without end)
+            declared = receive.object_size(fs, path)
+        except receive.Refused as e:
+            raise Refused(where, key, e.why) from None
+        if declared is not None:
+            _check_size(declared, None, bound, key, where)
+            size = declared
+        else:
+            bound = min(bound, receive.UNDECLARED_CAP)
     if size is not None:
         data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
@@ -375,6 +385,7 @@ def read_json(fs, root: str, key: str, *, where: str, bound: int = JSON_CAP, siz
 # limits, no link out of the folder the user named (the folder itself, or a file the user named, may be a link).
 YAML_CAP = 1 << 20  # a --config file or a run.yaml: settings, a few KB
 YAML_NODES = 100_000  # nodes of a YAML document once its aliases are expanded (a run.yaml has a few hundred)
+RUN_LOG_CAP = 512 << 20  # a run's metrics.jsonl or samples log (about 400 bytes a logged step)
 
 
 def open_file(path: str | os.PathLike, where: str = "") -> tuple[int, os.stat_result]:
@@ -408,6 +419,38 @@ def read_beneath(folder: str | os.PathLike, key: str, *, bound: int, where: str 
         return _read_fd(fd, n, key, where)
 
 
+def read_json_beneath(folder: str | os.PathLike, key: str, *, bound: int = JSON_CAP, where: str = "",
+                      error=ValueError) -> Any:
+    """``read_beneath`` + ``load_json``: a JSON file of a folder from elsewhere (a drafter's config, a checkpoint's
+    trainer state), refusals and bad JSON alike one ``error`` naming the file."""
+    where = where or os.fspath(folder)
+    try:
+        data = read_beneath(folder, key, bound=bound, where=where)
+    except Refused as e:
+        raise error(str(e)) from None
+    return load_json(data, os.path.join(os.fspath(folder), key), error=error)
+
+
+def folder_beneath(root: str | os.PathLike, rel: str, where: str = "") -> str:
+    """The path of folder ``rel`` below the local folder ``root`` the user named, refused (``Refused``) when a
+    component below ``root`` is a link or not a folder: a folder from elsewhere (a run, a drafter, a peer's files)
+    is read beneath the folder named, never through a link planted in it. ``FileNotFoundError`` when missing."""
+    path = os.fspath(root)
+    if not rel:
+        return path
+    _checked_key(rel, where)
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused(where, rel, f"{os.path.basename(path)} is a symbolic link (links in a folder from "
+                                      "elsewhere are never followed)")
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+            raise Refused(where, rel, f"{os.path.basename(path)} is {what}, not a folder")
+    return path
+
+
 def is_file_beneath(folder: str | os.PathLike, key: str) -> bool:
     """Whether ``key`` under ``folder`` is there as anything at all without following a link (a link or a FIFO
     counts: reading it is refused then, naming it, rather than silently passed by)."""
@@ -437,8 +480,9 @@ def load_yaml(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, nodes: 
     hundred bytes expands to billions of nodes). Anything else is one ``error`` naming ``where``."""
     import yaml
 
-    loader = yaml.SafeLoader(data)
+    loader = None
     try:
+        loader = yaml.SafeLoader(data)  # (it reads the first bytes: not UTF-8 is a YAMLError already)
         root = loader.get_single_node()
         if root is None:
             return None
@@ -449,7 +493,8 @@ def load_yaml(data: bytes | str, where: str, *, depth: int = JSON_DEPTH, nodes: 
     except yaml.YAMLError as e:
         raise error(f"{where}: not valid YAML ({(str(e).splitlines() or [''])[0][:200]})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_yaml_graph(root, where: str, depth: int, nodes: int, error) -> None:

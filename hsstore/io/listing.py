@@ -99,7 +99,6 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
         return list_detail(fs, path)
     import asyncio
 
-    from fsspec.asyn import sync
 
     bucket, key, _ = fs.split_path(path)
     prefix = key.rstrip("/") + "/" if key else ""
@@ -152,18 +151,30 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
         sem = asyncio.Semaphore(metadata_concurrency())  # made on the filesystem's loop
         return await asyncio.gather(*(one(a, b) for a, b in zip(bounds[:-1], bounds[1:])))
 
-    from botocore.exceptions import ClientError
+    sem: Any = None
+    parts = _listed(fs, run, path)
+    return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part
+            if folders or e["type"] == "file"}
+
+
+def _listed(fs, run, path: str) -> list:
+    """``run()`` on ``fs``'s loop, its failures as a user is told them: S3's own errors as s3fs translates them,
+    a listing that is not there as empty, a page cut short or a connection lost (after the retries) one
+    ``OSError`` line."""
+    import aiohttp
+    from botocore.exceptions import BotoCoreError, ClientError
+    from fsspec.asyn import sync
     from s3fs.errors import translate_boto_error
 
-    sem: Any = None
     try:
-        parts = sync(fs.loop, run)
+        return sync(fs.loop, run)
     except ClientError as e:
         raise translate_boto_error(e) from None
     except FileNotFoundError:
-        return {}
-    return {e["name"].rsplit("/", 1)[-1]: e for part in parts for e in part
-            if folders or e["type"] == "file"}
+        return []
+    except (aiohttp.ClientError, BotoCoreError) as e:
+        raise OSError(f"listing of {path}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]} (after "
+                      "retries)") from None
 
 
 _LISTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -38,10 +38,12 @@ MIN_RATE = 256 << 10  # ... its bytes at least this fast on average (bytes/s); H
 # bytes then count from the headers, as above
 HEAD_S = 60.0
 MIN_RATE_ENV = "HSSTORE_MIN_RATE"
+REQUEST_S_ENV, HEAD_S_ENV = "HSSTORE_REQUEST_S", "HSSTORE_HEAD_S"  # (shorter deadlines: the fuzzer, tests)
 PAGE_CAP = 16 << 20  # one S3 answer that is not an object's body (a listing page of 1,000 keys is ~300 KB)
 HTML_PAGE_CAP = 64 << 20  # one HTML index page (~100 bytes a link: ~600K records)
 LIST_PAGES = 10_000  # pages of one S3 listing (1e7 keys; each page's keys must follow the last page's)
 PIECE = 1 << 20  # bytes asked of a body at a time
+UNDECLARED_CAP = 64 << 20  # an HTTP object whose size neither a listing nor its server says: read at most this
 
 
 class Refused(CorruptionError):
@@ -57,18 +59,32 @@ class DeadlineError(OSError):
     """A request past its deadline (``deadline``): cut off, not retried."""
 
 
-def min_rate() -> float:
-    raw = os.environ.get(MIN_RATE_ENV, "")
+def _positive(env: str, default: float) -> float:
+    raw = os.environ.get(env, "")
     try:
-        rate = float(raw) if raw.strip() else MIN_RATE
+        value = float(raw) if raw.strip() else default
     except ValueError:
-        rate = MIN_RATE
-    return rate if rate > 0 else MIN_RATE
+        value = default
+    return value if value > 0 else default
+
+
+def min_rate() -> float:
+    return _positive(MIN_RATE_ENV, MIN_RATE)
+
+
+def request_s() -> float:
+    """``REQUEST_S``, or ``HSSTORE_REQUEST_S`` where set."""
+    return _positive(REQUEST_S_ENV, REQUEST_S)
+
+
+def head_s() -> float:
+    """``HEAD_S``, or ``HSSTORE_HEAD_S`` where set."""
+    return _positive(HEAD_S_ENV, HEAD_S)
 
 
 def deadline(nbytes: int) -> float:
     """Seconds a request of ``nbytes`` may take in all (``REQUEST_S`` + its bytes at ``min_rate()``)."""
-    return REQUEST_S + max(0, int(nbytes)) / min_rate()
+    return request_s() + max(0, int(nbytes)) / min_rate()
 
 
 class Clock:
@@ -76,14 +92,14 @@ class Clock:
     ``REQUEST_S`` plus ``got`` bytes at ``min_rate()`` (a trickle is cut off; a stall by the caller's ``wait_for``)."""
 
     def __init__(self, what: str) -> None:
-        self.what, self.t0, self.rate = what, asyncio.get_running_loop().time(), min_rate()
+        self.what, self.t0, self.rate, self.first = what, asyncio.get_running_loop().time(), min_rate(), request_s()
 
     def restart(self) -> None:
         """Count from now (an S3 answer's headers arrived: its body's bytes are timed from here)."""
         self.t0 = asyncio.get_running_loop().time()
 
     def left(self, got: int) -> float:
-        return REQUEST_S + got / self.rate - (asyncio.get_running_loop().time() - self.t0)
+        return self.first + got / self.rate - (asyncio.get_running_loop().time() - self.t0)
 
     def check(self, got: int) -> None:
         if self.left(got) <= 0:
@@ -91,7 +107,7 @@ class Clock:
 
     def expired(self, got: int) -> DeadlineError:
         return DeadlineError(f"{self.what}: cut off after {asyncio.get_running_loop().time() - self.t0:.1f} s with "
-                             f"{got:,} bytes (a request's deadline: its first byte within {REQUEST_S:g} s, then "
+                             f"{got:,} bytes (a request's deadline: its first byte within {self.first:g} s, then "
                              f"{self.rate / 1024:,.0f} KiB/s on average; {MIN_RATE_ENV} sets the rate)")
 
 
@@ -107,15 +123,17 @@ async def bounded(coro, clock: Clock, nbytes: int, head: float = 0.0):
 async def read_body(read: Callable[[int], Any], limit: int, clock: Clock) -> bytes:
     """Up to ``limit + 1`` bytes of a body (``read(n)``: an aiohttp ``StreamReader.read``), the clock checked as
     each piece arrives: a caller that wanted ``limit`` sees more as ``len > limit``."""
-    parts, got = [], 0
-    while got <= limit:
-        piece = await read(min(limit + 1 - got, PIECE))
+    buf = bytearray()
+    while len(buf) <= limit:
+        try:  # a peer that stops sending is cut off when its time is up, not when the whole page's would be
+            piece = await asyncio.wait_for(read(min(limit + 1 - len(buf), PIECE)), max(0.001, clock.left(len(buf))))
+        except asyncio.TimeoutError:
+            raise clock.expired(len(buf)) from None
         if not piece:
             break
-        parts.append(piece)
-        got += len(piece)
-        clock.check(got)
-    return b"".join(parts)
+        buf += piece
+        clock.check(len(buf))
+    return bytes(buf) if len(buf) <= limit else buf  # past the limit the caller sees only its length: no copy
 
 
 def _encoding_refused(what: str, headers) -> Refused | None:
@@ -145,7 +163,7 @@ def _http_kwargs(fs, headers: dict[str, str], total: float) -> dict[str, Any]:
 
     kw = {k: v for k, v in fs.kwargs.items() if k not in ("headers", "allow_redirects", "timeout")}
     return {**kw, "headers": {**(fs.kwargs.get("headers") or {}), **headers}, "allow_redirects": False,
-            "timeout": aiohttp.ClientTimeout(total=total, sock_connect=REQUEST_S)}
+            "timeout": aiohttp.ClientTimeout(total=total, sock_connect=request_s())}
 
 
 def _http_status(r, url: str) -> None:
@@ -155,6 +173,65 @@ def _http_status(r, url: str) -> None:
         raise Refused(url, f"{r.status} redirects to {r.headers.get('Location')!r}; a store is read from its own URL, "
                            "redirects are not followed")
     r.raise_for_status()
+
+
+async def _answer(session, url: str, kwargs: dict[str, Any], clock: Clock):
+    """The answer to a GET, its status line and headers within ``request_s()`` (a peer sending its headers a byte a
+    second is cut off then, whatever the body's deadline would allow)."""
+    task = asyncio.ensure_future(session.get(url, **kwargs))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=request_s())
+    except BaseException:  # the whole request cancelled meanwhile
+        await _dropped(task)
+        raise
+    if not done:
+        await _dropped(task)
+        raise clock.expired(0)
+    return task.result()
+
+
+async def _dropped(task: "asyncio.Future") -> None:
+    """``task`` cancelled and its end retrieved (a task whose exception nobody retrieves is logged at exit,
+    traceback and all: lines a user must not see under a refusal's one line)."""
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+
+
+async def http_size(fs, url: str) -> int | None:
+    """The length a HEAD of ``url`` declares (None: it declares none), asked under the request's deadline, no
+    redirect followed, no encoding taken: what an object of unlisted size (an HTTP listing gives none) is read as."""
+    clock = Clock(url)
+
+    async def go() -> int | None:
+        session = await fs.set_session()
+        kwargs = _http_kwargs(fs, {"Accept-Encoding": "identity"}, request_s())
+        task = asyncio.ensure_future(session.head(fs.encode_url(url), **kwargs))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=request_s())
+        except BaseException:
+            await _dropped(task)
+            raise
+        if not done:
+            await _dropped(task)
+            raise clock.expired(0)
+        async with task.result() as r:
+            _http_status(r, url)
+            refused = _encoding_refused(url, r.headers)
+            if refused:
+                raise refused
+            return r.content_length
+
+    return await bounded(go(), clock, 0)
+
+
+def object_size(fs, path: str) -> int | None:
+    """``http_size`` from synchronous code."""
+    from fsspec.asyn import sync
+
+    return sync(fs.loop, http_size, fs, path)
 
 
 async def http_get(fs, url: str, start: int, end: int, size: int | None = None) -> bytes:
@@ -168,7 +245,7 @@ async def http_get(fs, url: str, start: int, end: int, size: int | None = None) 
         headers = {"Accept-Encoding": "identity"}
         if n:
             headers["Range"] = f"bytes={start}-{end - 1}"
-        async with session.get(fs.encode_url(url), **_http_kwargs(fs, headers, deadline(n))) as r:
+        async with await _answer(session, fs.encode_url(url), _http_kwargs(fs, headers, deadline(n)), clock) as r:
             if r.status == 416 and start == 0:  # an empty object has no byte 0
                 return b""
             _http_status(r, url)
@@ -209,8 +286,8 @@ async def http_list(fs, url: str) -> list[str]:
 
     async def go() -> bytes:
         session = await fs.set_session()
-        async with session.get(fs.encode_url(page), **_http_kwargs(fs, {"Accept-Encoding": "identity"},
-                                                                   deadline(HTML_PAGE_CAP))) as r:
+        kwargs = _http_kwargs(fs, {"Accept-Encoding": "identity"}, deadline(HTML_PAGE_CAP))
+        async with await _answer(session, fs.encode_url(page), kwargs, clock) as r:
             _http_status(r, page)
             refused = _encoding_refused(page, r.headers)
             if refused:
@@ -270,7 +347,7 @@ async def _s3_read(fs, path: str, start: int, end: int, consume) -> Any:
                 body.close()
         raise AssertionError("unreachable")
 
-    return await bounded(go(), clock, n, HEAD_S * tries)
+    return await bounded(go(), clock, n, head_s() * tries)
 
 
 async def s3_get(fs, path: str, start: int, end: int) -> bytes:
@@ -440,7 +517,7 @@ def session_class():
             streaming = request.stream_output
             request.stream_output = True  # the body is read here, bounded, unless it is an object's
             try:
-                resp = await bounded(super().send(request), clock, upload, HEAD_S)
+                resp = await bounded(super().send(request), clock, upload, head_s())
             finally:
                 request.stream_output = streaming
             clock.restart()
@@ -455,7 +532,11 @@ def session_class():
                     raw.close()
                     raise Refused(clock.what, f"the answer declares {declared:,} bytes, more than the {PAGE_CAP:,} a "
                                               "listing page or a reply may take")
-                data = await bounded(read_body(raw.content.read, PAGE_CAP, clock), clock, PAGE_CAP)
+                try:
+                    data = await bounded(read_body(raw.content.read, PAGE_CAP, clock), clock, PAGE_CAP)
+                except BaseException:  # cut short, past its deadline: its connection is not handed back
+                    raw.close()
+                    raise
                 if len(data) > PAGE_CAP:
                     raw.close()
                     raise Refused(clock.what, f"an answer of more than {PAGE_CAP:,} bytes; cut")

@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 import uuid
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StoreError
 
@@ -107,6 +107,16 @@ def _split(rel: str) -> tuple[str, str]:
     return "/".join(parts[:-1]), parts[-1]
 
 
+def _write_closing(fd: int, data: Any, durable: bool) -> None:
+    """``data`` (bytes, or a list of buffers in turn) written to ``fd``, synced when ``durable``; ``fd`` closed."""
+    try:
+        _write_all(fd, data if isinstance(data, list) else [data])
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_all(fd: int, chunks: Iterable[Any]) -> None:
     with os.fdopen(fd, "wb", closefd=False) as f:
         for c in chunks:
@@ -114,30 +124,35 @@ def _write_all(fd: int, chunks: Iterable[Any]) -> None:
         f.flush()
 
 
-def write_atomic(root: str | os.PathLike, rel: str, data: Any, *, what: str = "write", mode: int = 0o644,
-                 durable: bool = True) -> os.stat_result:
-    """File ``root/rel`` holding ``data`` (bytes, or a list of buffers written in turn) as a whole or not at all:
-    written under a fresh exclusive temporary name, then renamed over ``rel`` (a link there is replaced, never
-    followed). Returns the new file's ``lstat``."""
+@contextlib.contextmanager
+def _in_place_of(root: str | os.PathLike, rel: str, what: str) -> Iterator[tuple[int, str, str]]:
+    """(descriptor of ``rel``'s folder, a fresh temporary name there, that folder's path below ``root``): the caller
+    writes the temporary file, which is then renamed over ``rel`` (a link there replaced, never followed), or removed
+    when the write fails."""
     folder, name = _split(rel)
     dfd = open_folder(root, folder, what=what)
     tmp = f".tmp-{uuid.uuid4().hex}-{name}"
     try:
-        fd = os.open(tmp, _NEW, mode, dir_fd=dfd)
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        yield dfd, tmp, folder
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dfd)
         raise
     finally:
         os.close(dfd)
+
+
+def write_atomic(root: str | os.PathLike, rel: str, data: Any, *, what: str = "write", mode: int = 0o644,
+                 durable: bool = True) -> os.stat_result:
+    """File ``root/rel`` holding ``data`` (bytes, or a list of buffers written in turn) as a whole or not at all:
+    written under a fresh exclusive temporary name, then renamed over ``rel`` (a link there is replaced, never
+    followed). Returns the new file's ``lstat``."""
+    with _in_place_of(root, rel, what) as (dfd, tmp, _):
+        fd = os.open(tmp, _NEW, mode, dir_fd=dfd)
+        _write_closing(fd, data, durable)
+        st = os.stat(tmp, dir_fd=dfd, follow_symlinks=False)  # the same file once renamed
+    return st
 
 
 def write_file(root: str | os.PathLike, rel: str, data: Any, *, what: str = "write", mode: int = 0o644,
@@ -154,12 +169,7 @@ def write_file(root: str | os.PathLike, rel: str, data: Any, *, what: str = "wri
             if e.errno == errno.ELOOP:
                 raise _refuse(os.fspath(root), _parts(rel), len(_parts(rel)) - 1, what) from None
             raise
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_closing(fd, data, durable)
     finally:
         os.close(dfd)
 
@@ -175,12 +185,7 @@ def write_new(root: str | os.PathLike, rel: str, data: Any, *, what: str = "writ
             fd = os.open(name, _NEW, mode, dir_fd=dfd)
         except FileExistsError:
             return False
-        try:
-            _write_all(fd, data if isinstance(data, list) else [data])
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_closing(fd, data, durable)
         return True
     finally:
         os.close(dfd)
@@ -218,6 +223,34 @@ def folder_path(root: str | os.PathLike, rel: str = "", *, what: str = "write") 
         yield proc if os.path.isdir(proc) else os.path.join(os.fspath(root), rel)
     finally:
         os.close(dfd)
+
+
+def write_with(root: str | os.PathLike, rel: str, write: Callable[[str], None], *, what: str = "write",
+               mode: int = 0o666) -> None:
+    """File ``root/rel`` written by a library that writes by path (safetensors' ``save_file``): ``write(path)``
+    is given a fresh temporary name it alone owns, made exclusively in the checked folder (mode ``mode`` before the
+    umask), which is then renamed over ``rel`` (a link there is replaced, never written through)."""
+    with _in_place_of(root, rel, what) as (dfd, tmp, folder):
+        os.close(os.open(tmp, _NEW, mode, dir_fd=dfd))
+        proc = f"/proc/self/fd/{dfd}"
+        base = proc if os.path.isdir(proc) else os.path.join(os.fspath(root), folder)
+        write(os.path.join(base, tmp))
+        os.chmod(tmp, mode & ~umask(), dir_fd=dfd)  # the library may have made it owner-only
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``); elsewhere set
+    and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove_tree(root: str | os.PathLike, rel: str) -> None:

@@ -115,7 +115,7 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
         out.setdefault("allow_redirects", False)
         client = dict(out.get("client_kwargs") or {})
         client.setdefault("auto_decompress", False)
-        client.setdefault("timeout", aiohttp.ClientTimeout(total=receive.REQUEST_S))
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=receive.request_s()))
         out["client_kwargs"] = client
         return out
     if not url.startswith(("s3://", "s3a://")):

@@ -31,6 +31,7 @@ from ..errors import StoreError
 
 STATE_KEY = "hsstore_loader"  # marks a loader state inside a larger checkpoint dict; its value is the version
 STATE_VERSION = 1
+MAX_DONE_BYTES = 1 << 27  # the bitmap of consumed entries of an epoch of 1e9 entries (a state holds one bit each)
 
 
 class LoaderStateError(StoreError, ValueError):
@@ -73,16 +74,26 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> "LoaderState":
-        """One state dict as ``to_dict`` wrote it, also after a JSON round trip (string slot keys)."""
-        if state[STATE_KEY] > STATE_VERSION:
-            raise LoaderStateError(f"loader state version {state[STATE_KEY]} is newer than this hsstore reads")
-        world = state.get("world")
-        return cls(config=dict(state["config"]), epoch=int(state["epoch"]), done=state.get("done"),
-                   phase=int(state["phase"]), world=(int(world[0]), int(world[1])) if world else None,
-                   counts={int(k): int(v) for k, v in (state.get("counts") or {}).items()},
-                   skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()},
-                   nodes=int(state["nodes"]) if state.get("nodes") is not None else None,
-                   follow=_follow_of(state.get("follow")))
+        """One state dict as ``to_dict`` wrote it, also after a JSON round trip (string slot keys). A state is
+        data from elsewhere (a run folder being resumed): one that is not this shape is a ``LoaderStateError``."""
+        try:
+            if not isinstance(state[STATE_KEY], int) or state[STATE_KEY] > STATE_VERSION:
+                raise LoaderStateError(f"loader state version {state[STATE_KEY]!r} is not one this hsstore reads")
+            world, done = state.get("world"), state.get("done")
+            if done is not None and not isinstance(done, str):
+                raise TypeError(f"done is a {type(done).__name__}")
+            if done:  # checked now, where the state is loaded (its epoch's size is known only when it is planned)
+                _bitmap(done, MAX_DONE_BYTES, keep=False)
+            return cls(config=dict(state["config"]), epoch=int(state["epoch"]), done=done,
+                       phase=int(state["phase"]), world=(int(world[0]), int(world[1])) if world else None,
+                       counts={int(k): int(v) for k, v in (state.get("counts") or {}).items()},
+                       skipped={int(k): int(v) for k, v in (state.get("skipped") or {}).items()},
+                       nodes=int(state["nodes"]) if state.get("nodes") is not None else None,
+                       follow=_follow_of(state.get("follow")))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            if isinstance(e, LoaderStateError):
+                raise
+            raise LoaderStateError(f"not an hsstore loader state ({type(e).__name__}: {str(e)[:200]})") from None
 
     @classmethod
     def find(cls, obj: Any) -> "LoaderState":
@@ -163,7 +174,30 @@ def pack_done(done: np.ndarray | None) -> str | None:
 
 
 def unpack_done(text: str | None, n: int) -> np.ndarray | None:
+    """The bitmap ``pack_done`` made of an epoch of ``n`` entries: decompressed to at most its ``ceil(n / 8)`` bytes
+    (a state from elsewhere may hold a zlib bomb), else a ``LoaderStateError``."""
     if not text:
         return None
-    bits = np.frombuffer(zlib.decompress(base64.b64decode(text)), np.uint8)
-    return np.unpackbits(bits, count=n).astype(bool)
+    return np.unpackbits(np.frombuffer(_bitmap(text, (n + 7) // 8, n), np.uint8), count=n).astype(bool)
+
+
+def _bitmap(text: str, want: int, n: int | None = None, keep: bool = True) -> bytes:
+    """The bytes of a packed bitmap, decompressed to at most ``want`` (piece by piece, kept only when ``keep``);
+    larger is refused, never decompressed past the bound."""
+    got, parts = 0, []
+    try:
+        z = zlib.decompressobj()
+        data = base64.b64decode(text, validate=True)
+        while data and got <= want:
+            piece = z.decompress(data, min(want + 1 - got, 1 << 20))
+            got += len(piece)
+            if keep:
+                parts.append(piece)
+            data = z.unconsumed_tail
+    except (ValueError, zlib.error) as e:  # binascii.Error is a ValueError
+        raise LoaderStateError(f"loader state: its bitmap of consumed entries is not readable ({e})") from None
+    if got > want or not z.eof:
+        epoch = f"an epoch of {n:,} entries" if n is not None else f"an epoch of {8 * want:,} entries, the most one has"
+        raise LoaderStateError(f"loader state: its bitmap of consumed entries is larger than the {want:,} bytes of "
+                               f"{epoch}; refused unread")
+    return b"".join(parts)

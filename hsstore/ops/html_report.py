@@ -29,7 +29,6 @@ COLORS = ("#3b6fd4", "#e0662b", "#2f9e58", "#9b59b6")
 MARK = "#d62728"
 # in the head of every page: what tells a page this command may replace from a file of the user's
 GENERATOR = '<meta name="generator" content="hsstore report">'
-METRICS_CAP = 512 << 20  # a run's metrics.jsonl (about 400 bytes a logged step)
 
 _SCRIPT = """
 document.querySelectorAll('svg.chart').forEach(function (svg) {
@@ -286,7 +285,7 @@ def feature_charts(store, h: dict[str, Any]) -> list[str]:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
-    text = door.read_beneath(run_dir, path.name, bound=METRICS_CAP, where=str(run_dir)).decode("utf-8", "replace")
+    text = door.read_beneath(run_dir, path.name, bound=door.RUN_LOG_CAP, where=str(run_dir)).decode("utf-8", "replace")
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -11,6 +11,9 @@ one misbehaviour each:
   trickle_head  the status line and headers one byte a second
   redirect      ``302`` to the same path on ``redirect_to`` (another server: another host's store)
 
+A ``POST`` (an engine's ``/v1/chat/completions``) is answered as a ``GET`` of the same path is: the file there (a
+canned answer), with the same misbehaviours.
+
 ``faults``: list of (kind, predicate of the request path). ``sent`` counts response bytes by path, ``paths`` every
 path asked for (what a client read, outside the store's prefix too). Threads end when the client goes.
 """
@@ -29,6 +32,7 @@ from typing import Callable
 
 KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect")
 FOREVER_S = 120  # how long "forever" lasts (a client that was not cut off by then has failed anyway)
+_BOMB: bytes | None = None
 
 
 def gzip_bomb(expanded: int = 1 << 30) -> bytes:
@@ -54,7 +58,6 @@ class HostileHTTPServer:
         self.paths: list[str] = []
         self.injected: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
-        self._bomb: bytes | None = None
         self._stop = threading.Event()
         server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128, "daemon_threads": True})
         self._server = server_class(("127.0.0.1", 0), type("Handler", (_Handler,), {"server_of": self}))
@@ -74,9 +77,10 @@ class HostileHTTPServer:
         return None
 
     def bomb(self) -> bytes:
-        if self._bomb is None:
-            self._bomb = gzip_bomb()
-        return self._bomb
+        global _BOMB
+        if _BOMB is None:  # made once a process (seconds of compression)
+            _BOMB = gzip_bomb()
+        return _BOMB
 
     def __enter__(self) -> "HostileHTTPServer":
         self._thread.start()
@@ -118,6 +122,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(head=True)
 
     def do_GET(self) -> None:
+        self._serve(head=False)
+
+    def do_POST(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        if n:
+            self.rfile.read(n)  # the request (a prompt): read and dropped
         self._serve(head=False)
 
     def _serve(self, head: bool) -> None:
