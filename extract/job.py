@@ -26,8 +26,8 @@ from hsstore.store.reader import committed_ids
 from hsstore.io import destination
 from hsstore.app import schema
 from hsstore.layouts import base as layout
-from hsstore.format.serving import TapPlan, plan
-from hsstore.app.target import decoder_layers, text_config, to_device
+from hsstore.format.serving import TapPlan
+from hsstore.app.target import decoder_layers, to_device
 
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
 from .forward import extract_batches, token_budget_batches
@@ -109,7 +109,7 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     rows = gated_rows(settings, tokenizer, result)
     todo = not_yet_stored(settings, rows.samples, result)
     model = prepare_target(settings, model, device, todo, result)
-    result.taps = target_taps(settings, model)
+    result.taps = early or planned_taps(model.config, cap.layers, cap.serve, cap.final_hidden)
     if early is None:
         warn_engines(result.taps)
     settings = schema.replace(settings, layers=result.taps.layers, final_hidden=result.taps.final_hidden)
@@ -220,13 +220,6 @@ def uses_process_writer(settings: ExtractSettings, device: torch.device) -> bool
     """The writer runs in a child process on CUDA (``auto``): encoding and uploads then never take the GIL
     from the thread that feeds the GPU."""
     return settings.store.writer == "process" or (settings.store.writer == "auto" and device.type == "cuda")
-
-
-def target_taps(settings: ExtractSettings, model) -> TapPlan:
-    """``--layers`` (else DFlash's spacing for the target's depth) with what ``--serve`` needs, checked against that
-    depth, and whether ``final_hidden`` is stored (asked, or needed by ``--serve``)."""
-    cap = settings.capture
-    return plan(int(text_config(model.config).num_hidden_layers), cap.layers, cap.serve or (), cap.final_hidden)
 
 
 def warn_engines(taps: TapPlan) -> None:

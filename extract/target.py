@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,20 +41,25 @@ def load_tokenizer(model: str):
         raise ValueError(f"cannot load the tokenizer of {model}: {type(e).__name__}: {e}") from None
 
 
-def planned_taps(model_dir: str, layers: list[int] | None, serve: list[str] | None = None,
+def planned_taps(target: str | Any, layers: list[int] | None, serve: list[str] | None = None,
                  final_hidden: bool = False) -> TapPlan | None:
-    """``--layers`` (else DFlash's spacing) with what ``--serve`` needs, checked against the depth
-    ``model_dir/config.json`` gives, before the tokenizer, the gate or the weights are loaded, so a wrong id costs
-    no time (``hsstore.format.serving.plan``); None: the folder has no config."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    n_layers = int(text_config(json.loads(path.read_text(encoding="utf-8")))["num_hidden_layers"])
+    """``--layers`` (else DFlash's spacing) with what ``--serve`` needs, checked against the target's depth
+    (``hsstore.format.serving.plan``, the one tap rule). ``target``: a model folder, whose ``config.json`` is read
+    before the tokenizer, the gate or the weights are loaded, so a wrong id costs no time (None: the folder has no
+    config), or a loaded model's config."""
+    where = ""
+    if isinstance(target, (str, Path)):
+        path = Path(target) / "config.json"
+        if not path.is_file():
+            return None
+        target, where = json.loads(path.read_text(encoding="utf-8")), f" ({path})"
+    inner = text_config(target)
+    n_layers = int(inner["num_hidden_layers"] if isinstance(inner, dict) else inner.num_hidden_layers)
     try:
         return plan(n_layers, layers, serve or (), final_hidden)
     except ValueError as e:
         given = f"--layers {','.join(map(str, layers))}: " if layers else ""
-        raise ValueError(f"{given}{e} ({path})") from None
+        raise ValueError(f"{given}{e}{where}") from None
 
 
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):

@@ -9,7 +9,7 @@ import pytest
 import hsstore
 from hsstore import HiddenStateDataset, Planning, TokenBatches
 from hsstore.app.schema import build
-from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, gpu_step_bytes, max_sequences, plan_gpu_step, store_lengths
+from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, step_bytes, max_sequences, plan_gpu_step, store_lengths
 from hsstore.train.config import TrainSettings
 from hsstore.train.model import DrafterConfig
 
@@ -68,7 +68,7 @@ def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifes
     assert seqs_assumed is None and seqs_known == 4 < 16384 // ASSUMED_MIN_SEQUENCE
     assert known > assumed and need_known <= have and need_assumed <= have
     # the estimate is the one for four sequences (the shape measured on the H200: 4 x 4096, 512 anchors each)
-    assert need_known == gpu_step_bytes(PUBLISHED, 16384, known, PARAMS, FROZEN, sequences=4)
+    assert need_known == step_bytes(PUBLISHED, 16384, known, PARAMS, FROZEN, sequences=4)
     # with checkpointing all 512 fit either way, and no warning
     assert plan_gpu_step(PUBLISHED, _cfg(checkpoint_layers="full"), PARAMS, FROZEN, have, [store])[0] == 512
 
@@ -78,5 +78,5 @@ def test_a_sample_over_the_budget_is_planned_for(tmp_path, write, new_manifest, 
     cfg = _cfg(token_budget=2048, checkpoint_layers="full")
     _, need, seqs = plan_gpu_step(PUBLISHED, cfg, PARAMS, FROZEN, 1 << 50, [store])
     assert seqs == 2  # the two of 1000 tokens fit one batch (2 x 1000 <= 2048); the one of 3000 is a batch alone
-    assert need == max(gpu_step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers="full"),
-                       gpu_step_bytes(PUBLISHED, 3000, 512, PARAMS, FROZEN, sequences=1, checkpoint_layers="full"))
+    assert need == max(step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers="full"),
+                       step_bytes(PUBLISHED, 3000, 512, PARAMS, FROZEN, sequences=1, checkpoint_layers="full"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hsstore.train.budget import fit_gpu_step, gpu_step_bytes, saved_activation_bytes
+from hsstore.train.budget import fit_gpu_step, step_bytes, saved_activation_bytes
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 from hsstore.train.objective import batch_anchors, dflash_loss
 
@@ -71,25 +71,44 @@ def test_checkpointed_layers_keep_less_for_backward():
     assert ckpt + inputs < full / 2, (ckpt, inputs, full)
 
 
+@pytest.mark.parametrize("policy", ["off", "mlp", "full"])
+def test_the_one_memory_model_holds_a_cpu_steps_activations(policy):
+    """The CPU's refusal and the GPU's fit use one model (``step_bytes``): on a CPU (fp32, attention keeping its
+    scores) it bounds what autograd keeps of a step, measured, under each checkpointing policy; the same shape
+    under bf16 autocast on a GPU is estimated smaller."""
+    model, b = tiny(), batch()
+    model.checkpoint_layers = policy
+    kept, _ = saved_activation_bytes(lambda: dflash_loss(model, b, gamma=4.0),
+                                     exclude=[*model.parameters(), *model.buffers()])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) + sum(
+        x.numel() for x in model.buffers())
+    B, T = b["input_ids"].shape
+    args = (model.config, B * T, 12, trainable, frozen)
+    cpu = step_bytes(*args, sequences=B, ce_chunk=1024, checkpoint_layers=policy, device="cpu")
+    assert cpu >= 16 * trainable + kept, (cpu, kept)
+    assert step_bytes(*args, sequences=B, ce_chunk=1024, checkpoint_layers=policy, device="cuda") < cpu
+
+
 def test_gpu_budget_refuses_or_lowers_anchors_and_says_so():
     cfg = DrafterConfig(hidden_size=5120, intermediate_size=17408, vocab_size=248320, target_layers=[1, 16, 31, 46, 61],
                         mask_token_id=0, num_heads=32, num_kv_heads=8, head_dim=128, num_layers=5, block_size=16,
                         sliding_window=[2048] * 4 + [None])
     params, frozen = 1_250_000_000, 2 * 248320 * 5120
-    big = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4)
-    small = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="full")
+    big = step_bytes(cfg, 16384, 512, params, frozen, sequences=4)
+    small = step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="full")
     assert small < big
-    mlp = gpu_step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="mlp")
+    mlp = step_bytes(cfg, 16384, 512, params, frozen, sequences=4, checkpoint_layers="mlp")
     assert small < mlp < big
     # what "mlp" saves over no recompute: each layer but one keeps no MLP half ([rows, 2 H + 3 I] bf16 x slack)
     rows, slack = 4 * 512 * 16, 2.85
     assert big - mlp == pytest.approx(4 * rows * slack * 2 * (2 * 5120 + 3 * 17408) - 5 * rows * 2 * 5120, rel=1e-6)
     with pytest.raises(ValueError, match="checkpoint_layers 'some'"):
-        gpu_step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers="some")
+        step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers="some")
     # a bool meant the whole layer before there were policies and "mlp" for the bare flag now: refused, named
     for flag in (True, False):
         with pytest.raises(ValueError, match=rf"checkpoint_layers {flag}: name a policy, one of off, mlp, full"):
-            gpu_step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers=flag)
+            step_bytes(cfg, 16384, 512, params, frozen, checkpoint_layers=flag)
     # fits as asked: unchanged
     assert fit_gpu_step(cfg, 16384, 512, params, frozen, have=big * 2, sequences=4) == (512, big)
     # too big: anchors halved until it fits, with the reason and the way out in the message

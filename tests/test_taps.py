@@ -27,14 +27,24 @@ def test_default_taps_are_dflash_build_target_layer_ids(layers, taps, want):
 
 
 def test_extract_and_train_use_the_one_rule():
-    """The two copies had drifted; both sides now call this one function."""
-    from hsstore.extract import job
+    """The two copies had drifted; both sides now call this one function, and extraction plans its taps one way
+    whether it reads the folder's config.json (before loading) or the loaded model's config."""
+    from transformers import AutoConfig
+
+    from hsstore.extract import job, target
+    from hsstore.extract.tiny import tiny_target_dir
     from hsstore.train import model
 
     from hsstore.format import serving
 
-    assert serving.default_taps is default_taps and job.plan is serving.plan
-    assert model.default_target_layers is default_taps
+    assert serving.default_taps is default_taps and target.plan is serving.plan
+    assert model.default_target_layers is default_taps and not hasattr(job, "target_taps")
+    folder = str(tiny_target_dir())
+    for layers, serve in ((None, None), ([1, 4], ["speculators"])):
+        from_file = target.planned_taps(folder, layers, serve)
+        loaded = target.planned_taps(AutoConfig.from_pretrained(folder), layers, serve)
+        assert (from_file.layers, from_file.final_hidden) == (loaded.layers, loaded.final_hidden)
+    assert from_file.layers == [1, 4, 7]  # speculators' trainer needs the last layer (8 layers: 7)
     from transformers import Qwen3Config
 
     tc = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=64, num_attention_heads=4,

@@ -39,7 +39,7 @@ import torch
 
 from hsstore.train import masks as masks_mod
 from hsstore.train import pointwise as pointwise_mod
-from hsstore.train.budget import gpu_step_bytes, saved_activation_bytes
+from hsstore.train.budget import step_bytes, saved_activation_bytes
 from hsstore.train.masks import own_block_visible
 from hsstore.train.model import ATTN_IMPLS, CHECKPOINT_POLICIES, DFlashDrafter, DrafterConfig
 from hsstore.train.optim import build_optimizer, clip_grad
@@ -163,7 +163,7 @@ def bench_one(impl, seq, args, ce="fused", ckpt="off", pointwise="fused") -> dic
         model.checkpoint_layers = ckpt
         batch = make_batch(args, seq, device, dtype, B=args.batch)
         frozen = model.embed_tokens.numel() + model.lm_head.numel()
-        res["estimate_gib"] = gpu_step_bytes(model.config, seq * args.batch, args.anchors,
+        res["estimate_gib"] = step_bytes(model.config, seq * args.batch, args.anchors,
                                              model.num_trainable_parameters(), frozen, sequences=args.batch,
                                              ce_chunk=args.ce_chunk, checkpoint_layers=ckpt) / 2**30
         res["tflop_per_step"] = step_flops(model.config, batch) / 1e12

@@ -33,30 +33,6 @@ def with_device_defaults(settings: TrainSettings, device: torch.device) -> Train
     return dataclasses.replace(settings, batch=dataclasses.replace(settings.batch, **unset)) if unset else settings
 
 
-def step_bytes(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, element_bytes: int = 4) -> int:
-    """A rough upper estimate of one training step's peak memory, in bytes.
-
-    Parameters: weights, gradients and AdamW's two moments of the drafter (fp32), the frozen embedding and
-    head. Activations kept for the backward pass: the batch's features and their projection; each draft
-    layer's context keys/values over the batch; per query row (sequences x anchors x block) the layer's
-    projections, MLP and the attention scores over the keys it can see (window + block, or the whole
-    context in a full layer); the cross-entropy's logits chunk."""
-    e = element_bytes
-    H, I, L = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers
-    kv = dcfg.num_kv_heads * dcfg.head_dim
-    token_budget = int(settings.batch.token_budget)
-    sequences = max(1, -(-token_budget // ASSUMED_MIN_SEQUENCE))
-    queries = min(int(settings.batch.anchors) * sequences, token_budget) * dcfg.block_size
-    windows = dcfg.sliding_window or [None] * L
-    total = 16 * trainable_params + e * frozen_params
-    total += e * token_budget * (len(dcfg.target_layers) * H + 2 * H)
-    for w in windows:
-        keys = (min(w, token_budget) if w else token_budget) + dcfg.block_size
-        total += e * (2 * token_budget * kv + queries * (12 * H + 3 * I) + 2 * queries * dcfg.num_heads * keys)
-    total += 3 * e * int(settings.schedule.ce_chunk) * dcfg.vocab_size
-    return int(total * 1.25)  # allocator slack and temporaries
-
-
 def available_bytes() -> int | None:
     """Memory this process may still take on this machine (Linux ``MemAvailable``; None where unknown)."""
     try:
@@ -75,8 +51,12 @@ def available_bytes() -> int | None:
 def check_cpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int) -> int:
     """Refuse (ValueError, one line with what to lower) a CPU step estimated above the available memory;
     returns the estimate."""
-    need, have = step_bytes(dcfg, settings, trainable_params, frozen_params), available_bytes()
-    batch, cpu = settings.batch, DEVICE_DEFAULTS["cpu"]
+    batch = settings.batch
+    need = step_bytes(dcfg, batch.token_budget, batch.anchors, trainable_params, frozen_params,
+                      ce_chunk=settings.schedule.ce_chunk, checkpoint_layers=settings.data.checkpoint_layers,
+                      device="cpu")
+    have = available_bytes()
+    cpu = DEVICE_DEFAULTS["cpu"]
     if have is not None and need > have:
         raise ValueError(
             f"a training step of {batch.token_budget:,} tokens with {batch.anchors} anchors per sequence and "
@@ -108,43 +88,63 @@ def saved_activation_bytes(fn, exclude=()) -> tuple[int, object]:
 
 
 
-# bytes kept per query row and draft layer beyond the formula's tensors (autocast copies, attention and
-# backward temporaries). Measured on the H200 for the published drafter (tools/bench_attention.py, which prints
-# this estimate beside each peak): 1 x 16,384 tokens, 512 anchors 42.8 GiB; 4 x 4,096 tokens, 512 anchors each
-# 115.6 GiB, with --checkpoint-layers full 31.5 GiB (2026-12-01); mlp 51.0 GiB against an estimate of 74.1
-# (2026-12-03). 2.85 meets the largest of them and overestimates the others (55 and 53 GiB): the estimate is
-# there to refuse a step before it runs out of memory, so it errs high. The peak does not grow linearly in query
-# rows alone (the first point would give 1.11): a better model needs more measured shapes.
+# bytes kept per query row and draft layer beyond the formula's tensors (autocast copies, attention and backward
+# temporaries), as measured for the published drafter on the GPU machine (docs/PERFORMANCE.md, "Training step":
+# each peak beside this estimate, tools/bench_attention.py): the largest measured peak is met, the others
+# overestimated, since the estimate exists to refuse a step before it runs out of memory
 GPU_ROW_SLACK = 2.85
+# on a CPU the step runs in fp32 and attention materialises its scores; no measured peak calibrates it: it errs high
+CPU_ROW_SLACK = 1.5
 MIN_ANCHORS = 64  # below this, lowering anchors stops and the step is refused
 
 
-def gpu_step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *,
-                   sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: str = "off") -> int:
-    """Estimated CUDA peak of one training step under bf16 autocast, in bytes (see ``fit_gpu_step``).
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How a device holds a step: bytes of an activation and of a frozen weight, the per-row slack, and whether
+    attention keeps its scores (the CPU's math attention does; the GPU's fused kernels do not)."""
 
-    fp32 weights, gradients and AdamW moments (16 B per trainable parameter), the bf16 frozen embedding and
-    head; the batch's features, context and each layer's context keys/values; per query row (sequences x
-    anchors x block, at most tokens x block) and draft layer the bf16 activations kept for backward (input,
-    norms, q/k/v/attention out, o_proj, residual, gate/up/act/product, down); with ``checkpoint_layers`` "full"
-    only each layer's input is kept, plus one layer's activations while it is recomputed; with "mlp" each
-    layer's attention half and MLP input, plus one MLP half; one fp32 logits chunk of
+    activation: int
+    frozen: int
+    row_slack: float
+    scores: bool
+
+
+PRECISION = {"cuda": Precision(2, 2, GPU_ROW_SLACK, False), "cpu": Precision(4, 4, CPU_ROW_SLACK, True)}
+
+
+def step_bytes(dcfg, token_budget: int, anchors: int, trainable_params: int, frozen_params: int, *,
+               sequences: int | None = None, ce_chunk: int = 1024, checkpoint_layers: str = "off",
+               device: str = "cuda") -> int:
+    """Estimated peak of one training step on ``device`` ("cuda": bf16 autocast; "cpu": fp32), in bytes: the one
+    memory model of the GPU's fit (``fit_gpu_step``) and the CPU's refusal (``check_cpu_memory``).
+
+    fp32 weights, gradients and AdamW moments (16 B per trainable parameter), the frozen embedding and head; the
+    batch's features, context and each layer's context keys/values; per query row (sequences x anchors x block, at
+    most tokens x block) and draft layer the activations kept for backward (input, norms, q/k/v/attention out,
+    o_proj, residual, gate/up/act/product, down), on a CPU also the attention scores over the keys a row sees;
+    with ``checkpoint_layers`` "full" only each layer's input is kept, plus one layer's activations while it is
+    recomputed; with "mlp" each layer's attention half and MLP input, plus one MLP half; one fp32 logits chunk of
     the cross entropy and its gradient. ``sequences``: sequences per batch at most (default: tokens /
     ``ASSUMED_MIN_SEQUENCE``)."""
+    p = PRECISION["cpu" if str(device).startswith("cpu") else "cuda"]
+    e = p.activation
     H, I, L, S = dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_layers, dcfg.block_size
     q_w, kv_w = dcfg.num_heads * dcfg.head_dim, dcfg.num_kv_heads * dcfg.head_dim
     token_budget = int(token_budget)
     seqs = sequences if sequences is not None else max(1, -(-token_budget // ASSUMED_MIN_SEQUENCE))
     rows = min(int(anchors) * seqs, token_budget) * S
-    fixed = 16 * trainable_params + 2 * frozen_params
-    data = token_budget * (2 * len(dcfg.target_layers) * H + 6 * H) + L * token_budget * 2 * kv_w * 2
-    attn_half = GPU_ROW_SLACK * 2 * (4 * H + 2 * q_w + 2 * kv_w)  # input, norm, q/k/v, attention out, o_proj
-    mlp_half = GPU_ROW_SLACK * 2 * (2 * H + 3 * I)  # norm, gate/up/act/product, down
+    fixed = 16 * trainable_params + p.frozen * frozen_params
+    data = e * token_budget * (len(dcfg.target_layers) * H + 3 * H) + L * e * 2 * token_budget * kv_w
+    attn_half = p.row_slack * e * (4 * H + 2 * q_w + 2 * kv_w)  # input, norm, q/k/v, attention out, o_proj
+    mlp_half = p.row_slack * e * (2 * H + 3 * I)  # norm, gate/up/act/product, down
+    if p.scores:  # scores and their softmax over the keys each row sees (its window + block, or the context)
+        keys = [(min(w, token_budget) if w else token_budget) + S for w in (dcfg.sliding_window or [None] * L)]
+        attn_half += p.row_slack * e * 2 * dcfg.num_heads * max(keys)
     policy = checkpoint_policy(checkpoint_layers)
     if policy == "full":
-        kept = rows * (L * 2 * H + attn_half + mlp_half)
+        kept = rows * (L * e * H + attn_half + mlp_half)
     elif policy == "mlp":  # the attention halves stay, one MLP half is recomputed at a time
-        kept = rows * (L * (attn_half + 2 * H) + mlp_half)
+        kept = rows * (L * (attn_half + e * H) + mlp_half)
     else:
         kept = rows * L * (attn_half + mlp_half)
     ce = 3 * 4 * int(ce_chunk) * dcfg.vocab_size
@@ -179,10 +179,10 @@ def fit_gpu_step(dcfg, token_budget: int, anchors: int, trainable_params: int, f
     ``sequences``: sequences per batch at most (``max_sequences``; None: assumed from ``ASSUMED_MIN_SEQUENCE``);
     ``longest``: the longest sample, which is a batch of its own when over ``token_budget``."""
     def need(a: int, ckpt: str) -> int:
-        est = gpu_step_bytes(dcfg, token_budget, a, trainable_params, frozen_params, sequences=sequences,
+        est = step_bytes(dcfg, token_budget, a, trainable_params, frozen_params, sequences=sequences,
                              ce_chunk=ce_chunk, checkpoint_layers=ckpt)
         if longest is not None and longest > token_budget:  # the one batch that exceeds the budget
-            est = max(est, gpu_step_bytes(dcfg, longest, a, trainable_params, frozen_params, sequences=1,
+            est = max(est, step_bytes(dcfg, longest, a, trainable_params, frozen_params, sequences=1,
                                           ce_chunk=ce_chunk, checkpoint_layers=ckpt))
         return est
 
