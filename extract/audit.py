@@ -41,9 +41,9 @@ from hsstore.format.health import feature_name
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from hsstore.app.target import base_model, decoder_layers
+from hsstore.app.target import base_model, decoder_layers, load_target
 from .compare import Agreement, Bound, agreement, bound_of, bound_rule, depth_of
-from .target import DTYPES, identity_from_model_dir, load_target, weights_hash
+from .target import DTYPES, identity_from_model_dir, weights_hash
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from hsstore.io import destination
 from hsstore.app import schema
 from hsstore.layouts import base as layout
 from hsstore.format.serving import TapPlan
-from hsstore.app.target import decoder_layers, to_device
+from hsstore.app.target import decoder_layers, load_target, to_device
 
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
 from .forward import extract_batches, token_budget_batches
@@ -37,7 +37,7 @@ from .readers import RowShard
 from .sample import TokenizedSample
 from .settings import ExtractSettings  # callers import it from here too
 from .speed import choose_compile, compile_forward, compile_seconds
-from .target import DTYPES, asset_files, build_manifest, load_target, load_tokenizer, model_name, planned_taps
+from .target import DTYPES, asset_files, build_manifest, load_tokenizer, model_name, planned_taps
 from .tokenize import TokenizeStats, load_samples
 
 log = logging.getLogger(__name__)

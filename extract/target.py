@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
-from hsstore.app import target as shared_target
 from hsstore.format.manifest import canonical_json_hash, sha256_hex
 from hsstore.format.serving import TapPlan, plan
 from hsstore.app.target import text_config
@@ -60,17 +59,6 @@ def planned_taps(target: str | Any, layers: list[int] | None, serve: list[str] |
     except ValueError as e:
         given = f"--layers {','.join(map(str, layers))}: " if layers else ""
         raise ValueError(f"{given}{e}{where}") from None
-
-
-def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True):
-    """The target model from a local directory, in ``dtype`` on ``device``, in eval mode: ``hsstore.app.target``'s
-    loader (the one eval uses too), without transformers' weight-loading bar unless ``progress``."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if not progress:
-        hf_logging.disable_progress_bar()
-    return shared_target.load_target(AutoModelForCausalLM, model_path, dtype, device)
 
 
 def model_name(model_dir: str) -> str:

@@ -16,7 +16,7 @@ from hsstore.extract.compile_check import CompileMismatch, check_first_batch, ea
 from hsstore.extract.forward import packed_features, token_budget_batches
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.speed import compile_forward
-from hsstore.extract.target import load_target
+from hsstore.app.target import load_target
 from hsstore.extract.tokenize import load_samples
 from hsstore.ops.verify import verify
 from hsstore.app.schema import build

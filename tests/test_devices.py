@@ -97,7 +97,7 @@ PROBE = textwrap.dedent("""
         direct = None
     except RuntimeError as e:
         direct = str(e)
-    from hsstore.extract.target import load_target
+    from hsstore.app.target import load_target
     model = load_target(target, torch.float32, torch.device("cpu"), progress=False)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
@@ -135,7 +135,7 @@ def test_cpu_forward_never_reaches_fla(tiny_dir, tmp_path):
     else:
         assert result["tripped"] and "tripwire" in result["tripped"], "the stand-in kernels were not picked up"
 
-    from hsstore.extract.target import load_target
+    from hsstore.app.target import load_target
 
     model = load_target(str(tiny_dir), torch.float32, torch.device("cpu"), progress=False)
     with torch.no_grad():

@@ -39,7 +39,8 @@ def figures(store_url: str, model_dir: str, other_dir: str, samples: int) -> dic
     import hsstore
     from hsstore.extract.audit import chosen_samples, reference_features, stored_features
     from hsstore.extract.compare import agreement
-    from hsstore.extract.target import DTYPES, load_target
+    from hsstore.app.target import load_target
+    from hsstore.extract.target import DTYPES
 
     store = hsstore.open(store_url)
     m = store.manifest

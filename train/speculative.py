@@ -491,8 +491,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
     drafter's frozen embedding and head come from the store."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer
 
     from hsstore.store import reader
 
@@ -514,9 +513,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
         raise ValueError(f"no prompts in {inputs}")
     drafter = load_drafter(drafter_dir, embed.to(dev, dt), head.to(dev, dt), attn_impl="sdpa").to(device=dev,
                                                                                                  dtype=dt).eval()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    model = load_target(AutoModelForCausalLM, model_dir, dt, dev)  # extraction's loader: the same kernels
+    model = load_target(model_dir, dt, dev, progress)  # extraction's loader: the same kernels
     log.info("eval: the drafter is fed taps %s, each its target layer's output before the final norm (as "
              "extracted)", dcfg.target_layers)
     mine = model.get_input_embeddings().weight.detach()

@@ -8,7 +8,6 @@ short convolution to fla's kernel (``conv.use_fla_conv``) for every caller; and 
 as the output of decoder layer ``l`` (before the final norm, the last layer's too) with a forward hook, never as
 HF's ``hidden_states[l + 1]`` (whose last entry transformers replaces by the norm's output).
 
-This package never imports transformers: the caller passes the auto class (``AutoModelForCausalLM``).
 """
 
 from __future__ import annotations
@@ -35,10 +34,17 @@ def text_config(config: Any) -> Any:
     return inner or config
 
 
-def load_target(auto_class: Any, model_path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True) -> nn.Module:
     """The target from a local directory (nothing downloaded, no remote code), in ``dtype`` on ``device``, in eval
-    mode, with the kernels every command runs (module docstring)."""
-    model = auto_class.from_pretrained(model_path, dtype=dtype, local_files_only=True, trust_remote_code=False)
+    mode, with the kernels every command runs (module docstring); transformers' weight-loading bar only with
+    ``progress``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True,
+                                                 trust_remote_code=False)
     return to_device(model, device)
 
 
