@@ -43,7 +43,8 @@ from hsstore.extract.forward import extract_batches, pad_right, token_budget_bat
 from hsstore.extract.sample import TokenizedSample
 from hsstore.io import storage
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity
-from hsstore.format import assets, health
+from hsstore import env
+from hsstore.format import assets
 from hsstore.distributed import rank_and_world
 from hsstore.format.taps import default_taps
 from tools.measure import timed
@@ -171,7 +172,7 @@ def main() -> None:
         if mode != "keep":
             _clear(url)
         if mode.endswith("_nostats"):  # off for the forward here and the writer's child (it inherits it)
-            os.environ[health.STATS_ENV] = "0"
+            os.environ[env.FEATURE_STATS.name] = "0"
         process = mode.startswith("extract_process") or (mode == "keep" and device.type == "cuda")
         cls = ProcessWriter if process else StoreWriter
         extra = {"shard_bytes": int(args.shard_mb * 1e6)} if args.shard_mb else {}
@@ -196,7 +197,7 @@ def main() -> None:
         t = time.perf_counter()
         w.close()
         close_s.setdefault(mode, []).append(time.perf_counter() - t)
-        os.environ.pop(health.STATS_ENV, None)
+        os.environ.pop(env.FEATURE_STATS.name, None)
         if mode != "keep":
             _clear(w.url)
 

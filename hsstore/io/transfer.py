@@ -130,14 +130,10 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
     return out
 
 
-# "0": remote chunks are fetched as bytes objects and copied (``cat_verified``), as before ``cat_into``
-STREAM_READS_ENV = "HSSTORE_STREAM_READS"
-
-
-def stream_reads() -> bool:
-    """Whether remote objects are streamed into the reader's buffers (``cat_into``; the default) rather than
-    fetched whole as bytes and copied (``HSSTORE_STREAM_READS=0``, for paired comparison)."""
-    return os.environ.get(STREAM_READS_ENV, "") != "0"
+def streams(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``cat_into`` streams bodies into the buffers (s3fs: its client's body pieces are copied as they
+    arrive) rather than fetching each whole as bytes and copying it (every other filesystem)."""
+    return hasattr(fs, "_call_s3")
 
 
 def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
@@ -186,7 +182,7 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
 
 def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str, int | Exception]:
     """path -> bytes written into its views (or the exception that stopped the read)."""
-    if not (hasattr(fs, "_call_s3") and stream_reads()):
+    if not streams(fs):
         sizes = [sum(len(v) for v in vs) for vs in views.values()]
         blobs = cat_many(fs, list(views), sizes, concurrency)
         return {p: (b if isinstance(b, Exception) else receive.scatter(b, views[p])) for p, b in blobs.items()}
