@@ -299,8 +299,8 @@ def drafter_proposer(drafter) -> DraftContext:
 
 def eval_threads(model) -> int:
     """torch threads for decoding with ``model`` on the CPU: a small model's ops are too small to split (on a
-    busy machine extra threads only wait on each other: the tiny target fell from ~50 to 1-2 tokens/s), a large
-    one's matmuls use every core. ``env.EVAL_THREADS`` overrides."""
+    busy machine extra threads only wait on each other: docs/PERFORMANCE.md, "Design choices"), a large one's
+    matmuls use every core. ``env.EVAL_THREADS`` overrides."""
     chosen = env.EVAL_THREADS.get()
     if chosen is not None:
         return chosen

@@ -5,10 +5,10 @@ hand-over to the main process then moves nothing), pinned memory when asked in t
 asynchronous copy to the GPU can read it directly), else recycled buffers (fresh memory faults in page by
 page, which costs as much as reading the bytes).
 
-Shared memory is recycled too (``SharedRing``): a fresh segment per item was the workers' limit (creating,
-faulting in and handing over a new segment ran at ~1.2 GB/s on one core, against ~10 GB/s into a segment
-already mapped). A segment is rewritten only once every copy handed to the consumer is gone, which the
-consumer reports through counters in a small shared control segment (see ``SharedRing``).
+Shared memory is recycled too (``SharedRing``): a fresh segment per item is the workers' limit (creating, faulting
+in and handing over a new segment is several times slower than writing into a segment already mapped:
+docs/PERFORMANCE.md, "Loader"). A segment is rewritten only once every copy handed to the consumer is gone, which
+the consumer reports through counters in a small shared control segment (see ``SharedRing``).
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ READ_BLOCK = 1 << 20  # bytes pread_fold reads before folding them in: well insi
 
 def pread_fold(fd: int, flat: "np.ndarray | Sequence[np.ndarray]", offset: int, fold, state=None,
                block: int | None = None):
-    """``pread_into`` of the contiguous bytes ``flat`` (or of several such parts in turn: the file's bytes in
-    order), ``block`` bytes at a time (default ``READ_BLOCK``), with ``state = fold(block, state)`` after each
-    block (a CRC32C of the bytes): the check reads each block while it is still in cache instead of reading a
-    whole chunk back from memory. Returns (bytes read, state); fewer bytes only where the file ends first. (A checksum over a cold
-    buffer runs at half the speed of one over a hot block: PERFORMANCE.md, "Loader".)"""
+    """``pread_into`` of the contiguous bytes ``flat`` (or of several such parts in turn: the file's bytes in order),
+    ``block`` bytes at a time (default ``READ_BLOCK``), with ``state = fold(block, state)`` after each block (a
+    CRC32C of the bytes): the check reads each block while it is still in cache instead of reading a whole chunk
+    back from memory. Returns (bytes read, state); fewer bytes only where the file ends first. (A checksum over a
+    cold buffer runs at half the speed of one over a hot block: PERFORMANCE.md, "Loader".)"""
     got, block = 0, block or READ_BLOCK
     for part in [flat] if isinstance(flat, np.ndarray) else flat:
         done, n = 0, part.nbytes
@@ -150,8 +150,8 @@ _SCRATCH_LOCK = ProcessLock()
 @contextlib.contextmanager
 def scratch(nbytes: int):
     """A byte buffer for one partial chunk or tar member, reused across threads and the loader's per-epoch thread
-    pools (both layouts' read paths): fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a
-    VM), so none is dropped."""
+    pools (both layouts' read paths): fresh memory costs more to fault in than the read (docs/PERFORMANCE.md,
+    "Loader"), so none is dropped."""
     with _SCRATCH_LOCK:
         fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
         buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None

@@ -123,7 +123,7 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 # Interactive commands (info, index, report, show) answer in seconds or fail saying why: a short connect
 # timeout, botocore's one retry and no second round from s3fs (S3_RETRIES and s3fs's 5 rounds are for jobs
-# that read or write for hours: a closed endpoint took 29 s to be reported, an unreachable one 45-59 s).
+# that read or write for hours, and would take tens of seconds to report a closed endpoint).
 S3_INTERACTIVE = {"connect_timeout": 3, "read_timeout": 15, "retries": {"mode": "standard", "total_max_attempts": 2}}
 S3FS_INTERACTIVE_RETRIES = 1
 INTERACTIVE = "hsstore_interactive"  # the option that asks ``resolve`` for s3fs's interactive retries (not passed on)

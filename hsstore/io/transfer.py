@@ -143,8 +143,9 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
     ``targets[path]`` in turn (as ``preadv`` does) with one ranged GET of their total size.
 
     Why: a body read as one bytes object is pieced together in fresh memory, twice (the HTTP parser's pieces,
-    then their join), and a process that faults in every byte it receives spends 1.5-3 CPU-s per GB on that
-    alone; streamed into buffers the loader recycles, the same reads cost ~0.8 (``tools/bench_source.py``).
+    then their join), and a process that faults in every byte it receives spends more CPU on that than on the
+    read; streamed into buffers the loader recycles, the same reads cost a fraction (docs/PERFORMANCE.md,
+    "Reading from S3").
     On s3fs the body's pieces are copied as they arrive; other filesystems fall back to ``cat_many`` + copy.
 
     ``check(path)`` (a checksum of the filled buffers) returns None or what is wrong: such objects are fetched

@@ -299,8 +299,8 @@ class StoreWriter:
                 self._new_buffer(T)
         region = self._buf_bits[:, self._fill:self._fill + T]
         for j, x in enumerate(layers):
-            # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starved the
-            # extraction thread that launches the GPU's kernels (measured: 0.79x vs 0.91x of forward speed).
+            # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starves the
+            # extraction thread that launches the GPU's kernels (docs/PERFORMANCE.md, "Design choices").
             region[j] = x
         if scales is not None:
             self._scales[:, self._fill:self._fill + T] = np.stack(scales)
