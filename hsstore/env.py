@@ -54,22 +54,12 @@ def _positive(raw: str) -> float:
     return x
 
 
-def _flag(raw: str) -> bool:
-    word = raw.lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise ValueError
-
-
 # kind -> (how the table names it, parser of a stripped, non-empty value)
 KINDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "prefixes": ("comma-separated URLs or paths", _prefixes),
     "count": ("positive integer", _count),
     "seconds": ("positive number (seconds)", _positive),
     "rate": ("positive number (bytes/s)", _positive),
-    "flag": ("0 or 1", _flag),
     "choice": ("one of", str.lower),
     "path": ("path", str),
 }
@@ -155,9 +145,6 @@ WRITER_HEARTBEAT_S = Switch(
 FOLLOW_POLL_S = Switch(
     "HSSTORE_FOLLOW_POLL_S", "seconds", 30.0, TUNING,
     "the longest pause of a following reader (train --follow) between two looks at its stores")
-FEATURE_STATS = Switch(
-    "HSSTORE_FEATURE_STATS", "flag", True, BENCHMARK,
-    "0: writers record no feature value statistics (to measure their cost, or write a store as older versions did)")
 CONV = Switch(
     "HSSTORE_CONV", "choice", "fla", BENCHMARK,
     "torch: extraction keeps transformers' PyTorch Gated DeltaNet convolution on CUDA instead of fla's kernel "
@@ -168,7 +155,7 @@ REPORT_SCREENSHOT = Switch(
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     ALLOW_LOCATIONS, CACHE_DIR, EVAL_THREADS, METADATA_CONCURRENCY, REQUEST_S, MIN_RATE, HEAD_S, WRITER_HEARTBEAT_S,
-    FOLLOW_POLL_S, FEATURE_STATS, CONV, REPORT_SCREENSHOT)}
+    FOLLOW_POLL_S, CONV, REPORT_SCREENSHOT)}
 
 # switches hsstore no longer reads, and why: a variable still set is warned about by name, never silently ignored
 REMOVED: dict[str, str] = {
@@ -176,6 +163,7 @@ REMOVED: dict[str, str] = {
     PREFIX + "READ_BLOCK": "reads are always checksummed block by block as they arrive",
     PREFIX + "STREAM_READS": "uncompressed S3 chunks are always streamed into their destination",
     PREFIX + "DIRECT_BATCHES": "TokenBatches always reads samples into their batch slots when the dataset can plan",
+    PREFIX + "FEATURE_STATS": "writers always record feature statistics; StoreWriter(record_stats=False) leaves them out",
 }
 
 

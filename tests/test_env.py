@@ -85,10 +85,8 @@ def test_a_switch_is_its_default_unset_or_empty_and_refuses_a_bad_value(monkeypa
     assert env.WRITER_HEARTBEAT_S.get() == 0.5
     monkeypatch.setenv(env.ALLOW_LOCATIONS.name, " /a, ,s3://b/c ")
     assert env.ALLOW_LOCATIONS.get() == ("/a", "s3://b/c")
-    monkeypatch.setenv(env.FEATURE_STATS.name, "0")
-    assert env.FEATURE_STATS.get() is False
     for switch, raw in [(env.METADATA_CONCURRENCY, "0"), (env.METADATA_CONCURRENCY, "many"),
-                        (env.REQUEST_S, "-1"), (env.MIN_RATE, "nan"), (env.CONV, "triton"), (env.FEATURE_STATS, "2")]:
+                        (env.REQUEST_S, "-1"), (env.MIN_RATE, "nan"), (env.CONV, "triton")]:
         monkeypatch.setenv(switch.name, raw)
         with pytest.raises(hsstore.StoreError, match=rf"^{switch.name}='{re.escape(raw)}': expected "):
             switch.get()

@@ -21,20 +21,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import env
-
 SUMS = ("sum", "sumsq", "absmax", "zeros", "nonfinite")  # the per-sample columns of ``sample_stats``
 OUTLIER_FACTOR = 10.0  # a shard's feature RMS this far from the store's median, either way, is named
 ZERO_DOMINATED = 0.5  # a feature whose share of exact zeros in a shard exceeds this is named
 # the bit patterns of an exact zero (sign aside) and of a non-finite value (exponent all ones), per storage dtype
 _BITS = {"bfloat16": (np.uint16, 0x7FFF, 0x7F80), "float16": (np.uint16, 0x7FFF, 0x7C00),
          "float32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "float8_e4m3fn": (np.uint8, 0x7F, 0x7F)}
-
-
-def enabled() -> bool:
-    """Whether writers record feature statistics (``env.FEATURE_STATS``: off only to measure their cost, or to
-    write a store as older versions did)."""
-    return env.FEATURE_STATS.get()
 
 
 def feature_name(key: str) -> str:
