@@ -45,7 +45,7 @@ def trained_dir():
 def store(trained_dir, tmp_path_factory):
     """The demo's store: the shipped conversations, bfloat16 features (extract's default, as in ``hsstore demo``)."""
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(build(ExtractSettings, model=str(trained_dir), inputs=[str(trained_files() / "conversations.jsonl")],
+    run_extract(build(ExtractSettings, model=str(trained_dir), input=[str(trained_files() / "conversations.jsonl")],
                       out=str(out), device="cpu", progress=False))
     return str(out)
 

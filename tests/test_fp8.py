@@ -245,7 +245,7 @@ def two_stores(tiny_dir, tmp_path_factory):
     path = root / "in.jsonl"
     path.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:8]) + "\n")
     bf16, f8 = str(root / "bf16"), str(root / "fp8")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(path)], out=bf16, device="cpu", layers=[1, 4],
                       token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
                       "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "-q",

@@ -199,7 +199,7 @@ def store32_http(tiny_dir, tmp_path_factory):
     served = tmp_path_factory.mktemp("served")
     inp = served / "in.jsonl"
     inp.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"),
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(inp)], out=str(served / "store"),
                       dtype="float32", device="cpu", progress=False))
     srv = serve_with_basic_auth(str(served))
     base = f"127.0.0.1:{srv.server_address[1]}/store"

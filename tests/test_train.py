@@ -158,7 +158,7 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     """Extract, delete the target directory, train in a fresh process that never imports extract or transformers."""
     target = build_tiny_target(tmp_path / "target")
     store = tmp_path / "store"
-    run_extract(build(ExtractSettings, model=str(target), inputs=[str(small_input)], out=str(store), device="cpu",
+    run_extract(build(ExtractSettings, model=str(target), input=[str(small_input)], out=str(store), device="cpu",
                       progress=False))
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
