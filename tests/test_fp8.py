@@ -271,7 +271,7 @@ def test_extract_fp8_equals_quantised_bf16_extraction(two_stores):
 def test_trainer_on_fp8_store(two_stores, tmp_path):
     runs = {}
     for name, url in zip(("bf16", "fp8"), two_stores):
-        train(build(TrainSettings, stores=[url], out=str(tmp_path / name), steps=3, **FAST))
+        train(build(TrainSettings, store=[url], out=str(tmp_path / name), steps=3, **FAST))
         runs[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert len(runs["fp8"]) == 3 and all(math.isfinite(x) for x in runs["fp8"])
     # same data, same seed: fp8 features move the loss a little, not a lot

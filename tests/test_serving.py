@@ -153,7 +153,7 @@ def test_info_export_train_and_export_drafter_say_it(last_tap_store, tmp_path, c
     capsys.readouterr()
 
     with caplog.at_level("WARNING"):
-        train(build(TrainSettings, stores=[last_tap_store], out=str(tmp_path / "run"), steps=1, **FAST))
+        train(build(TrainSettings, store=[last_tap_store], out=str(tmp_path / "run"), steps=1, **FAST))
     assert any(r.getMessage().startswith("drafter tap 7 (") and "sglang cannot serve it" in r.getMessage()
                for r in caplog.records)
     assert hsstore_cli(["export-drafter", str(tmp_path / "run"), str(tmp_path / "drafter")]) == 0

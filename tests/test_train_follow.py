@@ -172,7 +172,7 @@ def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny
 
     def trainer():
         try:
-            train(build(TrainSettings, stores=[store], out=str(run), epochs=2, follow=True, save_every=1000,
+            train(build(TrainSettings, store=[store], out=str(run), epochs=2, follow=True, save_every=1000,
                         **FAST))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)

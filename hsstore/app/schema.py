@@ -253,6 +253,8 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
             value = overrides.pop(s.name)
         elif s.how.cli and hasattr(args, s.dest):
             value = getattr(args, s.dest)
+            if value is None and s.field.default_factory is not MISSING:  # a repeatable flag not given
+                value = s.default
             if s.how.convert is not None:
                 value = s.how.convert(value)
         elif s.field.default is MISSING and s.field.default_factory is MISSING:
