@@ -230,10 +230,10 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps({"estimate": figures}, indent=2) if out.json else format_text(figures),
               end="\n" if out.json else "")
         return 0
-    if not settings.input.model or not settings.input.inputs:
+    if not settings.input.model or not settings.input.input:
         raise ValueError("check needs --model and --input (or --estimate-only with counts)")
     tokenizer = load_tokenizer(settings.input.model)
-    report = gate_inputs(settings.input.inputs, tokenizer, thresholds=settings.thresholds,
+    report = gate_inputs(settings.input.input, tokenizer, thresholds=settings.thresholds,
                          chat_template_kwargs=tok.chat_template_kwargs, max_length=tok.max_length,
                          truncate=tok.truncate, expand=tok.expand, report_url=out.report,
                          trust_engine_ids=tok.trust_engine_ids, learn_not_generated=tok.learn_not_generated)

@@ -141,7 +141,7 @@ def gated_rows(settings: ExtractSettings, tokenizer, result: ExtractResult) -> G
     """The gate's verdict, then this rank's tokenized rows; refuses before the model is loaded. The verdict comes
     from ``--gate-report`` (this rank tokenizes only its rows), from the same pass (one process: every row is
     this rank's) or from gating the whole input on every rank (torchrun without a report)."""
-    rank, world, inputs = result.rank, result.world_size, settings.input.inputs
+    rank, world, inputs = result.rank, result.world_size, settings.input.input
     stats, tokenize_kw = TokenizeStats(), tokenize_settings(settings)
 
     def my_rows() -> list[TokenizedSample]:

@@ -250,7 +250,7 @@ class ChatClient:
         # no connection is kept for another request: each request's own connection is the one its deadline cuts
         self.http = httpx.Client(
             base_url=api_base(server.server), headers={**headers, "Accept-Encoding": "identity"},
-            timeout=httpx.Timeout(server.timeout_s, connect=min(10.0, server.timeout_s)),
+            timeout=httpx.Timeout(server.timeout, connect=min(10.0, server.timeout)),
             limits=httpx.Limits(max_connections=server.concurrency, max_keepalive_connections=0),
             follow_redirects=False,
         )
@@ -317,7 +317,7 @@ class ChatClient:
         for attempt in range(1, attempts + 1):
             retry_after = None
             try:
-                status, headers, data = bounded_answer(self.http, method, path, body, server.timeout_s, what)
+                status, headers, data = bounded_answer(self.http, method, path, body, server.timeout, what)
             except httpx.TransportError as e:  # refused, reset, timed out, cut at the deadline
                 problem = f"{type(e).__name__}: {e or 'no detail'}"
             else:
@@ -530,9 +530,9 @@ def run_regenerate(settings: RegenerateSettings) -> RegenResult:
     if settings.server.concurrency < 1 or settings.server.retries < 0 or settings.generation.max_tokens < 1:
         raise ValueError("concurrency and max_tokens must be >= 1, retries >= 0")
     out = Path(settings.data.out)
-    if out.exists() and any(out.resolve() == f.resolve() for path in settings.data.inputs for f in input_files(path)):
+    if out.exists() and any(out.resolve() == f.resolve() for path in settings.data.input for f in input_files(path)):
         raise ValueError(f"{out}: the output is also an input (a re-run would read its own answers as prompts)")
-    ids, skipped = scan_prompts(settings.data.inputs, settings.generation.turns)
+    ids, skipped = scan_prompts(settings.data.input, settings.generation.turns)
     done = resume_output(out)
     todo = len(set(ids) - done)
     stop = threading.Event()
@@ -570,7 +570,7 @@ def run_regenerate(settings: RegenerateSettings) -> RegenResult:
 
         with ThreadPoolExecutor(settings.server.concurrency, thread_name_prefix="regenerate") as pool:
             try:
-                for prompt in iter_prompts(settings.data.inputs, settings.generation.turns):
+                for prompt in iter_prompts(settings.data.input, settings.generation.turns):
                     if isinstance(prompt, Unprompted) or prompt.sample_id in done:
                         continue
                     while len(pending) >= 2 * settings.server.concurrency:

@@ -6,7 +6,7 @@ titles, the flags' keys) and the object its handler reads. ``check``, ``show`` a
 sections they have in common (how rows are tokenized, the gate's thresholds); a section whose help differs
 by command is a subclass that restates only that field. Handlers and API callers read the sections as
 written (``settings.forward.token_budget``, ``settings.thresholds``); ``hsstore.app.schema.build`` makes settings
-from field names (``build(ExtractSettings, model=..., inputs=[...], out=...)``).
+from field names (``build(ExtractSettings, model=..., input=[...], out=...)``).
 
 Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are added by their shared
 helpers into the groups named here, and reach the settings through ``from_args`` overrides
@@ -22,6 +22,7 @@ from typing import Any
 
 from hsstore.format import layout_spec
 from hsstore.format.serving import parse_serve
+from hsstore.app.devices import device_option
 from hsstore.app.schema import from_args, option, section
 
 from .gate import GateThresholds
@@ -73,9 +74,8 @@ def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _inputs() -> Any:
-    return option(flag="--input", dest="input", nargs="+", required=True, path=True,
-                  help="JSONL/Parquet/Arrow files or directories")
+def _input() -> Any:
+    return option(nargs="+", required=True, path=True, was="inputs", help="JSONL/Parquet/Arrow files or directories")
 
 
 def _store_url() -> Any:
@@ -97,8 +97,9 @@ def _storage_options() -> Any:
 class Rendering:
     """How a row becomes tokens: the chat template's arguments and the engine's recorded ids."""
 
-    expand: bool = option(True, flag="--no-expand", dest="no_expand", negate=True,
-                          help="only the final exchange of multi-turn conversations")
+    expand: bool = option(True, old_negated="--no-expand",
+                          help="every exchange of a multi-turn conversation as a sample (--no-expand: only the final "
+                               "one)")
     chat_template_kwargs: dict = option(
         default_factory=dict, type=str, metavar="JSON", convert=template_kwargs,
         help="arguments for the chat template, as the engine got them, e.g. '{\"enable_thinking\": false}' "
@@ -132,7 +133,7 @@ class CheckTokenize(Tokenize):
 @dataclass
 class ExtractInput:
     model: str = option(required=True, help="target model directory")
-    inputs: list[str] = _inputs()
+    input: list[str] = _input()
 
 
 @dataclass
@@ -165,8 +166,7 @@ class Capture:
 
 @dataclass
 class Forward:
-    device: str | None = option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: "
-                                           "the GPU when there is one)")
+    device: str | None = device_option()
     dtype: str = option("bfloat16", choices=DTYPE_CHOICES, help="the target's dtype, and the stored features'")
     token_budget: int | None = option(None, help="padded tokens per forward batch (default: 16384 on a GPU, 4096 "
                                                  "on a CPU)")
@@ -195,7 +195,7 @@ class Progress:
 
 
 @dataclass
-class Run(Progress):
+class ExtractRun(Progress):
     """This process's part of the job."""
 
     rank: int | None = option(None, cli=False, help="this rank (default: the process group's or torchrun's)")
@@ -211,7 +211,7 @@ class ExtractSettings:
     thresholds: GateThresholds = section(GateThresholds, "gate thresholds")
     capture: Capture = section(Capture, "capture")
     forward: Forward = section(Forward, "forward")
-    run: Run = section(Run, "run")
+    run: ExtractRun = section(ExtractRun, "run")
 
 
 # --- check and show -----------------------------------------------------------------------------------------
@@ -220,8 +220,8 @@ class ExtractSettings:
 @dataclass
 class CheckInput:
     model: str | None = option(None, help="target model directory (its tokenizer and chat template); required")
-    inputs: list[str] | None = option(None, flag="--input", dest="input", nargs="+",
-                                      help="JSONL/Parquet/Arrow files or directories; required")
+    input: list[str] | None = option(None, nargs="+", was="inputs",
+                                     help="JSONL/Parquet/Arrow files or directories; required")
 
 
 @dataclass
@@ -307,8 +307,7 @@ class AuditInput:
     samples: int = option(8, type=float, convert=audit_samples,
                           help="samples to recompute: the N whose input_ids hash lowest, the same in every copy of "
                                "the store (default 8)")
-    device: str | None = option(None, help="cpu, cuda or cuda:N for the reference forward (default: the GPU when "
-                                           "there is one)")
+    device: str | None = device_option("for the reference forward")
     storage_options: dict[str, Any] = _storage_options()
 
 
@@ -334,7 +333,7 @@ def json_object(value: str | None) -> dict:
 
 @dataclass
 class RegenData:
-    inputs: list[str] = _inputs()
+    input: list[str] = _input()
     out: str = option(required=True, help="output JSONL file (appended to; resumed)")
 
 
@@ -346,8 +345,7 @@ class RegenServer:
     retries: int = option(8, help="per request, on connection errors, 429 and 5xx")
     backoff_s: float = option(1.0, cli=False, help="first retry delay; doubles per attempt, up to backoff_max_s")
     backoff_max_s: float = option(60.0, cli=False, help="longest retry delay")
-    timeout_s: float = option(600.0, flag="--timeout", dest="timeout",
-                              help="seconds per request, generation included (default 600)")
+    timeout: float = option(600.0, was="timeout_s", help="seconds per request, generation included (default 600)")
     extra_body: dict = option(
         default_factory=dict, type=str, convert=json_object,
         help='JSON object merged into every request, e.g. \'{"skip_special_tokens": false, "top_p": 0.95}\'')
@@ -357,7 +355,7 @@ class RegenServer:
 
 
 @dataclass
-class Generation:
+class RegenGeneration:
     turns: str = option("last", choices=("last", "all"),
                         help="last: answer the last user message (later turns dropped); all: regenerate every "
                              "exchange in order (default last)")
@@ -373,7 +371,7 @@ class Generation:
 class RegenerateSettings:
     data: RegenData = section(RegenData, "input and output")
     server: RegenServer = section(RegenServer, "server")
-    generation: Generation = section(Generation, "generation")
+    generation: RegenGeneration = section(RegenGeneration, "generation")
     run: Progress = section(Progress, "run")
 
 
@@ -402,9 +400,8 @@ class PeerFiles:
     num_rows: int | None = option(None, help="SpecForge: rows of the dataset the files were made from; data_{i} "
                                              "files missing below it (NaN rows, the dropped last partial batch) "
                                              "are named")
-    final_hidden: bool = option(True, flag="--no-final-hidden", dest="no_final_hidden", negate=True,
-                                help="SpecForge: drop the files' hidden_state (the final-norm output; kept as the "
-                                     "store's final_hidden feature by default)")
+    final_hidden: bool = option(True, help="SpecForge: keep the files' hidden_state (the final-norm output) as the "
+                                           "store's final_hidden feature (--no-final-hidden: drop it)")
     id_prefix: str = option("", help="prepended to sample ids (data_17, hs_17) to keep several imports into one "
                                      "store apart")
     source: str | None = option(None, help="source column of every sample (default: the row's source or the "
@@ -488,9 +485,9 @@ class Demo:
     out: str = option("hsstore-demo",
                       help="working folder (target, data, store, run); created if missing. A non-empty folder the "
                            "demo did not create is refused; on a re-run only what the demo created there is replaced")
-    device: str | None = option(None, help="cpu, cuda or cuda:N for extraction, training and eval (default: the "
-                                           "device the demo runs fastest on, said with why: the CPU, also beside "
-                                           "a GPU, for its tiny models)")
+    device: str | None = device_option("for extraction, training and eval",
+                                       default="the device the demo runs fastest on, said with why: the CPU, also "
+                                               "beside a GPU, for its tiny models")
 
 
 @dataclass

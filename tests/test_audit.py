@@ -38,7 +38,7 @@ def rows(tmp_path_factory):
 
 def extracted(tmp_path_factory, rows, **kw) -> str:
     out = str(tmp_path_factory.mktemp("audit-store") / "store")
-    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), inputs=[str(rows)], out=out, device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), input=[str(rows)], out=out, device="cpu",
                       dtype="bfloat16", layers=LAYERS, progress=False, **kw))
     return out
 

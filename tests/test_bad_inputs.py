@@ -73,7 +73,7 @@ def edited_store(tiny_dir, tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text(good_line(0) + "\n" + good_line(1) + "\n")
     path = tmp_path / "edited"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(path), device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(data)], out=str(path), device="cpu",
                       progress=False))
     d = json.loads((path / "manifest.json").read_text())
     d["dtype"] = "float16"

@@ -55,7 +55,7 @@ PARAMS, FROZEN = 1_250_000_000, 2 * 248320 * 5120
 
 
 def _cfg(**kw):
-    return build(TrainSettings, stores=["x"], out="x", **{"token_budget": 16384, "anchors": 512, **kw})
+    return build(TrainSettings, store=["x"], out="x", **{"token_budget": 16384, "anchors": 512, **kw})
 
 
 def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifest, new_samples):

@@ -114,7 +114,7 @@ def test_extract_flags_make_its_config():
     args = p.parse_args(argv)
     settings = from_args(ExtractSettings, args, **shared_overrides(args))
     inp, store, tok, fwd = settings.input, settings.store, settings.tokenize, settings.forward
-    assert (inp.model, inp.inputs, store.out, settings.capture.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x",
+    assert (inp.model, inp.input, store.out, settings.capture.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x",
                                                                           [1, 3])
     assert store.shard_bytes == 2 * 1024 * 1024 and store.storage_options == {"anon": True}
     assert tok.expand is False and tok.chat_template_kwargs == {"enable_thinking": False}

@@ -57,7 +57,7 @@ def test_eager_modules_is_the_eager_forward_and_the_check_passes(tiny_dir, tok, 
 
 def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, tmp_path):  # noqa: F811
     out = tmp_path / "s"
-    cfg = dict(model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu", progress=False,
+    cfg = dict(model=str(tiny_dir), input=[str(small_input)], out=str(out), device="cpu", progress=False,
                force=True)
     res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=0, world_size=2))
     assert res.compiled and res.compile_check.passed and res.warmup_s > 0
@@ -77,7 +77,7 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
 
 def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811
     out = tmp_path / "eager"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), device="cpu",
                       progress=False, force=True, compile=False))
     return out
 
@@ -103,7 +103,7 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
     half = tmp_path / "half.jsonl"
     half.write_text("".join(small_input.read_text().splitlines(keepends=True)[:4]))
     cfg = dict(model=str(tiny_dir), out=str(out), device="cpu", progress=False, force=True, layers=[1, 3, 5])
-    run_extract(build(ExtractSettings, **cfg, inputs=[str(half)], compile=False))  # 4 samples committed earlier
+    run_extract(build(ExtractSettings, **cfg, input=[str(half)], compile=False))  # 4 samples committed earlier
     before = commit_names(out)
     real_compile = job.compile_forward
 
@@ -124,16 +124,16 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
     with pytest.raises(CompileMismatch, match=r"beyond bf16 rounding at tap 3 on the first batch .*at this depth.*"
                                               r"[0-9.]+x what rounding allows; nothing was written.*--no-compile to "
                                               r"use the eager forward") as e:
-        run_extract(build(ExtractSettings, **cfg, inputs=[str(small_input)], compile=True))
+        run_extract(build(ExtractSettings, **cfg, input=[str(small_input)], compile=True))
     assert "\n" not in str(e.value)
     assert commit_names(out) == before and len(hsstore.open(str(out))) == 4  # no shard of that batch
     assert "compile_check" not in manifest_extra(out) and verify(hsstore.open(str(out))).ok
     monkeypatch.undo()
-    res = run_extract(build(ExtractSettings, **cfg, inputs=[str(small_input)], compile=False))  # resumes
+    res = run_extract(build(ExtractSettings, **cfg, input=[str(small_input)], compile=False))  # resumes
     assert res.skipped_done == 4 and res.samples == 4 and len(hsstore.open(str(out))) == 8
 
     fresh = tmp_path / "fresh"  # a new store: not even its folder is made
     monkeypatch.setattr(job, "compile_forward", compile_with_fault)
     with pytest.raises(CompileMismatch, match="at tap 3"):
-        run_extract(build(ExtractSettings, **{**cfg, "out": str(fresh)}, inputs=[str(small_input)], compile=True))
+        run_extract(build(ExtractSettings, **{**cfg, "out": str(fresh)}, input=[str(small_input)], compile=True))
     assert not fresh.exists()

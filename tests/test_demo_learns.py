@@ -45,7 +45,7 @@ def trained_dir():
 def store(trained_dir, tmp_path_factory):
     """The demo's store: the shipped conversations, bfloat16 features (extract's default, as in ``hsstore demo``)."""
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(build(ExtractSettings, model=str(trained_dir), inputs=[str(trained_files() / "conversations.jsonl")],
+    run_extract(build(ExtractSettings, model=str(trained_dir), input=[str(trained_files() / "conversations.jsonl")],
                       out=str(out), device="cpu", progress=False))
     return str(out)
 
@@ -74,7 +74,7 @@ def speculative_tau(drafter, target, prompts, taps) -> float:
 
 
 def trained_tau(store, out, target, prompts) -> float:
-    train(build(TrainSettings, stores=[store], out=str(out), **CFG))
+    train(build(TrainSettings, store=[store], out=str(out), **CFG))
     s = hsstore.open(store)
     _, embed, head = load_frozen(s)
     return speculative_tau(load_drafter(out, embed, head), target, prompts, s.layers)
@@ -105,7 +105,7 @@ def test_training_raises_tau_above_the_floor(store, target, prompts, tmp_path):
     s = hsstore.open(store)
     cfg, embed, head = load_frozen(s)
     torch.manual_seed(0)  # what train() starts from
-    untrained = DFlashDrafter(drafter_config(s.manifest, cfg, embed.shape[0], build(TrainSettings, stores=[store],
+    untrained = DFlashDrafter(drafter_config(s.manifest, cfg, embed.shape[0], build(TrainSettings, store=[store],
                                                                                     out="-", **CFG),
                                              torch.device("cpu")), embed, head)
     before = speculative_tau(untrained, target, prompts, s.layers)

@@ -59,7 +59,7 @@ def manifest_for(text_cfg, layers, vocab_size=None):
 
 def test_default_shape_is_the_published_qwen36_27b_drafter():
     cfg = drafter_config(manifest_for(QWEN36_27B_TEXT, [1, 16, 31, 46, 61]), {"text_config": QWEN36_27B_TEXT},
-                         248320, build(TrainSettings, stores=["x"], out="x", mask_token_id=248070), torch.device("cpu"))
+                         248320, build(TrainSettings, store=["x"], out="x", mask_token_id=248070), torch.device("cpu"))
     got = drafter_format.hf_config(cfg)
     for key, want in PUBLISHED_27B.items():
         assert got[key] == want, key
@@ -72,7 +72,7 @@ def test_default_shape_is_the_published_qwen3_8b_drafter():
                 "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
                 "rms_norm_eps": 1e-6, "rope_theta": 1000000}
     cfg = drafter_config(manifest_for(qwen3_8b, [1, 9, 17, 25, 33]), qwen3_8b, 151936,
-                         build(TrainSettings, stores=["x"], out="x", mask_token_id=151669, sliding_window=0),
+                         build(TrainSettings, store=["x"], out="x", mask_token_id=151669, sliding_window=0),
                          torch.device("cpu"))
     got = drafter_format.hf_config(cfg)
     published = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -86,7 +86,7 @@ def test_default_shape_is_the_published_qwen3_8b_drafter():
 
 def test_shape_flags_override_the_rule():
     m = manifest_for(QWEN36_27B_TEXT, [1, 16, 31, 46, 61])
-    base = dict(stores=["x"], out="x", mask_token_id=248070)
+    base = dict(store=["x"], out="x", mask_token_id=248070)
 
     def shape(**kw):
         c = drafter_config(m, QWEN36_27B_TEXT, 248320, build(TrainSettings, **base, **kw), torch.device("cpu"))
@@ -104,7 +104,7 @@ def test_shape_flags_override_the_rule():
 def test_tiny_target_keeps_its_shape(store32):
     store = hsstore.open(store32)
     target_cfg, embed, _ = load_frozen(store)
-    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], build(TrainSettings, stores=[store32], out="x"),
+    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], build(TrainSettings, store=[store32], out="x"),
                          torch.device("cpu"))
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 2, 32)
     assert cfg.num_target_layers == store.manifest.target.num_layers
@@ -236,7 +236,7 @@ def test_legacy_directories_load_and_export(tmp_path, capsys):
 
 
 def test_export_a_run_and_refuse_mismatched_weights(store32, tmp_path):  # noqa: F811
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=2, save_every=1, keep=0, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "run"), steps=2, save_every=1, keep=0, **FAST))
     first = ckpt.list_checkpoints(tmp_path / "run")[0]
     out = ckpt.export_drafter(first, tmp_path / "step1")
     master = load_file(str(first / ckpt.MASTER))
@@ -261,18 +261,18 @@ def test_export_a_run_and_refuse_mismatched_weights(store32, tmp_path):  # noqa:
 def released(store32, tmp_path_factory):  # noqa: F811
     """A drafter directory trained on the store: what a released drafter for this target looks like."""
     run = tmp_path_factory.mktemp("released")
-    train(build(TrainSettings, stores=[store32], out=str(run), steps=2, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(run), steps=2, **FAST))
     return run / "drafter"
 
 
 def test_init_starts_from_the_given_weights(store32, released, tmp_path):  # noqa: F811
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, lr=0.0, init=str(released), **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, lr=0.0, init=str(released), **FAST))
     start = load_file(str(released / "model.safetensors"))
     master = load_file(str(ckpt.latest_checkpoint(tmp_path) / ckpt.MASTER))  # after one step at lr 0
     assert master.keys() == start.keys()
     assert all(torch.equal(master[k], start[k].float()) for k in start)
     # and with a learning rate the run moves away from them
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "lr"), steps=1, init=str(released), **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "lr"), steps=1, init=str(released), **FAST))
     moved = load_file(str(ckpt.latest_checkpoint(tmp_path / "lr") / ckpt.MASTER))
     assert any(not torch.equal(moved[k], start[k].float()) for k in start)
 
@@ -301,7 +301,7 @@ def edited(released, tmp_path, **changes) -> str:
 def test_init_refuses_a_drafter_that_does_not_fit(store32, released, tmp_path, change, flags, match):  # noqa: F811
     path = edited(released, tmp_path, **change) if change else str(released)
     with pytest.raises(ValueError, match=match):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST,
+        train(build(TrainSettings, store=[store32], out=str(tmp_path / "run"), steps=1, init=path, **{**FAST,
                     **flags}))
     assert ckpt.latest_checkpoint(tmp_path / "run") is None
 
@@ -315,16 +315,16 @@ def test_init_refusal_is_one_line_on_the_cli(store32, released, tmp_path, capsys
 
 
 def test_resume_refuses_another_drafter_shape(store32, tmp_path):  # noqa: F811
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, **FAST))
     with pytest.raises(ValueError, match="num_heads: None -> 8"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, num_heads=8, num_kv_heads=2, **FAST))
+        train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, num_heads=8, num_kv_heads=2, **FAST))
     with pytest.raises(ValueError, match="sliding_causal: True -> False"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, sliding_causal=False, **FAST))
+        train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, sliding_causal=False, **FAST))
 
 
 def test_checkpoints_load_their_exact_weights(store32, tmp_path):  # noqa: F811
     """A checkpoint loads its fp32 master weights (what was trained); OUT/drafter, for serving, its bf16 ones."""
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, **FAST))
     _, embed, head = load_frozen(hsstore.open(store32), dtype=torch.float32)
     master = load_file(str(ckpt.latest_checkpoint(tmp_path) / ckpt.MASTER))
     exact = ckpt.load_drafter(ckpt.latest_checkpoint(tmp_path), embed, head).state_dict()

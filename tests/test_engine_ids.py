@@ -47,7 +47,7 @@ def prompts(path, n, start=0, **extra):
 
 
 def regenerate(url, inp, out, **kw):
-    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, temperature=1.0, max_tokens=200,
+    cfg = build(RegenerateSettings, input=[str(inp)], out=str(out), server=url, temperature=1.0, max_tokens=200,
                 concurrency=1, progress=False, backoff_s=0.01, **kw)
     return run_regenerate(cfg)
 
@@ -98,7 +98,7 @@ def test_sampled_ids_survive_regenerate_check_extract_read(target, tok, tmp_path
     assert rep["input"]["skipped_rows"] == 0
 
     store_url = str(tmp_path / "store")
-    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu",
+    run_extract(build(ExtractSettings, model=str(target), input=[str(out)], out=store_url, device="cpu",
                       dtype="float32", layers=[1, 4], progress=False, force=True))
     store = hsstore.open(store_url)
     assert len(store) == len(rows)
@@ -181,7 +181,7 @@ def test_prompt_mismatch_is_counted_named_and_trusted_on_request(target, tok, tm
     assert any("engine_prompt_mismatch" in f for f in rep["failures"])
     assert "--trust-engine-ids" in rep["skipped"]["engine_prompt_mismatch"]["first"]
 
-    base = dict(model=str(target), inputs=[str(out)], device="cpu", dtype="float32", layers=[1], progress=False)
+    base = dict(model=str(target), input=[str(out)], device="cpu", dtype="float32", layers=[1], progress=False)
     with pytest.raises(GateRefused):
         run_extract(build(ExtractSettings, out=str(tmp_path / "refused"), **base))
     store_url = str(tmp_path / "store")

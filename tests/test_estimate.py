@@ -34,7 +34,7 @@ def test_check_estimate_matches_the_extracted_stores(tiny_dir, small_input, tmp_
     assert est["gpu_hours"] == pytest.approx(est["tokens"] / 1000 / 3600)
     for encoding, key in (("raw", "bf16"), ("fp8", "fp8")):
         out = tmp_path / encoding
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), layers=[1, 3,
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), layers=[1, 3,
                           5], device="cpu", encoding=encoding, progress=False, force=True))
         store = hsstore.open(str(out))
         assert len(store) == est["samples"]

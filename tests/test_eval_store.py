@@ -169,7 +169,7 @@ def per_anchor_reference(drafter, store, gamma):
 @pytest.fixture(scope="module")
 def trained(store32, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("run")
-    train(build(TrainSettings, stores=[store32], out=str(out), steps=4, lr=3e-3, warmup=0.0, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(out), steps=4, lr=3e-3, warmup=0.0, **FAST))
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store, dtype=torch.float32)
     return out, load_drafter(out, embed, head).eval()
@@ -209,7 +209,7 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
 
 
 def test_train_logs_validation(store32, tmp_path):  # noqa: F811
-    result = train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=3, val_stores=[store32], val_every=2,
+    result = train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=3, val_store=[store32], val_every=2,
                          **{**FAST, "log_every": 10}))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 3]  # the val steps are logged (and the last)
@@ -229,5 +229,5 @@ def test_train_refuses_a_validation_store_of_another_target(store32, controlled_
     from hsstore.errors import ManifestError
 
     with pytest.raises(ManifestError, match="validation store"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, val_stores=[controlled_store[0]],
+        train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, val_store=[controlled_store[0]],
                     **FAST))

@@ -114,7 +114,7 @@ def test_token_budget_batches():
 @pytest.mark.parametrize("writer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, tmp_path, model32, writer):
     out = str(tmp_path / "store")
-    cfg = build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", dtype="float32",
+    cfg = build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu", dtype="float32",
                 layers=[1, 4], progress=False, token_budget=700, writer=writer, shard_bytes=50_000)
     r = run_extract(cfg)
     samples = {s.sample_id: s for s in load_samples(small_input, tok)}
@@ -144,7 +144,7 @@ def test_extract_store_matches_tokenizer_and_model(tiny_dir, tok, small_input, t
 
 def test_resume_after_crash_exactly_once(tiny_dir, small_input, tmp_path, monkeypatch):
     out = str(tmp_path / "store")
-    base = dict(model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu", progress=False,
+    base = dict(model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu", progress=False,
                 token_budget=400, shard_bytes=64 * 5 * 2 * 300)
     import hsstore.extract.forward as fwd
 
@@ -175,7 +175,7 @@ def test_resume_after_crash_exactly_once(tiny_dir, small_input, tmp_path, monkey
 
 def test_two_ranks_write_disjoint_shards(tiny_dir, small_input, tmp_path, tok):
     out = str(tmp_path / "store")
-    results = [run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+    results = [run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu",
                                  progress=False, rank=r, world_size=2)) for r in (0, 1)]
     store = hsstore.open(out)
     assert {c.writer for c in store.commits} == {"rank00000", "rank00001"}
@@ -191,7 +191,7 @@ def test_gate_refuses_before_loading_model(tiny_dir, stub_file, tmp_path, monkey
     monkeypatch.setattr(job, "load_target", lambda *a, **k: pytest.fail("model loaded despite the gate"))
     out = tmp_path / "store"
     with pytest.raises(GateRefused):
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(stub_file)], out=str(out), device="cpu",
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(stub_file)], out=str(out), device="cpu",
                           progress=False))
     assert not out.exists()
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(stub_file), "--out", str(out)])
@@ -219,18 +219,18 @@ def test_a_users_folder_is_refused_before_the_target_loads(tiny_dir, small_input
 
 def test_store_of_another_model_refused(tiny_dir, small_input, tmp_path):
     out = str(tmp_path / "store")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu",
                       progress=False))
     other = build_tiny_target(tmp_path / "other", seed=1)  # same config, other weights
     with pytest.raises(hsstore.ManifestError, match="weights_hash"):
-        run_extract(build(ExtractSettings, model=str(other), inputs=[str(small_input)], out=out, device="cpu",
+        run_extract(build(ExtractSettings, model=str(other), input=[str(small_input)], out=out, device="cpu",
                           progress=False))
 
 
 def test_bad_layers_and_over_length_counted(tiny_dir, small_input, tmp_path, capsys):
     out = str(tmp_path / "store")
     with pytest.raises(ValueError, match=r"layer ids \[8\] out of range.*8 decoder layers"):
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu",
                           layers=[1, 8], progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(small_input), "--out", out,
                       "--max-length", "200", "--device", "cpu", "-q", "--max-over-length-share", "1"])
@@ -282,7 +282,7 @@ def test_nan_features_from_the_target_are_refused(tiny_dir, small_input, tmp_pat
     out = str(tmp_path / "store")
     with pytest.raises(hsstore.SampleError, match=r"sample '.+': the target produced NaN/Inf features "
                                                   r"\(first at token 3\)"):
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu",
                           progress=False))
     assert len(hsstore.open(out)) == 0
 

@@ -32,7 +32,7 @@ def model32(tiny_dir):
 def test_extract_final_hidden_is_the_norm_output_hf_and_lm_head_read(tiny_dir, tok, small_input, tmp_path, model32,
                                                                       writer):
     out = str(tmp_path / "store")
-    r = run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=out, device="cpu",
+    r = run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=out, device="cpu",
                           dtype="float32", layers=[1, 4], progress=False, token_budget=700, writer=writer,
                           shard_bytes=60_000, final_hidden=True))
     store = hsstore.open(out)

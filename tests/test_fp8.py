@@ -245,7 +245,7 @@ def two_stores(tiny_dir, tmp_path_factory):
     path = root / "in.jsonl"
     path.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:8]) + "\n")
     bf16, f8 = str(root / "bf16"), str(root / "fp8")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(path)], out=bf16, device="cpu", layers=[1, 4],
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(path)], out=bf16, device="cpu", layers=[1, 4],
                       token_budget=700, progress=False))
     rc = hsstore_cli(["extract", "--model", str(tiny_dir), "--input", str(path), "--out", f8, "--device", "cpu",
                       "--layers", "1,4", "--token-budget", "700", "--encoding", "fp8", "-q",
@@ -271,7 +271,7 @@ def test_extract_fp8_equals_quantised_bf16_extraction(two_stores):
 def test_trainer_on_fp8_store(two_stores, tmp_path):
     runs = {}
     for name, url in zip(("bf16", "fp8"), two_stores):
-        train(build(TrainSettings, stores=[url], out=str(tmp_path / name), steps=3, **FAST))
+        train(build(TrainSettings, store=[url], out=str(tmp_path / name), steps=3, **FAST))
         runs[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     assert len(runs["fp8"]) == 3 and all(math.isfinite(x) for x in runs["fp8"])
     # same data, same seed: fp8 features move the loss a little, not a lot

@@ -57,7 +57,7 @@ def test_ranks_reuse_the_report_and_tokenize_only_their_rows(tiny_dir, data, tmp
 
     seen = counted_tokenize(monkeypatch)
     out = str(tmp_path / "store")
-    base = dict(model=str(tiny_dir), inputs=[str(data)], device="cpu", progress=False, world_size=2,
+    base = dict(model=str(tiny_dir), input=[str(data)], device="cpu", progress=False, world_size=2,
                 thresholds=GateThresholds(**LENIENT))
     results = [run_extract(build(ExtractSettings, out=out, rank=r, gate_report=str(report), **base)) for r in (0, 1)]
     assert seen == ["r0", "r2", "r4", "r6", "r8"] + ["r1", "r3", "r5", "r7", "r2-copy"]  # row i -> rank i % 2
@@ -84,7 +84,7 @@ def test_ranks_reuse_the_report_and_tokenize_only_their_rows(tiny_dir, data, tmp
 
 def test_without_a_report_every_rank_gates_the_whole_input(tiny_dir, data, tmp_path, monkeypatch):
     seen = counted_tokenize(monkeypatch)
-    r = run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(tmp_path / "s"),
+    r = run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(data)], out=str(tmp_path / "s"),
                           device="cpu", progress=False, rank=1, world_size=2, thresholds=GateThresholds(**LENIENT)))
     assert r.gate is not None and r.gate.n_samples == 10  # the whole input was gated
     assert r.rows == 5 and r.samples == 5
@@ -163,7 +163,7 @@ def test_a_report_of_other_input_or_settings_is_refused_naming_the_difference(ti
     assert f"input file {data} changed (size: report {len(text):,} bytes" in line
 
     with pytest.raises(GateReportMismatch, match="number of --input paths differs"):
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data), str(data)], out=str(tmp_path / "x"),
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(data), str(data)], out=str(tmp_path / "x"),
                           gate_report=str(report), max_length=4096, thresholds=GateThresholds(**LENIENT)))
 
 
@@ -176,6 +176,6 @@ def test_repeated_ids_fail_the_gate(tiny_dir, tmp_path, capsys):
     assert report["repeated_ids"] == {"count": 1, "ids": ["r3"]}
     assert any("occur more than once, e.g. 'r3'" in f for f in report["failures"])
     with pytest.raises(ValueError, match="sample id 'r3' occurs more than once"):
-        run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(path)], out=str(tmp_path / "s"),
+        run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(path)], out=str(tmp_path / "s"),
                           device="cpu", progress=False, force=True))
 

@@ -211,7 +211,7 @@ def test_audit_fails_features_of_the_right_direction_and_the_wrong_size(tmp_path
     from hsstore.app.schema import build
 
     base = str(tmp_path / "base")
-    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), inputs=[str(small_input)], out=base,
+    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), input=[str(small_input)], out=base,
                       device="cpu", dtype="float32", layers=[1, 4], progress=False))
     src = hsstore.open(base)
     factor = 1 + 2 * bound_of(src.manifest.dtype, src.manifest.encoding).rel_err

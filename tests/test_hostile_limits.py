@@ -168,7 +168,7 @@ def test_url_user_info_never_recorded_or_printed(http_store, tmp_path, capsys):
 def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
     from hsstore.train.config import TrainSettings, recordable_config
 
-    cfg = build(TrainSettings, stores=[f"https://{USER}:{PASSWORD}@h/s"], val_stores=[f"s3://{USER}:{PASSWORD}@b/v"],
+    cfg = build(TrainSettings, store=[f"https://{USER}:{PASSWORD}@h/s"], val_store=[f"s3://{USER}:{PASSWORD}@b/v"],
                 out=str(tmp_path), storage_options={"secret": "x"})
     saved = json.dumps(recordable_config(cfg))
     assert PASSWORD not in saved and '"https://h/s"' in saved and '"s3://b/v"' in saved
@@ -182,7 +182,7 @@ def test_train_from_a_store_url_with_password(store32_http, tmp_path):
 
     url, bare = store32_http
     out = tmp_path / "run"
-    train(build(TrainSettings, stores=[url], out=str(out), steps=2, save_every=1, keep=0, cache_dir=str(tmp_path / "c"),
+    train(build(TrainSettings, store=[url], out=str(out), steps=2, save_every=1, keep=0, cache_dir=str(tmp_path / "c"),
                 **FAST))
     files = [out / "train_config.json", *out.glob("checkpoints/*/trainer.json")]
     assert len(files) >= 3
@@ -199,7 +199,7 @@ def store32_http(tiny_dir, tmp_path_factory):
     served = tmp_path_factory.mktemp("served")
     inp = served / "in.jsonl"
     inp.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(inp)], out=str(served / "store"),
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(inp)], out=str(served / "store"),
                       dtype="float32", device="cpu", progress=False))
     srv = serve_with_basic_auth(str(served))
     base = f"127.0.0.1:{srv.server_address[1]}/store"
@@ -460,7 +460,7 @@ def test_train_init_with_a_huge_config_is_one_line(huge_config_drafter, tmp_path
 
     path, _ = huge_config_drafter
     manifest = make_manifest()
-    cfg = build(TrainSettings, stores=["unused"], out=str(tmp_path / "o"), block_size=8, init=str(path))
+    cfg = build(TrainSettings, store=["unused"], out=str(tmp_path / "o"), block_size=8, init=str(path))
     err, peak = peak_bytes(lambda: init_config(str(path), manifest, 5000, cfg, "sdpa"))
     assert isinstance(err, ValueError) and "does not match its config" in str(err), err
     assert peak < SMALL

@@ -183,10 +183,10 @@ def _hostile_s3_assets(tmp_path, s3_store):
 def _copy(command, src, dst, opts):
     from hsstore.ops.convert import convert
     from hsstore.ops.merge import merge
-    from hsstore.ops.subset import Selection, subset
+    from hsstore.ops.subset import SampleFilter, subset
 
     if command == "subset":
-        subset(src, dst, Selection(), src_options=opts, progress=False)
+        subset(src, dst, SampleFilter(), src_options=opts, progress=False)
     elif command == "convert":
         convert(src, dst, "wds", src_options=opts)
     else:

@@ -68,7 +68,7 @@ def stub_store(tiny_dir, small_input, tmp_path_factory):  # noqa: F811
     src = tmp_path_factory.mktemp("stubs") / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(src)], out=str(out), device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(src)], out=str(out), device="cpu",
                       progress=False, force=True))
     return out
 

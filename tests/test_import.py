@@ -491,7 +491,7 @@ def test_export_then_import_gives_a_store_train_and_show_use(tiny_dir, tmp_path,
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
     src, exp = tmp_path / "src", tmp_path / "exp"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(data)], out=str(src), device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(data)], out=str(src), device="cpu",
                       progress=False))
     assert main(["export", "specforge", str(src), str(exp), "-q"]) == 0
     back = tmp_path / "back"

@@ -25,7 +25,7 @@ from hsstore.io import listing, storage, transfer
 from hsstore.app.cli import main
 from hsstore.ops.convert import convert
 from hsstore.ops.merge import merge
-from hsstore.ops.subset import Selection, subset
+from hsstore.ops.subset import SampleFilter, subset
 from hsstore.ops.verify import verify
 
 from conftest import PATIENT_S3, make_manifest, make_samples, write_samples
@@ -249,7 +249,7 @@ def test_merge_by_reference_convert_and_subset_index_what_they_write(tmp_path, m
     merge(ref, [src], by="reference", progress=False)
 
     convert(src, conv, "wds")
-    subset(src, sub, Selection(min_tokens=1), progress=False)
+    subset(src, sub, SampleFilter(min_length=1), progress=False)
     for url in (ref, conv, sub):
         store = hsstore.open(url)
         assert len(store) == N_SHARDS

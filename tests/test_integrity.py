@@ -395,13 +395,13 @@ def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_pa
 
 def test_convert_and_subset_write_content_checksums(tmp_path):
     from hsstore.ops.convert import convert
-    from hsstore.ops.subset import Selection, subset
+    from hsstore.ops.subset import SampleFilter, subset
 
     src = write_store(str(tmp_path / "src"), make_samples(10), shard_tokens=600)
     downgrade(src)
     for dst, run in ((str(tmp_path / "w"), lambda d: convert(src, d, "wds")),
                      (str(tmp_path / "z"), lambda d: convert(src, d, "zarr")),
-                     (str(tmp_path / "sub"), lambda d: subset(src, d, Selection(min_tokens=50), progress=False))):
+                     (str(tmp_path / "sub"), lambda d: subset(src, d, SampleFilter(min_length=50), progress=False))):
         run(dst)
         store = hsstore.open(dst)
         assert {c.format_version for c in store.commits} == {2}

@@ -274,7 +274,7 @@ def test_train_partition_node_saves_and_resumes_node_states(store32, tmp_path): 
     from hsstore.train import checkpoint as ckpt
     from hsstore.train.trainer import TrainSettings, train
 
-    cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, partition="node", **FAST)
+    cfg = dict(store=[store32], steps=4, save_every=2, keep=0, partition="node", **FAST)
     full = tmp_path / "full"
     train(build(TrainSettings, out=str(full), **cfg))
     first = ckpt.list_checkpoints(full)[0]

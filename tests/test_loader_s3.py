@@ -297,7 +297,7 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
     def said(stores, workers=0, device=cuda):
-        cfg = build(TrainSettings, stores=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
+        cfg = build(TrainSettings, store=[s.url for s in stores], out="-", storage_options=opts, workers=workers,
                     token_budget=1024)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hsstore.train.trainer"):

@@ -81,7 +81,7 @@ def test_source_bench_feeds_ranks_at_once(tmp_path, capsys, batches):
 
     r = json.loads(capsys.readouterr().out)["source"]
     assert r["procs"] == 2 and r["prefetch"] == 1 and [e["epoch"] for e in r["epochs"]] == [0, 1]
-    assert r["batch_tokens"] == (700 if batches else 0)
+    assert r["token_budget"] == (700 if batches else 0)
     for e in r["epochs"]:
         assert e["bytes"] == r["bytes"] > 0 and len(e["per_rank_gbps"]) == 2 and e["cpu_s_per_gb"] > 0
         # the raw baseline: the store's files (features, ids, masks, metadata) by as many plain readers

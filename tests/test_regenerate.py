@@ -156,7 +156,7 @@ def test_all_turns_are_regenerated_in_order(server, tmp_path):
         {"role": "user", "content": "And a number?"}, {"role": "assistant", "content": "OLD-ANSWER-2"}]}
     inp = write_jsonl(tmp_path / "in.jsonl", [conv, demo_rows(1)[0]])
     out = tmp_path / "out.jsonl"
-    res = run_regenerate(build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=server, max_tokens=6,
+    res = run_regenerate(build(RegenerateSettings, input=[str(inp)], out=str(out), server=server, max_tokens=6,
                                turns="all", concurrency=2, progress=False))
     assert (res.prompts, res.generated) == (2, 2)
     row = next(r for r in read_out(out) if r["id"] == "two-exchanges")
@@ -204,7 +204,7 @@ def test_server_refusal_names_the_prompt(server, tmp_path):
     prompt, and nothing is written for it."""
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
     out = tmp_path / "out.jsonl"
-    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=server, max_tokens=4, retries=5,
+    cfg = build(RegenerateSettings, input=[str(inp)], out=str(out), server=server, max_tokens=4, retries=5,
                 extra_body={"no_such_field": 1}, progress=False)
     with pytest.raises(RegenerateError, match=r"prompt demo-math-001 \(.*in\.jsonl:1\): the server refused the "
                                               r"request \(HTTP 422"):
@@ -219,7 +219,7 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     url = f"http://127.0.0.1:{port}"
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(3))
     out = tmp_path / "out.jsonl"
-    cfg = build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url, max_tokens=4, concurrency=2,
+    cfg = build(RegenerateSettings, input=[str(inp)], out=str(out), server=url, max_tokens=4, concurrency=2,
                 retries=60, backoff_s=0.2, backoff_max_s=1.0, progress=False)
     result: dict = {}
 
@@ -318,12 +318,12 @@ def test_build_prompt_modes_and_refusals(tmp_path):
                    + "\n{not json\n")
     with pytest.raises(ValueError, match=r"no row to answer: 3 row\(s\) \(invalid_row 1, malformed_json 1, "
                                          r"pre_tokenized 1\) skipped; first: .*bad\.jsonl:1 \(id=no-user\)"):
-        run_regenerate(build(RegenerateSettings, inputs=[str(bad)], out=str(tmp_path / "o.jsonl"),
+        run_regenerate(build(RegenerateSettings, input=[str(bad)], out=str(tmp_path / "o.jsonl"),
                              server="http://127.0.0.1:9", retries=0, progress=False))
     assert not (tmp_path / "o.jsonl").exists()
     (tmp_path / "o.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"o\.jsonl: the output is also an input"):
-        run_regenerate(build(RegenerateSettings, inputs=[str(tmp_path)], out=str(tmp_path / "o.jsonl"),
+        run_regenerate(build(RegenerateSettings, input=[str(tmp_path)], out=str(tmp_path / "o.jsonl"),
                              server="http://127.0.0.1:9", progress=False))
 
 

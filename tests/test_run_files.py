@@ -155,14 +155,14 @@ def test_extract_config(tmp_path):
     assert "model" in secs["input"] and "layers" in secs["capture"] and "shard_mb" in secs["store"]
     name = next(iter(secs["gate_thresholds"]))
     new = {"input": {"model": "/m", "input": ["/in.jsonl"]}, "store": {"out": "/o", "encoding": "fp8"},
-           "capture": {"layers": "1,3"}, "tokenize": {"no_expand": True}}
+           "capture": {"layers": "1,3"}, "tokenize": {"expand": False}}
     old = {"options": {"model": "/m", "input": ["/in.jsonl"], "out": "/o", "layers": "1,3", "encoding": "fp8",
                        "no_expand": True}}
     for data in (new, old):
         f = write_yaml(tmp_path / "x.yaml", data)
         args = parse(["extract", "--config", f, "--out", "/other"])
         assert args.model == "/m" and args.input == ["/in.jsonl"] and args.layers == "1,3" and args.encoding == "fp8"
-        assert args.no_expand is True
+        assert args.expand is False  # the old key no_expand: true read inverted
         assert args.out == "/other" and getattr(args, name) == sub.get_default(name)
     f = write_yaml(tmp_path / "bad.yaml", {"options": {"no_such_flag": 1}})
     with pytest.raises(SystemExit):

@@ -16,16 +16,15 @@ from hsstore.app.schema import (add_arguments, build, flat, from_args, option, r
 
 @dataclass
 class Run:
-    stores: list[str] = option(None, flag="--store", required=True, metavar="URL", help="store URL (repeatable)")
+    store: list[str] = option(None, required=True, metavar="URL", was="stores", help="store URL (repeatable)")
     steps: int | None = option(None, exclusive="length", help="optimizer steps")
     epochs: int | None = option(None, exclusive="length", help="passes")
-    resume: bool = option(True, flag="--no-resume", help="start over")
+    resume: bool = option(True, old_negated="--fresh", help="go on (--no-resume: start over)")
 
 
 @dataclass
 class Shape:
-    max_tokens: int | None = option(None, flag="--token-budget", dest="token_budget", old="--max-tokens",
-                                    resume=True, help="padded tokens per batch")
+    token_budget: int | None = option(None, old="--max-tokens", resume=True, help="padded tokens per batch")
     window: int | None = option(2048, convert=lambda v: v or None, resume=True, help="0: full attention")
     attn: str = option("auto", choices=["auto", "sdpa"], help="kernel")
     lr: float = option(6e-4, help="peak learning rate")
@@ -48,11 +47,11 @@ def parser() -> argparse.ArgumentParser:
 def test_defaults_flags_and_conversion():
     cfg = from_args(Settings, parser().parse_args(["--store", "a", "--store", "b", "--window", "0", "--fast",
                                                     "--no-resume", "--lr", "1e-3"]))
-    assert cfg.run.stores == ["a", "b"] and cfg.run.resume is False and cfg.run.steps is None
+    assert cfg.run.store == ["a", "b"] and cfg.run.resume is False and cfg.run.steps is None
     assert cfg.shape.window is None and cfg.shape.fast is True and cfg.shape.lr == 1e-3
-    assert cfg.shape.attn == "auto" and cfg.shape.max_tokens is None
-    assert flat(cfg)["window"] is None and list(flat(cfg))[:2] == ["stores", "steps"]
-    assert resume_keys(Settings) == ("max_tokens", "window")
+    assert cfg.shape.attn == "auto" and cfg.shape.token_budget is None
+    assert flat(cfg)["window"] is None and list(flat(cfg))[:2] == ["store", "steps"]
+    assert resume_keys(Settings) == ("token_budget", "window")
 
 
 def test_help_groups_choices_and_refusals(capsys):
@@ -75,20 +74,20 @@ def test_help_groups_choices_and_refusals(capsys):
 def test_old_spelling_stores_into_the_new_dest(caplog):
     with caplog.at_level(logging.WARNING):
         args = parser().parse_args(["--store", "a", "--max-tokens", "77"])
-    assert from_args(Settings, args).shape.max_tokens == 77
+    assert from_args(Settings, args).shape.token_budget == 77
     assert "--max-tokens is deprecated, use --token-budget" in caplog.text
 
 
 def test_config_file_sections_come_from_the_schema(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"run": {"stores": ["s3://b/x"], "steps": 5},
+    f.write_text(yaml.safe_dump({"run": {"store": ["s3://b/x"], "steps": 5},
                                  "drafter_shape": {"token_budget": 123, "attn": "sdpa"}}))
     p = parser()
     known = config.sections(p)
     assert set(known["drafter_shape"]) == {"token_budget", "window", "attn", "lr", "fast"}
-    assert set(known["run"]) == {"stores", "steps", "epochs", "resume"}
+    assert set(known["run"]) == {"store", "steps", "epochs", "resume"}
     values = config.load(f, p)
-    assert values == {"stores": ["s3://b/x"], "steps": 5, "token_budget": 123, "attn": "sdpa"}
+    assert values == {"store": ["s3://b/x"], "steps": 5, "token_budget": 123, "attn": "sdpa"}
 
 
 def test_overrides_and_bad_schemas():
@@ -109,7 +108,7 @@ def test_overrides_and_bad_schemas():
 
 @dataclass
 class Out:
-    cache: bool = option(True, flag="--no-cache", dest="no_cache", negate=True, help="no cache")
+    cache: bool = option(True, old_negated="--no-cache-at-all", help="cache (--no-cache: none)")
     steps: int = option(3, help="steps")
 
 
@@ -118,17 +117,32 @@ class Negated:
     out: Out = section(Out, "output")
 
 
-def test_negated_flags_keep_their_key_and_build_uses_the_schemas_defaults():
-    """``negate``: the key (and so a config file) says what the flag says (``no_cache: true`` = --no-cache given),
-    the setting is its opposite; ``build`` by field name gives the schema's defaults for the rest."""
+def test_a_true_default_is_a_flag_pair_and_an_old_negated_flag_warns(tmp_path, caplog):
+    """A bool defaulting to True is ``--cache/--no-cache`` with key ``cache``; an old flag that meant its opposite
+    stores False and says the new spelling, and its config key is read inverted; ``build`` by field name gives the
+    schema's defaults for the rest."""
     p = argparse.ArgumentParser(prog="t")
+    config.add_config_option(p)
     groups = add_arguments(p, Negated)
     assert set(groups) == {"out"} and groups["out"].title == "output"
     assert from_args(Negated, p.parse_args([])).out.cache is True
     args = p.parse_args(["--no-cache"])
-    assert args.no_cache is True and from_args(Negated, args).out.cache is False
+    assert args.cache is False and from_args(Negated, args).out.cache is False
+    with caplog.at_level(logging.WARNING):
+        assert p.parse_args(["--no-cache-at-all"]).cache is False
+    assert "--no-cache-at-all is deprecated, use --no-cache" in caplog.text
+    f = tmp_path / "c.yaml"
+    f.write_text("output: {no_cache_at_all: true}\n")
+    assert config.load(f, p) == {"cache": False}
     assert build(Negated) == build(Negated, cache=True, steps=3) == from_args(Negated, p.parse_args([]))
     assert flat(from_args(Negated, args)) == {"cache": False, "steps": 3}
+
+
+def test_an_old_field_name_still_builds_and_warns():
+    with pytest.warns(DeprecationWarning, match="stores is now store"):
+        assert build(Settings, stores=["a"]).run.store == ["a"]
+    with pytest.raises(TypeError, match="the same setting"), pytest.warns(DeprecationWarning):
+        build(Settings, stores=["a"], store=["b"])
 
 
 @dataclass

@@ -92,7 +92,7 @@ def prenorm_last(model, ids: torch.Tensor) -> torch.Tensor:
 def last_tap_store(tiny_dir, small_input, tmp_path_factory):  # noqa: F811
     """A float32 store of taps 1 and N - 1 (what --serve speculators adds), each sample alone."""
     out = tmp_path_factory.mktemp("serving") / "s"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), dtype="float32",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), dtype="float32",
                       device="cpu", token_budget=1, progress=False, layers=[1], serve=["speculators"]))
     return str(out)
 
@@ -153,7 +153,7 @@ def test_info_export_train_and_export_drafter_say_it(last_tap_store, tmp_path, c
     capsys.readouterr()
 
     with caplog.at_level("WARNING"):
-        train(build(TrainSettings, stores=[last_tap_store], out=str(tmp_path / "run"), steps=1, **FAST))
+        train(build(TrainSettings, store=[last_tap_store], out=str(tmp_path / "run"), steps=1, **FAST))
     assert any(r.getMessage().startswith("drafter tap 7 (") and "sglang cannot serve it" in r.getMessage()
                for r in caplog.records)
     assert hsstore_cli(["export-drafter", str(tmp_path / "run"), str(tmp_path / "drafter")]) == 0
@@ -164,7 +164,7 @@ def test_info_export_train_and_export_drafter_say_it(last_tap_store, tmp_path, c
 
 def test_export_speculators_refusal_names_the_fix(tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "s"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), device="cpu",
                       progress=False, layers=[1, 2]))
     assert hsstore_cli(["export", "speculators", str(out), str(tmp_path / "x"), "-q"]) == 2
     assert "--serve speculators" in capsys.readouterr().err

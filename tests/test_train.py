@@ -71,7 +71,7 @@ def test_store_fed_training_equals_online_training(store32, tiny_dir, small_inpu
     from transformers import AutoModelForCausalLM
 
     steps = 5
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "store"), steps=steps, log_samples=True, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "store"), steps=steps, log_samples=True, **FAST))
     order = [json.loads(line) for line in (tmp_path / "store" / "samples.rank00000.jsonl").read_text().splitlines()]
     assert len(order) == steps and {r["epoch"] for r in order} == {0, 1}  # crosses an epoch boundary
 
@@ -79,7 +79,7 @@ def test_store_fed_training_equals_online_training(store32, tiny_dir, small_inpu
     samples = {s.sample_id: s for s in load_samples(small_input, tok)}
     taps = hsstore.open(store32).layers
     online = OnlineBatches(model, taps, samples, order)
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "online"), steps=steps, **FAST), source=online)
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "online"), steps=steps, **FAST), source=online)
 
     assert losses(tmp_path / "store") == losses(tmp_path / "online")  # identical, not close
     a, b = weights(tmp_path / "store"), weights(tmp_path / "online")
@@ -90,7 +90,7 @@ def test_store_fed_training_equals_online_training(store32, tiny_dir, small_inpu
 
 
 def test_resume_reproduces_uninterrupted_run(store32, tmp_path):
-    cfg = dict(stores=[store32], steps=7, save_every=2, keep=0, **FAST)
+    cfg = dict(store=[store32], steps=7, save_every=2, keep=0, **FAST)
     full = tmp_path / "full"
     train(build(TrainSettings, out=str(full), **cfg))
     assert [p.name for p in ckpt.list_checkpoints(full)] == [f"step_{s:08d}" for s in (2, 4, 6, 7)]
@@ -110,26 +110,26 @@ def test_resume_reproduces_uninterrupted_run(store32, tmp_path):
 
 
 def test_resume_refuses_other_settings(store32, tmp_path):
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, **FAST))
     with pytest.raises(ValueError, match="other settings"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **{**FAST, "anchors": 16}))
+        train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, **{**FAST, "anchors": 16}))
 
 
 def test_resume_reads_a_checkpoint_that_names_the_budget_max_tokens(store32, tmp_path):
     """A checkpoint whose trainer.json records the budget under its old name resumes with the same budget, and
     refuses another one, naming it."""
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=1, **FAST))
     state_file = ckpt.latest_checkpoint(tmp_path) / "trainer.json"
     state = json.loads(state_file.read_text())
     state["config"]["max_tokens"] = state["config"].pop("token_budget")
     state_file.write_text(json.dumps(state))
     with pytest.raises(ValueError, match=f"token_budget: {FAST['token_budget']} -> 512"):
-        train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **{**FAST, "token_budget": 512}))
-    assert train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST)).start_step == 1
+        train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, **{**FAST, "token_budget": 512}))
+    assert train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, **FAST)).start_step == 1
 
 
 def test_checkpoints_are_pickle_free_and_optimizer_roundtrips(store32, tmp_path):
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, **FAST))
     last = ckpt.latest_checkpoint(tmp_path)
     names = {p.name for p in last.iterdir()}
     assert names == {"config.json", "model.safetensors", "model.safetensors.index.json", "hsstore_drafter.json",
@@ -158,14 +158,14 @@ def test_training_needs_only_the_store(small_input, tmp_path):
     """Extract, delete the target directory, train in a fresh process that never imports extract or transformers."""
     target = build_tiny_target(tmp_path / "target")
     store = tmp_path / "store"
-    run_extract(build(ExtractSettings, model=str(target), inputs=[str(small_input)], out=str(store), device="cpu",
+    run_extract(build(ExtractSettings, model=str(target), input=[str(small_input)], out=str(store), device="cpu",
                       progress=False))
     shutil.rmtree(target)
     code = textwrap.dedent(f"""
         import sys
         from hsstore.app.schema import build
         from hsstore.train.trainer import TrainSettings, train
-        r = train(build(TrainSettings, stores=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
+        r = train(build(TrainSettings, store=[{str(store)!r}], out={str(tmp_path / 'run')!r}, steps=2, **{FAST!r}))
         assert r.steps == 2 and r.drafter_dir is not None
         bad = sorted(m for m in sys.modules if m.split('.')[0] in ('extract', 'transformers'))
         assert not bad, bad
@@ -188,7 +188,7 @@ def test_train_package_never_imports_extract():
 def test_drafter_config_from_store_assets(store32):
     store = hsstore.open(store32)
     target_cfg, embed, head = load_frozen(store)
-    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], build(TrainSettings, stores=[store32], out="x",
+    cfg = drafter_config(store.manifest, target_cfg, embed.shape[0], build(TrainSettings, store=[store32], out="x",
                          draft_layers=3), torch.device("cpu"))
     assert cfg.target_layers == store.layers and cfg.hidden_size == store.manifest.hidden_size
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 2, 32, embed.shape[0])
@@ -213,7 +213,7 @@ def test_mask_token_rule(manifest):
 @pytest.mark.slow
 def test_resume_exact_with_loader_workers(store32, tmp_path):
     """With worker processes (torchdata's StatefulDataLoader, spawned) the saved state is the loader's own."""
-    cfg = dict(stores=[store32], steps=4, save_every=2, keep=0, workers=1, **FAST)
+    cfg = dict(store=[store32], steps=4, save_every=2, keep=0, workers=1, **FAST)
     train(build(TrainSettings, out=str(tmp_path / "full"), **cfg))
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path / "cut", 4))

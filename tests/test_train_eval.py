@@ -60,7 +60,7 @@ def test_speculative_equals_greedy_for_any_proposer(target, prompts, eos, right)
 
 
 def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_path):  # noqa: F811
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=3, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=3, **FAST))
     store = hsstore.open(store32)
     _, embed, head = load_frozen(store)
     drafter = load_drafter(tmp_path, embed, head).eval()
@@ -73,7 +73,7 @@ def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_pat
 
 
 def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path), steps=2, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path), steps=2, **FAST))
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path), "--model", str(tiny_dir),
                       "--input", str(small_input), "--num-samples", "2", "--max-new-tokens", "12", "--device", "cpu"])
     captured = capsys.readouterr()
@@ -87,7 +87,7 @@ def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F
     from hsstore.extract.tiny import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", seed=1)
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path / "run"), "--model", str(other),
                       "--input", str(small_input), "--num-samples", "1", "--device", "cpu"])
     assert rc == 2
@@ -100,7 +100,7 @@ def test_eval_refuses_what_needs_no_target_before_loading_it_and_q_shows_no_load
     import subprocess
     import sys
 
-    train(build(TrainSettings, stores=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
 
     def eval_cli(inp: str, *extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "hsstore", "eval", "--store", store32, "--drafter",
@@ -346,7 +346,7 @@ def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir,
 
     demo = tmp_path / "demo"
     (demo / "data").mkdir(parents=True)
-    train(build(TrainSettings, stores=[store32], out=str(demo / "run"), steps=2, **FAST))
+    train(build(TrainSettings, store=[store32], out=str(demo / "run"), steps=2, **FAST))
     (demo / "store").symlink_to(store32)
     (demo / "target").symlink_to(tiny_dir)
     (demo / "data" / "heldout.jsonl").symlink_to(small_input)

@@ -164,7 +164,7 @@ def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny
 
     monkeypatch.setenv("HSSTORE_FOLLOW_POLL_S", "0.2")
     store, run = str(tmp_path / "store"), tmp_path / "run"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=store, device="cpu",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=store, device="cpu",
                       progress=False))
     m = hsstore.open(store).manifest
     late = StoreWriter(store, m, writer_tag="late")  # an open writer: epoch 0 waits for it
@@ -172,7 +172,7 @@ def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny
 
     def trainer():
         try:
-            train(build(TrainSettings, stores=[store], out=str(run), epochs=2, follow=True, save_every=1000,
+            train(build(TrainSettings, store=[store], out=str(run), epochs=2, follow=True, save_every=1000,
                         **FAST))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)

@@ -25,6 +25,6 @@ def store32(tiny_dir, small_input, tmp_path_factory):
     """A lossless store: float32 features, every sample extracted alone (batch 1), so an online forward of
     the same sample gives bit-identical features."""
     out = tmp_path_factory.mktemp("store") / "s"
-    run_extract(build(ExtractSettings, model=str(tiny_dir), inputs=[str(small_input)], out=str(out), dtype="float32",
+    run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), dtype="float32",
                       device="cpu", token_budget=1, progress=False))
     return str(out)

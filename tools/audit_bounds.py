@@ -78,7 +78,7 @@ def main() -> None:
             other = other_weights(model_dir, Path(tmp) / f"{name}-other")
             for dtype, encoding in (("float32", "raw"), ("float16", "raw"), ("bfloat16", "raw"), ("bfloat16", "fp8")):
                 url = str(Path(tmp) / f"{name}-{dtype}-{encoding}")
-                run_extract(build(ExtractSettings, model=model_dir, inputs=[str(rows)], out=url, dtype=dtype,
+                run_extract(build(ExtractSettings, model=model_dir, input=[str(rows)], out=url, dtype=dtype,
                                   encoding=encoding, device="cpu", progress=False, force=True))
                 out[f"{name} {dtype} {encoding}"] = figures(url, model_dir, other, args.samples)
                 print(json.dumps({f"{name} {dtype} {encoding}": out[f"{name} {dtype} {encoding}"]}), flush=True)

@@ -23,7 +23,7 @@ import torch
 from hsstore.extract.peers import import_files, peer_files
 from hsstore.ops.bench import bench_manifest, pipe_fsync, synthetic_samples
 from hsstore.ops.merge import merge
-from hsstore.ops.subset import Selection, subset
+from hsstore.ops.subset import SampleFilter, subset
 from tools.measure import timed
 
 
@@ -74,7 +74,7 @@ def main() -> None:
             best["merge"] = min(best["merge"], timed(
                 lambda: merge(str(root / "merged"), [str(root / "store")], progress=False)))
             best["subset"] = min(best["subset"], timed(
-                lambda: subset(str(root / "store"), str(root / "sub"), Selection(), progress=False,
+                lambda: subset(str(root / "store"), str(root / "sub"), SampleFilter(), progress=False,
                                shard_bytes=256 << 20)))
     gb = nbytes / 1e9
     out = {k: round(gb / v, 3) for k, v in best.items()}

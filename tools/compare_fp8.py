@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for enc, url in urls.items():
         run = out / f"run-{enc}"
         t0 = time.perf_counter()
-        train(build(TrainSettings, stores=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
+        train(build(TrainSettings, store=[url], out=str(run), steps=args.steps, seed=args.seed, device=args.device,
                     draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
                     token_budget=args.max_tokens, lr=args.lr, log_every=max(1, args.steps // 20),
                     save_every=args.steps, progress=False))

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = work / "regenerated.jsonl"
     with EngineServer(target, seed=args.seed) as url:
-        regen = run_regenerate(build(RegenerateSettings, inputs=[str(inp)], out=str(out), server=url,
+        regen = run_regenerate(build(RegenerateSettings, input=[str(inp)], out=str(out), server=url,
                                      temperature=args.temperature,
                                      max_tokens=args.max_tokens, concurrency=1, progress=False))
     answered = [json.loads(line) for line in out.read_text().splitlines()]
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             causes["text re-rendered differently (parser split + template trim)"] += 1
 
     store_url = str(work / "store")
-    run_extract(build(ExtractSettings, model=str(target), inputs=[str(out)], out=store_url, device="cpu",
+    run_extract(build(ExtractSettings, model=str(target), input=[str(out)], out=store_url, device="cpu",
                       dtype="float32", layers=[1], progress=False,
                       thresholds=GateThresholds(max_truncated_share=1.0, max_stub_share=1.0,
                                                         max_empty_thinking_share=1.0, small_loss_sum=0)))

@@ -67,7 +67,7 @@ def make_base(work: Path, store: str) -> dict[str, Any]:
     inp = b / "in.jsonl"
     inp.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
     run_store = b / "run-store"
-    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), inputs=[str(inp)], out=str(run_store),
+    run_extract(build(ExtractSettings, model=str(tiny_target_dir()), input=[str(inp)], out=str(run_store),
                       device="cpu", progress=False))
     run = b / "run"
     subprocess.run([sys.executable, "-m", "hsstore", "train", "--store", str(run_store), "--out", str(run), "--steps",

@@ -53,7 +53,7 @@ def check_cpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
     returns the estimate."""
     batch = settings.batch
     need = step_bytes(dcfg, batch.token_budget, batch.anchors, trainable_params, frozen_params,
-                      ce_chunk=settings.schedule.ce_chunk, checkpoint_layers=settings.data.checkpoint_layers,
+                      ce_chunk=settings.schedule.ce_chunk, checkpoint_layers=settings.memory.checkpoint_layers,
                       device="cpu")
     have = available_bytes()
     cpu = DEVICE_DEFAULTS["cpu"]
@@ -226,7 +226,7 @@ def plan_gpu_step(dcfg, settings: TrainSettings, trainable_params: int, frozen_p
     anchors, need = fit_gpu_step(dcfg, settings.batch.token_budget, settings.batch.anchors, trainable_params,
                                  frozen_params, have=have, sequences=seqs, longest=longest,
                                  ce_chunk=settings.schedule.ce_chunk,
-                                 checkpoint_layers=settings.data.checkpoint_layers)
+                                 checkpoint_layers=settings.memory.checkpoint_layers)
     return anchors, need, seqs
 
 
@@ -234,13 +234,13 @@ def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
                      stores=None) -> TrainSettings:
     """``settings`` with anchors that fit the GPU (``plan_gpu_step``; logged when lowered), or ValueError.
 
-    ``settings.data.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to
+    ``settings.memory.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to
     it (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
     import logging
     import warnings
 
     total = torch.cuda.get_device_properties(device).total_memory
-    limit = total if settings.data.gpu_memory_gib is None else min(total, int(settings.data.gpu_memory_gib * 2**30))
+    limit = total if settings.memory.gpu_memory_gib is None else min(total, int(settings.memory.gpu_memory_gib * 2**30))
     if limit < total:
         torch.cuda.set_per_process_memory_fraction(limit / total, device)
     with warnings.catch_warnings(record=True) as caught:
@@ -256,5 +256,5 @@ def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
     log.info("estimated GPU peak %.1f GiB of %.1f GiB usable (%d anchors per sequence, %s%s)", need / 2**30,
              limit * GPU_USABLE / 2**30, anchors, per_batch,
              {"mlp": ", the draft layers' MLP halves recomputed in backward",
-              "full": ", draft layers recomputed in backward"}.get(checkpoint_policy(settings.data.checkpoint_layers), ""))
+              "full": ", draft layers recomputed in backward"}.get(checkpoint_policy(settings.memory.checkpoint_layers), ""))
     return settings if anchors == settings.batch.anchors else replace(settings, anchors=anchors)

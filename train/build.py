@@ -181,7 +181,7 @@ def build_drafter(stores: list[Store], settings: TrainSettings, device: torch.de
     if settings.drafter.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(settings.drafter.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, settings.drafter.init)
-    drafter.checkpoint_layers = settings.data.checkpoint_layers
+    drafter.checkpoint_layers = settings.memory.checkpoint_layers
     params, frozen = drafter.num_trainable_parameters(), embed.numel() + head.numel()
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
         check_cpu_memory(dcfg, settings, params, frozen)

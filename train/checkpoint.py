@@ -564,7 +564,7 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
     try:
         recorded = saved_config(saved["config"])  # by today's names (max_tokens: token_budget)
         before = {k: recorded.get(k, LEGACY_RESUME_VALUES.get(k)) for k in RESUME_KEYS}
-        for key in ("stores", "val_stores"):  # runs recorded before paths were absolute: as if started from here
+        for key in ("store", "val_store"):  # runs recorded before paths were absolute: as if started from here
             if key in before and before[key]:
                 before[key] = recordable_stores(before[key])
     except (KeyError, TypeError, AttributeError, ValueError) as e:

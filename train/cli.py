@@ -18,7 +18,7 @@ from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_op
 from hsstore.app.schema import add_arguments, from_args
 from hsstore.io.storage import parse_storage_options
 
-from .config import EvalSettings, TrainSettings
+from .config import EvalSettings, ExportDrafterSettings, TrainSettings
 
 
 def register(subparsers) -> None:
@@ -54,12 +54,7 @@ def register_export(subparsers) -> None:
         "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
         "OUT must not exist or be empty.",
     )
-    x.add_argument("ckpt", metavar="CKPT", help="a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a "
-                   "training run (its drafter/ or latest checkpoint)")
-    x.add_argument("out", metavar="OUT", help="the new drafter directory (must not exist or be empty)")
-    x.add_argument("--best", action="store_true",
-                   help="export the run's checkpoint with the best validation tau (the one CKPT/checkpoints/best "
-                        "names; a run trained with --val-store has it) rather than its last step (CKPT/drafter)")
+    add_arguments(x, ExportDrafterSettings)
     x.set_defaults(func=run_export)
 
 
@@ -179,7 +174,8 @@ def run_export(args: argparse.Namespace) -> int:
     from .checkpoint import export_drafter, read_drafter_config
     from .drafter_format import serving_notes
 
-    out = export_drafter(args.ckpt, args.out, best=args.best)
+    x = from_args(ExportDrafterSettings, args).export
+    out = export_drafter(x.ckpt, x.out, best=x.best)
     cfg, _ = read_drafter_config(out)
     print(f"drafter: {out} (taps {','.join(map(str, cfg.target_layers))}: each its target layer's output, before "
           "the final norm)")
@@ -194,14 +190,14 @@ def run_eval(args: argparse.Namespace) -> int:
     settings = command_settings(EvalSettings, args)
     spec = settings.speculative
     if spec.model is None:
-        if spec.inputs:
+        if spec.input:
             raise ValueError("--input needs --model (without it the evaluation reads the store's own samples)")
         return run_store_eval(settings, args.json)
-    if not spec.inputs:
+    if not spec.input:
         raise ValueError("--model needs --input (the prompts to decode)")
     from .speculative import evaluate_target
 
-    report = evaluate_target(settings.input.store, settings.input.drafter, spec.model, spec.inputs,
+    report = evaluate_target(settings.input.store, settings.input.drafter, spec.model, spec.input,
                              storage_options=settings.storage.storage_options, device=settings.run.device,
                              dtype=spec.dtype, num_samples=spec.num_samples, thinking=spec.thinking,
                              max_new_tokens=spec.max_new_tokens, progress=settings.run.progress)

@@ -8,9 +8,12 @@ settings a resumed run must share with the run it continues, or the weights or t
 match). ``recordable_config`` is the settings as ``train_config.json`` and every checkpoint's ``trainer.json``
 hold them (flat, by setting name; no secrets); ``saved_config`` reads such a record back, old names included.
 
-Keys of run.yaml files are the flags' (``no_resume`` for ``resume``, ``non_causal_sliding`` for
-``sliding_causal``, ``store`` for ``stores``; ``max_tokens``, the old spelling of ``token_budget``, is read as
-it): files written before this schema load unchanged.
+A setting has one name, its field's, which is also its flag's (``--token-budget``) and its key in run.yaml
+(``token_budget``). Files written before keep loading, with a warning: old keys are read as today's
+(``max_tokens`` as ``token_budget``; ``no_resume`` and ``non_causal_sliding`` inverted, as ``resume`` and
+``sliding_causal``), and keys now in another section where they are (``data.checkpoint_layers`` as
+``memory.checkpoint_layers``); records (``train_config.json``, ``trainer.json``) with old field names
+(``stores``) are read by today's (``saved_config``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Any
 
 from hsstore.app.config import absolute_path
 from hsstore.redaction import recordable_url
-from hsstore.app.devices import DEVICE_DEFAULTS
-from hsstore.app.schema import flat, option, resume_keys, section
+from hsstore.app.devices import DEVICE_DEFAULTS, device_option
+from hsstore.app.schema import flat, old_names, option, resume_keys, section
 
 from . import tracking
 
@@ -30,19 +33,14 @@ CHECKPOINT_POLICIES = ("off", "mlp", "full")  # --checkpoint-layers: what each d
 DEFAULT_EPOCHS = 6
 
 
-def _device() -> Any:
-    return option(None, help="cpu, cuda (this process's GPU: cuda:LOCAL_RANK) or cuda:N (default: the GPU when "
-                             "there is one)")
-
-
 @dataclass
-class Run:
-    stores: list[str] = option(flag="--store", dest="store", required=True, metavar="URL", resume=True, path=True,
-                               help="store URL (repeatable)")
+class TrainRun:
+    store: list[str] = option(required=True, metavar="URL", resume=True, path=True, was="stores",
+                              help="store URL (repeatable)")
     out: str = option(required=True, path=True, help="run directory (metrics, checkpoints, drafter)")
     steps: int | None = option(None, exclusive="length", help="optimizer steps")
     epochs: int | None = option(None, exclusive="length", help=f"passes over the data (default {DEFAULT_EPOCHS})")
-    device: str | None = _device()
+    device: str | None = device_option()
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -51,9 +49,9 @@ class Run:
             self.epochs = DEFAULT_EPOCHS
         if (self.steps is not None and self.steps < 1) or (self.epochs is not None and self.epochs < 1):
             raise ValueError("steps / epochs must be >= 1")
-        if not self.stores:
+        if not self.store:
             raise ValueError("at least one --store is needed")
-        self.stores = [str(s) for s in self.stores]
+        self.store = [str(s) for s in self.store]
 
 
 @dataclass
@@ -77,9 +75,9 @@ class Drafter:
         help="window of every draft layer but the last, in positions counting the query's own, as Hugging "
              "Face's sliding_window (0: full attention everywhere)")
     sliding_causal: bool = option(
-        True, flag="--non-causal-sliding", dest="non_causal_sliding", negate=True, resume=True,
-        help="sliding layers see their whole block (exported as is_causal: false); default: causal inside the "
-             "block, as SpecForge trains and SGLang/vLLM serve")
+        True, old_negated="--non-causal-sliding", resume=True,
+        help="sliding layers causal inside the block, as SpecForge trains and SGLang/vLLM serve (--no-sliding-causal: "
+             "they see their whole block, exported as is_causal: false)")
     init: str | None = option(None, metavar="DIR", path=True,
                               help="start from this drafter (DFlash format: ours, SpecForge's, z-lab's); refused "
                                    "unless its taps, hidden size, vocabulary and block size fit the store")
@@ -117,8 +115,8 @@ class Schedule:
 
 @dataclass
 class Data:
-    weights: list[float] | None = option(
-        None, flag="--weight", dest="weight", metavar="W", resume=True,
+    weight: list[float] | None = option(
+        None, metavar="W", resume=True, was="weights",
         help="per --store, in order: 2 = every sample twice per epoch, 0.5 = a seeded half")
     workers: int = option(0, resume=True, help="loader worker processes per rank (needs torchdata): on a GPU, for "
                                               "a remote store; on a CPU they take the cores the step computes on")
@@ -136,18 +134,6 @@ class Data:
         help="global: one permutation of the stores per epoch over all ranks. node: each node (torchrun's "
              "GROUP_RANK, LOCAL_WORLD_SIZE) reads one fixed share every epoch, shuffled within, so a --cache-dir "
              "that holds the share serves epochs 2.. without remote reads")
-    checkpoint_layers: str = option(
-        "off", choices=CHECKPOINT_POLICIES, nargs="?", const="mlp", metavar="{mlp,full}",
-        help="recompute draft layers in backward instead of keeping their activations: mlp (the bare flag) each "
-             "layer's MLP half, the largest part of its activations and the cheapest to redo; full the whole "
-             "layer (least memory, about a third more layer compute)")
-    gpu_memory_gib: float | None = option(
-        None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
-                                  "on a larger GPU to check a recipe for an 80 GB one")
-    allow_unhealthy: bool = option(
-        False, help="train on a store whose feature statistics show a non-finite or all-zero feature for a "
-                    "sample (refused by default: such a store trains nothing; `hsstore subset --exclude-unhealthy` "
-                    "drops those samples)")
     follow: bool = option(
         False, resume=True,
         help="train while the stores are written: epoch 0 takes shards as they commit (waiting, with a backoff, for "
@@ -157,12 +143,36 @@ class Data:
 
 
 @dataclass
+class Memory:
+    """What a step keeps in memory, and the memory it is planned for (``budget.py``)."""
+
+    checkpoint_layers: str = option(
+        "off", choices=CHECKPOINT_POLICIES, nargs="?", const="mlp", metavar="{mlp,full}",
+        help="recompute draft layers in backward instead of keeping their activations: mlp (the bare flag) each "
+             "layer's MLP half, the largest part of its activations and the cheapest to redo; full the whole "
+             "layer (least memory, about a third more layer compute)")
+    gpu_memory_gib: float | None = option(
+        None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
+                                  "on a larger GPU to check a recipe for an 80 GB one")
+
+
+@dataclass
+class Health:
+    """What the run does with stores whose feature statistics say they train nothing."""
+
+    allow_unhealthy: bool = option(
+        False, help="train on a store whose feature statistics show a non-finite or all-zero feature for a "
+                    "sample (refused by default: such a store trains nothing; `hsstore subset --exclude-unhealthy` "
+                    "drops those samples)")
+
+
+@dataclass
 class Output:
     log_every: int = option(10, help="steps between metrics.jsonl rows")
     save_every: int = option(1000, help="steps between checkpoints (Ctrl-C also saves one)")
     keep: int = option(2, help="checkpoints to keep (0: all)")
-    resume: bool = option(True, flag="--no-resume", dest="no_resume", negate=True,
-                          help="start over even if OUT has checkpoints")
+    resume: bool = option(True, old_negated="--no-resume",
+                          help="go on from OUT's latest checkpoint (--no-resume: start over even if OUT has some)")
     log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step)")
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
     # a list once parsed (tracking.parse_report_to); the flag takes them comma-separated
@@ -177,9 +187,9 @@ class Output:
 
 
 @dataclass
-class Validation:
-    val_stores: list[str] | None = option(
-        None, flag="--val-store", dest="val_store", metavar="URL", path=True,
+class TrainValidation:
+    val_store: list[str] | None = option(
+        None, metavar="URL", path=True, was="val_stores",
         help="held-out store (repeatable, same target): teacher-forced loss, acceptance and tau over every valid "
              "anchor (as `hsstore eval` without --model), logged to metrics.jsonl as val_*")
     val_every: int | None = option(
@@ -187,7 +197,7 @@ class Validation:
                                 "end too")
 
     def __post_init__(self) -> None:
-        self.val_stores = [str(s) for s in self.val_stores] if self.val_stores else None
+        self.val_store = [str(s) for s in self.val_store] if self.val_store else None
         if self.val_every is not None and self.val_every < 1:
             raise ValueError("val_every must be >= 1")
 
@@ -202,15 +212,17 @@ class Storage:
 class TrainSettings:
     """``hsstore train``'s settings by section; a section's title is its ``--help`` group and its run.yaml key."""
 
-    run: Run = section(Run, "run")
+    run: TrainRun = section(TrainRun, "run")
     batch: Batch = section(Batch, "batch")
+    memory: Memory = section(Memory, "memory")
     drafter: Drafter = section(Drafter, "drafter")
     shape: Shape = section(Shape, "drafter shape (default: the published DFlash drafters' rule, e.g. "
                                   "Qwen3.6-27B -> 32 heads x 128, 8 KV heads; FFN, RoPE base from the target)")
     schedule: Schedule = section(Schedule, "training")
     data: Data = section(Data, "data")
+    health: Health = section(Health, "health")
     output: Output = section(Output, "output")
-    validation: Validation = section(Validation, "validation")
+    validation: TrainValidation = section(TrainValidation, "validation")
     storage: Storage = section(Storage, "storage")
 
 
@@ -226,7 +238,7 @@ class EvalInput:
 
 
 @dataclass
-class StoreEval:
+class TeacherForced:
     """Without --model: teacher-forced, from the store alone."""
 
     token_budget: int | None = option(
@@ -244,20 +256,20 @@ class Speculative:
 
     model: str | None = option(None, help="target model directory: speculative decoding instead of the "
                                           "teacher-forced evaluation")
-    inputs: list[str] | None = option(None, flag="--input", dest="input", nargs="+",
-                                      help="with --model: JSONL with 'messages' (prompt = before the last "
+    input: list[str] | None = option(None, nargs="+", was="inputs",
+                                     help="with --model: JSONL with 'messages' (prompt = before the last "
                                            "assistant turn) or 'prompt'")
     num_samples: int = option(8, help="with --model: prompts to decode")
     max_new_tokens: int = option(2048, help="with --model (DFlash's benchmark: 2048)")
-    thinking: bool = option(True, flag="--no-thinking",
-                            help="with --model: render prompts with enable_thinking=False (default: thinking on)")
+    thinking: bool = option(True, help="with --model: render prompts with enable_thinking=True (--no-thinking: "
+                                       "False)")
     dtype: str | None = option(None, choices=["bfloat16", "float16", "float32"],
                                help="with --model: default bfloat16 on CUDA, float32 on CPU")
 
 
 @dataclass
 class EvalRun:
-    device: str | None = _device()
+    device: str | None = device_option()
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
 
 
@@ -266,10 +278,28 @@ class EvalSettings:
     """``hsstore eval``'s settings by section (``--help`` shows the same groups)."""
 
     input: EvalInput = section(EvalInput, "input")
-    store_eval: StoreEval = section(StoreEval, "store evaluation")
+    store_eval: TeacherForced = section(TeacherForced, "store evaluation")
     speculative: Speculative = section(Speculative, "speculative decoding")
     run: EvalRun = section(EvalRun, "run")
     storage: Storage = section(Storage, "storage")
+
+
+# --- export-drafter -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterExport:
+    ckpt: str = option(positional=True, metavar="CKPT", help="a drafter directory, a checkpoint "
+                       "(OUT/checkpoints/step_N) or a training run (its drafter/ or latest checkpoint)")
+    out: str = option(positional=True, metavar="OUT", help="the new drafter directory (must not exist or be empty)")
+    best: bool = option(False, help="export the run's checkpoint with the best validation tau (the one "
+                                    "CKPT/checkpoints/best names; a run trained with --val-store has it) rather than "
+                                    "its last step (CKPT/drafter)")
+
+
+@dataclass
+class ExportDrafterSettings:
+    export: DrafterExport = section(DrafterExport, "export")
 
 
 RESUME_KEYS = resume_keys(TrainSettings)
@@ -278,7 +308,7 @@ LEGACY_RESUME_VALUES = {"sliding_causal": False, "follow": False}
 
 
 # settings recorded under another name before (train_config.json, trainer.json): read as the new one
-RENAMED = {"max_tokens": "token_budget"}
+RENAMED = {"max_tokens": "token_budget", **old_names(TrainSettings)}
 
 
 def saved_config(recorded: dict[str, Any]) -> dict[str, Any]:
@@ -290,7 +320,7 @@ def recordable_config(settings: TrainSettings) -> dict[str, Any]:
     """The settings as ``train_config.json`` and every checkpoint's ``trainer.json`` record them, by setting name:
     no storage options (they may hold secrets) and store URLs in their recordable form (no ``user:password@``)."""
     d = {**flat(settings), "storage_options": None}
-    for key in ("stores", "val_stores"):
+    for key in ("store", "val_store"):
         if d.get(key):
             d[key] = recordable_stores(d[key])
     return d

@@ -107,9 +107,9 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     # broadcasts them, and the loader reuses these (--follow: once each store has its first shard)
     follow = settings.data.follow and source is None
     if follow:
-        wait_for_stores(settings.run.stores, settings.storage.storage_options, poll_seconds())
-    stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.stores]
-    check_healthy(stores, settings.data.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
+        wait_for_stores(settings.run.store, settings.storage.storage_options, poll_seconds())
+    stores = [open_shared(u, settings.storage.storage_options) for u in settings.run.store]
+    check_healthy(stores, settings.health.allow_unhealthy)  # a store of zeros or NaNs trains nothing: refused first
     if rank == 0:  # a drafter tap an engine cannot serve is named now, not at serving time
         for line in serving_warnings(stores[0].manifest.layers, stores[0].manifest.target.num_layers):
             log.warning("drafter %s", line)
@@ -123,7 +123,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
 
     # -- the data: this rank's share of the stores, in token-budget batches (--follow: epoch 0 from the journal
     # that rank 0's leader writes as shards commit; the length estimated until epoch 0 ends)
-    following = Following.start(out, stores, settings.data.allow_unhealthy, rank, world) if follow else None
+    following = Following.start(out, stores, settings.health.allow_unhealthy, rank, world) if follow else None
     if source is None:
         source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device,
                                follow=following.options if following else None)
@@ -191,7 +191,7 @@ def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int
         log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
                  "the S3 client off the thread that launches the step", recordable_url(remote[0]))
     return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed,
-                        rank=rank, world_size=world, workers=data.workers, weights=data.weights,
+                        rank=rank, world_size=world, workers=data.workers, weights=data.weight,
                         storage_options=settings.storage.storage_options, cache_dir=data.cache_dir,
                         pin_memory=device.type == "cuda", partition=data.partition, cache_bytes=data.cache_bytes,
                         follow=follow)
@@ -202,10 +202,10 @@ def validation_for(settings: TrainSettings, manifest, drafter, gamma: float, dev
     """``--val-store``: the evaluation during training, over this rank's share of the validation stores
     (refused first unless they come from the training store's target and tokenizer)."""
     val, options = settings.validation, settings.storage.storage_options
-    if not val.val_stores:
+    if not val.val_store:
         return None
-    check_val_stores(manifest, val.val_stores, options)
-    source = eval_source(val.val_stores, drafter.config.target_layers, settings.batch.token_budget, rank, world,
+    check_val_stores(manifest, val.val_store, options)
+    source = eval_source(val.val_store, drafter.config.target_layers, settings.batch.token_budget, rank, world,
                          options, settings.data.cache_dir, pin_memory=device.type == "cuda")
     return Validation(drafter, source, val.val_every or settings.output.save_every, device, gamma,
                       settings.batch.anchors, settings.schedule.ce_chunk, world, group, settings.data.prefetch)

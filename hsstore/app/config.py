@@ -6,8 +6,10 @@ are in ``options``), so there is no second list of settings to keep in step with
 flag > file > default: the file's values become the parser's defaults before parsing, except for flags
 given on the command line (and the other members of their mutually exclusive group: ``--steps`` given
 overrides a file's ``epochs``). Unknown sections or keys are refused, naming them; values are checked
-against the flag's type and choices; a key under ``options`` whose flag has since moved into a group is read as
-that flag, and the key of an old flag spelling (``max_tokens``: ``--max-tokens``) as today's flag. A top-level
+against the flag's type and choices; a key whose flag has since moved into another group (under ``options``, or
+``data.checkpoint_layers``, now ``memory.checkpoint_layers``) is read as that flag, and the key of an old flag
+spelling (``max_tokens``: ``--max-tokens``) as today's flag (inverted for one that meant the opposite:
+``no_resume: true`` is ``resume: false``). A top-level
 ``recorded`` section (what ``run.yaml`` notes for people: version, store identities, resolved values) is read
 past. Paths (flags marked ``Option.path``) that are
 relative in a file are relative to the file's folder, and are recorded absolute (URLs as they are), so a
@@ -25,7 +27,7 @@ from typing import Any
 
 from ..io import door
 from ..redaction import is_secret_key, scrub
-from .schema import PATH_ATTR, Deprecated
+from .schema import OLD_KEYS_ATTR, PATH_ATTR, Deprecated
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +113,10 @@ def _check_value(a: argparse.Action, value: Any, where: str) -> Any:
 
 
 def _moved(known: dict[str, dict[str, argparse.Action]], sec: str, key: str) -> str | None:
-    """The section a key under ``options`` belongs in, for files written before its flag had a group."""
-    if sec != DEFAULT_SECTION:
-        return None
-    return next((other for other, actions in known.items() if key in actions), None)
+    """The one section a key found elsewhere belongs in, for files written before its flag had a group (under
+    ``options``) or moved to another (``data.checkpoint_layers`` before ``memory`` had it)."""
+    homes = [other for other, actions in known.items() if key in actions]
+    return homes[0] if len(homes) == 1 else None
 
 
 def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -141,12 +143,16 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
             raise ValueError(f"--config {path}: section {sec!r} must be a mapping of keys")
         for key, value in body.items():
             if key in renamed and key not in known.get(sec, {}):
-                log.warning("--config %s: %s.%s is the old name of %s (same meaning)", path, sec, key, renamed[key])
-                key = renamed[key]
+                new, inverted = renamed[key]
+                log.warning("--config %s: %s.%s is the old name of %s (%s)", path, sec, key, new,
+                            "read inverted: %s" % key if inverted else "same meaning")
+                key, value = new, (not value if inverted and isinstance(value, bool) else value)
             where = sec if key in known.get(sec, {}) else _moved(known, sec, key)
             if where is None:
                 unknown.append(_with_near(f"{sec}.{key}", [f"{s_}.{k}" for s_, keys in known.items() for k in keys]))
                 continue
+            if where != sec and sec != DEFAULT_SECTION:
+                log.warning("--config %s: %s.%s is now %s.%s (read there)", path, sec, key, where, key)
             values[key] = _check_value(known[where][key], value, f"--config {path}: {sec}.{key}")
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)} (known sections: "
@@ -154,11 +160,15 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     return _against_file(values, {k: a for actions in known.values() for k, a in actions.items()}, Path(path))
 
 
-def old_keys(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """{old key: today's key} from the parser's hidden old spellings (``schema.Deprecated``: ``--max-tokens`` is
-    ``token_budget``'s), so a file written with an old flag's key still loads, with a warning."""
-    return {opt.lstrip("-").replace("-", "_"): a.dest for a in parser._actions if isinstance(a, Deprecated)
-            for opt in a.option_strings if opt.startswith("--")}
+def old_keys(parser: argparse.ArgumentParser) -> dict[str, tuple[str, bool]]:
+    """{old key: (today's key, read inverted)} from the flags' old spellings (``Option.old``: ``--max-tokens`` is
+    ``token_budget``'s; ``Option.old_negated``: ``--no-resume``'s key ``no_resume`` is ``resume`` inverted; hand-made
+    ``schema.Deprecated`` flags), so a file written with an old flag's key still loads, with a warning."""
+    out = {opt.lstrip("-").replace("-", "_"): (a.dest, False) for a in parser._actions if isinstance(a, Deprecated)
+           for opt in a.option_strings if opt.startswith("--")}
+    for a in parser._actions:
+        out.update({old: (a.dest, inverted) for old, inverted in getattr(a, OLD_KEYS_ATTR, {}).items()})
+    return out
 
 
 def near(word: str, names: list[str]) -> str | None:

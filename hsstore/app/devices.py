@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 # torch is imported where it is used: `hsstore --help` must not load it
 
-SPELLINGS = "cpu, cuda (this process's GPU) or cuda:N"
+SPELLINGS = "cpu, cuda (this process's GPU: cuda:LOCAL_RANK under torchrun) or cuda:N"
+
+
+def device_option(used_for: str = "", default: str = "the GPU when there is one"):
+    """Every command's ``--device`` setting: the spellings said once, here (``used_for``: what runs on it)."""
+    from .schema import option
+
+    return option(None, help=f"{SPELLINGS}{' ' + used_for if used_for else ''} (default: {default})")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ once, and the ``argparse`` flags (in ``--help`` groups, which are also the secti
 ``run.yaml``, see ``config.py``), the parsed config object and the keys that must not change on resume all
 come from it. A schema is a dataclass whose fields are *sections* (dataclasses themselves, one argument group
 each) made with :func:`section`; a section's fields are made with :func:`option`. Field names are unique
-across sections, so a flag's ``dest`` names one setting wherever it is read.
+across sections, and a setting has one name: its field is ``token_budget``, its flag ``--token-budget``, its key in
+config files and ``run.yaml`` ``token_budget`` (the flag's ``dest``), and the code it is passed to calls it so too.
+Old spellings (``Option.old``) keep working and say the new name.
 
     @dataclass
     class Schedule:
@@ -26,6 +28,7 @@ import argparse
 import dataclasses
 import logging
 import typing
+import warnings
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable
 
@@ -38,34 +41,34 @@ _ABOUT = "hsstore.section.about"
 
 class Deprecated(argparse.Action):
     """An old spelling that keeps working (scripts and saved commands rely on it): it stores into the new
-    option's destination and says the new name. Hidden from --help."""
+    option's destination and says the new name. Hidden from --help. ``value``: what a bare old flag stores
+    (False for one that meant the opposite of the setting: ``--non-causal-sliding`` is ``--no-sliding-causal``)."""
 
-    def __init__(self, option_strings, dest, new: str, **kwargs) -> None:
-        self.new = new
+    def __init__(self, option_strings, dest, new: str, value: Any = True, **kwargs) -> None:
+        self.new, self.value = new, value
         kwargs.setdefault("default", argparse.SUPPRESS)
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        log.warning("%s: %s is deprecated, use %s (same meaning)", parser.prog, option_string, self.new)
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        new = self.new if self.value is True or self.nargs != 0 else "--no-" + self.dest.replace("_", "-")
+        log.warning("%s: %s is deprecated, use %s (same meaning)", parser.prog, option_string, new)
+        setattr(namespace, self.dest, self.value if self.nargs == 0 else values)
 
 
 @dataclass(frozen=True)
 class Option:
-    """How one setting appears on the command line. ``flag`` defaults to ``--field-name``; a bool whose
-    default is True is given as a flag that turns it off (``flag="--no-resume"``). ``convert`` maps the
-    parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually exclusive group of the
-    section; ``old`` are hidden deprecated spellings; ``resume`` marks settings a resumed run must share.
-    ``negate`` (a bool): the flag's key holds the opposite of the setting, as its spelling says (``--no-resume``
-    with key ``no_resume``, so config files written with that key keep their meaning). ``path``: the value is a
-    local path or a URL (``hsstore.app.config``: relative in a file means relative to the file; recorded absolute). ``type``: what the flag
-    reads where the setting is another type (``--layers 1,16,31`` is a str, ``convert`` makes the list). A bool
-    defaulting to None is a ``--x/--no-x`` pair (unset: decided later)."""
+    """How one setting appears on the command line. Its flag is always ``--field-name`` and its key
+    ``field_name`` (one name; there is no way to spell them otherwise). A bool defaulting to False is a flag that
+    turns it on; one defaulting to True or None is a ``--x/--no-x`` pair (None: unset, decided later).
+    ``convert`` maps the parsed value to the setting's (``0`` -> ``None``); ``exclusive`` names a mutually
+    exclusive group of the section; ``old`` are hidden deprecated spellings of the same meaning, ``old_negated``
+    old flags that meant its opposite (``--non-causal-sliding`` of ``sliding_causal``; their config keys are read
+    inverted); ``resume`` marks settings a resumed run must share. ``path``: the value is a local path or a URL
+    (``hsstore.app.config``: relative in a file means relative to the file; recorded absolute). ``type``: what the
+    flag reads where the setting is another type (``--layers 1,16,31`` is a str, ``convert`` makes the list)."""
 
     help: str
-    flag: str | None = None
     short: str | None = None
-    dest: str | None = None
     metavar: str | None = None
     choices: tuple | None = None
     required: bool = False
@@ -75,22 +78,26 @@ class Option:
     convert: Callable[[Any], Any] | None = None
     exclusive: str | None = None
     old: tuple[str, ...] = ()
+    old_negated: tuple[str, ...] = ()
+    was: tuple[str, ...] = ()  # the field's old names: still taken by build/replace and read from recorded configs
     resume: bool = False
     cli: bool = True  # False: a setting of the API only (no flag)
-    negate: bool = False
     type: Any = None  # the flag's value type where the setting's differs (then made by ``convert``)
     path: bool = False  # a local path or URL: resolved against a --config file's folder, recorded absolute
 
 
 PATH_ATTR = "names_a_path"  # on a flag's argparse action: ``Option.path`` (read by ``hsstore.app.config``)
+SCHEMA_KEY = "_schema"  # in a command parser's defaults: the schema its flags came from (tests, docs)
+OLD_KEYS_ATTR = "old_keys"  # on a flag's argparse action: {old config key: read inverted} (``Option.old``, ``old_negated``)
 
 
 def option(default: Any = MISSING, *, help: str, default_factory: Any = MISSING, **how: Any) -> Any:
     """A dataclass field that is also a flag (see :class:`Option` for ``how``)."""
     if isinstance(how.get("choices"), list):
         how["choices"] = tuple(how["choices"])
-    if isinstance(how.get("old"), str):
-        how["old"] = (how["old"],)
+    for key in ("old", "old_negated", "was"):
+        if isinstance(how.get(key), str):
+            how[key] = (how[key],)
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={_KEY: Option(help=help, **how)})
 
@@ -117,7 +124,12 @@ class Setting:
 
     @property
     def dest(self) -> str:
-        return self.how.dest or self.field.name
+        """The flag's argparse destination and config key: the field's name."""
+        return self.field.name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
 
     @property
     def default(self) -> Any:
@@ -126,9 +138,9 @@ class Setting:
 
 
 def settings_of(schema: type) -> list[Setting]:
-    """Every option of ``schema``, in order; refuses a name or dest used twice."""
+    """Every option of ``schema``, in order; refuses a name used twice."""
     out: list[Setting] = []
-    seen: dict[str, str] = {}  # name or dest -> section.field
+    seen: dict[str, str] = {}  # name -> section.field
     for sec in dataclasses.fields(schema):
         if _SECTION not in sec.metadata:
             raise TypeError(f"{schema.__name__}.{sec.name}: a schema's fields are sections (schema.section)")
@@ -140,10 +152,9 @@ def settings_of(schema: type) -> list[Setting]:
                 raise TypeError(f"{cls.__name__}.{f.name}: a section's fields are options (schema.option)")
             s = Setting(sec.name, sec.metadata[_SECTION], f, hints[f.name], how)
             where = f"{sec.name}.{f.name}"
-            for key in {s.name, s.dest}:
-                if key in seen and seen[key] != where:
-                    raise TypeError(f"{schema.__name__}: {key!r} is used by {seen[key]} and {where}")
-                seen[key] = where
+            if s.name in seen:
+                raise TypeError(f"{schema.__name__}: {s.name!r} is used by {seen[s.name]} and {where}")
+            seen[s.name] = where
             out.append(s)
     return out
 
@@ -167,6 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
     groups by section field name (for flags shared by many commands, added by their own helpers)."""
     groups = {sec.name: parser.add_argument_group(sec.metadata[_SECTION], sec.metadata.get(_ABOUT))
               for sec in dataclasses.fields(schema)}
+    parser.set_defaults(**{SCHEMA_KEY: schema})
     exclusive: dict[tuple[str, str], Any] = {}
     for s in settings_of(schema):
         how = s.how
@@ -180,10 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
                 target = exclusive[(s.section, how.exclusive)] = group.add_mutually_exclusive_group()
         kind, many = _scalar(how.type or s.type)
         kw: dict[str, Any] = {"help": how.help}
-        if kind is bool and not many and s.default is None:
-            kw.update(action=argparse.BooleanOptionalAction, default=None)
+        if kind is bool and not many and s.default is not False:  # True or None: --x/--no-x
+            kw.update(action=argparse.BooleanOptionalAction, default=s.default)
         elif kind is bool and not many:
-            kw["action"] = "store_false" if (s.default is True) != how.negate else "store_true"
+            kw["action"] = "store_true"
         else:
             kw["default"] = None if how.type is not None else s.default
             if kind in (int, float):
@@ -207,17 +219,26 @@ def add_arguments(parser: argparse.ArgumentParser, schema: type) -> dict[str, An
                 kw.pop("default", None)
             target.add_argument(s.dest, **kw)
             continue
-        flags = [how.flag or "--" + s.name.replace("_", "-")] + ([how.short] if how.short else [])
+        flags = [s.flag] + ([how.short] if how.short else [])
         if how.required:
             kw["required"] = True
         action = target.add_argument(*flags, dest=s.dest, **kw)
         setattr(action, PATH_ATTR, how.path)
-        for old in how.old:
-            extra = {"nargs": 0} if kw.get("action") in ("store_true", "store_false") else {}
+        setattr(action, OLD_KEYS_ATTR, {**{_key(o): False for o in how.old}, **{_key(o): True for o in how.old_negated}})
+        is_bool = kind is bool and not many
+        for old, value in [*((o, True) for o in how.old), *((o, False) for o in how.old_negated)]:
+            if old in action.option_strings:  # --no-resume: once a flag of its own, now the pair's other half
+                continue
+            extra = {"nargs": 0} if is_bool else {}
             if "type" in kw:
                 extra["type"] = kw["type"]
-            group.add_argument(old, dest=s.dest, action=Deprecated, new=flags[0], **extra)
+            group.add_argument(old, dest=s.dest, action=Deprecated, new=flags[0], value=value, **extra)
     return groups
+
+
+def _key(flag: str) -> str:
+    """A flag's config key: ``--max-tokens`` -> ``max_tokens``."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
@@ -226,13 +247,14 @@ def from_args(schema: type, args: argparse.Namespace, **overrides: Any) -> Any:
     ``thresholds=GateThresholds(...)``)."""
     by_section: dict[str, dict[str, Any]] = {}
     missing: list[str] = []
+    overrides = by_todays_names(schema, overrides)
     for s in settings_of(schema):
         if s.name in overrides:
             value = overrides.pop(s.name)
         elif s.how.cli and hasattr(args, s.dest):
             value = getattr(args, s.dest)
-            if s.how.negate:
-                value = not value
+            if value is None and s.field.default_factory is not MISSING:  # a repeatable flag not given
+                value = s.default
             if s.how.convert is not None:
                 value = s.how.convert(value)
         elif s.field.default is MISSING and s.field.default_factory is MISSING:
@@ -260,7 +282,7 @@ def flat(config: Any) -> dict[str, Any]:
 def build(schema: type, **by_name: Any) -> Any:
     """The schema's object from settings given by field name (unique across sections), the rest at their
     defaults: how API callers and tests write settings without naming sections (``build(TrainSettings,
-    stores=[...], out=..., lr=1e-3)``)."""
+    store=[...], out=..., lr=1e-3)``)."""
     return from_args(schema, argparse.Namespace(), **by_name)
 
 
@@ -268,6 +290,7 @@ def replace(config: Any, **by_name: Any) -> Any:
     """``config`` with the named settings changed, each in its own section (``dataclasses.replace`` on the
     sections that change, so their checks run again)."""
     changes: dict[str, dict[str, Any]] = {}
+    by_name = by_todays_names(type(config), by_name)
     for s in settings_of(type(config)):
         if s.name in by_name:
             changes.setdefault(s.section, {})[s.name] = by_name.pop(s.name)
@@ -275,6 +298,24 @@ def replace(config: Any, **by_name: Any) -> Any:
         raise TypeError(f"{type(config).__name__}: no settings named {sorted(by_name)}")
     return dataclasses.replace(config, **{sec: dataclasses.replace(getattr(config, sec), **kw)
                                           for sec, kw in changes.items()})
+
+
+def old_names(schema: type) -> dict[str, str]:
+    """{old field name: today's} (``Option.was``: ``stores`` is ``store``'s)."""
+    return {old: s.name for s in settings_of(schema) for old in s.how.was}
+
+
+def by_todays_names(schema: type, by_name: dict[str, Any]) -> dict[str, Any]:
+    """``by_name`` with settings given by an old field name renamed (a DeprecationWarning says the new one)."""
+    old = old_names(schema)
+    out = {}
+    for k, v in by_name.items():
+        if k in old:
+            warnings.warn(f"{schema.__name__}: {k} is now {old[k]}", DeprecationWarning, stacklevel=3)
+            if old[k] in by_name:
+                raise TypeError(f"{schema.__name__}: {k} and {old[k]} are the same setting; give one")
+        out[old.get(k, k)] = v
+    return out
 
 
 def resume_keys(schema: type) -> tuple[str, ...]:

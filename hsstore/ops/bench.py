@@ -265,7 +265,7 @@ class LoaderBench:
 
     A synthetic store of ``size_mb`` (``layers`` taps of ``hidden``, chunk ``codec``, ``layout``) read back
     ``rounds`` times, best round of each path kept; ``read_layers`` (default all) are the layers read.
-    ``workers`` > 0 also times that many persistent DataLoader workers; ``batch_tokens`` > 0 times packed
+    ``workers`` > 0 also times that many persistent DataLoader workers; ``token_budget`` > 0 times packed
     ``TokenBatches`` of that many tokens instead of single samples; ``procs`` > 1 also runs that many loaders at
     once; ``cold`` drops local files from the page cache before every pass; ``peers`` times the peers'
     one-file-per-sample layout; ``pin`` delivers items in pinned memory."""
@@ -283,7 +283,7 @@ class LoaderBench:
     layout: str = "zarr"
     progress: bool = False
     procs: int = 1
-    batch_tokens: int = 0
+    token_budget: int = 0
 
 
 def _write_loader_store(fs, root: str, url: str, storage_options: dict[str, Any], run: str, s: LoaderBench,
@@ -346,7 +346,7 @@ class _LoaderPasses:
 
         s = self.s
         ds = HiddenStateDataset(self.store, layers=self.sel, reading=Reading(pin_memory=s.pin))
-        src = TokenBatches(ds, token_budget=s.batch_tokens, mode="pack", pin_memory=s.pin) if s.batch_tokens else ds
+        src = TokenBatches(ds, token_budget=s.token_budget, mode="pack", pin_memory=s.pin) if s.token_budget else ds
         it = src if n_workers == 0 else DataLoader(src, batch_size=None, num_workers=n_workers, pin_memory=s.pin,
                                                    persistent_workers=True)
 
@@ -404,7 +404,7 @@ def _loader_result(url: str, best: dict[str, float], passes: _LoaderPasses, s: L
                    multi: dict[str, Any] | None) -> dict[str, Any]:
     gb = passes.nbytes / 1e9
     out = {"gbps": gb / best["loader"], "raw_gbps": gb / best["raw"], "bytes": passes.nbytes, "workers": s.workers,
-           "batch_tokens": s.batch_tokens, "pin_memory": s.pin, "layout": s.layout, "layers": s.layers,
+           "token_budget": s.token_budget, "pin_memory": s.pin, "layout": s.layout, "layers": s.layers,
            "read_layers": passes.sel, "hidden": s.hidden, "codec": s.codec, "cold": s.cold, "url": url}
     out["ratio"] = out["gbps"] / out["raw_gbps"]
     if s.workers:
@@ -462,10 +462,10 @@ def feature_bytes(x: dict[str, Any]) -> int:
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
-                 partition: str, reading: Reading, batch_tokens: int, start, done, results, allow: list[str]) -> None:
+                 partition: str, reading: Reading, token_budget: int, start, done, results, allow: list[str]) -> None:
     """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
     the parent (which drops the page cache and reads the proxy's counters in between), then reads its share: items,
-    or with ``batch_tokens`` the trainer's padded ``TokenBatches`` (pinned with ``reading.pin_memory``); ``allow``:
+    or with ``token_budget`` the trainer's padded ``TokenBatches`` (pinned with ``reading.pin_memory``); ``allow``:
     the parent's allowed locations (``names.allowed()``)."""
     import resource
 
@@ -481,7 +481,7 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
     ds = HiddenStateDataset(store_url, planning=Planning(partition=partition), reading=reading,
                             world=World(rank, world, *((rank, world) if partition == "node" else (0, 1))),
                             storage_options=storage_options)
-    src = TokenBatches(ds, batch_tokens, pin_memory=reading.pin_memory) if batch_tokens else ds
+    src = TokenBatches(ds, token_budget, pin_memory=reading.pin_memory) if token_budget else ds
     for epoch in range(epochs):
         ds.set_epoch(epoch)
         start.wait()
@@ -604,9 +604,9 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      reading: Reading = Reading(), progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES, batch_tokens: int = 0) -> dict[str, Any]:
+                     raw_modes: tuple[str, ...] = RAW_MODES, token_budget: int = 0) -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would: items, or
-    with ``batch_tokens`` the padded ``TokenBatches`` of that many tokens a trainer takes (``reading.pin_memory``:
+    with ``token_budget`` the padded ``TokenBatches`` of that many tokens a trainer takes (``reading.pin_memory``:
     pinned, as the trainer's on a GPU; the bytes counted are the samples' features, not the padding).
 
     Per epoch: GB/s of every rank (its bytes / its time), the total (all bytes / the slowest rank's time), and
@@ -643,7 +643,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
         opts = storage_options if read_options is None else read_options
         ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading,
-                                                    batch_tokens, start, done, results, names.allowed()))
+                                                    token_budget, start, done, results, names.allowed()))
               for r in range(procs)]
         for p in ps:
             p.start()
@@ -677,7 +677,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         _remove(fs, storage.join(root, run))
     return {"source": {"url": url, "procs": procs, "prefetch": reading.prefetch, "cold": cold,
                        "partition": partition, "bytes": nbytes, "stored_bytes": stored, "hidden": hidden,
-                       "layers": layers, "cache_dir": reading.cache_dir, "batch_tokens": batch_tokens,
+                       "layers": layers, "cache_dir": reading.cache_dir, "token_budget": token_budget,
                        "pin_memory": reading.pin_memory, "epochs": rows}}
 
 
@@ -685,8 +685,8 @@ def format_source(r: dict[str, Any]) -> str:
     """The source bench as a compact table, one row per epoch."""
     stored = f" ({r['stored_bytes'] / 1e9:.2f} GB stored)" if "stored_bytes" in r else ""
     ahead = f", prefetch {r['prefetch']}" if r.get("prefetch") else ""
-    what = (f", padded batches of {r['batch_tokens']} tokens{' (pinned)' if r.get('pin_memory') else ''}"
-            if r.get("batch_tokens") else ", items")
+    what = (f", padded batches of {r['token_budget']} tokens{' (pinned)' if r.get('pin_memory') else ''}"
+            if r.get("token_budget") else ", items")
     lines = [f"{r['procs']} ranks at once{ahead}{what}, {r['bytes'] / 1e9:.2f} GB{stored}, "
              f"{'cold' if r['cold'] else 'warm'}, partition {r['partition']}, {r['url']}",
              f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "

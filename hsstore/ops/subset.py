@@ -1,6 +1,6 @@
 """``hsstore subset``: copy the samples of a store that pass per-sample filters into another store.
 
-Selection uses only the commit records' per-sample columns (source, length, loss tokens, flags), so
+SampleFilter uses only the commit records' per-sample columns (source, length, loss tokens, flags), so
 choosing costs no feature reads; the chosen samples are then read in large windows and written
 bit-exact through a :class:`StoreWriter` under the source's manifest identity. Re-running resumes:
 ids already committed in the destination are skipped.
@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,13 @@ WINDOW_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
-class Selection:
-    """Per-sample filters; a sample is kept when it passes all of them (unset filters pass)."""
+class SampleFilter:
+    """Per-sample filters; a sample is kept when it passes all of them (unset filters pass). ``min_length`` and
+    ``max_length`` are tokens, as ``subset --min-length`` and the loader's ``Selection.min_length`` count them."""
 
     sources: tuple[str, ...] = ()
-    min_tokens: int | None = None
-    max_tokens: int | None = None
+    min_length: int | None = None
+    max_length: int | None = None
     min_loss_tokens: int | None = None
     exclude_flags: tuple[str, ...] = ()
     exclude_unhealthy: bool = False  # drop samples with a non-finite or all-zero feature (``health.unhealthy``)
@@ -49,13 +51,28 @@ class Selection:
         n, loss = cols["length"][i], cols["loss_tokens"][i]
         return ((self.ids is None or cols["sample_id"][i] in self.ids)
                 and (not self.sources or cols["source"][i] in self.sources)
-                and (self.min_tokens is None or n >= self.min_tokens)
-                and (self.max_tokens is None or n <= self.max_tokens)
+                and (self.min_length is None or n >= self.min_length)
+                and (self.max_length is None or n <= self.max_length)
                 and (self.min_loss_tokens is None or loss >= self.min_loss_tokens)
                 and not (self.exclude_flags and set(cols["flags"][i]) & set(self.exclude_flags)))
 
 
-def select(store: Store, sel: Selection, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
+def _selection(**kwargs: Any) -> SampleFilter:
+    """``Selection(min_tokens=...)``, this module's old spelling of :class:`SampleFilter` (the loader's
+    ``Selection`` is another thing): still made, with a DeprecationWarning."""
+    old = {"min_tokens": "min_length", "max_tokens": "max_length"}
+    warnings.warn("hsstore.ops.subset.Selection is now SampleFilter (min_tokens/max_tokens: min_length/max_length)",
+                  DeprecationWarning, stacklevel=2)
+    return SampleFilter(**{old.get(k, k): v for k, v in kwargs.items()})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Selection":
+        return _selection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
     """Windows ``(shard_index, first, stop)`` of consecutive kept samples, each at most about
     ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
     token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
@@ -183,7 +200,7 @@ class SubsetResult:
     unmatched_ids: int = 0  # --ids: listed ids that are no kept sample's (nor its conversation's)
 
 
-def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str, Any] | None = None,
+def subset(src_url: str, dst_url: str, sel: SampleFilter, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = True, split: Split | None = None) -> SubsetResult:
     """Copy the samples of ``src_url`` that ``sel`` keeps (``split``: its side of them) into ``dst_url``
@@ -198,14 +215,14 @@ def subset(src_url: str, dst_url: str, sel: Selection, *, src_options: dict[str,
         return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress, split)
 
 
-def kept_ids(store: Store, sel: Selection, skip_ids: set[str]) -> list[str]:
+def kept_ids(store: Store, sel: SampleFilter, skip_ids: set[str]) -> list[str]:
     """The sample ids ``sel`` keeps, in store order."""
     t = store.table
     return [sid for s, i, j in select(store, sel, skip_ids)
             for sid in t.sample_id.slice(int(t.first[s]) + i, int(t.first[s]) + j)]
 
 
-def _subset(src: Store, fs, root: str, dst_url: str, sel: Selection, dst_options: dict[str, Any], shard_bytes: int,
+def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_options: dict[str, Any], shard_bytes: int,
             progress: bool, split: Split | None = None) -> SubsetResult:
     from tqdm import tqdm
 
