@@ -48,7 +48,7 @@ def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
     import json
     from pathlib import Path
 
-    from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
+    from hsstore.ops.estimate import REFERENCE_TOKENS_PER_S, estimate
     from hsstore.format.taps import default_taps
     from hsstore.app.target import text_config
 
@@ -64,7 +64,7 @@ def cost_estimate(settings: CheckSettings, samples: int, tokens: int) -> dict:
     if hidden is None or layers is None:
         raise ValueError("the estimate needs --hidden and --layers (or --model, whose config has them)")
     return estimate(samples=samples, tokens=tokens, layers=layers, hidden=hidden, final_hidden=est.final_hidden,
-                    tokens_per_s=est.tokens_per_s or H200_27B_TOKENS_PER_S)
+                    tokens_per_s=est.tokens_per_s or REFERENCE_TOKENS_PER_S)
 
 
 def taps_json(taps) -> dict:

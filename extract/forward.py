@@ -105,6 +105,7 @@ def extract_batches(
     quantise: bool = False,
     host_alloc: Callable[[int], torch.Tensor] | None = None,
     final_hidden: bool = False,
+    record_stats: bool = True,
 ) -> ExtractStats:
     """Run the target over ``batches`` and call ``sink(sample, features [T, L, H], feature_stats)`` for every
     sample (``feature_stats``: its ``[features, 5]`` value statistics from the device, or None), in a
@@ -115,7 +116,8 @@ def extract_batches(
     quantised on the device after the finiteness check.
     ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
     go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused.
-    ``final_hidden``: the features hold one more slot, the final norm's output (same forward)."""
+    ``final_hidden``: the features hold one more slot, the final norm's output (same forward).
+    ``record_stats=False``: no value statistics computed (``feature_stats`` is None; a benchmark of their cost)."""
     stats = ExtractStats()
     staging = _HostStaging(device, staging_tokens, host_alloc)
     staged: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
@@ -126,7 +128,8 @@ def extract_batches(
     try:
         for batch in batches:
             _raise_first(errors)
-            parts, finite, values = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise)
+            parts, finite, values = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise,
+                                                    record_stats)
             slot = _free_slot(staging.free, stats)
             stats.batches += 1
             stats.tokens += parts[0].shape[0]
@@ -148,19 +151,19 @@ def _raise_first(errors: list[BaseException]) -> None:
 
 
 def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,
-                    device: torch.device, final_hidden: bool, quantise: bool,
+                    device: torch.device, final_hidden: bool, quantise: bool, record_stats: bool = True,
                     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
     """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or fp8
     ``[values, scales]``), ``finite [n_tokens]`` and each sample's value statistics ``[samples, features, 5]``
     (``health.batch_stats`` of what the store will hold: for fp8 the quantised values, whose small entries
-    round to zero; None when ``HSSTORE_FEATURE_STATS=0``). Checking finiteness and counting here is a few passes
+    round to zero; None without ``record_stats``). Checking finiteness and counting here is a few passes
     at HBM speed instead of passes on the host's cores; the consumer refuses NaN/Inf rows from it."""
     packed = packed_features(model, layers, batch, pad_id, device, final_hidden)
     finite = torch.isfinite(packed).flatten(1).all(dim=1)
     parts = list(fp8.quantise(packed)) if quantise else [packed]
     lengths = [s.num_tokens for s in batch]
     values = None
-    if health.enabled():
+    if record_stats:
         values = health.batch_stats(parts[0], lengths, parts[1] if quantise else None)
     return parts, finite, values
 
@@ -174,7 +177,7 @@ def packed_features(model: torch.nn.Module, layers: list[int], batch: list[Token
         ids = ids.pin_memory().to(device, non_blocking=True)
     # [B, T, L, H] on device; with final_hidden one more slot, the final norm's output. No padding mask:
     # under a causal decoder a right pad never reaches a real token, and without one SDPA runs its fused
-    # causal kernel and the recurrent layers skip their masking pass (6.8% faster at 27B scale, equal features)
+    # causal kernel and the recurrent layers skip their masking pass (faster, equal features: docs/PERFORMANCE.md)
     feats = run_tapped(model, layers, ids, None, final_hidden=True) if final_hidden else \
         run_tapped(model, layers, ids, None)
     return torch.cat([feats[i, : s.num_tokens] for i, s in enumerate(batch)], dim=0)

@@ -36,7 +36,7 @@ from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identi
 from .readers import RowShard
 from .sample import TokenizedSample
 from .settings import ExtractSettings  # callers import it from here too
-from .speed import choose_compile, compile_forward, compile_seconds
+from .speed import WARMUP_S, choose_compile, compile_forward, compile_seconds
 from .target import DTYPES, asset_files, build_manifest, load_tokenizer, model_name, planned_taps
 from .tokenize import TokenizeStats, load_samples
 
@@ -209,8 +209,8 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
     result.compiled = choice.compile
     if choice.compile:
         log.info("rank %d: compiling the target's norms, MLPs, attention blocks and recurrent mixers around their "
-                 "kernels (%s; %s); the first batch of each new shape pays the compile time (~40 s at 27B scale on "
-                 "an H200)", rank, compile_forward(model, mixers=True), choice.reason)
+                 "kernels (%s; %s); the first batch of each new shape pays the compile time (~%.0f s at 27B scale)",
+                 rank, compile_forward(model, mixers=True), choice.reason, WARMUP_S)
     elif settings.forward.compile is None and device.type == "cuda":
         log.info("rank %d: not compiling the forward (%s; --compile to compile anyway)", rank, choice.reason)
     return model

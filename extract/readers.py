@@ -1,7 +1,7 @@
 """Read training inputs: chat conversations or pre-tokenized sequences, from JSONL, Parquet or Arrow.
 
 Every record carries ``where`` (``file:line`` or ``file row N``) so errors point at the exact row. Rows
-with ``input_ids`` + ``loss_mask`` are pre-tokenized (the shape of the brief's Arrow shards) and skip
+with ``input_ids`` + ``loss_mask`` are pre-tokenized (the shape of a tokenized Arrow data set's shards) and skip
 templating; rows with ``messages`` (OpenAI style) or ``conversations`` (ShareGPT style) are chats.
 
 Readers stream: a JSONL line or an Arrow/Parquet batch of 1024 rows at a time, never the whole input.
@@ -218,7 +218,7 @@ def _json_row(raw: bytes, where: str) -> Any:
 
 
 def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, flat values) of a list column, without building Python lists (the brief's shards are GBs)."""
+    """(offsets, flat values) of a list column, without building Python lists (a data set's shards are GBs)."""
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):

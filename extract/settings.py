@@ -172,8 +172,8 @@ class Forward:
                                                  "on a CPU)")
     compile: bool | None = option(
         None, help="compile the target's norms, MLPs, attention blocks and recurrent mixers (torch.compile, per "
-                   "layer kind; features equal to the eager forward's within bf16 rounding, 1.28x faster at 27B "
-                   "scale on an H200; the first batches pay ~40 s of compiling). Default: on CUDA when the "
+                   "layer kind; features equal to the eager forward's within bf16 rounding, faster at 27B scale; "
+                   "the first batches pay the compiling). Default: on CUDA when the "
                    "expected saving exceeds that warm-up (the log says which and why)")
 
 
@@ -243,8 +243,8 @@ class CheckEstimate:
     serve: list[str] | None = option(None, type=str, metavar="NAME,NAME", convert=parse_serve,
                               help="as extract's --serve: the taps that serve these")
     tokens_per_s: float | None = option(
-        None, metavar="X", help="extraction throughput per GPU (default: this project's H200 figure for a 27B-scale "
-                                "Qwen3.5 target, 11,049; other targets differ)")
+        None, metavar="X", help="extraction throughput per GPU (default: the reference rate of a 27B-scale Qwen3.5 "
+                                "target on one GPU, 11,049; other targets differ)")
     estimate_only: bool = option(False, help="no input: the estimate for --tokens, --samples and --hidden (or "
                                              "--model) and --layers")
     tokens: float | None = option(None, help="with --estimate-only: tokens, e.g. 1.87e9")

@@ -1,12 +1,10 @@
 """A faster target forward for extraction: regional ``torch.compile`` of the decoder's dense parts.
 
-Where the eager forward's time goes (one H200, random-weight Qwen3.5 at 27B scale, a 16K-token batch,
-``tools/profile_extract.py``): GEMMs 60%, unfused elementwise kernels (norms, gates, casts, RMSNorm's ``pow``)
-16%, copies 14%, the causal-conv fallback 5%, fla's Gated DeltaNet kernels 4%. Compiling each decoder layer's
-norms, MLP and full-attention block, and with ``mixers`` each Gated DeltaNet mixer around fla's kernels (which
-are called, not traced: tracing them is what made compiling whole layers take many minutes), fuses that
-elementwise work into the kernels around the GEMMs; GEMMs are then 74% of the GPU time. The decoder layer's own
-control flow stays eager.
+Besides the GEMMs, the eager forward's time goes to unfused elementwise kernels (norms, gates, casts, RMSNorm's
+``pow``) and copies (docs/PERFORMANCE.md, "The extraction forward by operator class"; ``tools/profile_extract.py``).
+Compiling each decoder layer's norms, MLP and full-attention block, and with ``mixers`` each Gated DeltaNet mixer
+around fla's kernels (which are called, not traced: tracing them makes compiling whole layers take many minutes),
+fuses that elementwise work into the kernels around the GEMMs. The decoder layer's own control flow stays eager.
 
 Modules of one class share their compiled code (dynamo inlines ``nn.Module``s and treats parameters as inputs),
 so a 64-layer model compiles a handful of small graphs whatever its depth; a second batch shape marks the
@@ -67,10 +65,9 @@ def prepare_mixer(mixer: nn.Module) -> list[str]:
     ``OPAQUE_CALLS``) in ``torch.compiler.disable``, so dynamo calls fla's Triton kernels instead of tracing
     them; eager calls are unchanged. Returns the names wrapped.
 
-    Tried and left out: computing transformers' reference causal convolution (PyTorch's generic depthwise kernel,
-    7% of the compiled forward's GPU time at 27B scale) as shifted multiply-adds inside the graph. It was 3.9%
-    faster end to end, but moved the features further from the eager forward than the eager forward's own
-    shape-to-shape spread (per-token cosine at tap 1: 0.99967 against 0.99993)."""
+    Tried and left out: computing transformers' reference causal convolution (PyTorch's generic depthwise kernel)
+    as shifted multiply-adds inside the graph. It is faster end to end, but moves the features further from the
+    eager forward than the eager forward's own shape-to-shape spread (docs/PERFORMANCE.md, "Design choices")."""
     scope = vars(sys.modules[type(mixer).__module__])
     wrapped = []
     for name, fn in list(scope.items()):
@@ -109,11 +106,11 @@ def compile_forward(model: nn.Module, mode: str | None = None, emulate_casts: bo
 
 
 # -- when compiling pays ------------------------------------------------------------------------------------
-# Measured on one H200 at 27B scale (random-weight Qwen3.5, fla 0.6.0; README, BRIEF): eager extraction 8,419
-# tokens/s, compiled 1.28x that, after ~40 s of compiling the first two batch shapes. A tiny target is faster
-# still per token, so its eager time is smaller than this estimate and compiling pays even less.
-EAGER_TOKENS_PER_S_27B = 8419.0
-PARAMS_27B = 26.9e9
+# The reference target's eager extraction rate, its decoder's parameters, what compiling gains and what
+# compiling the first two batch shapes costs (docs/PERFORMANCE.md, "Extraction": 27B scale, one GPU). A tiny
+# target is faster still per token, so its eager time is smaller than this estimate and compiling pays even less.
+REFERENCE_EAGER_TOKENS_PER_S = 8419.0
+REFERENCE_PARAMS = 26.9e9
 SPEEDUP = 1.28
 WARMUP_S = 40.0
 
@@ -126,12 +123,12 @@ class CompileChoice:
 
 def choose_compile(requested: bool | None, device: torch.device, decoder_params: int, tokens: int) -> CompileChoice:
     """Whether to compile the forward: as asked, else on CUDA only when the expected saving (the eager time
-    estimated from the measured 27B rate scaled by parameters, times 1 - 1/speedup) exceeds the warm-up."""
+    estimated from the reference rate scaled by parameters, times 1 - 1/speedup) exceeds the warm-up."""
     if requested is not None:
         return CompileChoice(requested, "--compile" if requested else "--no-compile")
     if device.type != "cuda":
         return CompileChoice(False, "not on CUDA")
-    eager_s = tokens / (EAGER_TOKENS_PER_S_27B * PARAMS_27B / max(decoder_params, 1))
+    eager_s = tokens / (REFERENCE_EAGER_TOKENS_PER_S * REFERENCE_PARAMS / max(decoder_params, 1))
     saving = eager_s * (1 - 1 / SPEEDUP)
     verdict = (f"{tokens:,} tokens x {decoder_params / 1e9:.3g}B decoder parameters: eager ~{eager_s:,.0f}s, "
                f"compiling would save ~{saving:,.0f}s for ~{WARMUP_S:.0f}s of warm-up")

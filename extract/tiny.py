@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
+from hsstore import env
+
 logger = logging.getLogger(__name__)
 
 #: Bump when the build recipe changes, so cached directories are rebuilt.
@@ -348,7 +350,7 @@ def _cached(name: str, build, cache_dir: str | os.PathLike | None = None) -> Pat
     """``build(dir)`` once into ``cache_dir`` (default ``$HSSTORE_CACHE_DIR`` or the temp dir) under ``name`` and
     reuse it. Builds go to a private directory renamed into place, which makes concurrent callers
     (pytest-xdist, parallel demos) safe."""
-    root = Path(cache_dir or os.environ.get("HSSTORE_CACHE_DIR") or Path(tempfile.gettempdir()) / "hsstore-cache")
+    root = Path(cache_dir or env.CACHE_DIR.get() or Path(tempfile.gettempdir()) / "hsstore-cache")
     target = root / name
     if (target / "model.safetensors").exists():
         return target

@@ -44,8 +44,8 @@ def split(size: int, tail: int = 4):
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "cat_many"])
 def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, monkeypatch, streamed):
-    if not streamed:
-        monkeypatch.setenv(transfer.STREAM_READS_ENV, "0")
+    if not streamed:  # the path of every filesystem but s3fs's, on S3
+        monkeypatch.setattr(transfer, "streams", lambda fs: False)
     name, blobs = bucket
     pa, ta = split(len(blobs["a"]))
     pb, tb = split(len(blobs["b"]), tail=3)
@@ -59,8 +59,8 @@ def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, monkeypatch, st
 def test_missing_short_and_failing_objects_are_told_apart(s3_endpoint, bucket, monkeypatch, streamed):
     """A missing object is its FileNotFoundError; one shorter than its buffers, or failing ``check``, is a message
     (the bytes are wrong, not the path to them) after FETCH_ATTEMPTS fetches."""
-    if not streamed:
-        monkeypatch.setenv(transfer.STREAM_READS_ENV, "0")
+    if not streamed:  # the path of every filesystem but s3fs's, on S3
+        monkeypatch.setattr(transfer, "streams", lambda fs: False)
     name, blobs = bucket
     monkeypatch.setattr(transfer, "FETCH_BACKOFF_S", 0.0)
     with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:
@@ -112,7 +112,7 @@ def moto_process(s3_endpoint):
 
 def test_streamed_reads_hold_no_whole_body(moto_process, monkeypatch):
     """The point of streaming: no bytes object of the body's size exists on the way (traced allocations stay a
-    fraction of the object), where fetching it whole first (HSSTORE_STREAM_READS=0) allocates the body and more."""
+    fraction of the object), where fetching it whole first (the path of other filesystems) allocates the body and more."""
     s3_endpoint = moto_process
     name = f"hs-into-{uuid.uuid4().hex[:8]}"
     fs = s3(s3_endpoint)
@@ -122,7 +122,7 @@ def test_streamed_reads_hold_no_whole_body(moto_process, monkeypatch):
     dest = np.zeros(size, np.uint8)
     peaks = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv(transfer.STREAM_READS_ENV, mode)
+        monkeypatch.setattr(transfer, "streams", lambda fs, on=mode == "1": on)
         client = s3(s3_endpoint)
         transfer.cat_into(client, {f"{name}/big": [dest[:1 << 20]]})  # the client is set up outside the trace
         tracemalloc.start()

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hsstore.app.conv import ENV, conv_adapter, restore_conv, torch_conv, use_fla_conv
+from hsstore import env
+from hsstore.app.conv import conv_adapter, restore_conv, torch_conv, use_fla_conv
 
 
 def fla_convention(x, weight, bias=None, activation=None, cu_seqlens=None, **kwargs):
@@ -108,10 +109,10 @@ def test_env_turns_it_off_and_torch_conv_undoes_it(model, monkeypatch):
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
     original = modeling.causal_conv1d_fn
-    monkeypatch.setenv(ENV, "torch")
+    monkeypatch.setenv(env.CONV.name, "torch")
     assert use_fla_conv(model, torch.device("cpu"), kernel=fla_convention, devices=("cpu",)) == []
     assert modeling.causal_conv1d_fn is original
-    monkeypatch.delenv(ENV)
+    monkeypatch.delenv(env.CONV.name)
     assert use_fla_conv(model, torch.device("cpu"), kernel=fla_convention, devices=("cpu",))
     hooked = modeling.causal_conv1d_fn
     undone = torch_conv(model)

@@ -8,7 +8,7 @@ import pytest
 
 import hsstore
 from hsstore.app.cli import main
-from hsstore.ops.estimate import H200_27B_TOKENS_PER_S, estimate
+from hsstore.ops.estimate import REFERENCE_TOKENS_PER_S, estimate
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.app.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
@@ -55,7 +55,7 @@ def test_estimate_only_flag(capsys):
     assert main(["check", "--estimate-only", "--tokens", "1.87e9", "--samples", "914000", "--hidden", "5120",
                  "--layers", "1,16,31,46,61"]) == 0
     text = capsys.readouterr().out
-    assert "99.4" in text and "47.0 GPU-hours" in text and f"{H200_27B_TOKENS_PER_S:,.0f}" in text
+    assert "99.4" in text and "47.0 GPU-hours" in text and f"{REFERENCE_TOKENS_PER_S:,.0f}" in text
     assert main(["check", "--estimate-only", "--tokens", "10"]) == 2
 
 

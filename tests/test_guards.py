@@ -3,7 +3,7 @@ was checked is in docs/RELIABILITY.md, "Boundaries"), through the real commands 
 
 - the index's total cap (``door.INDEX_TOTAL_CAP``): segments each under their own cap, over it together;
 - the tokenizer loader's ``trust_remote_code=False``: a model folder whose tokenizer names code beside it;
-- the chunk cache's HMAC on the path that fetches chunks as bytes (``HSSTORE_STREAM_READS=0``);
+- the chunk cache's HMAC on the path that fetches chunks as bytes (compressed chunks);
 - the re-read of a dead holder's lock before it is taken over;
 - ``convert``'s and ``import``'s destination locks;
 - fp8 statistics at extraction's call site (of the quantised values, not the features before);
@@ -90,12 +90,9 @@ def test_a_tokenizer_naming_code_beside_it_never_runs_it(tmp_path):
 # -- the chunk cache's HMAC where chunks are fetched as bytes -------------------------------------------------------
 def test_a_planted_cache_copy_is_never_served_where_chunks_are_fetched_whole(s3_store, tmp_path, monkeypatch):
     """As ``test_a_planted_cache_copy_with_a_matching_crc_is_never_served``, on the path that fetches a chunk as bytes
-    and takes a cached copy through ``ChunkCache.get`` (compressed chunks; ``HSSTORE_STREAM_READS=0``): only the
-    copy's HMAC tells it from the cache's own, its CRC32C being the record's."""
-    from hsstore.io import transfer
-
-    monkeypatch.setenv(transfer.STREAM_READS_ENV, "0")
-    store, cache = _cached_store(s3_store, tmp_path)
+    and takes a cached copy through ``ChunkCache.get`` (compressed chunks): only the copy's HMAC tells it from the
+    cache's own, its CRC32C being the record's."""
+    store, cache = _cached_store(s3_store, tmp_path, codec="zstd")
     first = store.read(0)["hidden_states"].clone()
     copies = [p for p in Path(cache.root).rglob("*") if p.is_file() and "/layer_001/" in str(p)]
     assert copies

@@ -25,7 +25,7 @@ from test_import import IDENTITY, write_speculators
 ZEROED, NAN = ("s4", "s5", "s6"), "s2"  # layer 3 is zero in the first, one NaN in layer 1 of the second
 
 
-def planted(url: str, layout: str = "zarr") -> list[dict]:
+def planted(url: str, layout: str = "zarr", record_stats: bool = True) -> list[dict]:
     samples = make_samples(12, max_len=60)
     for s in samples:
         s["loss_mask"][0] = True  # every sample has loss tokens
@@ -36,7 +36,7 @@ def planted(url: str, layout: str = "zarr") -> list[dict]:
     m = make_manifest()
     if layout != "zarr":
         m = dataclasses.replace(m, layout=layout)
-    write_samples(url, m, samples, check_finite=False, shard_bytes=5 * 60 * 3 * 48 * 2)
+    write_samples(url, m, samples, check_finite=False, shard_bytes=5 * 60 * 3 * 48 * 2, record_stats=record_stats)
     return samples
 
 
@@ -162,9 +162,7 @@ def test_import_refuses_a_zeroed_layer_and_keeps_it_flagged_on_request(tmp_path,
 
 def test_older_stores_read_and_upgrade_adds_the_statistics(tmp_path, capsys, monkeypatch):
     url = str(tmp_path / "s")
-    monkeypatch.setenv("HSSTORE_FEATURE_STATS", "0")
-    planted(url)
-    monkeypatch.delenv("HSSTORE_FEATURE_STATS")
+    planted(url, record_stats=False)
     assert all("features" not in c.stats for c in hsstore.open(url).commits)
     assert main(["info", url]) == 0
     assert "without value statistics" in capsys.readouterr().out

@@ -386,11 +386,11 @@ def test_taking_over_a_dead_lock_is_atomic(tmp_path):
 
 
 # -- item 11: the chunk cache -----------------------------------------------------------------------------------------
-def _cached_store(s3_store, tmp_path):
+def _cached_store(s3_store, tmp_path, codec="none"):
     from hsstore.loader.cache import ChunkCache
 
     url, opts = s3_store
-    write_samples(url, make_manifest(chunk_tokens=50), make_samples(6), storage_options=opts)
+    write_samples(url, make_manifest(chunk_tokens=50, codec=codec), make_samples(6), storage_options=opts)
     store = hsstore.open(url, **opts)
     cache = ChunkCache(str(tmp_path / "cache"), 1 << 30)
     store.use_chunk_cache(cache)

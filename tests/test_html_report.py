@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import hsstore
+from hsstore import env
 
 from hsstore.app.cli import main
 from hsstore.extract.job import ExtractSettings, run_extract
@@ -86,8 +87,9 @@ def test_store_report_renders(stub_store, tmp_path, capsys):
     shot = tmp_path / "store.png"
     chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,1100")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if os.environ.get("HSSTORE_REPORT_SCREENSHOT"):  # keep a picture to look at
-        shutil.copy(shot, os.environ["HSSTORE_REPORT_SCREENSHOT"])
+    keep = env.REPORT_SCREENSHOT.get()
+    if keep:  # a picture to look at
+        shutil.copy(shot, keep)
 
 
 @pytest.mark.browser

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hsstore
+from hsstore import env
 from hsstore.format import codec, commit, index, records
 from hsstore.io import listing, storage, transfer
 from hsstore.app.cli import main
@@ -80,15 +81,15 @@ def test_records_are_read_concurrently_and_the_concurrency_is_configurable(s3_st
     is_record = lambda m, p: m == "GET" and "/commits/" in p  # noqa: E731
     for limit, check in ((None, lambda n: n >= 16), ("4", lambda n: n <= 4)):
         if limit:
-            monkeypatch.setenv(storage.METADATA_CONCURRENCY_ENV, limit)
+            monkeypatch.setenv(env.METADATA_CONCURRENCY.name, limit)
         s3fs.S3FileSystem.clear_instance_cache()
         with FaultProxy(s3_endpoint, faults=["latency"], persistent=True, delay=0.05, match=is_record) as proxy:
             hsstore.store.reader.Store(url, {"endpoint_url": proxy.url}, use_index=False)
             assert len(_record_gets(proxy)) == 40
             # botocore's default pool of 10 connections kept it at <= 10 before; 64 in flight by default now
             assert check(proxy.max_in_flight), (limit, proxy.max_in_flight)
-    monkeypatch.setenv(storage.METADATA_CONCURRENCY_ENV, "0")
-    with pytest.raises(hsstore.StoreError, match=storage.METADATA_CONCURRENCY_ENV):
+    monkeypatch.setenv(env.METADATA_CONCURRENCY.name, "0")
+    with pytest.raises(hsstore.StoreError, match=env.METADATA_CONCURRENCY.name):
         storage.metadata_concurrency()
 
 

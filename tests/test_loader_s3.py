@@ -180,10 +180,10 @@ def test_chunk_cache_keeps_this_runs_copies(tmp_path):
 
 @pytest.mark.parametrize("stream", ["1", "0"])
 def test_s3_batches_read_into_their_slots(s3_url, tmp_path, monkeypatch, stream):
-    """From S3, streamed into the batch slots (or fetched as bytes and copied there), then out of the chunk cache
-    in the second epoch: the same batches as items collated by copy."""
+    """From S3, streamed into the batch slots (or fetched as bytes and copied there, as from any filesystem but
+    s3fs's), then out of the chunk cache in the second epoch: the same batches as items collated by copy."""
     url, opts = s3_url
-    monkeypatch.setenv(transfer.STREAM_READS_ENV, stream)
+    monkeypatch.setattr(transfer, "streams", lambda fs, on=stream == "1": on)
     for epoch in range(2):
         def make():
             ds = dataset(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), seed=1)

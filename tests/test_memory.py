@@ -29,20 +29,19 @@ def test_pread_fold_checksums_block_by_block_what_one_pass_checksums(tmp_path, m
     from hsstore.io import memory
     from hsstore.format import codec
 
-    monkeypatch.setenv(memory.READ_BLOCK_ENV, "1000")
     data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()
     path = tmp_path / "f"
     path.write_bytes(data)
     with open(path, "rb", buffering=0) as f:
         dest = np.zeros(10_000, np.uint8)
-        got, crc = memory.pread_fold(f.fileno(), dest, 300, codec.crc32c)
+        got, crc = memory.pread_fold(f.fileno(), dest, 300, codec.crc32c, block=1000)
         assert got == 10_000 and dest.tobytes() == data[300:10_300]
         assert crc == codec.crc32c(data[300:10_300])
         start = codec.crc32c(b"header")
-        got, crc = memory.pread_fold(f.fileno(), dest, 7_000, codec.crc32c, start)
+        got, crc = memory.pread_fold(f.fileno(), dest, 7_000, codec.crc32c, start, block=1000)
         assert got == 3_500 and dest[:3_500].tobytes() == data[7_000:]
         assert crc == codec.crc32c(b"header" + data[7_000:])
         calls = []
-        monkeypatch.setenv(memory.READ_BLOCK_ENV, "0")  # the former path: one read, then one checksum
-        got, crc = memory.pread_fold(f.fileno(), dest, 300, lambda b, c: calls.append(len(b)) or codec.crc32c(b, c))
-        assert got == 10_000 and calls == [10_000] and crc == codec.crc32c(data[300:10_300])
+        got, crc = memory.pread_fold(f.fileno(), dest, 300, lambda b, c: calls.append(len(b)) or codec.crc32c(b, c),
+                                     block=1000)
+        assert got == 10_000 and calls == [1000] * 10 and crc == codec.crc32c(data[300:10_300])

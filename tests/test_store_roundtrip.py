@@ -163,7 +163,7 @@ def test_fork_keeps_an_applications_gc_freeze(tmp_path, new_manifest, new_sample
 
 
 
-@pytest.mark.parametrize("path", ["preadv", "preadv-small-blocks", "mapped"])
+@pytest.mark.parametrize("path", ["preadv", "preadv-small-blocks"])
 def test_partial_chunks_read_straight_into_the_output_and_checked_whole(tmp_path, path, monkeypatch):
     """Every token range of a shard (starts and stops inside chunks: the rows wanted land in the output, the
     others in scratch) reads back bit-exact on each local read path, and a byte flipped in rows the range does
@@ -172,10 +172,7 @@ def test_partial_chunks_read_straight_into_the_output_and_checked_whole(tmp_path
     from hsstore.testing.stores import make_manifest, make_samples, write_store
 
     if path == "preadv-small-blocks":
-        monkeypatch.setenv(memory.READ_BLOCK_ENV, "1000")  # blocks that straddle the parts
-    if path == "mapped":
-        monkeypatch.setenv(memory.MAPPED_READS_ENV, "1")
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        monkeypatch.setattr(memory, "READ_BLOCK", 1000)  # blocks that straddle the parts
     samples = make_samples(6, max_len=90, min_len=40)
     url = write_store(str(tmp_path / "s"), samples, manifest=make_manifest(chunk_tokens=16), shard_tokens=10_000)
     store = hsstore.open(url)

@@ -8,7 +8,7 @@ synthetic sequences, and times, on the same batches, alternating:
   extract_process  the same with the writer in a child process fed through shared memory (ProcessWriter);
   extract_memory   the thread writer into ``memory://`` (no disk: separates storage from CPU contention);
   capture_only   hooks, GPU pack and pinned copy, no writer;
-  extract_process_nostats  extract_process without the feature statistics (``HSSTORE_FEATURE_STATS=0``):
+  extract_process_nostats  extract_process without the feature statistics (``record_stats=False``):
                  paired with extract_process, their cost.
   extract_process_torchconv  extract_process with the Gated DeltaNet short convolution on transformers' PyTorch
                  path instead of fla's Triton kernel (``hsstore/app/conv.py``; what ``HSSTORE_CONV=torch`` keeps):
@@ -43,7 +43,7 @@ from hsstore.extract.forward import extract_batches, pad_right, token_budget_bat
 from hsstore.extract.sample import TokenizedSample
 from hsstore.io import storage
 from hsstore import Manifest, ProcessWriter, StoreWriter, TargetIdentity, TokenizerIdentity
-from hsstore.format import assets, health
+from hsstore.format import assets
 from hsstore.distributed import rank_and_world
 from hsstore.format.taps import default_taps
 from tools.measure import timed
@@ -170,12 +170,11 @@ def main() -> None:
         url = f"memory://bench-extract-rank{rank}" if mode == "extract_memory" else args.keep if mode == "keep" else out
         if mode != "keep":
             _clear(url)
-        if mode.endswith("_nostats"):  # off for the forward here and the writer's child (it inherits it)
-            os.environ[health.STATS_ENV] = "0"
         process = mode.startswith("extract_process") or (mode == "keep" and device.type == "cuda")
         cls = ProcessWriter if process else StoreWriter
         extra = {"shard_bytes": int(args.shard_mb * 1e6)} if args.shard_mb else {}
-        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False, **extra)  # checked on the device
+        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False,  # checked on the device
+                   record_stats=not mode.endswith("_nostats"), **extra)
 
     def extract_into(w, mode: str) -> None:
         """Until every sample is handed to the writer (steady-state pipeline); the final flush of the
@@ -187,7 +186,7 @@ def main() -> None:
 
         stats = extract_batches(model, layers, batches, sink, 0, device, staging_tokens=args.token_budget,
                                 on_batch=(lambda b: w.sync()) if proc else None,
-                                host_alloc=w.staging if proc else None)
+                                host_alloc=w.staging if proc else None, record_stats=not mode.endswith("_nostats"))
         wt = waits.setdefault(mode, {"slot_wait_s": [], "storage_wait_s": []})
         wt["slot_wait_s"].append(stats.slot_wait_s)
         wt["storage_wait_s"].append(w.wait_s)
@@ -196,7 +195,6 @@ def main() -> None:
         t = time.perf_counter()
         w.close()
         close_s.setdefault(mode, []).append(time.perf_counter() - t)
-        os.environ.pop(health.STATS_ENV, None)
         if mode != "keep":
             _clear(w.url)
 

@@ -142,7 +142,7 @@ def _serve_emulation(conn) -> None:
 def _raw_s3_reader(endpoint: str, objects: list[tuple[str, int]], rank: int, start, results) -> None:
     """One process of the raw S3 baseline: its objects with plain concurrent ranged GETs through s3fs, each body
     streamed into a buffer reused batch after batch (``transfer.cat_into``, one GET per object with its listed
-    size, as the loader asks for a chunk; ``HSSTORE_STREAM_READS=0``: fetched whole as bytes), timed from a
+    size, as the loader asks for a chunk), timed from a
     barrier shared with the others; CPU-seconds of the process."""
     import resource
     import time

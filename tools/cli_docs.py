@@ -1,5 +1,6 @@
 """Write docs/CLI.md, the command reference, from the real argparse parsers (``hsstore.app.cli.build_parser``, with
-the commands extract and train register into it), so the reference cannot drift from ``--help``.
+the commands extract and train register into it) and the table of environment variables (``hsstore.env``), so
+the reference cannot drift from ``--help`` nor from what the code reads.
 
 The text is formatted here, not by argparse's help formatter, so it does not depend on the terminal's width:
 the same parsers give the same file on every machine. ``tests/test_cli_docs.py`` fails when the file is stale.
@@ -14,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hsstore import env
 from hsstore.app.cli import build_parser
 
 CLI_MD = Path(__file__).resolve().parents[1] / "docs" / "CLI.md"
@@ -95,17 +97,43 @@ def command_section(name: str, summary: str, parser: argparse.ArgumentParser) ->
     return lines + [""]
 
 
+def cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "/")
+
+
+def environment_section() -> list[str]:
+    """The Markdown of every environment variable hsstore reads: its own switches (``env.SWITCHES``), those it
+    warns about as removed (``env.REMOVED``) and other programs' variables it reads on purpose (``env.OTHERS``)."""
+    lines = ["## Environment variables", "",
+             "Every `HSSTORE_*` variable hsstore reads, read in one module (`hsstore/env.py`). An unset or empty "
+             "variable is its default; a value that does not parse is one line naming the variable (exit 2); a set "
+             "`HSSTORE_*` name hsstore does not read is warned about. For: `user`, someone running hsstore; "
+             "`tuning`, a deployment whose network or stores differ from the defaults' assumptions; `benchmark`, "
+             "a paired measurement or a diagnosis; `test`, the test suite.", "",
+             "| Variable | Takes | Default | For | What it does |", "|---|---|---|---|---|"]
+    lines += [f"| `{s.name}` | {cell(s.type_text())} | {cell(s.default_text())} | {s.audience} | {cell(s.meaning)} |"
+              for s in env.SWITCHES.values()]
+    lines += ["", "Removed (a warning names them when set): "
+              + "; ".join(f"`{name}` ({cell(why)})" for name, why in env.REMOVED.items()) + ".", "",
+              "Other programs' variables hsstore reads on purpose:", "",
+              "| Variable | Read in | Why |", "|---|---|---|"]
+    lines += [f"| {cell(o.name)} | {cell(o.where)} | {cell(o.meaning)} |" for o in env.OTHERS]
+    return lines + [""]
+
+
 def render(parser: argparse.ArgumentParser | None = None) -> str:
     """The whole of docs/CLI.md for ``parser`` (default: ``hsstore``'s)."""
     parser = parser or build_parser()
     commands = subcommands(parser)
     lines = [HEADER, "| Command | What it does |", "|---|---|"]
     lines += [f"| [`{n}`](#hsstore-{n}) | {s.replace('|', '/')} |" for n, s, _ in commands]
+    lines += ["", "Environment variables: [the table](#environment-variables) at the end."]
     lines += ["", "Global options (before the command): "
               + "; ".join(describe_action(a, parser.prog)[2:] for a in parser._actions
                           if a.option_strings and not isinstance(a, argparse._HelpAction)), ""]
     for name, summary, sub in commands:
         lines += command_section(name, summary, sub)
+    lines += environment_section()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -28,18 +28,16 @@ run() {  # name, command...: JSON (last line block) to $R/name.json, log to $R/n
 
 # 1. four ranks at once from local files, page cache dropped before each epoch (read-once, cold NVMe)
 #    (3 epochs: epoch 0 also faults in the loader's buffers, 1-3 CPU-s per GB in a VM; epochs 1-2 are the steady
-#    state), then the same with the former mapped reads (HSSTORE_MAPPED_READS=1), then again: paired, before/after
+#    state), then again (the former mapped reads, HSSTORE_MAPPED_READS=1, are gone from the package; their paired
+#    rows are in docs/PERFORMANCE.md)
 run source_cold hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
-run source_cold_mapped env HSSTORE_MAPPED_READS=1 hsstore bench "$S" --what source --procs 4 --size-mb 4096 \
-    --epochs 3 --cold --quiet --json
 run source_cold_again hsstore bench "$S" --what source --procs 4 --size-mb 4096 --epochs 3 --cold --quiet --json
 # 2. the same four ranks from S3 emulated on loopback (moto + proxy replaying from memory): latency 0 vs 30 ms,
-#    100 MB/s per connection (~100 s), then the same with chunks fetched whole as bytes (HSSTORE_STREAM_READS=0, the
-#    former path: before/after in one run); then --partition node with a per-rank cache: remote bytes per epoch
+#    100 MB/s per connection (~100 s) (chunks fetched whole as bytes, HSSTORE_STREAM_READS=0, are gone from the
+#    package; their paired rows are in docs/PERFORMANCE.md); then --partition node with a per-rank cache: remote
+#    bytes per epoch
 run source_s3 python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 --bandwidth-mb 100 \
     --sections s3 --scratch "$S" --json
-run source_s3_bytes env HSSTORE_STREAM_READS=0 python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 \
-    --bandwidth-mb 100 --sections s3 --scratch "$S" --json
 run source_s3_node python -m tools.bench_source --procs 4 --size-mb 1024 --latency 0.03 --bandwidth-mb 100 \
     --sections node --scratch "$S" --json
 # 3. the published 5-layer drafter, activation checkpointing off/on: 4 x 4096 tokens (2,048 anchors) and
@@ -97,12 +95,11 @@ print("\n# issue 28, H200")
 print("| source | epoch | GB/s total | GB/s/rank min | CPU-s/GB | remote GB | in flight |")
 print("|---|---|---|---|---|---|---|")
 src = {}
-for key, label in (("source_cold", "local cold"), ("source_cold_mapped", "local cold, mapped reads (before)"),
-                   ("source_cold_again", "local cold, again")):
+for key, label in (("source_cold", "local cold"), ("source_cold_again", "local cold, again")):
     c = load(key)
     if isinstance(c, dict):
         src[label] = c["source"]
-for key, prefix in (("source_s3", ""), ("source_s3_bytes", "bytes reads (before): "), ("source_s3_node", "")):
+for key, prefix in (("source_s3", ""), ("source_s3_node", "")):
     s3 = load(key)
     if isinstance(s3, dict):
         src.update({prefix + k: v for k, v in s3.items()})

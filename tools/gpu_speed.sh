@@ -6,8 +6,9 @@
 # (the wheels, hsstore's among them, installed into /tmp/site first;
 # $REPO on the path for tools/). Results: SCRATCH/results/*.json and *.log, and the table on stdout.
 #  1. 8 ranks reading a 4 GB store at once, warm page cache, 3 epochs (epoch 0 faults the buffers in), with the
-#     plain-read baseline the bench prints (loader/raw): the chunk CRC32C folded in per 1 MB block as it is read
-#     (now), then read whole and checked after (HSSTORE_READ_BLOCK=0, before), then now again (~40 s each, 70 s at most).
+#     plain-read baseline the bench prints (loader/raw): the chunk CRC32C folded in per 1 MB block as it is read,
+#     twice (~40 s each, 70 s at most). The former whole-read-then-check path (HSSTORE_READ_BLOCK=0) is gone from
+#     the package; its paired rows are in docs/PERFORMANCE.md.
 #  2. extraction, 27B architecture, 5 taps, writer process, eager then compiled: the Gated DeltaNet short
 #     convolution on fla's Triton kernel (extract_process) vs transformers' PyTorch path
 #     (extract_process_torchconv), alternating in every round; the compiled forward's features against the eager
@@ -26,7 +27,6 @@ run() {  # name, seconds, command...
 }
 SRC=(python3 -m hsstore bench "$S" --what source --procs "${PROCS:-8}" --size-mb "${SIZE_MB:-4096}" --epochs 3 --quiet --json)
 run source8 70 "${SRC[@]}"
-run source8_before 70 env HSSTORE_READ_BLOCK=0 "${SRC[@]}"
 run source8_again 70 "${SRC[@]}"
 LEFT=$((530 - (SECONDS - T0)))
 run extract_conv $((LEFT < 330 ? LEFT : 330)) python3 -m tools.bench_extract --out "$S/bench-extract" --samples 20 \
@@ -42,7 +42,7 @@ def load(n):
         return None
 print("| 8 ranks, warm, 4 GB | epoch | GB/s total | slowest rank | CPU-s/GB | raw read GB/s | raw CPU-s/GB | loader/raw |")
 print("|---|---|---|---|---|---|---|---|")
-for n in ("source8", "source8_before", "source8_again"):
+for n in ("source8", "source8_again"):
     r = load(n)
     for e in (r or {}).get("source", {}).get("epochs", []):
         raw = e["raw"]["read"]

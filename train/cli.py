@@ -85,9 +85,8 @@ def register_eval(subparsers) -> None:
     e.set_defaults(func=run_eval)
 
 
-# The loader's threads take the GIL in bursts; with Python's default 5 ms switch interval the training
-# thread can wait that long to launch its next kernel. On an H200, with 2.5 GB/s of features read per
-# GPU, 0.5 ms gave 41.4K tokens/s against 38.8K and 39.1K (one run each).
+# The loader's threads take the GIL in bursts; with Python's default switch interval the training thread can
+# wait that long to launch its next kernel, so the interval is shorter (docs/PERFORMANCE.md, "Training step").
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -111,7 +110,7 @@ def preflight_train(args: argparse.Namespace) -> None:
 
 def announce_train(args: argparse.Namespace) -> None:
     """``train``'s first line, which the CLI prints before anything heavy (torch for --device, the trainer, the
-    stores: ~25 s on a busy machine), so that a start is never silent."""
+    stores: many seconds on a busy machine), so that a start is never silent."""
     from hsstore.redaction import recordable_url
 
     logging.getLogger("hsstore.train").setLevel(logging.INFO)  # the settings line at the start, resume and save notes

@@ -33,10 +33,8 @@ def init_distributed(device: str | None):
 
 def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
     """Threads for torch's CPU ops (the batch collate: a layer-major -> token-major copy of ~1 GB per step).
-    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise. On 2 H200s (``tools/bench_train.py
-    --loader-only``, both ranks at once) one thread capped the earlier collate-then-pin path at 24-34K
-    tokens/s per rank, which starved DDP; collating straight into pinned memory does 72-118K with one thread,
-    and training no longer depends on it (39.3K vs 39.5K tokens/s on 2 GPUs). Default under torchrun on
+    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise; batches collated straight into pinned memory keep
+    up with one thread (docs/PERFORMANCE.md, "Loader"), but other CPU ops need not. Default under torchrun on
     GPUs: each local rank gets its share of this machine's cores (``--cpu-threads`` overrides)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     n = requested

@@ -224,10 +224,9 @@ def block_plan(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, wind
 
 class _GatherRows(torch.autograd.Function):
     """``x[b, rows]`` for x [B, L, ...] and rows [B, ...] (each sequence's rows by index), as one ``index_select``
-    of the flattened rows: on the H200 autograd's advanced indexing took 0.31 ms per layer's K or V of a
-    16,384-token step, the select 0.08. Backward is what autograd's is, the sort-based ``index_put_`` that sums
-    the gradient of a row gathered more than once (rows repeat across chunks) in fp32 and rounds it once: fp32
-    ``index_add_`` atomics were slower there (7.5 ms a step against 6.2)."""
+    of the flattened rows: faster than autograd's advanced indexing (docs/PERFORMANCE.md, "Training step").
+    Backward is what autograd's is, the sort-based ``index_put_`` that sums the gradient of a row gathered more
+    than once (rows repeat across chunks) in fp32 and rounds it once: fp32 ``index_add_`` atomics are slower."""
 
     @staticmethod
     def forward(ctx, x, rows):

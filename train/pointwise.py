@@ -1,8 +1,9 @@
 """The draft layer's pointwise math (RMSNorm, RoPE, SwiGLU), one function each, fused on the GPU.
 
 Eager PyTorch runs each of these as several kernels over the block rows (RMSNorm alone: cast, square, mean,
-rsqrt, two multiplies, cast; its backward as many again): on the H200 the published drafter's step spent 28% of
-its time in such elementwise kernels and copies, each a full read and write of a [rows, 5120] tensor. Compiled
+rsqrt, two multiplies, cast; its backward as many again), each a full read and write of a [rows, hidden]
+tensor: a large share of the published drafter's step (docs/PERFORMANCE.md, "The drafter step by operator
+class"). Compiled
 (``torch.compile`` with dynamic row counts: a new batch shape compiles nothing new), each function becomes one
 kernel forward and one backward, the same math. The GEMMs and the attention stay eager: they are already one kernel.
 

@@ -53,6 +53,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hsstore import env
 from hsstore.app.devices import resolve_device
 from hsstore.app.target import load_target, tapped
 
@@ -298,11 +299,11 @@ def drafter_proposer(drafter) -> DraftContext:
 
 def eval_threads(model) -> int:
     """torch threads for decoding with ``model`` on the CPU: a small model's ops are too small to split (on a
-    busy machine extra threads only wait on each other: the tiny target fell from ~50 to 1-2 tokens/s), a large
-    one's matmuls use every core. ``HSSTORE_EVAL_THREADS`` overrides."""
-    env = os.environ.get("HSSTORE_EVAL_THREADS", "").strip()
-    if env:
-        return max(1, int(env))
+    busy machine extra threads only wait on each other: docs/PERFORMANCE.md, "Design choices"), a large one's
+    matmuls use every core. ``env.EVAL_THREADS`` overrides."""
+    chosen = env.EVAL_THREADS.get()
+    if chosen is not None:
+        return chosen
     params = sum(p.numel() for p in model.parameters())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(cores, SMALL_MODEL_THREADS) if params < SMALL_MODEL_PARAMS else cores

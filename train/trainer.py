@@ -66,9 +66,8 @@ from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
 log = logging.getLogger(__name__)
 
 # torch threads of the read-ahead thread (and the loader threads it starts) on a GPU: one keeps them off the
-# cores of the thread that launches the step's kernels. Published recipe from a cold page cache on an H200,
-# loader-fed / resident step: 0.931 with one thread, 0.908 with the process's (tools/bench_train.py
-# --reader-threads 1, two rounds each; the data was never waited for in either).
+# cores of the thread that launches the step's kernels, whose launch rate is higher for it, while the loader-fed
+# step keeps pace with the resident one either way (docs/PERFORMANCE.md, "Training step").
 GPU_READ_AHEAD_THREADS = 1
 
 
@@ -187,8 +186,8 @@ def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int
                     data.workers)
     remote = [s.url for s in stores if not storage.is_local(s.fs)]
     if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
-        # measured on an H200 from emulated S3 (docs/ARCHITECTURE.md): the client's Python shares the GIL with the
-        # thread that launches the step's kernels; in workers it does not
+        # the S3 client's Python shares the GIL with the thread that launches the step's kernels; in workers it
+        # does not (docs/PERFORMANCE.md, "Reading from S3")
         log.info("reading %s in the trainer's process: for a remote store, --workers 2 (needs torchdata) keeps "
                  "the S3 client off the thread that launches the step", recordable_url(remote[0]))
     return StoreBatches(stores, layers=layers, token_budget=settings.batch.token_budget, seed=settings.schedule.seed,

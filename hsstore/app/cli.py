@@ -18,8 +18,10 @@ import sys
 from importlib.metadata import entry_points
 
 from . import config
+from .. import env
 from ..io import storage
 from ..format import layout_spec
+from ..format.names import allow_for_command
 from ..errors import StoreError
 from ..redaction import RedactingFilter, recordable_url, scrub
 from ..terminal import EscapingFilter, escape
@@ -39,7 +41,7 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
                         "client_kwargs.region_name=us-east-1); AWS env vars and profiles apply as usual")
     p.add_argument("--allow-location", action="append", default=[], metavar="PREFIX",
                    help="read shards merged by reference from stores under PREFIX (a URL or local path; "
-                        "repeatable; sets HSSTORE_ALLOW_LOCATIONS for this command and its workers). Without it a "
+                        "repeatable; for every store this command opens). Without it a "
                         "commit record's location outside the store is refused; local system paths always are")
 
 
@@ -503,11 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
             handler.addFilter(EscapingFilter())  # store strings in log lines never drive the terminal
-    if getattr(args, "allow_location", None):  # every store this command (and its workers) opens
-        from ..format.names import ALLOW_ENV
-
-        os.environ[ALLOW_ENV] = ",".join([*args.allow_location, *filter(None, [os.environ.get(ALLOW_ENV)])])
     try:
+        env.check()  # every HSSTORE_* variable set: one line for a bad value, a warning for an unknown name
+        allow_for_command(getattr(args, "allow_location", None) or ())  # every store this command opens
         config.check_applied(args)
         if getattr(args, "preflight", None) is not None:  # refusals that need nothing loaded, before its first line
             args.preflight(args)

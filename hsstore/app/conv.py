@@ -21,15 +21,15 @@ graph break per mixer, as for the gated delta rule.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Callable
 
 import torch
 
+from .. import env
+
 log = logging.getLogger(__name__)
 
-ENV = "HSSTORE_CONV"  # "torch": keep transformers' PyTorch convolution on CUDA too (to compare, or to rule it out)
 HOOKED = "causal_conv1d_fn"  # the modeling module's global the mixer calls (5.25: through causal_conv1d_forward)
 MIXER = "GatedDeltaNet"  # class-name ending of the mixers whose module is hooked
 
@@ -73,7 +73,7 @@ def use_fla_conv(model: torch.nn.Module, device: torch.device, kernel: Callable 
     function of fla's calling convention; ``devices``: the device types it runs on), once per modeling module and
     process; logged once. Returns the modules hooked (none on CPU, without fla, with ``HSSTORE_CONV=torch``, or for
     a target without such mixers)."""
-    if torch.device(device).type not in devices or os.environ.get(ENV, "").strip().lower() == "torch":
+    if torch.device(device).type not in devices or env.CONV.get() == "torch":
         return []
     modules = _mixer_modules(model)
     kernel = kernel or (fla_causal_conv1d() if modules else None)
@@ -93,7 +93,7 @@ def use_fla_conv(model: torch.nn.Module, device: torch.device, kernel: Callable 
             hooked.append(module.__name__.rsplit(".", 1)[-1])
     if hooked:
         log.info("Gated DeltaNet short convolution on fla's Triton kernel (%s; %s=torch keeps PyTorch's)",
-                 ", ".join(hooked), ENV)
+                 ", ".join(hooked), env.CONV.name)
     return hooked
 
 

@@ -91,7 +91,7 @@ def resolve_device(spec: str | None = None, local_rank: int | None = None):
 
 
 def describe(dev) -> str:
-    """``cuda:0 (NVIDIA H200)`` / ``cpu``: what a command says it runs on."""
+    """``cuda:0 (<the GPU's name>)`` / ``cpu``: what a command says it runs on."""
     import torch
 
     if dev.type == "cuda":

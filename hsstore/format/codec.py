@@ -4,8 +4,9 @@ bf16 is not a Zarr data type, so features are stored as their raw bits (uint16) 
 records the real dtype; reading views the bits back, so values are bit-exact. Every chunk ends in
 a CRC32C (Zarr's ``crc32c`` codec) so a flipped byte fails the read that touches it.
 
-The default codec is ``none`` (bytes + crc32c): lossless compressors gain ~1.3x on bf16 features
-but decode 3-5x slower than a raw read on a few cores, and the trainer must never wait on decode.
+The default codec is ``none`` (bytes + crc32c): lossless compressors gain little on bf16 features but decode
+several times slower than a raw read on a few cores (docs/PERFORMANCE.md, "Design choices"), and the trainer must
+never wait on decode.
 """
 
 from __future__ import annotations
@@ -123,12 +124,12 @@ def first_nonfinite_row(a: np.ndarray, dtype: str) -> int | None:
 
 
 def crc32c(data, crc: int | None = None) -> int:
-    """CRC32C of bytes or a contiguous numpy buffer (hardware accelerated, ~10 GB/s); with ``crc``, the
+    """CRC32C of bytes or a contiguous numpy buffer (hardware accelerated); with ``crc``, the
     checksum of the bytes that ``crc`` covers followed by ``data`` (objects checked in parts).
 
     The loader checks every chunk it reads on its threads, beside a training thread that needs the GIL to
-    launch kernels. Profiled with ``py-spy record --gil``, 58% of the loader's GIL time was google_crc32c;
-    the ``crc32c`` package computes the same values without holding it (the loader's GIL time halved)."""
+    launch kernels. google_crc32c holds the GIL while it computes (most of the loader's GIL time under
+    ``py-spy record --gil``); the ``crc32c`` package computes the same values without holding it."""
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if _crc32c_nogil is not None:

@@ -29,15 +29,6 @@ _BITS = {"bfloat16": (np.uint16, 0x7FFF, 0x7F80), "float16": (np.uint16, 0x7FFF,
          "float32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "float8_e4m3fn": (np.uint8, 0x7F, 0x7F)}
 
 
-STATS_ENV = "HSSTORE_FEATURE_STATS"  # "0": no statistics written (for paired benchmarks of their cost only)
-
-
-def enabled() -> bool:
-    import os
-
-    return os.environ.get(STATS_ENV, "") != "0"
-
-
 def feature_name(key: str) -> str:
     """How a feature is named to a person: ``layer 16``, ``final_hidden``."""
     return f"layer {key}" if str(key).lstrip("-").isdigit() else str(key)

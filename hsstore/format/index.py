@@ -50,7 +50,7 @@ VERSION = 2  # of the segment format written; a reader ignores (with a warning) 
 READS = (1, 2)
 MAGIC = b"HSSIDX2\n"  # a version-2 segment's first bytes (version 1: gzip's 1f 8b)
 DEFAULT_GRACE_S = 3600.0
-V1_MAX_EXPANSION = 32  # gzip'd JSON records: measured 11x
+V1_MAX_EXPANSION = 32  # gzip'd JSON records: well above what a writer's segment reaches (docs/PERFORMANCE.md)
 LIST_SPLIT = 1000  # parallel listing: one range per this many shards known from the index (one LIST page each)
 
 

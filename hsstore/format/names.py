@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 from typing import Iterable, Sequence
 
+from .. import env
 from ..io import storage
 from ..io.door import key_problem, percent_decoded
 from ..errors import StoreError
 
-ALLOW_ENV = "HSSTORE_ALLOW_LOCATIONS"  # comma-separated prefixes a `location` may point into (--allow-location)
 # never a location, whatever is allowed: a store's shard read from here would read the machine's own files
 SYSTEM_DIRS = ("/etc", "/proc", "/sys", "/dev", "/boot", "/root", "/run", "/bin", "/sbin", "/lib", "/lib32",
                "/lib64", "/usr", "/var/run", "/var/log", "/var/lib", "/var/spool")
@@ -89,11 +89,21 @@ def record_problems(rec) -> list[tuple[str, str]]:
 
 
 # -- locations (shards merged by reference) ----------------------------------------------------------------
+_COMMAND_ALLOWS: list[str] = []  # the running command's --allow-location prefixes (``allow_for_command``)
+
+
+def allow_for_command(prefixes: Iterable[str]) -> None:
+    """Allow ``prefixes`` for every store the running command opens: the command line hands its
+    ``--allow-location`` values here, once, before the command runs. A store keeps what it was allowed
+    (``Store.allow_locations``), so its copies in workers need nothing more."""
+    _COMMAND_ALLOWS[:] = [p for p in prefixes if p]
+
+
 def allowed(extra: Iterable[str] | None = None) -> list[str]:
     """The prefixes a ``location`` may point into besides the store itself: ``extra`` (``hsstore.open(...,
-    allow_locations=...)``) plus ``HSSTORE_ALLOW_LOCATIONS`` (comma-separated; what ``--allow-location`` sets)."""
-    env = [p.strip() for p in os.environ.get(ALLOW_ENV, "").split(",") if p.strip()]
-    return [*(extra or ()), *env]
+    allow_locations=...)``), the command's ``--allow-location`` (``allow_for_command``) and
+    ``env.ALLOW_LOCATIONS``, each once, in that order."""
+    return list(dict.fromkeys([*(extra or ()), *_COMMAND_ALLOWS, *env.ALLOW_LOCATIONS.get()]))
 
 
 def _is_local(url: str) -> bool:
@@ -163,7 +173,8 @@ def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") ->
     if _inside(url, store_url) or any(_inside(url, p) for p in allow):
         return url
     raise _refuse(where, "location", loc, f"{url} is outside the store; a store by reference is read only from "
-                                          f"prefixes allowed with --allow-location PREFIX or {ALLOW_ENV}")
+                                          "prefixes allowed with --allow-location PREFIX or "
+                                          f"{env.ALLOW_LOCATIONS.name}")
 
 
 # -- the chunk cache ---------------------------------------------------------------------------------------

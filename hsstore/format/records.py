@@ -3,10 +3,11 @@ loader's catalog read (per shard: name, sample count, token count, bytes; per sa
 thinking tokens, flags), and each record's own bytes, parsed into a :class:`CommitRecord` only when that shard is
 read or checked.
 
-Why: a 1e5-shard store holds ~1e6 samples and ~240 MB of record JSON. Parsed whole, that was ~10 s and ~1.5 GB
-of small Python objects per open; as columns it is a few numpy arrays, and a record's files, chunk checksums and
-tar members are parsed when its shard is touched. The record bytes are kept zstd-compressed in blocks (an index
-segment's blocks as they were read, records read one by one compressed here), decompressed a block at a time.
+Why: a 1e5-shard store holds ~1e6 samples and hundreds of MB of record JSON; parsed whole, that is seconds and GBs
+of small Python objects per open (docs/PERFORMANCE.md, "Design choices"); as columns it is a few numpy arrays, and a
+record's files, chunk checksums and tar members are parsed when its shard is touched. The record bytes are kept
+zstd-compressed in blocks (an index segment's blocks as they were read, records read one by one compressed here),
+decompressed a block at a time.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def compress(data: bytes) -> bytes:
     return bytes(_ZSTD.encode(data))
 
 
-# What the bytes of record metadata (an index segment's columns, a block of records) may expand to at most: measured
-# 6.5x (columns) and 9.4x (record blocks) on a writer's store; a few kB of hostile zstd can declare gigabytes.
+# What the bytes of record metadata (an index segment's columns, a block of records) may expand to at most: well
+# above what a writer's store reaches (docs/PERFORMANCE.md, "Design choices"); a few kB of hostile zstd can
+# declare gigabytes.
 MAX_EXPANSION = 128
 
 

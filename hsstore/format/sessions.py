@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import env
 from ..io import door, listing, storage, transfer
 from ..errors import CorruptionError
 from .manifest import MAX_TEXT, is_int, now_iso
@@ -25,20 +26,12 @@ VERSION = 1
 SESSION_SUFFIX = ".json"
 END_SUFFIX = ".end.json"
 RECORD_CAP = 4 << 20  # a session record lists its job's writer tags: 1e5 ranks fit
-DEFAULT_HEARTBEAT_S = 30.0
-HEARTBEAT_ENV = "HSSTORE_WRITER_HEARTBEAT_S"
 STALE_BEATS = 4  # a session that missed this many heartbeats is reported as dead (a follower keeps waiting)
 
 
 def heartbeat_s() -> float:
-    """Seconds between a writer's heartbeats (``HSSTORE_WRITER_HEARTBEAT_S``, default 30)."""
-    import os
-
-    try:
-        value = float(os.environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S))
-    except ValueError:
-        value = DEFAULT_HEARTBEAT_S
-    return value if math.isfinite(value) and value > 0 else DEFAULT_HEARTBEAT_S
+    """Seconds between a writer's heartbeats (``env.WRITER_HEARTBEAT_S``)."""
+    return env.WRITER_HEARTBEAT_S.get()
 
 
 def session_key(tag: str, session: str) -> str:

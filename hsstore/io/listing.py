@@ -182,8 +182,8 @@ _LISTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _lister(fs):
     """``fs`` again (same options) for listings, on its own botocore session whose parser leaves timestamps as
-    text: botocore spends ~70% of a 1,000-key ListObjectsV2 page turning each LastModified into a datetime
-    (55 ms vs 16 ms a page here; 1e5 records: ~4 s of CPU), and hsstore never reads it (its stamp is the ETag).
+    text: botocore spends most of a ListObjectsV2 page's parse turning each LastModified into a datetime
+    (docs/PERFORMANCE.md, "Design choices"), and hsstore never reads it (its stamp is the ETag).
     A session of its own, so that ``fs`` and its users keep their datetimes. A filesystem given its own
     ``session`` is used as it is."""
     if "session" in fs.storage_options:

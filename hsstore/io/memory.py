@@ -5,10 +5,10 @@ hand-over to the main process then moves nothing), pinned memory when asked in t
 asynchronous copy to the GPU can read it directly), else recycled buffers (fresh memory faults in page by
 page, which costs as much as reading the bytes).
 
-Shared memory is recycled too (``SharedRing``): a fresh segment per item was the workers' limit (creating,
-faulting in and handing over a new segment ran at ~1.2 GB/s on one core, against ~10 GB/s into a segment
-already mapped). A segment is rewritten only once every copy handed to the consumer is gone, which the
-consumer reports through counters in a small shared control segment (see ``SharedRing``).
+Shared memory is recycled too (``SharedRing``): a fresh segment per item is the workers' limit (creating, faulting
+in and handing over a new segment is several times slower than writing into a segment already mapped:
+docs/PERFORMANCE.md, "Loader"). A segment is rewritten only once every copy handed to the consumer is gone, which
+the consumer reports through counters in a small shared control segment (see ``SharedRing``).
 """
 
 from __future__ import annotations
@@ -51,42 +51,6 @@ def check_fits(nbytes: int, what: str) -> None:
                          "(the store's metadata claims more than it can hold; run hsstore verify)")
 
 
-PARALLEL_COPY_BYTES = 4 << 20  # below this, one thread copies faster than handing out work to several
-
-
-def torch_threads() -> int:
-    """torch's intra-op threads when this process has loaded torch, else 1: a store command that has not
-    (``verify``, ``subset``) copies on one thread rather than load torch for it."""
-    torch = sys.modules.get("torch")
-    return 1 if torch is None else torch.get_num_threads()
-
-
-def copy_bytes(dest: np.ndarray, src: np.ndarray) -> None:
-    """``dest[:] = src`` for flat uint8 arrays, on torch's intra-op threads when large (``np.copyto`` is one
-    thread: out of the page cache that was the loader's limit, while the peers' ``torch.load(mmap=True)`` +
-    ``clone`` copies with all of them). ``src`` is only read; torch wraps only writable arrays (map files
-    with ``ACCESS_COPY``: private, and never written, so no page is ever copied)."""
-    if dest.nbytes < PARALLEL_COPY_BYTES or torch_threads() == 1 or not src.flags.writeable:
-        np.copyto(dest, src)
-        return
-    import torch
-
-    torch.from_numpy(dest).copy_(torch.from_numpy(src))
-
-
-MAPPED_READS_ENV = "HSSTORE_MAPPED_READS"  # "1": local chunks and members mapped and copied on torch's threads
-
-
-def mapped_reads() -> bool:
-    """Whether local reads map files and copy on torch's intra-op threads (``HSSTORE_MAPPED_READS=1``, the
-    former path for several threads) instead of ``preadv`` straight into the destination (the default).
-
-    Measured (issue #28, cold and warm page cache): the loader's reader threads already read units in
-    parallel, so one ``preadv`` per chunk costs the kernel's copy only, while mapping adds page faults, unmaps
-    and OpenMP threads that spin at every copy's barrier while one of them waits for the disk."""
-    return os.environ.get(MAPPED_READS_ENV, "") == "1"
-
-
 def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
     """Read file ``fd`` from ``offset`` into the contiguous buffers ``bufs`` in turn with ``preadv`` (no
     intermediate bytes, no mapping), resumed after short reads; returns the bytes read, fewer than the
@@ -107,28 +71,19 @@ def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:
     return total
 
 
-READ_BLOCK_ENV = "HSSTORE_READ_BLOCK"  # bytes per block of pread_fold; "0": the whole read, then checked
+READ_BLOCK = 1 << 20  # bytes pread_fold reads before folding them in: well inside a core's L2 cache
 
 
-def read_block() -> int:
-    """Bytes ``pread_fold`` reads before folding them in (``HSSTORE_READ_BLOCK``, default 1 MiB: well inside a
-    core's L2 cache; 0 reads all at once and checks after, the former path, for paired benchmarks)."""
-    try:
-        return max(0, int(os.environ.get(READ_BLOCK_ENV, "") or (1 << 20)))
-    except ValueError:
-        return 1 << 20
-
-
-def pread_fold(fd: int, flat: "np.ndarray | Sequence[np.ndarray]", offset: int, fold, state=None):
-    """``pread_into`` of the contiguous bytes ``flat`` (or of several such parts in turn: the file's bytes in
-    order), ``read_block()`` bytes at a time, with ``state = fold(block, state)`` after each block (a CRC32C of
-    the bytes): the check reads each block while it is still in cache instead of reading a whole chunk back from
-    memory. Returns (bytes read, state); fewer bytes only where the file ends first. (A checksum over a cold
-    buffer runs at half the speed of one over a hot block: PERFORMANCE.md, "Loader".)"""
-    got = 0
+def pread_fold(fd: int, flat: "np.ndarray | Sequence[np.ndarray]", offset: int, fold, state=None,
+               block: int | None = None):
+    """``pread_into`` of the contiguous bytes ``flat`` (or of several such parts in turn: the file's bytes in order),
+    ``block`` bytes at a time (default ``READ_BLOCK``), with ``state = fold(block, state)`` after each block (a
+    CRC32C of the bytes): the check reads each block while it is still in cache instead of reading a whole chunk
+    back from memory. Returns (bytes read, state); fewer bytes only where the file ends first. (A checksum over a
+    cold buffer runs at half the speed of one over a hot block: PERFORMANCE.md, "Loader".)"""
+    got, block = 0, block or READ_BLOCK
     for part in [flat] if isinstance(flat, np.ndarray) else flat:
         done, n = 0, part.nbytes
-        block = read_block() or max(n, 1)
         while done < n:
             k = pread_into(fd, [part[done:done + block]], offset + got + done)
             if k == 0:
@@ -195,8 +150,8 @@ _SCRATCH_LOCK = ProcessLock()
 @contextlib.contextmanager
 def scratch(nbytes: int):
     """A byte buffer for one partial chunk or tar member, reused across threads and the loader's per-epoch thread
-    pools (both layouts' read paths): fresh memory costs more to fault in than the read (1-3 CPU-s per GB in a
-    VM), so none is dropped."""
+    pools (both layouts' read paths): fresh memory costs more to fault in than the read (docs/PERFORMANCE.md,
+    "Loader"), so none is dropped."""
     with _SCRATCH_LOCK:
         fits = [i for i, b in enumerate(_SCRATCH) if b.nbytes >= nbytes]
         buf = _SCRATCH.pop(min(fits, key=lambda i: _SCRATCH[i].nbytes)) if fits else None

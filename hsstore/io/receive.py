@@ -9,10 +9,10 @@ GET of a remote store's object, every listing page and every S3 request comes th
 - at most the bytes asked for: a declared ``Content-Length`` beyond them is refused before a byte is read, a body
   past them is cut and refused, and an answer that ignored ``Range`` is read only up to the range's end;
 - no transparent decoding: ``identity`` is asked for, and any other ``Content-Encoding`` refused unread;
-- a deadline per request, total time: its first byte within ``REQUEST_S``, and after that its bytes at no less
-  than ``min_rate()`` on average (``REQUEST_S + n / min_rate()`` for ``n`` bytes): a peer sending a byte a second
-  is cut off after ``REQUEST_S``, whatever its idle gaps; a deadline is never retried. (S3: the status and
-  headers within ``HEAD_S``, the body's clock started when they arrive);
+- a deadline per request, total time: its first byte within ``request_s()``, and after that its bytes at no less
+  than ``min_rate()`` on average (``request_s() + n / min_rate()`` for ``n`` bytes): a peer sending a byte a second
+  is cut off after ``request_s()``, whatever its idle gaps; a deadline is never retried. (S3: the status and
+  headers within ``head_s()``, the body's clock started when they arrive);
 - no redirect followed (HTTP); on S3 an answer that came through a redirect to another origin is refused;
 - listings: each page at most ``PAGE_CAP`` (HTML: ``HTML_PAGE_CAP``) bytes, at most ``LIST_PAGES`` pages.
 
@@ -25,20 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import html.parser
-import os
 from typing import Any, Callable
 from urllib.parse import unquote, urljoin, urlsplit
 
+from .. import env
 from ..errors import CorruptionError
 
-REQUEST_S = 10.0  # every request: its answer's first byte within this, then ...
-MIN_RATE = 256 << 10  # ... its bytes at least this fast on average (bytes/s); HSSTORE_MIN_RATE overrides
-# an S3 request's status and headers within this (its wait for one of the client's pooled connections and an
-# endpoint's queue included: 1,200 PUTs 64 at a time took more than 10 s on a loaded emulator); its body's
-# bytes then count from the headers, as above
-HEAD_S = 60.0
-MIN_RATE_ENV = "HSSTORE_MIN_RATE"
-REQUEST_S_ENV, HEAD_S_ENV = "HSSTORE_REQUEST_S", "HSSTORE_HEAD_S"  # (shorter deadlines: the fuzzer, tests)
 PAGE_CAP = 16 << 20  # one S3 answer that is not an object's body (a listing page of 1,000 keys is ~300 KB)
 HTML_PAGE_CAP = 64 << 20  # one HTML index page (~100 bytes a link: ~600K records)
 LIST_PAGES = 10_000  # pages of one S3 listing (1e7 keys; each page's keys must follow the last page's)
@@ -59,37 +51,31 @@ class DeadlineError(OSError):
     """A request past its deadline (``deadline``): cut off, not retried."""
 
 
-def _positive(env: str, default: float) -> float:
-    raw = os.environ.get(env, "")
-    try:
-        value = float(raw) if raw.strip() else default
-    except ValueError:
-        value = default
-    return value if value > 0 else default
-
-
 def min_rate() -> float:
-    return _positive(MIN_RATE_ENV, MIN_RATE)
+    """The slowest average rate (bytes/s) an answer's bytes may arrive at (``env.MIN_RATE``)."""
+    return env.MIN_RATE.get()
 
 
 def request_s() -> float:
-    """``REQUEST_S``, or ``HSSTORE_REQUEST_S`` where set."""
-    return _positive(REQUEST_S_ENV, REQUEST_S)
+    """Seconds a request may wait for its answer's first byte (``env.REQUEST_S``)."""
+    return env.REQUEST_S.get()
 
 
 def head_s() -> float:
-    """``HEAD_S``, or ``HSSTORE_HEAD_S`` where set."""
-    return _positive(HEAD_S_ENV, HEAD_S)
+    """Seconds an S3 request may wait for its status and headers (``env.HEAD_S``): its wait for one of the
+    client's pooled connections and an endpoint's queue included; its body's bytes then count from the
+    headers."""
+    return env.HEAD_S.get()
 
 
 def deadline(nbytes: int) -> float:
-    """Seconds a request of ``nbytes`` may take in all (``REQUEST_S`` + its bytes at ``min_rate()``)."""
+    """Seconds a request of ``nbytes`` may take in all (``request_s()`` + its bytes at ``min_rate()``)."""
     return request_s() + max(0, int(nbytes)) / min_rate()
 
 
 class Clock:
     """One request's deadline: ``check(got)`` raises once the request has run longer than its first byte's
-    ``REQUEST_S`` plus ``got`` bytes at ``min_rate()`` (a trickle is cut off; a stall by the caller's ``wait_for``)."""
+    ``request_s()`` plus ``got`` bytes at ``min_rate()`` (a trickle is cut off; a stall by the caller's ``wait_for``)."""
 
     def __init__(self, what: str) -> None:
         self.what, self.t0, self.rate, self.first = what, asyncio.get_running_loop().time(), min_rate(), request_s()
@@ -108,7 +94,7 @@ class Clock:
     def expired(self, got: int) -> DeadlineError:
         return DeadlineError(f"{self.what}: cut off after {asyncio.get_running_loop().time() - self.t0:.1f} s with "
                              f"{got:,} bytes (a request's deadline: its first byte within {self.first:g} s, then "
-                             f"{self.rate / 1024:,.0f} KiB/s on average; {MIN_RATE_ENV} sets the rate)")
+                             f"{self.rate / 1024:,.0f} KiB/s on average; {env.MIN_RATE.name} sets the rate)")
 
 
 async def bounded(coro, clock: Clock, nbytes: int, head: float = 0.0):
@@ -319,7 +305,7 @@ async def http_list(fs, url: str) -> list[str]:
 async def _s3_read(fs, path: str, start: int, end: int, consume) -> Any:
     """One ranged GET of S3 object ``path`` whose body ``consume(body, declared length, clock)`` reads; a body cut
     mid-way is fetched again (s3fs's retry count and backoff), all under one deadline (each try's headers within
-    ``HEAD_S``, its body timed from them)."""
+    ``head_s()``, its body timed from them)."""
     import aiohttp
     from s3fs.core import S3_RETRYABLE_ERRORS
 
@@ -491,7 +477,7 @@ class RangedFile:
 
 # -- S3: every request botocore sends (the session class hsstore's S3 filesystems are made with) -----------------------
 def session_class():
-    """An aiobotocore HTTP session class whose ``send`` puts each request under a deadline (``REQUEST_S`` to the
+    """An aiobotocore HTTP session class whose ``send`` puts each request under a deadline (``request_s()`` to the
     first byte, its upload at ``min_rate()``), reads an answer that is not an object's body (listing pages, error
     documents) to at most ``PAGE_CAP`` bytes under the same clock, and refuses an answer that came through a
     redirect to another origin. None when aiobotocore takes no session class (older releases)."""

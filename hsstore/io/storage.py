@@ -18,7 +18,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from ..errors import StoreError
-from .. import redaction
+from .. import env, redaction
 from ..redaction import register
 
 log = logging.getLogger(__name__)
@@ -29,25 +29,13 @@ log = logging.getLogger(__name__)
 # backoff and full jitter; s3fs wraps each call in its own retries (connection/payload errors, SlowDown).
 # Options the user gives (``config_kwargs.retries``) win.
 S3_RETRIES = {"mode": "standard", "max_attempts": 6}
-# Small objects (commit records, index segments) read at once: latency, not bandwidth, is their cost, so many
-# requests in flight. ``HSSTORE_METADATA_CONCURRENCY`` overrides it; s3fs's connection pool is raised to match
-# (botocore's default of 10 connections capped a 1,000-record open at ~6 requests in flight).
-METADATA_CONCURRENCY = 64
-METADATA_CONCURRENCY_ENV = "HSSTORE_METADATA_CONCURRENCY"
-
-
 MANIFEST_FILE = "manifest.json"  # a folder is a store when this file is in it (docs/FORMAT.md)
 
+
 def metadata_concurrency() -> int:
-    """Requests in flight for small-object reads (``HSSTORE_METADATA_CONCURRENCY``, default 64)."""
-    raw = os.environ.get(METADATA_CONCURRENCY_ENV, "")
-    try:
-        n = int(raw) if raw.strip() else METADATA_CONCURRENCY
-    except ValueError:
-        raise StoreError(f"{METADATA_CONCURRENCY_ENV}={raw!r}: expected a positive integer") from None
-    if n < 1:
-        raise StoreError(f"{METADATA_CONCURRENCY_ENV}={raw!r}: expected a positive integer")
-    return n
+    """Requests in flight for small-object reads (``env.METADATA_CONCURRENCY``): latency, not bandwidth, is what
+    commit records and index segments cost, so many at once; s3fs's connection pool is raised to match."""
+    return env.METADATA_CONCURRENCY.get()
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -104,7 +92,7 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` plus hsstore's defaults, each only where the user did not set it: for ``s3://`` URLs botocore's
     retry policy, a connection pool as large as the metadata concurrency and the session that bounds every
     request (``receive.session_class``); for ``http(s)://`` URLs no redirects followed, no bodies decoded and a
-    deadline on the requests fsspec itself makes (``HEAD``: ``receive.REQUEST_S``); hsstore's GETs and listings
+    deadline on the requests fsspec itself makes (``HEAD``: ``receive.request_s()``); hsstore's GETs and listings
     are ``receive``'s, bounded as they are made."""
     if url.startswith(("http://", "https://")):
         import aiohttp
@@ -135,7 +123,7 @@ def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 # Interactive commands (info, index, report, show) answer in seconds or fail saying why: a short connect
 # timeout, botocore's one retry and no second round from s3fs (S3_RETRIES and s3fs's 5 rounds are for jobs
-# that read or write for hours: a closed endpoint took 29 s to be reported, an unreachable one 45-59 s).
+# that read or write for hours, and would take tens of seconds to report a closed endpoint).
 S3_INTERACTIVE = {"connect_timeout": 3, "read_timeout": 15, "retries": {"mode": "standard", "total_max_attempts": 2}}
 S3FS_INTERACTIVE_RETRIES = 1
 INTERACTIVE = "hsstore_interactive"  # the option that asks ``resolve`` for s3fs's interactive retries (not passed on)

@@ -130,14 +130,10 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
     return out
 
 
-# "0": remote chunks are fetched as bytes objects and copied (``cat_verified``), as before ``cat_into``
-STREAM_READS_ENV = "HSSTORE_STREAM_READS"
-
-
-def stream_reads() -> bool:
-    """Whether remote objects are streamed into the reader's buffers (``cat_into``; the default) rather than
-    fetched whole as bytes and copied (``HSSTORE_STREAM_READS=0``, for paired comparison)."""
-    return os.environ.get(STREAM_READS_ENV, "") != "0"
+def streams(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``cat_into`` streams bodies into the buffers (s3fs: its client's body pieces are copied as they
+    arrive) rather than fetching each whole as bytes and copying it (every other filesystem)."""
+    return hasattr(fs, "_call_s3")
 
 
 def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
@@ -147,8 +143,9 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
     ``targets[path]`` in turn (as ``preadv`` does) with one ranged GET of their total size.
 
     Why: a body read as one bytes object is pieced together in fresh memory, twice (the HTTP parser's pieces,
-    then their join), and a process that faults in every byte it receives spends 1.5-3 CPU-s per GB on that
-    alone; streamed into buffers the loader recycles, the same reads cost ~0.8 (``tools/bench_source.py``).
+    then their join), and a process that faults in every byte it receives spends more CPU on that than on the
+    read; streamed into buffers the loader recycles, the same reads cost a fraction (docs/PERFORMANCE.md,
+    "Reading from S3").
     On s3fs the body's pieces are copied as they arrive; other filesystems fall back to ``cat_many`` + copy.
 
     ``check(path)`` (a checksum of the filled buffers) returns None or what is wrong: such objects are fetched
@@ -186,7 +183,7 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
 
 def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str, int | Exception]:
     """path -> bytes written into its views (or the exception that stopped the read)."""
-    if not (hasattr(fs, "_call_s3") and stream_reads()):
+    if not streams(fs):
         sizes = [sum(len(v) for v in vs) for vs in views.values()]
         blobs = cat_many(fs, list(views), sizes, concurrency)
         return {p: (b if isinstance(b, Exception) else receive.scatter(b, views[p])) for p, b in blobs.items()}

@@ -24,7 +24,6 @@ import functools
 import io
 import json
 import logging
-import mmap
 import posixpath
 import tarfile
 import time
@@ -38,7 +37,7 @@ from ..io import door, storage, transfer
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..io.memory import copy_bytes, mapped_reads, pread_fold, row_parts, scatter_rows, scratch
+from ..io.memory import pread_fold, row_parts, scatter_rows, scratch
 from ..format.report import Problem, VerifyReport
 
 if TYPE_CHECKING:
@@ -341,24 +340,16 @@ def _finish(job: _Job, npy: bytes | np.ndarray, data: np.ndarray, crc: int, shar
         scatter_rows(job.dest, (vals.reshape(-1, width) if width > 1 else vals)[job.rows])
 
 
-def _read_at(src: mmap.mmap | int, offset: int, buf: np.ndarray, crc: int | None = None) -> int:
-    """Copy ``buf.nbytes`` bytes of the tar from ``offset`` into ``buf``; a short file is corruption. Returns the
-    CRC32C of ``crc``'s bytes followed by these (``codec.crc32c``). ``src``: the open file's descriptor
-    (``preadv`` straight into ``buf``: the kernel's copy out of the page cache is the only one, each block
-    checksummed while in cache, ``memory.pread_fold``), or its mapping (``memory.mapped_reads``: copied on torch's
-    threads, then checksummed)."""
+def _read_at(fd: int, offset: int, buf: np.ndarray, crc: int | None = None) -> int:
+    """Copy ``buf.nbytes`` bytes of the tar open as ``fd`` from ``offset`` into ``buf`` with ``preadv`` (the
+    kernel's copy out of the page cache is the only one, each block checksummed while in cache,
+    ``memory.pread_fold``); a short file is corruption. Returns the CRC32C of ``crc``'s bytes followed by these
+    (``codec.crc32c``)."""
     n, flat = buf.nbytes, buf.reshape(-1).view(np.uint8)
-    if isinstance(src, int):
-        got, folded = pread_fold(src, flat, offset, codec.crc32c, crc)
-        if got != n:
-            raise EOFError(f"file ends {n - got} bytes early")
-        return codec.crc32c(flat, crc) if folded is None else folded  # nothing folded: an empty buffer's
-    if offset + n > len(src):
-        raise EOFError(f"file ends {offset + n - len(src)} bytes early")
-    view = np.frombuffer(src, np.uint8, count=n, offset=offset)
-    copy_bytes(flat, view)
-    del view  # release the mapping's buffer before it closes
-    return codec.crc32c(flat, crc)
+    got, folded = pread_fold(fd, flat, offset, codec.crc32c, crc)
+    if got != n:
+        raise EOFError(f"file ends {n - got} bytes early")
+    return codec.crc32c(flat, crc) if folded is None else folded  # nothing folded: an empty buffer's
 
 
 def _read_local(root: str, rec: CommitRecord, jobs: list[_Job]) -> None:
@@ -369,19 +360,14 @@ def _read_local(root: str, rec: CommitRecord, jobs: list[_Job]) -> None:
         with door.opened(root, key, bound=_tar_size(rec)) as (fd, size):  # cut short: members before the cut read
             if size == 0:
                 raise CorruptionError(f"shard {shard!r}, file {key}: empty (truncated)")
-            if not mapped_reads():
-                _read_jobs(fd, jobs, shard)
-                return
-            src = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private (torch may wrap it); never written
-            with src:
-                _read_jobs(src, jobs, shard)
+            _read_jobs(fd, jobs, shard)
     except FileNotFoundError:
         raise CorruptionError(f"shard {shard!r}, file {key}: missing") from None
     except door.Refused as e:
         raise CorruptionError(f"shard {shard!r}, file {key}: refused ({e.why})") from None
 
 
-def _read_jobs(src: mmap.mmap | int, jobs: list[_Job], shard: str) -> None:
+def _read_jobs(src: int, jobs: list[_Job], shard: str) -> None:
     for job in jobs:
         where = f"shard {shard!r}, member {job.name!r}"
         head = np.empty(BLOCK + len(job.header), np.uint8)

@@ -17,7 +17,6 @@ shard's metadata to; it never reads a store: a store's codecs are decoded only b
 from __future__ import annotations
 
 import contextlib
-import mmap
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -29,7 +28,7 @@ from ..io import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
-from ..io.memory import copy_bytes, mapped_reads, pread_fold, pread_into, row_parts, scatter_rows, scratch, torch_threads
+from ..io.memory import pread_fold, pread_into, row_parts, scatter_rows, scratch
 from ..format.report import Problem, VerifyReport
 from ..terminal import escape, shown
 
@@ -224,7 +223,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             key = chunk_key(array_path, k, 1 if width == 1 else 2)
             jobs.append((key, row_parts(out, lo - start, hi - start), slice(lo - k * ct, hi - k * ct), chunk_codec,
                          width, direct, out.dtype))
-    if carry is None and not direct and feature_codec.spec == "none" and transfer.stream_reads():
+    if carry is None and not direct and feature_codec.spec == "none":
         return _stream_into(src, rec, fs, root, jobs, ct)
     carried = carry or {}
     fetch = [j[0] for j in jobs if not j[5] and j[0] not in carried]
@@ -364,9 +363,8 @@ def read_chunk_into(root: str, key: str, dest: np.ndarray | Sequence[np.ndarray]
 
     The payload is read with ``preadv`` straight into ``dest``, its CRC32C folded in block by block while each
     block is in cache (``memory.pread_fold``), and the 4-byte tail into a small buffer: no mapping to fault in,
-    no second copy, no second pass over memory; the loader's reader threads read several chunks at once
-    (``memory.mapped_reads``: the former mapped path, for comparison). Committed chunks are never
-    rewritten, so the file cannot change under the read."""
+    no second copy, no second pass over memory; the loader's reader threads read several chunks at once.
+    Committed chunks are never rewritten, so the file cannot change under the read."""
     dests = [dest] if isinstance(dest, np.ndarray) else list(dest)
     if not all(d.flags.c_contiguous for d in dests):
         raise ValueError(f"{where}: the destination of a chunk read must be contiguous")
@@ -388,20 +386,11 @@ def _read_parts(root: str, key: str, parts: list[np.ndarray], where: str) -> tup
         with door.opened(root, key) as (fd, size):
             if size != n + 4:
                 raise CorruptionError(f"{where}: chunk is {size} bytes, expected {n + 4} (truncated?)")
-            if not mapped_reads() or torch_threads() == 1:  # checked block by block as it is read
-                tail = bytearray(4)
-                got, crc = pread_fold(fd, parts, 0, codec.crc32c)
-                if got != n or pread_into(fd, [tail], n) != 4:
-                    raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
-                return (codec.crc32c(b"") if crc is None else crc), bytes(tail)
-            with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as m:  # private: torch may wrap it
-                crc, at = None, 0
-                for p in parts:
-                    src = np.frombuffer(m, np.uint8, count=p.nbytes, offset=at)
-                    copy_bytes(p, src)
-                    del src  # release the buffer before the mapping closes
-                    crc, at = codec.crc32c(p, crc), at + p.nbytes
-                return (codec.crc32c(b"") if crc is None else crc), m[n:n + 4]
+            tail = bytearray(4)
+            got, crc = pread_fold(fd, parts, 0, codec.crc32c)  # checked block by block as it is read
+            if got != n or pread_into(fd, [tail], n) != 4:
+                raise CorruptionError(f"{where}: chunk ended early (truncated while reading?)")
+            return (codec.crc32c(b"") if crc is None else crc), bytes(tail)
     except FileNotFoundError:
         raise CorruptionError(f"{where}: chunk missing") from None
     except door.Refused as e:  # a link, a FIFO, not a regular file: never read

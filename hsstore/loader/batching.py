@@ -10,8 +10,8 @@ as not consumed, so a resumed run rebuilds the same batches.
 
 Its batches are planned before their samples are read (``BatchSlots``: the same rule over the plan's lengths),
 and the loader reads each sample straight into its slot of its batch: the features are written once on the
-host, by the read that checks them, and never copied again before the GPU (``HSSTORE_DIRECT_BATCHES=0``: read
-into unit buffers, then collated, the former path, for paired comparison).
+host, by the read that checks them, and never copied again before the GPU (a dataset that cannot plan ahead has
+its items read into unit buffers, then collated).
 """
 
 from __future__ import annotations
@@ -28,12 +28,6 @@ from ..io.memory import BufferPool, can_pin, empty_host, hand_over
 
 MODES = ("pad", "pack")
 POOLED_BATCHES = 4  # unpinned batches recycled in the main process: the one in use and those read ahead
-DIRECT_BATCHES_ENV = "HSSTORE_DIRECT_BATCHES"  # "0": items into unit buffers, then collated (the former path)
-
-
-def direct_batches() -> bool:
-    """Whether ``TokenBatches`` has samples read straight into their batch slots (``BatchSlots``; the default)."""
-    return os.environ.get(DIRECT_BATCHES_ENV, "") != "0"
 
 
 class TokenBudget:
@@ -296,9 +290,9 @@ class TokenBatches(IterableDataset):
 
     def _slots(self, it: Any, pin: bool) -> BatchSlots | None:
         """``BatchSlots`` for the iterator ``it`` of the dataset, placing its samples (None: it cannot plan
-        ahead, or ``HSSTORE_DIRECT_BATCHES=0``)."""
+        ahead)."""
         ds = self.dataset
-        if not (direct_batches() and hasattr(it, "place") and getattr(ds, "can_place", lambda: False)()):
+        if not (hasattr(it, "place") and getattr(ds, "can_place", lambda: False)()):
             return None
         features = ds.feature_layout()
         F, H, dtype, scaled, _ = features

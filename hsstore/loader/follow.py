@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .. import env
 from ..io import door, storage, transfer
 from ..errors import CorruptionError, StoreError
 from ..format import codec, commit, health, index, records, sessions
@@ -57,8 +58,6 @@ FORMAT = "hsstore-follow"
 VERSION = 1
 JOURNAL_FILE = "journal.json"
 KINDS = ("join", "stop", "end")
-POLL_ENV = "HSSTORE_FOLLOW_POLL_S"  # the longest pause between two looks at the stores (default 30)
-DEFAULT_POLL = (1.0, 30.0)  # seconds: first pause after an arrival, longest pause while nothing arrives
 READ_POLL = (0.05, 1.0)  # readers waiting for the journal's next entry (a local stat)
 REPORT_S = 60.0  # while nothing arrives, what epoch 0 waits for is said this often
 
@@ -68,12 +67,10 @@ class FollowStopped(StoreError):
 
 
 def poll_seconds() -> tuple[float, float]:
-    try:
-        longest = float(os.environ.get(POLL_ENV, DEFAULT_POLL[1]))
-    except ValueError:
-        longest = DEFAULT_POLL[1]
-    longest = max(0.01, longest)
-    return min(DEFAULT_POLL[0], longest), longest
+    """Seconds of a following reader's first pause after an arrival and of its longest pause while nothing
+    arrives (``env.FOLLOW_POLL_S``)."""
+    longest = max(env.FOLLOW_POLL_MIN_S, env.FOLLOW_POLL_S.get())
+    return min(env.FOLLOW_POLL_FIRST_S, longest), longest
 
 
 @dataclass(frozen=True)

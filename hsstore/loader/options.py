@@ -15,7 +15,7 @@ from .plan import EVEN_MODES, PARTITIONS, Filters
 DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_SHUFFLE_BYTES = 1 << 30
 DEFAULT_CACHE_BYTES = 64 << 30
-DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: one H200's drafter step
+DEFAULT_REMOTE_RATE = 2.5e9  # bytes/s per slot the remote read-ahead aims for: what a fast GPU's drafter step reads
 DEFAULT_READ_AHEAD_BYTES = 4 << 30  # at most this much read ahead per slot, however slow the requests
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..io import storage, transfer
 from ..layouts import wds
+from ..format import names
 from ..format.commit import layer_array
 from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from ..loader.options import Reading
@@ -68,13 +69,14 @@ def timed(fn, sync=None) -> float:
 
 
 def _loader_process(store_url: str, storage_options: dict[str, Any], layers: list[int], rank: int, world: int,
-                    workers: int, seed: int, start, results) -> None:
+                    workers: int, seed: int, start, results, allow: list[str]) -> None:
     """One of several concurrent loaders (a spawned process): open, read one epoch to warm up, wait for the
-    others, then time the next epoch.
+    others, then time the next epoch. ``allow``: the parent's allowed locations (``names.allowed()``).
     Its intra-op threads are its share of the cores, as torchrun's ranks (``OMP_NUM_THREADS``) would have them."""
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    names.allow_for_command(allow)
     from ..distributed import World
     from ..loader.dataset import HiddenStateDataset
     from ..loader.options import Planning
@@ -103,7 +105,8 @@ def _concurrent_loaders(store_url: str, storage_options: dict[str, Any], layers:
     for r in range(rounds):
         start, results = ctx.Barrier(procs), ctx.Queue()
         ps = [ctx.Process(target=_loader_process, args=(store_url, storage_options, layers, i, procs, workers, r,
-                                                         start, results)) for i in range(procs)]
+                                                         start, results, names.allowed()))
+              for i in range(procs)]
         for p in ps:
             p.start()
         got = sorted(results.get(timeout=3600) for _ in ps)
@@ -459,13 +462,15 @@ def feature_bytes(x: dict[str, Any]) -> int:
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
-                 partition: str, reading: Reading, token_budget: int, start, done, results) -> None:
+                 partition: str, reading: Reading, token_budget: int, start, done, results, allow: list[str]) -> None:
     """One rank of ``run_source_bench`` (a spawned process, on its share of the cores): every epoch waits for
     the parent (which drops the page cache and reads the proxy's counters in between), then reads its share: items,
-    or with ``token_budget`` the trainer's padded ``TokenBatches`` (pinned with ``reading.pin_memory``)."""
+    or with ``token_budget`` the trainer's padded ``TokenBatches`` (pinned with ``reading.pin_memory``); ``allow``:
+    the parent's allowed locations (``names.allowed()``)."""
     import resource
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    names.allow_for_command(allow)
     from ..distributed import World
     from ..loader.batching import TokenBatches
     from ..loader.dataset import HiddenStateDataset
@@ -638,7 +643,8 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         start, done, results = ctx.Barrier(procs + 1), ctx.Barrier(procs + 1), ctx.Queue()
         opts = storage_options if read_options is None else read_options
         ps = [ctx.Process(target=_source_rank, args=(store_url, opts, r, procs, epochs, partition, reading,
-                                                    token_budget, start, done, results)) for r in range(procs)]
+                                                    token_budget, start, done, results, names.allowed()))
+              for r in range(procs)]
         for p in ps:
             p.start()
         rows = []

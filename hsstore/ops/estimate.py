@@ -18,10 +18,10 @@ import math
 
 from ..store.writer import DEFAULT_SHARD_BYTES, default_chunk_tokens
 
-# This project's measured extraction throughput (BRIEF.md, 2026-12-01): one H200, a random-weight Qwen3.5
+# The reference extraction rate (docs/PERFORMANCE.md, "Extraction"): one GPU, a random-weight Qwen3.5
 # architecture at 27B scale (64 layers, hidden 5120), compiled, with the writer process. It holds for that
 # target only: a smaller target extracts faster, roughly in proportion to its FLOPs per token.
-H200_27B_TOKENS_PER_S = 11_049.0
+REFERENCE_TOKENS_PER_S = 11_049.0
 TOKEN_BYTES = 4 + 1  # input_ids int32 + loss_mask uint8
 FP8_SCALE_BYTES = 4
 
@@ -35,7 +35,7 @@ def feature_bytes_per_token(taps: int, hidden: int, encoding: str = "bf16") -> i
 
 
 def estimate(*, samples: int, tokens: int, layers: list[int], hidden: int,
-             tokens_per_s: float = H200_27B_TOKENS_PER_S, final_hidden: bool = False) -> dict:
+             tokens_per_s: float = REFERENCE_TOKENS_PER_S, final_hidden: bool = False) -> dict:
     """Sizes (bytes), GPU-hours and per-epoch reads for ``tokens`` tokens in ``samples`` samples."""
     if tokens_per_s <= 0:
         raise ValueError(f"tokens/s must be positive (got {tokens_per_s})")
@@ -63,8 +63,8 @@ def estimate(*, samples: int, tokens: int, layers: list[int], hidden: int,
         "store_bytes": {"bf16": store("bf16", False), "fp8": store("fp8", False),
                         "bf16_final_hidden": store("bf16", True), "fp8_final_hidden": store("fp8", True)},
         "tokens_per_s": float(tokens_per_s),
-        "tokens_per_s_note": ("this project's H200 figure for a 27B-scale Qwen3.5 target"
-                              if tokens_per_s == H200_27B_TOKENS_PER_S else "given"),
+        "tokens_per_s_note": ("the reference rate of a 27B-scale Qwen3.5 target on one GPU"
+                              if tokens_per_s == REFERENCE_TOKENS_PER_S else "given"),
         "gpu_hours": tokens / tokens_per_s / 3600.0,
         "epoch_read_bytes": {"bf16": data("bf16", False), "fp8": data("fp8", False)},
     }

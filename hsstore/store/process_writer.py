@@ -1,13 +1,12 @@
 """ProcessWriter: a :class:`StoreWriter` that runs in a child process, fed through shared memory.
 
-Why: during extraction the Python thread that launches the GPU's kernels shares one interpreter (and
-its GIL, its cores' caches) with everything the writer does: copying samples into shard buffers,
-checksums, file writes, fsync. Measured on an H200, that in-process work cost the forward about 6-12%.
-Here the writer lives in its own process. The producer copies features from the GPU straight into a
-*staging* buffer of shared memory (pinned for the GPU by the producer), then sends only the sample's
-place in it plus its ids and mask; the child copies from there into its shard buffers and uploads.
-``sync()`` returns once the child has taken everything sent so far, so the producer knows when a
-staging region may be reused.
+Why: during extraction the Python thread that launches the GPU's kernels shares one interpreter (and its GIL, its
+cores' caches) with everything the writer does: copying samples into shard buffers, checksums, file writes, fsync:
+in-process, that work slows the forward (docs/PERFORMANCE.md). Here the writer lives in its own process. The
+producer copies features from the GPU straight into a *staging* buffer of shared memory (pinned for the GPU by the
+producer), then sends only the sample's place in it plus its ids and mask; the child copies from there into its
+shard buffers and uploads. ``sync()`` returns once the child has taken everything sent so far, so the producer knows
+when a staging region may be reused.
 
 The child is this package's own code, started with ``spawn`` (safe after CUDA has been initialised);
 the pipe between the two carries plain tuples of str/int/numpy arrays, never data from outside.

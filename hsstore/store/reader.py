@@ -115,7 +115,8 @@ class Store:
         """``use_index=False`` reads every commit record one by one (what ``verify`` compares the index with);
         ``loaded``: manifest, records and index use read elsewhere (``open_shared``: rank 0's).
         ``allow_locations``: prefixes (URLs, local paths) that shards merged by reference may be read from, besides
-        the store itself; ``HSSTORE_ALLOW_LOCATIONS`` adds more (``names.location``: local system paths never).
+        the store itself; ``names.allowed`` adds the command's and ``env.ALLOW_LOCATIONS``'s (``names.location``:
+        local system paths never).
 
         The records are held as columns (``self.table``, ``records.RecordTable``); ``self.commits`` is the
         sequence of :class:`CommitRecord`, each parsed when first asked for."""
@@ -142,8 +143,7 @@ class Store:
         self._by_name: dict[str, int] | None = None  # shard name -> row, made when first needed
         # shards merged by reference live in another store: shard name -> that store's URL
         # (a location outside the store, unless allowed: refused when the shard is read, named by verify)
-        self.allow_locations = list(allow_locations or ())
-        allow = names.allowed(self.allow_locations)
+        self.allow_locations = allow = names.allowed(allow_locations)
         self.locations, self.bad_locations = {}, {}
         elsewhere = [c for c, v in enumerate(t.location.values) if v is not None]
         for i in np.flatnonzero(np.isin(t.location.codes, elsewhere)).tolist():

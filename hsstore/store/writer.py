@@ -147,10 +147,12 @@ class StoreWriter:
         expects: list[str] | None = None,
         planned_samples: int | None = None,
         planned_tokens: int | None = None,
+        record_stats: bool = True,
     ) -> None:
         """``expects``: the writer tags of this writer's job (extraction: every rank's), so a follower of the store
         waits for all of them; ``planned_samples``/``planned_tokens``: what this session means to write, which a
-        follower's schedule is estimated from (``format/sessions.py``)."""
+        follower's schedule is estimated from (``format/sessions.py``). ``record_stats=False``: no feature value
+        statistics in the commit records (a store as older versions wrote it; a benchmark of their cost)."""
         self.url = url
         self.storage_options = storage_options or {}
         self.fs, self.root = destination.open_destination(url, self.storage_options, layout.own_objects())
@@ -172,7 +174,7 @@ class StoreWriter:
         self.session = uuid.uuid4().hex[:8]
         # this session's records in one index segment (format/index.py), rewritten every ``index_every`` commits
         self._index = index.SegmentAppender(self.fs, self.root, f"{self.tag}-{self.session}", index_every)
-        self.check_finite = check_finite
+        self.check_finite, self.record_stats = check_finite, record_stats
         token_bytes = codec.token_bytes(self.manifest.dtype, self.manifest.encoding, len(self.all_features), self.hidden)
         self.capacity = max(1, shard_bytes // token_bytes)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="hsstore-writer")
@@ -299,8 +301,8 @@ class StoreWriter:
                 self._new_buffer(T)
         region = self._buf_bits[:, self._fill:self._fill + T]
         for j, x in enumerate(layers):
-            # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starved the
-            # extraction thread that launches the GPU's kernels (measured: 0.79x vs 0.91x of forward speed).
+            # numpy, not torch: one core with the GIL released. torch's multi-threaded copy starves the
+            # extraction thread that launches the GPU's kernels (docs/PERFORMANCE.md, "Design choices").
             region[j] = x
         if scales is not None:
             self._scales[:, self._fill:self._fill + T] = np.stack(scales)
@@ -314,7 +316,7 @@ class StoreWriter:
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
                 if bad is not None:  # the region is simply overwritten by the next sample
                     raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
-        if health.enabled():
+        if self.record_stats:
             if feature_stats is None:
                 sc = self._scales[:, self._fill:self._fill + T] if scales is not None else None
                 feature_stats = health.bits_stats(self._buf[:, self._fill:self._fill + T],

@@ -206,35 +206,25 @@ class LayoutContract:
         report = verify(reader.open(url))
         assert not report.ok and any(name in str(p) and set(hit) & set(p.samples) for p in report.problems)
 
-    @pytest.mark.parametrize("mapped", [False, True], ids=["preadv", "mapped"])
-    def test_local_read_paths_agree_and_name_damage(self, tmp_path, monkeypatch, mapped):
-        """Local reads go by ``preadv`` into the destination (default) or by mapping and copying on torch's
-        threads (``HSSTORE_MAPPED_READS=1``): both give the written bits through ``read`` and the loader, and a
-        feature file cut short is one ``CorruptionError`` naming the shard under both."""
-        from ..io.memory import MAPPED_READS_ENV
-
-        monkeypatch.setenv(MAPPED_READS_ENV, "1" if mapped else "0")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)  # the mapped path copies on several threads only
-        try:
-            samples = make_samples(24, max_len=150)
-            url = self.loader_store(str(tmp_path / "s"), samples)
-            store = reader.open(url)
-            assert len(store.commits) > 1
-            assert_same(store, samples)
-            by_id = {s["sample_id"]: s for s in samples}
-            got = {item["sample_id"]: item for item in dataset(url)}
-            assert sorted(got) == sorted(by_id)
-            for sid, item in got.items():
-                assert torch.equal(bits(item["hidden_states"]), bits(by_id[sid]["hidden_states"]))
-                assert torch.equal(item["input_ids"], by_id[sid]["input_ids"])
-            rec = store.commits[1]
-            path, offset, _, _ = self.feature_byte(store, 1, 1, 5)
-            os.truncate(path, offset)
-            with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}'"):
-                reader.open(url).read(store.commits[0].n_samples + 1)
-        finally:
-            torch.set_num_threads(threads)
+    def test_local_reads_give_the_written_bits_and_name_damage(self, tmp_path):
+        """Local reads go by ``preadv`` into the destination, checked block by block: the written bits through
+        ``read`` and the loader, and a feature file cut short is one ``CorruptionError`` naming the shard."""
+        samples = make_samples(24, max_len=150)
+        url = self.loader_store(str(tmp_path / "s"), samples)
+        store = reader.open(url)
+        assert len(store.commits) > 1
+        assert_same(store, samples)
+        by_id = {s["sample_id"]: s for s in samples}
+        got = {item["sample_id"]: item for item in dataset(url)}
+        assert sorted(got) == sorted(by_id)
+        for sid, item in got.items():
+            assert torch.equal(bits(item["hidden_states"]), bits(by_id[sid]["hidden_states"]))
+            assert torch.equal(item["input_ids"], by_id[sid]["input_ids"])
+        rec = store.commits[1]
+        path, offset, _, _ = self.feature_byte(store, 1, 1, 5)
+        os.truncate(path, offset)
+        with pytest.raises(CorruptionError, match=rf"shard '{rec.shard}'"):
+            reader.open(url).read(store.commits[0].n_samples + 1)
 
     def test_missing_shard_named(self, tmp_path):
         samples = make_samples(12)
