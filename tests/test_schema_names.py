@@ -102,8 +102,8 @@ def test_no_class_name_means_two_things_across_the_packages():
                 if isinstance(node, ast.ClassDef):
                     where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     twice = {n: w for n, w in where.items() if len(w) > 1}
-    # left as they are: the door's and the receiver's refusals (an error of each floor) and two private handlers
-    assert set(twice) <= {"Refused", "_Handler"}, twice
+    # left as they are: two private handlers of tests' servers
+    assert set(twice) <= {"_Handler"}, twice
 
 
 if __name__ == "__main__":

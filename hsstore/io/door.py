@@ -204,7 +204,7 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
     if size is None and bound > receive.UNDECLARED_CAP and receive.is_http(fs):  # an HTTP listing gives no size:
         try:  # the server's HEAD says one, or the object is read only up to a small bound (a body without end)
             declared = receive.object_size(fs, path)
-        except receive.Refused as e:
+        except receive.AnswerRefused as e:
             raise Refused(where, key, e.why) from None
         if declared is not None:
             _check_size(declared, None, bound, key, where)
@@ -219,14 +219,14 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
                     else fs.cat_file(path, start=0, end=bound + 1))
         except FileNotFoundError:
             raise
-        except receive.Refused as e:
+        except receive.AnswerRefused as e:
             raise Refused(where, key, e.why) from None
         except OSError as e:
             if "InvalidRange" in str(e) or "416" in str(e):  # an empty object has no byte 0
                 data = b""
             else:
                 raise
-    if isinstance(data, receive.Refused):
+    if isinstance(data, receive.AnswerRefused):
         raise Refused(where, key, data.why)
     if isinstance(data, Exception):
         raise data
@@ -268,7 +268,7 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
         data = got.get(p)
         if isinstance(data, (bytes, bytearray)) and len(data) != sizes[k]:
             data = WrongSize(where, k, f"size {len(data)} != committed {sizes[k]} (truncated or rewritten)")
-        elif isinstance(data, receive.Refused):  # what the server sent or declared past the size: the door's refusal
+        elif isinstance(data, receive.AnswerRefused):  # what the server sent or declared past the size: the door's refusal
             data = Refused(where, k, data.why)
         out[k] = data
     return out

@@ -118,13 +118,13 @@ def list_detail_split(fs: fsspec.AbstractFileSystem, path: str, splits: list[str
             while True:
                 pages += 1
                 if pages > receive.LIST_PAGES:
-                    raise receive.Refused(f"listing of s3://{bucket}/{prefix}", f"more than {receive.LIST_PAGES:,} "
+                    raise receive.AnswerRefused(f"listing of s3://{bucket}/{prefix}", f"more than {receive.LIST_PAGES:,} "
                                                                                 "pages; an endless listing?")
                 page = await fs._call_s3("list_objects_v2", **kw)
                 keys = [c["Key"] for c in page.get("Contents", [])] + [c["Prefix"] for c in
                                                                        page.get("CommonPrefixes", [])]
                 if last is not None and any(k <= last for k in keys):  # a listing only moves forward
-                    raise receive.Refused(f"listing of s3://{bucket}/{prefix}", "a page repeats or goes back "
+                    raise receive.AnswerRefused(f"listing of s3://{bucket}/{prefix}", "a page repeats or goes back "
                                                                                 "before the last one; an endless listing?")
                 last = max(keys, default=last)
                 done = False

@@ -16,7 +16,7 @@ GET of a remote store's object, every listing page and every S3 request comes th
 - no redirect followed (HTTP); on S3 an answer that came through a redirect to another origin is refused;
 - listings: each page at most ``PAGE_CAP`` (HTML: ``HTML_PAGE_CAP``) bytes, at most ``LIST_PAGES`` pages.
 
-A refusal is ``Refused`` (a ``CorruptionError``) and a deadline ``DeadlineError`` (an ``OSError``, never retried
+A refusal is ``AnswerRefused`` (a ``CorruptionError``) and a deadline ``DeadlineError`` (an ``OSError``, never retried
 by s3fs or botocore), each one line naming the URL and the bound. Only ``door`` and the storage modules under it
 (``transfer``, ``listing``) call this.
 """
@@ -38,7 +38,7 @@ PIECE = 1 << 20  # bytes asked of a body at a time
 UNDECLARED_CAP = 64 << 20  # an HTTP object whose size neither a listing nor its server says: read at most this
 
 
-class Refused(CorruptionError):
+class AnswerRefused(CorruptionError):
     """An answer hsstore will not take: more bytes than asked for (declared or sent), an encoded body, a
     redirect, a listing past its bounds. ``what`` (the URL) and ``why`` are kept apart, for ``door``."""
 
@@ -122,11 +122,11 @@ async def read_body(read: Callable[[int], Any], limit: int, clock: Clock) -> byt
     return bytes(buf) if len(buf) <= limit else buf  # past the limit the caller sees only its length: no copy
 
 
-def _encoding_refused(what: str, headers) -> Refused | None:
+def _encoding_refused(what: str, headers) -> AnswerRefused | None:
     enc = (headers.get("Content-Encoding") or "identity").strip().lower()
     if enc in ("", "identity"):
         return None
-    return Refused(what, f"Content-Encoding {enc!r}: a store's objects are read as stored, never decoded on the way")
+    return AnswerRefused(what, f"Content-Encoding {enc!r}: a store's objects are read as stored, never decoded on the way")
 
 
 def _origin(url: str) -> tuple[str, str | None, int | None]:
@@ -156,7 +156,7 @@ def _http_status(r, url: str) -> None:
     if r.status == 404:
         raise FileNotFoundError(url)
     if 300 <= r.status < 400:
-        raise Refused(url, f"{r.status} redirects to {r.headers.get('Location')!r}; a store is read from its own URL, "
+        raise AnswerRefused(url, f"{r.status} redirects to {r.headers.get('Location')!r}; a store is read from its own URL, "
                            "redirects are not followed")
     r.raise_for_status()
 
@@ -241,13 +241,13 @@ async def http_get(fs, url: str, start: int, end: int, size: int | None = None) 
             declared = r.content_length
             if r.status == 206 or (start == 0 and size is None):
                 if declared is not None and declared > n:
-                    raise Refused(url, f"the answer declares {declared:,} bytes, {n:,} were asked for")
+                    raise AnswerRefused(url, f"the answer declares {declared:,} bytes, {n:,} were asked for")
                 data = await read_body(r.content.read, n, clock)
                 if len(data) > n and r.status == 206:
-                    raise Refused(url, f"the answer holds more than the {n:,} bytes asked for; cut")
+                    raise AnswerRefused(url, f"the answer holds more than the {n:,} bytes asked for; cut")
                 return data[:n + 1]  # (an unsized read sees the object exceed its bound: the caller refuses it)
             if size is not None and declared is not None and declared != size:  # Range ignored: the whole object
-                raise Refused(url, f"the object is {declared:,} bytes, its record lists {size:,}")
+                raise AnswerRefused(url, f"the object is {declared:,} bytes, its record lists {size:,}")
             data = await read_body(r.content.read, end, clock)  # read up to the range's end, never past it
             return data[start:end]
 
@@ -279,11 +279,11 @@ async def http_list(fs, url: str) -> list[str]:
             if refused:
                 raise refused
             if r.content_length is not None and r.content_length > HTML_PAGE_CAP:
-                raise Refused(page, f"an index page that declares {r.content_length:,} bytes, more than the "
+                raise AnswerRefused(page, f"an index page that declares {r.content_length:,} bytes, more than the "
                                     f"{HTML_PAGE_CAP:,} a listing may take")
             data = await read_body(r.content.read, HTML_PAGE_CAP, clock)
             if len(data) > HTML_PAGE_CAP:
-                raise Refused(page, f"an index page of more than the {HTML_PAGE_CAP:,} bytes a listing may take; cut")
+                raise AnswerRefused(page, f"an index page of more than the {HTML_PAGE_CAP:,} bytes a listing may take; cut")
             return data
 
     data = await bounded(go(), clock, HTML_PAGE_CAP)
@@ -343,11 +343,11 @@ async def s3_get(fs, path: str, start: int, end: int) -> bytes:
 
     async def consume(body, declared, clock: Clock) -> bytes:
         if declared is not None and declared > n:
-            raise Refused(f"s3://{path}", f"the answer declares {declared:,} bytes, {n:,} were asked for")
+            raise AnswerRefused(f"s3://{path}", f"the answer declares {declared:,} bytes, {n:,} were asked for")
         stream = getattr(getattr(body, "raw_stream", None), "content", None)
         data = await read_body(stream.read if stream is not None else body.read, n, clock)
         if len(data) > n:
-            raise Refused(f"s3://{path}", f"the answer holds more than the {n:,} bytes asked for; cut")
+            raise AnswerRefused(f"s3://{path}", f"the answer holds more than the {n:,} bytes asked for; cut")
         return data
 
     return await _s3_read(fs, path, start, end, consume)
@@ -510,13 +510,13 @@ def session_class():
             raw = resp.raw
             if getattr(raw, "history", None) and _origin(raw.url) != _origin(request.url):
                 raw.close()
-                raise Refused(clock.what, f"redirected to {_origin(raw.url)[1]!r}; a store is read from its own "
+                raise AnswerRefused(clock.what, f"redirected to {_origin(raw.url)[1]!r}; a store is read from its own "
                                           "endpoint only")
             if not streaming:
                 declared = int(resp.headers.get("content-length") or 0)
                 if declared > PAGE_CAP:
                     raw.close()
-                    raise Refused(clock.what, f"the answer declares {declared:,} bytes, more than the {PAGE_CAP:,} a "
+                    raise AnswerRefused(clock.what, f"the answer declares {declared:,} bytes, more than the {PAGE_CAP:,} a "
                                               "listing page or a reply may take")
                 try:
                     data = await bounded(read_body(raw.content.read, PAGE_CAP, clock), clock, PAGE_CAP)
@@ -525,7 +525,7 @@ def session_class():
                     raise
                 if len(data) > PAGE_CAP:
                     raw.close()
-                    raise Refused(clock.what, f"an answer of more than {PAGE_CAP:,} bytes; cut")
+                    raise AnswerRefused(clock.what, f"an answer of more than {PAGE_CAP:,} bytes; cut")
                 resp._content = data
             return resp
 
