@@ -42,6 +42,7 @@ from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
 from hsstore.app.target import base_model, decoder_layers, load_target
+from hsstore.app.threads import threads_for_model
 from .compare import Agreement, Bound, agreement, bound_of, bound_rule, depth_of
 from .target import DTYPES, identity_from_model_dir, weights_hash
 
@@ -321,7 +322,8 @@ def identity_notes(manifest, model_dir: str) -> tuple[list[str], bool]:
 
 
 def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str | None = None,
-          storage_options: dict[str, Any] | None = None, progress: bool = True) -> AuditReport:
+          storage_options: dict[str, Any] | None = None, progress: bool = True,
+          cpu_threads: int | None = None) -> AuditReport:
     """Compare the features of ``samples`` stored samples with ``model_dir``'s reference forward (module
     docstring); raises ValueError for a model that is not the store's target's shape."""
     from hsstore.store import reader
@@ -335,6 +337,7 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     chosen = chosen_samples(store, samples, progress)
     log.info("audit: %d samples chosen; loading %s on %s", len(chosen), model_dir, describe(dev))
     model = load_target(model_dir, DTYPES[m.dtype], dev, progress=progress)
+    threads_for_model(cpu_threads, model, dev, "audit")
     mine = weights_hash(model)
     if m.target.weights_hash and m.target.weights_hash != mine:
         notes.append(f"the store was extracted from other weights than {model_dir}'s (weights_hash "

@@ -90,7 +90,8 @@ def add_check(subparsers) -> None:
         description="Tokenize the input with the target's chat template and check per-sample loss-mask "
         "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
     )
-    add_arguments(p, CheckSettings)
+    groups = add_arguments(p, CheckSettings)
+    add_quiet_option(groups["report"])
     p.set_defaults(func=run_check)
 
 
@@ -102,6 +103,7 @@ def add_show(subparsers) -> None:
         "tokens highlighted (color on a terminal, ⟦ ⟧ otherwise).",
     )
     groups = add_arguments(s, ShowSettings)
+    add_quiet_option(groups["output"])
     add_storage_option(groups["input"])
     s.set_defaults(func=run_show)
 
@@ -195,7 +197,8 @@ def add_demo(subparsers) -> None:
         help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
         "check, extract, info, verify, train a drafter, eval on held-out prompts (about 2 minutes on 2 CPU cores)",
     )
-    add_arguments(d, DemoSettings)
+    groups = add_arguments(d, DemoSettings)
+    add_quiet_option(groups["demo"])
     d.set_defaults(func=run_demo_cmd)
 
 
@@ -293,7 +296,7 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
     settings = from_args(AuditSettings, args, **shared_overrides(args))
     a = settings.input
     report = audit(a.url, a.model, samples=a.samples, device=a.device, storage_options=a.storage_options,
-                   progress=settings.run.progress)
+                   progress=settings.run.progress, cpu_threads=a.cpu_threads)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     else:
@@ -430,4 +433,4 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     demo = from_args(DemoSettings, args).demo
-    return run_demo(demo.out, device=demo.device)
+    return run_demo(demo.out, device=demo.device, cpu_threads=demo.cpu_threads, quiet=args.quiet)

@@ -184,27 +184,31 @@ def demo_target_and_data(out: Path, dev: str, why: str = "--device") -> tuple[Pa
 
 
 def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS,
-             eval_samples: int = EVAL_SAMPLES, device: str | None = None) -> int:
-    """``device``: what every step runs on (default: the GPU when there is one, else the CPU)."""
+             eval_samples: int = EVAL_SAMPLES, device: str | None = None, cpu_threads: int | None = None,
+             quiet: bool = False) -> int:
+    """``device``: what every step runs on (default: the GPU when there is one, else the CPU); ``cpu_threads``
+    and ``quiet`` are passed to the steps that take them (``--cpu-threads``, ``-q``)."""
     t0 = time.perf_counter()
     out = Path(out)
     dev, why = choose_device(device)
+    threads = [] if cpu_threads is None else ["--cpu-threads", str(cpu_threads)]
+    q = ["-q"] if quiet else []
     prepare_out(out)
     _STEPS.clear()
     step("1/7 the tiny trained Qwen3.5-architecture target and its data")
     target, convs, heldout = demo_target_and_data(out, dev, why)
     store = str(out / "store")
     step("2/7 quality gate on the conversations (hsstore check)")
-    rc = timed("check", run, ["check", "--model", str(target), "--input", str(convs)])
+    rc = timed("check", run, ["check", "--model", str(target), "--input", str(convs), *q])
     if rc not in (0, 1):
         return rc
     step("3/7 extract hidden states (hsstore extract)")
     rc = timed("extract", run, ["extract", "--model", str(target), "--input", str(convs), "--out", store, "--device",
-                                dev])
+                                dev, *threads, *q])
     if rc:
         return rc
     step("4/7 what the store holds (hsstore info)")
-    rc = run(["info", store])
+    rc = run(["info", store, *q])
     if rc:
         return rc
     step("5/7 re-read and check every byte (hsstore verify)")
@@ -217,7 +221,7 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
     target.rename(hidden)  # training must not need it
     try:
         rc = timed("train", run, ["train", "--store", store, "--out", run_dir, "--steps", str(train_steps),
-                                  *TRAIN_FLAGS, "--device", dev])
+                                  *TRAIN_FLAGS, "--device", dev, *threads, *q])
     finally:
         hidden.rename(target)
     if rc:
@@ -227,14 +231,14 @@ def run_demo(out: str | Path = "hsstore-demo", *, train_steps: int = TRAIN_STEPS
           f"draft-position accuracy {rows[0]['acc']:.3f} -> {rows[-1]['acc']:.3f}; teacher-forced tau "
           f"{rows[0]['tau']:.2f} -> {rows[-1]['tau']:.2f}")
     for what, path in ((store, out / "store.html"), (run_dir, out / "run.html")):  # pictures to open in a browser
-        rc = run(["report", what, "--out", str(path)])
+        rc = run(["report", what, "--out", str(path), *q])
         if rc:
             return rc
 
     step("7/7 speculative decoding on held-out prompts: the target alone vs the target + drafter (hsstore eval)")
     buf = io.StringIO()
     argv = ["eval", "--store", store, "--drafter", run_dir, "--model", str(target), "--input", str(heldout),
-            "--num-samples", str(eval_samples), *EVAL_FLAGS, "--device", dev, "--json"]
+            "--num-samples", str(eval_samples), *EVAL_FLAGS, "--device", dev, *threads, *q, "--json"]
     print("$ hsstore " + shlex.join(argv), flush=True)
     def quiet_eval():
         with contextlib.redirect_stdout(buf):  # its --json report is read below

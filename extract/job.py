@@ -28,6 +28,7 @@ from hsstore.app import schema
 from hsstore.layouts import base as layout
 from hsstore.format.serving import TapPlan
 from hsstore.app.target import decoder_layers, load_target, to_device
+from hsstore.app.threads import threads_for_model
 
 from .compile_check import EXTRA_KEY, CompileCheck, check_first_batch
 from .forward import extract_batches, token_budget_batches
@@ -204,6 +205,7 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
         model = load_target(settings.input.model, DTYPES[settings.forward.dtype], device,
                             progress=settings.run.progress)
     model = to_device(model, device)  # a target given already loaded too gets the kernels (once per process)
+    threads_for_model(settings.forward.cpu_threads, model, device, f"rank {rank}: extract")
     decoder_params = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters())
     choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
     result.compiled = choice.compile

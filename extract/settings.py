@@ -23,6 +23,7 @@ from typing import Any
 from hsstore.format import layout_spec
 from hsstore.format.serving import parse_serve
 from hsstore.app.devices import device_option
+from hsstore.app.threads import cpu_threads_option
 from hsstore.app.schema import from_args, option, section
 
 from .gate import GateThresholds
@@ -167,6 +168,7 @@ class Capture:
 @dataclass
 class Forward:
     device: str | None = device_option()
+    cpu_threads: int | None = cpu_threads_option("the target's forward on a CPU")
     dtype: str = option("bfloat16", choices=DTYPE_CHOICES, help="the target's dtype, and the stored features'")
     token_budget: int | None = option(None, help="padded tokens per forward batch (default: 16384 on a GPU, 4096 "
                                                  "on a CPU)")
@@ -308,6 +310,7 @@ class AuditInput:
                           help="samples to recompute: the N whose input_ids hash lowest, the same in every copy of "
                                "the store (default 8)")
     device: str | None = device_option("for the reference forward")
+    cpu_threads: int | None = cpu_threads_option("the reference forward on a CPU")
     storage_options: dict[str, Any] = _storage_options()
 
 
@@ -488,6 +491,7 @@ class Demo:
     device: str | None = device_option("for extraction, training and eval",
                                        default="the device the demo runs fastest on, said with why: the CPU, also "
                                                "beside a GPU, for its tiny models")
+    cpu_threads: int | None = cpu_threads_option("extraction, training and eval on a CPU")
 
 
 @dataclass

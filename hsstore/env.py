@@ -116,10 +116,6 @@ CACHE_DIR = Switch(
     "HSSTORE_CACHE_DIR", "path", None, USER,
     "where hsstore demo and the tests keep the tiny targets they build, reused while their inputs are unchanged",
     shown="hsstore-cache in the temp dir")
-EVAL_THREADS = Switch(
-    "HSSTORE_EVAL_THREADS", "count", None, USER,
-    "torch threads for hsstore eval's decoding on a CPU",
-    shown="by the model's size: one for a tiny model, every core for a large one")
 # Small objects (commit records, index segments) are read many at once: latency, not bandwidth, is their cost.
 # s3fs's connection pool is raised to match (botocore's default of 10 connections caps the requests in flight).
 METADATA_CONCURRENCY = Switch(
@@ -154,7 +150,7 @@ REPORT_SCREENSHOT = Switch(
     "where tests/test_html_report.py keeps the browser's picture of a report, to look at", shown="none kept")
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    ALLOW_LOCATIONS, CACHE_DIR, EVAL_THREADS, METADATA_CONCURRENCY, REQUEST_S, MIN_RATE, HEAD_S, WRITER_HEARTBEAT_S,
+    ALLOW_LOCATIONS, CACHE_DIR, METADATA_CONCURRENCY, REQUEST_S, MIN_RATE, HEAD_S, WRITER_HEARTBEAT_S,
     FOLLOW_POLL_S, CONV, REPORT_SCREENSHOT)}
 
 # switches hsstore no longer reads, and why: a variable still set is warned about by name, never silently ignored
@@ -163,6 +159,7 @@ REMOVED: dict[str, str] = {
     PREFIX + "READ_BLOCK": "reads are always checksummed block by block as they arrive",
     PREFIX + "STREAM_READS": "uncompressed S3 chunks are always streamed into their destination",
     PREFIX + "DIRECT_BATCHES": "TokenBatches always reads samples into their batch slots when the dataset can plan",
+    PREFIX + "EVAL_THREADS": "eval takes --cpu-threads N, as every command that runs a model",
     PREFIX + "FEATURE_STATS": "writers always record feature statistics; StoreWriter(record_stats=False) leaves them out",
 }
 
@@ -187,6 +184,9 @@ OTHERS: tuple[Other, ...] = (
           "and its CPU threads"),
     Other("AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL", "hsstore/io/storage.py",
           "an S3 endpoint set for botocore: named in messages, its credentials redacted"),
+    Other("OMP_WAIT_POLICY", "hsstore/env.py (set, unless already set, before torch loads)",
+          "PASSIVE: torch's idle OpenMP threads sleep between parallel regions instead of spinning on cores a "
+          "neighbour holds"),
     Other("TRITON_CACHE_DIR", "hsstore/app/target.py", "where Triton keeps compiled kernels: an empty cache means "
           "fla's kernels compile on the first forward, which extraction says"),
     Other("WANDB_PROJECT, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME", "train/tracking.py",
@@ -196,6 +196,23 @@ OTHERS: tuple[Other, ...] = (
     Other("AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and the other secrets redaction.SECRET_ENV lists",
           "hsstore/redaction.py", "their values are scrubbed from every message and log line"),
 )
+
+
+# OpenMP, torch's CPU thread pool, keeps its idle threads spinning for a while after each parallel region: beside a
+# busy neighbour they spin on cores the neighbour holds, and every region waits for the slowest. PASSIVE makes them
+# sleep at once. libgomp reads the variable once, when torch loads it.
+OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def passive_openmp() -> bool:
+    """Ask for OpenMP's passive wait policy, unless the user chose one: before torch is imported (afterwards it is
+    too late, and this returns False). Child processes (torchrun's ranks, DataLoader workers) inherit it."""
+    import sys
+
+    if "torch" in sys.modules:
+        return os.environ.get(OMP_WAIT, "").upper() == "PASSIVE"
+    os.environ.setdefault(OMP_WAIT, "PASSIVE")
+    return True
 
 
 _WARNED: set[str] = set()

@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from hsstore.format.manifest import Manifest
-from hsstore.testing.ports import free_port
+from hsstore import env
+
+env.passive_openmp()  # before torch loads, as the command line does: idle OpenMP threads sleep, never spin
+
+from hsstore.format.manifest import Manifest  # noqa: E402
+from hsstore.testing.ports import free_port  # noqa: E402
 from hsstore.testing.stores import make_manifest, make_samples, write_samples  # noqa: F401  (tests import them here)
 
 
@@ -181,6 +185,16 @@ def tiers_by_rule(item: pytest.Item) -> set[str]:
     if "spawn" in case or any(_starts_a_program(f, seen) for f in [item.function, *fixtures]):
         tiers.add("slow")
     return tiers
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests' CPU threads by the commands' rule (``hsstore.app.threads``): their models are tiny, so one thread,
+    within the cores this process may use; commands the tests start choose their own the same way."""
+    import torch
+
+    from hsstore.app.threads import default_threads, usable_cores
+
+    torch.set_num_threads(default_threads(0, usable_cores()))
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects

@@ -54,7 +54,8 @@ def register_export(subparsers) -> None:
         "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
         "OUT must not exist or be empty.",
     )
-    add_arguments(x, ExportDrafterSettings)
+    groups = add_arguments(x, ExportDrafterSettings)
+    add_quiet_option(groups["export"])
     x.set_defaults(func=run_export)
 
 
@@ -76,7 +77,7 @@ def register_eval(subparsers) -> None:
         "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
         "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
         "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
-        "one thread (HSSTORE_EVAL_THREADS=N to choose).",
+        "one thread (--cpu-threads N to choose).",
     )
     groups = add_arguments(e, EvalSettings)
     add_quiet_option(groups["run"])
@@ -200,7 +201,8 @@ def run_eval(args: argparse.Namespace) -> int:
     report = evaluate_target(settings.input.store, settings.input.drafter, spec.model, spec.input,
                              storage_options=settings.storage.storage_options, device=settings.run.device,
                              dtype=spec.dtype, num_samples=spec.num_samples, thinking=spec.thinking,
-                             max_new_tokens=spec.max_new_tokens, progress=settings.run.progress)
+                             max_new_tokens=spec.max_new_tokens, progress=settings.run.progress,
+                             cpu_threads=settings.run.cpu_threads)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_text())
     return 0
 
@@ -213,6 +215,6 @@ def run_store_eval(settings: EvalSettings, as_json: bool) -> int:
                             storage_options=settings.storage.storage_options, device=settings.run.device,
                             token_budget=settings.store_eval.token_budget,
                             anchor_chunk=settings.store_eval.anchor_chunk, cache_dir=settings.store_eval.cache_dir,
-                            progress=settings.run.progress)
+                            progress=settings.run.progress, cpu_threads=settings.run.cpu_threads)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
     return 0

@@ -24,6 +24,7 @@ from typing import Any
 from hsstore.app.config import absolute_path
 from hsstore.redaction import recordable_url
 from hsstore.app.devices import DEVICE_DEFAULTS, device_option
+from hsstore.app.threads import cpu_threads_option
 from hsstore.app.schema import flat, old_names, option, resume_keys, section
 
 from . import tracking
@@ -121,8 +122,8 @@ class Data:
     workers: int = option(0, resume=True, help="loader worker processes per rank (needs torchdata): on a GPU, for "
                                               "a remote store; on a CPU they take the cores the step computes on")
     prefetch: int = option(2, help="batches read (and copied to the GPU) ahead")
-    cpu_threads: int | None = option(
-        None, help="torch CPU threads per rank (default: under torchrun on GPUs, the cores / local ranks)")
+    cpu_threads: int | None = cpu_threads_option("the step on a CPU, per rank (on GPUs: the host's work; "
+                                                 "default there the cores / local ranks)")
     cache_dir: str | None = option(None, path=True, help="local chunk cache for remote stores")
     cache_bytes: int | None = option(
         None, metavar="N",
@@ -270,6 +271,7 @@ class Speculative:
 @dataclass
 class EvalRun:
     device: str | None = device_option()
+    cpu_threads: int | None = cpu_threads_option("the drafter and the target on a CPU")
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
 
 

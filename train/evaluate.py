@@ -48,6 +48,7 @@ from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.options import Planning, Reading
 from hsstore.format import codec, fp8
 from hsstore.app.devices import defaults_for, resolve_device
+from hsstore.app.threads import threads_for_model
 from hsstore.format.manifest import Manifest, check_compatible, read_manifest
 
 from .data import read_ahead
@@ -195,7 +196,7 @@ def evaluate(drafter, source, device: torch.device | None = None, *, gamma: floa
 
 def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None = None, device: str | None = None,
                    token_budget: int | None = None, anchor_chunk: int = ANCHOR_CHUNK, cache_dir: str | None = None,
-                   progress: bool = False) -> StoreEval:
+                   progress: bool = False, cpu_threads: int | None = None) -> StoreEval:
     """``hsstore eval`` without a target: the drafter at ``drafter_dir`` over every valid anchor of the store at
     ``url``, its frozen embedding and head from the store, in fp32 (bf16 autocast on CUDA) as in training;
     ``token_budget`` unset: the device's, as in training (``hsstore.app.devices.DEVICE_DEFAULTS``)."""
@@ -212,6 +213,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
     drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)
     drafter.eval()
+    threads_for_model(cpu_threads, drafter, dev, "eval")
     token_budget = token_budget or defaults_for(dev).token_budget
     source = eval_source(url, drafter.config.target_layers, token_budget, storage_options=options,
                          cache_dir=cache_dir, pin_memory=dev.type == "cuda")

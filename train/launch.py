@@ -6,12 +6,11 @@ metrics and lockstep (they live on the CPU).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from hsstore.app.devices import resolve_device
+from hsstore.app.threads import SMALL_MODEL_PARAMS, apply_cpu_threads, ranks_on_this_node, usable_cores
 from hsstore.distributed import local_rank, rank_and_world
 
 
@@ -31,16 +30,16 @@ def init_distributed(device: str | None):
     return rank, world, dev, group
 
 
-def share_cpu_threads(requested: int | None, dev: torch.device) -> int:
-    """Threads for torch's CPU ops (the batch collate: a layer-major -> token-major copy of ~1 GB per step).
-    torchrun sets ``OMP_NUM_THREADS=1`` unless told otherwise; batches collated straight into pinned memory keep
-    up with one thread (docs/PERFORMANCE.md, "Loader"), but other CPU ops need not. Default under torchrun on
-    GPUs: each local rank gets its share of this machine's cores (``--cpu-threads`` overrides)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    n = requested
-    if n is None and local_world > 1 and dev.type == "cuda":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = max(1, cores // local_world)
-    if n:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
+def share_cpu_threads(requested: int | None, dev: torch.device, params: int | None = None) -> int:
+    """Threads for torch's CPU ops. On a CPU the step's: ``hsstore.app.threads``'s rule for a model of ``params``
+    parameters (one thread for a small drafter; None: no model, the cores), each local rank its share. On GPUs the
+    host's (the batch collate: a layer-major -> token-major copy of ~1 GB per step): torchrun sets
+    ``OMP_NUM_THREADS=1`` unless told otherwise; batches collated straight into pinned memory keep up with one thread
+    (docs/PERFORMANCE.md, "Loader"), but other CPU ops need not, so under torchrun each local rank gets its share of
+    the cores this process may use. ``--cpu-threads`` overrides both."""
+    ranks_here = ranks_on_this_node()
+    if dev.type == "cuda" and requested is None:
+        if ranks_here > 1:
+            torch.set_num_threads(max(1, usable_cores() // ranks_here))
+        return torch.get_num_threads()
+    return apply_cpu_threads(requested, SMALL_MODEL_PARAMS if params is None else params, "train", ranks_here)

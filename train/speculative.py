@@ -44,7 +44,6 @@ import copy
 import inspect
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +52,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from hsstore import env
 from hsstore.app.devices import resolve_device
 from hsstore.app.target import load_target, tapped
+from hsstore.app.threads import threads_for_model
 
 from . import block_states
 from .masks import attend, block_attention_mask
@@ -297,22 +296,6 @@ def drafter_proposer(drafter) -> DraftContext:
     return DraftContext(drafter)
 
 
-def eval_threads(model) -> int:
-    """torch threads for decoding with ``model`` on the CPU: a small model's ops are too small to split (on a
-    busy machine extra threads only wait on each other: docs/PERFORMANCE.md, "Design choices"), a large one's
-    matmuls use every core. ``env.EVAL_THREADS`` overrides."""
-    chosen = env.EVAL_THREADS.get()
-    if chosen is not None:
-        return chosen
-    params = sum(p.numel() for p in model.parameters())
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, SMALL_MODEL_THREADS) if params < SMALL_MODEL_PARAMS else cores
-
-
-SMALL_MODEL_PARAMS = 50_000_000
-SMALL_MODEL_THREADS = 1
-
-
 # ---------------------------------------------------------------------------------------------- prompts
 
 
@@ -488,10 +471,11 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
                     storage_options: dict | None = None, device: str | None = None, dtype: str | None = None,
                     num_samples: int | None = None, thinking: bool = True, max_new_tokens: int = 2048,
-                    progress: bool = False, keep_states: bool = True) -> EvalReport:
+                    progress: bool = False, keep_states: bool = True, cpu_threads: int | None = None) -> EvalReport:
     """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
-    drafter's frozen embedding and head come from the store."""
+    drafter's frozen embedding and head come from the store. On a CPU its threads follow the target's size
+    (``hsstore.app.threads``; ``cpu_threads``: ``--cpu-threads``)."""
     from transformers import AutoTokenizer
 
     from hsstore.store import reader
@@ -526,11 +510,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     before = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(eval_threads(model))
-        log.info("eval: decoding on %d CPU thread(s) (%s; HSSTORE_EVAL_THREADS to choose)", torch.get_num_threads(),
-                 "a small target's ops are too small to split" if torch.get_num_threads() < os.cpu_count()
-                 else "every core")
+    threads_for_model(cpu_threads, model, dev, "eval: decoding")
     try:
         return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
                         progress=progress, keep_states=keep_states)

@@ -99,7 +99,6 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     t_start = time.perf_counter()
     tracking.check_available(settings.output.report_to or [])  # before any work: a missing package is one line
     rank, world, device, group = init_distributed(settings.run.device)
-    share_cpu_threads(settings.data.cpu_threads, device)
     settings = with_device_defaults(settings, device)
     out = rundir.prepare(settings.run.out, rank)
 
@@ -114,6 +113,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
         for line in serving_warnings(stores[0].manifest.layers, stores[0].manifest.target.num_layers):
             log.warning("drafter %s", line)
     drafter, settings = build_drafter(stores, settings, device, rank)
+    share_cpu_threads(settings.data.cpu_threads, device, sum(p.numel() for p in drafter.parameters()))
     schedule = settings.schedule
     gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)
     model = wrap_ddp(DraftLoss(drafter, gamma, schedule.ce_chunk, world, schedule.ce_impl), world, device)

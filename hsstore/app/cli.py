@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 from importlib.metadata import entry_points
 
@@ -319,6 +320,7 @@ def cmd_report(args) -> int:
 def add_info(sub) -> None:
     q = sub.add_parser("info", help="what a store holds (from commit records; fast)")
     groups = add_arguments(q, InfoSettings)
+    add_quiet_option(groups["store"])
     add_json_option(groups["store"], "the summary")
     add_storage_option(groups["store"])
     q.set_defaults(func=cmd_info)
@@ -337,6 +339,7 @@ def add_index(sub) -> None:
     q = sub.add_parser("index", help="gather the commit records into one index segment (opening then reads a "
                                      "handful of objects, not one per shard); safe while writers add shards")
     groups = add_arguments(q, IndexSettings)
+    add_quiet_option(groups["index"])
     add_json_option(groups["index"])
     add_storage_option(groups["store"])
     q.set_defaults(func=cmd_index)
@@ -410,6 +413,7 @@ def add_report(sub) -> None:
                        "directory of `hsstore train` (loss, tau, accuracy and acceptance curves, val against "
                        "train, tokens/s, lr). Inline SVG: opens from disk, no server, no network.")
     groups = add_arguments(q, ReportSettings)
+    add_quiet_option(groups["report"])
     add_storage_option(groups["report"])
     q.set_defaults(func=cmd_report)
 
@@ -424,6 +428,12 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str):
+        """One line with the command's short usage, not argparse's full usage block (a page for ``train``)."""
+        if self.prog == "hsstore":
+            self.exit(2, f"hsstore: error: {message}; `hsstore --help` lists the commands\n")
+        self.exit(2, word_error(self, message) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -463,9 +473,44 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+def short_usage(cmd: argparse.ArgumentParser) -> str:
+    """A command's usage in a few words: its required flags and positional arguments (``--help`` has the rest)."""
+    words = [cmd.prog]
+    for a in cmd._actions:
+        if a.option_strings and a.required:
+            flag = next((o for o in a.option_strings if o.startswith("--")), a.option_strings[0])
+            words.append(f"{flag} {a.metavar or a.dest.upper()}")
+    words.append("[options]")
+    for a in cmd._actions:
+        if not a.option_strings and not isinstance(a, argparse._SubParsersAction):
+            name = a.metavar or a.dest.upper()
+            words.append({"+": f"{name} [{name} ...]", "*": f"[{name} ...]", "?": f"[{name}]"}.get(a.nargs, name))
+    return " ".join(words)
+
+
+def word_error(cmd: argparse.ArgumentParser, what: str, guess: str | None = None) -> str:
+    """One line for a word ``cmd`` does not take: what it is, the near flag, the command's usage."""
+    return (f"{cmd.prog}: error: {what}" + (f" (did you mean {guess}?)" if guess else "")
+            + f"; usage: {short_usage(cmd)}; `{cmd.prog} --help` lists the flags")
+
+
+def _near_flag(name: str, flags: list[str]) -> str | None:
+    """The flag ``name`` most likely meant: the one it is a prefix of (flags are never abbreviated: ``--step``
+    is refused naming ``--steps``), else the closest spelling."""
+    longer = [f for f in flags if f.startswith(name) and name.startswith("--")]
+    if len(longer) == 1:
+        return longer[0]
+    return (config.near(name, longer) or config.near(name, [f for f in flags if f.startswith("--")])
+            or config.near("-" + name.lstrip("-"), [f for f in flags if not f.startswith("--")]))
+
+
+_NUMBER = re.compile(r"^-\.?\d")  # a negative number is a value (``--gamma -1``), never a flag
+
+
 def unknown_word(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
-    """One line for a mistyped command or flag, naming the nearest real one (argparse's own message for an
-    unknown flag comes after the top-level usage and suggests nothing); None when every word is known."""
+    """One line for a mistyped command or flag, naming the nearest real one and the command's usage (argparse's
+    own message for an unknown flag comes after the top-level usage and suggests nothing); None when every word
+    is known."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     words = [w for w in argv if not w.startswith("-")]
     if not words:
@@ -479,26 +524,36 @@ def unknown_word(parser: argparse.ArgumentParser, argv: list[str]) -> str | None
     for word in argv[argv.index(words[0]) + 1:]:
         if word == "--":
             break
-        name = word.split("=", 1)[0]
-        if not name.startswith("--") or name in flags:
-            continue  # a value or a flag
-        # flags are never abbreviated (``--step 300`` is not ``--steps``): a prefix is refused naming the flag
-        longer = [f for f in flags if f.startswith(name)]
-        guess = (longer[0] if len(longer) == 1 else config.near(name, longer)
-                 or config.near(name, [f for f in flags if f.startswith("--")]))
-        return (f"{cmd.prog}: error: unknown flag {name}" + (f" (did you mean {guess}?)" if guess else "")
-                + f"; `{cmd.prog} --help` lists the flags")
+        if not word.startswith("-") or word == "-" or _NUMBER.match(word):
+            continue  # a value, a positional argument or a number
+        # a long flag with its value after "=", or a short flag with its value attached (``-Sanon=true``)
+        name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+        if name in flags:
+            continue
+        return word_error(cmd, f"unknown flag {name}", _near_flag(name, flags))
     return None
 
 
+def unexpected_words(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> str:
+    """One line for what a command parsed but does not take (a positional argument too many), with its usage."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cmd = sub.choices[args.command]
+    shown = " ".join(repr(w) for w in extras[:3]) + (" ..." if len(extras) > 3 else "")
+    return word_error(cmd, f"unexpected argument{'s' if len(extras) > 1 else ''} {shown}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    env.passive_openmp()  # before any command loads torch: idle CPU threads sleep, not spin
     parser = build_parser()
     problem = unknown_word(parser, list(sys.argv[1:] if argv is None else argv))
     if problem:
         print(problem, file=sys.stderr)
         return 2
     config.apply(parser, argv)  # a sub-command's --config FILE: its values become that parser's defaults
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # (argparse would print the top-level usage and no suggestion)
+        print(unexpected_words(parser, args, extras), file=sys.stderr)
+        return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # third-party debug logs quote endpoints and signed headers
