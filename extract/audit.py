@@ -60,12 +60,12 @@ def ids_digest(ids: np.ndarray) -> bytes:
 def chosen_samples(store, n: int, progress: bool = False) -> list[int]:
     """Store indices of the ``n`` non-empty samples with the smallest ``ids_digest``, ties in store order (the
     rule the module docstring states); reads every shard's ``input_ids`` only."""
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     t = store.table
 
     def keyed():
-        for s in tqdm(range(len(t.shard)), desc="audit: choosing samples", unit="shard", disable=not progress):
+        for s in progress_bar(range(len(t.shard)), desc="audit: choosing samples", unit="shard", disable=not progress):
             off = t.offsets(s)
             T = int(off[-1])
             ids, _, _ = store.read_range(t.shard[s], 0, T, layers=[], scales_out=store.new_scales(0, T))
@@ -350,14 +350,14 @@ def audit_model(store, model, model_name: str, chosen: Sequence[int], notes: lis
     """The audit of ``store``'s samples ``chosen`` against ``model`` as loaded (eager: a compiled model is audited
     inside ``compile_check.eager_modules``); :func:`audit` opens both, a benchmark at the seeds' depth builds the
     model in process."""
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     m = store.manifest
     features = list(m.all_features)
     report = AuditReport(store.url, model_name, m.encoding, m.dtype,
                          m.target.num_layers, len(store), features, notes=list(notes or []))
     vocab = model.get_input_embeddings().weight.shape[0]
-    for i in tqdm(chosen, desc="audit: reference forwards", unit="sample", disable=not progress):
+    for i in progress_bar(chosen, desc="audit: reference forwards", unit="sample", disable=not progress):
         item = store.read(i)
         ids = item["input_ids"]
         report.samples.append({"index": i, "sample_id": item["sample_id"], "tokens": int(ids.numel())})

@@ -267,7 +267,7 @@ def run_show(args: argparse.Namespace) -> int:
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
 
-    settings = from_args(ShowSettings, args, **shared_overrides(args))
+    settings = from_args(ShowSettings, args, **shared_overrides(args, ShowSettings))
     where, tok, color = settings.input, settings.tokenize, _use_color(settings.output.color)
     options = storage.interactive_options(where.input, where.storage_options)  # a person waits for it
     fs, root = storage.resolve(where.input, options)  # bad URL or options: their own error

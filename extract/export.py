@@ -103,7 +103,7 @@ def specforge_taps(store: Store, layout: str, layers: list[int] | None) -> tuple
 def export_specforge(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
                      file_group_size: int = FILE_GROUP_SIZE, layout: str | None = None,
                      layers: list[int] | None = None) -> ExportResult:
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     store = Store(url, storage_options or {})
     store.check_manifest()
@@ -118,7 +118,7 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
         r.notes.append("final_hidden not exported: the DFlash layout has no target state (--layout eagle3 writes "
                        "SpecForge's EAGLE-3 one)")
     ids, left_out = [], []
-    for item in tqdm(store, total=len(store), unit="sample", desc="export", disable=not progress):
+    for item in progress_bar(store, total=len(store), unit="sample", desc="export", disable=not progress):
         T = int(item["input_ids"].shape[0])
         if layout == "dflash" and not consecutive_loss(item["loss_mask"]):
             left_out.append(item["sample_id"])
@@ -154,7 +154,7 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
 
 def export_speculators(url: str, out: str, *, storage_options: dict | None = None, progress: bool = True,
                        layout: str | None = None, layers: list[int] | None = None) -> ExportResult:
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     if layout is not None or layers is not None:
         raise ValueError("--layout and --layers choose among SpecForge's layouts; speculators has one (every tap, "
@@ -177,9 +177,9 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
                        "trainer applies the verifier's norm)")
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     ids = []
-    for i, item in enumerate(tqdm(store.iter_windows([w for s in range(len(store.commits))
-                                                       for w in store.windows(s, store.layers)], store.layers),
-                                  total=len(store), unit="sample", desc="export", disable=not progress)):
+    for i, item in enumerate(progress_bar(store.iter_windows([w for s in range(len(store.commits))
+                                                               for w in store.windows(s, store.layers)], store.layers),
+                                          total=len(store), unit="sample", desc="export", disable=not progress)):
         T = int(item["input_ids"].shape[0])
         path = hs_dir / f"hs_{i}.safetensors"
         save_safetensors({"hidden_states": item["hidden_states"].contiguous(),

@@ -289,13 +289,13 @@ def write_features(settings: ExtractSettings, model, layers: list[int], writer, 
                    verdict: GateVerdict, tokenizer, device: torch.device, result: ExtractResult) -> None:
     """The forward over token-budget batches into the writer, with a progress bar; the writer commits on
     success, and on any error (Ctrl-C included) drops its open shard and keeps the committed ones."""
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     use_process = uses_process_writer(settings, device)
     token_budget, batches = extraction_batches(settings, todo, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bar = tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc=f"extract rank {result.rank}",
-               disable=not settings.run.progress, smoothing=0.1)
+    bar = progress_bar(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True,
+                       desc=f"extract rank {result.rank}", disable=not settings.run.progress, smoothing=0.1)
     t0, compiling0 = time.perf_counter(), compile_seconds()
 
     def sink(s: TokenizedSample, feats: torch.Tensor, feature_stats) -> None:

@@ -435,13 +435,13 @@ def import_files(files: list[PeerFile], url: str, manifest: Manifest, *, storage
 
 def _import(files: list[PeerFile], url: str, manifest: Manifest, options: dict, shard_bytes: int,
             missing: list[str] | None, progress: bool, keep_unhealthy: bool) -> ImportResult:
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     done = committed_ids(url, options)
     todo = [f for f in files if f.sample_id not in done]
     result = ImportResult(already=len(files) - len(todo), missing=len(missing or []))
     writer: StoreWriter | None = None
-    bar = tqdm(total=len(todo), unit="sample", desc="import", disable=not progress)
+    bar = progress_bar(total=len(todo), unit="sample", desc="import", disable=not progress)
     try:
         for f in todo:
             s = f.load()

@@ -523,7 +523,7 @@ def run_regenerate(settings: RegenerateSettings) -> RegenResult:
     """Answer every prompt not yet in ``settings.data.out``, ``settings.server.concurrency`` at a time. On a
     failure the prompts in flight are finished and written, then :class:`RegenerateError` names the prompt; re-run
     to resume."""
-    from tqdm.auto import tqdm
+    from hsstore.progress import progress_bar
 
     if settings.generation.turns not in TURN_MODES:
         raise ValueError(f"turns must be one of {', '.join(TURN_MODES)}, got {settings.generation.turns!r}")
@@ -545,8 +545,8 @@ def run_regenerate(settings: RegenerateSettings) -> RegenResult:
         if settings.server.model is None and todo:
             client.settings = settings = replace(settings, model=client.served_model())
         writer = RowWriter(out)
-        bar = tqdm(total=len(ids), initial=len(set(ids) & done), unit="prompt", desc="regenerate",
-                   disable=not settings.run.progress, dynamic_ncols=True)
+        bar = progress_bar(total=len(ids), initial=len(set(ids) & done), unit="prompt", desc="regenerate",
+                           disable=not settings.run.progress, dynamic_ncols=True)
         pending: set[Future] = set()
 
         def collect(finished) -> None:

@@ -24,7 +24,7 @@ from hsstore.format import layout_spec
 from hsstore.format.serving import parse_serve
 from hsstore.app.devices import device_option
 from hsstore.app.threads import cpu_threads_option
-from hsstore.app.schema import from_args, option, section
+from hsstore.app.schema import from_args, option, section, settings_of
 
 from .gate import GateThresholds
 
@@ -60,15 +60,15 @@ def add_shard_mb_flag(group) -> None:
     group.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
 
 
-def shared_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def shared_overrides(args: argparse.Namespace, schema: type | None = None) -> dict[str, Any]:
     """The settings of the shared flags a command has (storage options, progress, shard size), for
-    ``from_args``."""
+    ``from_args`` (``schema``: only those it has a setting for; ``show`` takes -q but has no progress)."""
     from hsstore.io.storage import parse_storage_options
 
     out: dict[str, Any] = {}
     if hasattr(args, "storage_option"):
         out["storage_options"] = parse_storage_options(args.storage_option)
-    if hasattr(args, "quiet"):
+    if hasattr(args, "quiet") and (schema is None or "progress" in {s.name for s in settings_of(schema)}):
         out["progress"] = not args.quiet
     if hasattr(args, "shard_mb"):
         out["shard_bytes"] = mib_bytes(args.shard_mb)

@@ -138,6 +138,9 @@ HEAD_S = Switch(
 WRITER_HEARTBEAT_S = Switch(
     "HSSTORE_WRITER_HEARTBEAT_S", "seconds", 30.0, TUNING,
     "seconds between a writer's heartbeats in writers/<key>.json (shorter: the follow tests)")
+PROGRESS_S = Switch(
+    "HSSTORE_PROGRESS_S", "seconds", 30.0, USER,
+    "seconds between progress lines when stderr is not a terminal (a batch job's log; a terminal gets a bar)")
 FOLLOW_POLL_S = Switch(
     "HSSTORE_FOLLOW_POLL_S", "seconds", 30.0, TUNING,
     "the longest pause of a following reader (train --follow) between two looks at its stores")
@@ -151,7 +154,7 @@ REPORT_SCREENSHOT = Switch(
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     ALLOW_LOCATIONS, CACHE_DIR, METADATA_CONCURRENCY, REQUEST_S, MIN_RATE, HEAD_S, WRITER_HEARTBEAT_S,
-    FOLLOW_POLL_S, CONV, REPORT_SCREENSHOT)}
+    PROGRESS_S, FOLLOW_POLL_S, CONV, REPORT_SCREENSHOT)}
 
 # switches hsstore no longer reads, and why: a variable still set is warned about by name, never silently ignored
 REMOVED: dict[str, str] = {

@@ -138,6 +138,7 @@ def test_a_mistyped_flag_or_command_is_one_line_naming_the_near_one(capsys):
     """#38.10: `train --stpes 3` printed the top-level usage and suggested nothing."""
     code, _, err = run(capsys, "train", "--store", "s", "--out", "o", "--stpes", "3")
     assert code == 2 and err.strip() == ("hsstore train: error: unknown flag --stpes (did you mean --steps?); "
+                                         "usage: hsstore train --store URL --out OUT [options]; "
                                          "`hsstore train --help` lists the flags")
     code, _, err = run(capsys, "trian", "--store", "s")
     assert code == 2 and "unknown command 'trian' (did you mean train?)" in err and len(err.splitlines()) == 1

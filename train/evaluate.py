@@ -173,13 +173,13 @@ def evaluate(drafter, source, device: torch.device | None = None, *, gamma: floa
         mask = batch["loss_mask"].bool() & batch["attention_mask"].bool()
         return {**batch, "anchors": all_anchors(mask)}
 
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     ds = source.dataset
     # fp8 stores dequantise into the dtype the features were extracted in, as training does
     feature_dtype = codec.TORCH_DTYPE[ds.stores[0].manifest.dtype]
-    bar = tqdm(total=len(ds.catalog) if world == 1 else None, desc="eval", unit="sample", disable=not progress,
-               dynamic_ncols=True)
+    bar = progress_bar(total=len(ds.catalog) if world == 1 else None, desc="eval", unit="sample", disable=not progress,
+                       dynamic_ncols=True)
     stream = read_ahead(source, prepare, device, prefetch)
     try:
         sums = eval_sums(drafter, (b for b, _ in stream), gamma, anchor_chunk, ce_chunk, amp, feature_dtype, bar)

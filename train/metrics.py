@@ -90,6 +90,21 @@ class Meter:
         return self.sums["steps"] > 0
 
 
+def row_line(row: dict[str, Any], total: int) -> str:
+    """A metrics row as one log line (what a batch job's log shows every --log-every steps, as HF Trainer logs its
+    ``logging_steps``): step, loss, draft accuracy, teacher-forced tau, lr, gradient norm, tokens/s, validation."""
+    def num(key: str, fmt: str) -> str:
+        v = row.get(key)
+        return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    line = (f"step {row['step']}/{total} (epoch {row['epoch']}): loss {num('loss', '.4f')}, acc {num('acc', '.3f')}, "
+            f"tau {num('tau', '.2f')}, lr {num('lr', '.2e')}, grad_norm {num('grad_norm', '.3f')}, "
+            f"{num('tokens_per_s', ',.0f')} tokens/s")
+    if "val_loss" in row:
+        line += f"; validation loss {num('val_loss', '.4f')}, tau {num('val_tau', '.2f')}"
+    return line
+
+
 class MetricsLog:
     """OUT/metrics.jsonl (rank 0) and the experiment trackers; ``samples`` also writes this rank's
     OUT/samples.rankNNNNN.jsonl (the sample ids of every step). A resumed run first drops the lines logged

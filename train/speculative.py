@@ -434,7 +434,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
              eos: set[int], progress: bool = False, keep_states: bool = True) -> EvalReport:
     """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far.
     ``keep_states``: see ``TargetCache``."""
-    from tqdm import tqdm
+    from hsstore.progress import progress_bar
 
     propose = drafter_proposer(drafter)
     S = drafter.config.block_size
@@ -445,7 +445,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
     if prompts:  # warm up both models and both paths so the first timing is not the allocator's (or a compile)
         greedy_generate(model, prompts[0], 2, eos)
         speculative_generate(model, propose, prompts[0], taps, S, 2, eos, keep_states)
-    bar = tqdm(prompts, desc="eval", unit="prompt", disable=not progress)
+    bar = progress_bar(prompts, desc="eval", unit="prompt", disable=not progress)
     for k, prompt in enumerate(bar):
         base = greedy_generate(model, prompt, max_new, eos)
         spec = speculative_generate(model, propose, prompt, taps, S, max_new, eos, keep_states)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from hsstore.io import storage
 from hsstore.format import codec, fp8
 from hsstore.loader.follow import FollowStopped, poll_seconds
+from hsstore.progress import is_terminal
 from hsstore.redaction import recordable_url
 from hsstore.store.reader import open_shared
 
@@ -59,7 +60,7 @@ from .follow import FollowSchedule, Following, arrival_columns, wait_for_stores
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
-from .metrics import BestTracker, Meter, MetricsLog
+from .metrics import BestTracker, Meter, MetricsLog, row_line
 from .objective import default_gamma
 from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
 
@@ -260,7 +261,7 @@ class Loop:
     journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
 
     def __post_init__(self):
-        from tqdm import tqdm
+        from hsstore.progress import progress_bar
 
         settings, dev = self.settings, self.device
         self.val_step = self.step  # the step of the last evaluation
@@ -273,8 +274,8 @@ class Loop:
         self.proposal = Proposal(lead=self.checkpoints.rank == 0) if self.length is not None else None
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
         self.feat_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        self.bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                        disable=self.checkpoints.rank != 0 or not settings.output.progress)
+        self.bar = progress_bar(total=self.total, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                                disable=self.checkpoints.rank != 0 or not settings.output.progress)
 
     def run(self, interrupt: StopOnInterrupt) -> None:
         """Epochs until ``total`` steps (or the configured epochs), or until interrupted."""
@@ -374,6 +375,8 @@ class Loop:
         self.run_seconds += row["interval_seconds"]
         self.last = row
         self.metrics.row(row)
+        if self.checkpoints.rank == 0 and (self.bar.disable or not is_terminal()):  # no bar on a terminal shows it
+            log.info("%s", row_line(row, self.total))
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                              refresh=False)
 

@@ -73,7 +73,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     from ..store import reader
     from ..ops.verify import verify
@@ -81,7 +81,7 @@ def cmd_verify(args) -> int:
     url = from_args(VerifySettings, args).store.url
     store = reader.open(url, **storage.parse_storage_options(args.storage_option))
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
     if args.json:
         print(json.dumps({"url": recordable_url(url), "ok": report.ok, "shards": report.shards, "files": report.files,
@@ -129,7 +129,7 @@ def cmd_index(args) -> int:
 
 
 def cmd_upgrade(args) -> int:
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     from ..store import reader
     from ..ops.upgrade import upgrade
@@ -137,7 +137,7 @@ def cmd_upgrade(args) -> int:
     url = from_args(UpgradeSettings, args).store.url
     store = reader.open(url, **storage.parse_storage_options(args.storage_option))
     total = sum(f["size"] for c in store.commits if not c.binds_chunks for f in c.files.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="upgrade", disable=args.quiet) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="upgrade", disable=args.quiet) as bar:
         r = upgrade(store, progress=bar.update)
     for p in r.refused:
         print(f"FAIL {p}")

@@ -125,9 +125,9 @@ def _concurrent_loaders(store_url: str, storage_options: dict[str, Any], layers:
 
 def _bar(total: int, desc: str, progress: bool, unit: str = "round"):
     """Benchmarks run for minutes: a bar that says which round and which pass is running."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not progress)
+    return progress_bar(total=total, desc=desc, unit=unit, disable=not progress)
 
 
 def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,

@@ -49,7 +49,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
 
 def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_codec: str | None,
              progress: bool) -> ConvertResult:
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     if chunk_codec is None:  # the source's, where the destination's layout stores it
         codecs = layout_spec.get(to_layout).codecs
@@ -70,7 +70,7 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
     appender = index.SegmentAppender(fs, root, "convert")  # the records written, as one index segment
     total = sum(v["raw_bytes"] for c in src.commits if c.shard not in done for v in c.layers.values())
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
+        with progress_bar(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
             for rec in src.commits:
                 if rec.shard in done:
                     result.skipped += 1

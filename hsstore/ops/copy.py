@@ -41,7 +41,7 @@ def copy(src_url: str, dst_url: str, *, src_options: dict[str, Any] | None = Non
          dst_options: dict[str, Any] | None = None, progress: bool = True) -> CopyResult:
     """Copy the store at ``src_url`` to ``dst_url`` (new, empty, or an earlier copy of it: resumed), then verify
     the destination: every byte, and the same shards as the source."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     src_options, dst_options = src_options or {}, dst_options or {}
     src = Store(src_url, src_options)
@@ -56,7 +56,7 @@ def copy(src_url: str, dst_url: str, *, src_options: dict[str, Any] | None = Non
     result = CopyResult(shards=m.shards, samples=m.samples, bytes_copied=m.bytes_copied, already=m.already)
     dst = Store(dst_url, dst_options)
     total = int(dst.table.ints["stored_bytes"].sum())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify the copy", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="verify the copy", disable=not progress) as bar:
         report = verify(dst, progress=bar.update)
     result.verified_shards, result.verified_bytes = report.shards, report.bytes
     result.problems = [str(p) for p in report.problems] + differences(src, dst)

@@ -146,7 +146,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
 
 def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[Store], by: str,
            progress: bool) -> MergeResult:
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
     todo = plan(dst, srcs)
@@ -162,8 +162,8 @@ def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[
     copy_assets_if_missing(srcs[0], fs, root)
     total = sum(f["size"] for _, rec in todo for f in rec.files.values()) if by == "copy" else len(todo)
     appender = index.SegmentAppender(fs, root, f"merge-{by}")  # the records written, as one index segment
-    with tqdm(total=total, unit="B" if by == "copy" else "shard", unit_scale=by == "copy", desc=f"merge ({by})",
-              disable=not progress) as bar:
+    with progress_bar(total=total, unit="B" if by == "copy" else "shard", unit_scale=by == "copy", desc=f"merge ({by})",
+                      disable=not progress) as bar:
         try:
             for src, rec in todo:
                 if by == "copy":

@@ -224,7 +224,7 @@ def kept_ids(store: Store, sel: SampleFilter, skip_ids: set[str]) -> list[str]:
 
 def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_options: dict[str, Any], shard_bytes: int,
             progress: bool, split: Split | None = None) -> SubsetResult:
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     src_url = src.url
     note: dict[str, Any] = {"subset_of": recordable_url(src_url)}
@@ -248,7 +248,7 @@ def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_opti
     total = sum(int(src.commits[s].offsets[j] - src.commits[s].offsets[i]) for s, i, j in windows)
     writer = StoreWriter(dst_url, manifest, writer_tag="subset", storage_options=dst_options,
                          shard_bytes=shard_bytes)
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="subset", disable=not progress) as bar:
+    with progress_bar(total=total, unit="tok", unit_scale=True, desc="subset", disable=not progress) as bar:
         try:
             copy_assets_if_missing(src, writer.fs, writer.root)
             stored = src.iter_stored(windows, src.manifest.all_features)  # the stored bits: bit-exact, no torch
