@@ -63,7 +63,12 @@ logger = logging.getLogger(__name__)
 TURN_MODES = ("last", "all")
 #: Message fields passed to the server besides role and content.
 _PASSED_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
-_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# answers that say "later": a timeout, too early, too many requests, unavailable; any other status is the server's
+# answer to this request and is not asked again
+_RETRY_STATUS = frozenset({408, 425, 429, 503, 504})
+# while nothing answers at the server's address (refused, unknown host), it is asked again this often, up to
+# --connect-wait
+CONNECT_RETRY_S = 0.5
 # an engine's answer is read as it comes, never past this (a chat completion with its token ids is a few MB at most:
 # 128K prompt ids and 32K generated ones as JSON numbers are ~1 MB), and never past --timeout from its request
 ANSWER_CAP = 64 << 20
@@ -231,8 +236,10 @@ def api_base(server: str) -> str:
 
 
 class ChatClient:
-    """``/v1/chat/completions`` with retries: exponential backoff (with jitter, honouring ``Retry-After``)
-    on connection errors, timeouts, 429 and 5xx; other answers fail at once with the server's message."""
+    """``/v1/chat/completions`` with retries where the server says "later": exponential backoff (with jitter,
+    honouring ``Retry-After``) on timeouts, broken answers, 408, 425, 429, 503 and 504; a server that is not there
+    (connection refused, unknown host) is asked again for ``--connect-wait`` seconds, then one line; other answers
+    fail at once with the server's message."""
 
     def __init__(self, settings: RegenerateSettings, stop: threading.Event):
         import httpx
@@ -245,6 +252,9 @@ class ChatClient:
         self.want_ids = settings.server.extra_body.get("return_token_ids", True) is not False
         self._noted: set[str] = set()
         self._lock = threading.Lock()
+        self._unreachable_since: float | None = None  # the first refused connection since the server last answered
+        self._probe = threading.Lock()  # while the server is unreachable, one request at a time tries it
+        self._unreachable_why = ""
         server = settings.server
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         # no connection is kept for another request: each request's own connection is the one its deadline cuts
@@ -314,13 +324,21 @@ class ChatClient:
 
         server = self.settings.server
         attempts = server.retries + 1
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while attempt < attempts:
+            attempt += 1
             retry_after = None
             try:
-                status, headers, data = bounded_answer(self.http, method, path, body, server.timeout, what)
-            except httpx.TransportError as e:  # refused, reset, timed out, cut at the deadline
+                status, headers, data = self.ask(method, path, body, what)
+            except httpx.ConnectError as e:  # refused, unknown host, unreachable: no server there to say "later"
+                attempt -= 1  # not an answer: the retries are for answers that say "later"
+                self.wait_for_server(what, f"{type(e).__name__}: {e or 'no detail'}")
+                continue
+            except httpx.TransportError as e:  # reset, timed out, cut at the deadline
                 problem = f"{type(e).__name__}: {e or 'no detail'}"
             else:
+                with self._lock:
+                    self._unreachable_since = None
                 text = data.decode("utf-8", "replace")
                 if status < 300:
                     try:  # an engine's answer is data from elsewhere: JSON of bounded depth
@@ -340,6 +358,46 @@ class ChatClient:
             if self.stop.wait(delay):
                 raise RegenerateError(f"{what}: stopped while waiting to retry ({problem})")
         raise RegenerateError(f"{what}: failed after {attempts} attempts on {api_base(server.server)} ({problem})")
+
+
+    def ask(self, method: str, path: str, body: dict | None, what: str):
+        """``bounded_answer``; while the server is unreachable, one request at a time tries it (sixteen requests
+        in flight resolving a host name that does not exist hold the resolver for seconds), the others wait."""
+        if self._unreachable_since is None:
+            return bounded_answer(self.http, method, path, body, self.settings.server.timeout, what)
+        while not self._probe.acquire(timeout=CONNECT_RETRY_S):
+            self.check_unreachable(what, self._unreachable_why)
+        try:
+            return bounded_answer(self.http, method, path, body, self.settings.server.timeout, what)
+        finally:
+            self._probe.release()
+
+    def check_unreachable(self, what: str, problem: str) -> float:
+        """Seconds left of ``--connect-wait`` since the server became unreachable; ``RegenerateError`` (one line)
+        when none are left or the run is stopping."""
+        server = self.settings.server
+        with self._lock:
+            since = self._unreachable_since = self._unreachable_since or time.monotonic()
+        left = server.connect_wait - (time.monotonic() - since)
+        if left <= 0:
+            raise RegenerateError(f"{what}: cannot reach {api_base(server.server)} ({problem}; tried for "
+                                  f"{server.connect_wait:g} s: --connect-wait SECONDS waits longer for a server "
+                                  "that is starting)")
+        if self.stop.is_set():
+            raise RegenerateError(f"{what}: stopped while waiting for the server ({problem})")
+        return left
+
+    def wait_for_server(self, what: str, problem: str) -> None:
+        """A connection refused (or a host name that does not resolve): a pause before the next try, while the server
+        has been unreachable for less than ``--connect-wait`` seconds in all (one clock for every request in flight,
+        said once); then ``RegenerateError``, one line."""
+        server = self.settings.server
+        self._unreachable_why = problem
+        left = self.check_unreachable(what, problem)
+        self.note("unreachable", f"{api_base(server.server)}: {problem}; trying again for up to {left:.0f} s "
+                                 "(--connect-wait)")
+        if self.stop.wait(min(CONNECT_RETRY_S, left)):
+            raise RegenerateError(f"{what}: stopped while waiting for the server ({problem})")
 
 
 def bounded_answer(http, method: str, path: str, body: dict | None, deadline_s: float, what: str):

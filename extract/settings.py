@@ -345,7 +345,12 @@ class RegenServer:
     server: str = option(required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     model: str | None = option(None, help="model name to request (default: the server's only model)")
     concurrency: int = option(16, help="requests in flight (default 16)")
-    retries: int = option(8, help="per request, on connection errors, 429 and 5xx")
+    retries: int = option(8, help="per request, on answers that say \"later\": timeouts, broken connections, 408, "
+                                  "425, 429, 503, 504 (other answers fail at once)")
+    connect_wait: float = option(5.0, metavar="SECONDS",
+                                 help="how long a server that refuses connections or whose host name does not "
+                                      "resolve is asked again before regenerate stops with one line (a server "
+                                      "still starting: give it the time it takes)")
     backoff_s: float = option(1.0, cli=False, help="first retry delay; doubles per attempt, up to backoff_max_s")
     backoff_max_s: float = option(60.0, cli=False, help="longest retry delay")
     timeout: float = option(600.0, was="timeout_s", help="seconds per request, generation included (default 600)")

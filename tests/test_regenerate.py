@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -220,7 +221,7 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(3))
     out = tmp_path / "out.jsonl"
     cfg = build(RegenerateSettings, input=[str(inp)], out=str(out), server=url, max_tokens=4, concurrency=2,
-                retries=60, backoff_s=0.2, backoff_max_s=1.0, progress=False)
+                connect_wait=240, backoff_s=0.2, backoff_max_s=1.0, progress=False)
     result: dict = {}
 
     def client():
@@ -232,7 +233,7 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hsstore.extract.regenerate"):
         t = threading.Thread(target=client)
         t.start()
-        while not any("retry" in r.getMessage() for r in caplog.records) and t.is_alive():
+        while not any("trying again" in r.getMessage() for r in caplog.records) and t.is_alive():
             time.sleep(0.05)
         proc = start_server(tiny_dir, port)
         try:
@@ -245,16 +246,76 @@ def test_retries_until_the_server_comes_up(tiny_dir, tmp_path, caplog):
     assert sorted(r["id"] for r in read_out(out)) == sorted(r["id"] for r in demo_rows(3))
 
 
-def test_retries_exhausted_name_the_prompt(tmp_path, capsys):
-    """Nothing listening and no retries left: one line naming the prompt, exit 2, no row written."""
+@pytest.mark.parametrize("server_url", ["http://127.0.0.1:{port}", "http://no-such-host.invalid:8000"])
+def test_a_server_that_is_not_there_is_one_line_within_the_connect_wait(tmp_path, capsys, server_url):
+    """Connection refused or an unknown host: no server to say "later", so no backoff; asked again for
+    --connect-wait seconds (default 5), then one line naming the prompt and the server, exit 2, no row written."""
+    from hsstore.extract.settings import RegenServer
+
+    assert RegenServer.__dataclass_fields__["connect_wait"].default <= 5
+    url = server_url.format(port=free_port())
     inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
     out = tmp_path / "out.jsonl"
-    rc = main(["regenerate", "--server", f"http://127.0.0.1:{free_port()}", "--model", "m", "--input", str(inp),
-               "--out", str(out), "--retries", "0", "-q"])
-    assert rc == 2
+    t0 = time.monotonic()
+    rc = main(["regenerate", "--server", url, "--model", "m", "--input", str(inp), "--out", str(out), "-q",
+               "--connect-wait", "2"])
+    took = time.monotonic() - t0
     err = capsys.readouterr().err
-    assert "prompt demo-math-001" in err and "failed after 1 attempts" in err and "ConnectError" in err
+    assert rc == 2 and "prompt demo-math-001" in err and "cannot reach" in err and "ConnectError" in err, err
+    assert "--connect-wait" in err and len([ln for ln in err.splitlines() if "error" in ln]) == 1, err
+    assert 2 <= took < 8, took
     assert out.read_text() == ""
+
+
+class Canned(BaseHTTPRequestHandler):
+    """A chat-completions endpoint on loopback that answers with the statuses of ``statuses`` in turn, then 200."""
+
+    statuses: list[int] = []
+    seen: list[int] = []
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status = self.statuses.pop(0) if self.statuses else 200
+        self.seen.append(status)
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "ok", "reasoning_content": "r"},
+                                        "finish_reason": "stop"}], "usage": {"completion_tokens": 2}}
+                          if status == 200 else {"error": f"status {status}"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("statuses,answered,requests", [
+    ([503, 429, 504], True, 4),  # "later": backed off and asked again
+    ([500], False, 1),  # the server's answer to this request: not asked again
+    ([502], False, 1),
+    ([400], False, 1),
+])
+def test_only_answers_that_say_later_are_retried(tmp_path, statuses, answered, requests):
+    handler = type("Handler", (Canned,), {"statuses": list(statuses), "seen": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        inp = write_jsonl(tmp_path / "in.jsonl", demo_rows(1))
+        out = tmp_path / "out.jsonl"
+        cfg = build(RegenerateSettings, input=[str(inp)], out=str(out), server=f"http://127.0.0.1:{srv.server_port}",
+                    model="m", max_tokens=4, retries=5, backoff_s=0.01, progress=False)
+        if answered:
+            assert run_regenerate(cfg).generated == 1
+            assert [r["id"] for r in read_out(out)] == ["demo-math-001"]
+        else:
+            with pytest.raises(RegenerateError, match=rf"refused the request \(HTTP {statuses[0]}"):
+                run_regenerate(cfg)
+            assert out.read_text() == ""
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert handler.seen == [*statuses, 200][:requests]
 
 
 # ------------------------------------------------------------------------------------ without a server
