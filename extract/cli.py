@@ -411,7 +411,8 @@ def run_export_cmd(args: argparse.Namespace) -> int:
                           **dataclasses.asdict(r)}, indent=2))
         return 0
     print(f"export {x.format} ({r.layout}) {where}: {r.samples} samples, {r.tokens:,} tokens "
-          f"({r.bytes_written / 1e9:.2f} GB)" + (f", {r.skipped} left out" if r.skipped else ""))
+          f"({r.bytes_written / 1e9:.2f} GB written)" + (f", {r.skipped} left out" if r.skipped else "")
+          + (f"; {r.already} already there (resumed)" if r.already else ""))
     for note in r.notes:
         print(f"  {note}")
     return 0

@@ -16,11 +16,14 @@
 File ``i`` is the ``i``-th exported sample. ``hsstore_export.json`` beside the files (ignored by both peers, who
 only list their own suffixes) records the store, the exported layers in both conventions, the sample ids and
 the ids left out, so ``hsstore import`` of an export gives back the same ids and skips padding detection (an
-export holds none). OUT must not exist or be empty: nothing is overwritten.
+export holds none). OUT must not exist, be empty, or hold an earlier export of the same samples in the same format
+(``MARKER``, written first): a re-run resumes it, writing only the files not there yet (each file is renamed into
+place whole, so one at its name is complete); anything else is refused and nothing is overwritten.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore.io import destination, door
+from hsstore.io import destination, door, sinks
 from hsstore.store.reader import Store
 from hsstore.format.serving import TAP_TENSOR, serving
 from hsstore.redaction import recordable_url
@@ -42,6 +45,7 @@ from . import peer_layers
 log = logging.getLogger(__name__)
 
 SIDECAR = "hsstore_export.json"
+MARKER = ".hsstore-export.json"  # written first: what OUT is an export of (the peers list only their own files)
 SIDECAR_CAP = 256 << 20  # its sample ids: ~30 bytes each
 FILE_GROUP_SIZE = 2000  # SpecForge's default --file-group-size
 ARROW_FILE = "data-00000-of-00001.arrow"
@@ -54,14 +58,41 @@ class ExportResult:
     bytes_written: int = 0
     layout: str = ""
     skipped: int = 0  # samples left out: the peer's loader would refuse them
+    already: int = 0  # files an earlier run of the same export had written (resumed)
     notes: list[str] = field(default_factory=list)
 
 
-def _out_dir(out: str) -> Path:
+def export_plan(fmt: str, store: Store, layout: str, layers: list[int]) -> dict:
+    """What an export is of: the format and layout, the store's layers taken, and its samples in order (a digest
+    of their ids: file ``i`` is the ``i``-th, so a store that has changed since cannot be resumed into)."""
+    ids = hashlib.sha256("\n".join(store.sample_ids()).encode()).hexdigest()
+    return {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(layers),
+            "samples": len(store), "sample_ids_sha256": ids}
+
+
+def _out_dir(out: str, plan: dict) -> Path:
+    """OUT made, or an earlier run of this same export (``plan``) to resume; anything else refused in one line,
+    nothing written."""
     p = Path(out)
-    destination.check_output_folder(p, (), "export OUT")  # export never overwrites: a new or empty folder only
+    destination.check_output_folder(p, (MARKER,), "export OUT")
+    if door.is_file_beneath(p, MARKER):
+        earlier = door.read_json_beneath(p, MARKER, bound=door.JSON_CAP, where=str(p))
+        if earlier != plan:
+            differ = sorted(k for k in plan if not isinstance(earlier, dict) or earlier.get(k) != plan[k])
+            raise destination.DestinationError(
+                f"export OUT {p}: holds an earlier export of other samples or in another form (its "
+                f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}); give a new folder (nothing was "
+                "written)")
+        log.info("export OUT %s: resuming the earlier run of this export", p)
+        return p
     p.mkdir(parents=True, exist_ok=True)
+    sinks.write_atomic(p, MARKER, json.dumps(plan, indent=1).encode(), what=f"export OUT {p}")
     return p
+
+
+def _written(folder: Path, name: str) -> bool:
+    """A file an earlier run renamed into place (whole): a regular file, never a link."""
+    return door.is_file_beneath(folder, name)
 
 
 def _sidecar(out: Path, fmt: str, store: Store, layout: str, layers: list[int], ids: list[str], extra: dict,
@@ -110,7 +141,7 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
     layout = layout or "dflash"
     taps, chosen = specforge_taps(store, layout, layers)
     pick = [list(store.manifest.layers).index(l) for l in taps]
-    root = _out_dir(out)
+    root = _out_dir(out, export_plan("specforge", store, layout, taps))
     r = ExportResult(layout=layout)
     if chosen:
         r.notes.append(chosen)
@@ -123,6 +154,14 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
         if layout == "dflash" and not consecutive_loss(item["loss_mask"]):
             left_out.append(item["sample_id"])
             continue
+        i = len(ids)
+        g = i // file_group_size * file_group_size
+        sub = root / f"rows_{g}-{g + file_group_size}"
+        path = sub / f"data_{i}.ckpt"
+        if _written(root, f"{sub.name}/{path.name}"):  # an earlier run's
+            ids.append(item["sample_id"])
+            r.samples, r.tokens, r.already = r.samples + 1, r.tokens + T, r.already + 1
+            continue
         hs = item["hidden_states"][:, pick].reshape(1, T, -1)  # taps concatenated along hidden, in tap order
         rec = {"input_ids": item["input_ids"].clone(), "loss_mask": item["loss_mask"].to(torch.int64)}
         if layout == "eagle3":
@@ -130,11 +169,7 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
             rec["hidden_state"] = item["final_hidden"].reshape(1, T, -1).clone()
         else:
             rec["hidden_states"] = hs.clone()
-        i = len(ids)
-        g = i // file_group_size * file_group_size
-        sub = root / f"rows_{g}-{g + file_group_size}"
         sub.mkdir(exist_ok=True)
-        path = sub / f"data_{i}.ckpt"
         tmp = sub / f".{path.name}.{uuid.uuid4().hex[:8]}"
         torch.save(rec, tmp)  # SpecForge counts an existing file as done: never leave a partial one at the name
         os.replace(tmp, path)
@@ -168,9 +203,9 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
                          f"the verifier's last hidden state (vLLM id {n}, hsstore layer {n - 1}, the last decoder "
                          f"layer's output before the norm), which the store does not hold (extract with --serve "
                          "speculators to store it)")
-    root = _out_dir(out)
+    root = _out_dir(out, export_plan("speculators", store, "speculators", list(m.layers)))
     hs_dir = root / "hidden_states"
-    hs_dir.mkdir()
+    hs_dir.mkdir(exist_ok=True)
     r = ExportResult(layout="speculators")
     if m.features:
         r.notes.append("final_hidden not exported: speculators stores the last layer before the norm (its "
@@ -182,15 +217,18 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
                                           total=len(store), unit="sample", desc="export", disable=not progress)):
         T = int(item["input_ids"].shape[0])
         path = hs_dir / f"hs_{i}.safetensors"
-        save_safetensors({"hidden_states": item["hidden_states"].contiguous(),
-                          "token_ids": item["input_ids"].clone()}, path)
+        if _written(root, f"{hs_dir.name}/{path.name}"):  # an earlier run's
+            r.already += 1
+        else:
+            save_safetensors({"hidden_states": item["hidden_states"].contiguous(),
+                              "token_ids": item["input_ids"].clone()}, path)
+            r.bytes_written += path.stat().st_size
         rows["input_ids"].append(item["input_ids"].numpy())
         rows["loss_mask"].append(item["loss_mask"].numpy().astype(np.int64))
         rows["seq_len"].append(T)
         ids.append(item["sample_id"])
         r.samples += 1
         r.tokens += T
-        r.bytes_written += path.stat().st_size
     _write_arrow_dataset(root, rows)
     aux = peer_layers.from_hsstore("speculators", list(m.layers))
     _sidecar(root, "speculators", store, r.layout, list(m.layers), ids, {"target_layer_ids": aux[:-1]})

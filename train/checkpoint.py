@@ -48,7 +48,7 @@ from hsstore.io.tensorfiles import load_beneath, save_safetensors
 from .config import (LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, recordable_stores,
                      saved_config)
 from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
-                             weights_bound, write_drafter)
+                             weights_bound, write_drafter, written_by_hsstore)
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -121,16 +121,26 @@ def load_tensors(file: Path, bound: int, device: str = "cpu") -> dict[str, torch
 def export_drafter(src: str | os.PathLike, out: str | os.PathLike, best: bool = False) -> Path:
     """``hsstore export-drafter``: any drafter directory, checkpoint or run (either format) into a new drafter
     directory in the DFlash format; with ``best``, a run's checkpoint with the best validation tau (the one
-    OUT/checkpoints/best names) rather than its last step. Never writes into a non-empty ``out``."""
+    OUT/checkpoints/best names) rather than its last step. ``out`` must be new, empty, or a drafter an earlier
+    export wrote (only its files: replaced whole); anything else is refused, nothing written."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory; choose a new OUT")
+    earlier = out.is_dir() and not out.is_symlink() and written_by_hsstore(out)
+    if out.exists() and not earlier and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is neither empty nor a drafter export-drafter wrote; choose a new "
+                              "OUT (nothing was written)")
     src_dir = resolve_drafter_dir(best_pointer(src) if best else src)
     cfg, meta = read_drafter_config(src_dir)
     tensors = read_weights(src_dir, cfg)
     tmp = out.parent / f".tmp-{out.name}"
     sinks.remove_tree(out.parent, tmp.name)  # a link there is removed itself, never followed
     write_drafter(tmp, cfg, tensors, meta)
+    if earlier:  # the earlier export set aside, the new one in its place, then the old one removed
+        old = out.parent / f".old-{out.name}-{random.getrandbits(32):08x}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        sinks.remove_tree(out.parent, old.name)
+        log.info("exported %s -> %s (replacing the drafter exported there before)", src_dir, out)
+        return out
     os.replace(tmp, out)  # onto nothing or an empty directory
     log.info("exported %s -> %s", src_dir, out)
     return out

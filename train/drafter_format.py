@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hsstore.errors import StoreError
 from hsstore.io import door, sinks
 from hsstore.io.tensorfiles import save_safetensors
 
@@ -45,6 +46,7 @@ LEGACY_ARCHITECTURE = "DFlashDrafter"  # this project's format before the DFlash
 FULL, SLIDING = "full_attention", "sliding_attention"
 MODELING = "modeling_dflash.py"
 MODEL_CARD = "README.md"
+FILES = (CONFIG, WEIGHTS, WEIGHTS_INDEX, META, MODELING, MODEL_CARD)  # everything write_drafter writes
 # a drafter folder comes from elsewhere: its JSON files are small, its shape within what any drafter has (published
 # DFlash drafters have 1-8 layers; a config asking for 2e6 layers would build 2e6 modules before any check)
 JSON_CAP = 1 << 20
@@ -289,6 +291,23 @@ def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str
     for name, text in files.items():  # a link planted at a name is replaced, never written through
         sinks.write_atomic(path, name, text.encode(), what=f"writing drafter {path}", durable=False)
     return path
+
+
+def written_by_hsstore(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a drafter folder ``write_drafter`` wrote and nothing else: only its files, regular files
+    (no link), its metadata saying so. What ``export-drafter`` may replace with a new export."""
+    path = Path(path)
+    try:
+        entries = set(os.listdir(path))
+    except OSError:
+        return False
+    if not entries or not entries <= set(FILES) or not all(door.is_file_beneath(path, n) for n in entries):
+        return False
+    try:
+        meta = door.read_json_beneath(path, META, bound=JSON_CAP)
+    except (OSError, ValueError, StoreError):  # unreadable: not one to replace
+        return False
+    return isinstance(meta, dict) and meta.get("format") == "hsstore-drafter"
 
 
 def save_drafter(path: str | os.PathLike, model: DFlashDrafter, extra: dict[str, Any] | None = None) -> Path:

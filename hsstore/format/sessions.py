@@ -156,7 +156,16 @@ class SessionState:
     state: str
     silent_s: float  # seconds since its last heartbeat (0 once ended)
 
-    def describe(self) -> str:
+    def committed(self, listed: set[str] | None) -> int:
+        """This session's shards committed: those ``listed`` in ``commits/`` (the authority; its heartbeat's count
+        lags a shard behind between beats), else what its last heartbeat said."""
+        if listed is None:
+            return self.record.committed
+        prefix = self.record.key + "-"
+        return sum(1 for name in listed if name.startswith(prefix))
+
+    def describe(self, listed: set[str] | None = None) -> str:
+        """One line for a person; ``listed``: the shards ``commits/`` lists now, which its counts come from."""
         r = self.record
         who = f"writer {r.writer} (session {r.session}, host {r.host}, pid {r.pid}, started {r.started})"
         if self.state == "ended":
@@ -168,9 +177,10 @@ class SessionState:
         planned = f" of {r.planned_samples} planned sample(s)" if r.planned_samples is not None else ""
         if self.state == "dead":
             return (f"{who}: no heartbeat for {self.silent_s:.0f}s (it beats every {r.heartbeat_s:g}s): killed or "
-                    f"crashed? {r.committed} shard(s) committed{planned}; re-run its job (the same command resumes) "
+                    f"crashed? {self.committed(listed)} shard(s) committed{planned}; re-run its job (the same command resumes) "
                     "to finish the store")
-        return f"{who}: writing, {r.committed} shard(s) committed{planned}, last heartbeat {self.silent_s:.0f}s ago"
+        return (f"{who}: writing, {self.committed(listed)} shard(s) committed{planned}, last heartbeat "
+                f"{self.silent_s:.0f}s ago")
 
 
 @dataclass
@@ -233,7 +243,7 @@ class Writers:
 
     def waiting_for(self, listed: set[str], now: float | None = None) -> list[str]:
         """One line per thing a follower waits for (empty once ``finished``)."""
-        lines = [s.describe() for s in self.states(now) if s.state not in ("ended", "replaced")]
+        lines = [s.describe(listed) for s in self.states(now) if s.state not in ("ended", "replaced")]
         started = {s.writer for s in self.sessions.values()}
         lines += [f"writer {t}: expected by its job, not started yet" for t in self.expected_missing()
                   if t not in started]

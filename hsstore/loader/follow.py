@@ -361,7 +361,7 @@ class Leader:
         for s in writers.states(now):
             if s.state in ("dead", "failed") and s.record.key not in self._dead_told:
                 self._dead_told.add(s.record.key)
-                log.warning("store %r: %s; epoch 0 waits for it", recordable_url(url), s.describe())
+                log.warning("store %r: %s; epoch 0 waits for it", recordable_url(url), s.describe(listed))
         if now - self._reported >= self.follow.report_s:
             self._reported = now
             since = time.strftime("%H:%M:%S", time.localtime(self.last_arrival))
