@@ -102,7 +102,9 @@ class GateReport:
         return self.share("stub_answer")
 
     def to_dict(self, per_sample: bool = False, max_listed: int = 20) -> dict:
-        """JSON-ready summary. Flagged sample ids are listed (first ``max_listed`` per flag)."""
+        """JSON-ready summary, in the words ``info --json`` uses for the same figures (``hsstore.ops.stats``:
+        ``tokens``, ``loss_sum_percentiles``, ``flags`` ...; tests/test_json_vocabulary.py). Flagged sample ids are
+        listed (first ``max_listed`` per flag)."""
         listed: dict[str, list[str]] = {}
         for s in self.samples:
             for f in s.flags:
@@ -114,19 +116,18 @@ class GateReport:
             "failures": self.failures,
             "warnings": self.warnings,
             "samples": self.n_samples,
-            "total_tokens": self.total_tokens,
+            "tokens": self.total_tokens,
             "loss_tokens": self.loss_tokens,
             "response_fraction": self.response_fraction,
-            "loss_sum": {
-                "mean": self.loss_sum_mean,
-                "percentiles": self.loss_sum_percentiles,
-                "histogram": self.loss_sum_histogram,
-                "top_values": self.top_values,
-            },
+            "loss_sum_mean": self.loss_sum_mean,
+            "loss_sum_percentiles": self.loss_sum_percentiles,
+            "loss_sum_histogram": self.loss_sum_histogram,
+            "loss_sum_top_values": self.top_values,
             "top_loss_sum": self.top_loss_sum,
+            "length_percentiles": percentiles([s.tokens for s in self.samples], PERCENTILES),
             "stub_share": self.stub_share,
             "shares": {f: self.share(f) for f in FLAG_ORDER},
-            "flag_counts": self.flag_counts,
+            "flags": self.flag_counts,
             "flagged_ids": listed,
             "sources": self.sources,
             "input": self.input_stats,

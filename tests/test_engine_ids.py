@@ -197,7 +197,7 @@ def test_prompt_mismatch_is_counted_named_and_trusted_on_request(target, tok, tm
                          "--trust-engine-ids")
     assert rc == 0 and rep["input"]["skipped_rows"] == 0
     assert rep["input"]["engine_prompt_mismatch_trusted"] == 2
-    assert rep["flag_counts"].get("engine_prompt_mismatch") == 2
+    assert rep["flags"].get("engine_prompt_mismatch") == 2
     recorded = {r["id"]: r["messages"][-1] for r in read_rows(out)}
     for s in load_samples(out, tok, trust_engine_ids=True):
         m = recorded[s.sample_id]

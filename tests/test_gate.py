@@ -48,7 +48,7 @@ def test_brief_like_stub_set_is_refused(tok, stub_file):
     assert data["ok"] is False
     assert data["top_loss_sum"] == {"value": stub_sum, "count": 87, "share": 0.87}
     assert data["stub_share"] == pytest.approx(0.87)
-    assert sum(b["count"] for b in data["loss_sum"]["histogram"]) == 100
+    assert sum(b["count"] for b in data["loss_sum_histogram"]) == 100
     assert len(data["flagged_ids"]["stub_answer"]) == 20
 
 

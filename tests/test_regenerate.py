@@ -146,7 +146,7 @@ def test_every_prompt_answered_once_and_check_reads_it(server, tiny_dir, tmp_pat
     assert rc in (0, 1)  # the gibberish may fail the gate; the output must parse
     report = json.loads(capsys.readouterr().out)
     assert report["samples"] == len(records)
-    assert report["flag_counts"].get("truncated", 0) == n_cut
+    assert report["flags"].get("truncated", 0) == n_cut
 
 
 def test_all_turns_are_regenerated_in_order(server, tmp_path):
@@ -464,10 +464,10 @@ def test_hand_written_turns_are_context_unless_asked(trained, tmp_path, capsys):
 
     main(["check", "--model", str(trained), "--input", str(out), "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert report["samples"] == 2 and "not_generated" not in report["flag_counts"]
+    assert report["samples"] == 2 and "not_generated" not in report["flags"]
     main(["check", "--model", str(trained), "--input", str(out), "--json", "--learn-not-generated"])
     report = json.loads(capsys.readouterr().out)
-    assert report["samples"] == 3 and report["flag_counts"]["not_generated"] == 1
+    assert report["samples"] == 3 and report["flags"]["not_generated"] == 1
     assert report["flagged_ids"]["not_generated"] == ["my-multi-1#t0"]
     assert any("did not generate" in w for w in report["warnings"])
 

@@ -106,8 +106,10 @@ def _check_value(a: argparse.Action, value: Any, where: str) -> Any:
     if isinstance(a, argparse._AppendAction) or a.nargs in ("+", "*") or isinstance(a.nargs, int):
         if value is None:
             return None
-        if not isinstance(value, list):
-            bad("expected a list")
+        if not isinstance(value, list):  # one value where the flag takes several: ``input: data.jsonl``
+            if isinstance(value, dict):
+                bad("expected a list or one value")
+            value = [value]
         return [one(v) for v in value]
     return one(value)
 
