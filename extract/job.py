@@ -37,7 +37,7 @@ from .gate_report import GateVerdict, gate_inputs, reuse_gate_report, run_identi
 from .readers import RowShard
 from .sample import TokenizedSample
 from .settings import ExtractSettings  # callers import it from here too
-from .speed import WARMUP_S, choose_compile, compile_forward, compile_seconds
+from .speed import WARMUP_S, choose_compile, compile_forward, compile_seconds, note_compile_cache
 from .target import DTYPES, asset_files, build_manifest, load_tokenizer, model_name, planned_taps
 from .tokenize import TokenizeStats, load_samples
 
@@ -210,6 +210,7 @@ def prepare_target(settings: ExtractSettings, model, device: torch.device, todo:
     choice = choose_compile(settings.forward.compile, device, decoder_params, sum(s.num_tokens for s in todo))
     result.compiled = choice.compile
     if choice.compile:
+        note_compile_cache(rank)
         log.info("rank %d: compiling the target's norms, MLPs, attention blocks and recurrent mixers around their "
                  "kernels (%s; %s); the first batch of each new shape pays the compile time (~%.0f s at 27B scale)",
                  rank, compile_forward(model, mixers=True), choice.reason, WARMUP_S)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -133,6 +134,29 @@ def choose_compile(requested: bool | None, device: torch.device, decoder_params:
     verdict = (f"{tokens:,} tokens x {decoder_params / 1e9:.3g}B decoder parameters: eager ~{eager_s:,.0f}s, "
                f"compiling would save ~{saving:,.0f}s for ~{WARMUP_S:.0f}s of warm-up")
     return CompileChoice(saving > WARMUP_S, verdict)
+
+
+def inductor_cache_dir() -> Path:
+    """Where torch.compile keeps the kernels it built, between processes (``TORCHINDUCTOR_CACHE_DIR``, else torch's
+    default under the temp folder)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def note_compile_cache(rank: int) -> bool:
+    """Say, before a compiled forward's first batch, that its kernels are built now and once per machine when
+    torch.compile's cache holds none yet (a fresh machine: the first batches run many times slower, with no other
+    word); returns whether it said so."""
+    cache = inductor_cache_dir()
+    try:
+        empty = not cache.is_dir() or next(cache.iterdir(), None) is None
+    except OSError:
+        empty = True
+    if empty:
+        log.warning("rank %d: compiling kernels, once per machine: torch.compile builds the forward's kernels during "
+                    "its first batches (about %.0f s at 27B scale); later runs reuse %s", rank, WARMUP_S, cache)
+    return empty
 
 
 def compile_seconds() -> float:

@@ -293,3 +293,18 @@ def test_first_use_kernel_compiles_are_said_on_a_machine_without_compiled_kernel
         assert target.note_kernel_compiles(model, cuda)
     assert "compile and autotune on their first use" in caplog.text and str(tmp_path / "triton") in caplog.text
     assert not target.note_kernel_compiles(model, cuda)  # said once
+
+
+def test_a_compiled_extract_says_it_compiles_kernels_once_per_machine(tmp_path, monkeypatch, caplog):
+    """Before the first batch of a compiled forward on a machine whose torch.compile cache is empty: one line that
+    says kernels compile now, once per machine (the first batches otherwise run many times slower without a word);
+    nothing when the cache holds kernels already."""
+    from hsstore.extract import speed
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with caplog.at_level("WARNING", logger="hsstore.extract.speed"):
+        assert speed.note_compile_cache(0)
+    assert "compiling kernels, once per machine" in caplog.text and str(tmp_path / "inductor") in caplog.text
+    (tmp_path / "inductor" / "fxgraph").mkdir(parents=True)
+    caplog.clear()
+    assert not speed.note_compile_cache(0) and not caplog.text

@@ -77,8 +77,8 @@ def note_kernel_compiles(model: nn.Module, device: torch.device) -> bool:
     except OSError:
         empty = True
     if empty:
-        log.warning("fla's Triton kernels compile and autotune on their first use on this machine (about a minute "
-                    "before the first batch; later runs reuse %s)", cache)
+        log.warning("compiling kernels, once per machine: fla's Triton kernels compile and autotune on their first "
+                    "use here (about a minute before the first batch; later runs reuse %s)", cache)
         _NOTED.append(True)
     return empty
 
