@@ -481,3 +481,30 @@ def test_records_gone_from_the_end_of_a_block_still_read(tmp_path):
     (n,) = struct.unpack("<I", data[:4])
     table = index.decode_segment("shared", data[4 + n:]).table
     assert [records.Records(table, fallback=None)[i].shard for i in range(len(table))] == names[:-1]
+
+
+def test_a_store_copied_with_cp_r_keeps_its_index_by_content(tmp_path, capsys):
+    """``cp -r`` gives every record a new file time: its entries still hold the same bytes (their CRC32C, checked
+    where the record is read anyway), so verify calls no shard unindexed; an entry whose record was rewritten with
+    the same size stays outdated; ``hsstore index`` restamps the copy, whose opening then reads no record."""
+    import subprocess
+
+    url, copy = str(tmp_path / "s"), str(tmp_path / "copy")
+    _write(url)
+    subprocess.run(["cp", "-r", url, copy], check=True)
+    store = hsstore.open(copy)
+    assert store.index_use.stale == [] and len(store.index_use.restamped) == N_SHARDS
+    capsys.readouterr()
+    assert main(["verify", copy, "-q"]) == 0
+    assert "not in the index" not in capsys.readouterr().out
+    first = store.commits[3]
+    new = dataclasses.replace(first, created_at="2099" + first.created_at[4:])  # same size, other bytes
+    commit.publish(_local_fs(), copy, new)
+    again = hsstore.open(copy)
+    assert again.index_use.stale == [first.shard] and len(again.index_use.restamped) == N_SHARDS - 1
+    assert again.record(first.shard).created_at == new.created_at
+    assert main(["verify", copy, "-q", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["index"]
+    assert report["unindexed_shards"] == 1 and report["restamped_shards"] == N_SHARDS - 1
+    assert main(["index", copy, "--grace", "0", "-q"]) == 0
+    assert hsstore.open(copy).index_use.fetched == 0

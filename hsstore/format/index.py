@@ -1,12 +1,19 @@
 """The store's index: copies of commit records gathered into a few segment objects under ``index/``, so that
 opening a store costs a listing and a handful of GETs instead of one GET per shard (docs/FORMAT.md, "Index").
 
-Commit records stay the source of truth; the index only saves requests. Each entry remembers the size and
-stamp (ETag on object stores, mtime on local disk) that the record object had when it was copied, and a
-reader uses an entry only when the listing of ``commits/`` still shows that size and stamp. So:
+Commit records stay the source of truth; the index only saves requests. Each entry remembers the size, stamp
+(ETag on object stores, mtime on local disk) and CRC32C that the record object had when it was copied; an entry
+is the record's while it holds the same bytes, which the listing shows without a read through its size and
+stamp (an ETag is the bytes' MD5; an mtime only a file time). A reader uses an entry unread while the listing
+shows that size and stamp; a record listed with the entry's size but another stamp is read, as any record no
+entry vouches for is, and its CRC32C then says whether the entry still holds it. So:
 
 - a shard committed after the index was written has no entry: its record is read (the listing finds it);
-- a record rewritten since (``hsstore upgrade``, a merge re-run) lists another stamp: it is read again;
+- a record rewritten since (``hsstore upgrade``, a merge re-run) lists another stamp: it is read again, and the
+  entry is outdated (``IndexUse.stale``) unless the bytes are the same;
+- a store copied with ``cp -r`` lists new file times for the same bytes: its records are read once, and its
+  entries count as the records' (``IndexUse.restamped``; ``verify`` does not call those shards unindexed, and
+  ``hsstore index`` restamps them, so later opens read none);
 - an entry whose record is not listed is ignored: the index never invents a shard;
 - a segment that fails its checksum or ends early is ignored with a warning: its records are read.
 
@@ -84,7 +91,8 @@ class IndexUse:
     superseded: int = 0  # segments listed but superseded by another
     damaged: list[str] = field(default_factory=list)  # segments ignored: checksum, truncation, unknown version
     why: dict[str, str] = field(default_factory=dict)  # damaged segment -> why (a refused name is named)
-    stale: list[str] = field(default_factory=list)  # shards whose entry no longer matched the record's listing
+    stale: list[str] = field(default_factory=list)  # shards whose entries hold other bytes than their records
+    restamped: list[str] = field(default_factory=list)  # listed with another stamp, same bytes as their entry
 
 
 @dataclass
@@ -354,6 +362,18 @@ def usable_entries(live: list[Segment], listed: dict[str, Listed]) -> tuple[dict
     return found, seen - set(found)
 
 
+def entry_checksums(live: list[Segment], listed: dict[str, Listed], shards: set[str]) -> dict[str, set[int]]:
+    """Shard -> the CRC32Cs of its entries whose size its listing shows (of ``shards``, those no entry matched by
+    stamp): a record read with one of them holds the bytes that entry was copied from."""
+    out: dict[str, set[int]] = {}
+    for seg in live:
+        t = seg.table
+        for name, size, crc in zip(t.shard.tolist(), t.size.tolist(), t.crc32c.tolist()):
+            if name in shards and listed[name].size == size:
+                out.setdefault(name, set()).add(int(crc))
+    return out
+
+
 def load(fs, root: str, use_index: bool = True) -> Snapshot:
     """Every committed shard's record: the index's segments, one listing of ``commits/`` (ranges of it
     concurrently on object stores), and GETs (concurrent) of the records that no live segment holds in the
@@ -366,14 +386,18 @@ def load(fs, root: str, use_index: bool = True) -> Snapshot:
     use.shards = len(listed)
     use.segments, use.superseded = len(live), len(segments) - len(live)
     found, stale = usable_entries(live, listed)
-    use.stale = sorted(stale)
+    vouched = entry_checksums(live, listed, stale)
     missing = sorted(set(listed) - set(found))
     fetched = []
     for name, data in zip(missing, read_records(fs, root, missing, [listed[n].size for n in missing])):
         rec = CommitRecord.from_json(data, where=f"commit record of shard {name!r}")
         if rec.shard != name:
             raise CorruptionError(f"commit record of shard {name!r} names shard {rec.shard!r}")
-        fetched.append((rec, data, listed[name].stamp, codec.crc32c(data)))
+        crc = codec.crc32c(data)
+        if crc in vouched.get(name, ()):  # another stamp, the same bytes (a copied store)
+            use.restamped.append(name)
+        fetched.append((rec, data, listed[name].stamp, crc))
+    use.stale = sorted(stale - set(use.restamped))
     parts, origin = [], []
     for k, seg in enumerate(live):
         rows = sorted(r for kk, r in found.values() if kk == k)
@@ -393,6 +417,9 @@ def load(fs, root: str, use_index: bool = True) -> Snapshot:
     if use.stale:
         log.info("index: %d entr%s outdated (records rewritten since), read from commits/", len(use.stale),
                  "y" if len(use.stale) == 1 else "ies")
+    if use.restamped:
+        log.info("index: %d record(s) listed with other file times than their entries but the same bytes (a copied "
+                 "store), read from commits/; `hsstore index` restamps them", len(use.restamped))
     return Snapshot(table, listed, segments, seg_stamps, use, Origin(codes, [s.name for s in live]))
 
 

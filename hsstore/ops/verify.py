@@ -87,8 +87,10 @@ def check_index(store: Store, report: VerifyReport) -> bool:
     """The index against the commit records, each read again (concurrently): an entry that readers would use
     (its record listed with the size and stamp it recorded) must hold that record (byte for byte in a
     version-2 segment; equal once parsed in a version-1 one) and columns that say what the record says (opening,
-    ``info`` and the loader read the columns); a damaged segment is a problem. Outdated entries (records
-    rewritten since) and entries of records no longer listed are counted, not problems: readers ignore them."""
+    ``info`` and the loader read the columns); a damaged segment is a problem. An entry whose record is listed
+    with its size but another stamp (a store copied with ``cp -r``: new file times) is the record's when the
+    record, read here anyway, has its CRC32C: that shard is indexed. Outdated entries (records rewritten since) and
+    entries of records no longer listed are counted, not problems: readers ignore them."""
     fs, root = store.fs, store.root
     listed = index.listed_records(fs, root)
     use = index.IndexUse(shards=len(listed))
@@ -107,7 +109,11 @@ def check_index(store: Store, report: VerifyReport) -> bool:
             if now is not None and now.stamp is not None and (size, st) == (now.size, now.stamp):
                 used.append((seg, row))
     names = sorted({seg.table.shard[row] for seg, row in used})
-    data = dict(zip(names, commit.read_records(fs, root, names, [listed[n].size for n in names]))) if names else {}
+    vouched = index.entry_checksums(live, listed, {n for seg in live for n in seg.table.shard.tolist()
+                                                   if n in listed} - set(names))
+    read = sorted({*names, *vouched})
+    data = dict(zip(read, commit.read_records(fs, root, read, [listed[n].size for n in read]))) if read else {}
+    restamped = sorted(n for n in vouched if codec.crc32c(data[n]) in vouched[n])
     blocks = records.BlockCache()
     bad_entries = False
     for seg, row in used:
@@ -129,7 +135,8 @@ def check_index(store: Store, report: VerifyReport) -> bool:
                                                   "entry); `hsstore index` rewrites it", f"{index.INDEX_DIR}/{seg.name}"))
     report.index = {"segments": len(live), "superseded": len(segments) - len(live), "damaged": len(use.damaged),
                     "entries_checked": len(used),
-                    "indexed_shards": len(names), "unindexed_shards": len(listed) - len(names),
+                    "indexed_shards": len(names) + len(restamped),
+                    "unindexed_shards": len(listed) - len(names) - len(restamped), "restamped_shards": len(restamped),
                     "orphan_entries": sum(1 for seg in live for n in seg.table.shard.tolist() if n not in listed)}
     return bad_entries
 
