@@ -208,6 +208,34 @@ def _check_supersedes(name: str, supersedes: Any) -> None:
                                   "(not an index segment name)")
 
 
+def check_segment_head(key: str, head: bytes, size: int) -> None:
+    """A large segment's first bytes, read before the rest is asked for (``door.read_many``'s ``check_head``): a
+    version-2 segment's magic and header, whose lengths must add up to the ``size`` listed; ``CorruptionError``
+    otherwise, so junk planted in ``index/`` costs its first bytes, not all of them at whatever rate its server
+    keeps to. (A version-1 segment, gzip, says its length only at its end.)"""
+    name = key.rsplit("/", 1)[-1]
+    where = f"index segment {INDEX_DIR}/{name}"
+    if bytes(head[:2]) == b"\x1f\x8b":
+        return
+    if bytes(head[:len(MAGIC)]) != MAGIC or len(head) < len(MAGIC) + 4:
+        raise CorruptionError(f"{where}: starts with {bytes(head[:8])!r}, not a segment (its other "
+                              f"{size - len(head):,} bytes not read)")
+    (hl,) = struct.unpack("<I", head[len(MAGIC):len(MAGIC) + 4])
+    pos = len(MAGIC) + 4
+    if pos + hl > len(head):
+        raise CorruptionError(f"{where}: a header of {hl:,} bytes, past the first {len(head):,} (not read further)")
+    try:
+        header = door.load_json(bytes(head[pos:pos + hl]), f"{where}: header")
+        total = pos + hl + int(header["columns_bytes"]) + sum(int(n) for n in header["blocks_bytes"]) + 4
+    except CorruptionError:
+        raise
+    except Exception as e:  # any other shape: not a segment
+        raise CorruptionError(f"{where}: unreadable header ({type(e).__name__}: {e})") from None
+    if total != size:
+        raise CorruptionError(f"{where}: its header adds up to {total:,} bytes, the listing says {size:,} (the rest "
+                              "not read)")
+
+
 def gunzip_bounded(name: str, data: bytes) -> bytes:
     """A version-1 segment's JSON, decompressed at most ``V1_MAX_EXPANSION`` times its size (gzip reaches ~1000x:
     a 3 MB hostile segment would otherwise become gigabytes before ``json.loads``), and refused when it differs
@@ -318,7 +346,7 @@ def read_segments(fs, root: str, use: IndexUse) -> tuple[dict[str, Segment], dic
         return {}, stamps
     keys = [f"{INDEX_DIR}/{b}" for b in names]
     blobs = door.read_many(fs, root, keys, sizes={k: listed[b].get("size") or None for k, b in zip(keys, names)},
-                           bound=door.INDEX_SEGMENT_CAP)
+                           bound=door.INDEX_SEGMENT_CAP, check_head=check_segment_head)
     segments = {}
     for b, k in zip(names, keys):
         data = blobs[k]

@@ -13,7 +13,10 @@ well as chunks, tars and assets -- comes through here, and is opened one way:
   refused before any read);
 - a size bound is known before reading: the size a commit record or a listing gives, or a fixed cap for
   small JSON objects (``JSON_CAP``); a larger object is refused without reading it. Object stores get the
-  same: the listed or recorded size, one ranged GET of exactly that size, or a GET capped at the bound.
+  same: the listed or recorded size, one ranged GET of exactly that size, or a GET capped at the bound;
+- a remote object whose first bytes say what it is and how long it is (an index segment: ``read_many``'s
+  ``check_head``) is asked for its head first when large: junk, or a length that differs from the listing's, is
+  refused after ``HEAD_BYTES`` instead of after all of it has arrived at whatever rate its server keeps to.
 
 A refusal is ``Refused`` (a ``CorruptionError``) whose one line names the file and why. JSON from a store is
 parsed with a size and depth limit (``load_json``). ``tests/test_architecture.py`` checks that no module but
@@ -42,6 +45,7 @@ ASSET_CAP = 16 << 30  # one tensor asset (an embedding of 248K x 5120 bf16 is 2.
 TOKENIZER_ASSET_CAP = 256 << 20  # one tokenizer file (Qwen's tokenizer.json is ~11 MB)
 OTHER_ASSET_CAP = 16 << 20  # any other asset (config.json: a few kB)
 JSON_DEPTH = 64  # nesting deeper than any object hsstore writes (the manifest's ``extra`` included)
+HEAD_BYTES = 1 << 20  # a remote object larger than this with a ``check_head``: its head is read and checked first
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # non-blocking: a FIFO opens at once (and is then refused), instead of waiting for a writer forever
@@ -202,14 +206,8 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
     if size is None and bound > receive.UNDECLARED_CAP and receive.is_http(fs):  # an HTTP listing gives no size:
-        try:  # the server's HEAD says one, or the object is read only up to a small bound (a body without end)
-            declared = receive.object_size(fs, path)
-        except receive.AnswerRefused as e:
-            raise Refused(where, key, e.why) from None
-        if declared is not None:
-            _check_size(declared, None, bound, key, where)
-            size = declared
-        else:
+        size = declared_size(fs, root, key, bound=bound, where=where)  # the server's HEAD says one, or
+        if size is None:  # the object is read only up to a small bound (a body without end)
             bound = min(bound, receive.UNDECLARED_CAP)
     if size is not None:
         data = transfer.cat_many(fs, [path], [size])[path]
@@ -234,24 +232,64 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
     return data
 
 
+def declared_size(fs, root: str, key: str, *, bound: int, where: str = "") -> int | None:
+    """The length an HTTP server's HEAD declares for object ``key`` (None: it declares none), within ``bound``
+    (``Refused`` past it): the size an object an HTTP listing gives none for is read as."""
+    try:
+        declared = receive.object_size(fs, storage.join(root, key))
+    except receive.AnswerRefused as e:
+        raise Refused(where, key, e.why) from None
+    if declared is not None:
+        _check_size(declared, None, bound, key, where)
+    return declared
+
+
+def _head_refusal(fs, root: str, key: str, size: int | None, bound: int, check: Callable[[str, bytes, int], None],
+                  where: str) -> tuple[int | None, Exception | None]:
+    """(the object's size, why it is refused on its first ``HEAD_BYTES`` or None) for a remote object of ``size``
+    bytes (None: an HTTP listing's, asked of its server's HEAD): ``check(key, head, size)`` raising refuses it, and
+    nothing more is asked for it."""
+    try:
+        if size is None and receive.is_http(fs):
+            size = declared_size(fs, root, key, bound=bound, where=where)
+        if size is None or size <= HEAD_BYTES:
+            return size, None
+        (head,) = read_ranges(fs, root, key, [(0, HEAD_BYTES)], size=size, where=where)
+        if isinstance(head, Exception):
+            raise head
+        check(key, head, size)
+    except (OSError, CorruptionError) as e:
+        return size, Refused(where, key, e.why) if isinstance(e, receive.AnswerRefused) else e
+    return size, None
+
+
 def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], bound: Callable[[str], int] | int,
-              ok: Callable[[str, bytes], bool] | None = None, where: str = "") -> dict[str, Any]:
+              ok: Callable[[str, bytes], bool] | None = None, where: str = "",
+              check_head: Callable[[str, bytes, int], None] | None = None) -> dict[str, Any]:
     """Objects ``keys`` under ``root``, each exactly the size ``sizes`` lists (a commit record's, a listing's;
     None: unknown, as an HTTP listing may give) and within ``bound`` (a number, or a function of the key): key ->
     bytes, or the exception that stopped it (``FileNotFoundError``, ``Refused``, a failed request). Concurrent on
     object stores, where an object that arrives but fails ``ok(key, bytes)`` is fetched again
-    (``transfer.cat_verified``)."""
+    (``transfer.cat_verified``). ``check_head(key, head, size)``: on object stores, an object over ``HEAD_BYTES``
+    has its head read first and is refused (its exception kept) when that raises."""
     limit = bound if callable(bound) else (lambda _k, b=bound: b)
     out: dict[str, Any] = {}
     todo = []
+    sizes = dict(sizes)
     for k in keys:
         why = key_problem(k)
         if why:
             out[k] = Refused(where, repr(k), why)
-        elif sizes.get(k) is not None and sizes[k] > limit(k):
+            continue
+        if sizes.get(k) is not None and sizes[k] > limit(k):
             out[k] = Refused(where, k, f"{sizes[k]:,} bytes listed, larger than its bound of {limit(k):,}")
-        else:
-            todo.append(k)
+            continue
+        if check_head is not None and not storage.is_local(fs):
+            sizes[k], refusal = _head_refusal(fs, root, k, sizes.get(k), limit(k), check_head, where)
+            if refusal is not None:
+                out[k] = refusal
+                continue
+        todo.append(k)
     unsized = [k for k in todo if sizes.get(k) is None]
     if storage.is_local(fs) or unsized:
         for k in todo if storage.is_local(fs) else unsized:

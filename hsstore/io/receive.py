@@ -35,6 +35,9 @@ PAGE_CAP = 16 << 20  # one S3 answer that is not an object's body (a listing pag
 HTML_PAGE_CAP = 64 << 20  # one HTML index page (~100 bytes a link: ~600K records)
 LIST_PAGES = 10_000  # pages of one S3 listing (1e7 keys; each page's keys must follow the last page's)
 PIECE = 1 << 20  # bytes asked of a body at a time
+# once every byte asked for has arrived, how long an answer without a length is watched for more (bytes past the
+# asked end are refused when they are already there; they are never waited for)
+PAST_END_S = 0.5
 UNDECLARED_CAP = 64 << 20  # an HTTP object whose size neither a listing nor its server says: read at most this
 
 
@@ -106,14 +109,20 @@ async def bounded(coro, clock: Clock, nbytes: int, head: float = 0.0):
         raise clock.expired(nbytes) from None
 
 
-async def read_body(read: Callable[[int], Any], limit: int, clock: Clock) -> bytes:
+async def read_body(read: Callable[[int], Any], limit: int, clock: Clock, exact: bool = False) -> bytes:
     """Up to ``limit + 1`` bytes of a body (``read(n)``: an aiohttp ``StreamReader.read``), the clock checked as
-    each piece arrives: a caller that wanted ``limit`` sees more as ``len > limit``."""
+    each piece arrives: a caller that wanted ``limit`` sees more as ``len > limit``. ``exact``: ``limit`` bytes are
+    all the answer should hold (a range's, a record's): once they are in, a byte past them is looked for only
+    ``PAST_END_S``, never waited for until the deadline."""
     buf = bytearray()
     while len(buf) <= limit:
+        done = exact and len(buf) == limit
         try:  # a peer that stops sending is cut off when its time is up, not when the whole page's would be
-            piece = await asyncio.wait_for(read(min(limit + 1 - len(buf), PIECE)), max(0.001, clock.left(len(buf))))
+            piece = await asyncio.wait_for(read(min(limit + 1 - len(buf), PIECE)),
+                                           PAST_END_S if done else max(0.001, clock.left(len(buf))))
         except asyncio.TimeoutError:
+            if done:
+                break
             raise clock.expired(len(buf)) from None
         if not piece:
             break
@@ -242,13 +251,13 @@ async def http_get(fs, url: str, start: int, end: int, size: int | None = None) 
             if r.status == 206 or (start == 0 and size is None):
                 if declared is not None and declared > n:
                     raise AnswerRefused(url, f"the answer declares {declared:,} bytes, {n:,} were asked for")
-                data = await read_body(r.content.read, n, clock)
+                data = await read_body(r.content.read, n, clock, exact=r.status == 206)
                 if len(data) > n and r.status == 206:
                     raise AnswerRefused(url, f"the answer holds more than the {n:,} bytes asked for; cut")
                 return data[:n + 1]  # (an unsized read sees the object exceed its bound: the caller refuses it)
             if size is not None and declared is not None and declared != size:  # Range ignored: the whole object
                 raise AnswerRefused(url, f"the object is {declared:,} bytes, its record lists {size:,}")
-            data = await read_body(r.content.read, end, clock)  # read up to the range's end, never past it
+            data = await read_body(r.content.read, end, clock, exact=True)  # up to the range's end, never past it
             return data[start:end]
 
     return await bounded(go(), clock, n)
@@ -345,7 +354,7 @@ async def s3_get(fs, path: str, start: int, end: int) -> bytes:
         if declared is not None and declared > n:
             raise AnswerRefused(f"s3://{path}", f"the answer declares {declared:,} bytes, {n:,} were asked for")
         stream = getattr(getattr(body, "raw_stream", None), "content", None)
-        data = await read_body(stream.read if stream is not None else body.read, n, clock)
+        data = await read_body(stream.read if stream is not None else body.read, n, clock, exact=True)
         if len(data) > n:
             raise AnswerRefused(f"s3://{path}", f"the answer holds more than the {n:,} bytes asked for; cut")
         return data
@@ -396,8 +405,13 @@ async def _copy_body(body, views: list[memoryview], clock: Clock) -> int:
             at, off = at + m, off + m
             if off == len(views[k]):
                 k, off = k + 1, 0
-        if done > want:
+        if done >= want:
             break
+    if done == want and not stream.at_eof():  # every byte asked for is in: one past them looked for, not waited for
+        try:
+            done += len(await asyncio.wait_for(stream.readany(), PAST_END_S))
+        except asyncio.TimeoutError:
+            pass
     return done
 
 

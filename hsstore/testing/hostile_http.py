@@ -10,6 +10,9 @@ one misbehaviour each:
   trickle       the headers, then the body one byte a second
   trickle_head  the status line and headers one byte a second
   redirect      ``302`` to the same path on ``redirect_to`` (another server: another host's store)
+  slow          the headers, then the body at ``rate`` bytes a second (just above a client's minimum rate: a
+                large object takes minutes yet is never cut off by a rate)
+  stall         ``206`` (or ``200``) without a length: the bytes asked for, then nothing, the connection held open
 
 A ``POST`` (an engine's ``/v1/chat/completions``) is answered as a ``GET`` of the same path is: the file there (a
 canned answer), with the same misbehaviours.
@@ -30,7 +33,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect")
+KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect",
+         "slow", "stall")
 FOREVER_S = 120  # how long "forever" lasts (a client that was not cut off by then has failed anyway)
 _BOMB: bytes | None = None
 
@@ -47,8 +51,9 @@ def gzip_bomb(expanded: int = 1 << 30) -> bytes:
 
 class HostileHTTPServer:
     def __init__(self, directory: str, faults: list[tuple[str, Callable[[str], bool]]] | None = None,
-                 redirect_to: str | None = None) -> None:
+                 redirect_to: str | None = None, rate: float = 320 << 10) -> None:
         self.directory = os.path.abspath(directory)
+        self.rate = float(rate)  # the "slow" fault's bytes a second
         self.faults = list(faults or [])
         for kind, _ in self.faults:
             if kind not in KINDS:
@@ -190,10 +195,20 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             body = data[start:end]
             self.send_response(206 if rng else 200)
-            if kind != "overrun":
+            if kind not in ("overrun", "stall") or head:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if head:
+                return
+            if kind == "slow":
+                piece = max(1, int(srv.rate / 20))
+                for i in range(0, len(body), piece):  # 20 pieces a second, at ``rate`` on average
+                    self._write(body[i:i + piece])
+                    time.sleep(piece / srv.rate)
+                return
+            if kind == "stall":
+                self._write(body)
+                self.server_of._stop.wait(FOREVER_S)  # nothing more, the connection held
                 return
             if kind == "trickle":
                 for i in range(len(body)):
