@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..progress import is_terminal
 from .conv import use_fla_conv
 from .devices import route_cpu_kernels
 
@@ -37,11 +38,11 @@ def text_config(config: Any) -> Any:
 def load_target(model_path: str, dtype: torch.dtype, device: torch.device, progress: bool = True) -> nn.Module:
     """The target from a local directory (nothing downloaded, no remote code), in ``dtype`` on ``device``, in eval
     mode, with the kernels every command runs (module docstring); transformers' weight-loading bar only with
-    ``progress``."""
+    ``progress`` and on a terminal (its bar redraws with carriage returns)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    if not progress:
+    if not progress or not is_terminal():
         hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True,
                                                  trust_remote_code=False)
