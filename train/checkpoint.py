@@ -126,8 +126,8 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, best: bool = 
     out = Path(out)
     earlier = out.is_dir() and not out.is_symlink() and written_by_hsstore(out)
     if out.exists() and not earlier and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is neither empty nor a drafter export-drafter wrote; choose a new "
-                              "OUT (nothing was written)")
+        raise FileExistsError(f"{out} exists and is not an empty directory nor a drafter export-drafter wrote; "
+                              "choose a new OUT (nothing was written)")
     src_dir = resolve_drafter_dir(best_pointer(src) if best else src)
     cfg, meta = read_drafter_config(src_dir)
     tensors = read_weights(src_dir, cfg)

@@ -122,8 +122,8 @@ class Data:
     workers: int = option(0, resume=True, help="loader worker processes per rank (needs torchdata): on a GPU, for "
                                               "a remote store; on a CPU they take the cores the step computes on")
     prefetch: int = option(2, help="batches read (and copied to the GPU) ahead")
-    cpu_threads: int | None = cpu_threads_option("the step on a CPU, per rank (on GPUs: the host's work; "
-                                                 "default there the cores / local ranks)")
+    cpu_threads: int | None = cpu_threads_option(
+        "each rank's step on a CPU", gpus="on GPUs, each local rank's share of the cores for the host's work")
     cache_dir: str | None = option(None, path=True, help="local chunk cache for remote stores")
     cache_bytes: int | None = option(
         None, metavar="N",

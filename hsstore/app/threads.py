@@ -26,14 +26,16 @@ SMALL_MODEL_PARAMS = 50_000_000
 CGROUP = Path("/sys/fs/cgroup")
 
 
-def cpu_threads_option(used_for: str = "the model's CPU work"):
-    """Every command's ``--cpu-threads`` setting: its meaning said once, here."""
+def cpu_threads_option(used_for: str = "the model's CPU work", gpus: str = ""):
+    """Every command's ``--cpu-threads`` setting: its meaning said once, here (``gpus``: what the default is where
+    the model runs on GPUs)."""
     from .schema import option
 
     return option(None, metavar="N",
                   help=f"torch CPU threads for {used_for} (default: 1 for a model under "
                        f"{SMALL_MODEL_PARAMS // 1_000_000}M parameters, whose ops are too small to split; else the "
-                       "cores this process may use: its CPU affinity, capped by its cgroup's CPU quota)")
+                       "cores this process may use: its CPU affinity, capped by its cgroup's CPU quota"
+                       + (f"; {gpus}" if gpus else "") + ")")
 
 
 def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:

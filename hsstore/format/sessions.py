@@ -177,7 +177,8 @@ class SessionState:
         planned = f" of {r.planned_samples} planned sample(s)" if r.planned_samples is not None else ""
         if self.state == "dead":
             return (f"{who}: no heartbeat for {self.silent_s:.0f}s (it beats every {r.heartbeat_s:g}s): killed or "
-                    f"crashed? {self.committed(listed)} shard(s) committed{planned}; re-run its job (the same command resumes) "
+                    f"crashed? {self.committed(listed)} shard(s) committed{planned}; re-run its job (the same command "
+                    "resumes) "
                     "to finish the store")
         return (f"{who}: writing, {self.committed(listed)} shard(s) committed{planned}, last heartbeat "
                 f"{self.silent_s:.0f}s ago")

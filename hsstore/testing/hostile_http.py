@@ -198,28 +198,31 @@ class _Handler(BaseHTTPRequestHandler):
             if kind not in ("overrun", "stall") or head:
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if head:
-                return
-            if kind == "slow":
-                piece = max(1, int(srv.rate / 20))
-                for i in range(0, len(body), piece):  # 20 pieces a second, at ``rate`` on average
-                    self._write(body[i:i + piece])
-                    time.sleep(piece / srv.rate)
-                return
-            if kind == "stall":
-                self._write(body)
-                self.server_of._stop.wait(FOREVER_S)  # nothing more, the connection held
-                return
-            if kind == "trickle":
-                for i in range(len(body)):
-                    self._write(body[i:i + 1])
-                    time.sleep(1)
-                return
-            self._write(body)
-            if kind == "overrun":
-                self._forever()
+            if not head:
+                self._body(body, kind)
         except (BrokenPipeError, ConnectionResetError):
             pass
+
+    def _body(self, body: bytes, kind: str | None) -> None:
+        """A file's body as the fault ``kind`` sends it (None: as it is)."""
+        if kind == "slow":
+            piece = max(1, int(self.server_of.rate / 20))
+            for i in range(0, len(body), piece):  # 20 pieces a second, at ``rate`` on average
+                self._write(body[i:i + piece])
+                time.sleep(piece / self.server_of.rate)
+            return
+        if kind == "stall":
+            self._write(body)
+            self.server_of._stop.wait(FOREVER_S)  # nothing more, the connection held
+            return
+        if kind == "trickle":
+            for i in range(len(body)):
+                self._write(body[i:i + 1])
+                time.sleep(1)
+            return
+        self._write(body)
+        if kind == "overrun":
+            self._forever()
 
     def _index(self, folder: str, head: bool, endless: bool) -> None:
         names = sorted(os.listdir(folder))
