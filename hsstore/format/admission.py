@@ -74,7 +74,7 @@ class Breach:
 
     def problem(self) -> Problem:
         """The breach as ``verify`` and ``info`` report it, the rule named."""
-        return Problem(self.shard, f"rule {self.rule!r}: {self.detail}", self.file or None)
+        return Problem(self.shard, f"{self.detail} (rule {self.rule!r})", self.file or None)
 
 
 class Refused(CorruptionError):

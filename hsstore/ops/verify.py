@@ -125,10 +125,6 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
     layout (``tails``: see :func:`hsstore.layouts.zarr.check_shard`)."""
     bad = store.shard_breaches(rec)  # the admission's rules of the shard: reported, and its files not followed
     report.problems += [b.problem() for b in bad]
-    if rec.shard in store.bad_locations:
-        report.problems.append(Problem(rec.shard, f"location not followed: {store.bad_locations[rec.shard]}",
-                                       "location"))
-        return
     if bad:
         return
     try:  # a shard merged by reference: its files are checked where its record says they are

@@ -175,8 +175,10 @@ class Store:
 
     def shard_breaches(self, rec: CommitRecord) -> list[admission.Breach]:
         """The breaches of a shard's own rules in its parsed record (the layout's extent through this store's
-        shard source)."""
-        return list(admission.shard_breaches(rec, lambda r: self._layout.check_extent(self.source, r)))
+        shard source), a ``location`` this store refuses first."""
+        bad = self.bad_locations.get(rec.shard)
+        first = [admission.Breach(rec.shard, "names", f"location not followed: {bad}", "location")] if bad else []
+        return first + list(admission.shard_breaches(rec, lambda r: self._layout.check_extent(self.source, r)))
 
     def admit_shard(self, rec: CommitRecord) -> None:
         """``admit``, then refuse a shard that breaks a rule of its own; checked once per parsed record (a reader
@@ -441,6 +443,7 @@ class Store:
         """``iter_windows`` as the store holds each sample: (sample_id, ids, mask, features ``[n_layers, T, H]``
         in the storage dtype, fp8 scales or None), numpy views, no torch: what a copy into another store
         (``StoreWriter.add_stored``) needs."""
+        self.admit()  # before any window: a store whose every shard is refused yields nothing silently otherwise
         layers = self._with_features(layers)
         carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
@@ -487,11 +490,14 @@ class Store:
 
 def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:
     """Sample ids already committed to a store (empty when the store does not exist yet): what a resumed
-    job skips."""
+    job skips. A store the admission refuses is refused here too (a record that does not parse hides ids a
+    resumed job would write again)."""
     fs, root = storage.resolve(url, storage_options)
     if not storage.store_exists(fs, root, url):
         return set()
-    return set(Store(url, storage_options).sample_ids())
+    store = Store(url, storage_options)
+    store.admit()
+    return set(store.sample_ids())
 
 
 def open(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:  # noqa: A001
@@ -505,12 +511,15 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
     """``Store(url, storage_options)`` opened once per job: under ``torch.distributed`` (initialised, more than
     one rank) the group's first rank reads the manifest and the records and broadcasts them (JSON, never
     pickle); the others read nothing. Every rank of ``group`` must call it, in the same order (a collective).
-    Without a process group it is ``Store(url, storage_options)``."""
+    Without a process group it is ``Store(url, storage_options)``. Either way the store is admitted
+    (``Store.admit``) before it is returned."""
     import torch
 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return Store(url, storage_options)
+        store = Store(url, storage_options)
+        store.admit()  # as every rank of a group is refused below
+        return store
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":  # NCCL moves device tensors only
