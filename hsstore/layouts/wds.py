@@ -91,10 +91,30 @@ def check_member(info: tarfile.TarInfo, shard: str) -> None:
     if posixpath.isabs(name) or name.startswith("\\") or ".." in parts or (len(name) > 1 and name[1] == ":"):
         raise CorruptionError(f"shard {shard!r}, member {name!r}: path outside the shard (refused)")
     if not info.isreg():
-        kind = ("symlink" if info.issym() else "hard link" if info.islnk() else "device" if info.isdev()
-                else "directory" if info.isdir() else "fifo" if info.isfifo() else f"type {info.type!r}")
-        raise CorruptionError(f"shard {shard!r}, member {name!r}: {kind} member refused (a shard holds regular "
-                              "files only)")
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: {member_kind(info)} member refused (a shard holds "
+                              "regular files only)")
+
+
+def member_kind(info: tarfile.TarInfo) -> str:
+    return ("regular file" if info.isreg() else "symlink" if info.issym() else "hard link" if info.islnk()
+            else "device" if info.isdev() else "directory" if info.isdir() else "fifo" if info.isfifo()
+            else f"type {info.type!r}")
+
+
+def tail_problem(rest: bytes) -> str | None:
+    """Why the bytes after a tar's last listed member are not the zero blocks its writer ends it with (None: they
+    are). Anything else there is a member tar tools and WebDataset would read (a link, a FIFO, a size of
+    petabytes) that no commit record lists."""
+    body = rest.lstrip(b"\0")
+    if not body:
+        return None
+    at = (len(rest) - len(body)) // BLOCK * BLOCK
+    try:
+        info = tarfile.TarInfo.frombuf(rest[at:at + BLOCK], "utf-8", "surrogateescape")
+    except tarfile.TarError:
+        return "bytes after the last listed member that are not the end-of-archive zero blocks"
+    return (f"a member after the last listed one, {info.name[:200]!r} ({member_kind(info)}, {info.size:,} bytes "
+            "claimed), which the commit record does not list (refused)")
 
 
 def check_header(block: bytes, name: str, size: int, shard: str) -> None:
@@ -609,6 +629,10 @@ def _scan_members(f, progress: Callable[[int], None] | None, rec: CommitRecord, 
             T = rec.samples["length"][i]
             rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
             tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
+    else:  # every member seen: what follows must be the end of the archive (at most its blocks and a record)
+        why = tail_problem(reader.read_exact(2 * BLOCK + tarfile.RECORDSIZE))
+        if why:
+            report.problems.append(Problem(name, why, key))
     reader.drain()
     return reader, seen, tally
 
