@@ -97,7 +97,7 @@ def check_member(info: tarfile.TarInfo, shard: str) -> None:
 
 def member_kind(info: tarfile.TarInfo) -> str:
     return ("regular file" if info.isreg() else "symlink" if info.issym() else "hard link" if info.islnk()
-            else "device" if info.isdev() else "directory" if info.isdir() else "fifo" if info.isfifo()
+            else "fifo" if info.isfifo() else "device" if info.isdev() else "directory" if info.isdir()
             else f"type {info.type!r}")
 
 

@@ -38,13 +38,18 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     fs, root = store.fs, store.root
     lay = layout.get(store.manifest.layout)
     report.problems += [b.problem() for b in store.breaches()]  # the admission's store-wide rules
-    for rec in store.commits:
+    for i in range(len(store.commits)):
+        try:
+            rec = store.commits[i]
+        except StoreError as e:  # a record its columns cannot stand for: named, not followed
+            report.problems.append(Problem(store.table.shard[i], str(e), commit.commit_path(store.table.shard[i])))
+            continue
         if rec.weak_checksums:
             report.weak_records.append(rec.shard)
         check_committed_shard(store, rec, report, progress)
     entries = listing.list_names(fs, storage.join(root, SHARDS_DIR))
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
-    committed = {c.shard for c in store.commits} | set(store.damaged)
+    committed = set(store.table.shard.tolist()) | set(store.damaged)
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
     check_assets(store, report)
     return report
