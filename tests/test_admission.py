@@ -283,7 +283,7 @@ def mutate(d: dict, what: str, k: int, v: int) -> None:
 MUTATIONS = ["id", "length", "shift", "count", "zero", "offsets", "name", "grid", "layers"]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 2), st.integers(0, 40),
                                 st.integers(-5, 5), st.booleans()), min_size=1, max_size=3))
 def test_a_sample_is_served_only_if_verify_accepts_its_shard(tmp_path_factory, edits):

@@ -180,7 +180,7 @@ def id_hashes(ids: Strings) -> np.ndarray:
     h = lens.astype(np.uint64) * _MIX
     for k in range(8):
         w = words[start + span * k // 7]
-        h = (h ^ (w & keep if k == 0 else w)) * _MIX
+        h = (h ^ (w & keep)) * _MIX  # an id shorter than a word: its own bytes only
         h ^= h >> np.uint64(29)
     return h
 

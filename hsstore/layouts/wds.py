@@ -307,7 +307,7 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
         return
     why = layout_problem(rec, src.manifest)
     if why:
-        raise CorruptionError(f"shard {rec.shard!r}: {why}")
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: {why}")
     rec._extent_ok = True
 
 
