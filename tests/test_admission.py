@@ -64,13 +64,17 @@ def assert_refused_everywhere(url: str, tmp_path, capsys, rule: str) -> None:
     assert out[0].startswith("admission  REFUSED") and any(f"rule '{rule}'" in ln for ln in out[1:4]), out[:4]
     assert main(["verify", url, "-q"]) == 1
     assert any(ln.startswith("FAIL") and f"rule '{rule}'" in ln for ln in capsys.readouterr().out.splitlines())
-    with pytest.raises(StoreError, match=f"rule '{rule}'"):
-        ds = hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False))
-        list(ds)
-    for argv in (["subset", url, str(tmp_path / "sub"), "-q"], ["export", "specforge", url, str(tmp_path / "ex"), "-q"]):
+    with pytest.raises(StoreError, match=f"rule '{rule}'"):  # when the dataset is built, before any plan
+        hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False))
+    outs = {c: tmp_path / c for c in ("subset", "export", "merge", "convert")}
+    for argv in (["subset", url, str(outs["subset"]), "-q"], ["export", "specforge", url, str(outs["export"]), "-q"],
+                 ["merge", str(outs["merge"]), url, "-q"], ["convert", url, str(outs["convert"]), "--layout", "wds",
+                                                            "-q"]):
         assert main(argv) == 2
         one_line(capsys.readouterr().err, f"rule '{rule}'")
-    assert not (tmp_path / "sub" / "commits").exists() and not (tmp_path / "ex").exists()
+    for out in outs.values():  # nothing written
+        assert not (out / "commits").exists() or not list((out / "commits").iterdir()), out
+    assert not outs["export"].exists()
 
 
 # -- two identical extract runs into one store ------------------------------------------------------------------
@@ -101,6 +105,46 @@ def test_a_store_holding_every_sample_twice_is_refused_by_every_reader(doubled, 
     sid = store.sample_ids()[0]
     assert main(["show", doubled, sid]) == 2
     one_line(capsys.readouterr().err, "rule 'unique-ids'")
+
+
+# -- each rule of the store's columns, from one edit of a record ----------------------------------------------
+@pytest.mark.parametrize("rule, edit", [
+    ("bounds", lambda d: d["samples"]["loss_tokens"].__setitem__(0, d["samples"]["length"][0] + 5)),
+    ("grid", lambda d: d.__setitem__("chunk_tokens", d["chunk_tokens"] * 2)),
+    ("grid", lambda d: d["layers"].pop(next(iter(d["layers"])))),
+    ("manifest", lambda d: d.__setitem__("manifest_key", "0" * 64)),
+    ("session", lambda d: d.__setitem__("writer", "someone-else")),
+], ids=["bounds", "chunk-grid", "features", "manifest", "session"])
+def test_each_rule_of_the_columns_is_named_by_info_and_refuses_the_loader(tmp_path, capsys, rule, edit):
+    url = str(tmp_path / "s")
+    small_store(url)
+    d = edit_record(records(url)[1], edit)
+    assert main(["info", url]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("admission  REFUSED") and f"rule '{rule}'" in out[1] and d["shard"] in out[1], out[:3]
+    with pytest.raises(StoreError, match=f"rule '{rule}'|differs from the manifest"):
+        hsstore.HiddenStateDataset(url)
+    assert main(["subset", url, str(tmp_path / "d"), "-q"]) == 2
+    one_line(capsys.readouterr().err, f"rule '{rule}'", d["shard"])
+
+
+def test_forged_counts_in_index_columns_are_refused(tmp_path, capsys):
+    """An index entry whose columns' lengths do not add up to its token count (a table no record parses into)."""
+    from hsstore.format import index
+
+    url = str(tmp_path / "s")
+    small_store(url)
+    (name,) = os.listdir(os.path.join(url, index.INDEX_DIR))
+    path = os.path.join(url, index.INDEX_DIR, name)
+    seg = index.decode_segment(name, open(path, "rb").read())
+    t = seg.table
+    t.ints["n_tokens"] = t.ints["n_tokens"].copy()
+    t.ints["n_tokens"][0] += 7
+    open(path, "wb").write(index.encode_segment(seg.kind, seg.writer, t, seg.supersedes))
+    assert main(["info", url]) == 1
+    assert "rule 'counts'" in capsys.readouterr().out
+    with pytest.raises(StoreError, match="rule 'counts'"):
+        hsstore.HiddenStateDataset(url)
 
 
 # -- a record listing many zero-length samples --------------------------------------------------------------------
