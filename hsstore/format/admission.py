@@ -166,9 +166,9 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def id_hashes(ids: Strings) -> np.ndarray:
-    """A 64-bit hash of each string of ``ids`` from its length and eight 8-byte words spread over it (every byte of
-    an id of up to 64 bytes), all rows at once: equal ids hash equal; unequal ones almost never do, and
-    ``_repeated`` compares the strings of equal hashes."""
+    """A 64-bit hash of each string of ``ids`` from its length and up to eight 8-byte words spread over it (as many
+    as the longest id needs to cover every byte, up to 64 bytes), all rows at once: equal ids hash equal; unequal
+    ones almost never do, and ``_repeated`` compares the strings of equal hashes."""
     off = ids.off
     lens = np.diff(off)
     buf = np.zeros(len(ids.blob) + 8, np.uint8)
@@ -178,8 +178,9 @@ def id_hashes(ids: Strings) -> np.ndarray:
     short = np.minimum(lens, 8).astype(np.uint64) * np.uint64(8)
     keep = np.where(short >= 64, ~np.uint64(0), (np.uint64(1) << (short % np.uint64(64))) - np.uint64(1))
     h = lens.astype(np.uint64) * _MIX
-    for k in range(8):
-        w = words[start + span * k // 7]
+    n_words = int(min(8, max(2, -(-int(lens.max(initial=0)) // 8))))
+    for k in range(n_words):
+        w = words[start + span * k // (n_words - 1)]
         h = (h ^ (w & keep)) * _MIX  # an id shorter than a word: its own bytes only
         h ^= h >> np.uint64(29)
     return h
@@ -191,13 +192,12 @@ def _repeated(t: RecordTable, row: np.ndarray) -> Iterator[Breach]:
     if n < 2:
         return
     h = id_hashes(t.sample_id)
-    order = np.argsort(h, kind="stable")
-    hs = h[order]
-    same = np.flatnonzero(hs[1:] == hs[:-1])
-    if not len(same):
+    hs = np.sort(h)
+    twice = hs[1:][hs[1:] == hs[:-1]]
+    if not len(twice):
         return
     where: dict[str, list[int]] = {}
-    for k in np.unique(np.concatenate([order[same], order[same + 1]])).tolist():
+    for k in np.flatnonzero(np.isin(h, twice)).tolist():  # rows of a repeated hash: their strings compared
         where.setdefault(t.sample_id[k], []).append(k)
     repeated = {sid: ks for sid, ks in where.items() if len(ks) > 1}
     for sid, ks in list(repeated.items())[:SHOWN]:
