@@ -208,6 +208,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     dev = resolve_device(device)
     options = storage_options or {}
     store = reader.open(url, **options)
+    store.admit()  # the admission's store-wide rules (each shard's: when read)
     # as in training: the frozen head in its stored dtype on CUDA
     _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
     drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)

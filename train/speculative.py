@@ -502,6 +502,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     dev = resolve_device(device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     store = reader.open(store_url, **(storage_options or {}))
+    store.admit()  # the admission's store-wide rules (each shard's: when read)
     dcfg, _ = read_drafter_config(drafter_dir)
     if list(dcfg.target_layers) != list(store.manifest.layers):
         raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")

@@ -21,6 +21,7 @@ from . import config
 from .. import env
 from ..io import storage
 from ..format import layout_spec
+from ..format.manifest import DamagedManifest
 from ..format.names import allow_for_command
 from ..errors import StoreError
 from ..redaction import RedactingFilter, recordable_url, scrub
@@ -68,7 +69,7 @@ def cmd_info(args) -> int:
     store = reader.open(url, **interactive_options(url, args))
     s = summarize(store)
     print(json.dumps(s, indent=2) if args.json else format_text(s))
-    return 0
+    return 0 if s["admission"]["ok"] else 1  # described, and refused by every reader
 
 
 def cmd_verify(args) -> int:
@@ -78,7 +79,16 @@ def cmd_verify(args) -> int:
     from ..ops.verify import verify
 
     url = from_args(VerifySettings, args).store.url
-    store = reader.open(url, **storage.parse_storage_options(args.storage_option))
+    try:
+        store = reader.open(url, **storage.parse_storage_options(args.storage_option))
+    except DamagedManifest as e:  # a finding of verify's, not a refusal to run
+        problem = escape(scrub(str(e).splitlines()[0]))
+        if args.json:
+            print(json.dumps({"url": recordable_url(url), "ok": False, "problems": [problem]}, indent=2))
+        else:
+            print(f"FAIL {problem}\nverify {recordable_url(url)}: FAILED (1 problem(s)); the manifest is damaged, "
+                  "no shard was read")
+        return 1
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)

@@ -149,8 +149,11 @@ def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[
     from tqdm import tqdm
 
     dst = Store(dst_url, dst_options) if storage.store_exists(fs, root, dst_url) else None
+    for store in ([dst] if dst else []) + srcs:  # the admission's store-wide rules, before anything is written
+        store.admit()
     todo = plan(dst, srcs)
-    for src, rec in todo:  # a shard name, file key or location refused anywhere: refused before the first write
+    for src, rec in todo:  # a shard refused anywhere (its rules, names, location): refused before the first write
+        src.admit_shard(rec)
         src.shard_location(rec.shard)
         if by == "copy":
             where = f"store {src.url!r}, commit record of shard {rec.shard!r}"

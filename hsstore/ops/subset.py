@@ -74,20 +74,25 @@ def __getattr__(name: str) -> Any:
 
 def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
     """Windows ``(shard_index, first, stop)`` of consecutive kept samples, each at most about
-    ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
+    ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go). A shard whose samples
+    ``sel`` drops is admitted (``Store.admit_shard``: its columns are its record's) before they decide; a kept one
+    is when it is read."""
     token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
     out = []
     t = store.table
     for s in range(len(t)):  # the records' columns: no record is parsed
-        cols, run, run_tokens, n = t.sample_columns(s), None, 0, int(t.n_samples[s])
+        cols, run, run_tokens, n, kept = t.sample_columns(s), None, 0, int(t.n_samples[s]), 0
         for i in range(n + 1):
             keep = i < n and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
+            kept += keep
             if run is not None and (not keep or run_tokens * token_bytes >= WINDOW_BYTES):
                 out.append((s, run, i))
                 run, run_tokens = None, 0
             if keep:
                 run = i if run is None else run
                 run_tokens += cols["length"][i]
+        if kept < n:
+            store.admit_shard(store.commits[s])
     return out
 
 
@@ -209,6 +214,7 @@ def subset(src_url: str, dst_url: str, sel: SampleFilter, *, src_options: dict[s
     # anon=true and a folder that is not a store refused before any request
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())
     src = Store(src_url, src_options)
+    src.admit()  # the admission's store-wide rules, before the destination gets a byte
     check_flags(src, sel.exclude_flags)
     # one subset at a time into a destination: two would each find no sample committed and copy every one
     with destination.hold_lock(fs, root, dst_url, "subset"):
