@@ -22,6 +22,7 @@ from ..io import listing, storage
 from ..format.commit import SHARDS_DIR, CommitRecord
 from ..errors import StoreError
 from ..store.reader import Store
+from ..terminal import lookalike_refusal, visible_key
 from ..format.report import Problem, VerifyReport
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     committed = {c.shard for c in store.commits}
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
     check_unique_ids(store, report)
+    check_lookalike_ids(store, report)
     check_assets(store, report)
     return report
 
@@ -81,6 +83,31 @@ def check_unique_ids(store: Store, report: VerifyReport) -> None:
                                                   f"{', '.join(shards[:4])}): ids must be unique in a store"))
     if len(repeated) > 20:
         report.problems.append(Problem("(samples)", f"{len(repeated)} sample ids are repeated in all"))
+
+
+def check_lookalike_ids(store: Store, report: VerifyReport) -> None:
+    """No two sample ids a person cannot tell apart (``terminal.visible_key``: the same once invisible characters
+    are removed): a person reading ``info``, ``show`` or a refusal would take one for the other. Named with the
+    shards that hold them."""
+    ids = store.table.sample_id.tolist()
+    keys = {visible_key(sid) for sid in ids if not sid.isprintable()}  # a lookalike pair has one such id at least
+    if not keys:
+        return
+    groups: dict[str, dict[str, int]] = {}  # key -> {id: its row}
+    for row, sid in enumerate(ids):
+        key = visible_key(sid)
+        if key in keys:
+            groups.setdefault(key, {}).setdefault(sid, row)
+    pairs = [g for g in groups.values() if len(g) > 1]
+    first = store.table.first
+    for group in pairs[:20]:
+        plain, *others = sorted(group, key=len)
+        shards = sorted({store.table.shard[int(np.searchsorted(first, r, side="right") - 1)] for r in group.values()})
+        report.problems.append(Problem(shards[0], lookalike_refusal(others[0], plain, "held too") + " (shards "
+                                       + ", ".join(shards[:4]) + ")", samples=[plain, *others]))
+    if len(pairs) > 20:
+        report.problems.append(Problem("(samples)", f"{len(pairs)} groups of sample ids differ only by invisible "
+                                                    "characters in all"))
 
 
 def check_index(store: Store, report: VerifyReport) -> bool:
