@@ -256,7 +256,8 @@ def print_eval(r: dict) -> None:
     S = r["block_size"]
     print(f"{r['samples']} held-out prompts, greedy, up to {r['max_new_tokens']} new tokens, block {S}")
     print(f"  {'':18} {'tau/prompt':>10}  {'tau pooled':>10}  {'target forwards':>15}  {'tokens/s':>9}")
-    print(f"  {'target alone':18} {1.0:10.2f}  {1.0:10.2f}  {r['target_forwards']:15,}  {r['target_tokens_per_s']:9.1f}")
+    print(f"  {'target alone':18} {1.0:10.2f}  {1.0:10.2f}  {r['target_forwards']:15,}  "
+          f"{r['target_tokens_per_s']:9.1f}")
     print(f"  {'target + drafter':18} {r['tau_per_prompt']:10.2f}  {r['tau_pooled']:10.2f}  {r['spec_forwards']:15,}  "
           f"{r['spec_tokens_per_s']:9.1f}")
     print(f"  per prompt: {' '.join(f'{t:.2f}' for t in r['tau_per_sample'])}")

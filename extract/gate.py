@@ -19,7 +19,7 @@ import numpy as np
 from .show import format_sample
 from hsstore.app.schema import option
 from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, percentiles, top_values
-from hsstore.terminal import shown, visible_key
+from hsstore.terminal import escape, shown, visible_key
 from .sample import TokenizedSample
 from .tokenize import TokenizeStats
 
@@ -309,7 +309,7 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
         "",
         f"  samples          {n:,}{rows}",
         "  sources          "
-        + ", ".join(f"{k} {v:,}" for k, v in list(report.sources.items())[:6])
+        + ", ".join(f"{escape(k)} {v:,}" for k, v in list(report.sources.items())[:6])
         + (" ..." if len(report.sources) > 6 else ""),
         f"  tokens           {report.total_tokens:,} total, {report.loss_tokens:,} in loss masks "
         f"(response fraction {_pct(report.response_fraction)})",
@@ -348,8 +348,8 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
             for rec, ids, mask in picked:
                 flags = ", ".join(rec.flags) or "-"
                 lines.append(
-                    f"--- {rec.sample_id} [{rec.source}] {rec.tokens} tokens, loss {rec.loss_tokens}, "
-                    f"thinking {rec.thinking_tokens}, answer {rec.answer_tokens}, flags: {flags}"
+                    f"--- {escape(rec.sample_id)} [{escape(rec.source)}] {rec.tokens} tokens, loss {rec.loss_tokens}, "
+                    f"thinking {rec.thinking_tokens}, answer {rec.answer_tokens}, flags: {escape(flags)}"
                 )
                 lines.append(format_sample(tokenizer, ids, mask, color=color, max_chars=max_chars))
     return "\n".join(lines) + "\n"

@@ -97,8 +97,9 @@ def test_one_bad_byte_costs_only_its_samples(tmp_path, layout, capsys):
     assert r["written"] == 0 and r["already"] == 24 - len(hit) and sorted(r["corrupt"]) == sorted(hit)
 
 
+@pytest.mark.parametrize("workers", ["0", "1"])  # in this process, and in a DataLoader worker (re-raised by torch)
 def test_train_stops_at_a_bad_chunk_with_one_line_naming_the_shard_and_the_salvage(store32, tmp_path,  # noqa: F811
-                                                                                    capsys):
+                                                                                    capsys, workers):
     src = str(tmp_path / "store")
     shutil.copytree(store32, src)
     rec = hsstore.open(src).commits[0]
@@ -107,7 +108,8 @@ def test_train_stops_at_a_bad_chunk_with_one_line_naming_the_shard_and_the_salva
     data[len(data) // 2] ^= 0x40
     chunk.write_bytes(bytes(data))
     args = ["train", "--store", src, "--out", str(tmp_path / "run"), "--steps", "3", "--quiet", "--device", "cpu",
-            "--token-budget", str(FAST["token_budget"]), "--draft-layers", "1", "--block-size", "8"]
+            "--token-budget", str(FAST["token_budget"]), "--draft-layers", "1", "--block-size", "8",
+            "--workers", workers]
     assert main(args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hsstore train: error")]
     assert len(err) == 1, err
@@ -128,3 +130,18 @@ def test_a_subset_that_keeps_nothing_exits_2_and_writes_nothing(tmp_path, capsys
     dst.mkdir()
     assert main(["subset", src, str(dst), "--source", "nowhere"]) == 2
     assert list(dst.iterdir()) == []
+
+
+def test_a_salvage_that_finds_nothing_good_exits_2_and_writes_nothing(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    write_store(src, make_samples(2, max_len=30))  # both samples in one chunk of 64 tokens per layer
+    rec = hsstore.open(src).commits[0]
+    chunk = Path(src, "shards", rec.shard, "layer_003", "c", "0", "0")
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    dst = tmp_path / "dst"
+    assert main(["subset", src, str(dst), "--skip-corrupt", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none of the 2 samples selected" in err[0] and "nothing written" in err[0], err
+    assert not dst.exists()

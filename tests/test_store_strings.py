@@ -145,7 +145,7 @@ def test_lookalike_ids_are_refused_at_write_and_named_by_verify(tmp_path, capsys
 
 def test_extract_refuses_an_id_that_looks_like_a_stored_one(tmp_path, tiny_dir, capsys):
     """Through the real command: extract resuming into a store that holds ``demo-1`` refuses ``demo-\\u200b1``
-    before any forward; so does the gate for two such ids in one input."""
+    before any forward; the quality gate counts two such ids in one input as one id met twice."""
     convs = [{"id": "demo-1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps(convs[0]) + "\n")
@@ -157,7 +157,13 @@ def test_extract_refuses_an_id_that_looks_like_a_stored_one(tmp_path, tiny_dir, 
     assert main([*args, "--input", str(second)]) == 2
     err = capsys.readouterr().err
     assert "differs from 'demo-1'" in err and "only by invisible characters" in err, err
+    # two such ids in one input: the quality gate counts them as one id met twice, and its report prints both
+    # escaped (ids and sources are the input's strings)
     both = tmp_path / "both.jsonl"
     both.write_text(first.read_text() + second.read_text())
-    assert main([*args, "--input", str(both), "--out", str(tmp_path / "other")]) == 2
-    assert "invisible characters" in capsys.readouterr().err
+    gated = [a for a in args if a != "--force"]
+    assert main([*gated, "--input", str(both), "--out", str(tmp_path / "other")]) == 1
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "1 sample id(s) occur more than once, e.g. 'demo-\\u200b1'" in said and "\u200b" not in said, said
+    assert not (tmp_path / "other").exists()
