@@ -524,3 +524,14 @@ def test_import_refuses_an_id_a_person_cannot_tell_from_a_stored_one(tmp_path, n
     err = capsys.readouterr().err
     assert "'b-\\u200bhs_0' differs from 'b-hs_0'" in err and "only by invisible characters" in err, err
     assert len(hsstore.open(out)) == 2
+
+
+def test_import_summary_escapes_the_ids_it_names(tmp_path, new_samples, capsys):
+    """The ids a summary names (here a row without its hidden-state file) are the peer folder's strings: an
+    invisible character among them is written as its escape."""
+    write_speculators(tmp_path / "spec", new_samples(3), skip=(1,))
+    out = str(tmp_path / "store")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--id-prefix", "b\u200b-",
+                 *IDENTITY]) == 0
+    said = capsys.readouterr().out
+    assert "skipped (b\\u200b-hs_1)" in said and "\u200b" not in said, said

@@ -70,10 +70,11 @@ def test_info_show_and_verify_escape_every_store_string(tmp_path, tiny_dir, caps
     data = bytearray(chunk.read_bytes())
     data[50] ^= 0xFF
     chunk.write_bytes(bytes(data))
+    Path(url, "shards", f"w-1-abc{FORGED}-00009").mkdir()  # debris whose name verify lists as uncommitted
     assert main(["verify", url, "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert "checksum mismatch" in out
-    assert_safe(out)  # the FAIL line names the sample
+    assert "checksum mismatch" in out and "1 uncommitted shard(s)" in out
+    assert_safe(out)  # the FAIL line names the sample, the note the debris
 
 
 def test_show_of_an_input_file_escapes_the_row_id_and_source(tmp_path, tiny_dir, capsys):

@@ -92,7 +92,7 @@ def cmd_verify(args) -> int:
         print(f"FAIL {p}")
     if report.uncommitted:
         print(f"note: {len(report.uncommitted)} uncommitted shard(s) present (ignored by readers): "
-              + ", ".join(report.uncommitted[:5]))
+              + ", ".join(map(escape, report.uncommitted[:5])))
     if report.weak_records:
         print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
               "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "

@@ -219,6 +219,10 @@ class SubsetResult:
     corrupt: list[str] = field(default_factory=list)  # skip_corrupt: the ids left behind, their bytes do not verify
 
 
+class EmptyResult(StoreError, ValueError):
+    """A subset that would hold no sample: refused, nothing written."""
+
+
 def subset(src_url: str, dst_url: str, sel: SampleFilter, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
            progress: bool = True, split: Split | None = None, skip_corrupt: bool = False) -> SubsetResult:
@@ -299,10 +303,6 @@ def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_opti
         raise EmptyResult(f"none of the {result.selected} samples selected from {recordable_url(src.url)} "
                           "has bytes that verify (`hsstore verify` names the damage): nothing written")
     return result
-
-
-class EmptyResult(StoreError, ValueError):
-    """A subset that would hold no sample: refused, nothing written."""
 
 
 def verified(src: Store, windows: list[tuple[int, int, int]], skip_corrupt: bool, lost: list[str]):
