@@ -22,8 +22,9 @@ from hsstore.store.writer import StoreWriter
 from hsstore.format import assets
 from hsstore.app.devices import defaults_for, describe, resolve_device
 from hsstore.distributed import local_rank, rank_and_world
-from hsstore.store.reader import committed_ids
+from hsstore.store.reader import committed_ids, refuse_lookalikes
 from hsstore.io import destination
+from hsstore.terminal import shown
 from hsstore.app import schema
 from hsstore.layouts import base as layout
 from hsstore.format.serving import TapPlan
@@ -177,8 +178,8 @@ def refuse_unless_passed(settings: ExtractSettings, verdict: GateVerdict, tokeni
     if not verdict.ok and not settings.gate.force:
         raise GateRefused(verdict, verdict.format_text(tokenizer))
     if verdict.repeated_ids:
-        raise ValueError(f"sample id {verdict.repeated_ids[0]!r} occurs more than once in the input: ids must be "
-                         "unique for resume")
+        raise ValueError(f"sample id {shown(verdict.repeated_ids[0])} occurs more than once in the input (ids that "
+                         "differ only by invisible characters count as one): ids must be unique for resume")
 
 
 def not_yet_stored(settings: ExtractSettings, samples: list[TokenizedSample], result: ExtractResult
@@ -186,6 +187,7 @@ def not_yet_stored(settings: ExtractSettings, samples: list[TokenizedSample], re
     """Resume: the samples whose ids the store has not committed yet."""
     done = committed_ids(settings.store.out, settings.store.storage_options)
     todo = [s for s in samples if s.sample_id not in done]
+    refuse_lookalikes([s.sample_id for s in todo], done, settings.store.out)
     result.skipped_done = len(samples) - len(todo)
     if result.skipped_done:
         log.info("rank %d: %d of %d samples already in the store (resuming)", result.rank, result.skipped_done,

@@ -48,7 +48,7 @@ from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.io.tensorfiles import load_beneath
 from hsstore.store.writer import StoreWriter
 from hsstore.errors import SampleError
-from hsstore.store.reader import committed_ids
+from hsstore.store.reader import committed_ids, refuse_lookalikes
 
 from .target import identity_from_model_dir
 
@@ -439,6 +439,7 @@ def _import(files: list[PeerFile], url: str, manifest: Manifest, options: dict, 
 
     done = committed_ids(url, options)
     todo = [f for f in files if f.sample_id not in done]
+    refuse_lookalikes([f.sample_id for f in todo], done, url)
     result = ImportResult(already=len(files) - len(todo), missing=len(missing or []))
     writer: StoreWriter | None = None
     bar = tqdm(total=len(todo), unit="sample", desc="import", disable=not progress)

@@ -88,8 +88,8 @@ def format_input_sample(sample, tokenizer, color: bool = False, max_chars: int |
     """A header line (id, source, token counts, gate flags), then the decoded sample with its mask marked."""
     s = sample
     flags = ", ".join(s.flags) or "-"
-    return (f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, thinking "
-            f"{s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}\n"
+    return (f"# {escape(s.sample_id)} [{escape(s.source)}] {s.num_tokens} tokens, loss {s.loss_tokens}, thinking "
+            f"{s.thinking_tokens}, answer {s.answer_tokens}, flags: {escape(flags)}\n"
             + format_sample(tokenizer, s.input_ids, s.loss_mask, color=color, max_chars=max_chars))
 
 

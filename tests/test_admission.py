@@ -114,7 +114,8 @@ def test_a_store_holding_every_sample_twice_is_refused_by_every_reader(doubled, 
     ("grid", lambda d: d["layers"].pop(next(iter(d["layers"])))),
     ("manifest", lambda d: d.__setitem__("manifest_key", "0" * 64)),
     ("session", lambda d: d.__setitem__("writer", "someone-else")),
-], ids=["bounds", "chunk-grid", "features", "manifest", "session"])
+    ("lookalike-ids", lambda d: d["samples"]["sample_id"].__setitem__(1, d["samples"]["sample_id"][0] + "\u200b")),
+], ids=["bounds", "chunk-grid", "features", "manifest", "session", "lookalike-ids"])
 def test_each_rule_of_the_columns_is_named_by_info_and_refuses_the_loader(tmp_path, capsys, rule, edit):
     url = str(tmp_path / "s")
     small_store(url)

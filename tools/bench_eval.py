@@ -38,7 +38,8 @@ def run(demo: Path, device: str | None, samples: int, rounds: int, warmup: int, 
             t0 = time.perf_counter()
             rep = evaluate_target(**paths, device=device, num_samples=samples, max_new_tokens=max_new,
                                   keep_states=MODES[mode])
-            rows.append({"round": r + 1, "mode": mode, "seconds": time.perf_counter() - t0, "tau": rep.tau,
+            rows.append({"round": r + 1, "mode": mode, "seconds": time.perf_counter() - t0,
+                         "tau_per_prompt": rep.tau_per_prompt, "tau_pooled": rep.tau_pooled,
                          "target_tokens_per_s": rep.target_tps, "spec_tokens_per_s": rep.spec_tps,
                          "speedup": rep.spec_tps / rep.target_tps, "identical": rep.identical, "ties": rep.ties,
                          "samples": rep.samples, "spec_forwards": rep.spec_forwards, "reruns": rep.spec_reruns})
@@ -46,12 +47,13 @@ def run(demo: Path, device: str | None, samples: int, rounds: int, warmup: int, 
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'round':>5} {'mode':>9} {'target tok/s':>12} {'spec tok/s':>10} {'spec/target':>11} {'tau':>5} "
-            f"{'identical':>9} {'forwards':>8} {'reruns':>6} {'seconds':>7}")
+    head = (f"{'round':>5} {'mode':>9} {'target tok/s':>12} {'spec tok/s':>10} {'spec/target':>11} "
+            f"{'tau/prompt':>10} {'tau pooled':>10} {'identical':>9} {'forwards':>8} {'reruns':>6} {'seconds':>7}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['round']:>5} {r['mode']:>9} {r['target_tokens_per_s']:>12.1f} "
-                     f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>11.2f} {r['tau']:>5.2f} "
+                     f"{r['spec_tokens_per_s']:>10.1f} {r['speedup']:>11.2f} {r['tau_per_prompt']:>10.2f} "
+                     f"{r['tau_pooled']:>10.2f} "
                      f"{r['identical']:>4}/{r['samples']:<2}"
                      f"{'+' + str(r['ties']) + 't' if r['ties'] else '':>3} {r['spec_forwards']:>8} "
                      f"{r['reruns']:>6} {r['seconds']:>7.1f}")

@@ -66,13 +66,15 @@ def register_eval(subparsers) -> None:
         "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
         "deterministic) gets the drafter's block of S-1 argmax drafts, compared with the stored tokens. Prints "
         "the training loss, acceptance per draft position k (share of anchors whose drafts 1..k are all right) "
-        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S). "
+        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S), the mean over every anchor. "
         "With --model and --input: greedy (temperature 0) speculative decoding, the drafter proposing from the "
         "target's features and the target verifying; reports tau and target-only vs speculative tokens/s and "
         "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
         "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
-        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau is the mean over "
-        "prompts of each prompt's mean per step, as there. The target-only baseline and the speculative run both "
+        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau (tokens per "
+        "verification step, the prefill no step) in both conventions: tau_per_prompt, the mean over prompts of "
+        "each prompt's mean, as there (\"Average Acceptance length\"); tau_pooled, all steps' tokens over all "
+        "steps, as SGLang's server counts it (\"accept len\"). The target-only baseline and the speculative run both "
         "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
         "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
         "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
@@ -156,11 +158,11 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"trained {result.steps_this_run} steps{resumed} ({result.epochs_done} epoch(s) complete) in "
           f"{result.seconds:.1f}s: {result.tokens:,} tokens in {result.step_seconds:.1f}s of steps, "
           f"{result.tokens_per_s:,.0f} tokens/s (the sums of metrics.jsonl's lines of this run); "
-          f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
-          f"{fmt(last.get('tau'))}")
+          f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau (teacher-forced, mean over the "
+          f"logged steps' anchors) {fmt(last.get('tau'))}")
     if "val_tau" in last:
         print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
-              f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
+              f"tau {fmt(last['val_tau'])} (the mean over {last['val_anchors']:,} anchors)")
     print(f"drafter: {result.drafter_dir} (the last step); metrics: {args.out}/metrics.jsonl")
     best = read_best(args.out)
     if best is not None:

@@ -29,6 +29,7 @@ import torch
 
 from hsstore.loader.batching import TokenBatches, count_token_batches
 from hsstore.distributed import World
+from hsstore.errors import StoreError
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.follow import Follow, FollowStopped
 from hsstore.loader.options import Planning, Reading, Selection
@@ -130,7 +131,7 @@ class StoreBatches:
         return self.loader if self.loader is not None else self.batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self._inner())
+        return iter(self.batches) if self.loader is None else from_workers(iter(self.loader))
 
     def state_dict(self) -> dict[str, Any]:
         return self._inner().state_dict()
@@ -153,6 +154,30 @@ class StoreBatches:
                              for w in range(W)) for r in range(ds.world.world))
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs - first, time.perf_counter() - t0)
         return total
+
+
+def from_workers(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The batches of DataLoader workers; a worker's refusal (a damaged sample, a fault of the store) raised as its
+    own one line: the DataLoader re-raises it as "Caught X in DataLoader worker process N." with the worker's
+    traceback after, so the line a person reads would name no shard."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except StoreError as e:
+            raise type(e)(worker_error(e)) from None
+        yield batch
+
+
+def worker_error(e: BaseException) -> str:
+    """The worker's own message of an error the DataLoader re-raised (its traceback's last line), else ``e``'s."""
+    text = str(e)
+    if not text.startswith("Caught "):
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    _, sep, message = last.partition(f"{type(e).__name__}: ")
+    return message if sep else text
 
 
 # ---------------------------------------------------------------------------------------------- read-ahead

@@ -106,7 +106,8 @@ class StoreEval:
             f"anchors, block {self.block_size}, {self.seconds:.1f}s",
             f"  loss {self.loss:.4f}   top-1 accuracy {self.acc:.4f}",
             f"  acceptance P(prefix >= k), k = 1..{self.block_size - 1}: {acc}",
-            f"  tau (1 + sum of the above; 1..{self.block_size}): {self.tau:.3f}",
+            f"  tau (1 + sum of the above = the mean over all {self.anchors:,} anchors of the accepted prefix + 1; "
+            f"1..{self.block_size}): {self.tau:.3f}",
         ])
 
 

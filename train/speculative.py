@@ -7,7 +7,8 @@ One step, with the anchor x_p = the last token emitted (the target has not run o
     2. the target runs on x_p, d_1 .. d_{S-1} after its cached prefix and gives its own greedy token g_k at
        every draft position (g_k is what it would emit after x_p, d_1 .. d_{k-1});
     3. accept the longest prefix with d_k == g_k (n tokens), then the target's g_{n+1} as a bonus:
-       n + 1 tokens for one target forward. tau (acceptance length) = n + 1, between 1 and S.
+       n + 1 tokens for one target forward (fewer when an eos or the length limit ends the output inside them:
+       the tokens the step adds to the output, as both peers below count them), between 1 and S.
 
 The same forward also yields the features of every accepted position for the next step (the target
 is causal: features at positions <= p + n depend only on accepted tokens).
@@ -32,9 +33,23 @@ against a reference that re-runs the whole sequence without any cache).
 Settings comparable with published acceptance lengths (DFlash's benchmark, z-lab ``dflash/benchmark.py``):
 greedy (temperature 0; the only mode here), up to 2048 new tokens (``hsstore eval`` default), prompts
 rendered with the chat template's generation prompt and ``enable_thinking`` (on by default, as DFlash runs its
-Qwen3.5/3.6 thinking targets; its Qwen3-8B numbers are non-thinking: ``--no-thinking``), and tau averaged as
-there: per prompt the mean acceptance length over its speculative steps (the prefill's first token is no
-step), then the mean over prompts. The teacher-forced estimate that needs no target is ``evaluate.py``.
+Qwen3.5/3.6 thinking targets; its Qwen3-8B numbers are non-thinking: ``--no-thinking``).
+
+tau, the acceptance length, is averaged two ways in the field, and both are reported (``tau_conventions``); in
+both the prefill's forward is no step and its first token is not counted:
+
+    tau_per_prompt  per prompt the mean over its steps, then the mean over prompts: what z-lab's benchmark prints
+                    as "Average Acceptance length" (``dflash_generate`` records each step's tokens, the summary
+                    takes the mean of the per-prompt means);
+    tau_pooled      the tokens of every step of every prompt over the number of steps: what SGLang's server logs
+                    as "accept len" and exports as ``sglang:spec_accept_length`` (the scheduler adds each verify
+                    step's accepted drafts + 1 per request and counts one step per request, over all requests).
+
+Short prompts weigh as much as long ones in the first, so the two differ when acceptance varies with the
+output's length. (SGLang's per-request ``meta_info`` ``spec_accept_length`` is ``completion_tokens /
+spec_verify_ct``: it counts the prefill's token among the tokens but not its forward among the steps, so it is
+``tau_pooled`` of one request plus 1 / its steps.) The teacher-forced estimate that needs no target is
+``evaluate.py``.
 """
 
 from __future__ import annotations
@@ -73,14 +88,26 @@ Proposer = Callable[[torch.Tensor, torch.Tensor], list[int]]
 @dataclass
 class Generation:
     tokens: list[int]  # the generated tokens (prompt excluded)
-    accepted: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
+    accepted: list[int] = field(default_factory=list)  # per speculative step: the tokens it added (accepted + 1)
     forwards: int = 0  # target forward passes (a verification and its re-run after a rejection count once)
     reruns: int = 0  # of them, forwards over accepted tokens again after a rejection (the general path only)
     seconds: float = 0.0
 
     @property
     def tau(self) -> float:
+        """This prompt's mean tokens per speculative step."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+def tau_conventions(accepted: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """(tau_per_prompt, tau_pooled) of the per-step token counts of each prompt (see the module doc): the mean of
+    each prompt's mean, and all steps' tokens over all steps. Prompts without a step (done at the prefill) count in
+    neither."""
+    steps = [a for a in accepted if len(a)]
+    if not steps:
+        return float("nan"), float("nan")
+    per_prompt = sum(sum(a) / len(a) for a in steps) / len(steps)
+    return per_prompt, sum(map(sum, steps)) / sum(map(len, steps))
 
 
 class TargetCache:
@@ -208,9 +235,10 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
             n += 1
         target.accept(n + 1)  # x_p, d_1 .. d_n stay in the cache; a rejected suffix leaves it
         buf[p:p + n + 1] = feats[:n + 1]  # causal: the accepted positions' features are final
-        gen.accepted.append(n + 1)
+        before = len(out)
         out.extend(draft[:n] + [verdict[n]])
         out[:], done = _finish(out, eos, max_new)
+        gen.accepted.append(len(out) - before)  # an eos or the limit inside the block ends the step's count there
     gen.reruns = target.reruns
     gen.seconds = time.perf_counter() - t0
     return gen
@@ -360,7 +388,8 @@ class EvalReport:
     samples: int
     block_size: int
     max_new_tokens: int
-    tau: float  # mean over samples of each sample's mean acceptance length
+    tau_per_prompt: float  # mean over prompts of each prompt's mean tokens per step (z-lab's benchmark)
+    tau_pooled: float  # every step's tokens over the steps, all prompts pooled (SGLang's server)
     tau_per_sample: list[float]
     target_tokens: int
     target_seconds: float
@@ -373,6 +402,7 @@ class EvalReport:
     # between the two tokens (``divergence``); ``ties`` of them are within the dtype's rounding
     divergences: list[dict] = field(default_factory=list)
     spec_reruns: int = 0  # of spec_forwards, re-runs of accepted tokens after a rejection (the general path)
+    verify_steps: int = 0  # speculative steps of all prompts (spec_forwards less the prefills)
 
     @property
     def ties(self) -> int:
@@ -400,7 +430,12 @@ class EvalReport:
             f"{self.target_tps:,.1f} tokens/s ({self.target_forwards} target forwards)",
             f"  speculative : {self.spec_tokens:,} tokens in {self.spec_seconds:.2f}s = "
             f"{self.spec_tps:,.1f} tokens/s ({self.spec_forwards} target forwards) -> {speed:.2f}x",
-            f"  tau (mean acceptance length, 1..{self.block_size}): {self.tau:.2f}",
+            f"  tau (tokens per verification step, accepted drafts + the target's own, 1..{self.block_size}; "
+            "the prefill is no step):",
+            f"    per prompt {self.tau_per_prompt:.2f}  (z-lab dflash benchmark's \"Average Acceptance length\": each "
+            "prompt's mean, averaged over the prompts)",
+            f"    pooled     {self.tau_pooled:.2f}  (SGLang server's \"accept len\": "
+            f"{self.spec_tokens - self.samples:,} tokens / {self.verify_steps:,} steps of all prompts)",
             f"  speculative output == target greedy output: {self.identical}/{self.samples}"
             + (f" ({divergence_note(self.divergences)})" if self.divergences else ""),
         ])
@@ -455,7 +490,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
 
     propose = drafter_proposer(drafter)
     S = drafter.config.block_size
-    taus, identical = [], 0
+    taus, steps, identical = [], [], 0
     divergences = []
     tt = ts = 0.0
     nt = ns = ft = fs = reruns = 0
@@ -477,12 +512,14 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
                 f"a tie within {d['dtype']} rounding" if d["tie"] else "beyond rounding: a decoding error")
         if spec.accepted:
             taus.append(spec.tau)
+            steps.append(spec.accepted)
         tt, nt, ft = tt + base.seconds, nt + len(base.tokens), ft + base.forwards
         ts, ns, fs = ts + spec.seconds, ns + len(spec.tokens), fs + spec.forwards
-        bar.set_postfix(tau=f"{sum(taus) / max(len(taus), 1):.2f}", target_tok_s=f"{nt / max(tt, 1e-9):.1f}",
-                        spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
-    tau = sum(taus) / len(taus) if taus else float("nan")
-    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs, divergences, reruns)
+        bar.set_postfix(tau_per_prompt=f"{sum(taus) / max(len(taus), 1):.2f}",
+                        target_tok_s=f"{nt / max(tt, 1e-9):.1f}", spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
+    per_prompt, pooled = tau_conventions(steps)
+    return EvalReport(len(prompts), S, max_new, per_prompt, pooled, taus, nt, tt, ns, ts, identical, ft, fs,
+                      divergences, reruns, verify_steps=sum(map(len, steps)))
 
 
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,

@@ -17,7 +17,8 @@ requests and about linear in samples at numpy speed:
 - ``grid``: each shard was cut on the manifest's chunk grid and holds exactly the manifest's features;
 - ``manifest``: each shard was written under this manifest (its ``manifest_key``);
 - ``session``: each shard's name is its writer's (``<writer>-<session>-<sequence>``);
-- ``unique-ids``: every sample id once in the store.
+- ``unique-ids``: every sample id once in the store;
+- ``lookalike-ids``: no two ids a person cannot tell apart (the same once invisible characters are removed).
 
 A shard's own rules run on its commit record when a reader first touches the shard (it parses the record then
 anyway): ``index``, the record's index entry says what the record says (``records.Records``: a forged column never
@@ -44,6 +45,7 @@ from .manifest import Manifest
 from .records import RecordTable, Strings
 from .report import Problem
 from ..errors import CorruptionError
+from ..terminal import lookalike_refusal, visible_key
 
 RULES = {
     "record": "every commit record listed parses, each field of its type",
@@ -54,6 +56,7 @@ RULES = {
     "manifest": "a shard was written under the store's manifest",
     "session": "a shard's name is its writer's",
     "unique-ids": "every sample id once in the store",
+    "lookalike-ids": "no two sample ids differ only by invisible characters",
     "index": "an index entry says what its commit record says",
     "names": "every name a record holds is one readers follow",
     "extent": "a record's tokens and sample boundaries are what its files hold",
@@ -129,6 +132,7 @@ def table_breaches(t: RecordTable, m: Manifest, damaged: dict[str, str] | None =
     yield from _rows(t, np.flatnonzero(~_named_by_writer(t)), "session",
                      lambda i: f"the name is not of its writer {t.writer[i]!r} (<writer>-<session>-<sequence>)")
     yield from _repeated(t, row)
+    yield from _lookalikes(t, row)
 
 
 def _rows(t: RecordTable, bad: np.ndarray, rule: str, detail: Callable[[int], str]) -> Iterator[Breach]:
@@ -206,6 +210,41 @@ def _repeated(t: RecordTable, row: np.ndarray) -> Iterator[Breach]:
                                               f"{', '.join(shards[:4])}): ids must be unique in a store")
     if len(repeated) > SHOWN:
         yield Breach("(samples)", "unique-ids", f"{len(repeated):,} sample ids are repeated in all")
+
+
+def _lookalikes(t: RecordTable, row: np.ndarray) -> Iterator[Breach]:
+    """``lookalike-ids``: groups of distinct ids with one ``visible_key``, each named with the shards that hold it.
+    Only an id holding a byte outside printable ASCII can have an invisible character, so a store of plain ids costs
+    one vectorised pass over the id bytes; the keys of the others are hashed together with every id (one column,
+    so one hash) to find their plain partners."""
+    ids = t.sample_id
+    odd = np.flatnonzero((ids.blob >= 0x7F) | (ids.blob < 0x20))
+    if not len(odd):
+        return
+    keyed: dict[str, list[int]] = {}
+    for k in np.unique(np.searchsorted(ids.off, odd, side="right") - 1).tolist():
+        sid = ids[k]
+        key = visible_key(sid)
+        if key != sid:
+            keyed.setdefault(key, []).append(k)
+    if not keyed:
+        return
+    keys = Strings.of(list(keyed))
+    both = Strings(np.concatenate([ids.blob, keys.blob]), np.concatenate([ids.off, keys.off[1:] + ids.off[-1]]))
+    h = id_hashes(both)
+    for k in np.flatnonzero(np.isin(h[:len(ids)], h[len(ids):])).tolist():
+        sid = ids[k]
+        if sid in keyed:
+            keyed[sid].append(k)
+    groups = [ks for ks in keyed.values() if len({ids[k] for k in ks}) > 1]
+    for ks in groups[:SHOWN]:
+        plain, *others = sorted({ids[k] for k in ks}, key=len)
+        shards = sorted({t.shard[int(row[k])] for k in ks})
+        yield Breach(shards[0], "lookalike-ids", lookalike_refusal(others[0], plain, "held too") + " (shards "
+                     + ", ".join(shards[:4]) + ")")
+    if len(groups) > SHOWN:
+        yield Breach("(samples)", "lookalike-ids", f"{len(groups):,} groups of sample ids differ only by invisible "
+                                                   "characters in all")
 
 
 # -- a shard's rules, on its record ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 from .. import env
 from ..io import door, listing, storage, transfer
 from ..errors import CorruptionError
+from ..terminal import escape
 from .manifest import MAX_TEXT, is_int, now_iso
 
 WRITERS_DIR = "writers"
@@ -158,13 +159,14 @@ class SessionState:
 
     def describe(self) -> str:
         r = self.record
-        who = f"writer {r.writer} (session {r.session}, host {r.host}, pid {r.pid}, started {r.started})"
+        # the record's strings escaped: a host or writer name with a newline must not start a line of its own
+        who = escape(f"writer {r.writer} (session {r.session}, host {r.host}, pid {r.pid}, started {r.started})")
         if self.state == "ended":
             return f"{who}: ended, {self.end.shards} shard(s), {self.end.samples} sample(s)"
         if self.state == "replaced":
             return f"{who}: stopped, and a later session of {r.writer} ended"
         if self.state == "failed":
-            return f"{who}: stopped on an error ({r.failed}); re-run its job to finish the store"
+            return f"{who}: stopped on an error ({escape(r.failed)}); re-run its job to finish the store"
         planned = f" of {r.planned_samples} planned sample(s)" if r.planned_samples is not None else ""
         if self.state == "dead":
             return (f"{who}: no heartbeat for {self.silent_s:.0f}s (it beats every {r.heartbeat_s:g}s): killed or "
@@ -239,7 +241,7 @@ class Writers:
                   if t not in started]
         lines += [f"session {k}: ended, its shards not all listed yet" for k in self.unseen(listed)]
         lines += [f"{WRITERS_DIR}/{n}: {why} (fix or remove it)" for n, why in sorted(self.damaged.items())]
-        return lines
+        return [escape(line) for line in lines]  # tags, keys and names are the store's strings
 
     def expected_tokens(self, tokens_by_shard: dict[str, int]) -> int | None:
         """Tokens the store will hold when finished: those committed, plus what open sessions still plan to write

@@ -561,6 +561,7 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         return
     want = rec.files[key]
     layout, total = tar_layout(rec, m)
+    before = len(report.problems)
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
             reader, seen, tally = _scan_members(f, progress, rec, m, layout, report)
@@ -579,7 +580,12 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         report.problems.append(Problem(name, f"size {reader.size} != committed {want['size']} (truncated or rewritten)",
                                        key, list(ids)))
     elif reader.crc != want["crc32c"]:
-        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+        # readers take each sample's members by byte range: the samples hit are those whose members failed (named
+        # above); damage elsewhere in the tar (headers, padding) costs no sample
+        hit = sorted({sid for p in report.problems[before:] for sid in p.samples})
+        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes" + (
+            ")" if hit else ", in the tar's headers or padding: every member verifies, no sample is damaged)"),
+            key, hit))
     health.report_values(tally, m.hidden_size, report, key)
     missing = [n for n in layout if n not in seen]
     if missing:

@@ -74,7 +74,7 @@ from ..format import codec, fp8, layout_spec
 from ..io import storage
 from .batching import Placed
 from .cache import ChunkCache, copy_size
-from ..errors import CorruptionError, StoreError
+from ..errors import CorruptionError, StoreError, salvage_hint
 from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
@@ -800,6 +800,9 @@ class _SlotReader:
                         progress.skipped += 1
                         log.warning("skipping corrupt sample (%d skipped so far): %s", progress.skipped, sample)
                         continue
+                    if isinstance(sample, CorruptionError):  # the one line that stops training says the way on
+                        url = ds.stores[int(ds.catalog.store[int(self.rows[p])])].url
+                        raise CorruptionError(f"{sample}; {salvage_hint(url)}") from None
                     raise sample
                 progress.recent.append(self.offset + p)
                 return ds._item(sample)

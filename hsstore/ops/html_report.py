@@ -309,11 +309,12 @@ def run_html(run_dir: str | Path) -> str:
     info = [("run", str(run_dir)), ("steps logged", f"{len(rows)} (last step {last.get('step', '-')})")]
     if val:
         best = max(val, key=lambda r: r["val_tau"] if r["val_tau"] is not None else -1)
-        info.append(("best val tau", f"{best['val_tau']:.3f} at step {best['step']}"))
+        info.append(("best val tau", f"{best['val_tau']:.3f} at step {best['step']} (teacher-forced, the mean over "
+                                     "every anchor of the validation stores)"))
     charts = [
         line_chart("loss", "loss (weighted CE)", [("train", series("loss")), ("val", series("val_loss"))],
                    points_only=["val"]),
-        line_chart("tau", "tau, teacher-forced (accepted prefix + 1)",
+        line_chart("tau", "tau, teacher-forced (accepted prefix + 1, the mean over each point's anchors)",
                    [("train", series("tau")), ("val", series("val_tau"))], points_only=["val"]),
         line_chart("acc", "draft token accuracy", [("train", series("acc")), ("val", series("val_acc"))],
                    points_only=["val"]),

@@ -26,10 +26,12 @@ from ..format import admission, codec, commit, fp8, index, names, records
 from ..layouts import base as layout
 from ..io import memory, storage
 from ..format.commit import CommitRecord
-from ..errors import CorruptionError, ManifestError, StoreError
+from ..errors import CorruptionError, ManifestError, SampleError, StoreError
 from .items import make_item
 from ..format.manifest import Manifest, read_manifest
 from ..io.storage import MANIFEST_FILE
+from ..redaction import recordable_url
+from ..terminal import lookalike, lookalike_refusal
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it
@@ -498,6 +500,15 @@ def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> se
     store = Store(url, storage_options)
     store.admit()
     return set(store.sample_ids())
+
+
+def refuse_lookalikes(ids: Sequence[str], done: set[str], url: str) -> None:
+    """Refuse, before anything is written, a new sample id (of ``ids``, not yet in ``done``: the ids ``url``
+    holds) that a person cannot tell from one held or one before it (``terminal.lookalike``)."""
+    pair = lookalike(ids, done)
+    if pair is not None:
+        sid, other = pair
+        raise SampleError(lookalike_refusal(sid, other, f"in {recordable_url(url)}" if other in done else "before it"))
 
 
 def open(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:  # noqa: A001
