@@ -45,6 +45,7 @@ from ..format.commit import CommitRecord
 from ..format.manifest import now_iso
 from ..redaction import recordable_url
 from ..store.reader import Store
+from ..terminal import escape
 from .plan import Planner, SlotPlan, build_catalog
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
 
@@ -79,13 +80,16 @@ class Follow:
     leader); ``lead``: the reader of rank 0, worker 0 polls the stores and writes the journal (False: someone else
     runs the ``Leader``, as the trainer does in rank 0's own process); ``allow_unhealthy``: a shard whose features
     train nothing joins anyway (logged) instead of stopping epoch 0; ``poll_s``: (first, longest) pause between
-    looks at the stores, doubling while nothing arrives."""
+    looks at the stores, doubling while nothing arrives; ``deadline_s``: epoch 0 stops (a stop entry saying what
+    joined and what the stores hold) once nothing has arrived for this long while the stores are not finished
+    (None: it waits until they are)."""
 
     journal: str
     lead: bool = True
     allow_unhealthy: bool = False
     poll_s: tuple[float, float] = field(default_factory=poll_seconds)
     report_s: float = REPORT_S
+    deadline_s: float | None = None
 
 
 def join_seed(seed: int, k: int) -> int:
@@ -242,6 +246,54 @@ class Journal:
         return next((e for e in reversed(self.entries()) if e.kind in ("end", "stop")), None)
 
 
+# -- the journal is believed where the stores agree --------------------------------------------------------------
+def _same_record(jt: records.RecordTable, i: int, jcache, st: records.RecordTable, j: int, scache) -> bool:
+    """Whether row ``i`` of a journal's table is row ``j`` of the store's: the same columns and record bytes (or,
+    where the store's row comes from a version-1 index segment, which holds its record serialised again, the same
+    parsed record)."""
+    a, b = jt.row_of(i), st.row_of(j)
+    if jt.feature_stats is None or st.feature_stats is None:
+        a.pop("feature_stats", None), b.pop("feature_stats", None)
+    ra, rb = jt.raw(i, jcache), st.raw(j, scache)
+    if ra == rb:
+        return a == b
+    a.pop("raw_size"), b.pop("raw_size")
+    try:
+        return a == b and CommitRecord.from_json(ra) == CommitRecord.from_json(rb)
+    except CorruptionError:
+        return False
+
+
+def check_join(journal: Journal, e: Entry, tables: dict[int, records.RecordTable], stores: Sequence[Store]) -> None:
+    """Refuse (``CorruptionError``, one line) a join whose records are not the stores' own: each shard it names
+    committed in its store, its copy of the record (columns and bytes) the store's, its counts theirs. A journal
+    is a folder of the run, received with it or edited since; what it names decides which samples train and
+    where their features are read, so it is believed only where the commit records agree. Costs no request:
+    the stores' records are in memory (opened before the journal is read)."""
+    where = f"follow journal {journal.path}, join {e.index}"
+    counts = (sum(len(t) for t in tables.values()), sum(int(t.n_samples.sum()) for t in tables.values()),
+              sum(int(t.n_tokens.sum()) for t in tables.values()))
+    if counts != (e.shards, e.samples, e.tokens):
+        raise CorruptionError(f"{where}: its entry counts {e.shards} shard(s), {e.samples} sample(s), {e.tokens} "
+                              f"token(s); its records hold {counts[0]}, {counts[1]}, {counts[2]}")
+    for si, t in tables.items():
+        if si >= len(stores):
+            raise CorruptionError(f"{where}: names store {si}; the run follows {len(stores)}")
+        st = stores[si].table
+        rows = {n: j for j, n in enumerate(st.shard.tolist())}
+        jcache, scache = records.BlockCache(), records.BlockCache()
+        for i, name in enumerate(t.shard.tolist()):
+            j = rows.get(name)
+            if j is None:
+                raise CorruptionError(f"{where}: names shard {escape(name)!r}, which store "
+                                      f"{recordable_url(stores[si].url)!r} has not committed (a journal of another "
+                                      "store, or changed since it was written: give another --out)")
+            if not _same_record(t, i, jcache, st, j, scache):
+                raise CorruptionError(f"{where}: its record of shard {escape(name)!r} is not the one store "
+                                      f"{recordable_url(stores[si].url)!r} committed (the journal was changed since it "
+                                      "was written: give another --out)")
+
+
 # -- the leader ------------------------------------------------------------------------------------------------
 def _stop_line(url: str, rec: CommitRecord, bad: list[health.Unhealthy]) -> str:
     return (f"store {recordable_url(url)!r}: shard {rec.shard!r} arrived with features that train nothing ({bad[0]}; "
@@ -252,7 +304,8 @@ def _stop_line(url: str, rec: CommitRecord, bad: list[health.Unhealthy]) -> str:
 class Leader:
     """Rank 0's look at the stores: ``poll`` appends what joined epoch 0 to the journal (``run``: every
     ``poll_s``, doubling while nothing arrives, until the end); what epoch 0 waits for, and since when, is logged
-    every ``report_s`` while nothing arrives, a writer that went silent as soon as it is seen."""
+    every ``report_s`` while nothing arrives, a writer that went silent or whose end record is not believed as soon
+    as it is seen. A journal taken up again is checked against the stores first (``check_join``)."""
 
     def __init__(self, journal: Journal, stores: Sequence[Store], follow: Follow) -> None:
         self.journal, self.follow = journal, follow
@@ -262,16 +315,17 @@ class Leader:
         self.known: list[set[str]] = [set() for _ in stores]
         self.samples = self.tokens = self.shards = 0
         self.tokens_by_shard: list[dict[str, int]] = [{} for _ in stores]
+        self.counts: list[dict[str, tuple[int, int]]] = [{} for _ in stores]  # shard -> (samples, tokens), joined
         self.expected_tokens: int | None = None
         self.waiting: list[str] = []
         self._writer_cache: list[dict] = [{} for _ in stores]
         self._dead_told: set[str] = set()
         for e in journal.entries():
             if e.kind == "join":
-                for si, t in journal.tables(e).items():
-                    names = t.shard.tolist()
-                    self.known[si].update(names)
-                    self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+                tables = journal.tables(e)
+                check_join(journal, e, tables, stores)  # a journal taken up again is believed where the stores agree
+                for si, t in tables.items():
+                    self._joined(si, t)
                 self.samples, self.tokens, self.shards = self.samples + e.samples, self.tokens + e.tokens, (
                     self.shards + e.shards)
             self.expected_tokens = e.expected_tokens if e.kind == "join" else self.expected_tokens
@@ -281,6 +335,12 @@ class Leader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    def _joined(self, si: int, t: records.RecordTable) -> None:
+        names = t.shard.tolist()
+        self.known[si].update(names)
+        self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+        self.counts[si].update(zip(names, zip(t.n_samples.tolist(), t.n_tokens.tolist())))
 
     @property
     def done(self) -> bool:
@@ -324,7 +384,9 @@ class Leader:
                 tokens += int(t.n_tokens.sum())
                 names = t.shard.tolist()
                 self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
-            shown = set(listed)
+            # what is committed, from the records: end records are believed only where they agree with it
+            arrived = dict(zip(t.shard.tolist(), zip(t.n_samples.tolist(), t.n_tokens.tolist()))) if items else {}
+            shown = {n: self.counts[si].get(n) or arrived[n] for n in listed if n in self.counts[si] or n in arrived}
             exp = writers.expected_tokens(self.tokens_by_shard[si])
             expected = None if exp is None or expected is None else expected + exp
             if not writers.finished(shown):
@@ -337,7 +399,7 @@ class Leader:
         appended = False
         if tables:
             for si, t in tables.items():
-                self.known[si].update(t.shard.tolist())
+                self._joined(si, t)
             self.samples, self.tokens, self.shards = self.samples + samples, self.tokens + tokens, self.shards + shards
             self.expected_tokens = expected
             e = self.journal.append("join", tables, shards=shards, samples=samples, tokens=tokens,
@@ -352,14 +414,30 @@ class Leader:
             log.info("epoch 0: every writer finished; %d shard(s), %d sample(s) joined in all", self.shards,
                      self.samples)
             return True
+        deadline = self.follow.deadline_s
+        if not appended and deadline is not None and time.time() - self.last_arrival >= deadline:
+            why = self._deadline_line(deadline, expected)
+            self.journal.append("stop", why=why)
+            log.error("%s", why)
+            return True
         return appended
 
-    def _tell(self, url: str, writers: sessions.Writers, listed: set[str]) -> None:
+    def _deadline_line(self, deadline: float, expected: int | None) -> str:
+        """What epoch 0 trained and what the stores hold when it stops at its deadline (one line)."""
+        held = sum(n for counts in self.counts for n, _ in counts.values())
+        plan = "" if expected is None else f"; the writers plan about {expected:,} token(s), {self.tokens:,} joined"
+        first = self.waiting[0] if self.waiting else "the stores' listing"
+        more = f" (and {len(self.waiting) - 1} more)" if len(self.waiting) > 1 else ""
+        return (f"epoch 0 stopped at its deadline: nothing arrived for {deadline:g}s and the stores are not finished; "
+                f"it trained the {self.samples} sample(s) that joined, of the {held} the stores hold{plan}; waiting "
+                f"for {first}{more}. The checkpoints are kept: run the same command again once the writers finish")
+
+    def _tell(self, url: str, writers: sessions.Writers, listed: dict[str, tuple[int, int]]) -> None:
         """What epoch 0 waits for: a newly silent writer at once (a warning), everything every ``report_s``."""
         now = time.time()
         self.waiting = writers.waiting_for(listed, now)
-        for s in writers.states(now):
-            if s.state in ("dead", "failed") and s.record.key not in self._dead_told:
+        for s in writers.states(now, listed):
+            if s.state in ("dead", "failed", "disputed") and s.record.key not in self._dead_told:
                 self._dead_told.add(s.record.key)
                 log.warning("store %r: %s; epoch 0 waits for it", recordable_url(url), s.describe())
         if now - self._reported >= self.follow.report_s:
