@@ -259,7 +259,7 @@ def _same_record(jt: records.RecordTable, i: int, jcache, st: records.RecordTabl
         return a == b
     a.pop("raw_size"), b.pop("raw_size")
     try:
-        return a == b and CommitRecord.from_json(ra) == CommitRecord.from_json(rb)
+        return a == b and CommitRecord.from_json(ra, "journal") == CommitRecord.from_json(rb, "store")
     except CorruptionError:
         return False
 
