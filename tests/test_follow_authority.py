@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,19 +22,19 @@ from hsstore.app.schema import build
 from hsstore.errors import CorruptionError
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.extract.tiny import demo_conversations_path
-from hsstore.format import codec, commit, index, records, sessions
+from hsstore.format import codec, index, records, sessions
 from hsstore.format.commit import CommitRecord
 from hsstore.io import storage
 from hsstore.loader.dataset import HiddenStateDataset
-from hsstore.loader.follow import Follow, FollowStopped, Journal, Leader
+from hsstore.loader.follow import Follow, Journal, Leader
 from hsstore.loader.options import Planning
 from hsstore.store.writer import StoreWriter
 from hsstore.testing.stores import TOKEN_BYTES
 
 from conftest import make_manifest, make_samples
-from train_helpers import small_input  # noqa: F401  (fixture)
+from test_train_follow import kill, start, wait_for
+from train_helpers import REPO, small_input  # noqa: F401  (fixture)
 
-REPO = Path(__file__).resolve().parents[1]
 BEAT = "0.2"
 TRAIN = ["--token-budget", "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "32", "--log-every", "1",
          "--device", "cpu", "-q", "--log-samples"]
@@ -163,6 +161,17 @@ def test_the_loader_refuses_a_journal_whose_records_are_not_the_stores(tmp_path)
         ids = d["samples"]["sample_id"]
         ids[0], ids[1] = ids[1], ids[0]
 
+    entry = journal / "000000.json"
+    whole = entry.read_text()
+    entry.write_text(whole.replace('"samples": 40', '"samples": 400'))  # its counts are its records' too
+    with pytest.raises(CorruptionError, match=r"join 0: its entry counts \d+ shard\(s\), 400 sample\(s\)"):
+        Leader(Journal(str(journal)), [hsstore.open(url)], Follow(str(journal), lead=False))
+    entry.write_text(whole)
+    other = str(tmp_path / "other")  # a store at another place: the journal names shards it has not committed
+    add(StoreWriter(other, make_manifest(), writer_tag="x"), samples[:3])
+    with pytest.raises(CorruptionError, match=r"join 0: names shard .*, which store .* has not committed"):
+        Leader(Journal(str(journal)), [hsstore.open(other)], Follow(str(journal), lead=False))
+
     reencode(journal, swap)
     ds = HiddenStateDataset(url, planning=Planning(seed=1), follow=Follow(str(journal), lead=True))
     store = hsstore.open(url)
@@ -220,45 +229,21 @@ def test_train_follow_ends_saying_trained_vs_held_and_exits_1_when_they_differ(e
     assert "(--steps 20 bounds the run)" in capsys.readouterr().out
 
 
-def test_a_follower_stops_at_its_deadline_saying_what_it_trained_and_what_the_stores_hold(extracted, tmp_path,
-                                                                                          capsys):
+def test_a_follower_stops_at_its_deadline_saying_what_it_trained_and_what_the_stores_hold(extracted, tmp_path):
     store, run = extracted, tmp_path / "run"
     n = len(hsstore.open(str(store)))
     fs, root = storage.resolve(str(store))
     dead = sessions.new_session("rank00001", "deadbeef", host="h", pid=1, beat_s=0.2)
     dead.heartbeat_unix -= 60
     sessions.write_session(fs, root, dead)
-    rc = main(["train", "--store", str(store), "--out", str(run), "--follow", "--follow-deadline", "1",
-               "--epochs", "1", *TRAIN])
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1, lines
+    got = subprocess.run([sys.executable, "-m", "hsstore", "train", "--store", str(store), "--out", str(run),
+                          "--follow", "--follow-deadline", "1", "--epochs", "1", *TRAIN], cwd=REPO, capture_output=True,
+                         text=True, timeout=240)
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO", "WARNING", "ERROR"))]
+    assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]
     assert "epoch 0 stopped at its deadline" in lines[0] and f"it trained the {n} sample(s) that joined" in lines[0]
     assert "rank00001 (session deadbeef" in lines[0]
     assert list((run / "checkpoints").glob("step_*/trainer.json"))  # what was trained is kept
-
-
-def start(cmd, log: Path, env=None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "HSSTORE_WRITER_HEARTBEAT_S": "0.5",
-                                                         "HSSTORE_FOLLOW_POLL_S": "0.5", "OMP_NUM_THREADS": "1",
-                                                         **(env or {})})
-
-
-def wait_for(cond, what: str, procs=(), timeout=240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        for p, log in procs:
-            assert p.poll() is None, f"{what}: {p.args[:6]} exited {p.returncode}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait(60)
 
 
 def test_train_follow_does_not_end_on_an_end_record_planted_beside_a_live_extraction(tiny_dir, tmp_path):

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 import hsstore
+from hsstore.app.schema import build
+from hsstore.extract import job
 from hsstore.extract.tiny import demo_conversations_path
 from hsstore.format import sessions
 from hsstore.io import storage
@@ -121,9 +123,9 @@ def test_one_writer_per_tag_on_s3(s3_store):
     assert len(hsstore.open(url, **opts)) == 5
 
 
-def test_two_identical_extract_commands_one_is_refused_and_a_killed_one_is_resumed(tiny_dir, tmp_path):
+def test_two_identical_extract_commands_one_is_refused_and_a_killed_one_is_resumed(tiny_dir, tmp_path, monkeypatch):
     """The first extraction holds after its second shard; the same command started meanwhile is refused in one
-    line (exit 2) before it loads the model; the first is killed with -9 and the same command, run again on this
+    line (exit 2), before it loads the model; the first is killed with -9 and the same command, run again on this
     machine at once, takes its slot and finishes; run once more it writes nothing. Every sample once."""
     data = tmp_path / "in.jsonl"
     data.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:10]) + "\n")
@@ -147,6 +149,14 @@ def test_two_identical_extract_commands_one_is_refused_and_a_killed_one_is_resum
         assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
         assert "writer rank00000 is being written by another session" in lines[0], lines[0]
         assert sorted(hsstore.open(str(store)).sample_ids()) == held  # the refused one wrote nothing
+
+        def no_model(*args, **kwargs):
+            raise AssertionError("the target was loaded for a run that is refused")
+
+        monkeypatch.setattr(job, "load_target", no_model)  # refused before the target is loaded
+        with pytest.raises(sessions.SlotHeld, match="writer rank00000 is being written by another session"):
+            job.run_extract(build(job.ExtractSettings, model=str(tiny_dir), input=[str(data)], out=str(store),
+                                  device="cpu", progress=False, shard_bytes=50_000, token_budget=600))
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(60)
