@@ -105,6 +105,28 @@ def test_the_slot_of_a_writer_that_no_longer_runs_is_taken_over_and_a_live_ones_
     assert not any(n.endswith(".takeover") for n in writer_objects(url))  # every taker's marker removed
 
 
+def test_a_late_taker_of_a_dead_slot_replaces_nothing(tmp_path, monkeypatch):
+    """A writer reads the slot as a dead session's (as it was when it looked), but by the time it may take it over
+    another writer has done so and writes: the re-read sees the new holder, the late one is refused, and the live
+    writer's slot is left as it was."""
+    url = tmp_path / "s"
+    live = StoreWriter(str(url), make_manifest(), writer_tag="w")
+    path = Path(url) / sessions.slot_key("w")
+    mine = path.read_bytes()
+    dead = sessions.SlotRecord("w", "dead0000", os.uname().nodename, dead_pid(), time.time(), 1.0)
+    real, reads = sessions._read_slot, []
+
+    def stale_first(*a):  # its first look: the slot as the dead holder left it
+        reads.append(1)
+        return (dead.to_json(), dead) if len(reads) == 1 else real(*a)
+
+    monkeypatch.setattr(sessions, "_read_slot", stale_first)
+    with pytest.raises(sessions.SlotHeld, match=f"session {live.session}"):
+        StoreWriter(str(url), make_manifest(), writer_tag="w")
+    assert path.read_bytes() == mine
+    live.close()
+
+
 def test_one_writer_per_tag_on_s3(s3_store):
     """moto's server honours ``If-None-Match: *`` on a PUT (412 once the object exists), which s3fs sends for
     ``mode="create"``: the second writer is refused by the store itself. (Two PUTs racing at the same instant

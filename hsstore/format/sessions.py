@@ -250,15 +250,17 @@ def _held_line(url: str, held: SlotRecord, now: float) -> str:
 
 
 def _read_slot(fs, root: str, tag: str) -> tuple[bytes | None, SlotRecord | None]:
-    """(bytes, record) of a tag's slot: (None, None) when there is none, (bytes, None) when it does not parse."""
+    """(bytes, record) of a tag's slot: (None, None) when there is none, (bytes, None) when it does not parse or
+    names another tag or a session name hsstore does not make (it names the records read next)."""
     key = slot_key(tag)
     data = _read_object(fs, root, key)
     if data is None:
         return None, None
     try:
-        return data, _parse(SlotRecord, door.load_json(data, key), key)
+        held = _parse(SlotRecord, door.load_json(data, key), key)
     except CorruptionError:
         return data, None
+    return data, held if held.writer == tag and held.session.isalnum() else None
 
 
 def check_slot(fs, root: str, url: str, tag: str) -> None:
