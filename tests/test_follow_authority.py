@@ -236,14 +236,20 @@ def test_a_follower_stops_at_its_deadline_saying_what_it_trained_and_what_the_st
     dead = sessions.new_session("rank00001", "deadbeef", host="h", pid=1, beat_s=0.2)
     dead.heartbeat_unix -= 60
     sessions.write_session(fs, root, dead)
-    got = subprocess.run([sys.executable, "-m", "hsstore", "train", "--store", str(store), "--out", str(run),
-                          "--follow", "--follow-deadline", "1", "--epochs", "1", *TRAIN], cwd=REPO, capture_output=True,
-                         text=True, timeout=240)
+    cmd = [sys.executable, "-m", "hsstore", "train", "--store", str(store), "--out", str(run), "--follow",
+           "--follow-deadline", "1", "--epochs", "1", *TRAIN]
+    got = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     lines = [ln for ln in got.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO", "WARNING", "ERROR"))]
     assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]
     assert "epoch 0 stopped at its deadline" in lines[0] and f"it trained the {n} sample(s) that joined" in lines[0]
     assert "rank00001 (session deadbeef" in lines[0]
     assert list((run / "checkpoints").glob("step_*/trainer.json"))  # what was trained is kept
+
+    # the deadline ended that run only: once the writer is accounted for, the same command follows on and finishes
+    fs.rm_file(f"{root}/{sessions.WRITERS_DIR}/rank00001-deadbeef{sessions.SESSION_SUFFIX}")
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"--follow: epoch 0 trained {n} sample(s), all the stores hold" in again.stdout
 
 
 def test_train_follow_does_not_end_on_an_end_record_planted_beside_a_live_extraction(tiny_dir, tmp_path):

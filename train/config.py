@@ -146,7 +146,7 @@ class Data:
     follow_deadline: float | None = option(
         None, metavar="S",
         help="with --follow: stop when nothing has arrived for S seconds and the stores are not finished, saying "
-             "what epoch 0 trained and what the stores hold (exit 2, checkpoint kept; the same command resumes). "
+             "what epoch 0 trained and what the stores hold (exit 2, checkpoint kept; the same command follows on). "
              "Default: wait until every writer finishes")
 
 

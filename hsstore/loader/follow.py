@@ -9,7 +9,8 @@ every reader can read (the trainer's OUT, which its checkpoints need shared anyw
 
 - ``join``: the new shards' commit records (an index segment per store);
 - ``stop``: a shard whose features train nothing, named with the feature (nothing after it is planned unless
-  the readers allow unhealthy data);
+  the readers allow unhealthy data); or the follower's deadline (``Follow.deadline_s``), which ends the run that
+  wrote it: the same command run again follows on;
 - ``end``: every writer of every store finished (``format/sessions.py``): no shard will come.
 
 Readers plan from the journal alone. Join k is planned as an epoch of its own (its samples, weights applied, in a
@@ -114,6 +115,7 @@ class Entry:
     expected_tokens: int | None = None  # what the stores will hold once finished (writers' plans), if known
     why: str | None = None  # stop: the one line naming the shard (and the feature)
     shard: str | None = None  # stop: the unhealthy shard (None: a fault no option lets through)
+    deadline: float | None = None  # stop: the deadline (s) it was written at; it ends only the run that wrote it
 
     @classmethod
     def parse(cls, d: Any, where: str) -> "Entry":
@@ -126,7 +128,8 @@ class Entry:
         ints = [e.index, e.shards, e.samples, e.tokens, *e.stores]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints) or not isinstance(
                 e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)) or not all(
-                x is None or isinstance(x, str) for x in (e.why, e.shard)):
+                x is None or isinstance(x, str) for x in (e.why, e.shard)) or not (
+                e.deadline is None or (isinstance(e.deadline, (int, float)) and not isinstance(e.deadline, bool))):
             raise CorruptionError(f"{where}: malformed journal entry (a field of the wrong type)")
         return e
 
@@ -235,15 +238,18 @@ class Journal:
             transfer.put_atomic(self.fs, os.path.join(self.path, f"{k:06d}.s{si}.idx"),
                                 index.encode_segment("follow", f"join {k}", t), os.path.dirname(self.path))
         e = Entry(k, kind, time.time(), sorted(tables or {}), **fields)
-        body = {"format": FORMAT, **e.__dict__}
+        # a field older readers do not know is written only where it says something: their journals stay readable
+        body = {"format": FORMAT, **{k: v for k, v in e.__dict__.items() if k != "deadline" or v is not None}}
         transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode(),
                             os.path.dirname(self.path))
         self._entries.append(e)
         return e
 
-    def outcome(self) -> Entry | None:
-        """The end or stop entry that ends epoch 0 so far (None while it goes on)."""
-        return next((e for e in reversed(self.entries()) if e.kind in ("end", "stop")), None)
+    def outcome(self, since: float = -float("inf")) -> Entry | None:
+        """The end or stop entry that ends epoch 0 so far (None while it goes on). A deadline's stop ends only the
+        run that wrote it: one written before ``since`` (when this run's reader or leader started) does not."""
+        return next((e for e in reversed(self.entries()) if e.kind == "end" or (
+            e.kind == "stop" and (e.deadline is None or e.t >= since))), None)
 
 
 # -- the journal is believed where the stores agree --------------------------------------------------------------
@@ -344,7 +350,7 @@ class Leader:
 
     @property
     def done(self) -> bool:
-        out = self.journal.outcome()
+        out = self.journal.outcome(self.since)
         return out is not None and (out.kind == "end" or not self.follow.allow_unhealthy or out.shard is None)
 
     def poll(self) -> bool:
@@ -417,7 +423,7 @@ class Leader:
         deadline = self.follow.deadline_s
         if not appended and deadline is not None and time.time() - self.last_arrival >= deadline:
             why = self._deadline_line(deadline, expected)
-            self.journal.append("stop", why=why)
+            self.journal.append("stop", why=why, deadline=float(deadline))
             log.error("%s", why)
             return True
         return appended
@@ -430,7 +436,7 @@ class Leader:
         more = f" (and {len(self.waiting) - 1} more)" if len(self.waiting) > 1 else ""
         return (f"epoch 0 stopped at its deadline: nothing arrived for {deadline:g}s and the stores are not finished; "
                 f"it trained the {self.samples} sample(s) that joined, of the {held} the stores hold{plan}; waiting "
-                f"for {first}{more}. The checkpoints are kept: run the same command again once the writers finish")
+                f"for {first}{more}. The checkpoints are kept: the same command goes on following")
 
     def _tell(self, url: str, writers: sessions.Writers, listed: dict[str, tuple[int, int]]) -> None:
         """What epoch 0 waits for: a newly silent writer at once (a warning), everything every ``report_s``."""
@@ -497,6 +503,7 @@ class FollowPlan:
 
     def __init__(self, ds: "HiddenStateDataset", journal: Journal) -> None:
         self.ds, self.journal = ds, journal
+        self.started = time.time()  # a deadline's stop written before ends an earlier run, not this one
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
         self._done: dict[tuple, np.ndarray | None] = {}
@@ -647,6 +654,9 @@ class FollowReader:
                 raise StopIteration
             if e.kind == "stop":
                 if follow.allow_unhealthy and e.shard is not None:  # an unhealthy arrival, allowed now
+                    self.k += 1
+                    continue
+                if e.deadline is not None and e.t < self.plan.started:  # an earlier run's deadline: go on following
                     self.k += 1
                     continue
                 raise FollowStopped(e.why)
