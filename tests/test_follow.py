@@ -17,7 +17,7 @@ from hsstore.io import storage
 from hsstore.distributed import World
 from hsstore.format import commit, sessions
 from hsstore.loader.dataset import HiddenStateDataset
-from hsstore.loader.follow import Follow, FollowStopped, Journal, Leader
+from hsstore.loader.follow import Entry, Follow, FollowStopped, Journal, Leader
 from hsstore.loader.options import Planning, Reading
 from hsstore.loader.resume import merge_states
 from hsstore.store.writer import StoreWriter
@@ -32,6 +32,26 @@ def add(w: StoreWriter, samples) -> None:
     for s in samples:
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
     w.flush()  # committed now: the leader's next look finds them
+
+
+@pytest.fixture(autouse=True)
+def quick_beats(monkeypatch):
+    """Writers beat every 0.2 s here: an end record is believed once its writer has stayed silent two beats."""
+    monkeypatch.setenv("HSSTORE_WRITER_HEARTBEAT_S", "0.2")
+
+
+def settled() -> float:
+    """A moment at which every end record written until now is old enough to be believed."""
+    return time.time() + sessions.SETTLE_BEATS * sessions.heartbeat_s() + 1
+
+
+def until_end(leader: Leader, timeout: float = 30.0) -> None:
+    """Poll until epoch 0 ended (the writers' end records believed once they settled)."""
+    deadline = time.monotonic() + timeout
+    while (Journal(leader.journal.path).outcome() or Entry(0, "join", 0)).kind != "end":
+        assert time.monotonic() < deadline, "epoch 0 did not end"
+        leader.poll()
+        time.sleep(0.05)
 
 
 def writers_of(url) -> sessions.Writers:
@@ -52,7 +72,8 @@ def test_writer_sessions_say_which_writer_finished(tmp_path):
         live = writers_of(url)
         assert [s.state for s in live.states()] == ["open"] and not live.finished(listed(url))
     done = writers_of(url)
-    assert [s.state for s in done.states()] == ["ended"] and done.states()[0].end.samples == 3
+    assert [s.state for s in done.states()] == ["ending"]  # believed once it has stayed silent two beats
+    assert [s.state for s in done.states(settled())] == ["ended"] and done.states()[0].end.samples == 3
     # its job expects rank 1 as well, which never started: not finished, and said so
     assert not done.finished(listed(url)) and done.expected_missing() == ["rank00001"]
     assert "writer rank00001: expected by its job, not started yet" in done.waiting_for(listed(url))
@@ -72,9 +93,10 @@ def test_writer_sessions_say_which_writer_finished(tmp_path):
     with StoreWriter(str(url), make_manifest(), writer_tag="rank00001", expects=["rank00000", "rank00001"]) as w:
         add(w, samples[3:5])
     w2 = writers_of(url)
-    assert sorted(s.state for s in w2.states()) == ["ended", "ended", "replaced"] and w2.finished(listed(url))
+    assert sorted(s.state for s in w2.states(settled())) == ["ended", "ended", "replaced"]
+    assert w2.finished(listed(url), settled())
     # ... unless the listing does not show every shard an ended session committed yet
-    assert not w2.finished(listed(url) - {min(listed(url))})
+    assert not w2.finished(listed(url) - {min(listed(url))}, settled())
 
     # an unreadable writer record may be an open writer's: not finished, and named
     (url / sessions.WRITERS_DIR / "rank00009-0badf00d.json").write_text("{not json")
@@ -137,7 +159,8 @@ def test_epoch0_takes_shards_as_they_commit_exactly_once_and_epoch1_is_ordinary(
     assert all(t.is_alive() for t in threads) and not leader.poll()  # caught up: the writer is open, they wait
     add(w, samples[32:])
     w.close()
-    assert leader.poll()  # join 2 and the end: every writer finished
+    assert leader.poll()  # join 2
+    until_end(leader)  # and the end: every writer finished
     for t in threads:
         t.join(30)
     assert not errors and not any(t.is_alive() for t in threads)
@@ -175,6 +198,7 @@ def grown(tmp_path, n=40, parts=(10, 25)):
     add(w, samples[parts[1]:])
     w.close()
     leader.poll()
+    until_end(leader)
     assert [e.kind for e in Journal(journal).entries()] == ["join", "join", "join", "end"]
     return url, follow, {s["sample_id"] for s in samples}
 
@@ -232,7 +256,9 @@ def test_an_arrival_that_trains_nothing_stops_epoch0_naming_shard_and_feature(tm
     # allowed: the leader of a re-run joins it (logged) and epoch 0 ends
     allow = Follow(journal, lead=False, allow_unhealthy=True)
     again = Leader(Journal(journal), [hsstore.open(url)], allow)
-    assert again.poll() and Journal(journal).outcome().kind == "end"
+    assert again.poll()
+    until_end(again)
+    assert Journal(journal).outcome().kind == "end"
     ds = HiddenStateDataset(url, planning=Planning(seed=SEED), follow=allow)
     assert sorted(x["sample_id"] for x in ds) == sorted([s["sample_id"] for s in samples[:7]] + ["zeros"])
 
@@ -254,7 +280,9 @@ def test_follow_on_s3_with_the_node_partition_and_its_cache(s3_endpoint, tmp_pat
     assert leader.poll()
     add(w, samples[10:])
     w.close()
-    assert leader.poll() and Journal(journal).outcome().kind == "end"
+    assert leader.poll()
+    until_end(leader)
+    assert Journal(journal).outcome().kind == "end"
 
     def node_ds(r, follow=follow):
         return HiddenStateDataset(url, world=World(r, 2, node=r, nodes=2), storage_options=opts, follow=follow,

@@ -143,6 +143,8 @@ def run_train(args: argparse.Namespace) -> int:
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last
+    followed = result.followed
+    rc = 1 if followed is not None and followed.differs else 0  # epoch 0 trained less (or more) than the stores hold
     if args.json:
         print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
                           "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
@@ -150,8 +152,10 @@ def run_train(args: argparse.Namespace) -> int:
                           "tokens_per_s": result.tokens_per_s,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
-                          "best": read_best(args.out), "last": last}, indent=2))
-        return 0
+                          "best": read_best(args.out), "last": last,
+                          **({} if followed is None else {"follow": {"trained_samples": followed.trained,
+                                                                     "held_samples": followed.held}})}, indent=2))
+        return rc
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
     resumed = ("" if result.resumed_from is None else
                f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
@@ -168,7 +172,9 @@ def run_train(args: argparse.Namespace) -> int:
     if best is not None:
         print(f"best checkpoint (val_tau {fmt(best.get('val_tau'))} at step {best.get('step')}): "
               f"{args.out}/checkpoints/{best['checkpoint']}; hsstore export-drafter {args.out} NEW --best exports it")
-    return 0
+    if followed is not None:
+        print(followed.line(), file=sys.stderr if followed.differs else sys.stdout)
+    return rc
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -139,7 +139,15 @@ class Data:
         help="train while the stores are written: epoch 0 takes shards as they commit (waiting, with a backoff, for "
              "more) and ends when every writer of every store has finished (a killed writer is waited for: re-run "
              "its extraction); epochs 1.. are ordinary epochs of all of it. An arrival whose features train nothing "
-             "stops the run (unless --allow-unhealthy); metrics.jsonl shows the arrivals beside the loss")
+             "stops the run (unless --allow-unhealthy); metrics.jsonl shows the arrivals beside the loss. A writer's "
+             "end is believed once it agrees with its committed records and the writer has stayed silent two "
+             "heartbeats; at the end the run prints what epoch 0 trained and what the stores hold, and exits 1 when "
+             "they differ (unless --steps bounds it)")
+    follow_deadline: float | None = option(
+        None, metavar="S",
+        help="with --follow: stop when nothing has arrived for S seconds and the stores are not finished, saying "
+             "what epoch 0 trained and what the stores hold (exit 2, checkpoint kept; the same command follows on). "
+             "Default: wait until every writer finishes")
 
 
 @dataclass

@@ -55,7 +55,7 @@ from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, servi
 from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
 from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
-from .follow import FollowSchedule, Following, arrival_columns, wait_for_stores
+from .follow import FollowSchedule, Following, Tally, arrival_columns, wait_for_stores
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
@@ -82,6 +82,7 @@ class TrainResult:
     start_step: int = 0  # the step this run started at (0, or the resumed checkpoint's)
     tokens: int = 0  # trained by this run: the sum of its metrics.jsonl lines' tokens (all ranks)
     step_seconds: float = 0.0  # wall time of this run's steps: the sum of its lines' interval_seconds
+    followed: Tally | None = None  # --follow, rank 0: what epoch 0 trained against what the stores hold at the end
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,7 +124,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
 
     # -- the data: this rank's share of the stores, in token-budget batches (--follow: epoch 0 from the journal
     # that rank 0's leader writes as shards commit; the length estimated until epoch 0 ends)
-    following = Following.start(out, stores, settings.health.allow_unhealthy, rank, world) if follow else None
+    following = Following.start(out, stores, settings, rank, world) if follow else None
     if source is None:
         source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device,
                                follow=following.options if following else None)
@@ -168,10 +169,11 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     if rank == 0:
         drafter_dir = ckpt.save_final_drafter(out, drafter, checkpoints.extra)
         metrics.close()
+    followed = following.tally(settings) if following is not None and rank == 0 else None
     if world > 1:
         dist.barrier()
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step,
-                       loop.run_tokens, loop.run_seconds)
+                       loop.run_tokens, loop.run_seconds, followed)
 
 
 def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device,
