@@ -11,7 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -183,6 +185,50 @@ def test_a_percent_encoded_location_is_never_followed(served, tmp_path):
     assert rc == 1 and any(f"shard {rec.shard}" in f and "location not followed" in f for f in fails), out
     one_line(rc2, lines, peak, "location", "percent-encoded")
     assert not outside, outside
+
+
+# names an index page links to that decode to another folder than the one listed (each beside a good one)
+DOTTED_LINKS = {"%2e%2e": "..", "%2e%2e/": "../", "..%2F": "../", ".%2e/": "../", "%2F": "/", "%2F%2F": "//",
+                "%2e": ".", "%2e/": "./", "a%2Fb.json": "a/b.json", "%2e%2e%2Fsecret.json": "../secret.json",
+                "sub%2F..%2F..%2Fx": "sub/../../x"}
+
+
+class _IndexPage(BaseHTTPRequestHandler):
+    """An HTML index page at ``/store/commits/`` linking to every name of DOTTED_LINKS, one good file and one good
+    folder; anything else is 404."""
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path != "/store/commits/":
+            self.send_error(404)
+            return
+        links = ["ok.json", "folder/", *DOTTED_LINKS]
+        body = "".join(f'<a href="{href}">{href}</a>\n' for href in links).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_an_index_page_names_nothing_outside_its_folder_once_decoded():
+    """Links that percent-decode to ``/``, ``.``, ``..``, ``../`` or a name holding a slash are no names of the
+    folder listed: a listing never hands them on (a reader would take ``commits/../x`` for a record)."""
+    from hsstore.io import listing, storage
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _IndexPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fs, root = storage.resolve(f"http://127.0.0.1:{server.server_address[1]}/store")
+        names = listing.list_names(fs, f"{root}/commits")
+        detail = listing.list_detail(fs, f"{root}/commits")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert names == ["folder", "ok.json"], names
+    assert list(detail) == ["ok.json"], detail
 
 
 # -- S3: a hostile endpoint in front of moto's server ---------------------------------------------------------------
