@@ -231,6 +231,58 @@ def test_an_index_page_names_nothing_outside_its_folder_once_decoded():
     assert list(detail) == ["ok.json"], detail
 
 
+class _DrippedIndexPage(BaseHTTPRequestHandler):
+    """An index page of ``size`` bytes (its length declared) sent in pieces of ``piece`` bytes at ``rate`` bytes a
+    second: each piece comes quickly, the whole answer slower than the rate a reader takes. ``sent``: bytes sent."""
+
+    size, piece, rate, sent = 32 << 10, 64, 1000.0, 0
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        link = b'<a href="rec-0000000000.json">rec-0000000000.json</a>\n'
+        body = (link * (self.size // len(link) + 1))[:self.size]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        t0 = time.monotonic()
+        try:
+            for at in range(0, len(body), self.piece):
+                self.wfile.write(body[at:at + self.piece])
+                type(self).sent += len(body[at:at + self.piece])
+                time.sleep(max(0.0, t0 + (at + self.piece) / self.rate - time.monotonic()))
+        except OSError:  # cut off, as it should be
+            pass
+
+
+@pytest.mark.slow  # seconds of a dripped answer
+def test_an_answer_just_under_the_minimum_rate_in_many_small_pieces_is_cut(monkeypatch):
+    """A page whose pieces arrive every few milliseconds at 0.8 x the minimum rate: no gap is long, so only the
+    whole answer's clock (its first byte within HSSTORE_REQUEST_S, then the minimum rate on average) cuts it, at
+    about REQUEST_S / (1 - 0.8) seconds; the page's own deadline (its 64 MiB bound at that rate) is hours away."""
+    from hsstore import env
+    from hsstore.io import listing, storage
+    from hsstore.io.receive import DeadlineError
+
+    monkeypatch.setenv(env.REQUEST_S.name, "1")
+    monkeypatch.setenv(env.MIN_RATE.name, "4096")
+    handler = type("Dripped", (_DrippedIndexPage,), {"rate": 0.8 * 4096, "sent": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fs, root = storage.resolve(f"http://127.0.0.1:{server.server_address[1]}/store")
+        cut = r"/store/commits/?: cut off after [0-9.]+ s with [0-9,]+ bytes .*on average"
+        with pytest.raises(DeadlineError, match=cut):
+            listing.list_names(fs, f"{root}/commits")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 0 < handler.sent < handler.size, handler.sent  # cut part way, not read to its end
+
+
 # -- S3: a hostile endpoint in front of moto's server ---------------------------------------------------------------
 @pytest.fixture
 def s3_small(s3_store):

@@ -412,7 +412,8 @@ import hsstore
 import hsstore.extract
 import hsstore.train
 
-PROBE = "import hsstore, hsstore.extract, hsstore.train; print(hsstore.CANARY, hsstore.extract.CANARY, hsstore.train.CANARY)"
+PROBE = ("import hsstore, hsstore.extract, hsstore.train; "
+         "print(hsstore.CANARY, hsstore.extract.CANARY, hsstore.train.CANARY)")
 
 
 def test_no_canary_in_process():
