@@ -305,6 +305,20 @@ def test_info_over_a_trickling_s3_endpoint_is_cut_off(s3_small):
     assert took < 40, took
 
 
+def test_an_s3_answer_redirected_to_another_endpoint_is_refused(s3_small):
+    """The endpoint answers the manifest's GET with a redirect to another endpoint (the same objects behind it:
+    what it sends would pass every other check). botocore's HTTP client follows it; the answer is refused."""
+    url, endpoint = s3_small
+    with FaultProxy(endpoint, match=lambda m, p: False) as other:  # another origin, the same objects
+        with FaultProxy(endpoint, faults=["redirect"], persistent=True, redirect_to=other.url,
+                        match=lambda m, p: m == "GET" and p.split("?")[0].endswith("/manifest.json")) as proxy:
+            rc, _, lines, peak, _ = hsstore_cmd(_s3(["info", url], proxy))
+            assert proxy.injected["redirect"] >= 1
+        followed = [p for m, p in other.log if p.split("?")[0].endswith("/manifest.json")]
+    assert followed  # the client went there: only the origin check stands between it and the answer
+    one_line(rc, lines, peak, "manifest.json", "redirected to '127.0.0.1'", "its own endpoint only")
+
+
 def test_a_chunk_body_past_its_size_is_cut_and_refused(s3_small):
     url, endpoint = s3_small
     with FaultProxy(endpoint, faults=["overrun"], persistent=True,
