@@ -305,17 +305,19 @@ def test_info_over_a_trickling_s3_endpoint_is_cut_off(s3_small):
     assert took < 40, took
 
 
-def test_an_s3_answer_redirected_to_another_endpoint_is_refused(s3_small):
-    """The endpoint answers the manifest's GET with a redirect to another endpoint (the same objects behind it:
-    what it sends would pass every other check). botocore's HTTP client follows it; the answer is refused."""
+def test_an_s3_answer_redirected_to_another_endpoint_is_refused(s3_small, tmp_path):
+    """The endpoint answers the manifest's GET with a redirect to another host, which serves another store's
+    manifest at the same key, to anyone. botocore's HTTP client follows it; the answer is refused."""
     url, endpoint = s3_small
-    with FaultProxy(endpoint, match=lambda m, p: False) as other:  # another origin, the same objects
+    key = url.removeprefix("s3://")
+    write_samples(str(tmp_path / "other" / key), make_manifest(), make_samples(3, max_len=60, prefix="other"))
+    with HostileHTTPServer(str(tmp_path / "other")) as other:
         with FaultProxy(endpoint, faults=["redirect"], persistent=True, redirect_to=other.url,
                         match=lambda m, p: m == "GET" and p.split("?")[0].endswith("/manifest.json")) as proxy:
             rc, _, lines, peak, _ = hsstore_cmd(_s3(["info", url], proxy))
             assert proxy.injected["redirect"] >= 1
-        followed = [p for m, p in other.log if p.split("?")[0].endswith("/manifest.json")]
-    assert followed  # the client went there: only the origin check stands between it and the answer
+        followed = [p for p in other.paths if p.endswith("/manifest.json")]
+    assert followed  # the client went there: only the origin check stands between it and that answer
     one_line(rc, lines, peak, "manifest.json", "redirected to '127.0.0.1'", "its own endpoint only")
 
 
