@@ -184,13 +184,26 @@ def stale(fault: Fault, root: Path) -> str | None:
     path = root / fault.file
     if not path.is_file():
         return f"{fault.file} does not exist"
-    n = path.read_text(encoding="utf-8").count(fault.find)
+    text = path.read_text(encoding="utf-8")
+    n = text.count(fault.find)
     if n != 1:
-        return f"its find text occurs {n} times in {fault.file}, not once"
+        return f"its find text occurs {n} times in {fault.file}, not once" + indent_hint(fault.find, text)
     gone = [t for t in fault.tests if not (root / t.split("::", 1)[0]).is_file()]
     if gone:
         return f"no test file {', '.join(gone)}"
     return None
+
+
+def indent_hint(find: str, text: str) -> str:
+    """What to write when a multi-line ``find`` is in ``text`` once, only indented further: YAML's ``|`` takes the
+    first line's indentation away, ``|2`` keeps what lies past the key's indentation plus two."""
+    lines = find.split("\n")
+    for k in range(1, 41):
+        pad = " " * k
+        if len(lines) > 1 and text.count("\n".join(pad + ln if ln else ln for ln in lines)) == 1:
+            return (f" (it occurs once indented {k} more spaces: a multi-line find keeps its indentation as "
+                    "`find: |2` under an entry's key, each line indented by its own indentation plus four)")
+    return ""
 
 
 # -- the scratch copy -----------------------------------------------------------------------------------------
