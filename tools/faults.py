@@ -231,6 +231,8 @@ class Scratch:
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=str(self.root), packages=PACKAGES))
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join([str(site), str(self.root)])
+        # a fault that lets a model folder's code run has transformers copy it here, not into the user's cache
+        self.env["HF_MODULES_CACHE"] = str(self.base / "hf-modules")
         self.env.pop("PYTEST_ADDOPTS", None)
 
     def remove(self) -> None:
