@@ -13,6 +13,11 @@ A guard that no test holds can be deleted without a test noticing. So every guar
       tests: [tests/test_admission.py]   # test files or node ids; at least one must FAIL with the fault applied
       user: "what a user would meet if this guard were gone, one sentence"
 
+``find`` is matched as it is written, as text: YAML's ``|`` takes away the first line's indentation (a one-line
+``find`` is then still found, inside its line) and ends the text with a newline. A ``find`` of several lines whose
+indentation matters is written ``|2`` (each line indented by its own indentation plus four under an entry's key),
+a part of a line ``|-`` (no newline at its end); a stale entry that only needs this is told so.
+
 For each fault the tool applies the exact edit to a scratch copy (the repository's tracked files and the untracked
 ones git does not ignore, as they are in the working tree now: the working tree itself is never written), runs its
 tests there with pytest (``-x``: the first failure is the catch), restores the file, and says ``caught`` (a test
