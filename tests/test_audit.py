@@ -9,6 +9,7 @@ made, not from the audit code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -128,14 +129,79 @@ def test_a_feature_zeroed_in_one_sample_is_named_zeros(store_url, tmp_path, caps
     assert [(r["sample_id"], r["feature"], r["diagnosis"]) for r in bad] == [(zeroed, "layer 4", "zeros")]
 
 
-def rewritten(src, url, change) -> str:
+def rewritten(src, url, change=lambda hs: hs, layers=None) -> str:
     """A copy of store ``src`` written with ``StoreWriter``, each sample's hidden states passed through
-    ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and checksums, planted values."""
-    with StoreWriter(url, src.manifest, check_finite=True) as w:
+    ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and checksums, planted values; its
+    manifest claims the taps ``layers`` (default: those it holds)."""
+    manifest = src.manifest if layers is None else dataclasses.replace(src.manifest, layers=tuple(layers))
+    with StoreWriter(url, manifest, check_finite=True) as w:
         for i in range(len(src)):
             item = src.read(i)
             w.add(item["sample_id"], item["input_ids"], item["loss_mask"], change(item["hidden_states"].clone()))
     return url
+
+
+# the documented bfloat16 bound (docs/ARCHITECTURE.md, "Bounds that follow the rounding"; docs/PERFORMANCE.md):
+# 1 - cosine <= 1e-4 + 6e-5 x depth, relative error <= 1.25 sqrt(2 (1 - cosine bound)). Written out here: values
+# planted by it test the code against the documented bound, so code that drifts from it fails
+FLOOR, PER_LAYER, REL_MARGIN = 1e-4, 6e-5, 1.25
+
+
+def documented(depth: int) -> tuple[float, float]:
+    """(1 - cosine, relative error) the documented bfloat16 bound allows after ``depth`` layers."""
+    gap = FLOOR + PER_LAYER * depth
+    return gap, REL_MARGIN * (2 * gap) ** 0.5
+
+
+def scaled(times: float, depth: int):
+    """Features ``[T, H]`` scaled by ``1 + times x`` the relative error the documented bound allows at ``depth``
+    (their cosine stays 1)."""
+    return lambda x: x * (1 + times * documented(depth)[1])
+
+
+def turned(times: float, depth: int, seed: int = 0):
+    """Features ``[T, H]`` with noise orthogonal to the whole feature added, so that ``1 - cosine`` is ``times x``
+    what the documented bound allows at ``depth`` (their relative error stays below its own bound)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        noise -= (noise * x).sum() / (x * x).sum() * x
+        c = 1 - times * documented(depth)[0]
+        return x + noise * ((1 / c ** 2 - 1) ** 0.5 * x.norm() / noise.norm())
+    return fn
+
+
+def planted(layers, fn_by_tap: dict):
+    """A ``change`` for ``rewritten``: ``fn_by_tap[layer]`` applied to that tap's features (of the store's taps
+    ``layers``), in float64, stored back in the store's dtype."""
+    def change(hs: torch.Tensor) -> torch.Tensor:
+        for j, layer in enumerate(layers):
+            if layer in fn_by_tap:
+                hs[:, j] = fn_by_tap[layer](hs[:, j].double()).to(hs.dtype)
+        return hs
+    return change
+
+
+@pytest.mark.parametrize("plant", ["scaled", "turned"])
+def test_stored_features_just_past_the_bound_fail_and_just_inside_pass(store_url, tmp_path, capsys, plant):
+    """At 8 layers: tap 4 planted 0.9 times what the documented bound allows at its depth, tap 7 1.1 times, by
+    scaling (the cosine stays 1: only the relative error's margin sees it) or by turning (``1 - cosine``: the
+    per-layer drift). The stored features change, never the target: no weights check answers first."""
+    how = {"scaled": scaled, "turned": turned}[plant]
+    src = hsstore.open(store_url)
+    url = rewritten(src, str(tmp_path / plant), planted(LAYERS, {4: how(0.9, 5), 7: how(1.1, 8)}))
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--json")
+    f = json.loads(out)["features"]
+    assert rc == 1 and f["layer 1"]["ok"] and f["layer 4"]["ok"] and not f["layer 7"]["ok"], f
+    assert f["layer 7"]["samples_ok"] == 0 and f["layer 7"]["diagnosed_samples"] == N
+    if plant == "scaled":
+        assert 0.85 < f["layer 4"]["max_rel_err"] / documented(5)[1] < 0.95
+        assert 1.05 < f["layer 7"]["max_rel_err"] / documented(8)[1] < 1.15
+        assert f["layer 7"]["diagnosis"] == "scaled values"
+    else:
+        assert 0.85 < (1 - f["layer 4"]["min_cosine"]) / documented(5)[0] < 0.95
+        assert 1.05 < (1 - f["layer 7"]["min_cosine"]) / documented(8)[0] < 1.15
+        assert f["layer 7"]["max_rel_err"] <= documented(8)[1]  # the cosine alone fails it
 
 
 def test_features_shifted_by_one_token_are_named_shifted(store_url, tmp_path, capsys):

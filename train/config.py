@@ -300,9 +300,10 @@ class DrafterExport:
     ckpt: str = option(positional=True, metavar="CKPT", help="a drafter directory, a checkpoint "
                        "(OUT/checkpoints/step_N) or a training run (its drafter/ or latest checkpoint)")
     out: str = option(positional=True, metavar="OUT", help="the new drafter directory (must not exist or be empty)")
-    best: bool = option(False, help="export the run's checkpoint with the best validation tau (the one "
-                                    "CKPT/checkpoints/best names; a run trained with --val-store has it) rather than "
-                                    "its last step (CKPT/drafter)")
+    best: bool = option(False, help="export the run's checkpoint with the best validation tau, a tie going to the "
+                                    "lower validation loss, then to the earlier step (the one CKPT/checkpoints/best "
+                                    "names; a run trained with --val-store has it) rather than its last step "
+                                    "(CKPT/drafter)")
 
 
 @dataclass

@@ -127,24 +127,37 @@ class MetricsLog:
 
 class BestTracker:
     """Which checkpoint OUT/checkpoints/best names: the step with the highest val_tau so far (SpecForge's
-    best-checkpoint metric is its acceptance-length estimate too). A new best forces a checkpoint at its step."""
+    best-checkpoint metric is its acceptance-length estimate too), a tie going to the lower val_loss (tau counts
+    whole accepted tokens and ties often on a small validation set; the loss still tells the two apart), an exact
+    tie to the earlier step. A new best forces a checkpoint at its step."""
 
     KEYS = ("step", "val_tau", "val_loss", "val_acc", "val_anchors")
 
     def __init__(self, saved: dict[str, Any] | None):
-        self.tau = float(saved["val_tau"]) if saved and saved.get("val_tau") is not None else -math.inf
+        saved = saved or {}
+        self.tau = finite(saved.get("val_tau"), -math.inf)
+        self.loss = finite(saved.get("val_loss"), math.inf)
         self.pending: dict[str, Any] | None = None
 
+    def better(self, tau: float, loss: float) -> bool:
+        """Whether a validation of ``tau`` and ``loss`` beats the best so far."""
+        return tau > self.tau or (tau == self.tau and loss < self.loss)
+
     def offer(self, step: int, row: dict[str, Any]) -> None:
-        tau = row.get("val_tau")
-        if tau is not None and math.isfinite(tau) and tau > self.tau:
-            self.tau = tau
+        tau, loss = finite(row.get("val_tau"), None), finite(row.get("val_loss"), math.inf)
+        if tau is not None and self.better(tau, loss):
+            self.tau, self.loss = tau, loss
             self.pending = {k: json_safe(row[k]) if k != "step" else step for k in self.KEYS if k in row or
                             k == "step"}
 
     def take(self) -> dict[str, Any] | None:
         p, self.pending = self.pending, None
         return p
+
+
+def finite(x: Any, default: Any) -> Any:
+    """``x`` as a float when it is a finite number, else ``default`` (a metric that could not be computed)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else default
 
 
 def val_metrics(ev) -> dict[str, Any]:
