@@ -48,10 +48,11 @@ class Meter:
         self.counts = torch.zeros(self.S - 1, dtype=torch.float64)  # labels per position
         self.t0, self.wait = time.perf_counter(), 0.0
 
-    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int):
-        """One step: ``label_counts``, ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's,
-        known on the CPU (``add_anchors``); ``metrics`` are the loss's tensors, never read here."""
-        self.sums["steps"] += 1  # an empty step still counts
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int, steps: int = 1):
+        """One batch of ``steps`` optimizer steps (0 for a step's later micro-batches): ``label_counts``,
+        ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's, known on the CPU (``add_anchors``);
+        ``metrics`` are the loss's tensors, never read here."""
+        self.sums["steps"] += steps  # an empty step still counts
         if label_counts is None or sum(label_counts) == 0:
             return
         for k, v in (("anchors", anchors), ("tokens", tokens), ("samples", samples)):
