@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import door, sinks
+from hsstore.ops.html_report import metrics_row
 from hsstore.loader.resume import LoaderStateError
 from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
@@ -374,7 +375,7 @@ def read_pointer(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a best-checkpoint pointer (JSON with format {BEST_FORMAT!r})") from None
     if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not _STEP_RE.match(str(d.get("checkpoint"))):
         raise ValueError(f"{path}: not a best-checkpoint pointer (format {BEST_FORMAT!r}, checkpoint step_N)")
-    return d
+    return {"format": BEST_FORMAT, "checkpoint": d["checkpoint"], **metrics_row(d, str(path))}  # its metrics typed
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import door, sinks
+from hsstore.ops.html_report import metrics_row
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,11 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
 
 
 def _step_of(line: str) -> int | None:
+    """The step of a log line whose fields are all of their kinds (``metrics_row``); None for any other line."""
     try:
-        step = door.load_json(line, "log line", error=ValueError).get("step")
-    except (ValueError, AttributeError):
+        return metrics_row(door.load_json(line, "log line", error=ValueError), "log line")["step"]
+    except ValueError:
         return None
-    return step if type(step) is int else None
 
 
 def json_safe(x):
