@@ -43,7 +43,7 @@ def error_line(capsys) -> str:
 # -- what a resume changes is said, and kept ------------------------------------------------------------------------
 def test_a_resume_names_what_changed_and_keeps_each_segments_settings(store32, tmp_path, caplog, capsys):  # noqa: F811
     out = tmp_path / "run"
-    base = ["train", "--store", store32, "--out", str(out), "--save-every", "1", *FLAGS]
+    base = ["train", "--store", store32, "--out", str(out), "--save-every", "1", "--log-samples", *FLAGS]
     assert main([*base, "--steps", "2"]) == 0
     first = (out / "run.yaml").read_bytes()
     with caplog.at_level("WARNING"):
@@ -58,6 +58,8 @@ def test_a_resume_names_what_changed_and_keeps_each_segments_settings(store32, t
     assert resumes[0]["checkpoint"] == str(out / "checkpoints" / "step_00000002")
     # the new peak rate trains from the first resumed step: 3 steps, warmup 1, step index 2 at the cosine's end
     assert rows(out)[2]["lr"] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * (2 - 1) / (3 - 1))))
+    logged = [json.loads(ln)["step"] for ln in (out / "samples.rank00000.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]  # the lines before the resume kept
     # a second resume adds its own line; the first keeps its own
     assert main([*base, "--steps", "4", "--lr", "0.01", "--clip", "0.5"]) == 0
     resumes = [json.loads(ln) for ln in (out / "resumes.jsonl").read_text().splitlines()]

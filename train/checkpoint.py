@@ -51,7 +51,7 @@ from .config import (LEGACY_RESUME_VALUES, LEGACY_VALUES, RESUME_KEYS, SEGMENT_K
 from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
                              weights_bound, write_drafter)
 from .model import DFlashDrafter, DrafterConfig
-from .optim import regrouped
+from .optim import regrouped, resume_with
 from .rundir import ResumeRecord
 
 log = logging.getLogger(__name__)
@@ -375,7 +375,7 @@ def read_pointer(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a best-checkpoint pointer (JSON with format {BEST_FORMAT!r})") from None
     if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not _STEP_RE.match(str(d.get("checkpoint"))):
         raise ValueError(f"{path}: not a best-checkpoint pointer (format {BEST_FORMAT!r}, checkpoint step_N)")
-    return {"format": BEST_FORMAT, "checkpoint": d["checkpoint"], **metrics_row(d, str(path))}  # its metrics typed
+    return {"format": BEST_FORMAT, "checkpoint": d["checkpoint"], **metrics_row(d, str(path), needs_step=False)}
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -537,6 +537,8 @@ class Checkpointer:
             return 0, 0, None
         step, epoch, changed = resume(point, self.settings, self.drafter, self.opt, self.sched, source, self.device,
                                       self.rank, self.world)
+        # the peak lr and weight decay given now, not the checkpoint's, from the first resumed step on
+        resume_with(self.opt, self.sched, self.settings.schedule.lr, self.settings.schedule.weight_decay)
         log.info("rank %d: resumed from %s (step %d, epoch %d)", self.rank, point, step, epoch)
         return step, epoch, ResumeRecord(step, os.path.abspath(point), changed)
 

@@ -245,6 +245,11 @@ class TrainSettings:
     validation: TrainValidation = section(TrainValidation, "validation")
     storage: Storage = section(Storage, "storage")
 
+    def __post_init__(self) -> None:
+        if self.data.follow and self.schedule.grad_accum > 1:
+            raise ValueError("--grad-accum with --follow: not supported (epoch 0's length is estimated in batches as "
+                             "the store grows); train the finished store, or follow with --grad-accum 1")
+
 
 # --- eval ---------------------------------------------------------------------------------------------------
 

@@ -104,7 +104,7 @@ class MetricsLog:
 
     def truncate(self, step: int) -> None:
         if self.rank == 0:
-            truncate_jsonl(self.path, step)
+            truncate_jsonl(self.path, step, typed=True)
         if self.samples_path is not None:
             truncate_jsonl(self.samples_path, step)
 
@@ -155,10 +155,11 @@ def val_metrics(ev) -> dict[str, Any]:
             "val_anchors": ev.anchors, "val_seconds": ev.seconds}
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
+def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
     """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that are no log line of
-    a step (torn by a crash mid-write, or not this project's), with a warning. Read through the door (a regular file
-    of bounded size, no link), rewritten in place of it (a link there replaced, never written through)."""
+    a step (torn by a crash mid-write, or not this project's; ``typed``: metrics rows whose fields are not all of
+    their kinds, ``metrics_row``), with a warning. Read through the door (a regular file of bounded size, no link),
+    rewritten in place of it (a link there replaced, never written through)."""
     if not door.is_file_beneath(path.parent, path.name):
         return
     try:
@@ -167,7 +168,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
         raise ValueError(str(e)) from None
     keep, odd = [], 0
     for ln in text.decode("utf-8", "replace").splitlines():
-        step = _step_of(ln)
+        step = _step_of(ln, typed)
         if step is None:
             odd += bool(ln.strip())
         elif step <= after_step:
@@ -177,12 +178,15 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
     sinks.write_atomic(path.parent, path.name, "".join(ln + "\n" for ln in keep).encode(), what=f"rewriting {path}")
 
 
-def _step_of(line: str) -> int | None:
-    """The step of a log line whose fields are all of their kinds (``metrics_row``); None for any other line."""
+def _step_of(line: str, typed: bool) -> int | None:
+    """The step of a log line (``typed``: of a metrics row whose fields are all of their kinds); None for any other
+    line."""
     try:
-        return metrics_row(door.load_json(line, "log line", error=ValueError), "log line")["step"]
-    except ValueError:
+        row = door.load_json(line, "log line", error=ValueError)
+        step = metrics_row(row, "log line")["step"] if typed else row.get("step")
+    except (ValueError, AttributeError):
         return None
+    return step if type(step) is int else None
 
 
 def json_safe(x):

@@ -61,7 +61,7 @@ from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
 from .metrics import BestTracker, Meter, MetricsLog
 from .objective import default_gamma
-from .optim import build_optimizer, build_scheduler, clip_grad, resume_with, set_total_steps
+from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +101,8 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     rank, world, device, group = init_distributed(settings.run.device)
     share_cpu_threads(settings.data.cpu_threads, device)
     settings = with_device_defaults(settings, device)
-    if settings.data.follow and settings.schedule.grad_accum > 1:
-        raise ValueError("--grad-accum with --follow: not supported (epoch 0's length is estimated in batches as "
-                         "the store grows); train the finished store, or follow with --grad-accum 1")
     out = rundir.prepare(settings.run.out, rank)
-    point = ckpt.resume_point(out, settings)  # the checkpoint this run continues from (None: from step 0)
-    if point is not None:  # before any store is opened: what the run's record names is repeated, or one line
-        rundir.check_authority(out, settings.storage.storage_options, names.allowed())
+    point = continues_from(out, settings)  # the checkpoint this run continues from (None: from step 0)
 
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
     # broadcasts them, and the loader reuses these (--follow: once each store has its first shard)
@@ -144,8 +139,6 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
                                config_json=recordable_config(settings), extra=drafter_meta(stores[0].manifest),
                                device=device, rank=rank, world=world)
     step, epoch, resumed = checkpoints.resume_at(point, source)
-    if resumed is not None:  # the lr and weight decay given now, not the checkpoint's, from the first step on
-        resume_with(opt, sched, schedule.lr, schedule.weight_decay)
     best = best_tracker(out, resumed=resumed is not None, rank=rank)
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, settings.output.log_samples)
@@ -180,6 +173,16 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
         dist.barrier()
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, point, step,
                        loop.run_tokens, loop.run_seconds)
+
+
+def continues_from(out: Path, settings: TrainSettings) -> Path | None:
+    """The checkpoint this run continues from (``checkpoint.resume_point``; None: from step 0), once the user has
+    repeated what the run's record names of where it read (before any store is opened: a run folder from elsewhere
+    chooses nothing)."""
+    point = ckpt.resume_point(out, settings)
+    if point is not None:
+        rundir.check_authority(out, settings.storage.storage_options, names.allowed())
+    return point
 
 
 def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device,

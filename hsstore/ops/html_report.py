@@ -309,9 +309,10 @@ def _typed(value: Any, kind: str) -> tuple[bool, Any]:
     return all(ok for ok, _ in items), [v for _, v in items]
 
 
-def metrics_row(obj: Any, where: str) -> dict[str, Any]:
-    """A metrics.jsonl row (or the metrics a best-checkpoint pointer copies from one) with every field of
-    ``ROW_FIELDS`` checked against its kind, and nothing else; ValueError naming ``where`` and the field."""
+def metrics_row(obj: Any, where: str, *, needs_step: bool = True) -> dict[str, Any]:
+    """A metrics.jsonl row (or the metrics a best-checkpoint pointer copies from one, which may have no step) with
+    every field of ``ROW_FIELDS`` checked against its kind, and nothing else; ValueError naming ``where`` and the
+    field."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: not a metrics row (a JSON {type(obj).__name__}, not an object)")
     out = {}
@@ -320,7 +321,7 @@ def metrics_row(obj: Any, where: str) -> dict[str, Any]:
             ok, out[key] = _typed(obj[key], kind)
             if not ok:
                 raise ValueError(f"{where}: {key} {obj[key]!r:.60} is not {kind}")
-    if "step" not in out:
+    if needs_step and "step" not in out:
         raise ValueError(f"{where}: has no step")
     return out
 
