@@ -217,7 +217,7 @@ def tree(root: Path) -> dict[str, bytes]:
 PLANTED = ["metrics.jsonl", "samples.rank00000.jsonl", "run.yaml", "train_config.json", "checkpoints/best",
            "checkpoints/.tmp-step_00000002/", "checkpoints/step_00000002/", "checkpoints/step_00000001/",
            "checkpoints/", "drafter/", "drafter/model.safetensors", "drafter/config.json", ".tmp-drafter/",
-           "tensorboard/"]
+           "tensorboard/", "resumes.jsonl"]
 
 
 @pytest.mark.parametrize("name", PLANTED)

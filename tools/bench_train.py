@@ -240,11 +240,11 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
     def timed(batches) -> float:
         it = iter(batches)
         for _ in range(args.warmup):
-            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+            train_step(model, drafter, opt, sched, [next(it)[0]], 1.0, amp)
         sync(device)
         t = time.perf_counter()
         for _ in range(args.steps):
-            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+            train_step(model, drafter, opt, sched, [next(it)[0]], 1.0, amp)
         sync(device)
         return (time.perf_counter() - t) / args.steps
 

@@ -223,4 +223,10 @@ def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: i
             f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
             f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {batch.token_budget:,} "
             f"tokens per batch and rank, {batch.anchors} anchors per sequence, {steps}, lr "
-            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}")
+            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}" + optimizer_words(settings.schedule))
+
+
+def optimizer_words(schedule) -> str:
+    """What the settings line adds for accumulation and weight decay, where they are asked for."""
+    return ((f", {schedule.grad_accum} micro-batches per step" if schedule.grad_accum > 1 else "")
+            + (f", weight decay {schedule.weight_decay:g}" if schedule.weight_decay else ""))

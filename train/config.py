@@ -103,6 +103,14 @@ class Schedule:
     warmup: float = option(0.04, help="warmup share of the steps")
     min_lr_ratio: float = option(0.0, help="final lr / peak lr")
     clip: float = option(1.0, help="gradient norm clip")
+    grad_accum: int = option(
+        1, metavar="N",
+        help="micro-batches of --token-budget per optimizer step (Hugging Face's gradient_accumulation_steps): the "
+             "step's loss is the weighted mean over all of their anchors, so N micro-batches step as one batch of "
+             "their union; --steps counts optimizer steps")
+    weight_decay: float = option(
+        0.0, help="AdamW's decoupled weight decay (Hugging Face's weight_decay): every weight but biases and norm "
+                  "weights")
     seed: int = option(0, resume=True, help="data order, anchors and initial weights")
     attn: str = option("auto", choices=["auto", "blocks", "sdpa", "flex"],
                        help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and "
@@ -111,6 +119,12 @@ class Schedule:
     ce_chunk: int = option(1024, cli=False, help="query rows per lm_head + cross-entropy chunk")
     ce_impl: str = option("fused", cli=False, choices=["fused", "checkpoint", "full"],
                           help="fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy")
+
+    def __post_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum {self.grad_accum}: must be >= 1 (micro-batches per optimizer step)")
+        if not 0.0 <= self.weight_decay < float("inf"):
+            raise ValueError(f"--weight-decay {self.weight_decay}: must be a number >= 0")
 
 
 @dataclass
@@ -181,6 +195,10 @@ class Output:
     keep: int = option(2, help="checkpoints to keep (0: all)")
     resume: bool = option(True, old_negated="--no-resume",
                           help="go on from OUT's latest checkpoint (--no-resume: start over even if OUT has some)")
+    resume_from: str | None = option(
+        None, metavar="CHECKPOINT", path=True,
+        help="go on from this checkpoint (OUT/checkpoints/step_N or OUT/checkpoints/best, of this run or another) "
+             "rather than OUT's latest; refused where OUT holds later checkpoints (a new --out branches from it)")
     log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step)")
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
     # a list once parsed (tracking.parse_report_to); the flag takes them comma-separated
@@ -192,6 +210,8 @@ class Output:
 
     def __post_init__(self) -> None:
         self.report_to = tracking.parse_report_to(self.report_to) or None
+        if self.resume_from is not None and not self.resume:
+            raise ValueError("give --resume-from CHECKPOINT or --no-resume, not both")
 
 
 @dataclass
@@ -232,6 +252,11 @@ class TrainSettings:
     output: Output = section(Output, "output")
     validation: TrainValidation = section(TrainValidation, "validation")
     storage: Storage = section(Storage, "storage")
+
+    def __post_init__(self) -> None:
+        if self.data.follow and self.schedule.grad_accum > 1:
+            raise ValueError("--grad-accum with --follow: not supported (epoch 0's length is estimated in batches as "
+                             "the store grows); train the finished store, or follow with --grad-accum 1")
 
 
 # --- eval ---------------------------------------------------------------------------------------------------
@@ -314,6 +339,11 @@ class ExportDrafterSettings:
 RESUME_KEYS = resume_keys(TrainSettings)
 # what a run saved before a key existed did (sliding layers were non-causal; shapes followed the target)
 LEGACY_RESUME_VALUES = {"sliding_causal": False, "follow": False}
+# the settings a resume may change, as a run saved before they existed had them
+LEGACY_VALUES = {"grad_accum": 1, "weight_decay": 0.0}
+# what every segment of a run gives anew, never a change worth naming: where it goes, how long (said on its own),
+# whether and from where it resumes, its progress bar and its storage options (never recorded)
+SEGMENT_KEYS = frozenset({"out", "steps", "epochs", "resume", "resume_from", "progress", "storage_options"})
 
 
 # settings recorded under another name before (train_config.json, trainer.json): read as the new one

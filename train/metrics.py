@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import door, sinks
+from hsstore.ops.html_report import metrics_row
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class Meter:
         self.counts = torch.zeros(self.S - 1, dtype=torch.float64)  # labels per position
         self.t0, self.wait = time.perf_counter(), 0.0
 
-    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int):
-        """One step: ``label_counts``, ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's,
-        known on the CPU (``add_anchors``); ``metrics`` are the loss's tensors, never read here."""
-        self.sums["steps"] += 1  # an empty step still counts
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int, steps: int = 1):
+        """One batch of ``steps`` optimizer steps (0 for a step's later micro-batches): ``label_counts``,
+        ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's, known on the CPU (``add_anchors``);
+        ``metrics`` are the loss's tensors, never read here."""
+        self.sums["steps"] += steps  # an empty step still counts
         if label_counts is None or sum(label_counts) == 0:
             return
         for k, v in (("anchors", anchors), ("tokens", tokens), ("samples", samples)):
@@ -102,7 +104,7 @@ class MetricsLog:
 
     def truncate(self, step: int) -> None:
         if self.rank == 0:
-            truncate_jsonl(self.path, step)
+            truncate_jsonl(self.path, step, typed=True)
         if self.samples_path is not None:
             truncate_jsonl(self.samples_path, step)
 
@@ -166,10 +168,11 @@ def val_metrics(ev) -> dict[str, Any]:
             "val_anchors": ev.anchors, "val_seconds": ev.seconds}
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
+def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
     """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that are no log line of
-    a step (torn by a crash mid-write, or not this project's), with a warning. Read through the door (a regular file
-    of bounded size, no link), rewritten in place of it (a link there replaced, never written through)."""
+    a step (torn by a crash mid-write, or not this project's; ``typed``: metrics rows whose fields are not all of
+    their kinds, ``metrics_row``), with a warning. Read through the door (a regular file of bounded size, no link),
+    rewritten in place of it (a link there replaced, never written through)."""
     if not door.is_file_beneath(path.parent, path.name):
         return
     try:
@@ -178,7 +181,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
         raise ValueError(str(e)) from None
     keep, odd = [], 0
     for ln in text.decode("utf-8", "replace").splitlines():
-        step = _step_of(ln)
+        step = _step_of(ln, typed)
         if step is None:
             odd += bool(ln.strip())
         elif step <= after_step:
@@ -188,9 +191,12 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
     sinks.write_atomic(path.parent, path.name, "".join(ln + "\n" for ln in keep).encode(), what=f"rewriting {path}")
 
 
-def _step_of(line: str) -> int | None:
+def _step_of(line: str, typed: bool) -> int | None:
+    """The step of a log line (``typed``: of a metrics row whose fields are all of their kinds); None for any other
+    line."""
     try:
-        step = door.load_json(line, "log line", error=ValueError).get("step")
+        row = door.load_json(line, "log line", error=ValueError)
+        step = metrics_row(row, "log line")["step"] if typed else row.get("step")
     except (ValueError, AttributeError):
         return None
     return step if type(step) is int else None
