@@ -165,16 +165,19 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
         loop.stop()  # raises KeyboardInterrupt, after a checkpoint
     loop.finish()
 
-    # -- the drafter
-    drafter_dir = None
-    if rank == 0:
-        drafter_dir = ckpt.save_final_drafter(out, drafter, checkpoints.extra)
-        metrics.close()
+    drafter_dir = final_drafter(out, drafter, checkpoints.extra, metrics) if rank == 0 else None
     followed = following.tally(settings) if following is not None and rank == 0 else None
     if world > 1:
         dist.barrier()
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, point, step,
                        loop.run_tokens, loop.run_seconds, followed)
+
+
+def final_drafter(out: Path, drafter, extra: dict, metrics: MetricsLog) -> Path:
+    """Rank 0's end of a run: the drafter directory of the last step written, the metrics log closed."""
+    drafter_dir = ckpt.save_final_drafter(out, drafter, extra)
+    metrics.close()
+    return drafter_dir
 
 
 def continues_from(out: Path, settings: TrainSettings) -> Path | None:
