@@ -333,8 +333,14 @@ def plan_gpu_step(dcfg, settings: TrainSettings, trainable_params: int, frozen_p
 
 def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, device: torch.device,
                      stores=None) -> TrainSettings:
-    """``settings`` as planned for the GPU (``plan_gpu_step``): its anchors, recompute policy and sharding, each
-    choice beyond what was asked said in one line, or ValueError.
+    """``settings`` as planned for the GPU (``gpu_plan``), or ValueError."""
+    return gpu_plan(dcfg, settings, trainable_params, frozen_params, device, stores)[0]
+
+
+def gpu_plan(dcfg, settings: TrainSettings, trainable_params: int, frozen_params: int, device: torch.device,
+             stores=None) -> tuple[TrainSettings, StepPlan]:
+    """(``settings`` as planned for the GPU, the plan): its anchors, recompute policy and sharding
+    (``plan_gpu_step``), each choice beyond what was asked said in one line, or ValueError.
 
     ``settings.memory.gpu_memory_gib`` plans for that much memory instead of the device's and holds the process to
     it (``torch.cuda.set_per_process_memory_fraction``), so a larger GPU can check a recipe for a smaller one."""
@@ -366,4 +372,4 @@ def check_gpu_memory(dcfg, settings: TrainSettings, trainable_params: int, froze
               "full": ", draft layers recomputed in backward"}.get(plan.checkpoint_layers, ""),
              f", the optimizer's states sharded over {world} ranks" if plan.shard_optimizer else "")
     return replace(settings, anchors=plan.anchors, checkpoint_layers=plan.checkpoint_layers,
-                   shard_optimizer=sharded_setting(settings, plan.shard_optimizer))
+                   shard_optimizer=sharded_setting(settings, plan.shard_optimizer)), plan
