@@ -9,7 +9,8 @@
 # outside the checkout, whose hsstore/ would hide the wheel's hsstore.train.) SCRATCH default /tmp/hsrows; the
 # results land in RESULTS (default SCRATCH/results): one NAME.out (stdout) and NAME.log (stderr) per row, and the
 # summary on stdout. DEVICE=cpu TINY=1 runs every row at toy sizes on a CPU (a check that the script runs end to
-# end, no figures). Each row has its time budget (printed; `timeout` holds it):
+# end, no figures; its budgets STRETCH times the GPU's, default 4). Each row has its time budget (printed; `timeout`
+# holds it), within the part's 530 s:
 #
 # part 1
 #   demo     `hsstore demo --device cpu`: the target, store and trained drafter the eval row decodes with (~70 s)
@@ -35,21 +36,28 @@ S=${2:-/tmp/hsrows}
 R=${RESULTS:-$S/results}
 DEVICE=${DEVICE:-cuda}
 TINY=${TINY:-}
+STRETCH=${STRETCH:-$([[ -n $TINY ]] && echo 4 || echo 1)}
 mkdir -p "$S" "$R"
 T0=$SECONDS
 python3 -c "import hsstore.train.graphs, hsstore.train.sharding" || {
     echo "the hsstore on the path lacks hsstore.train.graphs (rebuild its wheel: pip wheel --no-deps -w .whl .)" >&2; exit 2; }
 run() {  # name, seconds, command...: stdout to NAME.out, stderr to NAME.log, held to its budget
-    local name=$1 t=$2; shift 2
+    local name=$1 t=$(($2 * STRETCH)); shift 2
     echo "== $name (budget ${t} s, $((SECONDS - T0)) s elapsed): $*" >&2
     local t1=$SECONDS
     timeout "$t" "$@" >"$R/$name.out" 2>"$R/$name.log" || echo "   (exit $?; see $R/$name.log)" >&2
     echo "   $name took $((SECONDS - t1)) s" >&2
 }
-left() { echo $((530 - (SECONDS - T0))); }
+left() { echo $((530 - (SECONDS - T0) / STRETCH)); }  # of the part's budget, in the GPU's seconds
 at_most() { local a=$1 b; b=$(left); echo $((a < b ? a : b)); }
 if [[ -n $TINY ]]; then  # toy sizes: every row's command as on the GPU, small enough for a CPU
-    DEMO=(python3 -c "import sys; from hsstore.extract.demo import run_demo; sys.exit(run_demo(sys.argv[1], train_steps=20, eval_samples=1, device='cpu'))" "$S/demo")
+    # a demo-shaped folder from 8 of the demo's conversations: its target, store and a drafter trained 3 steps
+    DEMO=(bash -c 'set -e; mkdir -p "$0/data"; src=$(python3 -c "from hsstore.extract.tiny import trained_files as f; print(f())")
+        python3 -c "import sys; from hsstore.extract.tiny import build_trained_target as b; b(sys.argv[1])" "$0/target"
+        head -8 "$src/conversations.jsonl" >"$0/data/conversations.jsonl"; head -2 "$src/heldout.jsonl" >"$0/data/heldout.jsonl"
+        python3 -m hsstore extract --model "$0/target" --input "$0/data/conversations.jsonl" --out "$0/store" --device cpu -q
+        python3 -m hsstore train --store "$0/store" --out "$0/run" --steps 3 --draft-layers 2 --sliding-window 32 \
+            --anchors 8 --token-budget 1024 --device cpu -q' "$S/demo")
     EVAL=(--samples 1 --rounds 1 --warmup 0 --max-new-tokens 12 --reps 2)
     DRAFTER=(--tiny --steps 1 --warmup 1)
     FED=(--tiny --rounds 1 --steps 1 --warmup 1)
