@@ -54,6 +54,20 @@ def test_static_steps_draft_what_the_drafter_context_drafts(tiny_dir, monkeypatc
     assert static.capacity > 32
 
 
+def test_a_step_that_cannot_be_captured_runs_eagerly_said_once(tiny_dir, monkeypatch, caplog):
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StaticDraft, "capture", refuse)
+    drafter = tiny_drafter(tiny_dir)
+    static, context = StaticDraft(drafter, graphs=True), DraftContext(drafter)
+    feats, ids = torch.randn(60, 3, drafter.config.hidden_size), torch.randint(5, 500, (60,))
+    for p in steps(20, 50):
+        assert static(feats[:p], ids[:p + 1]).tolist() == context(feats[:p], ids[:p + 1])
+    assert not static.graphs
+    assert caplog.text.count("could not be captured as a CUDA graph") == 1
+
+
 def test_a_draft_on_the_device_is_verified_as_a_list_would_be():
     logits = torch.randn(S, 50)
     drafts = logits.argmax(-1)[: S - 1].clone()

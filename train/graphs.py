@@ -20,12 +20,16 @@ The same code runs eagerly where there is no CUDA (``graphs=False``): tests comp
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from .masks import attend, context_visible, own_block_visible
 from .model import rope_cos_sin
 from .pointwise import apply_rope
+
+log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 1024  # key positions held at first (the buffers double past it)
 WARMUP_STEPS = 2  # eager runs on a side stream before capture (allocator and library handles settle)
@@ -107,11 +111,16 @@ class StaticDraft:
         return self.drafts
 
     def run(self) -> None:
+        if self.graphs and self.graph is None:
+            try:
+                self.graph = self.capture()
+            except RuntimeError as e:  # a kernel that cannot be captured here: the same steps, launched one by one
+                log.warning("eval: the drafter's step could not be captured as a CUDA graph (%s); it runs eagerly",
+                            (str(e).splitlines() or [""])[0][:200])
+                self.graphs = False
         if not self.graphs:
             self.step()
             return
-        if self.graph is None:
-            self.graph = self.capture()
         self.graph.replay()
 
     def capture(self) -> torch.cuda.CUDAGraph:

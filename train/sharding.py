@@ -67,4 +67,3 @@ class ShardedOptimizer(_zero_class()):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
-        self.state = self.optim.state
