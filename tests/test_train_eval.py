@@ -350,16 +350,17 @@ def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir,
     (demo / "store").symlink_to(store32)
     (demo / "target").symlink_to(tiny_dir)
     (demo / "data" / "heldout.jsonl").symlink_to(small_input)
-    modes = ["graphs", "eager", "recompute"]
+    modes = ["graphs", "chunk", "eager", "recompute"]
     rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12, modes=modes)
     by = {r["mode"]: r for r in rows}
     assert sorted(by) == sorted(modes)
     assert all(r["identical"] == r["samples"] == 1 for r in rows)
-    assert by["graphs"]["tau"] == by["eager"]["tau"] == by["recompute"]["tau"]
+    assert by["graphs"]["tau"] == by["chunk"]["tau"] == by["eager"]["tau"] == by["recompute"]["tau"]
     assert by["eager"]["spec_forwards"] == by["recompute"]["spec_forwards"]
     assert by["eager"]["reruns"] == by["graphs"]["reruns"] == 0 < by["recompute"]["reruns"]
     parts = costs(demo, "cpu", reps=2, modes=["graphs", "eager"])
-    assert all(parts[k] > 0 for k in ("target_ms", "draft_ms_graphs", "draft_ms_eager", "verify_ms"))
+    assert all(parts[k] > 0 for k in ("target_ms", "draft_ms_graphs", "draft_ms_eager", "verify_ms_graphs",
+                                      "verify_ms_eager"))
     c = ceilings(rows, parts)["eager"]
     assert c["ceiling"] == pytest.approx(by["eager"]["tau"] / (1 + parts["draft_ms_eager"] / parts["target_ms"]))
     assert "graphs / eager" in table(rows, parts) and "ceiling" in table(rows, parts)

@@ -2,9 +2,12 @@
 tiny target, its store and the demo's trained drafter, its held-out prompts), in modes alternating for ``--rounds``
 rounds after a warm-up:
 
-  graphs     the drafter's step replayed as one CUDA graph (``train.graphs.StaticDraft``; eval's default on a GPU),
-             the Gated DeltaNet states kept from the verification (``train.block_states``)
-  eager      the drafter's step launched op by op (``DraftContext``, eval's path before), the states kept
+  graphs     eval's default on a GPU: the drafter's step replayed as one CUDA graph (``train.graphs.StaticDraft``),
+             the verified block through the Gated DeltaNet's token-by-token delta rule in one call
+             (``block_states.RECURRENT_BLOCKS``: one kernel per layer), its states kept (``train.block_states``)
+  chunk      the same with the block through the chunked delta rule (several kernels per layer)
+  eager      eval's path before: the drafter's step launched op by op (``DraftContext``), the chunked delta rule,
+             the states kept
   recompute  eager, and a copy of the cache before each verification, restored and advanced over the accepted
              tokens by a second forward (the general path)
 
@@ -13,9 +16,9 @@ column is the run's own control. Outputs must be identical (or named ties) in ev
 
 Beside the rows, what bounds the speed-up, measured on the same models (``costs``, each part timed alone over
 ``--reps`` calls with the device synchronised): the target's one-token forward (``target_ms``: the baseline's cost
-per token), the drafter's step (``draft_ms``, per mode), and the verification of a block with its cache brought
-back after a rejection (``verify_ms``). ``ceiling`` = tau / (1 + draft / target), the speed-up if verifying a
-block cost what one token costs; ``bound`` = tau x target / (draft + verify), what these parts allow.
+per token), the drafter's step (``draft_ms_MODE``), and the verification of a block with its cache brought back
+after a rejection (``verify_ms_MODE``). ``ceiling`` = tau / (1 + draft / target), the speed-up if verifying a block
+cost what one token costs; ``bound`` = tau x target / (draft + verify), what these parts allow.
 
     python -m hsstore demo --out /tmp/demo --device cpu      # once: the folder (about 2 minutes on 2 cores)
     python -m tools.bench_eval /tmp/demo --device cuda --samples 8 --rounds 2
@@ -24,6 +27,7 @@ block cost what one token costs; ``bound`` = tau x target / (draft + verify), wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -32,10 +36,31 @@ from pathlib import Path
 import torch
 
 from hsstore.extract.demo import EVAL_MAX_NEW_TOKENS
+from hsstore.train import block_states
 from hsstore.train.speculative import TargetCache, drafter_proposer, evaluate_target
 
-MODES = {"graphs": dict(keep_states=True, graphs=True), "eager": dict(keep_states=True, graphs=False),
-         "recompute": dict(keep_states=False, graphs=False)}
+MODES = {"graphs": dict(keep_states=True, graphs=True, recurrent=True),
+         "chunk": dict(keep_states=True, graphs=True, recurrent=False),
+         "eager": dict(keep_states=True, graphs=False, recurrent=False),
+         "recompute": dict(keep_states=False, graphs=False, recurrent=False)}
+
+
+@contextlib.contextmanager
+def verified_blocks(mode: str):
+    """A mode's form of the delta rule for verified blocks (``block_states.RECURRENT_BLOCKS``), restored after."""
+    before = block_states.RECURRENT_BLOCKS
+    block_states.RECURRENT_BLOCKS = before if MODES[mode]["recurrent"] else ()
+    try:
+        yield
+    finally:
+        block_states.RECURRENT_BLOCKS = before
+
+
+def evaluate(demo: Path, mode: str, **kw):
+    """``evaluate_target`` on the demo folder in ``mode``."""
+    m = MODES[mode]
+    with verified_blocks(mode):
+        return evaluate_target(**paths(demo), keep_states=m["keep_states"], graphs=m["graphs"], **kw)
 
 
 def paths(demo: Path) -> dict:
@@ -46,16 +71,15 @@ def paths(demo: Path) -> dict:
 def run(demo: Path, device: str | None, samples: int, rounds: int, warmup: int, max_new: int,
         modes: list[str] | None = None) -> list[dict]:
     """One row per (round, mode), the modes' order reversed every other round."""
-    modes = modes or ["graphs", "eager"]
+    modes = modes or ["graphs", "chunk", "eager"]
     if warmup:  # the kernels' first use (compiling, autotuning) in neither row
         for mode in modes:
-            evaluate_target(**paths(demo), device=device, num_samples=warmup, max_new_tokens=max_new, **MODES[mode])
+            evaluate(demo, mode, device=device, num_samples=warmup, max_new_tokens=max_new)
     rows = []
     for r in range(rounds):
         for mode in (modes if r % 2 else modes[::-1]):
             t0 = time.perf_counter()
-            rep = evaluate_target(**paths(demo), device=device, num_samples=samples, max_new_tokens=max_new,
-                                  **MODES[mode])
+            rep = evaluate(demo, mode, device=device, num_samples=samples, max_new_tokens=max_new)
             rows.append({"round": r + 1, "mode": mode, "seconds": time.perf_counter() - t0, "tau": rep.tau,
                          "target_tokens_per_s": rep.target_tps, "spec_tokens_per_s": rep.spec_tps,
                          "speedup": rep.spec_tps / rep.target_tps, "identical": rep.identical, "ties": rep.ties,
@@ -111,7 +135,15 @@ def costs(demo: Path, device: str | None, reps: int, modes: list[str]) -> dict:
     logits, feats = target.forward(prompt, keep=1, taps=taps)
     nxt = int(logits[-1].argmax())
     out = {"target_ms": timed(lambda: target.forward([nxt], keep=1), reps, dev)}
+    block = [nxt] * S
+
+    def verify():  # a block verified, its drafts rejected, the cache brought back (the kept states' path)
+        target.verify(block, taps=taps)
+        target.accept(1)
+
     for mode in modes:  # the drafter's step, the context one position longer each call (as decoding grows it)
+        with verified_blocks(mode):
+            out[f"verify_ms_{mode}"] = timed(verify, reps, dev)
         propose = drafter_proposer(drafter, MODES[mode]["graphs"])
         ctx = torch.cat([feats, feats[-1:].expand(reps + 2, *feats.shape[1:])])
         seq = torch.tensor(prompt + [nxt] * (reps + 3))
@@ -122,13 +154,6 @@ def costs(demo: Path, device: str | None, reps: int, modes: list[str]) -> dict:
             return propose(ctx[:p], seq[:p + 1])
 
         out[f"draft_ms_{mode}"] = timed(step, reps, dev)
-    block = [nxt] * S
-
-    def verify():  # a block verified, its drafts rejected, the cache brought back (the kept states' path)
-        target.verify(block, taps=taps)
-        target.accept(1)
-
-    out["verify_ms"] = timed(verify, reps, dev)
     return out
 
 
@@ -138,12 +163,12 @@ def ceilings(rows: list[dict], parts: dict) -> dict:
     for mode in {r["mode"] for r in rows}:
         mine = [r for r in rows if r["mode"] == mode]
         tau = statistics.mean(r["tau"] for r in mine)
-        draft = parts.get(f"draft_ms_{mode}")
-        if draft is None:
+        draft, verify = parts.get(f"draft_ms_{mode}"), parts.get(f"verify_ms_{mode}")
+        if draft is None or verify is None:
             continue
         out[mode] = {"tau": tau, "speedup": statistics.mean(r["speedup"] for r in mine),
                      "ceiling": tau / (1 + draft / parts["target_ms"]),
-                     "bound": tau * parts["target_ms"] / (draft + parts["verify_ms"])}
+                     "bound": tau * parts["target_ms"] / (draft + verify)}
     return out
 
 
@@ -158,7 +183,7 @@ def table(rows: list[dict], parts: dict | None = None) -> str:
                      f"{'+' + str(r['ties']) + 't' if r['ties'] else '':>3} {r['spec_forwards']:>8} "
                      f"{r['reruns']:>6} {r['seconds']:>7.1f}")
     by = {m: [r["spec_tokens_per_s"] for r in rows if r["mode"] == m] for m in MODES}
-    for a, b in (("graphs", "eager"), ("eager", "recompute")):
+    for a, b in (("graphs", "eager"), ("graphs", "chunk"), ("chunk", "eager"), ("eager", "recompute")):
         if by[a] and by[b]:
             lines.append(f"{a} / {b}, speculative tokens/s: {statistics.mean(by[a]) / statistics.mean(by[b]):.2f}x")
     if parts:
@@ -177,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of every mode, alternating their order")
     ap.add_argument("--warmup", type=int, default=2, help="prompts decoded once per mode before the first row (0: none)")
     ap.add_argument("--max-new-tokens", type=int, default=EVAL_MAX_NEW_TOKENS)
-    ap.add_argument("--modes", default="graphs,eager", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--modes", default="graphs,chunk,eager", help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--reps", type=int, default=50, help="calls per part timed alone (0: no parts)")
     ap.add_argument("--json", action="store_true", help="the rows and parts as JSON instead of a table")
     a = ap.parse_args(argv)

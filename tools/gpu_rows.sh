@@ -14,9 +14,10 @@
 #
 # part 1
 #   demo     `hsstore demo --device cpu`: the target, store and trained drafter the eval row decodes with (~70 s)
-#   eval     `eval --model` on the GPU, demo's target + drafter vs the target alone, two modes alternating over 2
-#            rounds: the drafter's step as one CUDA graph (eval's default now) and launched op by op (before); tau,
-#            tokens/s, and the ceiling tau / (1 + drafter cost / target cost) with each part timed alone
+#   eval     `eval --model` on the GPU, demo's target + drafter vs the target alone, three modes alternating over 2
+#            rounds: graphs (eval's default now: the drafter's step as one CUDA graph, the verified block through
+#            the delta rule's one-kernel recurrent form), chunk (the graph, the chunked form) and eager (before);
+#            tau, tokens/s, and the ceiling tau / (1 + drafter cost / target cost) with each part timed alone
 #            (tools/bench_eval)
 #   drafter  the drafter step, published 5 layers, 1 x 16,384 tokens, 512 anchors, blocks attention, fused CE, three
 #            times in one process: the median of 3 (tools/bench_attention)

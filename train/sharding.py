@@ -67,3 +67,4 @@ class ShardedOptimizer(_zero_class()):
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
+        self.state = self.optim.state
