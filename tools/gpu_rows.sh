@@ -65,7 +65,7 @@ if [[ -n $TINY ]]; then  # toy sizes: every row's command as on the GPU, small e
     STORE=(--tiny)
     TRAIN=(--steps 3 --draft-layers 1 --token-budget 1024 --anchors 16)
     SRC=(--procs 2 --size-mb 16 --epochs 2)
-    EXTRACT=(--layers-total 4 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --head-dim 16 --linear-v-heads 4
+    EXTRACT=(--layers-total 8 --hidden 64 --ffn 128 --heads 4 --kv-heads 2 --head-dim 16 --linear-v-heads 4
              --linear-k-heads 2 --vocab 512 --samples 2 --min-len 64 --max-len 96 --token-budget 256 --rounds 1)
 else
     DEMO=(python3 -m hsstore demo --out "$S/demo" --device cpu)
@@ -73,7 +73,7 @@ else
     DRAFTER=(--published --seq 16384 --anchors 512 --impl blocks --steps 5 --warmup 2)
     FED=(--draft-layers 5 --seq 4096 --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 4 --warmup 1
          --samples 20)
-    STORE=(--draft-layers 5 --seq 4096 --samples 12)
+    STORE=(--seq 4096 --samples 12 --steps 1 --warmup 1)
     TRAIN=(--steps 6)
     SRC=(--procs 8 --size-mb 4096 --epochs 3)
     EXTRACT=(--samples 12 --rounds 1)
