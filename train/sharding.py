@@ -1,8 +1,8 @@
 """The optimizer's states sharded over the ranks of a DDP run (ZeRO stage 1, PyTorch's own
 ``ZeroRedundancyOptimizer``).
 
-AdamW keeps two fp32 moments per trainable parameter: for the published drafter (1.73e9 parameters) 13.8 GB on
-every rank, beside the fp32 weights and gradients. Sharded, each rank keeps and updates the moments of its share
+AdamW keeps two fp32 moments per trainable parameter, on every rank, beside the fp32 weights and gradients: as
+much again as those two. Sharded, each rank keeps and updates the moments of its share
 of the parameters only, then sends its updated parameters to the others (one broadcast per parameter after the
 step); weights, gradients and DDP's all-reduce stay as they are, so the step is the same one. The memory plan
 (``budget.plan_step``) turns it on where a step would otherwise need more recompute or fewer anchors
@@ -31,8 +31,7 @@ def shard(opt: torch.optim.Optimizer) -> "ShardedOptimizer":
     cls = type(opt)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-    groups = [dict(g) for g in opt.param_groups]
-    return ShardedOptimizer(groups[0]["params"], optimizer_class=cls, groups=groups[1:], **defaults)
+    return ShardedOptimizer([dict(g) for g in opt.param_groups], optimizer_class=cls, **defaults)
 
 
 def sharded_as_planned(opt: torch.optim.Optimizer, setting: str, world: int) -> torch.optim.Optimizer:
@@ -59,10 +58,8 @@ class ShardedOptimizer(_zero_class()):
     reading ``opt.state`` (the checkpoint's shape checks) sees the tensors this rank holds, and a loaded state
     is held once (the base class would keep a second device copy of the share it loads)."""
 
-    def __init__(self, params, optimizer_class, groups=(), **defaults):
+    def __init__(self, params, optimizer_class, **defaults):
         super().__init__(params, optimizer_class=optimizer_class, **defaults)
-        for group in groups:
-            self.add_param_group(group)
         self.state = self.optim.state
 
     def load_state_dict(self, state_dict) -> None:
