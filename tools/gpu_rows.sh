@@ -5,6 +5,12 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   cd /tmp && PYTHONPATH=/tmp/site:$REPO bash $REPO/tools/gpu_rows.sh PART [SCRATCH]      # PART 1 or 2
 #
+# As one device call per part, from the repository root with .whl carried (the results, more files than a call
+# brings back, in one archive):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+#     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && R=$PWD && cd /tmp && \
+#     bash $R/tools/gpu_rows.sh 1 /tmp/hsrows; tar czf $OUT/rows1.tgz -C /tmp/hsrows results
+#
 # (.whl/ holding hsstore's wheel, `pip wheel --no-deps -w .whl .`, and the wheels tools/gpu_speed.sh reads; run from
 # outside the checkout, whose hsstore/ would hide the wheel's hsstore.train.) SCRATCH default /tmp/hsrows; the
 # results land in RESULTS (default SCRATCH/results): one NAME.out (stdout) and NAME.log (stderr) per row, and the
@@ -69,7 +75,7 @@ if [[ -n $TINY ]]; then  # toy sizes: every row's command as on the GPU, small e
              --linear-k-heads 2 --vocab 512 --samples 2 --min-len 64 --max-len 96 --token-budget 256 --rounds 1)
 else
     DEMO=(python3 -m hsstore demo --out "$S/demo" --device cpu)
-    EVAL=(--samples 6 --rounds 2 --warmup 1 --reps 50)
+    EVAL=(--samples 4 --rounds 2 --warmup 1 --reps 50)
     DRAFTER=(--published --seq 16384 --anchors 512 --impl blocks --steps 5 --warmup 2)
     FED=(--draft-layers 5 --seq 4096 --max-tokens 16384 --anchors 512 --cold --rounds 2 --steps 4 --warmup 1
          --samples 20)
@@ -90,7 +96,7 @@ if [[ $PART == 1 ]]; then
         run graphtest "$(at_most 90)" python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests/test_draft_graphs.py"
     fi
 elif [[ $PART == 2 ]]; then
-    run fed "$(at_most 170)" python3 -m tools.bench_train --dir "$S/fed" --device "$DEVICE" --json "${FED[@]}"
+    run fed "$(at_most 120)" python3 -m tools.bench_train --dir "$S/fed" --device "$DEVICE" --json "${FED[@]}"
     rm -rf "$S/fed"
     OUTDIR=$([[ -d /dev/shm && -z $TINY ]] && echo /dev/shm/hsrows-train || echo "$S/train")
     rm -rf "$OUTDIR" "$S/store"
@@ -99,7 +105,7 @@ elif [[ $PART == 2 ]]; then
     run train "$(at_most 180)" bash -c "$STORE_TRAIN" "$S/store" "$DEVICE" "$OUTDIR" "${TRAIN[*]}" "${STORE[@]}"
     cp "$OUTDIR/metrics.jsonl" "$R/train.metrics.jsonl" 2>/dev/null
     rm -rf "$OUTDIR" "$S/store"
-    run source8 "$(at_most 80)" python3 -m hsstore bench "$S/source" --what source "${SRC[@]}" --quiet --json
+    run source8 "$(at_most 70)" python3 -m hsstore bench "$S/source" --what source "${SRC[@]}" --quiet --json
     rm -rf "$S/source"
     if [[ $DEVICE == cuda ]]; then
         run extract "$(at_most 240)" python3 -m tools.bench_extract --out "$S/bench-extract" --modes extract_process \
