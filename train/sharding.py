@@ -19,6 +19,9 @@ import inspect
 
 import torch
 
+from .optim import build_optimizer
+
+
 def is_sharded(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, ShardedOptimizer)
 
@@ -26,8 +29,6 @@ def is_sharded(opt: torch.optim.Optimizer) -> bool:
 def shard(opt: torch.optim.Optimizer) -> "ShardedOptimizer":
     """``opt`` (built by ``optim.build_optimizer``, its states still empty) as a sharded optimizer of the same
     class, parameter groups and settings, over the default process group."""
-    if opt.state:
-        raise ValueError("shard an optimizer before its first step (its states are not carried over)")
     cls = type(opt)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
@@ -38,6 +39,13 @@ def sharded_as_planned(opt: torch.optim.Optimizer, setting: str, world: int) -> 
     """``opt`` sharded over the ``world`` ranks where the plan resolved ``--shard-optimizer`` to "on"
     (``budget``); as it is in one process or otherwise."""
     return shard(opt) if setting == "on" and world > 1 else opt
+
+
+def planned_optimizer(drafter: torch.nn.Module, schedule, setting: str, world: int) -> torch.optim.Optimizer:
+    """AdamW over ``drafter`` as the run's ``schedule`` section asks (``optim.build_optimizer``), sharded where the
+    plan resolved ``--shard-optimizer`` (``setting``) to "on" (``sharded_as_planned``)."""
+    opt = build_optimizer(drafter, lr=schedule.lr, weight_decay=schedule.weight_decay)
+    return sharded_as_planned(opt, setting, world)
 
 
 def gather_for_save(opt: torch.optim.Optimizer) -> None:
