@@ -26,8 +26,6 @@ def is_sharded(opt: torch.optim.Optimizer) -> bool:
 def shard(opt: torch.optim.Optimizer) -> "ShardedOptimizer":
     """``opt`` (built by ``optim.build_optimizer``, its states still empty) as a sharded optimizer of the same
     class, parameter groups and settings, over the default process group."""
-    if opt.state:
-        raise ValueError("shard an optimizer before its first step (its states are not carried over)")
     cls = type(opt)
     accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
