@@ -29,6 +29,7 @@ from hsstore.errors import StoreError
 from hsstore.format import assets
 from hsstore.format.manifest import Manifest
 from hsstore.format.serving import serving
+from hsstore.app.schema import replace
 from hsstore.app.target import text_config
 from hsstore.store.reader import Store
 from hsstore.version import __version__
@@ -181,12 +182,15 @@ def build_drafter(stores: list[Store], settings: TrainSettings, device: torch.de
     if settings.drafter.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(settings.drafter.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, settings.drafter.init)
-    drafter.checkpoint_layers = settings.memory.checkpoint_layers
     params, frozen = drafter.num_trainable_parameters(), embed.numel() + head.numel()
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
-        check_cpu_memory(dcfg, settings, params, frozen)
+        settings = check_cpu_memory(dcfg, settings, params, frozen)
     elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
         settings = check_gpu_memory(dcfg, settings, params, frozen, device, stores)
+    elif "auto" in (settings.memory.checkpoint_layers, settings.memory.shard_optimizer):  # no memory model here
+        settings = replace(settings, checkpoint_layers=settings.memory.checkpoint_layers.replace("auto", "off"),
+                           shard_optimizer=settings.memory.shard_optimizer.replace("auto", "off"))
+    drafter.checkpoint_layers = settings.memory.checkpoint_layers  # as planned
     return drafter, settings
 
 
@@ -204,13 +208,14 @@ def serving_warnings(taps, num_target_layers: int | None) -> list[str]:
 
 def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn.Module:
     """``loss_fn`` itself in one process; under torchrun, wrapped in DDP (the frozen head, identical on every
-    rank since it comes from the store, is never broadcast)."""
+    rank since it comes from the store, is never broadcast). The gradients are views of DDP's all-reduce buckets:
+    one fp32 copy of them, not two (the memory plan counts one)."""
     if world == 1:
         return loss_fn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     DDP._set_params_and_buffers_to_ignore_for_model(loss_fn, ["drafter.embed_tokens", "drafter.lm_head"])
-    return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
+    return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
 
 def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: int, params: int) -> str:
@@ -223,7 +228,11 @@ def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: i
             f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
             f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {batch.token_budget:,} "
             f"tokens per batch and rank, {batch.anchors} anchors per sequence, {steps}, lr "
-            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}" + optimizer_words(settings.schedule))
+            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}" + optimizer_words(settings.schedule)
+            + {"mlp": ", MLP halves recomputed in backward", "full": ", draft layers recomputed in backward"}.get(
+                settings.memory.checkpoint_layers, "")
+            + (f", the optimizer's states sharded over {world} ranks"
+               if settings.memory.shard_optimizer == "on" and world > 1 else ""))
 
 
 def optimizer_words(schedule) -> str:

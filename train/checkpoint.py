@@ -53,6 +53,7 @@ from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_c
 from .model import DFlashDrafter, DrafterConfig
 from .optim import regrouped, resume_with
 from .rundir import ResumeRecord
+from .sharding import gather_for_save
 
 log = logging.getLogger(__name__)
 
@@ -522,6 +523,7 @@ class Checkpointer:
             write_rank_files(tmp, rank, loader_state, self.device)
         if world > 1:
             dist.barrier()
+        gather_for_save(self.opt)  # every rank: a sharded optimizer's shares to rank 0, which writes them all
         if rank == 0:
             with checkpoint_errors(tmp, step):
                 write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,

@@ -29,6 +29,8 @@ from hsstore.app.schema import flat, old_names, option, resume_keys, section
 from . import tracking
 
 CHECKPOINT_POLICIES = ("off", "mlp", "full")  # --checkpoint-layers: what each draft layer recomputes in backward
+# "auto": the memory plan (budget.plan_step) picks the first policy of CHECKPOINT_POLICIES whose step fits
+CHECKPOINT_CHOICES = ("auto", *CHECKPOINT_POLICIES)
 
 DEFAULT_EPOCHS = 6
 
@@ -169,10 +171,17 @@ class Memory:
     """What a step keeps in memory, and the memory it is planned for (``budget.py``)."""
 
     checkpoint_layers: str = option(
-        "off", choices=CHECKPOINT_POLICIES, nargs="?", const="mlp", metavar="{mlp,full}",
+        "auto", choices=CHECKPOINT_CHOICES, nargs="?", const="mlp", metavar="{auto,off,mlp,full}",
         help="recompute draft layers in backward instead of keeping their activations: mlp (the bare flag) each "
              "layer's MLP half, the largest part of its activations and the cheapest to redo; full the whole "
-             "layer (least memory, about a third more layer compute)")
+             "layer (least memory, about a third more layer compute); auto: off where the step fits the device's "
+             "memory, else mlp, else full, before any anchors are given up (said in one line); off keeps every "
+             "activation and lowers anchors where the step does not fit")
+    shard_optimizer: str = option(
+        "auto", choices=("auto", "on", "off"),
+        help="under torchrun, each rank keeps the AdamW moments of its share of the parameters only (PyTorch's "
+             "ZeroRedundancyOptimizer; the same step, one broadcast of the updated parameters after it): auto where "
+             "the step would otherwise need more recompute or fewer anchors; on always; off never")
     gpu_memory_gib: float | None = option(
         None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
                                   "on a larger GPU to check a recipe for an 80 GB one")

@@ -61,7 +61,8 @@ from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
 from .metrics import BestTracker, Meter, MetricsLog
 from .objective import default_gamma
-from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
+from .optim import build_scheduler, clip_grad, set_total_steps
+from .sharding import planned_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     schedule = settings.schedule
     gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)
     model = wrap_ddp(DraftLoss(drafter, gamma, schedule.ce_chunk, world, schedule.ce_impl), world, device)
-    opt = build_optimizer(drafter, lr=schedule.lr, weight_decay=schedule.weight_decay)
+    opt = planned_optimizer(drafter, schedule, settings.memory.shard_optimizer, world)
     if rank == 0:
         log.info("%s", settings_line(drafter.config, settings, device, world, drafter.num_trainable_parameters()))
 
