@@ -47,8 +47,8 @@ from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
 from .config import (LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, recordable_stores,
                      saved_config)
-from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
-                             weights_bound, write_drafter)
+from .drafter_format import (CONFIG, WEIGHTS, check_tensors, check_weights, file_shapes, read_config,
+                             save_drafter, weights_bound, write_drafter)
 from .model import DFlashDrafter, DrafterConfig
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,10 @@ def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: t
     cfg, _ = read_drafter_config(path)
     cfg = dataclasses.replace(cfg, **config_overrides)
     check_weights_file(path, cfg)  # the config describes the file: checked before any weight is built
+    want = [cfg.vocab_size, cfg.hidden_size]
+    if [list(embed_tokens.shape), list(lm_head.shape)] != [want, want]:
+        raise ValueError(f"{path / CONFIG}: a drafter of vocabulary x hidden {want}, given an embedding of "
+                         f"{list(embed_tokens.shape)} and an lm_head of {list(lm_head.shape)} (another target's?)")
     model = DFlashDrafter(cfg, embed_tokens, lm_head)
     model.load_state_dict(read_weights(path, cfg), strict=True)
     return model
@@ -110,6 +114,7 @@ def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch
     check_tensors(cfg, file_shapes(file), str(file))  # names and shapes from the header, before any byte of data
     tensors = load_tensors(file, weights_bound(cfg))
     check_tensors(cfg, tensors, str(file))
+    check_weights(tensors, file, is_master=file.name == MASTER)  # dtype and values: an all-NaN drafter goes no further
     return tensors
 
 
@@ -440,6 +445,7 @@ def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched,
     master = path / MASTER if door.is_file_beneath(path, MASTER) else path / WEIGHTS  # legacy: fp32 model.safetensors
     bound = weights_bound(model.config)
     weights = load_tensors(master, bound, device=str(device))
+    check_weights(weights, master, is_master=master.name == MASTER)
     moments = load_tensors(path / OPTIMIZER, 2 * bound + RNG_CAP)
     rng_file = path / f"rank{rank:05d}.safetensors"
     rng = load_tensors(rng_file, RNG_CAP) if door.is_file_beneath(path, rng_file.name) else None
