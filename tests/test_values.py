@@ -47,9 +47,9 @@ def forged_store(src: str, dst: Path, change) -> str:
     fs, root = storage.resolve(str(dst))
     cfg = json.loads((dst / "assets" / assets.CONFIG).read_text())
     tensors = {n: load_file(str(dst / "assets" / n))["weight"] for n in (assets.EMBED, assets.LM_HEAD)}
-    change(cfg, tensors)
-    assets.write_assets(fs, root, {assets.CONFIG: json.dumps(cfg).encode(),
-                                   **{n: assets.tensors_bytes({"weight": t}) for n, t in tensors.items()}})
+    change(cfg, tensors)  # a tensor, or the file's bytes
+    assets.write_assets(fs, root, {assets.CONFIG: json.dumps(cfg).encode(), **{
+        n: t if isinstance(t, bytes) else assets.tensors_bytes({"weight": t}) for n, t in tensors.items()}})
     return str(dst)
 
 
@@ -69,6 +69,10 @@ ASSETS = {  # case: (forgery, words of the refusal)
                          [assets.LM_HEAD, "dtype int32"]),
     "lm_head of another shape": (_tensor(assets.LM_HEAD, lambda t: t[:, :32].contiguous()),
                                  [assets.LM_HEAD, "shape [1033, 32], expected [1033, 64]"]),
+    "embedding not safetensors": (_tensor(assets.EMBED, lambda t: b"\x08" + bytes(15)),
+                                  [assets.EMBED, "not a readable safetensors file"]),
+    "embedding under another name": (_tensor(assets.EMBED, lambda t: assets.tensors_bytes({"w": t})),
+                                     [assets.EMBED, "not one 2-D tensor 'weight'"]),
     "rms_norm_eps -1": (_set("rms_norm_eps", -1), [assets.CONFIG, "rms_norm_eps -1", "(0, 1)"]),
     "eos id past the vocabulary": (_set("eos_token_id", 10 ** 6), [assets.CONFIG, "eos_token_id", "vocabulary"]),
     "pad id past the vocabulary": (_set("pad_token_id", 10 ** 6), [assets.CONFIG, "pad_token_id", "vocabulary"]),
@@ -81,12 +85,13 @@ def test_store_assets_that_train_nothing_are_refused_before_training(store32, tm
     forge, words = ASSETS[case]
     url = forged_store(store32, tmp_path / "s", forge)
     out = tmp_path / "run"
-    refused(capsys, ["train", "--store", url, "--out", str(out), *TRAIN, "--steps", "2"], f"store {url!r}, assets/", *words)
+    refused(capsys, ["train", "--store", url, "--out", str(out), *TRAIN, "--steps", "2"], f"store {url!r}", *words)
     assert not out.exists()  # refused before the first step: the OUT it made is removed
 
 
-@pytest.mark.parametrize("size, words", [(2 ** 40, ["intermediate_size 1099511627776", "at most 2,147,483,648"]),
-                                         (2 ** 30, ["206,158,475,584 parameters", "more than this machine"])])
+@pytest.mark.parametrize("size, words", [
+    (2 ** 40, ["assets/config.json: intermediate_size 1099511627776", "at most 2,147,483,648"]),
+    (2 ** 30, ["the drafter's config", "206,158,475,584 parameters", "more than this machine"])])
 def test_a_config_asking_for_terabytes_is_refused_not_attempted(store32, tmp_path, size, words):  # noqa: F811
     """intermediate_size 2^40 is past what any model has; 2^30 is a drafter of 0.8 TB the machine cannot hold: both
     one line before the drafter is built (a child process with a 4 GiB address space: an attempt shows)."""
@@ -126,7 +131,7 @@ def _inf_once(t):
 def _config(key, value):
     def forge(d: Path) -> None:
         c = json.loads((d / "config.json").read_text())
-        (c["dflash_config"] if key == "mask_token_id" else c)[key] = value
+        (c["dflash_config"] if key in ("mask_token_id", "target_layer_ids") else c)[key] = value
         (d / "config.json").write_text(json.dumps(c))
     return forge
 
@@ -143,6 +148,10 @@ DRAFTERS = {  # case: (forgery, words of the refusal)
     "rms_norm_eps -1": (_config("rms_norm_eps", -1), ["config.json", "rms_norm_eps -1.0", "(0, 1)"]),
     "mask token past the vocabulary": (_config("mask_token_id", 10 ** 6),
                                        ["config.json", "mask_token_id 1000000", "vocabulary"]),
+    "a tap past the target's layers": (_config("target_layer_ids", [1, 2, 3, 4, 99]),
+                                       ["config.json", "target layers [99] outside the target's 8 layers"]),
+    "heads not a multiple of KV heads": (_config("num_key_value_heads", 3),
+                                         ["config.json", "must be a multiple of num_kv_heads (3)"]),
 }
 
 

@@ -98,10 +98,6 @@ def load_drafter(path: str | os.PathLike, embed_tokens: torch.Tensor, lm_head: t
     cfg, _ = read_drafter_config(path)
     cfg = dataclasses.replace(cfg, **config_overrides)
     check_weights_file(path, cfg)  # the config describes the file: checked before any weight is built
-    want = [cfg.vocab_size, cfg.hidden_size]
-    if [list(embed_tokens.shape), list(lm_head.shape)] != [want, want]:
-        raise ValueError(f"{path / CONFIG}: a drafter of vocabulary x hidden {want}, given an embedding of "
-                         f"{list(embed_tokens.shape)} and an lm_head of {list(lm_head.shape)} (another target's?)")
     model = DFlashDrafter(cfg, embed_tokens, lm_head)
     model.load_state_dict(read_weights(path, cfg), strict=True)
     return model
