@@ -29,9 +29,10 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a store's assets and a
 MAX_SIZE = 1 << 31  # any size of a model's config (hidden, FFN, vocabulary, heads, layers, positions)
 CHUNK_VALUES = 1 << 26  # values counted at once: the temporaries of an embedding of gigabytes stay small
 TOKEN_ID_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
-# what a trainer reads of a target's config (``DrafterConfig.from_target_config``): present, and sizes
-TARGET_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-TARGET_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+# what a trainer reads of a target's config (``DrafterConfig.from_target_config``): present, and sizes; the optional
+# ones sizes where present (a mixture-of-experts target may name no dense FFN width: --intermediate-size gives it)
+TARGET_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads")
+TARGET_OPTIONAL_SIZES = ("intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 def dtype_name(t: "torch.Tensor") -> str:
