@@ -80,6 +80,7 @@ ASSETS = {  # case: (forgery, words of the refusal)
 }
 
 
+@pytest.mark.slow  # trains or evaluates a drafter
 @pytest.mark.parametrize("case", sorted(ASSETS))
 def test_store_assets_that_train_nothing_are_refused_before_training(store32, tmp_path, capsys, case):  # noqa: F811
     forge, words = ASSETS[case]
@@ -102,6 +103,7 @@ def test_a_config_asking_for_terabytes_is_refused_not_attempted(store32, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # trains or evaluates a drafter
 def test_eval_refuses_a_store_whose_embedding_is_nan(store32, drafter, tmp_path, capsys):  # noqa: F811
     url = forged_store(store32, tmp_path / "s", ASSETS["embedding NaN"][0])
     refused(capsys, ["eval", "--store", url, "--drafter", str(drafter), "--device", "cpu", "-q"], assets.EMBED,
@@ -157,6 +159,7 @@ DRAFTERS = {  # case: (forgery, words of the refusal)
 }
 
 
+@pytest.mark.slow  # trains or evaluates a drafter
 @pytest.mark.parametrize("case", sorted(DRAFTERS))
 def test_drafters_whose_weights_or_config_lie_are_refused_by_eval_and_export(store32, drafter, tmp_path, capsys,
                                                                            case):  # noqa: F811
@@ -170,6 +173,7 @@ def test_drafters_whose_weights_or_config_lie_are_refused_by_eval_and_export(sto
             *words)
 
 
+@pytest.mark.slow  # trains or evaluates a drafter
 def test_a_resume_from_nan_master_weights_is_refused(store32, tmp_path, capsys):  # noqa: F811
     """A run whose last checkpoint holds NaN master weights (a diverged or a forged one) is not resumed into."""
     flags = ["train", "--store", store32, "--out", str(tmp_path / "run"), *TRAIN]
