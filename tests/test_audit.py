@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -77,12 +78,55 @@ def test_own_target_passes_another_target_of_the_same_architecture_fails(store_u
         assert within(out, layer) == f"{N}/{N}"  # the default of 8 is more than the store's 6
     other = tiny_target_dir(seed=1)  # same config and tokenizer, other random weights
     rc, out, err = audit_cli(capsys, store_url, other)
+    assert rc == 1, out + err  # the manifest's record of the weights says it before any forward
+    assert "weights_fingerprint" in line_with(out, "FAIL weights: a different target:", str(other))
+    assert out.splitlines()[-1] == "audit: FAILED, the model's weights are not those the store was extracted from"
+    assert err.startswith("hsstore audit: weights: a different target") and len(err.splitlines()) == 1
+
+
+def unrecorded(src, url: str, weights_hash: bool = False) -> str:
+    """A copy of store ``src`` whose manifest records nothing of the weights (an import, a store written before the
+    records), or only the embedding's ``weights_hash`` (a store written before ``weights_fingerprint``)."""
+    m = src.manifest
+    target = m.target if weights_hash else dataclasses.replace(m.target, weights_hash=None)
+    return rewritten(src, url, lambda hs: hs, manifest=dataclasses.replace(m, target=target, extra={}))
+
+
+def test_without_a_record_of_the_weights_the_bound_finds_another_target(store_url, tmp_path, capsys):
+    url = unrecorded(hsstore.open(store_url), str(tmp_path / "bare"))
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(seed=1))
     assert rc == 1, out + err
     for layer in LAYERS:
         assert "a different target" in line_with(out, "FAIL", f"layer {layer}:")
-    assert "other weights" in line_with(out, "note:", "weights_hash")
     assert out.splitlines()[-1] == f"audit: FAILED, {len(LAYERS)} of {len(LAYERS)} features"
     assert err.startswith("hsstore audit: layer 1: a different target") and len(err.splitlines()) == 1
+
+
+def test_a_store_that_records_only_the_embeddings_hash_is_held_to_it(store_url, tmp_path, capsys):
+    url = unrecorded(hsstore.open(store_url), str(tmp_path / "older"), weights_hash=True)
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(seed=1))
+    assert rc == 1, out + err
+    assert "weights_hash" in line_with(out, "FAIL weights: a different target:", "embedding is not the one")
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir())
+    assert rc == 0, out + err
+
+
+def test_a_target_with_one_layer_scaled_by_1_05_is_a_different_target(store_url, tmp_path, capsys):
+    """Layer 3's MLP down projection scaled by 1.05: the features it changes stay inside the bound, which is made
+    for rounding (their relative error is many times a genuine re-run's, and under it), so only the fingerprint of
+    the weights, which samples every tensor, sees it."""
+    from safetensors.torch import load_file, save_file
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_target_dir(), scaled)
+    weights = load_file(str(scaled / "model.safetensors"))
+    weights["model.layers.3.mlp.down_proj.weight"] *= 1.05
+    save_file(weights, str(scaled / "model.safetensors"), metadata={"format": "pt"})
+    rc, out, err = audit_cli(capsys, store_url, scaled)
+    assert rc == 1, out + err
+    assert "weights_fingerprint" in line_with(out, "FAIL weights: a different target:", str(scaled))
+    rc, out, err = audit_cli(capsys, unrecorded(hsstore.open(store_url), str(tmp_path / "bare")), scaled)
+    assert rc == 0 and out.splitlines()[-1].startswith("audit: OK"), out + err  # what the values alone cannot see
 
 
 def test_import_with_layer_ids_one_off_names_the_shift(store_url, tmp_path, capsys):
@@ -129,11 +173,13 @@ def test_a_feature_zeroed_in_one_sample_is_named_zeros(store_url, tmp_path, caps
     assert [(r["sample_id"], r["feature"], r["diagnosis"]) for r in bad] == [(zeroed, "layer 4", "zeros")]
 
 
-def rewritten(src, url, change=lambda hs: hs, layers=None) -> str:
-    """A copy of store ``src`` written with ``StoreWriter``, each sample's hidden states passed through
-    ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and checksums, planted values; its
-    manifest claims the taps ``layers`` (default: those it holds)."""
-    manifest = src.manifest if layers is None else dataclasses.replace(src.manifest, layers=tuple(layers))
+def rewritten(src, url, change=lambda hs: hs, layers=None, manifest=None) -> str:
+    """A copy of store ``src`` written with ``StoreWriter`` (under ``manifest``, default ``src``'s), each sample's
+    hidden states passed through ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and
+    checksums, planted values; its manifest claims the taps ``layers`` (default: those it holds)."""
+    manifest = manifest or src.manifest
+    if layers is not None:
+        manifest = dataclasses.replace(manifest, layers=tuple(layers))
     with StoreWriter(url, manifest, check_finite=True) as w:
         for i in range(len(src)):
             item = src.read(i)

@@ -72,7 +72,9 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
     res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=1, world_size=2))
     assert res.samples == 0 and res.compile_check is None  # nothing left to extract: nothing to check
     assert verify(hsstore.open(str(out))).ok and len(hsstore.open(str(out))) == 8
-    assert "compile_check" not in manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
+    eager = manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
+    assert "compile_check" not in eager
+    assert eager["weights_fingerprint"] == manifest_extra(out)["weights_fingerprint"]  # compiled or not, one model
 
 
 def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811

@@ -48,8 +48,8 @@ from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
 from .config import (LEGACY_RESUME_VALUES, LEGACY_VALUES, RESUME_KEYS, SEGMENT_KEYS, TrainSettings,
                      recordable_config, recordable_stores, saved_config)
-from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
-                             weights_bound, write_drafter)
+from .drafter_format import (CONFIG, WEIGHTS, check_tensors, check_weights, file_shapes, read_config,
+                             save_drafter, weights_bound, write_drafter)
 from .model import DFlashDrafter, DrafterConfig
 from .optim import regrouped, resume_with
 from .rundir import ResumeRecord
@@ -114,6 +114,7 @@ def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch
     check_tensors(cfg, file_shapes(file), str(file))  # names and shapes from the header, before any byte of data
     tensors = load_tensors(file, weights_bound(cfg))
     check_tensors(cfg, tensors, str(file))
+    check_weights(tensors, file, is_master=file.name == MASTER)  # dtype and values: an all-NaN drafter goes no further
     return tensors
 
 
@@ -444,6 +445,7 @@ def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched,
     master = path / MASTER if door.is_file_beneath(path, MASTER) else path / WEIGHTS  # legacy: fp32 model.safetensors
     bound = weights_bound(model.config)
     weights = load_tensors(master, bound, device=str(device))
+    check_weights(weights, master, is_master=master.name == MASTER)
     moments = load_tensors(path / OPTIMIZER, 2 * bound + RNG_CAP)
     rng_file = path / f"rank{rank:05d}.safetensors"
     rng = load_tensors(rng_file, RNG_CAP) if door.is_file_beneath(path, rng_file.name) else None
