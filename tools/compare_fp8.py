@@ -78,7 +78,8 @@ def eval_tau(store: str, drafter: str, model: str, inputs: list[str], n: int, ma
     if rc:
         raise RuntimeError(f"hsstore eval failed ({rc}): {buf.getvalue()[-2000:]}")
     report = json.loads(buf.getvalue())
-    return {"tau": report["tau"], "identical": report["identical"], "samples": report["samples"]}
+    return {"tau_per_prompt": report["tau_per_prompt"], "tau_pooled": report["tau_pooled"],
+            "identical": report["identical"], "samples": report["samples"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +157,8 @@ def format_text(r: dict) -> str:
              f"{'':24}{'bf16':>12}{'fp8':>12}",
              f"{'bytes/token':24}{a['bytes_per_token']:>12,.1f}{b['bytes_per_token']:>12,.1f}"
              f"   ({a['bytes_per_token'] / b['bytes_per_token']:.2f}x)"]
-    for k in ("final_loss", "tail_loss", "final_acc", "tail_acc", "teacher_forced_tau", "tau"):
+    for k in ("final_loss", "tail_loss", "final_acc", "tail_acc", "teacher_forced_tau", "tau_per_prompt",
+              "tau_pooled"):
         lines.append(f"{k:24}{a[k]:>12.4f}{b[k]:>12.4f}   (fp8 - bf16 {b[k] - a[k]:+.2e})")
     lines.append(f"{'eval output == target':24}{a['identical']:>9}/{a['samples']}{b['identical']:>9}/{b['samples']}")
     lines.append("fp8 vs bf16, per element |q-x|/|x| (sampled, x != 0): "

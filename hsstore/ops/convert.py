@@ -41,6 +41,7 @@ def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, A
     destination, default the source's; wds takes none). ``progress``: a bar of feature bytes converted."""
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     src = Store(src_url, src_options)
+    src.admit()  # the admission's store-wide rules, before the destination gets a byte
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")
     with destination.hold_lock(fs, root, dst_url, "convert"):  # one copying command at a time into it
