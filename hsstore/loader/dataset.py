@@ -61,9 +61,8 @@ import math
 import multiprocessing
 import time
 import os
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -84,7 +83,7 @@ from .options import Planning, Reading, Selection
 from .plan import Filters, Planner, SlotPlan, build_catalog
 from ..store import reader
 from ..store.reader import Store, open_shared
-from .resume import LoaderState, LoaderStateError
+from .resume import LoaderState, LoaderStateError, SlotProgress
 
 log = logging.getLogger(__name__)
 
@@ -98,33 +97,6 @@ def read_ahead_units(rate: float, request_s: float, request_bytes: float, reques
     need = rate * max(0.0, request_s) / max(1.0, request_bytes)
     need = min(need, float(concurrency) + requests_per_unit)
     return int(min(cap, max(floor, math.ceil(need / max(1.0, requests_per_unit)) + 1)))
-
-
-@dataclass
-class _SlotProgress:
-    """The live iterator's position, read by ``state_dict`` (in the process that iterates)."""
-
-    epoch: int
-    done: str | None
-    phase: int
-    world: World
-    nodes: int | None = None  # the plan's node count (None: a global plan)
-    count: int = 0
-    skipped: int = 0
-    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset (``LoaderState.follow``)
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
-
-    def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
-        """``pending``: the last ``pending`` items handed out are not consumed yet (a resume repeats them)."""
-        count = self.count
-        if pending:
-            if pending > len(self.recent):
-                raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
-            count = self.recent[-pending]
-        slot = self.world.slot
-        return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
-                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
-                           dict(self.follow) if self.follow is not None else None)
 
 
 class _ReadSample(NamedTuple):
@@ -232,7 +204,7 @@ class HiddenStateDataset(IterableDataset):
         self._epoch_plain = 0
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
         self._resume: LoaderState | None = None
-        self._live: _SlotProgress | None = None
+        self._live: SlotProgress | None = None
 
     def _plan_stores(self) -> None:
         """The planner of ``self.catalog`` (every epoch but a follower's epoch 0)."""
@@ -327,7 +299,7 @@ class HiddenStateDataset(IterableDataset):
     def _config(self) -> dict[str, Any]:
         return self.follow_plan().config() if self._following() else self.planner.config
 
-    def _follow_start(self) -> tuple[_SlotProgress, FollowReader]:
+    def _follow_start(self) -> tuple[SlotProgress, FollowReader]:
         """Where this slot's epoch 0 starts (as ``_position``, over the journal's joins), and its reader; the
         reader of rank 0, worker 0 leads when the follow options say so."""
         world = self.world.in_worker()
@@ -348,7 +320,7 @@ class HiddenStateDataset(IterableDataset):
                          "re-cutting the remaining samples of every join", world.world, world.workers, *resume.world)
                 done, span = plan.fold(resume)
                 phase, follow = phase + 1, {**follow, "joins": span, "done_joins": span}
-        progress = _SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
+        progress = SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
         leader = Leader(plan.journal, self.stores, self.follow).start() if (
             self.follow.lead and world.slot == 0) else None
         return progress, FollowReader(self, plan, progress, leader, _SlotReader)
@@ -476,7 +448,7 @@ class HiddenStateDataset(IterableDataset):
         self._live = None
 
     # -- iteration ----------------------------------------------------------------------------------------
-    def _position(self) -> tuple[_SlotProgress, SlotPlan]:
+    def _position(self) -> tuple[SlotProgress, SlotPlan]:
         world = self.world.in_worker()
         resume = self._resumed()
         done, phase, count, skipped = None, 0, 0, 0
@@ -505,7 +477,7 @@ class HiddenStateDataset(IterableDataset):
         plan = self.planner.slot_plan(self.epoch, done, phase, world)
         if count > len(plan):
             raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return _SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
+        return SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._following():
@@ -701,7 +673,7 @@ class _SlotReader:
     ``place`` (before the first item): each sample is read straight into the memory it gives the sample's plan
     position (``TokenBatches``: its slot of the batch it will be in), rather than into a unit buffer."""
 
-    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress, offset: int = 0) -> None:
+    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: SlotProgress, offset: int = 0) -> None:
         self.ds, self.plan, self.progress, self.offset = ds, plan, progress, offset
         self.pos = progress.count - offset
         self.rows = plan.rows

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -103,6 +104,33 @@ class LoaderState:
         if not found:
             raise LoaderStateError(f"not an hsstore loader state (no {STATE_KEY!r} key found)")
         return found[0] if len(found) == 1 else _merge(found)
+
+
+@dataclass
+class SlotProgress:
+    """A live slot's position in its epoch, read by ``state_dict`` (in the process that iterates)."""
+
+    epoch: int
+    done: str | None
+    phase: int
+    world: World
+    nodes: int | None = None  # the plan's node count (None: a global plan)
+    count: int = 0
+    skipped: int = 0
+    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset (``LoaderState.follow``)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
+
+    def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
+        """``pending``: the last ``pending`` items handed out are not consumed yet (a resume repeats them)."""
+        count = self.count
+        if pending:
+            if pending > len(self.recent):
+                raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
+            count = self.recent[-pending]
+        slot = self.world.slot
+        return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
+                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
+                           dict(self.follow) if self.follow is not None else None)
 
 
 def _follow_of(value: Any) -> dict[str, Any] | None:
