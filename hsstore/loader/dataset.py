@@ -80,7 +80,8 @@ from ..format.manifest import check_compatible
 from ..io.memory import BufferPool, Rows, empty_host, hand_over
 from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
-from .plan import Filters, Planner, SlotPlan, build_catalog
+from .epochs import PlanInputs
+from .plan import SlotPlan, build_catalog
 from ..store import reader
 from ..store.reader import Store, open_shared
 from .resume import LoaderState, LoaderStateError, SlotProgress
@@ -193,6 +194,8 @@ class HiddenStateDataset(IterableDataset):
         self.filters = self.selection.filters()
         self.world = (world or World.detect(by_node=planning.partition == "node")).at(worker=0, workers=1)
         self.max_prefetch = reading.max_prefetch(self.unit_tokens * self.token_bytes)
+        self.plan_inputs = PlanInputs(self.filters, tuple(self.weights), planning, self.unit_tokens, self.token_bytes,
+                                      self.nodes)
         self._plan_stores()
         self._final = False  # following: whether the stores are those epoch 0 took (``_finalize``)
         if follow is not None and follow.lead and self.world.rank == 0:  # the leader's journal, before any reader
@@ -208,10 +211,7 @@ class HiddenStateDataset(IterableDataset):
 
     def _plan_stores(self) -> None:
         """The planner of ``self.catalog`` (every epoch but a follower's epoch 0)."""
-        p = self.planning
-        self.planner = Planner(self.catalog, self.weights, seed=p.seed, shuffle=p.shuffle, even=p.even,
-                               unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=p.shuffle_bytes, partition=p.partition)
+        self.planner = self.plan_inputs.planner(self.catalog)
 
     def _check_stores(self, layers: Sequence[int] | None) -> None:
         """The stores agree (one manifest's compatibility key), hold samples and the layers asked for
@@ -290,7 +290,7 @@ class HiddenStateDataset(IterableDataset):
                              f"{journal.path}: {'stopped: ' + str(out.why) if out else 'writers still writing'}); "
                              "epochs after it read every shard")
         self.stores = final_stores(self, journal)
-        self.catalog = build_catalog(self.stores, self.filters, self.unit_tokens)
+        self.catalog = self.plan_inputs.catalog(self.stores)
         if len(self.catalog) == 0:
             raise StoreError(f"no samples left after filters {self.filters.describe()} in what epoch 0 followed")
         self._plan_stores()
@@ -530,8 +530,7 @@ class HiddenStateDataset(IterableDataset):
             return f"it cannot be reached ({type(e).__name__}: {e})"
 
     def _sample_id(self, row: int) -> str:
-        cat = self.catalog
-        return self.stores[int(cat.store[row])].commits[int(cat.shard[row])].samples["sample_id"][int(cat.local[row])]
+        return self.catalog.sample_id(self.stores, row)
 
     def feature_layout(self) -> tuple[int, int, torch.dtype, bool, bool]:
         """What an item's features are, per token: (features read, hidden size, torch dtype of the features, fp8

@@ -47,7 +47,7 @@ from ..format.manifest import now_iso
 from ..redaction import recordable_url
 from ..store.reader import Store
 from ..terminal import escape
-from .plan import Planner, SlotPlan, build_catalog
+from .plan import Planner, SlotPlan
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
 
 if TYPE_CHECKING:
@@ -510,8 +510,7 @@ class FollowPlan:
 
     def config(self) -> dict[str, Any]:
         """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
-        cfg = {k: v for k, v in self.ds.planner.config.items() if k != "catalog"}
-        return {"follow": self.journal.id, **cfg}
+        return {"follow": self.journal.id, **self.ds.plan_inputs.settings()}
 
     def part(self, k: int) -> JoinPart:
         if k not in self._parts:
@@ -527,11 +526,8 @@ class FollowPlan:
             for mine, base in zip(stores, ds.stores):
                 if base.chunk_cache is not None:
                     mine.use_chunk_cache(base.chunk_cache)
-            catalog = build_catalog(stores, ds.filters, ds.unit_tokens)
-            p = ds.planning
-            planner = Planner(catalog, ds.weights, seed=join_seed(p.seed, k), shuffle=p.shuffle, even=None,
-                              unit_tokens=ds.unit_tokens, token_bytes=ds.token_bytes, shuffle_bytes=p.shuffle_bytes,
-                              partition=p.partition)
+            catalog = ds.plan_inputs.catalog(stores)
+            planner = ds.plan_inputs.planner(catalog, seed=join_seed(ds.planning.seed, k))
             ds._pool()  # the view shares this process's buffers
             view = copy.copy(ds)
             view.stores, view.catalog, view.planner, view.follow = stores, catalog, planner, None
