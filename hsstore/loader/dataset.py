@@ -80,7 +80,7 @@ from ..format.manifest import check_compatible
 from ..io.memory import BufferPool, Rows, empty_host, hand_over
 from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
-from .epochs import PlanInputs
+from .epochs import PlanInputs, StoreEpoch
 from .plan import SlotPlan, build_catalog
 from ..store import reader
 from ..store.reader import Store, open_shared
@@ -297,7 +297,7 @@ class HiddenStateDataset(IterableDataset):
         self._final = True
 
     def _config(self) -> dict[str, Any]:
-        return self.follow_plan().config() if self._following() else self.planner.config
+        return self.follow_plan().config() if self._following() else self._stores_epoch(self.epoch).config()
 
     def _follow_start(self) -> tuple[SlotProgress, FollowReader]:
         """Where this slot's epoch 0 starts (as ``_position``, over the journal's joins), and its reader; the
@@ -361,11 +361,9 @@ class HiddenStateDataset(IterableDataset):
         """The loaded resume state when it is for the current epoch."""
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
 
-    def _fresh_plan(self, epoch: int, world: World | None) -> SlotPlan:
-        world = self.world if world is None else world
-        if (world.world, world.nodes) != (self.world.world, self.world.nodes):
-            raise ValueError(f"{world} is not a reader of this dataset's world {self.world}")
-        return self.planner.slot_plan(int(epoch), None, 0, world)
+    def _stores_epoch(self, epoch: int) -> StoreEpoch:
+        """Epoch ``epoch`` planned from the stores as this dataset holds them (``epochs.StoreEpoch``)."""
+        return StoreEpoch(self.planner, self.stores, self.catalog, int(epoch), self.world, self.nodes)
 
     def planned_lengths(self, epoch: int, world: World | None = None) -> np.ndarray:
         """Token counts of the samples one slot hands out in ``epoch``, in order, from the epoch's start.
@@ -378,8 +376,7 @@ class HiddenStateDataset(IterableDataset):
             return np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if self.follow is not None:
             self._finalize()
-        rows = self._fresh_plan(epoch, world).rows
-        return (self.catalog.stop - self.catalog.start)[rows]
+        return _joined([p.lengths() for p in self._stores_epoch(epoch).planned(self.world if world is None else world)])
 
     def planned_ids(self, epoch: int, world: World | None = None) -> list[str]:
         """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
@@ -389,7 +386,8 @@ class HiddenStateDataset(IterableDataset):
                     for r in plan.slot_plan(k, None, 0, 0, world).rows]
         if self.follow is not None:
             self._finalize()
-        return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, world).rows]
+        return [i for p in self._stores_epoch(epoch).planned(self.world if world is None else world)
+                for i in p.sample_ids()]
 
     def rank_counts(self) -> list[int]:
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
@@ -397,9 +395,7 @@ class HiddenStateDataset(IterableDataset):
             plan = self.follow_plan()
             return [sum(len(plan.slot_plan(k, None, 0, 0, self.world.at(r))) for k in plan.joins())
                     for r in range(self.world.world)]
-        resume = self._resumed()
-        done, phase = (resume.done, resume.phase) if resume else (None, 0)
-        return self.planner.rank_counts(self.epoch, done, phase, self.world)
+        return self._stores_epoch(self.epoch).rank_counts(self._resumed(), self.world)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
@@ -418,9 +414,10 @@ class HiddenStateDataset(IterableDataset):
             resume = self._resumed()
             if resume is not None:
                 return resume.to_dict()
-            fresh = ({"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0} if self._following()
-                     else None)
-            return LoaderState(self._config(), self.epoch, nodes=self.nodes, follow=fresh).to_dict()
+            if self._following():
+                fresh = {"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0}
+                return LoaderState(self._config(), self.epoch, nodes=self.nodes, follow=fresh).to_dict()
+            return self._stores_epoch(self.epoch).initial_state().to_dict()
         return live.state(self._config(), pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -434,7 +431,7 @@ class HiddenStateDataset(IterableDataset):
         else:
             if self.follow is not None and resume.epoch > 0:
                 self._finalize()
-            config = self.planner.config
+            config = self._stores_epoch(resume.epoch).config()
         diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in config.items()
                  if resume.config.get(k) != v]
         partition = self.planning.partition
@@ -448,45 +445,14 @@ class HiddenStateDataset(IterableDataset):
         self._live = None
 
     # -- iteration ----------------------------------------------------------------------------------------
-    def _position(self) -> tuple[SlotProgress, SlotPlan]:
-        world = self.world.in_worker()
-        resume = self._resumed()
-        done, phase, count, skipped = None, 0, 0, 0
-        if resume is not None:
-            done, phase = resume.done, resume.phase
-            if resume.world is None:
-                if resume.nodes != self.nodes:
-                    log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
-                             "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
-                             resume.nodes)
-            elif resume.world == (world.world, world.workers) and resume.nodes == self.nodes:
-                if world.slot not in resume.counts:
-                    raise LoaderStateError(
-                        f"resume state has no position for rank {world.rank} worker {world.worker} (it covers "
-                        f"slots {sorted(resume.counts)}); load each worker's own state (StatefulDataLoader does) "
-                        "or a merge of all of them")
-                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
-            else:
-                if resume.nodes != self.nodes:
-                    log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
-                             "remaining samples over the nodes (node shares, and so what local caches hold, "
-                             "change)", self.epoch, self.nodes, resume.nodes)
-                log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
-                         "re-cutting the remaining samples", self.epoch, world.world, world.workers, *resume.world)
-                done, phase = self.planner.fold(resume), phase + 1
-        plan = self.planner.slot_plan(self.epoch, done, phase, world)
-        if count > len(plan):
-            raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._following():
             progress, reader = self._follow_start()
             self._live = progress
             return reader
-        progress, plan = self._position()
+        progress, part = self._stores_epoch(self.epoch).start(self._resumed(), self.world.in_worker())
         self._live = progress
-        return _SlotReader(self, plan, progress)
+        return _SlotReader(self, part.plan, progress)
 
     # -- reading ------------------------------------------------------------------------------------------
     def _attach_cache(self) -> None:
@@ -646,6 +612,11 @@ class HiddenStateDataset(IterableDataset):
     def __repr__(self) -> str:
         return (f"HiddenStateDataset({[s.url for s in self.stores]}, samples={len(self.catalog)}, layers={self.layers}, "
                 f"rank={self.world.rank}/{self.world.world}, epoch={self.epoch})")
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of a slot's parts' arrays, in order."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def _storage_bits(feats: torch.Tensor, dtype: str) -> np.ndarray:
