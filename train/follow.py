@@ -123,7 +123,7 @@ class Epoch0Steps:
         for k in plan.joins():
             if k < self.next:
                 continue
-            cat = plan.part(k).view.catalog
+            cat = plan.part(k).catalog
             for (r, w), budget in self.budgets.items():
                 rows = plan.slot_plan(k, None, 0, 0, self.ds.world.at(r, w, self.workers)).rows
                 self.batches[(r, w)] += sum(budget.add(int(t)) for t in (cat.stop - cat.start)[rows])

@@ -56,6 +56,7 @@ Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, ite
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import multiprocessing
@@ -81,7 +82,7 @@ from ..io.memory import BufferPool, Rows, empty_host, hand_over
 from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
 from .epochs import PlanInputs, StoreEpoch
-from .plan import SlotPlan, build_catalog
+from .plan import Catalog, SlotPlan, build_catalog
 from ..store import reader
 from ..store.reader import Store, open_shared
 from .resume import LoaderState, LoaderStateError, SlotProgress
@@ -276,7 +277,8 @@ class HiddenStateDataset(IterableDataset):
         """This process's plan of epoch 0 from the journal (a follower only)."""
         got = self.__dict__.get("_follow")
         if got is None or got[0] != os.getpid():
-            got = self.__dict__["_follow"] = (os.getpid(), FollowPlan(self, Journal.wait_for(self.follow.journal)))
+            got = self.__dict__["_follow"] = (os.getpid(), FollowPlan(Journal.wait_for(self.follow.journal), self.stores,
+                                                                      self.plan_inputs))
         return got[1]
 
     def _finalize(self) -> None:
@@ -323,7 +325,7 @@ class HiddenStateDataset(IterableDataset):
         progress = SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
         leader = Leader(plan.journal, self.stores, self.follow).start() if (
             self.follow.lead and world.slot == 0) else None
-        return progress, FollowReader(self, plan, progress, leader, _SlotReader)
+        return progress, FollowReader(self, plan, progress, leader, self._read_part)
 
     def _log_share(self) -> None:
         units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)
@@ -382,7 +384,7 @@ class HiddenStateDataset(IterableDataset):
         """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
         if self.follow is not None and int(epoch) == 0:
             plan, world = self.follow_plan(), self.world if world is None else world
-            return [plan.part(k).view._sample_id(int(r)) for k in plan.joins()
+            return [plan.part(k).catalog.sample_id(plan.part(k).stores, int(r)) for k in plan.joins()
                     for r in plan.slot_plan(k, None, 0, 0, world).rows]
         if self.follow is not None:
             self._finalize()
@@ -455,6 +457,25 @@ class HiddenStateDataset(IterableDataset):
         return _SlotReader(self, part.plan, progress)
 
     # -- reading ------------------------------------------------------------------------------------------
+    def _read_part(self, part: Any, plan: SlotPlan, progress: SlotProgress, offset: int) -> "_SlotReader":
+        """The reader of ``plan`` over ``part``'s stores and catalog, its positions after ``offset`` of the slot's
+        epoch (a follower's join)."""
+        return _SlotReader(self._over(part.stores, part.catalog), plan, progress, offset)
+
+    def _over(self, stores: Sequence[Store], catalog: Catalog) -> "HiddenStateDataset":
+        """This dataset reading ``catalog``'s rows of ``stores``: itself for its own, else a shallow copy that shares
+        this process's buffers and chunk caches (a follower's join: the same stores, holding the join's shards)."""
+        if catalog is self.catalog:
+            return self
+        self._attach_cache()
+        for mine, base in zip(stores, self.stores):
+            if base.chunk_cache is not None:
+                mine.use_chunk_cache(base.chunk_cache)
+        self._pool()
+        view = copy.copy(self)
+        view.stores, view.catalog = list(stores), catalog
+        return view
+
     def _attach_cache(self) -> None:
         cache_dir = self.reading.cache_dir
         if cache_dir is None:

@@ -25,7 +25,6 @@ finished store is training on it.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -33,6 +32,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -47,7 +47,8 @@ from ..format.manifest import now_iso
 from ..redaction import recordable_url
 from ..store.reader import Store
 from ..terminal import escape
-from .plan import Planner, SlotPlan
+from .epochs import PlanInputs
+from .plan import Catalog, Planner, SlotPlan
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
 
 if TYPE_CHECKING:
@@ -490,19 +491,28 @@ class Leader:
 # -- the plan of epoch 0 -------------------------------------------------------------------------------------------
 @dataclass
 class JoinPart:
-    """Join ``k`` as the readers plan it: a view of the dataset over the join's shards alone."""
+    """Join ``k`` as the readers plan it: the stores holding the join's shards alone, their catalog and its planner."""
 
     k: int
-    view: Any  # HiddenStateDataset: stores, catalog and planner of this join
+    stores: list[Store]
+    catalog: Catalog
     planner: Planner
     entries: int
 
+    @property
+    def view(self) -> "JoinPart":
+        """Deprecated: the join's stores and catalog are this part's own (``stores``, ``catalog``)."""
+        warnings.warn("JoinPart.view is deprecated: the part holds the join's stores and catalog itself "
+                      "(JoinPart.stores, JoinPart.catalog)", DeprecationWarning, stacklevel=2)
+        return self
+
 
 class FollowPlan:
-    """Epoch 0 of a following dataset, from its journal (one per process; made again in each worker)."""
+    """Epoch 0 of a following dataset, from its journal (one per process; made again in each worker). ``stores``:
+    the dataset's stores (a join's stores are theirs, holding the join's shards alone)."""
 
-    def __init__(self, ds: "HiddenStateDataset", journal: Journal) -> None:
-        self.ds, self.journal = ds, journal
+    def __init__(self, journal: Journal, stores: Sequence[Store], inputs: PlanInputs) -> None:
+        self.journal, self.stores, self.inputs = journal, list(stores), inputs
         self.started = time.time()  # a deadline's stop written before ends an earlier run, not this one
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
@@ -510,31 +520,23 @@ class FollowPlan:
 
     def config(self) -> dict[str, Any]:
         """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
-        return {"follow": self.journal.id, **self.ds.plan_inputs.settings()}
+        return {"follow": self.journal.id, **self.inputs.settings()}
 
     def part(self, k: int) -> JoinPart:
         if k not in self._parts:
             e = self.journal.entry(k)
             if e is None or e.kind != "join":
                 raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
-            ds = self.ds
             tables = self.journal.tables(e)
             stores = [Store(s.url, s.storage_options, allow_locations=s.allow_locations,
                             loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()))
-                      for si, s in enumerate(ds.stores)]
-            ds._attach_cache()
-            for mine, base in zip(stores, ds.stores):
-                if base.chunk_cache is not None:
-                    mine.use_chunk_cache(base.chunk_cache)
-            catalog = ds.plan_inputs.catalog(stores)
-            planner = ds.plan_inputs.planner(catalog, seed=join_seed(ds.planning.seed, k))
-            ds._pool()  # the view shares this process's buffers
-            view = copy.copy(ds)
-            view.stores, view.catalog, view.planner, view.follow = stores, catalog, planner, None
-            n = len(planner.epoch_order(0, ds.nodes)) if len(catalog) else 0
+                      for si, s in enumerate(self.stores)]
+            catalog = self.inputs.catalog(stores)
+            planner = self.inputs.planner(catalog, seed=join_seed(self.inputs.planning.seed, k))
+            n = len(planner.epoch_order(0, self.inputs.nodes)) if len(catalog) else 0
             self._sizes[k] = n
             self._parts = {j: v for j, v in self._parts.items() if j >= k - 1}  # the join being read, and the last
-            self._parts[k] = JoinPart(k, view, planner, n)
+            self._parts[k] = JoinPart(k, stores, catalog, planner, n)
         return self._parts[k]
 
     def entries(self, k: int) -> int:
@@ -620,7 +622,7 @@ def epoch0_lengths(plan: FollowPlan, world: "World", upto: int | None = None) ->
         if upto is not None and k >= upto:
             break
         sp = plan.slot_plan(k, None, 0, 0, world)
-        cat = plan.part(k).view.catalog
+        cat = plan.part(k).catalog
         out.append((cat.stop - cat.start)[sp.rows] if len(sp) else np.zeros(0, np.int64))
     return out
 
@@ -632,7 +634,7 @@ class FollowReader:
 
     def __init__(self, ds: "HiddenStateDataset", plan: FollowPlan, progress, leader: Leader | None,
                  slot_reader) -> None:
-        """``slot_reader(view, plan, progress, offset)``: the reader of one join's part (``dataset._SlotReader``)."""
+        """``slot_reader(part, plan, progress, offset)``: the reader of one join's part (the dataset reads it)."""
         self.ds, self.plan, self.progress, self.leader, self.slot_reader = ds, plan, progress, leader, slot_reader
         self.k, self.offset, self.reader = 0, 0, None
         self._stop = threading.Event()
@@ -662,7 +664,7 @@ class FollowReader:
                 self.offset += len(plan)
                 self.k += 1
                 continue
-            self.reader = self.slot_reader(self.plan.part(self.k).view, plan, p, offset=self.offset)
+            self.reader = self.slot_reader(self.plan.part(self.k), plan, p, self.offset)
             self.length = len(plan)
             return
 
