@@ -119,7 +119,7 @@ class Epoch0Steps:
         self.next = 0
 
     def update(self) -> int:
-        plan = self.ds.follow_plan()
+        plan = self.ds.epoch_source(0).plan()  # a follower's: loader.follow.JournalEpoch
         for k in plan.joins():
             if k < self.next:
                 continue

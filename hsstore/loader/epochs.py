@@ -26,7 +26,7 @@ from ..distributed import World
 from ..store.reader import Store
 from .options import Planning
 from .plan import Catalog, Filters, Planner, SlotPlan, build_catalog, plan_settings
-from .resume import LoaderState, LoaderStateError, SlotProgress
+from .resume import LoaderState, LoaderStateError, SlotProgress, log_recut
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,23 @@ class EpochSource(Protocol):
         ...
 
 
+class LiveEpoch(EpochSource, Protocol):
+    """The first epoch of stores still being written (``loader.follow.JournalEpoch``): it takes what arrives."""
+
+    def final_stores(self) -> list[Store]:
+        """The stores as this epoch took them, which every later epoch reads (a ``StoreError`` while it has not
+        ended); this epoch's own readers take them too from then on."""
+        ...
+
+
+class LiveStores(Protocol):
+    """A dataset's ``follow`` option (``loader.follow.Follow``): its stores are read while they are written."""
+
+    def first_epoch(self, inputs: PlanInputs, stores: Sequence[Store], world: World) -> LiveEpoch:
+        """Epoch 0's source, made where the dataset is built (on every rank) from the stores as opened."""
+        ...
+
+
 @dataclass(frozen=True)
 class StoreEpoch:
     """Epoch ``epoch`` of the stores as they stand: ``Planner``'s plan of their catalog, one part planned ahead (every
@@ -166,8 +183,7 @@ class StoreEpoch:
                     log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
                              "remaining samples over the nodes (node shares, and so what local caches hold, "
                              "change)", self.epoch, self.nodes, resume.nodes)
-                log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
-                         "re-cutting the remaining samples", self.epoch, world.world, world.workers, *resume.world)
+                log_recut(str(self.epoch), world, resume.world)
                 done, phase = self.planner.fold(resume), phase + 1
         plan = self.planner.slot_plan(self.epoch, done, phase, world)
         if count > len(plan):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ import numpy as np
 
 from ..distributed import World
 from ..errors import StoreError
+
+log = logging.getLogger(__name__)
 
 STATE_KEY = "hsstore_loader"  # marks a loader state inside a larger checkpoint dict; its value is the version
 STATE_VERSION = 1
@@ -131,6 +134,12 @@ class SlotProgress:
         return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
                            {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
                            dict(self.follow) if self.follow is not None else None)
+
+
+def log_recut(epoch: str, world: World, old: tuple[int, int], what: str = "the remaining samples") -> None:
+    """The line a resume on another world size or worker count says: what is left of ``epoch`` is cut anew."""
+    log.info("resuming epoch %s on %d rank(s) x %d worker(s) from a state of %d x %d: re-cutting %s", epoch,
+             world.world, world.workers, *old, what)
 
 
 def _follow_of(value: Any) -> dict[str, Any] | None:
