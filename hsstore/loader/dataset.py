@@ -50,8 +50,9 @@ releases as it drops the items (``memory.SharedRing``), so handing an item over 
 worker rewrites no memory the trainer still holds. Under ``TokenBatches`` a sample is read straight into its slot
 of the batch it will be in (``batching.BatchSlots``; ``_SlotReader.place``) instead of a unit buffer.
 
-Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, item and batch memory in
-``memory``; this module builds the dataset and reads each slot's plan.
+Where the parts live: steps 1-5 in ``plan``, each epoch's source (the plan of the stores as they stand, or of a
+follower's journal) in ``epochs``, the resume state in ``resume``, item and batch memory in ``memory``; this
+module builds the dataset and reads each slot's plan.
 """
 
 from __future__ import annotations
