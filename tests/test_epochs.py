@@ -8,16 +8,20 @@ from __future__ import annotations
 import collections
 
 import pytest
+from torch.utils.data import DataLoader
 
 from hsstore import HiddenStateDataset
+from hsstore import open as open_store
 from hsstore.distributed import World
 from hsstore.loader.epochs import EpochPart, PlanInputs, StoreEpoch
-from hsstore.loader.follow import JournalEpoch, epoch0_lengths, final_stores
+from hsstore.loader.follow import Follow, Journal, JournalEpoch, Leader, epoch0_lengths, final_stores
 from hsstore.loader.options import Planning
 from hsstore.loader.resume import LoaderState, SlotProgress
+from hsstore.store.writer import StoreWriter
 from hsstore.testing.loading import ids_of
-from hsstore.testing.stores import make_samples, write_store
+from hsstore.testing.stores import TOKEN_BYTES, make_manifest, make_samples, write_store
 
+from test_follow import add, until_end
 from test_follow import grown, quick_beats  # noqa: F401  (autouse: writers beat every 0.2 s, so a store ends soon)
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -132,3 +136,25 @@ def test_names_follow_mode_moved_from_keep_working_with_a_warning(tmp_path):
     with pytest.warns(DeprecationWarning, match="final_stores"):
         stores = final_stores(ds, plan.journal)
     assert sum(len(s) for s in stores) == len(ids)
+
+
+def test_a_followers_persistent_workers_read_epoch1_from_what_epoch0_took(tmp_path):
+    """Persistent DataLoader workers keep the dataset as it was when they started (epoch 0, the stores as opened);
+    the epoch reaches them through shared memory, and epoch 1 is planned there from what epoch 0 took: every sample,
+    not the few the stores held when the dataset was built."""
+    url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
+    samples = make_samples(30, max_len=50)
+    w = StoreWriter(url, make_manifest(), shard_bytes=TOKEN_BYTES * 100)
+    add(w, samples[:5])
+    follow = Follow(journal, lead=False)
+    leader = Leader(Journal.create(journal, [url]), [open_store(url)], follow)
+    leader.poll()
+    ds = HiddenStateDataset(url, planning=Planning(seed=1), follow=follow)  # built on the first 5 samples
+    add(w, samples[5:])
+    w.close()
+    leader.poll()
+    until_end(leader)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+    assert sorted(ids_of(loader)) == sorted(s["sample_id"] for s in samples)
+    ds.set_epoch(1)
+    assert len(ds) == 30 and sorted(ids_of(loader)) == sorted(s["sample_id"] for s in samples)

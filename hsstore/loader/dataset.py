@@ -276,15 +276,8 @@ class HiddenStateDataset(IterableDataset):
         if self._first_epoch is not None:
             if epoch == 0:
                 return self._first_epoch
-            self._finalize()
+            self._finalize()  # here too, not only in set_epoch: persistent workers learn the epoch from shared memory
         return self._stores_epoch(epoch)
-
-    def _current(self) -> EpochSource:
-        """The current epoch's source as this dataset holds its stores (``set_epoch`` took a follower's stores as
-        epoch 0 left them before any later epoch)."""
-        if self._first_epoch is not None and self.epoch == 0:
-            return self._first_epoch
-        return self._stores_epoch(self.epoch)
 
     def _stores_epoch(self, epoch: int) -> StoreEpoch:
         """Epoch ``epoch`` planned from the stores as this dataset holds them (``epochs.StoreEpoch``)."""
@@ -359,7 +352,7 @@ class HiddenStateDataset(IterableDataset):
 
     def rank_counts(self) -> list[int]:
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
-        return self._current().rank_counts(self._resumed(), self.world)
+        return self.epoch_source().rank_counts(self._resumed(), self.world)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
@@ -378,8 +371,8 @@ class HiddenStateDataset(IterableDataset):
             resume = self._resumed()
             if resume is not None:
                 return resume.to_dict()
-            return self._current().initial_state().to_dict()
-        return live.state(self._current().config(), pending).to_dict()
+            return self.epoch_source().initial_state().to_dict()
+        return live.state(self.epoch_source().config(), pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the epoch recorded in ``state`` (from ``state_dict`` or ``merge_states``) at its position."""
@@ -405,7 +398,7 @@ class HiddenStateDataset(IterableDataset):
 
     # -- iteration ----------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        progress, read = self._current().start(self._resumed(), self.world.in_worker())
+        progress, read = self.epoch_source().start(self._resumed(), self.world.in_worker())
         self._live = progress
         if isinstance(read, EpochPart):  # the epoch planned ahead: one plan, its samples placeable in batches
             return _SlotReader(self._over(read), read.plan, progress)
