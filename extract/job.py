@@ -278,7 +278,7 @@ def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], 
                               codec=store.codec, dtype=settings.forward.dtype, layout=store.layout,
                               encoding=store.encoding, features=features)
     if compile_check is not None:
-        manifest = dataclasses.replace(manifest, extra={EXTRA_KEY: {tag: compile_check.record()}})
+        manifest = dataclasses.replace(manifest, extra={**manifest.extra, EXTRA_KEY: {tag: compile_check.record()}})
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = (ProcessWriter if uses_process_writer(settings, device) else StoreWriter)(
         store.out, manifest, writer_tag=tag, storage_options=store.storage_options, shard_bytes=store.shard_bytes,

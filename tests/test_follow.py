@@ -231,6 +231,78 @@ def test_a_resumed_follower_continues_exactly_once_also_on_another_world(tmp_pat
             dict(other, config={**state["config"], "follow": "0" * 32}))
 
 
+def test_a_resumed_follower_continues_exactly_once_over_two_world_size_changes(tmp_path):
+    """2 ranks, then 1, then 2 again, each phase stopped part way: every phase keeps what the ones before it
+    consumed (a re-cut folds the earlier phases' ``done`` into its own), so every sample is handed out once."""
+    url, follow, ids = grown(tmp_path)
+
+    def started(world: int, state=None) -> list:
+        ranks = [HiddenStateDataset(url, world=World(r, world), planning=Planning(seed=SEED), follow=follow)
+                 for r in range(world)]
+        for ds in ranks:
+            if state is not None:
+                ds.load_state_dict(state)
+        return ranks
+
+    def take(ds, it, n: int) -> list[str]:
+        return [next(it)["sample_id"] for _ in range(n)]
+
+    first = started(2)
+    its = [iter(ds) for ds in first]
+    taken = take(first[0], its[0], 9) + take(first[1], its[1], 4)  # rank 0 into the second join
+    one = started(1, merge_states([ds.state_dict() for ds in first]))[0]
+    it = iter(one)
+    taken += take(one, it, 11)
+    assert one.state_dict()["phase"] == 1
+    again = started(2, merge_states([one.state_dict()]))
+    rest = [x["sample_id"] for ds in again for x in ds]
+    assert again[0].state_dict()["phase"] == 2
+    count = collections.Counter(taken + rest)
+    assert set(count) == ids and set(count.values()) == {1}, [k for k, v in count.items() if v > 1]
+
+
+def test_a_rerun_after_a_killed_rerun_is_waited_for(tmp_path):
+    """Writer tag rank00000 ran once and ended; a re-run of it (more input) was killed, its heartbeat stopped, no
+    end record; a third run ends. The killed session is never taken for a finished one (the tag's earlier end
+    came before it): epoch 0 waits, and ends with the third run's shards."""
+    url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
+    samples = make_samples(9, max_len=40)
+    with StoreWriter(url, make_manifest(), writer_tag="rank00000") as w:
+        add(w, samples[:3])
+    fs, root = storage.resolve(url)
+    killed = sessions.new_session("rank00000", "deadbeef", host="h", pid=1, beat_s=0.05)  # started after that end
+    sessions.write_session(fs, root, killed)
+    time.sleep(1.5 * sessions.STALE_BEATS * killed.heartbeat_s)  # silent past its beats: dead by the rule
+    follow = Follow(journal, lead=False)
+    leader = Leader(Journal.create(journal, [url]), [hsstore.open(url)], follow)
+    assert leader.poll()  # the first run's shards join; the killed re-run may still write: no end
+    assert [e.kind for e in Journal(journal).entries()] == ["join"]
+    assert not leader.poll() and not leader.done
+    assert any("deadbeef" in line and "no heartbeat" in line for line in leader.waiting)
+    with StoreWriter(url, make_manifest(), writer_tag="rank00000") as w:  # the next re-run finishes the work
+        add(w, samples[3:])
+    assert leader.poll() and leader.done
+    assert [e.kind for e in Journal(journal).entries()] == ["join", "join", "end"]
+    ds = HiddenStateDataset(url, planning=Planning(seed=SEED), follow=follow)
+    assert sorted(x["sample_id"] for x in ds) == sorted(s["sample_id"] for s in samples)
+
+
+def test_a_journal_of_another_store_is_refused(tmp_path):
+    """A journal folder keeps the stores it follows: a follower of another store given it (another run's --out)
+    is refused in one line, never planned from the other store's joins."""
+    a, b, journal = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "journal")
+    for url, prefix in ((a, "a"), (b, "b")):
+        with StoreWriter(url, make_manifest()) as w:
+            add(w, make_samples(4, max_len=40, prefix=prefix))
+    Leader(Journal.create(journal, [a]), [hsstore.open(a)], Follow(journal, lead=False)).poll()
+    with pytest.raises(hsstore.StoreError, match=r"holds the follow journal of stores \[.*/a'\], not \[.*/b'\]"):
+        Journal.create(journal, [b])
+    with pytest.raises(hsstore.StoreError, match="holds the follow journal of stores"):
+        HiddenStateDataset(b, planning=Planning(seed=SEED), follow=Follow(journal))  # the leader's own look
+    assert sorted(x["sample_id"] for x in HiddenStateDataset(a, planning=Planning(seed=SEED),
+                                                              follow=Follow(journal))) == [f"a{i}" for i in range(4)]
+
+
 def test_an_arrival_that_trains_nothing_stops_epoch0_naming_shard_and_feature(tmp_path):
     url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
     samples = make_samples(8, max_len=40)

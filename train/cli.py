@@ -19,6 +19,7 @@ from hsstore.app.schema import add_arguments, from_args
 from hsstore.io.storage import parse_storage_options
 
 from .config import EvalSettings, ExportDrafterSettings, TrainSettings
+from .rundir import RUN_MARKER
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def register_train(subparsers) -> None:
     add_quiet_option(groups["output"])
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
-    add_config_option(t)
+    add_config_option(t, record_markers=(RUN_MARKER,))  # OUT/run.yaml beside it is a run's record
     t.set_defaults(func=run_train, preflight=preflight_train, announce=announce_train)
 
 
@@ -100,8 +101,6 @@ def preflight_train(args: argparse.Namespace) -> None:
     from hsstore.io.destination import check_output_folder
     from hsstore.distributed import launcher_rank
     from hsstore.format.manifest import read_manifest
-
-    from .rundir import RUN_MARKER
 
     if args.out and launcher_rank() == 0:  # other ranks may already see rank 0's first files
         check_output_folder(args.out, (RUN_MARKER,), "train --out")
