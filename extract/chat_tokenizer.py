@@ -44,7 +44,7 @@ from .sample import MaskedIds, TokenizedSample, annotate
 if TYPE_CHECKING:
     import numpy as np
 
-    from .tokenize import TokenizeStats
+    from .tokenize_stats import TokenizeStats
 
 # Control-token-like strings a template may emit; each must be one token of the tokenizer.
 _MARKUP = re.compile(r"<\|[^<>|\s]+\|>|</?(?:think|tool_call|tool_response)>")
@@ -196,6 +196,24 @@ class ChatTokenizer:
         m = messages[t]
         own = tuple(x for x in (m.get("reasoning_content"), m.get("content")) if isinstance(x, str) and x.strip())
         return TurnRender(prompt, text, close + len(self.eot_text), own)
+
+    def prompt_ids(self, messages: list[dict], t: int, tools, kwargs: dict, label: str) -> list[int]:
+        """Turn ``t``'s generation prompt, rendered and encoded as an engine serving this template does."""
+        prompt = self.render(messages[:t], tools, add_generation_prompt=True, kwargs=kwargs, label=label)
+        return self.encode([prompt])[0]
+
+    def text_ids(self, messages: list[dict], t: int, tools, kwargs: dict, label: str, cut: bool) -> list[int] | None:
+        """What the text rule gives for turn ``t``'s generated ids (None when it cannot tokenize the turn; ``cut``:
+        the engine cut the turn, so no end of turn)."""
+        try:
+            r = self.render_turn(messages, t, tools, kwargs, label)
+        except RowError:
+            return None
+        ids = self.encode_generated([r.generated], [r.own_text])[0]
+        return ids[:-1] if cut and ids and ids[-1] == self.markers.end_of_turn else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
     def plan(self, messages: list[dict], tools, label: str, kwargs: dict | None = None
              ) -> tuple[list[list[int]], dict[int, TurnRender]]:

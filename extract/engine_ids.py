@@ -6,18 +6,34 @@ non-canonical splits a model samples and whatever the server's parsers reformatt
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .messages import RowError, parse_message_list
 from .sample import MaskedIds
-
-if TYPE_CHECKING:
-    from .chat_tokenizer import ChatTokenizer
 
 #: Where an assistant turn records the serving engine's own ids (``hsstore regenerate`` writes the first
 #: spelling; ``output_ids`` is SGLang's native name for the generated ids). See docs/FORMAT.md.
 PROMPT_IDS_KEY = "prompt_token_ids"
 GENERATED_IDS_KEYS = ("token_ids", "output_ids")
+
+
+class OwnIds(Protocol):
+    """What a row's recorded ids are held against: the chat tokenizer's own render and tokenization of the same turn
+    (``chat_tokenizer.ChatTokenizer``)."""
+
+    trust_engine_ids: bool
+
+    def prompt_ids(self, messages: list[dict], t: int, tools, kwargs: dict, label: str) -> list[int]:
+        """Turn ``t``'s generation prompt, rendered and encoded as an engine serving this template does."""
+        ...
+
+    def text_ids(self, messages: list[dict], t: int, tools, kwargs: dict, label: str, cut: bool) -> list[int] | None:
+        """What the text rule gives for turn ``t``'s generated ids (None when it cannot tokenize the turn)."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text (to show where two tokenizations part)."""
+        ...
 
 
 def engine_ids_of(raw_messages, vocab_size: int, where: str) -> dict[int, tuple[list[int], list[int]]]:
@@ -47,7 +63,7 @@ def engine_ids_of(raw_messages, vocab_size: int, where: str) -> dict[int, tuple[
         out[i] = (pair[0], pair[1])
     return out
 
-def engine_samples(chat: ChatTokenizer, messages: list[dict], engine: dict[int, tuple[list[int], list[int]]],
+def engine_samples(chat: OwnIds, messages: list[dict], engine: dict[int, tuple[list[int], list[int]]],
                    cut: set[int], tools, kwargs: dict, label: str):
     """Samples of a row whose generated turns carry the engine's ids: ``[(turns, ids, mask)]``, the counts
     for ``TokenizeStats`` and the flags per turn.
@@ -65,14 +81,14 @@ def engine_samples(chat: ChatTokenizer, messages: list[dict], engine: dict[int, 
     out: list[MaskedIds] = []
     for t in sorted(engine):
         prompt_ids, gen_ids = engine[t]
-        own = chat.encode([chat.render(messages[:t], tools, add_generation_prompt=True, kwargs=kwargs, label=label)])[0]
+        own = chat.prompt_ids(messages, t, tools, kwargs, label)
         turn_flags = ["engine_ids"]
         if own != prompt_ids:
             if not chat.trust_engine_ids:
                 raise _prompt_mismatch(chat, prompt_ids, own, kwargs, f"{label}: assistant message {t}")
             counts["engine_prompt_mismatch_trusted"] += 1
             turn_flags.append("engine_prompt_mismatch")
-        if _retokenized(chat, messages, t, tools, kwargs, label, t in cut) != gen_ids:
+        if chat.text_ids(messages, t, tools, kwargs, label, t in cut) != gen_ids:
             counts["non_canonical"] += 1
             turn_flags.append("non_canonical")
         counts["engine_turns"] += 1
@@ -85,12 +101,12 @@ def engine_samples(chat: ChatTokenizer, messages: list[dict], engine: dict[int, 
     return [s.arrays() for s in out], counts, flags
 
 
-def _prompt_mismatch(chat: ChatTokenizer, prompt_ids: list[int], own: list[int], kwargs: dict, where: str
+def _prompt_mismatch(chat: OwnIds, prompt_ids: list[int], own: list[int], kwargs: dict, where: str
                      ) -> RowError:
     """The row's error when the engine's recorded prompt is not this tokenizer's render of it."""
     at = next((i for i, (a, b) in enumerate(zip(own, prompt_ids)) if a != b), min(len(own), len(prompt_ids)))
     shown = json.dumps(kwargs, sort_keys=True) if kwargs else "none"
-    decode = chat.tokenizer.decode
+    decode = chat.decode
     return RowError(
         "engine_prompt_mismatch",
         f"{where}: the engine's prompt_token_ids ({len(prompt_ids)} ids) differ "
@@ -98,14 +114,3 @@ def _prompt_mismatch(chat: ChatTokenizer, prompt_ids: list[int], own: list[int],
         f"({decode(prompt_ids[at:at + 8])!r} vs {decode(own[at:at + 8])!r}; "
         f"template arguments: {shown}): the template, tokenizer or chat_template_kwargs are not the "
         "serving engine's; fix them, or pass --trust-engine-ids to use the engine's ids as recorded")
-
-
-def _retokenized(chat: ChatTokenizer, messages: list[dict], t: int, tools, kwargs: dict, label: str, cut: bool
-                 ) -> list[int] | None:
-    """What the text rule gives for turn ``t``'s generated ids (None when it cannot tokenize the turn)."""
-    try:
-        r = chat.render_turn(messages, t, tools, kwargs, label)
-    except RowError:
-        return None
-    ids = chat.encode_generated([r.generated], [r.own_text])[0]
-    return ids[:-1] if cut and ids and ids[-1] == chat.markers.end_of_turn else ids

@@ -21,7 +21,7 @@ from hsstore.app.schema import option
 from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, percentiles, top_values
 from hsstore.terminal import escape, shown, visible_key
 from .sample import TokenizedSample
-from .tokenize import TokenizeStats
+from .tokenize_stats import TokenizeStats
 
 PERCENTILES = (0, 1, 5, 10, 25, 50, 75, 90, 95, 99, 100)
 FLAG_ORDER = SAMPLE_FLAGS

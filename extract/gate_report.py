@@ -26,7 +26,8 @@ from hsstore.io import storage, transfer
 from .gate import GateReport, GateThresholds, check, is_stub
 from .readers import _hf_dataset_dir, input_files
 from .sample import TokenizedSample
-from .tokenize import TokenizeStats, load_samples
+from .tokenize import load_samples
+from .tokenize_stats import TokenizeStats
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ from .sample import TokenizedSample
 from .settings import ExtractSettings  # callers import it from here too
 from .speed import WARMUP_S, choose_compile, compile_forward, compile_seconds, note_compile_cache
 from .target import DTYPES, asset_files, build_manifest, load_tokenizer, model_name, planned_taps
-from .tokenize import TokenizeStats, load_samples
+from .tokenize import load_samples
+from .tokenize_stats import TokenizeStats
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,8 @@ def input_sample(inputs, n: str, tokenizer, *, expand: bool = True, chat_templat
                  trust_engine_ids: bool = False, learn_not_generated: bool = False):
     """Sample ``n`` of input files (0-based position after multi-turn expansion, or a sample id), tokenized as
     extract would; a row that was skipped, or a position past the end, is refused saying which and why."""
-    from .tokenize import TokenizeStats, load_samples
+    from .tokenize import load_samples
+    from .tokenize_stats import TokenizeStats
 
     index = int(n) if n.isdigit() else None
     count = 0

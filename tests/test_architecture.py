@@ -1,13 +1,15 @@
-"""The packages' shape, read from their source: hsstore/, extract/ and train/ import their own modules without
-a cycle (at module level or inside functions: a function-level import hides a cycle, it does not remove it);
+"""The packages' shape, read from their source: hsstore/, extract/, train/ and tools/ import their own modules without
+a cycle (at module level, inside functions or for type checkers alone: each hides a cycle, none removes it);
 each subpackage of hsstore/ imports only what the ``Imports:`` line of its doc allows; hsstore/ never imports
-transformers; extract/ and train/ never import each other; every shard layout implements the protocol."""
+transformers; extract/ and train/ never import each other; every shard layout implements the protocol; the loader's
+dataset knows its epochs' source, not follow mode; the lists docs/ARCHITECTURE.md gives are the code's."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from hsstore.layouts import base as layout
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hsstore": ("hsstore", ROOT / "hsstore"), "extract": ("hsstore.extract", ROOT / "extract"),
             "train": ("hsstore.train", ROOT / "train")}
+CYCLE_FREE = {**PACKAGES, "tools": ("tools", ROOT / "tools")}  # the benchmarks and fuzzers too: one room each
 CORE = "core"  # hsstore's top-level modules, which every subpackage may use
 TOP = {"__init__", "__main__"}  # the package and `python -m hsstore`, above everything
 APP = "app"  # the applications' floor: above the library, below extract/ and train/
@@ -42,9 +45,11 @@ def modules_of(package_dir: Path) -> dict[str, Path]:
     return out
 
 
-def imported(tree: ast.Module, name: str, is_init: bool, absolute: str, modules: set[str]) -> tuple[set, set]:
+def imported(tree: ast.Module, name: str, is_init: bool, absolute: str, modules: set[str], typing: bool = False
+             ) -> tuple[set, set]:
     """(modules of this package that ``tree`` imports, first parts of everything else it imports), anywhere
-    in the file but ``if TYPE_CHECKING:``. ``name`` is the module's dotted name inside its package."""
+    in the file but ``if TYPE_CHECKING:`` (there too with ``typing``). ``name`` is the module's dotted name inside
+    its package."""
     inner: set[str] = set()
     outer: set[str] = set()
     package = name.split(".") if is_init and name != "__init__" else name.split(".")[:-1]
@@ -58,7 +63,7 @@ def imported(tree: ast.Module, name: str, is_init: bool, absolute: str, modules:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
+            if isinstance(child, ast.If) and _type_checking_only(child) and not typing:
                 for other in child.orelse:
                     visit(other)
                 continue
@@ -84,11 +89,11 @@ def imported(tree: ast.Module, name: str, is_init: bool, absolute: str, modules:
     return inner - {name}, outer
 
 
-def import_graph(package_dir: Path, absolute: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports."""
+def import_graph(package_dir: Path, absolute: str, typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (``typing``: for type checkers too)."""
     files = modules_of(package_dir)
     return {m: imported(ast.parse(p.read_text(), filename=str(p)), m, p.name == "__init__.py", absolute,
-                        set(files))[0] for m, p in files.items()}
+                        set(files), typing)[0] for m, p in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -137,23 +142,25 @@ def allowed_imports(doc: str | None) -> set[str]:
 
 def test_find_cycle_sees_function_level_imports(tmp_path):
     """The checker itself: a cycle closed only by an import inside a function is found, through a
-    subpackage too; a TYPE_CHECKING one is not a cycle."""
+    subpackage too; one closed for type checkers alone is found where they are counted."""
     pkg = tmp_path / "hsstore"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .sub import b\n")
     (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n")
     assert find_cycle(import_graph(pkg, "hsstore")) is None
+    assert find_cycle(import_graph(pkg, "hsstore", typing=True)) == ["a", "sub.b", "a"]
     (pkg / "sub" / "b.py").write_text("def f():\n    from hsstore.a import x\n    return x\n")
     assert find_cycle(import_graph(pkg, "hsstore")) == ["a", "sub.b", "a"]
     (pkg / "sub" / "b.py").write_text("def f():\n    from .. import a\n")
     assert find_cycle(import_graph(pkg, "hsstore")) == ["a", "sub.b", "a"]
 
 
-@pytest.mark.parametrize("package", sorted(PACKAGES))
+@pytest.mark.parametrize("package", sorted(CYCLE_FREE))
 def test_no_import_cycle(package):
-    absolute, path = PACKAGES[package]
-    graph = import_graph(path, absolute)
+    """Type checkers' imports count: two modules that name each other's types are one room, whichever import runs."""
+    absolute, path = CYCLE_FREE[package]
+    graph = import_graph(path, absolute, typing=True)
     assert len(graph) > 5  # the package was found
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle in {package}/: {' -> '.join(cycle)}"
@@ -214,6 +221,35 @@ def test_extract_and_train_never_import_each_other(package, other):
                  if f"hsstore.{other}" in imported(ast.parse(p.read_text()), m, p.name == "__init__.py", absolute,
                                                    set(files))[1])
     assert not bad, f"{package}/ modules importing hsstore.{other}: {bad}"
+
+
+def private_reaches(tree: ast.Module) -> list[str]:
+    """Where ``tree`` reaches a private name (``x._name``, not a dunder) of anything but ``self`` or ``cls``."""
+    return sorted((f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                   and ast.unparse(n.value) not in ("self", "cls")), key=lambda x: int(x.split()[1][:-1]))
+
+
+def test_private_reaches_are_found():
+    src = "def f(ds, view):\n    ds._pool()\n    self._x = view.__dict__\n    return copy(ds)._attach_cache\n"
+    assert private_reaches(ast.parse(src)) == ["line 2: ds._pool", "line 4: copy(ds)._attach_cache"]
+
+
+def test_the_dataset_knows_its_epochs_source_not_follow_mode():
+    """loader/dataset.py plans and reads its epochs through ``loader.epochs`` and never imports loader/follow.py
+    (not for type checkers either); follow.py never imports the dataset and reaches no private name of another
+    object (no dataset copied and its buffers or caches taken from inside)."""
+    absolute, path = PACKAGES["hsstore"]
+    files = modules_of(path)
+
+    def deps(m: str) -> set[str]:
+        return imported(ast.parse(files[m].read_text()), m, False, absolute, set(files), typing=True)[0]
+
+    assert "loader.epochs" in deps("loader.dataset") and "loader.epochs" in deps("loader.follow")
+    assert "loader.follow" not in deps("loader.dataset"), "loader/dataset.py imports follow mode"
+    assert "loader.dataset" not in deps("loader.follow"), "loader/follow.py imports the dataset"
+    reached = private_reaches(ast.parse(files["loader.follow"].read_text()))
+    assert not reached, f"loader/follow.py reaches private names: {reached}"
 
 
 @pytest.mark.parametrize("name", sorted(layout.names()))
@@ -573,3 +609,109 @@ def test_locks_a_forked_loader_inherits_are_process_locks():
             if isinstance(f, ast.Attribute) and f.attr in FORK_UNSAFE and getattr(f.value, "id", "") == "threading":
                 bad.append(f"{m}:{node.lineno}")
     assert not bad, f"plain thread locks a forked worker may inherit held: {bad}"
+
+
+# -- docs/ARCHITECTURE.md's lists are the code's: the modules of each floor, the modules' tables, the protocol
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+NUMBERS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve".split())}
+
+
+def floor_modules(text: str) -> dict[str, set[str]]:
+    """Folder of hsstore/ -> the modules the "by floor" block of ARCHITECTURE.md names there (``hsstore/``: its
+    top floor); a name's parenthesis (``dataset (HiddenStateDataset)``) is its gloss."""
+    block = text.split("## hsstore/ — by floor", 1)[1].split("```", 2)[1]
+    lists: dict[str, str] = {}
+    folder = None
+    for line in block.splitlines():
+        if line.startswith("hsstore/"):
+            folder, _, line = line.partition(" ")
+            line = line.split(":", 1)[1]
+        if folder is not None:
+            lists[folder] = lists.get(folder, "") + " " + line
+    return {f: {n.strip() for n in re.sub(r"\([^)]*\)", "", names).split(",") if n.strip()}
+            for f, names in lists.items()}
+
+
+def code_floors() -> dict[str, set[str]]:
+    """Folder of hsstore/ -> its modules (``hsstore/``: the top floor's, without the package and its ``__main__``)."""
+    hs = ROOT / "hsstore"
+    out = {"hsstore/": {p.stem for p in hs.glob("*.py")} - TOP}
+    for d in sorted(hs.iterdir()):
+        if (d / "__init__.py").exists():
+            out[f"hsstore/{d.name}/"] = {p.stem for p in d.glob("*.py")} - {"__init__"}
+    return out
+
+
+def table_files(text: str, heading: str) -> list[str]:
+    """The files the first column of the module table under ``heading`` names, as paths from the folder the table
+    is about: ``loader/dataset.py``, ``options.py`` in one row is loader/dataset.py and loader/options.py."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for name in re.findall(r"`([\w/]+\.py)`", line.split("|")[1]):
+            folder = name.rpartition("/")[0] + "/" if "/" in name else folder
+            out.append(name if "/" in name else folder + name)
+    return out
+
+
+def protocol_sentence(text: str) -> tuple[int, list[str]]:
+    """(how many functions ARCHITECTURE says the layout protocol has, the functions it names)."""
+    m = re.search(r"The `Layout` protocol \(`layouts/base.py`\) is (\w+) functions:(.*?)\.\s", text, re.S)
+    assert m, "ARCHITECTURE.md no longer says what the layout protocol is"
+    return NUMBERS[m.group(1)], re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", m.group(2)))
+
+
+def test_the_doc_list_readers_are_found():
+    text = ("## hsstore/ — by floor\n```\nhsstore/     core: errors, distributed (World), version\n"
+            "hsstore/io/  bytes: storage, door (the one\n              way), sinks,\n              memory\n```\n"
+            "| `io/door.py`, `receive.py` | x |\n| `env.py` | y |\n## next\n"
+            "The `Layout` protocol (`layouts/base.py`) is two functions: `a` (tokens `x:y` read), and `b`. More.\n")
+    assert floor_modules(text) == {"hsstore/": {"errors", "distributed", "version"},
+                                   "hsstore/io/": {"storage", "door", "sinks", "memory"}}
+    assert table_files(text, "```\n") == ["io/door.py", "io/receive.py", "env.py"]
+    assert protocol_sentence(text) == (2, ["a", "b"])
+
+
+def test_architecture_names_each_floors_modules():
+    """The "by floor" block names every module of each subpackage of hsstore/, and only those."""
+    named, code = floor_modules(ARCHITECTURE.read_text()), code_floors()
+    wrong = [f"{d}: missing {sorted(code.get(d, set()) - named.get(d, set()))}, gone "
+             f"{sorted(named.get(d, set()) - code.get(d, set()))}" for d in sorted(set(named) | set(code))
+             if named.get(d) != code.get(d)]
+    assert not wrong, "docs/ARCHITECTURE.md's floors are not the code's:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("heading,folder", [("## hsstore/ — by floor", "hsstore"),
+                                            ("## extract/ — input to store", "extract"),
+                                            ("## train/ — store to drafter", "train")])
+def test_architecture_module_tables_name_modules_that_exist(heading, folder):
+    """Every file a module table names exists; extract's and train's tables name each of their modules."""
+    named = table_files(ARCHITECTURE.read_text(), heading)
+    gone = sorted(n for n in named if not (ROOT / folder / n).is_file())
+    assert not gone, f"docs/ARCHITECTURE.md names {folder}/ files that do not exist: {gone}"
+    if folder != "hsstore":  # hsstore/'s table groups its modules by job; its floors are held above
+        missing = sorted({p.name for p in (ROOT / folder).glob("*.py")} - {"__init__.py"} - set(named))
+        assert not missing, f"docs/ARCHITECTURE.md's {folder}/ table lacks {missing}"
+
+
+def test_architecture_states_the_layout_protocol_as_the_code_has_it():
+    count, names = protocol_sentence(ARCHITECTURE.read_text())
+    code = [a for a, v in vars(layout.Layout).items() if not a.startswith("_") and callable(v)]
+    assert (count, names) == (len(code), code), (
+        f"docs/ARCHITECTURE.md says the layout protocol is {count} functions {names}; layouts/base.py has "
+        f"{len(code)}: {code}")
+
+
+def test_package_doc_names_the_floors_as_they_are():
+    """hsstore/__init__'s doc, where readers start, names every subpackage and the core's modules, and only those."""
+    import hsstore
+
+    doc = hsstore.__doc__
+    core = re.search(r"the core \(([^)]*)\)", doc)
+    assert core, "hsstore/__init__'s doc no longer names the core"
+    floors = code_floors()
+    assert set(re.findall(r"``(\w+)``", core.group(1))) == floors["hsstore/"]
+    assert set(re.findall(r"``(\w+)``", doc[core.end():])) == {f.split("/")[1] for f in floors if f != "hsstore/"}

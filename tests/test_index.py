@@ -475,9 +475,9 @@ def test_records_gone_from_the_end_of_a_block_still_read(tmp_path):
     store = hsstore.open(url)
     assert [c.shard for c in store.commits] == names[:-1] and store.index_use.indexed == 3
     assert [store.read(i)["sample_id"] for i in range(len(store))] == ["s0", "s1", "s2"]
-    from hsstore.store.reader import _shared_payload
+    from hsstore.store import broadcast
 
-    data = _shared_payload(store)
+    data = broadcast.encode(store.manifest, store.index_use, store.table)
     (n,) = struct.unpack("<I", data[:4])
     table = index.decode_segment("shared", data[4 + n:]).table
     assert [records.Records(table, fallback=None)[i].shard for i in range(len(table))] == names[:-1]

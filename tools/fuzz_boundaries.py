@@ -181,7 +181,7 @@ def _plain(p: Path) -> bool:
 
 
 def _json_edit(rng: random.Random, p: Path) -> str:
-    from tools.fuzz_store import _set_random
+    from tools.fuzz_oracles import set_random
 
     if not _plain(p):
         return f"json {p.name}: not a plain file now"
@@ -194,7 +194,7 @@ def _json_edit(rng: random.Random, p: Path) -> str:
         doc = json.loads(p.read_text())
     except (ValueError, RecursionError):  # an earlier mutation made it not JSON
         return f"json {p.name}: not JSON now"
-    where = _set_random(rng, doc, rng.choice(HOSTILE_JSON))
+    where = set_random(rng, doc, rng.choice(HOSTILE_JSON))
     p.write_text(json.dumps(doc))
     return f"json {p.name}:{where}"
 
@@ -432,7 +432,7 @@ def forge(family: str, rng: random.Random, base: dict, d: Path) -> dict[str, Any
         _forge_family(family, rng, base, d, sentinel, case)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OSError) as e:
         case["mutations"].append(f"forging stopped: {type(e).__name__}")  # what it forged so far is the case
-    from tools.fuzz_store import tree_digest
+    from tools.fuzz_oracles import tree_digest
 
     case["sentinel"] = tree_digest(sentinel)
     case["atimes"] = age_atimes(sentinel)
@@ -575,10 +575,10 @@ def commands(case: dict, base: dict, d: Path, stack: contextlib.ExitStack) -> tu
 
 
 def drive(case: dict, base: dict) -> dict:
-    """Run a case's commands (``fuzz_store.run_command``: alarm, captured output, memory), then the checks of what
+    """Run a case's commands (``fuzz_oracles.run_command``: alarm, captured output, memory), then the checks of what
     they read outside their input."""
     from hsstore.app.cli import main
-    from tools.fuzz_store import run_command, tree_digest
+    from tools.fuzz_oracles import run_command, tree_digest
 
     d = Path(case["dir"])
     results, failures = {}, []

@@ -119,11 +119,11 @@ class Epoch0Steps:
         self.next = 0
 
     def update(self) -> int:
-        plan = self.ds.follow_plan()
+        plan = self.ds.epoch_source(0).plan()  # a follower's: loader.follow.JournalEpoch
         for k in plan.joins():
             if k < self.next:
                 continue
-            cat = plan.part(k).view.catalog
+            cat = plan.part(k).catalog
             for (r, w), budget in self.budgets.items():
                 rows = plan.slot_plan(k, None, 0, 0, self.ds.world.at(r, w, self.workers)).rows
                 self.batches[(r, w)] += sum(budget.add(int(t)) for t in (cat.stop - cat.start)[rows])

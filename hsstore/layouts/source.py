@@ -26,7 +26,7 @@ from ..format.commit import SHARDS_DIR
 from ..errors import StoreError
 from ..format.manifest import Manifest, canonical_json_hash
 
-INHERITED: list = []  # filesystems a forked child inherited: kept alive for good, never used (see store/reader.py)
+INHERITED: list = []  # filesystems a forked child inherited: kept alive for good, never used (see store/fork.py)
 
 
 @dataclass

@@ -50,20 +50,22 @@ releases as it drops the items (``memory.SharedRing``), so handing an item over 
 worker rewrites no memory the trainer still holds. Under ``TokenBatches`` a sample is read straight into its slot
 of the batch it will be in (``batching.BatchSlots``; ``_SlotReader.place``) instead of a unit buffer.
 
-Where the parts live: steps 1-5 in ``plan``, the resume state in ``resume``, item and batch memory in
-``memory``; this module builds the dataset and reads each slot's plan.
+Where the parts live: steps 1-5 in ``plan``, each epoch's source (the plan of the stores as they stand, or of a
+follower's journal) in ``epochs``, the resume state in ``resume``, item and batch memory in ``memory``; this
+module builds the dataset and reads each slot's plan.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import multiprocessing
 import time
 import os
-from collections import deque
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -79,12 +81,12 @@ from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
 from ..io.memory import BufferPool, Rows, empty_host, hand_over
-from .follow import Follow, FollowPlan, FollowReader, Journal, Leader, epoch0_lengths, final_stores
 from .options import Planning, Reading, Selection
-from .plan import Filters, Planner, SlotPlan, build_catalog
+from .epochs import EpochPart, EpochParts, EpochSource, LiveEpoch, LiveStores, PlanInputs, StoreEpoch
+from .plan import SlotPlan, build_catalog
 from ..store import reader
 from ..store.reader import Store, open_shared
-from .resume import LoaderState, LoaderStateError
+from .resume import LoaderState, LoaderStateError, SlotProgress
 
 log = logging.getLogger(__name__)
 
@@ -98,33 +100,6 @@ def read_ahead_units(rate: float, request_s: float, request_bytes: float, reques
     need = rate * max(0.0, request_s) / max(1.0, request_bytes)
     need = min(need, float(concurrency) + requests_per_unit)
     return int(min(cap, max(floor, math.ceil(need / max(1.0, requests_per_unit)) + 1)))
-
-
-@dataclass
-class _SlotProgress:
-    """The live iterator's position, read by ``state_dict`` (in the process that iterates)."""
-
-    epoch: int
-    done: str | None
-    phase: int
-    world: World
-    nodes: int | None = None  # the plan's node count (None: a global plan)
-    count: int = 0
-    skipped: int = 0
-    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset (``LoaderState.follow``)
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
-
-    def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
-        """``pending``: the last ``pending`` items handed out are not consumed yet (a resume repeats them)."""
-        count = self.count
-        if pending:
-            if pending > len(self.recent):
-                raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
-            count = self.recent[-pending]
-        slot = self.world.slot
-        return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
-                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
-                           dict(self.follow) if self.follow is not None else None)
 
 
 class _ReadSample(NamedTuple):
@@ -180,8 +155,8 @@ class HiddenStateDataset(IterableDataset):
     torch.distributed, the first rank reads the stores' commit records and broadcasts them
     (``hsstore.store.reader.open_shared``): a collective, so every rank must build the dataset (as DDP code does).
     DataLoader workers never re-read them: they get the opened stores with the dataset. ``follow``: epoch 0 takes
-    the stores' shards as they commit and ends when every writer finished (``loader.follow``); epochs 1.. are
-    ordinary epochs of what it took.
+    the stores' shards as they commit and ends when every writer finished (``loader.follow.Follow``); epochs 1.. are
+    ordinary epochs of what it took. Each epoch is planned and started by its source (``epoch_source``).
     """
 
     def __init__(
@@ -195,7 +170,7 @@ class HiddenStateDataset(IterableDataset):
         world: World | None = None,
         storage_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         share_metadata: bool = False,
-        follow: Follow | None = None,
+        follow: LiveStores | None = None,
     ) -> None:
         super().__init__()
         if follow is not None and selection.where is not None:
@@ -221,10 +196,12 @@ class HiddenStateDataset(IterableDataset):
         self.filters = self.selection.filters()
         self.world = (world or World.detect(by_node=planning.partition == "node")).at(worker=0, workers=1)
         self.max_prefetch = reading.max_prefetch(self.unit_tokens * self.token_bytes)
+        self.plan_inputs = PlanInputs(self.filters, tuple(self.weights), planning, self.unit_tokens, self.token_bytes,
+                                      self.nodes)
         self._plan_stores()
         self._final = False  # following: whether the stores are those epoch 0 took (``_finalize``)
-        if follow is not None and follow.lead and self.world.rank == 0:  # the leader's journal, before any reader
-            Journal.create(follow.journal, [s.url for s in self.stores])
+        self._first_epoch: LiveEpoch | None = (None if follow is None else
+                                               follow.first_epoch(self.plan_inputs, self.stores, self.world))
         if self.nodes is not None:
             self._log_share()
         self._built = time.time()  # the chunk cache keeps what this run cached since (``cache.ChunkCache``)
@@ -232,14 +209,11 @@ class HiddenStateDataset(IterableDataset):
         self._epoch_plain = 0
         self.share_memory: bool | None = None  # None: shared memory in DataLoader workers (see _alloc)
         self._resume: LoaderState | None = None
-        self._live: _SlotProgress | None = None
+        self._live: SlotProgress | None = None
 
     def _plan_stores(self) -> None:
         """The planner of ``self.catalog`` (every epoch but a follower's epoch 0)."""
-        p = self.planning
-        self.planner = Planner(self.catalog, self.weights, seed=p.seed, shuffle=p.shuffle, even=p.even,
-                               unit_tokens=self.unit_tokens, token_bytes=self.token_bytes,
-                               shuffle_bytes=p.shuffle_bytes, partition=p.partition)
+        self.planner = self.plan_inputs.planner(self.catalog)
 
     def _check_stores(self, layers: Sequence[int] | None) -> None:
         """The stores agree (one manifest's compatibility key), hold samples and the layers asked for
@@ -268,7 +242,6 @@ class HiddenStateDataset(IterableDataset):
         state = dict(self.__dict__)
         state["_live"] = None
         state.pop("_buffers", None)
-        state.pop("_follow", None)  # a follower's plan is read from its journal again where it is used
         if self._epoch_box is not None and multiprocessing.context.get_spawning_popen() is None:
             state["_epoch_box"], state["_epoch_plain"] = None, self.epoch  # plain pickling: a snapshot
         return state
@@ -289,69 +262,43 @@ class HiddenStateDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (a new order per epoch). A loaded resume state for another epoch is dropped. A
         follower's epochs after the first need its epoch 0 ended (every writer finished)."""
-        if self.follow is not None and int(epoch) > 0:
+        if self._first_epoch is not None and int(epoch) > 0:
             self._finalize()
         self.epoch = int(epoch)
         if self._resume is not None and self._resume.epoch != self.epoch:
             self._resume = None
 
-    # -- following ------------------------------------------------------------------------------------------
-    def _following(self) -> bool:
-        """Whether the current epoch is a follower's epoch 0 (planned from the journal)."""
-        return self.follow is not None and self.epoch == 0
+    # -- the epochs' sources ---------------------------------------------------------------------------------
+    def epoch_source(self, epoch: int | None = None) -> EpochSource:
+        """How epoch ``epoch`` (default: the current one) is planned and read (``loader.epochs``): a follower's epoch
+        0 from its journal, every other epoch from the stores (a follower's later epochs: as epoch 0 took them)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._first_epoch is not None:
+            if epoch == 0:
+                return self._first_epoch
+            self._finalize()  # here too, not only in set_epoch: persistent workers learn the epoch from shared memory
+        return self._stores_epoch(epoch)
 
-    def follow_plan(self) -> FollowPlan:
-        """This process's plan of epoch 0 from the journal (a follower only)."""
-        got = self.__dict__.get("_follow")
-        if got is None or got[0] != os.getpid():
-            got = self.__dict__["_follow"] = (os.getpid(), FollowPlan(self, Journal.wait_for(self.follow.journal)))
-        return got[1]
+    def _stores_epoch(self, epoch: int) -> StoreEpoch:
+        """Epoch ``epoch`` planned from the stores as this dataset holds them (``epochs.StoreEpoch``)."""
+        return StoreEpoch(self.planner, self.stores, self.catalog, int(epoch), self.world, self.nodes)
+
+    def follow_plan(self) -> Any:
+        """Deprecated: ``epoch_source(0).plan()`` (a follower's epoch 0 is ``loader.follow.JournalEpoch``)."""
+        warnings.warn("HiddenStateDataset.follow_plan() is deprecated: a follower's epoch_source(0) plans epoch 0 "
+                      "(its plan() is what this returned)", DeprecationWarning, stacklevel=2)
+        return self.epoch_source(0).plan()  # type: ignore[attr-defined]
 
     def _finalize(self) -> None:
         """Epochs 1..: the stores as epoch 0 took them (every joined shard), planned as any store."""
         if self._final:
             return
-        journal = self.follow_plan().journal
-        out = journal.outcome()
-        if out is None or out.kind != "end":
-            raise StoreError(f"epoch 0 of {', '.join(repr(s.url) for s in self.stores)} has not ended (follow journal "
-                             f"{journal.path}: {'stopped: ' + str(out.why) if out else 'writers still writing'}); "
-                             "epochs after it read every shard")
-        self.stores = final_stores(self, journal)
-        self.catalog = build_catalog(self.stores, self.filters, self.unit_tokens)
+        self.stores = self._first_epoch.final_stores()
+        self.catalog = self.plan_inputs.catalog(self.stores)
         if len(self.catalog) == 0:
             raise StoreError(f"no samples left after filters {self.filters.describe()} in what epoch 0 followed")
         self._plan_stores()
         self._final = True
-
-    def _config(self) -> dict[str, Any]:
-        return self.follow_plan().config() if self._following() else self.planner.config
-
-    def _follow_start(self) -> tuple[_SlotProgress, FollowReader]:
-        """Where this slot's epoch 0 starts (as ``_position``, over the journal's joins), and its reader; the
-        reader of rank 0, worker 0 leads when the follow options say so."""
-        world = self.world.in_worker()
-        plan = self.follow_plan()
-        resume = self._resumed()
-        done, phase, count, skipped = None, 0, 0, 0
-        follow = {"journal": plan.journal.id, "joins": 0, "done_joins": 0}
-        if resume is not None:
-            done, phase, follow = resume.done, resume.phase, dict(resume.follow)
-            same = resume.world == (world.world, world.workers) and resume.nodes == self.nodes
-            if resume.world is not None and same:
-                if world.slot not in resume.counts:
-                    raise LoaderStateError(f"resume state has no position for rank {world.rank} worker "
-                                           f"{world.worker} (it covers slots {sorted(resume.counts)})")
-                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
-            elif resume.world is not None:
-                log.info("resuming epoch 0 (following) on %d rank(s) x %d worker(s) from a state of %d x %d: "
-                         "re-cutting the remaining samples of every join", world.world, world.workers, *resume.world)
-                done, span = plan.fold(resume)
-                phase, follow = phase + 1, {**follow, "joins": span, "done_joins": span}
-        progress = _SlotProgress(0, done, phase, world, self.nodes, count, skipped, follow=follow)
-        leader = Leader(plan.journal, self.stores, self.follow).start() if (
-            self.follow.lead and world.slot == 0) else None
-        return progress, FollowReader(self, plan, progress, leader, _SlotReader)
 
     def _log_share(self) -> None:
         units, nbytes = self.planner.node_share(self.world.nodes, self.world.node)
@@ -389,45 +336,23 @@ class HiddenStateDataset(IterableDataset):
         """The loaded resume state when it is for the current epoch."""
         return self._resume if self._resume is not None and self._resume.epoch == self.epoch else None
 
-    def _fresh_plan(self, epoch: int, world: World | None) -> SlotPlan:
-        world = self.world if world is None else world
-        if (world.world, world.nodes) != (self.world.world, self.world.nodes):
-            raise ValueError(f"{world} is not a reader of this dataset's world {self.world}")
-        return self.planner.slot_plan(int(epoch), None, 0, world)
-
     def planned_lengths(self, epoch: int, world: World | None = None) -> np.ndarray:
         """Token counts of the samples one slot hands out in ``epoch``, in order, from the epoch's start.
 
         A slot is one reader of this dataset's world (default: this rank, in-process: worker 0 of 1; another:
         ``ds.world.at(rank, worker, workers)``). Metadata only, so cheap: with ``hsstore.count_token_batches``
         it gives the steps of every epoch before any is read. A follower's epoch 0: what joined so far."""
-        if self.follow is not None and int(epoch) == 0:
-            parts = epoch0_lengths(self.follow_plan(), self.world if world is None else world)
-            return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        if self.follow is not None:
-            self._finalize()
-        rows = self._fresh_plan(epoch, world).rows
-        return (self.catalog.stop - self.catalog.start)[rows]
+        parts = self.epoch_source(epoch).planned(self.world if world is None else world)
+        return _joined([p.lengths() for p in parts])
 
     def planned_ids(self, epoch: int, world: World | None = None) -> list[str]:
         """The sample ids of that same order (what the slot yields, less skipped corrupt samples)."""
-        if self.follow is not None and int(epoch) == 0:
-            plan, world = self.follow_plan(), self.world if world is None else world
-            return [plan.part(k).view._sample_id(int(r)) for k in plan.joins()
-                    for r in plan.slot_plan(k, None, 0, 0, world).rows]
-        if self.follow is not None:
-            self._finalize()
-        return [self._sample_id(int(row)) for row in self._fresh_plan(epoch, world).rows]
+        parts = self.epoch_source(epoch).planned(self.world if world is None else world)
+        return [i for p in parts for i in p.sample_ids()]
 
     def rank_counts(self) -> list[int]:
         """Entries each rank hands out this epoch (rank ranges do not depend on the worker count)."""
-        if self._following():  # what joined so far, from the start of epoch 0
-            plan = self.follow_plan()
-            return [sum(len(plan.slot_plan(k, None, 0, 0, self.world.at(r))) for k in plan.joins())
-                    for r in range(self.world.world)]
-        resume = self._resumed()
-        done, phase = (resume.done, resume.phase) if resume else (None, 0)
-        return self.planner.rank_counts(self.epoch, done, phase, self.world)
+        return self.epoch_source().rank_counts(self._resumed(), self.world)
 
     def __len__(self) -> int:
         """Entries this rank hands out in the current epoch (after a resume: from the start of the
@@ -446,23 +371,19 @@ class HiddenStateDataset(IterableDataset):
             resume = self._resumed()
             if resume is not None:
                 return resume.to_dict()
-            fresh = ({"journal": self.follow_plan().journal.id, "joins": 0, "done_joins": 0} if self._following()
-                     else None)
-            return LoaderState(self._config(), self.epoch, nodes=self.nodes, follow=fresh).to_dict()
-        return live.state(self._config(), pending).to_dict()
+            return self.epoch_source().initial_state().to_dict()
+        return live.state(self.epoch_source().config(), pending).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume the epoch recorded in ``state`` (from ``state_dict`` or ``merge_states``) at its position."""
         resume = LoaderState.find(state)
         if resume.follow is not None:
-            if self.follow is None:
+            if self._first_epoch is None:
                 raise LoaderStateError("resume state is of a following dataset's epoch 0 (follow journal "
                                        f"{resume.follow['journal']}); this dataset does not follow")
-            config = self.follow_plan().config()
-        else:
-            if self.follow is not None and resume.epoch > 0:
-                self._finalize()
-            config = self.planner.config
+            config = self._first_epoch.config()
+        else:  # a follower's later epochs: the stores as epoch 0 took them
+            config = (self.epoch_source(resume.epoch) if resume.epoch > 0 else self._stores_epoch(0)).config()
         diffs = [f"{k}: {resume.config.get(k)!r} vs {v!r}" for k, v in config.items()
                  if resume.config.get(k) != v]
         partition = self.planning.partition
@@ -476,47 +397,28 @@ class HiddenStateDataset(IterableDataset):
         self._live = None
 
     # -- iteration ----------------------------------------------------------------------------------------
-    def _position(self) -> tuple[_SlotProgress, SlotPlan]:
-        world = self.world.in_worker()
-        resume = self._resumed()
-        done, phase, count, skipped = None, 0, 0, 0
-        if resume is not None:
-            done, phase = resume.done, resume.phase
-            if resume.world is None:
-                if resume.nodes != self.nodes:
-                    log.info("epoch %d starts on %s node(s), the saved state was from %s: node shares are "
-                             "re-partitioned (local caches hold other units now)", self.epoch, self.nodes,
-                             resume.nodes)
-            elif resume.world == (world.world, world.workers) and resume.nodes == self.nodes:
-                if world.slot not in resume.counts:
-                    raise LoaderStateError(
-                        f"resume state has no position for rank {world.rank} worker {world.worker} (it covers "
-                        f"slots {sorted(resume.counts)}); load each worker's own state (StatefulDataLoader does) "
-                        "or a merge of all of them")
-                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
-            else:
-                if resume.nodes != self.nodes:
-                    log.info("resuming epoch %d on %s node(s) from a state of %s node(s): re-partitioning the "
-                             "remaining samples over the nodes (node shares, and so what local caches hold, "
-                             "change)", self.epoch, self.nodes, resume.nodes)
-                log.info("resuming epoch %d on %d rank(s) x %d worker(s) from a state of %d x %d: "
-                         "re-cutting the remaining samples", self.epoch, world.world, world.workers, *resume.world)
-                done, phase = self.planner.fold(resume), phase + 1
-        plan = self.planner.slot_plan(self.epoch, done, phase, world)
-        if count > len(plan):
-            raise LoaderStateError(f"resume position {count} beyond this slot's {len(plan)} entries")
-        return _SlotProgress(self.epoch, done, phase, world, self.nodes, count, skipped), plan
-
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._following():
-            progress, reader = self._follow_start()
-            self._live = progress
-            return reader
-        progress, plan = self._position()
+        progress, read = self.epoch_source().start(self._resumed(), self.world.in_worker())
         self._live = progress
-        return _SlotReader(self, plan, progress)
+        if isinstance(read, EpochPart):  # the epoch planned ahead: one plan, its samples placeable in batches
+            return _SlotReader(self._over(read), read.plan, progress)
+        return _PartsReader(self, read, progress)
 
     # -- reading ------------------------------------------------------------------------------------------
+    def _over(self, part: EpochPart) -> "HiddenStateDataset":
+        """This dataset reading ``part``'s rows of its stores: itself for its own, else a shallow copy that shares
+        this process's buffers and chunk caches (a follower's join: the same stores, holding the join's shards)."""
+        if part.catalog is self.catalog:
+            return self
+        self._attach_cache()
+        for mine, base in zip(part.stores, self.stores):
+            if base.chunk_cache is not None:
+                mine.use_chunk_cache(base.chunk_cache)
+        self._pool()
+        view = copy.copy(self)
+        view.stores, view.catalog = list(part.stores), part.catalog
+        return view
+
     def _attach_cache(self) -> None:
         cache_dir = self.reading.cache_dir
         if cache_dir is None:
@@ -558,8 +460,7 @@ class HiddenStateDataset(IterableDataset):
             return f"it cannot be reached ({type(e).__name__}: {e})"
 
     def _sample_id(self, row: int) -> str:
-        cat = self.catalog
-        return self.stores[int(cat.store[row])].commits[int(cat.shard[row])].samples["sample_id"][int(cat.local[row])]
+        return self.catalog.sample_id(self.stores, row)
 
     def feature_layout(self) -> tuple[int, int, torch.dtype, bool, bool]:
         """What an item's features are, per token: (features read, hidden size, torch dtype of the features, fp8
@@ -677,6 +578,11 @@ class HiddenStateDataset(IterableDataset):
                 f"rank={self.world.rank}/{self.world.world}, epoch={self.epoch})")
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of a slot's parts' arrays, in order."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def _storage_bits(feats: torch.Tensor, dtype: str) -> np.ndarray:
     """The bits of features (an item's dtype, or fp8) as the store's storage dtype, for ``read_range`` to fill."""
     if feats.dtype == fp8.FP8_DTYPE:
@@ -701,7 +607,7 @@ class _SlotReader:
     ``place`` (before the first item): each sample is read straight into the memory it gives the sample's plan
     position (``TokenBatches``: its slot of the batch it will be in), rather than into a unit buffer."""
 
-    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: _SlotProgress, offset: int = 0) -> None:
+    def __init__(self, ds: HiddenStateDataset, plan: SlotPlan, progress: SlotProgress, offset: int = 0) -> None:
         self.ds, self.plan, self.progress, self.offset = ds, plan, progress, offset
         self.pos = progress.count - offset
         self.rows = plan.rows
@@ -821,6 +727,55 @@ class _SlotReader:
         self.futures.clear()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _PartsReader:
+    """Iterator over a slot's epoch that its source gives part after part (``epochs.EpochParts``: a follower's epoch
+    0, a part per join): each part's plan read by a ``_SlotReader``, its positions after the parts before it. A part
+    wholly handed out before a resume is passed over."""
+
+    def __init__(self, ds: HiddenStateDataset, parts: EpochParts, progress: SlotProgress) -> None:
+        self.ds, self.parts, self.progress = ds, parts, progress
+        self.offset, self.length = 0, 0
+        self.reader: _SlotReader | None = None
+
+    def __iter__(self) -> "_PartsReader":
+        return self
+
+    def _open_next(self) -> None:
+        while True:
+            part = next(self.parts)
+            if self.progress.count >= self.offset + len(part.plan):
+                self.offset += len(part.plan)
+                continue
+            self.reader = _SlotReader(self.ds._over(part), part.plan, self.progress, offset=self.offset)
+            self.length = len(part.plan)
+            return
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            while True:
+                if self.reader is None:
+                    self._open_next()
+                try:
+                    return next(self.reader)
+                except StopIteration:
+                    self.offset += self.length
+                    self.reader = None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        self.parts.close()
 
     def __del__(self) -> None:
         try:

@@ -25,7 +25,6 @@ finished store is training on it.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -33,8 +32,9 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -47,12 +47,12 @@ from ..format.manifest import now_iso
 from ..redaction import recordable_url
 from ..store.reader import Store
 from ..terminal import escape
-from .plan import Planner, SlotPlan, build_catalog
-from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
+from .epochs import EpochPart, PlanInputs
+from .plan import Catalog, Planner, SlotPlan
+from .resume import LoaderState, LoaderStateError, SlotProgress, log_recut, pack_done, unpack_done
 
 if TYPE_CHECKING:
     from ..distributed import World
-    from .dataset import HiddenStateDataset
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,13 @@ class Follow:
     poll_s: tuple[float, float] = field(default_factory=poll_seconds)
     report_s: float = REPORT_S
     deadline_s: float | None = None
+
+    def first_epoch(self, inputs: PlanInputs, stores: Sequence[Store], world: "World") -> "JournalEpoch":
+        """Epoch 0's source (``epochs.LiveStores``), made where the dataset is built: the leader's journal first (rank
+        0), before any reader looks for it."""
+        if self.lead and world.rank == 0:
+            Journal.create(self.journal, [s.url for s in stores])
+        return JournalEpoch(self, stores, inputs)
 
 
 def join_seed(seed: int, k: int) -> int:
@@ -490,19 +497,28 @@ class Leader:
 # -- the plan of epoch 0 -------------------------------------------------------------------------------------------
 @dataclass
 class JoinPart:
-    """Join ``k`` as the readers plan it: a view of the dataset over the join's shards alone."""
+    """Join ``k`` as the readers plan it: the stores holding the join's shards alone, their catalog and its planner."""
 
     k: int
-    view: Any  # HiddenStateDataset: stores, catalog and planner of this join
+    stores: list[Store]
+    catalog: Catalog
     planner: Planner
     entries: int
 
+    @property
+    def view(self) -> "JoinPart":
+        """Deprecated: the join's stores and catalog are this part's own (``stores``, ``catalog``)."""
+        warnings.warn("JoinPart.view is deprecated: the part holds the join's stores and catalog itself "
+                      "(JoinPart.stores, JoinPart.catalog)", DeprecationWarning, stacklevel=2)
+        return self
+
 
 class FollowPlan:
-    """Epoch 0 of a following dataset, from its journal (one per process; made again in each worker)."""
+    """Epoch 0 of a following dataset, from its journal (one per process; made again in each worker). ``stores``:
+    the dataset's stores (a join's stores are theirs, holding the join's shards alone)."""
 
-    def __init__(self, ds: "HiddenStateDataset", journal: Journal) -> None:
-        self.ds, self.journal = ds, journal
+    def __init__(self, journal: Journal, stores: Sequence[Store], inputs: PlanInputs) -> None:
+        self.journal, self.stores, self.inputs = journal, list(stores), inputs
         self.started = time.time()  # a deadline's stop written before ends an earlier run, not this one
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
@@ -510,35 +526,23 @@ class FollowPlan:
 
     def config(self) -> dict[str, Any]:
         """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
-        cfg = {k: v for k, v in self.ds.planner.config.items() if k != "catalog"}
-        return {"follow": self.journal.id, **cfg}
+        return {"follow": self.journal.id, **self.inputs.settings()}
 
     def part(self, k: int) -> JoinPart:
         if k not in self._parts:
             e = self.journal.entry(k)
             if e is None or e.kind != "join":
                 raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
-            ds = self.ds
             tables = self.journal.tables(e)
             stores = [Store(s.url, s.storage_options, allow_locations=s.allow_locations,
                             loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()))
-                      for si, s in enumerate(ds.stores)]
-            ds._attach_cache()
-            for mine, base in zip(stores, ds.stores):
-                if base.chunk_cache is not None:
-                    mine.use_chunk_cache(base.chunk_cache)
-            catalog = build_catalog(stores, ds.filters, ds.unit_tokens)
-            p = ds.planning
-            planner = Planner(catalog, ds.weights, seed=join_seed(p.seed, k), shuffle=p.shuffle, even=None,
-                              unit_tokens=ds.unit_tokens, token_bytes=ds.token_bytes, shuffle_bytes=p.shuffle_bytes,
-                              partition=p.partition)
-            ds._pool()  # the view shares this process's buffers
-            view = copy.copy(ds)
-            view.stores, view.catalog, view.planner, view.follow = stores, catalog, planner, None
-            n = len(planner.epoch_order(0, ds.nodes)) if len(catalog) else 0
+                      for si, s in enumerate(self.stores)]
+            catalog = self.inputs.catalog(stores)
+            planner = self.inputs.planner(catalog, seed=join_seed(self.inputs.planning.seed, k))
+            n = len(planner.epoch_order(0, self.inputs.nodes)) if len(catalog) else 0
             self._sizes[k] = n
             self._parts = {j: v for j, v in self._parts.items() if j >= k - 1}  # the join being read, and the last
-            self._parts[k] = JoinPart(k, view, planner, n)
+            self._parts[k] = JoinPart(k, stores, catalog, planner, n)
         return self._parts[k]
 
     def entries(self, k: int) -> int:
@@ -617,35 +621,112 @@ def _empty_table() -> records.RecordTable:
 
 
 def epoch0_lengths(plan: FollowPlan, world: "World", upto: int | None = None) -> list[np.ndarray]:
-    """Token counts of what ``world``'s slot hands out in epoch 0, join by join (a fresh plan), for the joins
-    before ``upto`` (None: all written so far)."""
+    """Deprecated: ``HiddenStateDataset.planned_lengths(0, world)`` (``JournalEpoch.planned``, join by join)."""
+    warnings.warn("epoch0_lengths is deprecated: HiddenStateDataset.planned_lengths(0, world) gives them "
+                  "(JournalEpoch.planned, join by join)", DeprecationWarning, stacklevel=2)
     out = []
     for k in plan.joins():
         if upto is not None and k >= upto:
             break
         sp = plan.slot_plan(k, None, 0, 0, world)
-        cat = plan.part(k).view.catalog
+        cat = plan.part(k).catalog
         out.append((cat.stop - cat.start)[sp.rows] if len(sp) else np.zeros(0, np.int64))
     return out
 
 
-# -- reading epoch 0 -------------------------------------------------------------------------------------------
-class FollowReader:
-    """One slot's epoch 0: its part of each join in journal order, waiting for the next entry when it has caught
-    up; the end entry ends it, a stop entry raises ``FollowStopped`` (unless unhealthy data is allowed)."""
+# -- epoch 0 as the dataset's epoch source -------------------------------------------------------------------------
+class JournalEpoch:
+    """Epoch 0 of stores being written, planned from the follow journal (``epochs.LiveEpoch``): a part per join, in
+    journal order. It travels with the dataset to DataLoader workers; each process plans from the journal itself
+    (``plan``). ``stores``: the dataset's, as it holds them (as opened; as epoch 0 took them once it ended)."""
 
-    def __init__(self, ds: "HiddenStateDataset", plan: FollowPlan, progress, leader: Leader | None,
-                 slot_reader) -> None:
-        """``slot_reader(view, plan, progress, offset)``: the reader of one join's part (``dataset._SlotReader``)."""
-        self.ds, self.plan, self.progress, self.leader, self.slot_reader = ds, plan, progress, leader, slot_reader
-        self.k, self.offset, self.reader = 0, 0, None
+    def __init__(self, options: Follow, stores: Sequence[Store], inputs: PlanInputs) -> None:
+        self.options, self.stores, self.inputs = options, list(stores), inputs
+        self._plan: tuple[int, FollowPlan] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_plan": None}  # a follower's plan is read from its journal again where it is used
+
+    def plan(self) -> FollowPlan:
+        """This process's plan of epoch 0 from the journal."""
+        if self._plan is None or self._plan[0] != os.getpid():
+            self._plan = (os.getpid(), FollowPlan(Journal.wait_for(self.options.journal), self.stores, self.inputs))
+        return self._plan[1]
+
+    def config(self) -> dict[str, Any]:
+        return self.plan().config()
+
+    def initial_state(self) -> LoaderState:
+        plan = self.plan()
+        return LoaderState(plan.config(), 0, nodes=self.inputs.nodes,
+                           follow={"journal": plan.journal.id, "joins": 0, "done_joins": 0})
+
+    @staticmethod
+    def parts_of(plan: FollowPlan, world: "World") -> Iterator[EpochPart]:
+        """``world``'s part of each join written so far (a fresh plan)."""
+        for k in plan.joins():
+            part = plan.part(k)
+            yield EpochPart(part.stores, part.catalog, plan.slot_plan(k, None, 0, 0, world))
+
+    def planned(self, world: "World") -> Iterator[EpochPart]:
+        return self.parts_of(self.plan(), world)
+
+    def rank_counts(self, resume: LoaderState | None, world: "World") -> list[int]:
+        """What joined so far, from the start of epoch 0."""
+        plan = self.plan()
+        return [sum(len(plan.slot_plan(k, None, 0, 0, world.at(r))) for k in plan.joins()) for r in range(world.world)]
+
+    def start(self, resume: LoaderState | None, world: "World") -> tuple[SlotProgress, "JoinParts"]:
+        """Where slot ``world`` starts epoch 0 (as ``epochs.StoreEpoch.start``, over the journal's joins), and its
+        parts; the reader of rank 0, worker 0 leads when the follow options say so."""
+        plan = self.plan()
+        done, phase, count, skipped = None, 0, 0, 0
+        follow = {"journal": plan.journal.id, "joins": 0, "done_joins": 0}
+        if resume is not None:
+            done, phase, follow = resume.done, resume.phase, dict(resume.follow)
+            same = resume.world == (world.world, world.workers) and resume.nodes == self.inputs.nodes
+            if resume.world is not None and same:
+                if world.slot not in resume.counts:
+                    raise LoaderStateError(f"resume state has no position for rank {world.rank} worker "
+                                           f"{world.worker} (it covers slots {sorted(resume.counts)})")
+                count, skipped = resume.counts[world.slot], resume.skipped.get(world.slot, 0)
+            elif resume.world is not None:
+                log_recut("0 (following)", world, resume.world, "the remaining samples of every join")
+                done, span = plan.fold(resume)
+                phase, follow = phase + 1, {**follow, "joins": span, "done_joins": span}
+        progress = SlotProgress(0, done, phase, world, self.inputs.nodes, count, skipped, follow=follow)
+        leader = Leader(plan.journal, self.stores, self.options).start() if (
+            self.options.lead and world.slot == 0) else None
+        return progress, JoinParts(plan, progress, leader, self.options.allow_unhealthy)
+
+    def final_stores(self) -> list[Store]:
+        """Epochs 1..: every joined shard, in store order, once epoch 0 has ended (``epochs.LiveEpoch``)."""
+        journal = self.plan().journal
+        out = journal.outcome()
+        if out is None or out.kind != "end":
+            raise StoreError(f"epoch 0 of {', '.join(repr(s.url) for s in self.stores)} has not ended (follow journal "
+                             f"{journal.path}: {'stopped: ' + str(out.why) if out else 'writers still writing'}); "
+                             "epochs after it read every shard")
+        self.stores = joined_stores(journal, self.stores)
+        return self.stores
+
+
+class JoinParts:
+    """One slot's parts of epoch 0 (``epochs.EpochParts``): its part of each join in journal order, waiting for the
+    next entry when it has caught up; the end entry ends them, a stop entry raises ``FollowStopped`` (unless unhealthy
+    data is allowed). ``close`` stops the wait and the leader."""
+
+    def __init__(self, plan: FollowPlan, progress: SlotProgress, leader: Leader | None,
+                 allow_unhealthy: bool) -> None:
+        self.plan, self.progress, self.leader, self.allow_unhealthy = plan, progress, leader, allow_unhealthy
+        self.k = 0
         self._stop = threading.Event()
 
-    def __iter__(self) -> "FollowReader":
+    def __iter__(self) -> "JoinParts":
         return self
 
-    def _open_next(self) -> None:
-        p, follow = self.progress, self.ds.follow
+    def __next__(self) -> EpochPart:
+        p = self.progress
         while True:
             e = self.plan.journal.wait(self.k, self._stop)
             if e is None:
@@ -653,7 +734,7 @@ class FollowReader:
             if e.kind == "end":
                 raise StopIteration
             if e.kind == "stop":
-                if follow.allow_unhealthy and e.shard is not None:  # an unhealthy arrival, allowed now
+                if self.allow_unhealthy and e.shard is not None:  # an unhealthy arrival, allowed now
                     self.k += 1
                     continue
                 if e.deadline is not None and e.t < self.plan.started:  # an earlier run's deadline: go on following
@@ -662,52 +743,25 @@ class FollowReader:
                 raise FollowStopped(e.why)
             p.follow["joins"] = max(p.follow.get("joins", 0), self.k + 1)
             plan = self.plan.slot_plan(self.k, p.done, p.follow.get("done_joins", 0), p.phase, p.world)
-            if p.count >= self.offset + len(plan):
-                self.offset += len(plan)
-                self.k += 1
-                continue
-            self.reader = self.slot_reader(self.plan.part(self.k).view, plan, p, offset=self.offset)
-            self.length = len(plan)
-            return
-
-    def __next__(self) -> dict[str, Any]:
-        try:
-            while True:
-                if self.reader is None:
-                    self._open_next()
-                try:
-                    return next(self.reader)
-                except StopIteration:
-                    self.offset += self.length
-                    self.k += 1
-                    self.reader = None
-        except BaseException:
-            self.close()
-            raise
+            part = self.plan.part(self.k)
+            self.k += 1
+            return EpochPart(part.stores, part.catalog, plan)
 
     def close(self) -> None:
         self._stop.set()
-        if self.reader is not None:
-            self.reader.close()
         if self.leader is not None:
             self.leader.stop()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
-
-def final_stores(ds: "HiddenStateDataset", journal: Journal) -> list[Store]:
-    """The stores as epoch 0 followed them: every joined shard, in store order (what epochs 1.. read)."""
-    parts: list[list[records.RecordTable]] = [[] for _ in ds.stores]
+def joined_stores(journal: Journal, stores: Sequence[Store]) -> list[Store]:
+    """``stores`` as epoch 0 followed them: every joined shard, in store order (what epochs 1.. read)."""
+    parts: list[list[records.RecordTable]] = [[] for _ in stores]
     for e in journal.entries():
         if e.kind == "join":
             for si, t in journal.tables(e).items():
                 parts[si].append(t)
     out = []
-    for si, s in enumerate(ds.stores):
+    for si, s in enumerate(stores):
         t = records.concat(parts[si]) if parts[si] else _empty_table()
         names = t.shard.tolist()
         order = sorted(range(len(names)), key=names.__getitem__)
@@ -716,3 +770,10 @@ def final_stores(ds: "HiddenStateDataset", journal: Journal) -> list[Store]:
         out.append(Store(s.url, s.storage_options, loaded=(s.manifest, t, index.IndexUse(shards=len(t))),
                          allow_locations=s.allow_locations))
     return out
+
+
+def final_stores(ds: Any, journal: Journal) -> list[Store]:
+    """Deprecated: ``joined_stores(journal, ds.stores)``."""
+    warnings.warn("final_stores(ds, journal) is deprecated: joined_stores(journal, stores)", DeprecationWarning,
+                  stacklevel=2)
+    return joined_stores(journal, ds.stores)

@@ -68,6 +68,10 @@ class Catalog:
             h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()[:24]
 
+    def sample_id(self, stores: Sequence[Store], row: int) -> str:
+        """The id of row ``row``'s sample (``stores``: those the catalog was built from)."""
+        return stores[int(self.store[row])].commits[int(self.shard[row])].samples["sample_id"][int(self.local[row])]
+
 
 def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -> Catalog:
     """Step 1: the samples that pass ``filters``, in store order, grouped into read units. Every store is admitted
@@ -320,6 +324,16 @@ def pool_shuffle(units: np.ndarray, unit_bytes: np.ndarray, budget: int, rng: np
     return out
 
 
+def plan_settings(weights: Sequence[float], *, seed: int, shuffle: bool, even: str | None, unit_tokens: int,
+                  shuffle_bytes: int, partition: str) -> dict[str, Any]:
+    """What a resume state must agree on besides the catalog: the weights, the order and the cut."""
+    out = {"weights": list(weights), "seed": seed, "shuffle": shuffle, "unit_tokens": unit_tokens,
+           "shuffle_bytes": shuffle_bytes, "even": even}
+    if partition != "global":  # absent for a global plan: states written before partitions still load
+        out["partition"] = partition
+    return out
+
+
 class Planner:
     """One dataset's plan for any epoch, phase and world (step 4's cut, step 5's shuffle).
 
@@ -334,10 +348,9 @@ class Planner:
         self.catalog, self.weights, self.seed, self.shuffle, self.even = catalog, list(weights), seed, shuffle, even
         self.token_bytes, self.shuffle_bytes, self.partition = token_bytes, shuffle_bytes, partition
         # what a resume state must agree on (LoaderState.config): the same catalog, order and cut
-        self.config = {"catalog": catalog.digest(), "weights": self.weights, "seed": seed, "shuffle": shuffle,
-                       "unit_tokens": unit_tokens, "shuffle_bytes": shuffle_bytes, "even": even}
-        if partition != "global":  # absent for a global plan: states written before partitions still load
-            self.config["partition"] = partition
+        self.config = {"catalog": catalog.digest(), **plan_settings(weights, seed=seed, shuffle=shuffle, even=even,
+                                                                    unit_tokens=unit_tokens,
+                                                                    shuffle_bytes=shuffle_bytes, partition=partition)}
         self._memo: dict[Any, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:

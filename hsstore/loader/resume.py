@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -28,6 +30,8 @@ import numpy as np
 
 from ..distributed import World
 from ..errors import StoreError
+
+log = logging.getLogger(__name__)
 
 STATE_KEY = "hsstore_loader"  # marks a loader state inside a larger checkpoint dict; its value is the version
 STATE_VERSION = 1
@@ -103,6 +107,39 @@ class LoaderState:
         if not found:
             raise LoaderStateError(f"not an hsstore loader state (no {STATE_KEY!r} key found)")
         return found[0] if len(found) == 1 else _merge(found)
+
+
+@dataclass
+class SlotProgress:
+    """A live slot's position in its epoch, read by ``state_dict`` (in the process that iterates)."""
+
+    epoch: int
+    done: str | None
+    phase: int
+    world: World
+    nodes: int | None = None  # the plan's node count (None: a global plan)
+    count: int = 0
+    skipped: int = 0
+    follow: dict[str, Any] | None = None  # epoch 0 of a following dataset (``LoaderState.follow``)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # emission positions of recent items
+
+    def state(self, config: dict[str, Any], pending: int = 0) -> LoaderState:
+        """``pending``: the last ``pending`` items handed out are not consumed yet (a resume repeats them)."""
+        count = self.count
+        if pending:
+            if pending > len(self.recent):
+                raise ValueError(f"cannot un-consume {pending} items (only the last {len(self.recent)} are tracked)")
+            count = self.recent[-pending]
+        slot = self.world.slot
+        return LoaderState(config, self.epoch, self.done, self.phase, (self.world.world, self.world.workers),
+                           {slot: count}, {slot: self.skipped} if self.skipped else {}, self.nodes,
+                           dict(self.follow) if self.follow is not None else None)
+
+
+def log_recut(epoch: str, world: World, old: tuple[int, int], what: str = "the remaining samples") -> None:
+    """The line a resume on another world size or worker count says: what is left of ``epoch`` is cut anew."""
+    log.info("resuming epoch %s on %d rank(s) x %d worker(s) from a state of %d x %d: re-cutting %s", epoch,
+             world.world, world.workers, *old, what)
 
 
 def _follow_of(value: Any) -> dict[str, Any] | None:

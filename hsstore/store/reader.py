@@ -8,18 +8,12 @@ the sample, all layers concurrently.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import json
 import logging
-import os
-import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-import fsspec.spec
 import numpy as np
 
 from ..format import admission, codec, commit, fp8, index, names, records
@@ -32,53 +26,10 @@ from ..format.manifest import Manifest, read_manifest
 from ..io.storage import MANIFEST_FILE
 from ..redaction import recordable_url
 from ..terminal import lookalike, lookalike_refusal
-from ..layouts.source import INHERITED as _INHERITED, ShardSource
-
-if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it
-    import torch
-
+from ..layouts.source import ShardSource
+from . import broadcast, fork  # noqa: F401  (fork: its hooks installed with the reader, before any worker forks)
 
 log = logging.getLogger(__name__)
-
-_HELD: list = []  # the parent's cached filesystems, referenced across a fork
-_UNFREEZE_IN_PARENT = False  # whether the parent undoes this fork's gc.freeze() (nothing was frozen before)
-
-
-def _hold_filesystems_across_fork() -> None:
-    """Keep the parent's cached fsspec filesystems referenced in a forked child.
-
-    fsspec empties its instance cache in the child; the dropped s3fs instances are then finalised there:
-    their aiohttp sessions belong to the parent's event loop, and closing them logs "Unclosed client
-    session" from a child, whose stderr lock may have been held by a parent thread at fork time. That
-    deadlocked DataLoader workers. Holding the instances means no finaliser runs in the child; freezing
-    the garbage collector's view does the same for the parent's not-yet-collected garbage (Python's own
-    advice for fork without exec: ``gc.freeze()`` before forking).
-
-    ``gc.unfreeze()`` thaws everything, so the parent undoes the freeze only when nothing was frozen
-    before it: an application that froze its own objects (the same advice) keeps them frozen, and the
-    objects of this fork stay frozen with them, as if the application had frozen right before forking.
-    """
-    global _UNFREEZE_IN_PARENT
-    for cls in list(getattr(fsspec.spec, "_registered_classes", ())):
-        _HELD.extend(getattr(cls, "_cache", {}).values())
-    _UNFREEZE_IN_PARENT = gc.get_freeze_count() == 0
-    gc.freeze()
-
-
-def _release_in_parent() -> None:
-    del _HELD[:]
-    if _UNFREEZE_IN_PARENT:
-        gc.unfreeze()
-
-
-def _keep_in_child() -> None:
-    _INHERITED.extend(_HELD)
-    del _HELD[:]
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_hold_filesystems_across_fork, after_in_parent=_release_in_parent,
-                        after_in_child=_keep_in_child)
 
 
 @dataclass(frozen=True)
@@ -255,7 +206,7 @@ class Store:
     @property
     def fs(self):
         """The store's filesystem in this process (re-created after a fork: a child must not reuse the parent's
-        event loop; the inherited one is kept, never finalised here, see ``_hold_filesystems_across_fork``)."""
+        event loop; the inherited one is kept, never finalised here, see ``store/fork.py``)."""
         return self.source.filesystem()
 
     @property
@@ -540,44 +491,13 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
         try:
             store = Store(url, storage_options)
             store.admit()  # refused on every rank alike (the others never see a record that did not parse)
-            payload = _shared_payload(store)
+            payload = broadcast.encode(store.manifest, store.index_use, store.table)
         except Exception as e:  # the other ranks are waiting for the broadcast: tell them, then raise here
             error = e
-            payload = _frame({"error": f"{type(e).__name__}: {e}"}, b"")
-        _broadcast_bytes(payload, src, group, device)
+            payload = broadcast.encode_error(e)
+        broadcast.broadcast_bytes(payload, src, group, device)
         if error is not None:
             raise error
         return store
-    data = _broadcast_bytes(None, src, group, device)
-    (n,) = struct.unpack("<I", data[:4])
-    body = json.loads(data[4:4 + n])
-    if "error" in body:
-        raise StoreError(f"opening store {url!r} failed on rank {src}: {body['error']}")
-    manifest = Manifest.from_json(body["manifest"].encode(), where=f"{url}/{MANIFEST_FILE} (from rank {src})")
-    table = index.decode_segment(f"(records from rank {src})", data[4 + n:]).table
-    return Store(url, storage_options, loaded=(manifest, table, index.IndexUse(**body["use"])))
-
-
-def _frame(body: dict, tail: bytes) -> bytes:
-    head = json.dumps(body, separators=(",", ":")).encode()
-    return struct.pack("<I", len(head)) + head + tail
-
-
-def _shared_payload(store: Store) -> bytes:
-    """The manifest and index use as JSON, then the records as an index segment (columns and the records'
-    bytes, checksummed; never pickle)."""
-    return _frame({"manifest": store.manifest.to_json(), "use": dataclasses.asdict(store.index_use)},
-                  index.encode_segment("shared", "open_shared", store.table, repack=False))
-
-
-def _broadcast_bytes(data: bytes | None, src: int, group, device: torch.device) -> bytes:
-    """``data`` from rank ``src`` to every rank of ``group`` (a length, then a uint8 tensor)."""
-    import torch
-
-    dist = torch.distributed
-    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(n, src, group=group)
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data is not None
-           else torch.empty(int(n.item()), dtype=torch.uint8, device=device))
-    dist.broadcast(buf, src, group=group)
-    return data if data is not None else buf.cpu().numpy().tobytes()
+    data = broadcast.broadcast_bytes(None, src, group, device)
+    return Store(url, storage_options, loaded=broadcast.decode(data, url, src))

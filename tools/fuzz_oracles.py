@@ -1,0 +1,138 @@
+"""What one fuzz case runs and checks, shared by the store fuzzer (``tools/fuzz_store.py``) and the families beyond
+a store's files (``tools/fuzz_boundaries.py``), below both so neither imports the other: a command run under its
+alarm with its output captured and the oracles it broke, the digest of a tree that must never change, and the
+random setting of a JSON document's member a mutator makes."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+COMMAND_S = 30  # seconds a command may take on a tiny store (they take well under 2)
+MEMORY_MB = 512  # growth of the driver's peak resident set a case may cause
+
+
+def tree_digest(root: Path) -> str:
+    """Every file's name, mode, size, mtime and bytes under ``root`` (links as their target; of a file over 64 MiB,
+    a sparse one a mutator made, its first and last MiB): what must never change."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_symlink():
+            h.update(os.readlink(p).encode())
+        elif p.is_file():
+            st = p.stat()
+            h.update(f"{st.st_mode:o} {st.st_size} {st.st_mtime_ns}".encode())
+            with open(p, "rb") as f:
+                if st.st_size <= 64 << 20:
+                    h.update(f.read())
+                else:
+                    h.update(f.read(1 << 20))
+                    f.seek(st.st_size - (1 << 20))
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def set_random(rng: random.Random, doc: Any, value: Any) -> str:
+    """Set a random leaf or member of ``doc`` (a parsed JSON object) to ``value``; the path changed."""
+    path, node = [], doc
+    while isinstance(node, (dict, list)) and node and (not path or rng.random() < 0.7):
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        path.append(key)
+        if not isinstance(node[key], (dict, list)) or not node[key]:
+            break
+        node = node[key]
+    if not path:
+        return "(nothing)"
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = copy.deepcopy(value)
+    return "/".join(map(str, path))
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Alarm()
+
+
+def _captured(fn) -> tuple[Any, str, str]:
+    """(result or exception, stdout, stderr) of ``fn()`` with descriptors 1 and 2 captured (logging included)."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    saved = os.dup(1), os.dup(2)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+    try:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 (what escapes is what is counted)
+            result = e
+        sys.stdout.flush(), sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        os.close(saved[0]), os.close(saved[1])
+    out.seek(0), err.seek(0)
+    return result, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+
+
+def _is_refusal(e: BaseException) -> bool:
+    from hsstore.errors import StoreError
+
+    return isinstance(e, (StoreError, ValueError, OSError))
+
+
+def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
+                log_dir: Path | None = None) -> tuple[dict, list[str], Any]:
+    """Run one command (``fn``: ``main(argv)``, or a loader epoch when ``refusals_raise``) under the alarm with its
+    output captured: what it gave (``rc``, seconds, memory growth ``mb`` and absolute peak ``peak_mb``), the
+    oracles it broke (a traceback, a hang, a refusal of more than one line, memory, a raw escape sequence) and what
+    ``fn`` returned (or raised)."""
+    from tools.measure import peak_rss_mb, reset_peak_rss
+
+    base = reset_peak_rss()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(COMMAND_S)
+    t0 = time.perf_counter()
+    try:
+        got, out, err = _captured(fn)
+    finally:
+        signal.alarm(0)
+    peak = peak_rss_mb()
+    r = {"s": round(time.perf_counter() - t0, 2), "mb": round(peak - base, 1), "peak_mb": round(peak, 1)}
+    failures = []
+    if isinstance(got, _Alarm):
+        failures.append(f"{name}: hang (over {COMMAND_S} s)")
+    elif refusals_raise:
+        if isinstance(got, BaseException) and not _is_refusal(got):
+            failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+        r["rc"] = "refused" if isinstance(got, BaseException) else 0
+    elif isinstance(got, BaseException) and not (isinstance(got, SystemExit) and got.code == 2):
+        failures.append(f"{name}: traceback {type(got).__name__}: {str(got)[:200]}")
+    else:  # (argparse and --config's refusals end in SystemExit(2), as a user sees them: exit 2)
+        got = 2 if isinstance(got, SystemExit) else got
+        r["rc"] = got
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln
+                 and not ln.startswith(("WARNING", "INFO", "DEBUG"))]
+        if got == 2 and len(lines) != 1:
+            failures.append(f"{name}: error of {len(lines)} lines: {err[-300:]!r}")
+        if "Traceback" in err:
+            failures.append(f"{name}: traceback printed")
+    if r["mb"] > MEMORY_MB:
+        failures.append(f"{name}: memory +{r['mb']:.0f} MB")
+    printed = "" if isinstance(got, BaseException) and not isinstance(got, SystemExit) else out + err
+    if "\x1b" in printed or "\x07" in printed:
+        failures.append(f"{name}: a store's escape sequence printed raw")
+    if failures and log_dir is not None and log_dir.is_dir():  # what it printed, kept with the case
+        (log_dir / f"{name}.output").write_text(f"{got!r}\n-- stdout --\n{out}\n-- stderr --\n{err}")
+    return r, failures, got
