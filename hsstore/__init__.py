@@ -6,16 +6,15 @@ Public API::
     with hsstore.StoreWriter(url, manifest) as w:      # w.add(sample_id, input_ids, loss_mask, hidden_states)
     ds = hsstore.HiddenStateDataset(url, layers=...)   # torch IterableDataset: exactly once, resumable
 
-The package by floor, from the ground up (each subpackage's doc says what it may import; docs/ARCHITECTURE.md
-names every module): the core (``distributed``, ``env``, ``errors``, ``locks``, ``progress``, ``redaction``,
-``terminal``, ``version``), ``io`` (bytes in and out: filesystems and URLs, listings, the door every store read
-passes, transfers, host memory), ``format`` (what a store is on disk), ``layouts`` (how a shard is laid out), ``store`` (open, write,
+The package by floor, from the ground up (each subpackage's doc says what it may import; docs/ARCHITECTURE.md names
+every module): the core (``distributed``, ``env``, ``errors``, ``locks``, ``progress``, ``redaction``, ``terminal``,
+``version``), ``io`` (bytes in and out: filesystems and URLs, listings, the door every store read passes, transfers,
+host memory), ``format`` (what a store is on disk), ``layouts`` (how a shard is laid out), ``store`` (open, write,
 commit), ``loader`` (streaming: epoch plans and their sources, resume, batches), ``ops`` (info, verify, subset,
 merge, convert, upgrade, bench), ``testing`` (the layout contract suite and test helpers, shipped). Above the
 library, ``app`` is the applications' floor (settings, devices, the target loader, the command line): extract and
 train stand on it, and no library module imports it. Code inside the package imports each name from its defining
-module, never from here.
-"""
+module, never from here. """
 
 from importlib import import_module
 from typing import TYPE_CHECKING
