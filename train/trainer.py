@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import storage
-from hsstore.format import codec, fp8
+from hsstore.format import codec, encodings
 from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.redaction import recordable_url
 from hsstore.store.reader import open_shared
@@ -151,7 +151,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop = Loop(settings=settings, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
-                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length,
+                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], manifest=stores[0].manifest, length=length,
                 journal=following.journal if following else None)
     try:
         with StopOnInterrupt() as interrupt:
@@ -255,7 +255,8 @@ class Loop:
     metrics: MetricsLog
     best: BestTracker
     validation: Validation | None
-    stored_dtype: torch.dtype  # what fp8 features dequantise into, as Store.read does
+    stored_dtype: torch.dtype  # what encoded features decode into, as Store.read does
+    manifest: Any = None  # the store's: its encoding and hidden size, for that decoding
     length: FollowSchedule | None = None  # --follow without --steps: the run's length, estimated until epoch 0 ends
     journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
 
@@ -302,7 +303,8 @@ class Loop:
                                self.drafter.config.block_size, self.gamma, self.drafter.key_lengths)
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
-        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
+        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads,
+                                     decode=self.decode),
                           self.world, self.group, interrupt, self.proposal)
         finished = True
         t_wait = time.perf_counter()
@@ -322,13 +324,17 @@ class Loop:
         stream.close()
         return finished
 
+    def decode(self, batch: dict) -> dict:
+        """An encoded store's batch decoded into the dtype its features were computed in, on the batch's device."""
+        m = self.manifest
+        return encodings.decode_batch(batch, m.encoding, m.hidden_size, self.stored_dtype) if m is not None else batch
+
     def train_on(self, batch) -> None:
         """One step on ``batch``, then its bookkeeping: metrics row, validation, checkpoint when due."""
         settings, dcfg = self.settings, self.drafter.config
         if batch is None:  # this rank's share of the epoch is done; others are not
             batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype, self.device)
-        # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
-        batch = fp8.dequantise_batch(batch, self.stored_dtype)
+        batch = self.decode(batch)  # decoded on the read-ahead already; a batch made here is not
         lr = self.sched.get_last_lr()[0]  # the rate this step uses
         t0 = time.perf_counter()
         _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip,
