@@ -237,6 +237,15 @@ def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
             v.record_stream(current)
 
 
+def crossed(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None,
+            decode: Callable[[dict], dict] | None) -> tuple[dict[str, Any], Any]:
+    """``read_ahead``'s batch where the consumer uses it, decoded there, and the event its copies end with (None
+    on the CPU: the batch stays, decoded on the read-ahead thread)."""
+    if stream is not None:
+        return copy_on_side_stream(batch, device, stream, stats, decode)
+    return (decode(batch) if decode is not None else batch), None
+
+
 def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
                stats: ReadAheadStats | None = None, threads: int | None = None,
                decode: Callable[[dict], dict] | None = None) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
@@ -251,8 +260,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
     threads take the last value set): fewer keeps them from competing with the consumer's thread, which
     launches the step's kernels (torch's own pin-memory thread runs with 1); threads started elsewhere meanwhile take
     it too, and the setting is undone when the thread ends. None: as the process has them. ``decode``: an encoded
-    store's features decoded where they are used, after the copy (``encodings.decode_batch``): on CUDA on the
-    side stream, on the CPU on this thread, beside the step."""
+    store's features decoded after the copy (``encodings.decode_batch``; ``crossed``), beside the step."""
     cuda = device.type == "cuda"
     q: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
@@ -282,8 +290,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 state = source.state_dict()
                 batch = prepare(batch)
                 t2 = time.perf_counter()
-                batch, event = (copy_on_side_stream(batch, device, stream, stats, decode) if cuda
-                                else ((decode(batch) if decode is not None else batch), None))
+                batch, event = crossed(batch, device, stream, stats, decode)
                 if stats is not None:
                     stats.read.append(t1 - t0)
                     stats.prep.append(t2 - t1)

@@ -75,7 +75,8 @@ def __getattr__(name: str) -> Any:
 def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
     """Windows ``(shard_index, first, stop)`` of consecutive kept samples, each at most about
     ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
-    token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
+    m = store.manifest
+    token_bytes = codec.token_bytes(m.dtype, m.encoding, len(store.layers), m.hidden_size)
     out = []
     t = store.table
     for s in range(len(t)):  # the records' columns: no record is parsed

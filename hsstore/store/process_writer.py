@@ -69,8 +69,6 @@ class ProcessWriter:
         reply = self._recv()  # the child has opened the store (manifest checked) or failed doing so
         self.manifest = Manifest.from_json(reply[1], url)
         self.layers = list(self.manifest.layers)
-        self.fp8 = self.manifest.encoding == fp8.ENCODING
-        self.encoding = self.manifest.encoding
 
     # -- staging -------------------------------------------------------------------------------
     def staging(self, nbytes: int) -> torch.Tensor:
