@@ -1,0 +1,321 @@
+"""The encodings below fp8 (``nvfp4``, ``mxfp4``: format/fp4.py) and the registry every command asks
+(format/encodings.py): a row's bytes as docs/FORMAT.md describes them (decoded here by a reader written from that
+text alone), the outlier channels, decoding on the host in torch and numpy alike and on CUDA, the rows no reader
+serves, the manifest's rules, and the round trip through the writer, verify, the loader and the trainer's read-ahead.
+The commands on the tiny target: tests/test_encodings_commands.py."""
+
+import dataclasses
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import hsstore
+from conftest import make_manifest, make_samples
+from hsstore.errors import ManifestError, SampleError
+from hsstore.format import commit, encodings, fp4
+from hsstore.format.encodings import Encoded
+from hsstore.layouts import zarr as zarr_layout
+from hsstore.ops.verify import verify
+from test_loader_batching import assert_same_batches, direct_and_copied
+
+BLOCK = ("nvfp4", "mxfp4")
+QUANTISED = ("fp8", "nvfp4", "mxfp4")
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+# ------------------------------------------------------------------------------------------ the bytes of a row
+def e4m3_by_the_book(b: int) -> float:
+    """e4m3fn: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 subnormal; ``x111 1111`` NaN."""
+    if b & 0x7F == 0x7F:
+        return math.nan
+    s, e, m = -1.0 if b & 0x80 else 1.0, (b >> 3) & 0xF, b & 7
+    return s * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+def decode_by_the_book(row: bytes, hidden: int, name: str) -> list[float]:
+    """One row decoded as docs/FORMAT.md ("Encodings nvfp4 and mxfp4") says, in plain Python."""
+    block, nvfp4 = (16, True) if name == "nvfp4" else (32, False)
+    n_blocks, k = -(-hidden // block), hidden // 512
+    codes = [c for byte in row[:n_blocks * block // 2] for c in (byte & 0xF, byte >> 4)]  # value 2i low nibble
+    at = n_blocks * block // 2
+    scales = list(row[at:at + n_blocks])
+    at += n_blocks
+    if nvfp4:
+        (row_scale,) = struct.unpack("<f", row[at:at + 4])
+        at += 4
+        scale = [e4m3_by_the_book(s) * row_scale for s in scales]
+    else:
+        scale = [math.nan if s == 255 else 2.0 ** (s - 127) for s in scales]
+    values = [(-1 if c & 8 else 1) * E2M1[c & 7] * scale[i // block] for i, c in enumerate(codes[:hidden])]
+    idx = struct.unpack(f"<{k}H", row[at:at + 2 * k])
+    bits = struct.unpack(f"<{k}H", row[at + 2 * k:at + 4 * k])
+    for i, b in zip(idx, bits):  # bfloat16: the high half of a float32
+        values[i] = struct.unpack("<f", struct.pack("<I", b << 16))[0]
+    return values
+
+
+def hidden_rows(n: int, hidden: int, seed: int = 0, outliers: int = 0) -> torch.Tensor:
+    """Rows as hidden states look: channels of lognormal scale, rows of very different magnitudes, and ``outliers``
+    channels 100-1000x the median magnitude (as trained LLMs carry a few), in bfloat16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=g) * torch.exp(torch.randn(hidden, generator=g) * 0.5)
+    x = x * torch.logspace(-2, 2, n)[:, None]
+    if outliers:
+        ch = torch.randperm(hidden, generator=g)[:outliers]
+        x[:, ch] *= torch.logspace(2, 3, outliers)
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", BLOCK)
+@pytest.mark.parametrize("hidden", [100, 1024])  # a padded last block; outlier slots (one per 512 channels)
+def test_row_bytes_as_the_format_says(name, hidden):
+    enc = encodings.get(name)
+    x = hidden_rows(12, hidden, outliers=3 if hidden >= 512 else 0)
+    rows = enc.encode(x).values
+    assert rows.dtype == torch.uint8 and rows.shape == (12, enc.width(hidden))
+    want = {("nvfp4", 100): 7 * 8 + 7 + 4, ("mxfp4", 100): 4 * 16 + 4,
+            ("nvfp4", 1024): 512 + 64 + 4 + 2 * 4, ("mxfp4", 1024): 512 + 32 + 2 * 4}[name, hidden]
+    assert enc.width(hidden) == enc.row_bytes(hidden, "bfloat16") == want
+    got = enc.decode_numpy(rows.numpy(), None, hidden)
+    for r in range(12):
+        book = np.array(decode_by_the_book(bytes(rows[r].numpy()), hidden, name))
+        np.testing.assert_allclose(got[r], book, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_packing_and_representable_values(name):
+    """Values e2m1 holds come back exactly; the first value of a pair is the byte's low nibble."""
+    enc = encodings.get(name)
+    x = torch.zeros(1, 64)
+    x[0, :10] = torch.tensor([1.0, -6.0, 0.5, 3.0, -0.5, 4.0, 1.5, -2.0, 0.0, 6.0])
+    rows = enc.encode(x).values
+    assert int(rows[0, 0]) == 0xF2  # 1.0 is code 2 (low nibble), -6 code 15 (high)
+    assert torch.equal(enc.decode(rows, None, 64, torch.float32), x)
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_error_and_outlier_channels(name):
+    """At 5,120 wide with six channels 100-1000x the median magnitude: the outlier slots hold the largest channels
+    exactly (bfloat16), so the other channels keep the error they have without outliers; without the slots, the
+    outliers' blocks leave their other values at zero and that error grows by half or more."""
+    enc = encodings.get(name)
+    H = 5120
+    x = hidden_rows(64, H, seed=1, outliers=6)
+    q = enc.decode(enc.encode(x).values, None, H, torch.float32)
+    top = x.float().abs().topk(6, dim=-1).indices
+    assert torch.equal(q.gather(1, top), x.float().gather(1, top))  # kept exactly
+    others = torch.ones_like(x, dtype=torch.bool).scatter(1, top, False)
+    rel = ((q - x.float()) * others).norm(dim=-1) / (x.float() * others).norm(dim=-1)
+    assert float(rel.max()) < {"nvfp4": 0.12, "mxfp4": 0.16}[name]
+    bare = dataclasses.replace(enc.fmt, outlier_every=0)
+    q0 = fp4.decode(fp4.encode(x, bare), H, bare, torch.float32)
+    rel0 = ((q0 - x.float()) * others).norm(dim=-1) / (x.float() * others).norm(dim=-1)
+    assert float(rel0.mean()) > 1.5 * float(rel.mean())
+
+
+@pytest.mark.parametrize("name", QUANTISED)
+def test_torch_and_numpy_decode_agree(name):
+    """The numpy decoder (verify, subset: no torch) gives the torch decoder's float32 values, bit for bit."""
+    enc = encodings.get(name)
+    for hidden in (48, 1024):
+        v = enc.encode(hidden_rows(40, hidden, seed=2, outliers=4))
+        t = enc.decode(v.values, v.scales, hidden, torch.float32).numpy()
+        values = v.values.contiguous().view(torch.uint8).numpy()
+        n = enc.decode_numpy(values, None if v.scales is None else v.scales.numpy(), hidden)
+        assert np.array_equal(t.view(np.uint32), n.view(np.uint32))
+        assert not enc.bad_rows(values, None if v.scales is None else v.scales.numpy(), hidden).any()
+
+
+# ------------------------------------------------------------------------------------------ rows no reader serves
+def forged(name: str, hidden: int = 1024) -> tuple[np.ndarray, dict[str, int]]:
+    """Valid rows of ``name`` and, per way of forging one, the row forged that way."""
+    enc = encodings.get(name)
+    rows = enc.encode(hidden_rows(8, hidden, seed=3, outliers=2)).values.numpy().copy()
+    o_scales, o_row, o_idx, o_vals, _ = enc.fmt.offsets(hidden)
+    ways = {}
+    rows[0, o_scales] = 0xFF if name == "mxfp4" else 0x7F  # a NaN block scale
+    ways["nan scale"] = 0
+    if name == "nvfp4":
+        rows[1, o_scales + 1] |= 0x80  # a negative block scale: the block's signs flipped
+        rows[2, o_row:o_idx] = np.frombuffer(struct.pack("<f", math.inf), np.uint8)
+        ways.update({"negative scale": 1, "infinite row scale": 2})
+    rows[3, o_vals - 2:o_vals] = np.frombuffer(struct.pack("<H", 0xFFFF), np.uint8)  # the last index past the row
+    rows[4, o_idx:o_idx + 2] = rows[4, o_idx + 2:o_idx + 4]  # the same channel twice
+    rows[5, o_vals:o_vals + 2] = np.frombuffer(struct.pack("<H", 0x7FC0), np.uint8)  # a NaN outlier value
+    ways.update({"index past the row": 3, "repeated index": 4, "nan outlier": 5})
+    return rows, ways
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_bad_rows_named(name):
+    enc = encodings.get(name)
+    rows, ways = forged(name)
+    bad = enc.bad_rows(rows, None, 1024)
+    assert sorted(np.flatnonzero(bad).tolist()) == sorted(ways.values()), ways
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_forged_index_never_written_out_of_the_row(name):
+    """An index past the row (no writer writes one) is dropped by the decoder, on any device: scattered out of
+    bounds it would raise on the CPU and kill the process on a GPU."""
+    enc = encodings.get(name)
+    rows, ways = forged(name)
+    r = ways["index past the row"]
+    got = enc.decode(torch.from_numpy(rows), None, 1024, torch.float32)
+    assert got.shape == (8, 1024) and bool(torch.isfinite(got[r]).all())
+    clean = enc.decode(torch.from_numpy(rows[[6, 7]]), None, 1024, torch.float32)
+    assert torch.equal(got[[6, 7]], clean)
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_writer_refuses_bad_rows(tmp_path, name):
+    m = dataclasses.replace(make_manifest(hidden=1024), encoding=name)
+    rows, ways = forged(name)
+    s = make_samples(1, hidden=1024)[0]
+    with hsstore.StoreWriter(str(tmp_path), m) as w:
+        values = torch.from_numpy(np.stack([rows[:8]] * 3, axis=1))  # [T, taps, W]
+        with pytest.raises(SampleError, match="layer 1 has NaN/Inf features"):
+            w.add("forged", s["input_ids"][:8], s["loss_mask"][:8], Encoded(values))
+
+
+def test_manifest_rules(new_manifest):
+    m = make_manifest()
+    with pytest.raises(ManifestError, match="encoding 'fp4' not supported"):
+        dataclasses.replace(m, encoding="fp4")
+    with pytest.raises(ManifestError, match="layout 'wds' holds raw features only"):
+        dataclasses.replace(m, encoding="nvfp4", layout="wds")
+    with pytest.raises(ManifestError, match="stored with encoding 'raw' only"):
+        dataclasses.replace(m, encoding="mxfp4", features=("final_hidden",))
+    wide = make_manifest(hidden=70_000)
+    with pytest.raises(ManifestError, match="indexes channels with 16 bits"):
+        dataclasses.replace(wide, encoding="nvfp4")
+    assert dataclasses.replace(wide, encoding="fp8").encoding == "fp8"
+
+
+# ------------------------------------------------------------------------------------------ the store
+def block_store(url: str, name: str, hidden: int = 48, n: int = 16, **kw) -> list[dict]:
+    m = dataclasses.replace(make_manifest(hidden=hidden, chunk_tokens=50), encoding=name)
+    samples = make_samples(n, hidden=hidden, seed=5)
+    with hsstore.StoreWriter(url, m, shard_bytes=kw.pop("shard_bytes", 40_000), **kw) as w:
+        for j, s in enumerate(samples):  # encoded by the caller (as extraction does on the GPU) or by the writer
+            hs = encodings.get(name).encode(s["hidden_states"]) if j % 2 else s["hidden_states"]
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], hs)
+    return samples
+
+
+@pytest.mark.parametrize("name", BLOCK)
+@pytest.mark.parametrize("hidden", [48, 1024])
+def test_store_roundtrip_and_verify(tmp_path, name, hidden):
+    enc = encodings.get(name)
+    samples = block_store(str(tmp_path), name, hidden)
+    store = hsstore.open(str(tmp_path))
+    assert len(store.commits) > 1 and store.manifest.encoding == name
+    by_id = {s["sample_id"]: s for s in samples}
+    for i in range(len(store)):
+        raw = store.read(i, dequantise=False)
+        x = by_id[raw["sample_id"]]["hidden_states"]
+        want = enc.encode(x).values
+        assert raw["hidden_states"].dtype == torch.uint8 and torch.equal(raw["hidden_states"], want)
+        assert torch.equal(store.read(i)["hidden_states"], enc.decode(want, None, hidden))
+        assert torch.equal(store.read(i, layers=[5])["hidden_states"], enc.decode(want[:, -1:], None, hidden))
+    assert [x["sample_id"] for x in store] == store.sample_ids()
+    assert verify(store).ok
+    stats = store.commits[0].stats["features"]["1"]  # of the values a reader decodes
+    assert stats["count"] == store.commits[0].n_tokens * hidden
+
+
+def test_verify_names_forged_rows(tmp_path):
+    """A shard whose rows no writer writes (an outlier index past the row: its values stay finite) written with
+    valid checksums and record: verify fails it, naming the sample."""
+    m = dataclasses.replace(make_manifest(hidden=1024, chunk_tokens=64), encoding="nvfp4")
+    hsstore.StoreWriter(str(tmp_path), m).close()  # creates the store
+    store0 = hsstore.open(str(tmp_path))
+    rows, ways = forged("nvfp4")
+    good = encodings.get("nvfp4").encode(hidden_rows(8, 1024, seed=4, outliers=2)).values.numpy()
+    feats = {l: good.copy() for l in m.layers}
+    feats[3][2] = rows[ways["index past the row"]]
+    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
+            "thinking_tokens": [0, 0], "flags": [[], []]}
+    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
+    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
+                                  np.arange(8, dtype=np.int32), mask, cols)
+    commit.publish(store0.fs, store0.root, rec)
+    problems = verify(hsstore.open(str(tmp_path))).problems
+    assert len(problems) == 1 and "layer 3: 1 row(s) with a NaN or negative scale or an outlier index" in str(
+        problems[0])
+    assert problems[0].samples == ["s0"]
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_loader_batches_and_host_decoding(tmp_path, monkeypatch, name):
+    """Items and batches hold the stored bytes (what crosses to the trainer's device); the trainer's read-ahead
+    decodes them after the copy; ``Reading(dequantise=True)`` decodes on the host. All give the store's values."""
+    from hsstore.train.data import read_ahead
+
+    enc = encodings.get(name)
+    block_store(str(tmp_path), name, n=12)
+    store = hsstore.open(str(tmp_path))
+    decoded = {store.read(i)["sample_id"]: store.read(i, layers=[1, 5])["hidden_states"] for i in range(len(store))}
+    items = list(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5]))
+    assert all(x["hidden_states"].dtype == torch.uint8 and x["hidden_states"].shape[-1] == enc.width(48)
+               for x in items)
+    host = list(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5], reading=hsstore.Reading(dequantise=True)))
+    assert all(torch.equal(h["hidden_states"], decoded[h["sample_id"]]) for h in host)
+    for mode in ("pad", "pack"):  # bytes read straight into their batch slots, or collated
+        assert_same_batches(*direct_and_copied(lambda: hsstore.TokenBatches(
+            hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5]), token_budget=300, mode=mode), monkeypatch))
+    source = hsstore.TokenBatches(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5]), token_budget=300)
+    m = store.manifest
+    for batch, _ in read_ahead(source, lambda b: b, torch.device("cpu"),
+                               decode=lambda b: encodings.decode_batch(b, name, m.hidden_size, torch.bfloat16)):
+        assert batch["hidden_states"].dtype == torch.bfloat16
+        assert encodings.decode_batch(batch, name, m.hidden_size) is batch  # decoded once (the step asks again)
+        for b, (sid, n) in enumerate(zip(batch["sample_id"], batch["lengths"].tolist())):
+            assert torch.equal(batch["hidden_states"][b, :n], decoded[sid])
+            assert not bool(batch["hidden_states"][b, n:].float().any())  # padding decodes to zeros
+
+
+# ------------------------------------------------------------------------------------------ on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QUANTISED)
+def test_cuda_encode_and_decode_equal_the_cpu(name):
+    """Extraction encodes on its GPU and training decodes on its GPU: the bytes and values are the host's."""
+    enc = encodings.get(name)
+    for hidden in (48, 5120):
+        x = hidden_rows(300, hidden, seed=6, outliers=6)
+        cpu = enc.encode(x)
+        gpu = enc.encode(x.cuda())
+        assert torch.equal(gpu.values.cpu().view(torch.uint8), cpu.values.view(torch.uint8))
+        if cpu.scales is not None:
+            assert torch.equal(gpu.scales.cpu(), cpu.scales)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = enc.decode(gpu.values, gpu.scales, hidden, dtype)
+            assert got.is_cuda and torch.equal(got.cpu(), enc.decode(cpu.values, cpu.scales, hidden, dtype))
+    rows, ways = forged(name) if name in BLOCK else (None, None)
+    if rows is not None:  # a forged index: dropped on the device too, not a device-side assert
+        got = enc.decode(torch.from_numpy(rows).cuda(), None, 1024, torch.float32)
+        assert bool(torch.isfinite(got[ways["index past the row"]]).all())
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BLOCK)
+def test_cuda_read_ahead_decodes_on_the_device(tmp_path, name):
+    """The trainer's read-ahead copies the stored bytes to the GPU on its side stream and decodes them there."""
+    from hsstore.train.data import read_ahead
+
+    block_store(str(tmp_path), name, n=8)
+    store = hsstore.open(str(tmp_path))
+    decoded = {store.read(i)["sample_id"]: store.read(i, layers=[1, 5])["hidden_states"] for i in range(len(store))}
+    source = hsstore.TokenBatches(hsstore.HiddenStateDataset(str(tmp_path), layers=[1, 5]), token_budget=300)
+    seen = 0
+    for batch, _ in read_ahead(source, lambda b: b, torch.device("cuda"),
+                               decode=lambda b: encodings.decode_batch(b, name, 48, torch.bfloat16)):
+        assert batch["hidden_states"].is_cuda and batch["hidden_states"].dtype == torch.bfloat16
+        for b, (sid, n) in enumerate(zip(batch["sample_id"], batch["lengths"].tolist())):
+            assert torch.equal(batch["hidden_states"][b, :n].cpu(), decoded[sid])
+            seen += 1
+    assert seen == len(store)
