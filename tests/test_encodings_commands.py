@@ -151,3 +151,24 @@ def test_train_and_eval_on_a_block_store(stores, tmp_path, capsys):
                  "--json", "-q"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["anchors"] > 0 and 1 <= report["tau"] <= 8
+
+
+def test_seeds_shape_mode_runs_small_on_the_cpu(tmp_path):
+    """tools/encoding_evidence.py --seeds-shape (the GPU run at 64 layers x 5,120) runs small on the CPU: each
+    encoding's error per tap with outliers planted; the outlier slots keep the other channels' error where it is
+    without the outliers, and without slots it grows."""
+    from tools.encoding_evidence import main as evidence
+
+    out = tmp_path / "seeds.json"
+    assert evidence(["--seeds-shape", "--device", "cpu", "--layers-total", "8", "--hidden", "1024", "--ffn", "1024",
+                     "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--linear-k-heads", "2",
+                     "--linear-v-heads", "4", "--vocab", "4096", "--samples", "2", "--min-len", "64", "--max-len",
+                     "96", "--outliers", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["shape"]["taps"] == [1, 2, 3, 4, 5] and len(res["outliers"]["channels"]) == 2
+    for name in BLOCK:
+        e = res["encodings"][name]
+        assert e["bytes_per_token"] == 5 * encodings.get(name).width(1024) and e["decode_gb_s"] > 0
+        for tap in e["per_tap"].values():
+            assert tap["others"]["rel"] < 1.05 * tap["without_outliers"]["rel"]
+            assert tap["others_no_slots"]["rel"] > 1.2 * tap["others"]["rel"]

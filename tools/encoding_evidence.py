@@ -30,6 +30,7 @@ median magnitude): per tap over all channels and over the others, and each encod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +150,19 @@ def lossless(rows: np.ndarray, chunk_bytes: int = 4 << 20) -> dict[str, dict[str
     return out
 
 
+def cpu_decode_speed(store_url: str, rows: np.ndarray) -> float | None:
+    """Stored GB a second decoded into bfloat16 by one CPU thread (the CPU trainer's path), over ``rows``."""
+    import hsstore as hs
+    from hsstore.format import encodings
+
+    m = hs.open(store_url).manifest
+    enc = encodings.get(m.encoding)
+    if not enc.quantised or enc.row_scale:  # raw: nothing to decode; fp8's scales live apart (its rows alone: none)
+        return None
+    values = torch.from_numpy(rows)
+    return decode_speed(enc, values, None, m.hidden_size)
+
+
 # -- the drafters ----------------------------------------------------------------------------------------------
 def heldout_conversations(target: Path, heldout: Path, out: Path, max_new: int) -> Path:
     """The target's own greedy answers to the held-out prompts, as conversations extraction reads."""
@@ -254,18 +269,25 @@ def demo_evidence(args) -> dict:
     for enc in args.encodings:
         e = res["encodings"][enc] = {"bytes_per_token": bytes_per_token(stores[enc])}
         e["error"] = store_error(stores[enc], stores["raw"]) if enc != "raw" else {}
-        e["lossless"] = lossless(stored_rows(stores[enc]))
+        rows = stored_rows(stores[enc])
+        e["lossless"] = lossless(rows)
+        e["cpu_decode_gb_s"] = cpu_decode_speed(stores[enc], rows)
         print(f"{shown(enc)}: {json.dumps({k: e[k] for k in ('bytes_per_token', 'error')})}", flush=True)
-    runs: dict[str, list] = {enc: [] for enc in args.encodings}
-    seeds = {enc: args.bf16_seeds if enc == "raw" else args.seeds for enc in args.encodings}
-    for seed in sorted({x for v in seeds.values() for x in v}):  # seed by seed: partial results stay comparable
-        for enc in args.encodings:
-            if seed not in seeds[enc]:
-                continue
-            r = train_and_eval(args, enc, seed, stores[enc], heldout_store, target, prompts)
-            print(f"{shown(enc)} seed {seed}: teacher-forced tau {r['tf_tau']:.3f}, speculative tau {r['spec_tau']:.3f} "
-                  f"(train {r['train_s']:.0f}s, eval {r['eval_s']:.0f}s)", flush=True)
-            runs[enc].append(r)
+    seeds = {enc: args.seeds_for.get(enc, args.seeds) for enc in args.encodings}
+    # seed by seed, so that partial results stay comparable; --jobs runs at a time (each one thread, its own process)
+    todo = [(enc, seed) for seed in sorted({x for v in seeds.values() for x in v}) for enc in args.encodings
+            if seed in seeds[enc]]
+
+    def one(job):
+        enc, seed = job
+        r = train_and_eval(args, enc, seed, stores[enc], heldout_store, target, prompts)
+        print(f"{shown(enc)} seed {seed}: teacher-forced tau {r['tf_tau']:.3f}, speculative tau {r['spec_tau']:.3f} "
+              f"(train {r['train_s']:.0f}s, eval {r['eval_s']:.0f}s)", flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = list(pool.map(one, todo))
+    runs: dict[str, list] = {enc: [r for r in done if r["encoding"] == enc] for enc in args.encodings}
     for enc, rs in runs.items():
         keys = [k for k in rs[0] if "tau" in k and all(isinstance(r.get(k), (int, float)) for r in rs)]
         res["encodings"][enc].update(runs=rs, tau={k: spread([r[k] for r in rs]) for k in keys})
@@ -301,7 +323,7 @@ def decode_speed(enc, values, scales, hidden: int, repeat: int = 3) -> float:
 
 
 def seeds_shape(args) -> dict:
-    from hsstore.format import encodings
+    from hsstore.format import encodings, fp4
     from hsstore.format.taps import default_taps
     from tools.bench_extract import build_model, synthetic
     from tools.deep_bounds import per_sample
@@ -335,6 +357,10 @@ def seeds_shape(args) -> dict:
             e["per_tap"][str(l)] = {"all": error_of(q, x), "others": error_of(q[:, keep], x[:, keep]),
                                     "without_outliers": error_of(
                                         enc.decode(*enc.encode(feats[:, j]), H, torch.float32), feats[:, j])}
+            if isinstance(enc, encodings.Block4):  # the same rows without outlier slots: what the slots buy
+                bare = dataclasses.replace(enc.fmt, outlier_every=0)
+                q0 = fp4.decode(fp4.encode(x, bare), H, bare, torch.float32)
+                e["per_tap"][str(l)]["others_no_slots"] = error_of(q0[:, keep], x[:, keep])
         v = enc.encode(torch.cat(planted))
         e["decode_gb_s"] = decode_speed(enc, v.values, v.scales, H)
         e["lossless"] = lossless(v.values.view(torch.uint8).cpu().numpy()[: 1 << 16])
@@ -362,11 +388,14 @@ def table(res: dict) -> str:
         lines.append(f"| {shown(name)} | {b['encoding']:.0f}; {b['store']:.1f} | {b['bf16'] / b['encoding']:.2f}x | "
                      f"{err[0]} | {err[1]} | {err[2]} | {show('tf_tau')} | {show('spec_tau')} | "
                      f"{tau.get('spec_tau', {}).get('n', 0)} |")
-    lines += ["", "| encoding | " + " | ".join(LOSSLESS) + " |", "|---|" + "---|" * len(LOSSLESS)]
+    lines += ["", "| encoding | " + " | ".join(LOSSLESS) + " | decode to bf16, 1 CPU thread |",
+              "|---|" + "---|" * (len(LOSSLESS) + 1)]
     for name, e in encs.items():
+        cpu = e.get("cpu_decode_gb_s")
         lines.append(f"| {shown(name)} | " + " | ".join(f"{e['lossless'][c]['ratio']:.3f}x, "
                                                        f"{e['lossless'][c]['decode_gb_s']:.2f} GB/s"
-                                                       for c in LOSSLESS) + " |")
+                                                       for c in LOSSLESS)
+                     + f" | {'-' if cpu is None else f'{cpu:.2f} GB/s'} |")
     for key, v in res.get("verdict", {}).items():
         lines += ["", f"{key}: " + "; ".join(f"{shown(e)} {x['ratio']:.3f} of bf16 ({'within' if x['within'] else 'outside'}"
                                              f" the allowed {x['allowed']:.3f})" for e, x in v.items() if e != "raw")]
@@ -375,17 +404,18 @@ def table(res: dict) -> str:
 
 def seeds_table(res: dict) -> str:
     taps = res["shape"]["taps"]
-    lines = [f"| encoding | bytes/token | vs bf16 | " + " | ".join(f"tap {t}: 1-cos / rel (others) / rel without"
-                                                               for t in taps) + " | decode GB/s |",
+    lines = [f"| encoding | bytes/token | vs bf16 | " + " | ".join(
+        f"tap {t}: 1-cos / rel (others; others without slots) / rel unplanted" for t in taps) + " | decode GB/s |",
              "|---|---|---|" + "---|" * (len(taps) + 1)]
     for name, e in res["encodings"].items():
         cells = []
         for t in taps:
             p = e["per_tap"].get(str(t))
-            cells.append(f"{p['all']['1-cos']:.1e} / {p['all']['rel']:.4f} ({p['others']['rel']:.3f}) / "
+            bare = f"; {p['others_no_slots']['rel']:.3f}" if p and "others_no_slots" in p else ""
+            cells.append(f"{p['all']['1-cos']:.1e} / {p['all']['rel']:.4f} ({p['others']['rel']:.3f}{bare}) / "
                          f"{p['without_outliers']['rel']:.3f}" if p else "0")
         lines.append(f"| {shown(name)} | {e['bytes_per_token']:,} | {e['bf16_bytes_per_token'] / e['bytes_per_token']:.2f}x"
-                     f" | " + " | ".join(cells) + f" | {e.get('decode_gb_s', float('nan')):.1f} |")
+                     f" | " + " | ".join(cells) + f" | {e.get('decode_gb_s', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
@@ -396,10 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/encoding-evidence", help="stores, runs and results (a re-run continues)")
     p.add_argument("--encodings", nargs="+", default=list(ENCODINGS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="drafter seeds of each encoding")
-    p.add_argument("--bf16-seeds", nargs="+", type=int, default=None, help="bf16's seeds (default: --seeds)")
+    p.add_argument("--seeds-for", nargs="+", default=[], metavar="ENC=S,S",
+                   help="other seeds for an encoding, e.g. raw=0,1,2,3,4 (bf16: raw)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the held-out answers' length at most")
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="drafters trained and evaluated at a time")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--seeds-shape", action="store_true", help="the feature error at the seeds' shape (GPU) instead")
     p.add_argument("--outliers", type=int, default=6, help="--seeds-shape: planted outlier channels per tap")
@@ -417,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.device = args.device or "cpu"
         args.steps = args.steps or TRAIN_STEPS
-        args.bf16_seeds = args.bf16_seeds or args.seeds
+        args.seeds_for = {k: [int(x) for x in v.split(",")] for k, v in (a.split("=", 1) for a in args.seeds_for)}
         res = demo_evidence(args)
         text = table(res)
     print(text)

@@ -139,13 +139,13 @@ RAW = Encoding("raw", "values as computed, bit-exact in --dtype")
 # planted outlier channels (docs/PERFORMANCE.md, "Encodings below fp8"), with a margin of 3
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
     RAW,
-    Fp8("fp8", "e4m3 + a float32 scale per token per layer: half of bf16", floor=3e-3, row_scale=True,
+    Fp8("fp8", "e4m3 + a float32 scale per token per layer (half of bf16)", floor=3e-3, row_scale=True,
         rounding="fp8 e4m3 with a per-token scale (at most 2^-4 per value)"),
-    Block4("nvfp4", "NVFP4: e2m1 + an e4m3 scale per 16 values and a float32 scale per row, outlier channels in "
-                    "bf16: 3.5x under bf16", floor=1.5e-2, fmt=fp4.NVFP4,
+    Block4("nvfp4", "e2m1 + an e4m3 scale per 16 values and a float32 one per row, as NVFP4, and outlier channels "
+                    "in bf16 (3.5x under bf16)", floor=1.5e-2, fmt=fp4.NVFP4,
            rounding="nvfp4 e2m1 with an e4m3 scale per 16 values"),
-    Block4("mxfp4", "OCP MXFP4: e2m1 + a power-of-two scale per 32 values, outlier channels in bf16: 3.7x under "
-                    "bf16", floor=2.5e-2, fmt=fp4.MXFP4,
+    Block4("mxfp4", "e2m1 + a power-of-two scale per 32 values, as OCP MXFP4, and outlier channels in bf16 (3.7x "
+                    "under bf16)", floor=2.5e-2, fmt=fp4.MXFP4,
            rounding="mxfp4 e2m1 with a power-of-two scale per 32 values"),
 )}
 NAMES = tuple(ENCODINGS)
