@@ -1,4 +1,4 @@
-"""The encodings below fp8 (``nvfp4``, ``mxfp4``: format/fp4.py) and the registry every command asks
+"""The encodings below fp8 (``mxfp6``, ``nvfp4``, ``mxfp4``: format/microscaling.py) and the registry every command asks
 (format/encodings.py): a row's bytes as docs/FORMAT.md describes them (decoded here by a reader written from that
 text alone), the outlier channels, decoding on the host in torch and numpy alike and on CUDA, the rows no reader
 serves, the manifest's rules, and the round trip through the writer, verify, the loader and the trainer's read-ahead.
@@ -15,15 +15,14 @@ import torch
 import hsstore
 from conftest import make_manifest, make_samples
 from hsstore.errors import ManifestError, SampleError
-from hsstore.format import commit, encodings, fp4
+from hsstore.format import commit, encodings, microscaling
 from hsstore.format.encodings import Encoded
 from hsstore.layouts import zarr as zarr_layout
 from hsstore.ops.verify import verify
 from test_loader_batching import assert_same_batches, direct_and_copied
 
-BLOCK = ("nvfp4", "mxfp4")
-QUANTISED = ("fp8", "nvfp4", "mxfp4")
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+BLOCK = ("mxfp6", "nvfp4", "mxfp4")
+QUANTISED = ("fp8", *BLOCK)
 
 
 # ------------------------------------------------------------------------------------------ the bytes of a row
@@ -35,12 +34,21 @@ def e4m3_by_the_book(b: int) -> float:
     return s * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
+def element_by_the_book(code: int, m_bits: int) -> float:
+    """e2m1 / e2m3: the sign bit highest, 2 exponent bits (bias 1), ``m_bits`` mantissa bits; exponent 0 subnormal."""
+    sign = -1.0 if code >> (2 + m_bits) else 1.0
+    e, m = (code >> m_bits) & 3, (code & ((1 << m_bits) - 1)) / (1 << m_bits)
+    return sign * (m if e == 0 else (1 + m) * 2.0 ** (e - 1))
+
+
 def decode_by_the_book(row: bytes, hidden: int, name: str) -> list[float]:
-    """One row decoded as docs/FORMAT.md ("Encodings nvfp4 and mxfp4") says, in plain Python."""
-    block, nvfp4 = (16, True) if name == "nvfp4" else (32, False)
+    """One row decoded as docs/FORMAT.md ("Encodings mxfp6, nvfp4 and mxfp4") says, in plain Python."""
+    block, nvfp4, bits = {"nvfp4": (16, True, 4), "mxfp4": (32, False, 4), "mxfp6": (32, False, 6)}[name]
     n_blocks, k = -(-hidden // block), hidden // 512
-    codes = [c for byte in row[:n_blocks * block // 2] for c in (byte & 0xF, byte >> 4)]  # value 2i low nibble
-    at = n_blocks * block // 2
+    code_bytes = n_blocks * block * bits // 8
+    stream = int.from_bytes(row[:code_bytes], "little")  # value i at bits [bits * i, bits * (i + 1))
+    codes = [(stream >> (bits * i)) & ((1 << bits) - 1) for i in range(n_blocks * block)]
+    at = code_bytes
     scales = list(row[at:at + n_blocks])
     at += n_blocks
     if nvfp4:
@@ -49,7 +57,7 @@ def decode_by_the_book(row: bytes, hidden: int, name: str) -> list[float]:
         scale = [e4m3_by_the_book(s) * row_scale for s in scales]
     else:
         scale = [math.nan if s == 255 else 2.0 ** (s - 127) for s in scales]
-    values = [(-1 if c & 8 else 1) * E2M1[c & 7] * scale[i // block] for i, c in enumerate(codes[:hidden])]
+    values = [element_by_the_book(c, bits - 3) * scale[i // block] for i, c in enumerate(codes[:hidden])]
     idx = struct.unpack(f"<{k}H", row[at:at + 2 * k])
     bits = struct.unpack(f"<{k}H", row[at + 2 * k:at + 4 * k])
     for i, b in zip(idx, bits):  # bfloat16: the high half of a float32
@@ -76,8 +84,9 @@ def test_row_bytes_as_the_format_says(name, hidden):
     x = hidden_rows(12, hidden, outliers=3 if hidden >= 512 else 0)
     rows = enc.encode(x).values
     assert rows.dtype == torch.uint8 and rows.shape == (12, enc.width(hidden))
-    want = {("nvfp4", 100): 7 * 8 + 7 + 4, ("mxfp4", 100): 4 * 16 + 4,
-            ("nvfp4", 1024): 512 + 64 + 4 + 2 * 4, ("mxfp4", 1024): 512 + 32 + 2 * 4}[name, hidden]
+    want = {("nvfp4", 100): 7 * 8 + 7 + 4, ("mxfp4", 100): 4 * 16 + 4, ("mxfp6", 100): 4 * 24 + 4,
+            ("nvfp4", 1024): 512 + 64 + 4 + 2 * 4, ("mxfp4", 1024): 512 + 32 + 2 * 4,
+            ("mxfp6", 1024): 768 + 32 + 2 * 4}[name, hidden]
     assert enc.width(hidden) == enc.row_bytes(hidden, "bfloat16") == want
     got = enc.decode_numpy(rows.numpy(), None, hidden)
     for r in range(12):
@@ -87,12 +96,16 @@ def test_row_bytes_as_the_format_says(name, hidden):
 
 @pytest.mark.parametrize("name", BLOCK)
 def test_packing_and_representable_values(name):
-    """Values e2m1 holds come back exactly; the first value of a pair is the byte's low nibble."""
+    """Values the element holds come back exactly; codes are a little-endian bit stream (4 bits: the first value of
+    a pair in the byte's low nibble; 6 bits: four values in three bytes)."""
     enc = encodings.get(name)
     x = torch.zeros(1, 64)
     x[0, :10] = torch.tensor([1.0, -6.0, 0.5, 3.0, -0.5, 4.0, 1.5, -2.0, 0.0, 6.0])
     rows = enc.encode(x).values
-    assert int(rows[0, 0]) == 0xF2  # 1.0 is code 2 (low nibble), -6 code 15 (high)
+    if name == "mxfp6":  # e2m3: 1.0 is code 8, -6 32 + 28, 0.5 4, 3.0 20; scale 2^0 (floor(log2 6) - 2 = 0)
+        assert bytes(rows[0, :3].numpy()) == (8 | 60 << 6 | 4 << 12 | 20 << 18).to_bytes(3, "little")
+    else:  # e2m1: 1.0 is code 2 (low nibble), -6 code 15 (high)
+        assert int(rows[0, 0]) == 0xF2
     assert torch.equal(enc.decode(rows, None, 64, torch.float32), x)
 
 
@@ -109,9 +122,9 @@ def test_error_and_outlier_channels(name):
     assert torch.equal(q.gather(1, top), x.float().gather(1, top))  # kept exactly
     others = torch.ones_like(x, dtype=torch.bool).scatter(1, top, False)
     rel = ((q - x.float()) * others).norm(dim=-1) / (x.float() * others).norm(dim=-1)
-    assert float(rel.max()) < {"nvfp4": 0.12, "mxfp4": 0.16}[name]
+    assert float(rel.max()) < {"mxfp6": 0.04, "nvfp4": 0.12, "mxfp4": 0.16}[name]
     bare = dataclasses.replace(enc.fmt, outlier_every=0)
-    q0 = fp4.decode(fp4.encode(x, bare), H, bare, torch.float32)
+    q0 = microscaling.decode(microscaling.encode(x, bare), H, bare, torch.float32)
     rel0 = ((q0 - x.float()) * others).norm(dim=-1) / (x.float() * others).norm(dim=-1)
     assert float(rel0.mean()) > 1.5 * float(rel.mean())
 
@@ -136,7 +149,7 @@ def forged(name: str, hidden: int = 1024) -> tuple[np.ndarray, dict[str, int]]:
     rows = enc.encode(hidden_rows(8, hidden, seed=3, outliers=2)).values.numpy().copy()
     o_scales, o_row, o_idx, o_vals, _ = enc.fmt.offsets(hidden)
     ways = {}
-    rows[0, o_scales] = 0xFF if name == "mxfp4" else 0x7F  # a NaN block scale
+    rows[0, o_scales] = 0x7F if name == "nvfp4" else 0xFF  # a NaN block scale
     ways["nan scale"] = 0
     if name == "nvfp4":
         rows[1, o_scales + 1] |= 0x80  # a negative block scale: the block's signs flipped

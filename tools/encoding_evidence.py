@@ -323,7 +323,7 @@ def decode_speed(enc, values, scales, hidden: int, repeat: int = 3) -> float:
 
 
 def seeds_shape(args) -> dict:
-    from hsstore.format import encodings, fp4
+    from hsstore.format import encodings, microscaling
     from hsstore.format.taps import default_taps
     from tools.bench_extract import build_model, synthetic
     from tools.deep_bounds import per_sample
@@ -359,9 +359,9 @@ def seeds_shape(args) -> dict:
             e["per_tap"][str(l)] = {"all": error_of(q, x), "others": error_of(q[:, keep], x[:, keep]),
                                     "without_outliers": error_of(
                                         enc.decode(*enc.encode(feats[:, j]), H, torch.float32), feats[:, j])}
-            if isinstance(enc, encodings.Block4):  # the same rows without outlier slots: what the slots buy
+            if isinstance(enc, encodings.BlockScaled):  # the same rows without outlier slots: what the slots buy
                 bare = dataclasses.replace(enc.fmt, outlier_every=0)
-                q0 = fp4.decode(fp4.encode(x, bare), H, bare, torch.float32)
+                q0 = microscaling.decode(microscaling.encode(x, bare), H, bare, torch.float32)
                 e["per_tap"][str(l)]["others_no_slots"] = error_of(q0[:, keep], x[:, keep])
         v = enc.encode(torch.cat(planted))
         e["decode_gb_s"] = decode_speed(enc, v.values, v.scales, H)

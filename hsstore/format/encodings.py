@@ -7,7 +7,7 @@ the commands that never load torch), which rows no reader may serve, and the aud
 
 ``raw`` stores values as computed (the dtype's bits); ``fp8`` e4m3 values with a float32 scale per row in an array
 of its own (``format/fp8.py``); ``mxfp4`` and ``nvfp4`` 4-bit values with block scales and outlier channels inside
-the row (``format/fp4.py``). docs/FORMAT.md describes each byte for byte.
+the row (``format/microscaling.py``). docs/FORMAT.md describes each byte for byte.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import fp4, fp8
+from . import fp8, microscaling
 
 if TYPE_CHECKING:
     import torch
@@ -105,10 +105,10 @@ class Fp8(Encoding):
 
 
 @dataclass(frozen=True)
-class Block4(Encoding):
-    """e2m1 values with a scale per block and outlier channels in the row (``format/fp4.py``)."""
+class BlockScaled(Encoding):
+    """Small floats with a scale per block and outlier channels in the row (``format/microscaling.py``)."""
 
-    fmt: fp4.BlockFormat = fp4.NVFP4
+    fmt: microscaling.BlockFormat = microscaling.NVFP4
 
     def width(self, hidden: int) -> int:
         return self.fmt.width(hidden)
@@ -122,16 +122,16 @@ class Block4(Encoding):
         return None
 
     def encode(self, x):
-        return Encoded(fp4.encode(x, self.fmt))
+        return Encoded(microscaling.encode(x, self.fmt))
 
     def decode(self, values, scales, hidden, dtype=None):
-        return fp4.decode(values, hidden, self.fmt, dtype)
+        return microscaling.decode(values, hidden, self.fmt, dtype)
 
     def decode_numpy(self, values, scales, hidden):
-        return fp4.decode_numpy(values, hidden, self.fmt)
+        return microscaling.decode_numpy(values, hidden, self.fmt)
 
     def bad_rows(self, values, scales, hidden):
-        return fp4.bad_rows(values, hidden, self.fmt)
+        return microscaling.bad_rows(values, hidden, self.fmt)
 
 
 RAW = Encoding("raw", "values as computed, bit-exact in --dtype")
@@ -141,12 +141,15 @@ ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
     RAW,
     Fp8("fp8", "e4m3 + a float32 scale per token per layer (half of bf16)", floor=3e-3, row_scale=True,
         rounding="fp8 e4m3 with a per-token scale (at most 2^-4 per value)"),
-    Block4("nvfp4", "e2m1 + an e4m3 scale per 16 values and a float32 one per row, as NVFP4, and outlier channels "
-                    "in bf16 (3.5x under bf16)", floor=1.5e-2, fmt=fp4.NVFP4,
-           rounding="nvfp4 e2m1 with an e4m3 scale per 16 values"),
-    Block4("mxfp4", "e2m1 + a power-of-two scale per 32 values, as OCP MXFP4, and outlier channels in bf16 (3.7x "
-                    "under bf16)", floor=2.5e-2, fmt=fp4.MXFP4,
-           rounding="mxfp4 e2m1 with a power-of-two scale per 32 values"),
+    BlockScaled("mxfp6", "e2m3 + a power-of-two scale per 32 values, as OCP MXFP6, and outlier channels in bf16 "
+                         "(2.5x under bf16)", floor=1.5e-3, fmt=microscaling.MXFP6,
+                rounding="mxfp6 e2m3 with a power-of-two scale per 32 values"),
+    BlockScaled("nvfp4", "e2m1 + an e4m3 scale per 16 values and a float32 one per row, as NVFP4, and outlier "
+                         "channels in bf16 (3.5x under bf16)", floor=1.5e-2, fmt=microscaling.NVFP4,
+                rounding="nvfp4 e2m1 with an e4m3 scale per 16 values"),
+    BlockScaled("mxfp4", "e2m1 + a power-of-two scale per 32 values, as OCP MXFP4, and outlier channels in bf16 "
+                         "(3.7x under bf16)", floor=2.5e-2, fmt=microscaling.MXFP4,
+                rounding="mxfp4 e2m1 with a power-of-two scale per 32 values"),
 )}
 NAMES = tuple(ENCODINGS)
 

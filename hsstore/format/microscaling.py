@@ -1,32 +1,35 @@
-"""4-bit block encodings: e2m1 values with a shared scale per block, as OCP MX (``mxfp4``) and NVIDIA's NVFP4
-(``nvfp4``) define them, and a few outlier channels per row kept in bfloat16.
+"""Block-scaled encodings: small floats (e2m1, 4 bits; e2m3, 6 bits) with a shared scale per block of values, as OCP
+Microscaling (``mxfp4``, ``mxfp6``) and NVIDIA's NVFP4 (``nvfp4``) define them, and a few outlier channels per row
+kept in bfloat16.
 
-Why: fp8 halves bf16 features; a 4-bit value with a scale per block of 16 or 32 values quarters them (the
-scales add 1/16 or 1/32 of a byte per value), which is what a store of the seeds' corpus needs to fit under
-a third of its bf16 size. A per-row scale (fp8's) cannot carry 4-bit values: one large channel would leave
-every other value of the row at zero; a block's own scale confines that to the block.
+Why: fp8 halves bf16 features; 4 bits with a scale per block of 16 or 32 values quarter them (the scales add 1/16
+or 1/32 of a byte per value), which is what a store of the seeds' corpus needs to fit under a third of its bf16
+size; 6 bits lie between. A per-row scale (fp8's) cannot carry so few bits: one large channel would leave every
+other value of the row at zero; a block's own scale confines that to the block.
 
 A row (one token of one tapped layer, ``hidden`` values) is stored as one run of bytes, so it decodes alone:
 
-    codes     n_blocks * block / 2 bytes   e2m1 codes, two per byte: value 2i in the low nibble, 2i+1 in the high
-    scales    n_blocks bytes               one per block: E8M0 (mxfp4) or e4m3fn (nvfp4)
-    row scale 4 bytes (nvfp4 only)         float32, little-endian: NVFP4's second-level scale, per row
-    outliers  k * 2 bytes, then k * 2      k uint16 channel indices (strictly increasing), then their bfloat16
-                                           values, little-endian (k = hidden // outlier_every; 0 below it)
+    codes     n_blocks * block * bits / 8 bytes   the values' codes as one little-endian bit stream: value i in bits
+                                                  [bits * i, bits * (i + 1)) (4 bits: value 2i in a byte's low nibble)
+    scales    n_blocks bytes                      one per block: E8M0 (mxfp4, mxfp6) or e4m3fn (nvfp4)
+    row scale 4 bytes (nvfp4 only)                float32, little-endian: NVFP4's second-level scale, per row
+    outliers  k * 2 bytes, then k * 2             k uint16 channel indices (strictly increasing), then their bfloat16
+                                                  values, little-endian (k = hidden // outlier_every; 0 below it)
 
-``n_blocks = ceil(hidden / block)``; the last block is padded with zero values. e2m1 (1 sign, 2 exponent bits
-with bias 1, 1 mantissa bit) holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Decoding a value is
-``e2m1(code) * block_scale`` (mxfp4: ``2^(e - 127)``, code 255 NaN) or ``e2m1(code) * e4m3(scale) * row_scale``
-(nvfp4); then each outlier's channel takes its bfloat16 value (its code is 0).
+``n_blocks = ceil(hidden / block)``; the last block is padded with zero values. A code is a sign bit (the highest),
+``e_bits`` exponent bits with bias 1 and ``m_bits`` mantissa bits: e2m1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6; e2m3
+0 to 7.5 in steps of 1/8 below 1. Decoding a value is ``element(code) * block_scale`` (E8M0: ``2^(e - 127)``, code
+255 NaN) or ``element(code) * e4m3(scale) * row_scale`` (nvfp4); then each outlier's channel takes its bfloat16
+value (its code is 0).
 
-Encoding (the decoder needs none of it): the outliers are the ``k`` channels of largest magnitude in the row;
-then, per block, mxfp4 takes the OCP rule ``2^(floor(log2(amax)) - 2)`` (values above 6 saturate), nvfp4
-``row_scale = amax(row) / (6 * 448)`` and ``e4m3(amax(block) / (6 * row_scale))``; values round to the nearest
-e2m1 (ties to the even code) after division by the block's scale. Outlier channels: trained LLMs' hidden states
-carry a few channels 100-1000x the median magnitude; in their own block they leave the other values at zero. Kept
-apart in bfloat16 (4 bytes each), they cost one slot per ``outlier_every`` channels (0.7% of the row at 5,120
-wide) and bring the error of the other channels back to what they have without outliers (docs/PERFORMANCE.md,
-"Encodings below fp8").
+Encoding (the decoder needs none of it): the outliers are the ``k`` channels of largest magnitude in the row; then,
+per block, E8M0 takes the OCP rule ``2^(floor(log2(amax)) - 2)`` (2: both elements' largest exponent; values above
+the element's largest saturate), nvfp4 ``row_scale = amax(row) / (6 * 448)`` and ``e4m3(amax(block) / (6 *
+row_scale))``; values round to the nearest element (ties to the even code) after division by the block's scale.
+Outlier channels: trained LLMs' hidden states carry a few channels 100-1000x the median magnitude; in their own
+block they leave the other values at zero. Kept apart in bfloat16 (4 bytes each), they cost one slot per
+``outlier_every`` channels (0.7% of an nvfp4 row at 5,120 wide) and bring the error of the other channels back to
+what they have without outliers (docs/PERFORMANCE.md, "Encodings below fp8").
 
 Torch functions run on the tensors' device (the extraction and training GPUs); ``decode_numpy`` and ``bad_rows``
 are numpy only, for the commands that never load torch (verify, subset).
@@ -34,6 +37,7 @@ are numpy only, for the commands that never load torch (verify, subset).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,21 +48,51 @@ from . import fp8
 if TYPE_CHECKING:
     import torch
 
-E2M1_MAX = 6.0
 E4M3_MAX = fp8.FP8_MAX
-# magnitudes of the 8 non-negative e2m1 codes, and the midpoints between neighbours (rounding thresholds)
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-E2M1_SIGNED = np.concatenate([E2M1, -E2M1]).astype(np.float32)  # code -> value (code 8 is -0)
 E8M0_BIAS = 127
 E8M0_NAN = 255
+E_MAX = 2  # the largest exponent of e2m1 and e2m3 (bias 1): the OCP rule's emax_elem
 DECODE_VALUES = 1 << 24  # values decoded at a time on the device: bounds the float32 temporaries
 
 
 @dataclass(frozen=True)
-class BlockFormat:
-    """One 4-bit block encoding: ``block`` values per scale, the scale's kind (``e8m0``: a power of two; ``e4m3``:
-    an fp8 value under a float32 row scale), one outlier slot per ``outlier_every`` channels."""
+class Element:
+    """A small float without infinities or NaN: a sign bit, ``e_bits`` exponent bits (bias 1), ``m_bits`` mantissa
+    bits."""
 
+    e_bits: int
+    m_bits: int
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.e_bits + self.m_bits
+
+    def magnitudes(self) -> np.ndarray:
+        """float32 magnitude of each non-negative code, ascending (subnormal when the exponent bits are 0)."""
+        m = np.arange(1 << (self.e_bits + self.m_bits))
+        e, frac = m >> self.m_bits, (m & ((1 << self.m_bits) - 1)) / (1 << self.m_bits)
+        return np.where(e == 0, frac, (1 + frac) * 2.0 ** (e - 1)).astype(np.float32)
+
+    @property
+    def max(self) -> float:
+        return float(self.magnitudes()[-1])
+
+    def values(self) -> np.ndarray:
+        """float32 value of every code (the sign bit highest; its code with magnitude 0 is -0)."""
+        mags = self.magnitudes()
+        return np.concatenate([mags, -mags]).astype(np.float32)
+
+
+E2M1 = Element(2, 1)
+E2M3 = Element(2, 3)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One block encoding: ``element`` values, ``block`` of them per scale, the scale's kind (``e8m0``: a power of
+    two; ``e4m3``: an fp8 value under a float32 row scale), one outlier slot per ``outlier_every`` channels."""
+
+    element: Element
     block: int
     scale: str
     outlier_every: int = 512
@@ -73,10 +107,15 @@ class BlockFormat:
     def row_scale_bytes(self) -> int:
         return 4 if self.scale == "e4m3" else 0
 
+    @property
+    def group(self) -> int:
+        """Values whose codes fill whole bytes (4 bits: 2 in 1 byte; 6 bits: 4 in 3 bytes)."""
+        return 8 // math.gcd(8, self.element.bits)
+
     def offsets(self, hidden: int) -> tuple[int, int, int, int, int]:
         """Byte offsets in a row: (scales, row scale, outlier indices, outlier values, end = the row's width)."""
         nb, k = self.blocks(hidden), self.outliers(hidden)
-        scales = nb * self.block // 2
+        scales = nb * self.block * self.element.bits // 8
         row = scales + nb
         idx = row + self.row_scale_bytes
         vals = idx + 2 * k
@@ -86,23 +125,49 @@ class BlockFormat:
         return self.offsets(hidden)[4]
 
 
-MXFP4 = BlockFormat(block=32, scale="e8m0")
-NVFP4 = BlockFormat(block=16, scale="e4m3")
+NVFP4 = BlockFormat(E2M1, block=16, scale="e4m3")
+MXFP4 = BlockFormat(E2M1, block=32, scale="e8m0")
+MXFP6 = BlockFormat(E2M3, block=32, scale="e8m0")
 
 
 # -- torch: encode and decode on the device ------------------------------------------------------------------
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (uint8, sign in bit 3) of float32 ``y`` already divided by its scale: nearest value, ties to the
-    even code, saturating at 6."""
+def _codes(y: torch.Tensor, el: Element) -> torch.Tensor:
+    """Element codes (uint8, the sign bit highest) of float32 ``y`` already divided by its scale: the nearest value,
+    ties to the even code, saturating at the element's largest."""
     import torch
 
-    mags = torch.as_tensor(E2M1, device=y.device)
+    mags = torch.as_tensor(el.magnitudes(), device=y.device)
     mids = (mags[1:] + mags[:-1]) / 2
-    a = y.abs().clamp_(max=E2M1_MAX)
+    a = y.abs().clamp_(max=el.max)
     lo = torch.bucketize(a, mids, right=False)
     hi = torch.bucketize(a, mids, right=True)
     code = torch.where((lo != hi) & (lo % 2 == 1), hi, lo).to(torch.uint8)  # a tie: the even neighbour
-    return code | ((y < 0) & (code > 0)).to(torch.uint8) << 3
+    return code | ((y < 0) & (code > 0)).to(torch.uint8) << (el.bits - 1)
+
+
+def _pack(codes: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Codes ``[N, n]`` (uint8) as the little-endian bit stream of ``bits`` per code: ``[N, n * bits / 8]``."""
+    import torch
+
+    g, bits = fmt.group, fmt.element.bits
+    c = codes.view(codes.shape[0], -1, g).to(torch.int32)
+    word = sum(c[..., j] << (bits * j) for j in range(g))
+    nbytes = g * bits // 8
+    return torch.stack([(word >> (8 * b)) & 0xFF for b in range(nbytes)], dim=-1).to(torch.uint8).view(
+        codes.shape[0], -1)
+
+
+def _unpack(packed: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """``_pack``'s inverse: ``[N, n]`` codes (uint8)."""
+    import torch
+
+    g, bits = fmt.group, fmt.element.bits
+    nbytes = g * bits // 8
+    b = packed.view(packed.shape[0], -1, nbytes).to(torch.int32)
+    word = sum(b[..., k] << (8 * k) for k in range(nbytes))
+    mask = (1 << bits) - 1
+    return torch.stack([(word >> (bits * j)) & mask for j in range(g)], dim=-1).to(torch.uint8).view(
+        packed.shape[0], -1)
 
 
 def _split_outliers(xf: torch.Tensor, k: int):
@@ -123,8 +188,7 @@ def encode(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     H = x.shape[-1]
     lead = x.shape[:-1]
     xf = x.reshape(-1, H).float()
-    N, nb, B, k = xf.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H)
-    parts = []
+    N, nb, B, k, el = xf.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H), fmt.element
     if k:
         xf, idx, ovals = _split_outliers(xf, k)
     if nb * B != H:
@@ -133,23 +197,17 @@ def encode(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     amax = xb.abs().amax(-1)  # [N, nb]
     if fmt.scale == "e8m0":
         _, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2(amax)) = e - 1
-        exp = torch.where(amax > 0, e - 1 - 2, torch.full_like(e, -E8M0_BIAS)).clamp_(-E8M0_BIAS, E8M0_BIAS)
+        exp = torch.where(amax > 0, e - 1 - E_MAX, torch.full_like(e, -E8M0_BIAS)).clamp_(-E8M0_BIAS, E8M0_BIAS)
         scale = torch.exp2(exp.float())
-        scale_bytes = (exp + E8M0_BIAS).to(torch.uint8)
-        row_bytes = None
+        parts_scale = [(exp + E8M0_BIAS).to(torch.uint8)]
     else:
         row_amax = amax.amax(-1)
-        row = torch.where(row_amax > 0, row_amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(row_amax))
-        bs = (amax / (E2M1_MAX * row[:, None])).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        row = torch.where(row_amax > 0, row_amax / (el.max * E4M3_MAX), torch.ones_like(row_amax))
+        bs = (amax / (el.max * row[:, None])).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
         scale = bs.float() * row[:, None]
-        scale_bytes = bs.view(torch.uint8)
-        row_bytes = row.contiguous().view(torch.uint8).view(N, 4)
+        parts_scale = [bs.view(torch.uint8), row.contiguous().view(torch.uint8).view(N, 4)]
     y = torch.where(scale[..., None] > 0, xb / torch.where(scale > 0, scale, 1.0)[..., None], 0.0)
-    codes = _e2m1_codes(y).view(N, nb * B // 2, 2)
-    parts.append(codes[..., 0] | codes[..., 1] << 4)
-    parts.append(scale_bytes)
-    if row_bytes is not None:
-        parts.append(row_bytes)
+    parts = [_pack(_codes(y, el).view(N, nb * B), fmt), *parts_scale]
     if k:
         parts.append(idx.to(torch.int32).to(torch.int16).view(torch.uint8).view(N, 2 * k))
         parts.append(ovals.contiguous().view(torch.uint8).view(N, 2 * k))
@@ -168,13 +226,13 @@ def _decode_rows(r: torch.Tensor, H: int, fmt: BlockFormat, dtype) -> torch.Tens
     """``decode`` of a 2-D run of rows."""
     import torch
 
-    N, nb, B, k = r.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H)
+    N, nb, B, k, el = r.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H), fmt.element
     o_scales, o_row, o_idx, o_vals, _ = fmt.offsets(H)
-    packed = r[:, :o_scales]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(N, nb, B)
-    sign = 1.0 - ((codes >> 3) & 1).float() * 2.0
-    e, m = ((codes >> 1) & 3).float(), (codes & 1).float()
-    mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * torch.exp2(e - 1.0))
+    codes = _unpack(r[:, :o_scales], fmt).view(N, nb, B)
+    sign = 1.0 - ((codes >> (el.bits - 1)) & 1).float() * 2.0
+    e, m = ((codes >> el.m_bits) & ((1 << el.e_bits) - 1)).float(), (codes & ((1 << el.m_bits) - 1)).float()
+    frac = m / (1 << el.m_bits)
+    mag = torch.where(e == 0, frac, (1.0 + frac) * torch.exp2(e - 1.0))
     sb = r[:, o_scales:o_row]
     if fmt.scale == "e8m0":
         scale = torch.where(sb == E8M0_NAN, float("nan"), torch.exp2(sb.float() - E8M0_BIAS))
@@ -211,14 +269,22 @@ def _le_np(a: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(a).view(dtype)
 
 
+def _unpack_np(packed: np.ndarray, fmt: BlockFormat) -> np.ndarray:
+    g, bits = fmt.group, fmt.element.bits
+    nbytes = g * bits // 8
+    b = packed.reshape(packed.shape[0], -1, nbytes).astype(np.int32)
+    word = sum(b[..., k] << (8 * k) for k in range(nbytes))
+    mask = (1 << bits) - 1
+    return np.stack([(word >> (bits * j)) & mask for j in range(g)], axis=-1).reshape(packed.shape[0], -1)
+
+
 def decode_numpy(values: np.ndarray, H: int, fmt: BlockFormat) -> np.ndarray:
     """float32 values ``[..., H]`` of stored rows ``[..., width(H)]`` uint8 (``decode`` in float32, bit for bit)."""
     lead = values.shape[:-1]
     r = np.ascontiguousarray(values).reshape(-1, fmt.width(H))
     N, nb, B, k = r.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H)
     o_scales, o_row, o_idx, o_vals, _ = fmt.offsets(H)
-    packed = r[:, :o_scales]
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(N, nb, B)
+    codes = _unpack_np(r[:, :o_scales], fmt).reshape(N, nb, B)
     sb = r[:, o_scales:o_row]
     if fmt.scale == "e8m0":
         with np.errstate(over="ignore"):
@@ -226,7 +292,7 @@ def decode_numpy(values: np.ndarray, H: int, fmt: BlockFormat) -> np.ndarray:
                              np.ldexp(np.float32(1), sb.astype(np.int32) - E8M0_BIAS).astype(np.float32))
     else:
         scale = fp8.decode_bits(sb) * _le_np(r[:, o_row:o_idx], "<f4")
-    out = (E2M1_SIGNED[codes] * scale[..., None]).reshape(N, nb * B)
+    out = (fmt.element.values()[codes] * scale[..., None]).reshape(N, nb * B)
     if k:
         out = np.pad(out, ((0, 0), (0, 1)))
         idx = _le_np(r[:, o_idx:o_vals], "<u2").astype(np.int64)
