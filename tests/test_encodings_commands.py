@@ -21,7 +21,7 @@ from train_helpers import FAST
 pytestmark = pytest.mark.slow  # extraction, audit and training on the tiny target
 
 LAYERS = [1, 4, 7]
-BLOCK = ("nvfp4", "mxfp4")
+BLOCK = ("mxfp6", "nvfp4", "mxfp4")
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,8 @@ def test_audit_holds_each_encodings_bound(stores, name, capsys):
     assert report["encoding"] == name and name in report["bound"]["why"]
     assert report["bound"]["floor"] == encodings.get(name).floor
     for v in report["features"].values():
-        # 4-bit values: far from bit-exact, yet within the encoding's floor
-        assert v["ok"] and 1 - v["min_cosine"] < encodings.get(name).floor and v["max_rel_err"] > 0.02
+        # 6- and 4-bit values: far from bit-exact, yet within the encoding's floor
+        assert v["ok"] and 1 - v["min_cosine"] < encodings.get(name).floor and v["max_rel_err"] > 0.005
 
 
 @pytest.mark.parametrize("name", BLOCK)

@@ -19,9 +19,9 @@ def test_seed_workload():
     # FORMAT.md: bf16 features 2 B per value, fp8 1 B per value + float32 scale per token and layer; input_ids
     # int32 + loss_mask uint8 per token; BRIEF: 51,200 B/token for 5 x 5120 bf16
     # nvfp4 (FORMAT.md): per row 2,560 B of codes, 320 e4m3 block scales, a float32 row scale and 10 outlier slots of
-    # 4 B; mxfp4: 2,560 B of codes, 160 E8M0 block scales and the same 10 slots
-    assert e["bytes_per_token"] == {"bf16": 51_200 + 5, "fp8": 5 * (5120 + 4) + 5, "nvfp4": 5 * 2924 + 5,
-                                    "mxfp4": 5 * 2760 + 5}
+    # 4 B; mxfp4: 2,560 B of codes, 160 E8M0 block scales and the same 10 slots; mxfp6: 3,840 B of codes, 160, 10
+    assert e["bytes_per_token"] == {"bf16": 51_200 + 5, "fp8": 5 * (5120 + 4) + 5, "mxfp6": 5 * 4040 + 5,
+                                    "nvfp4": 5 * 2924 + 5, "mxfp4": 5 * 2760 + 5}
     assert e["data_bytes"]["nvfp4"] * 3.5 < e["data_bytes"]["bf16"]  # the goal: 3.5x under bf16, scales included
     assert e["data_bytes"]["bf16"] == 1_870_000_000 * 51_205  # 95.75 TB
     assert e["data_bytes"]["bf16_final_hidden"] == 1_870_000_000 * (61_440 + 5)

@@ -45,7 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ENCODINGS = ("raw", "fp8", "nvfp4", "mxfp4")
+from hsstore.format import encodings
+
+ENCODINGS = encodings.NAMES  # bf16 (raw), fp8 and each encoding below it
 SHOWN = {"raw": "bf16"}
 LOSSLESS = {  # the codecs the store has (format/codec.py), and blosc's bit shuffle, which only 4-bit codes could use
     "zstd:1": ("zstd", 1, None), "zstd:3": ("zstd", 3, None), "blosc-zstd (byte shuffle)": ("blosc", 1, "shuffle"),
@@ -153,7 +155,6 @@ def lossless(rows: np.ndarray, chunk_bytes: int = 4 << 20) -> dict[str, dict[str
 def cpu_decode_speed(store_url: str, rows: np.ndarray) -> float | None:
     """Stored GB a second decoded into bfloat16 by one CPU thread (the CPU trainer's path), over ``rows``."""
     import hsstore as hs
-    from hsstore.format import encodings
 
     m = hs.open(store_url).manifest
     enc = encodings.get(m.encoding)
@@ -233,12 +234,21 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 def verdict(summary: dict, base: str = "raw", key: str = "spec_tau") -> dict[str, dict]:
     """Per encoding: its mean tau over bf16's, and whether it is within the goal: 2% of bf16's mean, or bf16's
-    seeds' own spread (their sd) where that is larger."""
+    seeds' own spread (their sd) where that is larger; and the paired view: per seed both share the data order,
+    anchors and initial weights, so the differences of the seeds both ran (encoding - bf16) show a cost the seeds'
+    spread hides (mean, sd and standard error of the differences)."""
     b = summary[base]["tau"][key]
     allowed = max(0.02 * b["mean"], b["sd"])
-    return {e: {"ratio": s["tau"][key]["mean"] / b["mean"], "gap": b["mean"] - s["tau"][key]["mean"],
-                "allowed": allowed, "within": b["mean"] - s["tau"][key]["mean"] <= allowed}
-            for e, s in summary.items()}
+    by_seed = {r["seed"]: r[key] for r in summary[base]["runs"]}
+    out = {}
+    for e, s in summary.items():
+        diffs = [r[key] - by_seed[r["seed"]] for r in s["runs"] if r["seed"] in by_seed]
+        paired = spread(diffs) if diffs else None
+        if paired:
+            paired["se"] = paired["sd"] / math.sqrt(paired["n"])
+        out[e] = {"ratio": s["tau"][key]["mean"] / b["mean"], "gap": b["mean"] - s["tau"][key]["mean"],
+                  "allowed": allowed, "within": b["mean"] - s["tau"][key]["mean"] <= allowed, "paired": paired}
+    return out
 
 
 def demo_evidence(args) -> dict:
@@ -323,7 +333,7 @@ def decode_speed(enc, values, scales, hidden: int, repeat: int = 3) -> float:
 
 
 def seeds_shape(args) -> dict:
-    from hsstore.format import encodings, microscaling
+    from hsstore.format import microscaling
     from hsstore.format.taps import default_taps
     from tools.bench_extract import build_model, synthetic
     from tools.deep_bounds import per_sample
@@ -392,8 +402,10 @@ def table(res: dict) -> str:
                      f"{tau.get('spec_tau', {}).get('n', 0)} |")
     lines += lossless_lines(encs, "cpu_decode_gb_s", "decode to bf16, 1 CPU thread")
     for key, v in res.get("verdict", {}).items():
-        lines += ["", f"{key}: " + "; ".join(f"{shown(e)} {x['ratio']:.3f} of bf16 ({'within' if x['within'] else 'outside'}"
-                                             f" the allowed {x['allowed']:.3f})" for e, x in v.items() if e != "raw")]
+        lines += ["", f"{key}: " + "; ".join(
+            f"{shown(e)} {x['ratio']:.3f} of bf16 ({'within' if x['within'] else 'outside'} the allowed "
+            f"{x['allowed']:.3f}; paired difference {x['paired']['mean']:+.3f} ± {x['paired']['se']:.3f} over "
+            f"{x['paired']['n']} seeds)" for e, x in v.items() if e != "raw")]
     return "\n".join(lines)
 
 
