@@ -52,7 +52,9 @@ E4M3_MAX = fp8.FP8_MAX
 E8M0_BIAS = 127
 E8M0_NAN = 255
 E_MAX = 2  # the largest exponent of e2m1 and e2m3 (bias 1): the OCP rule's emax_elem
-DECODE_VALUES = 1 << 24  # values decoded at a time on the device: bounds the float32 temporaries
+# values encoded or decoded at a time: bounds the temporaries (a few float32 and int32 copies) beside the target or the
+# drafter on their GPU
+DECODE_VALUES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,8 @@ def _codes(y: torch.Tensor, el: Element) -> torch.Tensor:
     mags = torch.as_tensor(el.magnitudes(), device=y.device)
     mids = (mags[1:] + mags[:-1]) / 2
     a = y.abs().clamp_(max=el.max)
-    lo = torch.bucketize(a, mids, right=False)
-    hi = torch.bucketize(a, mids, right=True)
+    lo = torch.bucketize(a, mids, right=False, out_int32=True)
+    hi = torch.bucketize(a, mids, right=True, out_int32=True)
     code = torch.where((lo != hi) & (lo % 2 == 1), hi, lo).to(torch.uint8)  # a tie: the even neighbour
     return code | ((y < 0) & (code > 0)).to(torch.uint8) << (el.bits - 1)
 
@@ -182,12 +184,24 @@ def _split_outliers(xf: torch.Tensor, k: int):
 
 def encode(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Rows ``[..., H]`` (any float dtype, finite) as the format's bytes ``[..., width(H)]`` uint8, on ``x``'s
-    device."""
+    device, ``DECODE_VALUES`` at a time."""
     import torch
 
     H = x.shape[-1]
-    lead = x.shape[:-1]
-    xf = x.reshape(-1, H).float()
+    rows = x.reshape(-1, H)
+    out = torch.empty((rows.shape[0], fmt.width(H)), dtype=torch.uint8, device=x.device)
+    step = max(1, DECODE_VALUES // max(1, H))
+    for a in range(0, rows.shape[0], step):
+        out[a:a + step] = _encode_rows(rows[a:a + step], fmt)
+    return out.view(*x.shape[:-1], fmt.width(H))
+
+
+def _encode_rows(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """``encode`` of a 2-D run of rows."""
+    import torch
+
+    H = x.shape[-1]
+    xf = x.float()
     N, nb, B, k, el = xf.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H), fmt.element
     if k:
         xf, idx, ovals = _split_outliers(xf, k)
@@ -211,7 +225,7 @@ def encode(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     if k:
         parts.append(idx.to(torch.int32).to(torch.int16).view(torch.uint8).view(N, 2 * k))
         parts.append(ovals.contiguous().view(torch.uint8).view(N, 2 * k))
-    return torch.cat(parts, dim=1).reshape(*lead, fmt.width(H))
+    return torch.cat(parts, dim=1)
 
 
 def _le(t: torch.Tensor, dtype) -> torch.Tensor:
