@@ -109,6 +109,97 @@ def test_packing_and_representable_values(name):
     assert torch.equal(enc.decode(rows, None, 64, torch.float32), x)
 
 
+# Per encoding: rows written, and the bytes docs/FORMAT.md says the store holds for them, worked out by hand from the
+# element tables (e2m1 codes 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; e2m3: sign, 2 exponent bits of bias 1, 3 mantissa
+# bits), the E8M0 rule 2^(floor(log2 amax) - 2), e4m3fn bits (bias 7) and IEEE float32/bfloat16 bits.
+def row(hidden: int, **at: float) -> list[float]:
+    out = [0.0] * hidden
+    for k, v in at.items():
+        out[int(k[1:])] = v
+    return out
+
+
+def hexed(*parts: str, width: int) -> bytes:
+    """Bytes from ``"OFFSET:HEX"`` parts, zeros elsewhere."""
+    out = bytearray(width)
+    for p in parts:
+        at, hx = p.split(":")
+        b = bytes.fromhex(hx)
+        out[int(at):int(at) + len(b)] = b
+    return bytes(out)
+
+
+MXFP4_ROW = row(32, c0=1.0, c1=-6.0, c2=0.5, c3=3.0, c4=2.5, c5=0.25, c6=5.0, c31=1.5)
+MXFP6_ROW = row(32, c0=1.0, c1=-6.0, c2=0.5, c3=3.0, c31=7.5)
+BY_HAND = {
+    # bf16 bits, little-endian: 1.0 = 0x3F80, -2.0 = 0xC000, 0.5 = 0x3F00
+    "raw": ([row(32, c0=1.0, c1=-2.0, c2=0.5)], [hexed("0:803f00c0003f", width=64)], None),
+    # e4m3fn: 448 = 0 1111 110 (0x7E), -1 = 1 0111 000 (0xB8), 0.5 = 0 0110 000 (0x30); scale amax / 448 in
+    # float32: 1.0 (0x3F800000), a zero row's 1.0, 3.5 / 448 = 2^-7 (0x3C000000)
+    "fp8": ([row(32, c0=448.0, c1=-1.0, c2=0.5), row(32), row(32, c5=3.5)],
+            [hexed("0:7eb830", width=32), hexed(width=32), hexed("5:7e", width=32)],
+            [bytes.fromhex("0000803f"), bytes.fromhex("0000803f"), bytes.fromhex("0000003c")]),
+    # one block of 32: amax 6 -> 2^(2 - 2), s = 127 (0x7F); codes 1.0 = 2, -6 = 8 + 7, 0.5 = 1, 3 = 5, 2.5 -> 2
+    # (code 4: a tie, to the even code), 0.25 -> 0 (a tie), 5 -> 4 (code 6: a tie), 1.5 = 3; low nibble first.
+    # A zero block: s = 0. The same row x 2^-10: s = 117 (0x75)
+    "mxfp4": ([MXFP4_ROW, row(32), [v * 2.0 ** -10 for v in MXFP4_ROW]],
+              [hexed("0:f2510406", "15:30", "16:7f", width=17), hexed(width=17),
+               hexed("0:f2510406", "15:30", "16:75", width=17)], None),
+    # e2m3 codes 1.0 = 0 01 000 (8), -6 = 1 11 100 (60), 0.5 = 0 00 100 (4), 3 = 0 10 100 (20), 7.5 = 0 11 111 (31);
+    # four values in three bytes: 8 | 60 << 6 | 4 << 12 | 20 << 18 = 0x504F08; value 31 is the fourth of the last
+    # three bytes: 31 << 18 = 0x7C0000; amax 7.5 -> 2^(2 - 2), s = 127
+    "mxfp6": ([MXFP6_ROW, row(32)], [hexed("0:084f50", "21:00007c", "24:7f", width=25), hexed(width=25)], None),
+    # row scale 10.5 / (6 * 448) = 2^-8 (float32 0x3B800000); block 0: e4m3(10.5 / (6 * 2^-8)) = e4m3(448) = 0x7E,
+    # scale 1.75: codes 1.75 = 2, -10.5 = 15, 0.875 = 1, 5.25 = 5; block 1: e4m3(6 / 256 / (6 / 256)) = e4m3(1) =
+    # 0x38, scale 2^-8: -6/256 = 15, 0.5/256 = 1. A zero row: row scale 1.0, block scales 0
+    "nvfp4": ([row(32, c0=1.75, c1=-10.5, c2=0.875, c3=5.25, c16=-6 / 256, c17=0.5 / 256), row(32)],
+              [hexed("0:f251", "8:1f", "16:7e38", "18:0000803b", width=22),
+               hexed("18:0000803f", width=22)], None),
+}
+# 512 wide: one outlier slot (index 7, bfloat16 1000 = 0x447A); the rest's blocks as above without it: mxfp4 and
+# mxfp6 amax 1 -> s = 125 (0x7D), 1.0 / 0.25 = 4 (e2m1 code 6, e2m3 0 11 000 = 24); nvfp4's row scale from the
+# values outside the slot (10.5: 2^-8), 10.5 / 1.75 = 6 (code 7)
+OUTLIER = {
+    "mxfp4": (row(512, c0=1.0, c7=1000.0), hexed("0:06", "256:7d", "272:0700", "274:7a44", width=276)),
+    "mxfp6": (row(512, c0=1.0, c7=1000.0), hexed("0:18", "384:7d", "400:0700", "402:7a44", width=404)),
+    "nvfp4": (row(512, c0=10.5, c7=1000.0), hexed("0:07", "256:7e", "288:0000803b", "292:0700", "294:7a44",
+                                                   width=296)),
+}
+
+
+def stored_bytes(url: str, name: str, rows: list[list[float]]) -> tuple[list[bytes], list[bytes] | None]:
+    """``rows`` written as one sample (the same rows at every tap) and read back with zarr-python, not hsstore:
+    each stored row's bytes in layer 3's array, and its scale's bytes where the encoding keeps them apart."""
+    import zarr
+
+    hidden = len(rows[0])
+    m = dataclasses.replace(make_manifest(hidden=hidden), encoding=name)
+    s = make_samples(1, hidden=hidden, min_len=len(rows), max_len=len(rows) + 1)[0]
+    x = torch.tensor(rows, dtype=torch.bfloat16)[:, None, :].expand(-1, 3, -1).contiguous()
+    assert torch.equal(x.float()[:, 0], torch.tensor(rows))  # every value written is a bfloat16 one
+    with hsstore.StoreWriter(url, m) as w:
+        w.add("s0", s["input_ids"], s["loss_mask"], x)
+    g = zarr.open_group(url, path=f"shards/{hsstore.open(url).commits[0].shard}", mode="r")
+    a = g["layer_003"][: len(rows)]
+    scales = g["scale_003"][: len(rows)] if "scale_003" in g else None
+    return ([a[i].astype(a.dtype.newbyteorder("<")).tobytes() for i in range(len(rows))],
+            None if scales is None else [scales[i:i + 1].astype("<f4").tobytes() for i in range(len(rows))])
+
+
+@pytest.mark.parametrize("name", encodings.NAMES)
+def test_stored_bytes_worked_out_by_hand(tmp_path, name):
+    """Each encoding's stored bytes, as zarr-python reads them from the shard, equal the bytes worked out by hand
+    from docs/FORMAT.md and the element, scale and float definitions (OCP MX, NVFP4, IEEE), not from hsstore."""
+    rows, want, want_scales = BY_HAND[name]
+    got, scales = stored_bytes(str(tmp_path / "a"), name, rows)
+    assert [g.hex() for g in got] == [w.hex() for w in want]
+    assert scales == want_scales
+    if name in OUTLIER:
+        x, want_row = OUTLIER[name]
+        got, _ = stored_bytes(str(tmp_path / "b"), name, [x])
+        assert got[0].hex() == want_row.hex()
+
+
 @pytest.mark.parametrize("name", BLOCK)
 def test_error_and_outlier_channels(name):
     """At 5,120 wide with six channels 100-1000x the median magnitude: the outlier slots hold the largest channels

@@ -6,8 +6,8 @@ how it encodes (on the extraction GPU, or the host) and decodes (on the training
 the commands that never load torch), which rows no reader may serve, and the audit's floor for its rounding.
 
 ``raw`` stores values as computed (the dtype's bits); ``fp8`` e4m3 values with a float32 scale per row in an array
-of its own (``format/fp8.py``); ``mxfp4`` and ``nvfp4`` 4-bit values with block scales and outlier channels inside
-the row (``format/microscaling.py``). docs/FORMAT.md describes each byte for byte.
+of its own (``format/fp8.py``); ``mxfp6``, ``nvfp4`` and ``mxfp4`` 6- or 4-bit values with block scales and outlier
+channels inside the row (``format/microscaling.py``). docs/FORMAT.md describes each byte for byte.
 """
 
 from __future__ import annotations
