@@ -390,7 +390,7 @@ def import_assets(url: str, options: dict, files: dict[str, bytes] | None) -> st
 
 
 def _some(ids: list[str], n: int = 10) -> str:
-    return ", ".join(ids[:n]) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
+    return ", ".join(map(escape, ids[:n])) + (f", ... ({len(ids) - n} more)" if len(ids) > n else "")
 
 
 def run_export_cmd(args: argparse.Namespace) -> int:

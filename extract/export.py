@@ -107,6 +107,7 @@ def export_specforge(url: str, out: str, *, storage_options: dict | None = None,
     from tqdm import tqdm
 
     store = Store(url, storage_options or {})
+    store.admit()  # the admission's store-wide rules, before a file is written
     store.check_manifest()
     layout = layout or "dflash"
     taps, chosen = specforge_taps(store, layout, layers)
@@ -161,6 +162,7 @@ def export_speculators(url: str, out: str, *, storage_options: dict | None = Non
         raise ValueError("--layout and --layers choose among SpecForge's layouts; speculators has one (every tap, "
                          "the last as the verifier's hidden state)")
     store = Store(url, storage_options or {})
+    store.admit()  # the admission's store-wide rules, before a file is written
     store.check_manifest()
     m = store.manifest
     n = m.target.num_layers

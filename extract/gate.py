@@ -19,6 +19,7 @@ import numpy as np
 from .show import format_sample
 from hsstore.app.schema import option
 from hsstore.ops.stats import SAMPLE_FLAGS, log2_histogram, percentiles, top_values
+from hsstore.terminal import escape, shown, visible_key
 from .sample import TokenizedSample
 from .tokenize import TokenizeStats
 
@@ -167,17 +168,19 @@ def check(
     keep_examples: int = 5,
 ) -> GateReport:
     """Run the gate over ``samples`` (streamed once). Adds ``stub_answer`` and ``duplicate`` flags to the
-    per-sample records (samples themselves are not modified); a sample id met twice fails the gate."""
+    per-sample records (samples themselves are not modified); a sample id met twice (or one that differs from an
+    earlier id only by invisible characters: ``terminal.visible_key``) fails the gate."""
     t = thresholds or GateThresholds()
     records: list[SampleStats] = []
     seen: set[bytes] = set()
-    ids: set[str] = set()
+    ids: set[str] = set()  # visible keys: two ids a person cannot tell apart are one
     repeated: dict[str, None] = {}
     examples: dict[str, list] = {}
     for s in samples:
-        if s.sample_id in ids:
+        key = visible_key(s.sample_id)
+        if key in ids:
             repeated[s.sample_id] = None
-        ids.add(s.sample_id)
+        ids.add(key)
         flags = list(s.flags)
         if is_stub(s, t):
             flags.append("stub_answer")
@@ -248,8 +251,8 @@ def _verdict(report: GateReport) -> None:
     if report.repeated_ids:
         first = report.repeated_ids[0]
         report.failures.append(
-            f"{len(report.repeated_ids):,} sample id(s) occur more than once, e.g. {first!r}: ids must be unique "
-            "(extract resumes by id)")
+            f"{len(report.repeated_ids):,} sample id(s) occur more than once, e.g. {shown(first)} (ids that differ "
+            "only by invisible characters count as one): ids must be unique (extract resumes by id)")
     top = report.top_loss_sum
     if top["value"] <= t.small_loss_sum and top["share"] >= t.max_top_share:
         report.dominant = True
@@ -306,7 +309,7 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
         "",
         f"  samples          {n:,}{rows}",
         "  sources          "
-        + ", ".join(f"{k} {v:,}" for k, v in list(report.sources.items())[:6])
+        + ", ".join(f"{escape(k)} {v:,}" for k, v in list(report.sources.items())[:6])
         + (" ..." if len(report.sources) > 6 else ""),
         f"  tokens           {report.total_tokens:,} total, {report.loss_tokens:,} in loss masks "
         f"(response fraction {_pct(report.response_fraction)})",
@@ -345,8 +348,8 @@ def _format_report(report: GateReport, tokenizer, n_examples: int, color: bool, 
             for rec, ids, mask in picked:
                 flags = ", ".join(rec.flags) or "-"
                 lines.append(
-                    f"--- {rec.sample_id} [{rec.source}] {rec.tokens} tokens, loss {rec.loss_tokens}, "
-                    f"thinking {rec.thinking_tokens}, answer {rec.answer_tokens}, flags: {flags}"
+                    f"--- {escape(rec.sample_id)} [{escape(rec.source)}] {rec.tokens} tokens, loss {rec.loss_tokens}, "
+                    f"thinking {rec.thinking_tokens}, answer {rec.answer_tokens}, flags: {escape(flags)}"
                 )
                 lines.append(format_sample(tokenizer, ids, mask, color=color, max_chars=max_chars))
     return "\n".join(lines) + "\n"

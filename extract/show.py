@@ -88,8 +88,8 @@ def format_input_sample(sample, tokenizer, color: bool = False, max_chars: int |
     """A header line (id, source, token counts, gate flags), then the decoded sample with its mask marked."""
     s = sample
     flags = ", ".join(s.flags) or "-"
-    return (f"# {s.sample_id} [{s.source}] {s.num_tokens} tokens, loss {s.loss_tokens}, thinking "
-            f"{s.thinking_tokens}, answer {s.answer_tokens}, flags: {flags}\n"
+    return (f"# {escape(s.sample_id)} [{escape(s.source)}] {s.num_tokens} tokens, loss {s.loss_tokens}, thinking "
+            f"{s.thinking_tokens}, answer {s.answer_tokens}, flags: {escape(flags)}\n"
             + format_sample(tokenizer, s.input_ids, s.loss_mask, color=color, max_chars=max_chars))
 
 
@@ -106,11 +106,13 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
     from .target import load_tokenizer
 
     store = reader.open(url, **(storage_options or {}))
+    store.admit()  # the admission's store-wide rules: nothing of a refused store is shown
     ids = store.sample_ids()
     index = int(n) if n.isdigit() else (ids.index(n) if n in ids else None)
     if index is None or not 0 <= index < len(store):
         raise ValueError(f"{url}: no sample {n!r} (it has {len(store)} samples)")
     ref = store.ref(index)
+    rec = store.admitted(ref.shard)  # the header is the admitted record's, never a column it was not held to
     item = store.read(index, layers=store.layers[:1])
     if model:
         tokenizer = load_tokenizer(model)
@@ -122,7 +124,6 @@ def format_store_sample(url: str, n: str, storage_options: dict | None = None, m
         with tempfile.TemporaryDirectory() as tmp:
             assets.download_dir(store.fs, store.root, assets.TOKENIZER_DIR, tmp, url=url)
             tokenizer = load_tokenizer(tmp)
-    rec = store.commits[[c.shard for c in store.commits].index(ref.shard)]
     flags = ", ".join(rec.samples["flags"][ref.local]) or "-"
     return (f"# {escape(ref.sample_id)} [{escape(rec.samples['source'][ref.local])}] {ref.stop - ref.start} "
             f"tokens, loss {int(item['loss_mask'].sum())}, thinking {rec.samples['thinking_tokens'][ref.local]}, "

@@ -1,7 +1,7 @@
 """Exceptions raised by hsstore. Every message names the store, shard, file or sample at fault."""
 
 
-from .redaction import scrub
+from .redaction import recordable_url, scrub
 
 
 class StoreError(Exception):
@@ -27,3 +27,11 @@ class CorruptionError(StoreError):
 class FetchError(StoreError):
     """Objects could not be read after the client's retries (network, throttling, service errors): a fault
     of the path to the store, not of the stored bytes, so it is never skipped as corruption."""
+
+
+def salvage_hint(url: str) -> str:
+    """What to do about a store whose stored bytes fail their checks, for the one line that stops a reader: the
+    damage costs only the samples it touched, and these two commands say which and keep the rest."""
+    u = recordable_url(url)
+    return (f"`hsstore verify {u}` names every damaged sample; `hsstore subset {u} NEW --skip-corrupt` copies every "
+            "sample whose bytes verify into NEW")

@@ -182,7 +182,7 @@ def test_no_such_bucket(tiny_dir, tmp_path, capsys, s3_endpoint, command):
 
 def test_hand_edited_manifest(edited_store, tiny_dir, tmp_path, capsys):
     rc = main(store_argv("train", str(edited_store), tmp_path, tiny_dir))
-    one_line_error(capsys, rc, r"manifest\.json differs from the manifest that shards")
+    one_line_error(capsys, rc, r"rule 'manifest' \(written under another manifest: manifest\.json was changed")
     assert not list(tmp_path.glob("run/**/*.safetensors"))
 
 

@@ -204,6 +204,7 @@ def test_eval_cli_without_target(store32, trained, capsys):  # noqa: F811
     rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(out), "--device", "cpu", "-q"])
     text = capsys.readouterr().out
     assert rc == 0 and "tau" in text and "acceptance" in text and f"{ref.anchors:,} anchors" in text
+    assert f"the mean over all {ref.anchors:,} anchors" in text  # a teacher-forced tau says how it is averaged
     # prompts without a target to decode them: refused
     assert hsstore_cli(["eval", "--store", store32, "--drafter", str(out), "--input", "x.jsonl"]) == 2
 

@@ -420,8 +420,12 @@ def test_manifest_hidden_size_2_pow_40_is_one_line(small_store, tmp_path, comman
             "subset": ["subset", small_store, str(tmp_path / "o"), "-q"],
             "export": ["export", "specforge", small_store, str(tmp_path / "o"), "-q"],
             "info": ["info", small_store], "verify": ["verify", small_store, "-q"]}[command]
-    rc, _, err = run(argv, capsys)
-    one_line_error(rc, err, "manifest.json", "hidden_size must be a positive integer of at most 1,048,576")
+    rc, out, err = run(argv, capsys)
+    if command == "verify":  # a finding of verify's: a FAIL line naming the file and the field (exit 1)
+        fails = [ln for ln in out.splitlines() if ln.startswith("FAIL")]
+        assert rc == 1 and len(fails) == 1 and "manifest.json" in fails[0] and "at most 1,048,576" in fails[0], out
+    else:
+        one_line_error(rc, err, "manifest.json", "hidden_size must be a positive integer of at most 1,048,576")
     assert not (tmp_path / "o").exists()
 
 

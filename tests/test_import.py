@@ -509,3 +509,29 @@ def test_export_then_import_gives_a_store_train_and_show_use(tiny_dir, tmp_path,
     assert main(["show", str(back), "0"]) == 0 and "<|im_start|>" in capsys.readouterr().out
     assert main(["train", "--store", str(back), "--out", str(tmp_path / "run"), "--steps", "1", "--token-budget",
                  "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "8", "--device", "cpu", "-q"]) == 0
+
+
+def test_import_refuses_an_id_a_person_cannot_tell_from_a_stored_one(tmp_path, new_samples, capsys):
+    """Two imports into one store whose ids differ only by a zero-width space: the second is refused before
+    anything is written, naming both ids (``verify`` would name the pair, ``info`` and ``show`` could not tell
+    them apart)."""
+    write_speculators(tmp_path / "spec", new_samples(2))
+    out = str(tmp_path / "store")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--id-prefix", "b-", *IDENTITY]) == 0
+    capsys.readouterr()
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--id-prefix", "b-\u200b",
+                 *IDENTITY]) == 2
+    err = capsys.readouterr().err
+    assert "'b-\\u200bhs_0' differs from 'b-hs_0'" in err and "only by invisible characters" in err, err
+    assert len(hsstore.open(out)) == 2
+
+
+def test_import_summary_escapes_the_ids_it_names(tmp_path, new_samples, capsys):
+    """The ids a summary names (here a row without its hidden-state file) are the peer folder's strings: an
+    invisible character among them is written as its escape."""
+    write_speculators(tmp_path / "spec", new_samples(3), skip=(1,))
+    out = str(tmp_path / "store")
+    assert main(["import", "speculators", str(tmp_path / "spec"), "--out", out, "--id-prefix", "b\u200b-",
+                 *IDENTITY]) == 0
+    said = capsys.readouterr().out
+    assert "skipped (b\\u200b-hs_1)" in said and "\u200b" not in said, said

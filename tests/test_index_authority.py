@@ -77,7 +77,7 @@ def test_forged_index_columns_are_refused_naming_the_segment(tmp_path, capsys, f
     url = str(tmp_path / "s")
     _store(url)
     seg, shard = forge_columns(url, FORGERIES[forgery])
-    sid = hsstore.open(url).table.sample_id[0]
+    sid = json.loads(open(os.path.join(url, commit.commit_path(shard))).read())["samples"]["sample_id"][0]
     out_dir = str(tmp_path / "out")
     argv = {"show": ["show", url, sid, "--model", str(tiny_dir)], "subset": ["subset", url, out_dir, "-q"],
             "export": ["export", "specforge", url, out_dir, "-q"]}[command]

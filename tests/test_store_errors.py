@@ -1,6 +1,7 @@
 """Bad input, corruption and verify: clear errors naming what is wrong; nothing committed touched."""
 
 import json
+import re
 import os
 
 import pytest
@@ -152,8 +153,9 @@ def test_malformed_commit_record(tmp_path, new_manifest, samples, write):
     write(str(tmp_path), new_manifest(), samples)
     name = sorted((tmp_path / "commits").iterdir())[0]
     name.write_text('{"shard": "x"}')
-    with pytest.raises(hsstore.CorruptionError, match=rf"commit record of shard '{name.stem}'.*malformed"):
-        hsstore.open(str(tmp_path))
+    store = hsstore.open(str(tmp_path))  # opened (info describes it), refused by every reader
+    with pytest.raises(hsstore.CorruptionError, match=rf"shard '{name.stem}'.*rule 'record'.*malformed.*field"):
+        next(iter(store))
 
 
 def test_missing_commit_record_hides_the_shard_and_verify_names_it(tmp_path, new_manifest, samples, write, capsys):
@@ -205,7 +207,8 @@ def test_hand_edited_manifest_named_by_verify_and_refused_by_loader(tmp_path, ne
 @pytest.mark.parametrize("edit, message", [
     ({"surprise": 1}, r"unknown fields \['surprise'\]"),
     ({"layers": "1,3,5"}, "layers must be"),
-    ({"target": {"name": "x"}}, "missing or malformed field"),
+    ({"target": {"name": "x"}}, "field target.num_layers: missing"),
+    ({"target.mndel_type": "x"}, "field target.mndel_type: not a field of the manifest"),
     ({"target.hidden_size": "48"}, "hidden_size must be a positive integer"),
     ({"chunk_tokens": -1}, "chunk_tokens must be a positive integer"),
     ({"format": "other"}, "not an hsstore manifest"),
@@ -220,10 +223,15 @@ def test_schema_invalid_manifest_one_line_error(tmp_path, new_manifest, samples,
     path.write_text(json.dumps(d))
     with pytest.raises(hsstore.ManifestError, match=message):
         hsstore.open(str(tmp_path))
-    for cmd in (["verify", str(tmp_path), "-q"], ["info", str(tmp_path)]):
-        assert main(cmd) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "manifest.json" in err[0] and "Traceback" not in err[0], err
+    assert main(["info", str(tmp_path)]) == 2  # a refusal in one line naming the file and the field
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json" in err[0] and "Traceback" not in err[0], err
+    assert re.search(message, err[0]) and "__init__" not in err[0], err
+    assert main(["verify", str(tmp_path), "-q"]) == 1  # verify's finding: a FAIL line naming the file and the field
+    got = capsys.readouterr()
+    fails = [ln for ln in got.out.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 1 and "manifest.json" in fails[0] and re.search(message, fails[0]), got.out
+    assert not got.err.strip(), got.err
 
 
 def test_loader_on_commit_without_data_raises_or_skips_and_counts(tmp_path, new_manifest, samples, write):

@@ -1,6 +1,8 @@
 """hsstore eval: greedy speculative decoding is lossless (its output equals target-only greedy decoding,
 whatever the drafter proposes) and tau counts accepted drafts + 1."""
 
+import json
+
 import pytest
 import torch
 
@@ -55,8 +57,8 @@ def test_speculative_equals_greedy_for_any_proposer(target, prompts, eos, right)
         assert all(1 <= a <= S for a in spec.accepted) and 1 <= spec.tau <= S
         if right is None:  # everything accepted: S tokens per target forward
             assert spec.accepted[0] == S and spec.forwards < base.forwards / 2
-        else:
-            assert set(spec.accepted) == {right + 1}
+        else:  # the last step may end at the eos or the length limit, inside its block
+            assert set(spec.accepted[:-1]) <= {right + 1} and 1 <= spec.accepted[-1] <= right + 1
 
 
 def test_trained_drafter_eval_is_lossless(store32, target, prompts, eos, tmp_path):  # noqa: F811
@@ -80,7 +82,62 @@ def test_eval_cli(store32, tiny_dir, small_input, tmp_path, capsys):  # noqa: F8
     out = captured.out
     assert rc == 0, out
     assert "speculative output == target greedy output: 2/2" in out and "tau" in out
-    assert "eval: 100%" in captured.err and "2/2" in captured.err and "tau=" in captured.err  # the progress bar
+    assert "Average Acceptance length" in out and "accept len" in out  # both conventions, named
+    assert "eval: 100%" in captured.err and "2/2" in captured.err and "tau_per_prompt=" in captured.err  # the bar
+    rc = hsstore_cli(["eval", "--store", store32, "--drafter", str(tmp_path), "--model", str(tiny_dir),
+                      "--input", str(small_input), "--num-samples", "2", "--max-new-tokens", "12", "--device", "cpu",
+                      "--json", "-q"])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0 and "tau" not in r  # no tau without its convention
+    # the two conventions from the report's own counts: the prefill is no step and its token is not counted
+    assert r["verify_steps"] == r["spec_forwards"] - r["samples"]
+    assert r["tau_per_prompt"] == pytest.approx(sum(r["tau_per_sample"]) / len(r["tau_per_sample"]))
+    assert r["tau_pooled"] == pytest.approx((r["spec_tokens"] - r["samples"]) / r["verify_steps"])
+
+
+def scripted(prompt, reference, plan: list[int]):
+    """A proposer whose step k gets exactly ``plan[k]`` drafts right (the reference's next tokens), then wrong."""
+    steps = iter(plan)
+
+    def propose(ctx, seq):
+        done, right = len(seq) - len(prompt), next(steps)
+        block = list(reference[done:done + SMALL_S - 1])
+        return block[:right] + [(t + 1) % 1000 for t in block[right:]]
+    return propose
+
+
+SMALL_S = 4
+
+
+def test_tau_in_both_conventions_on_a_hand_counted_case(target, prompts):
+    """Two prompts, block 4, 10 new tokens, no eos; the drafter gets a scripted number right at each step. Counted by
+    hand: the prefill gives token 1 (no step); prompt A's steps add 3, 1, 4 and then 1 (2 accepted, but only 1 token
+    is left of the 10): 9 tokens in 4 steps, mean 2.25; prompt B's add 4, 4, 1: 9 in 3, mean 3. So z-lab's
+    per-prompt mean is (2.25 + 3) / 2 = 2.625 and SGLang's pooled count 18 / 7."""
+    from hsstore.train.speculative import tau_conventions
+
+    taps, new = [1, 2, 3, 4, 5], 10
+    got = []
+    for prompt, plan in zip(prompts, ([2, 0, 3, 1], [3, 3, 3])):
+        ref = greedy_generate(target, prompt, new + SMALL_S, set()).tokens
+        spec = speculative_generate(target, scripted(prompt, ref, plan), prompt, taps, SMALL_S, new, set())
+        assert spec.tokens == ref[:new]
+        got.append(spec.accepted)
+    assert got == [[3, 1, 4, 1], [4, 4, 1]]
+    per_prompt, pooled = tau_conventions(got)
+    assert per_prompt == pytest.approx(2.625) and pooled == pytest.approx(18 / 7)
+    assert tau_conventions([[2], []]) == (2.0, 2.0)  # a prompt done at its prefill counts in neither
+
+
+def test_a_step_cut_by_eos_counts_the_tokens_it_adds(target, prompts):
+    """An eos inside an accepted block ends the output there: the step counts the tokens up to the eos, as z-lab's
+    ``dflash_generate`` and SGLang's verify count them, not the block's accepted length."""
+    taps, prompt = [1, 2, 3, 4, 5], prompts[0]
+    ref = greedy_generate(target, prompt, 20, set()).tokens
+    j = next(j for j in range(5, 12) if ref[j] not in ref[:j])  # the output's 7th..12th token, new there
+    spec = speculative_generate(target, scripted(prompt, ref, [3, 3, 3, 3]), prompt, taps, SMALL_S, 20, {ref[j]})
+    assert spec.tokens == ref[:j + 1]
+    assert sum(spec.accepted) == j and spec.accepted[:-1] == [4] * (len(spec.accepted) - 1)
 
 
 def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F811
@@ -340,9 +397,9 @@ def test_a_difference_is_weighed_by_the_targets_own_logits(tiny_dir, prompts):
 
 
 def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir, small_input, tmp_path):  # noqa: F811
-    """tools.bench_eval on a demo-shaped folder: one row per mode, both lossless with the same tau and forwards,
-    re-runs only on the recompute path."""
-    from tools.bench_eval import run, table
+    """tools.bench_eval on a demo-shaped folder: one row per mode, all lossless with the same tau and forwards,
+    re-runs only on the recompute path; the parts timed alone give the ceiling and the bound beside the rows."""
+    from tools.bench_eval import ceilings, costs, run, table
 
     demo = tmp_path / "demo"
     (demo / "data").mkdir(parents=True)
@@ -350,11 +407,19 @@ def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir,
     (demo / "store").symlink_to(store32)
     (demo / "target").symlink_to(tiny_dir)
     (demo / "data" / "heldout.jsonl").symlink_to(small_input)
-    rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12)
+    modes = ["graphs", "chunk", "eager", "recompute"]
+    rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12, modes=modes)
     by = {r["mode"]: r for r in rows}
-    assert sorted(by) == ["recompute", "states"]
+    assert sorted(by) == sorted(modes)
     assert all(r["identical"] == r["samples"] == 1 for r in rows)
-    assert by["states"]["tau"] == by["recompute"]["tau"]
-    assert by["states"]["spec_forwards"] == by["recompute"]["spec_forwards"]
-    assert by["states"]["reruns"] == 0 < by["recompute"]["reruns"]
-    assert "states / recompute" in table(rows)
+    for tau in ("tau_per_prompt", "tau_pooled"):
+        assert by["graphs"][tau] == by["chunk"][tau] == by["eager"][tau] == by["recompute"][tau]
+    assert by["eager"]["spec_forwards"] == by["recompute"]["spec_forwards"]
+    assert by["eager"]["reruns"] == by["graphs"]["reruns"] == 0 < by["recompute"]["reruns"]
+    parts = costs(demo, "cpu", reps=2, modes=["graphs", "eager"])
+    assert all(parts[k] > 0 for k in ("target_ms", "draft_ms_graphs", "draft_ms_eager", "verify_ms_graphs",
+                                      "verify_ms_eager"))
+    c = ceilings(rows, parts)["eager"]
+    ceiling = by["eager"]["tau_pooled"] / (1 + parts["draft_ms_eager"] / parts["target_ms"])
+    assert c["ceiling"] == pytest.approx(ceiling)
+    assert "graphs / eager" in table(rows, parts) and "ceiling" in table(rows, parts)

@@ -61,11 +61,12 @@ def child(op: str, url: str, endpoint: str | None, use_index: bool) -> dict:
             json.dumps(summarize(store))
         elif op == "verify":
             from hsstore.format.report import VerifyReport
-            from hsstore.ops.verify import check_index, check_record
+            from hsstore.ops.verify import check_index
 
             report = VerifyReport(shards=len(store.commits))
+            report.problems += [b.problem() for b in store.breaches()]
             for rec in store.commits:
-                check_record(store, rec, report)
+                report.problems += [b.problem() for b in store.shard_breaches(rec)]
             check_index(store, report)
             assert report.ok, report.problems[:3]
         out["index_use"] = {k: v for k, v in dataclasses.asdict(store.index_use).items() if isinstance(v, int)}
@@ -141,10 +142,10 @@ def build_store(fs, root: str, shards: int, scratch: str) -> None:
                 continue
             objects[key] = open(os.path.join(dirpath, f), "rb").read()
     # files for the first shards only: what the first item and the loader's read-ahead touch
-    batch = {storage.join(root, k.replace(rec.shard, f"bench-{i:06d}")): v for k, v in objects.items()
+    batch = {storage.join(root, k.replace(rec.shard, f"{rec.writer}-bench-{i:06d}")): v for k, v in objects.items()
              for i in range(min(shards, WITH_FILES)) if rec.shard in k or i == 0}
     for i in range(shards):
-        name = f"bench-{i:06d}"
+        name = f"{rec.writer}-bench-{i:06d}"  # a writer's name (<writer>-<session>-<sequence>), as the admission asks
         files = {k.replace(rec.shard, name): v for k, v in rec.files.items()}
         samples = {**rec.samples, "sample_id": [f"{name}-{j}" for j in range(rec.n_samples)]}
         batch[storage.join(root, commit_path(name))] = dataclasses.replace(rec, shard=name, files=files,

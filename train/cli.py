@@ -19,6 +19,7 @@ from hsstore.app.schema import add_arguments, from_args
 from hsstore.io.storage import parse_storage_options
 
 from .config import EvalSettings, ExportDrafterSettings, TrainSettings
+from .rundir import RUN_MARKER
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def register_train(subparsers) -> None:
     add_quiet_option(groups["output"])
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
-    add_config_option(t)
+    add_config_option(t, record_markers=(RUN_MARKER,))  # OUT/run.yaml beside it is a run's record
     t.set_defaults(func=run_train, preflight=preflight_train, announce=announce_train)
 
 
@@ -66,13 +67,15 @@ def register_eval(subparsers) -> None:
         "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
         "deterministic) gets the drafter's block of S-1 argmax drafts, compared with the stored tokens. Prints "
         "the training loss, acceptance per draft position k (share of anchors whose drafts 1..k are all right) "
-        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S). "
+        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S), the mean over every anchor. "
         "With --model and --input: greedy (temperature 0) speculative decoding, the drafter proposing from the "
         "target's features and the target verifying; reports tau and target-only vs speculative tokens/s and "
         "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
         "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
-        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau is the mean over "
-        "prompts of each prompt's mean per step, as there. The target-only baseline and the speculative run both "
+        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau (tokens per "
+        "verification step, the prefill no step) in both conventions: tau_per_prompt, the mean over prompts of "
+        "each prompt's mean, as there (\"Average Acceptance length\"); tau_pooled, all steps' tokens over all "
+        "steps, as SGLang's server counts it (\"accept len\"). The target-only baseline and the speculative run both "
         "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
         "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
         "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
@@ -98,8 +101,6 @@ def preflight_train(args: argparse.Namespace) -> None:
     from hsstore.io.destination import check_output_folder
     from hsstore.distributed import launcher_rank
     from hsstore.format.manifest import read_manifest
-
-    from .rundir import RUN_MARKER
 
     if args.out and launcher_rank() == 0:  # other ranks may already see rank 0's first files
         check_output_folder(args.out, (RUN_MARKER,), "train --out")
@@ -141,6 +142,8 @@ def run_train(args: argparse.Namespace) -> int:
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last
+    followed = result.followed
+    rc = 1 if followed is not None and followed.differs else 0  # epoch 0 trained less (or more) than the stores hold
     if args.json:
         print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
                           "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
@@ -148,25 +151,29 @@ def run_train(args: argparse.Namespace) -> int:
                           "tokens_per_s": result.tokens_per_s,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
-                          "best": read_best(args.out), "last": last}, indent=2))
-        return 0
+                          "best": read_best(args.out), "last": last,
+                          **({} if followed is None else {"follow": {"trained_samples": followed.trained,
+                                                                     "held_samples": followed.held}})}, indent=2))
+        return rc
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
     resumed = ("" if result.resumed_from is None else
                f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
     print(f"trained {result.steps_this_run} steps{resumed} ({result.epochs_done} epoch(s) complete) in "
           f"{result.seconds:.1f}s: {result.tokens:,} tokens in {result.step_seconds:.1f}s of steps, "
           f"{result.tokens_per_s:,.0f} tokens/s (the sums of metrics.jsonl's lines of this run); "
-          f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau(teacher-forced) "
-          f"{fmt(last.get('tau'))}")
+          f"last loss {fmt(last.get('loss'))}, acc {fmt(last.get('acc'))}, tau (teacher-forced, mean over the "
+          f"logged steps' anchors) {fmt(last.get('tau'))}")
     if "val_tau" in last:
         print(f"validation (teacher-forced, every anchor of --val-store): loss {fmt(last['val_loss'])}, "
-              f"tau {fmt(last['val_tau'])} over {last['val_anchors']:,} anchors")
+              f"tau {fmt(last['val_tau'])} (the mean over {last['val_anchors']:,} anchors)")
     print(f"drafter: {result.drafter_dir} (the last step); metrics: {args.out}/metrics.jsonl")
     best = read_best(args.out)
     if best is not None:
         print(f"best checkpoint (val_tau {fmt(best.get('val_tau'))} at step {best.get('step')}): "
               f"{args.out}/checkpoints/{best['checkpoint']}; hsstore export-drafter {args.out} NEW --best exports it")
-    return 0
+    if followed is not None:
+        print(followed.line(), file=sys.stderr if followed.differs else sys.stdout)
+    return rc
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ import torch
 
 from hsstore.loader.batching import TokenBatches, count_token_batches
 from hsstore.distributed import World
+from hsstore.errors import StoreError
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.follow import Follow, FollowStopped
 from hsstore.loader.options import Planning, Reading, Selection
@@ -130,7 +131,7 @@ class StoreBatches:
         return self.loader if self.loader is not None else self.batches
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self._inner())
+        return iter(self.batches) if self.loader is None else from_workers(iter(self.loader))
 
     def state_dict(self) -> dict[str, Any]:
         return self._inner().state_dict()
@@ -142,17 +143,42 @@ class StoreBatches:
         """Resume from the states of another world size / worker count: exactly once, new cut."""
         self.batches.load_state_dict(merge_states(states))
 
-    def planned_steps(self, epochs: int, first: int = 0) -> int:
+    def planned_steps(self, epochs: int, first: int = 0, grad_accum: int = 1) -> int:
         """Optimizer steps for epochs ``first`` .. ``epochs - 1``, from metadata only: per epoch, the batch count of
-        the rank with the most batches (the others run empty steps, see the module doc)."""
+        the rank with the most batches (the others run empty steps, see the module doc), ``grad_accum`` batches a
+        step (an epoch's last step takes the rest)."""
         t0 = time.perf_counter()
         ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(first, epochs):
-            total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
-                             for w in range(W)) for r in range(ds.world.world))
+            total += -(-max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
+                                for w in range(W)) for r in range(ds.world.world)) // grad_accum)
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs - first, time.perf_counter() - t0)
         return total
+
+
+def from_workers(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The batches of DataLoader workers; a worker's refusal (a damaged sample, a fault of the store) raised as its
+    own one line: the DataLoader re-raises it as "Caught X in DataLoader worker process N." with the worker's
+    traceback after, so the line a person reads would name no shard."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except StoreError as e:
+            raise type(e)(worker_error(e)) from None
+        yield batch
+
+
+def worker_error(e: BaseException) -> str:
+    """The worker's own message of an error the DataLoader re-raised (its traceback's last line), else ``e``'s."""
+    text = str(e)
+    if not text.startswith("Caught "):
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    _, sep, message = last.partition(f"{type(e).__name__}: ")
+    return message if sep else text
 
 
 # ---------------------------------------------------------------------------------------------- read-ahead

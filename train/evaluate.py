@@ -106,7 +106,8 @@ class StoreEval:
             f"anchors, block {self.block_size}, {self.seconds:.1f}s",
             f"  loss {self.loss:.4f}   top-1 accuracy {self.acc:.4f}",
             f"  acceptance P(prefix >= k), k = 1..{self.block_size - 1}: {acc}",
-            f"  tau (1 + sum of the above; 1..{self.block_size}): {self.tau:.3f}",
+            f"  tau (1 + sum of the above = the mean over all {self.anchors:,} anchors of the accepted prefix + 1; "
+            f"1..{self.block_size}): {self.tau:.3f}",
         ])
 
 
@@ -212,6 +213,7 @@ def evaluate_store(url: str, drafter_dir: str, *, storage_options: dict | None =
     dev = resolve_device(device)
     options = storage_options or {}
     store = reader.open(url, **options)
+    store.admit()  # the admission's store-wide rules (each shard's: when read)
     # as in training: the frozen head in its stored dtype on CUDA
     _, embed, head = load_frozen(store, dev, None if dev.type == "cuda" else torch.float32)
     drafter = load_drafter(drafter_dir, embed, head, attn_impl="sdpa").to(device=dev, dtype=torch.float32)

@@ -7,7 +7,8 @@ One step, with the anchor x_p = the last token emitted (the target has not run o
     2. the target runs on x_p, d_1 .. d_{S-1} after its cached prefix and gives its own greedy token g_k at
        every draft position (g_k is what it would emit after x_p, d_1 .. d_{k-1});
     3. accept the longest prefix with d_k == g_k (n tokens), then the target's g_{n+1} as a bonus:
-       n + 1 tokens for one target forward. tau (acceptance length) = n + 1, between 1 and S.
+       n + 1 tokens for one target forward (fewer when an eos or the length limit ends the output inside them:
+       the tokens the step adds to the output, as both peers below count them), between 1 and S.
 
 The same forward also yields the features of every accepted position for the next step (the target
 is causal: features at positions <= p + n depend only on accepted tokens).
@@ -32,9 +33,23 @@ against a reference that re-runs the whole sequence without any cache).
 Settings comparable with published acceptance lengths (DFlash's benchmark, z-lab ``dflash/benchmark.py``):
 greedy (temperature 0; the only mode here), up to 2048 new tokens (``hsstore eval`` default), prompts
 rendered with the chat template's generation prompt and ``enable_thinking`` (on by default, as DFlash runs its
-Qwen3.5/3.6 thinking targets; its Qwen3-8B numbers are non-thinking: ``--no-thinking``), and tau averaged as
-there: per prompt the mean acceptance length over its speculative steps (the prefill's first token is no
-step), then the mean over prompts. The teacher-forced estimate that needs no target is ``evaluate.py``.
+Qwen3.5/3.6 thinking targets; its Qwen3-8B numbers are non-thinking: ``--no-thinking``).
+
+tau, the acceptance length, is averaged two ways in the field, and both are reported (``tau_conventions``); in
+both the prefill's forward is no step and its first token is not counted:
+
+    tau_per_prompt  per prompt the mean over its steps, then the mean over prompts: what z-lab's benchmark prints
+                    as "Average Acceptance length" (``dflash_generate`` records each step's tokens, the summary
+                    takes the mean of the per-prompt means);
+    tau_pooled      the tokens of every step of every prompt over the number of steps: what SGLang's server logs
+                    as "accept len" and exports as ``sglang:spec_accept_length`` (the scheduler adds each verify
+                    step's accepted drafts + 1 per request and counts one step per request, over all requests).
+
+Short prompts weigh as much as long ones in the first, so the two differ when acceptance varies with the
+output's length. (SGLang's per-request ``meta_info`` ``spec_accept_length`` is ``completion_tokens /
+spec_verify_ct``: it counts the prefill's token among the tokens but not its forward among the steps, so it is
+``tau_pooled`` of one request plus 1 / its steps.) The teacher-forced estimate that needs no target is
+``evaluate.py``.
 """
 
 from __future__ import annotations
@@ -73,14 +88,26 @@ Proposer = Callable[[torch.Tensor, torch.Tensor], list[int]]
 @dataclass
 class Generation:
     tokens: list[int]  # the generated tokens (prompt excluded)
-    accepted: list[int] = field(default_factory=list)  # per speculative step: accepted drafts + 1
+    accepted: list[int] = field(default_factory=list)  # per speculative step: the tokens it added (accepted + 1)
     forwards: int = 0  # target forward passes (a verification and its re-run after a rejection count once)
     reruns: int = 0  # of them, forwards over accepted tokens again after a rejection (the general path only)
     seconds: float = 0.0
 
     @property
     def tau(self) -> float:
+        """This prompt's mean tokens per speculative step."""
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+def tau_conventions(accepted: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """(tau_per_prompt, tau_pooled) of the per-step token counts of each prompt (see the module doc): the mean of
+    each prompt's mean, and all steps' tokens over all steps. Prompts without a step (done at the prefill) count in
+    neither."""
+    steps = [a for a in accepted if len(a)]
+    if not steps:
+        return float("nan"), float("nan")
+    per_prompt = sum(sum(a) / len(a) for a in steps) / len(steps)
+    return per_prompt, sum(map(sum, steps)) / sum(map(len, steps))
 
 
 class TargetCache:
@@ -108,7 +135,7 @@ class TargetCache:
         the output of decoder layer l before the final norm, the last layer's too (HF's last ``hidden_states``
         entry is the norm's output, which the drafter was not trained on)."""
         dev = next(self.model.parameters()).device
-        x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([list(ids)], dtype=torch.long, device=dev)
         with tapped(self.model, list(taps or [])) if taps else contextlib.nullcontext({}) as captured:
             out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep,
                              **({self.kwarg: self.cache} if self.cache is not None else {}))
@@ -121,7 +148,7 @@ class TargetCache:
     @torch.inference_mode()
     def verify(self, ids: Sequence[int], taps: Sequence[int] | None = None):
         """``forward`` over a block (logits at every block position), ready for ``accept``."""
-        self.block = list(ids)
+        self.block = ids if isinstance(ids, torch.Tensor) else list(ids)
         if self.states is None:
             self.states = block_states.for_model(self.model, self.cache) or False
         if not self.states or not self.proven:  # the first recorded block keeps a copy until it proves complete
@@ -199,21 +226,42 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
     while not done:
         p = len(prompt) + len(out) - 1  # the anchor's position: committed tokens < p are in the target's cache
         seq = torch.tensor(list(prompt) + out, dtype=torch.long)  # on the host: no copy to the device per step
-        draft = [int(t) for t in propose(buf[:p], seq)[: S - 1]]
-        logits, feats = target.verify([out[-1], *draft], taps=taps)
+        proposed = propose(buf[:p], seq)  # tokens, or a tensor on the device (verified without a wait for it)
+        logits, feats = target.verify(block_of(out[-1], proposed, S), taps=taps)
         gen.forwards += 1
-        verdict = logits.argmax(-1).tolist()  # verdict[k]: the target's token after x_p, d_1 .. d_k
+        draft, verdict = read_block(proposed, logits, S)  # verdict[k]: the target's token after x_p, d_1 .. d_k
         n = 0
         while n < len(draft) and draft[n] == verdict[n]:
             n += 1
         target.accept(n + 1)  # x_p, d_1 .. d_n stay in the cache; a rejected suffix leaves it
         buf[p:p + n + 1] = feats[:n + 1]  # causal: the accepted positions' features are final
-        gen.accepted.append(n + 1)
+        before = len(out)
         out.extend(draft[:n] + [verdict[n]])
         out[:], done = _finish(out, eos, max_new)
+        gen.accepted.append(len(out) - before)  # an eos or the limit inside the block ends the step's count there
     gen.reruns = target.reruns
     gen.seconds = time.perf_counter() - t0
     return gen
+
+
+def block_of(anchor: int, proposed, S: int):
+    """The block the target verifies: the anchor then the S - 1 drafts, as a list, or on the drafts' device when
+    they are a tensor there (no host round trip between drafting and verifying)."""
+    if not isinstance(proposed, torch.Tensor):
+        return [anchor, *[int(t) for t in proposed[: S - 1]]]
+    block = torch.empty(S, dtype=torch.long, device=proposed.device)
+    block[0] = anchor
+    block[1:] = proposed[: S - 1]
+    return block
+
+
+def read_block(proposed, logits: torch.Tensor, S: int) -> tuple[list[int], list[int]]:
+    """(the drafts, the target's verdict at every block position) on the host, in one transfer."""
+    verdict = logits.argmax(-1)
+    if not isinstance(proposed, torch.Tensor):
+        return [int(t) for t in proposed[: S - 1]], verdict.tolist()
+    both = torch.cat([proposed[: S - 1].to(verdict.device), verdict]).tolist()
+    return both[: S - 1], both[S - 1:]
 
 
 class DraftContext:
@@ -291,10 +339,16 @@ class DraftContext:
         return d.norm(x)[0, 1:]
 
 
-def drafter_proposer(drafter) -> DraftContext:
+def drafter_proposer(drafter, graphs: bool | None = None):
     """A Proposer from a DFlashDrafter: its argmax at block positions 1 .. S-1 for the anchor at p, with the
-    context kept between steps (``DraftContext``)."""
-    return DraftContext(drafter)
+    context kept between steps. ``graphs`` (default: on a GPU): in fixed-shape buffers, each step one CUDA graph
+    replayed (``graphs.StaticDraft``; on a CPU the same steps eagerly); else ``DraftContext``."""
+    on_gpu = drafter.lm_head.device.type == "cuda"
+    if not (on_gpu if graphs is None else graphs):
+        return DraftContext(drafter)
+    from .graphs import StaticDraft
+
+    return StaticDraft(drafter, graphs=on_gpu)
 
 
 def eval_threads(model) -> int:
@@ -360,7 +414,8 @@ class EvalReport:
     samples: int
     block_size: int
     max_new_tokens: int
-    tau: float  # mean over samples of each sample's mean acceptance length
+    tau_per_prompt: float  # mean over prompts of each prompt's mean tokens per step (z-lab's benchmark)
+    tau_pooled: float  # every step's tokens over the steps, all prompts pooled (SGLang's server)
     tau_per_sample: list[float]
     target_tokens: int
     target_seconds: float
@@ -373,6 +428,7 @@ class EvalReport:
     # between the two tokens (``divergence``); ``ties`` of them are within the dtype's rounding
     divergences: list[dict] = field(default_factory=list)
     spec_reruns: int = 0  # of spec_forwards, re-runs of accepted tokens after a rejection (the general path)
+    verify_steps: int = 0  # speculative steps of all prompts (spec_forwards less the prefills)
 
     @property
     def ties(self) -> int:
@@ -400,7 +456,12 @@ class EvalReport:
             f"{self.target_tps:,.1f} tokens/s ({self.target_forwards} target forwards)",
             f"  speculative : {self.spec_tokens:,} tokens in {self.spec_seconds:.2f}s = "
             f"{self.spec_tps:,.1f} tokens/s ({self.spec_forwards} target forwards) -> {speed:.2f}x",
-            f"  tau (mean acceptance length, 1..{self.block_size}): {self.tau:.2f}",
+            f"  tau (tokens per verification step, accepted drafts + the target's own, 1..{self.block_size}; "
+            "the prefill is no step):",
+            f"    per prompt {self.tau_per_prompt:.2f}  (z-lab dflash benchmark's \"Average Acceptance length\": each "
+            "prompt's mean, averaged over the prompts)",
+            f"    pooled     {self.tau_pooled:.2f}  (SGLang server's \"accept len\": "
+            f"{self.spec_tokens - self.samples:,} tokens / {self.verify_steps:,} steps of all prompts)",
             f"  speculative output == target greedy output: {self.identical}/{self.samples}"
             + (f" ({divergence_note(self.divergences)})" if self.divergences else ""),
         ])
@@ -448,14 +509,15 @@ def divergence(model, prompt: Sequence[int], base: list[int], spec: list[int], b
 
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
-             eos: set[int], progress: bool = False, keep_states: bool = True) -> EvalReport:
+             eos: set[int], progress: bool = False, keep_states: bool = True,
+             graphs: bool | None = None) -> EvalReport:
     """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far.
-    ``keep_states``: see ``TargetCache``."""
+    ``keep_states``: see ``TargetCache``; ``graphs``: see ``drafter_proposer``."""
     from tqdm import tqdm
 
-    propose = drafter_proposer(drafter)
+    propose = drafter_proposer(drafter, graphs)
     S = drafter.config.block_size
-    taus, identical = [], 0
+    taus, steps, identical = [], [], 0
     divergences = []
     tt = ts = 0.0
     nt = ns = ft = fs = reruns = 0
@@ -477,18 +539,20 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
                 f"a tie within {d['dtype']} rounding" if d["tie"] else "beyond rounding: a decoding error")
         if spec.accepted:
             taus.append(spec.tau)
+            steps.append(spec.accepted)
         tt, nt, ft = tt + base.seconds, nt + len(base.tokens), ft + base.forwards
         ts, ns, fs = ts + spec.seconds, ns + len(spec.tokens), fs + spec.forwards
-        bar.set_postfix(tau=f"{sum(taus) / max(len(taus), 1):.2f}", target_tok_s=f"{nt / max(tt, 1e-9):.1f}",
-                        spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
-    tau = sum(taus) / len(taus) if taus else float("nan")
-    return EvalReport(len(prompts), S, max_new, tau, taus, nt, tt, ns, ts, identical, ft, fs, divergences, reruns)
+        bar.set_postfix(tau_per_prompt=f"{sum(taus) / max(len(taus), 1):.2f}",
+                        target_tok_s=f"{nt / max(tt, 1e-9):.1f}", spec_tok_s=f"{ns / max(ts, 1e-9):.1f}", refresh=False)
+    per_prompt, pooled = tau_conventions(steps)
+    return EvalReport(len(prompts), S, max_new, per_prompt, pooled, taus, nt, tt, ns, ts, identical, ft, fs,
+                      divergences, reruns, verify_steps=sum(map(len, steps)))
 
 
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
                     storage_options: dict | None = None, device: str | None = None, dtype: str | None = None,
                     num_samples: int | None = None, thinking: bool = True, max_new_tokens: int = 2048,
-                    progress: bool = False, keep_states: bool = True) -> EvalReport:
+                    progress: bool = False, keep_states: bool = True, graphs: bool | None = None) -> EvalReport:
     """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
     drafter's frozen embedding and head come from the store."""
@@ -502,6 +566,7 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
     dev = resolve_device(device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     store = reader.open(store_url, **(storage_options or {}))
+    store.admit()  # the admission's store-wide rules (each shard's: when read)
     dcfg, _ = read_drafter_config(drafter_dir)
     if list(dcfg.target_layers) != list(store.manifest.layers):
         raise ValueError(f"drafter taps {dcfg.target_layers} differ from the store's {list(store.manifest.layers)}")
@@ -533,6 +598,6 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
                  else "every core")
     try:
         return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
-                        progress=progress, keep_states=keep_states)
+                        progress=progress, keep_states=keep_states, graphs=graphs)
     finally:
         torch.set_num_threads(before)

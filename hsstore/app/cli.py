@@ -21,10 +21,11 @@ from . import config
 from .. import env
 from ..io import storage
 from ..format import encodings, layout_spec
+from ..format.manifest import DamagedManifest
 from ..format.names import allow_for_command
 from ..errors import StoreError
 from ..redaction import RedactingFilter, recordable_url, scrub
-from ..terminal import EscapingFilter, escape
+from ..terminal import EscapingFilter, escape, shown
 from .schema import Deprecated, add_arguments, from_args
 from .store_settings import (STORE_URL_HELP, BenchSettings, ConvertSettings, CopySettings, IndexSettings, InfoSettings,
                              MergeSettings, ReportSettings, SubsetSettings, SubsetSplit, UpgradeSettings,
@@ -68,7 +69,7 @@ def cmd_info(args) -> int:
     store = reader.open(url, **interactive_options(url, args))
     s = summarize(store)
     print(json.dumps(s, indent=2) if args.json else format_text(s))
-    return 0
+    return 0 if s["admission"]["ok"] else 1  # described, and refused by every reader
 
 
 def cmd_verify(args) -> int:
@@ -78,7 +79,16 @@ def cmd_verify(args) -> int:
     from ..ops.verify import verify
 
     url = from_args(VerifySettings, args).store.url
-    store = reader.open(url, **storage.parse_storage_options(args.storage_option))
+    try:
+        store = reader.open(url, **storage.parse_storage_options(args.storage_option))
+    except DamagedManifest as e:  # a finding of verify's, not a refusal to run
+        problem = escape(scrub(str(e).splitlines()[0]))
+        if args.json:
+            print(json.dumps({"url": recordable_url(url), "ok": False, "problems": [problem]}, indent=2))
+        else:
+            print(f"FAIL {problem}\nverify {recordable_url(url)}: FAILED (1 problem(s)); the manifest is damaged, "
+                  "no shard was read")
+        return 1
     total = int(store.table.ints["stored_bytes"].sum())  # every record's file sizes, from the columns
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         report = verify(store, progress=bar.update)
@@ -92,7 +102,7 @@ def cmd_verify(args) -> int:
         print(f"FAIL {p}")
     if report.uncommitted:
         print(f"note: {len(report.uncommitted)} uncommitted shard(s) present (ignored by readers): "
-              + ", ".join(report.uncommitted[:5]))
+              + ", ".join(map(escape, report.uncommitted[:5])))
     if report.weak_records:
         print(f"warning: {len(report.weak_records)} shard(s) have commit records of format version 1, whose chunk "
               "checksums cannot tell one valid chunk from another (a chunk swapped between shards or copied from "
@@ -259,7 +269,8 @@ def cmd_subset(args) -> int:
                        min_loss_tokens=f.min_loss_tokens, exclude_flags=tuple(f.exclude_flag),
                        exclude_unhealthy=f.exclude_unhealthy)
     split = subset_split(settings.split)
-    r = subset(src, dst, sel, src_options=options, dst_options=options, progress=not args.quiet, split=split)
+    r = subset(src, dst, sel, src_options=options, dst_options=options, progress=not args.quiet, split=split,
+               skip_corrupt=f.skip_corrupt)
     ids = settings.split.ids
     if r.unmatched_ids:
         print(f"hsstore subset: warning: {r.unmatched_ids} of the {len(split.ids)} ids of --ids {ids} are no "
@@ -272,7 +283,10 @@ def cmd_subset(args) -> int:
         + (f"--fraction {split.fraction} seed {split.seed}" if split.ids is None else f"--ids {ids}")
         + f", of the {r.kept} samples the filters keep)")
     print(f"subset {recordable_url(src)} -> {recordable_url(dst)}: {r.selected} samples selected{side}, "
-          f"{r.written} written ({r.tokens:,} tokens), {r.already} already there")
+          f"{r.written} written ({r.tokens:,} tokens), {r.already} already there" + (
+              f"; {len(r.corrupt)} left behind whose bytes do not verify: {', '.join(map(shown, r.corrupt[:10]))}"
+              + (f", ... ({len(r.corrupt)} in all; --json lists them)" if len(r.corrupt) > 10 else "")
+              if r.corrupt else ""))
     return 0
 
 

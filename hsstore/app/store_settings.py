@@ -162,6 +162,9 @@ class SubsetFilters:
                                           "truncated, feature_zero, ...)")
     exclude_unhealthy: bool = option(False, help="drop samples whose records' statistics show a non-finite or "
                                                  "all-zero feature")
+    skip_corrupt: bool = option(False, help="the salvage of a damaged store: copy every sample whose bytes verify "
+                                            "and leave behind, named with their count, those a damaged chunk or a "
+                                            "missing file holds (without it the first damaged read stops the copy)")
 
 
 @dataclass

@@ -94,13 +94,11 @@ class CommitRecord:
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "CommitRecord":
         """A record from its parsed JSON (a record file's, or an index entry's copy), with every check."""
-        try:
-            version = d["format_version"]  # required: its rules say what the checksums mean
-            if not isinstance(version, int) or version < 1:
-                raise TypeError(f"format_version {version!r}")
-            rec = cls(**d)
-        except (TypeError, KeyError) as e:
-            raise CorruptionError(f"{where}: malformed commit record ({type(e).__name__}: {e})") from None
+        fields = _field_problem(cls, d)
+        if fields:
+            raise CorruptionError(f"{where}: malformed commit record ({fields})")
+        version = d["format_version"]
+        rec = cls(**d)
         if version > FORMAT_VERSION:
             raise StoreError(f"{where}: format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
                              "upgrade hsstore")
@@ -109,9 +107,9 @@ class CommitRecord:
             raise CorruptionError(f"{where}: malformed commit record ({why})")
         cols = rec.samples
         if set(cols) != set(SAMPLE_COLUMNS) or any(len(cols[c]) != rec.n_samples for c in SAMPLE_COLUMNS):
-            raise CorruptionError(f"{where}: commit record sample columns do not match n_samples={rec.n_samples}")
+            raise CorruptionError(f"{where}: field 'samples': its columns do not match n_samples={rec.n_samples}")
         if sum(cols["length"]) != rec.n_tokens:
-            raise CorruptionError(f"{where}: commit record lengths sum to {sum(cols['length'])}, "
+            raise CorruptionError(f"{where}: field 'samples.length': lengths sum to {sum(cols['length'])}, "
                                   f"n_tokens says {rec.n_tokens}")
         return rec
 
@@ -141,6 +139,27 @@ class CommitRecord:
         return entry["crc32c"]
 
 
+def _field_problem(cls, d: Any) -> str | None:
+    """What keeps parsed JSON ``d`` from being a record's fields, naming the field (None: nothing): every required
+    field present, none unknown, ``format_version`` (required: its rules say what the checksums mean) a
+    positive integer."""
+    if not isinstance(d, dict):
+        return f"a JSON {type(d).__name__}, not an object"
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(known), key=str)
+    if unknown:
+        return f"field {str(unknown[0])[:64]!r}: not a field of a commit record"
+    required = [n for n, f in known.items() if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING] + ["format_version"]
+    missing = [n for n in required if n not in d]
+    if missing:
+        return f"field {missing[0]!r}: missing"
+    version = d["format_version"]
+    if not is_int(version) or version < 1:
+        return f"field 'format_version': {str(version)[:64]!r} is not a positive integer"
+    return None
+
+
 def _count(x: Any) -> bool:
     return is_int(x) and 0 <= x < 1 << 62
 
@@ -152,31 +171,37 @@ def _text(x: Any) -> bool:
 def _type_problem(rec: CommitRecord) -> str | None:
     """What in a parsed record is not of its type (None: all is): every count a non-negative integer (never a
     bool), every name a short string, every file entry ``{size, crc32c}``; readers size buffers from these."""
-    if not (_text(rec.shard) and _text(rec.writer) and _text(rec.created_at) and _text(rec.manifest_key)):
-        return "shard, writer, created_at and manifest_key must be strings"
-    if not (_count(rec.n_samples) and _count(rec.n_tokens) and _count(rec.chunk_tokens) and rec.chunk_tokens):
-        return "n_samples, n_tokens and chunk_tokens must be non-negative integers"
+    for name in ("shard", "writer", "created_at", "manifest_key"):
+        if not _text(getattr(rec, name)):
+            return f"field {name!r} must be a string"
+    for name in ("n_samples", "n_tokens", "chunk_tokens"):
+        if not _count(getattr(rec, name)):
+            return f"field {name!r} must be a non-negative integer"
+    if not rec.chunk_tokens:
+        return "field 'chunk_tokens' must be positive"
     if rec.location is not None and not _text(rec.location):
-        return "location must be a string"
-    if not isinstance(rec.stats, dict) or not isinstance(rec.samples, dict):
-        return "stats and samples must be objects"
+        return "field 'location' must be a string"
+    for name in ("stats", "samples"):
+        if not isinstance(getattr(rec, name), dict):
+            return f"field {name!r} must be an object"
     if rec.members is not None and not isinstance(rec.members, dict):
-        return "members must be an object"
+        return "field 'members' must be an object"
     if not isinstance(rec.files, dict) or not all(
             isinstance(e, dict) and _count(e.get("size")) and is_int(e.get("crc32c")) and 0 <= e["crc32c"] < 1 << 32
             for e in rec.files.values()):
-        return "files must map each key to {size, crc32c} integers"
+        return "field 'files' must map each key to {size, crc32c} integers"
     if not isinstance(rec.layers, dict) or not all(
             isinstance(e, dict) and {"stored_bytes", "raw_bytes"} <= set(e) and all(_count(v) for v in e.values())
             for e in rec.layers.values()):
-        return "layers must map each feature to its byte counts (stored_bytes, raw_bytes)"
+        return "field 'layers' must map each feature to its byte counts (stored_bytes, raw_bytes)"
     cols = rec.samples
     kinds = {"sample_id": _text, "source": _text, "length": _count, "loss_tokens": _count,
              "thinking_tokens": _count,
              "flags": lambda f: isinstance(f, list) and all(_text(x) for x in f)}
     for name, ok in kinds.items():
         if not isinstance(cols.get(name), list) or not all(map(ok, cols[name])):
-            return f"samples.{name} must be a list of {'strings' if name in ('sample_id', 'source') else 'values'}"
+            return (f"field 'samples.{name}' must be a list of "
+                    f"{'strings' if name in ('sample_id', 'source') else 'values'}")
     return None
 
 

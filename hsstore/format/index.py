@@ -35,7 +35,7 @@ import numpy as np
 
 from . import codec, names, records
 from ..io import door, listing, storage, transfer
-from .commit import COMMITS_DIR, CommitRecord, list_records, read_records
+from .commit import COMMITS_DIR, CommitRecord, commit_path, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso
 from .records import RecordTable
@@ -97,6 +97,7 @@ class Snapshot:
     segment_stamps: dict[str, str | None]  # every segment object listed (damaged ones too) -> stamp
     use: IndexUse
     origin: "Origin | None" = None
+    damaged: dict[str, str] = field(default_factory=dict)  # shard -> why its listed record does not parse
 
 
 @dataclass
@@ -368,11 +369,13 @@ def load(fs, root: str, use_index: bool = True) -> Snapshot:
     found, stale = usable_entries(live, listed)
     use.stale = sorted(stale)
     missing = sorted(set(listed) - set(found))
-    fetched = []
+    fetched, damaged = [], {}
     for name, data in zip(missing, read_records(fs, root, missing, [listed[n].size for n in missing])):
-        rec = CommitRecord.from_json(data, where=f"commit record of shard {name!r}")
-        if rec.shard != name:
-            raise CorruptionError(f"commit record of shard {name!r} names shard {rec.shard!r}")
+        try:  # a record that does not parse is held aside, named with its field: readers refuse the store
+            rec = parse_listed(name, data)
+        except CorruptionError as e:
+            damaged[name] = str(e)
+            continue
         fetched.append((rec, data, listed[name].stamp, codec.crc32c(data)))
     parts, origin = [], []
     for k, seg in enumerate(live):
@@ -393,7 +396,16 @@ def load(fs, root: str, use_index: bool = True) -> Snapshot:
     if use.stale:
         log.info("index: %d entr%s outdated (records rewritten since), read from commits/", len(use.stale),
                  "y" if len(use.stale) == 1 else "ies")
-    return Snapshot(table, listed, segments, seg_stamps, use, Origin(codes, [s.name for s in live]))
+    return Snapshot(table, listed, segments, seg_stamps, use, Origin(codes, [s.name for s in live]), damaged)
+
+
+def parse_listed(name: str, data: bytes) -> CommitRecord:
+    """The record object ``commits/<name>.json`` parsed with every check; it must name its own shard."""
+    where = f"commit record {commit_path(name)}"
+    rec = CommitRecord.from_json(data, where=where)
+    if rec.shard != name:
+        raise CorruptionError(f"{where}: field 'shard' names shard {rec.shard!r}")
+    return rec
 
 
 # -- compaction ---------------------------------------------------------------------------------------------
@@ -411,6 +423,8 @@ def compact(fs, root: str, grace_s: float = DEFAULT_GRACE_S) -> CompactResult:
     """``hsstore index``: one segment holding every listed record, superseding every segment listed; then
     remove segments superseded by a segment older than ``grace_s`` (0: also those superseded right now)."""
     snap = load(fs, root)
+    if snap.damaged:  # nothing is written over a record that does not parse
+        raise CorruptionError(snap.damaged[min(snap.damaged)])
     table, junk = checked_table(fs, root, snap)
     name = segment_name("c", "index")
     write_segment(fs, root, name, encode_segment("compacted", "hsstore index", table, dict(snap.segment_stamps)))
@@ -459,10 +473,7 @@ def checked_table(fs, root: str, snap: Snapshot) -> tuple[RecordTable, dict[str,
     names_ = sorted(junk)
     fetched = []
     for shard, data in zip(names_, read_records(fs, root, names_, [snap.listed[n].size for n in names_])):
-        rec = CommitRecord.from_json(data, where=f"commit record of shard {shard!r}")
-        if rec.shard != shard:
-            raise CorruptionError(f"commit record of shard {shard!r} names shard {rec.shard!r}")
-        fetched.append((rec, data, snap.listed[shard].stamp, codec.crc32c(data)))
+        fetched.append((parse_listed(shard, data), data, snap.listed[shard].stamp, codec.crc32c(data)))
     keep = np.array([i for i, n in enumerate(t.shard.tolist()) if n not in junk], np.int64)
     table = records.concat([t.take(keep), records.from_records(fetched)])
     shards = table.shard.tolist()

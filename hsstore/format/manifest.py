@@ -140,7 +140,7 @@ class Manifest:
         if not is_int(version):
             raise ManifestError(f"{where}: format_version missing or not an integer")
         if version > FORMAT_VERSION:
-            raise ManifestError(
+            raise NewerFormat(
                 f"{where}: store has format version {version}, this hsstore reads up to {FORMAT_VERSION}; "
                 "upgrade hsstore")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -150,16 +150,32 @@ class Manifest:
         try:
             if not isinstance(d["layers"], list) or not isinstance(d.get("features", []), list):
                 raise ManifestError("layers must be a list of integers, features a list of names")
-            if not isinstance(d["target"], dict) or not isinstance(d["tokenizer"], dict):
-                raise TypeError("target and tokenizer must be objects")
+            for part, kind in (("target", TargetIdentity), ("tokenizer", TokenizerIdentity)):
+                odd = _fields_problem(kind, d[part])
+                if odd:
+                    raise ManifestError(f"field {part}{odd}")
             target = TargetIdentity(**d["target"])
             tokenizer = TokenizerIdentity(**d["tokenizer"])
             rest = {k: v for k, v in d.items() if k not in ("target", "tokenizer", "layers")}
             return cls(target=target, tokenizer=tokenizer, layers=tuple(d["layers"]), **rest)
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}") from None
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"{where}: missing or malformed field ({e})") from None
+        except KeyError as e:
+            raise ManifestError(f"{where}: field {e.args[0]!r}: missing") from None
+        except TypeError as e:
+            raise ManifestError(f"{where}: a field of the wrong type ({type(e).__name__})") from None
+
+
+def _fields_problem(kind, d: Any) -> str | None:
+    """What keeps ``d`` from being ``kind``'s fields, from the field's name on (``.x: unknown``), or None."""
+    if not isinstance(d, dict):
+        return " must be an object"
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted((k for k in d if k not in fields), key=str)
+    if unknown:
+        return f".{str(unknown[0])[:64]}: not a field of the manifest"
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in d]
+    return f".{missing[0]}: missing" if missing else None
 
 
 # what a reader accepts (docs/FORMAT.md, "Limits"): far above any real target, far below what would let a
@@ -251,6 +267,14 @@ def check_compatible(a: Manifest, b: Manifest, what_a: str, what_b: str) -> None
         raise ManifestError(f"{what_a} and {what_b} are incompatible (refusing to mix): " + "; ".join(diffs))
 
 
+class DamagedManifest(ManifestError):
+    """A store's ``manifest.json`` is there but is not a manifest (``verify`` reports it as a FAIL line)."""
+
+
+class NewerFormat(ManifestError):
+    """A manifest of a format version this hsstore does not read."""
+
+
 def read_manifest(fs, root: str, url: str) -> Manifest:
     """The manifest of the store at ``root`` (through ``door``: a regular file of at most ``door.JSON_CAP``
     bytes); a missing one says so, naming the URL, and whether the path exists at all."""
@@ -272,7 +296,12 @@ def read_manifest(fs, root: str, url: str) -> Manifest:
     finally:
         if notice is not None:
             notice.cancel()
-    return Manifest.from_json(data, where=where)
+    try:
+        return Manifest.from_json(data, where=where)
+    except NewerFormat:  # not damage: this hsstore is too old for it
+        raise
+    except ManifestError as e:
+        raise DamagedManifest(str(e)) from None
 
 
 def now_iso() -> str:

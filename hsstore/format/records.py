@@ -290,6 +290,8 @@ def record_feature_stats(rec: CommitRecord) -> dict[str, list[float]]:
     feats = rec.stats.get("features") if isinstance(rec.stats, dict) else None
     out = {}
     for k, e in (feats.items() if isinstance(feats, dict) else ()):
+        if str(k) not in rec.layers:  # the columns hold a slot per feature the record lists, no other
+            continue
         try:
             vals = [float(e[f]) for f in FEATURE_STATS]
         except (KeyError, TypeError, ValueError):

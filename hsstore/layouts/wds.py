@@ -91,10 +91,30 @@ def check_member(info: tarfile.TarInfo, shard: str) -> None:
     if posixpath.isabs(name) or name.startswith("\\") or ".." in parts or (len(name) > 1 and name[1] == ":"):
         raise CorruptionError(f"shard {shard!r}, member {name!r}: path outside the shard (refused)")
     if not info.isreg():
-        kind = ("symlink" if info.issym() else "hard link" if info.islnk() else "device" if info.isdev()
-                else "directory" if info.isdir() else "fifo" if info.isfifo() else f"type {info.type!r}")
-        raise CorruptionError(f"shard {shard!r}, member {name!r}: {kind} member refused (a shard holds regular "
-                              "files only)")
+        raise CorruptionError(f"shard {shard!r}, member {name!r}: {member_kind(info)} member refused (a shard holds "
+                              "regular files only)")
+
+
+def member_kind(info: tarfile.TarInfo) -> str:
+    return ("regular file" if info.isreg() else "symlink" if info.issym() else "hard link" if info.islnk()
+            else "fifo" if info.isfifo() else "device" if info.isdev() else "directory" if info.isdir()
+            else f"type {info.type!r}")
+
+
+def tail_problem(rest: bytes) -> str | None:
+    """Why the bytes after a tar's last listed member are not the zero blocks its writer ends it with (None: they
+    are). Anything else there is a member tar tools and WebDataset would read (a link, a FIFO, a size of
+    petabytes) that no commit record lists."""
+    body = rest.lstrip(b"\0")
+    if not body:
+        return None
+    at = (len(rest) - len(body)) // BLOCK * BLOCK
+    try:
+        info = tarfile.TarInfo.frombuf(rest[at:at + BLOCK], "utf-8", "surrogateescape")
+    except tarfile.TarError:
+        return "bytes after the last listed member that are not the end-of-archive zero blocks"
+    return (f"a member after the last listed one, {info.name[:200]!r} ({member_kind(info)}, {info.size:,} bytes "
+            "claimed), which the commit record does not list (refused)")
 
 
 def check_header(block: bytes, name: str, size: int, shard: str) -> None:
@@ -280,7 +300,38 @@ def _check_jobs(rec: CommitRecord, m: Manifest, jobs: list["_Job"]) -> None:
 
 
 def check_extent(src: ShardSource, rec: CommitRecord) -> None:
-    """Nothing to check before sizing buffers: each sample's members are checked against their sizes as read."""
+    """Refuse a record whose members are not where and what the tar of its samples' lengths puts them
+    (``layout_problem``): its lengths are then not the boundaries its tar holds. From the record alone, once per
+    record object."""
+    if getattr(rec, "_extent_ok", False):
+        return
+    why = layout_problem(rec, src.manifest)
+    if why:
+        raise CorruptionError(f"shard {rec.shard!r}, file {tar_path(rec.shard)}: {why}")
+    rec._extent_ok = True
+
+
+def layout_problem(rec: CommitRecord, m: Manifest) -> str | None:
+    """Why the record's tar and members are not those the writer makes of its samples (None: they are): every
+    member listed, each at the offset and of the size ``tar_layout`` gives it, the tar of its size."""
+    key = tar_path(rec.shard)
+    want = rec.files.get(key)
+    members = rec.members or {}
+    if want is None or set(members) != set(expected_members(rec, m.all_features)):
+        return f"commit record does not list the tar and each of its members ({len(members)} members listed)"
+    try:
+        layout, total = tar_layout(rec, m)
+    except CorruptionError as e:
+        return str(e)
+    moved = [n for n, (at, size) in layout.items() if members[n][:2] != [at, size]]
+    if moved:  # the record's offsets are not where the writer's tar puts them: never followed
+        n = moved[0]
+        return (f"member {n!r}: the commit record lists {members[n][1]:,} bytes at offset {members[n][0]:,}, its "
+                f"samples' tar holds it as {layout[n][1]:,} at {layout[n][0]:,} ({len(moved)} member(s) moved; "
+                "forged or damaged record, the tar is not read)")
+    if want["size"] != total:  # another size than its members and tar's framing take: never streamed
+        return f"refused ({want['size']:,} bytes listed, a tar of its members is {total:,})"
+    return None
 
 
 def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
@@ -503,30 +554,14 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
     m, name = src.manifest, rec.shard
     fs, root, _ = src.locate(name)  # another store's, for a shard merged by reference
     key = tar_path(name)
-    want = rec.files.get(key)
-    members = rec.members or {}
-    if want is None or set(members) != set(expected_members(rec, m.all_features)):
-        report.problems.append(Problem(name, "commit record does not list the tar and each of its members "
-                                             f"({len(members)} members listed)", key, list(rec.samples["sample_id"])))
-        return
     ids = rec.samples["sample_id"]
-    try:
-        layout, total = tar_layout(rec, m)
-    except CorruptionError as e:
-        report.problems.append(Problem(name, str(e), key, list(ids)))
+    why = layout_problem(rec, m)  # the admission's extent rule: reported with the record's (verify), not followed
+    if why:
+        report.problems.append(Problem(name, why, key, list(ids)))
         return
-    moved = [n for n, (at, size) in layout.items() if members[n][:2] != [at, size]]
-    if moved:  # the record's offsets are not where the writer's tar puts them: never followed
-        n = moved[0]
-        report.problems.append(Problem(name, f"member {n!r}: the commit record lists {members[n][1]:,} bytes at "
-                                             f"offset {members[n][0]:,}, its samples' tar holds it as "
-                                             f"{layout[n][1]:,} at {layout[n][0]:,} ({len(moved)} member(s) "
-                                             "moved; forged or damaged record, the tar is not read)", key, list(ids)))
-        return
-    if want["size"] != total:  # another size than its members and tar's framing take: never streamed
-        report.problems.append(Problem(name, f"refused ({want['size']:,} bytes listed, a tar of its members is "
-                                             f"{total:,})", key, list(ids)))
-        return
+    want = rec.files[key]
+    layout, total = tar_layout(rec, m)
+    before = len(report.problems)
     try:
         with door.stream(fs, root, key, size=want["size"], where=f"shard {name!r}") as f:
             reader, seen, tally = _scan_members(f, progress, rec, m, layout, report)
@@ -545,7 +580,12 @@ def check_shard(src: ShardSource, rec: CommitRecord, report: VerifyReport, progr
         report.problems.append(Problem(name, f"size {reader.size} != committed {want['size']} (truncated or rewritten)",
                                        key, list(ids)))
     elif reader.crc != want["crc32c"]:
-        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes)", key, list(ids)))
+        # readers take each sample's members by byte range: the samples hit are those whose members failed (named
+        # above); damage elsewhere in the tar (headers, padding) costs no sample
+        hit = sorted({sid for p in report.problems[before:] for sid in p.samples})
+        report.problems.append(Problem(name, "checksum mismatch (corrupted bytes" + (
+            ")" if hit else ", in the tar's headers or padding: every member verifies, no sample is damaged)"),
+            key, hit))
     health.report_values(tally, m.hidden_size, report, key)
     missing = [n for n in layout if n not in seen]
     if missing:
@@ -595,6 +635,10 @@ def _scan_members(f, progress: Callable[[int], None] | None, rec: CommitRecord, 
             T = rec.samples["length"][i]
             rows = np.frombuffer(data, np.uint8, offset=len(data) - T * m.hidden_size * dtype.itemsize)
             tally.add(feature, int(rec.offsets[i]), rows.view(dtype).reshape(T, m.hidden_size))
+    else:  # every member seen: what follows must be the end of the archive (at most its blocks and a record)
+        why = tail_problem(reader.read_exact(2 * BLOCK + tarfile.RECORDSIZE))
+        if why:
+            report.problems.append(Problem(name, why, key))
     reader.drain()
     return reader, seen, tally
 

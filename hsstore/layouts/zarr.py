@@ -187,7 +187,10 @@ def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
 
 def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     """Refuse (before any buffer is sized from it) a record whose token count its chunks cannot hold: it must
-    list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``. Checked once per record object."""
+    list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``; and one whose sample lengths are not
+    the boundaries its shard holds: the payload CRC32C it lists for its ``offsets`` chunk (format version 2 on)
+    must be that of the offsets its lengths make, computed from the record alone (no read). Checked once per
+    record object."""
     if getattr(rec, "_extent_ok", False):
         return
     ct = src.manifest.chunk_tokens
@@ -198,6 +201,12 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
         raise CorruptionError(f"shard {rec.shard!r}: its commit record claims {rec.n_tokens:,} tokens, which need "
                               f"{want:,} chunks of input_ids, and lists {listed:,} (forged or damaged record; run "
                               "hsstore verify)")
+    key = chunk_key(f"{shard_path(rec.shard)}/offsets", 0, 1)
+    if rec.binds_chunks and (key not in rec.files or rec.files[key]["crc32c"] != codec.crc32c(
+            rec.offsets.astype("<i8").tobytes())):
+        raise CorruptionError(f"shard {rec.shard!r}: field 'samples.length': the sample boundaries its lengths make "
+                              f"are not those of its {key} (lengths shifted within the record; forged or damaged "
+                              "record)")
     rec._extent_ok = True
 
 

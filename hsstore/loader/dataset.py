@@ -74,7 +74,7 @@ from ..format import codec, encodings, fp8, layout_spec
 from ..io import storage
 from .batching import Placed
 from .cache import ChunkCache, copy_size
-from ..errors import CorruptionError, StoreError
+from ..errors import CorruptionError, StoreError, salvage_hint
 from ..store.items import make_item
 from ..distributed import World
 from ..format.manifest import check_compatible
@@ -650,6 +650,7 @@ class HiddenStateDataset(IterableDataset):
             ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits, scales_out=scales)
             for row, (feats, sc) in zip(rows, placed):
                 s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
+                self._check_served(store, int(row), mask[s:e])
                 out[int(row)] = _ReadSample(sid[int(cat.local[row])], ids[s:e], mask[s:e], feats, sc)
             return
         shape = (len(self._features), b - a, self.encoding.width(m.hidden_size))
@@ -663,8 +664,14 @@ class HiddenStateDataset(IterableDataset):
                                         scales_out=None if scales is None else scales.numpy())
         for row in rows:
             s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
+            self._check_served(store, int(row), mask[s:e])
             out[int(row)] = _ReadSample(sid[int(cat.local[row])], ids[s:e], mask[s:e],
                                         feats[:, s:e], None if scales is None else scales[:, s:e])
+
+    def _check_served(self, store: Store, row: int, mask: np.ndarray) -> None:
+        """Catalog row ``row``'s sample as read, held to its record before it is served (``Store.check_served``)."""
+        cat = self.catalog
+        store.check_served(int(store.table.first[int(cat.shard[row])]) + int(cat.local[row]), mask)
 
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
         item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
@@ -803,6 +810,9 @@ class _SlotReader:
                         progress.skipped += 1
                         log.warning("skipping corrupt sample (%d skipped so far): %s", progress.skipped, sample)
                         continue
+                    if isinstance(sample, CorruptionError):  # the one line that stops training says the way on
+                        url = ds.stores[int(ds.catalog.store[int(self.rows[p])])].url
+                        raise CorruptionError(f"{sample}; {salvage_hint(url)}") from None
                     raise sample
                 progress.recent.append(self.offset + p)
                 return ds._item(sample)

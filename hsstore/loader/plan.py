@@ -70,10 +70,14 @@ class Catalog:
 
 
 def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -> Catalog:
-    """Step 1: the samples that pass ``filters``, in store order, grouped into read units."""
+    """Step 1: the samples that pass ``filters``, in store order, grouped into read units. Every store is admitted
+    first (``Store.admit``: its columns keep the admission's rules), and every shard whose samples the filters drop
+    is admitted here (``Store.admit_shard``: its record, and so its columns): a shard the epoch reads is admitted
+    when it is read, so no column that disagrees with its record decides what an epoch holds."""
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("store", "shard", "local", "start", "stop", "unit_in_shard")}
     store_rows, n = [], 0
     for si, store in enumerate(stores):
+        store.admit()
         first = n
         t = store.table  # the records' columns: no record is parsed
         length = t.samples["length"]
@@ -91,7 +95,10 @@ def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -
             keep &= np.fromiter((bool(filters.where(dict(zip(SAMPLE_COLUMNS, row)))) for row in zip(*values)), bool,
                                 len(length))
         idx = np.flatnonzero(keep)
-        shard = np.repeat(np.arange(len(t), dtype=np.int32), np.diff(t.first))[idx]
+        rows = np.repeat(np.arange(len(t), dtype=np.int32), np.diff(t.first))
+        for dropped in np.unique(rows[~keep]).tolist():
+            store.admit_shard(store.commits[dropped])
+        shard = rows[idx]
         start = t.starts[idx]
         cols["store"].append(np.full(len(idx), si, np.int32))
         cols["shard"].append(shard)

@@ -48,6 +48,7 @@ def convert(src_url: str, dst_url: str, to_layout: str | None = None, src_option
     ``progress``: a bar of feature bytes converted."""
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     src = Store(src_url, src_options)
+    src.admit()  # the admission's store-wide rules, before the destination gets a byte
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")
     with destination.hold_lock(fs, root, dst_url, "convert"):  # one copying command at a time into it

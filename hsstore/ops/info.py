@@ -10,7 +10,6 @@ import numpy as np
 
 from ..format import codec, health, serving
 from . import stats
-from ..errors import CorruptionError
 from ..store.reader import Store
 from ..redaction import recordable_url
 from ..terminal import escape
@@ -41,17 +40,16 @@ def summarize(store: Store) -> dict[str, Any]:
         if not len(t):
             layers[str(l)] = {"stored_bytes": 0, "raw_bytes": 0, "ratio": None}
             continue
-        if j is None or t.layer_stored[:, j].min() < 0:
-            missing = t.shard[int(np.argmax(t.layer_stored[:, j] < 0))] if j is not None else t.shard[0]
-            raise CorruptionError(f"commit record of shard {missing!r} lists no feature {l} of the manifest "
-                                  "(hsstore verify names every such shard)")
-        stored, raw = int(t.layer_stored[:, j].sum()), int(t.layer_raw[:, j].sum())
+        # a shard that lists no such feature counts none (the admission's verdict names it)
+        stored = int(np.maximum(t.layer_stored[:, j], 0).sum()) if j is not None else 0
+        raw = int(np.maximum(t.layer_raw[:, j], 0).sum()) if j is not None else 0
         layers[str(l)] = {"stored_bytes": stored, "raw_bytes": raw, "ratio": raw / stored if stored else None}
     stored_total = int(t.ints["stored_bytes"].sum())
     raw_total = sum(v["raw_bytes"] for v in layers.values())
     n_tokens = int(t.n_tokens.sum())
     feature_stored = sum(v["stored_bytes"] for v in layers.values())
-    out = stats.loss_sum_summary(loss_sums, lengths)
+    out = {"admission": verdict(store)}  # first: what every reader will do with this store
+    out.update(stats.loss_sum_summary(loss_sums, lengths))
     out.update({
         "url": recordable_url(store.url),
         "format_version": m.format_version,
@@ -88,6 +86,13 @@ def summarize(store: Store) -> dict[str, Any]:
         "feature_health": health.summary(t, m.all_features),
     })
     return out
+
+
+def verdict(store: Store) -> dict[str, Any]:
+    """The admission's store-wide verdict (``Store.breaches``): whether readers serve the store, and the breaches
+    (each a line naming the shard and the rule)."""
+    bad = store.breaches()
+    return {"ok": not bad, "problems": [str(b.problem()) for b in bad]}
 
 
 def writer_sessions(shards) -> int:
@@ -135,9 +140,14 @@ def escaped(value: Any) -> Any:
 
 def format_text(s: dict[str, Any]) -> str:
     """``summarize``'s result as lines for a terminal: every store string escaped first."""
-    s = escaped(s)
-    lines = [f"store      {s['url']}  (format v{s['format_version']}, {s['layout']}, {s['dtype']}, "
-             f"encoding {s['encoding']}, codec {s['codec']})"]
+    ad = s["admission"]  # already escaped (``Problem``): first, before anything it describes
+    lines = ["admission  OK: every reader serves this store" if ad["ok"] else
+             f"admission  REFUSED: {len(ad['problems'])} problem(s); no reader serves this store (what follows "
+             "describes it as its records say; `hsstore verify` checks every byte):"]
+    lines += [f"  FAIL {p}" for p in ad["problems"]]
+    s = escaped({k: v for k, v in s.items() if k != "admission"})
+    lines.append(f"store      {s['url']}  (format v{s['format_version']}, {s['layout']}, {s['dtype']}, "
+                 f"encoding {s['encoding']}, codec {s['codec']})")
     t, k = s["target"], s["tokenizer"]
     lines.append(f"target     {t['name']}  type={t['model_type']} layers={t['num_layers']} hidden={t['hidden_size']} "
                  f"revision={t['revision']} config={t['config_hash'][:12]}")

@@ -3,7 +3,15 @@
 SampleFilter uses only the commit records' per-sample columns (source, length, loss tokens, flags), so
 choosing costs no feature reads; the chosen samples are then read in large windows and written
 bit-exact through a :class:`StoreWriter` under the source's manifest identity. Re-running resumes:
-ids already committed in the destination are skipped.
+ids already committed in the destination are skipped. Filters that keep no sample are refused, and nothing is
+written: an empty store trains nothing, and every later command would have to say why.
+
+Damage costs only what it touched: every chunk (or wds member) is checked against its commit record as it is
+read, and with ``skip_corrupt`` a window that fails is read again sample by sample, so every sample whose bytes
+verify is copied and those a damaged chunk or a missing file holds are left behind and named
+(``SubsetResult.corrupt``): the salvage of a damaged store. ``skip_corrupt`` is the loader's name for the same
+choice (``Reading.skip_corrupt``). A read that fails after the client's retries (``FetchError``) is never taken
+for damage.
 
 A :class:`Split` cuts the samples the filters keep in two (a validation store and the rest): a seeded
 fraction of them or the ids of a list, or (``complement``) the others. It chooses conversations, not samples:
@@ -18,7 +26,7 @@ import hashlib
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..format import assets, codec, health
@@ -28,6 +36,7 @@ from .stats import SAMPLE_FLAGS
 from ..format.manifest import Manifest, check_compatible, read_manifest
 from ..store.reader import Store, committed_ids
 from ..redaction import recordable_url
+from ..errors import CorruptionError, StoreError
 from ..store.writer import DEFAULT_SHARD_BYTES, StoreWriter
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,15 @@ class SampleFilter:
     exclude_flags: tuple[str, ...] = ()
     exclude_unhealthy: bool = False  # drop samples with a non-finite or all-zero feature (``health.unhealthy``)
     ids: frozenset[str] | None = None  # keep only these sample ids (a split's side, ``Split.side``)
+
+    def describe(self) -> str:
+        """The filters set, as the flags of ``hsstore subset`` that set them."""
+        parts = [f"--source {x}" for x in self.sources] + [f"--exclude-flag {x}" for x in self.exclude_flags]
+        parts += [f"--{name.replace('_', '-')} {value}" for name, value in (
+            ("min_length", self.min_length), ("max_length", self.max_length),
+            ("min_loss_tokens", self.min_loss_tokens)) if value is not None]
+        parts += ["--exclude-unhealthy"] * self.exclude_unhealthy + ["a split's side"] * (self.ids is not None)
+        return " ".join(parts) or "none"
 
     def keeps(self, cols: dict[str, list], i: int) -> bool:
         n, loss = cols["length"][i], cols["loss_tokens"][i]
@@ -74,21 +92,26 @@ def __getattr__(name: str) -> Any:
 
 def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) -> list[tuple[int, int, int]]:
     """Windows ``(shard_index, first, stop)`` of consecutive kept samples, each at most about
-    ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go)."""
+    ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go). A shard whose samples
+    ``sel`` drops is admitted (``Store.admit_shard``: its columns are its record's) before they decide; a kept one
+    is when it is read."""
     m = store.manifest
     token_bytes = codec.token_bytes(m.dtype, m.encoding, len(store.layers), m.hidden_size)
     out = []
     t = store.table
     for s in range(len(t)):  # the records' columns: no record is parsed
-        cols, run, run_tokens, n = t.sample_columns(s), None, 0, int(t.n_samples[s])
+        cols, run, run_tokens, n, kept = t.sample_columns(s), None, 0, int(t.n_samples[s]), 0
         for i in range(n + 1):
             keep = i < n and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
+            kept += keep
             if run is not None and (not keep or run_tokens * token_bytes >= WINDOW_BYTES):
                 out.append((s, run, i))
                 run, run_tokens = None, 0
             if keep:
                 run = i if run is None else run
                 run_tokens += cols["length"][i]
+        if kept < n:
+            store.admit_shard(store.commits[s])
     return out
 
 
@@ -199,21 +222,34 @@ class SubsetResult:
     already: int = 0
     kept: int = 0  # samples the filters keep, before a split took its side
     unmatched_ids: int = 0  # --ids: listed ids that are no kept sample's (nor its conversation's)
+    corrupt: list[str] = field(default_factory=list)  # skip_corrupt: the ids left behind, their bytes do not verify
+
+
+class EmptyResult(StoreError, ValueError):
+    """A subset that would hold no sample: refused, nothing written."""
 
 
 def subset(src_url: str, dst_url: str, sel: SampleFilter, *, src_options: dict[str, Any] | None = None,
            dst_options: dict[str, Any] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-           progress: bool = True, split: Split | None = None) -> SubsetResult:
+           progress: bool = True, split: Split | None = None, skip_corrupt: bool = False) -> SubsetResult:
     """Copy the samples of ``src_url`` that ``sel`` keeps (``split``: its side of them) into ``dst_url``
-    (created, or resumed)."""
+    (created, or resumed); ``skip_corrupt``: leave behind (and name) the samples whose bytes do not verify instead
+    of stopping at the first."""
     dst_options = dst_options or {}
     # anon=true and a folder that is not a store refused before any request
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())
     src = Store(src_url, src_options)
+    src.admit()  # the admission's store-wide rules, before the destination gets a byte
     check_flags(src, sel.exclude_flags)
     # one subset at a time into a destination: two would each find no sample committed and copy every one
     with destination.hold_lock(fs, root, dst_url, "subset"):
-        return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress, split)
+        try:
+            return _subset(src, fs, root, dst_url, sel, dst_options, shard_bytes, progress, split, skip_corrupt)
+        except CorruptionError as e:  # the one line that stops the copy says how to copy what is still good
+            if skip_corrupt:
+                raise
+            raise CorruptionError(f"{e}; run it again with --skip-corrupt to copy every sample whose bytes verify "
+                                  f"(`hsstore verify {recordable_url(src_url)}` names the damaged ones)") from None
 
 
 def kept_ids(store: Store, sel: SampleFilter, skip_ids: set[str]) -> list[str]:
@@ -224,7 +260,7 @@ def kept_ids(store: Store, sel: SampleFilter, skip_ids: set[str]) -> list[str]:
 
 
 def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_options: dict[str, Any], shard_bytes: int,
-            progress: bool, split: Split | None = None) -> SubsetResult:
+            progress: bool, split: Split | None = None, skip_corrupt: bool = False) -> SubsetResult:
     from tqdm import tqdm
 
     src_url = src.url
@@ -243,28 +279,71 @@ def _subset(src: Store, fs, root: str, dst_url: str, sel: SampleFilter, dst_opti
     result = SubsetResult(selected=sum(j - i for _, i, j in all_kept), unmatched_ids=unmatched)
     result.kept = result.selected if kept is None else len(kept)
     result.already = result.selected - sum(j - i for _, i, j in windows)
+    if not result.selected:
+        raise EmptyResult(f"the filters ({sel.describe()}) keep none of the {len(src)} samples of "
+                          f"{recordable_url(src.url)}: nothing written")
     if not windows:
         log.info("subset: nothing to copy (%d selected, all already in %s)", result.selected, recordable_url(dst_url))
         return result
     total = sum(int(src.commits[s].offsets[j] - src.commits[s].offsets[i]) for s, i, j in windows)
-    writer = StoreWriter(dst_url, manifest, writer_tag="subset", storage_options=dst_options,
-                         shard_bytes=shard_bytes)
+    writer: StoreWriter | None = None  # made at the first sample that verifies: a salvage of nothing writes nothing
     with tqdm(total=total, unit="tok", unit_scale=True, desc="subset", disable=not progress) as bar:
         try:
-            copy_assets_if_missing(src, writer.fs, writer.root)
-            stored = src.iter_stored(windows, src.manifest.all_features)  # the stored bits: bit-exact, no torch
-            for (sample_id, ids, mask, feats, scales), (cols, k) in zip(stored, _columns(src, windows)):
+            for (sample_id, ids, mask, feats, scales), cols, k in verified(src, windows, skip_corrupt, result.corrupt):
+                if writer is None:
+                    writer = StoreWriter(dst_url, manifest, writer_tag="subset", storage_options=dst_options,
+                                         shard_bytes=shard_bytes)
+                    copy_assets_if_missing(src, writer.fs, writer.root)
                 T = int(ids.shape[0])
                 writer.add_stored(sample_id, ids, mask, feats, scales, source=cols["source"][k],
                                   thinking_tokens=cols["thinking_tokens"][k], flags=cols["flags"][k])
                 result.written += 1
                 result.tokens += T
                 bar.update(T)
-            writer.close()
+            if writer is not None:
+                writer.close()
         except BaseException:
-            writer.close(commit=False)
+            if writer is not None:
+                writer.close(commit=False)
             raise
+    if not result.written and not result.already:
+        raise EmptyResult(f"none of the {result.selected} samples selected from {recordable_url(src.url)} "
+                          "has bytes that verify (`hsstore verify` names the damage): nothing written")
     return result
+
+
+def verified(src: Store, windows: list[tuple[int, int, int]], skip_corrupt: bool, lost: list[str]):
+    """``((sample_id, ids, mask, features, scales), the record's columns, the sample's index in them)`` of every
+    sample of ``windows`` in order, as the store holds it (each chunk checked against its record as it is read).
+    ``skip_corrupt``: a window whose read fails is read again sample by sample; the samples whose bytes do not
+    verify are left out and their ids appended to ``lost``. Otherwise the first failure is raised."""
+    features = src.manifest.all_features
+    rest = list(windows)
+    while rest:
+        done = 0  # samples of ``rest`` handed out
+        try:
+            for stored, (cols, k) in zip(src.iter_stored(rest, features), _columns(src, rest)):
+                yield stored, cols, k
+                done += 1
+            return
+        except CorruptionError:
+            if not skip_corrupt:
+                raise
+        w = 0
+        while done >= rest[w][2] - rest[w][1]:  # the window that failed: the first not handed out whole
+            done -= rest[w][2] - rest[w][1]
+            w += 1
+        s, i, j = rest[w]
+        cols = src.commits[s].samples
+        for k in range(i + done, j):
+            try:
+                (stored,) = src.iter_stored([(s, k, k + 1)], features)
+            except CorruptionError as e:
+                log.info("subset: left behind, its bytes do not verify: %s", e)
+                lost.append(cols["sample_id"][k])
+                continue
+            yield stored, cols, k
+        rest = rest[w + 1:]
 
 
 def _columns(store: Store, windows):

@@ -1,6 +1,7 @@
 """``hsstore verify``: re-read every committed byte and check it against its commit record.
 
-Per committed shard: its record against the manifest (here), then its files through its layout's
+First the admission's store-wide rules (``format/admission.py``: what every reader refuses), then per committed
+shard: the admission's rules of its record, then its files through its layout's
 ``check_shard`` (layouts/zarr.py: every listed file's size and CRC32C, each chunk bound to its path, every
 chunk the arrays' shapes imply listed, shapes and dtypes against the manifest and the offsets,
 ``input_ids``/``loss_mask`` against the per-sample columns, fp8 scales finite and positive; layouts/wds.py: one
@@ -14,9 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-import numpy as np
-
-from ..format import assets, codec, commit, index, names, records
+from ..format import assets, codec, commit, index, records
 from ..layouts import base as layout
 from ..io import listing, storage
 from ..format.commit import SHARDS_DIR, CommitRecord
@@ -31,56 +30,30 @@ def verify(store: Store, progress: Callable[[int], None] | None = None) -> Verif
     """The index is checked first: when an entry readers would use is not its record (a junk block), that is
     reported as an index problem and the shards are checked from the records themselves (``commits/``), so a
     bad index never passes for bad data."""
-    report = VerifyReport(shards=len(store.commits))
+    report = VerifyReport(shards=len(store.commits) + len(store.damaged))
     if check_index(store, report):
         log.warning("store %r: the index disagrees with the commit records (reported); checking the shards "
                     "from the records", store.url)
         store = Store(store.url, store.storage_options, use_index=False, allow_locations=store.allow_locations)
     fs, root = store.fs, store.root
     lay = layout.get(store.manifest.layout)
-    for rec in store.commits:
+    report.problems += [b.problem() for b in store.breaches()]  # the admission's store-wide rules
+    for i in range(len(store.commits)):
+        try:
+            rec = store.commits[i]
+        except StoreError as e:  # a record its columns cannot stand for: named, not followed
+            report.problems.append(Problem(store.table.shard[i], str(e), commit.commit_path(store.table.shard[i])))
+            continue
         if rec.weak_checksums:
             report.weak_records.append(rec.shard)
         check_committed_shard(store, rec, report, progress)
     entries = listing.list_names(fs, storage.join(root, SHARDS_DIR))
     on_disk = {n for n in map(lay.shard_of, entries) if n is not None}
-    committed = {c.shard for c in store.commits}
+    committed = set(store.table.shard.tolist()) | set(store.damaged)
     report.uncommitted = sorted(n for n in on_disk - committed if not n.startswith("."))
-    check_unique_ids(store, report)
     check_assets(store, report)
     return report
 
-
-def _check_names(store: Store, rec: CommitRecord, report: VerifyReport) -> bool:
-    """Every name in the record that readers refuse (``names``: shard name, file keys, ``location``) as a
-    problem naming it; False when there is one (the shard's files are then not followed)."""
-    bad = names.record_problems(rec)
-    for key, why in bad:
-        report.problems.append(Problem(rec.shard, f"unsafe name, not followed: {why}", key))
-    if rec.shard in store.bad_locations:
-        report.problems.append(Problem(rec.shard, f"location not followed: {store.bad_locations[rec.shard]}",
-                                       "location"))
-        return False
-    return not bad
-
-
-def check_unique_ids(store: Store, report: VerifyReport) -> None:
-    """Every sample id once: a repeated one is served twice per epoch and breaks resume and merge (which key on
-    ids). Named with the shards that hold it (at most a few of them listed)."""
-    ids = store.table.sample_id.tolist()
-    if len(set(ids)) == len(ids):
-        return
-    first = store.table.first
-    where: dict[str, list[str]] = {}
-    for i, sid in enumerate(ids):
-        where.setdefault(sid, []).append(i)
-    repeated = {sid: rows for sid, rows in where.items() if len(rows) > 1}
-    for sid, rows in list(repeated.items())[:20]:
-        shards = sorted({store.table.shard[int(np.searchsorted(first, r, side="right") - 1)] for r in rows})
-        report.problems.append(Problem(shards[0], f"sample id {sid!r} is held {len(rows)} times (shards "
-                                                  f"{', '.join(shards[:4])}): ids must be unique in a store"))
-    if len(repeated) > 20:
-        report.problems.append(Problem("(samples)", f"{len(repeated)} sample ids are repeated in all"))
 
 
 def check_index(store: Store, report: VerifyReport) -> bool:
@@ -155,8 +128,9 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
                           tails: dict[str, int] | None = None) -> None:
     """Every check of one committed shard: its record against the manifest, then its files through the
     layout (``tails``: see :func:`hsstore.layouts.zarr.check_shard`)."""
-    check_record(store, rec, report)
-    if not _check_names(store, rec, report):  # a name readers refuse is reported, never followed
+    bad = store.shard_breaches(rec)  # the admission's rules of the shard: reported, and its files not followed
+    report.problems += [b.problem() for b in bad]
+    if bad:
         return
     try:  # a shard merged by reference: its files are checked where its record says they are
         store.shard_location(rec.shard)
@@ -165,22 +139,3 @@ def check_committed_shard(store: Store, rec: CommitRecord, report: VerifyReport,
                                                   f"{type(e).__name__}: {e}"))
         return
     layout.get(store.manifest.layout).check_shard(store.source, rec, report, progress, tails)
-
-
-def check_record(store: Store, rec: CommitRecord, report: VerifyReport) -> None:
-    m = store.manifest
-    if rec.shard in store.manifest_mismatch:
-        report.problems.append(Problem(rec.shard, "written under another manifest: manifest.json was changed "
-                                                  "after this shard was committed (layers, dtype, hashes, codec "
-                                                  "or chunk grid)", "manifest.json"))
-    if sorted(rec.layers, key=_feature_order) != [str(l) for l in m.all_features]:
-        report.problems.append(Problem(rec.shard, f"commit record layers {sorted(rec.layers, key=_feature_order)} "
-                                                  f"differ from the manifest's {m.all_features}"))
-    if rec.chunk_tokens != m.chunk_tokens:
-        report.problems.append(Problem(rec.shard, f"chunk_tokens {rec.chunk_tokens} differs from the manifest's "
-                                                  f"{m.chunk_tokens}"))
-
-
-def _feature_order(key: str) -> tuple:
-    """Commit-record feature keys in manifest order: layer ids by value, then named features (``final_hidden``)."""
-    return (0, int(key), "") if key.lstrip("-").isdigit() else (1, 0, key)

@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import fsspec.spec
 import numpy as np
 
-from ..format import codec, commit, encodings, fp8, index, names, records
+from ..format import admission, codec, commit, encodings, fp8, index, names, records
 from ..layouts import base as layout
 from ..io import memory, storage
 from ..format.commit import CommitRecord
-from ..errors import CorruptionError, ManifestError, StoreError
+from ..errors import CorruptionError, ManifestError, SampleError, StoreError
 from .items import make_item
 from ..format.manifest import Manifest, read_manifest
 from ..io.storage import MANIFEST_FILE
+from ..redaction import recordable_url
+from ..terminal import lookalike, lookalike_refusal
 from ..layouts.source import INHERITED as _INHERITED, ShardSource
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: metadata commands never load it
@@ -130,8 +132,10 @@ class Store:
                                     "this store)")
             snap = index.load(fs, self.root, use_index=use_index)
             loaded, self._origin = (manifest, snap.table, snap.use), snap.origin
+            self.damaged = snap.damaged
         else:
-            self._origin = None
+            self._origin, self.damaged = None, {}
+        self._breaches: list[admission.Breach] | None = None  # the store's rules, checked when first asked
         self.manifest, self.table, self.index_use = loaded
         self.commits = records.Records(self.table, fallback=self._from_commits)
         t = self.table
@@ -155,6 +159,54 @@ class Store:
         # all that the layout sees of this store (layouts never get the Store itself)
         self.source = ShardSource.opened(url, fs, self.root, self.storage_options, self.manifest, self.locations,
                                          self.bad_locations)
+
+    # -- admission -------------------------------------------------------------------------------
+    def breaches(self) -> list[admission.Breach]:
+        """Every breach of the store-wide rules of the admission (``format/admission.py``), from the columns the
+        store holds (no request): what ``info`` leads with and ``verify`` reports."""
+        if self._breaches is None:
+            self._breaches = list(admission.table_breaches(self.table, self.manifest, self.damaged))
+        return self._breaches
+
+    def admit(self) -> None:
+        """Refuse (``admission.Refused``, one line naming the shard and the rule) a store that breaks a store-wide
+        rule; every reader calls it before it serves anything of the store."""
+        bad = self.breaches()
+        if bad:
+            raise admission.refusal(self.url, bad[0])
+
+    def shard_breaches(self, rec: CommitRecord) -> list[admission.Breach]:
+        """The breaches of a shard's own rules in its parsed record (the layout's extent through this store's
+        shard source), a ``location`` this store refuses first."""
+        bad = self.bad_locations.get(rec.shard)
+        first = [admission.Breach(rec.shard, "names", f"location not followed: {bad}", "location")] if bad else []
+        return first + list(admission.shard_breaches(rec, lambda r: self._layout.check_extent(self.source, r)))
+
+    def admit_shard(self, rec: CommitRecord) -> None:
+        """``admit``, then refuse a shard that breaks a rule of its own; checked once per parsed record (a reader
+        touches a shard's record before it reads any of its bytes)."""
+        self.admit()
+        if getattr(rec, "_admitted", False):
+            return
+        bad = self.shard_breaches(rec)
+        if bad:
+            raise admission.refusal(self.url, bad[0])
+        rec._admitted = True
+
+    def check_served(self, i: int, mask: np.ndarray) -> None:
+        """Refuse sample ``i`` read for serving when its loss_mask (read anyway) is not what its record says
+        (``admission.served_problem``)."""
+        why = admission.served_problem(int(self.table.samples["loss_tokens"][i]), mask)
+        if why:
+            r = self.ref(i)
+            raise CorruptionError(f"store {self.url!r}, shard {r.shard!r}, sample {r.sample_id!r}: refused by rule "
+                                  f"'served' ({why}); `hsstore verify` names every problem")
+
+    def admitted(self, shard_name: str) -> CommitRecord:
+        """The commit record of a committed shard, admitted (``admit_shard``)."""
+        rec = self.record(shard_name)
+        self.admit_shard(rec)
+        return rec
 
     # -- index -----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -295,10 +347,9 @@ class Store:
         layers = self.check_layers(layers)
         m = self.manifest
         T, H = stop - start, codec.row_width(m.hidden_size, m.encoding)
-        rec = self.record(shard_name)
+        rec = self.admitted(shard_name)  # the rules of the store and the shard, before a byte of it is read
         if not 0 <= start <= stop <= rec.n_tokens:
             raise CorruptionError(f"shard {shard_name!r}: tokens {start}:{stop} outside its {rec.n_tokens} tokens")
-        self._layout.check_extent(self.source, rec)  # the tokens the record claims are tokens its files can hold
         memory.check_fits(T * len(layers) * H * codec.storage_dtype(m.dtype, m.encoding).itemsize,
                           f"store {self.url!r}, shard {shard_name!r}: tokens {start}:{stop} of {len(layers)} layers x "
                           f"hidden {H}")
@@ -343,6 +394,7 @@ class Store:
             ids, mask, feats = self.read_range(r.shard, r.start, r.stop, layers, scales_out=scales)
         except CorruptionError as e:
             raise CorruptionError(f"sample {r.sample_id!r} (index {r.index}): {e}") from None
+        self.check_served(r.index, mask)
         return self.sample_dict(r.sample_id, ids, mask, feats, scales, dequantise, layers[-1] == "final_hidden")
 
     def _with_features(self, layers: Sequence[int] | None) -> list:
@@ -400,6 +452,7 @@ class Store:
         """``iter_windows`` as the store holds each sample: (sample_id, ids, mask, features ``[n_layers, T, H]``
         in the storage dtype, fp8 scales or None), numpy views, no torch: what a copy into another store
         (``StoreWriter.add_stored``) needs."""
+        self.admit()  # before any window: a store whose every shard is refused yields nothing silently otherwise
         layers = self._with_features(layers)
         carry: dict = {}  # the boundary chunk of the previous window (used by one thread at a time)
 
@@ -426,6 +479,7 @@ class Store:
                 base = int(self._first[s])
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
+                    self.check_served(base + k, mask[a:b])
                     yield (ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],
                            None if scales is None else scales[:, a:b])
 
@@ -445,11 +499,23 @@ class Store:
 
 def committed_ids(url: str, storage_options: dict[str, Any] | None = None) -> set[str]:
     """Sample ids already committed to a store (empty when the store does not exist yet): what a resumed
-    job skips."""
+    job skips. A store the admission refuses is refused here too (a record that does not parse hides ids a
+    resumed job would write again)."""
     fs, root = storage.resolve(url, storage_options)
     if not storage.store_exists(fs, root, url):
         return set()
-    return set(Store(url, storage_options).sample_ids())
+    store = Store(url, storage_options)
+    store.admit()
+    return set(store.sample_ids())
+
+
+def refuse_lookalikes(ids: Sequence[str], done: set[str], url: str) -> None:
+    """Refuse, before anything is written, a new sample id (of ``ids``, not yet in ``done``: the ids ``url``
+    holds) that a person cannot tell from one held or one before it (``terminal.lookalike``)."""
+    pair = lookalike(ids, done)
+    if pair is not None:
+        sid, other = pair
+        raise SampleError(lookalike_refusal(sid, other, f"in {recordable_url(url)}" if other in done else "before it"))
 
 
 def open(url: str, *, allow_locations: Sequence[str] | None = None, **storage_options: Any) -> Store:  # noqa: A001
@@ -463,12 +529,15 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
     """``Store(url, storage_options)`` opened once per job: under ``torch.distributed`` (initialised, more than
     one rank) the group's first rank reads the manifest and the records and broadcasts them (JSON, never
     pickle); the others read nothing. Every rank of ``group`` must call it, in the same order (a collective).
-    Without a process group it is ``Store(url, storage_options)``."""
+    Without a process group it is ``Store(url, storage_options)``. Either way the store is admitted
+    (``Store.admit``) before it is returned."""
     import torch
 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return Store(url, storage_options)
+        store = Store(url, storage_options)
+        store.admit()  # as every rank of a group is refused below
+        return store
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":  # NCCL moves device tensors only
@@ -477,6 +546,7 @@ def open_shared(url: str, storage_options: dict[str, Any] | None = None, group=N
         store, error = None, None
         try:
             store = Store(url, storage_options)
+            store.admit()  # refused on every rank alike (the others never see a record that did not parse)
             payload = _shared_payload(store)
         except Exception as e:  # the other ranks are waiting for the broadcast: tell them, then raise here
             error = e

@@ -7,7 +7,9 @@ the next forward runs. Memory is bounded: at most ``max_pending`` shards are in 
 
 Nothing is visible to readers until a shard's commit record is written, so a crash (or an exception
 inside ``with StoreWriter(...)``) leaves only invisible debris, never a half-shard. Shard names carry a
-random part, so any number of writers (ranks, machines, teams) can add to one store concurrently.
+random part, so any number of writers (ranks, machines, teams) can add to one store concurrently, each under its
+own writer tag: a tag is one writer at a time (its slot, ``format/sessions.py``), so a second writer of a tag that
+is being written is refused at its start.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from ..format import codec, commit, encodings, fp8, health, index
+from ..format import codec, commit, encodings, fp8, health, index, sessions
 from ..format.encodings import Encoded
 from ..layouts import base as layout
 from ..io import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import PER_WRITER_EXTRA, Manifest, check_compatible, now_iso, read_manifest
 from ..io.storage import MANIFEST_FILE
+from ..terminal import lookalike_refusal, visible_key
 from ..version import __version__
 from .session import WriterSession
 
@@ -190,6 +193,7 @@ class StoreWriter:
         self._lock = threading.Lock()
         self._skipped: dict[str, list[str]] = {}
         self._seen: set[str] = set()  # sample ids added (a repeated one is refused)
+        self._visible: dict[str, str] = {}  # visible_key -> the id added (one a person cannot tell apart is refused)
         self._scratch = np.empty(0, dtype=codec.BITS_NUMPY[self.manifest.dtype])
         self.committed: list[commit.CommitRecord] = []
         self.bytes_written = 0
@@ -199,7 +203,10 @@ class StoreWriter:
         self._session = WriterSession(self.fs, self.root, self.tag, self.session, expects=expects,
                                       planned_samples=planned_samples, planned_tokens=planned_tokens)
         try:
-            self._session.start()
+            self._session.start(url)
+        except sessions.SlotHeld:
+            self._pool.shutdown(wait=False)
+            raise
         except Exception as e:
             self._pool.shutdown(wait=False)
             raise StoreError(storage.explain(e, url, "write", self.fs, self.root)) from None
@@ -278,6 +285,9 @@ class StoreWriter:
         sample_id = str(sample_id)
         if sample_id in self._seen:  # readers would serve it twice; resume and merge key on ids
             raise SampleError(f"sample {sample_id!r}: added twice to this writer (sample ids are unique in a store)")
+        other = self._visible.get(visible_key(sample_id), sample_id)
+        if other != sample_id:
+            raise SampleError(lookalike_refusal(sample_id, other, "added before"))
         ids, mask = _flat_array(input_ids), _flat_array(loss_mask)
         T = ids.shape[0]
         where = f"sample {sample_id!r}"
@@ -338,6 +348,7 @@ class StoreWriter:
         self._mask.append(mask.astype(np.uint8))
         c = self._cols
         self._seen.add(sample_id)
+        self._visible.setdefault(visible_key(sample_id), sample_id)
         c["sample_id"].append(sample_id)
         c["source"].append(str(source))
         c["length"].append(int(T))
