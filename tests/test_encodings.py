@@ -285,6 +285,18 @@ def test_writer_refuses_bad_rows(tmp_path, name):
             w.add("forged", s["input_ids"][:8], s["loss_mask"][:8], Encoded(values))
 
 
+def test_writer_refuses_rows_of_another_encoding(tmp_path):
+    """Encoded rows that are not the store's encoding's (another block encoding's width, fp8's values and scales)
+    are refused with the sample and layer named, and nothing is written: read as the store's they would be noise."""
+    m = dataclasses.replace(make_manifest(hidden=1024), encoding="mxfp4")
+    s = make_samples(1, hidden=1024, prefix="other")[0]
+    with hsstore.StoreWriter(str(tmp_path), m) as w:
+        for name in ("nvfp4", "mxfp6", "fp8"):
+            with pytest.raises(SampleError, match=r"other0.*layer 1: mxfp4 values must be torch.uint8 \[\d+, 552\]"):
+                w.add(s["sample_id"], s["input_ids"], s["loss_mask"], encodings.get(name).encode(s["hidden_states"]))
+    assert len(hsstore.open(str(tmp_path))) == 0
+
+
 def test_manifest_rules(new_manifest):
     m = make_manifest()
     with pytest.raises(ManifestError, match="encoding 'fp4' not supported"):
@@ -311,10 +323,10 @@ def block_store(url: str, name: str, hidden: int = 48, n: int = 16, **kw) -> lis
 
 
 @pytest.mark.parametrize("name", BLOCK)
-@pytest.mark.parametrize("hidden", [48, 1024])
+@pytest.mark.parametrize("hidden", [48, pytest.param(1024, marks=pytest.mark.slow)])  # wide: seconds of encoding
 def test_store_roundtrip_and_verify(tmp_path, name, hidden):
     enc = encodings.get(name)
-    samples = block_store(str(tmp_path), name, hidden)
+    samples = block_store(str(tmp_path), name, hidden, n=16 if hidden < 512 else 6)  # wide rows: a shard each
     store = hsstore.open(str(tmp_path))
     assert len(store.commits) > 1 and store.manifest.encoding == name
     by_id = {s["sample_id"]: s for s in samples}

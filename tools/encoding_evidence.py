@@ -218,8 +218,10 @@ def train_and_eval(args, enc: str, seed: int, store: str, heldout_store: str, ta
                               "--json", "-q", capture=True, threads=args.cpu_threads))
     out = {"encoding": enc, "seed": seed, "train": last_metrics(run), "train_s": round(t1 - t0, 1),
            "eval_s": round(time.perf_counter() - t1, 1), "tf_tau": tf["tau"],
-           "spec_tau": spec["tau"], "identical": f"{spec['identical']}/{spec['samples']}",
-           **{f"spec_{k}": v for k, v in spec.items() if k.startswith("tau_") and not isinstance(v, list)},
+           "spec_tau": spec.get("tau_per_prompt", spec.get("tau")),
+           "identical": f"{spec['identical']}/{spec['samples']}",
+           **{f"spec_{k}": v for k, v in spec.items()  # tau_pooled: the other convention (SGLang's server)
+              if k.startswith("tau_") and k != "tau_per_prompt" and not isinstance(v, list)},
            **{f"tf_{k}": v for k, v in tf.items() if k.startswith("tau_") and not isinstance(v, list)}}
     result.parent.mkdir(parents=True, exist_ok=True)
     result.write_text(json.dumps(out, indent=1) + "\n")
@@ -385,7 +387,8 @@ def table(res: dict) -> str:
     """The evidence as markdown: bytes, error, codecs and tau per encoding."""
     encs = res["encodings"]
     lines = ["| encoding | bytes/token (encoding; store) | vs bf16 | 1 - cos (taps) | rel. error | SNR dB "
-             "| teacher-forced tau | speculative tau | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+             "| teacher-forced tau | speculative tau, per prompt | speculative tau, pooled | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in encs.items():
         b = e["bytes_per_token"]
         errs = list(e.get("error", {}).values())
@@ -399,6 +402,7 @@ def table(res: dict) -> str:
             return f"{t['mean']:.3f} ± {t['sd']:.3f} ({t['min']:.2f}-{t['max']:.2f})" if t else "-"
         lines.append(f"| {shown(name)} | {b['encoding']:.0f}; {b['store']:.1f} | {b['bf16'] / b['encoding']:.2f}x | "
                      f"{err[0]} | {err[1]} | {err[2]} | {show('tf_tau')} | {show('spec_tau')} | "
+                     f"{show('spec_tau_pooled')} | "
                      f"{tau.get('spec_tau', {}).get('n', 0)} |")
     lines += lossless_lines(encs, "cpu_decode_gb_s", "decode to bf16, 1 CPU thread")
     for key, v in res.get("verdict", {}).items():
