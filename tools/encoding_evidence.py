@@ -353,7 +353,8 @@ def seeds_shape(args) -> dict:
     factors = torch.logspace(2, 3, args.outliers)
     keep = torch.ones(H, dtype=torch.bool, device=device)
     keep[channels] = False
-    res: dict = {"shape": {"layers": args.layers_total, "hidden": H, "taps": taps, "tokens": int(feats.shape[0])},
+    res: dict = {"command": "python -m tools.encoding_evidence " + " ".join(sys.argv[1:]),
+                 "shape": {"layers": args.layers_total, "hidden": H, "taps": taps, "tokens": int(feats.shape[0])},
                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU",
                  "outliers": {"channels": channels.tolist(), "factors": factors.tolist()}, "encodings": {}}
     planted = [plant_outliers(feats[:, j], channels, factors) for j in range(len(taps))]

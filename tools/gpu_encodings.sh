@@ -38,6 +38,7 @@ cp -r "$REPO/hsstore" "$REPO/tools" "$REPO/tests" "$REPO/pyproject.toml" "$SRC/"
 cp -r "$REPO/extract" "$SRC/hsstore/extract" && cp -r "$REPO/train" "$SRC/hsstore/train"
 cd "$SRC" || exit 1
 export PYTHONUNBUFFERED=1
+"$PY" -c "import hsstore.train, hsstore.format.microscaling as m; print('code:', m.__file__)" | tee "$OUT/summary.txt"
 
 part() {  # part NAME SECONDS COMMAND...: run it when PARTS picks NAME, within SECONDS, its output to OUT/NAME.log
   local name=$1 budget=$(($2 * STRETCH))
@@ -69,6 +70,6 @@ done
   tail -n 3 "$OUT"/tests.log 2>/dev/null
   grep -h "^|" "$OUT"/seeds.log 2>/dev/null
   for e in $ENCODINGS; do echo "bench-$e: $(grep -ho '"ratio": [0-9.]*' "$OUT/bench-$e.log" 2>/dev/null | head -1)"; done
-} | tee "$OUT/summary.txt"
+} | tee -a "$OUT/summary.txt"
 rm -rf "$SRC"
 exit $FAILED
