@@ -174,6 +174,17 @@ def test_exported_weights_have_the_reference_names_in_bf16(tmp_path):
     assert index["weight_map"] == {k: "model.safetensors" for k in reference_tensors()}
 
 
+def test_a_drafter_with_non_finite_weights_is_not_written(tmp_path):
+    """A diverged run's weights (one NaN) leave no drafter: one line naming the tensor, no weights file."""
+    model = tiny_drafter()
+    name = sorted(model.state_dict())[0]
+    with torch.no_grad():
+        model.state_dict()[name].view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"writing drafter .*: tensor {name!r}: non-finite values \(1 of"):
+        drafter_format.save_drafter(tmp_path / "d", model)
+    assert not (tmp_path / "d" / drafter_format.WEIGHTS).exists()
+
+
 def test_export_round_trips_into_load_drafter(tmp_path):
     model = tiny_drafter()
     drafter_format.save_drafter(tmp_path, model)

@@ -271,8 +271,12 @@ def test_manifest_json_that_breaks_parsers_is_one_line_naming_it(tmp_path, edit,
         m = json.loads(path.read_text())
         edit(m)
         path.write_text(json.dumps(m))
-    for command in (["info", url], ["verify", url, "-q"]):
-        one_line(cli(*command), "manifest.json", *words)
+    one_line(cli("info", url), "manifest.json", *words)
+    # verify reports a damaged manifest as its one problem (exit 1, as any FAIL), on the FAIL line
+    r = cli("verify", url, "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    fails = [ln for ln in r.stdout.splitlines() if ln.startswith("FAIL ")]
+    assert len(fails) == 1 and all(w in fails[0] for w in ("manifest.json", *words)), r.stdout
 
 
 # -- item 8: strings that drive a terminal ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def write_tagged(url, manifest, samples, storage_options=None, **kw):
     with hsstore.StoreWriter(url, manifest, storage_options=storage_options, **kw) as w:
         for i, s in enumerate(samples):
             w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"], source=SOURCES[i % 3],
-                  thinking_tokens=i, flags=["stub_answer"] if i % 4 == 0 else [])
+                  thinking_tokens=min(i, len(s["input_ids"])), flags=["stub_answer"] if i % 4 == 0 else [])
     return w
 
 

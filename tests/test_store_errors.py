@@ -41,6 +41,9 @@ def test_bad_samples_named(tmp_path, new_manifest, new_samples):
         with pytest.raises(hsstore.SampleError, match="empty sample"):
             add(w, s, input_ids=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0),
                 hidden_states=s["hidden_states"][:0])
+        # more thinking tokens than the sample holds: a record every reader would refuse (rule 'bounds')
+        with pytest.raises(hsstore.SampleError, match=rf"sample 's0': {T + 1} thinking tokens in a sample of {T}"):
+            w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"], thinking_tokens=T + 1)
         add(w, s)  # the writer is still usable after rejected samples
     store = hsstore.open(str(tmp_path))
     assert store.sample_ids() == ["s0"]

@@ -310,6 +310,8 @@ def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str
         cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))
     check_tensors(cfg, tensors, "drafter weights")
     bf16 = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in tensors.items()}
+    # a run that diverged leaves no drafter an engine would serve: values checked as every reader checks them
+    values.check_tensors(bf16, f"writing drafter {path}")
     save_safetensors(bf16, path / WEIGHTS, metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in bf16.values())},
              "weight_map": {k: WEIGHTS for k in sorted(bf16)}}

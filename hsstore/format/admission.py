@@ -3,8 +3,8 @@
 What ``verify`` refuses no reader may serve, so the rules a store's metadata must keep are defined once, here, and
 applied by both: ``verify`` collects every breach (``Breach``) into its report; a reader (``Store.admit``,
 ``Store.admit_shard``: ``show``, the loader, ``train``, ``eval``, ``subset``, ``copy``, ``merge``, ``convert``,
-``export``) refuses at the first one, in one line naming the shard and the rule (``Refused``); ``info`` describes
-the store with the verdict first.
+``export``) refuses at the first one, in one line naming the shard and the rule (``AdmissionRefused``); ``info``
+describes the store with the verdict first.
 
 The rules cost no request of their own. The store's are checked on the columns an open store already holds
 (``records.RecordTable``: the index's copies or the records read), vectorised, so ``info``'s path stays O(1) in
@@ -80,14 +80,14 @@ class Breach:
         return Problem(self.shard, f"{self.detail} (rule {self.rule!r})", self.file or None)
 
 
-class Refused(CorruptionError):
+class AdmissionRefused(CorruptionError):
     """A reader's refusal: the store or shard breaks a rule of the admission (``verify`` names every breach)."""
 
 
-def refusal(url: str, b: Breach) -> Refused:
+def refusal(url: str, b: Breach) -> AdmissionRefused:
     """The one line a reader stops with."""
     where = f", {b.file}" if b.file else ""
-    return Refused(f"store {url!r}, shard {b.shard!r}{where}: refused by rule {b.rule!r} ({b.detail}); "
+    return AdmissionRefused(f"store {url!r}, shard {b.shard!r}{where}: refused by rule {b.rule!r} ({b.detail}); "
                    "`hsstore verify` names every problem")
 
 

@@ -169,7 +169,7 @@ class Store:
         return self._breaches
 
     def admit(self) -> None:
-        """Refuse (``admission.Refused``, one line naming the shard and the rule) a store that breaks a store-wide
+        """Refuse (``admission.AdmissionRefused``, one line naming the shard and the rule) a store that breaks a store-wide
         rule; every reader calls it before it serves anything of the store."""
         bad = self.breaches()
         if bad:

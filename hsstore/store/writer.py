@@ -129,6 +129,17 @@ def _safe_tag(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", tag)[:64] or "w"
 
 
+_WRITERS_HERE = iter(range(1 << 62))  # next() is atomic under the GIL: one number per writer of this process
+
+
+def _default_tag() -> str:
+    """host-pid, and a count after it for a second writer of the same process: a tag names one writer at a time,
+    and threads of one process (one writer per GPU, say) are writers of their own; a tag the user did not give
+    names no job to resume, so a fresh one costs nothing."""
+    n = next(_WRITERS_HERE)
+    return f"{socket.gethostname()}-{os.getpid()}" + (f"-{n}" if n else "")
+
+
 class StoreWriter:
     """Write samples into a store (local path or any fsspec URL).
 
@@ -177,7 +188,7 @@ class StoreWriter:
         self.width = self.encoding.width(self.hidden)  # a layer row's elements: hidden, or a block encoding's bytes
         self.fp8 = self.encoding.row_scale  # scales beside the rows (fp8)
         self.storage_dtype = codec.storage_dtype(self.manifest.dtype, self.manifest.encoding)
-        self.tag = _safe_tag(writer_tag or f"{socket.gethostname()}-{os.getpid()}")
+        self.tag = _safe_tag(writer_tag or _default_tag())
         self.session = uuid.uuid4().hex[:8]
         # this session's records in one index segment (format/index.py), rewritten every ``index_every`` commits
         self._index = index.SegmentAppender(self.fs, self.root, f"{self.tag}-{self.session}", index_every)
@@ -309,6 +320,8 @@ class StoreWriter:
         """Copy a checked sample's feature bits into the shard buffer (NaN/Inf refused), its columns and feature
         statistics beside."""
         T, where = ids.shape[0], f"sample {sample_id!r}"
+        if not 0 <= int(thinking_tokens) <= T:  # every reader refuses such a record (admission rule 'bounds')
+            raise SampleError(f"{where}: {int(thinking_tokens)} thinking tokens in a sample of {T}")
         if T > self._buf.shape[1] - self._fill:
             if self._fill:
                 self._submit()
