@@ -12,28 +12,30 @@
 #   bash tools/gpu_encodings.sh OUT          # from the repository root, .whl/ beside it (tools/gpu_wheels.sh)
 #
 # The wheels of .whl/ (WHL) are installed into SITE (default /tmp/hs-site) unless zarr imports already; this
-# checkout's code runs from a copy under OUT/src laid out as installed (hsstore/, hsstore/extract, hsstore/train,
-# tools/, tests/), so the wheel's hsstore gives only its metadata. OUT holds one NAME.log per part, seeds_shape.json
-# and summary.txt. PY (default python3) runs each part; PARTS (a regex over tests|seeds|bench) picks them;
-# ENCODINGS (default "raw mxfp4") the stores the bench reads; TINY=1 runs every part at toy sizes on the CPU (a check
-# that the script runs end to end, no figures; budgets x 6). Exit status: the number of failed parts.
+# checkout's code runs from a copy in SCRATCH/src (default /tmp/hs-enc) laid out as installed (hsstore/,
+# hsstore/extract, hsstore/train, tools/, tests/), so the wheel's hsstore gives only its metadata; the bench's stores
+# live in SCRATCH too. OUT holds only one NAME.log per part, seeds_shape.json and summary.txt.
+# PY (default python3) runs each part; PARTS (a regex over tests|seeds|bench) picks them;
+# ENCODINGS (default "raw nvfp4", the recommended one) the stores the bench reads; TINY=1 runs every part at toy
+# sizes on the CPU (a check that the script runs end to end, no figures; budgets x 6). Exit status: the number of failed parts.
 set -u
 OUT=$(mkdir -p "${1:?usage: gpu_encodings.sh OUT}" && cd "$1" && pwd)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-python3}
 PARTS=${PARTS:-.}
-ENCODINGS=${ENCODINGS:-raw mxfp4}
+ENCODINGS=${ENCODINGS:-raw nvfp4}
 WHL=${WHL:-$REPO/.whl}
 SITE=${SITE:-/tmp/hs-site}
 TINY=${TINY:-0}
+SCRATCH=${SCRATCH:-/tmp/hs-enc}
 FAILED=0
 
 if ! "$PY" -c "import zarr, numcodecs" 2>/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
-SRC=$OUT/src  # the package as installed: run from here, so this checkout's code is the one imported
-rm -rf "$SRC" && mkdir -p "$SRC"
+SRC=$SCRATCH/src  # the package as installed: run from here, so this checkout's code is the one imported
+rm -rf "$SCRATCH" && mkdir -p "$SRC"
 cp -r "$REPO/hsstore" "$REPO/tools" "$REPO/tests" "$REPO/pyproject.toml" "$SRC/"
 cp -r "$REPO/extract" "$SRC/hsstore/extract" && cp -r "$REPO/train" "$SRC/hsstore/train"
 cd "$SRC" || exit 1
@@ -63,13 +65,13 @@ fi
 part tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_encodings.py
 part seeds 100 "$PY" -m tools.encoding_evidence --seeds-shape "${SEEDS[@]}" --json "$OUT/seeds_shape.json"
 for e in $ENCODINGS; do
-  part "bench-$e" 55 "$PY" -m tools.bench_train --dir "$OUT/bench-$e" --encoding "$e" "${BENCH[@]}" --json
-  rm -rf "$OUT/bench-$e"
+  part "bench-$e" 55 "$PY" -m tools.bench_train --dir "$SCRATCH/bench-$e" --encoding "$e" "${BENCH[@]}" --json
+  rm -rf "$SCRATCH/bench-$e"
 done
 {
   tail -n 3 "$OUT"/tests.log 2>/dev/null
   grep -h "^|" "$OUT"/seeds.log 2>/dev/null
   for e in $ENCODINGS; do echo "bench-$e: $(grep -ho '"ratio": [0-9.]*' "$OUT/bench-$e.log" 2>/dev/null | head -1)"; done
 } | tee -a "$OUT/summary.txt"
-rm -rf "$SRC"
+rm -rf "$SCRATCH"
 exit $FAILED
