@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hsstore.format import encodings
+
 
 @dataclass(frozen=True)
 class Agreement:
@@ -86,7 +88,8 @@ REL_MARGIN = 1.25
 # (a neighbouring layer) at every depth measured. Derivation and the figures: docs/ARCHITECTURE.md ("Bounds that
 # follow the rounding") and docs/PERFORMANCE.md ("Bounds at the seeds' depth", `python -m tools.deep_bounds` on the
 # GPU machine: 64 layers, hidden 5120, taps 1,16,31,46,61; `python -m tools.audit_bounds` for the tiny targets).
-# ``per_layer`` is the worst measured drift per layer with a margin of MARGIN; ``floor`` the encoding's own.
+# ``per_layer`` is the worst measured drift per layer with a margin of MARGIN; ``floor`` the encoding's own
+# (``Encoding.floor``, format/encodings.py: its own rounding, measured by tools/encoding_evidence.py).
 MARGIN = 3.0
 AUDIT_DRIFT = {
     # a stored feature (extracted in a batch, eager or compiled) against the audit's batch-1 eager recomputation,
@@ -94,8 +97,6 @@ AUDIT_DRIFT = {
     "float32": Drift(1e-9, 1e-10, "float32 rounding"),
     "float16": Drift(1e-5, MARGIN * 4e-6, "float16 rounding"),
     "bfloat16": Drift(1e-4, MARGIN * 2.0e-5, "bfloat16 rounding"),
-    "fp8": Drift(3e-3, MARGIN * 2.0e-5, "fp8 e4m3 with a per-token scale (at most 2^-4 per value) on bfloat16 "
-                 "rounding"),
 }
 # extraction's compile check: the compiled forward's first batch against the eager forward, the worst token
 COMPILE_DRIFT = Drift(1e-3, MARGIN * 1.7e-4, "bfloat16 rounding of fused kernels, worst token")
@@ -107,18 +108,26 @@ def depth_of(feature: int | str, n_layers: int) -> int:
     return n_layers + 1 if feature == "final_hidden" else int(feature) + 1
 
 
-def bound_of(dtype: str, encoding: str = "raw", depth: int = 0) -> Bound:
-    """The audit's bound for features computed in ``dtype``, stored with ``encoding`` (``raw`` or ``fp8``),
-    after ``depth`` decoder layers (``depth_of``)."""
-    key = "fp8" if encoding == "fp8" else dtype
-    if key not in AUDIT_DRIFT:
+def audit_drift(dtype: str, encoding: str = "raw") -> Drift:
+    """How far a stored feature computed in ``dtype`` and stored with ``encoding`` drifts from the recomputation: the
+    dtype's drift per layer, from the encoding's own rounding (its ``floor``) on."""
+    if dtype not in AUDIT_DRIFT:
         raise ValueError(f"no agreement bound for dtype {dtype!r}, encoding {encoding!r}")
-    return AUDIT_DRIFT[key].at(depth)
+    drift, enc = AUDIT_DRIFT[dtype], encodings.get(encoding)
+    if not enc.quantised:
+        return drift
+    return Drift(enc.floor, drift.per_layer, f"{enc.rounding} on {drift.why}")
+
+
+def bound_of(dtype: str, encoding: str = "raw", depth: int = 0) -> Bound:
+    """The audit's bound for features computed in ``dtype``, stored with ``encoding``, after ``depth`` decoder
+    layers (``depth_of``)."""
+    return audit_drift(dtype, encoding).at(depth)
 
 
 def bound_rule(dtype: str, encoding: str = "raw") -> dict[str, float | str]:
     """The audit's bound for ``dtype`` and ``encoding`` as a report records it: floor, per_layer, rel_margin, why."""
-    drift = AUDIT_DRIFT["fp8" if encoding == "fp8" else dtype]
+    drift = audit_drift(dtype, encoding)
     return {"floor": drift.floor, "per_layer": drift.per_layer, "rel_margin": REL_MARGIN, "why": drift.why}
 
 

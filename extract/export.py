@@ -101,7 +101,8 @@ def _sidecar(out: Path, fmt: str, store: Store, layout: str, layers: list[int], 
     doc = {"format": fmt, "layout": layout, "store": recordable_url(store.url), "layers": list(layers),
            "features": list(m.features) if layout == "eagle3" else [], "tap_tensor": TAP_TENSOR,
            "peer_layer_ids": peer_layers.from_hsstore(fmt, list(layers)),
-           "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids, **extra}
+           "target": m.target.__dict__, "tokenizer": m.tokenizer.__dict__, "sample_ids": ids,
+           "encoding": m.encoding, **extra}  # the store's: peers get its values decoded into the manifest dtype
     (out / SIDECAR).write_text(json.dumps(doc, indent=1))
 
 

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from hsstore.format import fp8, health
+from hsstore.format import encodings, health
+from hsstore.format.encodings import Encoded
 from hsstore.errors import SampleError
 from hsstore.loader.batching import TokenBudget
 
@@ -86,7 +87,7 @@ def unpin(buffers: Sequence[torch.Tensor]) -> None:
 @dataclass
 class _Staged:
     batch: list[TokenizedSample]
-    host: list[torch.Tensor]  # on the host: [n_tokens, L, H] packed features, or fp8 values and [n_tokens, L] scales
+    host: list[torch.Tensor]  # on the host: [n_tokens, L, H] packed features, or encoded values (and fp8's scales)
     finite: torch.Tensor  # [n_tokens] bool on the host: every feature of the token is finite
     event: torch.cuda.Event | None
     slot: int
@@ -102,7 +103,7 @@ def extract_batches(
     device: torch.device,
     on_batch: Callable[[list[TokenizedSample]], None] | None = None,
     staging_tokens: int = 0,
-    quantise: bool = False,
+    encoding: str = "raw",
     host_alloc: Callable[[int], torch.Tensor] | None = None,
     final_hidden: bool = False,
     record_stats: bool = True,
@@ -112,8 +113,8 @@ def extract_batches(
     background thread, overlapped with the next forward. ``features`` is only valid during the call and
     is checked finite on the device first (a sample with NaN/Inf raises ``SampleError`` naming it).
     ``staging_tokens``: size the two pinned buffers for this many tokens up front (the token budget).
-    ``quantise``: features are :class:`hsstore.format.fp8.Quantised` (e4m3fn values, per-token-per-layer scales),
-    quantised on the device after the finiteness check.
+    ``encoding``: other than ``raw``, features are :class:`hsstore.format.encodings.Encoded` (fp8: e4m3fn values,
+    per-token-per-layer scales; a block encoding: its row bytes), encoded on the device after the finiteness check.
     ``host_alloc(nbytes)``: where the host buffers live (default: torch's pinned memory); with it, features
     go to the host buffers on CPU too. ``on_batch`` runs before a batch's buffers are reused.
     ``final_hidden``: the features hold one more slot, the final norm's output (same forward).
@@ -122,13 +123,14 @@ def extract_batches(
     staging = _HostStaging(device, staging_tokens, host_alloc)
     staged: queue.Queue[_Staged | None] = queue.Queue(maxsize=1)
     errors: list[BaseException] = []
+    quantise = encoding != "raw"
     worker = threading.Thread(target=_consume, args=(staged, staging.free, errors, sink, on_batch, quantise),
                               name="hsstore-extract-sink", daemon=True)
     worker.start()
     try:
         for batch in batches:
             _raise_first(errors)
-            parts, finite, values = _forward_packed(model, layers, batch, pad_id, device, final_hidden, quantise,
+            parts, finite, values = _forward_packed(model, layers, batch, pad_id, device, final_hidden, encoding,
                                                     record_stats)
             slot = _free_slot(staging.free, stats)
             stats.batches += 1
@@ -151,20 +153,25 @@ def _raise_first(errors: list[BaseException]) -> None:
 
 
 def _forward_packed(model: torch.nn.Module, layers: list[int], batch: list[TokenizedSample], pad_id: int,
-                    device: torch.device, final_hidden: bool, quantise: bool, record_stats: bool = True,
+                    device: torch.device, final_hidden: bool, encoding: str = "raw", record_stats: bool = True,
                     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
-    """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or fp8
-    ``[values, scales]``), ``finite [n_tokens]`` and each sample's value statistics ``[samples, features, 5]``
-    (``health.batch_stats`` of what the store will hold: for fp8 the quantised values, whose small entries
-    round to zero; None without ``record_stats``). Checking finiteness and counting here is a few passes
-    at HBM speed instead of passes on the host's cores; the consumer refuses NaN/Inf rows from it."""
+    """One batch's features on the device, padding dropped before anything crosses PCIe: ``[packed]`` (or the
+    encoded ``[values]``, fp8's ``[values, scales]``), ``finite [n_tokens]`` and each sample's value statistics
+    ``[samples, features, 5]`` (``health.batch_stats`` of what the store will hold: the encoded values, whose
+    small entries round to zero; None without ``record_stats``). Checking finiteness and counting here is a few
+    passes at HBM speed instead of passes on the host's cores; the consumer refuses NaN/Inf rows from it."""
     packed = packed_features(model, layers, batch, pad_id, device, final_hidden)
     finite = torch.isfinite(packed).flatten(1).all(dim=1)
-    parts = list(fp8.quantise(packed)) if quantise else [packed]
+    enc = encodings.get(encoding)
+    parts = [t for t in enc.encode(packed) if t is not None] if enc.quantised else [packed]
     lengths = [s.num_tokens for s in batch]
     values = None
     if record_stats:
-        values = health.batch_stats(parts[0], lengths, parts[1] if quantise else None)
+        if enc.row_scale:  # fp8: each token's sums scaled, the product never made
+            values = health.batch_stats(parts[0], lengths, parts[1])
+        else:  # what a reader decodes (a block encoding's zeros depend on its scales)
+            values = health.batch_stats(enc.decode(parts[0], None, packed.shape[-1]) if enc.quantised else packed,
+                                        lengths)
     return parts, finite, values
 
 
@@ -291,5 +298,5 @@ def _deliver(item: _Staged, sink: Callable[[TokenizedSample, Any, Any], None], q
                               f"(first at token {bad})")
         parts = [h[off:off + s.num_tokens] for h in item.host]
         values = item.stats[k].numpy() if item.stats is not None else None
-        sink(s, fp8.Quantised(*parts) if quantise else parts[0], values)
+        sink(s, Encoded(*parts) if quantise else parts[0], values)
         off += s.num_tokens

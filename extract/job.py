@@ -325,7 +325,7 @@ def write_features(settings: ExtractSettings, model, layers: list[int], writer, 
 
     try:
         stats = extract_batches(model, layers, batches, sink, pad_id, device, on_batch=on_batch,
-                                staging_tokens=token_budget, quantise=writer.fp8,
+                                staging_tokens=token_budget, encoding=writer.manifest.encoding,
                                 host_alloc=writer.staging if use_process else None,
                                 final_hidden=settings.capture.final_hidden)
         writer.close()

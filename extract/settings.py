@@ -20,7 +20,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from hsstore.format import layout_spec
+from hsstore.format import encodings, layout_spec
 from hsstore.format.serving import parse_serve
 from hsstore.app.devices import device_option
 from hsstore.app.threads import cpu_threads_option
@@ -145,9 +145,9 @@ class StoreOutput:
     layout: str = option(layout_spec.DEFAULT, choices=list(layout_spec.names()),
                          help="shard layout: " + " or ".join(f"{s.name} ({s.help})" for s in layout_spec.SPECS.values()))
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
-    encoding: str = option("raw", choices=["raw", "fp8"],
-                           help="raw: features bit-exact in --dtype; fp8: e4m3 + a scale per token per layer, "
-                                "quantised on the device (half the bytes)")
+    encoding: str = option("raw", choices=list(encodings.NAMES),
+                           help="raw: features bit-exact in --dtype; the others encoded on the device: "
+                                + "; ".join(f"{e.name}: {e.help}" for e in encodings.ENCODINGS.values() if e.quantised))
     writer: str = option("auto", choices=["auto", "thread", "process"],
                          help="where the store writer runs: a child process fed through shared memory (auto: on "
                               "CUDA), or threads of this process")

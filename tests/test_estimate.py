@@ -8,7 +8,7 @@ import pytest
 
 import hsstore
 from hsstore.app.cli import main
-from hsstore.ops.estimate import REFERENCE_TOKENS_PER_S, estimate
+from hsstore.ops.estimate import RECOMMENDED, REFERENCE_TOKENS_PER_S, SIZED, estimate, storage_month_usd
 from hsstore.extract.job import ExtractSettings, run_extract
 from hsstore.app.schema import build
 from train_helpers import small_input  # noqa: F401  (fixture)
@@ -18,12 +18,22 @@ def test_seed_workload():
     e = estimate(samples=914_000, tokens=1_870_000_000, layers=[1, 16, 31, 46, 61], hidden=5120)
     # FORMAT.md: bf16 features 2 B per value, fp8 1 B per value + float32 scale per token and layer; input_ids
     # int32 + loss_mask uint8 per token; BRIEF: 51,200 B/token for 5 x 5120 bf16
-    assert e["bytes_per_token"] == {"bf16": 51_200 + 5, "fp8": 5 * (5120 + 4) + 5}
+    # nvfp4 (FORMAT.md): per row 2,560 B of codes, 320 e4m3 block scales, a float32 row scale and 10 outlier slots of
+    # 4 B; mxfp4: 2,560 B of codes, 160 E8M0 block scales and the same 10 slots; mxfp6: 3,840 B of codes, 160, 10
+    assert e["bytes_per_token"] == {"bf16": 51_200 + 5, "fp8": 5 * (5120 + 4) + 5, "mxfp6": 5 * 4040 + 5,
+                                    "nvfp4": 5 * 2924 + 5, "mxfp4": 5 * 2760 + 5}
+    assert e["data_bytes"]["nvfp4"] * 3.5 < e["data_bytes"]["bf16"]  # the goal: 3.5x under bf16, scales included
     assert e["data_bytes"]["bf16"] == 1_870_000_000 * 51_205  # 95.75 TB
     assert e["data_bytes"]["bf16_final_hidden"] == 1_870_000_000 * (61_440 + 5)
     assert e["store_bytes"]["bf16"] == pytest.approx(e["data_bytes"]["bf16"] * 1.038, rel=0.01)  # chunk padding
     assert e["gpu_hours"] == pytest.approx(1.87e9 / 11_049 / 3600)  # 47.0 H200-hours
     assert e["epoch_read_bytes"]["fp8"] == e["data_bytes"]["fp8"]
+    # a month in S3 Standard, tiered: 50 TB at $0.023 per GB-month, the next 450 TB at $0.022
+    tb = 1 << 40
+    assert storage_month_usd(50 * tb) == pytest.approx(50 * 1024 * 0.023)
+    assert storage_month_usd(60 * tb) == pytest.approx(50 * 1024 * 0.023 + 10 * 1024 * 0.022)
+    assert e["storage_month_usd"]["bf16"] == pytest.approx(storage_month_usd(e["store_bytes"]["bf16"]))
+    assert e["recommended"]["encoding"] == RECOMMENDED
 
 
 def test_check_estimate_matches_the_extracted_stores(tiny_dir, small_input, tmp_path, capsys):  # noqa: F811
@@ -32,16 +42,17 @@ def test_check_estimate_matches_the_extracted_stores(tiny_dir, small_input, tmp_
     est = json.loads(capsys.readouterr().out)["estimate"]
     assert est["layers"] == [1, 3, 5] and est["tokens_per_s"] == 1000
     assert est["gpu_hours"] == pytest.approx(est["tokens"] / 1000 / 3600)
-    for encoding, key in (("raw", "bf16"), ("fp8", "fp8")):
+    for key, encoding in SIZED.items():
         out = tmp_path / encoding
         run_extract(build(ExtractSettings, model=str(tiny_dir), input=[str(small_input)], out=str(out), layers=[1, 3,
                           5], device="cpu", encoding=encoding, progress=False, force=True))
         store = hsstore.open(str(out))
         assert len(store) == est["samples"]
-        # what the store holds for each sample, read back as stored (fp8: e4m3 values + float32 scales)
+        # what the store holds for each sample, read back as stored (fp8: e4m3 values + float32 scales; nvfp4 and
+        # mxfp4: their rows' bytes)
         held = 0
         for i in range(len(store)):
-            item = store.read(i, dequantise=False) if encoding == "fp8" else store.read(i)
+            item = store.read(i, dequantise=False)
             held += sum(item[k].numel() * item[k].element_size() for k in ("hidden_states", "hidden_scales")
                         if k in item)
             held += len(item["input_ids"]) * (4 + 1)  # FORMAT.md: input_ids int32, loss_mask uint8

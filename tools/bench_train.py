@@ -54,6 +54,8 @@ from typing import Any
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
+from hsstore.format import encodings
+from hsstore.format.encodings import Encoded
 from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
 from hsstore.train.config import CHECKPOINT_CHOICES
@@ -68,17 +70,20 @@ TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, ta
 
 
 def write_store(path, args, device, storage_options=None) -> None:
-    """``--samples`` samples of ``--seq`` tokens, random N(0, 1) bf16 features (made on ``device``: fast)."""
+    """``--samples`` samples of ``--seq`` tokens, random N(0, 1) bf16 features (made, and encoded with
+    ``--encoding``, on ``device``: fast)."""
     # the tokenizer's vocabulary one short of the embedding: `hsstore train` takes the row past it as its mask
     # token, the one this bench's drafter uses (``build``), with nothing to pass
     manifest = Manifest(
         target=TargetIdentity(name="bench", num_layers=args.taps + 3, hidden_size=args.hidden, config_hash="bench"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench", vocab_size=args.vocab - 1),
-        layers=tuple(range(args.taps)))
+        layers=tuple(range(args.taps)), encoding=args.encoding)
+    enc = encodings.get(args.encoding)
     g = torch.Generator(device=device).manual_seed(0)
     with StoreWriter(str(path), manifest, storage_options=storage_options) as w:
         for i in range(args.samples):
-            hs = torch.randn(args.seq, args.taps, args.hidden, generator=g, device=device).to(torch.bfloat16).cpu()
+            hs = torch.randn(args.seq, args.taps, args.hidden, generator=g, device=device).to(torch.bfloat16)
+            hs = Encoded(*(None if t is None else t.cpu() for t in enc.encode(hs))) if enc.quantised else hs.cpu()
             ids = torch.randint(0, args.vocab - 1, (args.seq,), generator=g, device=device).cpu()
             w.add(f"bench-{i}", ids, torch.ones(args.seq, dtype=torch.bool), hs)
 
@@ -135,6 +140,8 @@ def add_drafter_size_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--taps", type=int, default=5)
+    ap.add_argument("--encoding", default="raw", choices=list(encodings.NAMES),
+                    help="the store's feature encoding: its bytes cross to the device, decoded there (read-ahead)")
 
 
 def main() -> None:
@@ -201,7 +208,7 @@ def main() -> None:
     if args.samples < per_step * batch_samples * ranks:
         args.samples = per_step * batch_samples * ranks  # one epoch must cover a round (of every rank)
 
-    key = f"h{args.hidden}-L{args.taps}-v{args.vocab}-T{args.seq}-n{args.samples}"
+    key = f"h{args.hidden}-L{args.taps}-v{args.vocab}-T{args.seq}-n{args.samples}-{args.encoding}"
     store = Path(args.dir) / f"bench-train-{key}"
     if args.loader_only:
         return loader_only(args, store, device)
@@ -248,7 +255,8 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
         source.set_epoch(epoch)
         return read_ahead(source, lambda b: add_anchors(b, 0, epoch, args.anchors, args.block, gamma,
                                                         drafter.key_lengths),
-                          device, args.prefetch, stats=stats, threads=args.reader_threads or None)
+                          device, args.prefetch, stats=stats, threads=args.reader_threads or None,
+                          decode=lambda b: encodings.decode_batch(b, args.encoding, args.hidden))
 
     def timed(batches) -> float:
         it = iter(batches)

@@ -233,15 +233,19 @@ class ReadAheadStats:
         return out
 
 
-def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None
-                        ) -> tuple[dict[str, Any], Any]:
+def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None,
+                        decode: Callable[[dict], dict] | None = None) -> tuple[dict[str, Any], Any]:
     """(``batch`` on ``device``, the event its copies end with), the non-blocking copies issued on ``stream`` so
-    that they overlap the consumer's step; with ``stats``, timed by CUDA events."""
+    that they overlap the consumer's step; with ``stats``, timed by CUDA events. ``decode``: the stored features
+    decoded on the device after they crossed (an encoded store's bytes cross, a half to a quarter of bf16's), on the
+    same stream, so that it overlaps the step too."""
     with torch.cuda.stream(stream):
         begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
         if begin is not None:
             begin.record(stream)
         batch = to_device(batch, device, non_blocking=True)
+        if decode is not None:
+            batch = decode(batch)
         event = torch.cuda.Event(enable_timing=stats is not None)
         event.record(stream)
     if stats is not None:
@@ -259,9 +263,18 @@ def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
             v.record_stream(current)
 
 
+def crossed(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None,
+            decode: Callable[[dict], dict] | None) -> tuple[dict[str, Any], Any]:
+    """``read_ahead``'s batch where the consumer uses it, decoded there, and the event its copies end with (None
+    on the CPU: the batch stays, decoded on the read-ahead thread)."""
+    if stream is not None:
+        return copy_on_side_stream(batch, device, stream, stats, decode)
+    return (decode(batch) if decode is not None else batch), None
+
+
 def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
                stats: ReadAheadStats | None = None, threads: int | None = None,
-               ) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+               decode: Callable[[dict], dict] | None = None) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """Yield ``(batch on device, source state after it)`` while a thread reads, prepares (anchors) and,
     on CUDA, copies the next ``depth`` batches on a side stream (pinned memory, non-blocking copies; the
     consumer's stream waits for each batch's copy event and the batch's tensors are recorded on it, so their
@@ -272,7 +285,8 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
     thread (collation copies; the loader's reading threads, started from it, inherit the setting, as new
     threads take the last value set): fewer keeps them from competing with the consumer's thread, which
     launches the step's kernels (torch's own pin-memory thread runs with 1); threads started elsewhere meanwhile take
-    it too, and the setting is undone when the thread ends. None: as the process has them."""
+    it too, and the setting is undone when the thread ends. None: as the process has them. ``decode``: an encoded
+    store's features decoded after the copy (``encodings.decode_batch``; ``crossed``), beside the step."""
     cuda = device.type == "cuda"
     q: queue.Queue = queue.Queue(maxsize=max(1, depth))
     stop = threading.Event()
@@ -302,7 +316,7 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 state = source.state_dict()
                 batch = prepare(batch)
                 t2 = time.perf_counter()
-                batch, event = copy_on_side_stream(batch, device, stream, stats) if cuda else (batch, None)
+                batch, event = crossed(batch, device, stream, stats, decode)
                 if stats is not None:
                     stats.read.append(t1 - t0)
                     stats.prep.append(t2 - t1)

@@ -46,7 +46,7 @@ from hsstore.loader.batching import TokenBatches
 from hsstore.distributed import World
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.options import Planning, Reading
-from hsstore.format import codec, fp8
+from hsstore.format import codec, encodings
 from hsstore.app.devices import defaults_for, resolve_device
 from hsstore.app.threads import threads_for_model
 from hsstore.format.manifest import Manifest, check_compatible, read_manifest
@@ -126,16 +126,18 @@ def eval_source(urls: str | Sequence[str], layers: Sequence[int], token_budget: 
 
 @torch.no_grad()
 def eval_sums(drafter, batches: Iterable[dict], gamma: float | None = None, anchor_chunk: int = ANCHOR_CHUNK,
-              ce_chunk: int = 1024, amp=None, feature_dtype: torch.dtype = torch.bfloat16, progress=None
-              ) -> torch.Tensor:
+              ce_chunk: int = 1024, amp=None, feature_dtype: torch.dtype = torch.bfloat16, progress=None,
+              manifest=None) -> torch.Tensor:
     """Float64 sums [ce_sum, weight_sum, anchors, samples, hits_k.., labels_k.., accept_k..] over every
-    anchor of ``batches`` (on the drafter's device; fp8 batches are dequantised into ``feature_dtype``)."""
+    anchor of ``batches`` (on the drafter's device; an encoded store's batches, ``manifest``'s, are decoded into
+    ``feature_dtype`` unless the read-ahead decoded them)."""
     S = drafter.config.block_size
     gamma = default_gamma(S) if gamma is None else gamma
     amp = amp or nullcontext()
     sums = torch.zeros(4 + 3 * (S - 1), dtype=torch.float64, device=next(drafter.parameters()).device)
     for batch in batches:
-        batch = fp8.dequantise_batch(batch, feature_dtype)
+        if manifest is not None:
+            batch = encodings.decode_batch(batch, manifest.encoding, manifest.hidden_size, feature_dtype)
         rows = {k: batch[k] for k in _KEYS if k in batch}
         anchors = batch.get("anchors")
         if anchors is None:
@@ -177,11 +179,13 @@ def evaluate(drafter, source, device: torch.device | None = None, *, gamma: floa
     from hsstore.progress import progress_bar
 
     ds = source.dataset
-    # fp8 stores dequantise into the dtype the features were extracted in, as training does
-    feature_dtype = codec.TORCH_DTYPE[ds.stores[0].manifest.dtype]
+    # encoded stores decode into the dtype the features were extracted in, as training does, after the copy
+    m = ds.stores[0].manifest
+    feature_dtype = codec.TORCH_DTYPE[m.dtype]
     bar = progress_bar(total=len(ds.catalog) if world == 1 else None, desc="eval", unit="sample", disable=not progress,
                        dynamic_ncols=True)
-    stream = read_ahead(source, prepare, device, prefetch)
+    stream = read_ahead(source, prepare, device, prefetch,
+                        decode=lambda b: encodings.decode_batch(b, m.encoding, m.hidden_size, feature_dtype))
     try:
         sums = eval_sums(drafter, (b for b, _ in stream), gamma, anchor_chunk, ce_chunk, amp, feature_dtype, bar)
     finally:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import storage
-from hsstore.format import codec, fp8, names
+from hsstore.format import codec, encodings, names
 from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.progress import is_terminal
 from hsstore.redaction import recordable_url
@@ -155,7 +155,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop = Loop(settings=settings, model=model, drafter=drafter, opt=opt, sched=sched, source=source, gamma=gamma,
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
-                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length,
+                stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], manifest=stores[0].manifest, length=length,
                 journal=following.journal if following else None)
     try:
         with StopOnInterrupt() as interrupt:
@@ -290,7 +290,8 @@ class Loop:
     metrics: MetricsLog
     best: BestTracker
     validation: Validation | None
-    stored_dtype: torch.dtype  # what fp8 features dequantise into, as Store.read does
+    stored_dtype: torch.dtype  # what encoded features decode into, as Store.read does
+    manifest: Any = None  # the store's: its encoding and hidden size, for that decoding
     length: FollowSchedule | None = None  # --follow without --steps: the run's length, estimated until epoch 0 ends
     journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
 
@@ -337,7 +338,8 @@ class Loop:
                                self.drafter.config.block_size, self.gamma, self.drafter.key_lengths)
 
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
-        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
+        stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads,
+                                     decode=self.decode),
                           self.world, self.group, interrupt, self.proposal)
         finished, window = True, []
         t_wait = time.perf_counter()
@@ -364,15 +366,19 @@ class Loop:
             self.train_on(window)
         return finished
 
+    def decode(self, batch: dict) -> dict:
+        """An encoded store's batch decoded into the dtype its features were computed in, on the batch's device."""
+        m = self.manifest
+        return encodings.decode_batch(batch, m.encoding, m.hidden_size, self.stored_dtype) if m is not None else batch
+
     def train_on(self, window: list) -> None:
         """One step on a window of micro-batches, then its bookkeeping: metrics row, validation, checkpoint when
         due."""
         settings, dcfg = self.settings, self.drafter.config
-        # None: this rank's share of the epoch is done, others' is not; fp8 stores: values and scales crossed to
-        # the device (half the bytes), dequantised there
-        window = window_weights([fp8.dequantise_batch(empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype,
-                                                                  self.device) if b is None else b, self.stored_dtype)
-                                 for b in window])
+        # None: this rank's share of the epoch is done, others' is not; an encoded store's batches are decoded on the
+        # read-ahead already (the stored bytes crossed to the device), a batch made here is not
+        window = window_weights([self.decode(empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype, self.device)
+                                             if b is None else b) for b in window])
         lr = self.opt.param_groups[0]["lr"]  # the rate this step uses
         t0 = time.perf_counter()
         _, ms, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, window, settings.schedule.clip,

@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 from . import config
 from .. import env
 from ..io import storage
-from ..format import layout_spec
+from ..format import encodings, layout_spec
 from ..format.manifest import DamagedManifest
 from ..format.names import allow_for_command
 from ..errors import StoreError
@@ -169,8 +169,10 @@ def cmd_convert(args) -> int:
 
     c = from_args(ConvertSettings, args).convert
     src_options, dst_options = src_dst_options(args, c.dst_storage_option)
-    r = convert(c.src, c.dst, c.layout, src_options, dst_options, chunk_codec=c.codec, progress=not args.quiet)
-    print(f"convert {recordable_url(c.src)} -> {recordable_url(c.dst)} ({c.layout}): {r.shards} shards, {r.samples} samples written; "
+    r = convert(c.src, c.dst, c.layout, src_options, dst_options, chunk_codec=c.codec, progress=not args.quiet,
+                encoding=c.encoding)
+    what = ", ".join(x for x in (c.layout, c.encoding and f"encoding {c.encoding}") if x) or "a copy"
+    print(f"convert {recordable_url(c.src)} -> {recordable_url(c.dst)} ({what}): {r.shards} shards, {r.samples} samples written; "
           f"{r.skipped} shards already there")
     return 0
 
@@ -370,7 +372,8 @@ def add_upgrade(sub) -> None:
 
 def add_convert(sub) -> None:
     q = sub.add_parser("convert", help="copy a store into a new store of another layout ("
-                                       + " <-> ".join(layout_spec.names()) + "), bit-exact")
+                                       + " <-> ".join(layout_spec.names()) + "), bit-exact, or another feature "
+                                       "encoding (" + ", ".join(encodings.NAMES) + ")")
     groups = add_arguments(q, ConvertSettings)
     add_quiet_option(groups["convert"])
     add_storage_option(groups["convert"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..format import layout_spec
+from ..format import encodings, layout_spec
 from .schema import option, section
 
 STORE_URL_HELP = "store URL: a local path or s3://bucket/prefix (any fsspec URL)"
@@ -59,8 +59,12 @@ class ConvertStores:
     src: str = option(positional=True, help="the store to copy (" + STORE_URL_HELP + ")")
     dst: str = option(positional=True, help="destination store (created, or resumed when it already holds some "
                                             "shards)")
-    layout: str = option(required=True, choices=layout_spec.names(), help="the destination's shard layout")
+    layout: str | None = option(None, choices=layout_spec.names(), help="the destination's shard layout (default: "
+                                                                        "the source's)")
     codec: str | None = option(None, help="zarr destination: chunk codec (default: the source's)")
+    encoding: str | None = option(None, choices=list(encodings.NAMES),
+                                  help="the destination's feature encoding (default: the source's): each feature "
+                                       "decoded into the manifest dtype and encoded again, so not bit-exact")
     dst_storage_option: list[str] = _dst_storage_option()
 
 

@@ -26,7 +26,8 @@ try:  # releases the GIL on buffers of 32 KiB and more; google_crc32c holds it (
 except ImportError:  # a platform without its wheel: the same values, with the GIL held
     _crc32c_nogil = None
 
-from . import fp8
+from . import encodings
+from .encodings import STORAGE_DTYPE
 from ..errors import CorruptionError, StoreError
 
 if TYPE_CHECKING:
@@ -34,21 +35,23 @@ if TYPE_CHECKING:
 
 assert sys.byteorder == "little", "hsstore writes little-endian chunks by direct encoding"
 
-STORAGE_DTYPE = {"bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2"), "float32": np.dtype("<f4")}
 CODECS = ("none", "zstd", "blosc-zstd", "lz4")
 
 
 def storage_dtype(dtype: str, encoding: str = "raw") -> np.dtype:
-    """The numpy dtype of a layer array's elements: the dtype's bits for ``raw``, uint8 bits for ``fp8``."""
-    return fp8.VALUE_DTYPE if encoding == fp8.ENCODING else STORAGE_DTYPE[dtype]
+    """The numpy dtype of a layer array's elements: the dtype's bits for ``raw``, uint8 for the others."""
+    return encodings.get(encoding).storage_dtype(dtype)
+
+
+def row_width(hidden: int, encoding: str = "raw") -> int:
+    """Elements of the storage dtype per row (token) of a layer array: ``hidden``, or a block encoding's bytes."""
+    return encodings.get(encoding).width(hidden)
 
 
 def token_bytes(dtype: str, encoding: str, n_layers: int, hidden: int) -> int:
-    """Stored bytes of one token of ``n_layers`` layers (fp8: values plus one float32 scale per layer)."""
-    per_row = hidden * storage_dtype(dtype, encoding).itemsize
-    if encoding == fp8.ENCODING:
-        per_row += fp8.SCALE_DTYPE.itemsize
-    return n_layers * per_row
+    """Stored bytes of one token of ``n_layers`` layers, scales included (fp8: values plus one float32 scale per
+    layer; block encodings: their rows)."""
+    return n_layers * encodings.get(encoding).row_bytes(hidden, dtype)
 
 
 @functools.cache

@@ -86,16 +86,20 @@ def _float32_of_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"no statistics for stored dtype {dtype!r}")
 
 
-def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None) -> np.ndarray:
-    """``sample_stats`` of one sample's stored bits ``[features, T, H]`` (the writer's buffer region) of storage
-    dtype ``dtype``; fp8 values with their per-row ``scales [features, T]`` are dequantised first. numpy only:
-    copying commands (subset, upgrade, import of stored bits) never load torch."""
-    from . import fp8
+def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None, encoding: str = "raw",
+               hidden: int | None = None) -> np.ndarray:
+    """``sample_stats`` of one sample's stored bits ``[features, T, W]`` (the writer's buffer region) of manifest
+    ``dtype`` and ``encoding``: raw bits are read as ``dtype``, the others decoded (fp8 with its per-row ``scales
+    [features, T]``) into the ``hidden`` values each row holds. numpy only: copying commands (subset, upgrade,
+    import of stored bits) never load torch."""
+    from . import encodings
 
+    enc = encodings.get(encoding)
     out = np.empty((bits.shape[0], len(SUMS)), dtype=np.float64)
     for j in range(bits.shape[0]):
         b = np.ascontiguousarray(bits[j])
-        v = fp8.dequantise_numpy(b, scales[j]) if scales is not None else _float32_of_bits(b, dtype)
+        v = (enc.decode_numpy(b, None if scales is None else scales[j], hidden or b.shape[-1]) if enc.quantised
+             else _float32_of_bits(b, dtype))
         finite = np.isfinite(v)
         clean = np.where(finite, v, np.float32(0)).ravel()
         out[j] = (clean.sum(dtype=np.float64), float(np.dot(clean, clean)),
@@ -274,15 +278,18 @@ def summary(table, features: Sequence[int | str]) -> dict[str, Any]:
 # -- what verify counts from the bytes it reads ------------------------------------------------------------
 class ValueTally:
     """Per sample and feature, the exact zeros and non-finite values of a shard, counted from stored bits as
-    ``verify`` reads them (``add``: the rows of one chunk or member), bit tests only (no float conversion)."""
+    ``verify`` reads them (``add``: the rows of one chunk or member), bit tests only (no float conversion); rows of
+    a block encoding, whose zeros and NaNs depend on their scales, are decoded first (``decode``: rows -> float32
+    values)."""
 
-    def __init__(self, rec, features: Sequence[int | str], storage_dtype: str) -> None:
+    def __init__(self, rec, features: Sequence[int | str], storage_dtype: str, decode=None) -> None:
         self.rec = rec
         self.keys = [feature_key(f) for f in features]
         self.offsets = np.asarray(rec.offsets, dtype=np.int64)
         self.zeros = np.zeros((rec.n_samples, len(self.keys)), np.int64)
         self.nonfinite = np.zeros_like(self.zeros)
         self.seen = np.zeros(len(self.keys), np.int64)  # tokens counted per feature
+        self.decode = decode
         self.kind, self.magnitude, self.exponent = _BITS[storage_dtype]
 
     def add(self, feature: int | str, first_token: int, rows: np.ndarray) -> None:
@@ -291,10 +298,14 @@ class ValueTally:
         n = min(rows.shape[0], self.rec.n_tokens - first_token)
         if n <= 0:
             return
-        b = np.ascontiguousarray(rows[:n]).view(self.kind).reshape(n, -1)
-        mag = b & self.kind(self.magnitude)
-        zero_rows = (mag == 0).sum(axis=1)
-        bad_rows = ((b & self.kind(self.exponent)) == self.kind(self.exponent)).sum(axis=1)
+        if self.decode is not None:
+            v = self.decode(np.ascontiguousarray(rows[:n]))
+            zero_rows, bad_rows = (v == 0).sum(axis=1), (~np.isfinite(v)).sum(axis=1)
+        else:
+            b = np.ascontiguousarray(rows[:n]).view(self.kind).reshape(n, -1)
+            mag = b & self.kind(self.magnitude)
+            zero_rows = (mag == 0).sum(axis=1)
+            bad_rows = ((b & self.kind(self.exponent)) == self.kind(self.exponent)).sum(axis=1)
         sample = np.searchsorted(self.offsets, np.arange(first_token, first_token + n), side="right") - 1
         np.add.at(self.zeros[:, j], sample, zero_rows)
         np.add.at(self.nonfinite[:, j], sample, bad_rows)

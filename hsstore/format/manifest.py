@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout_spec
+from . import encodings, layout_spec
 from ..io import door, storage
 from ..errors import ManifestError, StoreError
 from ..io.storage import MANIFEST_FILE
@@ -22,7 +22,7 @@ from ..io.storage import MANIFEST_FILE
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2  # 2: commit records list each chunk's payload CRC32C (docs/FORMAT.md, version history)
 DTYPES = ("bfloat16", "float16", "float32")
-ENCODINGS = ("raw", "fp8")  # raw: values as computed; fp8: e4m3 + per-row scale (hsstore/format/fp8.py)
+ENCODINGS = encodings.NAMES  # raw: values as computed; the others: format/encodings.py
 # stored features that are not a layer's output: ``final_hidden`` is the final norm's output (what the lm_head
 # reads, EAGLE-3's training target). Named in the manifest's ``features``; absent from stores without them.
 FEATURES = ("final_hidden",)
@@ -233,7 +233,8 @@ def validate_fields(m: Manifest) -> None:
         raise ManifestError(f"dtype {m.dtype!r} not supported (one of {DTYPES})")
     if m.encoding not in ENCODINGS:
         raise ManifestError(f"encoding {m.encoding!r} not supported (one of {ENCODINGS})")
-    refused = layout_spec.refusal(m.layout, m.codec, m.encoding)  # each layout's own rules (its LayoutSpec)
+    refused = (layout_spec.refusal(m.layout, m.codec, m.encoding)  # each layout's own rules (its LayoutSpec)
+               or encodings.get(m.encoding).refusal(t.hidden_size))
     if refused:
         raise ManifestError(refused)
     bad = [f for f in m.features if f not in FEATURES]

@@ -7,6 +7,7 @@ Layout under the store prefix (see docs/FORMAT.md)::
         input_ids/  loss_mask/     [tokens] int32 / uint8, same chunk grid as the layers
         offsets/                   [samples + 1] int64: sample i is tokens offsets[i]:offsets[i+1]
         scale_<LLL>/               (fp8 stores only) [tokens] float32 scales of layer LLL's rows
+    (a block encoding's layer_<LLL> is [tokens, row bytes]: its scales live in each row)
     commits/<name>.json            the commit record (format/commit.py), written last
 
 hsstore writes and reads the chunk objects itself (format/codec.py: one copy, checksums checked on the way);
@@ -23,7 +24,7 @@ import numpy as np
 import zarr
 from zarr.storage import MemoryStore
 
-from ..format import codec, fp8, health
+from ..format import codec, encodings, fp8, health
 from ..io import door, storage, transfer
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
@@ -39,7 +40,7 @@ BATCH_BYTES = 256 << 20  # verify reads a shard's files in batches of about this
 
 
 def scale_array(layer: int | str) -> str:
-    """The per-row scales of an fp8-encoded layer (or feature) array."""
+    """The per-row scales of a layer (or feature) array of an encoding with a row scale (fp8)."""
     return f"scale_{layer}" if isinstance(layer, str) else f"scale_{layer:03d}"
 
 
@@ -106,18 +107,19 @@ def write_shard(
 ) -> CommitRecord:
     """Write one shard -- Zarr metadata and whole chunks, in one concurrent batch -- and return its commit
     record. The record is not yet published: see :func:`hsstore.format.commit.publish`. ``scales`` (fp8 stores): per layer,
-    the float32 scale of every row of ``features`` (which then hold e4m3fn bits)."""
+    the float32 scale of every row of ``features`` (which then hold e4m3fn bits; a block encoding's rows hold their
+    own scales)."""
     n_tokens = int(input_ids.shape[0])
     offsets = sample_offsets(name, samples, n_tokens)
     lengths = np.diff(offsets)
     base = shard_path(name)
     ct = manifest.chunk_tokens
-    is_fp8 = manifest.encoding == fp8.ENCODING
-    if is_fp8 and scales is None:
-        raise ValueError(f"shard {name}: an fp8 store needs the scales of every layer")
+    has_scales = encodings.get(manifest.encoding).row_scale
+    if has_scales and scales is None:
+        raise ValueError(f"shard {name}: an {manifest.encoding} store needs the scales of every layer")
     values = {**{layer_array(l): features[l] for l in manifest.all_features},
             **({scale_array(l): scales[l].astype(fp8.SCALE_DTYPE, copy=False) for l in manifest.all_features}
-               if is_fp8 else {}),
+               if has_scales else {}),
             "input_ids": input_ids.astype("<i4", copy=False), "loss_mask": loss_mask.astype("|u1", copy=False),
             "offsets": offsets}
     specs = array_specs(manifest, n_tokens, len(lengths))
@@ -143,7 +145,7 @@ def write_shard(
     layers = {}
     for l in manifest.all_features:  # a layer's bytes: its values, and its scales in an fp8 store
         prefixes = (f"{base}/{layer_array(l)}/", f"{base}/{scale_array(l)}/")
-        raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if is_fp8 else 0)
+        raw = int(features[l].nbytes) + (int(scales[l].size) * fp8.SCALE_DTYPE.itemsize if has_scales else 0)
         layers[str(l)] = {"stored_bytes": sum(v["size"] for k, v in files.items() if k.startswith(prefixes)),
                           "raw_bytes": raw}
     return CommitRecord(
@@ -154,12 +156,12 @@ def write_shard(
 def array_specs(manifest: Manifest, n_tokens: int, n_samples: int) -> list[tuple]:
     """(name, shape, chunk length, dtype, chunk codec, attributes) of every array of a shard of ``n_tokens``
     tokens and ``n_samples`` samples: what the writer writes, and what ``verify`` holds each ``zarr.json`` to."""
-    ct, H = manifest.chunk_tokens, manifest.hidden_size
+    ct, W = manifest.chunk_tokens, codec.row_width(manifest.hidden_size, manifest.encoding)
     feature_codec, plain = codec.ChunkCodec(manifest.codec), codec.ChunkCodec("none")
     values = codec.storage_dtype(manifest.dtype, manifest.encoding)
-    out = [(layer_array(l), (n_tokens, H), ct, values, feature_codec, layer_attributes(manifest, l))
+    out = [(layer_array(l), (n_tokens, W), ct, values, feature_codec, layer_attributes(manifest, l))
            for l in manifest.all_features]
-    if manifest.encoding == fp8.ENCODING:
+    if encodings.get(manifest.encoding).row_scale:
         out += [(scale_array(l), (n_tokens,), ct, fp8.SCALE_DTYPE, plain,
                  {"layer": l, "hsstore_scales_of": layer_array(l)}) for l in manifest.all_features]
     out += [("input_ids", (n_tokens,), ct, np.dtype("<i4"), plain, {}),
@@ -170,10 +172,14 @@ def array_specs(manifest: Manifest, n_tokens: int, n_samples: int) -> list[tuple
 
 def layer_attributes(manifest: Manifest, layer: int) -> dict[str, Any]:
     """Zarr attributes of a layer array: ``hsstore_dtype`` names what the stored bits are (the manifest dtype,
-    or ``float8_e4m3fn`` in an fp8 store, whose ``hsstore_scales`` array holds the per-row scales)."""
+    ``float8_e4m3fn`` in an fp8 store, whose ``hsstore_scales`` array holds the per-row scales, or ``uint8`` rows
+    of a block encoding's bytes, ``hsstore_hidden`` values each: docs/FORMAT.md)."""
     if manifest.encoding == fp8.ENCODING:
         return {"hsstore_dtype": "float8_e4m3fn", "hsstore_encoding": fp8.ENCODING,
                 "hsstore_scales": scale_array(layer), "layer": layer}
+    if encodings.get(manifest.encoding).quantised:
+        return {"hsstore_dtype": "uint8", "hsstore_encoding": manifest.encoding, "hsstore_hidden": manifest.hidden_size,
+                "layer": layer}
     return {"hsstore_dtype": manifest.dtype, "layer": layer}
 
 
@@ -210,10 +216,10 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
     """Tokens ``start:stop`` of a shard into ``ids``, ``mask`` and layer-major ``feats`` (the layout's part of
     :meth:`hsstore.store.reader.Store.read_range`; a feature's destination, and a scale array's, may be
     ``memory.Rows`` pieces): the chunks of ``layers`` overlapping the range (and, fp8, of their scale arrays),
-    every one checked against its CRC32C and the commit record."""
+    every one checked against its CRC32C and the commit record. ``feats`` rows are the encoding's (its width)."""
     shard_name = rec.shard
     m = src.manifest
-    ct, H = m.chunk_tokens, m.hidden_size
+    ct, H = m.chunk_tokens, codec.row_width(m.hidden_size, m.encoding)
     feature_codec, plain = codec.ChunkCodec(m.codec), codec.ChunkCodec("none")
     base = shard_path(shard_name)
     k0, k1 = start // ct, (stop - 1) // ct
@@ -292,7 +298,7 @@ def chunk_files(manifest: Manifest, rec: CommitRecord, spans: Sequence[tuple[int
         if b > a:
             ks.update(range(a // ct, (b - 1) // ct + 1))
     arrays = [("input_ids", 1), ("loss_mask", 1)] + [(layer_array(l), 2) for l in layers]
-    if manifest.encoding == fp8.ENCODING:
+    if encodings.get(manifest.encoding).row_scale:
         arrays += [(scale_array(l), 1) for l in layers]
     keys = (chunk_key(f"{base}/{name}", k, ndim) for name, ndim in arrays for k in sorted(ks))
     return {k: int(rec.files[k]["size"]) for k in keys if k in rec.files}
@@ -440,11 +446,11 @@ def chunk_decoding(m: Manifest, rec: CommitRecord, key: str) -> tuple[codec.Chun
     uncompressed. None for a file that is not a chunk of an array readers read."""
     if not is_chunk_key(key):
         return None
-    array, ct, H = key.split("/")[2], m.chunk_tokens, m.hidden_size
+    array, ct, W = key.split("/")[2], m.chunk_tokens, codec.row_width(m.hidden_size, m.encoding)
     plain = codec.ChunkCodec("none")
     if array in {layer_array(l) for l in m.all_features}:
-        return codec.ChunkCodec(m.codec), codec.storage_dtype(m.dtype, m.encoding), ct * H
-    if m.encoding == fp8.ENCODING and array in {scale_array(l) for l in m.all_features}:
+        return codec.ChunkCodec(m.codec), codec.storage_dtype(m.dtype, m.encoding), ct * W
+    if encodings.get(m.encoding).row_scale and array in {scale_array(l) for l in m.all_features}:
         return plain, fp8.SCALE_DTYPE, ct
     return {"input_ids": (plain, np.dtype("<i4"), ct), "loss_mask": (plain, np.dtype("|u1"), ct),
             "offsets": (plain, np.dtype("<i8"), rec.n_samples + 1)}.get(array)
@@ -474,7 +480,7 @@ def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
     if not is_chunk_key(key):
         return max(door.JSON_CAP, len(rec.samples["sample_id"]) * 4096) if key.endswith("zarr.json") else 0
     array = parts[2]
-    widths = {layer_array(l): m.hidden_size * codec.storage_dtype(m.dtype, m.encoding).itemsize
+    widths = {layer_array(l): codec.row_width(m.hidden_size, m.encoding) * codec.storage_dtype(m.dtype, m.encoding).itemsize
               for l in m.all_features}
     widths.update({scale_array(l): fp8.SCALE_DTYPE.itemsize for l in m.all_features},
                   input_ids=4, loss_mask=1)
@@ -529,7 +535,7 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
                     if tails is not None and is_chunk_key(k):
                         tails[k] = codec.chunk_tail(data)  # checked against its payload just now
                     if tally is not None and vals is not None:
-                        _count_values(tally, manifest, k, vals)
+                        _count_values(tally, manifest, k, vals, report)
                 if progress:
                     progress(len(data))
             batch, size = [], 0
@@ -540,17 +546,35 @@ def _check_files(fs, root: str, rec: CommitRecord, report: VerifyReport, progres
 def _value_tally(manifest: Manifest | None, rec: CommitRecord) -> health.ValueTally | None:
     if manifest is None:
         return None
+    enc, H = encodings.get(manifest.encoding), manifest.hidden_size
+    if enc.quantised and not enc.row_scale:  # a block encoding: values depend on the scales in the row
+        return health.ValueTally(rec, manifest.all_features, manifest.dtype,
+                                 decode=lambda rows: enc.decode_numpy(rows, None, H))
     return health.ValueTally(rec, manifest.all_features,
                              "float8_e4m3fn" if manifest.encoding == fp8.ENCODING else manifest.dtype)
 
 
-def _count_values(tally: health.ValueTally, m: Manifest, key: str, vals: np.ndarray) -> None:
-    """A checked feature chunk's decoded values (``decoded``) into ``tally``."""
+def _count_values(tally: health.ValueTally, m: Manifest, key: str, vals: np.ndarray, report: VerifyReport) -> None:
+    """A checked feature chunk's decoded values (``decoded``) into ``tally``; a block encoding's rows that no writer
+    writes (``Encoding.bad_rows``: a NaN or negative scale, an outlier index out of its row) named."""
     parts = key.split("/")
     feature = {layer_array(l): l for l in m.all_features}.get(parts[2])
-    if feature is not None:
-        ct = m.chunk_tokens
-        tally.add(feature, int(parts[4]) * ct, vals.reshape(ct, m.hidden_size))
+    if feature is None:
+        return
+    ct, enc = m.chunk_tokens, encodings.get(m.encoding)
+    first = int(parts[4]) * ct
+    rows = vals.reshape(ct, codec.row_width(m.hidden_size, m.encoding))
+    tally.add(feature, first, rows)
+    if enc.quantised and not enc.row_scale:
+        n = max(0, min(ct, tally.rec.n_tokens - first))
+        bad = np.flatnonzero(enc.bad_rows(rows[:n], None, m.hidden_size))
+        if bad.size:
+            rec = tally.rec
+            who = np.unique(np.searchsorted(rec.offsets, first + bad, side="right") - 1)
+            report.problems.append(Problem(rec.shard, f"{health.feature_name(health.feature_key(feature))}: {bad.size} "
+                                                      f"row(s) with a NaN or negative scale or an outlier index "
+                                                      f"outside the row (first at token {first + int(bad[0])})", key,
+                                           [rec.samples["sample_id"][i] for i in who]))
 
 
 # the fields of an array's zarr.json that say how to read it: each must be what hsstore writes for that array
@@ -633,7 +657,7 @@ def _check_arrays(src: ShardSource, rec: CommitRecord, report: VerifyReport) -> 
     if bad_meta:
         return
     _check_token_arrays(src, rec, report, fs, root)
-    if m.encoding == fp8.ENCODING:
+    if encodings.get(m.encoding).row_scale:
         for l in m.all_features:
             _check_scales(src, rec, l, report)
 

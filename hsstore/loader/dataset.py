@@ -72,7 +72,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from ..format import codec, fp8, layout_spec
+from ..format import codec, encodings, fp8, layout_spec
 from ..io import storage
 from .batching import Placed
 from .cache import ChunkCache, copy_size
@@ -108,7 +108,7 @@ class _ReadSample(NamedTuple):
     sample_id: str
     input_ids: np.ndarray
     loss_mask: np.ndarray
-    feats: torch.Tensor          # [L, T, H] view of the unit buffer (fp8 stores: e4m3fn bits)
+    feats: torch.Tensor          # [L, T, W] view of the unit buffer (fp8 stores: e4m3fn bits; block: row bytes)
     scales: torch.Tensor | None  # [L, T] row scales of fp8 stores
 
 
@@ -186,7 +186,8 @@ class HiddenStateDataset(IterableDataset):
         # what is read per token: the layers, then the final norm's output when asked for
         self._features = list(self.layers) + (["final_hidden"] if selection.final_hidden else [])
         self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
-        self.fp8 = m.encoding == fp8.ENCODING
+        self.encoding = encodings.get(m.encoding)
+        self.fp8 = self.encoding.row_scale  # the rows' scales read beside them
         self.unit_tokens = planning.unit_tokens(self.token_bytes, m.chunk_tokens)
         self.catalog = build_catalog(self.stores, selection.filters(), self.unit_tokens)
         if len(self.catalog) == 0 and follow is None:
@@ -463,16 +464,23 @@ class HiddenStateDataset(IterableDataset):
         return self.catalog.sample_id(self.stores, row)
 
     def feature_layout(self) -> tuple[int, int, torch.dtype, bool, bool]:
-        """What an item's features are, per token: (features read, hidden size, torch dtype of the features, fp8
-        with row scales, whether the last feature is ``final_hidden``) (``batching.BatchSlots`` sizes batches by it)."""
+        """What an item's features are, per token: (features read, elements per row (the hidden size, or a block
+        encoding's bytes), torch dtype of the features, fp8 with row scales, whether the last feature is
+        ``final_hidden``) (``batching.BatchSlots`` sizes batches by it)."""
         m = self.stores[0].manifest
-        dtype = fp8.FP8_DTYPE if self.fp8 else codec.TORCH_DTYPE[m.dtype]
-        return len(self._features), m.hidden_size, dtype, self.fp8, self.selection.final_hidden
+        return (len(self._features), self.encoding.width(m.hidden_size), self._stored_dtype(), self.fp8,
+                self.selection.final_hidden)
+
+    def _stored_dtype(self) -> torch.dtype:
+        """The torch dtype items hold features in before any decoding: the manifest's, e4m3fn, or bytes."""
+        if self.fp8:
+            return fp8.FP8_DTYPE
+        return torch.uint8 if self.encoding.quantised else codec.TORCH_DTYPE[self.stores[0].manifest.dtype]
 
     def can_place(self) -> bool:
         """Whether items can be read straight into memory the caller places them in (``read_placed``): not when
-        the host dequantises fp8 features (the item is then new memory)."""
-        return not (self.fp8 and self.reading.dequantise)
+        the host decodes encoded features (the item is then new memory)."""
+        return not (self.encoding.quantised and self.reading.dequantise)
 
     def read_unit(self, rows: np.ndarray) -> dict[int, _ReadSample | CorruptionError]:
         """Read catalog rows of one shard (one unit): row -> the sample read, or the ``CorruptionError``
@@ -546,13 +554,13 @@ class HiddenStateDataset(IterableDataset):
                 self._check_served(store, int(row), mask[s:e])
                 out[int(row)] = _ReadSample(sid[int(cat.local[row])], ids[s:e], mask[s:e], feats, sc)
             return
-        shape = (len(self._features), b - a, m.hidden_size)
+        shape = (len(self._features), b - a, self.encoding.width(m.hidden_size))
         scales = None
         if self.fp8:  # e4m3fn bits, and the rows' scales
             feats = self._alloc(shape, torch.uint8).view(fp8.FP8_DTYPE)
             scales = self._alloc(shape[:2], torch.float32)
         else:
-            feats = self._alloc(shape, codec.TORCH_DTYPE[m.dtype])
+            feats = self._alloc(shape, self._stored_dtype())
         ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=_storage_bits(feats, m.dtype),
                                         scales_out=None if scales is None else scales.numpy())
         for row in rows:
@@ -569,7 +577,8 @@ class HiddenStateDataset(IterableDataset):
     def _item(self, sample: _ReadSample) -> dict[str, Any]:
         item = make_item(sample.sample_id, sample.input_ids, sample.loss_mask, sample.feats, sample.scales,
                          dtype=self.stores[0].manifest.dtype, final_hidden=self.selection.final_hidden,
-                         dequantise=self.reading.dequantise,
+                         dequantise=self.reading.dequantise, encoding=self.encoding.name,
+                         hidden=self.stores[0].manifest.hidden_size,
                          pin=self.reading.pin_memory and sample.feats.is_pinned())  # pinned in the main process only
         return hand_over(item)  # in a worker: its shared segment is reused once the consumer drops it
 
@@ -584,8 +593,9 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def _storage_bits(feats: torch.Tensor, dtype: str) -> np.ndarray:
-    """The bits of features (an item's dtype, or fp8) as the store's storage dtype, for ``read_range`` to fill."""
-    if feats.dtype == fp8.FP8_DTYPE:
+    """The bits of features (an item's dtype, fp8, or a block encoding's bytes) as the store's storage dtype, for
+    ``read_range`` to fill."""
+    if feats.dtype in (fp8.FP8_DTYPE, torch.uint8):
         return feats.view(torch.uint8).numpy()
     return feats.view(torch.int16 if feats.element_size() == 2 else torch.int32).numpy().view(codec.STORAGE_DTYPE[dtype])
 

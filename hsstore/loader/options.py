@@ -95,9 +95,10 @@ class Reading:
     (``HSSTORE_METADATA_CONCURRENCY``); 0: a fixed ``prefetch``. ``cache_dir``/``cache_bytes``: a local LRU disk
     cache of remote chunks, shared by workers. ``skip_corrupt``: skip (count and log) samples whose chunks fail
     their checksum or are gone instead of raising ``CorruptionError``; a read that fails after retries
-    (``FetchError``) is always raised, so an epoch is never silently short. ``dequantise``: fp8 stores' items are
-    dequantised here, on the host, into the manifest dtype (default: e4m3fn ``hidden_states`` plus float32
-    ``hidden_scales``, half the bytes to move; the trainer dequantises on the GPU). ``pin_memory``: items in
+    (``FetchError``) is always raised, so an epoch is never silently short. ``dequantise``: encoded stores' items are
+    decoded here, on the host, into the manifest dtype (default: as stored, e4m3fn ``hidden_states`` plus float32
+    ``hidden_scales``, or a block encoding's row bytes, a half to a quarter of the bytes to move; the trainer
+    decodes on the GPU). ``pin_memory``: items in
     pinned memory (main process only)."""
 
     prefetch: int = 4

@@ -1,8 +1,11 @@
-"""``hsstore convert``: copy a store's committed shards into a store of another layout, bit-exact.
+"""``hsstore convert``: copy a store's committed shards into a store of another layout, bit-exact, or of another
+feature encoding.
 
 Every source shard becomes one destination shard with the same name, samples, columns and stats, so
 the sample order is unchanged and the destination's manifest differs from the source's only in
-``layout`` (and ``codec``: wds members are plain ``.npy``). A re-run skips shards the destination has
+``layout`` (and ``codec``: wds members are plain ``.npy``) and ``encoding``. Another encoding decodes each feature
+into the manifest dtype and encodes it again (``format/encodings.py``), so those values are not bit-exact and the
+record's feature statistics are computed again from what the destination holds. A re-run skips shards the destination has
 already committed (resume). A shard is read whole and checked (CRC32C, tar member names) before any
 of it is written, so a corrupt or unsafe source shard stops the run and leaves nothing of it behind;
 shards converted before it stay committed.
@@ -15,10 +18,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..format import codec, commit, index, layout_spec
+import numpy as np
+
+from ..format import codec, commit, encodings, health, index, layout_spec
 from ..layouts import base as layout
 from ..io import destination
 from ..errors import ManifestError, StoreError
+from ..format.manifest import Manifest
 from ..store.reader import Store
 from .subset import copy_assets_if_missing
 from ..store.writer import ensure_manifest
@@ -34,33 +40,36 @@ class ConvertResult:
     bytes_read: int = 0
 
 
-def convert(src_url: str, dst_url: str, to_layout: str, src_options: dict[str, Any] | None = None,
+def convert(src_url: str, dst_url: str, to_layout: str | None = None, src_options: dict[str, Any] | None = None,
             dst_options: dict[str, Any] | None = None, chunk_codec: str | None = None,
-            progress: bool = False) -> ConvertResult:
-    """Convert ``src_url`` into ``dst_url`` with layout ``to_layout`` (``chunk_codec``: the zarr codec of the
-    destination, default the source's; wds takes none). ``progress``: a bar of feature bytes converted."""
+            progress: bool = False, encoding: str | None = None) -> ConvertResult:
+    """Convert ``src_url`` into ``dst_url`` with layout ``to_layout`` and feature ``encoding`` (each default: the
+    source's; ``chunk_codec``: the zarr codec of the destination, default the source's; wds takes none).
+    ``progress``: a bar of feature bytes converted."""
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     src = Store(src_url, src_options)
     src.admit()  # the admission's store-wide rules, before the destination gets a byte
     if (type(fs), root) == (type(src.fs), src.root):
         raise StoreError(f"convert: source and destination are the same store {src_url!r}")
     with destination.hold_lock(fs, root, dst_url, "convert"):  # one copying command at a time into it
-        return _convert(src, fs, root, dst_url, to_layout, chunk_codec, progress)
+        return _convert(src, fs, root, dst_url, to_layout or src.manifest.layout, chunk_codec, progress,
+                        encoding or src.manifest.encoding)
 
 
 def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_codec: str | None,
-             progress: bool) -> ConvertResult:
+             progress: bool, encoding: str) -> ConvertResult:
     from ..progress import progress_bar
 
     if chunk_codec is None:  # the source's, where the destination's layout stores it
         codecs = layout_spec.get(to_layout).codecs
         chunk_codec = src.manifest.codec if codecs is None or src.manifest.codec in codecs else codecs[0]
     codec.ChunkCodec(chunk_codec).zarr_compressors()  # an unknown codec fails here, before any write
-    want = dataclasses.replace(src.manifest, layout=to_layout, codec=chunk_codec)
+    want = dataclasses.replace(src.manifest, layout=to_layout, codec=chunk_codec, encoding=encoding)
     dst_manifest = ensure_manifest(fs, root, dst_url, want)
     if dst_manifest.layout != to_layout or dst_manifest.codec != chunk_codec:
         raise ManifestError(f"convert: store {dst_url!r} exists with layout {dst_manifest.layout!r}, codec "
                             f"{dst_manifest.codec!r}; asked for {to_layout!r}, {chunk_codec!r}")
+    recode = encoding != src.manifest.encoding
     if dst_manifest.chunk_tokens != src.manifest.chunk_tokens:
         raise ManifestError(f"convert: store {dst_url!r} has chunk_tokens {dst_manifest.chunk_tokens}, the source "
                             f"{src.manifest.chunk_tokens}")
@@ -77,11 +86,16 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
                     result.skipped += 1
                     continue
                 every = src.manifest.all_features  # the layers, then named features (final_hidden)
-                ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, every)  # every byte checked first
+                scales = src.new_scales(len(every), rec.n_tokens)
+                ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, every,  # every byte checked first
+                                                  scales_out=scales)
                 features = {l: feats[j] for j, l in enumerate(every)}
+                stats, new_scales = rec.stats, None
+                if recode:
+                    features, new_scales, stats = recoded(src.manifest, dst_manifest, rec, feats, scales)
                 try:
                     new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
-                                      stats=rec.stats)
+                                      stats=stats, scales=new_scales)
                     appender.add(new, commit.publish(fs, root, new))
                 except Exception as e:
                     raise StoreError(f"convert: writing shard {rec.shard!r} into {dst_url!r} failed: "
@@ -94,3 +108,40 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
     finally:
         appender.flush()
     return result
+
+
+def recoded(src: Manifest, dst: Manifest, rec, feats: np.ndarray, scales: np.ndarray | None,
+            ) -> tuple[dict, dict | None, dict]:
+    """A shard's features ``[features, T, W]`` as ``dst``'s encoding holds them: each decoded into the manifest
+    dtype, then encoded (raw: its bits); the per-feature scales (fp8), and the record's statistics with the feature
+    statistics of the new values."""
+    import torch
+
+    src_enc, dst_enc = encodings.get(src.encoding), encodings.get(dst.encoding)
+    H, dtype = src.hidden_size, codec.TORCH_DTYPE[src.dtype]
+    features, new_scales = {}, {} if dst_enc.row_scale else None
+    for j, l in enumerate(src.all_features):
+        stored = torch.from_numpy(feats[j])
+        if src_enc.row_scale:
+            x = src_enc.decode(stored.view(torch.float8_e4m3fn), torch.from_numpy(scales[j]), H, dtype)
+        else:
+            x = src_enc.decode(stored, None, H, dtype) if src_enc.quantised else codec.from_storage(feats[j], src.dtype)
+        if not dst_enc.quantised:
+            features[l] = codec.bits_view(x).numpy().view(codec.storage_dtype(dst.dtype))
+            continue
+        values, sc = dst_enc.encode(x)
+        features[l] = values.contiguous().view(torch.uint8).numpy()
+        if new_scales is not None:
+            new_scales[l] = sc.numpy()
+    per_sample = []
+    off = rec.offsets
+    stacked = np.stack([features[l] for l in src.all_features])
+    stacked_scales = np.stack([new_scales[l] for l in src.all_features]) if new_scales is not None else None
+    for i in range(rec.n_samples):
+        a, b = int(off[i]), int(off[i + 1])
+        per_sample.append(health.bits_stats(stacked[:, a:b], dst.dtype,
+                                            None if stacked_scales is None else stacked_scales[:, a:b],
+                                            dst.encoding, H))
+    stats = {k: v for k, v in (rec.stats or {}).items() if k != "features"}
+    stats["features"] = health.shard_stats(src.all_features, rec.samples["length"], H, per_sample)
+    return features, new_scales, stats

@@ -95,7 +95,8 @@ def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) ->
     ``WINDOW_BYTES`` of features (the unit :meth:`Store.iter_windows` reads in one go). A shard whose samples
     ``sel`` drops is admitted (``Store.admit_shard``: its columns are its record's) before they decide; a kept one
     is when it is read."""
-    token_bytes = len(store.layers) * store.manifest.hidden_size * codec.STORAGE_DTYPE[store.manifest.dtype].itemsize
+    m = store.manifest
+    token_bytes = codec.token_bytes(m.dtype, m.encoding, len(store.layers), m.hidden_size)
     out = []
     t = store.table
     for s in range(len(t)):  # the records' columns: no record is parsed

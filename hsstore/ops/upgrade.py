@@ -20,9 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-
-from ..format import commit, fp8, health, index
+from ..format import commit, health, index
 from ..io import storage, transfer
 from ..format.manifest import FORMAT_VERSION, read_manifest
 from ..io.storage import MANIFEST_FILE
@@ -90,13 +88,12 @@ def shard_feature_stats(store: Store, rec: commit.CommitRecord) -> dict:
     """A shard's ``stats["features"]`` computed from its data (every feature of every sample, read and checked)."""
     m = store.manifest
     off = rec.offsets
-    is_fp8 = m.encoding == fp8.ENCODING
     per_sample = []
     for i in range(rec.n_samples):
         a, b = int(off[i]), int(off[i + 1])
-        scales = np.empty((len(m.all_features), b - a), fp8.SCALE_DTYPE) if is_fp8 else None
+        scales = store.new_scales(len(m.all_features), b - a)
         _, _, bits = store.read_range(rec.shard, a, b, m.all_features, scales_out=scales)
-        per_sample.append(health.bits_stats(bits, "float8_e4m3fn" if is_fp8 else m.dtype, scales))
+        per_sample.append(health.bits_stats(bits, m.dtype, scales, m.encoding, m.hidden_size))
     return health.shard_stats(m.all_features, rec.samples["length"], m.hidden_size, per_sample)
 
 

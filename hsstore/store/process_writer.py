@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..format import fp8
+from ..format.encodings import Encoded
 from ..format.sessions import SlotHeld
 from ..io import storage
 from ..errors import CorruptionError, ManifestError, SampleError, StoreError
@@ -70,7 +71,6 @@ class ProcessWriter:
         reply = self._recv()  # the child has opened the store (manifest checked) or failed doing so
         self.manifest = Manifest.from_json(reply[1], url)
         self.layers = list(self.manifest.layers)
-        self.fp8 = self.manifest.encoding == fp8.ENCODING
 
     # -- staging -------------------------------------------------------------------------------
     def staging(self, nbytes: int) -> torch.Tensor:
@@ -101,20 +101,21 @@ class ProcessWriter:
         raise SampleError(f"{where}: features are not in a staging buffer of this ProcessWriter")
 
     # -- the StoreWriter surface ----------------------------------------------------------------
-    def add(self, sample_id: str, input_ids, loss_mask, hidden_states: torch.Tensor | fp8.Quantised, *,
+    def add(self, sample_id: str, input_ids, loss_mask, hidden_states: torch.Tensor | Encoded, *,
             source: str = "", thinking_tokens: int = 0, flags: list[str] | None = None,
             feature_stats: np.ndarray | None = None) -> None:
-        """Queue one sample whose ``hidden_states`` ``[T, n_layers, H]`` (or fp8 values and scales) lie in
-        staging buffers (``feature_stats``: as ``StoreWriter.add`` takes them, a small numpy array)."""
+        """Queue one sample whose ``hidden_states`` ``[T, n_layers, H]`` (or encoded values, and fp8's scales) lie
+        in staging buffers (``feature_stats``: as ``StoreWriter.add`` takes them, a small numpy array)."""
         self._check_open()
         where = f"sample {sample_id!r}"
-        tensors = list(hidden_states) if isinstance(hidden_states, fp8.Quantised) else [hidden_states]
+        encoded = isinstance(hidden_states, (Encoded, fp8.Quantised))
+        tensors = [t for t in hidden_states if t is not None] if encoded else [hidden_states]
         parts = [(*self._locate(t, where), tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
         ids = np.asarray(torch.as_tensor(input_ids).cpu()).reshape(-1)
         mask = np.asarray(torch.as_tensor(loss_mask).cpu()).reshape(-1)
         with self._talk:
             self._raise_reported()
-            self._send(("add", parts, str(sample_id), ids, mask,
+            self._send(("add", parts, encoded, str(sample_id), ids, mask,
                         {"source": source, "thinking_tokens": thinking_tokens, "flags": flags,
                          "feature_stats": None if feature_stats is None else np.asarray(feature_stats, np.float64)}))
 
@@ -208,10 +209,10 @@ def _serve(conn, url: str, manifest_json: bytes, storage_options: dict, writer_k
             msg = conn.recv()
             op = msg[0]
             if op == "add":
-                _, parts, sample_id, ids, mask, meta = msg
+                _, parts, encoded, sample_id, ids, mask, meta = msg
                 tensors = [torch.frombuffer(views[k], dtype=getattr(torch, dtype), count=int(np.prod(shape)),
                                             offset=off).view(shape) for k, off, shape, dtype in parts]
-                writer.add(sample_id, ids, mask, fp8.Quantised(*tensors) if len(tensors) == 2 else tensors[0], **meta)
+                writer.add(sample_id, ids, mask, Encoded(*tensors) if encoded else tensors[0], **meta)
             elif op == "map":
                 _, path, nbytes = msg
                 views.append(np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,)))

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..format import admission, codec, commit, fp8, index, names, records
+from ..format import admission, codec, commit, encodings, fp8, index, names, records
 from ..layouts import base as layout
 from ..io import memory, storage
 from ..format.commit import CommitRecord
@@ -274,8 +274,9 @@ class Store:
     def read_range(self, shard_name: str, start: int, stop: int, layers: Sequence[int] | None = None,
                    out: np.ndarray | None = None, carry: dict | None = None, scales_out: np.ndarray | None = None,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, H]``
-        layer-major in the storage dtype).
+        """Tokens ``start:stop`` of one shard: (input_ids int32, loss_mask uint8, features ``[n_layers, T, W]``
+        layer-major in the storage dtype; ``W`` is ``hidden``, or a block encoding's bytes per row
+        (``codec.row_width``: its values decode with ``encodings.get(manifest.encoding)``)).
 
         Only the requested layers' bytes are fetched, through the store's layout (zarr: the chunks that
         overlap the range, all at once, concurrently, on object stores; wds: the samples' ``.npy`` members
@@ -296,7 +297,7 @@ class Store:
         """
         layers = self.check_layers(layers)
         m = self.manifest
-        T, H = stop - start, m.hidden_size
+        T, H = stop - start, codec.row_width(m.hidden_size, m.encoding)
         rec = self.admitted(shard_name)  # the rules of the store and the shard, before a byte of it is read
         if not 0 <= start <= stop <= rec.n_tokens:
             raise CorruptionError(f"shard {shard_name!r}: tokens {start}:{stop} outside its {rec.n_tokens} tokens")
@@ -306,11 +307,11 @@ class Store:
         ids = np.empty(T, np.int32)
         mask = np.empty(T, np.uint8)
         shape, dtype = (len(layers), T, H), codec.storage_dtype(m.dtype, m.encoding)
-        is_fp8 = m.encoding == fp8.ENCODING
+        is_fp8 = encodings.get(m.encoding).row_scale
         if is_fp8 and (scales_out is None or not _fits(scales_out, shape[:2], np.dtype(fp8.SCALE_DTYPE))):
             got = "none" if scales_out is None else _described(scales_out)
-            raise ValueError(f"store {self.url!r} is fp8-encoded: scales_out must be a C-contiguous float32 array of "
-                             f"shape {shape[:2]}, got {got}")
+            raise ValueError(f"store {self.url!r} is {m.encoding}-encoded: scales_out must be a C-contiguous float32 "
+                             f"array of shape {shape[:2]}, got {got}")
         if out is None:
             feats = np.empty(shape, dtype)
         elif not _fits(out, shape, dtype):
@@ -330,12 +331,13 @@ class Store:
 
     def new_scales(self, n_layers: int, T: int) -> np.ndarray | None:
         """A destination for ``read_range``'s ``scales_out`` in an fp8 store (None otherwise)."""
-        return np.empty((n_layers, T), fp8.SCALE_DTYPE) if self.manifest.encoding == fp8.ENCODING else None
+        return np.empty((n_layers, T), fp8.SCALE_DTYPE) if encodings.get(self.manifest.encoding).row_scale else None
 
     def read(self, i: int, layers: Sequence[int] | None = None, dequantise: bool = True) -> dict[str, Any]:
         """Sample ``i``: ``sample_id``, ``input_ids`` (int64), ``loss_mask`` (bool),
-        ``hidden_states`` ``[T, n_layers, H]`` in the stored dtype (bit-exact). fp8 stores: dequantised into
-        the manifest dtype, or with ``dequantise=False`` e4m3fn values plus ``hidden_scales`` ``[T, n_layers]``."""
+        ``hidden_states`` ``[T, n_layers, H]`` in the stored dtype (bit-exact). Encoded stores: decoded into the
+        manifest dtype, or with ``dequantise=False`` as stored: fp8's e4m3fn values plus ``hidden_scales``
+        ``[T, n_layers]``, a block encoding's uint8 rows ``[T, n_layers, W]``."""
         r = self.ref(i)
         layers = self._with_features(layers)
         scales = self.new_scales(len(layers), r.stop - r.start)
@@ -353,17 +355,22 @@ class Store:
     def sample_dict(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, feats: np.ndarray,
                     scales: np.ndarray | None = None, dequantise: bool = True, final_hidden: bool = False,
                     ) -> dict[str, Any]:
-        """The item (``items.make_item``) of stored arrays: ``feats`` layer-major ``[n_layers, T, H]`` in the
+        """The item (``items.make_item``) of stored arrays: ``feats`` layer-major ``[n_layers, T, W]`` in the
         storage dtype, ``scales`` ``[n_layers, T]`` (fp8 stores: see :meth:`read` for ``dequantise``);
         ``final_hidden``: the last feature of ``feats`` is the final norm's output."""
-        if scales is None:
-            t, sc = codec.from_storage(feats, self.manifest.dtype), None
-        else:
+        m = self.manifest
+        if scales is not None:
             import torch
 
             t, sc = torch.from_numpy(feats).view(fp8.FP8_DTYPE), torch.from_numpy(scales)
-        return make_item(sample_id, ids, mask, t, sc, dtype=self.manifest.dtype, final_hidden=final_hidden,
-                         dequantise=dequantise)
+        elif encodings.get(m.encoding).quantised:
+            import torch
+
+            t, sc = torch.from_numpy(feats), None
+        else:
+            t, sc = codec.from_storage(feats, m.dtype), None
+        return make_item(sample_id, ids, mask, t, sc, dtype=m.dtype, final_hidden=final_hidden,
+                         dequantise=dequantise, encoding=m.encoding, hidden=m.hidden_size)
 
     def windows(self, shard_index: int, layers: Sequence[int], window_bytes: int = 512 << 20,
                 ) -> list[tuple[int, int, int]]:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from ..format import codec, commit, fp8, health, index, sessions
+from ..format import codec, commit, encodings, fp8, health, index, sessions
+from ..format.encodings import Encoded
 from ..layouts import base as layout
 from ..io import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
@@ -174,7 +175,8 @@ class StoreWriter:
         itemsize = codec.storage_dtype(manifest.dtype, manifest.encoding).itemsize
         manifest = dataclasses.replace(
             manifest,
-            chunk_tokens=manifest.chunk_tokens or default_chunk_tokens(manifest.hidden_size, itemsize),
+            chunk_tokens=manifest.chunk_tokens or default_chunk_tokens(
+                codec.row_width(manifest.hidden_size, manifest.encoding), itemsize),
             created_by=manifest.created_by or f"hsstore {__version__}",
             created_at=manifest.created_at or now_iso())
         self.manifest = ensure_manifest(self.fs, self.root, url, manifest)
@@ -182,7 +184,9 @@ class StoreWriter:
         self.all_features = self.manifest.all_features  # the layers, then named features (final_hidden) if any
         self._write_shard = layout.get(self.manifest.layout).write_shard
         self.hidden = self.manifest.hidden_size
-        self.fp8 = self.manifest.encoding == fp8.ENCODING
+        self.encoding = encodings.get(self.manifest.encoding)
+        self.width = self.encoding.width(self.hidden)  # a layer row's elements: hidden, or a block encoding's bytes
+        self.fp8 = self.encoding.row_scale  # scales beside the rows (fp8)
         self.storage_dtype = codec.storage_dtype(self.manifest.dtype, self.manifest.encoding)
         self.tag = _safe_tag(writer_tag or _default_tag())
         self.session = uuid.uuid4().hex[:8]
@@ -226,13 +230,14 @@ class StoreWriter:
             if capacity == self.capacity and self._free:
                 bufs = self._free.pop()
         if bufs is None:
-            memory.check_fits(len(self.all_features) * capacity * self.hidden * self.storage_dtype.itemsize,
+            memory.check_fits(len(self.all_features) * capacity * self.width * self.storage_dtype.itemsize,
                               f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.all_features)} layers x "
                               f"hidden {self.hidden}")
-            bufs = (np.empty((len(self.all_features), capacity, self.hidden), dtype=self.storage_dtype),
+            bufs = (np.empty((len(self.all_features), capacity, self.width), dtype=self.storage_dtype),
                     np.empty((len(self.all_features), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
         self._buf, self._scales = bufs
-        self._buf_bits = self._buf if self.fp8 else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype])
+        self._buf_bits = (self._buf if self.encoding.quantised
+                          else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype]))
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._cols: dict[str, list] = {c: [] for c in commit.SAMPLE_COLUMNS}
@@ -253,10 +258,10 @@ class StoreWriter:
         feature_stats: np.ndarray | None = None,
     ) -> None:
         """Queue one sample. ``hidden_states`` is ``[T, n_layers, H]`` in manifest layer order, or a
-        mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16). An fp8 store
-        also takes :class:`hsstore.format.fp8.Quantised` (values ``[T, n_layers, H]``, scales ``[T, n_layers]``, or
-        one per layer in the mapping) as extraction makes it on the GPU; features in the manifest dtype are
-        quantised here, on the host. ``final_hidden`` ``[T, H]`` (the final norm's output) is required exactly
+        mapping ``{layer_id: [T, H]}``; its dtype must be the manifest's (bf16 stays bf16). An encoded store
+        also takes :class:`hsstore.format.encodings.Encoded` (values ``[T, n_layers, W]``, fp8's scales
+        ``[T, n_layers]``, or one per layer in the mapping) as extraction makes it on the GPU; features in the
+        manifest dtype are encoded here, on the host. ``final_hidden`` ``[T, H]`` (the final norm's output) is required exactly
         when the store's manifest names the ``final_hidden`` feature. ``feature_stats``: the sample's
         ``[features, 5]`` statistics (``health.sample_stats``) when the producer computed them (extraction, on
         the GPU); otherwise they are computed here from the bits written."""
@@ -267,19 +272,19 @@ class StoreWriter:
     def add_stored(self, sample_id: str, input_ids, loss_mask, features: np.ndarray,
                    scales: np.ndarray | None = None, *, source: str = "", thinking_tokens: int = 0,
                    flags: list[str] | None = None) -> None:
-        """Queue one sample given as a store holds it: ``features`` ``[n_features, T, H]`` in the storage dtype
+        """Queue one sample given as a store holds it: ``features`` ``[n_features, T, W]`` in the storage dtype
         (every feature of the manifest in ``all_features`` order, as ``Store.read_range`` returns them) and, for
         fp8 stores, their ``scales`` ``[n_features, T]``. A copy between stores of one manifest (``subset``)
         is then bit-exact by construction and needs no torch."""
         sample_id, ids, mask = self._check_sample(sample_id, input_ids, loss_mask)
         T, where = ids.shape[0], f"sample {sample_id!r}"
-        want = (len(self.all_features), T, self.hidden)
+        want = (len(self.all_features), T, self.width)
         if features.shape != want or features.dtype != self.storage_dtype:
             raise SampleError(f"{where}: stored features {features.dtype} {tuple(features.shape)}, expected "
                               f"{self.storage_dtype} {want}")
         if self.fp8 and (scales is None or scales.shape != want[:2]):
             raise SampleError(f"{where}: an fp8 store needs scales of shape {want[:2]}")
-        bits = features if self.fp8 else features.view(codec.BITS_NUMPY[self.manifest.dtype])
+        bits = features if self.encoding.quantised else features.view(codec.BITS_NUMPY[self.manifest.dtype])
         self._queue(sample_id, ids, mask, list(bits), list(scales) if self.fp8 else None, source,
                     thinking_tokens, flags)
 
@@ -329,11 +334,14 @@ class StoreWriter:
             region[j] = x
         if scales is not None:
             self._scales[:, self._fill:self._fill + T] = np.stack(scales)
+        if self.encoding.quantised:
             if self.check_finite:
                 for j, layer in enumerate(self.all_features):
-                    bad = fp8.first_bad_row(region[j], self._scales[j, self._fill:self._fill + T])
-                    if bad is not None:
-                        raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token {bad})")
+                    sc = self._scales[j, self._fill:self._fill + T] if scales is not None else None
+                    bad = np.flatnonzero(self.encoding.bad_rows(region[j], sc, self.hidden))
+                    if bad.size:
+                        raise SampleError(f"{where}: layer {layer} has NaN/Inf features (first at token "
+                                          f"{int(bad[0])})")
         elif self.check_finite and self._has_nonfinite(region):
             for j, layer in enumerate(self.all_features):
                 bad = codec.first_nonfinite_row(self._buf[j, self._fill:self._fill + T], self.manifest.dtype)
@@ -342,8 +350,8 @@ class StoreWriter:
         if self.record_stats:
             if feature_stats is None:
                 sc = self._scales[:, self._fill:self._fill + T] if scales is not None else None
-                feature_stats = health.bits_stats(self._buf[:, self._fill:self._fill + T],
-                                                  "float8_e4m3fn" if self.fp8 else self.manifest.dtype, sc)
+                feature_stats = health.bits_stats(self._buf[:, self._fill:self._fill + T], self.manifest.dtype, sc,
+                                                  self.manifest.encoding, self.hidden)
             feature_stats = np.asarray(feature_stats, dtype=np.float64)
             if feature_stats.shape != (len(self.all_features), len(health.SUMS)):
                 raise SampleError(f"{where}: feature_stats shape {feature_stats.shape}, expected "
@@ -377,14 +385,16 @@ class StoreWriter:
 
     def _layer_views(self, where: str, hs, T: int, final_hidden=None,
                      ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Per feature (layers, then final_hidden): the storage bits ``[T, H]``, and (fp8 stores) the scales ``[T]``."""
+        """Per feature (layers, then final_hidden): the storage bits ``[T, W]``, and (fp8 stores) the scales ``[T]``."""
         # all features in one tensor (extraction's [T, layers + final_hidden, H]) when final_hidden is not given apart
         n = len(self.all_features) if final_hidden is None and self.manifest.features else len(self.layers)
-        if isinstance(hs, fp8.Quantised):
-            if hs.values.ndim != 3 or hs.values.shape[1] != n or hs.scales.ndim != 2:
-                raise SampleError(f"{where}: fp8 values/scales shapes {tuple(hs.values.shape)}/"
-                                  f"{tuple(hs.scales.shape)}, expected [{T}, {n}, {self.hidden}]/[{T}, {n}]")
-            parts = [fp8.Quantised(hs.values[:, j], hs.scales[:, j]) for j in range(n)]
+        if isinstance(hs, (Encoded, fp8.Quantised)):
+            values, sc = hs
+            if values.ndim != 3 or values.shape[1] != n or (sc is not None and sc.ndim != 2):
+                raise SampleError(f"{where}: encoded values/scales shapes {tuple(values.shape)}/"
+                                  f"{None if sc is None else tuple(sc.shape)}, expected [{T}, {n}, {self.width}]"
+                                  + (f"/[{T}, {n}]" if self.fp8 else ""))
+            parts = [Encoded(values[:, j], None if sc is None else sc[:, j]) for j in range(n)]
         elif isinstance(hs, Mapping):
             want = self.all_features if final_hidden is None and "final_hidden" in hs else self.layers
             if set(hs) != set(want):
@@ -402,31 +412,42 @@ class StoreWriter:
         elif not self.manifest.features and final_hidden is not None:
             raise SampleError(f"{where}: final_hidden given, the store does not hold it (manifest features [])")
         out, scales = [], []
+        enc = self.encoding
         for layer, x in zip(self.all_features, parts):
-            q = x if isinstance(x, fp8.Quantised) else None
-            if q is not None and not self.fp8:
-                raise SampleError(f"{where}: fp8 features given, the store's encoding is {self.manifest.encoding!r}")
-            if q is not None:
-                x = q.values
-            if tuple(x.shape) != (T, self.hidden):
-                raise SampleError(f"{where}: layer {layer} has shape {tuple(x.shape)}, expected [{T}, {self.hidden}]")
+            q = Encoded(*x) if isinstance(x, (Encoded, fp8.Quantised)) else None
+            if q is not None and not enc.quantised:
+                raise SampleError(f"{where}: encoded features given, the store's encoding is {self.manifest.encoding!r}")
             if q is None:
+                if tuple(x.shape) != (T, self.hidden):
+                    raise SampleError(f"{where}: layer {layer} has shape {tuple(x.shape)}, expected [{T}, {self.hidden}]")
                 name = codec.dtype_name(x)
                 if name != self.manifest.dtype:
                     raise SampleError(f"{where}: layer {layer} dtype {name}, the store holds {self.manifest.dtype} "
                                       "(features are stored bit-exact; convert explicitly if you mean to)")
-                if not self.fp8:
+                if not enc.quantised:
                     out.append(codec.bits_view(x).numpy())
                     continue
                 import torch
 
-                q = fp8.quantise(torch.as_tensor(x))
-            if q.values.dtype != fp8.FP8_DTYPE or tuple(q.scales.shape) != (T,):
-                raise SampleError(f"{where}: layer {layer}: fp8 values must be {fp8.FP8_DTYPE} with scales [{T}], "
-                                  f"got {q.values.dtype} with scales {tuple(q.scales.shape)}")
-            out.append(fp8.as_bits(q.values))
-            scales.append(np.asarray(q.scales.detach().cpu(), dtype=fp8.SCALE_DTYPE))
+                q = enc.encode(torch.as_tensor(x))
+            out.append(self._encoded_bits(where, layer, q, T))
+            if self.fp8:
+                scales.append(np.asarray(q.scales.detach().cpu(), dtype=fp8.SCALE_DTYPE))
         return out, (scales if self.fp8 else None)
+
+    def _encoded_bits(self, where: str, layer, q: Encoded, T: int) -> np.ndarray:
+        """The stored bytes ``[T, W]`` of one feature's encoded values, checked against the store's encoding."""
+        import torch
+
+        want = fp8.FP8_DTYPE if self.fp8 else torch.uint8
+        shape_ok = tuple(q.values.shape) == (T, self.width) and (
+            tuple(q.scales.shape) == (T,) if self.fp8 else q.scales is None)
+        if q.values.dtype != want or not shape_ok:
+            raise SampleError(f"{where}: layer {layer}: {self.manifest.encoding} values must be {want} [{T}, "
+                              f"{self.width}]" + (f" with scales [{T}]" if self.fp8 else " (no scales)") + f", got "
+                              f"{q.values.dtype} {tuple(q.values.shape)}"
+                              + (f" with scales {tuple(q.scales.shape)}" if q.scales is not None else ""))
+        return fp8.as_bits(q.values)
 
     # -- writing ---------------------------------------------------------------------------------
     def _submit(self, force: bool = False) -> None:
