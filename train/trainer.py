@@ -145,6 +145,8 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, settings.output.log_samples)
     metrics.truncate(step)
+    if following is not None and rank == 0:  # before any rank's first step: what it trains from here on is added
+        following.trained.truncate(step)
     if rank == 0:
         rundir.record(out, checkpoints.config_json, flags, stores, device, resumed)
         if settings.output.report_to:
@@ -155,7 +157,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
                 stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], length=length,
-                journal=following.journal if following else None)
+                journal=following.journal if following else None, trained=following.trained if following else None)
     try:
         with StopOnInterrupt() as interrupt:
             loop.run(interrupt)
@@ -167,6 +169,8 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop.finish()
 
     drafter_dir = final_drafter(out, drafter, checkpoints.extra, metrics) if rank == 0 else None
+    if following is not None and world > 1:
+        dist.barrier()  # every rank's record of what it trained is written before rank 0 counts it
     followed = following.tally(settings) if following is not None and rank == 0 else None
     if world > 1:
         dist.barrier()
@@ -292,6 +296,7 @@ class Loop:
     stored_dtype: torch.dtype  # what fp8 features dequantise into, as Store.read does
     length: FollowSchedule | None = None  # --follow without --steps: the run's length, estimated until epoch 0 ends
     journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
+    trained: Any = None  # --follow: this rank's record of the sample ids it trains in epoch 0 (follow.TrainedIds)
 
     def __post_init__(self):
         from tqdm import tqdm
@@ -384,6 +389,8 @@ class Loop:
             self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"],
                            steps=int(i == 0))
             self.metrics.samples(step, self.epoch, batch)
+            if self.trained is not None and self.epoch == 0:
+                self.trained.add(step, batch["sample_id"])
         val_due = self.validation is not None and self.validation.due(step, self.total)
         self.lr, self.grad_norm = lr, grad_norm  # the norm stays on the device until a line reads it
         if step % settings.output.log_every == 0 or step == self.total or val_due:
