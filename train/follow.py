@@ -157,8 +157,19 @@ class Following:
         if self.leader is not None:
             self.leader.stop()
 
-    def tally(self, settings) -> "Tally":
-        """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run)."""
+    def resumed_at(self, step: int, rank: int) -> None:
+        """The run starts after ``step``: rank 0 drops what every rank's record holds after it, before any rank's
+        first step (what the run trains from here on is added)."""
+        if rank == 0:
+            self.trained.truncate(step)
+
+    def tally(self, settings, rank: int, world: int) -> "Tally | None":
+        """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run, once every rank's
+        record of what it trained is written; None on the other ranks)."""
+        if world > 1:
+            dist.barrier()
+        if rank != 0:
+            return None
         return tally(self.trained.counts(), settings.run.store, settings.storage.storage_options, settings.run.steps,
                      settings.data.weight)
 

@@ -145,8 +145,8 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, settings.output.log_samples)
     metrics.truncate(step)
-    if following is not None and rank == 0:  # before any rank's first step: what it trains from here on is added
-        following.trained.truncate(step)
+    if following is not None:
+        following.resumed_at(step, rank)
     if rank == 0:
         rundir.record(out, checkpoints.config_json, flags, stores, device, resumed)
         if settings.output.report_to:
@@ -169,9 +169,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     loop.finish()
 
     drafter_dir = final_drafter(out, drafter, checkpoints.extra, metrics) if rank == 0 else None
-    if following is not None and world > 1:
-        dist.barrier()  # every rank's record of what it trained is written before rank 0 counts it
-    followed = following.tally(settings) if following is not None and rank == 0 else None
+    followed = following.tally(settings, rank, world) if following is not None else None
     if world > 1:
         dist.barrier()
     return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, point, step,

@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import env
 from ..io import door, storage, transfer
+from ..locks import ProcessLock
 from ..errors import CorruptionError, StoreError
 from ..format import codec, commit, health, index, records, sessions
 from ..format.commit import CommitRecord
@@ -158,7 +159,7 @@ class Journal:
         self._entries: list[Entry] = []
         # threads of one process share a journal (the trainer's loop and its read-ahead, the leader and the loop): an
         # entry is kept only at its own place, whoever read it first (``_keep``)
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
 
     @classmethod
     def create(cls, path: str | os.PathLike, stores: Sequence[str]) -> "Journal":
@@ -533,7 +534,7 @@ class FollowPlan:
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
         self._done: dict[tuple, np.ndarray | None] = {}
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
 
     def config(self) -> dict[str, Any]:
         """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
