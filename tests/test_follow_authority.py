@@ -312,3 +312,40 @@ def test_a_newline_in_a_dead_writers_host_does_not_forge_a_line(extracted, tmp_p
     text = log.read_text()
     assert not any(line.startswith(forged) for line in text.splitlines()), text[-3000:]
     assert "host h\\n" + forged in text
+
+
+def edit_trained(run: Path, change) -> None:
+    """``change`` applied to the sample ids of the first step in the run's record of what epoch 0 trained."""
+    path = run / "follow" / "trained.rank00000.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    change(first["samples"])
+    path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+
+
+def test_train_follow_counts_the_sample_ids_it_trained_not_the_items(extracted, tmp_path, capsys):
+    """The end of a --follow run counts what epoch 0 trained by sample id against the stores' ids: a sample trained
+    twice (with every count still right) or one never trained (another id in its place) makes its line say so and
+    the run exit 1. The record is what the trainer took, step by step; here it is changed between runs as a reader
+    serving a join twice would have written it."""
+    run = tmp_path / "run"
+    ids = hsstore.open(str(extracted)).sample_ids()
+    argv = ["train", "--store", str(extracted), "--out", str(run), "--follow", *TRAIN, "--epochs", "1"]
+    assert main(argv) == 0
+    assert f"--follow: epoch 0 trained {len(ids)} sample(s), all the stores hold" in capsys.readouterr().out
+    lines = (run / "follow" / "trained.rank00000.jsonl").read_text().splitlines()
+    assert sorted(s for ln in lines for s in json.loads(ln)["samples"]) == sorted(ids)  # every id it took, once
+    first = json.loads(lines[0])["samples"]
+    assert len(first) >= 2
+
+    edit_trained(run, lambda got: got.append(got[0]))  # one sample trained twice
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert (f"--follow: epoch 0 trained {len(ids)} distinct sample(s) in {len(ids) + 1}: 1 trained more than once "
+            f"({first[0]!r}); the stores hold {len(ids)}") in err
+
+    edit_trained(run, lambda got: got.__setitem__(slice(None), ["not-in-the-store", *got[2:]]))  # and one never
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"epoch 0 trained {len(ids)} sample(s); the stores hold {len(ids)} now" in err
+    assert f"(1 never trained: {first[1]!r})" in err

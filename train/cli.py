@@ -154,7 +154,10 @@ def run_train(args: argparse.Namespace) -> int:
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
                           "best": read_best(args.out), "last": last,
                           **({} if followed is None else {"follow": {"trained_samples": followed.trained,
-                                                                     "held_samples": followed.held}})}, indent=2))
+                                                                     "held_samples": followed.held,
+                                                                     "trained_twice": len(followed.twice),
+                                                                     "never_trained": len(followed.never)}})},
+                         indent=2))
         return rc
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
     resumed = ("" if result.resumed_from is None else

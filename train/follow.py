@@ -10,25 +10,35 @@ ranks use one learning rate. metrics.jsonl rows carry what had arrived beside th
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import math
+import os
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from hsstore.io import storage
+from hsstore.io import door, sinks, storage
 from hsstore.format import assets, commit
 from hsstore.loader.batching import TokenBudget
 from hsstore.loader.follow import Follow, Journal, Leader
 from hsstore.redaction import recordable_url
+from hsstore.terminal import escape
+
+from .metrics import truncate_jsonl
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "follow"  # OUT/follow: the epoch-0 journal of a --follow run
+TRAINED_FILE = "trained.rank{:05d}.jsonl"  # OUT/follow: the sample ids a rank trained in epoch 0, a line per step
+TRAINED_NAME = re.compile(r"trained\.rank\d{5}\.jsonl")
+SHOWN_IDS = 3  # sample ids a line names of those trained twice or never
 WAIT_REPORT_S = 30.0
 
 
@@ -73,14 +83,58 @@ def start_leader(journal: Journal, stores, follow: Follow) -> Leader | None:
     return leader.start()
 
 
+class TrainedIds:
+    """The sample ids the ranks trained in epoch 0 (OUT/follow/trained.rankNNNNN.jsonl, a line per step): what the
+    end of the run counts against the stores' ids. What the trainer took is the evidence that every sample trained
+    once; the journal's counts, a writer's or the loader's are what should have been handed out, and a sample
+    served twice in another's place leaves them all right."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.folder, self.name = folder, TRAINED_FILE.format(rank)
+
+    def add(self, step: int, ids: Sequence[str]) -> None:
+        """This rank's batch of step ``step`` (its sample ids)."""
+        with sinks.open_append(self.folder, self.name) as f:  # a planted link refused, not followed
+            f.write(json.dumps({"step": step, "samples": list(ids)}) + "\n")
+
+    def files(self) -> list[str]:
+        """Every rank's file, a run of another world size's too."""
+        return sorted(n for n in os.listdir(self.folder) if TRAINED_NAME.fullmatch(n))
+
+    def truncate(self, step: int) -> None:
+        """Lines after ``step`` dropped from every rank's file (rank 0, on a resume, before its first step: the
+        resumed run trains them again)."""
+        for name in self.files():
+            truncate_jsonl(self.folder / name, step)
+
+    def counts(self) -> collections.Counter[str]:
+        """How often each sample id was trained in epoch 0, over every rank's file (``ValueError``, one line naming
+        the file, where a line is not one this class writes)."""
+        out: collections.Counter[str] = collections.Counter()
+        for name in self.files():
+            where = str(self.folder / name)
+            try:
+                text = door.read_beneath(self.folder, name, bound=door.RUN_LOG_CAP, where=str(self.folder))
+            except door.Refused as e:
+                raise ValueError(str(e)) from None
+            for n, line in enumerate(text.decode("utf-8", "replace").splitlines(), 1):
+                row = door.load_json(line, f"{where}, line {n}", error=ValueError)
+                ids = row.get("samples") if isinstance(row, dict) else None
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise ValueError(f"{where}, line {n}: not a line of the sample ids a step trained")
+                out.update(ids)
+        return out
+
+
 @dataclass
 class Following:
-    """A --follow run's journal, the loader's follow options, and rank 0's leader (None on other ranks, or once
-    epoch 0 has ended)."""
+    """A --follow run's journal, the loader's follow options, rank 0's leader (None on other ranks, or once
+    epoch 0 has ended) and the record of what this rank trained in epoch 0."""
 
     journal: Journal
     options: Follow
     leader: Leader | None
+    trained: TrainedIds
 
     @classmethod
     def start(cls, out: Path, stores, settings, rank: int, world: int) -> "Following":
@@ -92,7 +146,7 @@ class Following:
             leader = start_leader(Journal.create(path, [s.url for s in stores]), stores, options)
         if world > 1:
             dist.barrier()
-        return cls(leader.journal if leader is not None else Journal(path), options, leader)
+        return cls(leader.journal if leader is not None else Journal(path), options, leader, TrainedIds(path, rank))
 
     def schedule(self, source, settings) -> "FollowSchedule":
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -103,9 +157,21 @@ class Following:
         if self.leader is not None:
             self.leader.stop()
 
-    def tally(self, settings) -> "Tally":
-        """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run)."""
-        return tally(self.journal, settings.run.store, settings.storage.storage_options, settings.run.steps)
+    def resumed_at(self, step: int, rank: int) -> None:
+        """The run starts after ``step``: rank 0 drops what every rank's record holds after it, before any rank's
+        first step (what the run trains from here on is added)."""
+        if rank == 0:
+            self.trained.truncate(step)
+
+    def tally(self, settings, rank: int, world: int) -> "Tally | None":
+        """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run, once every rank's
+        record of what it trained is written; None on the other ranks)."""
+        if world > 1:
+            dist.barrier()
+        if rank != 0:
+            return None
+        return tally(self.trained.counts(), settings.run.store, settings.storage.storage_options, settings.run.steps,
+                     settings.data.weight)
 
 
 class Epoch0Steps:
@@ -171,30 +237,54 @@ def arrival_columns(journal: Journal) -> dict[str, Any]:
 
 @dataclass
 class Tally:
-    """What a --follow run's epoch 0 trained against what its stores hold when it finishes."""
+    """What a --follow run's epoch 0 trained against what its stores hold when it finishes, by sample id."""
 
-    trained: int  # samples that joined epoch 0 (each trained once when it ran to its end)
-    held: int  # samples the stores hold now
-    reason: str | None = None  # why they may differ, when the user asked for it (--steps)
+    trained: int  # distinct sample ids epoch 0 trained (every rank's record)
+    held: int  # distinct sample ids the stores hold now
+    reason: str | None = None  # why they may differ, when the user asked for it (--steps, --weight)
+    items: int = 0  # samples epoch 0 trained, counting each time a sample came
+    twice: list[str] = field(default_factory=list)  # ids trained more than once, and more often than the stores hold
+    never: list[str] = field(default_factory=list)  # ids the stores hold more often than epoch 0 trained them
 
     @property
     def differs(self) -> bool:
-        """Whether they differ without a reason the user asked for."""
-        return self.trained != self.held and self.reason is None
+        """Whether epoch 0 did not train every sample the stores hold exactly once, without a reason the user asked
+        for (a sample trained twice has none but --weight)."""
+        return bool(self.twice) or ((self.trained != self.held or bool(self.never)) and self.reason is None)
 
     def line(self) -> str:
-        if self.trained == self.held:
+        if self.twice:
+            never = f"; {len(self.never):,} the stores hold never trained ({_shown(self.never)})" if self.never else ""
+            return (f"--follow: epoch 0 trained {self.trained:,} distinct sample(s) in {self.items:,}: "
+                    f"{len(self.twice):,} trained more than once ({_shown(self.twice)}){never}; the stores hold "
+                    f"{self.held:,}. Every sample trains once an epoch: this run's epoch 0 did not")
+        if self.trained == self.held and not self.never:
             return f"--follow: epoch 0 trained {self.trained:,} sample(s), all the stores hold"
         why = (f" ({self.reason})" if self.reason else ": samples committed after epoch 0 ended (a writer the "
                "follower took as finished was not), or removed since; train on the store again to use them")
-        return f"--follow: epoch 0 trained {self.trained:,} sample(s); the stores hold {self.held:,} now{why}"
+        never = f" ({len(self.never):,} never trained: {_shown(self.never)})" if self.never and not self.reason else ""
+        return f"--follow: epoch 0 trained {self.trained:,} sample(s); the stores hold {self.held:,} now{why}{never}"
 
 
-def tally(journal: Journal, urls: Sequence[str], options: dict[str, Any] | None, steps: int | None) -> Tally:
-    """Epoch 0's joined samples against a fresh look at the stores (``steps``: a run cut short by --steps may
-    train less, as asked)."""
+def _shown(ids: Sequence[str]) -> str:
+    """The first few of ``ids``, escaped for a terminal."""
+    more = f" and {len(ids) - SHOWN_IDS:,} more" if len(ids) > SHOWN_IDS else ""
+    return ", ".join(repr(escape(i)) for i in ids[:SHOWN_IDS]) + more
+
+
+def tally(trained: collections.Counter[str], urls: Sequence[str], options: dict[str, Any] | None,
+          steps: int | None, weights: Sequence[float] | None = None) -> Tally:
+    """Epoch 0's trained sample ids (``TrainedIds.counts``) against a fresh look at the stores' ids (``steps``: a run
+    cut short by --steps may train less, as asked; ``weights`` other than 1: a sample comes as often as its store's
+    weight says, so only what was never trained is counted)."""
     from hsstore.store.reader import Store
 
-    trained = sum(e.samples for e in journal.entries() if e.kind == "join")
-    held = sum(len(Store(u, options)) for u in urls)
-    return Tally(trained, held, None if steps is None else f"--steps {steps} bounds the run")
+    held: collections.Counter[str] = collections.Counter()
+    for u in urls:
+        held.update(Store(u, options).sample_ids())
+    weighted = any(w != 1 for w in weights or ())
+    reason = ("--weight makes a sample come other than once" if weighted else
+              None if steps is None else f"--steps {steps} bounds the run")
+    twice = [] if weighted else sorted(i for i, n in trained.items() if n > max(1, held[i]))
+    never = sorted(i for i, n in held.items() if n > trained[i])
+    return Tally(len(trained), len(held), reason, sum(trained.values()), twice, never)

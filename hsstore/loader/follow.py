@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import env
 from ..io import door, storage, transfer
+from ..locks import ProcessLock
 from ..errors import CorruptionError, StoreError
 from ..format import codec, commit, health, index, records, sessions
 from ..format.commit import CommitRecord
@@ -156,6 +157,9 @@ class Journal:
         self.id: str = head["id"]
         self.stores: list[str] = [str(u) for u in head.get("stores", [])]
         self._entries: list[Entry] = []
+        # threads of one process share a journal (the trainer's loop and its read-ahead, the leader and the loop): an
+        # entry is kept only at its own place, whoever read it first (``_keep``)
+        self._lock = ProcessLock()
 
     @classmethod
     def create(cls, path: str | os.PathLike, stores: Sequence[str]) -> "Journal":
@@ -206,8 +210,16 @@ class Journal:
         e = Entry.parse(door.load_json(data, f"{self.path}/{name}"), f"{self.path}/{name}")
         if e.index != k:
             raise CorruptionError(f"{self.path}/{name}: holds entry {e.index}")
-        self._entries.append(e)
-        return e
+        return self._keep(e)
+
+    def _keep(self, e: Entry) -> Entry:
+        """Entry ``e`` as this journal holds it: kept as entry ``e.index`` unless another thread read it meanwhile
+        (then that copy; keeping both would put entry k at k + 1, and a reader would take join k twice and k + 1
+        never)."""
+        with self._lock:
+            if e.index == len(self._entries):
+                self._entries.append(e)
+            return self._entries[e.index]
 
     def entries(self) -> list[Entry]:
         """Every entry written so far."""
@@ -249,8 +261,7 @@ class Journal:
         body = {"format": FORMAT, **{k: v for k, v in e.__dict__.items() if k != "deadline" or v is not None}}
         transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode(),
                             os.path.dirname(self.path))
-        self._entries.append(e)
-        return e
+        return self._keep(e)  # another thread may have read it already, once its file was there
 
     def outcome(self, since: float = -float("inf")) -> Entry | None:
         """The end or stop entry that ends epoch 0 so far (None while it goes on). A deadline's stop ends only the
@@ -523,27 +534,32 @@ class FollowPlan:
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
         self._done: dict[tuple, np.ndarray | None] = {}
+        self._lock = ProcessLock()
 
     def config(self) -> dict[str, Any]:
         """What a resume state of epoch 0 must agree on (``LoaderState.config``)."""
         return {"follow": self.journal.id, **self.inputs.settings()}
 
     def part(self, k: int) -> JoinPart:
-        if k not in self._parts:
-            e = self.journal.entry(k)
-            if e is None or e.kind != "join":
-                raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
-            tables = self.journal.tables(e)
-            stores = [Store(s.url, s.storage_options, allow_locations=s.allow_locations,
-                            loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()))
-                      for si, s in enumerate(self.stores)]
-            catalog = self.inputs.catalog(stores)
-            planner = self.inputs.planner(catalog, seed=join_seed(self.inputs.planning.seed, k))
-            n = len(planner.epoch_order(0, self.inputs.nodes)) if len(catalog) else 0
+        got = self._parts.get(k)
+        if got is not None:
+            return got
+        e = self.journal.entry(k)
+        if e is None or e.kind != "join":
+            raise LoaderStateError(f"follow journal {self.journal.path}: entry {k} is not a join")
+        tables = self.journal.tables(e)
+        stores = [Store(s.url, s.storage_options, allow_locations=s.allow_locations,
+                        loaded=(s.manifest, tables.get(si, _empty_table()), index.IndexUse()))
+                  for si, s in enumerate(self.stores)]
+        catalog = self.inputs.catalog(stores)
+        planner = self.inputs.planner(catalog, seed=join_seed(self.inputs.planning.seed, k))
+        n = len(planner.epoch_order(0, self.inputs.nodes)) if len(catalog) else 0
+        part = JoinPart(k, stores, catalog, planner, n)
+        with self._lock:  # the trainer's loop plans joins while its read-ahead reads them
             self._sizes[k] = n
             self._parts = {j: v for j, v in self._parts.items() if j >= k - 1}  # the join being read, and the last
-            self._parts[k] = JoinPart(k, stores, catalog, planner, n)
-        return self._parts[k]
+            self._parts[k] = part
+        return part
 
     def entries(self, k: int) -> int:
         if k not in self._sizes:
@@ -563,9 +579,10 @@ class FollowPlan:
         if not done or k >= done_joins:
             return None
         key = (done, done_joins)
-        if key not in self._done:
-            self._done = {key: unpack_done(done, self.base(done_joins))}
-        bits = self._done[key]
+        bits = self._done.get(key)
+        if bits is None:
+            bits = unpack_done(done, self.base(done_joins))
+            self._done = {key: bits}
         a = self.base(k)
         return pack_done(bits[a:a + self.entries(k)])
 
