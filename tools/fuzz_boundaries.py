@@ -19,7 +19,10 @@ alarm, output captured):
 - ``peer``: a SpecForge or speculators folder forged (gzip bombs, links out, FIFOs, sparse huge files, a pickle
   that runs code, state.json naming files outside); ``import``;
 - ``config``: a ``--config`` YAML made at random (alias bombs, deep nesting, tags, huge values, wrong types);
-  ``train`` and ``extract`` with it.
+  ``train`` and ``extract`` with it;
+- the metadata families (``records``, ``columns``, ``writers``, ``journal``, ``assets``, ``weights``, ``received``:
+  a store's and a run's metadata changed, with the oracle that no sample is served from a shard ``verify``
+  refuses): ``tools/fuzz_metadata.py``, forged and driven from here.
 
 Besides the fuzzer's own oracles (no traceback, no hang, bounded memory, one line for a refusal), a case fails when a
 byte outside what the command was given is read (a sentinel's access time moved, a request outside the served
@@ -42,6 +45,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from tools import fuzz_metadata
+
 FAMILIES = ("http", "s3", "engine", "drafter", "run", "peer", "config")
 DEADLINES = {"HSSTORE_REQUEST_S": "2", "HSSTORE_HEAD_S": "5"}
 ENGINE_TIMEOUT_S = "3"
@@ -54,10 +59,16 @@ GIB_ZEROS_GZ = "zeros.gz"
 
 
 # -- base -----------------------------------------------------------------------------------------------------------
-def make_base(work: Path, store: str) -> dict[str, Any]:
+def make_base(work: Path, store: str, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
     """What the families' cases start from, made once: the served store (``store``, a copy of the fuzzer's zarr
     base), an extracted store with a one-step run on it (its drafter, checkpoint, run.yaml), a SpecForge and a
-    speculators folder, an engine's canned answer and prompts, and the compressed bombs."""
+    speculators folder, an engine's canned answer and prompts, and the compressed bombs; the metadata families'
+    own (``fuzz_metadata.make_base``) under ``metadata``, each only where ``families`` need it."""
+    own = {"store": store}
+    if set(families) & set(fuzz_metadata.METADATA):
+        own["metadata"] = fuzz_metadata.make_base(work, FAST)
+    if not set(families) & set(FAMILIES):
+        return own
     from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
     from hsstore.app.schema import build
@@ -82,7 +93,7 @@ def make_base(work: Path, store: str) -> dict[str, Any]:
     (b / GIB_ZEROS_Z).write_bytes(b"".join(z.compress(bytes(64 << 20)) for _ in range(16)) + z.flush())
     z = zlib.compressobj(9, zlib.DEFLATED, 31)
     (b / GIB_ZEROS_GZ).write_bytes(b"".join(z.compress(bytes(64 << 20)) for _ in range(16)) + z.flush())
-    return {"dir": str(b), "store": store, "run_store": str(run_store), "run": str(run), "inputs": str(inp),
+    return {**own, "dir": str(b), "run_store": str(run_store), "run": str(run), "inputs": str(inp),
             "model": str(tiny_target_dir())}
 
 
@@ -462,6 +473,8 @@ def _forge_family(family: str, rng: random.Random, base: dict, d: Path, sentinel
         case["fault"] = rng.choice(["trickle", "overrun", "huge_length", "endless_list", "short", "truncate"])
         case["where"] = rng.choice(["manifest", "record", "chunk", "list", "any"])
         case["mutations"] = [f"s3 {case['fault']} on {case['where']}"]
+    elif family in fuzz_metadata.METADATA:
+        fuzz_metadata.forge(family, rng, base["metadata"], d, sentinel, case)
     else:
         raise KeyError(f"unknown family {family!r}")
 
@@ -580,6 +593,8 @@ def drive(case: dict, base: dict) -> dict:
     from hsstore.app.cli import main
     from tools.fuzz_store import run_command, tree_digest
 
+    if case["family"] in fuzz_metadata.METADATA:
+        return fuzz_metadata.drive(case, base)
     d = Path(case["dir"])
     results, failures = {}, []
     saved = {k: os.environ.get(k) for k in DEADLINES}

@@ -1,6 +1,7 @@
 """Forge stores at random and run every reading command on each (issue #36): ``python -m tools.fuzz_store
 --cases N [--seed S] [--work DIR] [--json] [--families store,http,s3,engine,drafter,run,peer,config] [--jobs J]``
-(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``).
+(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``; those of a store's and a run's
+metadata, ``records,columns,writers,journal,assets,weights,received``: ``tools/fuzz_metadata.py``).
 
 Each case starts from a copy of a small valid store (zarr or wds, with assets) and applies one to three
 mutators from ``MUTATORS``: fields of the manifest, commit records, zarr.json, asset and index files set to hostile
@@ -37,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from tools.fuzz_metadata import METADATA
 
 COMMAND_S = 30  # seconds a command may take on a tiny store (they take well under 2)
 MEMORY_MB = 512  # growth of the driver's peak resident set a case may cause
@@ -307,8 +310,8 @@ def _apply(name: str, rng, store: Path, sentinel: Path) -> str:
         return f"{name}: nothing to change ({type(e).__name__})"
 
 
-FAMILIES = ("store", "http", "s3", "engine", "drafter", "run", "peer", "config")  # store: this module's; the rest:
-# tools/fuzz_boundaries.py
+FAMILIES = ("store", "http", "s3", "engine", "drafter", "run", "peer", "config", *METADATA)  # store: this module's;
+# the rest: tools/fuzz_boundaries.py (the metadata families: tools/fuzz_metadata.py)
 
 
 def forge(base: dict, work: Path, case: int, seed: int, families: tuple[str, ...] = ("store",)) -> dict:
@@ -375,11 +378,11 @@ def _written(url: str) -> dict[str, str]:
 
 
 def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
-                log_dir: Path | None = None) -> tuple[dict, list[str], Any]:
+                log_dir: Path | None = None, keep: list[str] | None = None) -> tuple[dict, list[str], Any]:
     """Run one command (``fn``: ``main(argv)``, or a loader epoch when ``refusals_raise``) under the alarm with its
     output captured: what it gave (``rc``, seconds, memory growth ``mb`` and absolute peak ``peak_mb``), the
     oracles it broke (a traceback, a hang, a refusal of more than one line, memory, a raw escape sequence) and what
-    ``fn`` returned (or raised)."""
+    ``fn`` returned (or raised). ``keep``: its stdout and stderr appended, for the caller's own oracles."""
     from tools.measure import peak_rss_mb, reset_peak_rss
 
     base = reset_peak_rss()
@@ -391,6 +394,8 @@ def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
     finally:
         signal.alarm(0)
     peak = peak_rss_mb()
+    if keep is not None:
+        keep += [out, err]
     r = {"s": round(time.perf_counter() - t0, 2), "mb": round(peak - base, 1), "peak_mb": round(peak, 1)}
     failures = []
     if isinstance(got, _Alarm):
@@ -487,7 +492,9 @@ def _kind(failure: str) -> str:
     return ("escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
             "hangs" if ": hang (" in failure else "memory" if ": memory +" in failure else
             "outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
-            else "other_bits" if "bits" in failure else "tracebacks")
+            else "other_bits" if "bits" in failure else "served_refused" if ": served from " in failure else
+            "follow" if ": follow trained " in failure else "values" if ": non-finite values" in failure
+            else "tracebacks")
 
 
 def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25,
@@ -504,11 +511,11 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     if set(families) - {"store"}:
         from tools import fuzz_boundaries
 
-        base["boundaries"] = fuzz_boundaries.make_base(w, base["zarr"])
+        base["boundaries"] = fuzz_boundaries.make_base(w, base["zarr"], families)
     base_digest = {k: tree_digest(Path(base[k])) for k in ("zarr", "wds")}
     totals = {"cases": 0, "commands": 0, "refused": 0, "tracebacks": 0, "hangs": 0, "memory": 0, "escapes": 0,
-              "other_bits": 0, "outside": 0, "over_1gib": 0, "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0,
-              "by_family": {}}
+              "other_bits": 0, "outside": 0, "served_refused": 0, "follow": 0, "values": 0, "over_1gib": 0,
+              "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0, "by_family": {}}
     failures = []
 
     def drive_batch(batch: list[dict], spec: Path) -> list[dict]:
@@ -592,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         t = result["totals"]
         print(f"fuzz_store: {t['cases']} cases, {t['commands']} commands ({t['refused']} refused) in {t['seconds']} s; "
               f"tracebacks {t['tracebacks']}, hangs {t['hangs']}, memory {t['memory']}, escapes {t['escapes']}, "
-              f"other bits {t['other_bits']}, read outside {t['outside']}; slowest command {t['max_s']} s, most "
+              f"other bits {t['other_bits']}, read outside {t['outside']}, samples served from shards verify refuses "
+              f"{t['served_refused']}, follow trained other than held {t['follow']}, non-finite values "
+              f"{t['values']}; slowest command {t['max_s']} s, most "
               f"memory +{t['max_mb']} MB (peak {t['max_peak_mb']} MB; {t['over_1gib']} commands over 1 GiB)")
         for fam, f in sorted(t["by_family"].items()):
             print(f"  {fam}: {f['cases']} cases, {f['commands']} commands, {f['refused']} refused")
