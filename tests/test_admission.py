@@ -249,6 +249,31 @@ def test_forged_columns_never_decide_which_samples_an_epoch_holds(tmp_path, caps
     one_line(capsys.readouterr().err, "disagrees with its commit record", shard)
 
 
+def _no_samples(d):
+    for col in d["samples"].values():
+        col.clear()
+    d["n_samples"] = d["n_tokens"] = 0
+
+
+def test_columns_that_list_no_sample_of_a_shard_never_decide_what_is_read(tmp_path, capsys):
+    """An index entry whose columns list none of its shard's samples (the record lists them): no reader reads that
+    shard, so each admits it before leaving it out; the loader, ``Store`` iteration, ``subset`` and ``export``
+    refuse naming the shard, where they served the other shards' samples, one short."""
+    url = str(tmp_path / "s")
+    small_store(url)
+    seg, shard = forge_columns(url, _no_samples)
+    assert len(hsstore.open(url)) < len(hsstore.Store(url, use_index=False))  # (what the columns say)
+    with pytest.raises(StoreError, match="disagrees with its commit record") as e:
+        hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False))
+    assert repr(shard) in str(e.value)
+    with pytest.raises(StoreError, match="disagrees with its commit record"):
+        list(hsstore.open(url))
+    for argv in (["subset", url, str(tmp_path / "d"), "-q"], ["export", "specforge", url, str(tmp_path / "e"), "-q"]):
+        assert main(argv) == 2
+        one_line(capsys.readouterr().err, "disagrees with its commit record", shard)
+    assert main(["verify", url, "-q"]) == 1
+
+
 # -- wds tars whose bytes after the last member are a member --------------------------------------------------
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "huge"])
 def test_a_wds_tar_with_a_member_after_its_listed_ones_fails_verify(tmp_path, capsys, kind):

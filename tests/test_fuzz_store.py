@@ -1,7 +1,8 @@
 """A short fixed-seed run of the store fuzzer (``tools/fuzz_store.py``; issue #36): forged stores of every kind of
 mutation, every reading command on each, no traceback, hang, memory blow-up, escape or other bits; and of the
 boundaries beyond a store's files (``tools/fuzz_boundaries.py``; issue #52): hostile HTTP and S3 endpoints, engine
-answers, drafter, run and peer folders, config files, nothing read outside what a command was given."""
+answers, drafter, run and peer folders, config files, nothing read outside what a command was given; and of a store's
+and a run's metadata (``tools/fuzz_metadata.py``): no sample served from a shard ``verify`` refuses."""
 
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ def test_the_metadata_oracles_name_forged_lines_non_finite_drafters_and_a_short_
     log.write_text(json.dumps({"step": 1, "epoch": 0, "samples": ["a"]}) + "\n")
     (line,) = fuzz_metadata.checks("train_follow", {"family": "writers"}, tmp_path, 0, None, v, m, ["", ""])
     assert fuzz_store._kind(line) == "follow", line
+    assert fuzz_store._kind("read outside: ['/w/case00001/sentinel/private/shards/x/c/0']") == "outside"
 
 
 @pytest.fixture(scope="module")

@@ -489,10 +489,11 @@ def _cap_memory() -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (DRIVER_AS, DRIVER_AS))
 def _kind(failure: str) -> str:
-    return ("escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
+    """The count a failure adds to (a read outside first: its paths name the sentinel it read)."""
+    return ("outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
+            else "escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
             "hangs" if ": hang (" in failure else "memory" if ": memory +" in failure else
-            "outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
-            else "other_bits" if "bits" in failure else "served_refused" if ": served from " in failure else
+            "other_bits" if "bits" in failure else "served_refused" if ": served from " in failure else
             "follow" if ": follow trained " in failure else "values" if ": non-finite values" in failure
             else "tracebacks")
 

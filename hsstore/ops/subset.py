@@ -109,7 +109,7 @@ def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) ->
             if keep:
                 run = i if run is None else run
                 run_tokens += cols["length"][i]
-        if kept < n:
+        if kept < n or n == 0:  # (columns listing no sample decide too: none of its samples is copied)
             store.admit_shard(store.commits[s])
     return out
 
