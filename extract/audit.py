@@ -21,6 +21,11 @@ recomputed layer than to the layers beside it (a neighbouring layer drifts least
 approach); one that misses either is diagnosed: ``zeros``, ``non-finite values``, ``a different layer`` (another recomputed
 feature holds the bound: which one), ``shifted tokens`` (stored position t matches the recomputed t-1 or t+1),
 ``different tokens`` (the store's tokenizer is not the model's), else ``a different target``.
+
+Before any sample is read, the model's weights are held to what the manifest recorded of the extraction's:
+``weights_fingerprint`` (every tensor, a few kB of each) and ``weights_hash`` (the embedding); when either differs
+the audit fails at once, ``a different target``, without a forward. The bounds stay for what the hashes cannot see
+(a store imported without them, a change between the values they sample).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from hsstore.terminal import escape
 
 from hsstore.app.target import base_model, decoder_layers, load_target
 from .compare import Agreement, Bound, agreement, bound_of, bound_rule, depth_of
-from .target import DTYPES, identity_from_model_dir, weights_hash
+from .target import DTYPES, FINGERPRINT, identity_from_model_dir, weights_fingerprint, weights_hash
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +225,11 @@ class AuditReport:
     samples: list[dict[str, Any]] = field(default_factory=list)  # index, sample_id, tokens of each audited one
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # identity mismatches, said before the figures
+    other_weights: str | None = None  # the manifest's record of the weights against the model's, when they differ
 
     @property
     def ok(self) -> bool:
-        return all(f.ok for f in self.findings)
+        return self.other_weights is None and all(f.ok for f in self.findings)
 
     def bound_at(self, candidate: int) -> Bound:
         """The bound for recomputed feature ``candidate`` (a layer, or ``n_layers``: the final norm's output)."""
@@ -264,13 +270,15 @@ class AuditReport:
                           "layers + 1); relative error <= rel_margin * sqrt(2 * (1 - cosine bound)); closer to its "
                           "own layer than to the layers beside it", **bound_rule(self.dtype, self.encoding)},
                 "dtype": self.dtype, "encoding": self.encoding, "store_samples": self.store_samples,
-                "notes": self.notes, "samples": self.samples,
+                "notes": self.notes, "weights": {"ok": self.other_weights is None, "detail": self.other_weights},
+                "samples": self.samples,
                 "features": {feature_name(k): v for k, v in self.verdicts().items()},
                 "results": [f.as_dict(self.n_layers) for f in self.findings]})
 
     def failures(self) -> list[str]:
-        """One line per failing feature: its name, what it looks like, the figures."""
-        lines = []
+        """One line per failing feature: its name, what it looks like, the figures; first the weights, when the
+        manifest's record of them is not the model's."""
+        lines = [f"weights: a different target: {self.other_weights}"] if self.other_weights else []
         for feat, v in self.verdicts().items():
             if not v["ok"]:
                 lines.append(f"{feature_name(feat)}: {v['diagnosis']}: {v['detail']} ({v['diagnosed_samples']} of "
@@ -279,6 +287,12 @@ class AuditReport:
         return lines
 
     def format_text(self) -> str:
+        if self.other_weights:  # no feature compared: whatever their figures, they are another model's
+            lines = [f"audit {recordable_url(self.url)} against {self.model}: the weights first (the manifest's "
+                     "weights_hash and weights_fingerprint against the model's)", *(f"note: {n}" for n in self.notes),
+                     *(f"FAIL {line}" for line in self.failures()),
+                     "audit: FAILED, the model's weights are not those the store was extracted from"]
+            return "\n".join(escape(line) for line in lines) + "\n"
         tokens = sum(s["tokens"] for s in self.samples)
         lines = [f"audit {recordable_url(self.url)} against {self.model}: {len(self.samples)} of "
                  f"{self.store_samples:,} samples ({tokens:,} tokens; the ones whose input_ids hash lowest), "
@@ -332,14 +346,35 @@ def audit(url: str, model_dir: str, samples: int = DEFAULT_SAMPLES, device: str 
     m = store.manifest
     notes, tokens_differ = identity_notes(m, model_dir)
     dev = resolve_device(device)
-    chosen = chosen_samples(store, samples, progress)
-    log.info("audit: %d samples chosen; loading %s on %s", len(chosen), model_dir, describe(dev))
+    log.info("audit: loading %s on %s", model_dir, describe(dev))
     model = load_target(model_dir, DTYPES[m.dtype], dev, progress=progress)
-    mine = weights_hash(model)
-    if m.target.weights_hash and m.target.weights_hash != mine:
-        notes.append(f"the store was extracted from other weights than {model_dir}'s (weights_hash "
-                     f"{m.target.weights_hash[:12]} vs {mine[:12]})")
+    differs = other_weights(m, model, model_dir)
+    if differs:  # the hash says it at once: no sample is read, no forward run
+        return AuditReport(store.url, model_dir, m.encoding, m.dtype, m.target.num_layers, len(store),
+                           list(m.all_features), notes=notes, other_weights=differs)
+    chosen = chosen_samples(store, samples, progress)
+    log.info("audit: %d samples chosen", len(chosen))
     return audit_model(store, model, model_dir, chosen, notes, tokens_differ, progress)
+
+
+def other_weights(manifest, model, model_dir: str) -> str | None:
+    """How the manifest's record of the target's weights differs from ``model``'s (None: it does not, or records
+    none): ``weights_fingerprint`` (``extra``: every tensor sampled) and ``weights_hash`` (the embedding's first
+    64 MiB), both as extraction computes them from the model it loaded, so a few kB per tensor and one pass over
+    at most 64 MiB. What they cannot see (a change between the sampled values, a store imported without them) is
+    left to the features' bounds."""
+    recorded = manifest.extra.get(FINGERPRINT)
+    if isinstance(recorded, str):
+        mine = weights_fingerprint(model)
+        if mine != recorded:
+            return (f"{model_dir}'s weights are not those the store was extracted from (weights_fingerprint "
+                    f"{recorded[:12]} in the manifest, {mine[:12]} of the model)")
+    if manifest.target.weights_hash:
+        mine = weights_hash(model)
+        if mine != manifest.target.weights_hash:
+            return (f"{model_dir}'s embedding is not the one the store was extracted with (weights_hash "
+                    f"{manifest.target.weights_hash[:12]} in the manifest, {mine[:12]} of the model)")
+    return None
 
 
 def audit_model(store, model, model_name: str, chosen: Sequence[int], notes: list[str] | None = None,

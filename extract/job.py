@@ -19,7 +19,7 @@ import torch
 
 from hsstore.store.process_writer import ProcessWriter
 from hsstore.store.writer import StoreWriter
-from hsstore.format import assets
+from hsstore.format import assets, sessions
 from hsstore.app.devices import defaults_for, describe, resolve_device
 from hsstore.distributed import local_rank, rank_and_world
 from hsstore.store.reader import committed_ids, refuse_lookalikes
@@ -100,7 +100,9 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
     device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
     # and so does a destination that is a user's folder (or an anonymous write): nothing there to resume
-    destination.open_destination(settings.store.out, settings.store.storage_options, layout.own_objects())
+    fs, root = destination.open_destination(settings.store.out, settings.store.storage_options, layout.own_objects())
+    # and so does this rank's writer tag while another session writes it (an identical command still running)
+    sessions.check_slot(fs, root, settings.store.out, writer_tag(rank))
     cap = settings.capture  # and so do taps the target does not have or the asked engines cannot serve
     early = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
     if early is not None:
@@ -254,6 +256,12 @@ def check_compiled(settings: ExtractSettings, model, layers: list[int], todo: li
              result.compile_check.tokens, result.compile_check.min_cos, result.compile_check.max_rel)
 
 
+def writer_tag(rank: int) -> str:
+    """The writer tag of extraction's rank ``rank``: its shards' and session's name, and its slot (one writer of a
+    tag at a time), so two identical commands into one store are refused where the second starts."""
+    return f"rank{rank:05d}"
+
+
 def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], rows: GatedRows, device: torch.device,
                 rank: int, compile_check: CompileCheck | None = None, world: int = 1,
                 todo: list[TokenizedSample] | None = None):
@@ -263,17 +271,17 @@ def open_writer(settings: ExtractSettings, model, tokenizer, layers: list[int], 
     and a compiled forward's check in the manifest's ``extra.compile_check`` under its writer tag. Its session record
     names every rank's tag and what this rank still plans to write (``todo``), so a trainer that follows the store
     (``train --follow``) waits for every rank and can estimate its schedule."""
-    tag = f"rank{rank:05d}"
+    tag = writer_tag(rank)
     store, features = settings.store, ("final_hidden",) if settings.capture.final_hidden else ()
     manifest = build_manifest(model, tokenizer, name=model_name(settings.input.model), layers=layers,
                               codec=store.codec, dtype=settings.forward.dtype, layout=store.layout,
                               encoding=store.encoding, features=features)
     if compile_check is not None:
-        manifest = dataclasses.replace(manifest, extra={EXTRA_KEY: {tag: compile_check.record()}})
+        manifest = dataclasses.replace(manifest, extra={**manifest.extra, EXTRA_KEY: {tag: compile_check.record()}})
     # check_finite=False: extract_batches already checked every feature on the device, where it is free
     writer = (ProcessWriter if uses_process_writer(settings, device) else StoreWriter)(
         store.out, manifest, writer_tag=tag, storage_options=store.storage_options, shard_bytes=store.shard_bytes,
-        check_finite=False, expects=[f"rank{r:05d}" for r in range(world)],
+        check_finite=False, expects=[writer_tag(r) for r in range(world)],
         planned_samples=None if todo is None else len(todo),
         planned_tokens=None if todo is None else sum(s.num_tokens for s in todo))
     if rank == 0 and not assets.has_assets(writer.fs, writer.root):

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from hsstore.io import door
+from hsstore.format import values
 from hsstore.format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from hsstore.io.tensorfiles import load_beneath
 from hsstore.store.writer import StoreWriter
@@ -103,6 +104,9 @@ def features(x: Any, T: int, n_layers: int, hidden: int, where: str, key: str) -
     the hidden dim, in tap order), each optionally with a leading batch dim of 1."""
     if not isinstance(x, torch.Tensor):
         raise SampleError(f"{where}: '{key}' is a {type(x).__name__}, expected a tensor")
+    if values.dtype_name(x) not in values.FLOAT_DTYPES:  # what a file's header claims, integers or bool: no features
+        raise SampleError(f"{where}: '{key}' holds {values.dtype_name(x)} values, expected features of "
+                          f"{' or '.join(values.FLOAT_DTYPES)}")
     want = f"[{T}, {n_layers}, {hidden}] or [{T}, {n_layers * hidden}] (tokens, --layers x --hidden-size)"
     if x.ndim in (3, 4) and x.shape[0] == 1 and tuple(x.shape) != (T, n_layers, hidden):
         x = x[0]

@@ -148,6 +148,26 @@ def weights_hash(model: torch.nn.Module, max_bytes: int = 64 << 20) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+FINGERPRINT = "weights_fingerprint"  # the manifest's ``extra`` key of ``weights_fingerprint``
+FINGERPRINT_VALUES = 4096  # values of each parameter hashed, evenly spaced through it
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A fingerprint of every parameter of ``model``, not of the embedding alone (``weights_hash``): SHA-256 over the
+    sorted digests of each parameter's shape and ``FINGERPRINT_VALUES`` values evenly spaced through it, as float32.
+    A layer scaled, retrained or replaced changes nearly every value of its tensors, so any sample of them; the cost
+    is a few kB per tensor whatever the model's size (no pass over its gigabytes). Names and load order are left out
+    (another transformers version may rename a module); layers swapped whole are the audit's values' to see."""
+    digests = []
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        k = min(flat.numel(), FINGERPRINT_VALUES)
+        at = torch.arange(k, device=flat.device, dtype=torch.int64) * flat.numel() // max(k, 1)
+        values = flat[at].to(device="cpu", dtype=torch.float32).contiguous()
+        digests.append(hashlib.sha256(repr(tuple(p.shape)).encode() + values.numpy().tobytes()).hexdigest())
+    return sha256_hex("".join(sorted(digests)))
+
+
 def target_identity(model, name: str, revision: str | None = None) -> TargetIdentity:
     tc = text_config(model.config)
     return TargetIdentity(name=name, num_layers=int(tc.num_hidden_layers), hidden_size=int(tc.hidden_size),
@@ -187,4 +207,4 @@ def build_manifest(model, tokenizer, name: str, layers: list[int], revision: str
                    encoding: str = "raw", features: tuple[str, ...] = ()) -> Manifest:
     return Manifest(target=target_identity(model, name, revision), tokenizer=tokenizer_identity(tokenizer, name),
                     layers=tuple(layers), dtype=dtype, codec=codec, layout=layout, encoding=encoding,
-                    features=features)
+                    features=features, extra={FINGERPRINT: weights_fingerprint(model)})

@@ -9,8 +9,10 @@ made, not from the audit code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -76,12 +78,55 @@ def test_own_target_passes_another_target_of_the_same_architecture_fails(store_u
         assert within(out, layer) == f"{N}/{N}"  # the default of 8 is more than the store's 6
     other = tiny_target_dir(seed=1)  # same config and tokenizer, other random weights
     rc, out, err = audit_cli(capsys, store_url, other)
+    assert rc == 1, out + err  # the manifest's record of the weights says it before any forward
+    assert "weights_fingerprint" in line_with(out, "FAIL weights: a different target:", str(other))
+    assert out.splitlines()[-1] == "audit: FAILED, the model's weights are not those the store was extracted from"
+    assert err.startswith("hsstore audit: weights: a different target") and len(err.splitlines()) == 1
+
+
+def unrecorded(src, url: str, weights_hash: bool = False) -> str:
+    """A copy of store ``src`` whose manifest records nothing of the weights (an import, a store written before the
+    records), or only the embedding's ``weights_hash`` (a store written before ``weights_fingerprint``)."""
+    m = src.manifest
+    target = m.target if weights_hash else dataclasses.replace(m.target, weights_hash=None)
+    return rewritten(src, url, lambda hs: hs, manifest=dataclasses.replace(m, target=target, extra={}))
+
+
+def test_without_a_record_of_the_weights_the_bound_finds_another_target(store_url, tmp_path, capsys):
+    url = unrecorded(hsstore.open(store_url), str(tmp_path / "bare"))
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(seed=1))
     assert rc == 1, out + err
     for layer in LAYERS:
         assert "a different target" in line_with(out, "FAIL", f"layer {layer}:")
-    assert "other weights" in line_with(out, "note:", "weights_hash")
     assert out.splitlines()[-1] == f"audit: FAILED, {len(LAYERS)} of {len(LAYERS)} features"
     assert err.startswith("hsstore audit: layer 1: a different target") and len(err.splitlines()) == 1
+
+
+def test_a_store_that_records_only_the_embeddings_hash_is_held_to_it(store_url, tmp_path, capsys):
+    url = unrecorded(hsstore.open(store_url), str(tmp_path / "older"), weights_hash=True)
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(seed=1))
+    assert rc == 1, out + err
+    assert "weights_hash" in line_with(out, "FAIL weights: a different target:", "embedding is not the one")
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir())
+    assert rc == 0, out + err
+
+
+def test_a_target_with_one_layer_scaled_by_1_05_is_a_different_target(store_url, tmp_path, capsys):
+    """Layer 3's MLP down projection scaled by 1.05: the features it changes stay inside the bound, which is made
+    for rounding (their relative error is many times a genuine re-run's, and under it), so only the fingerprint of
+    the weights, which samples every tensor, sees it."""
+    from safetensors.torch import load_file, save_file
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_target_dir(), scaled)
+    weights = load_file(str(scaled / "model.safetensors"))
+    weights["model.layers.3.mlp.down_proj.weight"] *= 1.05
+    save_file(weights, str(scaled / "model.safetensors"), metadata={"format": "pt"})
+    rc, out, err = audit_cli(capsys, store_url, scaled)
+    assert rc == 1, out + err
+    assert "weights_fingerprint" in line_with(out, "FAIL weights: a different target:", str(scaled))
+    rc, out, err = audit_cli(capsys, unrecorded(hsstore.open(store_url), str(tmp_path / "bare")), scaled)
+    assert rc == 0 and out.splitlines()[-1].startswith("audit: OK"), out + err  # what the values alone cannot see
 
 
 def test_import_with_layer_ids_one_off_names_the_shift(store_url, tmp_path, capsys):
@@ -128,14 +173,81 @@ def test_a_feature_zeroed_in_one_sample_is_named_zeros(store_url, tmp_path, caps
     assert [(r["sample_id"], r["feature"], r["diagnosis"]) for r in bad] == [(zeroed, "layer 4", "zeros")]
 
 
-def rewritten(src, url, change) -> str:
-    """A copy of store ``src`` written with ``StoreWriter``, each sample's hidden states passed through
-    ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and checksums, planted values."""
-    with StoreWriter(url, src.manifest, check_finite=True) as w:
+def rewritten(src, url, change=lambda hs: hs, layers=None, manifest=None) -> str:
+    """A copy of store ``src`` written with ``StoreWriter`` (under ``manifest``, default ``src``'s), each sample's
+    hidden states passed through ``change(hidden_states [T, taps, H]) -> the stored ones``: genuine chunks and
+    checksums, planted values; its manifest claims the taps ``layers`` (default: those it holds)."""
+    manifest = manifest or src.manifest
+    if layers is not None:
+        manifest = dataclasses.replace(manifest, layers=tuple(layers))
+    with StoreWriter(url, manifest, check_finite=True) as w:
         for i in range(len(src)):
             item = src.read(i)
             w.add(item["sample_id"], item["input_ids"], item["loss_mask"], change(item["hidden_states"].clone()))
     return url
+
+
+# the documented bfloat16 bound (docs/ARCHITECTURE.md, "Bounds that follow the rounding"; docs/PERFORMANCE.md):
+# 1 - cosine <= 1e-4 + 6e-5 x depth, relative error <= 1.25 sqrt(2 (1 - cosine bound)). Written out here: values
+# planted by it test the code against the documented bound, so code that drifts from it fails
+FLOOR, PER_LAYER, REL_MARGIN = 1e-4, 6e-5, 1.25
+
+
+def documented(depth: int) -> tuple[float, float]:
+    """(1 - cosine, relative error) the documented bfloat16 bound allows after ``depth`` layers."""
+    gap = FLOOR + PER_LAYER * depth
+    return gap, REL_MARGIN * (2 * gap) ** 0.5
+
+
+def scaled(times: float, depth: int):
+    """Features ``[T, H]`` scaled by ``1 + times x`` the relative error the documented bound allows at ``depth``
+    (their cosine stays 1)."""
+    return lambda x: x * (1 + times * documented(depth)[1])
+
+
+def turned(times: float, depth: int, seed: int = 0):
+    """Features ``[T, H]`` with noise orthogonal to the whole feature added, so that ``1 - cosine`` is ``times x``
+    what the documented bound allows at ``depth`` (their relative error stays below its own bound)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        noise -= (noise * x).sum() / (x * x).sum() * x
+        c = 1 - times * documented(depth)[0]
+        return x + noise * ((1 / c ** 2 - 1) ** 0.5 * x.norm() / noise.norm())
+    return fn
+
+
+def planted(layers, fn_by_tap: dict):
+    """A ``change`` for ``rewritten``: ``fn_by_tap[layer]`` applied to that tap's features (of the store's taps
+    ``layers``), in float64, stored back in the store's dtype."""
+    def change(hs: torch.Tensor) -> torch.Tensor:
+        for j, layer in enumerate(layers):
+            if layer in fn_by_tap:
+                hs[:, j] = fn_by_tap[layer](hs[:, j].double()).to(hs.dtype)
+        return hs
+    return change
+
+
+@pytest.mark.parametrize("plant", ["scaled", "turned"])
+def test_stored_features_just_past_the_bound_fail_and_just_inside_pass(store_url, tmp_path, capsys, plant):
+    """At 8 layers: tap 4 planted 0.9 times what the documented bound allows at its depth, tap 7 1.1 times, by
+    scaling (the cosine stays 1: only the relative error's margin sees it) or by turning (``1 - cosine``: the
+    per-layer drift). The stored features change, never the target: no weights check answers first."""
+    how = {"scaled": scaled, "turned": turned}[plant]
+    src = hsstore.open(store_url)
+    url = rewritten(src, str(tmp_path / plant), planted(LAYERS, {4: how(0.9, 5), 7: how(1.1, 8)}))
+    rc, out, err = audit_cli(capsys, url, tiny_target_dir(), "--json")
+    f = json.loads(out)["features"]
+    assert rc == 1 and f["layer 1"]["ok"] and f["layer 4"]["ok"] and not f["layer 7"]["ok"], f
+    assert f["layer 7"]["samples_ok"] == 0 and f["layer 7"]["diagnosed_samples"] == N
+    if plant == "scaled":
+        assert 0.85 < f["layer 4"]["max_rel_err"] / documented(5)[1] < 0.95
+        assert 1.05 < f["layer 7"]["max_rel_err"] / documented(8)[1] < 1.15
+        assert f["layer 7"]["diagnosis"] == "scaled values"
+    else:
+        assert 0.85 < (1 - f["layer 4"]["min_cosine"]) / documented(5)[0] < 0.95
+        assert 1.05 < (1 - f["layer 7"]["min_cosine"]) / documented(8)[0] < 1.15
+        assert f["layer 7"]["max_rel_err"] <= documented(8)[1]  # the cosine alone fails it
 
 
 def test_features_shifted_by_one_token_are_named_shifted(store_url, tmp_path, capsys):

@@ -61,22 +61,24 @@ def _cfg(**kw):
 def test_80gib_plan_from_lengths_keeps_more_anchors(tmp_path, write, new_manifest, new_samples):
     store = _store(tmp_path, "long", [4096] * 4, write, new_manifest, new_samples)
     have = int(80 * 2**30 * 0.93)
+    off = _cfg(checkpoint_layers="off")  # no recompute asked: anchors are what gives
     with pytest.warns(UserWarning, match="lowering anchors"):
-        assumed, need_assumed, seqs_assumed = plan_gpu_step(PUBLISHED, _cfg(), PARAMS, FROZEN, have)
+        assumed = plan_gpu_step(PUBLISHED, off, PARAMS, FROZEN, have)
     with pytest.warns(UserWarning, match="lowering anchors"):
-        known, need_known, seqs_known = plan_gpu_step(PUBLISHED, _cfg(), PARAMS, FROZEN, have, [store])
-    assert seqs_assumed is None and seqs_known == 4 < 16384 // ASSUMED_MIN_SEQUENCE
-    assert known > assumed and need_known <= have and need_assumed <= have
+        known = plan_gpu_step(PUBLISHED, off, PARAMS, FROZEN, have, [store])
+    assert assumed.sequences is None and known.sequences == 4 < 16384 // ASSUMED_MIN_SEQUENCE
+    assert known.anchors > assumed.anchors and known.estimate <= have and assumed.estimate <= have
     # the estimate is the one for four sequences (the shape measured on the H200: 4 x 4096, 512 anchors each)
-    assert need_known == step_bytes(PUBLISHED, 16384, known, PARAMS, FROZEN, sequences=4)
+    assert known.estimate == step_bytes(PUBLISHED, 16384, known.anchors, PARAMS, FROZEN, sequences=4)
     # with checkpointing all 512 fit either way, and no warning
-    assert plan_gpu_step(PUBLISHED, _cfg(checkpoint_layers="full"), PARAMS, FROZEN, have, [store])[0] == 512
+    assert plan_gpu_step(PUBLISHED, _cfg(checkpoint_layers="full"), PARAMS, FROZEN, have, [store]).anchors == 512
 
 
 def test_a_sample_over_the_budget_is_planned_for(tmp_path, write, new_manifest, new_samples):
     store = _store(tmp_path, "over", [1000, 1000, 3000], write, new_manifest, new_samples)
     cfg = _cfg(token_budget=2048, checkpoint_layers="full")
-    _, need, seqs = plan_gpu_step(PUBLISHED, cfg, PARAMS, FROZEN, 1 << 50, [store])
+    plan = plan_gpu_step(PUBLISHED, cfg, PARAMS, FROZEN, 1 << 50, [store])
+    need, seqs = plan.estimate, plan.sequences
     assert seqs == 2  # the two of 1000 tokens fit one batch (2 x 1000 <= 2048); the one of 3000 is a batch alone
     assert need == max(step_bytes(PUBLISHED, 2048, 512, PARAMS, FROZEN, sequences=2, checkpoint_layers="full"),
                        step_bytes(PUBLISHED, 3000, 512, PARAMS, FROZEN, sequences=1, checkpoint_layers="full"))

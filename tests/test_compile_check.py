@@ -72,7 +72,9 @@ def test_compiled_extraction_records_its_check_per_rank(tiny_dir, small_input, t
     res = run_extract(build(ExtractSettings, **cfg, compile=True, rank=1, world_size=2))
     assert res.samples == 0 and res.compile_check is None  # nothing left to extract: nothing to check
     assert verify(hsstore.open(str(out))).ok and len(hsstore.open(str(out))) == 8
-    assert "compile_check" not in manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
+    eager = manifest_extra(_eager_store(tiny_dir, small_input, tmp_path))
+    assert "compile_check" not in eager
+    assert eager["weights_fingerprint"] == manifest_extra(out)["weights_fingerprint"]  # compiled or not, one model
 
 
 def _eager_store(tiny_dir, small_input, tmp_path):  # noqa: F811
@@ -137,3 +139,93 @@ def test_a_compiled_forward_that_disagrees_stops_before_writing(tiny_dir, small_
     with pytest.raises(CompileMismatch, match="at tap 3"):
         run_extract(build(ExtractSettings, **{**cfg, "out": str(fresh)}, input=[str(small_input)], compile=True))
     assert not fresh.exists()
+
+
+# -- the check's bounds where they bite: a compiled call planted at the last tap, its output changed ------------------
+TAPS = [1, 3, 5]
+
+
+def plant(layer: torch.nn.Module, change) -> None:
+    """Decoder ``layer``'s compiled call is its eager forward with ``change`` applied to the layer's output (the
+    capture hooks see the changed output); ``eager_modules`` sets it aside as it does a real compiled call."""
+    forward = layer.forward
+
+    def changed(*a, **k):
+        out = forward(*a, **k)
+        return (change(out[0]), *out[1:]) if isinstance(out, tuple) else change(out)
+
+    def compiled(*a, **k):
+        layer.forward = changed
+        try:
+            return layer._call_impl(*a, **k)
+        finally:
+            del layer.forward
+
+    layer._compiled_call_impl = compiled
+
+
+@pytest.fixture(scope="module")
+def first_batch(tok, small_input):  # noqa: F811
+    return token_budget_batches(list(load_samples(small_input, tok))[:2], 4096)[0]
+
+
+@pytest.fixture(scope="module")
+def target32(tiny_dir):
+    return load_target(str(tiny_dir), torch.float32, torch.device("cpu"), progress=False)
+
+
+def checked(model, batch, change):
+    """``check_first_batch`` on the tiny target in float32 (the eager forward exact), its tap 5 (depth 6, the last:
+    nothing after it runs) changed by ``change`` in the compiled call."""
+    layer = decoder_layers(model)[5]
+    plant(layer, change)
+    try:
+        return check_first_batch(model, TAPS, batch, 0, torch.device("cpu"))
+    finally:
+        layer._compiled_call_impl = None
+
+
+def off_by(x: torch.Tensor, one_minus_cos: float) -> torch.Tensor:
+    """``x`` ``[..., H]`` with noise orthogonal to each row added, so that each row's cosine to ``x`` is
+    ``1 - one_minus_cos`` (the relative error is then ``sqrt(1 / cos^2 - 1)``, about ``sqrt(2 (1 - cos))``)."""
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    xd = x.double()
+    noise -= (noise * xd).sum(-1, keepdim=True) / (xd * xd).sum(-1, keepdim=True).clamp_min(1e-300) * xd
+    c = 1.0 - one_minus_cos
+    r = (1.0 / c ** 2 - 1.0) ** 0.5
+    noise *= r * xd.norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    return (xd + noise).to(x.dtype)
+
+
+def test_nan_in_the_compiled_features_fails_the_check(target32, first_batch):
+    """One token of tap 5 NaN: a NaN cosine or relative error is the worst figure, never a pass."""
+    def one_nan(out):
+        out = out.clone()
+        out[0, 3] = float("nan")
+        return out
+
+    with pytest.raises(CompileMismatch, match=r"at tap 5 on the first batch .*min per-token cosine -1\.00000"):
+        checked(target32, first_batch, one_nan)
+
+
+def test_compiled_features_at_twice_the_scale_fail_on_their_relative_error(target32, first_batch):
+    """Tap 5 doubled: every cosine is 1, the relative error 1; only the bound's relative-error half sees it."""
+    with pytest.raises(CompileMismatch, match=r"at tap 5 .*min per-token cosine 1\.00000 .*max relative error "
+                                              r"1\.0000 \(bound <="):
+        checked(target32, first_batch, lambda out: out * 2)
+
+
+@pytest.mark.parametrize("times,passes", [(0.75, True), (1.25, False)])
+def test_the_per_layer_drift_is_the_documented_one(target32, first_batch, times, passes):
+    """Tap 5's compiled features off by ``times`` the documented drift at its depth (``1 - cos = floor + per_layer
+    x 6`` per token): just inside passes, just past fails; a wider per-layer allowance in the code passes both."""
+    gap = 1e-3 + 5.1e-4 * 6  # the documented bound (docs/PERFORMANCE.md): floor 1e-3, 5.1e-4 per layer, written out
+    change = lambda out: off_by(out, times * gap)  # noqa: E731
+    if passes:
+        check = checked(target32, first_batch, change)
+        assert 1 - check.per_tap["5"]["min_cos"] == pytest.approx(times * gap, rel=1e-3)
+        assert check.per_tap["1"]["min_cos"] > 1 - 1e-6  # the taps before it are the eager forward's own
+    else:
+        with pytest.raises(CompileMismatch, match=r"at tap 5 .*min per-token cosine 0\.99[0-9]+ \(bound >= 0\.99594"):
+            checked(target32, first_batch, change)

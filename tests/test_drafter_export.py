@@ -293,7 +293,7 @@ def edited(released, tmp_path, **changes) -> str:
 @pytest.mark.parametrize("change, flags, match", [
     ({"target_layer_ids": [1, 2, 7]}, {}, r"taps \[1, 2, 7\] need layers \[7\]"),
     ({"hidden_size": 32}, {}, "hidden size 32 != the store's 64"),
-    ({"vocab_size": 999}, {}, "vocabulary 999 != the store's embedding rows"),
+    ({"vocab_size": 2048}, {}, "vocabulary 2048 != the store's embedding rows"),  # its mask token inside it
     ({}, {"block_size": 16}, "block size 8 != --block-size 16"),
     ({"num_target_layers": 64}, {}, "64-layer target"),
     ({}, {"num_heads": 8, "num_kv_heads": 2}, "num_heads 4 != --num-heads 8"),

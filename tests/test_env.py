@@ -92,6 +92,31 @@ def test_a_switch_is_its_default_unset_or_empty_and_refuses_a_bad_value(monkeypa
             switch.get()
 
 
+NON_FINITE = ("nan", "inf", "-inf", "+inf", "NaN", "Infinity", "-Infinity", "INF", "1e999")
+NUMERIC = [s for s in env.SWITCHES.values() if s.kind in ("count", "seconds", "rate")]
+
+
+@pytest.mark.parametrize("switch", NUMERIC, ids=lambda s: s.name)
+def test_every_numeric_switch_refuses_every_non_finite_value(switch, monkeypatch):
+    """``HSSTORE_REQUEST_S=inf`` would be no deadline at all, ``HSSTORE_MIN_RATE=inf`` cuts every answer: a number
+    that is not finite is no setting (``1e999`` is one too, once parsed)."""
+    assert {"HSSTORE_REQUEST_S", "HSSTORE_MIN_RATE", "HSSTORE_HEAD_S"} <= {s.name for s in NUMERIC}
+    for raw in NON_FINITE:
+        monkeypatch.setenv(switch.name, raw)
+        with pytest.raises(env.SwitchError, match=rf"^{switch.name}='{re.escape(raw)}': expected a positive "):
+            switch.get()
+    monkeypatch.setenv(switch.name, "2")
+    assert switch.get() == 2  # a finite value of the same switch is taken
+
+
+def test_a_non_finite_deadline_is_one_line_exit_2(monkeypatch, tmp_path, capsys):
+    url = write_store(str(tmp_path / "s"), make_samples(2), manifest=make_manifest())
+    monkeypatch.setenv(env.REQUEST_S.name, "inf")
+    assert main(["info", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hsstore info: error: HSSTORE_REQUEST_S='inf': expected a positive number (seconds) (unset: 10)"]
+
+
 def test_a_bad_value_is_one_line_and_a_removed_switch_is_named(monkeypatch, tmp_path, capsys, caplog):
     url = write_store(str(tmp_path / "s"), make_samples(3), manifest=make_manifest())
     monkeypatch.setenv("HSSTORE_READ_BLOCK", "0")  # removed: warned about, never silently ignored

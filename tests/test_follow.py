@@ -17,7 +17,7 @@ from hsstore.io import storage
 from hsstore.distributed import World
 from hsstore.format import commit, sessions
 from hsstore.loader.dataset import HiddenStateDataset
-from hsstore.loader.follow import Follow, FollowStopped, Journal, Leader
+from hsstore.loader.follow import Entry, Follow, FollowStopped, Journal, Leader
 from hsstore.loader.options import Planning, Reading
 from hsstore.loader.resume import merge_states
 from hsstore.store.writer import StoreWriter
@@ -32,6 +32,26 @@ def add(w: StoreWriter, samples) -> None:
     for s in samples:
         w.add(s["sample_id"], s["input_ids"], s["loss_mask"], s["hidden_states"])
     w.flush()  # committed now: the leader's next look finds them
+
+
+@pytest.fixture(autouse=True)
+def quick_beats(monkeypatch):
+    """Writers beat every 0.2 s here: an end record is believed once its writer has stayed silent two beats."""
+    monkeypatch.setenv("HSSTORE_WRITER_HEARTBEAT_S", "0.2")
+
+
+def settled() -> float:
+    """A moment at which every end record written until now is old enough to be believed."""
+    return time.time() + sessions.SETTLE_BEATS * sessions.heartbeat_s() + 1
+
+
+def until_end(leader: Leader, timeout: float = 30.0) -> None:
+    """Poll until epoch 0 ended (the writers' end records believed once they settled)."""
+    deadline = time.monotonic() + timeout
+    while (Journal(leader.journal.path).outcome() or Entry(0, "join", 0)).kind != "end":
+        assert time.monotonic() < deadline, "epoch 0 did not end"
+        leader.poll()
+        time.sleep(0.05)
 
 
 def writers_of(url) -> sessions.Writers:
@@ -52,7 +72,8 @@ def test_writer_sessions_say_which_writer_finished(tmp_path):
         live = writers_of(url)
         assert [s.state for s in live.states()] == ["open"] and not live.finished(listed(url))
     done = writers_of(url)
-    assert [s.state for s in done.states()] == ["ended"] and done.states()[0].end.samples == 3
+    assert [s.state for s in done.states()] == ["ending"]  # believed once it has stayed silent two beats
+    assert [s.state for s in done.states(settled())] == ["ended"] and done.states()[0].end.samples == 3
     # its job expects rank 1 as well, which never started: not finished, and said so
     assert not done.finished(listed(url)) and done.expected_missing() == ["rank00001"]
     assert "writer rank00001: expected by its job, not started yet" in done.waiting_for(listed(url))
@@ -72,9 +93,10 @@ def test_writer_sessions_say_which_writer_finished(tmp_path):
     with StoreWriter(str(url), make_manifest(), writer_tag="rank00001", expects=["rank00000", "rank00001"]) as w:
         add(w, samples[3:5])
     w2 = writers_of(url)
-    assert sorted(s.state for s in w2.states()) == ["ended", "ended", "replaced"] and w2.finished(listed(url))
+    assert sorted(s.state for s in w2.states(settled())) == ["ended", "ended", "replaced"]
+    assert w2.finished(listed(url), settled())
     # ... unless the listing does not show every shard an ended session committed yet
-    assert not w2.finished(listed(url) - {min(listed(url))})
+    assert not w2.finished(listed(url) - {min(listed(url))}, settled())
 
     # an unreadable writer record may be an open writer's: not finished, and named
     (url / sessions.WRITERS_DIR / "rank00009-0badf00d.json").write_text("{not json")
@@ -137,7 +159,8 @@ def test_epoch0_takes_shards_as_they_commit_exactly_once_and_epoch1_is_ordinary(
     assert all(t.is_alive() for t in threads) and not leader.poll()  # caught up: the writer is open, they wait
     add(w, samples[32:])
     w.close()
-    assert leader.poll()  # join 2 and the end: every writer finished
+    assert leader.poll()  # join 2
+    until_end(leader)  # and the end: every writer finished
     for t in threads:
         t.join(30)
     assert not errors and not any(t.is_alive() for t in threads)
@@ -175,6 +198,7 @@ def grown(tmp_path, n=40, parts=(10, 25)):
     add(w, samples[parts[1]:])
     w.close()
     leader.poll()
+    until_end(leader)
     assert [e.kind for e in Journal(journal).entries()] == ["join", "join", "join", "end"]
     return url, follow, {s["sample_id"] for s in samples}
 
@@ -207,6 +231,78 @@ def test_a_resumed_follower_continues_exactly_once_also_on_another_world(tmp_pat
             dict(other, config={**state["config"], "follow": "0" * 32}))
 
 
+def test_a_resumed_follower_continues_exactly_once_over_two_world_size_changes(tmp_path):
+    """2 ranks, then 1, then 2 again, each phase stopped part way: every phase keeps what the ones before it
+    consumed (a re-cut folds the earlier phases' ``done`` into its own), so every sample is handed out once."""
+    url, follow, ids = grown(tmp_path)
+
+    def started(world: int, state=None) -> list:
+        ranks = [HiddenStateDataset(url, world=World(r, world), planning=Planning(seed=SEED), follow=follow)
+                 for r in range(world)]
+        for ds in ranks:
+            if state is not None:
+                ds.load_state_dict(state)
+        return ranks
+
+    def take(ds, it, n: int) -> list[str]:
+        return [next(it)["sample_id"] for _ in range(n)]
+
+    first = started(2)
+    its = [iter(ds) for ds in first]
+    taken = take(first[0], its[0], 9) + take(first[1], its[1], 4)  # rank 0 into the second join
+    one = started(1, merge_states([ds.state_dict() for ds in first]))[0]
+    it = iter(one)
+    taken += take(one, it, 11)
+    assert one.state_dict()["phase"] == 1
+    again = started(2, merge_states([one.state_dict()]))
+    rest = [x["sample_id"] for ds in again for x in ds]
+    assert again[0].state_dict()["phase"] == 2
+    count = collections.Counter(taken + rest)
+    assert set(count) == ids and set(count.values()) == {1}, [k for k, v in count.items() if v > 1]
+
+
+def test_a_rerun_after_a_killed_rerun_is_waited_for(tmp_path):
+    """Writer tag rank00000 ran once and ended; a re-run of it (more input) was killed, its heartbeat stopped, no
+    end record; a third run ends. The killed session is never taken for a finished one (the tag's earlier end
+    came before it): epoch 0 waits, and ends with the third run's shards."""
+    url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
+    samples = make_samples(9, max_len=40)
+    with StoreWriter(url, make_manifest(), writer_tag="rank00000") as w:
+        add(w, samples[:3])
+    fs, root = storage.resolve(url)
+    killed = sessions.new_session("rank00000", "deadbeef", host="h", pid=1, beat_s=0.05)  # started after that end
+    sessions.write_session(fs, root, killed)
+    time.sleep(1.5 * sessions.STALE_BEATS * killed.heartbeat_s)  # silent past its beats: dead by the rule
+    follow = Follow(journal, lead=False)
+    leader = Leader(Journal.create(journal, [url]), [hsstore.open(url)], follow)
+    assert leader.poll()  # the first run's shards join; the killed re-run may still write: no end
+    assert [e.kind for e in Journal(journal).entries()] == ["join"]
+    assert not leader.poll() and not leader.done
+    assert any("deadbeef" in line and "no heartbeat" in line for line in leader.waiting)
+    with StoreWriter(url, make_manifest(), writer_tag="rank00000") as w:  # the next re-run finishes the work
+        add(w, samples[3:])
+    assert leader.poll() and leader.done
+    assert [e.kind for e in Journal(journal).entries()] == ["join", "join", "end"]
+    ds = HiddenStateDataset(url, planning=Planning(seed=SEED), follow=follow)
+    assert sorted(x["sample_id"] for x in ds) == sorted(s["sample_id"] for s in samples)
+
+
+def test_a_journal_of_another_store_is_refused(tmp_path):
+    """A journal folder keeps the stores it follows: a follower of another store given it (another run's --out)
+    is refused in one line, never planned from the other store's joins."""
+    a, b, journal = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "journal")
+    for url, prefix in ((a, "a"), (b, "b")):
+        with StoreWriter(url, make_manifest()) as w:
+            add(w, make_samples(4, max_len=40, prefix=prefix))
+    Leader(Journal.create(journal, [a]), [hsstore.open(a)], Follow(journal, lead=False)).poll()
+    with pytest.raises(hsstore.StoreError, match=r"holds the follow journal of stores \[.*/a'\], not \[.*/b'\]"):
+        Journal.create(journal, [b])
+    with pytest.raises(hsstore.StoreError, match="holds the follow journal of stores"):
+        HiddenStateDataset(b, planning=Planning(seed=SEED), follow=Follow(journal))  # the leader's own look
+    assert sorted(x["sample_id"] for x in HiddenStateDataset(a, planning=Planning(seed=SEED),
+                                                              follow=Follow(journal))) == [f"a{i}" for i in range(4)]
+
+
 def test_an_arrival_that_trains_nothing_stops_epoch0_naming_shard_and_feature(tmp_path):
     url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
     samples = make_samples(8, max_len=40)
@@ -232,7 +328,9 @@ def test_an_arrival_that_trains_nothing_stops_epoch0_naming_shard_and_feature(tm
     # allowed: the leader of a re-run joins it (logged) and epoch 0 ends
     allow = Follow(journal, lead=False, allow_unhealthy=True)
     again = Leader(Journal(journal), [hsstore.open(url)], allow)
-    assert again.poll() and Journal(journal).outcome().kind == "end"
+    assert again.poll()
+    until_end(again)
+    assert Journal(journal).outcome().kind == "end"
     ds = HiddenStateDataset(url, planning=Planning(seed=SEED), follow=allow)
     assert sorted(x["sample_id"] for x in ds) == sorted([s["sample_id"] for s in samples[:7]] + ["zeros"])
 
@@ -254,7 +352,9 @@ def test_follow_on_s3_with_the_node_partition_and_its_cache(s3_endpoint, tmp_pat
     assert leader.poll()
     add(w, samples[10:])
     w.close()
-    assert leader.poll() and Journal(journal).outcome().kind == "end"
+    assert leader.poll()
+    until_end(leader)
+    assert Journal(journal).outcome().kind == "end"
 
     def node_ds(r, follow=follow):
         return HiddenStateDataset(url, world=World(r, 2, node=r, nodes=2), storage_options=opts, follow=follow,

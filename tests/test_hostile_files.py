@@ -61,7 +61,8 @@ def one_line(r: subprocess.CompletedProcess, *words: str, rc: int = 2) -> str:
     """The single error line of a refused command, holding ``words``."""
     assert r.returncode == rc, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("WARNING")]
+    lines = [ln for ln in r.stderr.splitlines()
+             if ln.strip() and "%|" not in ln and not ln.startswith(("WARNING", "INFO"))]
     assert len(lines) == 1, r.stderr
     assert all(w in lines[0] for w in words), lines[0]
     return lines[0]

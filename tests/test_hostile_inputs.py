@@ -217,7 +217,7 @@ def tree(root: Path) -> dict[str, bytes]:
 PLANTED = ["metrics.jsonl", "samples.rank00000.jsonl", "run.yaml", "train_config.json", "checkpoints/best",
            "checkpoints/.tmp-step_00000002/", "checkpoints/step_00000002/", "checkpoints/step_00000001/",
            "checkpoints/", "drafter/", "drafter/model.safetensors", "drafter/config.json", ".tmp-drafter/",
-           "tensorboard/"]
+           "tensorboard/", "resumes.jsonl"]
 
 
 @pytest.mark.parametrize("name", PLANTED)
@@ -281,8 +281,32 @@ def _folder_link_out(d: Path) -> None:
     os.symlink(outside / "rows_0-4", d / "rows_4-8")
 
 
+def _int_features(path: Path) -> None:
+    """A sample file whose hidden states are integers (a safetensors header that says so, or a torch.save)."""
+    s = _sample(seed=1)
+    s["hidden_states"] = (s["hidden_states"] * 100).to(torch.int64)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({"hidden_states": s["hidden_states"]}, str(path))
+    else:
+        torch.save(s, path)
+
+
+def _header_dtype(path: Path, dtype: str) -> None:
+    """A safetensors file whose header names ``dtype`` for its bf16 hidden states (the same byte count)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["hidden_states"]["dtype"] = dtype
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
 PEERS = {
     "gzip bomb": (_gzip_bomb, ["data_1.ckpt", "gzip expanding past"]),
+    "int64 hidden states": (lambda d: _int_features(d / "rows_0-4" / "data_1.ckpt"), ["data_1.ckpt", "int64"]),
     "a .ckpt link out": (_link_out, ["data_1.ckpt", "symbolic link"]),
     "a folder link out": (_folder_link_out, ["rows_4-8", "symbolic link"]),
     "a .ckpt FIFO": (lambda d: _replace(d / "rows_0-4" / "data_1.ckpt", os.mkfifo), ["data_1.ckpt", "a FIFO"]),
@@ -318,6 +342,9 @@ SPECULATORS = {
         {"_data_files": [{"filename": "../other.arrow"}]})), ["state.json", "'..' part"]),
     "hs_0 -> /dev/zero": (lambda d: _replace(d / "hidden_states" / "hs_0.safetensors",
                                              lambda p: os.symlink("/dev/zero", p)), ["hs_0.safetensors", "symbolic link"]),
+    "hs_0 of int64": (lambda d: _int_features(d / "hidden_states" / "hs_0.safetensors"), ["hs_0.safetensors", "int64"]),
+    "hs_0 header says I16": (lambda d: _header_dtype(d / "hidden_states" / "hs_0.safetensors", "I16"),
+                             ["hs_0.safetensors", "holds int16 values"]),
 }
 FOLDERS = {**{("specforge", k): v for k, v in PEERS.items()}, **{("speculators", k): v for k, v in SPECULATORS.items()}}
 

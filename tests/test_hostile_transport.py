@@ -11,7 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -185,6 +187,102 @@ def test_a_percent_encoded_location_is_never_followed(served, tmp_path):
     assert not outside, outside
 
 
+# names an index page links to that decode to another folder than the one listed (each beside a good one)
+DOTTED_LINKS = {"%2e%2e": "..", "%2e%2e/": "../", "..%2F": "../", ".%2e/": "../", "%2F": "/", "%2F%2F": "//",
+                "%2e": ".", "%2e/": "./", "a%2Fb.json": "a/b.json", "%2e%2e%2Fsecret.json": "../secret.json",
+                "sub%2F..%2F..%2Fx": "sub/../../x"}
+
+
+class _IndexPage(BaseHTTPRequestHandler):
+    """An HTML index page at ``/store/commits/`` linking to every name of DOTTED_LINKS, one good file and one good
+    folder; anything else is 404."""
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path != "/store/commits/":
+            self.send_error(404)
+            return
+        links = ["ok.json", "folder/", *DOTTED_LINKS]
+        body = "".join(f'<a href="{href}">{href}</a>\n' for href in links).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_an_index_page_names_nothing_outside_its_folder_once_decoded():
+    """Links that percent-decode to ``/``, ``.``, ``..``, ``../`` or a name holding a slash are no names of the
+    folder listed: a listing never hands them on (a reader would take ``commits/../x`` for a record)."""
+    from hsstore.io import listing, storage
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _IndexPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fs, root = storage.resolve(f"http://127.0.0.1:{server.server_address[1]}/store")
+        names = listing.list_names(fs, f"{root}/commits")
+        detail = listing.list_detail(fs, f"{root}/commits")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert names == ["folder", "ok.json"], names
+    assert list(detail) == ["ok.json"], detail
+
+
+class _DrippedIndexPage(BaseHTTPRequestHandler):
+    """An index page of ``size`` bytes (its length declared) sent in pieces of ``piece`` bytes at ``rate`` bytes a
+    second: each piece comes quickly, the whole answer slower than the rate a reader takes. ``sent``: bytes sent."""
+
+    size, piece, rate, sent = 32 << 10, 64, 1000.0, 0
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        link = b'<a href="rec-0000000000.json">rec-0000000000.json</a>\n'
+        body = (link * (self.size // len(link) + 1))[:self.size]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        t0 = time.monotonic()
+        try:
+            for at in range(0, len(body), self.piece):
+                self.wfile.write(body[at:at + self.piece])
+                type(self).sent += len(body[at:at + self.piece])
+                time.sleep(max(0.0, t0 + (at + self.piece) / self.rate - time.monotonic()))
+        except OSError:  # cut off, as it should be
+            pass
+
+
+@pytest.mark.slow  # seconds of a dripped answer
+def test_an_answer_just_under_the_minimum_rate_in_many_small_pieces_is_cut(monkeypatch):
+    """A page whose pieces arrive every few milliseconds at 0.8 x the minimum rate: no gap is long, so only the
+    whole answer's clock (its first byte within HSSTORE_REQUEST_S, then the minimum rate on average) cuts it, at
+    about REQUEST_S / (1 - 0.8) seconds; the page's own deadline (its 64 MiB bound at that rate) is hours away."""
+    from hsstore import env
+    from hsstore.io import listing, storage
+    from hsstore.io.receive import DeadlineError
+
+    monkeypatch.setenv(env.REQUEST_S.name, "1")
+    monkeypatch.setenv(env.MIN_RATE.name, "4096")
+    handler = type("Dripped", (_DrippedIndexPage,), {"rate": 0.8 * 4096, "sent": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fs, root = storage.resolve(f"http://127.0.0.1:{server.server_address[1]}/store")
+        cut = r"/store/commits/?: cut off after [0-9.]+ s with [0-9,]+ bytes .*on average"
+        with pytest.raises(DeadlineError, match=cut):
+            listing.list_names(fs, f"{root}/commits")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 0 < handler.sent < handler.size, handler.sent  # cut part way, not read to its end
+
+
 # -- S3: a hostile endpoint in front of moto's server ---------------------------------------------------------------
 @pytest.fixture
 def s3_small(s3_store):
@@ -205,6 +303,22 @@ def test_info_over_a_trickling_s3_endpoint_is_cut_off(s3_small):
         assert proxy.injected["trickle"] >= 1
     one_line(rc, lines, peak, "manifest.json", "cut off after", "deadline")
     assert took < 40, took
+
+
+def test_an_s3_answer_redirected_to_another_endpoint_is_refused(s3_small, tmp_path):
+    """The endpoint answers the manifest's GET with a redirect to another host, which serves another store's
+    manifest at the same key, to anyone. botocore's HTTP client follows it; the answer is refused."""
+    url, endpoint = s3_small
+    key = url.removeprefix("s3://")
+    write_samples(str(tmp_path / "other" / key), make_manifest(), make_samples(3, max_len=60, prefix="other"))
+    with HostileHTTPServer(str(tmp_path / "other")) as other:
+        with FaultProxy(endpoint, faults=["redirect"], persistent=True, redirect_to=other.url,
+                        match=lambda m, p: m == "GET" and p.split("?")[0].endswith("/manifest.json")) as proxy:
+            rc, _, lines, peak, _ = hsstore_cmd(_s3(["info", url], proxy))
+            assert proxy.injected["redirect"] >= 1
+        followed = [p for p in other.paths if p.endswith("/manifest.json")]
+    assert followed  # the client went there: only the origin check stands between it and that answer
+    one_line(rc, lines, peak, "manifest.json", "redirected to '127.0.0.1'", "its own endpoint only")
 
 
 def test_a_chunk_body_past_its_size_is_cut_and_refused(s3_small):

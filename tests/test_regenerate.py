@@ -347,10 +347,12 @@ def engine_regenerate(url: str, inp: Path, out: Path, capsys, *extra: str) -> st
     return capsys.readouterr().out
 
 
-def test_a_rows_own_template_arguments_win(trained, tmp_path, capsys):
+@pytest.mark.parametrize("cli", ['{"preserve_thinking": true}', '{"enable_thinking": true, "preserve_thinking": true}'],
+                         ids=["default", "command line"])
+def test_a_rows_own_template_arguments_win(trained, tmp_path, capsys, cli):
     """Thinking-off rows (their own chat_template_kwargs) are asked with thinking off and recorded so, the other
-    rows with the run's; check renders each with what was sent (no prompt_mismatch) and the engine's prompt ids
-    agree with it."""
+    rows with the run's, whether thinking on is the default or the command line's own --chat-template-kwargs; check
+    renders each with what was sent (no prompt_mismatch) and the engine's prompt ids agree with it."""
     from tools.engine_server import EngineServer
 
     off = {"enable_thinking": False}
@@ -361,7 +363,7 @@ def test_a_rows_own_template_arguments_win(trained, tmp_path, capsys):
     inp, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     server = EngineServer(trained, script={"2 + 3": "5.", "3 to 6": "3, 4, 5, 6."})  # the tiny model always thinks
     with server as url:
-        engine_regenerate(url, inp, out, capsys, "--chat-template-kwargs", '{"preserve_thinking": true}')
+        engine_regenerate(url, inp, out, capsys, "--chat-template-kwargs", cli)
     sent = {r["messages"][-1]["content"]: r["chat_template_kwargs"] for r in server.requests}
     assert sent["What is 2 + 3?"] == sent["Count from 3 to 6."] == {"enable_thinking": False,
                                                                      "preserve_thinking": True}

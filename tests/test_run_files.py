@@ -89,9 +89,10 @@ def test_run_yaml_reproduces_the_run_and_best_checkpoint(store32, tmp_path, caps
     ra, rb = rows(a), rows(b)
     assert [r["step"] for r in ra] == [1, 2, 3, 4] and [r["loss"] for r in ra] == [r["loss"] for r in rb]
 
-    # best: the step with the highest val_tau, kept although --keep 1
+    # best: the step with the highest val_tau (a tie: the lower val_loss, then the earlier step), kept although --keep 1
     taus = {r["step"]: r["val_tau"] for r in ra}
-    best_step = max(taus, key=lambda s: (taus[s], -s))
+    losses = {r["step"]: r["val_loss"] for r in ra}
+    best_step = max(taus, key=lambda s: (taus[s], -losses[s], -s))
     pointer = json.loads((a / "checkpoints" / "best").read_text())
     assert pointer["step"] == best_step and pointer["val_tau"] == pytest.approx(taus[best_step])
     assert (a / "checkpoints" / pointer["checkpoint"] / "trainer.json").exists()
@@ -207,3 +208,60 @@ def test_run_yaml_runs_again_from_another_folder(store32, tmp_path, monkeypatch,
         assert main(["train", "--config", f, *FAST_FLAGS]) == 0
     assert (work / "mine" / "metrics.jsonl").exists() and not (elsewhere / "mine").exists()
     assert f"relative paths are read from the file's folder {work}" in caplog.text and "store store" in caplog.text
+
+
+# (val_tau, val_loss) of each evaluation, at steps 1, 2, ...; the step OUT/checkpoints/best must name
+HISTORIES = {
+    "rising": ([(1.2, 3.0), (1.5, 2.8), (1.9, 2.5)], 3),
+    "falling": ([(1.9, 2.5), (1.5, 2.8), (1.2, 3.0)], 1),
+    "up then down": ([(1.2, 3.0), (1.9, 2.5), (1.4, 2.9)], 2),
+    "a tie, the later loss lower": ([(1.5, 3.0), (1.5, 2.7), (1.4, 2.0)], 2),
+    "a tie, the later loss higher": ([(1.5, 2.7), (1.5, 3.0)], 1),
+    "an exact tie": ([(1.5, 2.7), (1.5, 2.7)], 1),
+    "a tie without a loss": ([(1.5, 2.7), (1.5, None)], 1),
+    "not computed": ([(1.5, 2.7), (float("nan"), 1.0), (None, 1.0), (float("inf"), 1.0)], 1),
+}
+
+
+def follow_history(out, history, saved=None):
+    """The trainer's loop over ``history``: each evaluation offered to the best tracker, a checkpoint published at
+    every step (pointed at by ``best`` when the tracker has a new one)."""
+    from hsstore.train.metrics import BestTracker
+
+    best = BestTracker(saved)
+    for step, (tau, loss) in enumerate(history, 1):
+        best.offer(step, {"step": step, "val_tau": tau, "val_loss": loss, "val_acc": 0.5, "val_anchors": 64})
+        tmp = ckpt.staging_dir(out, step)
+        tmp.mkdir(parents=True)
+        (tmp / "trainer.json").write_text(json.dumps({"step": step}))
+        (tmp / ckpt.CONFIG).write_text("{}")  # what export-drafter looks for in the checkpoint named
+        ckpt.publish(tmp, ckpt.checkpoint_dir(out, step), keep=len(history), best=best.take())
+    return best
+
+
+@pytest.mark.parametrize("name", list(HISTORIES))
+def test_the_best_checkpoint_follows_validation_up_down_and_through_ties(tmp_path, name):
+    history, want = HISTORIES[name]
+    follow_history(tmp_path, history)
+    pointer = ckpt.read_best(tmp_path)
+    assert pointer["step"] == want and pointer["checkpoint"] == ckpt.checkpoint_dir(tmp_path, want).name
+    # what `export-drafter OUT NEW --best` exports: the checkpoint the pointer names
+    assert ckpt.resolve_drafter_dir(ckpt.best_pointer(tmp_path)) == ckpt.checkpoint_dir(tmp_path, want)
+
+
+def test_a_resumed_run_keeps_its_best_through_a_tie(tmp_path):
+    """A resumed run starts from the pointer's tau and loss: a tie with a higher loss does not move it, a tie with
+    a lower loss does."""
+    follow_history(tmp_path, [(1.5, 2.7)])
+    saved = ckpt.read_best(tmp_path)
+    follow_history(tmp_path / "again", [(1.5, 2.9)], saved)
+    assert ckpt.read_best(tmp_path / "again") is None  # nothing better than the saved best
+    follow_history(tmp_path / "lower", [(1.5, 2.5)], saved)
+    assert ckpt.read_best(tmp_path / "lower")["val_loss"] == 2.5
+
+
+def test_export_drafter_help_says_how_a_tie_is_broken(capsys):
+    with pytest.raises(SystemExit):
+        main(["export-drafter", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "best validation tau, a tie going to the lower validation loss, then to the earlier step" in text

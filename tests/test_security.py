@@ -114,3 +114,86 @@ def test_credentials_never_stored_logged_or_in_errors(s3_endpoint, tmp_path, cap
             "config_kwargs": {"retries": {"max_attempts": 1}}})
     assert not secrets_in(str(e.value))
     assert not secrets_in("\n".join(r.getMessage() for r in caplog.records if r.name.startswith("hsstore")))
+
+
+EVIL_MODULE = '''"""A target folder's own code: it must never run (it marks that it did)."""
+from pathlib import Path
+
+Path({marker!r}).write_text("the folder's code ran")
+
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
+
+
+class EvilConfig(Qwen3_5TextConfig):
+    pass
+
+
+class EvilModel(Qwen3_5ForCausalLM):
+    config_class = EvilConfig
+'''
+
+
+@pytest.fixture(scope="module")
+def evil_target(tiny_dir, tmp_path_factory):
+    """(the tiny target copied into a folder whose config names ``auto_map`` code of its own, the marker file that
+    code writes when it runs, a few input rows)."""
+    import json
+    import shutil
+
+    from hsstore.extract.tiny import demo_conversations_path
+
+    d = tmp_path_factory.mktemp("evil")
+    model, marker = d / "evil-target", d / "the-folder-code-ran"
+    shutil.copytree(tiny_dir, model)
+    (model / "evil.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel",
+                          "AutoModelForCausalLM": "evil.EvilModel"}
+    (model / "config.json").write_text(json.dumps(config))
+    rows = d / "in.jsonl"
+    rows.write_text("\n".join(demo_conversations_path().read_text().splitlines()[:4]) + "\n")
+    return model, marker, rows
+
+
+@pytest.fixture(scope="module")
+def clean_run(tiny_dir, evil_target, tmp_path_factory):
+    """A store extracted from the tiny target's own folder (the same weights) and a drafter trained a step on it:
+    what audit and eval are given beside the other folder (a store keeps the config it was extracted with, and
+    readers refuse one that names code: tests/test_hostile_files.py)."""
+    from hsstore.app.cli import main
+    from hsstore.app.schema import build
+    from hsstore.train.trainer import TrainSettings, train
+    from train_helpers import FAST
+
+    d = tmp_path_factory.mktemp("clean")
+    store = str(d / "store")
+    assert main(["extract", "--model", str(tiny_dir), "--input", str(evil_target[2]), "--out", store, "--device",
+                 "cpu", "--dtype", "float32", "--layers", "1,3,5", "-q", "--force"]) == 0
+    train(build(TrainSettings, store=[store], out=str(d / "run"), steps=1, **FAST))
+    return store, str(d / "run")
+
+
+@pytest.mark.slow  # each loads the tiny target (extract: extracts it; audit: recomputes; eval: decodes)
+@pytest.mark.parametrize("command", ["extract", "audit", "eval"])
+def test_a_target_folders_own_code_never_runs(evil_target, clean_run, tmp_path, capsys, command):
+    """A --model folder whose config names ``auto_map`` code (its own config and model classes, in the folder) is
+    loaded as the architecture its ``model_type`` names, by transformers' own code, in every command that loads a
+    target; the folder's module never runs (it would write a marker file)."""
+    import shutil
+
+    from hsstore.app.cli import main
+
+    template, marker, rows = evil_target
+    store, run = clean_run
+    # a folder of its own name: a module that ran in an earlier command of this process is not run again
+    model = shutil.copytree(template, tmp_path / f"evil-target-{command}")
+    marker.unlink(missing_ok=True)
+    argv = {"extract": ["extract", "--model", str(model), "--input", str(rows), "--out", str(tmp_path / "s"),
+                        "--device", "cpu", "--dtype", "float32", "--layers", "1,3,5", "-q", "--force"],
+            "audit": ["audit", store, "--model", str(model), "--device", "cpu", "-q"],
+            "eval": ["eval", "--store", store, "--drafter", run, "--model", str(model), "--input", str(rows),
+                     "--num-samples", "1", "--max-new-tokens", "4", "--device", "cpu", "-q"]}[command]
+    rc = main(argv)
+    capsys.readouterr()
+    assert not marker.exists(), f"{command} ran the model folder's code"
+    assert rc == 0

@@ -157,7 +157,7 @@ def test_meter_sums_by_name():
     assert math.isnan(m.summary(1, None)["loss"])
 
 
-@pytest.mark.parametrize("given, want", [([], "off"), (["--checkpoint-layers"], "mlp"),
+@pytest.mark.parametrize("given, want", [([], "auto"), (["--checkpoint-layers"], "mlp"),
                                          (["--checkpoint-layers", "full"], "full"),
                                          (["--checkpoint-layers", "mlp"], "mlp")])
 def test_checkpoint_layers_flag(given, want):
@@ -165,7 +165,7 @@ def test_checkpoint_layers_flag(given, want):
     assert train_config(parse(["train", "--store", "/s", "--out", "/o", *given])).memory.checkpoint_layers == want
 
 
-@pytest.mark.parametrize("value, want", [(True, "mlp"), (False, "off"), ("full", "full"), ("off", "off")])
+@pytest.mark.parametrize("value, want", [(True, "mlp"), (False, "auto"), ("full", "full"), ("off", "off")])
 def test_checkpoint_layers_in_a_config_file(tmp_path, value, want):
     """A file written when the setting was a bool keeps its meaning: true is the bare flag, false its absence."""
     f = tmp_path / "run.yaml"

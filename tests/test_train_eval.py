@@ -397,9 +397,9 @@ def test_a_difference_is_weighed_by_the_targets_own_logits(tiny_dir, prompts):
 
 
 def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir, small_input, tmp_path):  # noqa: F811
-    """tools.bench_eval on a demo-shaped folder: one row per mode, both lossless with the same tau and forwards,
-    re-runs only on the recompute path."""
-    from tools.bench_eval import run, table
+    """tools.bench_eval on a demo-shaped folder: one row per mode, all lossless with the same tau and forwards,
+    re-runs only on the recompute path; the parts timed alone give the ceiling and the bound beside the rows."""
+    from tools.bench_eval import ceilings, costs, run, table
 
     demo = tmp_path / "demo"
     (demo / "data").mkdir(parents=True)
@@ -407,12 +407,19 @@ def test_bench_eval_pairs_kept_states_with_the_recompute_path(store32, tiny_dir,
     (demo / "store").symlink_to(store32)
     (demo / "target").symlink_to(tiny_dir)
     (demo / "data" / "heldout.jsonl").symlink_to(small_input)
-    rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12)
+    modes = ["graphs", "chunk", "eager", "recompute"]
+    rows = run(demo, "cpu", samples=1, rounds=1, warmup=0, max_new=12, modes=modes)
     by = {r["mode"]: r for r in rows}
-    assert sorted(by) == ["recompute", "states"]
+    assert sorted(by) == sorted(modes)
     assert all(r["identical"] == r["samples"] == 1 for r in rows)
-    assert by["states"]["tau_per_prompt"] == by["recompute"]["tau_per_prompt"]
-    assert by["states"]["tau_pooled"] == by["recompute"]["tau_pooled"]
-    assert by["states"]["spec_forwards"] == by["recompute"]["spec_forwards"]
-    assert by["states"]["reruns"] == 0 < by["recompute"]["reruns"]
-    assert "states / recompute" in table(rows)
+    for tau in ("tau_per_prompt", "tau_pooled"):
+        assert by["graphs"][tau] == by["chunk"][tau] == by["eager"][tau] == by["recompute"][tau]
+    assert by["eager"]["spec_forwards"] == by["recompute"]["spec_forwards"]
+    assert by["eager"]["reruns"] == by["graphs"]["reruns"] == 0 < by["recompute"]["reruns"]
+    parts = costs(demo, "cpu", reps=2, modes=["graphs", "eager"])
+    assert all(parts[k] > 0 for k in ("target_ms", "draft_ms_graphs", "draft_ms_eager", "verify_ms_graphs",
+                                      "verify_ms_eager"))
+    c = ceilings(rows, parts)["eager"]
+    ceiling = by["eager"]["tau_pooled"] / (1 + parts["draft_ms_eager"] / parts["target_ms"])
+    assert c["ceiling"] == pytest.approx(ceiling)
+    assert "graphs / eager" in table(rows, parts) and "ceiling" in table(rows, parts)

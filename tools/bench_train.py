@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -47,13 +49,15 @@ import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
-from hsstore.train.model import ATTN_IMPLS, CHECKPOINT_POLICIES, DFlashDrafter, DrafterConfig
+from hsstore.train.config import CHECKPOINT_CHOICES
+from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
 from hsstore.train.optim import build_optimizer, build_scheduler
 from hsstore.train.trainer import DraftLoss, train_step
@@ -65,9 +69,12 @@ TINY = dict(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, vocab=1000, ta
 
 def write_store(path, args, device, storage_options=None) -> None:
     """``--samples`` samples of ``--seq`` tokens, random N(0, 1) bf16 features (made on ``device``: fast)."""
+    # the tokenizer's vocabulary one short of the embedding: `hsstore train` takes the row past it as its mask
+    # token, the one this bench's drafter uses (``build``), with nothing to pass
     manifest = Manifest(
         target=TargetIdentity(name="bench", num_layers=args.taps + 3, hidden_size=args.hidden, config_hash="bench"),
-        tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"), layers=tuple(range(args.taps)))
+        tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench", vocab_size=args.vocab - 1),
+        layers=tuple(range(args.taps)))
     g = torch.Generator(device=device).manual_seed(0)
     with StoreWriter(str(path), manifest, storage_options=storage_options) as w:
         for i in range(args.samples):
@@ -160,8 +167,12 @@ def main() -> None:
                          "memory) with --s3-latency per request and --s3-bandwidth-mb per connection")
     ap.add_argument("--s3-latency", type=float, default=0.03)
     ap.add_argument("--s3-bandwidth-mb", type=float, default=100.0, help="MB/s per connection (0: no cap)")
-    ap.add_argument("--checkpoint-layers", nargs="?", const="mlp", default="off", choices=CHECKPOINT_POLICIES,
-                    help="recompute draft layers in backward: mlp (the bare flag) their MLP halves, full whole layers")
+    ap.add_argument("--checkpoint-layers", nargs="?", const="mlp", default="auto", choices=CHECKPOINT_CHOICES,
+                    help="recompute draft layers in backward: mlp (the bare flag) their MLP halves, full whole layers; "
+                         "auto (default) as `hsstore train` plans it for this device's memory (``plan_step``)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="plan the step for this much GPU memory and hold the process to it, as `hsstore train "
+                         "--gpu-memory-gib` (default: the device's)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="after the rounds, one more loader-fed pass under torch's CUDA sync debug mode: how many "
                          "times per step the launching thread waits for the GPU, and where (syncs_per_step)")
@@ -175,6 +186,7 @@ def main() -> None:
     ap.add_argument("--store-only", action="store_true",
                     help="only write the store, with random target assets, for `hsstore train` (kept; path printed)")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the memory plan's lines, as train logs them
     sys.setswitchinterval(args.switch_interval)  # what the training thread waits for the GIL at most, as in train
     if args.tiny:
         for k, v in TINY.items():
@@ -224,7 +236,8 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
     """Loader-fed vs resident steps (the module doc); ``s3_counts``: the emulated S3's byte counts (or None)."""
     per_step = args.steps + args.warmup
     model, drafter, opt, sched = build(args, device)
-    drafter.checkpoint_layers = args.checkpoint_layers
+    plan = planned(args, drafter, device, None if storage_options else store_url)
+    args.anchors, drafter.checkpoint_layers = plan.batch.anchors, plan.memory.checkpoint_layers
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     gamma = default_gamma(args.block)
     source = StoreBatches([store_url], layers=list(range(args.taps)), token_budget=args.max_tokens, seed=0, rank=0,
@@ -240,11 +253,11 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
     def timed(batches) -> float:
         it = iter(batches)
         for _ in range(args.warmup):
-            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+            train_step(model, drafter, opt, sched, [next(it)[0]], 1.0, amp)
         sync(device)
         t = time.perf_counter()
         for _ in range(args.steps):
-            train_step(model, drafter, opt, sched, next(it)[0], 1.0, amp)
+            train_step(model, drafter, opt, sched, [next(it)[0]], 1.0, amp)
         sync(device)
         return (time.perf_counter() - t) / args.steps
 
@@ -292,7 +305,9 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
         "rounds_ratio": [b / a for a, b in zip(loader_t, resident_t)],
         "breakdown_ms": breakdown, "rounds_breakdown_ms": parts, "reader_threads": args.reader_threads,
         "prefetch": args.prefetch, "switch_interval": sys.getswitchinterval(),
-        "checkpoint_layers": args.checkpoint_layers, "source": "s3 (emulated)" if s3_counts is not None else "local",
+        "checkpoint_layers": drafter.checkpoint_layers, "asked": {"anchors": plan.asked_anchors,
+                                                                  "checkpoint_layers": args.checkpoint_layers},
+        "estimate_gib": plan.estimate / 2**30, "source": "s3 (emulated)" if s3_counts is not None else "local",
     }
     if syncs is not None:
         result["syncs_per_step"] = sum(syncs.values()) / per_step
@@ -300,8 +315,9 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
     if s3_counts is not None:
         result.update(s3_latency=args.s3_latency, s3_bandwidth_mb=args.s3_bandwidth_mb, **s3_counts(),
                       trainer_pid=os.getpid())
-    if device.type == "cuda":
+    if device.type == "cuda":  # the whole step's: AdamW's moments exist from the first step on
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        result["estimate_vs_peak"] = result["estimate_gib"] / result["peak_gib"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -316,6 +332,45 @@ def run(args, device, store_url: str, storage_options, s3_counts) -> None:
               f"step {b['step_ms']:.1f} = resident {b['step_vs_resident_ms']:+.1f}; read-ahead thread: read+collate "
               f"{b['read_ms']:.1f}, anchors {b['prep_ms']:.1f}, copy issue {b['copy_issue_ms']:.1f}"
               + (f", copy on GPU {b['copy_gpu_ms']:.1f}" if "copy_gpu_ms" in b else ""))
+
+
+@dataclasses.dataclass
+class Planned:
+    """The bench's step as `hsstore train` plans it: the trainer's settings after its memory check, the anchors
+    asked, and the check's estimate (bytes)."""
+
+    batch: Any
+    memory: Any
+    asked_anchors: int
+    estimate: int
+
+
+def planned(args, drafter, device, store_url: str | None) -> Planned:
+    """The step through the trainer's own memory plan (``budget.check_gpu_memory`` / ``check_cpu_memory``, the
+    functions ``hsstore train`` calls): anchors, recompute policy and estimate for this device, its lines logged
+    (``store_url``: a local store, whose lengths bound the sequences per batch, as in training)."""
+    import hsstore
+    from hsstore.app.schema import build as build_settings
+    from hsstore.train import budget
+    from hsstore.train.config import TrainSettings
+
+    settings = build_settings(TrainSettings, store=["bench"], out="bench", token_budget=args.max_tokens,
+                              anchors=args.anchors, checkpoint_layers=args.checkpoint_layers, shard_optimizer="off",
+                              gpu_memory_gib=args.gpu_memory_gib)
+    params = drafter.num_trainable_parameters()
+    frozen = drafter.embed_tokens.numel() + drafter.lm_head.numel()
+    if device.type == "cuda":
+        stores = [hsstore.open(store_url)] if store_url else None
+        settings, plan = budget.gpu_plan(drafter.config, settings, params, frozen, device, stores)
+        estimate = plan.estimate
+    else:
+        settings = budget.check_cpu_memory(drafter.config, settings, params, frozen)
+        estimate = budget.step_bytes(drafter.config, args.max_tokens, settings.batch.anchors, params, frozen,
+                                     checkpoint_layers=settings.memory.checkpoint_layers, device="cpu")
+    print(f"plan: {settings.batch.anchors} anchors per sequence (asked {args.anchors}), --checkpoint-layers "
+          f"{settings.memory.checkpoint_layers} (asked {args.checkpoint_layers}), estimated peak "
+          f"{estimate / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+    return Planned(settings.batch, settings.memory, args.anchors, estimate)
 
 
 def count_syncs(fn, device) -> collections.Counter:

@@ -81,7 +81,7 @@ NEEDS="$W/s-compiled|extract --compile" row "audit (compiled store)" 0 "audit: O
 NEEDS="$W/s-cuda|extract --device cuda" row "train (GPU defaults, $STEPS steps)" 0 "[0-9,.]+ ?tok(ens)?/s|tau [0-9.]+" -- \
   $HS train --store "$W/s-cuda" --out "$W/run" --steps "$STEPS" --log-every 50 -q
 NEEDS="$W/run|train (GPU defaults, $STEPS steps)" row "eval (teacher-forced)" 0 "\"tau\": [0-9.]+" -- $HS eval --store "$W/s-cuda" --drafter "$W/run" --json
-NEEDS="$W/run|train (GPU defaults, $STEPS steps)" row "eval --model (speculative)" 0 "\"tau\": [0-9.]+|\"identical\": [0-9]+|\"samples\": [0-9]+" -- \
+NEEDS="$W/run|train (GPU defaults, $STEPS steps)" row "eval --model (speculative)" 0 "\"tau_per_prompt\": [0-9.]+|\"tau_pooled\": [0-9.]+|\"identical\": [0-9]+" -- \
   $HS eval --store "$W/s-cuda" --drafter "$W/run" --model "$T" --input "$HELD" --num-samples 4 --json
 CKPT=$( (ls -d "$W/run/checkpoints/"*/ || ls -d "$DEMO/run/checkpoints/"*/) 2>/dev/null | tail -1)  # the demo's run when train was skipped
 row "export-drafter" 0 "drafter: .*" -- $HS export-drafter "${CKPT:-$W/run}" "$W/drafter-export"

@@ -11,7 +11,9 @@ once more over the same S-token block with the tokens after ``a`` switched off (
 g = 0: nothing decayed), whose final state is exactly the state after ``a`` tokens. That is one delta-rule call
 for all GDN layers (stacked along the batch), no projections, MLPs or attention, and always the block's shape
 (no new kernel shapes to compile); it replaces the copy of the whole cache before every verification and the
-second, shorter forward after every rejection.
+second, shorter forward after every rejection. On a GPU the verified block (and so its replay) runs the delta rule
+token by token in one call (``RECURRENT_BLOCKS``): one fused kernel per layer, the one one-token decoding runs,
+where the chunked form launches several for a block of a few tokens.
 
 It works on the layout transformers' Qwen3.5/3.6 (Qwen3-Next-style) cache has from 5.x: ``cache.layers[i]``
 holding ``conv_states[0]`` / ``recurrent_states[0]`` for a linear-attention layer and ``keys`` / ``values`` for a
@@ -32,6 +34,11 @@ from torch import nn
 # the delta-rule functions a Gated DeltaNet mixer calls over several tokens (its module's globals): the
 # chunked form (transformers' torch fallback or fla's kernel behind transformers' wrapper)
 CHUNK_CALLS = ("chunk_gated_delta_rule",)
+# its token-by-token form, in the same module: a verified block takes it on these devices. On a GPU fla's fused
+# recurrent kernel is one launch per layer where the chunked form is several (a verification is launch-bound), and
+# it is the kernel the target's own one-token decoding runs; on a CPU the torch chunked form is the faster
+RECURRENT_CALLS = ("recurrent_gated_delta_rule",)
+RECURRENT_BLOCKS = ("cuda",)
 MIXER_KINDS = ("GatedDeltaNet",)
 
 
@@ -65,9 +72,11 @@ class BlockStates:
             hooks.append(m.in_proj_qkv.register_forward_hook(self._conv_inputs))
         patched = []
         for scope in {id(s): s for s in (_scope(m) for m in self.mixers)}.values():
+            recurrent = next((fn for name, fn in scope.items() if callable(fn) and "chunk" not in name
+                              and any(c in name for c in RECURRENT_CALLS)), None)
             for name, fn in list(scope.items()):
                 if callable(fn) and any(c in name for c in CHUNK_CALLS):
-                    scope[name] = self._recorder(fn)
+                    scope[name] = self._recorder(fn, recurrent)
                     patched.append((scope, name, fn))
         try:
             yield self
@@ -87,17 +96,21 @@ class BlockStates:
         if self._current is not None:
             self.layers[self._current].conv_inputs = out
 
-    def _recorder(self, fn):
+    def _recorder(self, fn, recurrent=None):
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if args and args[0].device.type == "cpu" and "chunk_size" not in kwargs:
+            use = fn
+            if recurrent is not None and args and args[0].device.type in RECURRENT_BLOCKS:
+                use = recurrent  # the block token by token, in one call (RECURRENT_BLOCKS)
+                kwargs.pop("chunk_size", None)
+            elif args and args[0].device.type == "cpu" and "chunk_size" not in kwargs:
                 kwargs["chunk_size"] = _chunk(self.block)  # the torch delta rule's chunk: see _chunk
             layer = self.layers.get(self._current) if self._current is not None else None
             if layer is not None:
                 state = kwargs.get("initial_state")
                 kept = dict(kwargs, initial_state=None if state is None else state.clone())
-                layer.call = (fn, args, kept)
-            return fn(*args, **kwargs)
+                layer.call = (use, args, kept)
+            return use(*args, **kwargs)
         return call
 
     def complete(self) -> bool:

@@ -18,7 +18,6 @@ Choices worth knowing:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -26,15 +25,19 @@ from typing import Any
 import torch
 
 from hsstore.errors import StoreError
-from hsstore.format import assets
+from hsstore.format import assets, values
+from hsstore.io import door
+from hsstore.redaction import recordable_url
 from hsstore.format.manifest import Manifest
 from hsstore.format.serving import serving
+from hsstore.app.schema import replace
 from hsstore.app.target import text_config
 from hsstore.store.reader import Store
 from hsstore.version import __version__
 
 from . import checkpoint as ckpt
 from .budget import check_cpu_memory, check_gpu_memory
+from .drafter_format import check_bounds
 from .config import TrainSettings
 from .model import DFlashDrafter, DrafterConfig
 from .objective import dflash_loss
@@ -43,13 +46,37 @@ log = logging.getLogger(__name__)
 
 
 def load_frozen(store: Store, device="cpu", dtype: torch.dtype | None = None):
-    """(target config dict, embedding [V, H], lm_head [V, H]) from the store's assets."""
-    cfg = json.loads(assets.read_asset(store.fs, store.root, assets.CONFIG, store.url))
-    embed = assets.load_tensors(store.fs, store.root, assets.EMBED, store.url)["weight"]
-    head = assets.load_tensors(store.fs, store.root, assets.LM_HEAD, store.url)["weight"]
+    """(target config dict, embedding [V, H], lm_head [V, H]) from the store's assets, each held to the value check
+    (``hsstore.format.values``) before anything is built from it: the tensors floating point, [V, H] with H the
+    store's hidden size, finite and not all zero; the config's numbers bounded and equal to the tensors'. A
+    refusal is one line naming the store and the asset."""
+    where = f"store {recordable_url(store.url)!r}, {assets.ASSETS_DIR}/"
+    cfg = door.load_json(assets.read_asset(store.fs, store.root, assets.CONFIG, store.url),
+                         where + assets.CONFIG, error=StoreError)
+    embed = frozen_tensor(store, assets.EMBED, where).to(device)  # its values counted where that is fastest
+    head = frozen_tensor(store, assets.LM_HEAD, where).to(device)
+    hidden = store.manifest.hidden_size
+    for name, t in ((assets.EMBED, embed), (assets.LM_HEAD, head)):
+        values.check_tensors({"weight": t}, where + name, shapes={"weight": (embed.shape[0], hidden)}, nonzero=True,
+                             error=StoreError)
+    values.check_target_config(cfg, {"hidden_size": (hidden, "the store's features have"),
+                                     "vocab_size": (embed.shape[0], f"{assets.EMBED} has rows"),
+                                     "num_hidden_layers": (store.manifest.target.num_layers,
+                                                           "the store's target has layers")},
+                               where + assets.CONFIG, error=StoreError)
     if dtype is not None:
         embed, head = embed.to(dtype), head.to(dtype)
-    return cfg, embed.to(device), head.to(device)
+    return cfg, embed, head
+
+
+def frozen_tensor(store: Store, name: str, where: str) -> torch.Tensor:
+    """The one tensor (``weight``) of an asset file, a 2-D tensor (its dtype and values checked by the caller)."""
+    tensors = assets.load_tensors(store.fs, store.root, name, store.url)
+    t = tensors.get("weight")
+    if t is None or t.ndim != 2:
+        raise StoreError(f"{where}{name}: holds {sorted(tensors)[:4]} with shapes "
+                         f"{[list(v.shape) for v in list(tensors.values())[:4]]}, not one 2-D tensor 'weight'")
+    return t
 
 
 def pick_mask_token(target_cfg: dict[str, Any], manifest: Manifest, vocab_rows: int,
@@ -83,12 +110,14 @@ def drafter_config(manifest: Manifest, target_cfg: dict[str, Any], vocab_rows: i
     window = drafter.sliding_window or None
     windows = [window] * (drafter.draft_layers - 1) + [None] if window else None
     shape = {k: getattr(settings.shape, k) for k in SHAPE_KEYS if getattr(settings.shape, k) is not None}
-    return DrafterConfig.from_target_config(
+    dcfg = DrafterConfig.from_target_config(
         SimpleNamespace(**{**tc, "vocab_size": vocab_rows}),
         mask_token_id=pick_mask_token(target_cfg, manifest, vocab_rows, drafter.mask_token_id),
         target_layers=list(manifest.layers), num_layers=drafter.draft_layers, block_size=drafter.block_size,
         sliding_window=windows, sliding_causal=drafter.sliding_causal, attn_impl=attn,
         num_target_layers=manifest.target.num_layers, **shape)
+    check_bounds(dcfg, "the drafter's config (the store's assets/config.json and the flags)")  # before it is built
+    return dcfg
 
 
 SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta")
@@ -181,12 +210,15 @@ def build_drafter(stores: list[Store], settings: TrainSettings, device: torch.de
     if settings.drafter.init is not None:  # a resumed run then loads its checkpoint over these
         drafter.load_state_dict(ckpt.read_weights(settings.drafter.init, dcfg))
         log.info("rank %d: drafter initialised from %s", rank, settings.drafter.init)
-    drafter.checkpoint_layers = settings.memory.checkpoint_layers
     params, frozen = drafter.num_trainable_parameters(), embed.numel() + head.numel()
     if device.type == "cpu":  # past the memory there, the kernel kills the process without a word
-        check_cpu_memory(dcfg, settings, params, frozen)
+        settings = check_cpu_memory(dcfg, settings, params, frozen)
     elif device.type == "cuda":  # an out-of-memory at step 1 (or hours in, at a batch of short rows): decide now
         settings = check_gpu_memory(dcfg, settings, params, frozen, device, stores)
+    elif "auto" in (settings.memory.checkpoint_layers, settings.memory.shard_optimizer):  # no memory model here
+        settings = replace(settings, checkpoint_layers=settings.memory.checkpoint_layers.replace("auto", "off"),
+                           shard_optimizer=settings.memory.shard_optimizer.replace("auto", "off"))
+    drafter.checkpoint_layers = settings.memory.checkpoint_layers  # as planned
     return drafter, settings
 
 
@@ -204,13 +236,14 @@ def serving_warnings(taps, num_target_layers: int | None) -> list[str]:
 
 def wrap_ddp(loss_fn: "DraftLoss", world: int, device: torch.device) -> torch.nn.Module:
     """``loss_fn`` itself in one process; under torchrun, wrapped in DDP (the frozen head, identical on every
-    rank since it comes from the store, is never broadcast)."""
+    rank since it comes from the store, is never broadcast). The gradients are views of DDP's all-reduce buckets:
+    one fp32 copy of them, not two (the memory plan counts one)."""
     if world == 1:
         return loss_fn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     DDP._set_params_and_buffers_to_ignore_for_model(loss_fn, ["drafter.embed_tokens", "drafter.lm_head"])
-    return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None)
+    return DDP(loss_fn, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
 
 
 def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: int, params: int) -> str:
@@ -223,4 +256,14 @@ def settings_line(dcfg: DrafterConfig, settings: TrainSettings, device, world: i
             f"{dcfg.head_dim}, {dcfg.num_kv_heads} KV heads, FFN {dcfg.intermediate_size}, {params / 1e6:.1f}M "
             f"trainable parameters, block {dcfg.block_size}, taps {dcfg.target_layers}; {batch.token_budget:,} "
             f"tokens per batch and rank, {batch.anchors} anchors per sequence, {steps}, lr "
-            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}")
+            f"{settings.schedule.lr:g}, attention {dcfg.attn_impl}" + optimizer_words(settings.schedule)
+            + {"mlp": ", MLP halves recomputed in backward", "full": ", draft layers recomputed in backward"}.get(
+                settings.memory.checkpoint_layers, "")
+            + (f", the optimizer's states sharded over {world} ranks"
+               if settings.memory.shard_optimizer == "on" and world > 1 else ""))
+
+
+def optimizer_words(schedule) -> str:
+    """What the settings line adds for accumulation and weight decay, where they are asked for."""
+    return ((f", {schedule.grad_accum} micro-batches per step" if schedule.grad_accum > 1 else "")
+            + (f", weight decay {schedule.weight_decay:g}" if schedule.weight_decay else ""))

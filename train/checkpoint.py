@@ -42,14 +42,18 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import door, sinks
+from hsstore.ops.html_report import metrics_row
 from hsstore.loader.resume import LoaderStateError
 from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
-from .config import (LEGACY_RESUME_VALUES, RESUME_KEYS, TrainSettings, recordable_config, recordable_stores,
-                     saved_config)
-from .drafter_format import (CONFIG, WEIGHTS, check_tensors, file_shapes, read_config, save_drafter,
-                             weights_bound, write_drafter)
+from .config import (LEGACY_RESUME_VALUES, LEGACY_VALUES, RESUME_KEYS, SEGMENT_KEYS, TrainSettings,
+                     recordable_config, recordable_stores, saved_config)
+from .drafter_format import (CONFIG, WEIGHTS, check_tensors, check_weights, file_shapes, read_config,
+                             save_drafter, weights_bound, write_drafter)
 from .model import DFlashDrafter, DrafterConfig
+from .optim import regrouped, resume_with
+from .rundir import ResumeRecord
+from .sharding import gather_for_save
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +114,7 @@ def read_weights(path: str | os.PathLike, cfg: DrafterConfig) -> dict[str, torch
     check_tensors(cfg, file_shapes(file), str(file))  # names and shapes from the header, before any byte of data
     tensors = load_tensors(file, weights_bound(cfg))
     check_tensors(cfg, tensors, str(file))
+    check_weights(tensors, file, is_master=file.name == MASTER)  # dtype and values: an all-NaN drafter goes no further
     return tensors
 
 
@@ -372,7 +377,7 @@ def read_pointer(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a best-checkpoint pointer (JSON with format {BEST_FORMAT!r})") from None
     if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not _STEP_RE.match(str(d.get("checkpoint"))):
         raise ValueError(f"{path}: not a best-checkpoint pointer (format {BEST_FORMAT!r}, checkpoint step_N)")
-    return d
+    return {"format": BEST_FORMAT, "checkpoint": d["checkpoint"], **metrics_row(d, str(path), needs_step=False)}
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -440,6 +445,7 @@ def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched,
     master = path / MASTER if door.is_file_beneath(path, MASTER) else path / WEIGHTS  # legacy: fp32 model.safetensors
     bound = weights_bound(model.config)
     weights = load_tensors(master, bound, device=str(device))
+    check_weights(weights, master, is_master=master.name == MASTER)
     moments = load_tensors(path / OPTIMIZER, 2 * bound + RNG_CAP)
     rng_file = path / f"rank{rank:05d}.safetensors"
     rng = load_tensors(rng_file, RNG_CAP) if door.is_file_beneath(path, rng_file.name) else None
@@ -447,7 +453,8 @@ def restore(path: Path, model: DFlashDrafter, opt: torch.optim.Optimizer, sched,
     try:
         check_tensors(model.config, weights, str(master))
         model.load_state_dict(weights, strict=True)
-        opt.load_state_dict(optimizer_from_safetensors(moments, state["optimizer"]))
+        saved = optimizer_from_safetensors(moments, state["optimizer"])
+        opt.load_state_dict({**saved, "param_groups": regrouped(saved["param_groups"], model, opt)})
         check_moments(opt, where)
         sched.load_state_dict(state["scheduler"])
         set_python_rng(state["python_rng"])
@@ -518,6 +525,7 @@ class Checkpointer:
             write_rank_files(tmp, rank, loader_state, self.device)
         if world > 1:
             dist.barrier()
+        gather_for_save(self.opt)  # every rank: a sharded optimizer's shares to rank 0, which writes them all
         if rank == 0:
             with checkpoint_errors(tmp, step):
                 write_main_files(tmp, self.drafter, self.opt, self.sched, step=step, epoch=epoch,
@@ -526,16 +534,42 @@ class Checkpointer:
         if world > 1:
             dist.barrier()
 
-    def resume_latest(self, source) -> tuple[int, int, Path | None]:
-        """(step, epoch, checkpoint) to continue from: OUT's latest checkpoint (``resume``) unless the config
-        says to start over; (0, 0, None) when there is none."""
-        latest = latest_checkpoint(self.out) if self.settings.output.resume else None
-        if latest is None:
+    def resume_at(self, point: Path | None, source) -> tuple[int, int, ResumeRecord | None]:
+        """(step, epoch, the resume as recorded) to continue from checkpoint ``point`` (``resume_point``);
+        (0, 0, None) without one."""
+        if point is None:
             return 0, 0, None
-        step, epoch = resume(latest, self.settings, self.drafter, self.opt, self.sched, source, self.device, self.rank,
-                             self.world)
-        log.info("rank %d: resumed from %s (step %d, epoch %d)", self.rank, latest, step, epoch)
-        return step, epoch, latest
+        step, epoch, changed = resume(point, self.settings, self.drafter, self.opt, self.sched, source, self.device,
+                                      self.rank, self.world)
+        # the peak lr and weight decay given now, not the checkpoint's, from the first resumed step on
+        resume_with(self.opt, self.sched, self.settings.schedule.lr, self.settings.schedule.weight_decay)
+        log.info("rank %d: resumed from %s (step %d, epoch %d)", self.rank, point, step, epoch)
+        return step, epoch, ResumeRecord(step, os.path.abspath(point), changed)
+
+
+def resume_point(out: Path, settings: TrainSettings) -> Path | None:
+    """The checkpoint this run continues from: ``--resume-from``'s (a checkpoint folder, or a run's
+    ``checkpoints/best``), else OUT's latest unless ``--no-resume``; None: it starts at step 0. A checkpoint of
+    OUT with later ones beside it, or one of another run while OUT holds checkpoints of its own, is refused: the run
+    would overwrite them as it goes (a new --out branches from it)."""
+    asked = settings.output.resume_from
+    if asked is None:
+        return latest_checkpoint(out) if settings.output.resume else None
+    point = Path(asked)
+    if point.is_file() and point.name == BEST:
+        point = resolve_drafter_dir(point)
+    if not (point.is_dir() and door.is_file_beneath(point, TRAINER)):
+        raise FileNotFoundError(f"--resume-from {asked}: not a checkpoint (a folder such as OUT/{CKPT_DIR}/step_N "
+                                f"holding {TRAINER}, or OUT/{CKPT_DIR}/{BEST})")
+    step = read_trainer_state(point)["step"]
+    own = list_checkpoints(out)
+    mine = point.resolve().parent == (out / CKPT_DIR).resolve()
+    later = [p.name for p in own if int(_STEP_RE.match(p.name).group(1)) > step] if mine else [p.name for p in own]
+    if later:
+        why = f"holds later checkpoints ({', '.join(later[:3])})" if mine else f"holds a run of its own ({later[-1]})"
+        raise FileExistsError(f"--resume-from {asked}: {out} {why}, which this run would overwrite; give a new --out "
+                              f"to branch from step {step} (nothing was changed)")
+    return point
 
 
 @contextmanager
@@ -557,8 +591,23 @@ def _length(steps: int | None, epochs: float | None) -> str:
     return f"--steps {steps}" if steps is not None else f"--epochs {epochs}" if epochs is not None else "the default"
 
 
+def changed_settings(recorded: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
+    """{key: [recorded, now]} of the settings a resumed run may change (not ``RESUME_KEYS``, not what every segment
+    gives anew: ``SEGMENT_KEYS``) that differ from those its checkpoint was saved with; a key the checkpoint does
+    not record is compared with what a run did before it existed (``LEGACY_VALUES``)."""
+    out = {}
+    for key, value in now.items():
+        if key in RESUME_KEYS or key in SEGMENT_KEYS or (key not in recorded and key not in LEGACY_VALUES):
+            continue
+        before = recorded.get(key, LEGACY_VALUES.get(key))
+        if before != value:
+            out[key] = [before, value]
+    return out
+
+
 def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, device, rank: int, world: int):
-    """Restore from ``path``; returns (step, epoch). Refuses settings that would not continue the same run."""
+    """Restore from ``path``; returns (step, epoch, the settings changed). Refuses settings that would not continue
+    the same run, and names the others that differ from the checkpoint's (they apply from here)."""
     saved = read_trainer_state(path)
     now = recordable_config(settings)  # as it was saved
     try:
@@ -582,6 +631,11 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
     if rank == 0 and length != {"steps": run.steps, "epochs": run.epochs}:  # allowed, but never silent
         log.warning("resuming %s with another length: %s before, %s now (the learning-rate schedule follows the "
                     "new length from here)", path, _length(**length), _length(run.steps, run.epochs))
+    changed = changed_settings(recorded, now)
+    if rank == 0 and changed:  # allowed, but never silent
+        log.warning("resuming %s with settings other than the checkpoint's: %s (they apply from here; "
+                    "OUT/resumes.jsonl records each resume's settings)", path,
+                    ", ".join(f"{k} {a!r:.80} -> {b!r:.80}" for k, (a, b) in changed.items()))
     state = restore(path, drafter, opt, sched, device, rank)
     states = loader_states(path)
     try:
@@ -594,7 +648,7 @@ def resume(path: Path, settings: TrainSettings, drafter, opt, sched, source, dev
             source.load_merged([s for s in states.values() if s is not None])
     except LoaderStateError as e:  # said of the files it came from
         raise LoaderStateError(f"{path}/loader.rank*.json: {e}") from None
-    return int(state["step"]), int(state["epoch"])
+    return int(state["step"]), int(state["epoch"]), changed
 
 
 # names that lived here before the drafter directory's format got its own module: they keep working, with a

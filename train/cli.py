@@ -19,6 +19,7 @@ from hsstore.app.schema import add_arguments, from_args
 from hsstore.io.storage import parse_storage_options
 
 from .config import EvalSettings, ExportDrafterSettings, TrainSettings
+from .rundir import RUN_MARKER
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def register_train(subparsers) -> None:
     add_quiet_option(groups["output"])
     add_json_option(groups["output"], "the summary at the end (rank 0)")
     add_storage_option(groups["storage"])
-    add_config_option(t)
+    add_config_option(t, record_markers=(RUN_MARKER,))  # OUT/run.yaml beside it is a run's record
     t.set_defaults(func=run_train, preflight=preflight_train, announce=announce_train)
 
 
@@ -101,8 +102,6 @@ def preflight_train(args: argparse.Namespace) -> None:
     from hsstore.distributed import launcher_rank
     from hsstore.format.manifest import read_manifest
 
-    from .rundir import RUN_MARKER
-
     if args.out and launcher_rank() == 0:  # other ranks may already see rank 0's first files
         check_output_folder(args.out, (RUN_MARKER,), "train --out")
     options = parse_storage_options(args.storage_option)
@@ -143,6 +142,8 @@ def run_train(args: argparse.Namespace) -> int:
     if result.drafter_dir is None:  # not rank 0
         return 0
     last = result.last
+    followed = result.followed
+    rc = 1 if followed is not None and followed.differs else 0  # epoch 0 trained less (or more) than the stores hold
     if args.json:
         print(json.dumps({"steps": result.steps, "steps_this_run": result.steps_this_run,
                           "start_step": result.start_step, "epochs_done": result.epochs_done, "seconds": result.seconds,
@@ -150,8 +151,10 @@ def run_train(args: argparse.Namespace) -> int:
                           "tokens_per_s": result.tokens_per_s,
                           "resumed_from": None if result.resumed_from is None else str(result.resumed_from),
                           "drafter": str(result.drafter_dir), "metrics": f"{args.out}/metrics.jsonl",
-                          "best": read_best(args.out), "last": last}, indent=2))
-        return 0
+                          "best": read_best(args.out), "last": last,
+                          **({} if followed is None else {"follow": {"trained_samples": followed.trained,
+                                                                     "held_samples": followed.held}})}, indent=2))
+        return rc
     fmt = lambda x: "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"  # noqa: E731
     resumed = ("" if result.resumed_from is None else
                f" in this run, resumed from {result.resumed_from} at step {result.start_step} ({result.steps} in all)")
@@ -168,7 +171,9 @@ def run_train(args: argparse.Namespace) -> int:
     if best is not None:
         print(f"best checkpoint (val_tau {fmt(best.get('val_tau'))} at step {best.get('step')}): "
               f"{args.out}/checkpoints/{best['checkpoint']}; hsstore export-drafter {args.out} NEW --best exports it")
-    return 0
+    if followed is not None:
+        print(followed.line(), file=sys.stderr if followed.differs else sys.stdout)
+    return rc
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from hsstore.app.schema import flat, old_names, option, resume_keys, section
 from . import tracking
 
 CHECKPOINT_POLICIES = ("off", "mlp", "full")  # --checkpoint-layers: what each draft layer recomputes in backward
+# "auto": the memory plan (budget.plan_step) picks the first policy of CHECKPOINT_POLICIES whose step fits
+CHECKPOINT_CHOICES = ("auto", *CHECKPOINT_POLICIES)
 
 DEFAULT_EPOCHS = 6
 
@@ -103,6 +105,14 @@ class Schedule:
     warmup: float = option(0.04, help="warmup share of the steps")
     min_lr_ratio: float = option(0.0, help="final lr / peak lr")
     clip: float = option(1.0, help="gradient norm clip")
+    grad_accum: int = option(
+        1, metavar="N",
+        help="micro-batches of --token-budget per optimizer step (Hugging Face's gradient_accumulation_steps): the "
+             "step's loss is the weighted mean over all of their anchors, so N micro-batches step as one batch of "
+             "their union; --steps counts optimizer steps")
+    weight_decay: float = option(
+        0.0, help="AdamW's decoupled weight decay (Hugging Face's weight_decay): every weight but biases and norm "
+                  "weights")
     seed: int = option(0, resume=True, help="data order, anchors and initial weights")
     attn: str = option("auto", choices=["auto", "blocks", "sdpa", "flex"],
                        help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and "
@@ -111,6 +121,12 @@ class Schedule:
     ce_chunk: int = option(1024, cli=False, help="query rows per lm_head + cross-entropy chunk")
     ce_impl: str = option("fused", cli=False, choices=["fused", "checkpoint", "full"],
                           help="fused | checkpoint | full (all logits at once): objective.chunked_cross_entropy")
+
+    def __post_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum {self.grad_accum}: must be >= 1 (micro-batches per optimizer step)")
+        if not 0.0 <= self.weight_decay < float("inf"):
+            raise ValueError(f"--weight-decay {self.weight_decay}: must be a number >= 0")
 
 
 @dataclass
@@ -139,7 +155,15 @@ class Data:
         help="train while the stores are written: epoch 0 takes shards as they commit (waiting, with a backoff, for "
              "more) and ends when every writer of every store has finished (a killed writer is waited for: re-run "
              "its extraction); epochs 1.. are ordinary epochs of all of it. An arrival whose features train nothing "
-             "stops the run (unless --allow-unhealthy); metrics.jsonl shows the arrivals beside the loss")
+             "stops the run (unless --allow-unhealthy); metrics.jsonl shows the arrivals beside the loss. A writer's "
+             "end is believed once it agrees with its committed records and the writer has stayed silent two "
+             "heartbeats; at the end the run prints what epoch 0 trained and what the stores hold, and exits 1 when "
+             "they differ (unless --steps bounds it)")
+    follow_deadline: float | None = option(
+        None, metavar="S",
+        help="with --follow: stop when nothing has arrived for S seconds and the stores are not finished, saying "
+             "what epoch 0 trained and what the stores hold (exit 2, checkpoint kept; the same command follows on). "
+             "Default: wait until every writer finishes")
 
 
 @dataclass
@@ -147,10 +171,17 @@ class Memory:
     """What a step keeps in memory, and the memory it is planned for (``budget.py``)."""
 
     checkpoint_layers: str = option(
-        "off", choices=CHECKPOINT_POLICIES, nargs="?", const="mlp", metavar="{mlp,full}",
+        "auto", choices=CHECKPOINT_CHOICES, nargs="?", const="mlp", metavar="{auto,off,mlp,full}",
         help="recompute draft layers in backward instead of keeping their activations: mlp (the bare flag) each "
              "layer's MLP half, the largest part of its activations and the cheapest to redo; full the whole "
-             "layer (least memory, about a third more layer compute)")
+             "layer (least memory, about a third more layer compute); auto: off where the step fits the device's "
+             "memory, else mlp, else full, before any anchors are given up (said in one line); off keeps every "
+             "activation and lowers anchors where the step does not fit")
+    shard_optimizer: str = option(
+        "auto", choices=("auto", "on", "off"),
+        help="under torchrun, each rank keeps the AdamW moments of its share of the parameters only (PyTorch's "
+             "ZeroRedundancyOptimizer; the same step, one broadcast of the updated parameters after it): auto where "
+             "the step would otherwise need more recompute or fewer anchors; on always; off never")
     gpu_memory_gib: float | None = option(
         None, metavar="GIB", help="GPU memory to plan the step for, and hold to (default: the device's); e.g. 80 "
                                   "on a larger GPU to check a recipe for an 80 GB one")
@@ -173,6 +204,10 @@ class Output:
     keep: int = option(2, help="checkpoints to keep (0: all)")
     resume: bool = option(True, old_negated="--no-resume",
                           help="go on from OUT's latest checkpoint (--no-resume: start over even if OUT has some)")
+    resume_from: str | None = option(
+        None, metavar="CHECKPOINT", path=True,
+        help="go on from this checkpoint (OUT/checkpoints/step_N or OUT/checkpoints/best, of this run or another) "
+             "rather than OUT's latest; refused where OUT holds later checkpoints (a new --out branches from it)")
     log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step)")
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
     # a list once parsed (tracking.parse_report_to); the flag takes them comma-separated
@@ -184,6 +219,8 @@ class Output:
 
     def __post_init__(self) -> None:
         self.report_to = tracking.parse_report_to(self.report_to) or None
+        if self.resume_from is not None and not self.resume:
+            raise ValueError("give --resume-from CHECKPOINT or --no-resume, not both")
 
 
 @dataclass
@@ -224,6 +261,11 @@ class TrainSettings:
     output: Output = section(Output, "output")
     validation: TrainValidation = section(TrainValidation, "validation")
     storage: Storage = section(Storage, "storage")
+
+    def __post_init__(self) -> None:
+        if self.data.follow and self.schedule.grad_accum > 1:
+            raise ValueError("--grad-accum with --follow: not supported (epoch 0's length is estimated in batches as "
+                             "the store grows); train the finished store, or follow with --grad-accum 1")
 
 
 # --- eval ---------------------------------------------------------------------------------------------------
@@ -292,9 +334,10 @@ class DrafterExport:
     ckpt: str = option(positional=True, metavar="CKPT", help="a drafter directory, a checkpoint "
                        "(OUT/checkpoints/step_N) or a training run (its drafter/ or latest checkpoint)")
     out: str = option(positional=True, metavar="OUT", help="the new drafter directory (must not exist or be empty)")
-    best: bool = option(False, help="export the run's checkpoint with the best validation tau (the one "
-                                    "CKPT/checkpoints/best names; a run trained with --val-store has it) rather than "
-                                    "its last step (CKPT/drafter)")
+    best: bool = option(False, help="export the run's checkpoint with the best validation tau, a tie going to the "
+                                    "lower validation loss, then to the earlier step (the one CKPT/checkpoints/best "
+                                    "names; a run trained with --val-store has it) rather than its last step "
+                                    "(CKPT/drafter)")
 
 
 @dataclass
@@ -305,6 +348,11 @@ class ExportDrafterSettings:
 RESUME_KEYS = resume_keys(TrainSettings)
 # what a run saved before a key existed did (sliding layers were non-causal; shapes followed the target)
 LEGACY_RESUME_VALUES = {"sliding_causal": False, "follow": False}
+# the settings a resume may change, as a run saved before they existed had them
+LEGACY_VALUES = {"grad_accum": 1, "weight_decay": 0.0}
+# what every segment of a run gives anew, never a change worth naming: where it goes, how long (said on its own),
+# whether and from where it resumes, its progress bar and its storage options (never recorded)
+SEGMENT_KEYS = frozenset({"out", "steps", "epochs", "resume", "resume_from", "progress", "storage_options"})
 
 
 # settings recorded under another name before (train_config.json, trainer.json): read as the new one

@@ -143,15 +143,16 @@ class StoreBatches:
         """Resume from the states of another world size / worker count: exactly once, new cut."""
         self.batches.load_state_dict(merge_states(states))
 
-    def planned_steps(self, epochs: int, first: int = 0) -> int:
+    def planned_steps(self, epochs: int, first: int = 0, grad_accum: int = 1) -> int:
         """Optimizer steps for epochs ``first`` .. ``epochs - 1``, from metadata only: per epoch, the batch count of
-        the rank with the most batches (the others run empty steps, see the module doc)."""
+        the rank with the most batches (the others run empty steps, see the module doc), ``grad_accum`` batches a
+        step (an epoch's last step takes the rest)."""
         t0 = time.perf_counter()
         ds, W = self.dataset, max(1, self.workers)
         total = 0
         for e in range(first, epochs):
-            total += max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
-                             for w in range(W)) for r in range(ds.world.world))
+            total += -(-max(sum(count_token_batches(ds.planned_lengths(e, ds.world.at(r, w, W)), self.token_budget)
+                                for w in range(W)) for r in range(ds.world.world)) // grad_accum)
         log.info("planned %d steps for %d epoch(s) in %.1fs", total, epochs - first, time.perf_counter() - t0)
         return total
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hsstore.io import door, sinks
+from hsstore.format import values
+from hsstore.io import door, memory, sinks
 from hsstore.io.tensorfiles import save_safetensors
 
 from .model import DFlashDrafter, DrafterConfig
@@ -251,23 +253,51 @@ def file_shapes(file: Path) -> dict[str, tuple[int, ...]]:
 def weights_bound(cfg: DrafterConfig, header_bytes: int = SAFETENSORS_HEADER_MAX) -> int:
     """The most bytes a weights file of a drafter of ``cfg`` may hold: its header and every tensor at 8 bytes a value
     (the files hold bf16 or fp32: a larger file is not this drafter's)."""
-    import math
-
     return 8 + header_bytes + 8 * sum(math.prod(s) for s in expected_shapes(cfg).values())
 
 
 def check_bounds(cfg: DrafterConfig, source: str) -> None:
-    """Refuse a config whose shape no drafter has, before anything is built from it (``expected_shapes`` builds
-    the model's modules, on the meta device)."""
+    """Refuse a config whose numbers no drafter has, before anything is built from it (``expected_shapes`` builds
+    the model's modules, on the meta device), by the value check's rules (``hsstore.format.values``): sizes
+    positive integers of at most ``values.MAX_SIZE``, eps in (0, 1), a positive RoPE base, the mask token and
+    taps inside the vocabulary and the target; then a drafter of this config must fit this machine's memory
+    (its fp32 parameters: refused in one line, never attempted)."""
     if not 1 <= cfg.num_layers <= MAX_DRAFT_LAYERS:
         raise ValueError(f"{source}: {cfg.num_layers} layers; a drafter has 1 to {MAX_DRAFT_LAYERS}")
     if not 1 <= len(cfg.target_layers) <= MAX_TARGET_LAYERS:
         raise ValueError(f"{source}: {len(cfg.target_layers)} target layers; at most {MAX_TARGET_LAYERS}")
     for name in ("hidden_size", "intermediate_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
                  "block_size", "max_position"):
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 31:
-            raise ValueError(f"{source}: {name} {v!r} is not a positive integer below 2^31")
+        values.size(getattr(cfg, name), name, source)
+    values.real(cfg.rms_norm_eps, "rms_norm_eps", source, below=1.0)
+    values.real(cfg.rope_theta, "rope_theta", source)
+    values.token_ids(cfg.mask_token_id, "mask_token_id", cfg.vocab_size, source)
+    depth = values.MAX_SIZE if cfg.num_target_layers is None else values.size(cfg.num_target_layers,
+                                                                               "num_target_layers", source)
+    wrong = [t for t in cfg.target_layers if not 0 <= t < depth]
+    if wrong:
+        raise ValueError(f"{source}: target layers {wrong} outside the target's {depth:,} layers")
+    params = sum(math.prod(s) for s in expected_shapes(cfg).values())
+    memory.check_fits(4 * params, f"{source}: a drafter of {params:,} parameters",
+                      why="its config asks for more than this machine can hold")
+
+
+def weight_dtypes(file: Path, is_master: bool = False) -> tuple[str, ...]:
+    """The dtypes a drafter's weights file may hold: a checkpoint's master weights (``is_master``) fp32; the served
+    file the dtype its ``config.json`` names (``dtype`` or ``torch_dtype``, as released drafters say), else any of
+    ``values.FLOAT_DTYPES`` (the format before the DFlash one wrote fp32 and named none)."""
+    if is_master:
+        return ("float32",)
+    d = door.read_json_beneath(file.parent, CONFIG, bound=JSON_CAP) if door.is_file_beneath(file.parent, CONFIG) \
+        else {}
+    named = (d.get("dtype") or d.get("torch_dtype")) if isinstance(d, dict) else None
+    return (named,) if named in values.FLOAT_DTYPES else values.FLOAT_DTYPES
+
+
+def check_weights(tensors: dict[str, Any], file: Path, is_master: bool = False) -> None:
+    """The value check of a drafter's weights as loaded from ``file``: the dtype ``weight_dtypes`` allows, every
+    value finite (one line naming the file and the tensor)."""
+    values.check_tensors(tensors, str(file), dtypes=weight_dtypes(file, is_master))
 
 
 def write_drafter(path: str | os.PathLike, cfg: DrafterConfig, tensors: dict[str, torch.Tensor],
@@ -308,8 +338,10 @@ def read_config(directory: Path) -> tuple[DrafterConfig, dict[str, Any]]:
         cfg, meta = _config_of(d, meta, source)
         if not isinstance(meta.get("target") or {}, dict):
             raise TypeError(f"its target is a {type(meta['target']).__name__}, not an object")
-    except (KeyError, TypeError, AttributeError, IndexError, OverflowError) as e:
+    except (KeyError, TypeError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
         raise ValueError(f"{source}: not a drafter config ({type(e).__name__}: {str(e)[:200]})") from None
+    except ValueError as e:  # DrafterConfig's own rules (heads by KV heads, even head_dim) name no file
+        raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
     check_bounds(cfg, source)
     return cfg, meta
 

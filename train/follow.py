@@ -58,26 +58,14 @@ def wait_for_stores(urls: Sequence[str], options: dict[str, Any] | None, poll_s:
             delay = min(poll_s[1], delay * 2)
 
 
-def open_journal(out: Path, stores, rank: int, world: int) -> Journal:
-    """OUT/follow: created (or taken up again, on a resume) by rank 0, then opened by every rank."""
-    path = out / JOURNAL_DIR
-    if rank == 0:
-        Journal.create(path, [s.url for s in stores])
-    if world > 1:
-        dist.barrier()
-    return Journal(path)
-
-
-def follow_options(out: Path, allow_unhealthy: bool) -> Follow:
+def follow_options(out: Path, allow_unhealthy: bool, deadline_s: float | None = None) -> Follow:
     """The loader's follow options: the journal in OUT, led by the trainer's rank 0 (``start_leader``)."""
-    return Follow(journal=str(out / JOURNAL_DIR), lead=False, allow_unhealthy=allow_unhealthy)
+    return Follow(journal=str(out / JOURNAL_DIR), lead=False, allow_unhealthy=allow_unhealthy, deadline_s=deadline_s)
 
 
-def start_leader(journal: Journal, stores, follow: Follow, rank: int) -> Leader | None:
+def start_leader(journal: Journal, stores, follow: Follow) -> Leader | None:
     """Rank 0's leader, once epoch 0 is still to come: one look at the stores now (so the schedule starts from what
-    is there), then its thread."""
-    if rank != 0:
-        return None
+    is there), then its thread. Making it checks a journal taken up again against the stores (``check_join``)."""
     leader = Leader(journal, stores, follow)
     if leader.done:
         return None
@@ -95,10 +83,16 @@ class Following:
     leader: Leader | None
 
     @classmethod
-    def start(cls, out: Path, stores, allow_unhealthy: bool, rank: int, world: int) -> "Following":
-        journal = open_journal(out, stores, rank, world)
-        options = follow_options(out, allow_unhealthy)
-        return cls(journal, options, start_leader(journal, stores, options, rank))
+    def start(cls, out: Path, stores, settings, rank: int, world: int) -> "Following":
+        """OUT/follow created (or taken up again, on a resume) by rank 0, and checked against the stores by its
+        leader before any other rank opens it; then opened by every rank."""
+        options = follow_options(out, settings.health.allow_unhealthy, settings.data.follow_deadline)
+        path, leader = out / JOURNAL_DIR, None
+        if rank == 0:
+            leader = start_leader(Journal.create(path, [s.url for s in stores]), stores, options)
+        if world > 1:
+            dist.barrier()
+        return cls(leader.journal if leader is not None else Journal(path), options, leader)
 
     def schedule(self, source, settings) -> "FollowSchedule":
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -108,6 +102,10 @@ class Following:
     def stop(self) -> None:
         if self.leader is not None:
             self.leader.stop()
+
+    def tally(self, settings) -> "Tally":
+        """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run)."""
+        return tally(self.journal, settings.run.store, settings.storage.storage_options, settings.run.steps)
 
 
 class Epoch0Steps:
@@ -169,3 +167,34 @@ def arrival_columns(journal: Journal) -> dict[str, Any]:
     joins = [e for e in entries if e.kind == "join"]
     return {"arrived_samples": sum(e.samples for e in joins), "arrived_tokens": sum(e.tokens for e in joins),
             "arrival_done": any(e.kind == "end" for e in entries)}
+
+
+@dataclass
+class Tally:
+    """What a --follow run's epoch 0 trained against what its stores hold when it finishes."""
+
+    trained: int  # samples that joined epoch 0 (each trained once when it ran to its end)
+    held: int  # samples the stores hold now
+    reason: str | None = None  # why they may differ, when the user asked for it (--steps)
+
+    @property
+    def differs(self) -> bool:
+        """Whether they differ without a reason the user asked for."""
+        return self.trained != self.held and self.reason is None
+
+    def line(self) -> str:
+        if self.trained == self.held:
+            return f"--follow: epoch 0 trained {self.trained:,} sample(s), all the stores hold"
+        why = (f" ({self.reason})" if self.reason else ": samples committed after epoch 0 ended (a writer the "
+               "follower took as finished was not), or removed since; train on the store again to use them")
+        return f"--follow: epoch 0 trained {self.trained:,} sample(s); the stores hold {self.held:,} now{why}"
+
+
+def tally(journal: Journal, urls: Sequence[str], options: dict[str, Any] | None, steps: int | None) -> Tally:
+    """Epoch 0's joined samples against a fresh look at the stores (``steps``: a run cut short by --steps may
+    train less, as asked)."""
+    from hsstore.store.reader import Store
+
+    trained = sum(e.samples for e in journal.entries() if e.kind == "join")
+    held = sum(len(Store(u, options)) for u in urls)
+    return Tally(trained, held, None if steps is None else f"--steps {steps} bounds the run")

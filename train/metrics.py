@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import door, sinks
+from hsstore.ops.html_report import metrics_row
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class Meter:
         self.counts = torch.zeros(self.S - 1, dtype=torch.float64)  # labels per position
         self.t0, self.wait = time.perf_counter(), 0.0
 
-    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int):
-        """One step: ``label_counts``, ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's,
-        known on the CPU (``add_anchors``); ``metrics`` are the loss's tensors, never read here."""
-        self.sums["steps"] += 1  # an empty step still counts
+    def add(self, metrics: dict, label_counts, tokens: int, samples: int, anchors: int, steps: int = 1):
+        """One batch of ``steps`` optimizer steps (0 for a step's later micro-batches): ``label_counts``,
+        ``tokens``, ``samples`` and ``anchors`` (real ones) are the batch's, known on the CPU (``add_anchors``);
+        ``metrics`` are the loss's tensors, never read here."""
+        self.sums["steps"] += steps  # an empty step still counts
         if label_counts is None or sum(label_counts) == 0:
             return
         for k, v in (("anchors", anchors), ("tokens", tokens), ("samples", samples)):
@@ -102,7 +104,7 @@ class MetricsLog:
 
     def truncate(self, step: int) -> None:
         if self.rank == 0:
-            truncate_jsonl(self.path, step)
+            truncate_jsonl(self.path, step, typed=True)
         if self.samples_path is not None:
             truncate_jsonl(self.samples_path, step)
 
@@ -127,18 +129,26 @@ class MetricsLog:
 
 class BestTracker:
     """Which checkpoint OUT/checkpoints/best names: the step with the highest val_tau so far (SpecForge's
-    best-checkpoint metric is its acceptance-length estimate too). A new best forces a checkpoint at its step."""
+    best-checkpoint metric is its acceptance-length estimate too), a tie going to the lower val_loss (tau counts
+    whole accepted tokens and ties often on a small validation set; the loss still tells the two apart), an exact
+    tie to the earlier step. A new best forces a checkpoint at its step."""
 
     KEYS = ("step", "val_tau", "val_loss", "val_acc", "val_anchors")
 
     def __init__(self, saved: dict[str, Any] | None):
-        self.tau = float(saved["val_tau"]) if saved and saved.get("val_tau") is not None else -math.inf
+        saved = saved or {}
+        self.tau = finite(saved.get("val_tau"), -math.inf)
+        self.loss = finite(saved.get("val_loss"), math.inf)
         self.pending: dict[str, Any] | None = None
 
+    def better(self, tau: float, loss: float) -> bool:
+        """Whether a validation of ``tau`` and ``loss`` beats the best so far."""
+        return tau > self.tau or (tau == self.tau and loss < self.loss)
+
     def offer(self, step: int, row: dict[str, Any]) -> None:
-        tau = row.get("val_tau")
-        if tau is not None and math.isfinite(tau) and tau > self.tau:
-            self.tau = tau
+        tau, loss = finite(row.get("val_tau"), None), finite(row.get("val_loss"), math.inf)
+        if tau is not None and self.better(tau, loss):
+            self.tau, self.loss = tau, loss
             self.pending = {k: json_safe(row[k]) if k != "step" else step for k in self.KEYS if k in row or
                             k == "step"}
 
@@ -147,16 +157,22 @@ class BestTracker:
         return p
 
 
+def finite(x: Any, default: Any) -> Any:
+    """``x`` as a float when it is a finite number, else ``default`` (a metric that could not be computed)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else default
+
+
 def val_metrics(ev) -> dict[str, Any]:
     """The metrics.jsonl fields of a teacher-forced evaluation (``evaluate.StoreEval``)."""
     return {"val_loss": ev.loss, "val_acc": ev.acc, "val_tau": ev.tau, "val_acceptance": ev.acceptance,
             "val_anchors": ev.anchors, "val_seconds": ev.seconds}
 
 
-def truncate_jsonl(path: Path, after_step: int) -> None:
+def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
     """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that are no log line of
-    a step (torn by a crash mid-write, or not this project's), with a warning. Read through the door (a regular file
-    of bounded size, no link), rewritten in place of it (a link there replaced, never written through)."""
+    a step (torn by a crash mid-write, or not this project's; ``typed``: metrics rows whose fields are not all of
+    their kinds, ``metrics_row``), with a warning. Read through the door (a regular file of bounded size, no link),
+    rewritten in place of it (a link there replaced, never written through)."""
     if not door.is_file_beneath(path.parent, path.name):
         return
     try:
@@ -165,7 +181,7 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
         raise ValueError(str(e)) from None
     keep, odd = [], 0
     for ln in text.decode("utf-8", "replace").splitlines():
-        step = _step_of(ln)
+        step = _step_of(ln, typed)
         if step is None:
             odd += bool(ln.strip())
         elif step <= after_step:
@@ -175,9 +191,12 @@ def truncate_jsonl(path: Path, after_step: int) -> None:
     sinks.write_atomic(path.parent, path.name, "".join(ln + "\n" for ln in keep).encode(), what=f"rewriting {path}")
 
 
-def _step_of(line: str) -> int | None:
+def _step_of(line: str, typed: bool) -> int | None:
+    """The step of a log line (``typed``: of a metrics row whose fields are all of their kinds); None for any other
+    line."""
     try:
-        step = door.load_json(line, "log line", error=ValueError).get("step")
+        row = door.load_json(line, "log line", error=ValueError)
+        step = metrics_row(row, "log line")["step"] if typed else row.get("step")
     except (ValueError, AttributeError):
         return None
     return step if type(step) is int else None

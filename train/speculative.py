@@ -135,7 +135,7 @@ class TargetCache:
         the output of decoder layer l before the final norm, the last layer's too (HF's last ``hidden_states``
         entry is the norm's output, which the drafter was not trained on)."""
         dev = next(self.model.parameters()).device
-        x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+        x = ids.view(1, -1) if isinstance(ids, torch.Tensor) else torch.tensor([list(ids)], dtype=torch.long, device=dev)
         with tapped(self.model, list(taps or [])) if taps else contextlib.nullcontext({}) as captured:
             out = self.model(input_ids=x, use_cache=True, logits_to_keep=keep,
                              **({self.kwarg: self.cache} if self.cache is not None else {}))
@@ -148,7 +148,7 @@ class TargetCache:
     @torch.inference_mode()
     def verify(self, ids: Sequence[int], taps: Sequence[int] | None = None):
         """``forward`` over a block (logits at every block position), ready for ``accept``."""
-        self.block = list(ids)
+        self.block = ids if isinstance(ids, torch.Tensor) else list(ids)
         if self.states is None:
             self.states = block_states.for_model(self.model, self.cache) or False
         if not self.states or not self.proven:  # the first recorded block keeps a copy until it proves complete
@@ -226,10 +226,10 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
     while not done:
         p = len(prompt) + len(out) - 1  # the anchor's position: committed tokens < p are in the target's cache
         seq = torch.tensor(list(prompt) + out, dtype=torch.long)  # on the host: no copy to the device per step
-        draft = [int(t) for t in propose(buf[:p], seq)[: S - 1]]
-        logits, feats = target.verify([out[-1], *draft], taps=taps)
+        proposed = propose(buf[:p], seq)  # tokens, or a tensor on the device (verified without a wait for it)
+        logits, feats = target.verify(block_of(out[-1], proposed, S), taps=taps)
         gen.forwards += 1
-        verdict = logits.argmax(-1).tolist()  # verdict[k]: the target's token after x_p, d_1 .. d_k
+        draft, verdict = read_block(proposed, logits, S)  # verdict[k]: the target's token after x_p, d_1 .. d_k
         n = 0
         while n < len(draft) and draft[n] == verdict[n]:
             n += 1
@@ -242,6 +242,26 @@ def speculative_generate(model, propose: Proposer, prompt: Sequence[int], taps: 
     gen.reruns = target.reruns
     gen.seconds = time.perf_counter() - t0
     return gen
+
+
+def block_of(anchor: int, proposed, S: int):
+    """The block the target verifies: the anchor then the S - 1 drafts, as a list, or on the drafts' device when
+    they are a tensor there (no host round trip between drafting and verifying)."""
+    if not isinstance(proposed, torch.Tensor):
+        return [anchor, *[int(t) for t in proposed[: S - 1]]]
+    block = torch.empty(S, dtype=torch.long, device=proposed.device)
+    block[0] = anchor
+    block[1:] = proposed[: S - 1]
+    return block
+
+
+def read_block(proposed, logits: torch.Tensor, S: int) -> tuple[list[int], list[int]]:
+    """(the drafts, the target's verdict at every block position) on the host, in one transfer."""
+    verdict = logits.argmax(-1)
+    if not isinstance(proposed, torch.Tensor):
+        return [int(t) for t in proposed[: S - 1]], verdict.tolist()
+    both = torch.cat([proposed[: S - 1].to(verdict.device), verdict]).tolist()
+    return both[: S - 1], both[S - 1:]
 
 
 class DraftContext:
@@ -319,10 +339,16 @@ class DraftContext:
         return d.norm(x)[0, 1:]
 
 
-def drafter_proposer(drafter) -> DraftContext:
+def drafter_proposer(drafter, graphs: bool | None = None):
     """A Proposer from a DFlashDrafter: its argmax at block positions 1 .. S-1 for the anchor at p, with the
-    context kept between steps (``DraftContext``)."""
-    return DraftContext(drafter)
+    context kept between steps. ``graphs`` (default: on a GPU): in fixed-shape buffers, each step one CUDA graph
+    replayed (``graphs.StaticDraft``; on a CPU the same steps eagerly); else ``DraftContext``."""
+    on_gpu = drafter.lm_head.device.type == "cuda"
+    if not (on_gpu if graphs is None else graphs):
+        return DraftContext(drafter)
+    from .graphs import StaticDraft
+
+    return StaticDraft(drafter, graphs=on_gpu)
 
 
 def eval_threads(model) -> int:
@@ -483,12 +509,13 @@ def divergence(model, prompt: Sequence[int], base: list[int], spec: list[int], b
 
 
 def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[int], max_new: int,
-             eos: set[int], progress: bool = False, keep_states: bool = True) -> EvalReport:
+             eos: set[int], progress: bool = False, keep_states: bool = True,
+             graphs: bool | None = None) -> EvalReport:
     """Each prompt twice (target alone, then speculative), a bar showing tau and tokens/s so far.
-    ``keep_states``: see ``TargetCache``."""
+    ``keep_states``: see ``TargetCache``; ``graphs``: see ``drafter_proposer``."""
     from tqdm import tqdm
 
-    propose = drafter_proposer(drafter)
+    propose = drafter_proposer(drafter, graphs)
     S = drafter.config.block_size
     taus, steps, identical = [], [], 0
     divergences = []
@@ -525,7 +552,7 @@ def evaluate(model, drafter, prompts: Sequence[Sequence[int]], taps: Sequence[in
 def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Sequence[str], *,
                     storage_options: dict | None = None, device: str | None = None, dtype: str | None = None,
                     num_samples: int | None = None, thinking: bool = True, max_new_tokens: int = 2048,
-                    progress: bool = False, keep_states: bool = True) -> EvalReport:
+                    progress: bool = False, keep_states: bool = True, graphs: bool | None = None) -> EvalReport:
     """``hsstore eval --model``: the drafter at ``drafter_dir`` decoding the prompts of ``inputs`` with the
     target at ``model_dir``, which must be the one the store was extracted from (same input embedding): the
     drafter's frozen embedding and head come from the store."""
@@ -571,6 +598,6 @@ def evaluate_target(store_url: str, drafter_dir: str, model_dir: str, inputs: Se
                  else "every core")
     try:
         return evaluate(model, drafter, [p for _, p in prompts], dcfg.target_layers, max_new_tokens, eos,
-                        progress=progress, keep_states=keep_states)
+                        progress=progress, keep_states=keep_states, graphs=graphs)
     finally:
         torch.set_num_threads(before)

@@ -15,6 +15,8 @@ Where each one writes, by default inside OUT:
 
 A resumed run (the same command again) opens a new tracker run whose steps go on from the checkpoint's. Every
 row is flushed as it is logged, so a run that crashes keeps what it reported (its MLflow status stays RUNNING).
+A tracker's folder under OUT may come with a run from elsewhere, and its library reads it by name: a link or
+anything but folders and regular files in it is refused in one line before the library opens it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsstore.io import sinks
+from hsstore.io import door, sinks
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +189,9 @@ class Trackers:
         for n in names:
             with contextlib.suppress(FileNotFoundError):
                 os.close(sinks.open_folder(out, TRACKERS[n].folder, create=False, what=f"{n} logs"))
+                # a run folder from elsewhere: its library reads what is there by name, so nothing in it may be a
+                # link or a FIFO
+                door.check_tree(out, TRACKERS[n].folder, where=f"{n} logs")
         flat_params, name = flatten_params(params), run_name or Path(out).name
         self._open = [TRACKERS[n](Path(out), flat_params, name) for n in names]
 

@@ -5,8 +5,8 @@ assets) the target's config, embedding and lm_head. It never opens the target's 
 train on a machine that has only the store.
 
 ``train`` reads top to bottom: set up the process -> build the drafter from the store -> the data ->
-resume if OUT has a checkpoint -> for each epoch, for each token-budget batch: loss -> backward -> clip ->
-AdamW -> cosine schedule -> log -> checkpoint -> the drafter. The pieces, one module each:
+resume if OUT has a checkpoint -> for each epoch, for each token-budget batch (``--grad-accum`` of them per step):
+loss -> backward -> clip -> AdamW -> cosine schedule -> log -> checkpoint -> the drafter. The pieces, one module each:
 
     config.py      the settings (TrainSettings, by section), RESUME_KEYS
     launch.py      rank, device, process group, CPU threads
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from hsstore.io import storage
-from hsstore.format import codec, fp8
+from hsstore.format import codec, fp8, names
 from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.redaction import recordable_url
 from hsstore.store.reader import open_shared
@@ -55,13 +55,14 @@ from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, servi
 from .checkpoint import Checkpointer
 from .config import TrainSettings, recordable_config
 from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
-from .follow import FollowSchedule, Following, arrival_columns, wait_for_stores
+from .follow import FollowSchedule, Following, Tally, arrival_columns, wait_for_stores
 from .evaluate import Validation, check_val_stores, eval_source
 from .interrupt import StopOnInterrupt
 from .launch import init_distributed, share_cpu_threads
 from .metrics import BestTracker, Meter, MetricsLog
 from .objective import default_gamma
-from .optim import build_optimizer, build_scheduler, clip_grad, set_total_steps
+from .optim import build_scheduler, clip_grad, set_total_steps
+from .sharding import planned_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class TrainResult:
     start_step: int = 0  # the step this run started at (0, or the resumed checkpoint's)
     tokens: int = 0  # trained by this run: the sum of its metrics.jsonl lines' tokens (all ranks)
     step_seconds: float = 0.0  # wall time of this run's steps: the sum of its lines' interval_seconds
+    followed: Tally | None = None  # --follow, rank 0: what epoch 0 trained against what the stores hold at the end
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,6 +104,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     share_cpu_threads(settings.data.cpu_threads, device)
     settings = with_device_defaults(settings, device)
     out = rundir.prepare(settings.run.out, rank)
+    point = continues_from(out, settings)  # the checkpoint this run continues from (None: from step 0)
 
     # -- the drafter, from the store alone; opened once per job: under DDP rank 0 reads the records and
     # broadcasts them, and the loader reuses these (--follow: once each store has its first shard)
@@ -117,33 +120,33 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     schedule = settings.schedule
     gamma = schedule.gamma if schedule.gamma is not None else default_gamma(drafter.config.block_size)
     model = wrap_ddp(DraftLoss(drafter, gamma, schedule.ce_chunk, world, schedule.ce_impl), world, device)
-    opt = build_optimizer(drafter, lr=schedule.lr)
+    opt = planned_optimizer(drafter, schedule, settings.memory.shard_optimizer, world)
     if rank == 0:
         log.info("%s", settings_line(drafter.config, settings, device, world, drafter.num_trainable_parameters()))
 
     # -- the data: this rank's share of the stores, in token-budget batches (--follow: epoch 0 from the journal
     # that rank 0's leader writes as shards commit; the length estimated until epoch 0 ends)
-    following = Following.start(out, stores, settings.health.allow_unhealthy, rank, world) if follow else None
+    following = Following.start(out, stores, settings, rank, world) if follow else None
     if source is None:
         source = store_batches(stores, drafter.config.target_layers, settings, rank, world, device,
                                follow=following.options if following else None)
     length = following.schedule(source, settings) if following and settings.run.steps is None else None
     total = (settings.run.steps if settings.run.steps is not None else
              length.agreed_start(rank, world, group) if length is not None else
-             source.planned_steps(settings.run.epochs))
+             source.planned_steps(settings.run.epochs, grad_accum=schedule.grad_accum))
     sched = build_scheduler(opt, total, schedule.warmup, schedule.min_lr_ratio)
 
     # -- resume, and what the run logs
     checkpoints = Checkpointer(out=out, drafter=drafter, opt=opt, sched=sched, settings=settings,
                                config_json=recordable_config(settings), extra=drafter_meta(stores[0].manifest),
                                device=device, rank=rank, world=world)
-    step, epoch, latest = checkpoints.resume_latest(source)
-    best = best_tracker(out, resumed=latest is not None, rank=rank)
+    step, epoch, resumed = checkpoints.resume_at(point, source)
+    best = best_tracker(out, resumed=resumed is not None, rank=rank)
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, settings.output.log_samples)
     metrics.truncate(step)
     if rank == 0:
-        rundir.record(out, checkpoints.config_json, flags, stores, device)
+        rundir.record(out, checkpoints.config_json, flags, stores, device, resumed)
         if settings.output.report_to:
             metrics.trackers = tracking.Trackers(settings.output.report_to, out, flags or checkpoints.config_json)
 
@@ -163,15 +166,29 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
         loop.stop()  # raises KeyboardInterrupt, after a checkpoint
     loop.finish()
 
-    # -- the drafter
-    drafter_dir = None
-    if rank == 0:
-        drafter_dir = ckpt.save_final_drafter(out, drafter, checkpoints.extra)
-        metrics.close()
+    drafter_dir = final_drafter(out, drafter, checkpoints.extra, metrics) if rank == 0 else None
+    followed = following.tally(settings) if following is not None and rank == 0 else None
     if world > 1:
         dist.barrier()
-    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, latest, step,
-                       loop.run_tokens, loop.run_seconds)
+    return TrainResult(loop.step, loop.epoch, time.perf_counter() - t_start, drafter_dir, loop.last, point, step,
+                       loop.run_tokens, loop.run_seconds, followed)
+
+
+def final_drafter(out: Path, drafter, extra: dict, metrics: MetricsLog) -> Path:
+    """Rank 0's end of a run: the drafter directory of the last step written, the metrics log closed."""
+    drafter_dir = ckpt.save_final_drafter(out, drafter, extra)
+    metrics.close()
+    return drafter_dir
+
+
+def continues_from(out: Path, settings: TrainSettings) -> Path | None:
+    """The checkpoint this run continues from (``checkpoint.resume_point``; None: from step 0), once the user has
+    repeated what the run's record names of where it read (before any store is opened: a run folder from elsewhere
+    chooses nothing)."""
+    point = ckpt.resume_point(out, settings)
+    if point is not None:
+        rundir.check_authority(out, settings.storage.storage_options, names.allowed())
+    return point
 
 
 def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int, device: torch.device,
@@ -220,16 +237,33 @@ def best_tracker(out: Path, resumed: bool, rank: int) -> BestTracker:
     return BestTracker(None)
 
 
-def train_step(model, drafter, opt, sched, batch, clip: float, amp):
-    """One optimizer step: loss (under autocast on CUDA) -> backward -> clip -> AdamW -> schedule."""
-    with amp:
-        loss, metrics = model(batch)
-    loss.backward()
+def train_step(model, drafter, opt, sched, window: list[dict], clip: float, amp):
+    """One optimizer step over a window of micro-batches (``--grad-accum``; one batch without it): for each, loss
+    (under autocast on CUDA) -> backward, gradients adding up (under DDP synchronised at the last one only) ->
+    clip -> AdamW -> schedule. Returns the last loss, each micro-batch's metrics, the gradient norm."""
+    metrics = []
+    for i, batch in enumerate(window):
+        last = i == len(window) - 1
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with amp:
+                loss, m = model(batch)
+            loss.backward()
+        metrics.append(m)
     grad_norm = clip_grad(drafter, clip)
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach(), metrics, grad_norm
+
+
+def window_weights(window: list[dict]) -> list[dict]:
+    """The micro-batches of one step, each normalised by the loss weights of all of them (over every rank): the
+    step's loss is the weighted mean over every anchor of the window, as one batch of their union would have it
+    (Hugging Face Trainer's ``num_items_in_batch``), not the mean of the micro-batches' means."""
+    if len(window) == 1:
+        return window
+    total = sum(float(b.get("global_weight_sum") or 0.0) for b in window)
+    return [{**b, "global_weight_sum": total} for b in window] if total > 0 else window
 
 
 @dataclass(kw_only=True)
@@ -304,7 +338,7 @@ class Loop:
         threads = GPU_READ_AHEAD_THREADS if self.device.type == "cuda" else None
         stream = lockstep(read_ahead(self.source, prepare, self.device, settings.data.prefetch, threads=threads),
                           self.world, self.group, interrupt, self.proposal)
-        finished = True
+        finished, window = True, []
         t_wait = time.perf_counter()
         for batch, state in stream:
             self.meter.wait += time.perf_counter() - t_wait
@@ -313,32 +347,43 @@ class Loop:
                 if self.proposal.agreed is not None and int(self.proposal.agreed) != self.total:
                     self.retotal(self.proposal.agreed)
                 self.proposal.value = float(self.length.total()) if self.proposal.lead else None
-            self.train_on(batch)
+            window.append(batch)
+            if len(window) < settings.schedule.grad_accum:
+                t_wait = time.perf_counter()
+                continue
+            self.train_on(window)
+            window = []
             # the planned steps done, or Ctrl-C: stop here, at a step boundary, with a checkpoint
             if (settings.run.steps is not None and self.step >= self.total) or interrupt.stopping(self.world):
                 finished = False
                 break
             t_wait = time.perf_counter()
         stream.close()
+        if window:  # the epoch's last micro-batches, fewer than --grad-accum: a step of their own
+            self.train_on(window)
         return finished
 
-    def train_on(self, batch) -> None:
-        """One step on ``batch``, then its bookkeeping: metrics row, validation, checkpoint when due."""
+    def train_on(self, window: list) -> None:
+        """One step on a window of micro-batches, then its bookkeeping: metrics row, validation, checkpoint when
+        due."""
         settings, dcfg = self.settings, self.drafter.config
-        if batch is None:  # this rank's share of the epoch is done; others are not
-            batch = empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype, self.device)
-        # fp8 stores: values and scales crossed to the device (half the bytes); dequantise there
-        batch = fp8.dequantise_batch(batch, self.stored_dtype)
-        lr = self.sched.get_last_lr()[0]  # the rate this step uses
+        # None: this rank's share of the epoch is done, others' is not; fp8 stores: values and scales crossed to
+        # the device (half the bytes), dequantised there
+        window = window_weights([fp8.dequantise_batch(empty_batch(dcfg.num_taps, dcfg.hidden_size, self.feat_dtype,
+                                                                  self.device) if b is None else b, self.stored_dtype)
+                                 for b in window])
+        lr = self.opt.param_groups[0]["lr"]  # the rate this step uses
         t0 = time.perf_counter()
-        _, m, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, batch, settings.schedule.clip,
-                                     self.amp)
+        _, ms, grad_norm = train_step(self.model, self.drafter, self.opt, self.sched, window, settings.schedule.clip,
+                                      self.amp)
         self.step += 1
         step = self.step
         if step == self.start_step + 1:
             self.say_cost(time.perf_counter() - t0)
-        self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"])
-        self.metrics.samples(step, self.epoch, batch)
+        for i, (batch, m) in enumerate(zip(window, ms)):
+            self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"],
+                           steps=int(i == 0))
+            self.metrics.samples(step, self.epoch, batch)
         val_due = self.validation is not None and self.validation.due(step, self.total)
         self.lr, self.grad_norm = lr, grad_norm  # the norm stays on the device until a line reads it
         if step % settings.output.log_every == 0 or step == self.total or val_due:

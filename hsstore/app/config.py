@@ -14,6 +14,11 @@ spelling (``max_tokens``: ``--max-tokens``) as today's flag (inverted for one th
 past. Paths (flags marked ``Option.path``) that are
 relative in a file are relative to the file's folder, and are recorded absolute (URLs as they are), so a
 ``run.yaml`` runs again from any folder.
+
+A run's record (a file with a ``recorded`` section, or one beside the command's run marker, e.g. a received
+``OUT/run.yaml``) is data, not the user's word: its storage options and allowed locations (``AUTHORITY``) are never
+taken from it, since they choose where the command reads and where it sends the user's credentials. Where it names
+some that the command line does not give, the command stops in one line naming the flags to pass (``unrepeated``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import env
+from ..errors import StoreError
 from ..io import door
+from ..io.storage import parse_storage_options
 from ..redaction import is_secret_key, scrub
 from .schema import OLD_KEYS_ATTR, PATH_ATTR, Deprecated
 
@@ -36,14 +44,20 @@ PARSER_KEY = "_config_parser"  # the namespace holds the parser that has --confi
 APPLIED_KEY = "_config_applied"  # the file apply() read, to check against what argparse parsed
 RECORDED = "recorded"
 DEFAULT_SECTION = "options"
+RECORD_MARKERS_KEY = "_config_record_markers"  # files whose presence beside a --config file makes it a run's record
+# the flags a run's record never sets: where the command may read (locations) and where it sends credentials
+AUTHORITY = ("storage_option", "allow_location")
 _DEFAULT_TITLES = ("options", "optional arguments", "positional arguments")
 
 
-def add_config_option(p: argparse.ArgumentParser) -> None:
+def add_config_option(p: argparse.ArgumentParser, record_markers: tuple[str, ...] = ()) -> None:
+    """``--config``; ``record_markers``: the files that make a folder one of this command's runs (a --config file
+    beside one is that run's record)."""
     p.add_argument("--config", metavar="FILE.yaml", default=None,
                    help="settings from a YAML file (keys: the flags' names with _ for -, in sections as in "
-                        "--help); flags given here win over the file, the file over the defaults")
-    p.set_defaults(**{PARSER_KEY: p})
+                        "--help); flags given here win over the file, the file over the defaults; a run's "
+                        "record (OUT/run.yaml) never sets --storage-option or --allow-location: give those here")
+    p.set_defaults(**{PARSER_KEY: p, RECORD_MARKERS_KEY: tuple(record_markers)})
 
 
 def section_name(title: str | None) -> str:
@@ -119,10 +133,11 @@ def _moved(known: dict[str, dict[str, argparse.Action]], sec: str, key: str) -> 
     return homes[0] if len(homes) == 1 else None
 
 
-def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """{dest: value} from a config file, checked against ``parser``'s flags."""
+def read_sections(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping of sections, read as a file from elsewhere: a regular file of settings size, YAML of
+    bounded depth and aliases."""
     where = f"--config {path}"
-    try:  # a file from elsewhere: a regular file of settings size, YAML of bounded depth and aliases
+    try:
         text = door.read_file(path, bound=door.YAML_CAP, where=where)
     except door.Refused as e:
         raise ValueError(str(e)) from None
@@ -130,6 +145,16 @@ def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """{dest: value} from a config file, checked against ``parser``'s flags."""
+    return values_of(read_sections(path), parser, path)
+
+
+def values_of(data: dict[str, Any], parser: argparse.ArgumentParser, path: str | Path) -> dict[str, Any]:
+    """{dest: value} of a config file's sections, checked against ``parser``'s flags."""
     known = sections(parser)
     renamed = old_keys(parser)
     unknown, values = [], {}
@@ -216,8 +241,8 @@ def _against_file(values: dict[str, Any], actions: dict[str, argparse.Action], p
     return out
 
 
-def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The dests given on the command line: a parse with every default suppressed."""
+def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
+    """{dest: value} of the flags given on the command line: a parse with every default suppressed."""
     saved = [(a, a.default, a.required) for a in parser._actions]
     saved_defaults = dict(parser._defaults)
     try:
@@ -229,7 +254,71 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         for a, default, required in saved:
             a.default, a.required = default, required
         parser._defaults.update(saved_defaults)
-    return set(vars(ns))
+    return dict(vars(ns))
+
+
+def is_run_record(path: str | Path, data: dict[str, Any], markers: tuple[str, ...]) -> bool:
+    """Whether a --config file is a run's record rather than a config of the user's: it has the ``recorded``
+    section a run writes, or it lies beside a run's marker (a record whose ``recorded`` section was cut out)."""
+    if RECORDED in data:
+        return True
+    folders = {Path(path).parent, Path(os.path.realpath(path)).parent}
+    return any(door.is_file_beneath(folder, m) for folder in folders for m in markers)
+
+
+def leaf_keys(options: dict[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of parsed storage options' leaves (``client_kwargs.endpoint_url``)."""
+    out: set[str] = set()
+    for k, v in options.items():
+        out |= leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}"}
+    return out
+
+
+def unrepeated(options: list[str], allows: list[str], given_options: dict[str, Any],
+               given_allows: list[str]) -> list[str]:
+    """The flags (``-S KEY=VALUE``, ``--allow-location PREFIX``) a run's record names whose keys or prefixes the
+    user does not give (``given_options`` parsed, ``given_allows`` the command line's and the environment's)."""
+    have = leaf_keys(given_options)
+    out = []
+    for pair in options:
+        try:
+            keys = leaf_keys(parse_storage_options([pair]))
+        except StoreError:
+            keys = {pair}
+        if not keys <= have:
+            out.append(f"-S {pair}")
+    allowed = {absolute_path(a) for a in given_allows}
+    return out + [f"--allow-location {a}" for a in allows if absolute_path(a) not in allowed]
+
+
+def record_authority(data: dict[str, Any], where: str) -> tuple[list[str], list[str]]:
+    """(storage options, allowed locations) a run's record names, wherever its sections hold them; ValueError
+    naming ``where`` when they are not lists of strings."""
+    found: dict[str, list[str]] = {}
+    for sec, body in data.items():
+        if sec == RECORDED or not isinstance(body, dict):
+            continue
+        for key in AUTHORITY:
+            value = body.get(key)
+            if value is None:
+                continue
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ValueError(f"{where}: {sec}.{key} is not a list of strings (got {value!r:.80})")
+            found.setdefault(key, []).extend(value)
+    return found.get("storage_option", []), found.get("allow_location", [])
+
+
+def not_granted(path: str | Path, values: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """A run's record read as a --config file: ``values`` without its storage options and allowed locations, or
+    ValueError (one line) when it names some that the command line (or the environment) does not give."""
+    missing = unrepeated(values.get("storage_option") or [], values.get("allow_location") or [],
+                         parse_storage_options(given.get("storage_option") or []),
+                         [*(given.get("allow_location") or []), *env.ALLOW_LOCATIONS.get()])
+    if missing:
+        raise ValueError(f"--config {path} is a run's record, which never chooses where this command reads or sends "
+                         f"your credentials: it names {' '.join(missing)}, which this command line does not give; "
+                         "pass them (or your own) on the command line to go on")
+    return {k: v for k, v in values.items() if k not in AUTHORITY}
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -258,12 +347,16 @@ def apply(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
     path = _config_path(rest)
     if path is None or PARSER_KEY not in sub._defaults:
         return
+    explicit = _explicit(sub, rest)
     try:
-        values = load(path, sub)
+        data = read_sections(path)
+        values = values_of(data, sub, path)
+        if is_run_record(path, data, sub._defaults.get(RECORD_MARKERS_KEY, ())):
+            values = not_granted(path, values, explicit)
     except (OSError, ValueError) as e:  # one line, as every other error (not the command's usage first)
         print(f"{sub.prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    given = _explicit(sub, rest)
+    given = set(explicit)
     for group in sub._mutually_exclusive_groups:  # a flag given overrides the file's value of its rivals
         dests = {a.dest for a in group._group_actions}
         if dests & given:

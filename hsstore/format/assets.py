@@ -174,9 +174,16 @@ def _names_code(doc: Any) -> bool:
 
 
 def load_tensors(fs, root: str, name: str, url: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of asset file ``name``; bytes safetensors cannot read are one ``CorruptionError`` naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load as st_load
 
-    return st_load(read_asset(fs, root, name, url))
+    data = read_asset(fs, root, name, url)
+    try:
+        return st_load(data)
+    except (SafetensorError, RuntimeError, ValueError) as e:
+        raise CorruptionError(f"store {url or root!r}: asset {name!r} is not a readable safetensors file "
+                              f"({(str(e).splitlines() or [''])[0][:200]})") from None
 
 
 def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
@@ -192,6 +199,33 @@ def download_dir(fs, root: str, prefix: str, dest: str, url: str = "") -> str:
             with open(out, "wb") as f:
                 f.write(data)
     return dest
+
+
+# what a trainer takes from a store's assets (the values it trains with) and so what two stores mixed must agree on;
+# the tokenizer files are the manifest's tokenizer identity's to compare
+TRAINER_ASSETS = (EMBED, LM_HEAD, CONFIG)
+# keys of the config that name the writer's software or the file's origin, not the model
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")
+
+
+def differing_asset(a_fs, a_root: str, a_url: str, b_fs, b_root: str, b_url: str) -> str | None:
+    """The first of ``TRAINER_ASSETS`` both stores hold whose contents differ (None: none): the tensor files by their
+    index entries (size and CRC32C: nothing else read), the config by its JSON without ``VOLATILE_CONFIG_KEYS``."""
+    a, b = _index(a_fs, a_root, a_url)["files"], _index(b_fs, b_root, b_url)["files"]
+    for name in TRAINER_ASSETS:
+        if name not in a or name not in b:
+            continue
+        if name != CONFIG:
+            if (a[name]["size"], a[name]["crc32c"]) != (b[name]["size"], b[name]["crc32c"]):
+                return name
+        elif _model_config(a_fs, a_root, a_url) != _model_config(b_fs, b_root, b_url):
+            return name
+    return None
+
+
+def _model_config(fs, root: str, url: str) -> Any:
+    doc = door.load_json(read_asset(fs, root, CONFIG, url), f"store {url or root!r}, {ASSETS_DIR}/{CONFIG}")
+    return {k: v for k, v in doc.items() if k not in VOLATILE_CONFIG_KEYS} if isinstance(doc, dict) else doc
 
 
 def copy_assets(src_fs, src_root: str, dst_fs, dst_root: str, url: str = "") -> None:

@@ -6,28 +6,45 @@ pass for one that finished. So every ``StoreWriter`` session records itself unde
 record when it opens (rewritten as its heartbeat while it writes) and an end record once it closed cleanly,
 every shard committed. A killed writer leaves a session record whose heartbeat stops; a failed one rewrites it
 with the error. ``Writers.finished`` is the rule a follower ends epoch 0 by.
+
+A writer's word is not taken as fact. An end record is believed only where it agrees with what the store holds:
+the shards committed under its session, their samples and tokens, what its session planned, and a session
+record that has not beaten since (``end_verdict``). A writer tag names one writer at a time: a session claims its
+tag's slot (``writers/<tag>.slot``) atomically before it writes, so two identical jobs into one store cannot both
+write (``claim_slot``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from .. import env
-from ..io import door, listing, storage, transfer
-from ..errors import CorruptionError
+from ..io import destination, door, listing, storage, transfer
+from ..errors import CorruptionError, StoreError
 from ..terminal import escape
 from .manifest import MAX_TEXT, is_int, now_iso
+
+log = logging.getLogger(__name__)
 
 WRITERS_DIR = "writers"
 FORMAT = "hsstore-writer"
 VERSION = 1
 SESSION_SUFFIX = ".json"
 END_SUFFIX = ".end.json"
+SLOT_SUFFIX = ".slot"  # not ``.json``: readers that predate slots list only ``.json`` objects and never see one
 RECORD_CAP = 4 << 20  # a session record lists its job's writer tags: 1e5 ranks fit
 STALE_BEATS = 4  # a session that missed this many heartbeats is reported as dead (a follower keeps waiting)
+# An end record is believed once its session has stayed silent this long after it: a writer that still runs beats
+# within one beat, so an end planted beside it is caught before it is believed (the second beat covers a slow PUT).
+SETTLE_BEATS = 2
+CLAIM_TRIES = 5
+_SHARD_SEQ = re.compile(r"-[0-9]{5,}$")  # a shard is named ``<session key>-<sequence>``
 
 
 def heartbeat_s() -> float:
@@ -70,6 +87,25 @@ class SessionRecord:
 
 
 @dataclass
+class SlotRecord:
+    """``writers/<tag>.slot``: the session that holds a writer tag (``claim_slot``). Created only where none is,
+    replaced only by the one taker of a holder that no longer writes."""
+
+    writer: str
+    session: str
+    host: str
+    pid: int
+    claimed_unix: float
+    heartbeat_s: float  # the session's beat: a holder whose session record never appeared is dead after 4 of them
+
+    def to_json(self) -> bytes:
+        import json
+
+        return json.dumps({"format": FORMAT, "version": VERSION, "kind": "slot", **asdict(self)},
+                          separators=(",", ":")).encode()
+
+
+@dataclass
 class EndRecord:
     """``writers/<key>.end.json``: the session closed cleanly, after every one of its ``shards`` was committed."""
 
@@ -100,12 +136,18 @@ def _count(x: Any) -> bool:
     return is_int(x) and 0 <= x < 1 << 62
 
 
+_KINDS = {"SessionRecord": None, "EndRecord": "end", "SlotRecord": "slot"}
+
+
 def _parse(cls, d: Any, where: str):
     """A record of ``cls`` from parsed JSON, every field of its type (it comes from the store: untrusted)."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise CorruptionError(f"{where}: not a writer record (format {FORMAT!r})")
     if not is_int(d.get("version")) or d["version"] > VERSION:
         raise CorruptionError(f"{where}: writer record version {d.get('version')!r}, this hsstore reads {VERSION}")
+    if d.get("kind") != _KINDS[cls.__name__]:
+        raise CorruptionError(f"{where}: a writer record of kind {d.get('kind')!r} where one of kind "
+                              f"{_KINDS[cls.__name__]!r} belongs")
     body = {k: v for k, v in d.items() if k not in ("format", "version", "kind")}
     try:
         rec = cls(**body)
@@ -119,6 +161,9 @@ def _parse(cls, d: Any, where: str):
             and (rec.planned_samples is None or _count(rec.planned_samples))
             and (rec.planned_tokens is None or _count(rec.planned_tokens))
             and (rec.failed is None or _text(rec.failed)))
+    elif isinstance(rec, SlotRecord):
+        ok = ok and _text(rec.host) and _count(rec.pid) and _num(rec.claimed_unix) and _num(rec.heartbeat_s) and (
+            rec.heartbeat_s > 0)
     else:
         ok = ok and _text(rec.ended) and _num(rec.ended_unix) and all(
             _count(v) for v in (rec.shards, rec.samples, rec.tokens))
@@ -146,25 +191,186 @@ def new_session(tag: str, session: str, *, host: str, pid: int, expects: list[st
                          planned_tokens=planned_tokens)
 
 
+# -- the writer slot: one writer per tag ---------------------------------------------------------------------
+class SlotHeld(StoreError):
+    """Another session that still writes holds this writer tag: a second writer of it would store every one of
+    its samples again (two identical ``extract`` commands resume from the same committed ids)."""
+
+
+def slot_key(tag: str) -> str:
+    return f"{WRITERS_DIR}/{tag}{SLOT_SUFFIX}"
+
+
+def _read_object(fs, root: str, key: str) -> bytes | None:
+    """A small writer object's bytes (None: there is none)."""
+    try:
+        return door.read(fs, root, key, bound=door.JSON_CAP, where=key)
+    except FileNotFoundError:
+        return None
+
+
+def _read_record(fs, root: str, key: str, cls):
+    """The record of ``cls`` at ``key``, or None when it is missing or damaged."""
+    data = _read_object(fs, root, key)
+    if data is None:
+        return None
+    try:
+        return _parse(cls, door.load_json(data, key), key)
+    except CorruptionError:
+        return None
+
+
+def holder_gone(fs, root: str, held: SlotRecord, now: float) -> str | None:
+    """Why the session holding a slot no longer writes, or None while it may. A writer's liveness is its heartbeat:
+    its session record, rewritten every beat, must not have been silent for ``STALE_BEATS`` beats (the rule a
+    follower reports a dead writer by, the only one that holds across machines); on the holder's own machine a
+    process that is gone frees the tag at once, so re-running a killed job there is not refused. An end record
+    frees it only when the session has not beaten since (a planted one beside a live writer does not)."""
+    key = session_key(held.writer, held.session)
+    rec = _read_record(fs, root, f"{WRITERS_DIR}/{key}{SESSION_SUFFIX}", SessionRecord)
+    end = _read_record(fs, root, f"{WRITERS_DIR}/{key}{END_SUFFIX}", EndRecord)
+    if end is not None and (rec is None or rec.heartbeat_unix <= end.ended_unix):
+        return "it ended"
+    if rec is not None and rec.failed is not None:
+        return "it stopped on an error"
+    if held.host == socket.gethostname() and not destination.pid_alive(held.pid):
+        return f"its process {held.pid} on this machine is gone"
+    last, beat = (rec.heartbeat_unix, rec.heartbeat_s) if rec is not None else (held.claimed_unix, held.heartbeat_s)
+    if now - last > STALE_BEATS * beat:
+        return f"no heartbeat for {now - last:.0f}s"
+    return None
+
+
+def _held_line(url: str, held: SlotRecord, now: float) -> str:
+    return (f"store {url!r}: writer {escape(held.writer)} is being written by another session now (session "
+            f"{escape(held.session)}, host {escape(held.host)}, pid {held.pid}, claimed {now - held.claimed_unix:.0f}s "
+            "ago): a second writer of the same tag (the same rank of the same job) would store its samples twice. "
+            "Wait for it to finish (the same command then resumes), or stop it; one killed on another machine frees "
+            f"the tag after {STALE_BEATS * held.heartbeat_s:.0f}s without a heartbeat (nothing was written)")
+
+
+def _read_slot(fs, root: str, tag: str) -> tuple[bytes | None, SlotRecord | None]:
+    """(bytes, record) of a tag's slot: (None, None) when there is none, (bytes, None) when it does not parse or
+    names another tag or a session name hsstore does not make (it names the records read next)."""
+    key = slot_key(tag)
+    data = _read_object(fs, root, key)
+    if data is None:
+        return None, None
+    try:
+        held = _parse(SlotRecord, door.load_json(data, key), key)
+    except CorruptionError:
+        return data, None
+    return data, held if held.writer == tag and held.session.isalnum() else None
+
+
+def check_slot(fs, root: str, url: str, tag: str) -> None:
+    """Refuse (``SlotHeld``) before any work when a session that still writes holds ``tag`` (a job's early,
+    cheap look; the claim at the writer's start is what holds)."""
+    held = _read_slot(fs, root, tag)[1]
+    now = time.time()
+    if held is not None and holder_gone(fs, root, held, now) is None:
+        raise SlotHeld(_held_line(url, held, now))
+
+
+def claim_slot(fs, root: str, url: str, rec: SessionRecord) -> None:
+    """Make ``rec``'s session the one writer of its tag before it writes anything, or raise ``SlotHeld``.
+
+    The slot is created only where there is none: ``O_CREAT | O_EXCL`` on local disk (through ``sinks``, no link
+    followed), a conditional PUT (``If-None-Match: *``) on S3. A slot whose holder no longer writes
+    (``holder_gone``: it ended, failed, its process is gone, or its heartbeat stopped) is taken over by exactly
+    one taker (``destination.take_over``); a slot is never removed, so a session that ended leaves it to the
+    next. A slot that does not parse is looked at again (a claim being written); one that stays so is named."""
+    key = slot_key(rec.writer)
+    path = storage.join(root, key)
+    mine = SlotRecord(rec.writer, rec.session, rec.host, rec.pid, time.time(), rec.heartbeat_s).to_json()
+    for _ in range(CLAIM_TRIES):
+        if destination.create_exclusive(fs, path, mine, root):
+            return
+        data, held = _read_slot(fs, root, rec.writer)
+        if data is None:
+            continue  # gone meanwhile
+        if held is None:
+            time.sleep(0.2)
+            continue
+        now = time.time()
+        why = holder_gone(fs, root, held, now)
+        if why is None:
+            raise SlotHeld(_held_line(url, held, now))
+        if destination.take_over(fs, root, path, held.session, lambda: _read_object(fs, root, key) == data,
+                                 lambda: transfer.put_atomic(fs, path, mine, root), mine):
+            log.info("store %r: writer %s: took over its slot from session %s (%s)", url, rec.writer,
+                     escape(held.session), why)
+            return
+    raise SlotHeld(f"store {url!r}: could not claim {key}: it does not parse, or other writers keep taking it; "
+                   f"if no writer {rec.writer} runs, remove {key} and {key}.*.takeover (nothing was written)")
+
+
 # -- reading and the rule -------------------------------------------------------------------------------------
+def by_session(listed: Iterable[str]) -> dict[str, list[str]]:
+    """Committed shard names grouped by the session key they are named under (``<key>-<sequence>``)."""
+    out: dict[str, list[str]] = {}
+    for n in listed:
+        m = _SHARD_SEQ.search(n)
+        if m is not None:
+            out.setdefault(n[:m.start()], []).append(n)
+    return out
+
+
+def end_verdict(rec: SessionRecord, end: EndRecord, shards: list[str] | None,
+                counts: Mapping[str, tuple[int, int]] | None, now: float) -> tuple[str, str] | None:
+    """None when ``end`` is believed; else (state, why): ``disputed`` when it disagrees with the store, or
+    ``ending`` while it agrees but is younger than ``SETTLE_BEATS`` beats of its session. ``shards``: the
+    committed shards named under its session (None: not known, not checked); ``counts``: shard -> (samples, tokens) from their records (None:
+    only their number is known). Agreement: its shards are the ones committed, their samples and tokens are its
+    own, it wrote what its session planned, and its session record counts no more shards and has not beaten
+    after it (a writer that still runs beats on; an end planted beside it is caught then)."""
+    if shards is not None and len(shards) != end.shards:
+        return "disputed", f"its end record counts {end.shards} shard(s), {len(shards)} are committed under its name"
+    if shards is not None and counts is not None:
+        samples = sum(counts[n][0] for n in shards if n in counts)
+        tokens = sum(counts[n][1] for n in shards if n in counts)
+        if (samples, tokens) != (end.samples, end.tokens):
+            return "disputed", (f"its end record says {end.samples} sample(s), {end.tokens} token(s); its committed "
+                                f"shards hold {samples}, {tokens}")
+    if rec.planned_samples is not None and rec.planned_samples != end.samples:
+        return "disputed", f"it planned {rec.planned_samples} sample(s), its end record says {end.samples}"
+    if rec.committed > end.shards:
+        return "disputed", f"its session record counts {rec.committed} shard(s), its end record {end.shards}"
+    if rec.heartbeat_unix > end.ended_unix:
+        return "disputed", f"it beat {rec.heartbeat_unix - end.ended_unix:.0f}s after its end record: it still runs"
+    settle = SETTLE_BEATS * rec.heartbeat_s
+    if now < end.ended_unix + settle:
+        return "ending", f"its end is believed once it has stayed silent {settle:g}s after it"
+    return None
+
+
 @dataclass
 class SessionState:
-    """One session as a follower sees it: ``state`` is ``ended``, ``replaced`` (a later session of its writer
-    tag ended: a re-run did its remaining work), ``failed``, ``dead`` (its heartbeat stopped) or ``open``."""
+    """One session as a follower sees it: ``state`` is ``ended`` (its end record is believed), ``ending`` (it
+    agrees, too young to believe), ``disputed`` (it disagrees with the store), ``replaced`` (a later session of
+    its writer tag ended: a re-run did its remaining work), ``failed``, ``dead`` (its heartbeat stopped) or
+    ``open``."""
 
     record: SessionRecord
     end: EndRecord | None
     state: str
     silent_s: float  # seconds since its last heartbeat (0 once ended)
+    why: str | None = None  # ending, disputed: what the end record is held to
 
     def describe(self) -> str:
+        """One line, every string from the store escaped (a newline in a host name must not make a line)."""
         r = self.record
-        # the record's strings escaped: a host or writer name with a newline must not start a line of its own
-        who = escape(f"writer {r.writer} (session {r.session}, host {r.host}, pid {r.pid}, started {r.started})")
+        who = (f"writer {escape(r.writer)} (session {escape(r.session)}, host {escape(r.host)}, pid {r.pid}, "
+               f"started {escape(r.started)})")
         if self.state == "ended":
             return f"{who}: ended, {self.end.shards} shard(s), {self.end.samples} sample(s)"
+        if self.state == "ending":
+            return f"{who}: ended, {self.end.shards} shard(s), {self.end.samples} sample(s); {self.why}"
+        if self.state == "disputed":
+            return (f"{who}: its end record is not believed ({self.why}): a writer still running, or a record not "
+                    "its own? Epoch 0 waits for its writer to stop and a re-run of its job to finish the store")
         if self.state == "replaced":
-            return f"{who}: stopped, and a later session of {r.writer} ended"
+            return f"{who}: stopped, and a later session of {escape(r.writer)} ended"
         if self.state == "failed":
             return f"{who}: stopped on an error ({escape(r.failed)}); re-run its job to finish the store"
         planned = f" of {r.planned_samples} planned sample(s)" if r.planned_samples is not None else ""
@@ -175,87 +381,104 @@ class SessionState:
         return f"{who}: writing, {r.committed} shard(s) committed{planned}, last heartbeat {self.silent_s:.0f}s ago"
 
 
+def _counts_of(listed: Iterable[str] | Mapping[str, tuple[int, int]] | None
+               ) -> tuple[dict[str, list[str]] | None, Mapping[str, tuple[int, int]] | None]:
+    """(shards by session, shard -> (samples, tokens) or None) of what a caller knows is committed."""
+    if listed is None:
+        return None, None
+    return by_session(listed), listed if isinstance(listed, Mapping) else None
+
+
 @dataclass
 class Writers:
-    """Every writer session of a store, read from ``writers/`` at one moment."""
+    """Every writer session of a store, read from ``writers/`` at one moment. The rules take what is committed as
+    ``listed``: shard names (their number is checked against end records), or shard -> (samples, tokens) from
+    their commit records (their sums are checked too: what a follower passes)."""
 
     sessions: dict[str, SessionRecord]
     ends: dict[str, EndRecord]
     damaged: dict[str, str] = field(default_factory=dict)  # object -> why it was not read
     read_at: float = 0.0
 
-    def states(self, now: float | None = None) -> list[SessionState]:
+    def states(self, now: float | None = None, listed: Iterable[str] | Mapping[str, tuple[int, int]] | None = None
+               ) -> list[SessionState]:
         now = time.time() if now is None else now
-        latest_end: dict[str, float] = {}  # writer tag -> start of its latest ended session
+        shards, counts = _counts_of(listed)
+        verdicts: dict[str, tuple[str, str] | None] = {}
+        latest_end: dict[str, float] = {}  # writer tag -> start of its latest session whose end is believed
         for key, s in self.sessions.items():
             if key in self.ends:
-                latest_end[s.writer] = max(latest_end.get(s.writer, -math.inf), s.started_unix)
+                verdicts[key] = end_verdict(s, self.ends[key], None if shards is None else shards.get(key, []),
+                                            counts, now)
+                if verdicts[key] is None:
+                    latest_end[s.writer] = max(latest_end.get(s.writer, -math.inf), s.started_unix)
         out = []
         for key, s in sorted(self.sessions.items()):
             end = self.ends.get(key)
-            silent = max(0.0, now - s.heartbeat_unix)
-            if end is not None:
+            silent, why = max(0.0, now - s.heartbeat_unix), None
+            if end is not None and verdicts[key] is None:
                 state, silent = "ended", 0.0
             elif latest_end.get(s.writer, -math.inf) > s.heartbeat_unix:
                 state = "replaced"
+            elif end is not None:
+                state, why = verdicts[key]
             elif s.failed is not None:
                 state = "failed"
             elif silent > STALE_BEATS * s.heartbeat_s:
                 state = "dead"
             else:
                 state = "open"
-            out.append(SessionState(s, end, state, silent))
+            out.append(SessionState(s, end, state, silent, why))
         return out
 
     def expected_missing(self) -> list[str]:
-        """Writer tags some session's job expects that no ended session has (a rank not started yet)."""
+        """Writer tags some session's job expects that no session with an end record has (a rank not started yet;
+        whether its end is believed is ``states``')."""
         ended = {self.sessions[k].writer for k in self.ends if k in self.sessions}
         expected = {t for s in self.sessions.values() for t in s.expects}
         return sorted(expected - ended)
 
-    def unseen(self, listed: set[str]) -> list[str]:
-        """Ended sessions whose committed shards the listing ``listed`` (shard names) does not show yet."""
-        out = []
-        for key, end in self.ends.items():
-            prefix = key + "-"
-            if sum(1 for n in listed if n.startswith(prefix)) < end.shards:
-                out.append(key)
-        return sorted(out)
-
-    def finished(self, listed: set[str], now: float | None = None) -> bool:
-        """Whether no more shards will come: every session ended or was replaced, every writer its jobs expect
-        ended, the listing shows every shard the ended sessions committed, and no record is unreadable. A store
-        without writer records (written before they existed) is finished, as readers always took it to be."""
+    def finished(self, listed: Iterable[str] | Mapping[str, tuple[int, int]], now: float | None = None) -> bool:
+        """Whether no more shards will come: every session ended (its end record believed, ``end_verdict``) or was
+        replaced, every writer its jobs expect ended, and no record is unreadable. A store without writer records
+        (written before they existed) is finished, as readers always took it to be."""
         if self.damaged:  # a record that cannot be read may be an open writer's
             return False
         if not self.sessions and not self.ends:
             return True
-        return (all(s.state in ("ended", "replaced") for s in self.states(now)) and not self.expected_missing()
-                and not self.unseen(listed))
+        return (all(s.state in ("ended", "replaced") for s in self.states(now, listed))
+                and not self.expected_missing())
 
-    def waiting_for(self, listed: set[str], now: float | None = None) -> list[str]:
-        """One line per thing a follower waits for (empty once ``finished``)."""
-        lines = [s.describe() for s in self.states(now) if s.state not in ("ended", "replaced")]
+    def waiting_for(self, listed: Iterable[str] | Mapping[str, tuple[int, int]], now: float | None = None
+                    ) -> list[str]:
+        """One line per thing a follower waits for (empty once ``finished``), store strings escaped."""
+        lines = [s.describe() for s in self.states(now, listed) if s.state not in ("ended", "replaced")]
         started = {s.writer for s in self.sessions.values()}
-        lines += [f"writer {t}: expected by its job, not started yet" for t in self.expected_missing()
+        lines += [f"writer {escape(t)}: expected by its job, not started yet" for t in self.expected_missing()
                   if t not in started]
-        lines += [f"session {k}: ended, its shards not all listed yet" for k in self.unseen(listed)]
-        lines += [f"{WRITERS_DIR}/{n}: {why} (fix or remove it)" for n, why in sorted(self.damaged.items())]
-        return [escape(line) for line in lines]  # tags, keys and names are the store's strings
+        lines += [f"{WRITERS_DIR}/{escape(n)}: {escape(why)} (fix or remove it)" for n, why in sorted(self.damaged.items())]
+        return lines
 
     def expected_tokens(self, tokens_by_shard: dict[str, int]) -> int | None:
         """Tokens the store will hold when finished: those committed, plus what open sessions still plan to write
         (None when an open session did not say what it plans)."""
         total = sum(tokens_by_shard.values())
+        mine = by_session(tokens_by_shard)
         for s in self.states():
             if s.state in ("ended", "replaced"):
                 continue
             if s.record.planned_tokens is None:
                 return None
-            prefix = s.record.key + "-"
-            done = sum(t for n, t in tokens_by_shard.items() if n.startswith(prefix))
+            done = sum(tokens_by_shard[n] for n in mine.get(s.record.key, []))
             total += max(0, s.record.planned_tokens - done)
         return total
+
+
+def _own_name(n: str, rec) -> bool:
+    """Whether object ``writers/<n>`` is the one ``rec`` belongs in: a record under another session's name would
+    speak for that session."""
+    key = session_key(rec.writer, rec.session)
+    return n == key + (END_SUFFIX if isinstance(rec, EndRecord) else SESSION_SUFFIX)
 
 
 def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None = None) -> Writers:
@@ -279,6 +502,9 @@ def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None 
                     raise CorruptionError(f"{key}: unreadable ({type(data).__name__}: {data})")
                 d = door.load_json(data, key)
                 rec = _parse(EndRecord if n.endswith(END_SUFFIX) else SessionRecord, d, key)
+                if not _own_name(n, rec):
+                    raise CorruptionError(f"{key}: names session {session_key(rec.writer, rec.session)!r}, not "
+                                          "its own (a record under another name would speak for that session)")
             except CorruptionError as e:
                 out.damaged[n] = str(e)
                 continue

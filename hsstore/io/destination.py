@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -168,6 +168,26 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes, root
     return True
 
 
+def take_over(fs: fsspec.AbstractFileSystem, root: str, path: str, token: str, still: Callable[[], bool],
+              replace: Callable[[], None], me: bytes) -> bool:
+    """Replace the object at ``path`` of a holder that no longer runs, as its one taker: ``<path>.<token>.takeover``
+    (``token`` names the dead holder) is created exclusively first, and ``replace()`` runs only while ``still()``
+    says the dead holder's object is there. False: another process is taking it over (look again at who holds it
+    then), or it was replaced meanwhile. Of several takers of one dead holder exactly one replaces it."""
+    marker = f"{path}.{token if token.isalnum() else 'x'}.takeover"
+    if not create_exclusive(fs, marker, me, root):
+        time.sleep(0.2)
+        return False
+    try:
+        if not still():
+            return False
+        replace()
+        return True
+    finally:
+        with contextlib.suppress(Exception):
+            fs.rm_file(marker)
+
+
 LOCK = "write"  # one lock for every copying command: a subset and a merge into one store at once duplicate too
 
 
@@ -188,20 +208,14 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
                         f"(lock {rel}: host {shown(other.get('host'))}, pid {shown(other.get('pid'))}, started "
                         f"{shown(other.get('started'))}); wait for it, or remove that object if no such job runs")
 
-    def take_over(other: dict) -> None:
-        """Replace the dead holder's lock, as the one taker of it (its token names the takeover marker)."""
-        token = str(other.get("token", ""))
-        marker = f"{path}.{token if token.isalnum() else 'x'}.takeover"
-        if not create_exclusive(fs, marker, json.dumps(me).encode(), root):
-            time.sleep(0.2)  # another process is taking it over: look again at who holds it then
-            return
-        try:
-            if _read_lock(fs, root, rel) == other:  # still the dead one: not replaced meanwhile
-                log.warning("taking over %s of process %s, which is gone", rel, other["pid"])
-                fs.rm_file(path)
-        finally:
-            with contextlib.suppress(Exception):
-                fs.rm_file(marker)
+    def take_over_lock(other: dict) -> None:
+        """Remove the dead holder's lock, as the one taker of it (its token names the takeover marker)."""
+        def remove() -> None:
+            log.warning("taking over %s of process %s, which is gone", rel, other["pid"])
+            fs.rm_file(path)
+
+        take_over(fs, root, path, str(other.get("token", "")), lambda: _read_lock(fs, root, rel) == other, remove,
+                  json.dumps(me).encode())
 
     existed = is_local(fs) and os.path.exists(root)
 
@@ -214,9 +228,9 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
             if other is None:
                 continue  # released meanwhile: try again
             if not (other.get("host") == me["host"] and isinstance(other.get("pid"), int)
-                    and not isinstance(other.get("pid"), bool) and not _pid_alive(other["pid"])):
+                    and not isinstance(other.get("pid"), bool) and not pid_alive(other["pid"])):
                 raise refuse(other)
-            take_over(other)
+            take_over_lock(other)
         else:
             raise LockHeld(f"could not take {rel} of {url!r}: another job keeps taking it (or a takeover died: "
                            f"remove {rel} and {rel}.*.takeover if no hsstore job writes there)")
@@ -246,7 +260,8 @@ def _read_lock(fs, root: str, rel: str) -> dict | None:
     return got if isinstance(got, dict) else {}
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

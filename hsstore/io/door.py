@@ -451,6 +451,23 @@ def folder_beneath(root: str | os.PathLike, rel: str, where: str = "") -> str:
     return path
 
 
+def check_tree(root: str | os.PathLike, rel: str, where: str = "") -> None:
+    """Folder ``rel`` below ``root`` and everything in it, for a library that reads it by name (an experiment
+    tracker's folder in a run from elsewhere): refused (``Refused``, naming the first) where a part is a link or
+    neither a folder nor a regular file (a FIFO would hang the library, a link to ``/dev/zero`` fill its memory).
+    Nothing is read; ``FileNotFoundError`` when the folder is not there."""
+    top = folder_beneath(root, rel, where)
+    for folder, subfolders, files in os.walk(top):
+        for name in subfolders + files:
+            path = os.path.join(folder, name)
+            mode = os.lstat(path).st_mode
+            key = os.path.relpath(path, os.fspath(root))
+            if stat.S_ISLNK(mode):
+                raise Refused(where, key, "a symbolic link (links in a folder from elsewhere are never followed)")
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise Refused(where, key, f"{_kind(mode)}, not a regular file")
+
+
 def is_file_beneath(folder: str | os.PathLike, key: str) -> bool:
     """Whether ``key`` under ``folder`` is there as anything at all without following a link (a link or a FIFO
     counts: reading it is refused then, naming it, rather than silently passed by)."""

@@ -39,16 +39,18 @@ def machine_bytes() -> int:
         return 0
 
 
-def check_fits(nbytes: int, what: str) -> None:
-    """Refuse, before allocating, a buffer that store metadata sizes beyond this machine's memory (a record
-    claiming 1e12 tokens, a manifest with hidden_size 2**40): one ``StoreError`` line naming ``what`` instead of
-    numpy's ``MemoryError`` traceback, or the kernel's OOM killer for an allocation it overcommitted."""
+def check_fits(nbytes: int, what: str,
+               why: str = "the store's metadata claims more than it can hold; run hsstore verify") -> None:
+    """Refuse, before allocating, a buffer that store metadata (or a config: ``why`` says which) sizes beyond this
+    machine's memory (a record claiming 1e12 tokens, a manifest with hidden_size 2**40): one ``StoreError`` line
+    naming ``what`` instead of numpy's ``MemoryError`` traceback, or the kernel's OOM killer for an allocation it
+    overcommitted."""
     limit = machine_bytes()
     if nbytes < 0 or (limit and nbytes > limit):
         from ..errors import StoreError
 
         raise StoreError(f"{what}: needs {nbytes:,} bytes, more than this machine's {limit:,} bytes of memory "
-                         "(the store's metadata claims more than it can hold; run hsstore verify)")
+                         f"({why})")
 
 
 def pread_into(fd: int, bufs: Sequence[Any], offset: int) -> int:

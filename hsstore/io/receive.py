@@ -296,7 +296,8 @@ async def http_list(fs, url: str) -> list[str]:
                 base.path):
             continue
         rest = unquote(full.path[len(base.path):])
-        if rest and "/" not in rest.rstrip("/") and rest not in ("..", "../"):
+        name = rest.rstrip("/")  # a folder's link ends in one slash; a name is what it names once decoded
+        if name and "/" not in name and name not in (".", ".."):
             out.append(rest)
     return sorted(set(out))
 

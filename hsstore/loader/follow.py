@@ -9,7 +9,8 @@ every reader can read (the trainer's OUT, which its checkpoints need shared anyw
 
 - ``join``: the new shards' commit records (an index segment per store);
 - ``stop``: a shard whose features train nothing, named with the feature (nothing after it is planned unless
-  the readers allow unhealthy data);
+  the readers allow unhealthy data); or the follower's deadline (``Follow.deadline_s``), which ends the run that
+  wrote it: the same command run again follows on;
 - ``end``: every writer of every store finished (``format/sessions.py``): no shard will come.
 
 Readers plan from the journal alone. Join k is planned as an epoch of its own (its samples, weights applied, in a
@@ -45,6 +46,7 @@ from ..format.commit import CommitRecord
 from ..format.manifest import now_iso
 from ..redaction import recordable_url
 from ..store.reader import Store
+from ..terminal import escape
 from .plan import Planner, SlotPlan, build_catalog
 from .resume import LoaderState, LoaderStateError, pack_done, unpack_done
 
@@ -79,13 +81,16 @@ class Follow:
     leader); ``lead``: the reader of rank 0, worker 0 polls the stores and writes the journal (False: someone else
     runs the ``Leader``, as the trainer does in rank 0's own process); ``allow_unhealthy``: a shard whose features
     train nothing joins anyway (logged) instead of stopping epoch 0; ``poll_s``: (first, longest) pause between
-    looks at the stores, doubling while nothing arrives."""
+    looks at the stores, doubling while nothing arrives; ``deadline_s``: epoch 0 stops (a stop entry saying what
+    joined and what the stores hold) once nothing has arrived for this long while the stores are not finished
+    (None: it waits until they are)."""
 
     journal: str
     lead: bool = True
     allow_unhealthy: bool = False
     poll_s: tuple[float, float] = field(default_factory=poll_seconds)
     report_s: float = REPORT_S
+    deadline_s: float | None = None
 
 
 def join_seed(seed: int, k: int) -> int:
@@ -110,6 +115,7 @@ class Entry:
     expected_tokens: int | None = None  # what the stores will hold once finished (writers' plans), if known
     why: str | None = None  # stop: the one line naming the shard (and the feature)
     shard: str | None = None  # stop: the unhealthy shard (None: a fault no option lets through)
+    deadline: float | None = None  # stop: the deadline (s) it was written at; it ends only the run that wrote it
 
     @classmethod
     def parse(cls, d: Any, where: str) -> "Entry":
@@ -122,7 +128,8 @@ class Entry:
         ints = [e.index, e.shards, e.samples, e.tokens, *e.stores]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints) or not isinstance(
                 e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)) or not all(
-                x is None or isinstance(x, str) for x in (e.why, e.shard)):
+                x is None or isinstance(x, str) for x in (e.why, e.shard)) or not (
+                e.deadline is None or (isinstance(e.deadline, (int, float)) and not isinstance(e.deadline, bool))):
             raise CorruptionError(f"{where}: malformed journal entry (a field of the wrong type)")
         return e
 
@@ -231,15 +238,66 @@ class Journal:
             transfer.put_atomic(self.fs, os.path.join(self.path, f"{k:06d}.s{si}.idx"),
                                 index.encode_segment("follow", f"join {k}", t), os.path.dirname(self.path))
         e = Entry(k, kind, time.time(), sorted(tables or {}), **fields)
-        body = {"format": FORMAT, **e.__dict__}
+        # a field older readers do not know is written only where it says something: their journals stay readable
+        body = {"format": FORMAT, **{k: v for k, v in e.__dict__.items() if k != "deadline" or v is not None}}
         transfer.put_atomic(self.fs, os.path.join(self.path, self._name(k)), json.dumps(body).encode(),
                             os.path.dirname(self.path))
         self._entries.append(e)
         return e
 
-    def outcome(self) -> Entry | None:
-        """The end or stop entry that ends epoch 0 so far (None while it goes on)."""
-        return next((e for e in reversed(self.entries()) if e.kind in ("end", "stop")), None)
+    def outcome(self, since: float = -float("inf")) -> Entry | None:
+        """The end or stop entry that ends epoch 0 so far (None while it goes on). A deadline's stop ends only the
+        run that wrote it: one written before ``since`` (when this run's reader or leader started) does not."""
+        return next((e for e in reversed(self.entries()) if e.kind == "end" or (
+            e.kind == "stop" and (e.deadline is None or e.t >= since))), None)
+
+
+# -- the journal is believed where the stores agree --------------------------------------------------------------
+def _same_record(jt: records.RecordTable, i: int, jcache, st: records.RecordTable, j: int, scache) -> bool:
+    """Whether row ``i`` of a journal's table is row ``j`` of the store's: the same columns and record bytes (or,
+    where the store's row comes from a version-1 index segment, which holds its record serialised again, the same
+    parsed record)."""
+    a, b = jt.row_of(i), st.row_of(j)
+    if jt.feature_stats is None or st.feature_stats is None:
+        a.pop("feature_stats", None), b.pop("feature_stats", None)
+    ra, rb = jt.raw(i, jcache), st.raw(j, scache)
+    if ra == rb:
+        return a == b
+    a.pop("raw_size"), b.pop("raw_size")
+    try:
+        return a == b and CommitRecord.from_json(ra, "journal") == CommitRecord.from_json(rb, "store")
+    except CorruptionError:
+        return False
+
+
+def check_join(journal: Journal, e: Entry, tables: dict[int, records.RecordTable], stores: Sequence[Store]) -> None:
+    """Refuse (``CorruptionError``, one line) a join whose records are not the stores' own: each shard it names
+    committed in its store, its copy of the record (columns and bytes) the store's, its counts theirs. A journal
+    is a folder of the run, received with it or edited since; what it names decides which samples train and
+    where their features are read, so it is believed only where the commit records agree. Costs no request:
+    the stores' records are in memory (opened before the journal is read)."""
+    where = f"follow journal {journal.path}, join {e.index}"
+    counts = (sum(len(t) for t in tables.values()), sum(int(t.n_samples.sum()) for t in tables.values()),
+              sum(int(t.n_tokens.sum()) for t in tables.values()))
+    if counts != (e.shards, e.samples, e.tokens):
+        raise CorruptionError(f"{where}: its entry counts {e.shards} shard(s), {e.samples} sample(s), {e.tokens} "
+                              f"token(s); its records hold {counts[0]}, {counts[1]}, {counts[2]}")
+    for si, t in tables.items():
+        if si >= len(stores):
+            raise CorruptionError(f"{where}: names store {si}; the run follows {len(stores)}")
+        st = stores[si].table
+        rows = {n: j for j, n in enumerate(st.shard.tolist())}
+        jcache, scache = records.BlockCache(), records.BlockCache()
+        for i, name in enumerate(t.shard.tolist()):
+            j = rows.get(name)
+            if j is None:
+                raise CorruptionError(f"{where}: names shard {escape(name)!r}, which store "
+                                      f"{recordable_url(stores[si].url)!r} has not committed (a journal of another "
+                                      "store, or changed since it was written: give another --out)")
+            if not _same_record(t, i, jcache, st, j, scache):
+                raise CorruptionError(f"{where}: its record of shard {escape(name)!r} is not the one store "
+                                      f"{recordable_url(stores[si].url)!r} committed (the journal was changed since it "
+                                      "was written: give another --out)")
 
 
 # -- the leader ------------------------------------------------------------------------------------------------
@@ -252,7 +310,8 @@ def _stop_line(url: str, rec: CommitRecord, bad: list[health.Unhealthy]) -> str:
 class Leader:
     """Rank 0's look at the stores: ``poll`` appends what joined epoch 0 to the journal (``run``: every
     ``poll_s``, doubling while nothing arrives, until the end); what epoch 0 waits for, and since when, is logged
-    every ``report_s`` while nothing arrives, a writer that went silent as soon as it is seen."""
+    every ``report_s`` while nothing arrives, a writer that went silent or whose end record is not believed as soon
+    as it is seen. A journal taken up again is checked against the stores first (``check_join``)."""
 
     def __init__(self, journal: Journal, stores: Sequence[Store], follow: Follow) -> None:
         self.journal, self.follow = journal, follow
@@ -262,16 +321,17 @@ class Leader:
         self.known: list[set[str]] = [set() for _ in stores]
         self.samples = self.tokens = self.shards = 0
         self.tokens_by_shard: list[dict[str, int]] = [{} for _ in stores]
+        self.counts: list[dict[str, tuple[int, int]]] = [{} for _ in stores]  # shard -> (samples, tokens), joined
         self.expected_tokens: int | None = None
         self.waiting: list[str] = []
         self._writer_cache: list[dict] = [{} for _ in stores]
         self._dead_told: set[str] = set()
         for e in journal.entries():
             if e.kind == "join":
-                for si, t in journal.tables(e).items():
-                    names = t.shard.tolist()
-                    self.known[si].update(names)
-                    self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+                tables = journal.tables(e)
+                check_join(journal, e, tables, stores)  # a journal taken up again is believed where the stores agree
+                for si, t in tables.items():
+                    self._joined(si, t)
                 self.samples, self.tokens, self.shards = self.samples + e.samples, self.tokens + e.tokens, (
                     self.shards + e.shards)
             self.expected_tokens = e.expected_tokens if e.kind == "join" else self.expected_tokens
@@ -282,9 +342,15 @@ class Leader:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
+    def _joined(self, si: int, t: records.RecordTable) -> None:
+        names = t.shard.tolist()
+        self.known[si].update(names)
+        self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
+        self.counts[si].update(zip(names, zip(t.n_samples.tolist(), t.n_tokens.tolist())))
+
     @property
     def done(self) -> bool:
-        out = self.journal.outcome()
+        out = self.journal.outcome(self.since)
         return out is not None and (out.kind == "end" or not self.follow.allow_unhealthy or out.shard is None)
 
     def poll(self) -> bool:
@@ -324,7 +390,9 @@ class Leader:
                 tokens += int(t.n_tokens.sum())
                 names = t.shard.tolist()
                 self.tokens_by_shard[si].update(zip(names, t.n_tokens.tolist()))
-            shown = set(listed)
+            # what is committed, from the records: end records are believed only where they agree with it
+            arrived = dict(zip(t.shard.tolist(), zip(t.n_samples.tolist(), t.n_tokens.tolist()))) if items else {}
+            shown = {n: self.counts[si].get(n) or arrived[n] for n in listed if n in self.counts[si] or n in arrived}
             exp = writers.expected_tokens(self.tokens_by_shard[si])
             expected = None if exp is None or expected is None else expected + exp
             if not writers.finished(shown):
@@ -337,7 +405,7 @@ class Leader:
         appended = False
         if tables:
             for si, t in tables.items():
-                self.known[si].update(t.shard.tolist())
+                self._joined(si, t)
             self.samples, self.tokens, self.shards = self.samples + samples, self.tokens + tokens, self.shards + shards
             self.expected_tokens = expected
             e = self.journal.append("join", tables, shards=shards, samples=samples, tokens=tokens,
@@ -352,14 +420,30 @@ class Leader:
             log.info("epoch 0: every writer finished; %d shard(s), %d sample(s) joined in all", self.shards,
                      self.samples)
             return True
+        deadline = self.follow.deadline_s
+        if not appended and deadline is not None and time.time() - self.last_arrival >= deadline:
+            why = self._deadline_line(deadline, expected)
+            self.journal.append("stop", why=why, deadline=float(deadline))
+            log.error("%s", why)
+            return True
         return appended
 
-    def _tell(self, url: str, writers: sessions.Writers, listed: set[str]) -> None:
+    def _deadline_line(self, deadline: float, expected: int | None) -> str:
+        """What epoch 0 trained and what the stores hold when it stops at its deadline (one line)."""
+        held = sum(n for counts in self.counts for n, _ in counts.values())
+        plan = "" if expected is None else f"; the writers plan about {expected:,} token(s), {self.tokens:,} joined"
+        first = self.waiting[0] if self.waiting else "the stores' listing"
+        more = f" (and {len(self.waiting) - 1} more)" if len(self.waiting) > 1 else ""
+        return (f"epoch 0 stopped at its deadline: nothing arrived for {deadline:g}s and the stores are not finished; "
+                f"it trained the {self.samples} sample(s) that joined, of the {held} the stores hold{plan}; waiting "
+                f"for {first}{more}. The checkpoints are kept: the same command goes on following")
+
+    def _tell(self, url: str, writers: sessions.Writers, listed: dict[str, tuple[int, int]]) -> None:
         """What epoch 0 waits for: a newly silent writer at once (a warning), everything every ``report_s``."""
         now = time.time()
         self.waiting = writers.waiting_for(listed, now)
-        for s in writers.states(now):
-            if s.state in ("dead", "failed") and s.record.key not in self._dead_told:
+        for s in writers.states(now, listed):
+            if s.state in ("dead", "failed", "disputed") and s.record.key not in self._dead_told:
                 self._dead_told.add(s.record.key)
                 log.warning("store %r: %s; epoch 0 waits for it", recordable_url(url), s.describe())
         if now - self._reported >= self.follow.report_s:
@@ -419,6 +503,7 @@ class FollowPlan:
 
     def __init__(self, ds: "HiddenStateDataset", journal: Journal) -> None:
         self.ds, self.journal = ds, journal
+        self.started = time.time()  # a deadline's stop written before ends an earlier run, not this one
         self._parts: dict[int, JoinPart] = {}
         self._sizes: dict[int, int] = {}  # join -> entries
         self._done: dict[tuple, np.ndarray | None] = {}
@@ -569,6 +654,9 @@ class FollowReader:
                 raise StopIteration
             if e.kind == "stop":
                 if follow.allow_unhealthy and e.shard is not None:  # an unhealthy arrival, allowed now
+                    self.k += 1
+                    continue
+                if e.deadline is not None and e.t < self.plan.started:  # an earlier run's deadline: go on following
                     self.k += 1
                     continue
                 raise FollowStopped(e.why)

@@ -283,17 +283,59 @@ def feature_charts(store, h: dict[str, Any]) -> list[str]:
     return out
 
 
+# the fields of a metrics.jsonl row (``train/metrics.py`` writes them) by kind: a run from elsewhere holds whatever
+# its sender wrote, so every row is typed field by field before any field is used
+COUNT, NUMBER, NUMBERS, FLAG = "a count", "a number or null", "a list of numbers", "true or false"
+ROW_FIELDS = {**dict.fromkeys(("step", "epoch", "tokens", "samples", "interval_steps", "val_anchors", "arrived_samples",
+                               "arrived_tokens"), COUNT),
+              **dict.fromkeys(("loss", "acc", "tau", "lr", "grad_norm", "tokens_per_s", "wait_frac", "interval_seconds",
+                               "gpu_mem_gib", "val_loss", "val_acc", "val_tau", "val_seconds"), NUMBER),
+              "acc_k": NUMBERS, "val_acceptance": NUMBERS, "arrival_done": FLAG}
+MAX_POSITIONS = 1 << 12  # entries of a per-draft-position list (a block has a few dozen)
+
+
+def _typed(value: Any, kind: str) -> tuple[bool, Any]:
+    """(whether ``value`` is of ``kind``, the value to use: a non-finite number as null, as the trainer writes it)."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == COUNT:
+        return is_number and isinstance(value, int) and 0 <= value < 1 << 53, value
+    if kind == NUMBER:
+        return value is None or is_number, value if is_number and math.isfinite(value) else None
+    if kind == FLAG:
+        return isinstance(value, bool), value
+    if not isinstance(value, list) or len(value) > MAX_POSITIONS:
+        return False, value
+    items = [_typed(v, NUMBER) for v in value]
+    return all(ok for ok, _ in items), [v for _, v in items]
+
+
+def metrics_row(obj: Any, where: str, *, needs_step: bool = True) -> dict[str, Any]:
+    """A metrics.jsonl row (or the metrics a best-checkpoint pointer copies from one, which may have no step) with
+    every field of ``ROW_FIELDS`` checked against its kind, and nothing else; ValueError naming ``where`` and the
+    field."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: not a metrics row (a JSON {type(obj).__name__}, not an object)")
+    out = {}
+    for key, kind in ROW_FIELDS.items():
+        if key in obj:
+            ok, out[key] = _typed(obj[key], kind)
+            if not ok:
+                raise ValueError(f"{where}: {key} {obj[key]!r:.60} is not {kind}")
+    if needs_step and "step" not in out:
+        raise ValueError(f"{where}: has no step")
+    return out
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The typed rows of a run's metrics.jsonl (``metrics_row``), read through the door."""
     path = Path(run_dir) / "metrics.jsonl"
     text = door.read_beneath(run_dir, path.name, bound=door.RUN_LOG_CAP, where=str(run_dir)).decode("utf-8", "replace")
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        row = door.load_json(line, f"{path}: line {n}", error=ValueError)
-        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
-            raise ValueError(f"{path}: line {n} has no step")
-        rows.append(row)
+        where = f"{path}: line {n}"
+        rows.append(metrics_row(door.load_json(line, where, error=ValueError), where))
     return rows
 
 
@@ -305,10 +347,10 @@ def run_html(run_dir: str | Path) -> str:
         return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
     last = rows[-1] if rows else {}
-    val = [r for r in rows if "val_tau" in r]
+    val = [r for r in rows if r.get("val_tau") is not None]
     info = [("run", str(run_dir)), ("steps logged", f"{len(rows)} (last step {last.get('step', '-')})")]
     if val:
-        best = max(val, key=lambda r: r["val_tau"] if r["val_tau"] is not None else -1)
+        best = max(val, key=lambda r: r["val_tau"])
         info.append(("best val tau", f"{best['val_tau']:.3f} at step {best['step']} (teacher-forced, the mean over "
                                      "every anchor of the validation stores)"))
     charts = [

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..format import commit, index, names
+from ..format import assets, commit, index, names
 from ..layouts import base as layout
 from ..io import destination, door, storage, transfer
 from ..errors import CorruptionError, ManifestError, StoreError
@@ -78,6 +78,28 @@ def plan(dst: Store | None, srcs: Sequence[Store]) -> list[tuple[Store, commit.C
             present[rec.shard] = rec
             todo.append((s, rec))
     return todo
+
+
+def check_assets(fs, root: str, dst_url: str, srcs: Sequence[Store]) -> Store | None:
+    """Refuse (one line naming the source and the asset) a merge whose stores' trainer assets differ: the embedding,
+    lm_head or config of a source against the destination's, or against the first source's that has assets (a
+    trainer of the merged store would take one of them, unsaid). Returns the source whose assets a destination
+    without any receives (None: no source has any)."""
+    ref = (dst_url, fs, root) if assets.has_assets(fs, root, dst_url) else None
+    given = None
+    for s in srcs:
+        if not assets.has_assets(s.fs, s.root, s.url):
+            continue
+        given = given or s
+        if ref is None:
+            ref = (s.url, s.fs, s.root)
+            continue
+        name = assets.differing_asset(ref[1], ref[2], ref[0], s.fs, s.root, s.url)
+        if name is not None:
+            raise StoreError(f"store {s.url!r}: asset {name!r} differs from {ref[0]!r}'s: refusing to merge stores "
+                             "whose assets differ (a trainer would take one of them; rebuild the odd store's assets "
+                             "from its target)")
+    return given
 
 
 def copy_shard(src: Store, rec: commit.CommitRecord, fs, root: str,
@@ -159,10 +181,12 @@ def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[
             where = f"store {src.url!r}, commit record of shard {rec.shard!r}"
             for key in rec.files:
                 names.file_key(rec.shard, key, where)
+    given = check_assets(fs, root, dst_url, srcs)
     result = MergeResult(already=sum(len(s.commits) for s in srcs) - len(todo))
     if dst is None:  # the first source's manifest, as is: same identity, chunking and codec
         ensure_manifest(fs, root, dst_url, srcs[0].manifest)
-    copy_assets_if_missing(srcs[0], fs, root)
+    if given is not None:
+        copy_assets_if_missing(given, fs, root)
     total = sum(f["size"] for _, rec in todo for f in rec.files.values()) if by == "copy" else len(todo)
     appender = index.SegmentAppender(fs, root, f"merge-{by}")  # the records written, as one index segment
     with tqdm(total=total, unit="B" if by == "copy" else "shard", unit_scale=by == "copy", desc=f"merge ({by})",

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..format import fp8
+from ..format.sessions import SlotHeld
 from ..io import storage
 from ..errors import CorruptionError, ManifestError, SampleError, StoreError
 from ..locks import ProcessLock
@@ -32,7 +33,8 @@ from .writer import StoreWriter
 
 log = logging.getLogger(__name__)
 
-_ERRORS = {c.__name__: c for c in (StoreError, SampleError, ManifestError, CorruptionError, ValueError, OSError)}
+_ERRORS = {c.__name__: c for c in (StoreError, SampleError, ManifestError, CorruptionError, SlotHeld, ValueError,
+                                   OSError)}
 
 
 def _shm_dir() -> str:

@@ -1,5 +1,5 @@
-"""A writer's session in its store (``format/sessions.py``): the record written when it opens, a heartbeat while it
-writes, the end record after a clean close, the error after a failed one. Followers (``--follow``) end epoch 0
+"""A writer's session in its store (``format/sessions.py``): its tag's slot claimed and the record written when it
+opens, a heartbeat while it writes, the end record after a clean close, the error after a failed one. Followers (``--follow``) end epoch 0
 by these records, so a writer that was killed is never taken for one that finished."""
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ class WriterSession:
         self._thread: threading.Thread | None = None
         self._warned = False
 
-    def start(self) -> None:
+    def start(self, url: str) -> None:
+        """Claim the writer tag's slot (``SlotHeld`` when a session that still writes holds it: nothing written),
+        then write the session record and start beating."""
+        sessions.claim_slot(self.fs, self.root, url, self.record)
         sessions.write_session(self.fs, self.root, self.record)  # raises: a store it cannot write is no store
         self._thread = threading.Thread(target=self._beat, name="hsstore-writer-heartbeat", daemon=True)
         self._thread.start()

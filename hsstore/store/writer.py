@@ -7,7 +7,9 @@ the next forward runs. Memory is bounded: at most ``max_pending`` shards are in 
 
 Nothing is visible to readers until a shard's commit record is written, so a crash (or an exception
 inside ``with StoreWriter(...)``) leaves only invisible debris, never a half-shard. Shard names carry a
-random part, so any number of writers (ranks, machines, teams) can add to one store concurrently.
+random part, so any number of writers (ranks, machines, teams) can add to one store concurrently, each under its
+own writer tag: a tag is one writer at a time (its slot, ``format/sessions.py``), so a second writer of a tag that
+is being written is refused at its start.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
-from ..format import codec, commit, fp8, health, index
+from ..format import codec, commit, fp8, health, index, sessions
 from ..layouts import base as layout
 from ..io import destination, memory, storage, transfer
 from ..errors import ManifestError, SampleError, StoreError
@@ -197,7 +199,10 @@ class StoreWriter:
         self._session = WriterSession(self.fs, self.root, self.tag, self.session, expects=expects,
                                       planned_samples=planned_samples, planned_tokens=planned_tokens)
         try:
-            self._session.start()
+            self._session.start(url)
+        except sessions.SlotHeld:
+            self._pool.shutdown(wait=False)
+            raise
         except Exception as e:
             self._pool.shutdown(wait=False)
             raise StoreError(storage.explain(e, url, "write", self.fs, self.root)) from None

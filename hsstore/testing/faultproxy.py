@@ -22,6 +22,7 @@ A hostile endpoint, for the tests of what hsstore takes (``HOSTILE``; not in ``A
   huge_length  the upstream's answer declaring a ``Content-Length`` of 10^12, the connection then closed
   endless_list a listing (``list-type=2``) answered as truncated, with a continuation token, for ever (each
                request's token dropped before it is forwarded: the same first page again)
+  redirect     ``307`` to the same path and query on ``redirect_to`` (another endpoint), nothing forwarded
 
 Bounded schedule: request ``i`` (of those matching ``match``) gets a fault when ``i % every == every - 1``,
 kinds strictly in turn from ``faults`` (seeded order; a kind that needs a body or a chunk waits for the next
@@ -54,7 +55,7 @@ from urllib.parse import urlsplit
 
 BODY_FAULTS = ("reset_mid", "truncate", "short")  # need a response body to cut
 ALL_FAULTS = ("reset", "reset_after", "reset_mid", "500", "503", "truncate", "short", "latency")
-HOSTILE = ("trickle", "overrun", "huge_length", "endless_list")
+HOSTILE = ("trickle", "overrun", "huge_length", "endless_list", "redirect")
 FOREVER_S = 120  # how long "forever" lasts (a client not cut off by then has failed anyway)
 
 _XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}</Message>'
@@ -65,7 +66,8 @@ class FaultProxy:
     def __init__(self, upstream: str, faults=ALL_FAULTS, every: int = 3, limit: int = 10, seed: int = 0,
                  persistent: bool = False, match: Callable[[str, str], bool] | None = None,
                  delay: float = 0.05, short_on: Callable[[str], bool] | None = None, replay: bool = False,
-                 latency: float = 0.0, bandwidth: float | None = None, range_checksums: bool = True) -> None:
+                 latency: float = 0.0, bandwidth: float | None = None, range_checksums: bool = True,
+                 redirect_to: str | None = None) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.faults = list(faults)
@@ -78,6 +80,7 @@ class FaultProxy:
         self.replay, self.replayed = replay, 0
         self.latency, self.bandwidth = float(latency), bandwidth  # every request; bytes/s per connection
         self.range_checksums = range_checksums  # False: a Range request's answer carries no object checksum (AWS)
+        self.redirect_to = redirect_to  # the endpoint a "redirect" fault sends the client to
         self.sent: collections.Counter = collections.Counter()  # path -> response body bytes sent
         self._answers: dict[tuple[str, str, str], tuple[int, str, list, bytes]] = {}
         self.injected: collections.Counter = collections.Counter()
@@ -238,6 +241,12 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(403, "AccessDenied", "Access Denied")
         if kind == "503":
             return self._error(503, "SlowDown", "Please reduce your request rate.")
+        if kind == "redirect":
+            self.send_response_only(307, "Temporary Redirect")
+            self.send_header("Location", self.proxy.redirect_to.rstrip("/") + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if kind == "latency":
             time.sleep(self.proxy.delay)
         if self.proxy.latency:
