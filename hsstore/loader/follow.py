@@ -146,8 +146,12 @@ class Journal:
         if not isinstance(head.get("version"), int) or head["version"] > VERSION:
             raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: journal version {head.get('version')!r}, this "
                                   f"hsstore reads {VERSION}")
+        stores = head.get("stores", [])
+        if not isinstance(stores, list) or not all(isinstance(u, str) for u in stores):
+            raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: not a follow journal (its stores are not a list of "
+                                  "URLs)")
         self.id: str = head["id"]
-        self.stores: list[str] = [str(u) for u in head.get("stores", [])]
+        self.stores: list[str] = stores
         self._entries: list[Entry] = []
 
     @classmethod
