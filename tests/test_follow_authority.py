@@ -257,8 +257,8 @@ def test_a_follower_stops_at_its_deadline_saying_what_it_trained_and_what_the_st
     cmd = [sys.executable, "-m", "hsstore", "train", "--store", str(store), "--out", str(run), "--follow",
            "--follow-deadline", "1", "--epochs", "1", *TRAIN]
     got = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
-    lines = [ln for ln in got.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO", "WARNING", "ERROR"))]
-    assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO", "WARNING"))]
+    assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]  # said once, not logged and raised both
     assert "epoch 0 stopped at its deadline" in lines[0] and f"it trained the {n} sample(s) that joined" in lines[0]
     assert "rank00001 (session deadbeef" in lines[0]
     assert list((run / "checkpoints").glob("step_*/trainer.json"))  # what was trained is kept

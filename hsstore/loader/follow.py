@@ -404,7 +404,7 @@ class Leader:
                 self._tell(url, writers, shown)
         if stop is not None:
             self.journal.append("stop", why=stop, shard=bad_shard)
-            log.error("%s", stop)
+            log.debug("epoch 0 stops (every reader raises it, the one line a user sees): %s", stop)
             return True
         appended = False
         if tables:
@@ -428,7 +428,7 @@ class Leader:
         if not appended and deadline is not None and time.time() - self.last_arrival >= deadline:
             why = self._deadline_line(deadline, expected)
             self.journal.append("stop", why=why, deadline=float(deadline))
-            log.error("%s", why)
+            log.debug("epoch 0 stops at its deadline (every reader raises it, the one line a user sees): %s", why)
             return True
         return appended
 
@@ -464,7 +464,7 @@ class Leader:
                 got = self.poll()
             except CorruptionError as e:  # a record that will not parse does not heal by waiting
                 self.journal.append("stop", why=str(e))
-                log.error("%s", e)
+                log.debug("epoch 0 stops (every reader raises it, the one line a user sees): %s", e)
                 return
             except Exception as e:  # a network fault: look again later
                 log.warning("epoch 0: looking at the stores failed (%s: %s); trying again in %.0fs",
