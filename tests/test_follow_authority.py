@@ -330,3 +330,21 @@ def test_a_newline_in_a_dead_writers_host_does_not_forge_a_line(extracted, tmp_p
     text = log.read_text()
     assert not any(line.startswith(forged) for line in text.splitlines()), text[-3000:]
     assert "host h\\n" + forged in text
+
+
+def test_a_follower_holds_one_group_of_writer_records_at_a_time(tmp_path, monkeypatch):
+    """Hundreds of writer records each listing a job of 1e5 ranks: a poll reads them a group at a time (what it
+    holds at once bounded whatever their number), and every record is still read."""
+    from hsstore.io import door
+
+    fs, root = storage.resolve(str(tmp_path / "s"))
+    tags = [f"rank{i:05d}" for i in range(100_000)]
+    for i in range(24):
+        sessions.write_session(fs, root, sessions.new_session(f"rank{i:05d}", f"{i:08x}", host="h", pid=1,
+                                                              expects=tags))
+    held, read_many = [], door.read_many
+    monkeypatch.setattr(door, "read_many", lambda fs, root, keys, **kw: held.append(sum(
+        fs.size(storage.join(root, k)) for k in keys)) or read_many(fs, root, keys, **kw))
+    writers = sessions.read_writers(fs, root)
+    assert len(writers.sessions) == 24 and not writers.damaged
+    assert sum(held) > sessions.READ_GROUP_BYTES and max(held) <= sessions.READ_GROUP_BYTES, held
