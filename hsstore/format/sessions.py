@@ -520,14 +520,14 @@ def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None 
                 if not _own_name(n, rec):
                     raise CorruptionError(f"{key}: names session {session_key(rec.writer, rec.session)!r}, not "
                                           "its own (a record under another name would speak for that session)")
-            except CorruptionError as e:
-                out.damaged[n] = str(e)
-                continue
+            except CorruptionError as e:  # kept as read: an unchanged damaged record is not read again each poll
+                rec = e
             known[n] = (listing.stamp(listed[n]), rec)
     for n in names:
-        if n in out.damaged:
-            continue
         rec = known[n][1]
+        if isinstance(rec, CorruptionError):
+            out.damaged[n] = str(rec)
+            continue
         if isinstance(rec, EndRecord):
             out.ends[session_key(rec.writer, rec.session)] = rec
         else:
