@@ -187,6 +187,26 @@ def test_shifted_sample_boundaries_are_refused_by_show_and_the_reader(tmp_path, 
     assert f"FAIL shard {d['shard']}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("column", ["sample_id", "source"])
+def test_a_wds_record_whose_columns_are_not_its_tars_is_refused_by_show_and_the_reader(tmp_path, capsys, tiny_dir,
+                                                                                        column):
+    """A wds tar holds each sample's columns in its ``.json`` member, which readers never read: an id or source
+    edited in the record alone (its members' sizes and checksums as listed) is refused by ``show``, the reader and
+    ``subset`` as ``verify`` refuses it, from the record, before a byte of the tar is read."""
+    url = str(tmp_path / "s")
+    small_store(url, layout="wds")
+    d = edit_record(records(url)[0], lambda d: d["samples"][column].__setitem__(0, "renamed"))
+    sid = d["samples"]["sample_id"][0]
+    with pytest.raises(StoreError, match="rule 'extent'.*not those its tar holds"):
+        list(hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False)))
+    assert main(["show", url, sid, "--model", str(tiny_dir)]) == 2
+    one_line(capsys.readouterr().err, "rule 'extent'", d["shard"])
+    assert main(["subset", url, str(tmp_path / "d"), "-q"]) == 2
+    one_line(capsys.readouterr().err, "rule 'extent'", d["shard"])
+    assert main(["verify", url, "-q"]) == 1
+    assert f"FAIL shard {d['shard']}" in capsys.readouterr().out
+
+
 def test_shifted_boundaries_of_a_record_without_an_offsets_checksum_are_refused_as_served(tmp_path):
     """A format-version-1 record lists no payload checksum that binds its lengths: the loss_mask each served
     sample is read with must add up to the record's loss tokens (a boundary moved across masked tokens)."""
@@ -227,6 +247,31 @@ def test_forged_columns_never_decide_which_samples_an_epoch_holds(tmp_path, caps
     assert repr(shard) in str(e.value)
     assert main(["subset", url, str(tmp_path / "d"), "--min-loss-tokens", "1", "-q"]) == 2
     one_line(capsys.readouterr().err, "disagrees with its commit record", shard)
+
+
+def _no_samples(d):
+    for col in d["samples"].values():
+        col.clear()
+    d["n_samples"] = d["n_tokens"] = 0
+
+
+def test_columns_that_list_no_sample_of_a_shard_never_decide_what_is_read(tmp_path, capsys):
+    """An index entry whose columns list none of its shard's samples (the record lists them): no reader reads that
+    shard, so each admits it before leaving it out; the loader, ``Store`` iteration, ``subset`` and ``export``
+    refuse naming the shard, where they served the other shards' samples, one short."""
+    url = str(tmp_path / "s")
+    small_store(url)
+    seg, shard = forge_columns(url, _no_samples)
+    assert len(hsstore.open(url)) < len(hsstore.Store(url, use_index=False))  # (what the columns say)
+    with pytest.raises(StoreError, match="disagrees with its commit record") as e:
+        hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False))
+    assert repr(shard) in str(e.value)
+    with pytest.raises(StoreError, match="disagrees with its commit record"):
+        list(hsstore.open(url))
+    for argv in (["subset", url, str(tmp_path / "d"), "-q"], ["export", "specforge", url, str(tmp_path / "e"), "-q"]):
+        assert main(argv) == 2
+        one_line(capsys.readouterr().err, "disagrees with its commit record", shard)
+    assert main(["verify", url, "-q"]) == 1
 
 
 # -- wds tars whose bytes after the last member are a member --------------------------------------------------

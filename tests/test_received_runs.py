@@ -113,6 +113,8 @@ TRACKER_FOLDERS = {  # (--report-to, the name planted under OUT, how, words of t
     "mlruns meta.yaml -> /dev/zero": ("mlflow", "mlruns/0/meta.yaml", lambda p: os.symlink("/dev/zero", p),
                                       "symbolic link"),
     "tensorboard events a FIFO": ("tensorboard", "tensorboard/events.out.tfevents.1.host", os.mkfifo, "a FIFO"),
+    "mlruns meta.yaml of NUL bytes": ("mlflow", "mlruns/0/meta.yaml", lambda p: p.write_bytes(b"\0" * 4096),
+                                      "mlflow could not open its logs"),
 }
 
 

@@ -19,7 +19,10 @@ alarm, output captured):
 - ``peer``: a SpecForge or speculators folder forged (gzip bombs, links out, FIFOs, sparse huge files, a pickle
   that runs code, state.json naming files outside); ``import``;
 - ``config``: a ``--config`` YAML made at random (alias bombs, deep nesting, tags, huge values, wrong types);
-  ``train`` and ``extract`` with it.
+  ``train`` and ``extract`` with it;
+- the metadata families (``records``, ``columns``, ``writers``, ``journal``, ``assets``, ``weights``, ``received``:
+  a store's and a run's metadata changed, with the oracle that no sample is served from a shard ``verify``
+  refuses): ``tools/fuzz_metadata.py``, forged and driven from here.
 
 Besides the fuzzer's own oracles (no traceback, no hang, bounded memory, one line for a refusal), a case fails when a
 byte outside what the command was given is read (a sentinel's access time moved, a request outside the served
@@ -42,6 +45,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from tools import fuzz_metadata
+
 FAMILIES = ("http", "s3", "engine", "drafter", "run", "peer", "config")
 DEADLINES = {"HSSTORE_REQUEST_S": "2", "HSSTORE_HEAD_S": "5"}
 ENGINE_TIMEOUT_S = "3"
@@ -54,10 +59,16 @@ GIB_ZEROS_GZ = "zeros.gz"
 
 
 # -- base -----------------------------------------------------------------------------------------------------------
-def make_base(work: Path, store: str) -> dict[str, Any]:
+def make_base(work: Path, store: str, families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
     """What the families' cases start from, made once: the served store (``store``, a copy of the fuzzer's zarr
     base), an extracted store with a one-step run on it (its drafter, checkpoint, run.yaml), a SpecForge and a
-    speculators folder, an engine's canned answer and prompts, and the compressed bombs."""
+    speculators folder, an engine's canned answer and prompts, and the compressed bombs; the metadata families'
+    own (``fuzz_metadata.make_base``) under ``metadata``, each only where ``families`` need it."""
+    own = {"store": store}
+    if set(families) & set(fuzz_metadata.METADATA):
+        own["metadata"] = fuzz_metadata.make_base(work, FAST)
+    if not set(families) & set(FAMILIES):
+        return own
     from hsstore.extract.job import ExtractSettings, run_extract
     from hsstore.extract.tiny import demo_conversations_path, tiny_target_dir
     from hsstore.app.schema import build
@@ -82,7 +93,7 @@ def make_base(work: Path, store: str) -> dict[str, Any]:
     (b / GIB_ZEROS_Z).write_bytes(b"".join(z.compress(bytes(64 << 20)) for _ in range(16)) + z.flush())
     z = zlib.compressobj(9, zlib.DEFLATED, 31)
     (b / GIB_ZEROS_GZ).write_bytes(b"".join(z.compress(bytes(64 << 20)) for _ in range(16)) + z.flush())
-    return {"dir": str(b), "store": store, "run_store": str(run_store), "run": str(run), "inputs": str(inp),
+    return {**own, "dir": str(b), "run_store": str(run_store), "run": str(run), "inputs": str(inp),
             "model": str(tiny_target_dir())}
 
 
@@ -160,7 +171,7 @@ def _files(root: Path, pred: Callable[[Path], bool] = lambda p: True) -> list[Pa
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and pred(p))
 
 
-def _link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
+def link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
     """``p`` made a link (to the sentinel's secret or victim folder, /dev/zero, /etc/passwd), a FIFO, or sparse
     and huge."""
     kind = rng.choice(["secret", "victim", "zero", "passwd", "fifo", "huge"])
@@ -180,7 +191,7 @@ def _plain(p: Path) -> bool:
     return p.is_file() and not p.is_symlink() and p.stat().st_size < 16 << 20
 
 
-def _json_edit(rng: random.Random, p: Path) -> str:
+def json_edit(rng: random.Random, p: Path) -> str:
     from tools.fuzz_oracles import set_random
 
     if not _plain(p):
@@ -219,11 +230,11 @@ def forge_drafter(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
     for _ in range(rng.randint(1, 2)):
         what = rng.choice(["config", "config", "meta", "link", "header", "weights"])
         if what == "config":
-            done.append(_json_edit(rng, folder / "config.json"))
+            done.append(json_edit(rng, folder / "config.json"))
         elif what == "meta":
-            done.append(_json_edit(rng, folder / "hsstore_drafter.json"))
+            done.append(json_edit(rng, folder / "hsstore_drafter.json"))
         elif what == "link":
-            done.append(_link_or_odd(rng, folder / rng.choice(["config.json", "model.safetensors",
+            done.append(link_or_odd(rng, folder / rng.choice(["config.json", "model.safetensors",
                                                                 "hsstore_drafter.json"]), sentinel))
         elif what == "header":
             done.append(_flip(rng, folder / "model.safetensors", head=256))
@@ -249,9 +260,9 @@ def forge_run(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
     for _ in range(rng.randint(1, 2)):
         what = rng.choice(["trainer", "trainer", "loader", "bomb", "plant", "plant", "tensors", "metrics", "best"])
         if what == "trainer":
-            done.append(_json_edit(rng, ck / "trainer.json"))
+            done.append(json_edit(rng, ck / "trainer.json"))
         elif what == "loader":
-            done.append(_json_edit(rng, ck / "loader.rank00000.json"))
+            done.append(json_edit(rng, ck / "loader.rank00000.json"))
         elif what == "bomb":
             p = ck / "loader.rank00000.json"
             try:
@@ -263,7 +274,7 @@ def forge_run(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
                 p.write_text(json.dumps(doc))
             done.append("zlib bomb in loader state")
         elif what == "plant":
-            done.append(_link_or_odd(rng, run / rng.choice(RUN_NAMES), sentinel))
+            done.append(link_or_odd(rng, run / rng.choice(RUN_NAMES), sentinel))
         elif what == "tensors":
             p = ck / rng.choice(["optimizer.safetensors", "master_weights.safetensors", "rank00000.safetensors"])
             done.append(_flip(rng, p, head=rng.choice([256, None])))
@@ -301,7 +312,7 @@ def forge_peer(rng, d: Path, base: dict, sentinel: Path) -> tuple[str, list[str]
         files = _files(folder, _plain)
         what = rng.choice(["odd", "odd", "flip", "gzip bomb", "pickle", "state", "outside"])
         if what == "odd" and files:
-            done.append(_link_or_odd(rng, rng.choice(files), sentinel))
+            done.append(link_or_odd(rng, rng.choice(files), sentinel))
         elif what == "flip" and files:
             done.append(_flip(rng, rng.choice(files)))
         elif what == "gzip bomb" and fmt == "specforge":
@@ -369,7 +380,7 @@ def forge_engine(rng, d: Path, base: dict, sentinel: Path) -> tuple[str | None, 
     if kind is None or rng.random() < 0.3:
         what = rng.choice(["json", "ids", "junk", "nested"])
         if what == "json":
-            done.append(_json_edit(rng, answer))
+            done.append(json_edit(rng, answer))
         elif what == "ids":
             doc = dict(ANSWER, prompt_token_ids=list(range(rng.choice([10, 1_000_000]))))
             doc["choices"] = [dict(ANSWER["choices"][0], token_ids=[rng.choice(HOSTILE_JSON)] * 3)]
@@ -462,6 +473,8 @@ def _forge_family(family: str, rng: random.Random, base: dict, d: Path, sentinel
         case["fault"] = rng.choice(["trickle", "overrun", "huge_length", "endless_list", "short", "truncate"])
         case["where"] = rng.choice(["manifest", "record", "chunk", "list", "any"])
         case["mutations"] = [f"s3 {case['fault']} on {case['where']}"]
+    elif family in fuzz_metadata.METADATA:
+        fuzz_metadata.forge(family, rng, base["metadata"], d, sentinel, case)
     else:
         raise KeyError(f"unknown family {family!r}")
 
@@ -580,6 +593,8 @@ def drive(case: dict, base: dict) -> dict:
     from hsstore.app.cli import main
     from tools.fuzz_oracles import run_command, tree_digest
 
+    if case["family"] in fuzz_metadata.METADATA:
+        return fuzz_metadata.drive(case, base)
     d = Path(case["dir"])
     results, failures = {}, []
     saved = {k: os.environ.get(k) for k in DEADLINES}

@@ -20,6 +20,24 @@ COMMAND_S = 30  # seconds a command may take on a tiny store (they take well und
 MEMORY_MB = 512  # growth of the driver's peak resident set a case may cause
 
 
+# values a forger puts where a store's JSON holds one: wrong types, extremes, escapes, paths
+HOSTILE = [True, False, None, -1, 0, 2 ** 31, 10 ** 30, 1e308, "x" * 5000, "", "\x1b[2J\x07\n", [], {}, [1, 2],
+           {"a": 1}, "../../etc/passwd", "/etc/passwd", "a/../../b", 1.5]
+
+
+def digest(ids, mask, feats) -> str:
+    """SHA-256 over a sample's token ids, loss mask and feature bits: what a served sample is compared by."""
+    h = hashlib.sha256()
+    for a in (ids, mask, feats):
+        h.update(bytes(memoryview(a.contiguous().view(-1).view(__import__("torch").uint8).numpy())))
+    return h.hexdigest()
+
+
+def item_digest(item: dict) -> str:
+    return digest(item["input_ids"].to(__import__("torch").int64), item["loss_mask"].to(__import__("torch").uint8),
+                  item["hidden_states"])
+
+
 def tree_digest(root: Path) -> str:
     """Every file's name, mode, size, mtime and bytes under ``root`` (links as their target; of a file over 64 MiB,
     a sparse one a mutator made, its first and last MiB): what must never change."""
@@ -93,11 +111,11 @@ def _is_refusal(e: BaseException) -> bool:
 
 
 def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
-                log_dir: Path | None = None) -> tuple[dict, list[str], Any]:
+                log_dir: Path | None = None, keep: list[str] | None = None) -> tuple[dict, list[str], Any]:
     """Run one command (``fn``: ``main(argv)``, or a loader epoch when ``refusals_raise``) under the alarm with its
     output captured: what it gave (``rc``, seconds, memory growth ``mb`` and absolute peak ``peak_mb``), the
     oracles it broke (a traceback, a hang, a refusal of more than one line, memory, a raw escape sequence) and what
-    ``fn`` returned (or raised)."""
+    ``fn`` returned (or raised). ``keep``: its stdout and stderr appended, for the caller's own oracles."""
     from tools.measure import peak_rss_mb, reset_peak_rss
 
     base = reset_peak_rss()
@@ -109,6 +127,8 @@ def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
     finally:
         signal.alarm(0)
     peak = peak_rss_mb()
+    if keep is not None:
+        keep += [out, err]
     r = {"s": round(time.perf_counter() - t0, 2), "mb": round(peak - base, 1), "peak_mb": round(peak, 1)}
     failures = []
     if isinstance(got, _Alarm):

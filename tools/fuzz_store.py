@@ -1,6 +1,7 @@
 """Forge stores at random and run every reading command on each (issue #36): ``python -m tools.fuzz_store
 --cases N [--seed S] [--work DIR] [--json] [--families store,http,s3,engine,drafter,run,peer,config] [--jobs J]``
-(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``).
+(the families beyond a store's files, issue #52: ``tools/fuzz_boundaries.py``; those of a store's and a run's
+metadata, ``records,columns,writers,journal,assets,weights,received``: ``tools/fuzz_metadata.py``).
 
 Each case starts from a copy of a small valid store (zarr or wds, with assets) and applies one to three
 mutators from ``MUTATORS``: fields of the manifest, commit records, zarr.json, asset and index files set to hostile
@@ -24,7 +25,6 @@ What a case must give, else it is counted as a failure of its kind:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -36,17 +36,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tools.fuzz_oracles import COMMAND_S, run_command, set_random, tree_digest
-
-HOSTILE = [True, False, None, -1, 0, 2 ** 31, 10 ** 30, 1e308, "x" * 5000, "", "\x1b[2J\x07\n", [], {}, [1, 2],
-           {"a": 1}, "../../etc/passwd", "/etc/passwd", "a/../../b", 1.5]
+from tools.fuzz_metadata import METADATA
+from tools.fuzz_oracles import COMMAND_S, HOSTILE, item_digest, run_command, set_random, tree_digest
 
 
-def _digest(ids, mask, feats) -> str:
-    h = hashlib.sha256()
-    for a in (ids, mask, feats):
-        h.update(bytes(memoryview(a.contiguous().view(-1).view(__import__("torch").uint8).numpy())))
-    return h.hexdigest()
+
 
 
 # -- base stores ------------------------------------------------------------------------------------------------
@@ -84,13 +78,11 @@ def make_base(work: Path) -> dict[str, Any]:
         fs, root = storage.resolve(url)
         write_assets(fs, root, assets)
         store = hsstore.open(url)
-        digests = {store.ref(i).sample_id: _item_digest(store.read(i)) for i in range(len(store))}
+        digests = {store.ref(i).sample_id: item_digest(store.read(i)) for i in range(len(store))}
     return {"zarr": str(work / "base-zarr"), "wds": str(work / "base-wds"), "digests": digests}
 
 
-def _item_digest(item: dict) -> str:
-    return _digest(item["input_ids"].to(__import__("torch").int64), item["loss_mask"].to(__import__("torch").uint8),
-                   item["hidden_states"])
+
 
 # -- mutators: each changes one thing of a store and says what ---------------------------------------------------
 def _json_files(store: Path, pattern: str) -> list[Path]:
@@ -265,8 +257,8 @@ def _apply(name: str, rng, store: Path, sentinel: Path) -> str:
         return f"{name}: nothing to change ({type(e).__name__})"
 
 
-FAMILIES = ("store", "http", "s3", "engine", "drafter", "run", "peer", "config")  # store: this module's; the rest:
-# tools/fuzz_boundaries.py
+FAMILIES = ("store", "http", "s3", "engine", "drafter", "run", "peer", "config", *METADATA)  # store: this module's;
+# the rest: tools/fuzz_boundaries.py (the metadata families: tools/fuzz_metadata.py)
 
 
 def forge(base: dict, work: Path, case: int, seed: int, families: tuple[str, ...] = ("store",)) -> dict:
@@ -293,7 +285,7 @@ def _epoch(url: str) -> dict[str, str]:
 
     ds = hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False),
                                     reading=hsstore.Reading(prefetch=1))
-    return {item["sample_id"]: _item_digest(item) for item in ds}
+    return {item["sample_id"]: item_digest(item) for item in ds}
 
 
 def _written(url: str) -> dict[str, str]:
@@ -302,7 +294,7 @@ def _written(url: str) -> dict[str, str]:
     if not Path(url, "manifest.json").exists():
         return {}
     store = hsstore.open(url)
-    return {store.ref(i).sample_id: _item_digest(store.read(i)) for i in range(len(store))}
+    return {store.ref(i).sample_id: item_digest(store.read(i)) for i in range(len(store))}
 
 
 def drive(case: dict, digests: dict[str, str]) -> dict:
@@ -363,10 +355,13 @@ def _cap_memory() -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (DRIVER_AS, DRIVER_AS))
 def _kind(failure: str) -> str:
-    return ("escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
+    """The count a failure adds to (a read outside first: its paths name the sentinel it read)."""
+    return ("outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
+            else "escapes" if "escape" in failure or "sentinel" in failure or "code ran" in failure else
             "hangs" if ": hang (" in failure else "memory" if ": memory +" in failure else
-            "outside" if failure.startswith(("read outside", "asked", "fetched")) or "outside the store" in failure
-            else "other_bits" if "bits" in failure else "tracebacks")
+            "other_bits" if "bits" in failure else "served_refused" if ": served from " in failure else
+            "follow" if ": follow trained " in failure else "values" if ": non-finite values" in failure
+            else "tracebacks")
 
 
 def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25,
@@ -383,11 +378,11 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     if set(families) - {"store"}:
         from tools import fuzz_boundaries
 
-        base["boundaries"] = fuzz_boundaries.make_base(w, base["zarr"])
+        base["boundaries"] = fuzz_boundaries.make_base(w, base["zarr"], families)
     base_digest = {k: tree_digest(Path(base[k])) for k in ("zarr", "wds")}
     totals = {"cases": 0, "commands": 0, "refused": 0, "tracebacks": 0, "hangs": 0, "memory": 0, "escapes": 0,
-              "other_bits": 0, "outside": 0, "over_1gib": 0, "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0,
-              "by_family": {}}
+              "other_bits": 0, "outside": 0, "served_refused": 0, "follow": 0, "values": 0, "over_1gib": 0,
+              "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0, "by_family": {}}
     failures = []
 
     def drive_batch(batch: list[dict], spec: Path) -> list[dict]:
@@ -471,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         t = result["totals"]
         print(f"fuzz_store: {t['cases']} cases, {t['commands']} commands ({t['refused']} refused) in {t['seconds']} s; "
               f"tracebacks {t['tracebacks']}, hangs {t['hangs']}, memory {t['memory']}, escapes {t['escapes']}, "
-              f"other bits {t['other_bits']}, read outside {t['outside']}; slowest command {t['max_s']} s, most "
+              f"other bits {t['other_bits']}, read outside {t['outside']}, samples served from shards verify refuses "
+              f"{t['served_refused']}, follow trained other than held {t['follow']}, non-finite values "
+              f"{t['values']}; slowest command {t['max_s']} s, most "
               f"memory +{t['max_mb']} MB (peak {t['max_peak_mb']} MB; {t['over_1gib']} commands over 1 GiB)")
         for fam, f in sorted(t["by_family"].items()):
             print(f"  {fam}: {f['cases']} cases, {f['commands']} commands, {f['refused']} refused")

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hsstore.errors import StoreError
 from hsstore.io import door, sinks
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,17 @@ class MLflow(Tracker):
 TRACKERS: dict[str, type[Tracker]] = {t.name: t for t in (TensorBoard, WandB, MLflow)}  # --report-to's names
 
 
+def _opened(name: str, out: Path, params: dict[str, Any], run_name: str) -> Tracker:
+    """Backend ``name`` opened on ``out``: its library parses what a received OUT holds in its folder, so a file
+    there it cannot read is one line naming it (the library's own words, on one line), not its traceback."""
+    try:
+        return TRACKERS[name](out, params, run_name)
+    except Exception as e:
+        words = " ".join(str(e).split())[:400]
+        raise StoreError(f"{out / TRACKERS[name].folder}: {name} could not open its logs ({type(e).__name__}: "
+                         f"{words}); move the folder away or give another --out") from None
+
+
 class Trackers:
     """The chosen backends, opened at the start of a run (rank 0 only), fed each logged row, closed at the end."""
 
@@ -193,7 +205,7 @@ class Trackers:
                 # link or a FIFO
                 door.check_tree(out, TRACKERS[n].folder, where=f"{n} logs")
         flat_params, name = flatten_params(params), run_name or Path(out).name
-        self._open = [TRACKERS[n](Path(out), flat_params, name) for n in names]
+        self._open = [_opened(n, Path(out), flat_params, name) for n in names]
 
     def log(self, row: dict[str, Any], step: int) -> None:
         values = flatten_row(row)

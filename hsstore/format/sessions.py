@@ -39,6 +39,7 @@ SESSION_SUFFIX = ".json"
 END_SUFFIX = ".end.json"
 SLOT_SUFFIX = ".slot"  # not ``.json``: readers that predate slots list only ``.json`` objects and never see one
 RECORD_CAP = 4 << 20  # a session record lists its job's writer tags: 1e5 ranks fit
+READ_GROUP_BYTES = 4 * RECORD_CAP  # writer records held at once by one poll, read a group at a time
 STALE_BEATS = 4  # a session that missed this many heartbeats is reported as dead (a follower keeps waiting)
 # An end record is believed once its session has stayed silent this long after it: a writer that still runs beats
 # within one beat, so an end planted beside it is caught before it is believed (the second beat covers a slow PUT).
@@ -490,6 +491,20 @@ def _own_name(n: str, rec) -> bool:
     return n == key + (END_SUFFIX if isinstance(rec, EndRecord) else SESSION_SUFFIX)
 
 
+def _groups_by_size(names: list[str], sizes: dict[str, int], budget: int = READ_GROUP_BYTES) -> list[list[str]]:
+    """``names`` in order, in groups whose sizes sum to at most ``budget`` (one name at least): a poll holds one
+    group's bytes at a time, however many records a store lists."""
+    groups: list[list[str]] = []
+    total = budget
+    for n in names:
+        if total + sizes[n] > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(n)
+        total += sizes[n]
+    return groups
+
+
 def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None = None) -> Writers:
     """The store's writer records: one listing of ``writers/``, then GETs of the objects not in ``known`` (object
     name -> (stamp, parsed record) of an earlier read: what a follower polling every few seconds re-reads is only
@@ -499,13 +514,13 @@ def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None 
     known = known if known is not None else {}
     out = Writers({}, {}, read_at=time.time())
     todo = [n for n in names if known.get(n, (None,))[0] is None or known[n][0] != listing.stamp(listed[n])]
-    blobs = door.read_many(fs, root, [f"{WRITERS_DIR}/{n}" for n in todo],
-                           sizes={f"{WRITERS_DIR}/{n}": listed[n].get("size") or None for n in todo},
-                           bound=RECORD_CAP) if todo else {}
-    for n in names:
-        key = f"{WRITERS_DIR}/{n}"
-        if n in todo:
-            data = blobs.get(key)
+    for group in _groups_by_size(todo, {n: listed[n].get("size") or RECORD_CAP for n in todo}):
+        blobs = door.read_many(fs, root, [f"{WRITERS_DIR}/{n}" for n in group],
+                               sizes={f"{WRITERS_DIR}/{n}": listed[n].get("size") or None for n in group},
+                               bound=RECORD_CAP)
+        for n in group:
+            key = f"{WRITERS_DIR}/{n}"
+            data = blobs.pop(key, None)
             try:
                 if isinstance(data, Exception) or data is None:
                     raise CorruptionError(f"{key}: unreadable ({type(data).__name__}: {data})")
@@ -514,11 +529,14 @@ def read_writers(fs, root: str, known: dict[str, tuple[str | None, Any]] | None 
                 if not _own_name(n, rec):
                     raise CorruptionError(f"{key}: names session {session_key(rec.writer, rec.session)!r}, not "
                                           "its own (a record under another name would speak for that session)")
-            except CorruptionError as e:
-                out.damaged[n] = str(e)
-                continue
+            except CorruptionError as e:  # kept as read: an unchanged damaged record is not read again each poll
+                rec = e
             known[n] = (listing.stamp(listed[n]), rec)
+    for n in names:
         rec = known[n][1]
+        if isinstance(rec, CorruptionError):
+            out.damaged[n] = str(rec)
+            continue
         if isinstance(rec, EndRecord):
             out.ends[session_key(rec.writer, rec.session)] = rec
         else:

@@ -199,9 +199,7 @@ def write_shard(fs, root: str, name: str, writer: str, manifest: Manifest, featu
     ids, mask = input_ids.astype(IDS_DTYPE, copy=False), loss_mask.astype(MASK_DTYPE, copy=False)
     for i in range(len(offsets) - 1):
         a, b = int(offsets[i]), int(offsets[i + 1])
-        meta = {c: samples[c][i] for c in SAMPLE_COLUMNS}
-        meta.update(shard=name, dtype=manifest.dtype, layers=list(manifest.layers))
-        tar.add(member_name(i, "json"), [json.dumps(meta, separators=(",", ":")).encode()])
+        tar.add(member_name(i, "json"), [json_member(samples, i, name, manifest)])
         tar.add_npy(member_name(i, "input_ids.npy"), ids[a:b])
         tar.add_npy(member_name(i, "loss_mask.npy"), mask[a:b])
         for l in manifest.all_features:
@@ -262,6 +260,14 @@ def file_bound(manifest: Manifest, rec: CommitRecord, key: str) -> int:
         return tar_layout(rec, manifest)[1]
     except CorruptionError:
         return 0
+
+
+def json_member(samples: dict[str, list], i: int, shard: str, manifest: Manifest) -> bytes:
+    """Sample ``i``'s ``.json`` member: its columns, the shard's name, the manifest's dtype and layers, as compact
+    JSON, so its bytes follow from a commit record and its manifest alone."""
+    meta = {c: samples[c][i] for c in SAMPLE_COLUMNS}
+    meta.update(shard=shard, dtype=manifest.dtype, layers=list(manifest.layers))
+    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 def tar_layout(rec: CommitRecord, m: Manifest) -> tuple[dict[str, tuple[int, int]], int]:
@@ -331,6 +337,19 @@ def layout_problem(rec: CommitRecord, m: Manifest) -> str | None:
                 "forged or damaged record, the tar is not read)")
     if want["size"] != total:  # another size than its members and tar's framing take: never streamed
         return f"refused ({want['size']:,} bytes listed, a tar of its members is {total:,})"
+    return _columns_problem(rec, m)
+
+
+def _columns_problem(rec: CommitRecord, m: Manifest) -> str | None:
+    """Why the record's columns are not those its tar's ``.json`` members hold (None: they are): each member's
+    listed size and CRC32C against the bytes the record's columns make (``json_member``). Readers never read
+    those members, so an id or column edited in the record is refused here, from the record alone."""
+    for i in range(rec.n_samples):
+        name = member_name(i, "json")
+        data = json_member(rec.samples, i, rec.shard, m)
+        if list(rec.members[name][1:3]) != [len(data), codec.crc32c(data)]:
+            return (f"member {name!r}: sample {rec.samples['sample_id'][i]!r}'s columns in the commit record are not "
+                    "those its tar holds (forged or damaged record, the tar is not read)")
     return None
 
 

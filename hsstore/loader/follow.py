@@ -154,8 +154,12 @@ class Journal:
         if not isinstance(head.get("version"), int) or head["version"] > VERSION:
             raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: journal version {head.get('version')!r}, this "
                                   f"hsstore reads {VERSION}")
+        stores = head.get("stores", [])
+        if not isinstance(stores, list) or not all(isinstance(u, str) for u in stores):
+            raise CorruptionError(f"{self.path}/{JOURNAL_FILE}: not a follow journal (its stores are not a list of "
+                                  "URLs)")
         self.id: str = head["id"]
-        self.stores: list[str] = [str(u) for u in head.get("stores", [])]
+        self.stores: list[str] = stores
         self._entries: list[Entry] = []
         # threads of one process share a journal (the trainer's loop and its read-ahead, the leader and the loop): an
         # entry is kept only at its own place, whoever read it first (``_keep``)
@@ -418,7 +422,7 @@ class Leader:
                 self._tell(url, writers, shown)
         if stop is not None:
             self.journal.append("stop", why=stop, shard=bad_shard)
-            log.error("%s", stop)
+            log.debug("epoch 0 stops (every reader raises it, the one line a user sees): %s", stop)
             return True
         appended = False
         if tables:
@@ -442,7 +446,7 @@ class Leader:
         if not appended and deadline is not None and time.time() - self.last_arrival >= deadline:
             why = self._deadline_line(deadline, expected)
             self.journal.append("stop", why=why, deadline=float(deadline))
-            log.error("%s", why)
+            log.debug("epoch 0 stops at its deadline (every reader raises it, the one line a user sees): %s", why)
             return True
         return appended
 
@@ -478,7 +482,7 @@ class Leader:
                 got = self.poll()
             except CorruptionError as e:  # a record that will not parse does not heal by waiting
                 self.journal.append("stop", why=str(e))
-                log.error("%s", e)
+                log.debug("epoch 0 stops (every reader raises it, the one line a user sees): %s", e)
                 return
             except Exception as e:  # a network fault: look again later
                 log.warning("epoch 0: looking at the stores failed (%s: %s); trying again in %.0fs",

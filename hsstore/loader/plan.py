@@ -76,8 +76,9 @@ class Catalog:
 def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -> Catalog:
     """Step 1: the samples that pass ``filters``, in store order, grouped into read units. Every store is admitted
     first (``Store.admit``: its columns keep the admission's rules), and every shard whose samples the filters drop
-    is admitted here (``Store.admit_shard``: its record, and so its columns): a shard the epoch reads is admitted
-    when it is read, so no column that disagrees with its record decides what an epoch holds."""
+    is admitted here (``Store.admit_shard``: its record, and so its columns), as is every shard whose columns list
+    no sample: a shard the epoch reads is admitted when it is read, so no column that disagrees with its record
+    decides what an epoch holds."""
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("store", "shard", "local", "start", "stop", "unit_in_shard")}
     store_rows, n = [], 0
     for si, store in enumerate(stores):
@@ -100,7 +101,7 @@ def build_catalog(stores: Sequence[Store], filters: Filters, unit_tokens: int) -
                                 len(length))
         idx = np.flatnonzero(keep)
         rows = np.repeat(np.arange(len(t), dtype=np.int32), np.diff(t.first))
-        for dropped in np.unique(rows[~keep]).tolist():
+        for dropped in np.union1d(rows[~keep], np.flatnonzero(np.diff(t.first) == 0)).tolist():
             store.admit_shard(store.commits[dropped])
         shard = rows[idx]
         start = t.starts[idx]

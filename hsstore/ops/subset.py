@@ -101,6 +101,8 @@ def select(store: Store, sel: SampleFilter, skip_ids: set[str] = frozenset()) ->
     t = store.table
     for s in range(len(t)):  # the records' columns: no record is parsed
         cols, run, run_tokens, n, kept = t.sample_columns(s), None, 0, int(t.n_samples[s]), 0
+        if n == 0:  # columns listing no sample decide too (none of its samples is copied): admitted first
+            store.admit_shard(store.commits[s])
         for i in range(n + 1):
             keep = i < n and cols["sample_id"][i] not in skip_ids and sel.keeps(cols, i)
             kept += keep

@@ -375,8 +375,11 @@ class Store:
     def windows(self, shard_index: int, layers: Sequence[int], window_bytes: int = 512 << 20,
                 ) -> list[tuple[int, int, int]]:
         """``(shard_index, first, stop)`` runs of whole samples of about ``window_bytes`` (at least one chunk):
-        the large reads a sequential scan makes, each chunk fetched about once."""
+        the large reads a sequential scan makes, each chunk fetched about once. A shard whose columns list no
+        sample is admitted here (``admit_shard``), as it is never read: its columns decide nothing unchecked."""
         n, off = int(self.table.n_samples[shard_index]), self._offsets(shard_index)
+        if n == 0:
+            self.admit_shard(self.commits[shard_index])
         m = self.manifest
         token_bytes = codec.token_bytes(m.dtype, m.encoding, max(1, len(layers)), m.hidden_size)
         window = max(self.manifest.chunk_tokens, window_bytes // token_bytes)
