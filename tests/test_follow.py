@@ -261,10 +261,11 @@ def test_a_resumed_follower_continues_exactly_once_over_two_world_size_changes(t
     assert set(count) == ids and set(count.values()) == {1}, [k for k, v in count.items() if v > 1]
 
 
-def test_a_rerun_after_a_killed_rerun_is_waited_for(tmp_path):
+def test_a_rerun_after_a_killed_rerun_is_waited_for(tmp_path, monkeypatch):
     """Writer tag rank00000 ran once and ended; a re-run of it (more input) was killed, its heartbeat stopped, no
-    end record; a third run ends. The killed session is never taken for a finished one (the tag's earlier end
-    came before it): epoch 0 waits, and ends with the third run's shards."""
+    end record; a third run ends. The killed session is never taken for a finished one (the tag's earlier end,
+    believed by then, came before it): epoch 0 waits, and ends with the third run's shards."""
+    monkeypatch.setenv("HSSTORE_WRITER_HEARTBEAT_S", "0.1")  # an end is believed after two silent beats
     url, journal = str(tmp_path / "s"), str(tmp_path / "journal")
     samples = make_samples(9, max_len=40)
     with StoreWriter(url, make_manifest(), writer_tag="rank00000") as w:
@@ -272,7 +273,8 @@ def test_a_rerun_after_a_killed_rerun_is_waited_for(tmp_path):
     fs, root = storage.resolve(url)
     killed = sessions.new_session("rank00000", "deadbeef", host="h", pid=1, beat_s=0.05)  # started after that end
     sessions.write_session(fs, root, killed)
-    time.sleep(1.5 * sessions.STALE_BEATS * killed.heartbeat_s)  # silent past its beats: dead by the rule
+    # silent past its beats (dead by the rule), and the first run's end settled (believed)
+    time.sleep(max(1.5 * sessions.STALE_BEATS * killed.heartbeat_s, 3 * sessions.SETTLE_BEATS * 0.1))
     follow = Follow(journal, lead=False)
     leader = Leader(Journal.create(journal, [url]), [hsstore.open(url)], follow)
     assert leader.poll()  # the first run's shards join; the killed re-run may still write: no end
