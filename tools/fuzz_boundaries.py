@@ -46,14 +46,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools import fuzz_metadata
+from tools.fuzz_oracles import (DEADLINES, FAST, HOSTILE_JSON, json_edit, link_or_odd, plain_file, read_since,
+                                replace_path)
 
 FAMILIES = ("http", "s3", "engine", "drafter", "run", "peer", "config")
-DEADLINES = {"HSSTORE_REQUEST_S": "2", "HSSTORE_HEAD_S": "5"}
 ENGINE_TIMEOUT_S = "3"
-FAST = ["--token-budget", "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "32", "--log-every", "1",
-        "--device", "cpu", "-q"]
-HOSTILE_JSON = [True, None, -1, 0, 2 ** 31, 10 ** 30, 1e308, "x" * 5000, "", "\x1b[2J\x07\n", [], {}, [1, 2],
-                {"a": 1}, "../../etc/passwd", "/etc/passwd", 1.5, 2_000_000]
 GIB_ZEROS_Z = "zeros.z"  # 1 GiB of zeros, zlib'd (~1 MB), made once
 GIB_ZEROS_GZ = "zeros.gz"
 
@@ -152,66 +149,13 @@ def age_atimes(s: Path) -> dict[str, int]:
     return out
 
 
-def read_since(atimes: dict[str, int]) -> list[str]:
-    """Sentinel files read since ``age_atimes``."""
-    return [p for p, t in atimes.items() if os.path.exists(p) and os.stat(p).st_atime_ns != t]
-
-
 # -- forging ----------------------------------------------------------------------------------------------------------
-def _replace(p: Path, make: Callable[[Path], None]) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    elif p.exists() or p.is_symlink():
-        p.unlink()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    make(p)
-
-
 def _files(root: Path, pred: Callable[[Path], bool] = lambda p: True) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and pred(p))
 
 
-def link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
-    """``p`` made a link (to the sentinel's secret or victim folder, /dev/zero, /etc/passwd), a FIFO, or sparse
-    and huge."""
-    kind = rng.choice(["secret", "victim", "zero", "passwd", "fifo", "huge"])
-    if kind == "huge":
-        if p.is_file():
-            os.truncate(p, rng.choice([3 << 30, 1 << 40]))
-            return f"huge {p.name}"
-        kind = "fifo"
-    target = {"secret": sentinel / "secret", "victim": sentinel / "victim", "zero": Path("/dev/zero"),
-              "passwd": Path("/etc/passwd")}.get(kind)
-    _replace(p, os.mkfifo if kind == "fifo" else (lambda q: os.symlink(target, q)))
-    return f"{kind} at {p.name}"
-
-
-def _plain(p: Path) -> bool:
-    """A regular file of a size a mutator may read (not a FIFO, a link or a sparse giant an earlier one made)."""
-    return p.is_file() and not p.is_symlink() and p.stat().st_size < 16 << 20
-
-
-def json_edit(rng: random.Random, p: Path) -> str:
-    from tools.fuzz_oracles import set_random
-
-    if not _plain(p):
-        return f"json {p.name}: not a plain file now"
-    if rng.random() < 0.25:
-        body = rng.choice([b"[" * 200_000 + b"]" * 200_000, b'{"a": ' + b"7" * 20000 + b"}", b"\xff\xfe",
-                           b"{", b"", os.urandom(64), b'{"a": NaN}'])
-        p.write_bytes(body)
-        return f"odd json {p.name}"
-    try:
-        doc = json.loads(p.read_text())
-    except (ValueError, RecursionError):  # an earlier mutation made it not JSON
-        return f"json {p.name}: not JSON now"
-    where = set_random(rng, doc, rng.choice(HOSTILE_JSON))
-    p.write_text(json.dumps(doc))
-    return f"json {p.name}:{where}"
-
-
 def _flip(rng: random.Random, p: Path, head: int | None = None) -> str:
-    if not _plain(p):
+    if not plain_file(p):
         return f"flip {p.name}: not a plain file now"
     data = bytearray(p.read_bytes())
     if not data:
@@ -266,7 +210,7 @@ def forge_run(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
         elif what == "bomb":
             p = ck / "loader.rank00000.json"
             try:
-                doc = json.loads(p.read_text()) if _plain(p) else None
+                doc = json.loads(p.read_text()) if plain_file(p) else None
             except ValueError:
                 doc = None
             if isinstance(doc, dict):
@@ -279,7 +223,7 @@ def forge_run(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
             p = ck / rng.choice(["optimizer.safetensors", "master_weights.safetensors", "rank00000.safetensors"])
             done.append(_flip(rng, p, head=rng.choice([256, None])))
         elif what == "metrics":
-            if _plain(run / "metrics.jsonl"):
+            if plain_file(run / "metrics.jsonl"):
                 with open(run / "metrics.jsonl", "ab") as f:
                     f.write(rng.choice([b"{not json\n", b'{"step": "x"}\n', b"[" * 100_000 + b"\n",
                                         os.urandom(200)]))
@@ -288,7 +232,7 @@ def forge_run(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
             pointer = json.dumps({"format": "hsstore-best-checkpoint",
                                   "checkpoint": rng.choice(["../../sentinel", "step_9", 5])})
             if (run / "checkpoints").is_dir() and not (run / "checkpoints").is_symlink():
-                _replace(run / "checkpoints" / "best", lambda q: q.write_text(pointer))
+                replace_path(run / "checkpoints" / "best", lambda q: q.write_text(pointer))
             done.append("best pointer forged")
     return done
 
@@ -309,7 +253,7 @@ def forge_peer(rng, d: Path, base: dict, sentinel: Path) -> tuple[str, list[str]
     shutil.copytree(Path(base["dir"]) / fmt, folder)
     done = []
     for _ in range(rng.randint(1, 2)):
-        files = _files(folder, _plain)
+        files = _files(folder, plain_file)
         what = rng.choice(["odd", "odd", "flip", "gzip bomb", "pickle", "state", "outside"])
         if what == "odd" and files:
             done.append(link_or_odd(rng, rng.choice(files), sentinel))
@@ -317,18 +261,18 @@ def forge_peer(rng, d: Path, base: dict, sentinel: Path) -> tuple[str, list[str]
             done.append(_flip(rng, rng.choice(files)))
         elif what == "gzip bomb" and fmt == "specforge":
             bomb = (Path(base["dir"]) / GIB_ZEROS_GZ).read_bytes()
-            _replace(folder / "rows_0-4" / "data_1.ckpt", lambda q: q.write_bytes(bomb))
+            replace_path(folder / "rows_0-4" / "data_1.ckpt", lambda q: q.write_bytes(bomb))
             done.append("gzip bomb data_1.ckpt")
         elif what == "pickle" and fmt == "specforge":
             import pickle
 
             code = pickle.dumps({"input_ids": _RunsCode(d / "pickle-ran")})
-            _replace(folder / "rows_0-4" / "data_2.ckpt", lambda q: q.write_bytes(code))
+            replace_path(folder / "rows_0-4" / "data_2.ckpt", lambda q: q.write_bytes(code))
             done.append("pickle that runs code")
         elif what == "state" and fmt == "speculators":
             name = rng.choice([str(sentinel / "secret"), "../sentinel/secret", "%2e%2e/x.arrow", "a//b.arrow", 5,
                                "hidden_states/hs_0.safetensors"])
-            _replace(folder / "state.json", lambda q: q.write_text(json.dumps({"_data_files": [{"filename": name}]})))
+            replace_path(folder / "state.json", lambda q: q.write_text(json.dumps({"_data_files": [{"filename": name}]})))
             done.append(f"state.json names {name!r}")
         elif what == "outside":
             link = folder / ("rows_9-9" if fmt == "specforge" else "hidden_states/x")
@@ -384,14 +328,14 @@ def forge_engine(rng, d: Path, base: dict, sentinel: Path) -> tuple[str | None, 
         elif what == "ids":
             doc = dict(ANSWER, prompt_token_ids=list(range(rng.choice([10, 1_000_000]))))
             doc["choices"] = [dict(ANSWER["choices"][0], token_ids=[rng.choice(HOSTILE_JSON)] * 3)]
-            _replace(answer, lambda q: q.write_text(json.dumps(doc)))
+            replace_path(answer, lambda q: q.write_text(json.dumps(doc)))
             done.append("engine ids forged")
         elif what == "junk":
             junk = os.urandom(rng.randint(0, 300))
-            _replace(answer, lambda q: q.write_bytes(junk))
+            replace_path(answer, lambda q: q.write_bytes(junk))
             done.append("engine answer junk")
         else:
-            _replace(answer, lambda q: q.write_bytes(b"[" * 100_000 + b"]" * 100_000))
+            replace_path(answer, lambda q: q.write_bytes(b"[" * 100_000 + b"]" * 100_000))
             done.append("engine answer nested")
     return kind, done
 
@@ -462,7 +406,7 @@ def _forge_family(family: str, rng: random.Random, base: dict, d: Path, sentinel
         (d / "run.yaml").write_bytes(random_yaml(rng))
         if rng.random() < 0.1:  # (the file named may be a link: the user's own, so never one to the sentinel)
             kind = rng.choice(["fifo", "zero", "huge"])
-            _replace(d / "run.yaml", os.mkfifo if kind == "fifo" else (lambda q: os.symlink("/dev/zero", q))
+            replace_path(d / "run.yaml", os.mkfifo if kind == "fifo" else (lambda q: os.symlink("/dev/zero", q))
                      if kind == "zero" else (lambda q: (q.write_bytes(b"run: {}\n"), os.truncate(q, 3 << 30))))
         case["mutations"] = ["config"]
     elif family == "engine":

@@ -422,7 +422,7 @@ def _writer_files(store: Path) -> tuple[Path, Path | None]:
 
 
 def forge_writers(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
-    from tools.fuzz_boundaries import json_edit, link_or_odd
+    from tools.fuzz_oracles import json_edit, link_or_odd
 
     store = d / "store"
     shutil.copytree(base["zarr"], store)
@@ -502,7 +502,7 @@ def forge_writers(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
 def forge_journal(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
     """A copy of the follow run, cut back to its first checkpoint (a resume replays epoch 0 from the journal),
     its journal changed."""
-    from tools.fuzz_boundaries import json_edit, link_or_odd
+    from tools.fuzz_oracles import json_edit, link_or_odd
 
     run = d / "run"
     shutil.copytree(base["follow_run"], run)
@@ -729,7 +729,7 @@ def forge_received(rng, d: Path, base: dict, sentinel: Path) -> dict[str, Any]:
     import yaml
 
     from hsstore.app.cli import main
-    from tools.fuzz_boundaries import link_or_odd
+    from tools.fuzz_oracles import link_or_odd
 
     run = d / "run"
     shutil.copytree(base["run"], run)
@@ -1008,7 +1008,7 @@ def drive(case: dict, base: dict) -> dict:
     """Run a case's commands (``fuzz_store.run_command``), then the oracles: ``verify``'s verdict first (on a
     mutated store), what each command served against it, lines forged, a follower's trained vs held, values."""
     from hsstore.app.cli import main
-    from tools.fuzz_boundaries import DEADLINES, FAST, read_since
+    from tools.fuzz_oracles import DEADLINES, FAST, read_since
     from tools.fuzz_oracles import run_command, tree_digest
 
     m = base["metadata"]

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -156,3 +158,62 @@ def run_command(name: str, fn: Callable[[], Any], refusals_raise: bool = False,
     if failures and log_dir is not None and log_dir.is_dir():  # what it printed, kept with the case
         (log_dir / f"{name}.output").write_text(f"{got!r}\n-- stdout --\n{out}\n-- stderr --\n{err}")
     return r, failures, got
+
+
+# -- what both fuzzers' families share: the commands' fast settings, deadlines, forging steps --------------------
+DEADLINES = {"HSSTORE_REQUEST_S": "2", "HSSTORE_HEAD_S": "5"}
+FAST = ["--token-budget", "1024", "--draft-layers", "1", "--block-size", "8", "--anchors", "32", "--log-every", "1",
+        "--device", "cpu", "-q"]
+HOSTILE_JSON = [True, None, -1, 0, 2 ** 31, 10 ** 30, 1e308, "x" * 5000, "", "\x1b[2J\x07\n", [], {}, [1, 2],
+                {"a": 1}, "../../etc/passwd", "/etc/passwd", 1.5, 2_000_000]
+
+
+def read_since(atimes: dict[str, int]) -> list[str]:
+    """Sentinel files read since ``age_atimes``."""
+    return [p for p, t in atimes.items() if os.path.exists(p) and os.stat(p).st_atime_ns != t]
+
+
+def replace_path(p: Path, make: Callable[[Path], None]) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    make(p)
+
+
+def link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
+    """``p`` made a link (to the sentinel's secret or victim folder, /dev/zero, /etc/passwd), a FIFO, or sparse
+    and huge."""
+    kind = rng.choice(["secret", "victim", "zero", "passwd", "fifo", "huge"])
+    if kind == "huge":
+        if p.is_file():
+            os.truncate(p, rng.choice([3 << 30, 1 << 40]))
+            return f"huge {p.name}"
+        kind = "fifo"
+    target = {"secret": sentinel / "secret", "victim": sentinel / "victim", "zero": Path("/dev/zero"),
+              "passwd": Path("/etc/passwd")}.get(kind)
+    replace_path(p, os.mkfifo if kind == "fifo" else (lambda q: os.symlink(target, q)))
+    return f"{kind} at {p.name}"
+
+
+def plain_file(p: Path) -> bool:
+    """A regular file of a size a mutator may read (not a FIFO, a link or a sparse giant an earlier one made)."""
+    return p.is_file() and not p.is_symlink() and p.stat().st_size < 16 << 20
+
+
+def json_edit(rng: random.Random, p: Path) -> str:
+    if not plain_file(p):
+        return f"json {p.name}: not a plain file now"
+    if rng.random() < 0.25:
+        body = rng.choice([b"[" * 200_000 + b"]" * 200_000, b'{"a": ' + b"7" * 20000 + b"}", b"\xff\xfe",
+                           b"{", b"", os.urandom(64), b'{"a": NaN}'])
+        p.write_bytes(body)
+        return f"odd json {p.name}"
+    try:
+        doc = json.loads(p.read_text())
+    except (ValueError, RecursionError):  # an earlier mutation made it not JSON
+        return f"json {p.name}: not JSON now"
+    where = set_random(rng, doc, rng.choice(HOSTILE_JSON))
+    p.write_text(json.dumps(doc))
+    return f"json {p.name}:{where}"
