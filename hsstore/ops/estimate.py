@@ -98,13 +98,18 @@ def estimate(*, samples: int, tokens: int, layers: list[int], hidden: int,
     }
 
 
+def _ratio(bf16: float, size: float) -> str:
+    """How many times smaller than bf16 (an input of no tokens sizes every encoding at 0 bytes: no ratio)."""
+    return f"{bf16 / size:4.2f}x" if size else "    -"
+
+
 def format_text(e: dict) -> str:
     from .info import human_bytes
 
     s, usd = e["store_bytes"], e["storage_month_usd"]
     sized = f"{'with --final-hidden, ' if e['final_hidden'] else ''}chunk padding included"
     rows = "\n".join(f"    {name:6} {human_bytes(s[name + ('_final_hidden' if e['final_hidden'] else '')]):>10}  "
-                     f"{s['bf16'] / s[name]:4.2f}x under bf16  ${usd[name]:,.0f} a month in S3 Standard"
+                     f"{_ratio(s['bf16'], s[name])} under bf16  ${usd[name]:,.0f} a month in S3 Standard"
                      + ("  <- recommended" if name == _shown(e["recommended"]["encoding"]) else "")
                      for name in SIZED)
     r = e["epoch_read_bytes"]
