@@ -153,26 +153,30 @@ def test_eval_refuses_another_target(store32, tmp_path, small_input):  # noqa: F
 def test_eval_refuses_what_needs_no_target_before_loading_it_and_q_shows_no_loading_bar(store32, tiny_dir, small_input,
                                                                                         tmp_path):  # noqa: F811
     """#53.12: a missing --input was refused after the target had loaded (9-14 s on a user's target), and
-    ``eval -q`` still showed transformers' weight-loading bar."""
+    ``eval -q`` still showed transformers' weight-loading bar. The refused run's target has weights that cannot
+    load: the input's refusal must come first."""
+    import shutil
     import subprocess
     import sys
 
     train(build(TrainSettings, store=[store32], out=str(tmp_path / "run"), steps=1, **FAST))
+    broken = tmp_path / "target"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # a header, no weights
 
-    def eval_cli(inp: str, *extra: str) -> subprocess.CompletedProcess:
+    def eval_cli(inp: str, *extra: str, model=tiny_dir) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "hsstore", "eval", "--store", store32, "--drafter",
-                               str(tmp_path / "run"), "--model", str(tiny_dir), "--input", inp, "--num-samples", "1",
+                               str(tmp_path / "run"), "--model", str(model), "--input", inp, "--num-samples", "1",
                                "--max-new-tokens", "4", "--device", "cpu", *extra],
                               capture_output=True, text=True, timeout=300)
 
-    missing = eval_cli(str(tmp_path / "nope.jsonl"))  # no -q: a loaded target would show its bar
+    missing = eval_cli(str(tmp_path / "nope.jsonl"), model=broken)
     assert missing.returncode == 2 and "nope.jsonl" in missing.stderr, missing.stderr
-    assert "Loading weights" not in missing.stderr
     quiet = eval_cli(str(small_input), "-q")
     assert quiet.returncode == 0 and "speculative output == target greedy output: 1/1" in quiet.stdout, quiet.stderr
     assert "Loading weights" not in quiet.stderr and "%|" not in quiet.stderr
-    shown = eval_cli(str(small_input))  # the bar the test above looks for, without -q
-    assert shown.returncode == 0 and "Loading weights" in shown.stderr
+    loads = eval_cli(str(small_input), "-q", model=broken)  # the broken target does stop a run that loads it
+    assert loads.returncode != 0 and "nope.jsonl" not in loads.stderr, loads.stderr
 
 
 def test_bench_train_smoke(tmp_path):
