@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools import fuzz_metadata
-from tools.fuzz_oracles import (DEADLINES, FAST, HOSTILE_JSON, json_edit, link_or_odd, plain_file, read_since,
+from tools.fuzz_oracles import (DEADLINES, FAST, HOSTILE_JSON, json_edit, link_or_odd, plain_file,
                                 replace_path)
 
 FAMILIES = ("http", "s3", "engine", "drafter", "run", "peer", "config")
@@ -535,7 +535,7 @@ def drive(case: dict, base: dict) -> dict:
     """Run a case's commands (``fuzz_oracles.run_command``: alarm, captured output, memory), then the checks of what
     they read outside their input."""
     from hsstore.app.cli import main
-    from tools.fuzz_oracles import run_command, tree_digest
+    from tools.fuzz_oracles import run_command, sentinel_failures
 
     if case["family"] in fuzz_metadata.METADATA:
         return fuzz_metadata.drive(case, base)
@@ -555,9 +555,5 @@ def drive(case: dict, base: dict) -> dict:
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    read = read_since(case["atimes"])
-    if read:
-        failures.append(f"read outside: {read[:2]}")
-    if tree_digest(d / "sentinel") != case["sentinel"]:
-        failures.append("sentinel tree changed")
+    failures += sentinel_failures(case, d)
     return {"case": case["case"], "results": results, "failures": failures}

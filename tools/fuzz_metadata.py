@@ -1008,8 +1008,8 @@ def drive(case: dict, base: dict) -> dict:
     """Run a case's commands (``fuzz_store.run_command``), then the oracles: ``verify``'s verdict first (on a
     mutated store), what each command served against it, lines forged, a follower's trained vs held, values."""
     from hsstore.app.cli import main
-    from tools.fuzz_oracles import DEADLINES, FAST, read_since
-    from tools.fuzz_oracles import run_command, tree_digest
+    from tools.fuzz_oracles import DEADLINES, FAST, sentinel_failures
+    from tools.fuzz_oracles import run_command
 
     m = base["metadata"]
     d = Path(case["dir"])
@@ -1041,11 +1041,7 @@ def drive(case: dict, base: dict) -> dict:
                 failures.append(f"asked the received endpoint: {asked()[:2]}")
     except Exception as e:  # noqa: BLE001 (a case the driver could not set up is a failure to see)
         failures.append(f"driver: {type(e).__name__}: {str(e)[:200]}")
-    read = read_since(case["atimes"])
-    if read:
-        failures.append(f"read outside: {read[:2]}")
-    if tree_digest(d / "sentinel") != case["sentinel"]:
-        failures.append("sentinel tree changed")
+    failures += sentinel_failures(case, d)
     return {"case": case["case"], "results": results, "failures": failures}
 
 

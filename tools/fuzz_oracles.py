@@ -217,3 +217,15 @@ def json_edit(rng: random.Random, p: Path) -> str:
     where = set_random(rng, doc, rng.choice(HOSTILE_JSON))
     p.write_text(json.dumps(doc))
     return f"json {p.name}:{where}"
+
+
+def sentinel_failures(case: dict, d: Path) -> list[str]:
+    """What a case did to the files it must never touch: the sentinel's files read since the case began, or its
+    tree changed."""
+    out = []
+    read = read_since(case["atimes"])
+    if read:
+        out.append(f"read outside: {read[:2]}")
+    if tree_digest(d / "sentinel") != case["sentinel"]:
+        out.append("sentinel tree changed")
+    return out
