@@ -187,7 +187,7 @@ class HiddenStateDataset(IterableDataset):
         self._features = list(self.layers) + (["final_hidden"] if selection.final_hidden else [])
         self.token_bytes = codec.token_bytes(m.dtype, m.encoding, len(self._features), m.hidden_size)
         self.encoding = encodings.get(m.encoding)
-        self.fp8 = self.encoding.row_scale  # the rows' scales read beside them
+        self.row_scales = self.encoding.row_scale  # the rows' scales read beside them
         self.unit_tokens = planning.unit_tokens(self.token_bytes, m.chunk_tokens)
         self.catalog = build_catalog(self.stores, selection.filters(), self.unit_tokens)
         if len(self.catalog) == 0 and follow is None:
@@ -468,12 +468,12 @@ class HiddenStateDataset(IterableDataset):
         encoding's bytes), torch dtype of the features, fp8 with row scales, whether the last feature is
         ``final_hidden``) (``batching.BatchSlots`` sizes batches by it)."""
         m = self.stores[0].manifest
-        return (len(self._features), self.encoding.width(m.hidden_size), self._stored_dtype(), self.fp8,
+        return (len(self._features), self.encoding.width(m.hidden_size), self._stored_dtype(), self.row_scales,
                 self.selection.final_hidden)
 
     def _stored_dtype(self) -> torch.dtype:
         """The torch dtype items hold features in before any decoding: the manifest's, e4m3fn, or bytes."""
-        if self.fp8:
+        if self.row_scales:
             return fp8.FP8_DTYPE
         return torch.uint8 if self.encoding.quantised else codec.TORCH_DTYPE[self.stores[0].manifest.dtype]
 
@@ -547,7 +547,7 @@ class HiddenStateDataset(IterableDataset):
             placed = [places[int(row)] for row in rows]
             bits = [Rows([_storage_bits(f[j], m.dtype) for f, _ in placed]) for j in range(len(self._features))]
             scales = ([Rows([sc[j].numpy() for _, sc in placed]) for j in range(len(self._features))]
-                      if self.fp8 else None)
+                      if self.row_scales else None)
             ids, mask, _ = store.read_range(commit.shard, a, b, self._features, out=bits, scales_out=scales)
             for row, (feats, sc) in zip(rows, placed):
                 s, e = int(cat.start[row]) - a, int(cat.stop[row]) - a
@@ -556,7 +556,7 @@ class HiddenStateDataset(IterableDataset):
             return
         shape = (len(self._features), b - a, self.encoding.width(m.hidden_size))
         scales = None
-        if self.fp8:  # e4m3fn bits, and the rows' scales
+        if self.row_scales:  # e4m3fn bits, and the rows' scales
             feats = self._alloc(shape, torch.uint8).view(fp8.FP8_DTYPE)
             scales = self._alloc(shape[:2], torch.float32)
         else:

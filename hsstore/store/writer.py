@@ -186,7 +186,7 @@ class StoreWriter:
         self.hidden = self.manifest.hidden_size
         self.encoding = encodings.get(self.manifest.encoding)
         self.width = self.encoding.width(self.hidden)  # a layer row's elements: hidden, or a block encoding's bytes
-        self.fp8 = self.encoding.row_scale  # scales beside the rows (fp8)
+        self.row_scales = self.encoding.row_scale  # per-row scales stored beside the rows (fp8)
         self.storage_dtype = codec.storage_dtype(self.manifest.dtype, self.manifest.encoding)
         self.tag = _safe_tag(writer_tag or _default_tag())
         self.session = uuid.uuid4().hex[:8]
@@ -234,7 +234,7 @@ class StoreWriter:
                               f"store {self.url!r}: a shard buffer of {capacity} tokens x {len(self.all_features)} layers x "
                               f"hidden {self.hidden}")
             bufs = (np.empty((len(self.all_features), capacity, self.width), dtype=self.storage_dtype),
-                    np.empty((len(self.all_features), capacity), dtype=fp8.SCALE_DTYPE) if self.fp8 else None)
+                    np.empty((len(self.all_features), capacity), dtype=fp8.SCALE_DTYPE) if self.row_scales else None)
         self._buf, self._scales = bufs
         self._buf_bits = (self._buf if self.encoding.quantised
                           else self._buf.view(codec.BITS_NUMPY[self.manifest.dtype]))
@@ -282,10 +282,10 @@ class StoreWriter:
         if features.shape != want or features.dtype != self.storage_dtype:
             raise SampleError(f"{where}: stored features {features.dtype} {tuple(features.shape)}, expected "
                               f"{self.storage_dtype} {want}")
-        if self.fp8 and (scales is None or scales.shape != want[:2]):
+        if self.row_scales and (scales is None or scales.shape != want[:2]):
             raise SampleError(f"{where}: an fp8 store needs scales of shape {want[:2]}")
         bits = features if self.encoding.quantised else features.view(codec.BITS_NUMPY[self.manifest.dtype])
-        self._queue(sample_id, ids, mask, list(bits), list(scales) if self.fp8 else None, source,
+        self._queue(sample_id, ids, mask, list(bits), list(scales) if self.row_scales else None, source,
                     thinking_tokens, flags)
 
     def _check_sample(self, sample_id, input_ids, loss_mask) -> tuple[str, np.ndarray, np.ndarray]:
@@ -393,7 +393,7 @@ class StoreWriter:
             if values.ndim != 3 or values.shape[1] != n or (sc is not None and sc.ndim != 2):
                 raise SampleError(f"{where}: encoded values/scales shapes {tuple(values.shape)}/"
                                   f"{None if sc is None else tuple(sc.shape)}, expected [{T}, {n}, {self.width}]"
-                                  + (f"/[{T}, {n}]" if self.fp8 else ""))
+                                  + (f"/[{T}, {n}]" if self.row_scales else ""))
             parts = [Encoded(values[:, j], None if sc is None else sc[:, j]) for j in range(n)]
         elif isinstance(hs, Mapping):
             want = self.all_features if final_hidden is None and "final_hidden" in hs else self.layers
@@ -431,21 +431,21 @@ class StoreWriter:
 
                 q = enc.encode(torch.as_tensor(x))
             out.append(self._encoded_bits(where, layer, q, T))
-            if self.fp8:
+            if self.row_scales:
                 scales.append(np.asarray(q.scales.detach().cpu(), dtype=fp8.SCALE_DTYPE))
-        return out, (scales if self.fp8 else None)
+        return out, (scales if self.row_scales else None)
 
     def _encoded_bits(self, where: str, layer, q: Encoded, T: int) -> np.ndarray:
         """The stored bytes ``[T, W]`` of one feature's encoded values, checked against the store's encoding."""
         import torch
 
-        want = fp8.FP8_DTYPE if self.fp8 else torch.uint8
+        want = fp8.FP8_DTYPE if self.row_scales else torch.uint8
         shape_ok = tuple(q.values.shape) == (T, self.width) and (
-            tuple(q.scales.shape) == (T,) if self.fp8 else q.scales is None)
+            tuple(q.scales.shape) == (T,) if self.row_scales else q.scales is None)
         if q.values.dtype != want or not shape_ok:
             raise SampleError(f"{where}: layer {layer}: {self.manifest.encoding} values must be {want} [{T}, "
-                              f"{self.width}]" + (f" with scales [{T}]" if self.fp8 else " (no scales)") + f", got "
-                              f"{q.values.dtype} {tuple(q.values.shape)}"
+                              f"{self.width}]" + (f" with scales [{T}]" if self.row_scales else " (no scales)")
+                              + f", got {q.values.dtype} {tuple(q.values.shape)}"
                               + (f" with scales {tuple(q.scales.shape)}" if q.scales is not None else ""))
         return fp8.as_bits(q.values)
 
