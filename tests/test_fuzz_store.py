@@ -170,3 +170,23 @@ def test_a_short_fuzz_run_of_the_metadata_families_finds_nothing(tmp_path):
     assert t["cases"] == 21 and set(t["by_family"]) == set(fuzz_metadata.METADATA), t["by_family"]
     assert t["refused"] > 0
     assert not result["failures"], result["failures"][:10]
+
+
+@pytest.mark.parametrize("caught", [Exception, BaseException])
+def test_a_command_that_swallows_its_alarm_is_still_a_hang(monkeypatch, caught):
+    """A command past its time is a hang even where its own handler catches the alarm and returns (a CLI turns an
+    exception into exit 2 and one line; a swallowed alarm must not read as a refusal)."""
+    import time
+
+    monkeypatch.setattr(fuzz_oracles, "COMMAND_S", 1)
+
+    def swallowing():
+        try:
+            time.sleep(5)
+        except caught:  # noqa: BLE001 (what a command's handler might do)
+            return 2
+        return 0
+
+    r, failures, _ = fuzz_oracles.run_command("slow", swallowing)
+    assert any(": hang (" in f for f in failures), (r, failures)
+    assert r["s"] < 4  # the alarm ended it

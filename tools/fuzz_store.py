@@ -365,9 +365,11 @@ def _kind(failure: str) -> str:
 
 
 def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25,
-        families: tuple[str, ...] = ("store",), jobs: int = 1) -> dict:
+        families: tuple[str, ...] = ("store",), jobs: int = 1, only: list[int] | None = None) -> dict:
     """Forge ``cases`` inputs of ``families``, drive the commands on each (``per_driver`` cases per driver process,
-    ``jobs`` drivers at a time), check the sentinel trees; the counts and every failure."""
+    ``jobs`` drivers at a time), check the sentinel trees; the counts and every failure. ``only``: just these case
+    numbers of the run ``cases`` and ``seed`` name (a case is forged from the seed and its number alone, so a case
+    a run reported is forged again bit for bit: how a failure is looked at alone)."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     own = work is None
@@ -382,7 +384,7 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     base_digest = {k: tree_digest(Path(base[k])) for k in ("zarr", "wds")}
     totals = {"cases": 0, "commands": 0, "refused": 0, "tracebacks": 0, "hangs": 0, "memory": 0, "escapes": 0,
               "other_bits": 0, "outside": 0, "served_refused": 0, "follow": 0, "values": 0, "over_1gib": 0,
-              "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0, "by_family": {}}
+              "max_mb": 0.0, "max_peak_mb": 0.0, "max_s": 0.0, "max_cpu_s": 0.0, "by_family": {}}
     failures = []
 
     def drive_batch(batch: list[dict], spec: Path) -> list[dict]:
@@ -413,6 +415,7 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
                 totals["max_mb"] = max(totals["max_mb"], r["mb"])
                 totals["max_peak_mb"] = max(totals["max_peak_mb"], r.get("peak_mb", 0))
                 totals["max_s"] = max(totals["max_s"], r["s"])
+                totals["max_cpu_s"] = max(totals["max_cpu_s"], r.get("cpu_s", 0.0))
             for f in o["failures"]:
                 totals[_kind(f)] += 1
                 failures.append({"case": c["case"], "family": c.get("family", "store"), "mutations": c["mutations"],
@@ -422,8 +425,9 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pending = {}
-        for start in range(0, cases, per_driver):
-            batch = [forge(base, w, c, seed, families) for c in range(start, min(cases, start + per_driver))]
+        numbers = sorted(set(only)) if only else list(range(cases))
+        for start in range(0, len(numbers), per_driver):
+            batch = [forge(base, w, c, seed, families) for c in numbers[start:start + per_driver]]
             pending[pool.submit(drive_batch, batch, w / f"batch{start:05d}.json")] = batch
             while len(pending) >= max(1, jobs):
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -450,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--families", default="store", help=f"comma-separated, of {','.join(FAMILIES)} (default store)")
     p.add_argument("--jobs", type=int, default=1, help="driver processes at a time")
+    p.add_argument("--only", default=None, help="comma-separated case numbers: forge and drive just these")
     p.add_argument("--driver", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.driver:
@@ -459,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown or not families:
         p.error(f"unknown families {unknown} (known: {', '.join(FAMILIES)})")
-    result = run(args.cases, args.seed, args.work, families=families, jobs=args.jobs)
+    only = [int(x) for x in args.only.split(",") if x.strip()] if args.only else None
+    result = run(args.cases, args.seed, args.work, families=families, jobs=args.jobs, only=only)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -468,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
               f"tracebacks {t['tracebacks']}, hangs {t['hangs']}, memory {t['memory']}, escapes {t['escapes']}, "
               f"other bits {t['other_bits']}, read outside {t['outside']}, samples served from shards verify refuses "
               f"{t['served_refused']}, follow trained other than held {t['follow']}, non-finite values "
-              f"{t['values']}; slowest command {t['max_s']} s, most "
+              f"{t['values']}; slowest command {t['max_s']} s (most CPU {t['max_cpu_s']} s), most "
               f"memory +{t['max_mb']} MB (peak {t['max_peak_mb']} MB; {t['over_1gib']} commands over 1 GiB)")
         for fam, f in sorted(t["by_family"].items()):
             print(f"  {fam}: {f['cases']} cases, {f['commands']} commands, {f['refused']} refused")
