@@ -231,6 +231,30 @@ def test_shifted_boundaries_of_a_record_without_an_offsets_checksum_are_refused_
         list(hsstore.open(url))
 
 
+@pytest.mark.parametrize("layout, rule", [("zarr", "served"), ("wds", "extent")])  # a tar's members name the columns
+def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tmp_path, capsys, layout, rule):
+    """A record whose second sample's loss tokens are not what its loss_mask holds (the record forged, its checksums
+    intact): ``verify`` refuses the shard, and ``convert``, which copies a shard whole, refuses it in one line before
+    writing any of its samples."""
+    url, dst = str(tmp_path / "s"), str(tmp_path / "d")
+    samples = make_samples(8, min_len=20, max_len=21)
+    for s in samples:
+        s["loss_mask"][:] = torch.arange(len(s["loss_mask"])) >= 10
+    m = make_manifest()
+    if layout != "zarr":
+        from dataclasses import replace
+        m = replace(m, layout=layout)
+    write_samples(url, m, samples, shard_bytes=3 * 48 * 2 * 200)
+    d = edit_record(records(url)[0], lambda d: d["samples"]["loss_tokens"].__setitem__(1, 9))
+    assert main(["verify", url, "-q"]) == 1
+    assert f"FAIL shard {d['shard']}" in capsys.readouterr().out
+    other = "wds" if layout == "zarr" else "zarr"
+    assert main(["convert", url, dst, "--layout", other, "-q"]) == 2
+    one_line(capsys.readouterr().err, f"rule '{rule}'", d["shard"], d["samples"]["sample_id"][1])
+    written = [p.stem for p in Path(dst, "commits").glob("*.json")] if Path(dst, "commits").is_dir() else []
+    assert d["shard"] not in written
+
+
 # -- index columns that disagree with their record ---------------------------------------------------------------
 def _no_loss(d):
     d["samples"]["loss_tokens"] = [0] * len(d["samples"]["loss_tokens"])

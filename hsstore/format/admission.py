@@ -28,7 +28,9 @@ decides what is read); ``names``, every name it holds is one readers follow (``n
 a wds record's against the members it lists), so boundaries shifted inside a record are refused before a byte is
 read. Where a record lists no such checksum (format version 1), the loss_mask a reader reads anyway is held to the
 record's ``loss_tokens`` per sample served (``served_problem``): a boundary moved across masked tokens is refused,
-one moved inside a prompt is left to ``verify``, which reads the offsets array itself. Also ``verify``'s alone:
+one moved inside a prompt is left to ``verify``, which reads the offsets array itself. What copies a shard whole
+(``convert``) holds every sample of it so before writing any (``Store.check_shard``), and a scan's window is held
+so before any of it is handed on. Also ``verify``'s alone:
 bytes readers never read (a file's checksum over its whole object, a tar's bytes outside its listed members).
 """
 

@@ -81,7 +81,7 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
     total = sum(v["raw_bytes"] for c in src.commits if c.shard not in done for v in c.layers.values())
     try:
         with progress_bar(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress) as bar:
-            for rec in src.commits:
+            for s, rec in enumerate(src.commits):
                 if rec.shard in done:
                     result.skipped += 1
                     continue
@@ -89,6 +89,7 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
                 scales = src.new_scales(len(every), rec.n_tokens)
                 ids, mask, feats = src.read_range(rec.shard, 0, rec.n_tokens, every,  # every byte checked first
                                                   scales_out=scales)
+                src.check_shard(s, mask)  # the record's samples are what its bytes hold, before any is written
                 features = {l: feats[j] for j, l in enumerate(every)}
                 stats, new_scales = rec.stats, None
                 if recode:

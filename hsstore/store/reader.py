@@ -153,6 +153,16 @@ class Store:
             raise CorruptionError(f"store {self.url!r}, shard {r.shard!r}, sample {r.sample_id!r}: refused by rule "
                                   f"'served' ({why}); `hsstore verify` names every problem")
 
+    def check_shard(self, shard_index: int, mask: np.ndarray) -> None:
+        """``check_served`` for every sample of shard ``shard_index`` read whole (``mask``: its loss_mask, tokens
+        0 to its end): what copies a shard as it is (``convert``) holds to the record before writing any of it."""
+        off, base = self._offsets(shard_index), int(self._first[shard_index])
+        if int(off[-1]) != len(mask):
+            raise CorruptionError(f"store {self.url!r}, shard {self.table.shard[shard_index]!r}: read {len(mask)} "
+                                  f"tokens, its record says {int(off[-1])}")
+        for k in range(len(off) - 1):
+            self.check_served(base + k, mask[int(off[k]):int(off[k + 1])])
+
     def admitted(self, shard_name: str) -> CommitRecord:
         """The commit record of a committed shard, admitted (``admit_shard``)."""
         rec = self.record(shard_name)
@@ -431,9 +441,11 @@ class Store:
                     pending.append(pool.submit(load, nxt))
                 off, ids_of = self._offsets(s), self.table.sample_id
                 base = int(self._first[s])
+                for k in range(i, j):  # the whole window held to its record before any of it is handed on: a
+                    a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])  # copy never writes a sample whose
+                    self.check_served(base + k, mask[a:b])  # neighbour in the window shows the record forged
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
-                    self.check_served(base + k, mask[a:b])
                     yield (ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],
                            None if scales is None else scales[:, a:b])
 
