@@ -209,7 +209,7 @@ class Output:
         None, metavar="CHECKPOINT", path=True,
         help="go on from this checkpoint (OUT/checkpoints/step_N or OUT/checkpoints/best, of this run or another) "
              "rather than OUT's latest; refused where OUT holds later checkpoints (a new --out branches from it)")
-    log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step)")
+    log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step; always on with --follow, whose end counts it)")
     progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
     # a list once parsed (tracking.parse_report_to); the flag takes them comma-separated
     report_to: str | list[str] | None = option(

@@ -11,11 +11,9 @@ ranks use one learning rate. metrics.jsonl rows carry what had arrived beside th
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,20 +22,18 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hsstore.io import door, sinks, storage
+from hsstore.io import door, storage
 from hsstore.format import assets, commit
 from hsstore.loader.batching import TokenBudget
 from hsstore.loader.follow import Follow, Journal, Leader
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from .metrics import truncate_jsonl
+from .metrics import SAMPLES_NAME, truncate_jsonl
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "follow"  # OUT/follow: the epoch-0 journal of a --follow run
-TRAINED_FILE = "trained.rank{:05d}.jsonl"  # OUT/follow: the sample ids a rank trained in epoch 0, a line per step
-TRAINED_NAME = re.compile(r"trained\.rank\d{5}\.jsonl")
 SHOWN_IDS = 3  # sample ids a line names of those trained twice or never
 WAIT_REPORT_S = 30.0
 
@@ -84,32 +80,28 @@ def start_leader(journal: Journal, stores, follow: Follow) -> Leader | None:
 
 
 class TrainedIds:
-    """The sample ids the ranks trained in epoch 0 (OUT/follow/trained.rankNNNNN.jsonl, a line per step): what the
-    end of the run counts against the stores' ids. What the trainer took is the evidence that every sample trained
-    once; the journal's counts, a writer's or the loader's are what should have been handed out, and a sample
-    served twice in another's place leaves them all right."""
+    """The sample ids the ranks trained in epoch 0, read from the samples log (OUT/samples.rankNNNNN.jsonl, which a
+    --follow run always writes): what the end of the run counts against the stores' ids. What the trainer took is
+    the evidence that every sample trained once; the journal's counts, a writer's or the loader's are what should
+    have been handed out, and a sample served twice in another's place leaves them all right."""
 
-    def __init__(self, folder: Path, rank: int) -> None:
-        self.folder, self.name = folder, TRAINED_FILE.format(rank)
-
-    def add(self, step: int, ids: Sequence[str]) -> None:
-        """This rank's batch of step ``step`` (its sample ids)."""
-        with sinks.open_append(self.folder, self.name) as f:  # a planted link refused, not followed
-            f.write(json.dumps({"step": step, "samples": list(ids)}) + "\n")
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
 
     def files(self) -> list[str]:
-        """Every rank's file, a run of another world size's too."""
-        return sorted(n for n in os.listdir(self.folder) if TRAINED_NAME.fullmatch(n))
+        """Every rank's samples log, a run of another world size's too."""
+        return sorted(n for n in os.listdir(self.folder) if SAMPLES_NAME.fullmatch(n))
 
     def truncate(self, step: int) -> None:
-        """Lines after ``step`` dropped from every rank's file (rank 0, on a resume, before its first step: the
-        resumed run trains them again)."""
+        """Lines after ``step`` dropped from every rank's log (rank 0, on a resume, before its first step: the
+        resumed run trains them again; the logs of ranks a run of another world size had are not their own
+        rank's any more)."""
         for name in self.files():
             truncate_jsonl(self.folder / name, step)
 
     def counts(self) -> collections.Counter[str]:
-        """How often each sample id was trained in epoch 0, over every rank's file (``ValueError``, one line naming
-        the file, where a line is not one this class writes)."""
+        """How often each sample id was trained in epoch 0, over every rank's log (``ValueError``, one line naming
+        the file, where a line is not one the samples log writes)."""
         out: collections.Counter[str] = collections.Counter()
         for name in self.files():
             where = str(self.folder / name)
@@ -120,16 +112,19 @@ class TrainedIds:
             for n, line in enumerate(text.decode("utf-8", "replace").splitlines(), 1):
                 row = door.load_json(line, f"{where}, line {n}", error=ValueError)
                 ids = row.get("samples") if isinstance(row, dict) else None
-                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                epoch = row.get("epoch") if isinstance(row, dict) else None
+                if (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)
+                        or type(epoch) is not int):
                     raise ValueError(f"{where}, line {n}: not a line of the sample ids a step trained")
-                out.update(ids)
+                if epoch == 0:
+                    out.update(ids)
         return out
 
 
 @dataclass
 class Following:
     """A --follow run's journal, the loader's follow options, rank 0's leader (None on other ranks, or once
-    epoch 0 has ended) and the record of what this rank trained in epoch 0."""
+    epoch 0 has ended) and what the ranks trained in epoch 0 (their samples logs)."""
 
     journal: Journal
     options: Follow
@@ -146,7 +141,7 @@ class Following:
             leader = start_leader(Journal.create(path, [s.url for s in stores]), stores, options)
         if world > 1:
             dist.barrier()
-        return cls(leader.journal if leader is not None else Journal(path), options, leader, TrainedIds(path, rank))
+        return cls(leader.journal if leader is not None else Journal(path), options, leader, TrainedIds(out))
 
     def schedule(self, source, settings) -> "FollowSchedule":
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

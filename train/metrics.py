@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -107,15 +108,20 @@ def row_line(row: dict[str, Any], total: int) -> str:
     return line
 
 
+SAMPLES_FILE = "samples.rank{:05d}.jsonl"  # OUT: the sample ids a rank trained, a line per step (--log-samples)
+SAMPLES_NAME = re.compile(r"samples\.rank\d{5}\.jsonl")
+
+
 class MetricsLog:
     """OUT/metrics.jsonl (rank 0) and the experiment trackers; ``samples`` also writes this rank's
-    OUT/samples.rankNNNNN.jsonl (the sample ids of every step). A resumed run first drops the lines logged
-    after its checkpoint (``truncate``): it logs them again."""
+    OUT/samples.rankNNNNN.jsonl (the sample ids of every step: what --log-samples asks for, and what a --follow
+    run's end counts). A resumed run first drops the lines logged after its checkpoint (``truncate``): it logs them
+    again."""
 
     def __init__(self, out: Path, rank: int, device: torch.device, samples: bool = False):
         self.rank, self.device, self.trackers = rank, device, None
         self.path = out / METRICS_FILE
-        self.samples_path = out / f"samples.rank{rank:05d}.jsonl" if samples else None
+        self.samples_path = out / SAMPLES_FILE.format(rank) if samples else None
 
     def truncate(self, step: int) -> None:
         if self.rank == 0:

@@ -144,7 +144,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     step, epoch, resumed = checkpoints.resume_at(point, source)
     best = best_tracker(out, resumed=resumed is not None, rank=rank)
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
-    metrics = MetricsLog(out, rank, device, settings.output.log_samples)
+    metrics = MetricsLog(out, rank, device, settings.output.log_samples or following is not None)
     metrics.truncate(step)
     if following is not None:
         following.resumed_at(step, rank)
@@ -158,7 +158,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
                 device=device, world=world, group=group, total=total, step=step, epoch=epoch,
                 checkpoints=checkpoints, metrics=metrics, best=best, validation=validation,
                 stored_dtype=codec.TORCH_DTYPE[stores[0].manifest.dtype], manifest=stores[0].manifest, length=length,
-                journal=following.journal if following else None, trained=following.trained if following else None)
+                journal=following.journal if following else None)
     try:
         with StopOnInterrupt() as interrupt:
             loop.run(interrupt)
@@ -296,7 +296,6 @@ class Loop:
     manifest: Any = None  # the store's: its encoding and hidden size, for that decoding
     length: FollowSchedule | None = None  # --follow without --steps: the run's length, estimated until epoch 0 ends
     journal: Any = None  # --follow: the epoch-0 journal (what had arrived goes into metrics rows)
-    trained: Any = None  # --follow: this rank's record of the sample ids it trains in epoch 0 (follow.TrainedIds)
 
     def __post_init__(self):
         from hsstore.progress import progress_bar
@@ -394,8 +393,6 @@ class Loop:
             self.meter.add(m, batch["label_counts"], batch["tokens"], len(batch["sample_id"]), batch["num_anchors"],
                            steps=int(i == 0))
             self.metrics.samples(step, self.epoch, batch)
-            if self.trained is not None and self.epoch == 0:
-                self.trained.add(step, batch["sample_id"])
         val_due = self.validation is not None and self.validation.due(step, self.total)
         self.lr, self.grad_norm = lr, grad_norm  # the norm stays on the device until a line reads it
         if step % settings.output.log_every == 0 or step == self.total or val_due:
