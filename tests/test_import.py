@@ -159,7 +159,8 @@ def _ckpt(path, **d):
     ("float32", "dtype float32"),
 ])
 def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
-    from hsstore.extract.peers import import_files, peer_files
+    from hsstore.extract import peers
+    from hsstore.extract.peers.importing import import_files, peer_files
 
     g = torch.Generator().manual_seed(1)
     T = 20
@@ -188,7 +189,7 @@ def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
     _ckpt(tmp_path / "sf" / "data_1.ckpt", **bad)
     m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
                          tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
-    files = peer_files("specforge", str(tmp_path / "sf"), n_layers=3, hidden=HIDDEN)
+    files = peer_files(peers.get("specforge"), str(tmp_path / "sf"), n_layers=3, hidden=HIDDEN)
     out = str(tmp_path / "store")
     with pytest.raises(SampleError, match="data_1") as e:
         import_files(files, out, m, progress=False)
@@ -202,7 +203,8 @@ def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
     ("corrupt", "not a readable safetensors file"),
 ])
 def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, message):
-    from hsstore.extract.peers import import_files, peer_files
+    from hsstore.extract import peers
+    from hsstore.extract.peers.importing import import_files, peer_files
 
     samples = new_samples(3)
     write_speculators(tmp_path / "spec", samples)
@@ -217,7 +219,7 @@ def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, 
         path.write_bytes(path.read_bytes()[:50])
     m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
                          tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
-    files = peer_files("speculators", str(tmp_path / "spec"), n_layers=3, hidden=HIDDEN)
+    files = peer_files(peers.get("speculators"), str(tmp_path / "spec"), n_layers=3, hidden=HIDDEN)
     with pytest.raises(SampleError, match="hs_2.safetensors") as e:
         import_files(files, str(tmp_path / "store"), m, progress=False)
     assert message in str(e.value)
@@ -299,14 +301,15 @@ def test_peer_layer_ids_out_of_range_or_doubled_are_refused(tmp_path, new_sample
 
 
 def test_specforge_peer_layers_are_hsstore_ids():
-    from hsstore.extract.peer_layers import to_hsstore, vllm_launch_ids
+    from hsstore.extract.peers import specforge, speculators
     from hsstore.format.serving import specforge_eagle3_ids
 
     # SpecForge names layer outputs (SGLang captures at id + 1, the residual entering the next layer)
-    assert to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]
+    assert specforge.LAYERS.to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]
     # both peers' default EAGLE-3 taps of one target are the same layers
-    assert specforge_eagle3_ids(32) == to_hsstore("speculators", vllm_launch_ids(32, include_last=False), 32)
-    assert to_hsstore("speculators", vllm_launch_ids(64), 64) == [1, 31, 60, 63]
+    launch = speculators.vllm_launch_ids
+    assert specforge_eagle3_ids(32) == speculators.LAYERS.to_hsstore("speculators", launch(32, include_last=False), 32)
+    assert speculators.LAYERS.to_hsstore("speculators", launch(64), 64) == [1, 31, 60, 63]
 
 
 # -- SpecForge files as its prepare_hidden_states.py writes them ------------------------------------------------

@@ -307,24 +307,6 @@ def test_specforge_eagle3_export_gives_its_model_three_taps(tmp_path, new_manife
     assert "final_hidden" in capsys.readouterr().err
 
 
-def test_speculators_dataset_reads_the_export(tmp_path, new_manifest, new_samples):
-    """speculators' ArrowDataset (load_from_disk + its FileTransfer) on `export speculators`: the store's tokens,
-    loss mask, aux layers and the last layer as the verifier's hidden state."""
-    data = peer("speculators.train.data")
-    src, _ = _store(tmp_path, new_manifest, new_samples, layers=(1, 3, 7), n=4)
-    assert main(["export", "speculators", src, str(tmp_path / "spec"), "-q"]) == 0
-    ds = data.ArrowDataset(max_len=4096, datapath=str(tmp_path / "spec"), on_missing="raise")
-    store = hsstore.open(src)
-    assert len(ds) == len(store)
-    for i in range(len(store)):
-        item, got = store.read(i), ds._get_raw_data(i)
-        T = len(item["input_ids"])
-        assert torch.equal(got["input_ids"], item["input_ids"])
-        assert got["loss_mask"].tolist() == item["loss_mask"].long().tolist()
-        assert torch.equal(bits(got["hidden_states"].reshape(T, 2, 48)), bits(item["hidden_states"][:, :2]))
-        assert torch.equal(bits(got["verifier_last_hidden_states"]), bits(item["hidden_states"][:, 2]))
-
-
 # ---------------------------------------------------------------------------------------------- the imports
 
 

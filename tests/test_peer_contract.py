@@ -1,0 +1,235 @@
+"""Every registered peer runs one contract (the pattern of tests/test_layout_contract.py): its declaration and its
+layer convention; where it exports and imports, a store through ``hsstore export`` and back through ``hsstore
+import`` bit-exact, a user's folder never written into, and a broken folder of its files refused in one line with
+exit 2 and nothing committed; and, where the peer's own package is installed (tests/peers.txt), its own code
+reading the export. A subclass names its peer and builds its broken folders; a peer registered without one fails
+here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import hsstore
+from hsstore.app.cli import main
+from hsstore.extract import peers
+from hsstore.store.reader import committed_ids
+from test_import import Marker, bits
+
+TARGET_LAYERS = 8  # make_manifest's target
+TAPS = (1, 3, 7)  # the last layer too: speculators' trainer takes it as the verifier's hidden state
+PEER_PACKAGES = "pip install --no-deps -r tests/peers.txt (.ci/run does)"
+IDENTITY = ["--layers", ",".join(map(str, TAPS)), "--model-name", "t", "--num-layers", str(TARGET_LAYERS),
+            "--hidden-size", "48", "--config-hash", "c", "--tokenizer-hash", "v"]  # a folder without the sidecar
+
+
+def store_of(tmp_path: Path, new_manifest, new_samples, write, n: int = 5) -> tuple[str, list[dict]]:
+    samples = new_samples(n, min_len=6, max_len=40)
+    for s in samples:
+        s["loss_mask"][:3] = True  # two consecutive loss tokens: SpecForge's DFlash reader takes every sample
+    src = str(tmp_path / "src")
+    write(src, new_manifest(layers=TAPS), samples)
+    return src, samples
+
+
+def one_line_refusal(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+class PeerContract:
+    """Tests every peer passes. Subclasses set ``peer`` and implement ``broken_folders`` where the peer imports
+    and ``own_code_reads`` where its package reads an export."""
+
+    peer: str = ""
+
+    @property
+    def declaration(self) -> peers.Declaration:
+        return peers.PEERS[self.peer]
+
+    def needs(self, *offers: str) -> None:
+        missing = [o for o in offers if not self.declaration.offers(o)]
+        if missing:
+            pytest.skip(f"{self.peer} offers no {' or '.join(missing)}")
+
+    # -- what a subclass provides ---------------------------------------------------------------------------
+    def broken_folders(self, export: Path, tmp_path: Path) -> list[tuple[Path, str]]:
+        """(a folder of the peer's files, broken, made from a copy of the good ``export``; a phrase the one-line
+        refusal holds), one per way the peer's files are refused."""
+        raise NotImplementedError
+
+    def own_code_reads(self, export: Path, store) -> None:
+        """The peer's own released code reads ``export`` and finds ``store``'s values (skipped where its package is
+        not installed)."""
+        raise NotImplementedError
+
+    # -- the contract ---------------------------------------------------------------------------------------
+    def test_the_registry_gives_the_peers_module(self):
+        module = peers.get(self.peer)
+        assert module.NAME == self.peer and self.peer in peers.names()
+        for offer in peers.OFFERS:
+            if self.declaration.offers(offer):
+                assert peers.get(self.peer, offer) is module and self.peer in peers.names(offer)
+                assert callable(getattr(module, {"export": "export", "import": "files"}[offer]))
+            else:
+                with pytest.raises(ValueError, match=f"unknown peer format '{self.peer}'"):
+                    peers.get(self.peer, offer)
+
+    def test_its_layer_convention_converts_both_ways_and_refuses_what_has_no_hsstore_id(self):
+        c = peers.get(self.peer).LAYERS
+        every = list(range(TARGET_LAYERS))
+        assert c.to_hsstore(self.peer, c.from_hsstore(every), TARGET_LAYERS) == every
+        for outside in (c.offset - 1, TARGET_LAYERS + c.offset):
+            with pytest.raises(ValueError, match=f"out of range for {self.peer}'s convention"):
+                c.to_hsstore(self.peer, [outside], TARGET_LAYERS)
+        assert peers.get(self.peer).ambiguity([1, 2], TARGET_LAYERS) is None  # low ids: nobody's launch default
+
+    def test_an_export_imports_back_bit_exact_with_its_ids_and_taps(self, tmp_path, new_manifest, new_samples,
+                                                                     write, capsys):
+        self.needs("export", "import")
+        src, samples = store_of(tmp_path, new_manifest, new_samples, write)
+        out, back = tmp_path / "out", str(tmp_path / "back")
+        assert main(["export", self.peer, src, str(out), "-q"]) == 0
+        sidecar = json.loads((out / "hsstore_export.json").read_text())
+        assert sidecar["format"] == self.peer and sidecar["layers"] == list(TAPS)
+        assert sidecar["peer_layer_ids"] == peers.get(self.peer).LAYERS.from_hsstore(list(TAPS))
+        assert main(["import", self.peer, str(out), "--out", back, "-q"]) == 0  # the sidecar says the identity
+        got = hsstore.open(back)
+        assert got.manifest.layers == TAPS and got.manifest.extra["imported_from"] == self.peer
+        assert got.manifest.extra["peer_layers"]["ids"] == sidecar["peer_layer_ids"]
+        assert sorted(got.sample_ids()) == sorted(s["sample_id"] for s in samples)
+        by_id = {s["sample_id"]: s for s in samples}
+        for i in range(len(got)):
+            x = got.read(i)
+            want = by_id[x["sample_id"]]
+            assert torch.equal(x["input_ids"], want["input_ids"]) and torch.equal(x["loss_mask"], want["loss_mask"])
+            assert torch.equal(bits(x["hidden_states"]), bits(want["hidden_states"]))
+        capsys.readouterr()
+
+    def test_an_export_never_writes_into_a_users_folder(self, tmp_path, new_manifest, new_samples, write, capsys):
+        self.needs("export")
+        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=2)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        (theirs / "notes.txt").write_text("mine")
+        one_line_refusal(capsys, ["export", self.peer, src, str(theirs), "-q"])
+        assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
+
+    def test_a_broken_folder_is_refused_in_one_line_and_nothing_committed(self, tmp_path, new_manifest,
+                                                                           new_samples, write, capsys):
+        self.needs("export", "import")
+        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=3)
+        assert main(["export", self.peer, src, str(tmp_path / "good"), "-q"]) == 0
+        cases = [(tmp_path / "absent", "not found"), *self.broken_folders(tmp_path / "good", tmp_path)]
+        for i, (folder, phrase) in enumerate(cases):
+            dest = tmp_path / f"store{i}"
+            err = one_line_refusal(capsys, ["import", self.peer, str(folder), "--out", str(dest), *IDENTITY, "-q"])
+            assert phrase in err, (folder, err)
+            assert not dest.exists() or committed_ids(str(dest)) == set(), folder  # a good first sample: no commit
+
+    @pytest.mark.slow  # the peer's own package, imported for seconds
+    def test_the_peers_own_code_reads_the_export(self, tmp_path, new_manifest, new_samples, write):
+        self.needs("export")
+        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=4)
+        assert main(["export", self.peer, src, str(tmp_path / "out"), "-q"]) == 0
+        self.own_code_reads(tmp_path / "out", hsstore.open(src))
+
+
+def copy_of(export: Path, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(export, to))
+
+
+def peer_module(name: str):
+    return pytest.importorskip(name, reason=f"needs the peer's package: {PEER_PACKAGES}")
+
+
+class TestSpecForge(PeerContract):
+    peer = "specforge"
+
+    def broken_folders(self, export, tmp_path):
+        pickled = copy_of(export, tmp_path / "pickled")
+        bad = pickled / "rows_0-2000" / "data_1.ckpt"
+        torch.save({**torch.load(bad, weights_only=True), "meta": Marker(tmp_path / "was-unpickled")}, bad)
+        cut = copy_of(export, tmp_path / "cut")
+        (cut / "rows_0-2000" / "data_0.ckpt").write_bytes((cut / "rows_0-2000" / "data_0.ckpt").read_bytes()[:100])
+        linked = copy_of(export, tmp_path / "linked")
+        (linked / "rows_0-2000" / "data_9.ckpt").symlink_to(export / "rows_0-2000" / "data_0.ckpt")
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        return [(pickled, "weights_only=True"), (cut, "not a readable torch.save file"),
+                (linked, "symbolic link"), (empty, "no .ckpt or .ckpt.gz files")]
+
+    def own_code_reads(self, export, store):
+        peer_module("specforge.runtime.data_plane.offline_reader")
+        from specforge.algorithms.common.dflash_family_data import normalize_offline_sample
+        from specforge.runtime.data_plane.feature_store import load_feature_file
+        from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+        files = sorted(list_feature_files(str(export)), key=lambda f: int(Path(f).stem.split("_")[1]))
+        assert len(files) == len(store)
+        for i, path in enumerate(files):
+            item = store.read(i)
+            T = len(item["input_ids"])
+            got = normalize_offline_sample(load_feature_file(path), max_len=4096)
+            assert torch.equal(bits(got["hidden_states"][0].reshape(T, len(TAPS), -1)), bits(item["hidden_states"]))
+
+
+class TestSpeculators(PeerContract):
+    peer = "speculators"
+
+    def broken_folders(self, export, tmp_path):
+        from safetensors.torch import load_file, save_file
+
+        moved = copy_of(export, tmp_path / "moved")
+        a, b = (moved / "hidden_states" / f"hs_{i}.safetensors" for i in (0, 1))
+        save_file(load_file(str(b)), str(a))  # row 1's file at row 0's name
+        cut = copy_of(export, tmp_path / "cut")
+        hs = cut / "hidden_states" / "hs_2.safetensors"
+        hs.write_bytes(hs.read_bytes()[:64])
+        no_hs = copy_of(export, tmp_path / "no-hs")
+        for p in (no_hs / "hidden_states").iterdir():
+            p.unlink()
+        (no_hs / "hidden_states").rmdir()
+        return [(moved, "token_ids differ from input_ids"), (cut, "hs_2.safetensors"),
+                (no_hs, "hidden-state folder not found")]
+
+    def own_code_reads(self, export, store):
+        """speculators' ArrowDataset (load_from_disk + its FileTransfer): the store's tokens, loss mask, aux layers
+        and the last layer as the verifier's hidden state."""
+        data = peer_module("speculators.train.data")
+        ds = data.ArrowDataset(max_len=4096, datapath=str(export), on_missing="raise")
+        assert len(ds) == len(store)
+        for i in range(len(store)):
+            item, got = store.read(i), ds._get_raw_data(i)
+            T = len(item["input_ids"])
+            assert torch.equal(got["input_ids"], item["input_ids"])
+            assert got["loss_mask"].tolist() == item["loss_mask"].long().tolist()
+            assert torch.equal(bits(got["hidden_states"].reshape(T, 2, 48)), bits(item["hidden_states"][:, :2]))
+            assert torch.equal(bits(got["verifier_last_hidden_states"]), bits(item["hidden_states"][:, 2]))
+
+
+class TestDflash(PeerContract):
+    """z-lab's dflash reads drafters (``export-drafter``; its own code on them: tests/test_peers_code.py), no
+    store's files: its declaration and convention are its contract, and the commands refuse it by name."""
+
+    peer = "dflash"
+
+    def test_the_commands_offer_it_neither_way(self, tmp_path, capsys):
+        for argv in (["export", "dflash", str(tmp_path / "s"), str(tmp_path / "o")],
+                     ["import", "dflash", str(tmp_path / "f"), "--out", str(tmp_path / "o")]):
+            with pytest.raises(SystemExit) as e:
+                main(argv)
+            assert e.value.code == 2 and "invalid choice: 'dflash'" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+
+
+def test_every_registered_peer_runs_the_contract():
+    covered = {cls.peer for cls in PeerContract.__subclasses__()}
+    assert covered == set(peers.names()), f"peers without a contract test class: {set(peers.names()) - covered}"
