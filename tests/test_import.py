@@ -259,7 +259,7 @@ def test_import_without_identity_is_refused(tmp_path, new_samples, capsys):
     assert "--config-hash" in err and "--tokenizer-hash" in err and not (tmp_path / "s").exists()
 
 
-# -- layer-id conventions (extract/peer_layers.py; docs/FORMAT.md "Layer ids of the peers") --------------------
+# -- layer-id conventions (each peer's LAYERS, extract/peers/; docs/FORMAT.md "Layer ids of the peers") --------------
 SPEC_IDENTITY = [a for a in IDENTITY if a not in ("--layers", "1,3,5")]  # 8-layer target, no layer list
 
 
