@@ -424,7 +424,7 @@ class PeerFiles:
 
 @dataclass
 class PeerIdentity:
-    """What the peers' files do not say: the taps, the target and the tokenizer (``peers.importing.import_manifest``)."""
+    """What the peers' files do not say: the taps, the target and the tokenizer (``peers.importing``)."""
 
     layers: str | None = option(
         None, help="tapped layer ids of the files' features, in their order, e.g. 1,16,31, in hsstore's convention "

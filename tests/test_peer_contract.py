@@ -118,7 +118,7 @@ class PeerContract:
         theirs.mkdir()
         (theirs / "notes.txt").write_text("mine")
         one_line_refusal(capsys, ["export", self.peer, src, str(theirs), "-q"])
-        assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
+        assert [p.name for p in theirs.iterdir()] == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
 
     def test_a_broken_folder_is_refused_in_one_line_and_nothing_committed(self, tmp_path, new_manifest,
                                                                            new_samples, write, capsys):
@@ -233,3 +233,44 @@ class TestDflash(PeerContract):
 def test_every_registered_peer_runs_the_contract():
     covered = {cls.peer for cls in PeerContract.__subclasses__()}
     assert covered == set(peers.names()), f"peers without a contract test class: {set(peers.names()) - covered}"
+
+
+@pytest.mark.parametrize("old, new", [
+    ("hsstore.extract.export.export_specforge", "hsstore.extract.peers.specforge.export"),
+    ("hsstore.extract.export.export_speculators", "hsstore.extract.peers.speculators.export"),
+    ("hsstore.extract.export.ExportResult", "hsstore.extract.peers.base.ExportResult"),
+    ("hsstore.extract.export.SIDECAR", "hsstore.extract.peers.exporting.SIDECAR"),
+    ("hsstore.extract.peers.import_files", "hsstore.extract.peers.importing.import_files"),
+    ("hsstore.extract.peers.load_ckpt", "hsstore.extract.peers.specforge.load_ckpt"),
+    ("hsstore.extract.peers.speculators_files", "hsstore.extract.peers.speculators.speculators_files"),
+    ("hsstore.extract.peer_layers.eagle3_taps", "hsstore.extract.peers.specforge.eagle3_taps"),
+    ("hsstore.extract.peer_layers.parse_ids", "hsstore.extract.peers.base.parse_ids"),
+])
+def test_a_moved_name_still_resolves_with_a_deprecation_warning(old, new):
+    import importlib
+
+    def resolve(dotted: str):
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    with pytest.warns(DeprecationWarning, match="is deprecated"):
+        assert resolve(old) is resolve(new)
+
+
+def test_the_old_calls_by_name_still_work_with_a_deprecation_warning(tmp_path, new_manifest, new_samples, write):
+    from hsstore.extract import export, peer_layers
+
+    with pytest.warns(DeprecationWarning, match="to_hsstore"):
+        assert peer_layers.to_hsstore("speculators", [2, 4, 8], 8) == [1, 3, 7]
+    with pytest.warns(DeprecationWarning, match="PEER_OFFSET"):
+        assert peer_layers.PEER_OFFSET == {"specforge": 0, "speculators": 1}
+    with pytest.warns(DeprecationWarning, match="FORMATS"):
+        assert peers.FORMATS == ("specforge", "speculators")
+    src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=2)
+    with pytest.warns(DeprecationWarning, match="export_store"):
+        assert export.export_store("speculators", src, str(tmp_path / "o"), progress=False).samples == 2
+    with pytest.warns(DeprecationWarning, match="peer_files"):
+        assert [f.sample_id for f in peers.peer_files("speculators", str(tmp_path / "o"), n_layers=3, hidden=48)] \
+            == ["s0", "s1"]
+    with pytest.warns(DeprecationWarning, match="export_store"), pytest.raises(ValueError, match="unknown peer"):
+        export.export_store("dflash", src, str(tmp_path / "d"))

@@ -3,7 +3,8 @@
 Installed by ``.ci/run`` from ``tests/peers.txt`` (``--no-deps``: their pins would move torch, transformers or
 s3fs): z-lab ``dflash`` 0.1.0, ``speculators`` 0.9.0, ``specforge`` 0.2.0. What the modules used here import comes
 with the test extra. SGLang and vLLM (CUDA builds) are read, not run: the facts taken from their code are in
-``test_engines_read_at_pinned_commits`` with the commits.
+``test_engines_read_at_pinned_commits`` with the commits. Each peer's own code reading a plain ``hsstore export``
+of it is the peer contract's (tests/test_peer_contract.py).
 """
 
 from __future__ import annotations
