@@ -8,6 +8,7 @@ here."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,22 +18,33 @@ import hsstore
 from hsstore.app.cli import main
 from hsstore.extract import peers
 from hsstore.store.reader import committed_ids
+from hsstore.testing.stores import make_manifest, make_samples, write_samples
 from test_import import Marker, bits
 
 TARGET_LAYERS = 8  # make_manifest's target
 TAPS = (1, 3, 7)  # the last layer too: speculators' trainer takes it as the verifier's hidden state
 PEER_PACKAGES = "pip install --no-deps -r tests/peers.txt (.ci/run does)"
+UNPICKLED = "was-unpickled"  # what a broken folder's pickle creates if anything unpickles it
 IDENTITY = ["--layers", ",".join(map(str, TAPS)), "--model-name", "t", "--num-layers", str(TARGET_LAYERS),
             "--hidden-size", "48", "--config-hash", "c", "--tokenizer-hash", "v"]  # a folder without the sidecar
 
 
-def store_of(tmp_path: Path, new_manifest, new_samples, write, n: int = 5) -> tuple[str, list[dict]]:
-    samples = new_samples(n, min_len=6, max_len=40)
+def store_of(tmp_path: Path, n: int = 5) -> tuple[str, list[dict]]:
+    samples = make_samples(n, min_len=6, max_len=40)
     for s in samples:
         s["loss_mask"][:3] = True  # two consecutive loss tokens: SpecForge's DFlash reader takes every sample
     src = str(tmp_path / "src")
-    write(src, new_manifest(layers=TAPS), samples)
+    write_samples(src, make_manifest(layers=TAPS), samples)
     return src, samples
+
+
+@dataclass
+class Exported:
+    """A store and its export as the peer's files, made once per peer: the tests read them, never change them."""
+
+    src: str
+    samples: list[dict]
+    out: Path
 
 
 def one_line_refusal(capsys, argv: list[str]) -> str:
@@ -68,6 +80,14 @@ class PeerContract:
         not installed)."""
         raise NotImplementedError
 
+    @pytest.fixture(scope="class")
+    def exported(self, tmp_path_factory) -> Exported:
+        self.needs("export")
+        root = tmp_path_factory.mktemp(self.peer)
+        src, samples = store_of(root)
+        assert main(["export", self.peer, src, str(root / "out"), "-q"]) == 0
+        return Exported(src, samples, root / "out")
+
     # -- the contract ---------------------------------------------------------------------------------------
     def test_the_registry_gives_the_peers_module(self):
         module = peers.get(self.peer)
@@ -89,12 +109,9 @@ class PeerContract:
                 c.to_hsstore(self.peer, [outside], TARGET_LAYERS)
         assert peers.get(self.peer).ambiguity([1, 2], TARGET_LAYERS) is None  # low ids: nobody's launch default
 
-    def test_an_export_imports_back_bit_exact_with_its_ids_and_taps(self, tmp_path, new_manifest, new_samples,
-                                                                     write, capsys):
-        self.needs("export", "import")
-        src, samples = store_of(tmp_path, new_manifest, new_samples, write)
-        out, back = tmp_path / "out", str(tmp_path / "back")
-        assert main(["export", self.peer, src, str(out), "-q"]) == 0
+    def test_an_export_imports_back_bit_exact_with_its_ids_and_taps(self, exported, tmp_path, capsys):
+        self.needs("import")
+        out, samples, back = exported.out, exported.samples, str(tmp_path / "back")
         sidecar = json.loads((out / "hsstore_export.json").read_text())
         assert sidecar["format"] == self.peer and sidecar["layers"] == list(TAPS)
         assert sidecar["peer_layer_ids"] == peers.get(self.peer).LAYERS.from_hsstore(list(TAPS))
@@ -111,33 +128,26 @@ class PeerContract:
             assert torch.equal(bits(x["hidden_states"]), bits(want["hidden_states"]))
         capsys.readouterr()
 
-    def test_an_export_never_writes_into_a_users_folder(self, tmp_path, new_manifest, new_samples, write, capsys):
-        self.needs("export")
-        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=2)
+    def test_an_export_never_writes_into_a_users_folder(self, exported, tmp_path, capsys):
         theirs = tmp_path / "theirs"
         theirs.mkdir()
         (theirs / "notes.txt").write_text("mine")
-        one_line_refusal(capsys, ["export", self.peer, src, str(theirs), "-q"])
+        one_line_refusal(capsys, ["export", self.peer, exported.src, str(theirs), "-q"])
         assert [p.name for p in theirs.iterdir()] == ["notes.txt"] and (theirs / "notes.txt").read_text() == "mine"
 
-    def test_a_broken_folder_is_refused_in_one_line_and_nothing_committed(self, tmp_path, new_manifest,
-                                                                           new_samples, write, capsys):
-        self.needs("export", "import")
-        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=3)
-        assert main(["export", self.peer, src, str(tmp_path / "good"), "-q"]) == 0
-        cases = [(tmp_path / "absent", "not found"), *self.broken_folders(tmp_path / "good", tmp_path)]
+    def test_a_broken_folder_is_refused_in_one_line_and_nothing_committed(self, exported, tmp_path, capsys):
+        self.needs("import")
+        cases = [(tmp_path / "absent", "not found"), *self.broken_folders(exported.out, tmp_path)]
         for i, (folder, phrase) in enumerate(cases):
             dest = tmp_path / f"store{i}"
             err = one_line_refusal(capsys, ["import", self.peer, str(folder), "--out", str(dest), *IDENTITY, "-q"])
             assert phrase in err, (folder, err)
             assert not dest.exists() or committed_ids(str(dest)) == set(), folder  # a good first sample: no commit
+        assert not (tmp_path / UNPICKLED).exists()  # nothing of a peer's folder is ever unpickled
 
     @pytest.mark.slow  # the peer's own package, imported for seconds
-    def test_the_peers_own_code_reads_the_export(self, tmp_path, new_manifest, new_samples, write):
-        self.needs("export")
-        src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=4)
-        assert main(["export", self.peer, src, str(tmp_path / "out"), "-q"]) == 0
-        self.own_code_reads(tmp_path / "out", hsstore.open(src))
+    def test_the_peers_own_code_reads_the_export(self, exported):
+        self.own_code_reads(exported.out, hsstore.open(exported.src))
 
 
 def copy_of(export: Path, to: Path) -> Path:
@@ -156,7 +166,7 @@ class TestSpecForge(PeerContract):
     def broken_folders(self, export, tmp_path):
         pickled = copy_of(export, tmp_path / "pickled")
         bad = pickled / "rows_0-2000" / "data_1.ckpt"
-        torch.save({**torch.load(bad, weights_only=True), "meta": Marker(tmp_path / "was-unpickled")}, bad)
+        torch.save({**torch.load(bad, weights_only=True), "meta": Marker(tmp_path / UNPICKLED)}, bad)
         cut = copy_of(export, tmp_path / "cut")
         (cut / "rows_0-2000" / "data_0.ckpt").write_bytes((cut / "rows_0-2000" / "data_0.ckpt").read_bytes()[:100])
         linked = copy_of(export, tmp_path / "linked")
@@ -257,7 +267,7 @@ def test_a_moved_name_still_resolves_with_a_deprecation_warning(old, new):
         assert resolve(old) is resolve(new)
 
 
-def test_the_old_calls_by_name_still_work_with_a_deprecation_warning(tmp_path, new_manifest, new_samples, write):
+def test_the_old_calls_by_name_still_work_with_a_deprecation_warning(tmp_path):
     from hsstore.extract import export, peer_layers
 
     with pytest.warns(DeprecationWarning, match="to_hsstore"):
@@ -266,7 +276,7 @@ def test_the_old_calls_by_name_still_work_with_a_deprecation_warning(tmp_path, n
         assert peer_layers.PEER_OFFSET == {"specforge": 0, "speculators": 1}
     with pytest.warns(DeprecationWarning, match="FORMATS"):
         assert peers.FORMATS == ("specforge", "speculators")
-    src, _ = store_of(tmp_path, new_manifest, new_samples, write, n=2)
+    src, _ = store_of(tmp_path, n=2)
     with pytest.warns(DeprecationWarning, match="export_store"):
         assert export.export_store("speculators", src, str(tmp_path / "o"), progress=False).samples == 2
     with pytest.warns(DeprecationWarning, match="peer_files"):
