@@ -97,7 +97,6 @@ def eagle3_taps(store_layers: list[int], num_layers: int, chosen: list[int] | No
                   f"aux_hidden_state_layer_ids {taps}")
 
 
-
 # -- export ------------------------------------------------------------------------------------------------
 SPECFORGE_LAYOUTS = ("dflash", "eagle3")
 
