@@ -91,11 +91,12 @@ class PeerContract:
     # -- the contract ---------------------------------------------------------------------------------------
     def test_the_registry_gives_the_peers_module(self):
         module = peers.get(self.peer)
-        assert module.NAME == self.peer and self.peer in peers.names()
+        assert module.NAME == self.peer and self.peer in peers.names() and callable(module.ambiguity)
         for offer in peers.OFFERS:
             if self.declaration.offers(offer):
                 assert peers.get(self.peer, offer) is module and self.peer in peers.names(offer)
-                assert callable(getattr(module, {"export": "export", "import": "files"}[offer]))
+                functions = {"export": ["export"], "import": ["files", "keeps_final_hidden"]}[offer]
+                assert all(callable(getattr(module, f, None)) for f in functions), functions
             else:
                 with pytest.raises(ValueError, match=f"unknown peer format '{self.peer}'"):
                     peers.get(self.peer, offer)
