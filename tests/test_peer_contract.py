@@ -64,10 +64,11 @@ class PeerContract:
     def declaration(self) -> peers.Declaration:
         return peers.PEERS[self.peer]
 
-    def needs(self, *offers: str) -> None:
-        missing = [o for o in offers if not self.declaration.offers(o)]
+    @classmethod
+    def needs(cls, *offers: str) -> None:
+        missing = [o for o in offers if not peers.PEERS[cls.peer].offers(o)]
         if missing:
-            pytest.skip(f"{self.peer} offers no {' or '.join(missing)}")
+            pytest.skip(f"{cls.peer} offers no {' or '.join(missing)}")
 
     # -- what a subclass provides ---------------------------------------------------------------------------
     def broken_folders(self, export: Path, tmp_path: Path) -> list[tuple[Path, str]]:
@@ -81,11 +82,12 @@ class PeerContract:
         raise NotImplementedError
 
     @pytest.fixture(scope="class")
-    def exported(self, tmp_path_factory) -> Exported:
-        self.needs("export")
-        root = tmp_path_factory.mktemp(self.peer)
+    @classmethod
+    def exported(cls, tmp_path_factory) -> Exported:
+        cls.needs("export")
+        root = tmp_path_factory.mktemp(cls.peer)
         src, samples = store_of(root)
-        assert main(["export", self.peer, src, str(root / "out"), "-q"]) == 0
+        assert main(["export", cls.peer, src, str(root / "out"), "-q"]) == 0
         return Exported(src, samples, root / "out")
 
     # -- the contract ---------------------------------------------------------------------------------------
