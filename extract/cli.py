@@ -334,11 +334,13 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
 
 
 def run_import_cmd(args: argparse.Namespace) -> int:
-    from .peers import import_files, import_manifest, peer_files
+    from .peers import get
+    from .peers.importing import import_files, import_manifest, peer_files
 
     settings = from_args(ImportSettings, args, **shared_overrides(args))
     src, store = settings.files, settings.store
-    manifest = import_manifest(src.format, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
+    peer = get(src.format, "import")
+    manifest = import_manifest(peer, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
                                **dataclasses.asdict(settings.identity))
     files_of_target = None
     if settings.identity.model:  # what train and show use instead of the target, read before any sample is written
@@ -346,7 +348,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
 
         files_of_target = model_dir_assets(settings.identity.model, DTYPES[settings.identity.dtype])
     missing: list[str] = []
-    files = peer_files(src.format, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
+    files = peer_files(peer, src.path, n_layers=len(manifest.layers), hidden=manifest.hidden_size,
                        id_prefix=src.id_prefix, source=src.source, hs_dir=src.hidden_states_dir, missing=missing,
                        pad_id=None if src.keep_padding else src.pad_token_id,
                        final_hidden=bool(manifest.features), num_rows=src.num_rows)
@@ -399,12 +401,12 @@ def _some(ids: list[str], n: int = 10) -> str:
 def run_export_cmd(args: argparse.Namespace) -> int:
     import json
 
-    from .export import export_store
+    from .peers import get
 
     settings = from_args(ExportSettings, args, **shared_overrides(args))
     x = settings.export
-    r = export_store(x.format, x.url, x.out, storage_options=x.storage_options, progress=settings.run.progress,
-                     layout=x.layout, layers=x.layers)
+    r = get(x.format, "export").export(x.url, x.out, storage_options=x.storage_options,
+                                       progress=settings.run.progress, layout=x.layout, layers=x.layers)
     where = f"{recordable_url(x.url)} -> {recordable_url(x.out)}"
     if args.json:
         print(json.dumps({"format": x.format, "url": recordable_url(x.url), "out": recordable_url(x.out),

@@ -27,6 +27,7 @@ from hsstore.app.threads import cpu_threads_option
 from hsstore.app.schema import from_args, option, section, settings_of
 
 from .gate import GateThresholds
+from .peers import names as peer_names
 
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 COLOR_CHOICES = ("auto", "always", "never")
@@ -34,7 +35,7 @@ COLOR_CHOICES = ("auto", "always", "never")
 
 def parse_layers(value: str | None) -> list[int] | None:
     """``--layers 1,16,31`` as a list of layer ids (None: the default spacing)."""
-    from .peer_layers import parse_ids
+    from .peers.base import parse_ids
 
     return parse_ids(value, "--layers") if value else None
 
@@ -394,7 +395,7 @@ def regenerate_settings(args: argparse.Namespace) -> RegenerateSettings:
 
 # --- import, export, demo -----------------------------------------------------------------------------------
 
-PEER_FORMATS = ("specforge", "speculators")
+PEER_FORMATS = peer_names("import")
 
 
 @dataclass
@@ -423,7 +424,7 @@ class PeerFiles:
 
 @dataclass
 class PeerIdentity:
-    """What the peers' files do not say: the taps, the target and the tokenizer (``peers.import_manifest``)."""
+    """What the peers' files do not say: the taps, the target and the tokenizer (``peers.importing``)."""
 
     layers: str | None = option(
         None, help="tapped layer ids of the files' features, in their order, e.g. 1,16,31, in hsstore's convention "
@@ -468,7 +469,7 @@ class ImportSettings:
 
 @dataclass
 class ExportFiles:
-    format: str = option(positional=True, choices=PEER_FORMATS, help="the peer whose files to write")
+    format: str = option(positional=True, choices=peer_names("export"), help="the peer whose files to write")
     url: str = option(positional=True, help="store URL")
     out: str = option(positional=True, help="output folder (local; must not exist or be empty)")
     layout: str | None = option(None, choices=["dflash", "eagle3"],

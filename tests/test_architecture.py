@@ -491,7 +491,7 @@ def test_every_store_read_goes_through_the_door():
                 "train/evaluate.py", "train/speculative.py", "train/data.py",
                 # folders from elsewhere: drafters, checkpoints, run folders, peers' files
                 "train/checkpoint.py", "train/drafter_format.py", "train/metrics.py", "train/rundir.py",
-                "extract/peers.py"):
+                *(f"extract/peers/{p.name}" for p in sorted((ROOT / "extract" / "peers").glob("*.py")))):
         bad += [f"{rel}:{line}: {call}" for line, call in store_reads(ast.parse((ROOT / rel).read_text()))]
     assert not bad, "reads that bypass hsstore.io.door:\n" + "\n".join(bad)
 
@@ -693,7 +693,8 @@ def test_architecture_module_tables_name_modules_that_exist(heading, folder):
     gone = sorted(n for n in named if not (ROOT / folder / n).is_file())
     assert not gone, f"docs/ARCHITECTURE.md names {folder}/ files that do not exist: {gone}"
     if folder != "hsstore":  # hsstore/'s table groups its modules by job; its floors are held above
-        missing = sorted({p.name for p in (ROOT / folder).glob("*.py")} - {"__init__.py"} - set(named))
+        missing = sorted({p.relative_to(ROOT / folder).as_posix() for p in (ROOT / folder).rglob("*.py")
+                          if "__pycache__" not in p.parts} - {"__init__.py"} - set(named))
         assert not missing, f"docs/ARCHITECTURE.md's {folder}/ table lacks {missing}"
 
 
@@ -715,3 +716,65 @@ def test_package_doc_names_the_floors_as_they_are():
     floors = code_floors()
     assert set(re.findall(r"``(\w+)``", core.group(1))) == floors["hsstore/"]
     assert set(re.findall(r"``(\w+)``", doc[core.end():])) == {f.split("/")[1] for f in floors if f != "hsstore/"}
+
+
+# -- the peers: chosen through their registry, never by comparing a name --------------------------------------
+PEER_MODULES = {"extract/peers/specforge.py", "extract/peers/speculators.py", "extract/peers/dflash.py"}
+
+
+def peer_name_uses(tree: ast.Module, peer_names: set[str]) -> list[str]:
+    """Where ``tree`` chooses by a peer's name: a comparison with one (``fmt == "specforge"``, ``fmt in
+    ("specforge", ...)``) or a dict literal keyed by one (``{"specforge": 0, ...}[fmt]``)."""
+    def named(node: ast.AST) -> bool:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(x, ast.Constant) and x.value in peer_names for x in items)
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(named(x) for x in [node.left, *node.comparators]):
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict) and any(k is not None and named(k) for k in node.keys):
+            out.append(f"line {node.lineno}: a dict keyed by a peer's name")
+    return out
+
+
+def test_the_peer_name_scanner_finds_the_choices_it_looks_for():
+    src = ('a = fmt == "specforge"\nb = fmt in ("x", "speculators")\nc = {"specforge": 0}[fmt]\n'
+           'd = get("specforge")\ne = layout == "eagle3"\n')
+    assert [u.split(":")[0] for u in peer_name_uses(ast.parse(src), {"specforge", "speculators"})] == \
+        ["line 1", "line 2", "line 3"]
+
+
+def test_peer_code_paths_are_chosen_through_the_registry():
+    """No module of hsstore/, extract/ or train/ but a peer's own compares a name to a peer's to choose a code
+    path: the registry (``extract/peers``) gives the peer's module, and adding a peer touches no other file."""
+    from hsstore.extract import peers
+
+    bad = []
+    for folder in ("hsstore", "extract", "train"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            if rel not in PEER_MODULES:
+                bad += [f"{rel} {u}" for u in peer_name_uses(ast.parse(p.read_text()), set(peers.names()))]
+    assert not bad, "peer code paths chosen by name, not through extract/peers' registry:\n" + "\n".join(bad)
+    assert {f"extract/peers/{m.rpartition('.')[2]}.py" for m in (d.module for d in peers.PEERS.values())} == \
+        PEER_MODULES
+
+
+def test_architecture_states_the_peer_protocol_and_registry_as_the_code_has_them():
+    """ARCHITECTURE's sentences on the peers name the protocol's members and the registered peers with what each
+    offers, as extract/peers has them."""
+    from hsstore.extract import peers
+    from hsstore.extract.peers import base
+
+    text = ARCHITECTURE.read_text()
+    m = re.search(r"The `Peer` protocol\s+\(`extract/peers/base.py`\) is (.*?)\.\s+What all", text, re.S)
+    assert m, "ARCHITECTURE.md no longer says what the peer protocol is"
+    said = re.findall(r"`(\w+)` \(|`(\w+)`(?:,| and|$)", re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "(", m.group(1)))
+    members = [a for a in [*base.Peer.__annotations__, *vars(base.Peer)] if not a.startswith("_")]
+    assert [a or b for a, b in said] == list(dict.fromkeys(members)), (said, members)
+    d = re.search(r"declares each peer as data.*?: (.*?)\. `get", text, re.S)
+    assert d, "ARCHITECTURE.md no longer lists the registered peers"
+    listed = dict(re.findall(r"`(\w+)` \((export, import|export|import|neither)", d.group(1)))
+    want = {n: ", ".join(w for w in peers.OFFERS if decl.offers(w)) or "neither" for n, decl in peers.PEERS.items()}
+    assert listed == want

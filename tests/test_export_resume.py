@@ -11,7 +11,7 @@ import torch
 
 import hsstore
 from hsstore.app.cli import main
-from hsstore.extract.export import MARKER, SIDECAR
+from hsstore.extract.peers.exporting import MARKER, SIDECAR
 from hsstore.train import drafter_format
 from hsstore.train.model import DFlashDrafter, DrafterConfig
 

@@ -118,20 +118,6 @@ class Marker:
         return (pathlib.Path.touch, (pathlib.Path(self.path),))
 
 
-def test_ckpt_needing_unpickling_is_refused_and_nothing_committed(tmp_path, new_samples, capsys):
-    samples = new_samples(3)
-    write_specforge(tmp_path / "sf", samples)
-    marker = tmp_path / "was-unpickled"
-    bad = tmp_path / "sf" / "rows_0-4" / "data_1.ckpt"
-    torch.save({**torch.load(bad, weights_only=True), "meta": Marker(marker)}, bad)
-    out = str(tmp_path / "store")
-    assert main(["import", "specforge", str(tmp_path / "sf"), "--out", out, *IDENTITY]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(bad) in err and "weights_only=True" in err
-    assert not marker.exists()  # never unpickled
-    assert committed_ids(out) == set()  # data_0 was good, but its shard was not committed
-
-
 def test_import_stops_before_writing_when_first_file_is_bad(tmp_path, new_samples, capsys):
     samples = new_samples(2)
     write_specforge(tmp_path / "sf", samples)
@@ -159,7 +145,8 @@ def _ckpt(path, **d):
     ("float32", "dtype float32"),
 ])
 def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
-    from hsstore.extract.peers import import_files, peer_files
+    from hsstore.extract import peers
+    from hsstore.extract.peers.importing import import_files, peer_files
 
     g = torch.Generator().manual_seed(1)
     T = 20
@@ -188,7 +175,7 @@ def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
     _ckpt(tmp_path / "sf" / "data_1.ckpt", **bad)
     m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
                          tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
-    files = peer_files("specforge", str(tmp_path / "sf"), n_layers=3, hidden=HIDDEN)
+    files = peer_files(peers.get("specforge"), str(tmp_path / "sf"), n_layers=3, hidden=HIDDEN)
     out = str(tmp_path / "store")
     with pytest.raises(SampleError, match="data_1") as e:
         import_files(files, out, m, progress=False)
@@ -202,7 +189,8 @@ def test_bad_specforge_files_are_refused_by_name(tmp_path, case, message):
     ("corrupt", "not a readable safetensors file"),
 ])
 def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, message):
-    from hsstore.extract.peers import import_files, peer_files
+    from hsstore.extract import peers
+    from hsstore.extract.peers.importing import import_files, peer_files
 
     samples = new_samples(3)
     write_speculators(tmp_path / "spec", samples)
@@ -217,7 +205,7 @@ def test_bad_speculators_files_are_refused_by_name(tmp_path, new_samples, case, 
         path.write_bytes(path.read_bytes()[:50])
     m = hsstore.Manifest(target=hsstore.TargetIdentity("t", 8, HIDDEN, "c"),
                          tokenizer=hsstore.TokenizerIdentity("t", "v"), layers=LAYERS)
-    files = peer_files("speculators", str(tmp_path / "spec"), n_layers=3, hidden=HIDDEN)
+    files = peer_files(peers.get("speculators"), str(tmp_path / "spec"), n_layers=3, hidden=HIDDEN)
     with pytest.raises(SampleError, match="hs_2.safetensors") as e:
         import_files(files, str(tmp_path / "store"), m, progress=False)
     assert message in str(e.value)
@@ -257,7 +245,7 @@ def test_import_without_identity_is_refused(tmp_path, new_samples, capsys):
     assert "--config-hash" in err and "--tokenizer-hash" in err and not (tmp_path / "s").exists()
 
 
-# -- layer-id conventions (extract/peer_layers.py; docs/FORMAT.md "Layer ids of the peers") --------------------
+# -- layer-id conventions (each peer's LAYERS, extract/peers/; docs/FORMAT.md "Layer ids of the peers") --------------
 SPEC_IDENTITY = [a for a in IDENTITY if a not in ("--layers", "1,3,5")]  # 8-layer target, no layer list
 
 
@@ -299,14 +287,15 @@ def test_peer_layer_ids_out_of_range_or_doubled_are_refused(tmp_path, new_sample
 
 
 def test_specforge_peer_layers_are_hsstore_ids():
-    from hsstore.extract.peer_layers import to_hsstore, vllm_launch_ids
+    from hsstore.extract.peers import specforge, speculators
     from hsstore.format.serving import specforge_eagle3_ids
 
     # SpecForge names layer outputs (SGLang captures at id + 1, the residual entering the next layer)
-    assert to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]
+    assert specforge.LAYERS.to_hsstore("specforge", [1, 15, 28], 32) == [1, 15, 28]
     # both peers' default EAGLE-3 taps of one target are the same layers
-    assert specforge_eagle3_ids(32) == to_hsstore("speculators", vllm_launch_ids(32, include_last=False), 32)
-    assert to_hsstore("speculators", vllm_launch_ids(64), 64) == [1, 31, 60, 63]
+    launch = speculators.vllm_launch_ids
+    assert specforge_eagle3_ids(32) == speculators.LAYERS.to_hsstore("speculators", launch(32, include_last=False), 32)
+    assert speculators.LAYERS.to_hsstore("speculators", launch(64), 64) == [1, 31, 60, 63]
 
 
 # -- SpecForge files as its prepare_hidden_states.py writes them ------------------------------------------------

@@ -3,7 +3,8 @@
 Installed by ``.ci/run`` from ``tests/peers.txt`` (``--no-deps``: their pins would move torch, transformers or
 s3fs): z-lab ``dflash`` 0.1.0, ``speculators`` 0.9.0, ``specforge`` 0.2.0. What the modules used here import comes
 with the test extra. SGLang and vLLM (CUDA builds) are read, not run: the facts taken from their code are in
-``test_engines_read_at_pinned_commits`` with the commits.
+``test_engines_read_at_pinned_commits`` with the commits. Each peer's own code reading a plain ``hsstore export``
+of it is the peer contract's (tests/test_peer_contract.py).
 """
 
 from __future__ import annotations
@@ -305,24 +306,6 @@ def test_specforge_eagle3_export_gives_its_model_three_taps(tmp_path, new_manife
     plain, _ = _store(tmp_path / "p", new_manifest, new_samples, n=1)
     assert main(["export", "specforge", plain, str(tmp_path / "no"), "--layout", "eagle3"]) == 2
     assert "final_hidden" in capsys.readouterr().err
-
-
-def test_speculators_dataset_reads_the_export(tmp_path, new_manifest, new_samples):
-    """speculators' ArrowDataset (load_from_disk + its FileTransfer) on `export speculators`: the store's tokens,
-    loss mask, aux layers and the last layer as the verifier's hidden state."""
-    data = peer("speculators.train.data")
-    src, _ = _store(tmp_path, new_manifest, new_samples, layers=(1, 3, 7), n=4)
-    assert main(["export", "speculators", src, str(tmp_path / "spec"), "-q"]) == 0
-    ds = data.ArrowDataset(max_len=4096, datapath=str(tmp_path / "spec"), on_missing="raise")
-    store = hsstore.open(src)
-    assert len(ds) == len(store)
-    for i in range(len(store)):
-        item, got = store.read(i), ds._get_raw_data(i)
-        T = len(item["input_ids"])
-        assert torch.equal(got["input_ids"], item["input_ids"])
-        assert got["loss_mask"].tolist() == item["loss_mask"].long().tolist()
-        assert torch.equal(bits(got["hidden_states"].reshape(T, 2, 48)), bits(item["hidden_states"][:, :2]))
-        assert torch.equal(bits(got["verifier_last_hidden_states"]), bits(item["hidden_states"][:, 2]))
 
 
 # ---------------------------------------------------------------------------------------------- the imports

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from hsstore.extract.peers import import_files, peer_files
+from hsstore.extract.peers import get
+from hsstore.extract.peers.importing import import_files, peer_files
 from hsstore.ops.bench import bench_manifest, pipe_fsync, synthetic_samples
 from hsstore.ops.merge import merge
 from hsstore.ops.subset import SampleFilter, subset
@@ -61,7 +62,7 @@ def main() -> None:
         for i, (_, ids, mask, hs) in enumerate(samples):
             torch.save({"input_ids": ids, "loss_mask": mask.long(), "hidden_states": hs}, root / "sf" / f"data_{i}.ckpt")
         del samples
-        files = peer_files("specforge", str(root / "sf"), n_layers=args.layers, hidden=args.hidden)
+        files = peer_files(get("specforge"), str(root / "sf"), n_layers=args.layers, hidden=args.hidden)
         for r in range(args.rounds):
             for d in ("store", "copy", "copy2", "raw", "merged", "sub"):
                 shutil.rmtree(root / d, ignore_errors=True)
