@@ -18,7 +18,7 @@ from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_op
 from hsstore.app.schema import add_arguments, from_args
 from hsstore.io.storage import parse_storage_options
 
-from .config import EvalSettings, ExportDrafterSettings, TrainSettings
+from .settings import EvalSettings, ExportDrafterSettings, TrainSettings
 from .rundir import RUN_MARKER
 
 

@@ -28,7 +28,7 @@ from ..errors import StoreError
 from ..redaction import RedactingFilter, recordable_url, scrub
 from ..terminal import EscapingFilter, escape, shown
 from .schema import Deprecated, add_arguments, from_args
-from .store_settings import (STORE_URL_HELP, BenchSettings, ConvertSettings, CopySettings, IndexSettings, InfoSettings,
+from .settings import (STORE_URL_HELP, BenchSettings, ConvertSettings, CopySettings, IndexSettings, InfoSettings,
                              MergeSettings, ReportSettings, SubsetSettings, SubsetSplit, UpgradeSettings,
                              VerifySettings)
 from ..version import __version__
