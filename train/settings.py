@@ -25,7 +25,9 @@ from hsstore.app.config import absolute_path
 from hsstore.redaction import recordable_url
 from hsstore.app.devices import DEVICE_DEFAULTS, device_option
 from hsstore.app.threads import cpu_threads_option
+from hsstore.app import sections
 from hsstore.app.schema import flat, old_names, option, resume_keys, section
+from hsstore.app.sections import Storage
 
 from . import tracking
 
@@ -59,8 +61,8 @@ class TrainRun:
 
 @dataclass
 class Batch:
-    token_budget: int | None = option(
-        None, old="--max-tokens", metavar="N", resume=True,
+    token_budget: int | None = sections.token_budget(
+        None, resume=True,
         help=f"padded tokens per batch and rank (default: {DEVICE_DEFAULTS['cuda'].token_budget} on a GPU, the "
              f"published recipe; {DEVICE_DEFAULTS['cpu'].token_budget} on a CPU; a CPU step estimated above the "
              "available memory is refused)")
@@ -114,7 +116,7 @@ class Schedule:
     weight_decay: float = option(
         0.0, help="AdamW's decoupled weight decay (Hugging Face's weight_decay): every weight but biases and norm "
                   "weights")
-    seed: int = option(0, resume=True, help="data order, anchors and initial weights")
+    seed: int = sections.seed(0, "data order, anchors and initial weights", resume=True)
     attn: str = option("auto", choices=["auto", "blocks", "sdpa", "flex"],
                        help="auto: blocks (each chunk of anchors attends to only the keys it may see; memory and "
                             "time follow the visible keys). sdpa: one dense mask [queries x (context + queries)], "
@@ -140,9 +142,9 @@ class Data:
     prefetch: int = option(2, help="batches read (and copied to the GPU) ahead")
     cpu_threads: int | None = cpu_threads_option(
         "each rank's step on a CPU", gpus="on GPUs, each local rank's share of the cores for the host's work")
-    cache_dir: str | None = option(None, path=True, help="local chunk cache for remote stores")
-    cache_bytes: int | None = option(
-        None, metavar="N",
+    cache_dir: str | None = sections.cache_dir()
+    cache_bytes: int | None = sections.cache_bytes(
+        metavar="N",
         help="cap of --cache-dir in bytes (default 64 GiB); with --partition node, at least a node's part (the "
              "loader names that size in one line when the cap is less: later epochs then fetch only what the cap "
              "could not hold)")
@@ -210,7 +212,7 @@ class Output:
         help="go on from this checkpoint (OUT/checkpoints/step_N or OUT/checkpoints/best, of this run or another) "
              "rather than OUT's latest; refused where OUT holds later checkpoints (a new --out branches from it)")
     log_samples: bool = option(False, help="write OUT/samples.rankN.jsonl (sample ids per step)")
-    progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
+    progress: bool = sections.progress()
     # a list once parsed (tracking.parse_report_to); the flag takes them comma-separated
     report_to: str | list[str] | None = option(
         "none", metavar="NAMES",
@@ -238,12 +240,6 @@ class TrainValidation:
         self.val_store = [str(s) for s in self.val_store] if self.val_store else None
         if self.val_every is not None and self.val_every < 1:
             raise ValueError("val_every must be >= 1")
-
-
-@dataclass
-class Storage:
-    storage_options: dict[str, Any] = option(default_factory=dict, cli=False,
-                                             help="fsspec options (the command's -S KEY=VALUE)")
 
 
 @dataclass
@@ -284,13 +280,13 @@ class EvalInput:
 class TeacherForced:
     """Without --model: teacher-forced, from the store alone."""
 
-    token_budget: int | None = option(
-        None, old="--max-tokens", metavar="N",
+    token_budget: int | None = sections.token_budget(
+        None,
         help=f"without --model: padded tokens per batch, as in training (default: "
              f"{DEVICE_DEFAULTS['cuda'].token_budget} on a GPU, {DEVICE_DEFAULTS['cpu'].token_budget} on a CPU)")
     anchor_chunk: int = option(512, help="without --model: anchors per sequence per forward (memory; the training "
                                          "default)")
-    cache_dir: str | None = option(None, help="local chunk cache for remote stores")
+    cache_dir: str | None = sections.cache_dir()
 
 
 @dataclass
@@ -314,7 +310,7 @@ class Speculative:
 class EvalRun:
     device: str | None = device_option()
     cpu_threads: int | None = cpu_threads_option("the drafter and the target on a CPU")
-    progress: bool = option(True, cli=False, help="progress bar (the command's --quiet turns it off)")
+    progress: bool = sections.progress()
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..format import encodings, layout_spec
+from . import sections
 from .schema import option, section
 
 STORE_URL_HELP = "store URL: a local path or s3://bucket/prefix (any fsspec URL)"
@@ -108,10 +109,10 @@ class BenchLoader:
     read_layers: str | None = option(None, metavar="L,L", help="loader: layer ids to read (default all; the bench "
                                                                "store has layers 0..NUM_TAPS-1)")
     workers: int = option(0, help="loader: also time N persistent DataLoader workers beside the in-process loader")
-    token_budget: int = option(0, metavar="N", old="--batch-tokens",
-                               help="loader: time packed TokenBatches of N tokens instead of single samples; source: "
-                                    "each rank reads padded TokenBatches of N tokens, the trainer's (features of real "
-                                    "tokens counted)")
+    token_budget: int = sections.token_budget(
+        0, old="--batch-tokens", help="loader: time packed TokenBatches of N tokens instead of single samples; source: "
+                                      "each rank reads padded TokenBatches of N tokens, the trainer's (features of "
+                                      "real tokens counted)")
     procs: int = option(1, metavar="N", help="loader: also run N in-process loaders at once, each a rank of N on its "
                                              "share of the cores (one node's GPUs): per-process and total GB/s")
     cold: bool = option(False, help="loader, source: drop local files from the page cache each round / epoch")
@@ -126,8 +127,8 @@ class BenchSource:
     partition: str = option("global", choices=("global", "node"),
                             help="source: the ranks' plan (node: each rank as its own node, keeping one share every "
                                  "epoch)")
-    cache_dir: str | None = option(None, help="source: local chunk cache for remote stores (one per rank)")
-    cache_bytes: int | None = option(None, help="source: cap of each rank's cache")
+    cache_dir: str | None = sections.cache_dir("source: local chunk cache for remote stores (one per rank)")
+    cache_bytes: int | None = sections.cache_bytes("source: cap of each rank's cache")
     prefetch: int | None = option(None, metavar="N", help="source: units each rank reads ahead at once (the loader's "
                                                          "prefetch: on local disk, its read threads; default the "
                                                          "loader's)")
@@ -175,7 +176,7 @@ class SubsetSplit:
                                     help="a split (a validation store): of the conversations the other filters keep, "
                                          "the share F chosen by --seed (by sample id: the same on every copy of the "
                                          "store; a multi-turn row's id#tN samples stay together)")
-    seed: int | None = option(None, metavar="N", help="--fraction's choice (default 0)")
+    seed: int | None = sections.seed(None, "--fraction's choice (default 0)", metavar="N")
     ids: str | None = option(None, metavar="FILE",
                              help="a split by list: the samples whose ids FILE lists, one a line (a conversation's id "
                                   "takes all its id#tN samples)")
