@@ -14,7 +14,7 @@ from hsstore.app import config
 from hsstore.app.cli import build_parser
 from hsstore.app.schema import build
 from hsstore.io.storage import parse_storage_options
-from hsstore.train.cli import command_settings
+from hsstore.app.commands import command_settings
 from hsstore.train.settings import RESUME_KEYS, TrainSettings, recordable_config, saved_config
 from hsstore.train.metrics import Meter
 from hsstore.app.schema import settings_of

@@ -13,17 +13,13 @@ import json
 import math
 import sys
 
-from hsstore.app import commands
 from hsstore.app.commands import Command, add_commands, command_settings, config, json_flag, quiet, storage_flags
 from hsstore.app.config import flag_values
-from hsstore.app.schema import from_args, moved_names
+from hsstore.app.schema import from_args
 from hsstore.io.storage import parse_storage_options
 
 from .settings import EvalSettings, ExportDrafterSettings, TrainSettings
 from .rundir import RUN_MARKER
-
-# the settings of parsed flags, now hsstore.app.commands.command_settings: still read from here, with a warning
-__getattr__ = moved_names(__name__, commands, ("command_settings",))
 
 
 def register(subparsers) -> None:
