@@ -1,4 +1,4 @@
-"""The trainer's one settings schema (train/config.py): the flags, run.yaml sections, RESUME_KEYS and the flat
+"""The trainer's one settings schema (train/settings.py): the flags, run.yaml sections, RESUME_KEYS and the flat
 TrainSettings it generates mean what the hand-written ones did; train/'s old names still import; the metrics
 meter's named sums."""
 
