@@ -196,7 +196,7 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
     if taps is not None and settings.run.progress:  # who the store will serve, before the gate and the GPU hours
         print(f"hsstore extract: {taps.lines()[0]}", file=sys.stderr)
     try:
-        result = run_extract(settings)
+        result = run_extract(settings, taps=taps)
     except GateRefused as e:
         print(e.text, end="")
         print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)

@@ -10,8 +10,9 @@ from field names (``build(ExtractSettings, model=..., input=[...], out=...)``).
 
 Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are placed by each command
 (``cli.py``'s ``Command`` list) into the groups named here, and reach the settings declared for them
-(``hsstore.app.sections``; ``shard_bytes`` here) through ``hsstore.app.commands.command_settings``. A config file may also give extract's keys under ``options`` (the one section of
-files from releases without these groups): ``hsstore.app.config`` reads such a key as the flag of its group.
+(``hsstore.app.sections``; ``shard_bytes`` here) through ``hsstore.app.commands.command_settings``. A config
+file may also give extract's keys under ``options`` (the one section of files from releases without these
+groups): ``hsstore.app.config`` reads such a key as the flag of its group.
 """
 
 from __future__ import annotations

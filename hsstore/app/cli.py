@@ -349,7 +349,8 @@ STORE_COMMANDS = (
             "under the same key (as merge --by copy), the assets with them; then every byte of the destination "
             "re-read (as verify) and its shards compared with the source's. Exit 1 when that verification fails. "
             "Re-running resumes.",
-            shared=(quiet("copy"), storage_flags("copy"), json_flag("copy", "the summary (exit status as without it)"))),
+            shared=(quiet("copy"), storage_flags("copy"),
+                    json_flag("copy", "the summary (exit status as without it)"))),
     Command("merge", MergeSettings, cmd_merge,
             help="add the committed shards of compatible stores to DST, by copy or by reference",
             shared=(quiet("merge"), storage_flags("merge"), json_flag("merge"))),
