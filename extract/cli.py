@@ -2,8 +2,9 @@
 ``regenerate`` and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
 
 Every command's flags come from its schema in ``settings.py`` (one argument group per section; the flags all
-families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, are added by their helpers into
-those groups); each handler turns the parsed flags into its settings object and passes that on.
+families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, placed in those groups by the
+``COMMANDS`` list below, which ``hsstore.app.commands`` registers); each handler turns the parsed flags into its
+settings object and passes that on.
 transformers is imported only inside the handlers: the ``hsstore`` CLI imports this module at startup
 and must stay fast for commands that never touch a tokenizer.
 """

@@ -4,7 +4,8 @@ Store commands (info, verify, index, upgrade, convert, bench, subset, copy, merg
 commands (check, show, extract, import, export, regenerate, demo) and the training commands (train, eval,
 export-drafter) are registered by ``hsstore.extract.cli`` and ``hsstore.train.cli`` through the ``hsstore.commands``
 entry-point group (so another installed package can add commands the same way); they import transformers only
-when their command runs.
+when their command runs. Every family lists its commands as ``commands.Command`` values, registered by
+``commands.add_commands``.
 """
 
 from __future__ import annotations
