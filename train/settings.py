@@ -1,7 +1,8 @@
 """The trainer's settings: ``TrainSettings``, written by section, which is what the trainer reads
 (``settings.schedule.lr``, ``settings.batch.token_budget``).
 
-Every setting is written once, below, with its flag, help and default; from the schema come the
+Every setting is written once, below (those every family shares, ``--token-budget``, ``--seed``,
+``--cache-dir``, ..., in ``hsstore.app.sections``), with its flag, help and default; from the schema come the
 ``hsstore train`` flags in their ``--help`` groups (``cli.py``), the sections of ``--config`` files and
 ``run.yaml`` (``hsstore.app.config``: the groups' titles, the flags' keys) and ``RESUME_KEYS`` (``resume=True``: the
 settings a resumed run must share with the run it continues, or the weights or the data order would not

@@ -2,8 +2,9 @@
 schema per command, in the same system as extract's and train's (``schema.py``), so a setting has one name from
 its flag to its field to the code it is passed to (``subset --min-length`` is ``SampleFilter(min_length=)``).
 
-The flags every command shares (``--storage-option``, ``--allow-location``, ``--quiet``, ``--json``) are added
-by their helpers in ``cli.py`` and read from the parsed flags as they are.
+The flags every command shares (``--storage-option``, ``--allow-location``, ``--quiet``, ``--json``) are placed
+by ``cli.py``'s ``STORE_COMMANDS`` (``commands.py``) and read from the parsed flags as they are; the settings the
+families share (``--token-budget``, ``--cache-dir``, ``--seed``, ...) are declared in ``sections.py``.
 """
 
 from __future__ import annotations
