@@ -2,8 +2,9 @@
 ``regenerate`` and ``demo``, mounted on the ``hsstore`` command line through the ``hsstore.commands`` entry point.
 
 Every command's flags come from its schema in ``settings.py`` (one argument group per section; the flags all
-families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, are added by their helpers into
-those groups); each handler turns the parsed flags into its settings object and passes that on.
+families share, ``--storage-option``, ``--quiet``, ``--shard-mb`` and ``--config``, placed in those groups by the
+``COMMANDS`` list below, which ``hsstore.app.commands`` registers); each handler turns the parsed flags into its
+settings object and passes that on.
 transformers is imported only inside the handlers: the ``hsstore`` CLI imports this module at startup
 and must stay fast for commands that never touch a tokenizer.
 """
@@ -17,17 +18,16 @@ import os
 import sys
 from dataclasses import fields
 
-from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
-from hsstore.app.config import add_config_option
+from hsstore.app.commands import (Command, add_commands, command_settings, config, json_flag, quiet, shard_mb,
+                                  storage_flags)
 from hsstore.redaction import recordable_url
-from hsstore.app.schema import add_arguments, from_args
+from hsstore.app.schema import from_args
 from hsstore.app.schema import replace as schema_replace
 from hsstore.terminal import escape
 
 from .gate import GateThresholds
 from .settings import (AuditSettings, CheckSettings, DemoSettings, ExportSettings, ExtractSettings, ImportSettings,
-                       RegenerateSettings, ShowSettings, add_shard_mb_flag, regenerate_settings,
-                       shared_overrides)
+                       RegenerateSettings, ShowSettings, regenerate_settings)
 
 logger = logging.getLogger(__name__)
 
@@ -79,127 +79,7 @@ def taps_json(taps) -> dict:
 
 def register(subparsers) -> None:
     """Add the family's subcommands; each sets ``func=handler(args) -> int``."""
-    for add in (add_check, add_show, add_audit, add_extract, add_import, add_export, add_regenerate, add_demo):
-        add(subparsers)
-
-
-def add_check(subparsers) -> None:
-    p = subparsers.add_parser(
-        "check",
-        help="quality gate on training data, before any GPU work",
-        description="Tokenize the input with the target's chat template and check per-sample loss-mask "
-        "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
-    )
-    groups = add_arguments(p, CheckSettings)
-    add_quiet_option(groups["report"])
-    p.set_defaults(func=run_check)
-
-
-def add_show(subparsers) -> None:
-    s = subparsers.add_parser(
-        "show",
-        help="print one decoded sample with its loss mask marked",
-        description="Decode sample N (0-based position, or a sample id) of an input with loss-masked "
-        "tokens highlighted (color on a terminal, ⟦ ⟧ otherwise).",
-    )
-    groups = add_arguments(s, ShowSettings)
-    add_quiet_option(groups["output"])
-    add_storage_option(groups["input"])
-    s.set_defaults(func=run_show)
-
-
-def add_audit(subparsers) -> None:
-    a = subparsers.add_parser(
-        "audit",
-        help="recompute a few stored samples with the target and compare every feature",
-        description="Re-run the target's eager reference forward on N stored samples (chosen from their input_ids, "
-        "the same in every copy of the store) and compare each stored feature with the recomputed one against the "
-        "bound of the store's dtype and encoding at the feature's depth (rounding grows with the layers a value went "
-        "through); it must also be closer to its own layer than to those beside it. Exit 0 when every feature holds "
-        "it, 1 naming the feature and what it looks like (zeros, a different layer, shifted tokens, scaled values, a "
-        "different target, different tokens) when one does not, 2 on errors.",
-    )
-    groups = add_arguments(a, AuditSettings)
-    add_storage_option(groups["input"])
-    add_quiet_option(groups["run"])
-    add_json_option(groups["run"], "the report")
-    a.set_defaults(func=run_audit_cmd)
-
-
-def add_extract(subparsers) -> None:
-    e = subparsers.add_parser(
-        "extract",
-        help="run the target over the input and write the tapped hidden states to a store",
-        description="Tokenize with the target's chat template, run the quality gate (refusing bad data before "
-        "the model is loaded), then extract. Under torchrun each rank writes its own shards; re-running "
-        "the same command resumes (committed samples are skipped).",
-    )
-    groups = add_arguments(e, ExtractSettings)
-    add_shard_mb_flag(groups["store"])
-    add_storage_option(groups["store"])
-    add_quiet_option(groups["run"])
-    add_config_option(e)
-    e.set_defaults(func=run_extract_cmd)
-
-
-def add_import(subparsers) -> None:
-    m = subparsers.add_parser(
-        "import",
-        help="convert the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors) into a store",
-        description="Read a SpecForge folder of torch.save files (torch.load with weights_only=True only) or a "
-        "speculators Arrow dataset with hidden_states/hs_{i}.safetensors, and write a store. The peers' files do "
-        "not say which model, tokenizer and layers made them: give --layers and either --model DIR (a local "
-        "model folder, hashed like extract does; no weights are loaded) or the identity flags. Re-running "
-        "resumes (committed sample ids are skipped).",
-    )
-    groups = add_arguments(m, ImportSettings)
-    add_shard_mb_flag(groups["store"])
-    add_storage_option(groups["store"])
-    add_quiet_option(groups["run"])
-    m.set_defaults(func=run_import_cmd)
-
-
-def add_export(subparsers) -> None:
-    x = subparsers.add_parser(
-        "export",
-        help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + Arrow)",
-        description="The peers' current on-disk formats, so their trainers read a store: SpecForge's "
-        "rows_A-B/data_{i}.ckpt (--layout dflash: hidden_states with every tap, leaving out the samples without two "
-        "consecutive loss tokens, which its DFlash reader refuses; --layout eagle3: aux_hidden_state with three taps "
-        "+ hidden_state, from a store with final_hidden), or speculators' Arrow dataset with "
-        "hidden_states/hs_{i}.safetensors (the store must hold the last layer, which speculators' trainer takes as "
-        "the verifier's last hidden state). OUT must be new or empty. hsstore import of the result gives back the "
-        "exported samples and layers bit-exact.",
-    )
-    groups = add_arguments(x, ExportSettings)
-    add_quiet_option(groups["run"])
-    add_json_option(groups["run"])
-    add_storage_option(groups["export"])
-    x.set_defaults(func=run_export_cmd)
-
-
-def add_regenerate(subparsers) -> None:
-    r = subparsers.add_parser(
-        "regenerate",
-        help="have the target answer the prompts (thinking on) through an OpenAI-compatible server",
-        description="Send each conversation's prompt to /v1/chat/completions (vLLM, SGLang, transformers serve) "
-        "with thinking enabled and write JSONL rows with reasoning_content, ready for check/extract. Rows are "
-        "written as they complete; re-running the same command resumes (ids already written are skipped).",
-    )
-    groups = add_arguments(r, RegenerateSettings)
-    add_quiet_option(groups["run"])
-    r.set_defaults(func=run_regenerate_cmd)
-
-
-def add_demo(subparsers) -> None:
-    d = subparsers.add_parser(
-        "demo", formatter_class=DefaultsHelpFormatter,
-        help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it answered, "
-        "check, extract, info, verify, train a drafter, eval on held-out prompts (about 2 minutes on 2 CPU cores)",
-    )
-    groups = add_arguments(d, DemoSettings)
-    add_quiet_option(groups["demo"])
-    d.set_defaults(func=run_demo_cmd)
+    add_commands(subparsers, COMMANDS)
 
 
 def _use_color(choice: str) -> bool:
@@ -267,7 +147,7 @@ def run_show(args: argparse.Namespace) -> int:
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
 
-    settings = from_args(ShowSettings, args, **shared_overrides(args, ShowSettings))
+    settings = command_settings(ShowSettings, args)
     where, tok, color = settings.input, settings.tokenize, _use_color(settings.output.color)
     options = storage.interactive_options(where.input, where.storage_options)  # a person waits for it
     fs, root = storage.resolve(where.input, options)  # bad URL or options: their own error
@@ -293,7 +173,7 @@ def run_audit_cmd(args: argparse.Namespace) -> int:
 
     from .audit import audit
 
-    settings = from_args(AuditSettings, args, **shared_overrides(args))
+    settings = command_settings(AuditSettings, args)
     a = settings.input
     report = audit(a.url, a.model, samples=a.samples, device=a.device, storage_options=a.storage_options,
                    progress=settings.run.progress, cpu_threads=a.cpu_threads)
@@ -311,13 +191,13 @@ def run_extract_cmd(args: argparse.Namespace) -> int:
 
     from .target import planned_taps
 
-    settings = from_args(ExtractSettings, args, **shared_overrides(args))
+    settings = command_settings(ExtractSettings, args)
     cap = settings.capture
     taps = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
     if taps is not None and settings.run.progress:  # who the store will serve, before the gate and the GPU hours
         print(f"hsstore extract: {taps.lines()[0]}", file=sys.stderr)
     try:
-        result = run_extract(settings)
+        result = run_extract(settings, taps=taps)
     except GateRefused as e:
         print(e.text, end="")
         print(f"hsstore extract: refused: {e} (nothing was written; --force to extract anyway)", file=sys.stderr)
@@ -337,7 +217,7 @@ def run_import_cmd(args: argparse.Namespace) -> int:
     from .peers import get
     from .peers.importing import import_files, import_manifest, peer_files
 
-    settings = from_args(ImportSettings, args, **shared_overrides(args))
+    settings = command_settings(ImportSettings, args)
     src, store = settings.files, settings.store
     peer = get(src.format, "import")
     manifest = import_manifest(peer, path=src.path, final_hidden=src.final_hidden, codec=store.codec,
@@ -403,7 +283,7 @@ def run_export_cmd(args: argparse.Namespace) -> int:
 
     from .peers import get
 
-    settings = from_args(ExportSettings, args, **shared_overrides(args))
+    settings = command_settings(ExportSettings, args)
     x = settings.export
     r = get(x.format, "export").export(x.url, x.out, storage_options=x.storage_options,
                                        progress=settings.run.progress, layout=x.layout, layers=x.layers)
@@ -437,3 +317,61 @@ def run_demo_cmd(args: argparse.Namespace) -> int:
 
     demo = from_args(DemoSettings, args).demo
     return run_demo(demo.out, device=demo.device, cpu_threads=demo.cpu_threads, quiet=args.quiet)
+
+
+COMMANDS = (
+    Command("check", CheckSettings, run_check, help="quality gate on training data, before any GPU work",
+            description="Tokenize the input with the target's chat template and check per-sample loss-mask "
+            "distributions. Exit 0 when the gate passes, 1 when it fails, 2 on errors.",
+            shared=(quiet("report"),)),
+    Command("show", ShowSettings, run_show, help="print one decoded sample with its loss mask marked",
+            description="Decode sample N (0-based position, or a sample id) of an input with loss-masked "
+            "tokens highlighted (color on a terminal, ⟦ ⟧ otherwise).",
+            shared=(quiet("output"), storage_flags("input"))),
+    Command("audit", AuditSettings, run_audit_cmd,
+            help="recompute a few stored samples with the target and compare every feature",
+            description="Re-run the target's eager reference forward on N stored samples (chosen from their "
+            "input_ids, the same in every copy of the store) and compare each stored feature with the recomputed one "
+            "against the bound of the store's dtype and encoding at the feature's depth (rounding grows with the "
+            "layers a value went through); it must also be closer to its own layer than to those beside it. Exit 0 "
+            "when every feature holds it, 1 naming the feature and what it looks like (zeros, a different layer, "
+            "shifted tokens, scaled values, a different target, different tokens) when one does not, 2 on errors.",
+            shared=(storage_flags("input"), quiet("run"), json_flag("run", "the report"))),
+    Command("extract", ExtractSettings, run_extract_cmd,
+            help="run the target over the input and write the tapped hidden states to a store",
+            description="Tokenize with the target's chat template, run the quality gate (refusing bad data before "
+            "the model is loaded), then extract. Under torchrun each rank writes its own shards; re-running "
+            "the same command resumes (committed samples are skipped).",
+            shared=(shard_mb("store"), storage_flags("store"), quiet("run"), config())),
+    Command("import", ImportSettings, run_import_cmd,
+            help="convert the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors) into a "
+                 "store",
+            description="Read a SpecForge folder of torch.save files (torch.load with weights_only=True only) or a "
+            "speculators Arrow dataset with hidden_states/hs_{i}.safetensors, and write a store. The peers' files "
+            "do not say which model, tokenizer and layers made them: give --layers and either --model DIR (a local "
+            "model folder, hashed like extract does; no weights are loaded) or the identity flags. Re-running "
+            "resumes (committed sample ids are skipped).",
+            shared=(shard_mb("store"), storage_flags("store"), quiet("run"))),
+    Command("export", ExportSettings, run_export_cmd,
+            help="write a store as the peers' per-sample files (SpecForge .ckpt, speculators hs_{i}.safetensors + "
+                 "Arrow)",
+            description="The peers' current on-disk formats, so their trainers read a store: SpecForge's "
+            "rows_A-B/data_{i}.ckpt (--layout dflash: hidden_states with every tap, leaving out the samples without "
+            "two consecutive loss tokens, which its DFlash reader refuses; --layout eagle3: aux_hidden_state with "
+            "three taps + hidden_state, from a store with final_hidden), or speculators' Arrow dataset with "
+            "hidden_states/hs_{i}.safetensors (the store must hold the last layer, which speculators' trainer takes "
+            "as the verifier's last hidden state). OUT must be new or empty. hsstore import of the result gives back "
+            "the exported samples and layers bit-exact.",
+            shared=(quiet("run"), json_flag("run"), storage_flags("export"))),
+    Command("regenerate", RegenerateSettings, run_regenerate_cmd,
+            help="have the target answer the prompts (thinking on) through an OpenAI-compatible server",
+            description="Send each conversation's prompt to /v1/chat/completions (vLLM, SGLang, transformers serve) "
+            "with thinking enabled and write JSONL rows with reasoning_content, ready for check/extract. Rows are "
+            "written as they complete; re-running the same command resumes (ids already written are skipped).",
+            shared=(quiet("run"),)),
+    Command("demo", DemoSettings, run_demo_cmd, defaults_in_help=True,
+            help="the main job on an embedded default: a tiny trained Qwen3.5 target and conversations it "
+                 "answered, check, extract, info, verify, train a drafter, eval on held-out prompts (about 2 minutes "
+                 "on 2 CPU cores)",
+            shared=(quiet("demo"),)),
+)

@@ -96,9 +96,10 @@ def export_assets(fs, root: str, model, tokenizer) -> None:
                                               model.get_output_embeddings().weight, model.config, tokenizer))
 
 
-def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> ExtractResult:
+def run_extract(settings: ExtractSettings, tokenizer=None, model=None, taps: TapPlan | None = None) -> ExtractResult:
     """Run one rank's extraction. Raises :class:`GateRefused` (before loading the model, writing nothing)
-    when the quality gate fails and ``settings.gate.force`` is false."""
+    when the quality gate fails and ``settings.gate.force`` is false. ``taps``: the plan the caller already made
+    from these settings and the model folder's config (``extract``'s command line, which says it first)."""
     rank, world, local_rank = dist_env(settings.run.rank, settings.run.world_size)
     device = resolve_device(settings.forward.device, local_rank)  # an unusable --device fails before the gate
     # and so does a destination that is a user's folder (or an anonymous write): nothing there to resume
@@ -106,7 +107,7 @@ def run_extract(settings: ExtractSettings, tokenizer=None, model=None) -> Extrac
     # and so does this rank's writer tag while another session writes it (an identical command still running)
     sessions.check_slot(fs, root, settings.store.out, writer_tag(rank))
     cap = settings.capture  # and so do taps the target does not have or the asked engines cannot serve
-    early = planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
+    early = taps or planned_taps(settings.input.model, cap.layers, cap.serve, cap.final_hidden)
     if early is not None:
         warn_engines(early)
     result = ExtractResult(rank, world)

@@ -8,10 +8,11 @@ by command is a subclass that restates only that field. Handlers and API callers
 written (``settings.forward.token_budget``, ``settings.thresholds``); ``hsstore.app.schema.build`` makes settings
 from field names (``build(ExtractSettings, model=..., input=[...], out=...)``).
 
-Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are added by their shared
-helpers into the groups named here, and reach the settings through ``from_args`` overrides
-(:func:`shared_overrides`). A config file may also give extract's keys under ``options`` (the one section of
-files from releases without these groups): ``hsstore.app.config`` reads such a key as the flag of its group.
+Flags that every family has (``--storage-option``, ``--quiet``, ``--shard-mb``) are placed by each command
+(``cli.py``'s ``Command`` list) into the groups named here, and reach the settings declared for them
+(``hsstore.app.sections``; ``shard_bytes`` here) through ``hsstore.app.commands.command_settings``. A config
+file may also give extract's keys under ``options`` (the one section of files from releases without these
+groups): ``hsstore.app.config`` reads such a key as the flag of its group.
 """
 
 from __future__ import annotations
@@ -24,10 +25,16 @@ from hsstore.format import encodings, layout_spec
 from hsstore.format.serving import parse_serve
 from hsstore.app.devices import device_option
 from hsstore.app.threads import cpu_threads_option
-from hsstore.app.schema import from_args, option, section, settings_of
+from hsstore.app import commands, sections
+from hsstore.app.commands import command_settings
+from hsstore.app.schema import moved_names, option, section
+from hsstore.app.sections import Progress
 
 from .gate import GateThresholds
 from .peers import names as peer_names
+
+# the shared flags' helpers, now in hsstore.app.commands: still read from here, with a DeprecationWarning
+__getattr__ = moved_names(__name__, commands, ("add_shard_mb_flag", "shared_overrides", "mib_bytes"))
 
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 COLOR_CHOICES = ("auto", "always", "never")
@@ -52,30 +59,6 @@ def template_kwargs(value: str | None) -> dict:
     return template_kwargs_of(value, "--chat-template-kwargs")
 
 
-def mib_bytes(mib: float) -> int:
-    """``--shard-mb`` in bytes, at least one."""
-    return max(1, int(mib * (1 << 20)))
-
-
-def add_shard_mb_flag(group) -> None:
-    group.add_argument("--shard-mb", type=float, default=1024, help="feature bytes per shard (MiB; default 1024)")
-
-
-def shared_overrides(args: argparse.Namespace, schema: type | None = None) -> dict[str, Any]:
-    """The settings of the shared flags a command has (storage options, progress, shard size), for
-    ``from_args`` (``schema``: only those it has a setting for; ``show`` takes -q but has no progress)."""
-    from hsstore.io.storage import parse_storage_options
-
-    out: dict[str, Any] = {}
-    if hasattr(args, "storage_option"):
-        out["storage_options"] = parse_storage_options(args.storage_option)
-    if hasattr(args, "quiet") and (schema is None or "progress" in {s.name for s in settings_of(schema)}):
-        out["progress"] = not args.quiet
-    if hasattr(args, "shard_mb"):
-        out["shard_bytes"] = mib_bytes(args.shard_mb)
-    return out
-
-
 def _input() -> Any:
     return option(nargs="+", required=True, path=True, was="inputs", help="JSONL/Parquet/Arrow files or directories")
 
@@ -86,10 +69,6 @@ def _store_url() -> Any:
 
 def _shard_bytes() -> Any:
     return option(1 << 30, cli=False, help="feature bytes per shard (the flag: --shard-mb)")
-
-
-def _storage_options() -> Any:
-    return option(default_factory=dict, cli=False, help="fsspec options of the store (the flag: --storage-option)")
 
 
 # --- sections shared by check, show and extract -------------------------------------------------------------
@@ -153,7 +132,7 @@ class StoreOutput:
                          help="where the store writer runs: a child process fed through shared memory (auto: on "
                               "CUDA), or threads of this process")
     shard_bytes: int = _shard_bytes()
-    storage_options: dict[str, Any] = _storage_options()
+    storage_options: dict[str, Any] = sections.storage_options()
 
 
 @dataclass
@@ -171,8 +150,9 @@ class Forward:
     device: str | None = device_option()
     cpu_threads: int | None = cpu_threads_option("the target's forward on a CPU")
     dtype: str = option("bfloat16", choices=DTYPE_CHOICES, help="the target's dtype, and the stored features'")
-    token_budget: int | None = option(None, help="padded tokens per forward batch (default: 16384 on a GPU, 4096 "
-                                                 "on a CPU)")
+    token_budget: int | None = sections.token_budget(None, metavar=None, old=None,
+                                                     help="padded tokens per forward batch (default: 16384 on a GPU, "
+                                                          "4096 on a CPU)")
     compile: bool | None = option(
         None, help="compile the target's norms, MLPs, attention blocks and recurrent mixers (torch.compile, per "
                    "layer kind; features equal to the eager forward's within bf16 rounding, faster at 27B scale; "
@@ -188,13 +168,6 @@ class Gate:
         help="the verdict of `hsstore check --report FILE` on this input: reused when the input files, tokenizer "
              "and settings match (refused naming what differs), so each rank tokenizes only its own rows; "
              "without it every rank runs the gate over the whole input")
-
-
-@dataclass
-class Progress:
-    """``--quiet`` joins this group."""
-
-    progress: bool = option(True, cli=False, help="progress bars (the flag: --quiet)")
 
 
 @dataclass
@@ -273,7 +246,7 @@ class ShowInput:
     n: str = option(positional=True, help="sample position (0-based, after multi-turn expansion) or sample id")
     model: str | None = option(None, help="target model directory (its tokenizer and chat template); for a store, "
                                           "its own tokenizer is used unless this is given")
-    storage_options: dict[str, Any] = _storage_options()
+    storage_options: dict[str, Any] = sections.storage_options()
 
 
 @dataclass
@@ -312,7 +285,7 @@ class AuditInput:
                                "the store (default 8)")
     device: str | None = device_option("for the reference forward")
     cpu_threads: int | None = cpu_threads_option("the reference forward on a CPU")
-    storage_options: dict[str, Any] = _storage_options()
+    storage_options: dict[str, Any] = sections.storage_options()
 
 
 @dataclass
@@ -388,7 +361,7 @@ def regenerate_settings(args: argparse.Namespace) -> RegenerateSettings:
     """The parsed flags as settings, the API key read from the variable ``--api-key-env`` names."""
     import os
 
-    settings = from_args(RegenerateSettings, args, **shared_overrides(args))
+    settings = command_settings(RegenerateSettings, args)
     settings.server.api_key = os.environ.get(settings.server.api_key_env) or None
     return settings
 
@@ -456,7 +429,7 @@ class ImportStore:
     out: str = _store_url()
     codec: str = option("none", help="chunk codec: none, zstd[:level], blosc-zstd[:level], lz4")
     shard_bytes: int = _shard_bytes()
-    storage_options: dict[str, Any] = _storage_options()
+    storage_options: dict[str, Any] = sections.storage_options()
 
 
 @dataclass
@@ -480,7 +453,7 @@ class ExportFiles:
                                       help="--layout eagle3: the three store layers to export (hsstore ids; default: "
                                            "all of a 3-tap store, else the taps nearest SpecForge's defaults "
                                            "[1, N//2-1, N-4], named in the summary)")
-    storage_options: dict[str, Any] = _storage_options()
+    storage_options: dict[str, Any] = sections.storage_options()
 
 
 @dataclass

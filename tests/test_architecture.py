@@ -516,19 +516,15 @@ def test_no_settings_class_is_generated_at_import():
 
 
 def command_schemas() -> dict[str, type]:
-    """{handler module.Name: the schema class} of every ``add_arguments(parser, Schema)`` in the commands'
-    modules."""
-    import importlib
+    """{command: the schema class its flags come from} of every command of the ``hsstore`` parser (each family
+    registers its commands through ``hsstore.app.commands``)."""
+    import argparse
 
-    out = {}
-    for absolute, path in (PACKAGES["extract"], PACKAGES["train"]):
-        for m, p in modules_of(path).items():
-            for node in ast.walk(ast.parse(p.read_text())):
-                if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "add_arguments"
-                        and len(node.args) == 2 and isinstance(node.args[1], ast.Name)):
-                    module = importlib.import_module(f"{absolute}.{m}")
-                    out[f"{absolute}.{m}.{node.args[1].id}"] = getattr(module, node.args[1].id)
-    return out
+    from hsstore.app.cli import build_parser
+    from hsstore.app.schema import SCHEMA_KEY
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: parser._defaults[SCHEMA_KEY] for name, parser in sub.choices.items()}
 
 
 def test_each_commands_settings_type_is_a_class_statement():

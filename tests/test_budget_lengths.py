@@ -10,7 +10,7 @@ import hsstore
 from hsstore import HiddenStateDataset, Planning, TokenBatches
 from hsstore.app.schema import build
 from hsstore.train.budget import ASSUMED_MIN_SEQUENCE, step_bytes, max_sequences, plan_gpu_step, store_lengths
-from hsstore.train.config import TrainSettings
+from hsstore.train.settings import TrainSettings
 from hsstore.train.model import DrafterConfig
 
 

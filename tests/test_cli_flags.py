@@ -102,9 +102,9 @@ def test_train_json_summary_and_the_old_budget_flag(store32, tmp_path, capsys, c
 
 def test_extract_flags_make_its_config():
     """The handler's config comes from the schema: every flag lands in its setting, converted."""
+    from hsstore.app.commands import command_settings
     from hsstore.app.config import apply
-    from hsstore.extract.settings import ExtractSettings, shared_overrides
-    from hsstore.app.schema import from_args
+    from hsstore.extract.settings import ExtractSettings
 
     argv = ["extract", "--model", "m", "--input", "a.jsonl", "b.jsonl", "--out", "s3://b/x", "--layers", "1,3",
             "--shard-mb", "2", "-S", "anon=true", "--no-expand", "--chat-template-kwargs", '{"enable_thinking": false}',
@@ -112,7 +112,7 @@ def test_extract_flags_make_its_config():
     p = build_parser()
     apply(p, argv)
     args = p.parse_args(argv)
-    settings = from_args(ExtractSettings, args, **shared_overrides(args))
+    settings = command_settings(ExtractSettings, args)
     inp, store, tok, fwd = settings.input, settings.store, settings.tokenize, settings.forward
     assert (inp.model, inp.input, store.out, settings.capture.layers) == ("m", ["a.jsonl", "b.jsonl"], "s3://b/x",
                                                                           [1, 3])

@@ -166,7 +166,7 @@ def test_url_user_info_never_recorded_or_printed(http_store, tmp_path, capsys):
 
 
 def test_train_config_and_checkpoints_record_no_url_secret(tmp_path):
-    from hsstore.train.config import TrainSettings, recordable_config
+    from hsstore.train.settings import TrainSettings, recordable_config
 
     cfg = build(TrainSettings, store=[f"https://{USER}:{PASSWORD}@h/s"], val_store=[f"s3://{USER}:{PASSWORD}@b/v"],
                 out=str(tmp_path), storage_options={"secret": "x"})
@@ -460,7 +460,7 @@ def test_drafter_config_checked_before_any_weight_is_built(huge_config_drafter):
 def test_train_init_with_a_huge_config_is_one_line(huge_config_drafter, tmp_path):
     from hsstore.train import checkpoint as ckpt
     from hsstore.train.build import init_config
-    from hsstore.train.config import TrainSettings
+    from hsstore.train.settings import TrainSettings
 
     path, _ = huge_config_drafter
     manifest = make_manifest()

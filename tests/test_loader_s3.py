@@ -289,7 +289,7 @@ def test_train_on_a_gpu_suggests_workers_for_a_remote_store_only(s3_url, s3_samp
     off the launching thread); a local store, or workers already set, or a CPU run: nothing said."""
     import logging
 
-    from hsstore.train.config import TrainSettings
+    from hsstore.train.settings import TrainSettings
     from hsstore.train.trainer import store_batches
 
     url, opts = s3_url

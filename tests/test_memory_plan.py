@@ -13,7 +13,7 @@ from hsstore.app.schema import build
 from hsstore.train import budget
 from hsstore.train.budget import (GPU_USABLE, MOMENT_BYTES, check_cpu_memory, plan_step, step_bytes,
                                   step_options)
-from hsstore.train.config import TrainSettings
+from hsstore.train.settings import TrainSettings
 from hsstore.train.model import DrafterConfig
 
 # the published Qwen3.6-27B drafter (5 layers; 1.73e9 trainable parameters) and its frozen embedding and head

@@ -1,4 +1,4 @@
-"""The trainer's one settings schema (train/config.py): the flags, run.yaml sections, RESUME_KEYS and the flat
+"""The trainer's one settings schema (train/settings.py): the flags, run.yaml sections, RESUME_KEYS and the flat
 TrainSettings it generates mean what the hand-written ones did; train/'s old names still import; the metrics
 meter's named sums."""
 
@@ -14,8 +14,8 @@ from hsstore.app import config
 from hsstore.app.cli import build_parser
 from hsstore.app.schema import build
 from hsstore.io.storage import parse_storage_options
-from hsstore.train.cli import command_settings
-from hsstore.train.config import RESUME_KEYS, TrainSettings, recordable_config, saved_config
+from hsstore.app.commands import command_settings
+from hsstore.train.settings import RESUME_KEYS, TrainSettings, recordable_config, saved_config
 from hsstore.train.metrics import Meter
 from hsstore.app.schema import settings_of
 

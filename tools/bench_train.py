@@ -58,7 +58,7 @@ from hsstore.format import encodings
 from hsstore.format.encodings import Encoded
 from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
-from hsstore.train.config import CHECKPOINT_CHOICES
+from hsstore.train.settings import CHECKPOINT_CHOICES
 from hsstore.train.model import ATTN_IMPLS, DFlashDrafter, DrafterConfig
 from hsstore.train.objective import default_gamma
 from hsstore.train.optim import build_optimizer, build_scheduler
@@ -360,7 +360,7 @@ def planned(args, drafter, device, store_url: str | None) -> Planned:
     import hsstore
     from hsstore.app.schema import build as build_settings
     from hsstore.train import budget
-    from hsstore.train.config import TrainSettings
+    from hsstore.train.settings import TrainSettings
 
     settings = build_settings(TrainSettings, store=["bench"], out="bench", token_budget=args.max_tokens,
                               anchors=args.anchors, checkpoint_layers=args.checkpoint_layers, shard_optimizer="off",

@@ -24,7 +24,7 @@ import torch
 from hsstore.app.devices import DEVICE_DEFAULTS, defaults_for
 from hsstore.app.schema import replace
 
-from .config import CHECKPOINT_POLICIES, TrainSettings
+from .settings import CHECKPOINT_POLICIES, TrainSettings
 from .model import checkpoint_policy
 
 ASSUMED_MIN_SEQUENCE = 2048  # for the estimate: sequences per batch at most budget / this (anchors count per sequence)

@@ -38,7 +38,7 @@ from hsstore.version import __version__
 from . import checkpoint as ckpt
 from .budget import check_cpu_memory, check_gpu_memory
 from .drafter_format import check_bounds
-from .config import TrainSettings
+from .settings import TrainSettings
 from .model import DFlashDrafter, DrafterConfig
 from .objective import dflash_loss
 

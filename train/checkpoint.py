@@ -46,7 +46,7 @@ from hsstore.ops.html_report import metrics_row
 from hsstore.loader.resume import LoaderStateError
 from hsstore.io.tensorfiles import load_beneath, save_safetensors
 
-from .config import (LEGACY_RESUME_VALUES, LEGACY_VALUES, RESUME_KEYS, SEGMENT_KEYS, TrainSettings,
+from .settings import (LEGACY_RESUME_VALUES, LEGACY_VALUES, RESUME_KEYS, SEGMENT_KEYS, TrainSettings,
                      recordable_config, recordable_stores, saved_config)
 from .drafter_format import (CONFIG, WEIGHTS, check_tensors, check_weights, file_shapes, read_config,
                              save_drafter, weights_bound, write_drafter, written_by_hsstore)

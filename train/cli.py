@@ -13,80 +13,17 @@ import json
 import math
 import sys
 
-from hsstore.app.config import add_config_option, flag_values
-from hsstore.app.cli import DefaultsHelpFormatter, add_json_option, add_quiet_option, add_storage_option
-from hsstore.app.schema import add_arguments, from_args
+from hsstore.app.commands import Command, add_commands, command_settings, config, json_flag, quiet, storage_flags
+from hsstore.app.config import flag_values
+from hsstore.app.schema import from_args
 from hsstore.io.storage import parse_storage_options
 
-from .config import EvalSettings, ExportDrafterSettings, TrainSettings
+from .settings import EvalSettings, ExportDrafterSettings, TrainSettings
 from .rundir import RUN_MARKER
 
 
 def register(subparsers) -> None:
-    register_train(subparsers)
-    register_export(subparsers)
-    register_eval(subparsers)
-
-
-def register_train(subparsers) -> None:
-    t = subparsers.add_parser(
-        "train", formatter_class=DefaultsHelpFormatter,
-        help="train a DFlash drafter from one or more stores (no target needed)",
-        description="Train a DFlash drafter from hidden-state stores alone: features, tokens and loss masks, and "
-        "the target's embedding, lm_head and config (store assets). Writes OUT/metrics.jsonl, checkpoints under "
-        "OUT/checkpoints/ and the drafter in OUT/drafter/. Re-running the same command resumes from the latest "
-        "checkpoint. Multi-GPU: torchrun --nproc_per_node N -m hsstore train ...",
-    )
-    # the flags in groups, from the schema (config.py): --help shows them so, and --config files have these sections
-    groups = add_arguments(t, TrainSettings)
-    add_quiet_option(groups["output"])
-    add_json_option(groups["output"], "the summary at the end (rank 0)")
-    add_storage_option(groups["storage"])
-    add_config_option(t, record_markers=(RUN_MARKER,))  # OUT/run.yaml beside it is a run's record
-    t.set_defaults(func=run_train, preflight=preflight_train, announce=announce_train)
-
-
-def register_export(subparsers) -> None:
-    x = subparsers.add_parser(
-        "export-drafter",
-        help="write a drafter directory SGLang and vLLM load, from any checkpoint or run",
-        description="Turn a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a training run (its "
-        "drafter/ or latest checkpoint), in this or the earlier format, into a DFlash drafter directory: "
-        "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
-        "OUT must not exist or be empty.",
-    )
-    groups = add_arguments(x, ExportDrafterSettings)
-    add_quiet_option(groups["export"])
-    x.set_defaults(func=run_export)
-
-
-def register_eval(subparsers) -> None:
-    e = subparsers.add_parser(
-        "eval", formatter_class=DefaultsHelpFormatter,
-        help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",
-        description="Without --model: teacher-forced evaluation from the store alone, no target needed. Every "
-        "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
-        "deterministic) gets the drafter's block of S-1 argmax drafts, compared with the stored tokens. Prints "
-        "the training loss, acceptance per draft position k (share of anchors whose drafts 1..k are all right) "
-        "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S), the mean over every anchor. "
-        "With --model and --input: greedy (temperature 0) speculative decoding, the drafter proposing from the "
-        "target's features and the target verifying; reports tau and target-only vs speculative tokens/s and "
-        "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
-        "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
-        "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau (tokens per "
-        "verification step, the prefill no step) in both conventions: tau_per_prompt, the mean over prompts of "
-        "each prompt's mean, as there (\"Average Acceptance length\"); tau_pooled, all steps' tokens over all "
-        "steps, as SGLang's server counts it (\"accept len\"). The target-only baseline and the speculative run both "
-        "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
-        "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
-        "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
-        "one thread (--cpu-threads N to choose).",
-    )
-    groups = add_arguments(e, EvalSettings)
-    add_quiet_option(groups["run"])
-    add_json_option(groups["run"], "the report")
-    add_storage_option(groups["storage"])
-    e.set_defaults(func=run_eval)
+    add_commands(subparsers, COMMANDS)
 
 
 # The loader's threads take the GIL in bursts; with Python's default switch interval the training thread can
@@ -119,11 +56,6 @@ def announce_train(args: argparse.Namespace) -> None:
     logging.getLogger("hsstore.loader.follow").setLevel(logging.INFO)  # --follow: arrivals, and what epoch 0 waits for
     logging.getLogger(__name__).info("train: loading torch and the trainer, then reading %s into %s",
                                      ", ".join(recordable_url(u) for u in args.store or []), args.out)
-
-
-def command_settings(schema: type, args: argparse.Namespace):
-    """The settings of parsed ``hsstore train`` or ``eval`` flags (the schema's, plus -q and -S)."""
-    return from_args(schema, args, progress=not args.quiet, storage_options=parse_storage_options(args.storage_option))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -228,3 +160,46 @@ def run_store_eval(settings: EvalSettings, as_json: bool) -> int:
                             progress=settings.run.progress, cpu_threads=settings.run.cpu_threads)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.format_text())
     return 0
+
+
+EVAL_DESCRIPTION = ("Without --model: teacher-forced evaluation from the store alone, no target needed. Every "
+    "valid anchor (each position p with loss_mask[p] and loss_mask[p+1], the training rule, no sampling: "
+    "deterministic) gets the drafter's block of S-1 argmax drafts, compared with the stored tokens. Prints "
+    "the training loss, acceptance per draft position k (share of anchors whose drafts 1..k are all right) "
+    "and tau = 1 + their sum (accepted prefix + the bonus token, 1..S), the mean over every anchor. "
+    "With --model and --input: greedy (temperature 0) speculative decoding, the drafter proposing from the "
+    "target's features and the target verifying; reports tau and target-only vs speculative tokens/s and "
+    "checks that the output equals target-only greedy decoding. Defaults follow DFlash's published "
+    "benchmark (z-lab dflash/benchmark.py): temperature 0, up to 2048 new tokens; thinking on, as for the "
+    "Qwen3.5/3.6 thinking targets (--no-thinking for the non-thinking Qwen3 numbers). tau (tokens per "
+    "verification step, the prefill no step) in both conventions: tau_per_prompt, the mean over prompts of "
+    "each prompt's mean, as there (\"Average Acceptance length\"); tau_pooled, all steps' tokens over all "
+    "steps, as SGLang's server counts it (\"accept len\"). The target-only baseline and the speculative run both "
+    "decode with the target's own cache (attention keys/values, Gated DeltaNet conv and recurrent states) and "
+    "compute logits only where they are read; after a rejected draft suffix the cache saved before the "
+    "verification is restored and the accepted tokens run through it. On a CPU a small target decodes on "
+    "one thread (--cpu-threads N to choose).")
+
+COMMANDS = (
+    Command("train", TrainSettings, run_train, defaults_in_help=True,
+            help="train a DFlash drafter from one or more stores (no target needed)",
+            description="Train a DFlash drafter from hidden-state stores alone: features, tokens and loss masks, and "
+            "the target's embedding, lm_head and config (store assets). Writes OUT/metrics.jsonl, checkpoints under "
+            "OUT/checkpoints/ and the drafter in OUT/drafter/. Re-running the same command resumes from the latest "
+            "checkpoint. Multi-GPU: torchrun --nproc_per_node N -m hsstore train ...",
+            # OUT/run.yaml beside the run marker is a run's record
+            shared=(quiet("output"), json_flag("output", "the summary at the end (rank 0)"), storage_flags("storage"),
+                    config(record_markers=(RUN_MARKER,))),
+            before={"preflight": preflight_train, "announce": announce_train}),
+    Command("export-drafter", ExportDrafterSettings, run_export,
+            help="write a drafter directory SGLang and vLLM load, from any checkpoint or run",
+            description="Turn a drafter directory, a checkpoint (OUT/checkpoints/step_N) or a training run (its "
+            "drafter/ or latest checkpoint), in this or the earlier format, into a DFlash drafter directory: "
+            "config.json (architectures DFlashDraftModel), bf16 model.safetensors and its index, hsstore_drafter.json. "
+            "OUT must not exist or be empty.",
+            shared=(quiet("export"),)),
+    Command("eval", EvalSettings, run_eval, defaults_in_help=True,
+            help="a drafter's acceptance: from the store alone (teacher-forced), or by speculative decoding (--model)",
+            description=EVAL_DESCRIPTION,
+            shared=(quiet("run"), json_flag("run", "the report"), storage_flags("storage"))),
+)

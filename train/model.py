@@ -46,7 +46,7 @@ from torch import nn
 
 from hsstore.format.taps import default_taps
 
-from .config import CHECKPOINT_POLICIES
+from .settings import CHECKPOINT_POLICIES
 from .masks import attend, layer_mask, plan_key_lengths
 from .pointwise import apply_rope, rms_norm, swiglu
 

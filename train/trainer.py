@@ -54,7 +54,7 @@ from .budget import with_device_defaults
 from .build import (DraftLoss, build_drafter, check_healthy, drafter_meta, serving_warnings, settings_line,
                     wrap_ddp)
 from .checkpoint import Checkpointer
-from .config import TrainSettings, recordable_config
+from .settings import TrainSettings, recordable_config
 from .data import Proposal, StoreBatches, add_anchors, empty_batch, lockstep, read_ahead
 from .follow import FollowSchedule, Following, Tally, arrival_columns, wait_for_stores
 from .evaluate import Validation, check_val_stores, eval_source

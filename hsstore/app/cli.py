@@ -4,7 +4,8 @@ Store commands (info, verify, index, upgrade, convert, bench, subset, copy, merg
 commands (check, show, extract, import, export, regenerate, demo) and the training commands (train, eval,
 export-drafter) are registered by ``hsstore.extract.cli`` and ``hsstore.train.cli`` through the ``hsstore.commands``
 entry-point group (so another installed package can add commands the same way); they import transformers only
-when their command runs.
+when their command runs. Every family lists its commands as ``commands.Command`` values, registered by
+``commands.add_commands``.
 """
 
 from __future__ import annotations
@@ -27,34 +28,19 @@ from ..format.names import allow_for_command
 from ..errors import StoreError
 from ..redaction import RedactingFilter, recordable_url, scrub
 from ..terminal import EscapingFilter, escape, shown
-from .schema import Deprecated, add_arguments, from_args
-from .store_settings import (STORE_URL_HELP, BenchSettings, ConvertSettings, CopySettings, IndexSettings, InfoSettings,
+from . import commands
+from .commands import Command, add_commands, json_flag, quiet, storage_flags
+from .schema import from_args, moved_names
+from .settings import (STORE_URL_HELP, BenchSettings, ConvertSettings, CopySettings, IndexSettings, InfoSettings,
                              MergeSettings, ReportSettings, SubsetSettings, SubsetSplit, UpgradeSettings,
                              VerifySettings)
 from ..version import __version__
 
 log = logging.getLogger("hsstore")
 COMMANDS_GROUP = "hsstore.commands"  # entry points: a callable that adds sub-parsers
-
-
-def add_storage_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", "-S", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec/s3fs option, repeatable (e.g. anon=true, endpoint_url=http://..., "
-                        "client_kwargs.region_name=us-east-1); AWS env vars and profiles apply as usual")
-    p.add_argument("--allow-location", action="append", default=[], metavar="PREFIX",
-                   help="read shards merged by reference from stores under PREFIX (a URL or local path; "
-                        "repeatable; for every store this command opens). Without it a "
-                        "commit record's location outside the store is refused; local system paths always are")
-
-
-def add_quiet_option(p: argparse.ArgumentParser) -> None:
-    """``-q/--quiet`` on every command that shows progress (``--no-progress``, its old spelling, still works)."""
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
-    p.add_argument("--no-progress", dest="quiet", nargs=0, action=Deprecated, new="--quiet")
-
-
-def add_json_option(p: argparse.ArgumentParser, what: str = "the summary") -> None:
-    p.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout")
+# the commands' shared flags and help formatter, now in commands.py: still read from here, with a DeprecationWarning
+__getattr__ = moved_names(__name__, commands, ("DefaultsHelpFormatter", "add_storage_option", "add_quiet_option",
+                                               "add_json_option"))
 
 
 def interactive_options(url: str, args) -> dict:
@@ -333,110 +319,50 @@ def cmd_report(args) -> int:
     return 0
 
 
-def add_info(sub) -> None:
-    q = sub.add_parser("info", help="what a store holds (from commit records; fast)")
-    groups = add_arguments(q, InfoSettings)
-    add_quiet_option(groups["store"])
-    add_json_option(groups["store"], "the summary")
-    add_storage_option(groups["store"])
-    q.set_defaults(func=cmd_info)
-
-
-def add_verify(sub) -> None:
-    q = sub.add_parser("verify", help="re-read every byte, check checksums, shapes and offsets")
-    groups = add_arguments(q, VerifySettings)
-    add_quiet_option(groups["store"])
-    add_json_option(groups["store"], "the report (exit status as without it: 1 when a problem was found)")
-    add_storage_option(groups["store"])
-    q.set_defaults(func=cmd_verify)
-
-
-def add_index(sub) -> None:
-    q = sub.add_parser("index", help="gather the commit records into one index segment (opening then reads a "
-                                     "handful of objects, not one per shard); safe while writers add shards")
-    groups = add_arguments(q, IndexSettings)
-    add_quiet_option(groups["index"])
-    add_json_option(groups["index"])
-    add_storage_option(groups["store"])
-    q.set_defaults(func=cmd_index)
-
-
-def add_upgrade(sub) -> None:
-    q = sub.add_parser("upgrade", help="rewrite commit records of format version 1 with checksums that tell "
-                                       "chunks apart (each shard verified first; safe to interrupt and re-run)")
-    groups = add_arguments(q, UpgradeSettings)
-    add_quiet_option(groups["store"])
-    add_storage_option(groups["store"])
-    q.set_defaults(func=cmd_upgrade)
-
-
-def add_convert(sub) -> None:
-    q = sub.add_parser("convert", help="copy a store into a new store of another layout ("
-                                       + " <-> ".join(layout_spec.names()) + "), bit-exact, or another feature "
-                                       "encoding (" + ", ".join(encodings.NAMES) + ")")
-    groups = add_arguments(q, ConvertSettings)
-    add_quiet_option(groups["convert"])
-    add_storage_option(groups["convert"])
-    q.set_defaults(func=cmd_convert)
-
-
-def add_bench(sub) -> None:
-    q = sub.add_parser("bench", help="store write/read and loader throughput against raw reads/writes of the "
-                                     "same bytes")
-    groups = add_arguments(q, BenchSettings)
-    add_quiet_option(groups["run"])
-    add_json_option(groups["run"], "the results")
-    add_storage_option(groups["store"])
-    q.set_defaults(func=cmd_bench)
-
-
-def add_subset(sub) -> None:
-    q = sub.add_parser("subset", help="copy the samples that pass per-sample filters (or one side of a split) into "
-                                      "another store")
-    groups = add_arguments(q, SubsetSettings)
-    add_quiet_option(groups["stores"])
-    add_storage_option(groups["stores"])
-    add_json_option(groups["stores"])
-    q.set_defaults(func=cmd_subset)
-
-
-def add_copy(sub) -> None:
-    q = sub.add_parser("copy", help="copy a store to another place (local disk <-> S3, bucket to bucket), verified "
-                                    "at the end",
-                       description="Every file of every committed shard read, checked against its commit record and "
-                       "written under the same key (as merge --by copy), the assets with them; then every byte of "
-                       "the destination re-read (as verify) and its shards compared with the source's. Exit 1 when "
-                       "that verification fails. Re-running resumes.")
-    groups = add_arguments(q, CopySettings)
-    add_quiet_option(groups["copy"])
-    add_storage_option(groups["copy"])
-    add_json_option(groups["copy"], "the summary (exit status as without it)")
-    q.set_defaults(func=cmd_copy)
-
-
-def add_merge(sub) -> None:
-    q = sub.add_parser("merge", help="add the committed shards of compatible stores to DST, by copy or by reference")
-    groups = add_arguments(q, MergeSettings)
-    add_quiet_option(groups["merge"])
-    add_storage_option(groups["merge"])
-    add_json_option(groups["merge"])
-    q.set_defaults(func=cmd_merge)
-
-
-def add_report(sub) -> None:
-    q = sub.add_parser("report", help="a store or a training run as one self-contained HTML page of charts",
-                       description="PATH a store (loss-mask-sum and length histograms with the stub signature "
-                       "marked, response fraction, flags, bytes per layer; from the commit records) or a run "
-                       "directory of `hsstore train` (loss, tau, accuracy and acceptance curves, val against "
-                       "train, tokens/s, lr). Inline SVG: opens from disk, no server, no network.")
-    groups = add_arguments(q, ReportSettings)
-    add_quiet_option(groups["report"])
-    add_storage_option(groups["report"])
-    q.set_defaults(func=cmd_report)
-
-
-STORE_COMMANDS = (add_info, add_verify, add_index, add_upgrade, add_convert, add_bench, add_subset, add_copy, add_merge,
-                  add_report)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
+STORE_COMMANDS = (
+    Command("info", InfoSettings, cmd_info, help="what a store holds (from commit records; fast)",
+            shared=(quiet("store"), json_flag("store", "the summary"), storage_flags("store"))),
+    Command("verify", VerifySettings, cmd_verify, help="re-read every byte, check checksums, shapes and offsets",
+            shared=(quiet("store"),
+                    json_flag("store", "the report (exit status as without it: 1 when a problem was found)"),
+                    storage_flags("store"))),
+    Command("index", IndexSettings, cmd_index,
+            help="gather the commit records into one index segment (opening then reads a handful of objects, not "
+                 "one per shard); safe while writers add shards",
+            shared=(quiet("index"), json_flag("index"), storage_flags("store"))),
+    Command("upgrade", UpgradeSettings, cmd_upgrade,
+            help="rewrite commit records of format version 1 with checksums that tell chunks apart (each shard "
+                 "verified first; safe to interrupt and re-run)",
+            shared=(quiet("store"), storage_flags("store"))),
+    Command("convert", ConvertSettings, cmd_convert,
+            help="copy a store into a new store of another layout (" + " <-> ".join(layout_spec.names()) + "), "
+                 "bit-exact, or another feature encoding (" + ", ".join(encodings.NAMES) + ")",
+            shared=(quiet("convert"), storage_flags("convert"))),
+    Command("bench", BenchSettings, cmd_bench,
+            help="store write/read and loader throughput against raw reads/writes of the same bytes",
+            shared=(quiet("run"), json_flag("run", "the results"), storage_flags("store"))),
+    Command("subset", SubsetSettings, cmd_subset,
+            help="copy the samples that pass per-sample filters (or one side of a split) into another store",
+            shared=(quiet("stores"), storage_flags("stores"), json_flag("stores"))),
+    Command("copy", CopySettings, cmd_copy,
+            help="copy a store to another place (local disk <-> S3, bucket to bucket), verified at the end",
+            description="Every file of every committed shard read, checked against its commit record and written "
+            "under the same key (as merge --by copy), the assets with them; then every byte of the destination "
+            "re-read (as verify) and its shards compared with the source's. Exit 1 when that verification fails. "
+            "Re-running resumes.",
+            shared=(quiet("copy"), storage_flags("copy"),
+                    json_flag("copy", "the summary (exit status as without it)"))),
+    Command("merge", MergeSettings, cmd_merge,
+            help="add the committed shards of compatible stores to DST, by copy or by reference",
+            shared=(quiet("merge"), storage_flags("merge"), json_flag("merge"))),
+    Command("report", ReportSettings, cmd_report,
+            help="a store or a training run as one self-contained HTML page of charts",
+            description="PATH a store (loss-mask-sum and length histograms with the stub signature marked, response "
+            "fraction, flags, bytes per layer; from the commit records) or a run directory of `hsstore train` (loss, "
+            "tau, accuracy and acceptance curves, val against train, tokens/s, lr). Inline SVG: opens from disk, no "
+            "server, no network.",
+            shared=(quiet("report"), storage_flags("report"))),
+)  # extract's and train's come through entry points; --help lists all in WORKFLOW_ORDER
 
 
 class Parser(argparse.ArgumentParser):
@@ -460,8 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            help="one of these, in the order of the work (`hsstore COMMAND --help` for its flags)")
 
-    for add in STORE_COMMANDS:
-        add(sub)
+    add_commands(sub, STORE_COMMANDS)
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         ep.load()(sub)
     in_workflow_order(sub)
@@ -477,17 +402,6 @@ WORKFLOW_ORDER = ("demo", "regenerate", "check", "show", "extract", "info", "ver
 def in_workflow_order(sub: argparse._SubParsersAction) -> None:
     rank = {name: i for i, name in enumerate(WORKFLOW_ORDER)}
     sub._choices_actions.sort(key=lambda a: rank.get(a.dest, len(rank)))  # what --help lists, in this order
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """``--help`` shows each option's default (where it has one worth showing)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if ("%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS)
-                or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
 
 
 def short_usage(cmd: argparse.ArgumentParser) -> str:

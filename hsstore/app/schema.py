@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import types
 import typing
 import warnings
 from dataclasses import MISSING, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -321,3 +322,17 @@ def by_todays_names(schema: type, by_name: dict[str, Any]) -> dict[str, Any]:
 def resume_keys(schema: type) -> tuple[str, ...]:
     """The settings marked ``resume=True``: a resumed run refuses to change them."""
     return tuple(s.name for s in settings_of(schema) if s.how.resume)
+
+
+def moved_names(old: str, new: types.ModuleType, names: Iterable[str] | None = None) -> Callable[[str], Any]:
+    """The ``__getattr__`` of module ``old`` whose names (all, or ``names``) now live in ``new``: scripts that import
+    them from ``old`` keep working, and a DeprecationWarning says where each one is now."""
+    only = None if names is None else frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if not name.startswith("__") and (only is None or name in only) and hasattr(new, name):
+            warnings.warn(f"{old}.{name} is now {new.__name__}.{name}", DeprecationWarning, stacklevel=2)
+            return getattr(new, name)
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+
+    return __getattr__
