@@ -228,6 +228,24 @@ def test_a_resumed_train_follow_refuses_a_journal_head_whose_stores_are_not_urls
     assert samples_log.read_text() == before
 
 
+@pytest.mark.parametrize("stores", [None, 5, 1.5, "0"])
+def test_a_resumed_train_follow_refuses_a_journal_entry_whose_stores_are_not_a_list(extracted, tmp_path, capsys, stores):
+    """A received run's journal entry whose store list is no list: one line naming the entry, exit 2, not a
+    traceback, nothing trained."""
+    run = tmp_path / "run"
+    argv = ["train", "--store", str(extracted), "--out", str(run), "--follow", *TRAIN]
+    assert main([*argv, "--epochs", "1"]) == 0
+    capsys.readouterr()
+    entry = run / "follow" / "000000.json"
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "stores": stores}))
+    samples_log = run / "samples.rank00000.jsonl"
+    before = samples_log.read_text()
+    rc = main([*argv, "--epochs", "2"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "000000.json: malformed journal entry" in lines[0], lines
+    assert samples_log.read_text() == before
+
+
 def test_train_follow_ends_saying_trained_vs_held_and_exits_1_when_they_differ(extracted, tmp_path, capsys):
     run = tmp_path / "run"
     n = len(hsstore.open(str(extracted)))

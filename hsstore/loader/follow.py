@@ -133,6 +133,8 @@ class Entry:
             e = cls(**{k: v for k, v in d.items() if k != "format"})
         except TypeError as err:
             raise CorruptionError(f"{where}: malformed journal entry ({err})") from None
+        if not isinstance(e.stores, list):
+            raise CorruptionError(f"{where}: malformed journal entry (its stores are not a list)")
         ints = [e.index, e.shards, e.samples, e.tokens, *e.stores]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints) or not isinstance(
                 e.t, (int, float)) or (e.expected_tokens is not None and not isinstance(e.expected_tokens, int)) or not all(
