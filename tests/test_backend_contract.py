@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from hsstore.io import storage
+from hsstore.io import backends, storage
+from hsstore.io.backends.base import ReadOnly
 from hsstore.io.backends.http import HTTPBackend
 from hsstore.io.backends.local import LocalBackend
 from hsstore.io.backends.s3 import S3Backend
@@ -117,3 +118,60 @@ class TestS3(BackendContract):
                 assert proxy.injected[S3_FAULTS[kind]] >= 1
 
         return make
+
+
+
+# -- adding a backend: one class (in hsstore, a module of io/backends/ and a line in BACKENDS) and this subclass
+class ReadOnlyMemory(ReadOnly):
+    """fsspec's in-memory filesystem, read only: fsspec's calls for the read side, every write refused."""
+
+    name = "memory"
+    protocols = ("memory",)
+
+
+class TestReadOnlyMemory(BackendContract):
+    backend_class = ReadOnlyMemory
+
+    @pytest.fixture(autouse=True)
+    def registered(self):
+        backend = ReadOnlyMemory()
+        backends.register(backend)
+        yield
+        backends.unregister(backend)
+
+    @pytest.fixture
+    def place(self) -> Place:
+        fs, root = storage.resolve(f"memory://contract-{uuid.uuid4().hex[:8]}")
+        return Place(fs, root, f"memory://{root.lstrip('/')}", lambda k, d: fs.pipe_file(storage.join(root, k), d))
+
+    @pytest.fixture
+    def hostile(self, place: Place):
+        """No transport to declare, send or trickle anything: only an object cut short of its listed size."""
+        @contextlib.contextmanager
+        def make(kind: str):
+            if kind != "truncated":
+                pytest.skip("an in-memory object has no transport that could send more or trickle")
+            place.seed(KEY, DATA[:len(DATA) // 2])
+            yield place
+
+        return make
+
+def test_the_old_kind_names_warn_and_answer_as_the_backend_does(tmp_path):
+    """``storage.is_local`` and ``ShardSource.is_local()`` moved to the backend (``backend_for(fs).local_paths``,
+    ``ShardSource.backend()``): the old names still answer, with a DeprecationWarning naming the new one."""
+    import fsspec
+
+    import hsstore
+    from hsstore.testing.stores import make_manifest, make_samples, write_samples
+
+    with pytest.warns(DeprecationWarning, match="local_paths"):
+        is_local = storage.is_local
+    assert is_local(storage.resolve(str(tmp_path))[0]) and not is_local(fsspec.filesystem("memory"))
+    url = str(tmp_path / "store")
+    write_samples(url, make_manifest(), make_samples(2, max_len=40))
+    source = hsstore.open(url).source
+    with pytest.warns(DeprecationWarning, match=r"backend\(\)\.local_paths"):
+        assert source.is_local() is True
+    assert type(source.backend()) is LocalBackend
+    with pytest.raises(AttributeError):
+        source.no_such_name

@@ -24,6 +24,12 @@ def register(backend: Backend) -> None:
     _BY_TYPE.clear()
 
 
+def unregister(backend: Backend) -> None:
+    """Remove ``backend`` (one ``register`` added) from the registry."""
+    BACKENDS.remove(backend)
+    _BY_TYPE.clear()
+
+
 def backend_for(fs) -> Backend:
     """The backend of filesystem ``fs``, chosen once per filesystem class and protocol."""
     key = (type(fs), fs.protocol if isinstance(fs.protocol, str) else tuple(fs.protocol))
