@@ -64,6 +64,7 @@ HTTP_FAULTS = {"declares_more": "huge_length", "sends_more": "overrun", "truncat
 
 class TestHTTP(BackendContract):
     backend_class = HTTPBackend
+    writable = False
 
     @pytest.fixture
     def place(self, server) -> Place:
@@ -131,6 +132,7 @@ class ReadOnlyMemory(ReadOnly):
 
 class TestReadOnlyMemory(BackendContract):
     backend_class = ReadOnlyMemory
+    writable = False
 
     @pytest.fixture(autouse=True)
     def registered(self):
