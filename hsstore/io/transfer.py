@@ -12,9 +12,8 @@ from typing import Any, Callable
 import fsspec
 
 from .backends import backend_for
-from .backends.base import Backend
+from .backends.base import Backend, metadata_concurrency
 from .listing import stamp
-from .backends.base import metadata_concurrency
 
 log = logging.getLogger(__name__)
 
