@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager
 
 import pytest
 
+from .. import env
 from ..errors import StoreError
 from ..io import door, listing, receive, storage, transfer
 from ..io.backends import backend_for, backend_for_url
@@ -151,7 +152,7 @@ class BackendContract:
     # -- the transport: whatever it does, an object is its listed size or refused ------------------------------
     @pytest.mark.parametrize("kind", HOSTILE_KINDS)
     def test_a_hostile_answer_is_refused_never_served(self, hostile, kind, monkeypatch):
-        monkeypatch.setenv("HSSTORE_REQUEST_S", "1")  # a trickle is cut after a second, not ten
+        monkeypatch.setenv(env.REQUEST_S.name, "1")  # a trickle is cut after a second, not ten
         with hostile(kind) as place:
             got = door.read_many(place.fs, place.root, [KEY], sizes={KEY: len(DATA)}, bound=len(DATA))[KEY]
             assert isinstance(got, Exception), f"{kind}: served {len(got)} bytes"

@@ -11,7 +11,7 @@ objects (``put_many``), create-if-absent (``create_exclusive``) and the removal 
 ``receive``'s; a backend supplies the primitive that the door bounds.
 
 ``Backend`` itself is any fsspec filesystem no registered backend claims (``memory://``, a gcsfs or adlfs
-filesystem): fsspec's own calls, as hsstore made them before it knew the kind. The shipped contract suite
+filesystem): fsspec's own calls, bounded only by what they ask for. The shipped contract suite
 (``hsstore/testing/backend_contract.py``) says what every backend owes.
 """
 
@@ -42,7 +42,7 @@ def protocol_of(fs) -> str:
 def scheme_of(url: str) -> str | None:
     """The scheme of ``url`` (``s3`` of ``s3://b/k``); None for a plain path."""
     scheme, sep, _ = url.partition("://")
-    return scheme.lower() if sep else None
+    return scheme if sep else None
 
 
 class Backend:
