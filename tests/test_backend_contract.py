@@ -15,7 +15,7 @@ from hsstore.io.backends.base import ReadOnly
 from hsstore.io.backends.http import HTTPBackend
 from hsstore.io.backends.local import LocalBackend
 from hsstore.io.backends.s3 import S3Backend
-from hsstore.testing.backend_contract import DATA, KEY, BackendContract, Place
+from hsstore.testing.backend_contract import DATA, KEY, LISTING, BackendContract, Place
 from hsstore.testing.faultproxy import FaultProxy
 from hsstore.testing.hostile_http import HostileHTTPServer
 
@@ -43,8 +43,8 @@ class TestLocal(BackendContract):
         and a trickle has no meaning."""
         @contextlib.contextmanager
         def make(kind: str):
-            if kind == "trickle":
-                pytest.skip("a local file has no transport to trickle")
+            if kind in ("trickle", "endless_listing"):
+                pytest.skip("a local file has no transport to trickle, a folder's listing no pages")
             root = str(tmp_path / "hostile")
             _write(root, KEY, DATA[:len(DATA) // 2] if kind == "truncated" else DATA + b"more")
             yield Place(storage.resolve(root)[0], root, root, lambda k, d: _write(root, k, d))
@@ -59,7 +59,8 @@ def server(tmp_path_factory):
         yield srv
 
 
-HTTP_FAULTS = {"declares_more": "huge_length", "sends_more": "overrun", "truncated": "truncate", "trickle": "trickle"}
+HTTP_FAULTS = {"declares_more": "huge_length", "sends_more": "overrun", "truncated": "truncate", "trickle": "trickle",
+               "endless_listing": "endless_index"}
 
 
 class TestHTTP(BackendContract):
@@ -80,8 +81,8 @@ class TestHTTP(BackendContract):
         def make(kind: str):
             name = f"hostile-{uuid.uuid4().hex[:8]}"
             _write(os.path.join(server.directory, name), KEY, DATA)
-            fault = HTTP_FAULTS[kind]
-            server.faults = [(fault, lambda p: p.startswith(f"/{name}/") and p.endswith(KEY))]
+            fault, what = HTTP_FAULTS[kind], f"{LISTING}/" if kind == "endless_listing" else KEY
+            server.faults = [(fault, lambda p: p.startswith(f"/{name}/") and p.endswith(what))]
             try:
                 fs, root = storage.resolve(f"{server.url}/{name}")
                 yield Place(fs, root, f"{server.url}/{name}", lambda k, d: None)
@@ -92,7 +93,8 @@ class TestHTTP(BackendContract):
         return make
 
 
-S3_FAULTS = {"declares_more": "huge_length", "sends_more": "overrun", "truncated": "truncate", "trickle": "trickle"}
+S3_FAULTS = {"declares_more": "huge_length", "sends_more": "overrun", "truncated": "truncate", "trickle": "trickle",
+             "endless_listing": "endless_list"}
 
 
 class TestS3(BackendContract):
@@ -112,8 +114,10 @@ class TestS3(BackendContract):
 
         @contextlib.contextmanager
         def make(kind: str):
+            listed = kind == "endless_listing"
             with FaultProxy(opts["endpoint_url"], faults=[S3_FAULTS[kind]], persistent=True,
-                            match=lambda m, p: m == "GET" and p.split("?")[0].endswith(KEY)) as proxy:
+                            match=lambda m, p: m == "GET" and ("list-type=2" in p if listed
+                                                               else p.split("?")[0].endswith(KEY))) as proxy:
                 hostile_fs, _ = storage.resolve(url, {**opts, "endpoint_url": proxy.url})
                 yield Place(hostile_fs, root, url, lambda k, d: None)
                 assert proxy.injected[S3_FAULTS[kind]] >= 1
@@ -151,7 +155,7 @@ class TestReadOnlyMemory(BackendContract):
         """No transport to declare, send or trickle anything: only an object cut short of its listed size."""
         @contextlib.contextmanager
         def make(kind: str):
-            if kind != "truncated":
+            if kind != "truncated":  # (no transport: nothing to declare, send, trickle or page)
                 pytest.skip("an in-memory object has no transport that could send more or trickle")
             place.seed(KEY, DATA[:len(DATA) // 2])
             yield place

@@ -9,7 +9,7 @@ test module subclasses ``BackendContract``, names its class (``backend_class``) 
   misbehaves as ``kind`` says, or ``pytest.skip`` where the kind has no meaning for the backend (a local file
   has no transport to trickle). Kinds: ``declares_more`` (an answer that declares more bytes than asked),
   ``sends_more`` (a body past them), ``truncated`` (fewer bytes than the object's listed size), ``trickle`` (a
-  body slower than the minimum rate).
+  body slower than the minimum rate), ``endless_listing`` (a listing of ``LISTING`` whose pages never end).
 
 What is checked is what the door and the callers rely on: the registry picks the backend from its filesystem and
 its URL; a ranged GET returns exactly the bytes asked for; a missing object is ``FileNotFoundError``; whole
@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager
 import pytest
 
 from .. import env
-from ..errors import StoreError
+from ..errors import CorruptionError, StoreError
 from ..io import door, listing, receive, storage, transfer
 from ..io.backends import backend_for, backend_for_url
 from ..io.backends.base import Backend
@@ -37,6 +37,7 @@ from ..io.backends.base import Backend
 KEY = "dir/object.bin"
 DATA = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: not a power of two, every byte value
 HOSTILE_KINDS = ("declares_more", "sends_more", "truncated", "trickle")
+LISTING = "dir"  # the folder whose listing the ``endless_listing`` kind makes endless
 
 
 @dataclass
@@ -160,6 +161,12 @@ class BackendContract:
                 assert isinstance(got, door.Refused), got  # one line naming the file and the bound
             elif kind == "trickle":
                 assert isinstance(got, receive.DeadlineError), got
+
+    def test_a_listing_that_never_ends_is_refused(self, hostile, monkeypatch):
+        monkeypatch.setenv(env.REQUEST_S.name, "1")
+        with hostile("endless_listing") as place:
+            with pytest.raises(CorruptionError, match="refused"):
+                listing.list_detail(place.fs, place.path(LISTING))
 
     # -- the write side ---------------------------------------------------------------------------------------
     def _writable(self, place: Place) -> None:
