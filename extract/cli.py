@@ -143,6 +143,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def run_show(args: argparse.Namespace) -> int:
     from hsstore.io import storage
+    from hsstore.io.backends import backend_for
 
     from .show import format_input_sample, format_store_sample, input_sample
     from .target import load_tokenizer
@@ -155,7 +156,7 @@ def run_show(args: argparse.Namespace) -> int:
         print(format_store_sample(where.input, where.n, options, model=where.model, color=color,
                                   max_chars=settings.output.max_chars))
         return 0
-    if storage.is_local(fs) and not os.path.exists(root):
+    if backend_for(fs).local_paths and not os.path.exists(root):
         raise ValueError(f"{recordable_url(where.input)} does not exist (neither a store nor an input file)")
     if not where.model:
         raise ValueError(f"{recordable_url(where.input)}: not a store (no manifest.json there); to show a sample of "

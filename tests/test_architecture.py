@@ -496,6 +496,62 @@ def test_every_store_read_goes_through_the_door():
     assert not bad, "reads that bypass hsstore.io.door:\n" + "\n".join(bad)
 
 
+# -- storage kinds: told apart only by the backends (hsstore/io/backends/); every other module asks the backend
+BACKENDS = ROOT / "hsstore" / "io" / "backends"
+KIND_CHECKS = {"is_local", "is_s3", "is_http"}  # the checks the backends replaced
+FS_CLASSES = {"S3FileSystem", "HTTPFileSystem", "LocalFileSystem", "AbstractFileSystem.protocol"}
+SCHEMES = {"s3://", "s3a://", "http://", "https://", "file://"}
+
+
+def storage_kind_checks(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of every place ``tree`` tells storage kinds apart itself: a call or definition of
+    ``is_local``/``is_s3``/``is_http``, a filesystem's ``protocol`` read, a filesystem class named (in code or
+    as a string), ``hasattr(fs, "_call_s3")``, a URL tested for a scheme (``url.startswith("s3://")``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in KIND_CHECKS:
+            out.append((node.lineno, f"def {node.name}"))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            consts = {c.value for a in node.args for c in ast.walk(a) if isinstance(c, ast.Constant)}
+            if name in KIND_CHECKS:
+                out.append((node.lineno, ast.unparse(f)))
+            elif name == "hasattr" and "_call_s3" in consts:
+                out.append((node.lineno, ast.unparse(node)))
+            elif name in ("startswith", "partition", "split") and consts & SCHEMES:
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "protocol" and isinstance(node.ctx, ast.Load):
+            out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Name, ast.Attribute)) and (node.id if isinstance(node, ast.Name)
+                                                              else node.attr) in FS_CLASSES:
+            out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and node.value in FS_CLASSES:
+            out.append((node.lineno, repr(node.value)))
+    return sorted(set(out))
+
+
+def test_the_storage_kind_scanner_finds_the_checks_it_looks_for():
+    src = ("a = storage.is_local(fs)\nb = receive.is_s3(fs)\ndef is_http(fs): pass\nc = fs.protocol\n"
+           "d = type(fs).__name__ == 'S3FileSystem'\ne = isinstance(fs, HTTPFileSystem)\nf = hasattr(fs, '_call_s3')\n"
+           "g = url.startswith(('s3://', 's3a://'))\nh = backend_for(fs).local_paths\ni = url.partition('://')\n")
+    assert [line for line, _ in storage_kind_checks(ast.parse(src))] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_storage_kinds_are_told_apart_only_by_the_backends():
+    """Local disk, S3 and HTTP are told apart once, by their backend (``io/backends``); the door, transfers,
+    listings, destinations, names, layouts, the loader, the commands, extract and train ask the backend what
+    it can do, so a new backend is one module and one line in the registry."""
+    bad = []
+    for package in ("hsstore", "extract", "train"):
+        for p in sorted((ROOT / package).rglob("*.py")):
+            if p.is_relative_to(BACKENDS) or p.is_relative_to(ROOT / "hsstore" / "testing"):
+                continue
+            rel = p.relative_to(ROOT)
+            bad += [f"{rel}:{line}: {what}" for line, what in storage_kind_checks(ast.parse(p.read_text()))]
+    assert not bad, "storage kinds told apart outside hsstore/io/backends/ (ask the backend):\n" + "\n".join(bad)
+
+
 # --- settings: written types, one per command -------------------------------------------------------------
 
 GENERATORS = {"make_dataclass", "flat_class"}  # what once built settings classes at import time
@@ -629,12 +685,13 @@ def floor_modules(text: str) -> dict[str, set[str]]:
 
 
 def code_floors() -> dict[str, set[str]]:
-    """Folder of hsstore/ -> its modules (``hsstore/``: the top floor's, without the package and its ``__main__``)."""
+    """Folder of hsstore/ -> its modules (``hsstore/``: the top floor's, without the package and its ``__main__``;
+    a package inside a subpackage, ``hsstore/io/backends/``, is a folder of its own)."""
     hs = ROOT / "hsstore"
     out = {"hsstore/": {p.stem for p in hs.glob("*.py")} - TOP}
-    for d in sorted(hs.iterdir()):
-        if (d / "__init__.py").exists():
-            out[f"hsstore/{d.name}/"] = {p.stem for p in d.glob("*.py")} - {"__init__"}
+    for init in sorted(hs.rglob("*/__init__.py")):  # a subpackage's own packages too (io/backends/)
+        d = init.parent
+        out[f"hsstore/{d.relative_to(hs).as_posix()}/"] = {p.stem for p in d.glob("*.py")} - {"__init__"}
     return out
 
 
@@ -700,6 +757,23 @@ def test_architecture_states_the_layout_protocol_as_the_code_has_it():
     assert (count, names) == (len(code), code), (
         f"docs/ARCHITECTURE.md says the layout protocol is {count} functions {names}; layouts/base.py has "
         f"{len(code)}: {code}")
+
+
+def backend_protocol_sentence(text: str) -> list[str]:
+    """The names ARCHITECTURE's sentence on the storage backend protocol gives, properties then functions."""
+    m = re.search(r"The `Backend` protocol \(`io/backends/base.py`\) is (.*?)\.\s", text, re.S)
+    assert m, "ARCHITECTURE.md no longer says what the storage backend protocol is"
+    return re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", m.group(1)))
+
+
+def test_architecture_states_the_backend_protocol_as_the_code_has_it():
+    from hsstore.io.backends.base import Backend
+
+    named = backend_protocol_sentence(ARCHITECTURE.read_text())
+    props = [a for a, v in vars(Backend).items() if not a.startswith("_") and not callable(v)]
+    funcs = [a for a, v in vars(Backend).items() if not a.startswith("_") and callable(v)]
+    assert named == props + funcs, (f"docs/ARCHITECTURE.md says the backend protocol is {named}; "
+                                    f"io/backends/base.py has {props + funcs}")
 
 
 def test_package_doc_names_the_floors_as_they_are():

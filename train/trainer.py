@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsstore.io import storage
+from hsstore.io.backends import backend_for
 from hsstore.format import codec, encodings, names
 from hsstore.loader.follow import FollowStopped, poll_seconds
 from hsstore.progress import is_terminal
@@ -204,7 +204,7 @@ def store_batches(stores, layers, settings: TrainSettings, rank: int, world: int
         log.warning("--workers %d on a CPU: the loader's worker processes take the cores the step computes on (a CPU "
                     "run is usually slower with them); --workers 0, the default, reads in the trainer's process",
                     data.workers)
-    remote = [s.url for s in stores if not storage.is_local(s.fs)]
+    remote = [s.url for s in stores if not backend_for(s.fs).local_paths]
     if remote and data.workers == 0 and device.type == "cuda" and rank == 0:
         # the S3 client's Python shares the GIL with the thread that launches the step's kernels; in workers it
         # does not (docs/PERFORMANCE.md, "Reading from S3")

@@ -17,6 +17,7 @@ import fsspec
 
 from . import codec, names
 from ..io import door, memory, storage, transfer
+from ..io.backends import backend_for
 from ..errors import CorruptionError, StoreError
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def asset_path(fs, root: str, name, url: str = "") -> str:
     if name == INDEX:
         raise StoreError(f"{where}: asset name {name!r} refused (the index itself)")
     p = names.path(fs, storage.join(root, ASSETS_DIR), name, "asset name", where)
-    if storage.is_local(fs):
+    if backend_for(fs).local_paths:
         names.contained(root, p, "asset name", name, where)
     return p
 

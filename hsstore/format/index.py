@@ -42,6 +42,7 @@ import numpy as np
 
 from . import codec, names, records
 from ..io import door, listing, storage, transfer
+from ..io.backends import backend_for
 from .commit import COMMITS_DIR, CommitRecord, commit_path, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso
@@ -321,7 +322,7 @@ def listed_records(fs, root: str, known: list[str] | None = None) -> dict[str, L
     shard names, from the index) lets an object store list ranges of it concurrently
     (``listing.list_detail_split``); the listing is the same either way."""
     splits = None
-    if known and not storage.is_local(fs):
+    if known and not backend_for(fs).local_paths:
         splits = [f"{n}.json" for n in known[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # ranges of LIST_SPLIT keys: a page each
     if splits:
         listed = listing.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)

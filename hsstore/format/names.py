@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 from .. import env
 from ..io import storage
+from ..io.backends import backend_for, backend_for_url
 from ..io.door import key_problem, percent_decoded
 from ..errors import StoreError
 
@@ -49,7 +50,7 @@ def path(fs, root: str, name, what: str, where: str) -> str:
     """The path of key ``name`` under ``root`` (``key``'s rules); on local disk also refused when it resolves
     (through symbolic links in the store) outside ``root``."""
     p = storage.join(root, key(name, what, where))
-    if storage.is_local(fs):
+    if backend_for(fs).local_paths:
         contained(root, p, what, name, where)
     return p
 
@@ -106,9 +107,9 @@ def allowed(extra: Iterable[str] | None = None) -> list[str]:
     return list(dict.fromkeys([*(extra or ()), *_COMMAND_ALLOWS, *env.ALLOW_LOCATIONS.get()]))
 
 
-def _is_local(url: str) -> bool:
-    scheme, sep, _ = url.partition("://")
-    return not sep or scheme in ("file", "local")
+def _local_url(url: str) -> bool:
+    """Whether ``url`` names a local path (its backend's objects are files at local paths)."""
+    return backend_for_url(url).local_paths
 
 
 def _local_path(url: str) -> str:
@@ -117,9 +118,9 @@ def _local_path(url: str) -> str:
 
 
 def _inside(url: str, prefix: str) -> bool:
-    if _is_local(url) != _is_local(prefix):
+    if _local_url(url) != _local_url(prefix):
         return False
-    if _is_local(url):
+    if _local_url(url):
         u, p = _local_path(url), _local_path(prefix)
         return u == p or u.startswith(p.rstrip(os.sep) + os.sep)
     u, p = url.rstrip("/"), prefix.rstrip("/")
@@ -166,7 +167,7 @@ def location(store_url: str, loc, allow: Sequence[str] = (), where: str = "") ->
         url = resolve_location(store_url, loc.rstrip("/") or loc)
     except StoreError as e:
         raise _refuse(where, "location", loc, str(e)) from None
-    if _is_local(url):
+    if _local_url(url):
         real = _local_path(url)
         if real == "/" or any(real == d or real.startswith(d + "/") for d in SYSTEM_DIRS):
             raise _refuse(where, "location", loc, f"{real} is a local system path")

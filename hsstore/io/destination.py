@@ -22,8 +22,9 @@ import fsspec
 
 from ..errors import StoreError
 from ..terminal import escape, shown
-from . import door, sinks, storage
-from .storage import MANIFEST_FILE, explain, is_local, join, resolve
+from . import door, storage
+from .backends import backend_for
+from .storage import MANIFEST_FILE, explain, join, resolve
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +58,11 @@ def check_destination(fs: fsspec.AbstractFileSystem, root: str, url: str, own: d
     if storage.store_exists(fs, root, url):
         return
     try:
-        if is_local(fs):
-            if not os.path.exists(root):
-                return
-            if not os.path.isdir(root):
-                raise DestinationError(f"destination {url!r} exists and is not a folder: nothing was written")
-            entries = {e: os.path.isdir(os.path.join(root, e)) for e in os.listdir(root)}
-        else:
-            entries = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("type") == "directory"
-                       for e in fs.ls(root, detail=True, refresh=True)}
+        entries = backend_for(fs).entries(fs, root)
     except FileNotFoundError:
         return
-    except DestinationError:
-        raise
+    except NotADirectoryError:
+        raise DestinationError(f"destination {url!r} exists and is not a folder: nothing was written") from None
     except Exception as e:
         raise StoreError(explain(e, url, "read", fs, root)) from None
     foreign = sorted(name for name, is_dir in entries.items() if not _hsstore_own(fs, root, name, is_dir, own))
@@ -150,22 +143,7 @@ def create_exclusive(fs: fsspec.AbstractFileSystem, path: str, data: bytes, root
     no folder below ``root`` (the store's) followed when it is a link (``sinks``); S3: a conditional PUT
     (``If-None-Match: *``, which S3 applies atomically: of two racing PUTs one fails). Another object store
     that cannot say so raises ``StoreError`` rather than guess."""
-    if is_local(fs):
-        if root and path.startswith(root.rstrip("/") + "/"):
-            return sinks.write_new(root, path[len(root.rstrip("/")) + 1:], data, what=f"creating {path}")
-        return sinks.write_new(os.path.dirname(path) or ".", os.path.basename(path), data, what=f"creating {path}")
-    try:
-        fs.pipe_file(path, data, mode="create")
-    except FileExistsError:
-        return False
-    except TypeError:  # a filesystem without exclusive creation
-        raise StoreError(f"{type(fs).__name__} cannot create {path!r} exclusively (no conditional PUT): a job lock "
-                         "needs it") from None
-    except Exception as e:
-        if "PreconditionFailed" in f"{type(e).__name__} {e}" or "412" in str(e):
-            return False
-        raise
-    return True
+    return backend_for(fs).create_exclusive(fs, path, data, root)
 
 
 def take_over(fs: fsspec.AbstractFileSystem, root: str, path: str, token: str, still: Callable[[], bool],
@@ -185,7 +163,7 @@ def take_over(fs: fsspec.AbstractFileSystem, root: str, path: str, token: str, s
         return True
     finally:
         with contextlib.suppress(Exception):
-            fs.rm_file(marker)
+            backend_for(fs).delete(fs, marker)
 
 
 LOCK = "write"  # one lock for every copying command: a subset and a merge into one store at once duplicate too
@@ -212,12 +190,13 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
         """Remove the dead holder's lock, as the one taker of it (its token names the takeover marker)."""
         def remove() -> None:
             log.warning("taking over %s of process %s, which is gone", rel, other["pid"])
-            fs.rm_file(path)
+            backend.delete(fs, path)
 
         take_over(fs, root, path, str(other.get("token", "")), lambda: _read_lock(fs, root, rel) == other, remove,
                   json.dumps(me).encode())
 
-    existed = is_local(fs) and os.path.exists(root)
+    backend = backend_for(fs)
+    existed = backend.local_paths and os.path.exists(root)
 
     @contextlib.contextmanager
     def held():
@@ -238,10 +217,10 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
             yield
         finally:
             try:
-                fs.rm_file(path)
+                backend.delete(fs, path)
             except Exception as e:  # the job's work is done either way
                 log.warning("could not remove %s (%s); remove it before the next `hsstore %s`", path, e, command)
-            if is_local(fs):  # a refused job leaves no folder behind (only empty ones are removed)
+            if backend.local_paths:  # a refused job leaves no folder behind (only empty ones are removed)
                 for folder in [join(root, LOCKS_DIR)] + ([] if existed else [root]):
                     with contextlib.suppress(OSError):
                         os.rmdir(folder)

@@ -33,6 +33,7 @@ import stat
 from typing import Any, Callable, Iterator
 
 from . import receive, storage, transfer
+from .backends import backend_for
 from ..errors import CorruptionError
 from .memory import pread_into
 
@@ -201,11 +202,12 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
     _checked_key(key, where)
     if size is not None:
         _check_size(size, None, bound, key, where)
-    if storage.is_local(fs):
+    backend = backend_for(fs)
+    if backend.local_paths:
         with opened(root, key, size=size, bound=bound, where=where) as (fd, n):
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
-    if size is None and bound > receive.UNDECLARED_CAP and receive.is_http(fs):  # an HTTP listing gives no size:
+    if size is None and bound > receive.UNDECLARED_CAP and not backend.lists_sizes:  # a listing gave no size:
         size = declared_size(fs, root, key, bound=bound, where=where)  # the server's HEAD says one, or
         if size is None:  # the object is read only up to a small bound (a body without end)
             bound = min(bound, receive.UNDECLARED_CAP)
@@ -213,8 +215,7 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
         data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
         try:
-            data = (receive.get(fs, path, 0, bound + 1) if receive.is_http(fs) or receive.is_s3(fs)
-                    else fs.cat_file(path, start=0, end=bound + 1))
+            data = backend.get(fs, path, 0, bound + 1)
         except FileNotFoundError:
             raise
         except receive.AnswerRefused as e:
@@ -233,10 +234,11 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
 
 
 def declared_size(fs, root: str, key: str, *, bound: int, where: str = "") -> int | None:
-    """The length an HTTP server's HEAD declares for object ``key`` (None: it declares none), within ``bound``
-    (``Refused`` past it): the size an object an HTTP listing gives none for is read as."""
+    """The length the storage declares for object ``key`` without reading it (an HTTP server's HEAD; None: it
+    declares none), within ``bound`` (``Refused`` past it): the size an object a listing gives none for is read
+    as."""
     try:
-        declared = receive.object_size(fs, storage.join(root, key))
+        declared = backend_for(fs).size(fs, storage.join(root, key))
     except receive.AnswerRefused as e:
         raise Refused(where, key, e.why) from None
     if declared is not None:
@@ -250,7 +252,7 @@ def _head_refusal(fs, root: str, key: str, size: int | None, bound: int, check: 
     bytes (None: an HTTP listing's, asked of its server's HEAD): ``check(key, head, size)`` raising refuses it, and
     nothing more is asked for it."""
     try:
-        if size is None and receive.is_http(fs):
+        if size is None and not backend_for(fs).lists_sizes:
             size = declared_size(fs, root, key, bound=bound, where=where)
         if size is None or size <= HEAD_BYTES:
             return size, None
@@ -273,6 +275,7 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
     (``transfer.cat_verified``). ``check_head(key, head, size)``: on object stores, an object over ``HEAD_BYTES``
     has its head read first and is refused (its exception kept) when that raises."""
     limit = bound if callable(bound) else (lambda _k, b=bound: b)
+    local = backend_for(fs).local_paths
     out: dict[str, Any] = {}
     todo = []
     sizes = dict(sizes)
@@ -284,20 +287,20 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
         if sizes.get(k) is not None and sizes[k] > limit(k):
             out[k] = Refused(where, k, f"{sizes[k]:,} bytes listed, larger than its bound of {limit(k):,}")
             continue
-        if check_head is not None and not storage.is_local(fs):
+        if check_head is not None and not local:
             sizes[k], refusal = _head_refusal(fs, root, k, sizes.get(k), limit(k), check_head, where)
             if refusal is not None:
                 out[k] = refusal
                 continue
         todo.append(k)
     unsized = [k for k in todo if sizes.get(k) is None]
-    if storage.is_local(fs) or unsized:
-        for k in todo if storage.is_local(fs) else unsized:
+    if local or unsized:
+        for k in todo if local else unsized:
             try:
                 out[k] = read(fs, root, k, bound=limit(k), size=sizes.get(k), where=where)
             except (OSError, CorruptionError) as e:
                 out[k] = e
-        if storage.is_local(fs):
+        if local:
             return out
     paths = {storage.join(root, k): k for k in todo if sizes.get(k) is not None}
     check = (lambda p, b: ok(paths[p], b)) if ok is not None else (lambda p, b: True)
@@ -317,7 +320,7 @@ def fill(fs, root: str, targets: dict[str, list[Any]], check: Callable[[str], st
     """Objects straight into the caller's buffers: object ``key`` fills ``targets[key]`` in turn, and must be
     exactly their size (``transfer.cat_into`` on object stores; ``preadv`` beneath the root locally). Returns
     key -> None (filled and passed ``check(key)``), what is wrong with the bytes, or the read's exception."""
-    if not storage.is_local(fs):
+    if not backend_for(fs).local_paths:
         by_path = {storage.join(root, k): k for k in targets}
         checked = (lambda p: check(by_path[p])) if check is not None else None
         got = transfer.cat_into(fs, {p: targets[k] for p, k in by_path.items()}, checked)
@@ -346,26 +349,22 @@ def read_ranges(fs, root: str, key: str, ranges: list[tuple[int, int]], *, size:
     if bad:
         raise Refused(where, key, f"range {bad[0]} outside its {size:,} bytes")
     path = storage.join(root, key)
-    return receive.get_ranges(fs, [path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges],
-                              [size] * len(ranges), storage.metadata_concurrency())
+    return backend_for(fs).get_ranges(fs, [path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges],
+                                      [size] * len(ranges), storage.metadata_concurrency())
 
 
 @contextlib.contextmanager
 def stream(fs, root: str, key: str, *, size: int, where: str = "") -> Iterator[Any]:
     """A binary file object over object ``key`` of exactly ``size`` bytes (a record's), for one streaming pass
     (``verify`` of a tar): the size is checked before the first byte is read."""
-    if storage.is_local(fs):
+    backend = backend_for(fs)
+    if backend.local_paths:
         with opened(root, key, size=size, where=where) as (fd, _):
             with os.fdopen(os.dup(fd), "rb") as f:
                 yield f
         return
     _checked_key(key, where)
-    path = storage.join(root, key)
-    if receive.is_http(fs) or receive.is_s3(fs):  # bounded GETs of the listed size, block by block
-        with receive.RangedFile(fs, path, size) as f:
-            yield f
-        return
-    with fs.open(path, "rb") as f:
+    with backend.open_ranged(fs, storage.join(root, key), size) as f:  # object stores: bounded GETs, block by block
         n = getattr(f, "size", None)
         if n is not None:
             _check_size(int(n), size, None, key, where)
@@ -375,10 +374,14 @@ def stream(fs, root: str, key: str, *, size: int, where: str = "") -> Iterator[A
 def size_of(fs, root: str, key: str, where: str = "") -> int:
     """The size of object ``key`` (local: of the regular file beneath the root, ``Refused`` otherwise), without
     reading it."""
-    if storage.is_local(fs):
+    backend = backend_for(fs)
+    if backend.local_paths:
         with opened(root, key, where=where) as (_, n):
             return n
-    return int(fs.info(storage.join(root, _checked_key(key, where)))["size"])
+    n = backend.size(fs, storage.join(root, _checked_key(key, where)))
+    if n is None:
+        raise Refused(where, key, "its storage declares no size")
+    return n
 
 
 # -- JSON ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ GET of a remote store's object, every listing page and every S3 request comes th
 
 A refusal is ``AnswerRefused`` (a ``CorruptionError``) and a deadline ``DeadlineError`` (an ``OSError``, never retried
 by s3fs or botocore), each one line naming the URL and the bound. Only ``door`` and the storage modules under it
-(``transfer``, ``listing``) call this.
+(``transfer``, ``listing``) and the storage backends (``backends``) call this.
 """
 
 from __future__ import annotations
@@ -144,15 +144,6 @@ def _origin(url: str) -> tuple[str, str | None, int | None]:
 
 
 # -- HTTP (fsspec's HTTPFileSystem: its session and options, hsstore's requests) ----------------------------------
-def is_http(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("http", "https")
-
-
-def is_s3(fs) -> bool:
-    return type(fs).__name__ == "S3FileSystem"
-
-
 def _http_kwargs(fs, headers: dict[str, str], total: float) -> dict[str, Any]:
     import aiohttp
 
@@ -416,13 +407,12 @@ async def _copy_body(body, views: list[memoryview], clock: Clock) -> int:
     return done
 
 
-def get_ranges(fs, paths: list[str], starts: list, ends: list, sizes: list | None = None,
-               concurrency: int = 64) -> list[Any]:
-    """``fs.cat_ranges(paths, starts, ends, on_error="return")`` with every answer bounded (HTTP and S3: this
-    module's GETs, ``concurrency`` in flight; other filesystems: fsspec's own). ``starts``/``ends`` None: the
-    whole object, whose size ``sizes`` must give (an HTTP or S3 read is never unbounded)."""
-    if not (is_http(fs) or is_s3(fs)):
-        return fs.cat_ranges(paths, starts, ends, on_error="return")
+def gather(fs, fetch: Callable[..., Any], paths: list[str], starts: list, ends: list, sizes: list | None = None,
+           concurrency: int = 64) -> list[Any]:
+    """``fetch(fs, path, start, end, size)`` (one of this module's bounded GETs) for every range, ``concurrency`` in
+    flight on the filesystem's loop: bytes, or the exception that stopped one (as fsspec's ``cat_ranges(...,
+    on_error="return")`` gives). ``starts``/``ends`` None: the whole object, whose size ``sizes`` must give (a
+    remote read is never unbounded)."""
     from fsspec.asyn import sync
 
     sizes = sizes or [None] * len(paths)
@@ -436,10 +426,7 @@ def get_ranges(fs, paths: list[str], starts: list, ends: list, sizes: list | Non
                 try:
                     if end is None and size is None:
                         raise ValueError(f"{path}: a read of an unknown size (hsstore reads are bounded)")
-                    end = end if end is not None else size
-                    if is_http(fs):
-                        return await http_get(fs, path, start, end, size)
-                    return await s3_get(fs, path, start, end)
+                    return await fetch(fs, path, start, end if end is not None else size, size)
                 except Exception as e:  # returned, as fsspec's on_error="return" does
                     return e
 
@@ -448,20 +435,13 @@ def get_ranges(fs, paths: list[str], starts: list, ends: list, sizes: list | Non
     return sync(fs.loop, run)
 
 
-def get(fs, path: str, start: int, end: int, size: int | None = None) -> bytes:
-    """One bounded GET (``get_ranges``), its failure raised."""
-    (out,) = get_ranges(fs, [path], [start], [end], [size], 1)
-    if isinstance(out, Exception):
-        raise out
-    return out
-
-
 class RangedFile:
     """A read-only binary file over a remote object of a known ``size``, read in bounded GETs of ``block`` bytes
-    (``get``): what ``door.stream`` gives for one pass over a tar or an asset, never fsspec's file object."""
+    (``get(start, end)``): what ``door.stream`` gives for one pass over a tar or an asset, never fsspec's file
+    object."""
 
-    def __init__(self, fs, path: str, size: int, block: int = 16 << 20) -> None:
-        self.fs, self.path, self.size, self.block = fs, path, int(size), block
+    def __init__(self, get: Callable[[int, int], bytes], size: int, block: int = 16 << 20) -> None:
+        self.get, self.size, self.block = get, int(size), block
         self._buf, self._off, self._next = b"", 0, 0  # the last block, what of it was read, where the next starts
 
     def read(self, n: int = -1) -> bytes:
@@ -471,7 +451,7 @@ class RangedFile:
         while len(out) < n:
             if self._off >= len(self._buf):
                 end = min(self.size, self._next + self.block)
-                self._buf, self._off = get(self.fs, self.path, self._next, end, self.size), 0
+                self._buf, self._off = self.get(self._next, end), 0
                 self._next = end
                 if not self._buf:
                     break

@@ -7,35 +7,27 @@ requests may use, what a failure means in words). Listing objects is ``listing``
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import threading
+import warnings
 from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from ..errors import StoreError
-from .. import env, redaction
+from .. import redaction
 from ..redaction import register
+from .backends import backend_for, backend_for_url
+from .backends.base import INTERACTIVE, metadata_concurrency  # noqa: F401  (callers name it through storage)
+from .backends.s3 import S3_INTERACTIVE, S3_RETRIES, S3FS_INTERACTIVE_RETRIES  # noqa: F401  (the S3 defaults, named here too)
 
 log = logging.getLogger(__name__)
 
 
-# Retry policy on object stores (see docs/ARCHITECTURE.md, "Faults and retries"). botocore retries every
-# request (connection errors, 500/502/503/504, SlowDown and other throttling) with capped exponential
-# backoff and full jitter; s3fs wraps each call in its own retries (connection/payload errors, SlowDown).
-# Options the user gives (``config_kwargs.retries``) win.
-S3_RETRIES = {"mode": "standard", "max_attempts": 6}
 MANIFEST_FILE = "manifest.json"  # a folder is a store when this file is in it (docs/FORMAT.md)
-
-
-def metadata_concurrency() -> int:
-    """Requests in flight for small-object reads (``env.METADATA_CONCURRENCY``): latency, not bandwidth, is what
-    commit records and index segments cost, so many at once; s3fs's connection pool is raised to match."""
-    return env.METADATA_CONCURRENCY.get()
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -89,68 +81,29 @@ def store_exists(fs: fsspec.AbstractFileSystem, root: str, url: str) -> bool:
 
 
 def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus hsstore's defaults, each only where the user did not set it: for ``s3://`` URLs botocore's
-    retry policy, a connection pool as large as the metadata concurrency and the session that bounds every
-    request (``receive.session_class``); for ``http(s)://`` URLs no redirects followed, no bodies decoded and a
-    deadline on the requests fsspec itself makes (``HEAD``: ``receive.request_s()``); hsstore's GETs and listings
-    are ``receive``'s, bounded as they are made."""
-    if url.startswith(("http://", "https://")):
-        import aiohttp
-
-        from . import receive
-
-        out = copy.copy(options)
-        out.setdefault("allow_redirects", False)
-        client = dict(out.get("client_kwargs") or {})
-        client.setdefault("auto_decompress", False)
-        client.setdefault("timeout", aiohttp.ClientTimeout(total=receive.request_s()))
-        out["client_kwargs"] = client
-        return out
-    if not url.startswith(("s3://", "s3a://")):
-        return options
-    from . import receive
-
-    out = copy.deepcopy(options)
-    config = out.setdefault("config_kwargs", {})
-    if isinstance(config, dict):
-        config.setdefault("retries", dict(S3_RETRIES))
-        config.setdefault("max_pool_connections", max(10, metadata_concurrency()))
-        bounded = receive.session_class()
-        if bounded is not None:
-            config.setdefault("http_session_cls", bounded)
-    return out
-
-
-# Interactive commands (info, index, report, show) answer in seconds or fail saying why: a short connect
-# timeout, botocore's one retry and no second round from s3fs (S3_RETRIES and s3fs's 5 rounds are for jobs
-# that read or write for hours, and would take tens of seconds to report a closed endpoint).
-S3_INTERACTIVE = {"connect_timeout": 3, "read_timeout": 15, "retries": {"mode": "standard", "total_max_attempts": 2}}
-S3FS_INTERACTIVE_RETRIES = 1
-INTERACTIVE = "hsstore_interactive"  # the option that asks ``resolve`` for s3fs's interactive retries (not passed on)
+    """``options`` plus hsstore's defaults for the URL's backend, each only where the user did not set it
+    (``Backend.options``: S3's retry policy, connection pool and bounded session; HTTP's no redirects, no
+    decoding and a deadline on the requests fsspec itself makes)."""
+    return backend_for_url(url).options(options)
 
 
 def interactive_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus ``S3_INTERACTIVE`` (botocore's timeouts and retries, as ``config_kwargs``, each only where
-    the user did not set it) for ``s3://`` URLs, and the mark that gives the filesystem s3fs's interactive
-    ``retries`` (an attribute of the filesystem, not an option s3fs takes)."""
-    if not url.startswith(("s3://", "s3a://")):
-        return options
-    out = copy.deepcopy(options)
-    config = out.setdefault("config_kwargs", {})
-    if isinstance(config, dict):
-        for key, value in S3_INTERACTIVE.items():
-            config.setdefault(key, copy.deepcopy(value))
-    out[INTERACTIVE] = True
-    return out
+    """``options`` for a command a person waits for (``Backend.interactive``: on S3 short timeouts and one retry,
+    and the mark, ``INTERACTIVE``, that gives the filesystem s3fs's interactive ``retries``)."""
+    return backend_for_url(url).interactive(options)
 
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p != "")
 
 
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
+def __getattr__(name: str) -> Any:
+    """``is_local``, gone: a storage kind is the backend's to know (``backends.backend_for(fs).local_paths``)."""
+    if name == "is_local":
+        warnings.warn("hsstore.io.storage.is_local is deprecated: ask the backend, "
+                      "hsstore.io.backends.backend_for(fs).local_paths", DeprecationWarning, stacklevel=2)
+        return lambda fs: backend_for(fs).local_paths
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def missing_path(fs, root: str) -> str | None:
@@ -158,7 +111,7 @@ def missing_path(fs, root: str) -> str | None:
     not a store): locally the nearest folder above it that exists; on an object store, that nothing is under
     the prefix. None when the path exists (or the filesystem cannot tell)."""
     try:
-        if is_local(fs):
+        if backend_for(fs).local_paths:
             if os.path.exists(root):
                 return None
             above = os.path.dirname(os.path.abspath(root))
@@ -183,7 +136,7 @@ def endpoint_of(fs) -> str:
 def waiting_notice(fs, url: str) -> threading.Timer | None:
     """A timer that logs, once the first request of a remote store has waited ``WAIT_NOTICE_S``, what it waits
     for (the endpoint, the timeouts in force): credentials lookups and unreachable endpoints are otherwise silent."""
-    if is_local(fs):
+    if backend_for(fs).local_paths:
         return None
     config = getattr(fs, "config_kwargs", None) or {}
     limits = (f"; each try gives up after {config['connect_timeout']} s to connect, {config['read_timeout']} s "
@@ -197,7 +150,7 @@ def waiting_notice(fs, url: str) -> threading.Timer | None:
 
 def missing_bucket(fs: fsspec.AbstractFileSystem, root: str) -> str | None:
     """The bucket of an object-store ``root`` when it does not exist (else None, also when unsure)."""
-    if is_local(fs):
+    if backend_for(fs).local_paths:
         return None
     bucket = root.strip("/").split("/", 1)[0]
     try:

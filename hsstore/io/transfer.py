@@ -6,17 +6,14 @@ these: everything else reads a store through the door's guards."""
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import fsspec
-from fsspec.asyn import AsyncFileSystem
 
-from . import receive, sinks
+from .backends import backend_for
+from .backends.base import Backend, metadata_concurrency
 from .listing import stamp
-from .storage import is_local, metadata_concurrency
 
 log = logging.getLogger(__name__)
 
@@ -31,55 +28,19 @@ def put_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes, root: str 
     listing will show it, when the filesystem tells (None: unknown).
 
     Object stores give this for free (a PUT is atomic); on local disk a temporary file beside it is renamed
-    over it, every folder below ``root`` (the store's) opened without following a link (``sinks``).
+    over it, every folder below ``root`` (the store's) opened without following a link (the backend's
+    ``put_atomic``).
     """
-    if is_local(fs):
-        base, rel = _beneath(path, root)
-        return stamp({"mtime": sinks.write_atomic(base, rel, data, what=f"writing {path}").st_mtime})
-    response = fs.pipe_file(path, data)
-    return stamp(response) if isinstance(response, dict) else None
-
-
-def _beneath(path: str, root: str | None) -> tuple[str, str]:
-    """(folder, relative name) of a local ``path``: below ``root`` when it is under it (its folders are then
-    checked for links), else below the path's own folder (the name itself is still never followed)."""
-    if root and path.startswith(root.rstrip("/") + "/"):
-        return root, path[len(root.rstrip("/")) + 1:]
-    return os.path.dirname(path) or ".", os.path.basename(path)
+    entry = backend_for(fs).put_atomic(fs, path, data, root)
+    return stamp(entry) if isinstance(entry, dict) else None
 
 
 def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any], root: str | None = None) -> None:
     """Write many objects, each ``bytes`` or something with ``parts()`` (written without joining on
     local disk). Concurrent on async filesystems; parent folders are made on local disk, none below ``root``
     (the store's) followed when it is a link."""
-    if not objects:
-        return
-    if is_local(fs):
-        folders = {(base, os.path.dirname(rel)): p for p in objects for base, rel in [_beneath(p, root)]}
-        for (base, folder), p in folders.items():
-            os.close(sinks.open_folder(base, folder, what=f"writing {p}"))
-        # several files in flight: a disk (NVMe above all) needs queue depth, and each fsync waits
-        list(_local_pool().map(lambda item: _write_local(*_beneath(item[0], root), item[1]), objects.items()))
-    else:
-        fs.pipe({p: d.tobytes() if hasattr(d, "tobytes") and not isinstance(d, bytes) else d
-                 for p, d in objects.items()})
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_PID = -1
-
-
-def _local_pool() -> ThreadPoolExecutor:
-    global _POOL, _POOL_PID
-    if _POOL is None or _POOL_PID != os.getpid():  # a forked child must not use the parent's threads
-        _POOL, _POOL_PID = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsstore-io"), os.getpid()
-    return _POOL
-
-
-def _write_local(base: str, rel: str, data: Any) -> None:
-    # durable before the commit record that points at it: a power loss must not leave a committed
-    # shard whose chunks never reached the disk
-    sinks.write_file(base, rel, list(data.parts()) if hasattr(data, "parts") else data, what=f"writing {rel}")
+    if objects:
+        backend_for(fs).put_many(fs, objects, root)
 
 
 def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] | None = None,
@@ -94,17 +55,7 @@ def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] |
     """
     if not paths:
         return {}
-    n_in_flight = concurrency or metadata_concurrency()
-    if sizes is not None and (receive.is_http(fs) or receive.is_s3(fs)):  # every answer bounded by its size
-        out = receive.get_ranges(fs, paths, [0] * len(paths), list(sizes), list(sizes), n_in_flight)
-        return dict(zip(paths, out))
-    starts: list = [None] * len(paths)
-    ends: list = [None] * len(paths)
-    if sizes is not None and not is_local(fs):
-        starts = [0 if n else None for n in sizes]
-        ends = [n if n else None for n in sizes]  # an empty object takes no Range
-    kw = {"batch_size": n_in_flight} if isinstance(fs, AsyncFileSystem) else {}
-    out = fs.cat_ranges(paths, starts, ends, on_error="return", **kw)
+    out = backend_for(fs).read_objects(fs, paths, sizes, concurrency or metadata_concurrency())
     return dict(zip(paths, out))
 
 
@@ -117,7 +68,7 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
     commit record lists): one ranged GET per object instead of a HEAD and a GET; an object of another size
     then arrives cut or short of its end, which ``ok`` refuses like any damaged one."""
     out = cat_many(fs, paths, _sizes_of(paths, sizes))
-    if is_local(fs):
+    if backend_for(fs).local_paths:  # bytes at rest: fetched again, they are the same
         return out
     for attempt in range(1, attempts):
         bad = [p for p, b in out.items() if isinstance(b, (bytes, bytearray)) and not ok(p, b)]
@@ -133,7 +84,7 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
 def streams(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether ``cat_into`` streams bodies into the buffers (s3fs: its client's body pieces are copied as they
     arrive) rather than fetching each whole as bytes and copying it (every other filesystem)."""
-    return hasattr(fs, "_call_s3")
+    return backend_for(fs).streams_into
 
 
 def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
@@ -176,35 +127,18 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
                 if out[p] is not None:
                     again.append(p)
         pending = again
-        if not pending or is_local(fs):
+        if not pending or backend_for(fs).local_paths:
             break
     return out
 
 
 def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str, int | Exception]:
-    """path -> bytes written into its views (or the exception that stopped the read)."""
-    if not streams(fs):
-        sizes = [sum(len(v) for v in vs) for vs in views.values()]
-        blobs = cat_many(fs, list(views), sizes, concurrency)
-        return {p: (b if isinstance(b, Exception) else receive.scatter(b, views[p])) for p, b in blobs.items()}
-    from fsspec.asyn import sync
-
-    async def run() -> dict[str, int | Exception]:
-        import asyncio
-
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(path: str) -> int | Exception:
-            async with gate:
-                try:
-                    return await receive.s3_into(fs, path, views[path])
-                except Exception as e:  # returned, as cat_many returns a failed read
-                    return e
-
-        paths = list(views)
-        return dict(zip(paths, await asyncio.gather(*(one(p) for p in paths))))
-
-    return sync(fs.loop, run)
+    """path -> bytes written into its views (or the exception that stopped the read): streamed where the backend
+    streams (``streams``), else each object fetched whole and copied (the protocol's default ``fill``)."""
+    backend = backend_for(fs)
+    if streams(fs):
+        return backend.fill(fs, views, concurrency)
+    return Backend.fill(backend, fs, views, concurrency)
 
 
 def _sizes_of(paths: list[str], sizes: dict[str, int] | None) -> list[int] | None:

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..format import names
 from ..io import storage
+from ..io.backends import backend_for
+from ..io.backends.base import Backend
 from .. import redaction
 from ..format.commit import SHARDS_DIR
 from ..errors import StoreError
@@ -78,8 +81,16 @@ class ShardSource:
         """This store's filesystem in this process (re-created after a fork)."""
         return self._here().fs
 
-    def is_local(self) -> bool:
-        return storage.is_local(self.filesystem())
+    def backend(self) -> Backend:
+        """The storage backend of this store's filesystem (what it can do: ``local_paths``, ``get_ranges`` ...)."""
+        return backend_for(self.filesystem())
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "is_local":  # the storage kind is the backend's to know
+            warnings.warn("ShardSource.is_local() is deprecated: use ShardSource.backend().local_paths",
+                          DeprecationWarning, stacklevel=2)
+            return lambda: self.backend().local_paths
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def locate(self, shard: str) -> tuple[Any, str, str]:
         """(filesystem, root, URL) holding ``shard``'s files: this store, or for a shard merged by reference
@@ -93,7 +104,7 @@ class ShardSource:
             if shard in self.refused:
                 raise StoreError(self.refused[shard])
             fs, root, _ = self._store_of(shard, p)
-            if storage.is_local(fs):
+            if backend_for(fs).local_paths:
                 for path in (f"{SHARDS_DIR}/{shard}", f"{SHARDS_DIR}/{shard}.tar"):
                     names.path(fs, root, path, "shard path", where)
             p.checked.add(shard)

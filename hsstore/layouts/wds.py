@@ -34,6 +34,7 @@ import numpy as np
 
 from ..format import codec, health
 from ..io import door, storage, transfer
+from ..io.backends import backend_for
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
@@ -384,7 +385,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
     _check_jobs(rec, m, jobs)
     fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
-    if storage.is_local(fs):
+    if backend_for(fs).local_paths:
         _read_local(root, rec, jobs)
     else:
         _read_remote(fs, root, _spans(jobs, sorted(feature_starts)), rec, url)

@@ -26,6 +26,7 @@ from zarr.storage import MemoryStore
 
 from ..format import codec, encodings, fp8, health
 from ..io import door, storage, transfer
+from ..io.backends import backend_for
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
 from ..errors import CorruptionError, FetchError, StoreError
 from ..format.manifest import Manifest, now_iso
@@ -228,7 +229,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
     if scales is not None:  # fp8: each layer's per-row scales
         targets += [(f"{base}/{scale_array(l)}", scales[j], plain, 1) for j, l in enumerate(layers)]
     fs, root, _ = src.locate(shard_name)
-    direct = storage.is_local(fs) and feature_codec.spec == "none"
+    direct = backend_for(fs).local_paths and feature_codec.spec == "none"
     # (key, destination rows in pieces, rows of the chunk to take, codec, width, read directly from a local file,
     # the destination's dtype)
     jobs = []
@@ -251,7 +252,7 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
         sizes = {k: rec.files[k]["size"] for k in fetch}
         bound = {j[0]: chunk_bound(ct * j[4] * j[6].itemsize) for j in jobs}
         try:
-            if src.chunk_cache is not None and not storage.is_local(fs):
+            if src.chunk_cache is not None and not backend_for(fs).local_paths:
                 blobs.update(src.chunk_cache.cat(fs, root, fetch, namespace=src.cache_namespace(),
                                                  expect={k: rec.chunk_checksum(k) for k in fetch}, sizes=sizes,
                                                  bound=bound.__getitem__))

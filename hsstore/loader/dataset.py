@@ -74,6 +74,7 @@ from torch.utils.data import IterableDataset
 
 from ..format import codec, encodings, fp8, layout_spec
 from ..io import storage
+from ..io.backends import backend_for
 from .batching import Placed
 from .cache import ChunkCache, copy_size
 from ..errors import CorruptionError, StoreError, salvage_hint
@@ -322,7 +323,7 @@ class HiddenStateDataset(IterableDataset):
         rows = self.planner.node_rows(self.world.nodes, self.world.node)
         total = 0
         for si, store in enumerate(self.stores):
-            if storage.is_local(store.fs) or not layout_spec.get(store.manifest.layout).chunk_cache:
+            if backend_for(store.fs).local_paths or not layout_spec.get(store.manifest.layout).chunk_cache:
                 continue
             mine = rows[cat.store[rows] == si]
             shards = cat.shard[mine]
@@ -427,7 +428,7 @@ class HiddenStateDataset(IterableDataset):
         for store in self.stores:  # one cache object per process: a forked child must not share its lock
             cache = store.chunk_cache
             serves = layout_spec.get(store.manifest.layout).chunk_cache
-            if serves and (cache is None or cache.pid != os.getpid()) and not storage.is_local(store.fs):
+            if serves and (cache is None or cache.pid != os.getpid()) and not backend_for(store.fs).local_paths:
                 store.use_chunk_cache(ChunkCache(cache_dir, self.reading.cache_bytes, keep_since=self._built))
 
     def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -449,7 +450,7 @@ class HiddenStateDataset(IterableDataset):
     def remote_read(self) -> tuple[float, float] | None:
         """(bytes per request, requests per unit) when any store is remote (the read-ahead is then sized
         from measured request times), else None."""
-        if self.reading.remote_rate <= 0 or all(storage.is_local(s.fs) for s in self.stores):
+        if self.reading.remote_rate <= 0 or all(backend_for(s.fs).local_paths for s in self.stores):
             return None
         ct, n = self.stores[0].manifest.chunk_tokens, len(self._features)
         return ct * self.token_bytes / n, max(1.0, n * self.unit_tokens / ct)  # one layer's chunk per request

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..io import storage, transfer
+from ..io.backends import backend_for
 from ..layouts import wds
 from ..format import names
 from ..format.commit import layer_array
@@ -139,7 +140,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
     run = f"bench-{uuid.uuid4().hex[:8]}"
     manifest = bench_manifest(layers, hidden, codec, layout)
     best = {"write": np.inf, "raw_write": np.inf, "raw_durable": np.inf, "read": np.inf, "raw_read": np.inf}
-    local = storage.is_local(fs)
+    local = backend_for(fs).local_paths
     bar = _bar(rounds, f"bench store ({layout})", progress)
     try:
         for r in range(rounds):
@@ -242,7 +243,7 @@ def drop_page_cache(paths: list[str]) -> None:
 
 def _write_peer_layout(fs, peer_root: str, samples) -> list[str]:
     """The peers' layout: one ``torch.save`` file per sample (SpecForge / ModelOpt style)."""
-    local = storage.is_local(fs)
+    local = backend_for(fs).local_paths
     paths = []
     if local:
         os.makedirs(peer_root, exist_ok=True)
@@ -307,7 +308,7 @@ class _LoaderPasses:
 
     def __init__(self, fs, store: Store, sel: list[int], peer_paths: list[str], s: LoaderBench) -> None:
         self.fs, self.store, self.sel, self.peer_paths, self.s = fs, store, sel, peer_paths, s
-        self.local = storage.is_local(fs)
+        self.local = backend_for(fs).local_paths
         self.pieces = _raw_pieces(store, sel)
         self.files = sorted({p for p, _, _ in self.pieces})
         self.nbytes = store.num_tokens * len(sel) * s.hidden * 2
@@ -651,14 +652,14 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         bar = _bar(epochs, f"bench source, {procs} ranks", progress, unit="epoch")
         before = counters() if counters else {}
         for e in range(epochs):
-            if cold and storage.is_local(fs):
+            if cold and backend_for(fs).local_paths:
                 drop_page_cache(files)
             start.wait(timeout=3600)
             got = sorted(results.get(timeout=3600) for _ in ps)
             done.wait(timeout=3600)
             after = counters() if counters else {}
             row = {"epoch": e, **_per_rank_row([(r, b, s, c) for _, r, b, s, c in got])}
-            if storage.is_local(fs):  # the ranks wait at the next epoch's barrier meanwhile
+            if backend_for(fs).local_paths:  # the ranks wait at the next epoch's barrier meanwhile
                 row["raw"] = {m: raw_source_pass(files, procs, m, cold) for m in raw_modes}
                 row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
                                      "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from ..format import assets, commit, index, names
 from ..layouts import base as layout
 from ..io import destination, door, storage, transfer
+from ..io.backends import backend_for
 from ..errors import CorruptionError, ManifestError, StoreError
 from ..format.manifest import check_compatible
 from ..store.reader import Store
@@ -157,7 +158,7 @@ def merge(dst_url: str, src_urls: Sequence[str], by: str = "copy", *, dst_option
     fs, root = destination.open_destination(dst_url, dst_options, layout.own_objects())  # refusals before any request
     srcs = [Store(u, src_options) for u in src_urls]
     if by == "reference":
-        far = [s.url for s in srcs if storage.is_local(s.fs) and not storage.is_local(fs)]
+        far = [s.url for s in srcs if backend_for(s.fs).local_paths and not backend_for(fs).local_paths]
         if far:
             raise ValueError(f"{far[0]!r} is on local disk: a reference to it from {dst_url!r} would not resolve "
                              "for other readers (merge --by copy instead)")

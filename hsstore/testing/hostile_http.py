@@ -13,6 +13,7 @@ one misbehaviour each:
   slow          the headers, then the body at ``rate`` bytes a second (just above a client's minimum rate: a
                 large object takes minutes yet is never cut off by a rate)
   stall         ``206`` (or ``200``) without a length: the bytes asked for, then nothing, the connection held open
+  truncate      the answer's headers (its whole ``Content-Length``), half its body, then the connection closed
 
 A ``POST`` (an engine's ``/v1/chat/completions``) is answered as a ``GET`` of the same path is: the file there (a
 canned answer), with the same misbehaviours.
@@ -34,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect",
-         "slow", "stall")
+         "slow", "stall", "truncate")
 FOREVER_S = 120  # how long "forever" lasts (a client that was not cut off by then has failed anyway)
 _BOMB: bytes | None = None
 
@@ -214,6 +215,9 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "stall":
             self._write(body)
             self.server_of._stop.wait(FOREVER_S)  # nothing more, the connection held
+            return
+        if kind == "truncate":
+            self._write(body[:len(body) // 2])
             return
         if kind == "trickle":
             for i in range(len(body)):
