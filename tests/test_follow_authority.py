@@ -210,39 +210,24 @@ def test_a_resumed_train_follow_refuses_a_journal_changed_since_it_was_written(e
     assert "is not the one store" in lines[0] and samples_log.read_text() == before  # nothing trained
 
 
-@pytest.mark.parametrize("stores", [None, 5, [7]])
-def test_a_resumed_train_follow_refuses_a_journal_head_whose_stores_are_not_urls(extracted, tmp_path, capsys, stores):
-    """A received run's journal head whose store list is not a list of URLs: one line naming the head, exit 2, not
-    a traceback, nothing trained."""
+@pytest.mark.parametrize("name, stores, said", [
+    *[("journal.json", v, "journal.json: not a follow journal") for v in (None, 5, [7])],  # not a list of URLs
+    *[("000000.json", v, "000000.json: malformed journal entry") for v in (None, 5, 1.5, "0")]])  # no list
+def test_a_resumed_train_follow_refuses_a_journal_whose_store_list_is_not_one(extracted, tmp_path, capsys, name,
+                                                                             stores, said):
+    """A received run's journal head, or an entry, whose store list is not one: one line naming the file, exit 2,
+    not a traceback, nothing trained."""
     run = tmp_path / "run"
     argv = ["train", "--store", str(extracted), "--out", str(run), "--follow", *TRAIN]
     assert main([*argv, "--epochs", "1"]) == 0
     capsys.readouterr()
-    head = run / "follow" / "journal.json"
-    head.write_text(json.dumps({**json.loads(head.read_text()), "stores": stores}))
+    path = run / "follow" / name
+    path.write_text(json.dumps({**json.loads(path.read_text()), "stores": stores}))
     samples_log = run / "samples.rank00000.jsonl"
     before = samples_log.read_text()
     rc = main([*argv, "--epochs", "2"])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1 and "journal.json: not a follow journal" in lines[0], lines
-    assert samples_log.read_text() == before
-
-
-@pytest.mark.parametrize("stores", [None, 5, 1.5, "0"])
-def test_a_resumed_train_follow_refuses_a_journal_entry_whose_stores_are_not_a_list(extracted, tmp_path, capsys, stores):
-    """A received run's journal entry whose store list is no list: one line naming the entry, exit 2, not a
-    traceback, nothing trained."""
-    run = tmp_path / "run"
-    argv = ["train", "--store", str(extracted), "--out", str(run), "--follow", *TRAIN]
-    assert main([*argv, "--epochs", "1"]) == 0
-    capsys.readouterr()
-    entry = run / "follow" / "000000.json"
-    entry.write_text(json.dumps({**json.loads(entry.read_text()), "stores": stores}))
-    samples_log = run / "samples.rank00000.jsonl"
-    before = samples_log.read_text()
-    rc = main([*argv, "--epochs", "2"])
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2 and len(lines) == 1 and "000000.json: malformed journal entry" in lines[0], lines
+    assert rc == 2 and len(lines) == 1 and said in lines[0], lines
     assert samples_log.read_text() == before
 
 
