@@ -190,3 +190,13 @@ def test_a_command_that_swallows_its_alarm_is_still_a_hang(monkeypatch, caught):
     r, failures, _ = fuzz_oracles.run_command("slow", swallowing)
     assert any(": hang (" in f for f in failures), (r, failures)
     assert r["s"] < 4  # the alarm ended it
+
+
+def test_a_forger_never_reads_a_link_an_earlier_mutation_planted(tmp_path):
+    """A case's later mutation reads a file an earlier one turned into a link to /dev/zero: refused at once (read to
+    its end, it filled the forging process's memory and the machine's)."""
+    from tools import fuzz_metadata
+
+    (tmp_path / "journal.json").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="not a plain JSON file"):
+        fuzz_metadata.load_plain(tmp_path / "journal.json")

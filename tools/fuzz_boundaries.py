@@ -385,7 +385,7 @@ def forge(family: str, rng: random.Random, base: dict, d: Path) -> dict[str, Any
     case: dict[str, Any] = {"family": family, "mutations": []}
     try:
         _forge_family(family, rng, base, d, sentinel, case)
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OSError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OSError, MemoryError) as e:
         case["mutations"].append(f"forging stopped: {type(e).__name__}")  # what it forged so far is the case
     from tools.fuzz_oracles import tree_digest
 

@@ -98,7 +98,11 @@ def _records(store: Path) -> list[Path]:
     return sorted(p for p in (store / "commits").glob("*.json") if p.is_file() and not p.is_symlink())
 
 
-def _load(p: Path) -> Any:
+def load_plain(p: Path) -> Any:
+    """``p``'s JSON; a link, FIFO or device an earlier mutation of the case planted there is never followed (a
+    ``/dev/zero`` read to its end filled the fuzzer's memory)."""
+    if p.is_symlink() or not p.is_file() or p.stat().st_size > 16 << 20:
+        raise ValueError(f"{p.name}: not a plain JSON file (an earlier mutation)")
     return json.loads(p.read_text())
 
 
@@ -111,7 +115,7 @@ def _parsed(p: Path | None) -> Any:
     if p is None or not p.is_file() or p.is_symlink() or p.stat().st_size > 16 << 20:
         return None
     try:
-        return _load(p)
+        return load_plain(p)
     except ValueError:
         return None
 
@@ -120,7 +124,7 @@ def _ids(store: Path) -> list[str]:
     out = []
     for p in _records(store):
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            out += [str(x) for x in _load(p)["samples"]["sample_id"]]
+            out += [str(x) for x in load_plain(p)["samples"]["sample_id"]]
     return out or ["s0"]
 
 
@@ -334,7 +338,7 @@ def edit_record(rng, store: Path) -> str:
     p = rng.choice(paths)
     what = rng.choice([*RECORD_EDITS, "copy", "remove"])
     if what == "copy":  # the same shard committed twice, under its own name or another
-        d = _load(p)
+        d = load_plain(p)
         other = store / "commits" / f"{d['writer']}-{'f' * 8}-{rng.randrange(10 ** 5):05d}.json"
         if rng.random() < 0.5:
             d["shard"] = other.stem
@@ -343,7 +347,7 @@ def edit_record(rng, store: Path) -> str:
     if what == "remove":
         p.unlink()
         return f"record {p.name} removed"
-    d = _load(p)
+    d = load_plain(p)
     said = apply_edit(rng, d, _ids(store), (what,))
     _save(p, d)
     return f"{p.name}: {said}"
@@ -517,7 +521,7 @@ def forge_journal(rng, d: Path, base: dict, sentinel: Path) -> list[str]:
         if what == "entry":
             done.append(json_edit(rng, rng.choice(sorted(j.glob("0*.json")))))
         elif what == "head":
-            doc = _load(j / "journal.json")
+            doc = load_plain(j / "journal.json")
             doc[rng.choice(["stores", "id", "version"])] = rng.choice([["elsewhere"], [], 5, "x", None, 2])
             _save(j / "journal.json", doc)
             done.append("journal head changed")
@@ -635,7 +639,7 @@ def _relist(store: Path, key: str) -> None:
     from hsstore.format import codec
 
     idx = store / "assets" / "index.json"
-    doc = _load(idx)
+    doc = load_plain(idx)
     p = store / "assets" / key
     doc["files"][key] = {"size": p.stat().st_size, "crc32c": codec.crc32c(p.read_bytes())}
     _save(idx, doc)
@@ -651,7 +655,7 @@ def forge_assets(rng, d: Path, base: dict) -> list[str]:
         what = rng.choice(["config", "config", "config", "tensor", "tensor", "names"])
         if what == "config":
             p = store / "assets" / "config.json"
-            doc = _load(p)
+            doc = load_plain(p)
             key = rng.choice(sorted(CONFIG_LIES))
             doc[key] = rng.choice(CONFIG_LIES[key])
             p.write_text(json.dumps(doc))  # (NaN written as JSON's NaN, as Python writes it)
@@ -712,7 +716,7 @@ def forge_weights(rng, d: Path, base: dict) -> list[str]:
             done.append(f"an extra weight beside {k}")
         else:
             f = folder / ("config.json" if what == "config_dtype" else "hsstore_drafter.json")
-            doc = _load(f)
+            doc = load_plain(f)
             key = "dtype" if what == "config_dtype" else rng.choice(["dtype", "torch_dtype"])
             doc[key] = rng.choice(["int8", "bool", "float64", "int64", 5, "float8_e4m3fn", ""])
             _save(f, doc)

@@ -372,6 +372,13 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     a run reported is forged again bit for bit: how a failure is looked at alone)."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+    import resource
+
+    # this process forges every case: a forger that reads what a mutation planted (a link to /dev/zero) must fail
+    # as a MemoryError the forge names, not take the machine's memory
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    cap = DRIVER_AS if hard == resource.RLIM_INFINITY else min(DRIVER_AS, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     own = work is None
     w = Path(work or tempfile.mkdtemp(prefix="hsstore-fuzz-"))
     w.mkdir(parents=True, exist_ok=True)
