@@ -207,35 +207,41 @@ def test_a_wds_record_whose_columns_are_not_its_tars_is_refused_by_show_and_the_
     assert f"FAIL shard {d['shard']}" in capsys.readouterr().out
 
 
-def test_shifted_boundaries_of_a_record_without_an_offsets_checksum_are_refused_as_served(tmp_path):
-    """A format-version-1 record lists no payload checksum that binds its lengths: the loss_mask each served
-    sample is read with must add up to the record's loss tokens (a boundary moved across masked tokens)."""
+@pytest.mark.parametrize("by", [-2, 2])  # across masked tokens; inside the next sample's prompt (no sum changes)
+def test_shifted_boundaries_of_a_record_without_an_offsets_checksum_are_refused_from_its_offsets(tmp_path, capsys,
+                                                                                                   by):
+    """A format-version-1 record lists no payload checksum that binds its lengths: a reader first touching the
+    shard reads its offsets array (one small object) and refuses lengths that are not its boundaries, whether or
+    not the moved boundary changes a sample's loss tokens; ``copy``, which copies the shard's files as they are,
+    refuses it too."""
     url = str(tmp_path / "s")
     samples = make_samples(8, min_len=20, max_len=21)
-    for s in samples:  # a prompt, then an answer: a boundary moved back takes masked tokens away
+    for s in samples:  # a prompt, then an answer
         s["loss_mask"][:] = torch.arange(len(s["loss_mask"])) >= 10
     write_samples(url, make_manifest(), samples, shard_bytes=3 * 48 * 2 * 200)
 
     def as_version_1(d):
-        _shift(d, by=-2)
+        _shift(d, by=by)
         d["format_version"] = 1
         for key, e in d["files"].items():
             if commit.is_chunk_key(key):
                 e["crc32c"] = codec.CHUNK_RESIDUE
 
     d = edit_record(records(url)[0], as_version_1)
-    with pytest.raises(StoreError, match="rule 'served'") as e:
+    with pytest.raises(StoreError, match="rule 'extent'") as e:
         list(hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False)))
-    assert d["samples"]["sample_id"][0] in str(e.value)
-    with pytest.raises(StoreError, match="rule 'served'"):
+    assert d["shard"] in str(e.value)
+    with pytest.raises(StoreError, match="rule 'extent'"):
         list(hsstore.open(url))
+    assert main(["copy", url, str(tmp_path / "c"), "-q"]) == 2
+    one_line(capsys.readouterr().err, "rule 'extent'", d["shard"])
 
 
 @pytest.mark.parametrize("layout, rule", [("zarr", "served"), ("wds", "extent")])  # a tar's members name the columns
 def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tmp_path, capsys, layout, rule):
     """A record whose second sample's loss tokens are not what its loss_mask holds (the record forged, its checksums
-    intact): ``verify`` refuses the shard, and ``convert``, which copies a shard whole, refuses it in one line before
-    writing any of its samples."""
+    intact): ``verify`` refuses the shard, the loader refuses the sample, and ``convert``, which copies a shard whole,
+    refuses it in one line before writing any of its samples."""
     url, dst = str(tmp_path / "s"), str(tmp_path / "d")
     samples = make_samples(8, min_len=20, max_len=21)
     for s in samples:
@@ -246,6 +252,8 @@ def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tm
         m = replace(m, layout=layout)
     write_samples(url, m, samples, shard_bytes=3 * 48 * 2 * 200)
     d = edit_record(records(url)[0], lambda d: d["samples"]["loss_tokens"].__setitem__(1, 9))
+    with pytest.raises(StoreError, match=f"rule '{rule}'"):  # the loader holds each sample it serves so too
+        list(hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False)))
     assert main(["verify", url, "-q"]) == 1
     assert f"FAIL shard {d['shard']}" in capsys.readouterr().out
     other = "wds" if layout == "zarr" else "zarr"

@@ -25,10 +25,11 @@ anyway): ``index``, the record's index entry says what the record says (``record
 decides what is read); ``names``, every name it holds is one readers follow (``names.record_problems``); and
 ``extent``, the layout's check that the record's tokens and sample boundaries are what its files hold
 (``Layout.check_extent``: a zarr record's lengths against the payload checksum it lists for its ``offsets`` chunk,
-a wds record's against the members it lists), so boundaries shifted inside a record are refused before a byte is
-read. Where a record lists no such checksum (format version 1), the loss_mask a reader reads anyway is held to the
-record's ``loss_tokens`` per sample served (``served_problem``): a boundary moved across masked tokens is refused,
-one moved inside a prompt is left to ``verify``, which reads the offsets array itself. What copies a shard whole
+or, where a record lists no such checksum (format version 1), against its ``offsets`` array read then (one small
+object); a wds record's against the members it lists), so boundaries shifted inside a record are refused before
+a feature byte is read. The loss_mask a reader reads anyway is held to the record's ``loss_tokens`` per sample
+served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused. What copies
+a shard whole
 (``convert``) holds every sample of it so before writing any (``Store.check_shard``), and a scan's window is held
 so before any of it is handed on. Also ``verify``'s alone:
 bytes readers never read (a file's checksum over its whole object, a tar's bytes outside its listed members).

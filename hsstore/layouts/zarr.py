@@ -190,8 +190,8 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     """Refuse (before any buffer is sized from it) a record whose token count its chunks cannot hold: it must
     list exactly ``ceil(n_tokens / chunk_tokens)`` chunks of ``input_ids``; and one whose sample lengths are not
     the boundaries its shard holds: the payload CRC32C it lists for its ``offsets`` chunk (format version 2 on)
-    must be that of the offsets its lengths make, computed from the record alone (no read). Checked once per
-    record object."""
+    must be that of the offsets its lengths make, computed from the record alone (no read); a version-1 record,
+    which lists no such checksum, is held to its ``offsets`` array, read. Checked once per record object."""
     if getattr(rec, "_extent_ok", False):
         return
     ct = src.manifest.chunk_tokens
@@ -203,12 +203,26 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
                               f"{want:,} chunks of input_ids, and lists {listed:,} (forged or damaged record; run "
                               "hsstore verify)")
     key = chunk_key(f"{shard_path(rec.shard)}/offsets", 0, 1)
-    if rec.binds_chunks and (key not in rec.files or rec.files[key]["crc32c"] != codec.crc32c(
-            rec.offsets.astype("<i8").tobytes())):
+    if rec.binds_chunks:
+        same = key in rec.files and rec.files[key]["crc32c"] == codec.crc32c(rec.offsets.astype("<i8").tobytes())
+    else:  # format version 1 lists no checksum that binds the lengths: its offsets array is read (one small object)
+        same = key in rec.files and np.array_equal(_stored_offsets(src, rec, key), rec.offsets)
+    if not same:
         raise CorruptionError(f"shard {rec.shard!r}: field 'samples.length': the sample boundaries its lengths make "
                               f"are not those of its {key} (lengths shifted within the record; forged or damaged "
                               "record)")
     rec._extent_ok = True
+
+
+def _stored_offsets(src: ShardSource, rec: CommitRecord, key: str) -> np.ndarray:
+    """A shard's ``offsets`` array as stored, read through the door at the size its record lists."""
+    fs, root, _ = src.locate(rec.shard)
+    try:
+        blob = door.read(fs, root, key, bound=file_bound(src.manifest, rec, key), size=rec.files[key]["size"])
+        return codec.ChunkCodec("none").decode(blob, np.dtype("<i8"), rec.n_samples + 1, where=key,
+                                               expect=rec.chunk_checksum(key))
+    except (OSError, StoreError) as e:
+        raise CorruptionError(f"shard {rec.shard!r}: {key} unreadable ({type(e).__name__}: {e})") from None
 
 
 def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
