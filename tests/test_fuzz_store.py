@@ -200,3 +200,40 @@ def test_a_forger_never_reads_a_link_an_earlier_mutation_planted(tmp_path):
     (tmp_path / "journal.json").symlink_to("/dev/zero")
     with pytest.raises(ValueError, match="not a plain JSON file"):
         fuzz_metadata.load_plain(tmp_path / "journal.json")
+
+
+def test_the_forging_process_never_writes_through_a_link_it_planted(tmp_path):
+    """Once ``guard_forging`` runs (the fuzzer's forging process), a file under the work folder is not opened for
+    writing, appended to or truncated through a link (an earlier mutation's), while plain files there and reads
+    through links still work: a forger's later mutation wrote an end record through a link to /etc/passwd. In a
+    child process: the audit hook it installs is for the life of the process."""
+    import subprocess
+    import sys
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's\n")
+    work = tmp_path / "work"
+    (work / "d").mkdir(parents=True)
+    (work / "end.json").symlink_to(outside)
+    (work / "linked").symlink_to(tmp_path)
+    code = f"""
+import os
+from pathlib import Path
+from tools.fuzz_oracles import guard_forging
+w = Path({str(work)!r})
+guard_forging(w)
+(w / "d" / "plain.json").write_text("{{}}")
+assert (w / "end.json").read_text() == "the user's\\n"
+for attempt in (lambda: (w / "end.json").write_text("{{}}"), lambda: open(w / "end.json", "a").write("x"),
+                lambda: os.truncate(w / "end.json", 0), lambda: (w / "linked" / "new.txt").write_text("x"),
+                lambda: os.open(w / "end.json", os.O_WRONLY)):
+    try:
+        attempt()
+    except PermissionError:
+        continue
+    raise SystemExit("written through a link")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert outside.read_text() == "the user's\n" and not (tmp_path / "new.txt").exists()

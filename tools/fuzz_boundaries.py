@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools import fuzz_metadata
-from tools.fuzz_oracles import (DEADLINES, FAST, HOSTILE_JSON, json_edit, link_or_odd, plain_file,
+from tools.fuzz_oracles import (DEADLINES, FAST, HOSTILE_JSON, PASSWD, json_edit, link_or_odd, plain_file,
                                 replace_path)
 
 FAMILIES = ("http", "s3", "engine", "drafter", "run", "peer", "config")
@@ -134,6 +134,7 @@ def plant_sentinel(d: Path) -> Path:
     s = d / "sentinel"
     (s / "victim").mkdir(parents=True)
     (s / "secret").write_bytes(b"sentinel: never read, never written\n" * 100)
+    (s / "passwd").write_bytes(PASSWD)  # what a link "to /etc/passwd" points at
     for name in ("a.txt", "b.bin"):
         (s / "victim" / name).write_bytes(b"the user's own file\n")
     return s

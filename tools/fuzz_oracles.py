@@ -191,9 +191,13 @@ def replace_path(p: Path, make: Callable[[Path], None]) -> None:
     make(p)
 
 
+PASSWD = b"root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n"
+
+
 def link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
-    """``p`` made a link (to the sentinel's secret or victim folder, /dev/zero, /etc/passwd), a FIFO, or sparse
-    and huge."""
+    """``p`` made a link (to the sentinel's secret or victim folder, /dev/zero, the sentinel's stand-in for
+    /etc/passwd: never the machine's own, which a command's bug or the forger's would change for real), a FIFO, or
+    sparse and huge."""
     kind = rng.choice(["secret", "victim", "zero", "passwd", "fifo", "huge"])
     if kind == "huge":
         if p.is_file():
@@ -201,9 +205,41 @@ def link_or_odd(rng: random.Random, p: Path, sentinel: Path) -> str:
             return f"huge {p.name}"
         kind = "fifo"
     target = {"secret": sentinel / "secret", "victim": sentinel / "victim", "zero": Path("/dev/zero"),
-              "passwd": Path("/etc/passwd")}.get(kind)
+              "passwd": sentinel / "passwd"}.get(kind)
     replace_path(p, os.mkfifo if kind == "fifo" else (lambda q: os.symlink(target, q)))
     return f"{kind} at {p.name}"
+
+
+def guard_forging(work: Path) -> None:
+    """From now on in this process (the one that forges cases), a file under ``work`` is never opened for writing
+    nor truncated through a link: a later mutation of a case writing where an earlier one planted a link (to the
+    sentinel, or to a system file) raises ``PermissionError``, which the forge names, instead of writing through
+    it (an end record planted through a link an earlier mutation had made overwrote /etc/passwd). The drivers,
+    which run hsstore's commands, have no such guard: what they write through a link is what the sentinels catch."""
+    root = os.path.realpath(work)
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and bool(flags & writes))
+        elif event == "os.truncate":
+            path, writing = args[0], True
+        else:
+            return
+        if not writing or not isinstance(path, (str, os.PathLike)):
+            return
+        p = os.path.abspath(os.fspath(path))
+        if not p.startswith(root + os.sep):
+            return
+        cur = root
+        for part in p[len(root) + 1:].split(os.sep):
+            cur = os.path.join(cur, part)
+            if os.path.islink(cur):
+                raise PermissionError(f"{p}: not written through the link {cur} (an earlier mutation)")
+
+    sys.addaudithook(hook)
 
 
 def plain_file(p: Path) -> bool:

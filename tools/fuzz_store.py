@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tools.fuzz_metadata import METADATA
-from tools.fuzz_oracles import COMMAND_S, HOSTILE, item_digest, run_command, set_random, tree_digest
+from tools.fuzz_oracles import (COMMAND_S, HOSTILE, PASSWD, guard_forging, item_digest, run_command, set_random,
+                                 tree_digest)
 
 
 
@@ -153,7 +154,7 @@ def m_link(rng, store: Path, sentinel: Path) -> str:
     outside.parent.mkdir(parents=True, exist_ok=True)
     if not outside.exists():
         shutil.copytree(p, outside) if p.is_dir() else shutil.copy2(p, outside)
-    target = rng.choice([outside, sentinel / "secret", Path("/dev/zero"), Path("/etc/passwd")])
+    target = rng.choice([outside, sentinel / "secret", Path("/dev/zero"), sentinel / "passwd"])
     shutil.rmtree(p) if p.is_dir() else p.unlink()
     os.symlink(target, p)
     return f"link {p.relative_to(store)} -> {target}"
@@ -275,6 +276,7 @@ def forge(base: dict, work: Path, case: int, seed: int, families: tuple[str, ...
     shutil.copytree(base[layout], store, symlinks=True)
     sentinel.mkdir(parents=True)
     (sentinel / "secret").write_bytes(b"sentinel: never read into a store, never written\n" * 100)
+    (sentinel / "passwd").write_bytes(PASSWD)  # what a link "to /etc/passwd" points at
     done = [_apply(name, rng, store, sentinel) for name in rng.sample(sorted(MUTATORS), rng.randint(1, 3))]
     return {"case": case, "dir": str(d), "layout": layout, "mutations": done, "sentinel": tree_digest(sentinel)}
 
@@ -382,6 +384,7 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     own = work is None
     w = Path(work or tempfile.mkdtemp(prefix="hsstore-fuzz-"))
     w.mkdir(parents=True, exist_ok=True)
+    guard_forging(w)
     t0 = time.perf_counter()
     base = make_base(w)
     if set(families) - {"store"}:
