@@ -241,7 +241,7 @@ def test_shifted_boundaries_of_a_record_without_an_offsets_checksum_are_refused_
 def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tmp_path, capsys, layout, rule):
     """A record whose second sample's loss tokens are not what its loss_mask holds (the record forged, its checksums
     intact): ``verify`` refuses the shard, the loader refuses the sample, and ``convert``, which copies a shard whole,
-    refuses it in one line before writing any of its samples."""
+    ``copy`` and ``merge``, which hand its files on as they are, refuse it in one line before writing any of it."""
     url, dst = str(tmp_path / "s"), str(tmp_path / "d")
     samples = make_samples(8, min_len=20, max_len=21)
     for s in samples:
@@ -261,6 +261,10 @@ def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tm
     one_line(capsys.readouterr().err, f"rule '{rule}'", d["shard"], d["samples"]["sample_id"][1])
     written = [p.stem for p in Path(dst, "commits").glob("*.json")] if Path(dst, "commits").is_dir() else []
     assert d["shard"] not in written
+    for argv in (["copy", url, str(tmp_path / "c"), "-q"], ["merge", str(tmp_path / "m"), url, "-q"]):  # files as
+        assert main(argv) == 2  # they are: the mask (a byte a token) read and held to the record, nothing written
+        one_line(capsys.readouterr().err, f"rule '{rule}'", d["shard"])
+        assert not list(Path(argv[2] if argv[0] == "copy" else argv[1]).glob("commits/*.json"))
 
 
 # -- index columns that disagree with their record ---------------------------------------------------------------

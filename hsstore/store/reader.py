@@ -163,6 +163,14 @@ class Store:
         for k in range(len(off) - 1):
             self.check_served(base + k, mask[int(off[k]):int(off[k + 1])])
 
+    def check_loss_tokens(self, shard_name: str) -> None:
+        """A shard's loss_mask (its token arrays only: a byte per token) read and every sample held to its record
+        (``check_shard``): what hands a shard on without reading its samples (``merge``, ``copy``) asks this
+        before the first write, so a record whose loss tokens its mask does not hold goes nowhere."""
+        rec = self.record(shard_name)
+        _, mask, _ = self.read_range(rec.shard, 0, rec.n_tokens, [])
+        self.check_shard(self._by_name[shard_name], mask)
+
     def admitted(self, shard_name: str) -> CommitRecord:
         """The commit record of a committed shard, admitted (``admit_shard``)."""
         rec = self.record(shard_name)
