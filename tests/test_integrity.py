@@ -391,8 +391,8 @@ def test_merge_by_reference_and_copy_keep_binding_and_old_records_upgrade(tmp_pa
     c = str(tmp_path / "c2")
     b0, b1 = hsstore.open(b).commits[:2]
     swap(os.path.join(b, chunk_key(b0, "input_ids", 0)), os.path.join(b, chunk_key(b1, "input_ids", 0)))
-    with pytest.raises(CorruptionError, match=rf"shard {b0.shard}, file {chunk_key(b0, 'input_ids', 0)}"):
-        merge(c, [b], by="copy", progress=False)
+    with pytest.raises(CorruptionError, match=rf"shard '?{b0.shard}'?, file {chunk_key(b0, 'input_ids', 0)}"):
+        merge(c, [b], by="copy", progress=False)  # (refused as its token arrays are read, before any copy)
 
 
 def test_convert_and_subset_write_content_checksums(tmp_path):
