@@ -33,7 +33,11 @@ def test_every_mutator_forges_something(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_fuzz_run_finds_nothing(tmp_path):
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
     result = fuzz_store.run(cases=40, seed=36, work=str(tmp_path / "fuzz"))
+    assert resource.getrlimit(resource.RLIMIT_AS) == before  # the command caps its own process, not a caller's
     t = result["totals"]
     assert t["cases"] == 40 and t["commands"] == 40 * 9
     assert t["refused"] > 0  # the forgeries were refused, not silently read

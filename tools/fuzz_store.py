@@ -352,6 +352,17 @@ def driver_main(cases_file: str) -> None:
 DRIVER_AS = 8 << 30  # the driver's address space (torch and the commands need ~1 GB)
 
 
+def _cap_forging_memory() -> None:
+    """The command's own process forges every case: a forger that reads what a mutation planted (a link to
+    /dev/zero) must fail as a MemoryError the forge names, not take the machine's memory. Only the command's
+    process: ``run`` called in a test process must leave that process's limits alone."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    cap = DRIVER_AS if hard == resource.RLIM_INFINITY else min(DRIVER_AS, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
 def _cap_memory() -> None:
     import resource
 
@@ -374,13 +385,6 @@ def run(cases: int, seed: int = 0, work: str | None = None, per_driver: int = 25
     a run reported is forged again bit for bit: how a failure is looked at alone)."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-    import resource
-
-    # this process forges every case: a forger that reads what a mutation planted (a link to /dev/zero) must fail
-    # as a MemoryError the forge names, not take the machine's memory
-    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    cap = DRIVER_AS if hard == resource.RLIM_INFINITY else min(DRIVER_AS, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     own = work is None
     w = Path(work or tempfile.mkdtemp(prefix="hsstore-fuzz-"))
     w.mkdir(parents=True, exist_ok=True)
@@ -475,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not families:
         p.error(f"unknown families {unknown} (known: {', '.join(FAMILIES)})")
     only = [int(x) for x in args.only.split(",") if x.strip()] if args.only else None
+    _cap_forging_memory()
     result = run(args.cases, args.seed, args.work, families=families, jobs=args.jobs, only=only)
     if args.json:
         print(json.dumps(result, indent=2))
