@@ -206,7 +206,7 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     if rec.binds_chunks:
         same = key in rec.files and rec.files[key]["crc32c"] == codec.crc32c(rec.offsets.astype("<i8").tobytes())
     else:  # format version 1 lists no checksum that binds the lengths: its offsets array is read (one small object)
-        same = key in rec.files and np.array_equal(_stored_offsets(src, rec, key), rec.offsets)
+        same = key in rec.files and np.array_equal(_offsets_read(src, rec, key), rec.offsets)
     if not same:
         raise CorruptionError(f"shard {rec.shard!r}: field 'samples.length': the sample boundaries its lengths make "
                               f"are not those of its {key} (lengths shifted within the record; forged or damaged "
@@ -214,15 +214,22 @@ def check_extent(src: ShardSource, rec: CommitRecord) -> None:
     rec._extent_ok = True
 
 
-def _stored_offsets(src: ShardSource, rec: CommitRecord, key: str) -> np.ndarray:
-    """A shard's ``offsets`` array as stored, read through the door at the size its record lists."""
+def _offsets_read(src: ShardSource, rec: CommitRecord, key: str) -> np.ndarray:
+    """``stored_offsets`` of a shard for the extent rule, a read that fails as the rule's ``CorruptionError``."""
     fs, root, _ = src.locate(rec.shard)
     try:
-        blob = door.read(fs, root, key, bound=file_bound(src.manifest, rec, key), size=rec.files[key]["size"])
-        return codec.ChunkCodec("none").decode(blob, np.dtype("<i8"), rec.n_samples + 1, where=key,
-                                               expect=rec.chunk_checksum(key))
+        return stored_offsets(fs, root, src.manifest, rec, key)
     except (OSError, StoreError) as e:
         raise CorruptionError(f"shard {rec.shard!r}: {key} unreadable ({type(e).__name__}: {e})") from None
+
+
+def stored_offsets(fs, root: str, m: Manifest, rec: CommitRecord, key: str) -> np.ndarray:
+    """A shard's ``offsets`` array as stored (``key``: its one chunk), read through the door at the size its record
+    lists and decoded by hsstore's bounded codec: what the extent rule of a version-1 record and ``verify`` compare
+    with the record's lengths."""
+    blob = door.read(fs, root, key, bound=file_bound(m, rec, key), size=rec.files[key]["size"])
+    return codec.ChunkCodec("none").decode(blob, np.dtype("<i8"), rec.n_samples + 1, where=key,
+                                           expect=rec.chunk_checksum(key))
 
 
 def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers: Sequence[int], ids: np.ndarray,
@@ -681,9 +688,7 @@ def _check_token_arrays(src: ShardSource, rec: CommitRecord, report: VerifyRepor
     name, base = rec.shard, shard_path(rec.shard)
     key = chunk_key(f"{base}/offsets", 0, 1)
     try:
-        blob = door.read(fs, root, key, bound=file_bound(src.manifest, rec, key), size=rec.files[key]["size"])
-        offsets = codec.ChunkCodec("none").decode(blob, np.dtype("<i8"), rec.n_samples + 1, where=key,
-                                                  expect=rec.chunk_checksum(key))
+        offsets = stored_offsets(fs, root, src.manifest, rec, key)
         mask = read_plain(fs, root, src.manifest, rec, "loss_mask", np.dtype("|u1"))
     except (OSError, StoreError) as e:
         report.problems.append(Problem(name, f"token arrays unreadable: {type(e).__name__}: {e}"))
