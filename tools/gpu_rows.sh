@@ -19,7 +19,8 @@
 # holds it), within the part's 530 s:
 #
 # part 1
-#   demo     `hsstore demo --device cpu`: the target, store and trained drafter the eval row decodes with (~70 s)
+#   demo     `hsstore demo --device cpu`: the target, store and trained drafter the eval row decodes with (~70 s);
+#            DEMO_DIR names a demo folder made on this machine already (the smoke's, which chose the CPU too) instead
 #   eval     `eval --model` on the GPU, demo's target + drafter vs the target alone, three modes alternating over 2
 #            rounds: graphs (eval's default now: the drafter's step as one CUDA graph, the verified block through
 #            the delta rule's one-kernel recurrent form), chunk (the graph, the chunked form) and eager (before);
@@ -86,9 +87,14 @@ else
 fi
 
 if [[ $PART == 1 ]]; then
-    rm -rf "$S/demo"
-    run demo 150 "${DEMO[@]}"
-    run eval "$(at_most 220)" python3 -m tools.bench_eval "$S/demo" --device "$DEVICE" --json "${EVAL[@]}"
+    D=$S/demo
+    if [[ -n ${DEMO_DIR:-} && -e $DEMO_DIR/.hsstore-demo ]]; then  # a demo this machine made already (the smoke's)
+        D=$DEMO_DIR; echo "== demo: the one in $D (DEMO_DIR)" >&2
+    else
+        rm -rf "$D"
+        run demo 150 "${DEMO[@]}"
+    fi
+    run eval "$(at_most 220)" python3 -m tools.bench_eval "$D" --device "$DEVICE" --json "${EVAL[@]}"
     run drafter "$(at_most 150)" python3 -m tools.bench_attention --device "$DEVICE" --pointwise fused fused fused \
         --json "${DRAFTER[@]}"
     if python3 -c "import pytest" 2>/dev/null && [[ $DEVICE == cuda && $(left) -gt 40 ]]; then
