@@ -60,7 +60,7 @@ def shown(encoding: str) -> str:
 
 def hsstore(*argv: str, threads: int = 1, capture: bool = False) -> str:
     """``hsstore ARGV`` in a child process (its own memory and threads); its stdout when ``capture``."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HSSTORE_EVAL_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, "-m", "hsstore", *argv], env=env, text=True,
                           stdout=subprocess.PIPE if capture else None)
     if done.returncode:
@@ -211,11 +211,13 @@ def train_and_eval(args, enc: str, seed: int, store: str, heldout_store: str, ta
     hsstore("train", "--store", store, "--out", str(run), "--steps", str(args.steps), *TRAIN_FLAGS, "--seed",
             str(seed), "--device", args.device, "--cpu-threads", str(args.cpu_threads), "-q", threads=args.cpu_threads)
     t1 = time.perf_counter()
-    tf = json.loads(hsstore("eval", "--store", heldout_store, "--drafter", str(run), "--device", args.device, "--json",
-                            "-q", capture=True, threads=args.cpu_threads))
+    tf = json.loads(hsstore("eval", "--store", heldout_store, "--drafter", str(run), "--device", args.device,
+                            "--cpu-threads", str(args.cpu_threads), "--json", "-q", capture=True,
+                            threads=args.cpu_threads))
     spec = json.loads(hsstore("eval", "--store", store, "--drafter", str(run), "--model", str(target), "--input",
                               str(prompts), "--num-samples", str(EVAL_SAMPLES), *EVAL_FLAGS, "--device", args.device,
-                              "--json", "-q", capture=True, threads=args.cpu_threads))
+                              "--cpu-threads", str(args.cpu_threads), "--json", "-q", capture=True,
+                              threads=args.cpu_threads))
     out = {"encoding": enc, "seed": seed, "train": last_metrics(run), "train_s": round(t1 - t0, 1),
            "eval_s": round(time.perf_counter() - t1, 1), "tf_tau": tf["tau"],
            "spec_tau": spec.get("tau_per_prompt", spec.get("tau")),
