@@ -192,3 +192,25 @@ def test_an_unhealthy_arrival_stops_training_with_one_line_and_a_checkpoint(tiny
     assert "\n" not in line and shard in line and "'zeros', layer" in line and "all zero" in line
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert (run / "checkpoints" / f"step_{steps[-1]:08d}" / "trainer.json").exists()  # what was trained is kept
+
+
+def test_a_resume_on_fewer_ranks_truncates_the_departed_ranks_logs_and_leaves_its_own_ranks_logs_to_them(tmp_path):
+    """Resumed at step 2 on one rank after a run of three: rank 0 drops the steps after 2 from the logs of ranks 1
+    and 2, which no rank of this run writes (their epoch-0 ids would be counted twice at the end otherwise), and
+    never rewrites its own rank's log, which its MetricsLog truncates (one writer a file)."""
+    from hsstore.train.follow import Following, TrainedIds
+
+    def line(step, ids):
+        return json.dumps({"step": step, "epoch": 0, "samples": ids}) + "\n"
+
+    for r in range(3):
+        (tmp_path / f"samples.rank{r:05d}.jsonl").write_text("".join(line(s, [f"r{r}s{s}"]) for s in (1, 2, 3)))
+    own = tmp_path / "samples.rank00000.jsonl"
+    before = own.stat().st_ino
+    following = Following(journal=None, options=None, leader=None, trained=TrainedIds(tmp_path))
+    following.resumed_at(2, rank=0, world=1)
+    assert own.stat().st_ino == before and "r0s3" in own.read_text()  # its own rank's: left to MetricsLog
+    counts = following.trained.counts()
+    assert counts["r1s2"] == counts["r2s2"] == 1 and counts["r1s3"] == counts["r2s3"] == 0
+    following.resumed_at(2, rank=1, world=1)  # only rank 0 truncates
+    assert "r0s3" in own.read_text()

@@ -29,7 +29,7 @@ from hsstore.loader.follow import Follow, Journal, Leader
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from .metrics import SAMPLES_NAME, truncate_jsonl
+from .metrics import SAMPLES_FILE, SAMPLES_NAME, truncate_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,14 @@ class TrainedIds:
         """Every rank's samples log, a run of another world size's too."""
         return sorted(n for n in os.listdir(self.folder) if SAMPLES_NAME.fullmatch(n))
 
-    def truncate(self, step: int) -> None:
-        """Lines after ``step`` dropped from every rank's log (rank 0, on a resume, before its first step: the
-        resumed run trains them again; the logs of ranks a run of another world size had are not their own
-        rank's any more)."""
+    def truncate_departed(self, step: int, world: int) -> None:
+        """Lines after ``step`` dropped from the logs of ranks this run does not have (rank 0, on a resume, before
+        its first step: a run of another world size wrote them, and the resumed run trains those steps again).
+        The logs of ranks 0..world-1 are their own rank's to truncate (``MetricsLog.truncate``): one writer a file."""
+        own = {SAMPLES_FILE.format(r) for r in range(world)}
         for name in self.files():
-            truncate_jsonl(self.folder / name, step)
+            if name not in own:
+                truncate_jsonl(self.folder / name, step)
 
     def counts(self) -> collections.Counter[str]:
         """How often each sample id was trained in epoch 0, over every rank's log (``ValueError``, one line naming
@@ -152,11 +154,12 @@ class Following:
         if self.leader is not None:
             self.leader.stop()
 
-    def resumed_at(self, step: int, rank: int) -> None:
-        """The run starts after ``step``: rank 0 drops what every rank's record holds after it, before any rank's
-        first step (what the run trains from here on is added)."""
+    def resumed_at(self, step: int, rank: int, world: int) -> None:
+        """The run starts after ``step``: rank 0 drops what the records of ranks this run lacks hold after it,
+        before any rank's first step (each rank of this run drops its own; what the run trains from here on is
+        added)."""
         if rank == 0:
-            self.trained.truncate(step)
+            self.trained.truncate_departed(step, world)
 
     def tally(self, settings, rank: int, world: int) -> "Tally | None":
         """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run, once every rank's

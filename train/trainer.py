@@ -147,7 +147,7 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     metrics = MetricsLog(out, rank, device, settings.output.log_samples or following is not None)
     metrics.truncate(step)
     if following is not None:
-        following.resumed_at(step, rank)
+        following.resumed_at(step, rank, world)
     if rank == 0:
         rundir.record(out, checkpoints.config_json, flags, stores, device, resumed)
         if settings.output.report_to:
