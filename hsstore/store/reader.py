@@ -161,8 +161,8 @@ class Store:
             self.check_served(base + k, mask[int(off[k]):int(off[k + 1])])
 
     def check_loss_tokens(self, shard_name: str) -> None:
-        """A shard's loss_mask (its token arrays only: a byte per token) read and every sample held to its record
-        (``check_shard``): what hands a shard on without reading its samples (``merge``, ``copy``) asks this
+        """A shard's token arrays (input_ids and loss_mask, a small part of its bytes beside the features) read
+        and every sample held to its record (``check_shard``): what hands a shard on without reading its samples (``merge``, ``copy``) asks this
         before the first write, so a record whose loss tokens its mask does not hold goes nowhere."""
         rec = self.record(shard_name)
         _, mask, _ = self.read_range(rec.shard, 0, rec.n_tokens, [], scales_out=self.new_scales(0, rec.n_tokens))
