@@ -162,8 +162,9 @@ class Store:
 
     def check_loss_tokens(self, shard_name: str) -> None:
         """A shard's token arrays (input_ids and loss_mask, a small part of its bytes beside the features) read
-        and every sample held to its record (``check_shard``): what hands a shard on without reading its samples (``merge``, ``copy``) asks this
-        before the first write, so a record whose loss tokens its mask does not hold goes nowhere."""
+        and every sample held to its record (``check_shard``): what hands a shard on without reading its samples
+        (``merge``, ``copy``) asks this before the first write, so a record whose loss tokens its mask does not hold
+        goes nowhere."""
         rec = self.record(shard_name)
         _, mask, _ = self.read_range(rec.shard, 0, rec.n_tokens, [], scales_out=self.new_scales(0, rec.n_tokens))
         self.check_shard(self._by_name[shard_name], mask)
