@@ -53,13 +53,14 @@ def synthetic_samples(total_bytes: int, layers: int, hidden: int, seed: int = 0,
 
 
 def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr", encoding: str = "raw") -> Manifest:
-    """The synthetic store's manifest; every encoding keeps bf16's chunk grid, so two encodings' stores of the
-    same samples split their tokens alike."""
+    """The synthetic store's manifest: bf16 features in ``encoding``, chunked as an extraction in that encoding
+    chunks them (about 16 MiB per layer chunk of stored rows)."""
+    enc = encodings.get(encoding)
     return Manifest(
         target=TargetIdentity(name="bench", num_layers=max(64, layers), hidden_size=hidden, config_hash="bench"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"),
-        layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2), layout=layout,
-        encoding=encoding)
+        layers=tuple(range(layers)), codec=codec, layout=layout, encoding=encoding,
+        chunk_tokens=default_chunk_tokens(enc.width(hidden), enc.storage_dtype("bfloat16").itemsize))
 
 
 def write_bench_store(store_url: str, manifest: Manifest, storage_options: dict[str, Any], samples) -> None:
@@ -650,12 +651,25 @@ def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict
     return {"mode": mode, **_per_rank_row(sorted(results.get() for _ in ts))}
 
 
+def _source_epoch_row(epoch: int, got: list[tuple], files: list[str] | None, cold: bool) -> dict[str, Any]:
+    """One epoch's row from its ranks' ``(epoch, rank, bytes, seconds, cpu seconds, tokens)``; with the local
+    ``files`` (None: a remote store), the raw baseline of as many readers beside it (the ranks wait at the next
+    epoch's barrier meanwhile)."""
+    row = {"epoch": epoch, **_per_rank_row([(r, b, s, c) for _, r, b, s, c, _ in got]),
+           **_token_row([(r, n, s, c) for _, r, _, s, c, n in got])}
+    if files is not None:
+        row["raw"] = {m: raw_source_pass(files, len(got), m, cold) for m in RAW_MODES}
+        row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
+                             "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
+                         for m, r in row["raw"].items()}
+    return row
+
+
 def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      reading: Reading = Reading(), progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES, token_budget: int = 0, encoding: str = "raw",
-                     ) -> dict[str, Any]:
+                     token_budget: int = 0, encoding: str = "raw") -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would: items, or
     with ``token_budget`` the padded ``TokenBatches`` of that many tokens a trainer takes (``reading.pin_memory``:
     pinned, as the trainer's on a GPU; the bytes counted are the samples' features, not the padding).
@@ -669,13 +683,11 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
     remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written.
 
-    ``encoding``: the store's feature encoding, of the same bf16 samples (``size_mb`` their bf16 megabytes), so
-    two encodings' runs read the same tokens. The bytes the ranks hand over are then the stored ones (codes and
-    scales, what crosses to the trainer's device), so GB/s alone does not compare encodings: every epoch also
-    reports tokens/s (in all, per rank and the slowest's) and CPU-seconds per million tokens, and the result the
-    feature bytes handed over and the store's bytes per token.
+    ``encoding``: the store's, of the same bf16 samples (``size_mb``: their megabytes); the ranks hand over its
+    stored bytes (codes and scales: what crosses to the device), so every epoch also reports tokens/s and
+    CPU-seconds per million tokens, which compare encodings, and the result the bytes per token.
 
-    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``raw_modes``): the
+    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``RAW_MODES``): the
     store's files read by as many readers with plain sequential reads after the same page-cache drop, and
     ``vs_raw`` = the loader's GB/s / the raw GB/s (in all and for the slowest rank), so a low figure tells the
     disk's limit from the loader's."""
@@ -713,13 +725,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
             got = sorted(results.get(timeout=3600) for _ in ps)
             done.wait(timeout=3600)
             after = counters() if counters else {}
-            row = {"epoch": e, **_per_rank_row([(r, b, s, c) for _, r, b, s, c, _ in got]),
-                   **_token_row([(r, n, s, c) for _, r, _, s, c, n in got])}
-            if backend_for(fs).local_paths:  # the ranks wait at the next epoch's barrier meanwhile
-                row["raw"] = {m: raw_source_pass(files, procs, m, cold) for m in raw_modes}
-                row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
-                                     "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
-                                 for m, r in row["raw"].items()}
+            row = _source_epoch_row(e, got, files if backend_for(fs).local_paths else None, cold)
             if counters:
                 row["remote_bytes"] = after.get("remote_bytes", 0) - before.get("remote_bytes", 0)
                 row["max_in_flight"] = after.get("max_in_flight")
@@ -729,9 +735,9 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         bar.close()
         for p in ps:
             p.join()
-        assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
-        assert all(r["tokens"] == store.num_tokens for r in rows), ([r["tokens"] for r in rows], store.num_tokens)
         tokens = store.num_tokens
+        assert all(r["bytes"] == nbytes and r["tokens"] == tokens for r in rows), (
+            [(r["bytes"], r["tokens"]) for r in rows], nbytes, tokens)
     finally:
         _remove(fs, storage.join(root, run))
     return {"source": {"url": url, "procs": procs, "prefetch": reading.prefetch, "cold": cold,
