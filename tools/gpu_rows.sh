@@ -37,6 +37,7 @@
 #            the whole steps, AdamW's moments included), tokens/s of steps 3..; OUT on /dev/shm (the last
 #            checkpoint: 24 GB)
 #   source8  8 loader ranks, warm page cache, 4 GB, 3 epochs, beside plain reads of the same files (hsstore bench)
+#   source8-nvfp4  the same samples stored nvfp4 (--encoding nvfp4): tokens/s and CPU-s per M tokens beside source8's
 #   extract  extraction, 27B architecture, 5 taps, writer process, eager then compiled (tools.bench_extract)
 set -u
 PART=${1:?PART: 1 or 2}
@@ -112,6 +113,9 @@ elif [[ $PART == 2 ]]; then
     cp "$OUTDIR/metrics.jsonl" "$R/train.metrics.jsonl" 2>/dev/null
     rm -rf "$OUTDIR" "$S/store"
     run source8 "$(at_most 70)" python3 -m hsstore bench "$S/source" --what source "${SRC[@]}" --quiet --json
+    rm -rf "$S/source"
+    run source8-nvfp4 "$(at_most 60)" python3 -m hsstore bench "$S/source" --what source "${SRC[@]}" \
+        --encoding nvfp4 --quiet --json
     rm -rf "$S/source"
     if [[ $DEVICE == cuda ]]; then
         run extract "$(at_most 240)" python3 -m tools.bench_extract --out "$S/bench-extract" --modes extract_process \
@@ -196,12 +200,14 @@ else:
         print(f"train: {len(rows)} steps, tokens/s (steps 3..) median {statistics.median(later):,.0f}; peak "
               f"{peak:.1f} GiB" + (f" vs estimate {est.group(1)} GiB: estimate/peak {float(est.group(1)) / peak:.3f}"
                                   if est and peak else ""))
-    s = load("source8")
-    for e in (s or {}).get("source", {}).get("epochs", []):
-        raw = e["raw"]["read"]
-        print(f"source8 epoch {e['epoch']}: {e['total_gbps']:.2f} GB/s, slowest rank {e['min_rank_gbps']:.2f}, "
-              f"{e['cpu_s_per_gb']:.3f} CPU-s/GB; plain {raw['total_gbps']:.2f} GB/s; loader/plain "
-              f"{e['vs_raw']['read']['total']:.2f}")
+    for name in ("source8", "source8-nvfp4"):
+        s = load(name)
+        for e in (s or {}).get("source", {}).get("epochs", []):
+            raw = e["raw"]["read"]
+            print(f"{name} epoch {e['epoch']}: {e['total_gbps']:.2f} GB/s, slowest rank {e['min_rank_gbps']:.2f}, "
+                  f"{e['cpu_s_per_gb']:.3f} CPU-s/GB; plain {raw['total_gbps']:.2f} GB/s; loader/plain "
+                  f"{e['vs_raw']['read']['total']:.2f}; {e['tokens_per_s'] / 1e6:.2f} M tokens/s, slowest rank "
+                  f"{e['min_rank_tokens_per_s'] / 1e6:.2f}, {e['cpu_s_per_mtok']:.2f} CPU-s/M tokens")
     x = load("extract")
     if x:
         for m, v in x.get("tokens_per_s", {}).items():

@@ -170,13 +170,16 @@ def cmd_bench(args) -> int:
     settings = from_args(BenchSettings, args)
     st, run, ld, src = settings.store, settings.run, settings.loader, settings.source
     options = storage.parse_storage_options(args.storage_option)
+    if st.encoding != "raw" and run.what in ("loader", "all"):
+        raise ValueError(f"--encoding {st.encoding}: the loader bench counts bf16 bytes and compares them with the "
+                         "peers' bf16 files; encodings are benched with --what store or --what source")
     if run.what == "source":
         reading = {k: v for k, v in (("cache_dir", src.cache_dir), ("cache_bytes", src.cache_bytes),
                                      ("prefetch", src.prefetch)) if v is not None}
         result = run_source_bench(st.url, options, size_mb=st.size_mb, hidden=st.hidden, layers=st.num_taps,
                                   procs=ld.procs, epochs=src.epochs, cold=ld.cold, partition=src.partition,
                                   reading=Reading(pin_memory=ld.pin_memory, **reading), progress=not args.quiet,
-                                  token_budget=ld.token_budget)
+                                  token_budget=ld.token_budget, encoding=st.encoding)
         print(json.dumps(result, indent=2) if args.json else format_source(result["source"]))
         return 0
     layouts = st.layout.split(",")
@@ -186,7 +189,7 @@ def cmd_bench(args) -> int:
         if run.what in ("store", "all"):
             part.update(run_store_bench(st.url, options, size_mb=st.size_mb, hidden=st.hidden,
                                         layers=st.num_taps, codec=st.codec, rounds=run.rounds, what=run.what,
-                                        layout=lay, progress=not args.quiet))
+                                        layout=lay, progress=not args.quiet, encoding=st.encoding))
         if run.what in ("loader", "all"):
             read_layers = tuple(int(x) for x in ld.read_layers.split(",")) if ld.read_layers else None
             part.update(run_loader_bench(st.url, options, LoaderBench(

@@ -89,6 +89,11 @@ class BenchStore:
     num_taps: int = option(5, metavar="N", old="--layers", help="tapped layers of the synthetic store")
     codec: str = option("none", help="chunk codec of the synthetic store (none, zstd[:level], blosc-zstd[:level], "
                                      "lz4)")
+    encoding: str = option("raw", choices=list(encodings.NAMES),
+                           help="feature encoding of the synthetic store (store, source; zarr): the same bf16 samples "
+                                "(--size-mb: their bf16 megabytes) encoded on the GPU when there is one, else on the "
+                                "host; source reports tokens/s and CPU-seconds per million tokens to compare "
+                                "encodings")
     layout: str = option(layout_spec.DEFAULT,
                          help=f"{', '.join(_LAYOUTS)}, or {'both' if len(_LAYOUTS) == 2 else 'several'} "
                               f"({','.join(_LAYOUTS)}: one after the other, compared)")

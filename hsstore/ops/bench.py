@@ -22,8 +22,10 @@ import torch
 from ..io import storage, transfer
 from ..io.backends import backend_for
 from ..layouts import wds
-from ..format import names
+from ..format import encodings, names
+from ..format.codec import token_bytes
 from ..format.commit import layer_array
+from ..format.encodings import Encoded
 from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from ..loader.options import Reading
 from ..store.reader import Store
@@ -50,11 +52,28 @@ def synthetic_samples(total_bytes: int, layers: int, hidden: int, seed: int = 0,
     return out
 
 
-def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr") -> Manifest:
+def bench_manifest(layers: int, hidden: int, codec: str, layout: str = "zarr", encoding: str = "raw") -> Manifest:
+    """The synthetic store's manifest: bf16 features in ``encoding``, chunked as an extraction in that encoding
+    chunks them (about 16 MiB per layer chunk of stored rows)."""
+    enc = encodings.get(encoding)
     return Manifest(
         target=TargetIdentity(name="bench", num_layers=max(64, layers), hidden_size=hidden, config_hash="bench"),
         tokenizer=TokenizerIdentity(name="bench", vocab_hash="bench"),
-        layers=tuple(range(layers)), codec=codec, chunk_tokens=default_chunk_tokens(hidden, 2), layout=layout)
+        layers=tuple(range(layers)), codec=codec, layout=layout, encoding=encoding,
+        chunk_tokens=default_chunk_tokens(enc.width(hidden), enc.storage_dtype("bfloat16").itemsize))
+
+
+def write_bench_store(store_url: str, manifest: Manifest, storage_options: dict[str, Any], samples) -> None:
+    """``samples`` (``synthetic_samples``) into a new store of ``manifest``. An encoded store's features are
+    encoded on the GPU when there is one, as extraction encodes them (the host's encoder would take longer than
+    the reads a bench times), else by the writer on the host."""
+    enc = encodings.get(manifest.encoding)
+    on_gpu = enc.quantised and torch.cuda.is_available()
+    with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
+        for sid, ids, mask, hs in samples:
+            if on_gpu:
+                hs = Encoded(*(None if t is None else t.cpu() for t in enc.encode(hs.cuda())))
+            w.add(sid, ids, mask, hs)
 
 
 def timed(fn, sync=None) -> float:
@@ -133,12 +152,16 @@ def _bar(total: int, desc: str, progress: bool, unit: str = "round"):
 
 def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                     layers: int = 5, codec: str = "none", rounds: int = 2, what: str = "store", layout: str = "zarr",
-                    progress: bool = False) -> dict[str, dict]:
+                    progress: bool = False, encoding: str = "raw") -> dict[str, dict]:
+    """Store write (an encoded store's encoding included, as ``write_bench_store`` does it) and read (decoded into
+    bf16) of the same bf16 samples, GB/s of those bf16 bytes, against plain writes and reads of the store's own
+    files."""
     fs, root = storage.resolve(url, storage_options)
     samples = synthetic_samples(size_mb << 20, layers, hidden)
     nbytes = sum(s[3].numel() * 2 for s in samples)
     run = f"bench-{uuid.uuid4().hex[:8]}"
-    manifest = bench_manifest(layers, hidden, codec, layout)
+    manifest = bench_manifest(layers, hidden, codec, layout, encoding)
+    stored = 0
     best = {"write": np.inf, "raw_write": np.inf, "raw_durable": np.inf, "read": np.inf, "raw_read": np.inf}
     local = backend_for(fs).local_paths
     bar = _bar(rounds, f"bench store ({layout})", progress)
@@ -148,14 +171,11 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
             store_url = f"{url.rstrip('/')}/{run}/store{r}"
             raw_root = storage.join(root, run, f"raw{r}")
 
-            def write_store():
-                with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
-                    for sid, ids, mask, hs in samples:
-                        w.add(sid, ids, mask, hs)
-
-            best["write"] = min(best["write"], timed(write_store))
+            best["write"] = min(best["write"], timed(lambda: write_bench_store(store_url, manifest, storage_options,
+                                                                              samples)))
             store = Store(store_url, storage_options)
             files = [storage.join(store.root, k) for c in store.commits for k in c.files]
+            stored = sum(int(f["size"]) for c in store.commits for f in c.files.values())
             blobs = transfer.cat_many(fs, files)  # byte-identical payloads for the raw write
             raw_objects = {storage.join(raw_root, f"{i:06d}"): blobs[p] for i, p in enumerate(files)}
             del blobs
@@ -189,7 +209,8 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
         w["ratio_durable"] = w["gbps"] / w["raw_durable_gbps"]
     for r in result.values():
         r["ratio"] = r["gbps"] / r["raw_gbps"]
-        r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url, "layout": layout})
+        r.update({"codec": codec, "hidden": hidden, "layers": layers, "url": url, "layout": layout,
+                  "encoding": encoding, "stored_bytes": stored})
     return result
 
 
@@ -292,10 +313,7 @@ def _write_loader_store(fs, root: str, url: str, storage_options: dict[str, Any]
     """The bench's store (and, with ``s.peers``, the same samples in the peers' layout): (store, peer files)."""
     store_url = f"{url.rstrip('/')}/{run}/store"
     samples = synthetic_samples(s.size_mb << 20, s.layers, s.hidden)
-    with StoreWriter(store_url, bench_manifest(s.layers, s.hidden, s.codec, s.layout), storage_options=storage_options,
-                     shard_bytes=256 << 20) as w:
-        for sid, ids, mask, hs in samples:
-            w.add(sid, ids, mask, hs)
+    write_bench_store(store_url, bench_manifest(s.layers, s.hidden, s.codec, s.layout), storage_options, samples)
     peer_paths = _write_peer_layout(fs, storage.join(root, run, "peer"), samples) if s.peers else []
     return Store(store_url, storage_options), peer_paths
 
@@ -455,11 +473,30 @@ def run_loader_bench(url: str, storage_options: dict[str, Any], settings: Loader
 
 
 def feature_bytes(x: dict[str, Any]) -> int:
-    """Bytes of the samples' features in an item or a batch (a padded batch's real tokens, not its padding)."""
-    h = x["hidden_states"]
-    if "lengths" in x:  # padded [B, T, L, H]
-        return int(x["lengths"].sum()) * h[0, 0].numel() * h.element_size()
-    return h.numel() * h.element_size()
+    """Bytes of the samples' features in an item or a batch (a padded batch's real tokens, not its padding): for an
+    encoded store as stored, fp8's row scales (``hidden_scales``) included, which is what crosses to the device."""
+    total = 0
+    for key in ("hidden_states", "hidden_scales"):
+        h = x.get(key)
+        if h is None:
+            continue
+        if "lengths" in x:  # padded [B, T, L, ...]
+            total += int(x["lengths"].sum()) * h[0, 0].numel() * h.element_size()
+        else:
+            total += h.numel() * h.element_size()
+    return total
+
+
+def sample_tokens(x: dict[str, Any]) -> int:
+    """Tokens of the samples in an item or a padded batch (its real tokens, not its padding)."""
+    return int(x["lengths"].sum()) if "lengths" in x else int(x["input_ids"].shape[0])
+
+
+def handed_bytes_per_token(manifest: Manifest, reading: Reading) -> int:
+    """Feature bytes per token a reader of every tap hands over: the encoding's stored row bytes (scales included)
+    per tap, or, when the host decodes (``reading.dequantise``), the manifest dtype's."""
+    encoding = "raw" if reading.dequantise else manifest.encoding
+    return token_bytes(manifest.dtype, encoding, len(manifest.layers), manifest.hidden_size)
 
 
 def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, world: int, epochs: int,
@@ -487,10 +524,12 @@ def _source_rank(store_url: str, storage_options: dict[str, Any], rank: int, wor
         ds.set_epoch(epoch)
         start.wait()
         ru, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        got = sum(feature_bytes(x) for x in src)
+        got = tokens = 0
+        for x in src:
+            got, tokens = got + feature_bytes(x), tokens + sample_tokens(x)
         secs, ru2 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
         cpu = (ru2.ru_utime - ru.ru_utime) + (ru2.ru_stime - ru.ru_stime)
-        results.put((epoch, rank, got, secs, cpu))
+        results.put((epoch, rank, got, secs, cpu, tokens))
         done.wait()
 
 
@@ -581,6 +620,17 @@ def _per_rank_row(got: list[tuple]) -> dict[str, Any]:
             "cpu_s_per_gb": sum(c for *_, c in got) / (total / 1e9), "bytes": total}
 
 
+def _token_row(got: list[tuple]) -> dict[str, Any]:
+    """Tokens/s per rank, in all (all tokens / the slowest rank's time) and CPU-s per million tokens, from
+    ``(rank, tokens, seconds, cpu seconds)`` per rank: what compares two encodings of the same samples, whose
+    bytes differ."""
+    per = [n / s for _, n, s, _ in got]
+    total = sum(n for _, n, _, _ in got)
+    return {"tokens": total, "per_rank_tokens_per_s": per, "min_rank_tokens_per_s": min(per),
+            "tokens_per_s": total / max(s for _, _, s, _ in got),
+            "cpu_s_per_mtok": sum(c for *_, c in got) / (total / 1e6)}
+
+
 def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict[str, Any]:
     """``procs`` readers at once read ``files`` (split by size) with plain sequential reads (``_raw_reader``),
     after the same page-cache drop as the loader's epochs when ``cold``: the disk's limit, beside the loader's.
@@ -601,11 +651,25 @@ def raw_source_pass(files: list[str], procs: int, mode: str, cold: bool) -> dict
     return {"mode": mode, **_per_rank_row(sorted(results.get() for _ in ts))}
 
 
+def _source_epoch_row(epoch: int, got: list[tuple], files: list[str] | None, cold: bool) -> dict[str, Any]:
+    """One epoch's row from its ranks' ``(epoch, rank, bytes, seconds, cpu seconds, tokens)``; with the local
+    ``files`` (None: a remote store), the raw baseline of as many readers beside it (the ranks wait at the next
+    epoch's barrier meanwhile)."""
+    row = {"epoch": epoch, **_per_rank_row([(r, b, s, c) for _, r, b, s, c, _ in got]),
+           **_token_row([(r, n, s, c) for _, r, _, s, c, n in got])}
+    if files is not None:
+        row["raw"] = {m: raw_source_pass(files, len(got), m, cold) for m in RAW_MODES}
+        row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
+                             "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
+                         for m, r in row["raw"].items()}
+    return row
+
+
 def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 512, hidden: int = 5120,
                      layers: int = 5, procs: int = 4, epochs: int = 2, cold: bool = True, partition: str = "global",
                      reading: Reading = Reading(), progress: bool = False,
                      read_options: dict[str, Any] | None = None, counters=None, before_ranks=None,
-                     raw_modes: tuple[str, ...] = RAW_MODES, token_budget: int = 0) -> dict[str, Any]:
+                     token_budget: int = 0, encoding: str = "raw") -> dict[str, Any]:
     """``procs`` ranks read the store at once, one epoch after another, as one node's trainers would: items, or
     with ``token_budget`` the padded ``TokenBatches`` of that many tokens a trainer takes (``reading.pin_memory``:
     pinned, as the trainer's on a GPU; the bytes counted are the samples' features, not the padding).
@@ -619,7 +683,11 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     ``{"remote_bytes": ..., "max_in_flight": ...}`` of that proxy (``tools/bench_source.py``): bytes fetched
     remotely per epoch and the most requests in flight. ``before_ranks()`` runs once the store is written.
 
-    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``raw_modes``): the
+    ``encoding``: the store's, of the same bf16 samples (``size_mb``: their megabytes); the ranks hand over its
+    stored bytes (codes and scales: what crosses to the device), so every epoch also reports tokens/s and
+    CPU-seconds per million tokens, which compare encodings, and the result the bytes per token.
+
+    Local stores also get a raw baseline after every epoch (``raw_source_pass``, per mode of ``RAW_MODES``): the
     store's files read by as many readers with plain sequential reads after the same page-cache drop, and
     ``vs_raw`` = the loader's GB/s / the raw GB/s (in all and for the slowest rank), so a low figure tells the
     disk's limit from the loader's."""
@@ -628,14 +696,13 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
     fs, root = storage.resolve(url, storage_options)
     run = f"bench-{uuid.uuid4().hex[:8]}"
     store_url = f"{url.rstrip('/')}/{run}/store"
-    manifest = bench_manifest(layers, hidden, "none")
+    manifest = bench_manifest(layers, hidden, "none", encoding=encoding)
     try:
-        with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
-            for sid, ids, mask, hs in synthetic_samples(size_mb << 20, layers, hidden):
-                w.add(sid, ids, mask, hs)
+        write_bench_store(store_url, manifest, storage_options, synthetic_samples(size_mb << 20, layers, hidden))
         store = Store(store_url, storage_options)
         files = [storage.join(store.root, k) for c in store.commits for k in c.files]
-        nbytes = store.num_tokens * layers * hidden * 2
+        per_token = handed_bytes_per_token(manifest, reading)
+        nbytes = store.num_tokens * per_token
         # every object the records list: what an epoch without a cache fetches at least
         stored = sum(int(f["size"]) for c in store.commits for f in c.files.values())
         if before_ranks is not None:
@@ -658,12 +725,7 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
             got = sorted(results.get(timeout=3600) for _ in ps)
             done.wait(timeout=3600)
             after = counters() if counters else {}
-            row = {"epoch": e, **_per_rank_row([(r, b, s, c) for _, r, b, s, c in got])}
-            if backend_for(fs).local_paths:  # the ranks wait at the next epoch's barrier meanwhile
-                row["raw"] = {m: raw_source_pass(files, procs, m, cold) for m in raw_modes}
-                row["vs_raw"] = {m: {"total": row["total_gbps"] / r["total_gbps"],
-                                     "min_rank": row["min_rank_gbps"] / r["min_rank_gbps"]}
-                                 for m, r in row["raw"].items()}
+            row = _source_epoch_row(e, got, files if backend_for(fs).local_paths else None, cold)
             if counters:
                 row["remote_bytes"] = after.get("remote_bytes", 0) - before.get("remote_bytes", 0)
                 row["max_in_flight"] = after.get("max_in_flight")
@@ -673,13 +735,16 @@ def run_source_bench(url: str, storage_options: dict[str, Any], size_mb: int = 5
         bar.close()
         for p in ps:
             p.join()
-        assert all(r["bytes"] == nbytes for r in rows), ([r["bytes"] for r in rows], nbytes)
+        tokens = store.num_tokens
+        assert all(r["bytes"] == nbytes and r["tokens"] == tokens for r in rows), (
+            [(r["bytes"], r["tokens"]) for r in rows], nbytes, tokens)
     finally:
         _remove(fs, storage.join(root, run))
     return {"source": {"url": url, "procs": procs, "prefetch": reading.prefetch, "cold": cold,
                        "partition": partition, "bytes": nbytes, "stored_bytes": stored, "hidden": hidden,
                        "layers": layers, "cache_dir": reading.cache_dir, "token_budget": token_budget,
-                       "pin_memory": reading.pin_memory, "epochs": rows}}
+                       "pin_memory": reading.pin_memory, "epochs": rows, "encoding": encoding, "tokens": tokens,
+                       "feature_bytes_per_token": per_token, "stored_bytes_per_token": stored / tokens}}
 
 
 def format_source(r: dict[str, Any]) -> str:
@@ -688,15 +753,19 @@ def format_source(r: dict[str, Any]) -> str:
     ahead = f", prefetch {r['prefetch']}" if r.get("prefetch") else ""
     what = (f", padded batches of {r['token_budget']} tokens{' (pinned)' if r.get('pin_memory') else ''}"
             if r.get("token_budget") else ", items")
-    lines = [f"{r['procs']} ranks at once{ahead}{what}, {r['bytes'] / 1e9:.2f} GB{stored}, "
+    enc = (f", encoding {r['encoding']} ({r['feature_bytes_per_token']:,} feature bytes/token), "
+           f"{r['tokens'] / 1e6:.2f} M tokens" if "encoding" in r else "")
+    lines = [f"{r['procs']} ranks at once{ahead}{what}, {r['bytes'] / 1e9:.2f} GB{stored}{enc}, "
              f"{'cold' if r['cold'] else 'warm'}, partition {r['partition']}, {r['url']}",
              f"{'epoch':>5} {'GB/s total':>10} {'GB/s/rank min':>13} {'mean':>6} {'CPU-s/GB':>8} {'remote GB':>9} "
-             f"{'in flight':>9}"]
+             f"{'in flight':>9} {'Mtok/s':>7} {'min rank':>8} {'CPU-s/Mtok':>10}"]
     for e in r["epochs"]:
         remote = f"{e['remote_bytes'] / 1e9:.3f}" if "remote_bytes" in e else "-"
+        tok = (f" {e['tokens_per_s'] / 1e6:>7.3f} {e['min_rank_tokens_per_s'] / 1e6:>8.3f} {e['cpu_s_per_mtok']:>10.2f}"
+               if "tokens_per_s" in e else "")
         lines.append(f"{e['epoch']:>5} {e['total_gbps']:>10.3f} {e['min_rank_gbps']:>13.3f} "
                      f"{sum(e['per_rank_gbps']) / len(e['per_rank_gbps']):>6.3f} {e['cpu_s_per_gb']:>8.2f} "
-                     f"{remote:>9} {str(e.get('max_in_flight', '-')):>9}")
+                     f"{remote:>9} {str(e.get('max_in_flight', '-')):>9}{tok}")
         for mode, raw in e.get("raw", {}).items():  # the disk's limit beside the loader's
             v = e["vs_raw"][mode]
             lines.append(f"{'  raw':<5} {raw['total_gbps']:>10.3f} {raw['min_rank_gbps']:>13.3f} "
