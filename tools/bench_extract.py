@@ -19,7 +19,10 @@ and the writer on storage (``storage_wait_s``).
 Under ``torchrun --nproc_per_node N`` every rank takes its share of the samples (sample i to rank i % world,
 as extraction splits input rows, so ``--samples`` is the total) and all ranks run each mode at the same time, sharing disk and CPUs;
 rank 0 prints per-rank and summed figures. ``--keep URL`` finally extracts once more into URL, with the
-target's embedding, lm_head and config as store assets, so ``hsstore train`` can run on it.
+target's embedding, lm_head and config as store assets, so ``hsstore train`` can run on it: the assets are written
+before the first shard, and the kept writer's session names every rank's writer tag and what it plans to write, so
+``hsstore train --follow`` can start on the store while it is written and knows when it is finished
+(``tools/bench_follow.py --target bench``; ``--modes ""`` keeps only that extraction).
 
     python -m tools.bench_extract --out /tmp/bench-store [--layers-total 64 --hidden 5120 ...]
     torchrun --nproc_per_node 2 -m tools.bench_extract --samples 96 --modes forward_full,extract_process
@@ -101,6 +104,11 @@ def synthetic(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[Token
     return out
 
 
+def bench_tag(rank: int) -> str:
+    """The writer tag of rank ``rank``'s benchmark writers: its kept store's session expects every rank's."""
+    return f"bench-rank{rank}"
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -173,7 +181,10 @@ def main() -> None:
         process = mode.startswith("extract_process") or (mode == "keep" and device.type == "cuda")
         cls = ProcessWriter if process else StoreWriter
         extra = {"shard_bytes": int(args.shard_mb * 1e6)} if args.shard_mb else {}
-        return cls(url, manifest, writer_tag=f"bench-rank{rank}", check_finite=False,  # checked on the device
+        if mode == "keep":  # a follower waits for every rank's writer and estimates its schedule from the plan
+            extra.update(expects=[bench_tag(r) for r in range(world)], planned_samples=len(samples),
+                         planned_tokens=tokens)
+        return cls(url, manifest, writer_tag=bench_tag(rank), check_finite=False,  # checked on the device
                    record_stats=not mode.endswith("_nostats"), **extra)
 
     def extract_into(w, mode: str) -> None:
@@ -332,17 +343,17 @@ def main() -> None:
             "extract_process+compile"]
     if args.keep:
         w = open_writer("keep")
-        barrier()
-        t = time.perf_counter()
-        extract_into(w, "keep")
-        close_writer(w, "keep")
-        res["keep_tokens_per_s"] = tokens / (time.perf_counter() - t)
-        if rank == 0:
+        if rank == 0:  # before the first shard: a trainer following the store builds its drafter from them
             fs, root = storage.resolve(args.keep, {})
             assets.write_assets(fs, root, {
                 assets.EMBED: assets.tensors_bytes({"weight": model.get_input_embeddings().weight}),
                 assets.LM_HEAD: assets.tensors_bytes({"weight": model.get_output_embeddings().weight}),
                 assets.CONFIG: model.config.to_json_string().encode()})
+        barrier()
+        t = time.perf_counter()
+        extract_into(w, "keep")
+        close_writer(w, "keep")
+        res["keep_tokens_per_s"] = tokens / (time.perf_counter() - t)
         res["kept"] = args.keep
     if dist is not None:
         gathered = [None] * world

@@ -32,6 +32,9 @@
 #            (tools/deep_bounds; docs/PERFORMANCE.md "Bounds at the seeds' depth"); ~360 s
 #   follow   the demo's extraction and its drafter training (6 epochs) on this GPU, extract-then-train vs
 #            train --follow started with the extraction: time to the first step and in all (tools/bench_follow); ~240 s
+#   follow27b  the same at a size where the extraction takes minutes: the 27B-shaped random target, 100 samples
+#            (~364K tokens, 18.7 GB of features), a one-layer drafter held to 20 GiB beside it, one epoch
+#            (tools/bench_follow --target bench); ~450 s
 set -u
 S=${1:-/tmp/hsprof}
 PARTS=${2:-drafter,ckpt}
@@ -69,6 +72,7 @@ python3 -m tools.bench_eval "$0/demo" --device cuda --samples 8 --rounds 2'
 run eval 330 bash -c "$EVAL" "$S"
 KEEP=$DEMO_KEEP run demogpu 330 python3 -m hsstore demo --out "$S/demo-gpu" --device cuda
 run follow 400 python3 -m tools.bench_follow --dir "$S/follow" --device cuda
+run follow27b 600 python3 -m tools.bench_follow --dir "$S/follow27b" --device cuda --target bench --epochs 1
 run bounds 420 python3 -m tools.deep_bounds --json "$S/bounds.json"
 run extract 240 python3 -m tools.profile_extract --layers-total 16 --variants nomask,mixers,flaconv --samples 16 \
     --min-len 4096 --max-len 4096 --rounds 2 --top 25
