@@ -231,6 +231,13 @@ def test_torch_and_numpy_decode_agree(name):
         n = enc.decode_numpy(values, None if v.scales is None else v.scales.numpy(), hidden)
         assert np.array_equal(t.view(np.uint32), n.view(np.uint32))
         assert not enc.bad_rows(values, None if v.scales is None else v.scales.numpy(), hidden).any()
+    if name in BLOCK:  # every code byte, the signed zeros too, under the rows' own scales
+        rows = enc.encode(hidden_rows(40, 1024, seed=4, outliers=4)).values.numpy().copy()
+        o_scales = enc.fmt.offsets(1024)[0]
+        rows[:, :o_scales] = (np.arange(rows.shape[0] * o_scales) % 256).reshape(rows.shape[0], o_scales)
+        t = enc.decode(torch.from_numpy(rows), None, 1024, torch.float32).numpy()
+        assert np.array_equal(t.view(np.uint32), enc.decode_numpy(rows, None, 1024).view(np.uint32))
+        assert np.signbit(t[t == 0]).any()
 
 
 # ------------------------------------------------------------------------------------------ rows no reader serves

@@ -37,6 +37,7 @@ are numpy only, for the commands that never load torch (verify, subset).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -236,23 +237,42 @@ def _le(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _code_values(el: Element, device) -> torch.Tensor:
+    """float32 value of every code of ``el`` on ``device``: a decode looks each code up, one gather where the
+    arithmetic on its bits takes several passes (the same values, so the same bits)."""
+    import torch
+
+    return torch.as_tensor(el.values(), device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_values(el: Element, device) -> torch.Tensor:
+    """``[256, 2]``: the values of the two 4-bit codes of every byte, the low half's first (``_pack``'s order)."""
+    import torch
+
+    b = torch.arange(256, device=device)
+    values = _code_values(el, device)
+    return torch.stack([values[b & 15], values[b >> 4]], dim=-1)
+
+
 def _decode_rows(r: torch.Tensor, H: int, fmt: BlockFormat, dtype) -> torch.Tensor:
     """``decode`` of a 2-D run of rows."""
     import torch
 
     N, nb, B, k, el = r.shape[0], fmt.blocks(H), fmt.block, fmt.outliers(H), fmt.element
     o_scales, o_row, o_idx, o_vals, _ = fmt.offsets(H)
-    codes = _unpack(r[:, :o_scales], fmt).view(N, nb, B)
-    sign = 1.0 - ((codes >> (el.bits - 1)) & 1).float() * 2.0
-    e, m = ((codes >> el.m_bits) & ((1 << el.e_bits) - 1)).float(), (codes & ((1 << el.m_bits) - 1)).float()
-    frac = m / (1 << el.m_bits)
-    mag = torch.where(e == 0, frac, (1.0 + frac) * torch.exp2(e - 1.0))
+    if el.bits == 4:  # two codes a byte: a byte's pair of values in one lookup
+        elements = _byte_values(el, r.device).index_select(0, r[:, :o_scales].reshape(-1).int())
+    else:
+        elements = _code_values(el, r.device).index_select(0, _unpack(r[:, :o_scales], fmt).reshape(-1).int())
+    elements = elements.view(N, nb, B)
     sb = r[:, o_scales:o_row]
     if fmt.scale == "e8m0":
         scale = torch.where(sb == E8M0_NAN, float("nan"), torch.exp2(sb.float() - E8M0_BIAS))
     else:
         scale = sb.contiguous().view(torch.float8_e4m3fn).float() * _le(r[:, o_row:o_idx], torch.float32)
-    out = (sign * mag * scale[..., None]).view(N, nb * B)
+    out = (elements * scale[..., None]).view(N, nb * B)
     if k:
         # a trash column past the row: an index no writer writes (>= H) lands there, never outside the tensor
         out = torch.nn.functional.pad(out, (0, 1))
