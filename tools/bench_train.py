@@ -55,7 +55,6 @@ import torch
 
 from hsstore import Manifest, StoreWriter, TargetIdentity, TokenizerIdentity
 from hsstore.format import encodings
-from hsstore.format.encodings import Encoded
 from hsstore.train.cli import SWITCH_INTERVAL_S
 from hsstore.train.data import ReadAheadStats, StoreBatches, add_anchors, read_ahead
 from hsstore.train.settings import CHECKPOINT_CHOICES
@@ -83,7 +82,7 @@ def write_store(path, args, device, storage_options=None) -> None:
     with StoreWriter(str(path), manifest, storage_options=storage_options) as w:
         for i in range(args.samples):
             hs = torch.randn(args.seq, args.taps, args.hidden, generator=g, device=device).to(torch.bfloat16)
-            hs = Encoded(*(None if t is None else t.cpu() for t in enc.encode(hs))) if enc.quantised else hs.cpu()
+            hs = enc.encode(hs).cpu() if enc.quantised else hs.cpu()
             ids = torch.randint(0, args.vocab - 1, (args.seq,), generator=g, device=device).cpu()
             w.add(f"bench-{i}", ids, torch.ones(args.seq, dtype=torch.bool), hs)
 

@@ -101,7 +101,9 @@ def _records(store: Path) -> list[Path]:
 def load_plain(p: Path) -> Any:
     """``p``'s JSON; a link, FIFO or device an earlier mutation of the case planted there is never followed (a
     ``/dev/zero`` read to its end filled the fuzzer's memory)."""
-    if p.is_symlink() or not p.is_file() or p.stat().st_size > 16 << 20:
+    from tools.fuzz_oracles import plain_file
+
+    if not plain_file(p):
         raise ValueError(f"{p.name}: not a plain JSON file (an earlier mutation)")
     return json.loads(p.read_text())
 
@@ -112,7 +114,7 @@ def _save(p: Path, doc: Any) -> None:
 
 def _parsed(p: Path | None) -> Any:
     """``p``'s JSON, or None where an earlier mutation left no plain JSON file there."""
-    if p is None or not p.is_file() or p.is_symlink() or p.stat().st_size > 16 << 20:
+    if p is None:
         return None
     try:
         return load_plain(p)

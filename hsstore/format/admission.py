@@ -30,9 +30,9 @@ object); a wds record's against the members it lists), so boundaries shifted ins
 a feature byte is read. The loss_mask a reader reads anyway is held to the record's ``loss_tokens`` per sample
 served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused. What copies
 a shard whole (``convert``) holds every sample of it so before writing any (``Store.check_shard``), what hands a
-shard's files on as they are (``merge``, ``copy``) reads its loss_mask first (``Store.check_loss_tokens``, a byte a
-token), and a scan's window is held so before any of it is handed on. Also ``verify``'s alone: bytes readers never
-read (a file's checksum over its whole object, a tar's bytes outside its listed members).
+shard's files on as they are (``merge``, ``copy``) reads its token arrays first (``Store.check_loss_tokens``), and
+a scan's window is held so before any of it is handed on. Also ``verify``'s alone: bytes readers never read (a
+file's checksum over its whole object, a tar's bytes outside its listed members).
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ class Encoded(NamedTuple):
     values: Any
     scales: Any = None
 
+    def cpu(self) -> "Encoded":
+        """The same features in host memory (encoded on a GPU, handed to a writer, which takes host tensors)."""
+        return Encoded(*(None if t is None else t.cpu() for t in self))
+
 
 @dataclass(frozen=True)
 class Encoding:

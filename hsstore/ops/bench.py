@@ -25,7 +25,6 @@ from ..layouts import wds
 from ..format import encodings, names
 from ..format.codec import token_bytes
 from ..format.commit import layer_array
-from ..format.encodings import Encoded
 from ..format.manifest import Manifest, TargetIdentity, TokenizerIdentity
 from ..loader.options import Reading
 from ..store.reader import Store
@@ -72,7 +71,7 @@ def write_bench_store(store_url: str, manifest: Manifest, storage_options: dict[
     with StoreWriter(store_url, manifest, storage_options=storage_options, shard_bytes=256 << 20) as w:
         for sid, ids, mask, hs in samples:
             if on_gpu:
-                hs = Encoded(*(None if t is None else t.cpu() for t in enc.encode(hs.cuda())))
+                hs = enc.encode(hs.cuda()).cpu()
             w.add(sid, ids, mask, hs)
 
 
