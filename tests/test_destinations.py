@@ -171,3 +171,13 @@ def test_another_writers_store_objects_in_flight_are_not_a_users_files(tmp_path)
     (root / "shards" / "zarr.json").write_bytes(b"{")  # a file of that name that is not the layout's
     with pytest.raises(destination.DestinationError, match="not empty \\(shards\\)"):
         destination.check_destination(fs, path, str(root), own)
+
+
+def test_a_read_only_destination_is_refused_before_any_request(src, capsys):
+    """An HTTP server has no write side: a writing command pointed at one says so in one line, exit 2, and asks
+    nothing of it (the port is closed: a request would answer with a connection error instead)."""
+    rc = main(["convert", src, "http://127.0.0.1:9/store", "-q"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "read only" in lines[0] and "nothing was written" in lines[0], lines[0]

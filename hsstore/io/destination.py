@@ -23,7 +23,8 @@ import fsspec
 from ..errors import StoreError
 from ..terminal import escape, shown
 from . import door, storage
-from .backends import backend_for
+from .backends import backend_for, backend_for_url
+from .listing import list_names
 from .storage import MANIFEST_FILE, explain, join, resolve
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,11 @@ def open_destination(url: str, options: dict[str, Any] | None = None, own: dict[
                      ) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root) of a store about to be written: the one way every writer (``StoreWriter``,
     ``convert``, ``merge``, ``subset``, ``import``, ``extract``) opens its destination, so each refuses the same
-    way, before any write: an anonymous write, and an existing folder or prefix that holds anything but an
-    hsstore store (``check_destination``; ``own``: ``layout.own_objects()``)."""
+    way, before any write: storage without a write side (an HTTP server), an anonymous write, and an existing folder
+    or prefix that holds anything but an hsstore store (``check_destination``; ``own``: ``layout.own_objects()``)."""
+    backend = backend_for_url(url)
+    if not backend.writable:
+        raise DestinationError(f"destination {shown(url)}: {backend.name} storage is read only (nothing was written)")
     refuse_anonymous_write(url, options)
     fs, root = resolve(url, options)
     check_destination(fs, root, url, own or {})
@@ -82,8 +86,7 @@ def _hsstore_own(fs, root: str, name: str, is_dir: bool, own: dict[str, bytes]) 
         inside = {k[len(name) + 1:] for k in own if k.startswith(name + "/")}
         if not inside:
             return False
-        found = {e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(join(root, name), detail=False)}
-        found = {f for f in found if not f.startswith(".tmp-")}  # another writer's atomic write in flight
+        found = {f for f in list_names(fs, join(root, name)) if not f.startswith(".tmp-")}  # another writer's atomic write in flight
         return found <= inside and all(_same_bytes(fs, root, f"{name}/{f}", own[f"{name}/{f}"]) for f in found)
     return name in own and _same_bytes(fs, root, name, own[name])
 
