@@ -22,7 +22,7 @@ from .. import redaction
 from ..redaction import register
 from .backends import backend_for, backend_for_url
 from .backends.base import INTERACTIVE, metadata_concurrency  # noqa: F401  (callers name it through storage)
-from .backends.s3 import S3_INTERACTIVE, S3_RETRIES, S3FS_INTERACTIVE_RETRIES  # noqa: F401  (the S3 defaults, named here too)
+from .backends.s3 import S3_RETRIES, S3FS_INTERACTIVE_RETRIES  # noqa: F401  (the S3 defaults, named here too)
 
 log = logging.getLogger(__name__)
 
