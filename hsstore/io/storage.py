@@ -61,8 +61,7 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         fs, root = url_to_fs(url, **with_retry_defaults(url, options))
     except Exception as e:  # bad protocol, bad options: name the URL, never the options
         raise StoreError(f"cannot open store URL {url!r}: {type(e).__name__}: {e}") from None
-    if interactive and hasattr(fs, "retries"):  # s3fs's own rounds around botocore's attempts
-        fs.retries = S3FS_INTERACTIVE_RETRIES
+    backend_for(fs).opened(fs, interactive)
     return fs, root.rstrip("/")
 
 

@@ -71,6 +71,10 @@ class Backend:
         """``options`` for a command a person waits for (answers in seconds or fails saying why)."""
         return options
 
+    def opened(self, fs, interactive: bool) -> None:
+        """What this backend sets on a filesystem just opened (``storage.resolve``) that no storage option sets;
+        ``interactive``: for a command a person waits for (``interactive`` marked its options)."""
+
     # -- the read side --------------------------------------------------------------------------------------
     def get_ranges(self, fs, paths: list[str], starts: list, ends: list, sizes: list | None = None,
                    concurrency: int = 64) -> list[Any]:

@@ -61,6 +61,11 @@ class S3Backend(Bounded):
         out[INTERACTIVE] = True
         return out
 
+    def opened(self, fs, interactive: bool) -> None:
+        """s3fs's own rounds around botocore's attempts: one for a command a person waits for."""
+        if interactive:
+            fs.retries = S3FS_INTERACTIVE_RETRIES
+
     def fill(self, fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str, int | Exception]:
         """Each body's pieces copied into the views as s3fs's client hands them over (``receive.s3_into``)."""
         from fsspec.asyn import sync
