@@ -67,6 +67,25 @@ def test_subset_never_creates_its_lock_through_a_planted_locks_link(tmp_path, ca
     assert tree(v) == before and sorted(os.listdir(dst)) == ["locks"]
 
 
+def test_a_lock_released_after_its_folder_became_a_link_removes_nothing_outside(tmp_path, caplog):
+    """The lock is removed where it was made: a ``locks/`` swapped for a link to another folder while the job
+    ran (a race the creation's own check cannot see) leaves that folder's ``write.lock`` in place."""
+    import fsspec
+
+    from hsstore.io import destination
+
+    v = victim(tmp_path)
+    (v / "write.lock").write_bytes(b"the user's own lock")
+    before = tree(v)
+    dst = tmp_path / "dst"
+    with destination.hold_lock(fsspec.filesystem("file"), str(dst), str(dst), "merge"):
+        assert (dst / "locks" / "write.lock").is_file()
+        os.rename(dst / "locks", tmp_path / "moved")
+        os.symlink(v, dst / "locks")
+    assert tree(v) == before
+    assert "could not remove" in caplog.text and "symbolic link" in caplog.text
+
+
 def test_report_never_overwrites_a_file_through_a_link_at_its_temporary_name(tmp_path, capsys):
     url = small(str(tmp_path / "s"))
     v = victim(tmp_path)

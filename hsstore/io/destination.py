@@ -166,7 +166,7 @@ def take_over(fs: fsspec.AbstractFileSystem, root: str, path: str, token: str, s
         return True
     finally:
         with contextlib.suppress(Exception):
-            backend_for(fs).delete(fs, marker)
+            backend_for(fs).delete(fs, marker, root)
 
 
 LOCK = "write"  # one lock for every copying command: a subset and a merge into one store at once duplicate too
@@ -193,7 +193,7 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
         """Remove the dead holder's lock, as the one taker of it (its token names the takeover marker)."""
         def remove() -> None:
             log.warning("taking over %s of process %s, which is gone", rel, other["pid"])
-            backend.delete(fs, path)
+            backend.delete(fs, path, root)
 
         take_over(fs, root, path, str(other.get("token", "")), lambda: _read_lock(fs, root, rel) == other, remove,
                   json.dumps(me).encode())
@@ -220,7 +220,7 @@ def hold_lock(fs: fsspec.AbstractFileSystem, root: str, url: str, command: str):
             yield
         finally:
             try:
-                backend.delete(fs, path)
+                backend.delete(fs, path, root)
             except Exception as e:  # the job's work is done either way
                 log.warning("could not remove %s (%s); remove it before the next `hsstore %s`", path, e, command)
             if backend.local_paths:  # a refused job leaves no folder behind (only empty ones are removed)

@@ -276,6 +276,18 @@ def remove_tree(root: str | os.PathLike, rel: str) -> None:
         os.close(dfd)
 
 
+def remove_file(root: str | os.PathLike, rel: str, *, what: str = "remove") -> None:
+    """Remove the one file (or link, itself) ``root/rel``, each folder below ``root`` opened without following a
+    link: a ``locks/`` planted as a link to another folder is refused, never emptied. ``FileNotFoundError`` when
+    it is not there; a folder in its place is not removed (``IsADirectoryError``)."""
+    folder, name = _split(rel)
+    dfd = open_folder(root, folder, create=False, what=what)
+    try:
+        os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
 def is_link(path: str | os.PathLike) -> bool:
     try:
         return stat.S_ISLNK(os.lstat(path).st_mode)

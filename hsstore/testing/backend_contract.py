@@ -194,7 +194,7 @@ class BackendContract:
         assert place.backend.create_exclusive(place.fs, lock, b"first", place.root)
         assert not place.backend.create_exclusive(place.fs, lock, b"second", place.root)
         assert door.read(place.fs, place.root, "locks/write.lock", bound=10) == b"first"
-        place.backend.delete(place.fs, lock)
+        place.backend.delete(place.fs, lock, place.root)
         with pytest.raises(FileNotFoundError):
             door.read(place.fs, place.root, "locks/write.lock", bound=10)
 

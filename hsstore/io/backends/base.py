@@ -174,8 +174,9 @@ class Backend:
             raise
         return True
 
-    def delete(self, fs, path: str) -> None:
-        """Remove one object hsstore wrote (a lock, a takeover marker)."""
+    def delete(self, fs, path: str, root: str | None = None) -> None:
+        """Remove one object hsstore wrote (a lock, a takeover marker). ``root``: the store's folder (local disk
+        follows no link below it)."""
         fs.rm_file(path)
 
 
@@ -196,7 +197,7 @@ class ReadOnly(Backend):
     def create_exclusive(self, fs, path: str, data: bytes, root: str | None = None) -> bool:
         raise self._refuse(path)
 
-    def delete(self, fs, path: str) -> None:
+    def delete(self, fs, path: str, root: str | None = None) -> None:
         raise self._refuse(path)
 
 

@@ -73,6 +73,11 @@ class LocalBackend(Backend):
         base, rel = beneath(path, root)
         return sinks.write_new(base, rel, data, what=f"creating {path}")
 
+    def delete(self, fs, path: str, root: str | None = None) -> None:
+        """``unlinkat`` in its folder, no folder below ``root`` followed when it is a link (``sinks``)."""
+        base, rel = beneath(path, root)
+        sinks.remove_file(base, rel, what=f"removing {path}")
+
 
 def beneath(path: str, root: str | None) -> tuple[str, str]:
     """(folder, relative name) of a local ``path``: below ``root`` when it is under it (its folders are then
