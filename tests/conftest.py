@@ -3,6 +3,7 @@ small synthetic stores (``hsstore.testing.stores``, whose helpers tests also imp
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import types
@@ -16,6 +17,9 @@ from hsstore import env
 env.passive_openmp()  # before torch loads, as the command line does: idle OpenMP threads sleep, never spin
 
 from hsstore.format.manifest import Manifest  # noqa: E402
+from hsstore.io import backends  # noqa: E402
+from hsstore.io.backends.base import Backend  # noqa: E402
+from hsstore.io.backends.s3 import S3Backend  # noqa: E402
 from hsstore.testing.ports import free_port  # noqa: E402
 from hsstore.testing.stores import make_manifest, make_samples, write_samples  # noqa: F401  (tests import them here)
 
@@ -58,6 +62,24 @@ def s3_store(s3_endpoint):
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
     fs.mkdir(bucket)
     yield f"s3://{bucket}/stores/a", {"endpoint_url": s3_endpoint}
+
+
+class WholeObjectS3(S3Backend):
+    """S3 filled as the protocol's default ``fill`` fills any backend that does not stream: each object fetched
+    whole as bytes (S3's bounded GETs), then copied into the buffers."""
+
+    fill = Backend.fill
+
+
+@contextlib.contextmanager
+def whole_object_fills():
+    """S3 read through ``WholeObjectS3`` within the block (registered ahead of S3's own backend)."""
+    whole = WholeObjectS3()
+    backends.register(whole)
+    try:
+        yield whole
+    finally:
+        backends.unregister(whole)
 
 
 @pytest.fixture

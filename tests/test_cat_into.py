@@ -3,6 +3,7 @@ on loopback (through the fault proxy where a fault is the point). Expected bytes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -19,6 +20,8 @@ from hsstore.io import transfer
 
 from hsstore.testing.ports import free_port
 from hsstore.testing.faultproxy import FaultProxy
+
+from conftest import whole_object_fills
 
 
 @pytest.fixture
@@ -37,19 +40,24 @@ def s3(endpoint: str):
     return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
 
 
+def filled(streamed: bool):
+    """S3's own ``fill`` (bodies streamed into the buffers), or the protocol's default that every backend without
+    a streaming ``fill`` takes (each object fetched whole, then copied)."""
+    return contextlib.nullcontext() if streamed else whole_object_fills()
+
+
 def split(size: int, tail: int = 4):
     """A payload buffer and a tail buffer, as a chunk is read (payload, then its 4-byte CRC32C)."""
     return np.zeros(size - tail, np.uint8), bytearray(tail)
 
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "cat_many"])
-def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, monkeypatch, streamed):
-    if not streamed:  # the path of every filesystem but s3fs's, on S3
-        monkeypatch.setattr(transfer, "streams", lambda fs: False)
+def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, streamed):
     name, blobs = bucket
     pa, ta = split(len(blobs["a"]))
     pb, tb = split(len(blobs["b"]), tail=3)
-    got = transfer.cat_into(s3(s3_endpoint), {f"{name}/a": [pa, ta], f"{name}/b": [pb, tb]})
+    with filled(streamed):
+        got = transfer.cat_into(s3(s3_endpoint), {f"{name}/a": [pa, ta], f"{name}/b": [pb, tb]})
     assert got == {f"{name}/a": None, f"{name}/b": None}
     assert pa.tobytes() + bytes(ta) == blobs["a"]
     assert pb.tobytes() + bytes(tb) == blobs["b"]
@@ -59,11 +67,9 @@ def test_objects_fill_their_buffers_in_turn(s3_endpoint, bucket, monkeypatch, st
 def test_missing_short_and_failing_objects_are_told_apart(s3_endpoint, bucket, monkeypatch, streamed):
     """A missing object is its FileNotFoundError; one shorter than its buffers, or failing ``check``, is a message
     (the bytes are wrong, not the path to them) after FETCH_ATTEMPTS fetches."""
-    if not streamed:  # the path of every filesystem but s3fs's, on S3
-        monkeypatch.setattr(transfer, "streams", lambda fs: False)
     name, blobs = bucket
     monkeypatch.setattr(transfer, "FETCH_BACKOFF_S", 0.0)
-    with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy:
+    with FaultProxy(s3_endpoint, faults=[], limit=0) as proxy, filled(streamed):
         fs = s3(proxy.url)
         targets = {f"{name}/missing": [bytearray(8)], f"{name}/b": [bytearray(16)], f"{name}/a": list(split(len(blobs["a"])))}
         got = transfer.cat_into(fs, targets, check=lambda p: "bad" if p.endswith("/a") else None)
@@ -122,14 +128,14 @@ def test_streamed_reads_hold_no_whole_body(moto_process, monkeypatch):
     dest = np.zeros(size, np.uint8)
     peaks = {}
     for mode in ("1", "0"):
-        monkeypatch.setattr(transfer, "streams", lambda fs, on=mode == "1": on)
-        client = s3(s3_endpoint)
-        transfer.cat_into(client, {f"{name}/big": [dest[:1 << 20]]})  # the client is set up outside the trace
-        tracemalloc.start()
-        try:
-            assert transfer.cat_into(client, {f"{name}/big": [dest]}) == {f"{name}/big": None}
-            peaks[mode] = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
+        with filled(mode == "1"):
+            client = s3(s3_endpoint)
+            transfer.cat_into(client, {f"{name}/big": [dest[:1 << 20]]})  # the client is set up outside the trace
+            tracemalloc.start()
+            try:
+                assert transfer.cat_into(client, {f"{name}/big": [dest]}) == {f"{name}/big": None}
+                peaks[mode] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
     assert peaks["0"] >= size, peaks  # the detector sees a whole body
     assert peaks["1"] < size // 4, peaks

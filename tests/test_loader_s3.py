@@ -5,6 +5,7 @@ mid-epoch."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import uuid
 
@@ -15,11 +16,10 @@ from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore.loader.cache import ChunkCache
-from hsstore.io import transfer
 from hsstore.errors import CorruptionError, StoreError
 from hsstore.app.schema import build
 
-from conftest import PATIENT_S3, make_samples
+from conftest import PATIENT_S3, make_samples, whole_object_fills
 from test_loader import bits, dataset, ids_of, write_store
 from test_loader_batching import assert_same_batches, direct_and_copied
 
@@ -183,14 +183,14 @@ def test_s3_batches_read_into_their_slots(s3_url, tmp_path, monkeypatch, stream)
     """From S3, streamed into the batch slots (or fetched as bytes and copied there, as from any filesystem but
     s3fs's), then out of the chunk cache in the second epoch: the same batches as items collated by copy."""
     url, opts = s3_url
-    monkeypatch.setattr(transfer, "streams", lambda fs, on=stream == "1": on)
-    for epoch in range(2):
-        def make():
-            ds = dataset(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), seed=1)
-            ds.set_epoch(epoch)
-            return hsstore.TokenBatches(ds, token_budget=300)
+    with contextlib.nullcontext() if stream == "1" else whole_object_fills():
+        for epoch in range(2):
+            def make():
+                ds = dataset(url, storage_options=opts, cache_dir=str(tmp_path / "cache"), seed=1)
+                ds.set_epoch(epoch)
+                return hsstore.TokenBatches(ds, token_budget=300)
 
-        assert_same_batches(*direct_and_copied(make, monkeypatch))
+            assert_same_batches(*direct_and_copied(make, monkeypatch))
 
 
 def test_s3_batches_refuse_a_flipped_byte(s3_store, s3_samples, tmp_path):

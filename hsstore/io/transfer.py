@@ -12,7 +12,7 @@ from typing import Any, Callable
 import fsspec
 
 from .backends import backend_for
-from .backends.base import Backend, metadata_concurrency
+from .backends.base import metadata_concurrency
 from .listing import stamp
 
 log = logging.getLogger(__name__)
@@ -81,12 +81,6 @@ def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[
     return out
 
 
-def streams(fs: fsspec.AbstractFileSystem) -> bool:
-    """Whether ``cat_into`` streams bodies into the buffers (s3fs: its client's body pieces are copied as they
-    arrive) rather than fetching each whole as bytes and copying it (every other filesystem)."""
-    return backend_for(fs).streams_into
-
-
 def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
              check: Callable[[str], str | None] | None = None, attempts: int = FETCH_ATTEMPTS,
              concurrency: int | None = None) -> dict[str, Exception | str | None]:
@@ -97,7 +91,8 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
     then their join), and a process that faults in every byte it receives spends more CPU on that than on the
     read; streamed into buffers the loader recycles, the same reads cost a fraction (docs/PERFORMANCE.md,
     "Reading from S3").
-    On s3fs the body's pieces are copied as they arrive; other filesystems fall back to ``cat_many`` + copy.
+    The backend's ``fill`` moves them: on S3 the body's pieces are copied as they arrive; the protocol's default
+    fetches each object whole as bytes and copies it.
 
     ``check(path)`` (a checksum of the filled buffers) returns None or what is wrong: such objects are fetched
     again, with backoff, up to ``attempts`` fetches in all, as ``cat_verified`` does. Returns path -> None
@@ -112,7 +107,7 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
             log.warning("%d object(s) arrived short or failed their checksum, fetching again (attempt %d of %d): "
                         "%s", len(pending), attempt + 1, attempts, pending[0])
             time.sleep(FETCH_BACKOFF_S * 2 ** (attempt - 1))
-        got = _fill(fs, {p: views[p] for p in pending}, concurrency or metadata_concurrency())
+        got = backend_for(fs).fill(fs, {p: views[p] for p in pending}, concurrency or metadata_concurrency())
         again = []
         for p in pending:
             n, want = got[p], sum(len(v) for v in views[p])
@@ -130,15 +125,6 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
         if not pending or backend_for(fs).local_paths:
             break
     return out
-
-
-def _fill(fs, views: dict[str, list[memoryview]], concurrency: int) -> dict[str, int | Exception]:
-    """path -> bytes written into its views (or the exception that stopped the read): streamed where the backend
-    streams (``streams``), else each object fetched whole and copied (the protocol's default ``fill``)."""
-    backend = backend_for(fs)
-    if streams(fs):
-        return backend.fill(fs, views, concurrency)
-    return Backend.fill(backend, fs, views, concurrency)
 
 
 def _sizes_of(paths: list[str], sizes: dict[str, int] | None) -> list[int] | None:

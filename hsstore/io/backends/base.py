@@ -54,7 +54,6 @@ class Backend:
     writable = True  # the write side works (an HTTP server is read only)
     local_paths = False  # objects are regular files at local paths: the door opens them beneath their root
     lists_sizes = True  # a listing gives each object's size (an HTML index page does not)
-    streams_into = False  # ``fill`` copies a body into the buffers as it arrives (no whole-object bytes)
 
     # -- which filesystems and URLs ---------------------------------------------------------------------------
     def matches(self, fs) -> bool:

@@ -27,7 +27,6 @@ S3FS_INTERACTIVE_RETRIES = 1
 class S3Backend(Bounded):
     name = "s3"
     protocols = ("s3", "s3a")
-    streams_into = True
 
     @staticmethod
     async def fetch(fs, path: str, start: int, end: int, size: int | None = None) -> bytes:
