@@ -43,15 +43,15 @@ def put_many(fs: fsspec.AbstractFileSystem, objects: dict[str, Any], root: str |
         backend_for(fs).put_many(fs, objects, root)
 
 
-def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] | None = None,
+def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int],
              concurrency: int | None = None) -> dict[str, bytes | Exception]:
-    """Read whole objects, concurrently on async filesystems; a failed read maps to its exception.
+    """Read whole objects of ``sizes`` (each one's, from a record or a listing), concurrently on async
+    filesystems; a failed read maps to its exception.
 
-    ``cat_ranges`` rather than ``cat``: fsspec's ``cat`` of a list first expands the paths, which on S3
-    costs one HEAD request per object before its GET. ``sizes`` (known from a listing) turn each read into
-    one ranged GET: without them s3fs looks each size up first, in a scan of its cached listing that grows
-    with the listing (quadratic in the number of records). ``concurrency``: requests in flight (default:
-    the metadata concurrency, ``metadata_concurrency``).
+    Each is one ranged GET of its size: a store's bytes are read only as far as is expected (an object without
+    a size is refused, ``backends.base.whole_sizes``), with no HEAD before the GET and no scan of s3fs's
+    cached listing for the size (which grows with the listing: quadratic in the number of records).
+    ``concurrency``: requests in flight (default: the metadata concurrency, ``metadata_concurrency``).
     """
     if not paths:
         return {}
@@ -60,13 +60,13 @@ def cat_many(fs: fsspec.AbstractFileSystem, paths: list[str], sizes: list[int] |
 
 
 def cat_verified(fs: fsspec.AbstractFileSystem, paths: list[str], ok: Callable[[str, bytes], bool],
-                 attempts: int = FETCH_ATTEMPTS, sizes: dict[str, int] | None = None) -> dict[str, bytes | Exception]:
+                 sizes: dict[str, int], attempts: int = FETCH_ATTEMPTS) -> dict[str, bytes | Exception]:
     """``cat_many``, then on object stores fetch again, with backoff, the objects that arrived but fail
     ``ok(path, blob)`` (a checksum or size check): bytes cut or damaged in transit look complete to the
     HTTP client. What still fails after ``attempts`` is returned as it came (the caller names it corrupt).
     Exceptions are returned as they are: the client has already retried them. ``sizes`` (path -> size the
-    commit record lists): one ranged GET per object instead of a HEAD and a GET; an object of another size
-    then arrives cut or short of its end, which ``ok`` refuses like any damaged one."""
+    commit record lists): one ranged GET per object; an object of another size arrives cut or short of its
+    end, which ``ok`` refuses like any damaged one."""
     out = cat_many(fs, paths, _sizes_of(paths, sizes))
     if backend_for(fs).local_paths:  # bytes at rest: fetched again, they are the same
         return out
@@ -127,10 +127,8 @@ def cat_into(fs: fsspec.AbstractFileSystem, targets: dict[str, list[Any]],
     return out
 
 
-def _sizes_of(paths: list[str], sizes: dict[str, int] | None) -> list[int] | None:
-    if not sizes or any(p not in sizes for p in paths):
-        return None
-    return [int(sizes[p]) for p in paths]
+def _sizes_of(paths: list[str], sizes: dict[str, int]) -> list[int | None]:
+    return [sizes.get(p) for p in paths]
 
 
 def fetch_failure(blob: Any) -> str | None:

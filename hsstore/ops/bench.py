@@ -174,8 +174,9 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
                                                                               samples)))
             store = Store(store_url, storage_options)
             files = [storage.join(store.root, k) for c in store.commits for k in c.files]
-            stored = sum(int(f["size"]) for c in store.commits for f in c.files.values())
-            blobs = transfer.cat_many(fs, files)  # byte-identical payloads for the raw write
+            sizes = [int(f["size"]) for c in store.commits for f in c.files.values()]
+            stored = sum(sizes)
+            blobs = transfer.cat_many(fs, files, sizes)  # byte-identical payloads for the raw write
             raw_objects = {storage.join(raw_root, f"{i:06d}"): blobs[p] for i, p in enumerate(files)}
             del blobs
             fs.makedirs(raw_root, exist_ok=True)
@@ -183,7 +184,7 @@ def run_store_bench(url: str, storage_options: dict[str, Any], size_mb: int = 51
             if local:  # the store fsyncs every chunk before its commit record; so does this baseline
                 best["raw_durable"] = min(best["raw_durable"], timed(lambda: pipe_fsync(raw_objects)))
             raw_objects = None  # free the copies before the read rounds
-            best["raw_read"] = min(best["raw_read"], timed(lambda: transfer.cat_many(fs, files)))
+            best["raw_read"] = min(best["raw_read"], timed(lambda: transfer.cat_many(fs, files, sizes)))
 
             def read_store():  # sequential decode of every sample, all layers, as tensors
                 for _ in store:

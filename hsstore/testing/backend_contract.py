@@ -13,7 +13,7 @@ test module subclasses ``BackendContract``, names its class (``backend_class``) 
 
 What is checked is what the door and the callers rely on: the registry picks the backend from its filesystem and
 its URL; a ranged GET returns exactly the bytes asked for; a missing object is ``FileNotFoundError``; whole
-objects of listed sizes, buffers filled, one streaming pass, a declared size; listings fresh, with sizes where the
+objects of listed sizes (never without them), buffers filled, one streaming pass, a declared size; listings fresh, with sizes where the
 backend says it lists them; and, through the door, whatever the transport does, an object is exactly its listed
 size or refused (never served cut, padded or late: a cut body is the transport's
 error). A writable backend's atomic put is read back with the stamp
@@ -102,6 +102,17 @@ class BackendContract:
         paths = [place.path(KEY), place.path("dir/empty.bin")]
         assert place.backend.read_objects(place.fs, paths, [len(DATA), 0], 4) == [DATA, b""]
         assert transfer.cat_many(place.fs, paths, [len(DATA), 0]) == {paths[0]: DATA, paths[1]: b""}
+
+    def test_a_whole_object_is_never_read_without_its_size(self, place: Place):
+        """Every read of a store's bytes is bounded by what is expected: a whole object asked for without the size
+        a record or listing gives is refused, naming it, before anything is read."""
+        place.seed(KEY, DATA)
+        path = place.path(KEY)
+        for sizes in (None, [None], []):
+            with pytest.raises(ValueError, match=f"{KEY}.*none given.*unbounded read is refused"):
+                place.backend.read_objects(place.fs, [path], sizes, 4)
+        with pytest.raises(ValueError, match=f"{KEY}.*none given"):
+            transfer.cat_many(place.fs, [path], [None])
 
     def test_objects_fill_the_callers_buffers(self, place: Place):
         place.seed(KEY, DATA)

@@ -45,6 +45,18 @@ def scheme_of(url: str) -> str | None:
     return scheme if sep else None
 
 
+def whole_sizes(paths: list[str], sizes: list[int | None] | None) -> list[int]:
+    """The size of each whole object ``paths`` is read at, as a record or a listing gives it: a store's bytes are
+    read only as far as is expected, so an object without one is refused here (``ValueError`` naming it), never
+    read to whatever end its storage has."""
+    given = list(sizes) if sizes is not None and len(sizes) == len(paths) else [None] * len(paths)
+    unsized = [p for p, n in zip(paths, given) if n is None]
+    if unsized:
+        raise ValueError(f"{unsized[0]!r}: a whole object is read only at the size its record or listing gives "
+                         "(none given); an unbounded read is refused")
+    return [int(n) for n in given]
+
+
 class Backend:
     """A filesystem fsspec knows and no registered backend claims: fsspec's calls, each bounded only by what it
     is asked for. Subclasses override what their kind does otherwise."""
@@ -88,14 +100,13 @@ class Backend:
             raise out
         return out
 
-    def read_objects(self, fs, paths: list[str], sizes: list[int] | None, concurrency: int) -> list[Any]:
-        """Whole objects (``sizes``: each one's, from a record or listing: one ranged GET of exactly that many
-        bytes), or the exception that stopped one, in order; concurrent where the filesystem is."""
-        starts: list = [None] * len(paths)
-        ends: list = [None] * len(paths)
-        if sizes is not None:
-            starts = [0 if n else None for n in sizes]
-            ends = [n if n else None for n in sizes]  # an empty object takes no Range
+    def read_objects(self, fs, paths: list[str], sizes: list[int], concurrency: int) -> list[Any]:
+        """Whole objects of ``sizes`` (each one's, from a record or listing: one ranged GET of exactly that many
+        bytes; none given is refused, ``whole_sizes``), or the exception that stopped one, in order; concurrent
+        where the filesystem is."""
+        sizes = whole_sizes(paths, sizes)
+        starts = [0 if n else None for n in sizes]
+        ends = [n if n else None for n in sizes]  # an empty object takes no Range
         kw = {"batch_size": concurrency} if isinstance(fs, AsyncFileSystem) else {}
         return fs.cat_ranges(paths, starts, ends, on_error="return", **kw)
 
@@ -214,10 +225,9 @@ class Bounded(Backend):
 
         return receive.gather(fs, self.fetch, paths, starts, ends, sizes, concurrency)
 
-    def read_objects(self, fs, paths: list[str], sizes: list[int] | None, concurrency: int) -> list[Any]:
-        if sizes is None:  # (no caller of a bounded backend reads without sizes; fsspec's read, as before)
-            return super().read_objects(fs, paths, sizes, concurrency)
-        return self.get_ranges(fs, paths, [0] * len(paths), list(sizes), list(sizes), concurrency)
+    def read_objects(self, fs, paths: list[str], sizes: list[int], concurrency: int) -> list[Any]:
+        sizes = whole_sizes(paths, sizes)
+        return self.get_ranges(fs, paths, [0] * len(paths), sizes, sizes, concurrency)
 
     @contextlib.contextmanager
     def open_ranged(self, fs, path: str, size: int) -> Iterator[Any]:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import sinks
-from .base import Backend, scheme_of
+from .base import Backend, scheme_of, whole_sizes
 
 
 class LocalBackend(Backend):
@@ -22,8 +22,9 @@ class LocalBackend(Backend):
         scheme = scheme_of(url)
         return scheme is None or scheme in self.protocols
 
-    def read_objects(self, fs, paths: list[str], sizes: list[int] | None, concurrency: int) -> list[Any]:
-        return fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
+    def read_objects(self, fs, paths: list[str], sizes: list[int], concurrency: int) -> list[Any]:
+        """Bytes ``0:size`` of each file (a file of another size arrives cut or short: its caller compares)."""
+        return fs.cat_ranges(paths, [0] * len(paths), whole_sizes(paths, sizes), on_error="return")
 
     def list_detail(self, fs, path: str, splits: list[str] | None = None, concurrency: int = 1
                     ) -> dict[str, dict[str, Any]]:
