@@ -109,6 +109,23 @@ def test_an_index_segment_that_never_ends_costs_little_memory(served):
     assert 0 < peak < 400, peak
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["length", "no_length"])
+def test_an_http_object_is_asked_its_size_once(served, declared):
+    """An HTTP listing gives no sizes, so an object read whole is sized by its server's HEAD; where the HEAD
+    declares no length, that answer holds for the read (capped at ``receive.UNDECLARED_CAP``), never asked again:
+    each object is HEADed at most once as a store opens, an index segment (its head checked first) and each commit
+    record exactly once."""
+    with HostileHTTPServer(str(served), [("no_length", lambda p: "/store/" in p)] if not declared else []) as srv:
+        store = hsstore.open(f"{srv.url}/store")
+        assert len(store) == 6
+        assert declared or srv.injected["no_length"] >= 1
+    heads = dict(srv.heads)
+    segments = [p for p in heads if "/store/index/" in p]
+    records = [p for p in heads if "/store/commits/" in p]
+    assert segments and len(records) == len(store.commits), heads
+    assert set(heads.values()) == {1}, heads
+
+
 def test_a_redirect_to_another_host_is_not_followed(served):
     """Every path of the store redirects to the same path on another host, which holds another store there."""
     with HostileHTTPServer(str(served / "redirected")) as other:

@@ -207,10 +207,8 @@ def read(fs, root: str, key: str, *, bound: int, size: int | None = None, where:
         with opened(root, key, size=size, bound=bound, where=where) as (fd, n):
             return _read_fd(fd, n, key, where)
     path = storage.join(root, key)
-    if size is None and bound > receive.UNDECLARED_CAP and not backend.lists_sizes:  # a listing gave no size:
-        size = declared_size(fs, root, key, bound=bound, where=where)  # the server's HEAD says one, or
-        if size is None:  # the object is read only up to a small bound (a body without end)
-            bound = min(bound, receive.UNDECLARED_CAP)
+    if size is None and bound > receive.UNDECLARED_CAP and not backend.lists_sizes:  # a listing gave no size
+        size, bound = _undeclared(fs, root, key, bound, where)
     if size is not None:
         data = transfer.cat_many(fs, [path], [size])[path]
     else:  # one GET of at most bound + 1 bytes: a larger object is refused without fetching it all
@@ -246,23 +244,32 @@ def declared_size(fs, root: str, key: str, *, bound: int, where: str = "") -> in
     return declared
 
 
+def _undeclared(fs, root: str, key: str, bound: int, where: str) -> tuple[int | None, int]:
+    """(size, bound) an object a listing gives no size for is read at: the length its storage declares (one HEAD,
+    ``declared_size``) within ``bound``, or, where it declares none, no size and the bound cut to
+    ``receive.UNDECLARED_CAP`` (a body without a declared end is read only that far). Asked once an object: a
+    bound within the cap asks nothing more of ``read``."""
+    size = declared_size(fs, root, key, bound=bound, where=where)
+    return size, bound if size is not None else min(bound, receive.UNDECLARED_CAP)
+
+
 def _head_refusal(fs, root: str, key: str, size: int | None, bound: int, check: Callable[[str, bytes, int], None],
-                  where: str) -> tuple[int | None, Exception | None]:
-    """(the object's size, why it is refused on its first ``HEAD_BYTES`` or None) for a remote object of ``size``
-    bytes (None: an HTTP listing's, asked of its server's HEAD): ``check(key, head, size)`` raising refuses it, and
-    nothing more is asked for it."""
+                  where: str) -> tuple[int | None, int, Exception | None]:
+    """(the object's size, its bound, why it is refused on its first ``HEAD_BYTES`` or None) for a remote object of
+    ``size`` bytes within ``bound`` (None: an HTTP listing's, asked of its server's HEAD: ``_undeclared``):
+    ``check(key, head, size)`` raising refuses it, and nothing more is asked for it."""
     try:
         if size is None and not backend_for(fs).lists_sizes:
-            size = declared_size(fs, root, key, bound=bound, where=where)
+            size, bound = _undeclared(fs, root, key, bound, where)
         if size is None or size <= HEAD_BYTES:
-            return size, None
+            return size, bound, None
         (head,) = read_ranges(fs, root, key, [(0, HEAD_BYTES)], size=size, where=where)
         if isinstance(head, Exception):
             raise head
         check(key, head, size)
     except (OSError, CorruptionError) as e:
-        return size, Refused(where, key, e.why) if isinstance(e, receive.AnswerRefused) else e
-    return size, None
+        return size, bound, Refused(where, key, e.why) if isinstance(e, receive.AnswerRefused) else e
+    return size, bound, None
 
 
 def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], bound: Callable[[str], int] | int,
@@ -279,16 +286,18 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
     out: dict[str, Any] = {}
     todo = []
     sizes = dict(sizes)
+    bounds: dict[str, int] = {}  # each key's bound, cut where its storage declares no size (``_undeclared``)
     for k in keys:
         why = key_problem(k)
         if why:
             out[k] = Refused(where, repr(k), why)
             continue
-        if sizes.get(k) is not None and sizes[k] > limit(k):
-            out[k] = Refused(where, k, f"{sizes[k]:,} bytes listed, larger than its bound of {limit(k):,}")
+        bounds[k] = limit(k)
+        if sizes.get(k) is not None and sizes[k] > bounds[k]:
+            out[k] = Refused(where, k, f"{sizes[k]:,} bytes listed, larger than its bound of {bounds[k]:,}")
             continue
         if check_head is not None and not local:
-            sizes[k], refusal = _head_refusal(fs, root, k, sizes.get(k), limit(k), check_head, where)
+            sizes[k], bounds[k], refusal = _head_refusal(fs, root, k, sizes.get(k), bounds[k], check_head, where)
             if refusal is not None:
                 out[k] = refusal
                 continue
@@ -297,7 +306,7 @@ def read_many(fs, root: str, keys: list[str], *, sizes: dict[str, int | None], b
     if local or unsized:
         for k in todo if local else unsized:
             try:
-                out[k] = read(fs, root, k, bound=limit(k), size=sizes.get(k), where=where)
+                out[k] = read(fs, root, k, bound=bounds[k], size=sizes.get(k), where=where)
             except (OSError, CorruptionError) as e:
                 out[k] = e
         if local:

@@ -14,12 +14,13 @@ one misbehaviour each:
                 large object takes minutes yet is never cut off by a rate)
   stall         ``206`` (or ``200``) without a length: the bytes asked for, then nothing, the connection held open
   truncate      the answer's headers (its whole ``Content-Length``), half its body, then the connection closed
+  no_length     a ``HEAD`` answered without a ``Content-Length`` (a server that declares no length); GETs as usual
 
 A ``POST`` (an engine's ``/v1/chat/completions``) is answered as a ``GET`` of the same path is: the file there (a
 canned answer), with the same misbehaviours.
 
 ``faults``: list of (kind, predicate of the request path). ``sent`` counts response bytes by path, ``paths`` every
-path asked for (what a client read, outside the store's prefix too). Threads end when the client goes.
+path asked for (what a client read, outside the store's prefix too), ``heads`` the ``HEAD`` requests by path. Threads end when the client goes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 KINDS = ("ignore_range", "huge_length", "overrun", "gzip", "endless_index", "trickle", "trickle_head", "redirect",
-         "slow", "stall", "truncate")
+         "slow", "stall", "truncate", "no_length")
 FOREVER_S = 120  # how long "forever" lasts (a client that was not cut off by then has failed anyway)
 _BOMB: bytes | None = None
 
@@ -62,6 +63,7 @@ class HostileHTTPServer:
         self.redirect_to = redirect_to
         self.sent: collections.Counter = collections.Counter()
         self.paths: list[str] = []
+        self.heads: collections.Counter = collections.Counter()
         self.injected: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -140,6 +142,8 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server_of
         with srv._lock:
             srv.paths.append(urllib.parse.unquote(self.path))
+            if head:
+                srv.heads[urllib.parse.unquote(self.path)] += 1
         kind = srv.fault_for(self.path)
         local = self._local(self.path)
         self.close_connection = True
@@ -196,7 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             body = data[start:end]
             self.send_response(206 if rng else 200)
-            if kind not in ("overrun", "stall") or head:
+            if (kind != "no_length") if head else kind not in ("overrun", "stall"):
                 self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             if not head:
