@@ -30,6 +30,7 @@ from hsstore.ops.verify import verify
 
 from conftest import PATIENT_S3, make_manifest, make_samples, write_samples
 from hsstore.testing.faultproxy import FaultProxy
+from hsstore.testing.hostile_http import HostileHTTPServer
 
 N_SHARDS = 12
 
@@ -462,6 +463,21 @@ def test_open_on_s3_lists_ranges_concurrently_and_finds_late_shards(s3_store, s3
     direct = hsstore.Store(url, opts, use_index=False)
     assert store.commits == direct.commits and len(store.commits) == 37 and late
     assert store.index_use.shards == 37
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_listing_cut_by_the_index_is_the_whole_listing_where_ranges_are_not_listed(tmp_path, monkeypatch, where):
+    """The index's names cut the listing of ``commits/`` into ranges wherever it is; a backend that lists no ranges
+    (local disk, an HTTP index page) lists it whole, and a store opens on that listing as without the index."""
+    _write(str(tmp_path / "store"))
+    monkeypatch.setattr(index, "LIST_SPLIT", 4)
+    with HostileHTTPServer(str(tmp_path)) as srv:
+        url = str(tmp_path / "store") if where == "local" else f"{srv.url}/store"
+        fs, root = storage.resolve(url)
+        known = commit.list_committed(fs, root)
+        assert len(known) == N_SHARDS
+        assert index.listed_records(fs, root, known) == index.listed_records(fs, root)
+        assert hsstore.open(url).commits == hsstore.Store(url, use_index=False).commits
 
 
 def test_records_gone_from_the_end_of_a_block_still_read(tmp_path):

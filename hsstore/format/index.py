@@ -42,7 +42,6 @@ import numpy as np
 
 from . import codec, names, records
 from ..io import door, listing, storage, transfer
-from ..io.backends import backend_for
 from .commit import COMMITS_DIR, CommitRecord, commit_path, list_records, read_records
 from ..errors import CorruptionError, StoreError
 from .manifest import now_iso
@@ -319,11 +318,9 @@ class SegmentAppender:
 # -- reading ------------------------------------------------------------------------------------------------
 def listed_records(fs, root: str, known: list[str] | None = None) -> dict[str, Listed]:
     """Shard name -> size and stamp of its commit record, from one listing of ``commits/``. ``known`` (sorted
-    shard names, from the index) lets an object store list ranges of it concurrently
-    (``listing.list_detail_split``); the listing is the same either way."""
-    splits = None
-    if known and not backend_for(fs).local_paths:
-        splits = [f"{n}.json" for n in known[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # ranges of LIST_SPLIT keys: a page each
+    shard names, from the index) cuts it into ranges that a backend listing ranges concurrently lists so (S3;
+    ``listing.list_detail_split``; the others list it whole); the listing is the same either way."""
+    splits = [f"{n}.json" for n in (known or [])[LIST_SPLIT - 1:-1:LIST_SPLIT]]  # LIST_SPLIT keys a range: a page
     if splits:
         listed = listing.list_detail_split(fs, storage.join(root, COMMITS_DIR), splits)
         listed = {b[: -len(".json")]: e for b, e in listed.items() if b.endswith(".json") and not b.startswith(".")}
