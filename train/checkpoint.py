@@ -405,6 +405,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         v = d.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 53:
             bad(f"{key} {v!r} is not a count")
+    named = _STEP_RE.match(path.name)
+    if named and int(named.group(1)) != d["step"]:  # resumed, it would train steps again or skip them
+        bad(f"step {d['step']} in the folder of step {int(named.group(1))}")
     w = d.get("world")
     if not (isinstance(w, list) and len(w) == 2 and all(type(x) is int and 0 <= x < 1 << 20 for x in w)):
         bad(f"world {w!r} is not [ranks, workers]")
