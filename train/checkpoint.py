@@ -595,9 +595,11 @@ def checkpoint_errors(tmp: Path, step: int):
         text = f"{type(e).__name__}: {e}"
         full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in text or "StorageFull" in text
         why = "the disk is full" if full else text
+        # freeing space helps a full disk only (weights gone non-finite come back at the same step on a resume)
+        then = " (free space, then run the same command again to resume)" if full else ""
         raise OSError(errno.ENOSPC if full else errno.EIO,
                       f"checkpoint of step {step} could not be written to {tmp}: {why}; the checkpoints published "
-                      "before are kept (free space, then run the same command again to resume)") from e
+                      f"before are kept{then}") from e
 
 
 def _length(steps: int | None, epochs: float | None) -> str:
