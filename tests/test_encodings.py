@@ -350,6 +350,17 @@ def test_store_roundtrip_and_verify(tmp_path, name, hidden):
     assert stats["count"] == store.commits[0].n_tokens * hidden
 
 
+def publish_rows(store0, feats: dict[int, np.ndarray]) -> None:
+    """A shard of two 4-token samples s0 and s1 holding rows ``feats`` (8 per layer), written with valid checksums
+    and record, as a team that forged its bytes would publish it."""
+    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
+            "thinking_tokens": [0, 0], "flags": [[], []]}
+    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
+    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
+                                  np.arange(8, dtype=np.int32), mask, cols)
+    commit.publish(store0.fs, store0.root, rec)
+
+
 def test_verify_names_forged_rows(tmp_path):
     """A shard whose rows no writer writes (an outlier index past the row: its values stay finite) written with
     valid checksums and record: verify fails it, naming the sample."""
@@ -360,12 +371,7 @@ def test_verify_names_forged_rows(tmp_path):
     good = encodings.get("nvfp4").encode(hidden_rows(8, 1024, seed=4, outliers=2)).values.numpy()
     feats = {l: good.copy() for l in m.layers}
     feats[3][2] = rows[ways["index past the row"]]
-    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
-            "thinking_tokens": [0, 0], "flags": [[], []]}
-    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
-    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
-                                  np.arange(8, dtype=np.int32), mask, cols)
-    commit.publish(store0.fs, store0.root, rec)
+    publish_rows(store0, feats)
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 3: 1 row(s) with a NaN or negative scale or an outlier index" in str(
         problems[0])
@@ -391,12 +397,7 @@ def test_verify_names_rows_that_decode_past_bfloat16(tmp_path):
     assert not torch.isfinite(enc.decode(torch.from_numpy(row[None]), None, 1024, torch.bfloat16)).all()
     feats = {l: good.copy() for l in m.layers}
     feats[3][5] = row
-    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
-            "thinking_tokens": [0, 0], "flags": [[], []]}
-    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
-    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
-                                  np.arange(8, dtype=np.int32), mask, cols)
-    commit.publish(store0.fs, store0.root, rec)
+    publish_rows(store0, feats)
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 3: non-finite values" in str(problems[0]), problems
     assert problems[0].samples == ["s1"]
