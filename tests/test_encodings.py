@@ -15,7 +15,7 @@ import torch
 import hsstore
 from conftest import make_manifest, make_samples
 from hsstore.errors import ManifestError, SampleError
-from hsstore.format import commit, encodings, microscaling
+from hsstore.format import commit, encodings, health, microscaling
 from hsstore.format.encodings import Encoded
 from hsstore.layouts import zarr as zarr_layout
 from hsstore.ops.verify import verify
@@ -350,6 +350,17 @@ def test_store_roundtrip_and_verify(tmp_path, name, hidden):
     assert stats["count"] == store.commits[0].n_tokens * hidden
 
 
+def publish_rows(store0, feats: dict[int, np.ndarray]) -> None:
+    """A shard of two 4-token samples s0 and s1 holding rows ``feats`` (8 per layer), written with valid checksums
+    and record, as a team that forged its bytes would publish it."""
+    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
+            "thinking_tokens": [0, 0], "flags": [[], []]}
+    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
+    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
+                                  np.arange(8, dtype=np.int32), mask, cols)
+    commit.publish(store0.fs, store0.root, rec)
+
+
 def test_verify_names_forged_rows(tmp_path):
     """A shard whose rows no writer writes (an outlier index past the row: its values stay finite) written with
     valid checksums and record: verify fails it, naming the sample."""
@@ -360,16 +371,38 @@ def test_verify_names_forged_rows(tmp_path):
     good = encodings.get("nvfp4").encode(hidden_rows(8, 1024, seed=4, outliers=2)).values.numpy()
     feats = {l: good.copy() for l in m.layers}
     feats[3][2] = rows[ways["index past the row"]]
-    cols = {"sample_id": ["s0", "s1"], "source": ["", ""], "length": [4, 4], "loss_tokens": [1, 1],
-            "thinking_tokens": [0, 0], "flags": [[], []]}
-    mask = np.array([0, 0, 0, 1, 0, 0, 0, 1], np.uint8)
-    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest, feats,
-                                  np.arange(8, dtype=np.int32), mask, cols)
-    commit.publish(store0.fs, store0.root, rec)
+    publish_rows(store0, feats)
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 3: 1 row(s) with a NaN or negative scale or an outlier index" in str(
         problems[0])
     assert problems[0].samples == ["s0"]
+
+
+def test_verify_names_rows_that_decode_past_bfloat16(tmp_path):
+    """An nvfp4 row whose scales multiply to a value finite in float32 but past bfloat16's largest (6 x 448 x a row
+    scale of 2.53e35; no writer writes one: its scales come from bfloat16 values): readers decode into the store's
+    bfloat16, where it is infinite, so verify counts it non-finite as they would see it, naming the sample; a copy's
+    record statistics count it too (``bits_stats``), so train refuses the copy."""
+    m = dataclasses.replace(make_manifest(hidden=1024, chunk_tokens=64), encoding="nvfp4")
+    hsstore.StoreWriter(str(tmp_path), m).close()
+    store0 = hsstore.open(str(tmp_path))
+    enc = encodings.get("nvfp4")
+    good = enc.encode(hidden_rows(8, 1024, seed=4)).values.numpy()
+    o_scales, o_row, o_idx, _, _ = enc.fmt.offsets(1024)
+    row = good[5].copy()
+    row[:o_scales] = 0x77  # every code e2m1's 6
+    row[o_scales:o_row] = 0x7E  # every block scale e4m3's 448
+    row[o_row:o_idx] = np.frombuffer(np.float32(3.40e38 / (6 * 448)).tobytes(), np.uint8)
+    assert np.isfinite(enc.decode_numpy(row[None], None, 1024)).all()  # finite in float32
+    assert not torch.isfinite(enc.decode(torch.from_numpy(row[None]), None, 1024, torch.bfloat16)).all()
+    feats = {l: good.copy() for l in m.layers}
+    feats[3][5] = row
+    publish_rows(store0, feats)
+    problems = verify(hsstore.open(str(tmp_path))).problems
+    assert len(problems) == 1 and "layer 3: non-finite values" in str(problems[0]), problems
+    assert problems[0].samples == ["s1"]
+    stats = health.bits_stats(feats[3][None, 4:], "bfloat16", encoding="nvfp4", hidden=1024)
+    assert stats[0, health.SUMS.index("nonfinite")] == 1024 - enc.fmt.outliers(1024)  # the outliers keep theirs
 
 
 @pytest.mark.parametrize("name", BLOCK)

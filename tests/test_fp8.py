@@ -185,6 +185,32 @@ def test_verify_names_samples_with_bad_scales(tmp_path):
     assert problems[0].samples == ["s1"]
 
 
+def test_verify_names_samples_whose_scales_decode_past_bfloat16(tmp_path):
+    """A finite, positive scale of 1e36 (no writer writes one: 448 x scale is past bfloat16's largest): readers
+    decode its row to infinities in the store's bfloat16, so verify fails it, naming the sample."""
+    m = dataclasses.replace(fp8_manifest(), chunk_tokens=64)
+    s = make_samples(2, seed=6, max_len=40)
+    hsstore.StoreWriter(str(tmp_path), m).close()
+    store0 = hsstore.open(str(tmp_path))
+    qs = [fp8.quantise(x["hidden_states"]) for x in s]
+    values, scales = torch.cat([q.values for q in qs]), torch.cat([q.scales for q in qs])
+    scales[len(s[0]["input_ids"]) + 1, 2] = 1e36  # sample s1, layer 5
+    assert not torch.isfinite(fp8.dequantise(values, scales)).all()
+    cols = {"sample_id": [x["sample_id"] for x in s], "source": [""] * 2,
+            "length": [len(x["input_ids"]) for x in s], "loss_tokens": [int(x["loss_mask"].sum()) for x in s],
+            "thinking_tokens": [0] * 2, "flags": [[] for _ in s]}
+    rec = zarr_layout.write_shard(store0.fs, store0.root, "w-00000000-00000", "w", store0.manifest,
+                                  {l: fp8.as_bits(values[:, j]) for j, l in enumerate(m.layers)},
+                                  torch.cat([x["input_ids"] for x in s]).numpy(),
+                                  torch.cat([x["loss_mask"] for x in s]).numpy(), cols,
+                                  scales={l: scales[:, j].numpy() for j, l in enumerate(m.layers)})
+    commit.publish(store0.fs, store0.root, rec)
+    problems = verify(hsstore.open(str(tmp_path))).problems
+    assert len(problems) == 1 and "layer 5: 1 scales so large that their rows decode past bfloat16" in str(
+        problems[0]), problems
+    assert problems[0].samples == ["s1"]
+
+
 def test_unknown_encoding_and_mixing_refused(tmp_path):
     m = make_manifest()
     d = json.loads(m.to_json())

@@ -176,6 +176,9 @@ RUNS = {
     "loader state zlib bomb": (_loader_bomb, ["loader.rank", "larger than the 134,217,728 bytes"]),
     "trainer.json step a string": (_trainer(step="x"), ["trainer.json", "step 'x'"]),
     "trainer.json world 5": (_trainer(world=5), ["trainer.json", "world 5"]),
+    # the step its folder does not name: resumed, steps 1.. trained again (their checkpoints overwritten) or skipped
+    "trainer.json step 0 in step_1": (_trainer(step=0), ["trainer.json", "step 0 in the folder of step 1"]),
+    "trainer.json step 5 in step_1": (_trainer(step=5), ["trainer.json", "step 5 in the folder of step 1"]),
     "trainer.json optimizer empty": (_trainer(optimizer={}), ["trainer.json", "param_groups"]),
     "trainer.json scheduler keys": (_trainer(scheduler={"x": 1}), ["trainer.json", "scheduler keys"]),
     "trainer.json python_rng short": (_trainer(python_rng=[3, [1, 2], None]), ["step_00000001", "RNG state"]),

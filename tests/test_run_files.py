@@ -265,3 +265,13 @@ def test_export_drafter_help_says_how_a_tie_is_broken(capsys):
         main(["export-drafter", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "best validation tau, a tie going to the lower validation loss, then to the earlier step" in text
+
+
+def test_a_checkpoint_refused_for_another_reason_than_space_does_not_say_free_space(tmp_path):
+    """Weights gone non-finite (a store's NaN features read where its records carry no statistics) refuse the
+    checkpoint: the line says why and keeps the earlier ones, without the full disk's advice, which would send the
+    user to free space and resume into the same step."""
+    with pytest.raises(OSError) as e:
+        with ckpt.checkpoint_errors(tmp_path, 3):
+            raise ValueError("writing drafter: tensor 'fc.weight': non-finite values (4 of 4)")
+    assert "non-finite values" in str(e.value) and "are kept" in str(e.value) and "free space" not in str(e.value)

@@ -405,6 +405,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         v = d.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 53:
             bad(f"{key} {v!r} is not a count")
+    named = _STEP_RE.match(path.name)
+    if named and int(named.group(1)) != d["step"]:  # resumed, it would train steps again or skip them
+        bad(f"step {d['step']} in the folder of step {int(named.group(1))}")
     w = d.get("world")
     if not (isinstance(w, list) and len(w) == 2 and all(type(x) is int and 0 <= x < 1 << 20 for x in w)):
         bad(f"world {w!r} is not [ranks, workers]")
@@ -592,9 +595,11 @@ def checkpoint_errors(tmp: Path, step: int):
         text = f"{type(e).__name__}: {e}"
         full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in text or "StorageFull" in text
         why = "the disk is full" if full else text
+        # freeing space helps a full disk only (weights gone non-finite come back at the same step on a resume)
+        then = " (free space, then run the same command again to resume)" if full else ""
         raise OSError(errno.ENOSPC if full else errno.EIO,
                       f"checkpoint of step {step} could not be written to {tmp}: {why}; the checkpoints published "
-                      "before are kept (free space, then run the same command again to resume)") from e
+                      f"before are kept{then}") from e
 
 
 def _length(steps: int | None, epochs: float | None) -> str:

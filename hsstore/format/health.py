@@ -27,6 +27,10 @@ ZERO_DOMINATED = 0.5  # a feature whose share of exact zeros in a shard exceeds 
 # the bit patterns of an exact zero (sign aside) and of a non-finite value (exponent all ones), per storage dtype
 _BITS = {"bfloat16": (np.uint16, 0x7FFF, 0x7F80), "float16": (np.uint16, 0x7FFF, 0x7C00),
          "float32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "float8_e4m3fn": (np.uint8, 0x7F, 0x7F)}
+# decoded values (float32) whose magnitude reaches these round to infinity in the store's dtype, which readers decode
+# into: an encoded row can hold scales whose product is finite in float32 yet past bfloat16's largest value
+FINITE_BELOW = {"bfloat16": float(np.array(0x7F7F8000, np.uint32).view(np.float32)), "float16": 65520.0,
+                "float32": math.inf}
 
 
 def feature_name(key: str) -> str:
@@ -100,7 +104,8 @@ def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None, e
         b = np.ascontiguousarray(bits[j])
         v = (enc.decode_numpy(b, None if scales is None else scales[j], hidden or b.shape[-1]) if enc.quantised
              else _float32_of_bits(b, dtype))
-        finite = np.isfinite(v)
+        # decoded rows: finite as readers decode them, into the store's dtype (``FINITE_BELOW``)
+        finite = np.abs(v) < FINITE_BELOW.get(dtype, math.inf) if enc.quantised else np.isfinite(v)
         clean = np.where(finite, v, np.float32(0)).ravel()
         out[j] = (clean.sum(dtype=np.float64), float(np.dot(clean, clean)),
                   float(np.abs(clean).max(initial=0)), np.count_nonzero(v == 0), v.size - np.count_nonzero(finite))
@@ -291,6 +296,7 @@ class ValueTally:
         self.seen = np.zeros(len(self.keys), np.int64)  # tokens counted per feature
         self.decode = decode
         self.kind, self.magnitude, self.exponent = _BITS[storage_dtype]
+        self.finite_below = FINITE_BELOW.get(storage_dtype, math.inf)  # a block encoding's: the store's dtype
 
     def add(self, feature: int | str, first_token: int, rows: np.ndarray) -> None:
         """Rows ``[n, H]`` of stored bits (any view of the storage dtype) starting at token ``first_token``."""
@@ -300,7 +306,7 @@ class ValueTally:
             return
         if self.decode is not None:
             v = self.decode(np.ascontiguousarray(rows[:n]))
-            zero_rows, bad_rows = (v == 0).sum(axis=1), (~np.isfinite(v)).sum(axis=1)
+            zero_rows, bad_rows = (v == 0).sum(axis=1), (~(np.abs(v) < self.finite_below)).sum(axis=1)
         else:
             b = np.ascontiguousarray(rows[:n]).view(self.kind).reshape(n, -1)
             mag = b & self.kind(self.magnitude)

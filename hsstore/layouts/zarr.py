@@ -730,9 +730,12 @@ def _check_scales(src: ShardSource, rec: CommitRecord, layer: int, report: Verif
     except (OSError, StoreError) as e:
         report.problems.append(Problem(rec.shard, f"layer {layer} scales unreadable: {type(e).__name__}: {e}", key))
         return
-    bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
-    if bad.size:
-        tokens = np.searchsorted(rec.offsets, bad, side="right") - 1
-        who = [rec.samples["sample_id"][i] for i in np.unique(tokens)]
-        report.problems.append(Problem(rec.shard, f"layer {layer}: {bad.size} scales not finite and positive", key,
-                                       who))
+    good = np.isfinite(scales) & (scales > 0)
+    with np.errstate(over="ignore"):  # e4m3's largest value times the scale, as readers decode it (float32)
+        past = good & ~(np.float32(fp8.FP8_MAX) * scales < health.FINITE_BELOW.get(m.dtype, np.inf))
+    for rows, what in ((np.flatnonzero(~good), "scales not finite and positive"),
+                       (np.flatnonzero(past), f"scales so large that their rows decode past {m.dtype}'s largest value")):
+        if rows.size:
+            tokens = np.searchsorted(rec.offsets, rows, side="right") - 1
+            who = [rec.samples["sample_id"][i] for i in np.unique(tokens)]
+            report.problems.append(Problem(rec.shard, f"layer {layer}: {rows.size} {what}", key, who))
