@@ -29,7 +29,7 @@ import torch
 
 from hsstore.loader.batching import TokenBatches, count_token_batches
 from hsstore.distributed import World
-from hsstore.errors import StoreError
+from hsstore.errors import CorruptionError, StoreError
 from hsstore.loader.dataset import HiddenStateDataset
 from hsstore.loader.follow import Follow, FollowStopped
 from hsstore.loader.options import Planning, Reading, Selection
@@ -234,11 +234,12 @@ class ReadAheadStats:
 
 
 def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None,
-                        decode: Callable[[dict], dict] | None = None) -> tuple[dict[str, Any], Any]:
-    """(``batch`` on ``device``, the event its copies end with), the non-blocking copies issued on ``stream`` so
-    that they overlap the consumer's step; with ``stats``, timed by CUDA events. ``decode``: the stored features
-    decoded on the device after they crossed (an encoded store's bytes cross, a half to a quarter of bf16's), on the
-    same stream, so that it overlaps the step too."""
+                        decode: Callable[[dict], dict] | None = None) -> tuple[dict[str, Any], Any, Any]:
+    """(``batch`` on ``device``, the event its copies end with, its features' ``value_extremes`` on the host once
+    that event has passed), the non-blocking copies issued on ``stream`` so that they overlap the consumer's step;
+    with ``stats``, timed by CUDA events. ``decode``: the stored features decoded on the device after they crossed
+    (an encoded store's bytes cross, a half to a quarter of bf16's), on the same stream, so that it overlaps the
+    step too; the extremes are taken of the decoded values, which are what the step reads."""
     with torch.cuda.stream(stream):
         begin = torch.cuda.Event(enable_timing=True) if stats is not None else None
         if begin is not None:
@@ -246,11 +247,14 @@ def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, sta
         batch = to_device(batch, device, non_blocking=True)
         if decode is not None:
             batch = decode(batch)
+        extremes = value_extremes(batch)
+        if extremes is not None:  # to the host with the batch's copies: the consumer reads it after their event
+            extremes = extremes.to("cpu", non_blocking=True)
         event = torch.cuda.Event(enable_timing=stats is not None)
         event.record(stream)
     if stats is not None:
         stats.events.append((begin, event))
-    return batch, event
+    return batch, event, extremes
 
 
 def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
@@ -263,13 +267,66 @@ def hand_over_copy(batch: dict[str, Any], event, device: torch.device) -> None:
             v.record_stream(current)
 
 
+def received(batch: dict[str, Any], event, extremes: torch.Tensor | None, device: torch.device) -> None:
+    """The consumer's side of a batch copied on the side stream: its value check, once its copies are done (begun a
+    batch or more before: as a rule they are), then the hand-over (``hand_over_copy``)."""
+    event.synchronize()
+    refuse_non_finite(batch, extremes)
+    hand_over_copy(batch, event, device)
+
+
 def crossed(batch: dict[str, Any], device: torch.device, stream, stats: ReadAheadStats | None,
-            decode: Callable[[dict], dict] | None) -> tuple[dict[str, Any], Any]:
-    """``read_ahead``'s batch where the consumer uses it, decoded there, and the event its copies end with (None
-    on the CPU: the batch stays, decoded on the read-ahead thread)."""
+            decode: Callable[[dict], dict] | None) -> tuple[dict[str, Any], Any, Any]:
+    """``read_ahead``'s batch where the consumer uses it, decoded there, the event its copies end with and its
+    ``value_extremes`` (on the CPU: no event, the batch stays, decoded and value-checked on the read-ahead thread)."""
     if stream is not None:
         return copy_on_side_stream(batch, device, stream, stats, decode)
-    return (decode(batch) if decode is not None else batch), None
+    batch = decode(batch) if decode is not None else batch
+    extremes = value_extremes(batch)
+    refuse_non_finite(batch, extremes)
+    return batch, None, None
+
+
+# ---------------------------------------------------------------------------------------------- values
+FEATURE_KEYS = ("hidden_states", "final_hidden")  # the target's values a batch carries into the step
+VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # decoded values (stored codes: not yet)
+
+
+def feature_values(batch: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) of each decoded feature ``batch`` carries, none empty."""
+    return [(k, t) for k in FEATURE_KEYS if isinstance(t := batch.get(k), torch.Tensor) and t.dtype in VALUE_DTYPES
+            and t.numel()]
+
+
+def value_extremes(batch: dict[str, Any]) -> torch.Tensor | None:
+    """The largest and smallest value of each feature tensor of ``batch`` (``FEATURE_KEYS``), float32, on its device.
+
+    Why: every tensor that enters training is value-checked, and a store's own statistics are a writer's claim
+    (a received store may carry none, or clean ones beside NaN bytes); one NaN or infinity in a batch makes every
+    weight NaN at that step. A maximum and a minimum reach any NaN or infinity, read the batch once each without a
+    temporary its size, on the stream that made it, and ask nothing of the host."""
+    parts = [r for _, t in feature_values(batch) for r in (t.amax(), t.amin())]
+    return torch.stack(parts).float() if parts else None
+
+
+def refuse_non_finite(batch: dict[str, Any], extremes: torch.Tensor | None) -> None:
+    """Refuse ``batch`` when its ``extremes`` are not finite, naming its first sample whose features hold a NaN or
+    an infinity (found on the host: this is the error's path only), before any step trains on it."""
+    if extremes is None or bool(torch.isfinite(extremes).all()):
+        return
+    for k, t in feature_values(batch):
+        rows = (~torch.isfinite(t.detach().cpu().float()).reshape(t.shape[0], -1).all(1)).nonzero().flatten()
+        if not len(rows):
+            continue
+        first = int(rows[0])  # a padded batch's sample, or a packed batch's token
+        if "cu_seqlens" in batch:
+            first = int(torch.searchsorted(batch["cu_seqlens"].cpu(), torch.tensor(first), right=True)) - 1
+        raise CorruptionError(f"sample {batch['sample_id'][first]!r}: its {k} hold a NaN or an "
+                              "infinity as the trainer reads them (not what its record's statistics say, or the "
+                              "record has none); refused before any step trained on it, nothing saved from it. "
+                              "`hsstore verify` names every such sample")
+    raise CorruptionError("a batch's features hold a NaN or an infinity as the trainer reads them; refused before "
+                          "any step trained on it. `hsstore verify` names every such sample")
 
 
 def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, depth: int = 2, *,
@@ -279,7 +336,8 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
     on CUDA, copies the next ``depth`` batches on a side stream (pinned memory, non-blocking copies; the
     consumer's stream waits for each batch's copy event and the batch's tensors are recorded on it, so their
     memory is not reused before the step is done with them). The consumer's only work per batch is that
-    hand-over. Stops the thread when closed early.
+    hand-over and the batch's value check (``refuse_non_finite``; on CUDA it waits for the batch's copies, begun a
+    batch or more before, and reads two numbers a feature). Stops the thread when closed early.
 
     ``stats``: filled per batch (``ReadAheadStats``). ``threads``: torch's intra-op threads of the read-ahead
     thread (collation copies; the loader's reading threads, started from it, inherit the setting, as new
@@ -316,12 +374,12 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
                 state = source.state_dict()
                 batch = prepare(batch)
                 t2 = time.perf_counter()
-                batch, event = crossed(batch, device, stream, stats, decode)
+                batch, event, extremes = crossed(batch, device, stream, stats, decode)
                 if stats is not None:
                     stats.read.append(t1 - t0)
                     stats.prep.append(t2 - t1)
                     stats.copy.append(time.perf_counter() - t2)
-                if not put((batch, state, event)):
+                if not put((batch, state, event, extremes)):
                     return
         except BaseException as e:  # re-raised in the consumer
             put(e)
@@ -344,9 +402,9 @@ def read_ahead(source, prepare: Callable[[dict], dict], device: torch.device, de
             if stats is not None:
                 stats.wait.append(time.perf_counter() - t)
                 stats.ready.append(ready)
-            batch, state, event = item
+            batch, state, event, extremes = item
             if event is not None:
-                hand_over_copy(batch, event, device)
+                received(batch, event, extremes, device)
             yield batch, state
     finally:
         stop.set()
