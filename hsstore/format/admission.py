@@ -28,10 +28,12 @@ decides what is read); ``names``, every name it holds is one readers follow (``n
 or, where a record lists no such checksum (format version 1), against its ``offsets`` array read then (one small
 object); a wds record's against the members it lists), so boundaries shifted inside a record are refused before
 a feature byte is read. The loss_mask a reader reads anyway is held to the record's ``loss_tokens`` per sample
-served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused. What copies
-a shard whole (``convert``) holds every sample of it so before writing any (``Store.check_shard``), what hands a
-shard's files on as they are (``merge``, ``copy``) reads its token arrays first (``Store.check_loss_tokens``), and
-a scan's window is held so before any of it is handed on. Also ``verify``'s alone: bytes readers never read (a
+served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused; the rule is
+one function, ``loss_disagreements`` (vectorised over a shard's samples), which ``verify`` applies too
+(``loss_mask_problem``, both layouts). What copies a shard whole (``convert``) holds every sample of it so before
+writing any (``Store.check_shard``), what hands a shard's files on as they are (``merge``, ``copy``) reads its
+loss_mask alone first (``Store.check_loss_tokens``: ``Layout.read_loss_mask``), and a scan's window is held so
+before any of it is handed on. Also ``verify``'s alone: bytes readers never read (a
 file's checksum over its whole object, a tar's bytes outside its listed members).
 """
 
