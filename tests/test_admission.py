@@ -319,9 +319,12 @@ def test_a_loss_mask_rewritten_with_its_checksums_is_refused_by_verify_the_loade
         assert not list(Path(argv[1] if argv[0] == "merge" else argv[2]).glob("commits/*.json"))
 
 
-def test_a_zarr_record_listing_no_loss_mask_chunk_is_refused_by_merge_and_copy_in_one_line(tmp_path, capsys):
-    """The mask ``merge`` and ``copy`` read alone is read at the sizes the record lists: a chunk it does not list
-    is the record's corruption, one line naming the shard and file, nothing written."""
+@pytest.mark.parametrize("how, words", [("unlisted", "not listed in the commit record"), ("removed", "missing")],
+                         ids=["unlisted", "removed"])
+def test_a_zarr_loss_mask_chunk_unlisted_or_missing_is_refused_by_merge_and_copy_in_one_line(tmp_path, capsys, how,
+                                                                                             words):
+    """The mask ``merge`` and ``copy`` read alone is read at the sizes the record lists: a chunk it does not list,
+    or one gone from the store, is the shard's corruption, one line naming the shard and file, nothing written."""
     url = str(tmp_path / "s")
     small_store(url)
     key = None
@@ -329,12 +332,15 @@ def test_a_zarr_record_listing_no_loss_mask_chunk_is_refused_by_merge_and_copy_i
     def unlist(d):
         nonlocal key
         key = f"{commit.SHARDS_DIR}/{d['shard']}/loss_mask/c/0"
-        del d["files"][key]
+        if how == "unlisted":
+            del d["files"][key]
+        else:
+            os.remove(Path(url, key))
 
     d = edit_record(records(url)[0], unlist)
     for argv in (["merge", str(tmp_path / "m"), url, "-q"], ["copy", url, str(tmp_path / "c"), "-q"]):
         assert main(argv) == 2
-        one_line(capsys.readouterr().err, d["shard"], key, "not listed in the commit record")
+        one_line(capsys.readouterr().err, f"shard {d['shard']!r}, file {key}: {words}")
         assert not list(Path(argv[1] if argv[0] == "merge" else argv[2]).glob("commits/*.json"))
 
 

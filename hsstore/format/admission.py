@@ -40,7 +40,7 @@ file's checksum over its whole object, a tar's bytes outside its listed members)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -281,7 +281,7 @@ def loss_tokens_held(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return held[ends[1:]] - held[ends[:-1]]
 
 
-def loss_disagreements(loss_tokens, mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def loss_disagreements(loss_tokens: Sequence[int] | np.ndarray, mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The samples (indices) whose loss_mask does not hold the ``loss_tokens`` their record says: their boundaries
     are not where the record puts them. The one rule behind ``verify`` (both layouts: ``loss_mask_problem``), a
     sample read for serving (``served_problem``) and a shard handed on whole (``Store.check_shard``)."""

@@ -18,6 +18,7 @@ shard's metadata to; it never reads a store: a store's codecs are decoded only b
 from __future__ import annotations
 
 import contextlib
+import errno
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -712,7 +713,7 @@ def read_loss_mask(src: ShardSource, rec: CommitRecord) -> np.ndarray:
     except CorruptionError:
         raise
     except FileNotFoundError as e:
-        raise CorruptionError(f"shard {rec.shard!r}: loss_mask chunk missing ({e})") from None
+        raise CorruptionError(f"shard {rec.shard!r}, file {e.filename}: missing") from None
     except (OSError, StoreError) as e:
         raise FetchError(f"shard {rec.shard!r} of store {url!r}: loss_mask read failed: {type(e).__name__}: {e}"
                          ) from None
@@ -730,6 +731,8 @@ def read_plain(fs, root: str, m: Manifest, rec: CommitRecord, array: str, dtype:
                            bound=chunk_bound(ct * dtype.itemsize), where=f"shard {rec.shard!r}")
     out = np.empty(len(keys) * ct, dtype)
     for j, k in enumerate(keys):
+        if isinstance(blobs[k], FileNotFoundError):
+            raise FileNotFoundError(errno.ENOENT, "missing", k)  # named by its key, not its last part
         if isinstance(blobs[k], Exception):
             raise blobs[k]
         out[j * ct:(j + 1) * ct] = codec.ChunkCodec("none").decode(blobs[k], dtype, ct, where=k,
