@@ -267,6 +267,83 @@ def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tm
         assert not list(Path(argv[2] if argv[0] == "copy" else argv[1]).glob("commits/*.json"))
 
 
+def _mask_token_set(url: str, d: dict, token: int) -> None:
+    """Token ``token`` of record ``d``'s shard set in its loss_mask, and every checksum of the bytes (a zarr chunk's
+    tail, a tar member's and the tar's) and the record's copies of them made to agree: the record's loss tokens are
+    then all that tells the forged mask."""
+    if "members" in d:  # wds: the sample's .loss_mask.npy member, its data the last bytes of it
+        i = int(np.searchsorted(np.cumsum(d["samples"]["length"]), token, side="right"))
+        name = f"{i:06d}.loss_mask.npy"
+        at, size, _ = d["members"][name]
+        tar = Path(url, commit.SHARDS_DIR, f"{d['shard']}.tar")
+        data = bytearray(tar.read_bytes())
+        data[at + size - d["samples"]["length"][i] + token - sum(d["samples"]["length"][:i])] = 1
+        tar.write_bytes(bytes(data))
+        d["members"][name][2] = codec.crc32c(bytes(data[at:at + size]))
+        d["files"][f"{commit.SHARDS_DIR}/{d['shard']}.tar"]["crc32c"] = codec.crc32c(bytes(data))
+        return
+    key = f"{commit.SHARDS_DIR}/{d['shard']}/loss_mask/c/0"  # zarr: its first chunk, then its CRC32C tail
+    data = bytearray(Path(url, key).read_bytes())
+    data[token] = 1
+    crc = codec.crc32c(bytes(data[:-4]))
+    data[-4:] = np.uint32(crc).tobytes()
+    Path(url, key).write_bytes(bytes(data))
+    d["files"][key]["crc32c"] = crc
+
+
+@pytest.mark.parametrize("layout", ["zarr", "wds"])
+def test_a_loss_mask_rewritten_with_its_checksums_is_refused_by_verify_the_loader_and_merge(tmp_path, capsys, layout):
+    """A shard's loss_mask rewritten (one prompt token of a sample set) with every checksum made to agree: only the
+    record's loss tokens tell it. ``verify`` names the sample (``loss_mask sums disagree``), the loader refuses it
+    (rule ``served``), and ``merge`` and ``copy``, which read the mask alone, refuse the shard before writing it."""
+    url = str(tmp_path / "s")
+    samples = make_samples(8, min_len=20, max_len=21)
+    for s in samples:
+        s["loss_mask"][:] = torch.arange(len(s["loss_mask"])) >= 10
+    from dataclasses import replace
+    write_samples(url, replace(make_manifest(), layout=layout), samples, shard_bytes=3 * 48 * 2 * 200)
+    d = edit_record(records(url)[0], lambda d: _mask_token_set(url, d, d["samples"]["length"][0] + 2))
+    sid = d["samples"]["sample_id"][1]
+    assert main(["verify", url, "-q"]) == 1
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if "loss_mask sums disagree with the commit record" in ln]
+    assert d["shard"] in line and sid in line, out
+    (p,) = [p for p in verify(hsstore.open(url)).problems if "loss_mask" in p.message]
+    assert p.samples == [sid]  # the one sample whose mask was set, no other
+    with pytest.raises(StoreError, match=f"rule 'served'.*holds 11 loss tokens.*says 10") as e:
+        list(hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False)))
+    assert sid in str(e.value)
+    for argv in (["merge", str(tmp_path / "m"), url, "-q"], ["copy", url, str(tmp_path / "c"), "-q"]):
+        assert main(argv) == 2
+        one_line(capsys.readouterr().err, "rule 'served'", d["shard"], sid)
+        assert not list(Path(argv[1] if argv[0] == "merge" else argv[2]).glob("commits/*.json"))
+
+
+@pytest.mark.parametrize("how, words", [("unlisted", "not listed in the commit record"), ("removed", "missing")],
+                         ids=["unlisted", "removed"])
+def test_a_zarr_loss_mask_chunk_unlisted_or_missing_is_refused_by_merge_and_copy_in_one_line(tmp_path, capsys, how,
+                                                                                             words):
+    """The mask ``merge`` and ``copy`` read alone is read at the sizes the record lists: a chunk it does not list,
+    or one gone from the store, is the shard's corruption, one line naming the shard and file, nothing written."""
+    url = str(tmp_path / "s")
+    small_store(url)
+    key = None
+
+    def unlist(d):
+        nonlocal key
+        key = f"{commit.SHARDS_DIR}/{d['shard']}/loss_mask/c/0"
+        if how == "unlisted":
+            del d["files"][key]
+        else:
+            os.remove(Path(url, key))
+
+    d = edit_record(records(url)[0], unlist)
+    for argv in (["merge", str(tmp_path / "m"), url, "-q"], ["copy", url, str(tmp_path / "c"), "-q"]):
+        assert main(argv) == 2
+        one_line(capsys.readouterr().err, f"shard {d['shard']!r}, file {key}: {words}")
+        assert not list(Path(argv[1] if argv[0] == "merge" else argv[2]).glob("commits/*.json"))
+
+
 # -- index columns that disagree with their record ---------------------------------------------------------------
 def _no_loss(d):
     d["samples"]["loss_tokens"] = [0] * len(d["samples"]["loss_tokens"])

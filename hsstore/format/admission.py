@@ -28,17 +28,19 @@ decides what is read); ``names``, every name it holds is one readers follow (``n
 or, where a record lists no such checksum (format version 1), against its ``offsets`` array read then (one small
 object); a wds record's against the members it lists), so boundaries shifted inside a record are refused before
 a feature byte is read. The loss_mask a reader reads anyway is held to the record's ``loss_tokens`` per sample
-served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused. What copies
-a shard whole (``convert``) holds every sample of it so before writing any (``Store.check_shard``), what hands a
-shard's files on as they are (``merge``, ``copy``) reads its token arrays first (``Store.check_loss_tokens``), and
-a scan's window is held so before any of it is handed on. Also ``verify``'s alone: bytes readers never read (a
+served as well (``served_problem``), so a record's loss tokens that its mask does not hold are refused; the rule is
+one function, ``loss_disagreements`` (vectorised over a shard's samples), which ``verify`` applies too
+(``loss_mask_problem``, both layouts). What copies a shard whole (``convert``) holds every sample of it so before
+writing any (``Store.check_shard``), what hands a shard's files on as they are (``merge``, ``copy``) reads its
+loss_mask alone first (``Store.check_loss_tokens``: ``Layout.read_loss_mask``), and a scan's window is held so
+before any of it is handed on. Also ``verify``'s alone: bytes readers never read (a
 file's checksum over its whole object, a tar's bytes outside its listed members).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -266,9 +268,44 @@ def shard_breaches(rec: CommitRecord, extent: Callable[[CommitRecord], None]) ->
         yield Breach(rec.shard, "extent", str(e), f"{COMMITS_DIR}/{rec.shard}.json")
 
 
+# -- a sample's loss tokens, held to its loss_mask -----------------------------------------------------------------
+LOSS_DISAGREEMENT = "loss_mask sums disagree with the commit record"
+
+
+def loss_tokens_held(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each sample's loss tokens as its loss_mask holds them: sample ``k``'s tokens are
+    ``mask[offsets[k]:offsets[k + 1]]`` and its loss tokens those not 0 (readers serve the mask as bool). One
+    prefix count for every sample at once; a span past the mask counts what the mask holds of it."""
+    held = np.concatenate(([0], np.cumsum(np.asarray(mask) != 0, dtype=np.int64)))
+    ends = np.clip(np.asarray(offsets, np.int64), 0, len(held) - 1)
+    return held[ends[1:]] - held[ends[:-1]]
+
+
+def loss_disagreements(loss_tokens: Sequence[int] | np.ndarray, mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The samples (indices) whose loss_mask does not hold the ``loss_tokens`` their record says: their boundaries
+    are not where the record puts them. The one rule behind ``verify`` (both layouts: ``loss_mask_problem``), a
+    sample read for serving (``served_problem``) and a shard handed on whole (``Store.check_shard``)."""
+    return np.flatnonzero(loss_tokens_held(mask, offsets) != np.asarray(loss_tokens, np.int64))
+
+
+def loss_mask_problem(rec: CommitRecord, mask: np.ndarray, key: str, samples: range | None = None) -> Problem | None:
+    """``verify``'s problem, naming the samples, when samples ``samples`` of ``rec`` (default: all) break the rule of
+    ``loss_disagreements``; ``mask`` holds their tokens, from the first one's on (``key``: the file it came from)."""
+    k = range(rec.n_samples) if samples is None else samples
+    off = np.concatenate(([0], np.cumsum(np.asarray(rec.samples["length"][k.start:k.stop], np.int64))))
+    bad = loss_disagreements(rec.samples["loss_tokens"][k.start:k.stop], mask, off)
+    if not len(bad):
+        return None
+    return Problem(rec.shard, LOSS_DISAGREEMENT, key, [rec.samples["sample_id"][k.start + int(j)] for j in bad])
+
+
 def served_problem(loss_tokens: int, mask: np.ndarray) -> str | None:
-    """Why a sample read for serving is not the record's (None: it is): its loss_mask, read anyway, must add up to
-    the record's ``loss_tokens`` for it, else its boundaries are not where the record puts them."""
-    got = int(np.count_nonzero(mask))
-    return None if got == loss_tokens else (f"its loss_mask holds {got} loss tokens, its commit record says "
-                                            f"{loss_tokens} (sample boundaries not where the record puts them)")
+    """Why a sample read for serving is not the record's (None: it is): its loss_mask, read anyway, must hold the
+    record's ``loss_tokens`` for it (``loss_disagreements``), else its boundaries are not where the record puts
+    them."""
+    whole = np.array([0, len(mask)])
+    if not len(loss_disagreements([loss_tokens], mask, whole)):
+        return None
+    got = int(loss_tokens_held(mask, whole)[0])
+    return (f"its loss_mask holds {got} loss tokens, its commit record says {loss_tokens} (sample boundaries not "
+            "where the record puts them)")

@@ -47,6 +47,11 @@ class Layout(Protocol):
         shared by consecutive reads of a scan (see ``Store.read_range``). The shard's files are where
         ``src.locate(rec.shard)`` says; remote chunk reads go through ``src.chunk_cache`` when set."""
 
+    def read_loss_mask(self, src: ShardSource, rec: CommitRecord) -> np.ndarray:
+        """The shard's loss_mask whole (``[n_tokens]`` uint8) and nothing else of it, read as ``read_into`` reads
+        (through the door, at the sizes the record lists, every byte checked): what holds every sample's loss
+        tokens to the record before a shard is handed on as it is (``Store.check_loss_tokens``)."""
+
     def chunk_files(self, manifest: Manifest, rec: CommitRecord, spans: Sequence[tuple[int, int]],
                     layers: Sequence[int]) -> dict[str, int]:
         """The objects (key -> listed size) that reading the token ``spans`` of ``layers`` of the shard leaves in

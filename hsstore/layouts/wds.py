@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..format import codec, health
+from ..format import admission, codec, health
 from ..io import door, storage, transfer
 from ..io.backends import backend_for
 from ..format.commit import SAMPLE_COLUMNS, SHARDS_DIR, CommitRecord, layer_array, sample_offsets
@@ -383,7 +383,29 @@ def read_into(src: ShardSource, rec: CommitRecord, start: int, stop: int, layers
             name = member_name(i, part)
             jobs.append(_Job(name, dest, rows, descr, shape, *_member(rec, name)))
         feature_starts += [_member(rec, member_name(i, layer_part(l)))[0] for l in m.all_features]
-    _check_jobs(rec, m, jobs)
+    _read_members(src, rec, jobs, feature_starts)
+
+
+def read_loss_mask(src: ShardSource, rec: CommitRecord) -> np.ndarray:
+    """A shard's loss_mask whole: its samples' ``.loss_mask.npy`` members and nothing else of the tar, each
+    checked as ``read_into`` checks it (where the record's samples put it, tar header, ``.npy`` header, CRC32C)."""
+    off, mask = rec.offsets, np.empty(rec.n_tokens, MASK_DTYPE)
+    jobs: list[_Job] = []
+    for i in range(rec.n_samples):
+        a, b = int(off[i]), int(off[i + 1])
+        name = member_name(i, "loss_mask.npy")
+        jobs.append(_Job(name, [mask[a:b]], slice(0, b - a), MASK_DTYPE.str, (b - a,), *_member(rec, name)))
+    starts = [_member(rec, member_name(i, layer_part(l)))[0] for i in range(rec.n_samples)
+              for l in src.manifest.all_features]
+    _read_members(src, rec, jobs, starts)
+    return mask
+
+
+def _read_members(src: ShardSource, rec: CommitRecord, jobs: list[_Job], feature_starts: list[int]) -> None:
+    """The jobs' members of the shard's tar, checked against where the record's samples put them first, read
+    from the local file or by byte range (``feature_starts``: every feature member's data offset, which a range
+    never reads through)."""
+    _check_jobs(rec, src.manifest, jobs)
     fs, root, url = src.locate(rec.shard)  # another store's, for a shard merged by reference
     if backend_for(fs).local_paths:
         _read_local(root, rec, jobs)
@@ -709,5 +731,7 @@ def _check_member_content(rec, member: str, data: bytes, i: int, dtype, hidden: 
     if (a.dtype, a.shape) != want:
         report.problems.append(Problem(rec.shard, f"member {member!r}: {a.dtype} {list(a.shape)}, expected "
                                                   f"{want[0]} {list(want[1])}", key, [sid]))
-    elif member.endswith(".loss_mask.npy") and int(a.sum()) != rec.samples["loss_tokens"][i]:
-        report.problems.append(Problem(rec.shard, "loss_mask sum disagrees with the commit record", key, [sid]))
+    elif member.endswith(".loss_mask.npy"):
+        bad = admission.loss_mask_problem(rec, a, key, range(i, i + 1))
+        if bad:
+            report.problems.append(bad)

@@ -18,13 +18,14 @@ shard's metadata to; it never reads a store: a store's codecs are decoded only b
 from __future__ import annotations
 
 import contextlib
+import errno
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import zarr
 from zarr.storage import MemoryStore
 
-from ..format import codec, encodings, fp8, health
+from ..format import admission, codec, encodings, fp8, health
 from ..io import door, storage, transfer
 from ..io.backends import backend_for
 from ..format.commit import SHARDS_DIR, CommitRecord, check_file, is_chunk_key, layer_array, sample_offsets
@@ -697,10 +698,25 @@ def _check_token_arrays(src: ShardSource, rec: CommitRecord, report: VerifyRepor
         report.problems.append(Problem(name, "offsets array disagrees with the commit record's lengths",
                                        f"{base}/offsets"))
         return
-    sums = np.add.reduceat(mask.astype(np.int64), offsets[:-1]) if rec.n_samples and rec.n_tokens else np.zeros(0)
-    bad = [rec.samples["sample_id"][i] for i in np.nonzero(sums != np.asarray(rec.samples["loss_tokens"]))[0]]
+    bad = admission.loss_mask_problem(rec, mask, f"{base}/loss_mask")
     if bad:
-        report.problems.append(Problem(name, "loss_mask sums disagree with the commit record", f"{base}/loss_mask", bad))
+        report.problems.append(bad)
+
+
+def read_loss_mask(src: ShardSource, rec: CommitRecord) -> np.ndarray:
+    """A shard's loss_mask whole, nothing else of it (``read_plain``: each chunk through the door at the size the
+    record lists, checked against its CRC32C); a chunk missing, refused or damaged is the shard's corruption, a
+    request that failed a ``FetchError``, each naming the shard and file."""
+    fs, root, url = src.locate(rec.shard)
+    try:
+        return read_plain(fs, root, src.manifest, rec, "loss_mask", np.dtype("|u1"))
+    except CorruptionError:
+        raise
+    except FileNotFoundError as e:
+        raise CorruptionError(f"shard {rec.shard!r}, file {e.filename}: missing") from None
+    except (OSError, StoreError) as e:
+        raise FetchError(f"shard {rec.shard!r} of store {url!r}: loss_mask read failed: {type(e).__name__}: {e}"
+                         ) from None
 
 
 def read_plain(fs, root: str, m: Manifest, rec: CommitRecord, array: str, dtype: np.dtype) -> np.ndarray:
@@ -708,10 +724,15 @@ def read_plain(fs, root: str, m: Manifest, rec: CommitRecord, array: str, dtype:
     through the door at the size the record lists and decoded by hsstore's bounded codec."""
     ct = m.chunk_tokens
     keys = [chunk_key(f"{shard_path(rec.shard)}/{array}", k, 1) for k in range(-(-rec.n_tokens // ct))]
+    unlisted = [k for k in keys if k not in rec.files]
+    if unlisted:
+        raise CorruptionError(f"shard {rec.shard!r}, file {unlisted[0]}: not listed in the commit record")
     blobs = door.read_many(fs, root, keys, sizes={k: rec.files[k]["size"] for k in keys},
                            bound=chunk_bound(ct * dtype.itemsize), where=f"shard {rec.shard!r}")
     out = np.empty(len(keys) * ct, dtype)
     for j, k in enumerate(keys):
+        if isinstance(blobs[k], FileNotFoundError):
+            raise FileNotFoundError(errno.ENOENT, "missing", k)  # named by its key, not its last part
         if isinstance(blobs[k], Exception):
             raise blobs[k]
         out[j * ct:(j + 1) * ct] = codec.ChunkCodec("none").decode(blobs[k], dtype, ct, where=k,

@@ -178,7 +178,7 @@ def _merge(fs, root: str, dst_url: str, dst_options: dict[str, Any], srcs: list[
     for src, rec in todo:  # a shard refused anywhere (its rules, names, location): refused before the first write
         src.admit_shard(rec)
         src.shard_location(rec.shard)
-        src.check_loss_tokens(rec.shard)  # its samples' loss tokens are what its mask holds (its token arrays read)
+        src.check_loss_tokens(rec.shard)  # its samples' loss tokens are what its mask holds (the mask read alone)
         if by == "copy":
             where = f"store {src.url!r}, commit record of shard {rec.shard!r}"
             for key in rec.files:

@@ -153,21 +153,27 @@ class Store:
             raise CorruptionError(f"store {self.url!r}, shard {r.shard!r}, sample {r.sample_id!r}: refused by rule "
                                   f"'served' ({why}); `hsstore verify` names every problem")
 
-    def check_shard(self, shard_index: int, mask: np.ndarray) -> None:
-        """``check_served`` for every sample of shard ``shard_index`` read whole (``mask``: its loss_mask, tokens
-        0 to its end): what copies a shard as it is (``convert``) holds to the record before writing any of it."""
+    def check_shard(self, shard_index: int, mask: np.ndarray, samples: range | None = None) -> None:
+        """``check_served`` for samples ``samples`` of shard ``shard_index`` (default: all) at once
+        (``admission.loss_disagreements``), refusing at the first that breaks it; ``mask`` holds their tokens, from
+        the first one's on. What copies a shard as it is (``convert``) asks it of the shard read whole before writing
+        any of it, a scan of each window before handing any of it on."""
         off, base = self._offsets(shard_index), int(self._first[shard_index])  # (the counts rule: off[-1] = T)
-        for k in range(len(off) - 1):
-            self.check_served(base + k, mask[int(off[k]):int(off[k + 1])])
+        k = range(len(off) - 1) if samples is None else samples
+        at = off[k.start:k.stop + 1] - off[k.start]
+        tokens = self.table.samples["loss_tokens"][base + k.start:base + k.stop]
+        bad = admission.loss_disagreements(tokens, mask, at)
+        if len(bad):
+            j = int(bad[0])
+            self.check_served(base + k.start + j, mask[int(at[j]):int(at[j + 1])])
 
     def check_loss_tokens(self, shard_name: str) -> None:
-        """A shard's token arrays (input_ids and loss_mask, a small part of its bytes beside the features) read
-        and every sample held to its record (``check_shard``): what hands a shard on without reading its samples
+        """A shard's loss_mask (a byte a token, beside its features) read whole (``Layout.read_loss_mask``) and
+        every sample held to its record (``check_shard``): what hands a shard on without reading its samples
         (``merge``, ``copy``) asks this before the first write, so a record whose loss tokens its mask does not hold
         goes nowhere."""
-        rec = self.record(shard_name)
-        _, mask, _ = self.read_range(rec.shard, 0, rec.n_tokens, [], scales_out=self.new_scales(0, rec.n_tokens))
-        self.check_shard(self._by_name[shard_name], mask)
+        rec = self.admitted(shard_name)  # its rules first: the record sizes what is read
+        self.check_shard(self._by_name[shard_name], self._layout.read_loss_mask(self.source, rec))
 
     def admitted(self, shard_name: str) -> CommitRecord:
         """The commit record of a committed shard, admitted (``admit_shard``)."""
@@ -447,9 +453,8 @@ class Store:
                     pending.append(pool.submit(load, nxt))
                 off, ids_of = self._offsets(s), self.table.sample_id
                 base = int(self._first[s])
-                for k in range(i, j):  # the whole window held to its record before any of it is handed on: a
-                    a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])  # copy never writes a sample whose
-                    self.check_served(base + k, mask[a:b])  # neighbour in the window shows the record forged
+                # the whole window held to its record before any of it is handed on: a copy never writes a
+                self.check_shard(s, mask, range(i, j))  # sample whose neighbour in the window shows the record forged
                 for k in range(i, j):
                     a, b = int(off[k] - off[i]), int(off[k + 1] - off[i])
                     yield (ids_of[base + k], ids[a:b], mask[a:b], feats[:, a:b],

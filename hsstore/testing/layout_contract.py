@@ -57,6 +57,15 @@ def assert_same(store, samples, layers=None):
     assert sorted(seen) == sorted(by_id)
 
 
+def assert_masks_whole(store, samples) -> None:
+    """Each shard's loss_mask read whole by the layout (``read_loss_mask``) is its samples' written masks."""
+    by_id = {s["sample_id"]: s for s in samples}
+    for rec in store.commits:
+        got = layout.get(store.manifest.layout).read_loss_mask(store.source, rec)
+        want = torch.cat([by_id[sid]["loss_mask"] for sid in rec.samples["sample_id"]]).numpy()
+        assert got.dtype == np.uint8 and np.array_equal(got, want.astype(np.uint8)), rec.shard
+
+
 class LayoutContract:
     """Tests every layout passes. Subclasses set ``layout`` and may set ``variants`` (manifest keyword sets,
     each a run of the tests that take ``variant``) and must implement ``feature_byte``."""
@@ -128,7 +137,16 @@ class LayoutContract:
         assert len(store.commits) > 1
         assert_same(store, samples)
         assert_same(store, samples, layers=[3])
+        assert_masks_whole(store, samples)
         assert verify(store).ok
+
+    def test_loss_mask_read_whole_is_the_written_one(self, tmp_path):
+        """``read_loss_mask``: a shard's loss_mask whole, bit-exact, chunk and sample boundaries inside it."""
+        samples = make_samples(12)
+        write_samples(str(tmp_path), self.manifest(chunk_tokens=50), samples, shard_bytes=SMALL_SHARD)
+        store = reader.open(str(tmp_path))
+        assert len(store.commits) > 1 and store.commits[0].n_tokens > 2 * 50
+        assert_masks_whole(store, samples)
 
     def test_two_writers_one_store(self, tmp_path):
         """Two concurrent writers add to one store: nothing overwritten, every sample there once."""
