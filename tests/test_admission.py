@@ -267,8 +267,8 @@ def test_convert_writes_no_shard_whose_record_miscounts_a_samples_loss_tokens(tm
         assert not list(Path(argv[2] if argv[0] == "copy" else argv[1]).glob("commits/*.json"))
 
 
-def _mask_token_set(url: str, d: dict, token: int) -> None:
-    """Token ``token`` of record ``d``'s shard set in its loss_mask, and every checksum of the bytes (a zarr chunk's
+def _mask_token_set(url: str, d: dict, token: int, value: int = 1) -> None:
+    """Token ``token`` of record ``d``'s shard set to ``value`` in its loss_mask, and every checksum of the bytes (a zarr chunk's
     tail, a tar member's and the tar's) and the record's copies of them made to agree: the record's loss tokens are
     then all that tells the forged mask."""
     if "members" in d:  # wds: the sample's .loss_mask.npy member, its data the last bytes of it
@@ -277,14 +277,14 @@ def _mask_token_set(url: str, d: dict, token: int) -> None:
         at, size, _ = d["members"][name]
         tar = Path(url, commit.SHARDS_DIR, f"{d['shard']}.tar")
         data = bytearray(tar.read_bytes())
-        data[at + size - d["samples"]["length"][i] + token - sum(d["samples"]["length"][:i])] = 1
+        data[at + size - d["samples"]["length"][i] + token - sum(d["samples"]["length"][:i])] = value
         tar.write_bytes(bytes(data))
         d["members"][name][2] = codec.crc32c(bytes(data[at:at + size]))
         d["files"][f"{commit.SHARDS_DIR}/{d['shard']}.tar"]["crc32c"] = codec.crc32c(bytes(data))
         return
     key = f"{commit.SHARDS_DIR}/{d['shard']}/loss_mask/c/0"  # zarr: its first chunk, then its CRC32C tail
     data = bytearray(Path(url, key).read_bytes())
-    data[token] = 1
+    data[token] = value
     crc = codec.crc32c(bytes(data[:-4]))
     data[-4:] = np.uint32(crc).tobytes()
     Path(url, key).write_bytes(bytes(data))
@@ -292,17 +292,22 @@ def _mask_token_set(url: str, d: dict, token: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["zarr", "wds"])
-def test_a_loss_mask_rewritten_with_its_checksums_is_refused_by_verify_the_loader_and_merge(tmp_path, capsys, layout):
-    """A shard's loss_mask rewritten (one prompt token of a sample set) with every checksum made to agree: only the
-    record's loss tokens tell it. ``verify`` names the sample (``loss_mask sums disagree``), the loader refuses it
-    (rule ``served``), and ``merge`` and ``copy``, which read the mask alone, refuse the shard before writing it."""
+@pytest.mark.parametrize("at, value, served", [(2, 1, "holds 11 loss tokens.*says 10"),
+                                               (12, 2, "other than 0 and 1 \\(2\\)")],
+                         ids=["prompt token set", "loss token 2"])
+def test_a_loss_mask_rewritten_with_its_checksums_is_refused_by_verify_the_loader_and_merge(tmp_path, capsys, layout,
+                                                                                            at, value, served):
+    """A shard's loss_mask rewritten (one prompt token of a sample set; or a loss token's byte 2, which no writer
+    writes, its count unchanged) with every checksum made to agree: only the record's loss tokens and the rule's 0
+    and 1 tell it. ``verify`` names the sample (``loss_mask sums disagree``), the loader refuses it (rule
+    ``served``), and ``merge`` and ``copy``, which read the mask alone, refuse the shard before writing it."""
     url = str(tmp_path / "s")
     samples = make_samples(8, min_len=20, max_len=21)
     for s in samples:
         s["loss_mask"][:] = torch.arange(len(s["loss_mask"])) >= 10
     from dataclasses import replace
     write_samples(url, replace(make_manifest(), layout=layout), samples, shard_bytes=3 * 48 * 2 * 200)
-    d = edit_record(records(url)[0], lambda d: _mask_token_set(url, d, d["samples"]["length"][0] + 2))
+    d = edit_record(records(url)[0], lambda d: _mask_token_set(url, d, d["samples"]["length"][0] + at, value))
     sid = d["samples"]["sample_id"][1]
     assert main(["verify", url, "-q"]) == 1
     out = capsys.readouterr().out
@@ -310,7 +315,7 @@ def test_a_loss_mask_rewritten_with_its_checksums_is_refused_by_verify_the_loade
     assert d["shard"] in line and sid in line, out
     (p,) = [p for p in verify(hsstore.open(url)).problems if "loss_mask" in p.message]
     assert p.samples == [sid]  # the one sample whose mask was set, no other
-    with pytest.raises(StoreError, match=f"rule 'served'.*holds 11 loss tokens.*says 10") as e:
+    with pytest.raises(StoreError, match=f"rule 'served'.*{served}") as e:
         list(hsstore.HiddenStateDataset(url, planning=hsstore.Planning(shuffle=False)))
     assert sid in str(e.value)
     for argv in (["merge", str(tmp_path / "m"), url, "-q"], ["copy", url, str(tmp_path / "c"), "-q"]):

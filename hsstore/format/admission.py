@@ -282,10 +282,12 @@ def loss_tokens_held(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def loss_disagreements(loss_tokens: Sequence[int] | np.ndarray, mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """The samples (indices) whose loss_mask does not hold the ``loss_tokens`` their record says: their boundaries
-    are not where the record puts them. The one rule behind ``verify`` (both layouts: ``loss_mask_problem``), a
+    """The samples (indices) whose loss_mask does not hold the ``loss_tokens`` their record says (their boundaries
+    are not where the record puts them), or holds a value other than 0 and 1 (which no writer writes: a reader serves
+    it as 1, a peer that reads the bytes as weights would not). The one rule behind ``verify`` (both layouts: ``loss_mask_problem``), a
     sample read for serving (``served_problem``) and a shard handed on whole (``Store.check_shard``)."""
-    return np.flatnonzero(loss_tokens_held(mask, offsets) != np.asarray(loss_tokens, np.int64))
+    counts = loss_tokens_held(mask, offsets) != np.asarray(loss_tokens, np.int64)
+    return np.flatnonzero(counts | (loss_tokens_held(np.asarray(mask) > 1, offsets) > 0))
 
 
 def loss_mask_problem(rec: CommitRecord, mask: np.ndarray, key: str, samples: range | None = None) -> Problem | None:
@@ -307,5 +309,7 @@ def served_problem(loss_tokens: int, mask: np.ndarray) -> str | None:
     if not len(loss_disagreements([loss_tokens], mask, whole)):
         return None
     got = int(loss_tokens_held(mask, whole)[0])
+    if got == loss_tokens:
+        return f"its loss_mask holds a value other than 0 and 1 ({int(np.max(mask))})"
     return (f"its loss_mask holds {got} loss tokens, its commit record says {loss_tokens} (sample boundaries not "
             "where the record puts them)")
