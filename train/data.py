@@ -248,8 +248,9 @@ def copy_on_side_stream(batch: dict[str, Any], device: torch.device, stream, sta
         if decode is not None:
             batch = decode(batch)
         extremes = value_extremes(batch)
-        if extremes is not None:  # to the host with the batch's copies: the consumer reads it after their event
-            extremes = extremes.to("cpu", non_blocking=True)
+        if extremes is not None:  # to pinned host memory with the batch's copies: read after their event, this
+            host = torch.empty(extremes.shape, dtype=extremes.dtype, pin_memory=True)  # thread never waits on it
+            extremes = host.copy_(extremes, non_blocking=True)
         event = torch.cuda.Event(enable_timing=stats is not None)
         event.record(stream)
     if stats is not None:
