@@ -2,7 +2,8 @@
 # The feature encodings' GPU parts (docs/PERFORMANCE.md, "Encodings below fp8"), on one GPU, from the checkout, in
 # one device call of at most 300 s (each part's budget held by `timeout`):
 #   tests  encode and decode on CUDA equal the host's, bit for bit; the trainer's read-ahead decodes on the device
-#          (pytest -m gpu tests/test_encodings.py)                                                       (60 s)
+#          and refuses a batch with a NaN there (pytest -m gpu tests/test_encodings.py tests/test_train_values.py)
+#                                                                                                        (60 s)
 #   seeds  the feature error at the seeds' shape (64 layers, hidden 5,120, random weights, taps 1,16,31,46,61) with
 #          outlier channels planted, and each encoding's decode speed on the device
 #          (tools/encoding_evidence.py --seeds-shape)                                                     (100 s)
@@ -62,7 +63,7 @@ else
   SEEDS=(--samples 4 --min-len 1024 --max-len 2048)
   BENCH=(--samples 8 --rounds 2 --steps 4 --warmup 1)
 fi
-part tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_encodings.py
+part tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_encodings.py tests/test_train_values.py
 part seeds 100 "$PY" -m tools.encoding_evidence --seeds-shape "${SEEDS[@]}" --json "$OUT/seeds_shape.json"
 for e in $ENCODINGS; do
   part "bench-$e" 55 "$PY" -m tools.bench_train --dir "$SCRATCH/bench-$e" --encoding "$e" "${BENCH[@]}" --json
