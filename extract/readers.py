@@ -116,6 +116,10 @@ def _token_array(values: Any, where: str, name: str, dtype) -> np.ndarray:
             arr = arr.astype(np.int64)
         else:
             raise ValueError(f"{where}: '{name}' must hold integers, got dtype {arr.dtype}")
+    bounds = np.iinfo(dtype)  # a cast past them wraps: token 2**32 + 5 would be read as token 5
+    if arr.size and (arr.min() < bounds.min or arr.max() > bounds.max):
+        raise ValueError(f"{where}: '{name}' holds {arr.min() if arr.min() < bounds.min else arr.max()}, outside "
+                         f"{np.dtype(dtype).name}")
     return arr.astype(dtype, copy=False)
 
 
@@ -228,6 +232,9 @@ def _list_column(column) -> tuple[np.ndarray, np.ndarray]:
         values = column.values
         if column.null_count:
             raise ValueError("null rows in a token column")
+        # offsets past the values or going back are a damaged file (a slice would clamp them into other rows' tokens)
+        if offsets.size and (offsets[0] < 0 or offsets[-1] > len(values) or np.any(np.diff(offsets) < 0)):
+            raise ValueError(f"list offsets outside its {len(values):,} values (a damaged Arrow file)")
         return offsets, values.to_numpy(zero_copy_only=False)
     raise ValueError(f"expected a list column, got {column.type}")
 
@@ -276,18 +283,60 @@ def read_parquet(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int
 
 
 def read_arrow(path: Path, source: str, shard: RowShard = ALL_ROWS, start: int = 0) -> Iterator[Record]:
-    """An Arrow IPC file: stream format (what ``datasets`` writes) or random-access file format."""
+    """An Arrow IPC file: stream format (what ``datasets`` writes) or random-access file format. What pyarrow
+    cannot read (not Arrow, a record batch whose row count its buffers do not hold) is one ``ValueError`` naming
+    the file."""
     import pyarrow as pa
 
-    with pa.memory_map(str(path)) as src:
+    try:
+        src = pa.memory_map(str(path))
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(_unreadable(path, e)) from None
+    with src:
         try:
             reader = pa.ipc.open_stream(src)
+            batches = _named_batches(reader, path)
         except pa.ArrowInvalid:
             src.seek(0)
-            reader = pa.ipc.open_file(src)
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            return (yield from read_table_batches(batches, str(path), source, shard, start))
-        return (yield from read_table_batches(reader, str(path), source, shard, start))
+            try:
+                reader = pa.ipc.open_file(src)
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(_unreadable(path, e)) from None
+            batches = _named_batches((reader.get_batch(i) for i in range(reader.num_record_batches)), path)
+        return (yield from read_table_batches(batches, str(path), source, shard, start))
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    return f"{path}: not a readable Arrow file ({(str(e).splitlines() or [''])[0][:200]})"
+
+
+def _named_batches(batches, path: Path) -> Iterator[Any]:
+    """``batches`` as they are read, pyarrow's refusal of one (a damaged file) a ``ValueError`` naming ``path``."""
+    import pyarrow as pa
+
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(_unreadable(path, e)) from None
+        yield batch
+
+
+def read_dataset_folder(path: str | Path, source: str | None = None) -> Iterator[Record]:
+    """Records of a dataset folder from elsewhere (a peer's): the Arrow files its ``state.json`` names, else every
+    ``.arrow`` below it, each a regular file beneath the folder (a link planted in it is refused, never followed,
+    as ``read_records`` follows the links of the user's own input folder). A file is read as ``read_records``
+    reads it."""
+    p = Path(path)
+    if not p.is_dir():
+        return (yield from read_records(p, source))
+    start = 0
+    for f in _arrow_files_of_dataset_dir(p):
+        start = yield from read_arrow(f, source or p.name, ALL_ROWS, start)
+    return start
 
 
 def _hf_dataset_dir(path: Path) -> bool:

@@ -354,7 +354,11 @@ FOLDERS = {**{("specforge", k): v for k, v in PEERS.items()}, **{("speculators",
 
 @pytest.mark.parametrize("fmt,case", sorted(FOLDERS))
 def test_a_hostile_peer_folder_is_one_line(tmp_path, fmt, case):
-    forge, words = FOLDERS[fmt, case]
+    import_is_one_line(tmp_path, fmt, *FOLDERS[fmt, case])
+
+
+def import_is_one_line(tmp_path: Path, fmt: str, forge, words: list[str]) -> None:
+    """A real peer folder of ``fmt`` forged by ``forge``: its import refused in one line holding ``words``."""
     folder = (specforge_folder if fmt == "specforge" else speculators_folder)(tmp_path / "peer")
     forge(folder)
     one_line(cli("import", fmt, folder, "--out", tmp_path / "dst", *IDENTITY, timeout=120), *words)

@@ -189,22 +189,49 @@ def config_from_hf(d: dict[str, Any], attn_impl: str = "sdpa", source: str = CON
     window = d.get("sliding_window")
     if SLIDING in types and not (isinstance(window, int) and window > 0):
         refuse(f"sliding layers need a positive sliding_window (got {window!r})")
+    if isinstance(window, bool):
+        refuse(f"sliding_window {window!r} is not a window of tokens")
     causal = d.get("is_causal", dflash.get("causal"))
     if causal is True:
         refuse("is_causal: true (causal full-attention layers) is not supported")
-    heads = int(d["num_attention_heads"])
+
+    def count(key: str, default: int | None = None, part: dict = d) -> int:
+        """A size of the config as written: absent (None) takes ``default``; 0, a float, a bool or a string is
+        refused, never rounded or replaced (the engines read the file as it stands)."""
+        if part.get(key) is None:
+            if default is None:
+                raise KeyError(key)  # a required size missing: not a drafter config
+            return default
+        return values.size(part.get(key), key, source)
+
+    heads = count("num_attention_heads")
+    hidden = count("hidden_size")
+    block = count("block_size", part=dflash) if dflash.get("block_size") is not None else count("block_size", 16)
+    theta = next((v for v in (d.get("rope_theta"), rope.get("rope_theta")) if v is not None), 1_000_000.0)
     return DrafterConfig(
-        hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-        vocab_size=int(d["vocab_size"]), target_layers=list(dflash["target_layer_ids"]),
-        mask_token_id=int(dflash["mask_token_id"]), num_heads=heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads), num_layers=n,
-        block_size=int(dflash.get("block_size") or d.get("block_size") or 16),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0),
+        hidden_size=hidden, intermediate_size=count("intermediate_size"),
+        vocab_size=count("vocab_size"), target_layers=layer_ids(dflash["target_layer_ids"], source),
+        mask_token_id=token_id(dflash["mask_token_id"], "dflash_config.mask_token_id", source), num_heads=heads,
+        num_kv_heads=count("num_key_value_heads", heads), head_dim=count("head_dim", hidden // heads), num_layers=n,
+        block_size=block, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
         sliding_window=[window if t == SLIDING else None for t in types], sliding_causal=causal is not False,
-        max_position=int(d.get("max_position_embeddings") or 40960), num_target_layers=d.get("num_target_layers"),
+        max_position=count("max_position_embeddings", 40960), num_target_layers=d.get("num_target_layers"),
         attn_impl=attn_impl)
+
+
+def layer_ids(value: Any, source: str) -> list[int]:
+    """A drafter config's target layer ids as written: a list of integers (1.5 or true is no layer id, and is
+    refused rather than rounded into one)."""
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise ValueError(f"{source}: target layer ids {value!r} are not a list of integers")
+    return value
+
+
+def token_id(value: Any, name: str, source: str) -> int:
+    """A drafter config's token id as written: an integer (3.7 or true is no token, and is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{source}: {name} {value!r} is not a token id")
+    return value
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -374,6 +401,7 @@ def _config_of(d: dict[str, Any], meta: dict[str, Any], source: str) -> tuple[Dr
         n = legacy.get("num_layers", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_LAYERS:
             raise ValueError(f"{source}: num_layers {n!r}: a drafter has 1 to {MAX_DRAFT_LAYERS} layers")
+        layer_ids(legacy.get("target_layers"), source)
         cfg = DrafterConfig(**{"sliding_causal": False, **legacy})
         if cfg.num_target_layers is None and (meta.get("target") or {}).get("num_layers"):
             cfg = dataclasses.replace(cfg, num_target_layers=int(meta["target"]["num_layers"]))

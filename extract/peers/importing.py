@@ -43,11 +43,21 @@ PAD_AMBIGUOUS = "padding_ambiguous"  # sample flag: trailing pad-id tokens that 
 SAMPLE_CAP = 16 << 30  # one sample file (32K tokens x 5 taps x 8192 x bf16 is 2.7 GB)
 
 
+def plain_tensor(x: Any, where: str, key: str) -> torch.Tensor:
+    """``x`` when it is a dense tensor holding its values in memory: a file's sparse tensor (whose indices may
+    point anywhere) or meta tensor (no values at all) is refused naming the file, before any value is copied."""
+    if not isinstance(x, torch.Tensor):
+        raise SampleError(f"{where}: '{key}' is a {type(x).__name__}, expected a tensor")
+    if x.layout != torch.strided or x.device.type != "cpu":
+        raise SampleError(f"{where}: '{key}' is a {str(x.layout).removeprefix('torch.')} tensor on {x.device.type}, "
+                          "expected a dense tensor of values")
+    return x
+
+
 def features(x: Any, T: int, n_layers: int, hidden: int, where: str, key: str) -> torch.Tensor:
     """``[T, n_layers, hidden]`` from the peer layouts' shapes: [T, L, H], [T, L*H] (layers concatenated along
     the hidden dim, in tap order), each optionally with a leading batch dim of 1."""
-    if not isinstance(x, torch.Tensor):
-        raise SampleError(f"{where}: '{key}' is a {type(x).__name__}, expected a tensor")
+    x = plain_tensor(x, where, key)
     if values.dtype_name(x) not in values.FLOAT_DTYPES:  # what a file's header claims, integers or bool: no features
         raise SampleError(f"{where}: '{key}' holds {values.dtype_name(x)} values, expected features of "
                           f"{' or '.join(values.FLOAT_DTYPES)}")

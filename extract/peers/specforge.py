@@ -45,7 +45,7 @@ from hsstore.store.reader import Store
 
 from .base import ExportResult, LayerConvention, PeerFile, PeerSample
 from .exporting import SIDECAR, export_plan, out_dir, sidecar, written
-from .importing import PAD_TOKEN_ID, SAMPLE_CAP, features, sample_files
+from .importing import PAD_TOKEN_ID, SAMPLE_CAP, features, plain_tensor, sample_files
 
 NAME = "specforge"
 LAYERS = LayerConvention(0, "specforge (output of decoder layer k, as hsstore; SGLang captures at k+1)")
@@ -185,7 +185,13 @@ def export(url: str, out: str, *, storage_options: dict | None = None, progress:
 
 # -- import ------------------------------------------------------------------------------------------------
 def _as_1d(x: Any, where: str, name: str) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(x)) if not isinstance(x, torch.Tensor) else x
+    if isinstance(x, torch.Tensor):
+        t = plain_tensor(x, where, name)
+    else:  # a list of ints (torch.load gives back what was saved): anything else is no token column
+        try:
+            t = torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError, OverflowError, RuntimeError):
+            raise SampleError(f"{where}: '{name}' is a {type(x).__name__} that is no list of integers") from None
     if t.ndim == 2 and t.shape[0] == 1:  # a batch dim of 1
         t = t[0]
     if t.ndim != 1:
@@ -210,6 +216,29 @@ def gunzip_bounded(data: bytes, where: str) -> bytes:
     return out
 
 
+def stored_only(archive: Any, where: str) -> None:
+    """Refuse a torch.save zip archive (a path or a file object; anything else passes) holding a compressed entry:
+    torch.save writes every entry stored, torch.load with ``mmap`` reads a compressed one's bytes as the tensor's
+    values (features of garbage that may well be finite), and without it inflates an entry to whatever size its
+    pickle declares, however small the file."""
+    if not zipfile.is_zipfile(archive):
+        return
+    if hasattr(archive, "seek"):
+        archive.seek(0)
+    try:
+        with zipfile.ZipFile(archive) as z:
+            packed = [i.filename for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise SampleError(f"{where}: not a readable torch.save file ({e})") from None
+    finally:
+        if hasattr(archive, "seek"):
+            archive.seek(0)
+    if packed:
+        raise SampleError(f"{where}: refused (compressed zip entries such as {packed[0]!r}: torch.save stores "
+                          "them uncompressed, and a compressed one is not read as its values; gzip the whole file "
+                          "instead)")
+
+
 def load_ckpt(path: Path, root: Path | None = None) -> dict:
     """A SpecForge sample file, through ``torch.load(weights_only=True)`` only (gzip allowed, bounded), opened
     through the door beneath ``root`` (the folder imported; default its own folder): a link, FIFO or device is
@@ -225,11 +254,18 @@ def load_ckpt(path: Path, root: Path | None = None) -> dict:
                 warnings.simplefilter("ignore")
                 if gzipped:
                     data = door.read_beneath(root, path.relative_to(root).as_posix(), bound=n, where=str(root))
-                    obj = torch.load(io.BytesIO(gunzip_bounded(data, where)), map_location="cpu", weights_only=True)
+                    inner = io.BytesIO(gunzip_bounded(data, where))
+                    stored_only(inner, where)
+                    obj = torch.load(inner, map_location="cpu", weights_only=True)
                 else:  # mapped: the tensors are copied once, into the writer's shard buffer
-                    obj = torch.load(name, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(name))
+                    mapped = zipfile.is_zipfile(name)
+                    if mapped:
+                        stored_only(name, where)
+                    obj = torch.load(name, map_location="cpu", weights_only=True, mmap=mapped)
     except door.Refused as e:
         raise SampleError(str(e)) from None
+    except SampleError:
+        raise
     except pickle.UnpicklingError as e:  # (torch's own advice, to load it with weights_only=False, left out)
         found = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")[:200]
         raise SampleError(f"{where}: refused by torch.load(weights_only=True): it holds objects other than "
@@ -266,8 +302,7 @@ def trailing_padding(ids: torch.Tensor, mask: torch.Tensor, pad_id: int, where: 
 
 def _final_hidden(x: Any, T: int, hidden: int, where: str, key: str) -> torch.Tensor:
     """``[T, H]`` from [T, H] or [1, T, H]."""
-    if not isinstance(x, torch.Tensor):
-        raise SampleError(f"{where}: '{key}' is a {type(x).__name__}, expected a tensor")
+    x = plain_tensor(x, where, key)
     if x.ndim == 3 and x.shape[0] == 1:
         x = x[0]
     if x.ndim != 2 or tuple(x.shape) != (T, hidden):

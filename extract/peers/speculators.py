@@ -163,13 +163,19 @@ def speculators_files(root: Path, hs_dir: Path | None, id_prefix: str, source: s
                       missing: list[str], ids: list[str] | None = None) -> list[PeerFile]:
     """Row ``i`` of the Arrow dataset at ``root`` with ``hs_dir/hs_{i}.safetensors``; the sample id is
     ``hs_{i}``, prefixed. Rows whose file does not exist (generation not finished) are listed in ``missing``."""
-    from ..readers import TokenRecord, read_records
+    from ..readers import TokenRecord, read_dataset_folder
 
-    hs_dir = hs_dir or root / HS_DIR
+    if hs_dir is None:  # the folder's own: beneath it, never through a link planted there (--hidden-states-dir may be)
+        try:
+            hs_dir = Path(door.folder_beneath(root, HS_DIR, where=str(root)))
+        except door.Refused as e:
+            raise ValueError(str(e)) from None
+        except OSError:
+            hs_dir = root / HS_DIR
     if not hs_dir.is_dir():
         raise FileNotFoundError(f"speculators hidden-state folder not found: {hs_dir}")
     out = []
-    for i, rec in enumerate(read_records(root)):
+    for i, rec in enumerate(read_dataset_folder(root)):
         if not isinstance(rec, TokenRecord):
             raise ValueError(f"{rec.where}: not a pre-tokenized row (needs input_ids and loss_mask)")
         sid = id_prefix + (ids[i] if ids is not None and i < len(ids) else f"hs_{i}")
