@@ -8,8 +8,8 @@ into the manifest dtype and encodes it again (``format/encodings.py``), so those
 record's feature statistics are computed again from what the destination holds. A re-run skips shards the destination has
 already committed (resume). A shard is read whole and checked (CRC32C, tar member names) before any
 of it is written, so a corrupt or unsafe source shard stops the run and leaves nothing of it behind;
-shards converted before it stay committed. So does a shard whose features, as the destination holds them, decode
-to a NaN or an infinity (``refuse_nonfinite``): ``verify`` would fail the copy, as the writer refuses such a sample.
+shards converted before it stay committed. So does a shard holding a sample whose features decode to a NaN or an
+infinity (``refuse_nonfinite``): ``verify`` fails it, and the writer refuses such a sample.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
                 features = {l: feats[j] for j, l in enumerate(every)}
                 stats = rec.stats
                 new_scales = None if scales is None else {l: scales[j] for j, l in enumerate(every)}
+                refuse_nonfinite(src.url, rec, src.manifest, features, new_scales)  # before any of the shard is written
                 if recode:
                     features, new_scales, stats = recoded(src.manifest, dst_manifest, rec, feats, scales)
-                refuse_nonfinite(src.url, rec, dst_manifest, features, new_scales)  # before any of the shard is written
                 try:
                     new = write_shard(fs, root, rec.shard, rec.writer, dst_manifest, features, ids, mask, rec.samples,
                                       stats=stats, scales=new_scales)
@@ -115,21 +115,22 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
     return result
 
 
-def refuse_nonfinite(src_url: str, rec, dst: Manifest, features: dict, scales: dict | None) -> None:
-    """Refuse (``SampleError``, one line naming the sample and its feature) a shard whose converted features hold a
-    value that readers of the destination decode to a NaN or an infinity, or a row no writer writes: ``verify``
-    would fail the copy, and a record counting them is no reason to write it (the writer refuses such a sample
-    on ``add``)."""
-    for l in dst.all_features:
-        row = health.first_bad_row(features[l], dst.dtype, dst.encoding, None if scales is None else scales[l],
-                                   dst.hidden_size)
+def refuse_nonfinite(src_url: str, rec, src: Manifest, features: dict, scales: dict | None) -> None:
+    """Refuse (``SampleError``, one line naming the sample and its feature) a source shard whose features hold a
+    value that readers decode to a NaN or an infinity, or a row no writer writes: ``verify`` fails such a sample,
+    a record counting it is no reason to copy it, and an encoding of it is no cure (the writer refuses such a
+    sample on ``add``). The source's stored rows are asked, not the copy's: raw ones by bit tests, so converting
+    an extraction costs no decoding; the project's encoders make finite rows of finite values."""
+    for l in src.all_features:
+        row = health.first_bad_row(features[l], src.dtype, src.encoding, None if scales is None else scales[l],
+                                   src.hidden_size)
         if row is None:
             continue
         i = int(np.searchsorted(rec.offsets, row, side="right")) - 1
         raise SampleError(f"convert: store {recordable_url(src_url)!r}, shard {rec.shard!r}, sample "
                           f"{rec.samples['sample_id'][i]!r}: {health.feature_name(health.feature_key(l))} has NaN/Inf "
-                          f"features (first at token {row - int(rec.offsets[i])}) as {dst.encoding!r} holds them; "
-                          f"nothing of the shard written (`hsstore verify` names every such sample)")
+                          f"features (first at token {row - int(rec.offsets[i])}) as readers decode them; nothing of "
+                          f"the shard written (`hsstore verify` names every such sample)")
 
 
 def recoded(src: Manifest, dst: Manifest, rec, feats: np.ndarray, scales: np.ndarray | None,
