@@ -7,6 +7,7 @@ The commands on the tiny target: tests/test_encodings_commands.py."""
 import dataclasses
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -378,14 +379,11 @@ def test_verify_names_forged_rows(tmp_path):
     assert problems[0].samples == ["s0"]
 
 
-def test_verify_names_rows_that_decode_past_bfloat16(tmp_path):
-    """An nvfp4 row whose scales multiply to a value finite in float32 but past bfloat16's largest (6 x 448 x a row
-    scale of 2.53e35; no writer writes one: its scales come from bfloat16 values): readers decode into the store's
-    bfloat16, where it is infinite, so verify counts it non-finite as they would see it, naming the sample; a copy's
-    record statistics count it too (``bits_stats``), so train refuses the copy."""
+def past_bfloat16(url: str) -> dict[int, np.ndarray]:
+    """An nvfp4 store at ``url`` of one shard (``publish_rows``) whose layer 3 holds, at sample s1's second token, a
+    row whose scales multiply past bfloat16's largest value (6 x 448 x a row scale of 2.53e35); its rows by layer."""
     m = dataclasses.replace(make_manifest(hidden=1024, chunk_tokens=64), encoding="nvfp4")
-    hsstore.StoreWriter(str(tmp_path), m).close()
-    store0 = hsstore.open(str(tmp_path))
+    hsstore.StoreWriter(url, m).close()
     enc = encodings.get("nvfp4")
     good = enc.encode(hidden_rows(8, 1024, seed=4)).values.numpy()
     o_scales, o_row, o_idx, _, _ = enc.fmt.offsets(1024)
@@ -397,12 +395,38 @@ def test_verify_names_rows_that_decode_past_bfloat16(tmp_path):
     assert not torch.isfinite(enc.decode(torch.from_numpy(row[None]), None, 1024, torch.bfloat16)).all()
     feats = {l: good.copy() for l in m.layers}
     feats[3][5] = row
-    publish_rows(store0, feats)
+    publish_rows(hsstore.open(url), feats)
+    return feats
+
+
+def test_verify_names_rows_that_decode_past_bfloat16(tmp_path):
+    """An nvfp4 row whose scales multiply to a value finite in float32 but past bfloat16's largest (6 x 448 x a row
+    scale of 2.53e35; no writer writes one: its scales come from bfloat16 values): readers decode into the store's
+    bfloat16, where it is infinite, so verify counts it non-finite as they would see it, naming the sample; a copy's
+    record statistics count it too (``bits_stats``), so train refuses the copy."""
+    enc = encodings.get("nvfp4")
+    feats = past_bfloat16(str(tmp_path))
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 3: non-finite values" in str(problems[0]), problems
     assert problems[0].samples == ["s1"]
     stats = health.bits_stats(feats[3][None, 4:], "bfloat16", encoding="nvfp4", hidden=1024)
     assert stats[0, health.SUMS.index("nonfinite")] == 1024 - enc.fmt.outliers(1024)  # the outliers keep theirs
+
+
+@pytest.mark.parametrize("how", [["--encoding", "raw"], ["--encoding", "fp8"], ["--codec", "zstd"]])
+def test_convert_refuses_rows_that_decode_past_bfloat16(tmp_path, capsys, how):
+    """``convert`` of that store, into raw or fp8 (decoded, then encoded again) or bit-exact into another codec:
+    refused in one line naming the sample, the layer and the token, exit 2, nothing of the shard written and no lock
+    left (without the check: exit 0, and the copy holds infinities that verify fails)."""
+    from hsstore.app.cli import main
+
+    url, dst = str(tmp_path / "s"), str(tmp_path / "d")
+    past_bfloat16(url)
+    assert main(["convert", url, dst, *how, "-q"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "sample 's1': layer 3 has NaN/Inf features (first at token 1)" in err[0], err
+    assert not list(Path(dst, "commits").glob("*.json")) and not list(Path(dst, "locks").glob("*"))
 
 
 @pytest.mark.parametrize("name", BLOCK)

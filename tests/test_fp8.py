@@ -185,13 +185,13 @@ def test_verify_names_samples_with_bad_scales(tmp_path):
     assert problems[0].samples == ["s1"]
 
 
-def test_verify_names_samples_whose_scales_decode_past_bfloat16(tmp_path):
-    """A finite, positive scale of 1e36 (no writer writes one: 448 x scale is past bfloat16's largest): readers
-    decode its row to infinities in the store's bfloat16, so verify fails it, naming the sample."""
+def scale_past_bfloat16(url: str) -> None:
+    """An fp8 store at ``url`` of samples s0, s1 in one shard whose scale of s1's second token in layer 5 is a
+    finite, positive 1e36 (no writer writes one: 448 x scale is past bfloat16's largest)."""
     m = dataclasses.replace(fp8_manifest(), chunk_tokens=64)
     s = make_samples(2, seed=6, max_len=40)
-    hsstore.StoreWriter(str(tmp_path), m).close()
-    store0 = hsstore.open(str(tmp_path))
+    hsstore.StoreWriter(url, m).close()
+    store0 = hsstore.open(url)
     qs = [fp8.quantise(x["hidden_states"]) for x in s]
     values, scales = torch.cat([q.values for q in qs]), torch.cat([q.scales for q in qs])
     scales[len(s[0]["input_ids"]) + 1, 2] = 1e36  # sample s1, layer 5
@@ -205,10 +205,35 @@ def test_verify_names_samples_whose_scales_decode_past_bfloat16(tmp_path):
                                   torch.cat([x["loss_mask"] for x in s]).numpy(), cols,
                                   scales={l: scales[:, j].numpy() for j, l in enumerate(m.layers)})
     commit.publish(store0.fs, store0.root, rec)
+
+
+def test_verify_names_samples_whose_scales_decode_past_bfloat16(tmp_path):
+    """A store holding such a scale: readers decode its row to infinities in the store's bfloat16, so verify fails
+    it, naming the sample."""
+    scale_past_bfloat16(str(tmp_path))
     problems = verify(hsstore.open(str(tmp_path))).problems
     assert len(problems) == 1 and "layer 5: 1 scales so large that their rows decode past bfloat16" in str(
         problems[0]), problems
     assert problems[0].samples == ["s1"]
+
+
+@pytest.mark.parametrize("how", [["--codec", "zstd"], ["--encoding", "raw"]])
+def test_convert_refuses_a_scale_past_bfloat16_and_copies_a_clean_store(tmp_path, capsys, how):
+    """``convert`` of that store, bit-exact into another codec (its scales copied beside) or decoded into raw:
+    refused in one line naming the sample, the layer and the token, exit 2, nothing written; a clean fp8 store
+    converted so verifies."""
+    url, dst = str(tmp_path / "s"), str(tmp_path / "d")
+    scale_past_bfloat16(url)
+    assert hsstore_cli(["convert", url, dst, *how, "-q"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "sample 's1': layer 5 has NaN/Inf features (first at token 1)" in err[0], err
+    assert not hsstore.open(dst).commits
+    clean, out = str(tmp_path / "c"), str(tmp_path / "o")
+    with hsstore.StoreWriter(clean, fp8_manifest()) as w:
+        for x in make_samples(4, seed=2, max_len=40):
+            w.add(x["sample_id"], x["input_ids"], x["loss_mask"], x["hidden_states"])
+    assert hsstore_cli(["convert", clean, out, *how, "-q"]) == 0
+    assert hsstore_cli(["verify", out, "-q"]) == 0 and len(hsstore.open(out)) == 4
 
 
 def test_unknown_encoding_and_mixing_refused(tmp_path):

@@ -140,6 +140,30 @@ def test_subset_exclude_unhealthy_leaves_a_healthy_store(tmp_path, capsys):
     assert main(["verify", dst, "-q"]) == 0
 
 
+@pytest.mark.parametrize("how", [["--layout", "wds"], ["--encoding", "fp8"], ["--encoding", "nvfp4"]])
+def test_convert_refuses_a_nan_sample_naming_it_and_keeps_what_it_wrote(tmp_path, capsys, how):
+    """A NaN in layer 1 of one sample of the last shard (written with ``check_finite=False``, its record counting
+    it): ``convert``, bit-exact or into another encoding, refuses in one line naming the sample and the layer, exit
+    2, before writing that shard; the shards before it stay committed and verify, the lock is gone, and a re-run
+    resumes to the same refusal (without the check, the copy was written, exit 0, and verify failed it)."""
+    url, dst = str(tmp_path / "s"), str(tmp_path / "d")
+    samples = make_samples(12, min_len=30, max_len=31)
+    samples[10]["hidden_states"][7, 0, 5] = float("inf" if how[-1] == "fp8" else "nan")
+    write_samples(url, make_manifest(), samples, check_finite=False, shard_bytes=4 * 30 * 3 * 48 * 2)
+    src = hsstore.open(url)
+    bad = next(c.shard for c in src.commits if "s10" in c.samples["sample_id"])
+    assert len(src.commits) == 3 and bad == src.commits[-1].shard
+    for _ in range(2):  # the re-run skips the shards written and refuses the same one
+        assert main(["convert", url, dst, *how, "-q"]) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and "Traceback" not in err[0], err
+        assert "'s10'" in err[0] and "layer 1 has NaN/Inf features (first at token 7)" in err[0] and bad in err[0]
+        out = hsstore.open(dst)
+        assert [c.shard for c in out.commits] == [c.shard for c in src.commits[:2]]
+        assert not list(pathlib.Path(dst, "locks").glob("*"))
+    assert main(["verify", dst, "-q"]) == 0
+
+
 def test_import_refuses_a_zeroed_layer_and_keeps_it_flagged_on_request(tmp_path, capsys):
     samples = make_samples(6)
     for s in samples[2:5]:  # the vLLM hybrid-target failure: one layer all zeros

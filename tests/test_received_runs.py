@@ -171,6 +171,26 @@ def test_a_resume_drops_a_wrongly_typed_row_and_its_report_is_drawn(run1, store3
     assert main(["report", str(run), "--out", str(tmp_path / "r.html")]) == 0
 
 
+def test_a_resume_drops_forged_samples_log_lines_and_keeps_a_repeated_step(run1, store32, tmp_path, caplog):  # noqa: F811
+    """The run's samples log (--log-samples) holding, after its step 1, lines no run stopped at step 1 of epoch 0
+    wrote (``FORGED_SAMPLES_LINES``) and its step-1 line again (--grad-accum logs a line per micro-batch): the
+    resumed run keeps its own lines, drops the forged ones with one warning that counts them and names the file, and
+    logs step 2."""
+    from test_train_follow import FORGED_SAMPLES_LINES
+
+    run = received(run1, tmp_path)
+    log = run / "samples.rank00000.jsonl"
+    first = log.read_text().splitlines()[0]
+    log.write_text("".join(ln + "\n" for ln in [first, *map(json.dumps, FORGED_SAMPLES_LINES), first]))
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--store", store32, "--out", str(run), "--steps", "2", "--log-samples", *FAST]) == 0
+    rows = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert rows[:2] == [json.loads(first)] * 2 and [r["step"] for r in rows[2:]] == [2] * (len(rows) - 2), rows
+    assert not {s for r in rows for s in r["samples"]} & {"forged-a", "forged-b"}
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert warned == [f"{log}: {len(FORGED_SAMPLES_LINES)} line(s) that are not a step's log line dropped"], warned
+
+
 @pytest.mark.parametrize("command", ["train", "export-drafter"])
 def test_a_best_pointer_whose_metrics_are_not_numbers_is_one_line(run1, store32, tmp_path, capsys, command):  # noqa: F811
     run = received(run1, tmp_path)

@@ -208,9 +208,54 @@ def test_a_resume_on_fewer_ranks_truncates_the_departed_ranks_logs_and_leaves_it
     own = tmp_path / "samples.rank00000.jsonl"
     before = own.stat().st_ino
     following = Following(journal=None, options=None, leader=None, trained=TrainedIds(tmp_path))
-    following.resumed_at(2, rank=0, world=1)
+    following.resumed_at(2, 0, rank=0, world=1)
     assert own.stat().st_ino == before and "r0s3" in own.read_text()  # its own rank's: left to MetricsLog
     counts = following.trained.counts()
     assert counts["r1s2"] == counts["r2s2"] == 1 and counts["r1s3"] == counts["r2s3"] == 0
-    following.resumed_at(2, rank=1, world=1)  # only rank 0 truncates
+    following.resumed_at(2, 0, rank=1, world=1)  # only rank 0 truncates
     assert "r0s3" in own.read_text()
+
+
+# lines no run stopped at step 2 of epoch 0 wrote, each naming a sample it would count as trained in epoch 0
+FORGED_SAMPLES_LINES = [{"step": -1, "epoch": 0, "samples": ["forged-a"]}, {"step": 0, "epoch": 0, "samples": ["s1"]},
+                        {"step": "1", "epoch": 0, "samples": ["forged-b"]}, {"step": 1.0, "epoch": 0, "samples": ["s1"]},
+                        {"step": True, "epoch": 0, "samples": ["s1"]}, {"step": 1, "epoch": -1, "samples": ["s1"]},
+                        {"step": 2, "epoch": 1, "samples": ["s1"]}, {"step": 1, "epoch": "0", "samples": ["s1"]},
+                        {"step": 2, "epoch": 0, "samples": [7]}, {"step": 2, "epoch": 0, "samples": "s1"}]
+
+
+def test_a_resume_drops_samples_log_lines_no_step_before_it_wrote(tmp_path, caplog):
+    """A departed rank's samples log holding, beside its own lines (step 2 twice: --grad-accum logs a line per
+    micro-batch), lines with a step below 1 or not an int, an epoch out of 0..the checkpoint's or not an int, or
+    sample ids that are not strings: the resume at step 2 of epoch 0 keeps the run's own lines and drops the others
+    with one warning that counts them and names the file, so the tally never counts them."""
+    from hsstore.train.follow import Following, TrainedIds
+
+    own = [{"step": 1, "epoch": 0, "samples": ["s0"]}, {"step": 2, "epoch": 0, "samples": ["s1"]},
+           {"step": 2, "epoch": 0, "samples": ["s2"]}, {"step": 3, "epoch": 0, "samples": ["s3"]}]
+    log = tmp_path / "samples.rank00001.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in own[:2] + FORGED_SAMPLES_LINES + own[2:]))
+    following = Following(journal=None, options=None, leader=None, trained=TrainedIds(tmp_path))
+    with caplog.at_level("WARNING"):
+        following.resumed_at(2, 0, rank=0, world=1)
+    assert [json.loads(ln) for ln in log.read_text().splitlines()] == own[:3]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"{log}: {len(FORGED_SAMPLES_LINES)} line(s) that are not a step's log line dropped"], warned
+    assert following.trained.counts() == {"s0": 1, "s1": 1, "s2": 1}
+
+
+def test_the_tally_counts_only_ids_the_stores_hold(tmp_path, caplog):
+    """Ids in the samples logs that no store holds (a line not the trainer's) are named in a warning and never
+    counted as trained: one in the place of a sample never trained does not make the count come out right."""
+    import collections
+
+    from hsstore.testing.stores import make_manifest, make_samples, write_samples
+    from hsstore.train.follow import tally
+
+    url = str(tmp_path / "s")
+    write_samples(url, make_manifest(), make_samples(3))
+    with caplog.at_level("WARNING"):
+        t = tally(collections.Counter({"s0": 1, "s1": 1, "forged": 1}), [url], None, None)
+    assert (t.trained, t.held, t.items, t.never, t.twice) == (2, 3, 2, ["s2"], []) and t.differs
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "1 sample id(s)" in warned[0] and "'forged'" in warned[0], warned

@@ -29,7 +29,7 @@ from hsstore.loader.follow import Follow, Journal, Leader
 from hsstore.redaction import recordable_url
 from hsstore.terminal import escape
 
-from .metrics import SAMPLES_FILE, SAMPLES_NAME, truncate_jsonl
+from .metrics import SAMPLES_FILE, SAMPLES_NAME, samples_step, truncate_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,15 @@ class TrainedIds:
         """Every rank's samples log, a run of another world size's too."""
         return sorted(n for n in os.listdir(self.folder) if SAMPLES_NAME.fullmatch(n))
 
-    def truncate_departed(self, step: int, world: int) -> None:
-        """Lines after ``step`` dropped from the logs of ranks this run does not have (rank 0, on a resume, before
-        its first step: a run of another world size wrote them, and the resumed run trains those steps again).
-        The logs of ranks 0..world-1 are their own rank's to truncate (``MetricsLog.truncate``): one writer a file."""
+    def truncate_departed(self, step: int, epoch: int, world: int) -> None:
+        """Lines after ``step`` (of epoch ``epoch``) dropped from the logs of ranks this run does not have (rank 0,
+        on a resume, before its first step: a run of another world size wrote them, and the resumed run trains
+        those steps again), and lines no step before it logged (``truncate_jsonl``). The logs of ranks 0..world-1
+        are their own rank's to truncate (``MetricsLog.truncate``): one writer a file."""
         own = {SAMPLES_FILE.format(r) for r in range(world)}
         for name in self.files():
             if name not in own:
-                truncate_jsonl(self.folder / name, step)
+                truncate_jsonl(self.folder / name, step, last_epoch=epoch)
 
     def counts(self) -> collections.Counter[str]:
         """How often each sample id was trained in epoch 0, over every rank's log (``ValueError``, one line naming
@@ -113,11 +114,9 @@ class TrainedIds:
                 raise ValueError(str(e)) from None
             for n, line in enumerate(text.decode("utf-8", "replace").splitlines(), 1):
                 row = door.load_json(line, f"{where}, line {n}", error=ValueError)
-                ids = row.get("samples") if isinstance(row, dict) else None
-                epoch = row.get("epoch") if isinstance(row, dict) else None
-                if (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)
-                        or type(epoch) is not int):
+                if samples_step(row, math.inf) is None:
                     raise ValueError(f"{where}, line {n}: not a line of the sample ids a step trained")
+                epoch, ids = row["epoch"], row["samples"]
                 if epoch == 0:
                     out.update(ids)
         return out
@@ -154,12 +153,12 @@ class Following:
         if self.leader is not None:
             self.leader.stop()
 
-    def resumed_at(self, step: int, rank: int, world: int) -> None:
-        """The run starts after ``step``: rank 0 drops what the records of ranks this run lacks hold after it,
-        before any rank's first step (each rank of this run drops its own; what the run trains from here on is
-        added)."""
+    def resumed_at(self, step: int, epoch: int, rank: int, world: int) -> None:
+        """The run starts after ``step`` (of epoch ``epoch``): rank 0 drops what the records of ranks this run lacks
+        hold after it, before any rank's first step (each rank of this run drops its own; what the run trains from
+        here on is added)."""
         if rank == 0:
-            self.trained.truncate_departed(step, world)
+            self.trained.truncate_departed(step, epoch, world)
 
     def tally(self, settings, rank: int, world: int) -> "Tally | None":
         """What epoch 0 trained against what the stores hold now (rank 0, at the end of the run, once every rank's
@@ -280,6 +279,11 @@ def tally(trained: collections.Counter[str], urls: Sequence[str], options: dict[
     held: collections.Counter[str] = collections.Counter()
     for u in urls:
         held.update(Store(u, options).sample_ids())
+    unknown = sorted(i for i in trained if i not in held)
+    if unknown:  # no step trained a sample no store holds: a line that says so was not the trainer's
+        log.warning("--follow: %d sample id(s) of the samples logs are in none of the stores, not counted as trained: "
+                    "%s", len(unknown), _shown(unknown))
+        trained = collections.Counter({i: n for i, n in trained.items() if i in held})
     weighted = any(w != 1 for w in weights or ())
     reason = ("--weight makes a sample come other than once" if weighted else
               None if steps is None else f"--steps {steps} bounds the run")

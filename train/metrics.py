@@ -123,11 +123,12 @@ class MetricsLog:
         self.path = out / METRICS_FILE
         self.samples_path = out / SAMPLES_FILE.format(rank) if samples else None
 
-    def truncate(self, step: int) -> None:
+    def truncate(self, step: int, epoch: int) -> None:
+        """Lines after checkpoint ``step`` (of epoch ``epoch``) dropped, and those no step before it logged."""
         if self.rank == 0:
             truncate_jsonl(self.path, step, typed=True)
         if self.samples_path is not None:
-            truncate_jsonl(self.samples_path, step)
+            truncate_jsonl(self.samples_path, step, last_epoch=epoch)
 
     def row(self, row: dict[str, Any]) -> None:
         if self.device.type == "cuda":
@@ -189,11 +190,12 @@ def val_metrics(ev) -> dict[str, Any]:
             "val_anchors": ev.anchors, "val_seconds": ev.seconds}
 
 
-def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
+def truncate_jsonl(path: Path, after_step: int, typed: bool = False, last_epoch: int | None = None) -> None:
     """Drop lines logged after ``after_step`` (a resumed run logs them again), and lines that are no log line of
     a step (torn by a crash mid-write, or not this project's; ``typed``: metrics rows whose fields are not all of
-    their kinds, ``metrics_row``), with a warning. Read through the door (a regular file of bounded size, no link),
-    rewritten in place of it (a link there replaced, never written through)."""
+    their kinds, ``metrics_row``; ``last_epoch``: a samples log's lines that a run stopped at ``after_step`` in
+    epoch ``last_epoch`` could not have written, ``samples_step``), with a warning. Read through the door (a regular
+    file of bounded size, no link), rewritten in place of it (a link there replaced, never written through)."""
     if not door.is_file_beneath(path.parent, path.name):
         return
     try:
@@ -202,7 +204,7 @@ def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
         raise ValueError(str(e)) from None
     keep, odd = [], 0
     for ln in text.decode("utf-8", "replace").splitlines():
-        step = _step_of(ln, typed)
+        step = _step_of(ln, typed, last_epoch)
         if step is None:
             odd += bool(ln.strip())
         elif step <= after_step:
@@ -212,15 +214,30 @@ def truncate_jsonl(path: Path, after_step: int, typed: bool = False) -> None:
     sinks.write_atomic(path.parent, path.name, "".join(ln + "\n" for ln in keep).encode(), what=f"rewriting {path}")
 
 
-def _step_of(line: str, typed: bool) -> int | None:
-    """The step of a log line (``typed``: of a metrics row whose fields are all of their kinds); None for any other
-    line."""
+def _step_of(line: str, typed: bool, last_epoch: int | None = None) -> int | None:
+    """The step of a log line (``typed``: of a metrics row whose fields are all of their kinds; ``last_epoch``: of
+    a samples log line, ``samples_step``); None for any other line."""
     try:
         row = door.load_json(line, "log line", error=ValueError)
+        if last_epoch is not None:
+            return samples_step(row, last_epoch)
         step = metrics_row(row, "log line")["step"] if typed else row.get("step")
     except (ValueError, AttributeError):
         return None
     return step if type(step) is int else None
+
+
+def samples_step(row: Any, last_epoch: float) -> int | None:
+    """The step of a samples log line (``MetricsLog.samples``) that a run in epoch ``last_epoch`` or before could
+    have written: a step from 1 (a step repeats where --grad-accum logs a line per micro-batch), an epoch in
+    0..``last_epoch``, a list of sample ids; None for any other line (a forged one would be counted as trained)."""
+    if not isinstance(row, dict):
+        return None
+    step, epoch, ids = row.get("step"), row.get("epoch"), row.get("samples")
+    if (type(step) is int and step >= 1 and type(epoch) is int and 0 <= epoch <= last_epoch
+            and isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+        return step
+    return None
 
 
 def json_safe(x):

@@ -145,9 +145,9 @@ def train(settings: TrainSettings, source=None, flags: dict[str, Any] | None = N
     best = best_tracker(out, resumed=resumed is not None, rank=rank)
     validation = validation_for(settings, stores[0].manifest, drafter, gamma, device, rank, world, group)
     metrics = MetricsLog(out, rank, device, settings.output.log_samples or following is not None)
-    metrics.truncate(step)
+    metrics.truncate(step, epoch)
     if following is not None:
-        following.resumed_at(step, rank, world)
+        following.resumed_at(step, epoch, rank, world)
     if rank == 0:
         rundir.record(out, checkpoints.config_json, flags, stores, device, resumed)
         if settings.output.report_to:

@@ -112,6 +112,30 @@ def bits_stats(bits: np.ndarray, dtype: str, scales: np.ndarray | None = None, e
     return out
 
 
+def first_bad_row(bits: np.ndarray, dtype: str, encoding: str = "raw", scales: np.ndarray | None = None,
+                  hidden: int | None = None, block: int = 1024) -> int | None:
+    """The first row of one feature's stored bits ``[T, W]`` (manifest ``dtype`` and ``encoding``; fp8: its row
+    ``scales [T]``) that readers decode to a NaN or an infinity in the store's dtype, or that no writer writes
+    (``Encoding.bad_rows``); None when there is none: what ``verify`` counts, asked before a copy is written. Raw
+    rows by bit tests; encoded ones decoded ``block`` rows at a time, so the check holds a block's floats, never a
+    shard's."""
+    from . import codec, encodings
+
+    enc = encodings.get(encoding)
+    if not enc.quantised:
+        return codec.first_nonfinite_row(bits, dtype)
+    below, hidden = FINITE_BELOW.get(dtype, math.inf), hidden or bits.shape[-1]
+    for a in range(0, bits.shape[0], block):
+        b = np.ascontiguousarray(bits[a:a + block])
+        sc = None if scales is None else scales[a:a + block]
+        with np.errstate(invalid="ignore", over="ignore"):  # a bad scale's NaN is what is looked for
+            bad = enc.bad_rows(b, sc, hidden) | ~(np.abs(enc.decode_numpy(b, sc, hidden)) < below).all(axis=-1)
+        hit = np.flatnonzero(bad)
+        if hit.size:
+            return a + int(hit[0])
+    return None
+
+
 def shard_stats(features: Sequence[int | str], lengths: Sequence[int], hidden: int,
                 per_sample: Sequence[np.ndarray]) -> dict[str, dict[str, Any]]:
     """A record's ``stats["features"]``: per feature the shard's totals and each sample's RMS, zeros and

@@ -8,7 +8,8 @@ into the manifest dtype and encodes it again (``format/encodings.py``), so those
 record's feature statistics are computed again from what the destination holds. A re-run skips shards the destination has
 already committed (resume). A shard is read whole and checked (CRC32C, tar member names) before any
 of it is written, so a corrupt or unsafe source shard stops the run and leaves nothing of it behind;
-shards converted before it stay committed.
+shards converted before it stay committed. So does a shard holding a sample whose features decode to a NaN or an
+infinity (``refuse_nonfinite``): ``verify`` fails it, and the writer refuses such a sample.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import numpy as np
 from ..format import codec, commit, encodings, health, index, layout_spec
 from ..layouts import base as layout
 from ..io import destination
-from ..errors import ManifestError, StoreError
+from ..errors import ManifestError, SampleError, StoreError
 from ..format.manifest import Manifest
+from ..redaction import recordable_url
 from ..store.reader import Store
 from .subset import copy_assets_if_missing
 from ..store.writer import ensure_manifest
@@ -91,7 +93,9 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
                                                   scales_out=scales)
                 src.check_shard(s, mask)  # the record's samples are what its bytes hold, before any is written
                 features = {l: feats[j] for j, l in enumerate(every)}
-                stats, new_scales = rec.stats, None
+                stats = rec.stats
+                new_scales = None if scales is None else {l: scales[j] for j, l in enumerate(every)}
+                refuse_nonfinite(src.url, rec, src.manifest, features, new_scales)  # before any of the shard is written
                 if recode:
                     features, new_scales, stats = recoded(src.manifest, dst_manifest, rec, feats, scales)
                 try:
@@ -109,6 +113,24 @@ def _convert(src: Store, fs, root: str, dst_url: str, to_layout: str, chunk_code
     finally:
         appender.flush()
     return result
+
+
+def refuse_nonfinite(src_url: str, rec, src: Manifest, features: dict, scales: dict | None) -> None:
+    """Refuse (``SampleError``, one line naming the sample and its feature) a source shard whose features hold a
+    value that readers decode to a NaN or an infinity, or a row no writer writes: ``verify`` fails such a sample,
+    a record counting it is no reason to copy it, and an encoding of it is no cure (the writer refuses such a
+    sample on ``add``). The source's stored rows are asked, not the copy's: raw ones by bit tests, so converting
+    an extraction costs no decoding; the project's encoders make finite rows of finite values."""
+    for l in src.all_features:
+        row = health.first_bad_row(features[l], src.dtype, src.encoding, None if scales is None else scales[l],
+                                   src.hidden_size)
+        if row is None:
+            continue
+        i = int(np.searchsorted(rec.offsets, row, side="right")) - 1
+        raise SampleError(f"convert: store {recordable_url(src_url)!r}, shard {rec.shard!r}, sample "
+                          f"{rec.samples['sample_id'][i]!r}: {health.feature_name(health.feature_key(l))} has NaN/Inf "
+                          f"features (first at token {row - int(rec.offsets[i])}) as readers decode them; nothing of "
+                          f"the shard written (`hsstore verify` names every such sample)")
 
 
 def recoded(src: Manifest, dst: Manifest, rec, feats: np.ndarray, scales: np.ndarray | None,
