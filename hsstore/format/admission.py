@@ -287,7 +287,10 @@ def loss_disagreements(loss_tokens: Sequence[int] | np.ndarray, mask: np.ndarray
     it as 1, a peer that reads the bytes as weights would not). The one rule behind ``verify`` (both layouts: ``loss_mask_problem``), a
     sample read for serving (``served_problem``) and a shard handed on whole (``Store.check_shard``)."""
     counts = loss_tokens_held(mask, offsets) != np.asarray(loss_tokens, np.int64)
-    return np.flatnonzero(counts | (loss_tokens_held(np.asarray(mask) > 1, offsets) > 0))
+    over = np.asarray(mask) > 1
+    if over.any():  # (a second prefix count only where such a byte is: the served path asks this of every sample)
+        counts |= loss_tokens_held(over, offsets) > 0
+    return np.flatnonzero(counts)
 
 
 def loss_mask_problem(rec: CommitRecord, mask: np.ndarray, key: str, samples: range | None = None) -> Problem | None:
